@@ -1,0 +1,1 @@
+"""transformers adapter (in progress)."""

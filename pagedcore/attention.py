@@ -1,0 +1,172 @@
+"""Paged attention: the per-forward metadata and the backend interface that plugins implement.
+
+Layout shared by every backend:
+
+- a layer's pool is two tensors ``(num_blocks + 1, block_size, kv_heads, head_dim)`` for keys and values; the last
+  block (``pad_block``) is never handed out and stays zero, so padded block tables and padded gathers can point at it;
+- queries are packed: ``(num_tokens, q_heads, head_dim)``, sequence after sequence, only real tokens;
+- a sequence's queries are its last ``query_lens[i]`` positions of ``seq_lens[i]``; it sees keys at positions
+  ``<=`` its own (and ``> position - sliding_window`` in a sliding group).
+
+Metadata is built once per forward and KV group and shared by all of the group's layers; a backend keeps whatever
+it derives from it (index tensors, attention biases) in ``metadata.backend_state``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+__all__ = ["AttentionBackend", "PagedAttentionMetadata", "write_kv"]
+
+
+@dataclass
+class PagedAttentionMetadata:
+    """Where each sequence's queries and keys are, for one KV group in one forward.
+
+    Attributes:
+        block_size: tokens per block.
+        query_lens: new tokens per sequence, in packed order.
+        seq_lens: keys per sequence after this forward (positions ``0 .. seq_len - 1``; the queries are the last).
+        block_offsets: per sequence, the logical index of its first live block (blocks before it left a window).
+        block_tables: ``int32 (num_seqs, max_blocks)``: physical block of logical block ``block_offsets[i] + j``,
+            padded with ``pad_block``.
+        slot_mapping: ``int64 (num_tokens,)``: the slot each new token's key and value are written to.
+        sliding_window: the group's window, or None for full attention.
+        pad_block: the zero block used for padding.
+
+    Example:
+        >>> meta = PagedAttentionMetadata.build(
+        ...     block_size=4, query_lens=[2, 1], seq_lens=[6, 3], block_offsets=[0, 0],
+        ...     tables=[[3, 5], [1]], slots=[[21, 22], [10]], sliding_window=None, pad_block=8)
+        >>> meta.block_tables.tolist(), meta.query_start_loc
+        ([[3, 5], [1, 8]], [0, 2, 3])
+    """
+
+    block_size: int
+    query_lens: list[int]
+    seq_lens: list[int]
+    block_offsets: list[int]
+    block_tables: torch.Tensor
+    slot_mapping: torch.Tensor
+    sliding_window: int | None
+    pad_block: int
+    backend_state: dict[Any, Any] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        block_size: int,
+        query_lens: list[int],
+        seq_lens: list[int],
+        block_offsets: list[int],
+        tables: list[list[int]],
+        slots: list[list[int]],
+        sliding_window: int | None,
+        pad_block: int,
+        device: torch.device | str = "cpu",
+    ) -> PagedAttentionMetadata:
+        """Metadata from plain lists (one entry per sequence)."""
+        width = max((len(t) for t in tables), default=0) or 1
+        padded = [t + [pad_block] * (width - len(t)) for t in tables]
+        flat_slots = [s for row in slots for s in row]
+        return cls(
+            block_size=block_size,
+            query_lens=list(query_lens),
+            seq_lens=list(seq_lens),
+            block_offsets=list(block_offsets),
+            block_tables=torch.tensor(padded, dtype=torch.int32, device=device).reshape(len(tables), width),
+            slot_mapping=torch.tensor(flat_slots, dtype=torch.int64, device=device),
+            sliding_window=sliding_window,
+            pad_block=pad_block,
+        )
+
+    @property
+    def num_seqs(self) -> int:
+        """Sequences in the batch."""
+        return len(self.query_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        """Packed query tokens."""
+        return sum(self.query_lens)
+
+    @property
+    def query_start_loc(self) -> list[int]:
+        """Cumulative query lengths (``num_seqs + 1`` entries, starting at 0)."""
+        out = [0]
+        for n in self.query_lens:
+            out.append(out[-1] + n)
+        return out
+
+    def to(self, device: torch.device) -> PagedAttentionMetadata:
+        """The same metadata with its tensors on ``device`` (cached: layers split over devices share it)."""
+        if self.block_tables.device == device:
+            return self
+        key = ("to", device)
+        moved = self.backend_state.get(key)
+        if moved is None:
+            moved = PagedAttentionMetadata(
+                self.block_size,
+                self.query_lens,
+                self.seq_lens,
+                self.block_offsets,
+                self.block_tables.to(device),
+                self.slot_mapping.to(device),
+                self.sliding_window,
+                self.pad_block,
+            )
+            self.backend_state[key] = moved
+        return moved
+
+
+@runtime_checkable
+class AttentionBackend(Protocol):
+    """Computes attention over a paged pool. Implemented by plugins (see ``pagedcore.plugins``).
+
+    Example:
+        >>> from pagedcore import default_plugin_manager
+        >>> backend = default_plugin_manager().attention_backend("cpu", torch.float32)
+        >>> backend.name
+        'torch'
+    """
+
+    name: str
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        metadata: PagedAttentionMetadata,
+        *,
+        scale: float,
+        softcap: float | None = None,
+    ) -> torch.Tensor:
+        """Attention of packed ``query (num_tokens, q_heads, head_dim)`` over the pool; returns
+        ``(num_tokens, q_heads, v_head_dim)``. The new tokens' keys and values are already written."""
+        ...
+
+
+def write_kv(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Store packed ``key``/``value`` ``(num_tokens, kv_heads, head_dim)`` at their slots in the pool.
+
+    Example:
+        >>> kc, vc = torch.zeros(3, 2, 1, 1), torch.zeros(3, 2, 1, 1)
+        >>> write_kv(kc, vc, torch.ones(1, 1, 1), torch.ones(1, 1, 1), torch.tensor([3]))
+        >>> kc.flatten().tolist()
+        [0.0, 0.0, 0.0, 1.0, 0.0, 0.0]
+    """
+    kv_heads, head_dim = key_cache.shape[-2:]
+    key_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(key_cache.dtype))
+    v_heads, v_dim = value_cache.shape[-2:]
+    value_cache.view(-1, v_heads, v_dim).index_copy_(0, slot_mapping, value.to(value_cache.dtype))

@@ -1,0 +1,448 @@
+"""The BlockManager: the one owner of KV blocks and their reference counts.
+
+Each block is in exactly one state, derived from two facts the manager owns — its reference count and whether
+the prefix cache indexes its content:
+
+=========  ==========  ========  ==========================================================
+state      ref count   cached    where it lives
+=========  ==========  ========  ==========================================================
+free       0           no        the free stack; ``allocate`` takes from here first
+evictable  0           yes       the eviction policy's queue; ``allocate`` evicts from here
+in use     >= 1        either    held by ``ref count`` sequences (or other holders)
+=========  ==========  ========  ==========================================================
+
+Every command validates all of its ids before it changes anything, so a call that raises leaves the manager as it
+was. Nothing outside this module reads or writes its fields: holders go through ``allocate`` / ``retain`` /
+``release`` / ``free`` / ``append_slot``, the prefix cache through ``mark_cached`` / ``uncache`` and the
+:class:`CacheIndex` callback (the design note "BlockManager.release()", made safe).
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from pagedcore.errors import (
+    ConfigError,
+    DoubleReleaseError,
+    InvalidBlockError,
+    OutOfBlocksError,
+    SharedBlockError,
+)
+from pagedcore.eviction import EvictionPolicy, LRUEvictionPolicy
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["BlockManager", "CacheIndex", "SlotAppend"]
+
+
+class CacheIndex(Protocol):
+    """What the BlockManager needs from a prefix cache (implemented by :class:`~pagedcore.prefix_trie.PrefixTrie`)."""
+
+    def drop_block(self, block_id: int) -> list[int]:
+        """Forget ``block_id`` because it is being evicted.
+
+        Returns every block id that leaves the cache with it: ``block_id`` itself first, then any descendants that
+        can no longer be reached once their ancestor is gone.
+        """
+        ...
+
+
+@dataclass(frozen=True)
+class SlotAppend:
+    """What :meth:`BlockManager.append_slot` did to a block table.
+
+    Attributes:
+        block_ids: the sequence's new block table (replace the old one with it).
+        new_block_ids: blocks allocated by this call (copy-on-write destinations included).
+        copies: ``(source, destination)`` block copies to perform before writing the new tokens.
+    """
+
+    block_ids: list[int]
+    new_block_ids: list[int] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class BlockManager:
+    """Ref-counted KV blocks with a free pool and an evictable pool of cached blocks.
+
+    Args:
+        num_blocks: blocks in the pool (> 0).
+        block_size: tokens per block (> 0).
+        eviction_policy: orders evictable blocks; LRU by default.
+        on_evict: called with the ids evicted by one ``allocate`` call, after the call has finished its work.
+            Exceptions it raises are logged and swallowed: an observer must never corrupt the pool.
+
+    Example:
+        >>> bm = BlockManager(num_blocks=4, block_size=16)
+        >>> a = bm.allocate(2)
+        >>> bm.retain(a)              # a second holder (e.g. a forked sequence)
+        >>> bm.ref_count(a[0])
+        2
+        >>> bm.release(a)             # the fork is done
+        >>> bm.free(a)                # the owner is done; ref count was 1
+        >>> bm.num_free_blocks
+        4
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        eviction_policy: EvictionPolicy | None = None,
+        on_evict: Callable[[list[int]], None] | None = None,
+    ) -> None:
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
+            raise ConfigError(f"num_blocks must be a positive integer, got {num_blocks!r}")
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
+            raise ConfigError(f"block_size must be a positive integer, got {block_size!r}")
+        self._num_blocks = num_blocks
+        self._block_size = block_size
+        self._ref = [0] * num_blocks
+        self._cached = bytearray(num_blocks)
+        # A stack: the lowest ids are handed out first, which keeps small workloads in a compact region.
+        self._free = list(range(num_blocks - 1, -1, -1))
+        self._policy: EvictionPolicy = eviction_policy if eviction_policy is not None else LRUEvictionPolicy()
+        if len(self._policy) != 0:
+            raise ConfigError("the eviction policy must start empty")
+        self._index: CacheIndex | None = None
+        self._on_evict = on_evict
+        self._num_evicted = 0
+
+    # ------------------------------------------------------------------ queries (no side effects)
+    @property
+    def num_blocks(self) -> int:
+        """Blocks in the pool."""
+        return self._num_blocks
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per block."""
+        return self._block_size
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that hold nothing (neither referenced nor cached)."""
+        return len(self._free)
+
+    @property
+    def num_evictable_blocks(self) -> int:
+        """Cached blocks that no holder references: reusable after eviction."""
+        return len(self._policy)
+
+    @property
+    def num_available_blocks(self) -> int:
+        """Blocks ``allocate`` can hand out now: free plus evictable."""
+        return len(self._free) + len(self._policy)
+
+    @property
+    def num_used_blocks(self) -> int:
+        """Blocks with a reference count of at least 1."""
+        return self._num_blocks - len(self._free) - len(self._policy)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks the prefix cache indexes (in use or evictable)."""
+        return sum(self._cached)
+
+    @property
+    def num_evicted(self) -> int:
+        """Blocks evicted from the prefix cache since this manager was created."""
+        return self._num_evicted
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks in use (0.0 - 1.0); evictable cached blocks count as unused."""
+        return self.num_used_blocks / self._num_blocks
+
+    @property
+    def eviction_policy(self) -> EvictionPolicy:
+        """The policy ordering evictable blocks."""
+        return self._policy
+
+    def can_allocate(self, num_blocks: int) -> bool:
+        """Whether ``allocate(num_blocks)`` would succeed now."""
+        return 0 <= num_blocks <= self.num_available_blocks
+
+    def ref_count(self, block_id: int) -> int:
+        """Holders of ``block_id`` (0 for free and evictable blocks)."""
+        (block_id,) = self._validate((block_id,), "ref_count")
+        return self._ref[block_id]
+
+    def is_cached(self, block_id: int) -> bool:
+        """Whether the prefix cache indexes ``block_id``."""
+        (block_id,) = self._validate((block_id,), "is_cached")
+        return bool(self._cached[block_id])
+
+    def blocks_needed(self, block_ids: Sequence[int], num_tokens: int, num_new_tokens: int) -> int:
+        """Blocks :meth:`append_slot` would allocate for these arguments (copy-on-write included)."""
+        ids = self._validate(block_ids, "blocks_needed")
+        self._check_table(ids, num_tokens, num_new_tokens, "blocks_needed")
+        return self._blocks_needed(ids, num_tokens, num_new_tokens)
+
+    # ------------------------------------------------------------------ commands for holders
+    def allocate(self, num_blocks: int) -> list[int]:
+        """Hand out ``num_blocks`` blocks at reference count 1, evicting unreferenced cached blocks if needed.
+
+        All or nothing: raises :class:`OutOfBlocksError` and changes nothing when fewer can be had.
+        """
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 0:
+            raise InvalidBlockError(f"allocate: num_blocks must be a non-negative integer, got {num_blocks!r}")
+        available = self.num_available_blocks
+        if num_blocks > available:
+            raise OutOfBlocksError(
+                f"allocate: {num_blocks} blocks requested but only {available} can be had "
+                f"({len(self._free)} free + {len(self._policy)} evictable of {self._num_blocks})",
+                requested=num_blocks,
+                available=available,
+            )
+        if num_blocks == 0:
+            return []
+        evicted: list[int] = []
+        while len(self._free) < num_blocks:
+            self._evict_one(evicted)
+        ids = self._free[-num_blocks:]
+        del self._free[-num_blocks:]
+        ids.reverse()
+        ref = self._ref
+        for block_id in ids:
+            ref[block_id] = 1
+        if evicted:
+            self._num_evicted += len(evicted)
+            self._notify_evicted(evicted)
+        return ids
+
+    def retain(self, block_ids: Iterable[int]) -> None:
+        """Add a holder to each block. A cached block at reference count 0 is revived out of the evictable pool."""
+        ids = self._validate(block_ids, "retain")
+        ref, cached = self._ref, self._cached
+        bad = [b for b in ids if ref[b] == 0 and not cached[b]]
+        if bad:
+            raise InvalidBlockError(f"retain: blocks {bad} are free (not allocated, not cached); allocate them first")
+        policy = self._policy
+        for block_id in ids:
+            if ref[block_id] == 0:
+                policy.remove(block_id)
+            ref[block_id] += 1
+
+    def release(self, block_ids: Iterable[int]) -> None:
+        """Drop one holder from each block. At 0 a block becomes evictable if cached, else free.
+
+        Pass a sequence's blocks tail first so that eviction later takes chains from their leaves.
+        Releasing a block that is already at 0 raises :class:`DoubleReleaseError` (and changes nothing).
+        """
+        ids = self._validate(block_ids, "release")
+        ref = self._ref
+        bad = [b for b in ids if ref[b] == 0]
+        if bad:
+            raise DoubleReleaseError(f"release: blocks {bad} have reference count 0 (released twice?)")
+        self._drop_refs(ids)
+
+    def free(self, block_ids: Iterable[int]) -> None:
+        """Give back blocks that the caller holds alone (reference count exactly 1).
+
+        A block still referenced by another holder raises :class:`SharedBlockError` instead of being recycled; a
+        block the prefix cache indexes becomes evictable (its content stays reusable) rather than free.
+        """
+        ids = self._validate(block_ids, "free")
+        ref = self._ref
+        unheld = [b for b in ids if ref[b] == 0]
+        if unheld:
+            raise DoubleReleaseError(f"free: blocks {unheld} have reference count 0 (freed twice?)")
+        shared = [(b, ref[b]) for b in ids if ref[b] != 1]
+        if shared:
+            listing = ", ".join(f"{b} (ref {r})" for b, r in shared)
+            raise SharedBlockError(f"free: blocks {listing} are shared; use release() to drop one reference")
+        self._drop_refs(ids)
+
+    def fork(self, block_ids: Sequence[int]) -> list[int]:
+        """Add a holder to every block of a table and return a copy of it, for a forked sequence."""
+        ids = self._validate(block_ids, "fork")
+        bad = [b for b in ids if self._ref[b] == 0]
+        if bad:
+            raise InvalidBlockError(f"fork: blocks {bad} are not in use")
+        self.retain(ids)
+        return ids
+
+    def append_slot(self, block_ids: Sequence[int], num_tokens: int, num_new_tokens: int = 1) -> SlotAppend:
+        """Make room in a block table for ``num_new_tokens`` more tokens.
+
+        Args:
+            block_ids: the sequence's table; the caller holds one reference on each block.
+            num_tokens: tokens already stored in the table (``len(block_ids) == ceil(num_tokens / block_size)``).
+            num_new_tokens: tokens about to be written after them.
+
+        Returns:
+            The new table, the blocks allocated, and the ``(source, destination)`` copies to perform before writing:
+            when the partly filled last block is shared or cached, writing into it would change what another
+            holder (or the prefix cache) reads, so it is replaced by a private copy (copy-on-write).
+
+        Raises :class:`OutOfBlocksError` and changes nothing when the blocks cannot be had.
+
+        Example:
+            >>> bm = BlockManager(num_blocks=8, block_size=4)
+            >>> table = bm.allocate(1)                 # holds tokens 0..2
+            >>> forked = bm.fork(table)                # another sequence shares the block
+            >>> out = bm.append_slot(table, num_tokens=3, num_new_tokens=2)
+            >>> out.copies                             # private copy of the shared block, then one more block
+            [(0, 1)]
+            >>> out.block_ids
+            [1, 2]
+        """
+        ids = self._validate(block_ids, "append_slot")
+        self._check_table(ids, num_tokens, num_new_tokens, "append_slot")
+        needed = self._blocks_needed(ids, num_tokens, num_new_tokens)
+        if needed == 0:
+            return SlotAppend(block_ids=ids)
+        new_ids = self.allocate(needed)  # raises (changing nothing) when short
+        table = list(ids)
+        copies: list[tuple[int, int]] = []
+        cursor = 0
+        if self._needs_copy(ids, num_tokens, num_new_tokens):
+            source, destination = table[-1], new_ids[0]
+            copies.append((source, destination))
+            table[-1] = destination
+            self._drop_refs([source])
+            cursor = 1
+        table.extend(new_ids[cursor:])
+        return SlotAppend(block_ids=table, new_block_ids=new_ids, copies=copies)
+
+    # ------------------------------------------------------------------ commands for the prefix cache
+    def attach_cache(self, index: CacheIndex) -> None:
+        """Register the prefix cache that indexes this manager's blocks (one per manager)."""
+        if self._index is not None and self._index is not index:
+            raise ConfigError("attach_cache: this BlockManager already serves another prefix cache")
+        self._index = index
+
+    def mark_cached(self, block_ids: Iterable[int]) -> None:
+        """Record that the prefix cache now indexes these blocks (each in use and not yet cached)."""
+        ids = self._validate(block_ids, "mark_cached")
+        if self._index is None:
+            raise ConfigError("mark_cached: no prefix cache is attached (attach_cache first)")
+        bad = [b for b in ids if self._ref[b] == 0 or self._cached[b]]
+        if bad:
+            raise InvalidBlockError(f"mark_cached: blocks {bad} are not in use, or are cached already")
+        for block_id in ids:
+            self._cached[block_id] = 1
+
+    def uncache(self, block_ids: Iterable[int]) -> None:
+        """Record that the prefix cache forgot these blocks; unreferenced ones become free at once."""
+        ids = self._validate(block_ids, "uncache")
+        bad = [b for b in ids if not self._cached[b]]
+        if bad:
+            raise InvalidBlockError(f"uncache: blocks {bad} are not cached")
+        self._uncache(ids)
+
+    # ------------------------------------------------------------------ checks
+    def check_invariants(self) -> None:
+        """Raise ``AssertionError`` if the bookkeeping is inconsistent. For tests and debugging; O(num_blocks)."""
+        free = set(self._free)
+        assert len(free) == len(self._free), "a block appears twice on the free stack"
+        for block_id in range(self._num_blocks):
+            r, c = self._ref[block_id], self._cached[block_id]
+            in_free, in_policy = block_id in free, block_id in self._policy
+            assert r >= 0, f"block {block_id} has negative ref count {r}"
+            if r > 0:
+                assert not in_free and not in_policy, f"block {block_id} is referenced but free/evictable"
+            elif c:
+                assert in_policy and not in_free, f"cached block {block_id} at ref 0 is not evictable"
+            else:
+                assert in_free and not in_policy, f"unreferenced uncached block {block_id} is not free"
+        total = len(self._free) + len(self._policy) + sum(1 for r in self._ref if r > 0)
+        assert total == self._num_blocks, f"free + evictable + in use = {total} != {self._num_blocks}"
+
+    def __repr__(self) -> str:
+        return (
+            f"BlockManager(num_blocks={self._num_blocks}, block_size={self._block_size}, "
+            f"free={len(self._free)}, evictable={len(self._policy)}, used={self.num_used_blocks})"
+        )
+
+    # ------------------------------------------------------------------ internals
+    def _validate(self, block_ids: Iterable[int], op: str) -> list[int]:
+        ids = list(block_ids)
+        n = self._num_blocks
+        for i, block_id in enumerate(ids):
+            if type(block_id) is not int:
+                if isinstance(block_id, bool) or not hasattr(block_id, "__index__"):
+                    raise InvalidBlockError(f"{op}: block id {block_id!r} is not an integer")
+                block_id = ids[i] = operator.index(block_id)
+            if not 0 <= block_id < n:
+                raise InvalidBlockError(f"{op}: block id {block_id} is out of range [0, {n})")
+        if len(set(ids)) != len(ids):
+            seen: set[int] = set()
+            dups = sorted({b for b in ids if b in seen or seen.add(b)})  # type: ignore[func-returns-value]
+            raise InvalidBlockError(f"{op}: block ids {dups} appear more than once in one call")
+        return ids
+
+    def _check_table(self, ids: list[int], num_tokens: int, num_new_tokens: int, op: str) -> None:
+        for name, value in (("num_tokens", num_tokens), ("num_new_tokens", num_new_tokens)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise InvalidBlockError(f"{op}: {name} must be a non-negative integer, got {value!r}")
+        expected = _cdiv(num_tokens, self._block_size)
+        if len(ids) != expected:
+            raise InvalidBlockError(
+                f"{op}: a table holding {num_tokens} tokens needs {expected} blocks of {self._block_size}, "
+                f"got {len(ids)}"
+            )
+        unheld = [b for b in ids if self._ref[b] == 0]
+        if unheld:
+            raise InvalidBlockError(f"{op}: blocks {unheld} of the table are not held by anyone")
+
+    def _needs_copy(self, ids: list[int], num_tokens: int, num_new_tokens: int) -> bool:
+        if num_new_tokens == 0 or num_tokens % self._block_size == 0:
+            return False
+        last = ids[-1]
+        return self._ref[last] > 1 or bool(self._cached[last])
+
+    def _blocks_needed(self, ids: list[int], num_tokens: int, num_new_tokens: int) -> int:
+        grow = _cdiv(num_tokens + num_new_tokens, self._block_size) - len(ids)
+        return grow + int(self._needs_copy(ids, num_tokens, num_new_tokens))
+
+    def _drop_refs(self, ids: list[int]) -> None:
+        ref, cached, policy, free = self._ref, self._cached, self._policy, self._free
+        for block_id in ids:
+            r = ref[block_id] - 1
+            ref[block_id] = r
+            if r == 0:
+                if cached[block_id]:
+                    policy.add(block_id)
+                else:
+                    free.append(block_id)
+
+    def _uncache(self, ids: Iterable[int]) -> None:
+        ref, cached, policy, free = self._ref, self._cached, self._policy, self._free
+        for block_id in ids:
+            cached[block_id] = 0
+            if ref[block_id] == 0:
+                policy.remove(block_id)
+                free.append(block_id)
+
+    def _evict_one(self, evicted: list[int]) -> None:
+        victim = self._policy.pop()
+        self._cached[victim] = 0
+        self._free.append(victim)
+        evicted.append(victim)
+        if self._index is None:
+            return
+        dropped = self._index.drop_block(victim)
+        if not dropped or dropped[0] != victim:
+            raise AssertionError(f"the prefix cache did not drop evicted block {victim} first")
+        descendants = dropped[1:]
+        self._uncache(descendants)
+        evicted.extend(b for b in descendants if self._ref[b] == 0)
+
+    def _notify_evicted(self, evicted: list[int]) -> None:
+        if self._on_evict is None:
+            return
+        try:
+            self._on_evict(list(evicted))
+        except Exception:  # an observer must never corrupt or block the pool
+            logger.exception("pagedcore: on_evict listener failed; the pool is unaffected")

@@ -1,0 +1,270 @@
+"""BlockTables: one sequence's block table in every group of a :class:`~pagedcore.kv_pool.KVPool`.
+
+It is the only holder-side code: it attaches prefix hits, grows tables (with copy-on-write), drops blocks that fell
+out of a sliding window, registers full blocks in the prefix caches, forks, truncates and releases — always
+through the BlockManager's public interface.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+
+from pagedcore.errors import InvalidBlockError, OutOfBlocksError
+from pagedcore.kv_pool import KVPool, PoolMatch
+
+__all__ = ["BlockTables", "Copy"]
+
+Copy = tuple[int, int, int]
+"""A copy-on-write copy to perform before writing: ``(group index, source block, destination block)``."""
+
+
+class BlockTables:
+    """A sequence's blocks in every group, and the number of token positions they hold.
+
+    Positions ``0 .. num_tokens - 1`` have slots. In a sliding group the blocks that fell wholly out of the window
+    have been released: ``num_dropped(g)`` leading logical blocks are gone and ``table(g)`` starts after them.
+
+    Example:
+        >>> pool = KVPool(num_blocks=8, block_size=4)
+        >>> seq = BlockTables(pool)
+        >>> seq.append(6)                       # room for tokens 0..5
+        []
+        >>> seq.table(0), seq.slots(0, 4, 6)    # 2 blocks; tokens 4 and 5 go to slots 4 and 5
+        ([0, 1], [4, 5])
+        >>> seq.release()
+        >>> pool.groups[0].block_manager.num_free_blocks
+        8
+    """
+
+    def __init__(self, pool: KVPool) -> None:
+        self._pool = pool
+        self._tables: list[list[int]] = [[] for _ in pool.groups]
+        self._dropped = [0] * len(pool.groups)
+        self._num_tokens = 0
+        self._num_cached_blocks = [0] * len(pool.groups)  # leading full blocks registered in the prefix cache
+        self._uncachable = [False] * len(pool.groups)  # the chain's head was evicted: stop registering
+        self._released = False
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def pool(self) -> KVPool:
+        """The pool the blocks come from."""
+        return self._pool
+
+    @property
+    def num_tokens(self) -> int:
+        """Token positions that have a slot."""
+        return self._num_tokens
+
+    def table(self, group: int) -> list[int]:
+        """Live blocks of ``group`` (a copy), starting at logical block ``num_dropped(group)``."""
+        return list(self._tables[group])
+
+    def num_dropped(self, group: int) -> int:
+        """Leading logical blocks of ``group`` released because they left the sliding window."""
+        return self._dropped[group]
+
+    def num_held_blocks(self) -> int:
+        """Blocks this sequence holds, over all groups."""
+        return sum(len(t) for t in self._tables)
+
+    def slots(self, group: int, start: int, end: int) -> list[int]:
+        """Physical slots (``block * block_size + offset``) of positions ``start .. end - 1`` in ``group``."""
+        bs = self._pool.block_size
+        first = self._dropped[group] * bs
+        if start < first or end > self._num_tokens or start > end:
+            raise InvalidBlockError(
+                f"slots: positions [{start}, {end}) are not held (held: [{first}, {self._num_tokens}))"
+            )
+        table = self._tables[group]
+        return [table[p // bs - self._dropped[group]] * bs + p % bs for p in range(start, end)]
+
+    def blocks_needed(self, num_new_tokens: int) -> list[int]:
+        """Blocks each group would allocate for ``append(num_new_tokens)``."""
+        return [
+            g.block_manager.blocks_needed(self._tables[i], self._held_tokens(i), num_new_tokens)
+            for i, g in enumerate(self._pool.groups)
+        ]
+
+    def can_append(self, num_new_tokens: int, *, reserve: int = 0) -> bool:
+        """Whether ``append(num_new_tokens)`` would succeed, leaving ``reserve`` blocks free in every group."""
+        needed = self.blocks_needed(num_new_tokens)
+        return all(g.block_manager.can_allocate(n + (reserve if n else 0)) for g, n in zip(self._pool.groups, needed))
+
+    # ------------------------------------------------------------------ commands
+    def attach(self, match: PoolMatch, num_tokens: int) -> None:
+        """Start from a prefix hit: hold the blocks that cover the first ``num_tokens`` tokens of ``match``.
+
+        ``num_tokens`` may end inside a block (e.g. to leave the last prompt token to compute); that block is then
+        shared and gets copied on the first write into it.
+        """
+        self._check_live()
+        if self._num_tokens or any(self._tables):
+            raise InvalidBlockError("attach: the sequence already holds blocks")
+        if not 0 <= num_tokens <= match.num_tokens:
+            raise InvalidBlockError(f"attach: num_tokens {num_tokens} outside the match [0, {match.num_tokens}]")
+        bs = self._pool.block_size
+        count = -(-num_tokens // bs)
+        held: list[tuple[int, list[int]]] = []
+        try:
+            for i, group in enumerate(self._pool.groups):
+                ids = match.block_ids[i][:count]
+                group.block_manager.retain(ids)
+                held.append((i, ids))
+        except Exception:
+            for i, ids in held:
+                self._pool.groups[i].block_manager.release(ids[::-1])
+            raise
+        for i, ids in held:
+            self._tables[i] = list(ids)
+            self._num_cached_blocks[i] = num_tokens // bs
+        self._num_tokens = num_tokens
+
+    def append(self, num_new_tokens: int) -> list[Copy]:
+        """Give ``num_new_tokens`` more positions a slot in every group. All groups or none.
+
+        Returns the copy-on-write copies to perform before writing. Raises :class:`OutOfBlocksError` and changes
+        nothing when some group is short of blocks.
+        """
+        self._check_live()
+        groups = self._pool.groups
+        needed = self.blocks_needed(num_new_tokens)
+        short = [(g.index, n, g.block_manager.num_available_blocks) for g, n in zip(groups, needed)]
+        short = [s for s in short if s[1] > s[2]]
+        if short:
+            detail = ", ".join(f"group {i}: need {n}, have {a}" for i, n, a in short)
+            raise OutOfBlocksError(
+                f"append: not enough blocks for {num_new_tokens} tokens ({detail})",
+                requested=sum(s[1] for s in short),
+                available=sum(s[2] for s in short),
+            )
+        copies: list[Copy] = []
+        for i, group in enumerate(groups):
+            out = group.block_manager.append_slot(self._tables[i], self._held_tokens(i), num_new_tokens)
+            self._tables[i] = out.block_ids
+            copies.extend((i, src, dst) for src, dst in out.copies)
+        self._num_tokens += num_new_tokens
+        return copies
+
+    def drop_out_of_window(self, next_position: int) -> int:
+        """Release sliding-group blocks that no query at ``next_position`` or later can see. Returns blocks released."""
+        bs = self._pool.block_size
+        released = 0
+        for i, group in enumerate(self._pool.groups):
+            window = group.sliding_window
+            if window is None:
+                continue
+            keep_from = max(0, next_position - window + 1) // bs  # first logical block a query may still see
+            count = min(keep_from - self._dropped[i], len(self._tables[i]))
+            if count <= 0:
+                continue
+            gone = self._tables[i][:count]
+            group.block_manager.release(gone[::-1])
+            del self._tables[i][:count]
+            self._dropped[i] += count
+            released += count
+        return released
+
+    def cache_full_blocks(self, token_ids: Sequence[int], num_computed: int, namespace: Hashable = None) -> None:
+        """Register blocks whose ``block_size`` tokens all have computed KV in the prefix caches.
+
+        ``token_ids`` are the sequence's tokens (at least ``num_computed`` of them). Where another sequence cached
+        the same content first, this sequence switches to that block and gives its duplicate back.
+        """
+        self._check_live()
+        bs = self._pool.block_size
+        num_full = min(num_computed, self._num_tokens, len(token_ids)) // bs
+        for i, group in enumerate(self._pool.groups):
+            if self._uncachable[i] or num_full <= self._num_cached_blocks[i]:
+                continue
+            first = self._dropped[i]
+            head: list[int] = []
+            if first:
+                # Blocks that left a sliding window are no longer held; the chain's head must still be cached.
+                head = group.trie.match(token_ids[: first * bs], namespace).block_ids
+                if len(head) < first:
+                    self._uncachable[i] = True  # evicted: nothing after it can be reached from the root
+                    continue
+            own = self._tables[i][: num_full - first]
+            canonical = group.trie.insert(token_ids[: num_full * bs], head + own, namespace)[first:]
+            swaps = [(j, can) for j, (mine, can) in enumerate(zip(own, canonical)) if mine != can]
+            if swaps:
+                # Same content was cached by another sequence first: share its block, give ours back.
+                group.block_manager.retain([can for _, can in swaps])
+                group.block_manager.release([own[j] for j, _ in reversed(swaps)])
+                for j, can in swaps:
+                    self._tables[i][j] = can
+            self._num_cached_blocks[i] = num_full
+
+    def fork(self) -> BlockTables:
+        """A new sequence sharing every block of this one (copy-on-write on its first write into a shared block)."""
+        self._check_live()
+        child = BlockTables(self._pool)
+        for i, group in enumerate(self._pool.groups):
+            group.block_manager.retain(self._tables[i])
+            child._tables[i] = list(self._tables[i])
+        child._dropped = list(self._dropped)
+        child._num_tokens = self._num_tokens
+        child._num_cached_blocks = list(self._num_cached_blocks)
+        child._uncachable = list(self._uncachable)
+        return child
+
+    def truncate(self, num_tokens: int) -> None:
+        """Keep only positions ``0 .. num_tokens - 1``, releasing blocks past them (e.g. rejected draft tokens)."""
+        self._check_live()
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or not 0 <= num_tokens <= self._num_tokens:
+            raise InvalidBlockError(f"truncate: {num_tokens!r} outside [0, {self._num_tokens}]")
+        bs = self._pool.block_size
+        for i, group in enumerate(self._pool.groups):
+            window = group.sliding_window
+            if window is not None and max(0, num_tokens - window + 1) < self._dropped[i] * bs:
+                raise InvalidBlockError(
+                    f"truncate: a query at position {num_tokens} needs keys that left group {i}'s window "
+                    f"(positions before {self._dropped[i] * bs} were released)"
+                )
+        keep_blocks = -(-num_tokens // bs)
+        for i, group in enumerate(self._pool.groups):
+            keep = max(0, keep_blocks - self._dropped[i])
+            gone = self._tables[i][keep:]
+            if gone:
+                group.block_manager.release(gone[::-1])
+                del self._tables[i][keep:]
+            self._num_cached_blocks[i] = min(self._num_cached_blocks[i], num_tokens // bs)
+        self._num_tokens = num_tokens
+
+    def release(self) -> None:
+        """Give every block back (tail first, so chains are evicted from their leaves). Idempotent."""
+        if self._released:
+            return
+        for i, group in enumerate(self._pool.groups):
+            table = self._tables[i]
+            if table:
+                group.block_manager.release(table[::-1])
+            self._tables[i] = []
+        self._released = True
+        self._num_tokens = 0
+
+    @property
+    def released(self) -> bool:
+        """Whether :meth:`release` was called."""
+        return self._released
+
+    def reset(self) -> None:
+        """Release everything and start over empty (the object can be used again)."""
+        self.release()
+        self._released = False
+        self._dropped = [0] * len(self._pool.groups)
+        self._num_cached_blocks = [0] * len(self._pool.groups)
+        self._uncachable = [False] * len(self._pool.groups)
+
+    def __repr__(self) -> str:
+        return f"BlockTables(num_tokens={self._num_tokens}, tables={self._tables}, dropped={self._dropped})"
+
+    # ------------------------------------------------------------------ internals
+    def _held_tokens(self, group: int) -> int:
+        """Tokens stored in the live part of a group's table (what append_slot needs)."""
+        return self._num_tokens - self._dropped[group] * self._pool.block_size
+
+    def _check_live(self) -> None:
+        if self._released:
+            raise InvalidBlockError("this sequence's blocks were released; reset() it to use it again")

@@ -1,0 +1,71 @@
+"""Typed errors. Every error pagedcore raises on bad input derives from :class:`PagedCoreError`.
+
+A call that raises one of these leaves the object it was called on unchanged.
+"""
+
+from __future__ import annotations
+
+
+class PagedCoreError(Exception):
+    """Base class of every error raised by pagedcore."""
+
+
+class ConfigError(PagedCoreError, ValueError):
+    """A constructor or option got a value it cannot work with (e.g. ``num_blocks <= 0``)."""
+
+
+class OutOfBlocksError(PagedCoreError):
+    """Fewer blocks can be had than asked for, even after evicting every unreferenced cached block.
+
+    Attributes:
+        requested: blocks asked for.
+        available: blocks that could have been had (free + evictable).
+    """
+
+    def __init__(self, message: str, *, requested: int = 0, available: int = 0) -> None:
+        super().__init__(message)
+        self.requested = requested
+        self.available = available
+
+
+class InvalidBlockError(PagedCoreError, ValueError):
+    """A block id is unknown, out of range, duplicated within one call, or not in the state the call needs."""
+
+
+class DoubleReleaseError(InvalidBlockError):
+    """A block whose reference count is already 0 was released (or freed) again."""
+
+
+class SharedBlockError(InvalidBlockError):
+    """``free`` was called on a block that another holder still references (ref count != 1)."""
+
+
+class InvalidRequestError(PagedCoreError, ValueError):
+    """A request cannot be served as given (empty prompt, larger than the pool, bad sampling parameters...)."""
+
+
+class RequestNotFoundError(PagedCoreError, KeyError):
+    """No request with that id is known (never added, already finished or aborted)."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; keep the message readable
+        return str(self.args[0]) if self.args else ""
+
+
+class DuplicateRequestError(InvalidRequestError):
+    """A request id is already in use by a waiting or running request."""
+
+
+class PluginError(PagedCoreError):
+    """A plugin returned something unusable, or no plugin could serve a hook that needs an answer."""
+
+
+class UnsupportedModelError(PagedCoreError, ValueError):
+    """The model (or one of its layers) cannot be served by a paged cache; the message names the model type."""
+
+
+class PoolMismatchError(PagedCoreError, ValueError):
+    """A pool built for one model (layers, KV heads, head size) was used with another."""
+
+
+class ConcurrentUseError(PagedCoreError, RuntimeError):
+    """An object that is not thread-safe was entered from a second thread while in use."""

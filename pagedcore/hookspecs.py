@@ -1,0 +1,72 @@
+"""Every pagedcore plugin hook, in one place.
+
+Plugins implement these with ``@pagedcore.hookimpl`` and are found through the ``pagedcore`` entry-point group.
+Hooks are always called with keyword arguments, and an implementation may accept fewer arguments than its spec,
+so specs can grow without breaking plugins. Selection hooks are ``firstresult``: the first non-None answer wins;
+the built-in plugins mark theirs ``trylast`` so that an installed plugin is asked first.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import pluggy
+
+if TYPE_CHECKING:
+    from pagedcore.attention import AttentionBackend
+    from pagedcore.eviction import EvictionPolicy
+    from pagedcore.prefix_trie import BlockHasher
+
+hookspec = pluggy.HookspecMarker("pagedcore")
+hookimpl = pluggy.HookimplMarker("pagedcore")
+
+
+# ---------------------------------------------------------------- selection hooks
+@hookspec(firstresult=True)
+def pagedcore_attention_backend(device_type: str, dtype: Any, name: str | None) -> AttentionBackend | None:
+    """Return an attention backend for tensors of ``device_type`` ("cpu", "cuda", ...) and ``dtype``, or None.
+
+    ``name`` is the backend the user asked for ("torch", "xformers", ...) or None for the best available.
+    """
+
+
+@hookspec(firstresult=True)
+def pagedcore_eviction_policy(name: str | None, num_blocks: int) -> EvictionPolicy | None:
+    """Return a new, empty eviction policy for a pool of ``num_blocks`` blocks, or None.
+
+    ``name`` is the policy the user asked for ("lru", ...) or None for the default.
+    """
+
+
+@hookspec(firstresult=True)
+def pagedcore_block_hasher() -> BlockHasher | None:
+    """Return the function that hashes a block's token tuple for the prefix trie, or None for the default.
+
+    Matching always compares tokens as well, so a weak hash only costs speed, never correctness.
+    """
+
+
+# ---------------------------------------------------------------- events (observers)
+@hookspec
+def pagedcore_request_admitted(request_id: str, num_prompt_tokens: int, num_cached_tokens: int) -> None:
+    """A request got its blocks and starts running (also after a preemption)."""
+
+
+@hookspec
+def pagedcore_request_preempted(request_id: str, num_computed_tokens: int) -> None:
+    """A running request gave its blocks back under memory pressure; it will be recomputed."""
+
+
+@hookspec
+def pagedcore_request_finished(request_id: str, finish_reason: str, num_output_tokens: int) -> None:
+    """A request finished ("stop", "length", "abort" or "error")."""
+
+
+@hookspec
+def pagedcore_prefix_hit(request_id: str, num_query_tokens: int, num_hit_tokens: int, namespace: Any) -> None:
+    """A prompt was looked up in the prefix cache and ``num_hit_tokens`` of its tokens were served from it."""
+
+
+@hookspec
+def pagedcore_blocks_evicted(group: int, block_ids: list[int]) -> None:
+    """Cached blocks of KV group ``group`` were evicted to make room."""

@@ -1,0 +1,187 @@
+"""KVPool: the block bookkeeping of a whole model, one group per attention kind.
+
+Layers that attend the same way share block ids: one group for full-attention layers and one per distinct sliding
+window (Gemma2/3, Mistral with a window). Each group has its own :class:`~pagedcore.block_manager.BlockManager` and
+:class:`~pagedcore.prefix_trie.PrefixTrie`, so a sliding group can release blocks that fell out of its window while
+the full-attention group keeps them. Tensors live in the framework adapter; this module is plain Python.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
+
+from pagedcore.block_manager import BlockManager
+from pagedcore.errors import ConfigError
+from pagedcore.eviction import EvictionPolicy
+from pagedcore.prefix_trie import BlockHasher, PrefixTrie
+
+__all__ = ["KVGroup", "KVPool", "PoolMatch"]
+
+
+@dataclass(frozen=True)
+class KVGroup:
+    """One group of layers sharing block ids.
+
+    Attributes:
+        index: position in ``KVPool.groups``.
+        sliding_window: attention window in tokens (a query at ``p`` sees keys ``> p - window``); None = full.
+        block_manager: the group's blocks.
+        trie: the group's prefix cache.
+    """
+
+    index: int
+    sliding_window: int | None
+    block_manager: BlockManager
+    trie: PrefixTrie
+
+
+@dataclass(frozen=True)
+class PoolMatch:
+    """A prefix hit usable by every group.
+
+    Attributes:
+        num_tokens: tokens of the prompt covered in every group (a multiple of the block size).
+        block_ids: per group, the chain covering those tokens (not retained yet).
+    """
+
+    num_tokens: int
+    block_ids: tuple[list[int], ...]
+
+
+class KVPool:
+    """Block managers and prefix tries for every KV group of a model.
+
+    Args:
+        num_blocks: blocks per group.
+        block_size: tokens per block, the same in every group.
+        sliding_windows: one entry per group: None for full attention, else the window in tokens.
+        eviction_policy: builds a policy per group (called once per group); LRU by default.
+        hash_fn: block hash for the tries (see :class:`~pagedcore.prefix_trie.PrefixTrie`).
+        on_evict: ``on_evict(group_index, block_ids)`` after blocks were evicted from a group's cache.
+
+    Example:
+        >>> pool = KVPool(num_blocks=16, block_size=4, sliding_windows=(None, 8))
+        >>> [g.sliding_window for g in pool.groups]
+        [None, 8]
+        >>> pool.match([1, 2, 3, 4, 5]).num_tokens
+        0
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        sliding_windows: Sequence[int | None] = (None,),
+        *,
+        eviction_policy: Callable[[], EvictionPolicy] | None = None,
+        hash_fn: BlockHasher | None = None,
+        on_evict: Callable[[int, list[int]], None] | None = None,
+    ) -> None:
+        windows = list(sliding_windows)
+        if not windows:
+            raise ConfigError("sliding_windows: a pool needs at least one group")
+        for window in windows:
+            if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window <= 0):
+                raise ConfigError(f"sliding_windows: a window must be a positive integer or None, got {window!r}")
+        groups = []
+        for index, window in enumerate(windows):
+            listener = None if on_evict is None else _bind_group(on_evict, index)
+            bm = BlockManager(
+                num_blocks,
+                block_size,
+                eviction_policy=eviction_policy() if eviction_policy is not None else None,
+                on_evict=listener,
+            )
+            groups.append(KVGroup(index, window, bm, PrefixTrie(bm, hash_fn=hash_fn)))
+        self._groups = tuple(groups)
+        self._block_size = block_size
+        self._num_blocks = num_blocks
+        self._queries = 0
+        self._hits = 0
+
+    @property
+    def groups(self) -> tuple[KVGroup, ...]:
+        """The pool's groups."""
+        return self._groups
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per block."""
+        return self._block_size
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks per group."""
+        return self._num_blocks
+
+    @property
+    def num_used_blocks(self) -> int:
+        """Blocks in use, summed over groups."""
+        return sum(g.block_manager.num_used_blocks for g in self._groups)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks indexed by the prefix caches, summed over groups."""
+        return sum(g.trie.num_cached_blocks for g in self._groups)
+
+    @property
+    def usage(self) -> float:
+        """Highest fraction of blocks in use over the groups."""
+        return max(g.block_manager.usage for g in self._groups)
+
+    @property
+    def num_query_tokens(self) -> int:
+        """Prompt tokens looked up (see :meth:`record`)."""
+        return self._queries
+
+    @property
+    def num_hit_tokens(self) -> int:
+        """Prompt tokens served from the prefix cache (see :meth:`record`)."""
+        return self._hits
+
+    @property
+    def hit_rate(self) -> float:
+        """``num_hit_tokens / num_query_tokens``."""
+        return self._hits / self._queries if self._queries else 0.0
+
+    def match(self, token_ids: Sequence[int], namespace: Hashable = None) -> PoolMatch:
+        """The longest prefix of ``token_ids`` cached in every group. No side effects."""
+        matches = [g.trie.match(token_ids, namespace) for g in self._groups]
+        num_blocks = min(len(m.block_ids) for m in matches)
+        return PoolMatch(num_blocks * self._block_size, tuple(m.block_ids[:num_blocks] for m in matches))
+
+    def record(self, num_query_tokens: int, num_hit_tokens: int) -> None:
+        """Count a lookup that was acted on (in the pool and in every group's trie)."""
+        for group in self._groups:
+            group.trie.record(num_query_tokens, num_hit_tokens)
+        self._queries += num_query_tokens
+        self._hits += num_hit_tokens
+
+    def clear_prefix_cache(self, *namespaces: Hashable) -> int:
+        """Forget cached prefixes: of the given namespaces, or of all of them when none is given.
+
+        Blocks in use stay allocated (they just stop being shareable). Returns how many blocks were forgotten.
+        """
+        if not namespaces:
+            return sum(g.trie.clear() for g in self._groups)
+        return sum(g.trie.clear_namespace(ns) for g in self._groups for ns in namespaces)
+
+    def check_invariants(self) -> None:
+        """Raise ``AssertionError`` on inconsistent bookkeeping in any group."""
+        for group in self._groups:
+            group.block_manager.check_invariants()
+            group.trie.check_invariants()
+
+    def __repr__(self) -> str:
+        return (
+            f"KVPool(groups={len(self._groups)}, num_blocks={self._num_blocks}, block_size={self._block_size}, "
+            f"used={self.num_used_blocks}, cached={self.num_cached_blocks})"
+        )
+
+
+def _bind_group(on_evict: Callable[[int, list[int]], None], index: int) -> Callable[[list[int]], None]:
+    def listener(block_ids: list[int]) -> None:
+        on_evict(index, block_ids)
+
+    return listener

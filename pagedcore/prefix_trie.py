@@ -1,0 +1,289 @@
+"""The prefix trie: chains of full token blocks -> cached KV block ids.
+
+Each node is one full block of ``block_size`` tokens; its path from the namespace's root is the exact token
+prefix whose keys and values the block holds. Children are found by a hash of their tokens, then compared token
+by token, so a hash collision can never serve another prompt's KV. Every namespace (a cache salt) has its own
+root: entries in different namespaces never match each other.
+
+The trie owns the token -> block mapping; the :class:`~pagedcore.block_manager.BlockManager` owns reference counts
+and decides when to evict. A cached block at reference count 0 sits in the manager's evictable pool; when the
+manager evicts it, it calls :meth:`PrefixTrie.drop_block`, which also forgets the block's descendants (they can no
+longer be reached).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
+
+from pagedcore.block_manager import BlockManager
+from pagedcore.errors import ConfigError, InvalidBlockError
+
+__all__ = ["BlockHasher", "PrefixMatch", "PrefixTrie", "default_block_hash"]
+
+BlockHasher = Callable[[tuple[int, ...]], int]
+Namespace = Hashable
+
+
+def default_block_hash(tokens: tuple[int, ...]) -> int:
+    """Python's tuple hash. Fast; collisions are harmless because matching compares tokens too."""
+    return hash(tokens)
+
+
+class _Node:
+    __slots__ = ("block_id", "children", "parent", "tokens")
+
+    def __init__(self, tokens: tuple[int, ...], block_id: int | None, parent: _Node | None) -> None:
+        self.tokens = tokens
+        self.block_id = block_id  # None only for a namespace root
+        self.parent = parent
+        # hash bucket -> {tokens: node}; the inner dict compares tokens, so equal hashes never conflate blocks
+        self.children: dict[int, dict[tuple[int, ...], _Node]] = {}
+
+
+@dataclass(frozen=True)
+class PrefixMatch:
+    """The longest cached chain for a token sequence.
+
+    Attributes:
+        block_ids: the chain's blocks, root first. Not retained: call ``BlockManager.retain`` to use them.
+        num_tokens: tokens covered (``len(block_ids) * block_size``).
+    """
+
+    block_ids: list[int]
+    num_tokens: int
+
+
+class PrefixTrie:
+    """Token-block trie over one BlockManager's blocks.
+
+    Args:
+        block_manager: the manager whose blocks this trie indexes (one trie per manager).
+        hash_fn: hashes a block's tokens to find its bucket. Only a speed knob: equal-hash blocks are told apart
+            by comparing their tokens.
+
+    Example:
+        >>> bm = BlockManager(num_blocks=8, block_size=2)
+        >>> trie = PrefixTrie(bm)
+        >>> blocks = bm.allocate(2)
+        >>> trie.insert([1, 2, 3, 4], blocks)           # a finished sequence's two full blocks
+        [0, 1]
+        >>> bm.release(blocks[::-1])                    # its holder is done; the blocks stay cached
+        >>> trie.match([1, 2, 3, 4, 5]).block_ids       # a new prompt with the same prefix
+        [0, 1]
+        >>> trie.match([1, 2, 3, 4], namespace="tenant-b").block_ids   # other namespaces see nothing
+        []
+    """
+
+    def __init__(self, block_manager: BlockManager, *, hash_fn: BlockHasher | None = None) -> None:
+        self._bm = block_manager
+        self._block_size = block_manager.block_size
+        self._hash: BlockHasher = hash_fn if hash_fn is not None else default_block_hash
+        self._roots: dict[Namespace, _Node] = {}
+        self._by_block: dict[int, _Node] = {}
+        self._queries = 0
+        self._hits = 0
+        block_manager.attach_cache(self)
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def block_size(self) -> int:
+        """Tokens per block (the manager's)."""
+        return self._block_size
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks indexed by the trie, in all namespaces."""
+        return len(self._by_block)
+
+    @property
+    def num_query_tokens(self) -> int:
+        """Prompt tokens looked up through :meth:`record` (the hit rate's denominator)."""
+        return self._queries
+
+    @property
+    def num_hit_tokens(self) -> int:
+        """Prompt tokens served from the cache, as reported to :meth:`record`."""
+        return self._hits
+
+    @property
+    def hit_rate(self) -> float:
+        """``num_hit_tokens / num_query_tokens`` (0.0 before any query)."""
+        return self._hits / self._queries if self._queries else 0.0
+
+    def namespaces(self) -> list[Namespace]:
+        """Namespaces that hold at least one cached block."""
+        return [ns for ns, root in self._roots.items() if root.children]
+
+    def contains(self, block_id: int) -> bool:
+        """Whether ``block_id`` is indexed."""
+        return block_id in self._by_block
+
+    def match(self, token_ids: Sequence[int], namespace: Namespace = None) -> PrefixMatch:
+        """Longest chain of cached full blocks that prefixes ``token_ids`` in ``namespace``. No side effects."""
+        root = self._roots.get(namespace)
+        ids: list[int] = []
+        if root is None:
+            return PrefixMatch(ids, 0)
+        node = root
+        bs = self._block_size
+        for start in range(0, len(token_ids) - bs + 1, bs):
+            child = self._child(node, tuple(token_ids[start : start + bs]))
+            if child is None:
+                break
+            assert child.block_id is not None
+            ids.append(child.block_id)
+            node = child
+        return PrefixMatch(ids, len(ids) * bs)
+
+    # ------------------------------------------------------------------ commands
+    def record(self, num_query_tokens: int, num_hit_tokens: int) -> None:
+        """Count one lookup that was acted on: ``num_query_tokens`` asked for, ``num_hit_tokens`` served."""
+        if not 0 <= num_hit_tokens <= num_query_tokens:
+            raise ValueError(f"record: need 0 <= hits ({num_hit_tokens}) <= queries ({num_query_tokens})")
+        self._queries += num_query_tokens
+        self._hits += num_hit_tokens
+
+    def insert(self, token_ids: Sequence[int], block_ids: Sequence[int], namespace: Namespace = None) -> list[int]:
+        """Register a sequence's full blocks: ``block_ids[i]`` holds ``token_ids[i*bs:(i+1)*bs]``.
+
+        Blocks must be held by the caller (reference count >= 1). Where the same content is cached already, the
+        existing block is kept and returned in its place: the caller then holds a duplicate, which it may swap
+        for the returned one (``retain`` it, ``release`` its own). Atomic: on error nothing changes.
+
+        Returns:
+            The cached block id for each position (the caller's own where it was newly cached).
+        """
+        bs = self._block_size
+        blocks = list(block_ids)
+        if len(token_ids) < len(blocks) * bs:
+            raise InvalidBlockError(
+                f"insert: {len(blocks)} blocks of {bs} tokens need {len(blocks) * bs} tokens, got {len(token_ids)}"
+            )
+        self._check_namespace(namespace)
+        # Plan first (no changes), so that a bad block anywhere leaves the trie and the manager untouched.
+        root = self._roots.get(namespace)
+        node: _Node | None = root
+        canonical: list[int] = []
+        to_create: dict[int, tuple[int, ...]] = {}
+        for i, block_id in enumerate(blocks):
+            tokens = tuple(token_ids[i * bs : (i + 1) * bs])
+            child = self._child(node, tokens) if node is not None else None
+            if child is not None:
+                assert child.block_id is not None
+                canonical.append(child.block_id)
+                node = child
+                continue
+            if block_id in self._by_block:
+                raise InvalidBlockError(
+                    f"insert: block {block_id} is already cached for other content (position {i} of this chain)"
+                )
+            canonical.append(block_id)
+            to_create[i] = tokens
+            node = None  # every later block is new as well
+        new_ids = [blocks[i] for i in to_create]
+        if new_ids:
+            self._bm.mark_cached(new_ids)  # validates: in use, not cached, no duplicates
+        # Apply.
+        if root is None:
+            root = self._roots[namespace] = _Node((), None, None)
+        parent = root
+        for i, block_id in enumerate(canonical):
+            new_tokens = to_create.get(i)
+            if new_tokens is not None:
+                child = _Node(new_tokens, block_id, parent)
+                parent.children.setdefault(self._hash(new_tokens), {})[new_tokens] = child
+                self._by_block[block_id] = child
+                parent = child
+            else:
+                parent = self._by_block[block_id]
+        return canonical
+
+    def drop_block(self, block_id: int) -> list[int]:
+        """Forget ``block_id`` and every descendant. Called by the BlockManager when it evicts ``block_id``.
+
+        Returns ``[block_id, *descendants]``; the caller updates the manager's cached flags.
+        """
+        node = self._by_block.get(block_id)
+        if node is None:
+            raise InvalidBlockError(f"drop_block: block {block_id} is not cached")
+        self._detach(node)
+        dropped: list[int] = []
+        stack = [node]
+        while stack:
+            current = stack.pop()
+            assert current.block_id is not None
+            dropped.append(current.block_id)
+            del self._by_block[current.block_id]
+            for bucket in current.children.values():
+                stack.extend(bucket.values())
+        return dropped
+
+    def remove(self, block_id: int) -> list[int]:
+        """Drop a cached block and its descendants from the cache now (they stay allocated if still in use)."""
+        dropped = self.drop_block(block_id)
+        self._bm.uncache(dropped)
+        return dropped
+
+    def clear(self) -> int:
+        """Forget every cached block in every namespace. Returns how many were forgotten."""
+        return sum(self.clear_namespace(ns) for ns in list(self._roots))
+
+    def clear_namespace(self, namespace: Namespace) -> int:
+        """Forget every cached block of one namespace. Returns how many were forgotten."""
+        root = self._roots.pop(namespace, None)
+        if root is None:
+            return 0
+        count = 0
+        for bucket in list(root.children.values()):
+            for child in list(bucket.values()):
+                assert child.block_id is not None
+                count += len(self.remove(child.block_id))
+        return count
+
+    def check_invariants(self) -> None:
+        """Raise ``AssertionError`` on inconsistent bookkeeping (tests and debugging; O(cached blocks))."""
+        seen: set[int] = set()
+        for root in self._roots.values():
+            assert root.block_id is None and root.parent is None
+            stack = [root]
+            while stack:
+                node = stack.pop()
+                for h, bucket in node.children.items():
+                    for tokens, child in bucket.items():
+                        assert tokens == child.tokens, "child filed under the wrong tokens"
+                        assert child.parent is node, "child points to the wrong parent"
+                        assert self._hash(child.tokens) == h, "child filed under the wrong hash"
+                        assert len(child.tokens) == self._block_size
+                        assert child.block_id is not None and child.block_id not in seen
+                        assert self._by_block.get(child.block_id) is child
+                        assert self._bm.is_cached(child.block_id), f"block {child.block_id} indexed but not cached"
+                        seen.add(child.block_id)
+                        stack.append(child)
+        assert seen == set(self._by_block), "index and tree disagree"
+        assert self._bm.num_cached_blocks == len(seen), "manager's cached flags disagree with the trie"
+
+    def __repr__(self) -> str:
+        return f"PrefixTrie(cached_blocks={len(self._by_block)}, namespaces={len(self._roots)})"
+
+    # ------------------------------------------------------------------ internals
+    def _child(self, node: _Node, tokens: tuple[int, ...]) -> _Node | None:
+        bucket = node.children.get(self._hash(tokens))
+        # Content, not the hash alone, decides a match: the bucket is keyed by the tokens themselves.
+        return None if bucket is None else bucket.get(tokens)
+
+    def _detach(self, node: _Node) -> None:
+        parent = node.parent
+        assert parent is not None
+        h = self._hash(node.tokens)
+        bucket = parent.children[h]
+        del bucket[node.tokens]
+        if not bucket:
+            del parent.children[h]
+
+    @staticmethod
+    def _check_namespace(namespace: Namespace) -> None:
+        try:
+            hash(namespace)
+        except TypeError as exc:
+            raise ConfigError(f"namespace must be hashable (a str is best), got {namespace!r}") from exc

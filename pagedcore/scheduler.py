@@ -1,0 +1,519 @@
+"""Continuous-batching scheduler over :class:`~pagedcore.sequence.Sequence` objects.
+
+One mechanism covers prefill, chunked prefill, prefix hits and decode: every sequence has a number of computed
+tokens that catches up with its number of tokens, within a per-step token budget. Each step:
+
+1. running sequences, decodes first, then unfinished prefills, oldest first; a sequence that cannot get its blocks
+   preempts the newest running sequence not yet scheduled (by recompute: its blocks go back, it is re-queued at the
+   front and later re-hits its own cached prefix), possibly itself;
+2. waiting sequences in FIFO order (none after a preemption in this step), each starting from its longest cached
+   prefix, admitted only when its blocks can be had with a small watermark left free.
+
+The model is not the scheduler's concern: :meth:`Scheduler.schedule` says what to compute, the caller computes it
+and hands the sampled tokens to :meth:`Scheduler.update`.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Mapping
+from collections.abc import Sequence as SequenceABC
+from dataclasses import dataclass, field
+
+from pagedcore.block_tables import BlockTables, Copy
+from pagedcore.errors import (
+    ConfigError,
+    DuplicateRequestError,
+    InvalidRequestError,
+    RequestNotFoundError,
+)
+from pagedcore.kv_pool import KVPool
+from pagedcore.plugin_manager import PluginManager
+from pagedcore.sequence import FinishReason, Sequence, SequenceStatus
+
+__all__ = ["ScheduledSequence", "Scheduler", "SchedulerConfig", "SchedulerOutput", "SchedulerStats"]
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Scheduling limits.
+
+    Attributes:
+        max_num_batched_tokens: tokens computed per step, over all sequences (the token budget).
+        max_num_seqs: sequences running at once.
+        watermark: fraction of each group's blocks kept free when admitting a new sequence, so running sequences
+            can grow without preempting at once.
+        enable_prefix_caching: look prompts up in the prefix cache and register computed blocks in it.
+    """
+
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 64
+    watermark: float = 0.01
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_batched_tokens", "max_num_seqs"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
+        if not 0.0 <= self.watermark < 1.0:
+            raise ConfigError(f"watermark must be in [0, 1), got {self.watermark!r}")
+
+
+@dataclass(frozen=True)
+class ScheduledSequence:
+    """What to compute for one sequence in a step.
+
+    Attributes:
+        sequence: the sequence.
+        token_ids: tokens to compute now.
+        start: position of ``token_ids[0]``; the tokens sit at ``start .. start + len(token_ids) - 1``.
+        slots: per KV group, the physical slot of every new token.
+        block_tables: per KV group, the live blocks (logical block ``block_offsets[g]`` first).
+        block_offsets: per KV group, leading logical blocks released by a sliding window.
+        sample: whether this step computes the sequence's last known token, so a new token must be sampled.
+        num_samples: tokens to sample after this step: 0 when not sampling, ``sequence.num_samples`` at the step
+            that forks a sequence into its parallel samples, else 1.
+    """
+
+    sequence: Sequence
+    token_ids: list[int]
+    start: int
+    slots: tuple[list[int], ...]
+    block_tables: tuple[list[int], ...]
+    block_offsets: tuple[int, ...]
+    sample: bool
+    num_samples: int
+
+    @property
+    def request_id(self) -> str:
+        """The sequence's id."""
+        return self.sequence.request_id
+
+    @property
+    def end(self) -> int:
+        """One past the last position computed in this step (the key length after it)."""
+        return self.start + len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """One step's plan.
+
+    Attributes:
+        scheduled: sequences to compute, decodes first.
+        copies: copy-on-write block copies ``(group, source, destination)`` to perform before the forward.
+        preempted: ids of sequences preempted in this step (their blocks are back in the pool).
+    """
+
+    scheduled: list[ScheduledSequence]
+    copies: list[Copy] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        """Tokens computed in this step."""
+        return sum(len(s.token_ids) for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        """Nothing to compute."""
+        return not self.scheduled
+
+
+@dataclass
+class SchedulerStats:
+    """Counters since the scheduler was created."""
+
+    num_steps: int = 0
+    num_preemptions: int = 0
+    num_admitted: int = 0
+    num_finished: int = 0
+    num_aborted: int = 0
+    num_computed_tokens: int = 0  # tokens whose KV was computed (prefill and decode)
+    num_prompt_tokens_computed: int = 0  # prompt tokens computed, i.e. not served from the prefix cache
+
+
+class Scheduler:
+    """Continuous batching over a :class:`~pagedcore.kv_pool.KVPool`.
+
+    Args:
+        pool: the KV block bookkeeping (one group per attention kind).
+        config: limits; see :class:`SchedulerConfig`.
+        plugins: receives the request events; none by default.
+
+    Example:
+        >>> pool = KVPool(num_blocks=8, block_size=4)
+        >>> sched = Scheduler(pool, SchedulerConfig(max_num_batched_tokens=16))
+        >>> sched.add(Sequence("a", [1, 2, 3, 4, 5], max_new_tokens=2))
+        >>> step = sched.schedule()
+        >>> [(s.request_id, s.token_ids, s.sample) for s in step.scheduled]
+        [('a', [1, 2, 3, 4, 5], True)]
+        >>> sched.update(step, {"a": [9]})                      # the model sampled token 9
+        []
+        >>> step = sched.schedule()
+        >>> [(s.token_ids, s.start) for s in step.scheduled]    # decode: compute token 9 at position 5
+        [([9], 5)]
+        >>> [seq.output_token_ids for seq in sched.update(step, {"a": [7]})]
+        [[9, 7]]
+    """
+
+    def __init__(self, pool: KVPool, config: SchedulerConfig | None = None, *, plugins: PluginManager | None = None):
+        self._pool = pool
+        self._config = config if config is not None else SchedulerConfig()
+        self._plugins = plugins
+        # Insertion-ordered maps keyed by request id: O(1) removal, FIFO iteration, newest-first via reversed().
+        self._waiting: OrderedDict[str, Sequence] = OrderedDict()
+        self._running: dict[str, Sequence] = {}
+        self._by_id: dict[str, Sequence] = {}
+        self._arrival: dict[str, int] = {}
+        self._clock = 0
+        self.stats = SchedulerStats()
+        bs = pool.block_size
+        self._watermark_blocks = [int(self._config.watermark * g.block_manager.num_blocks) for g in pool.groups]
+        self._bs = bs
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def config(self) -> SchedulerConfig:
+        """The limits."""
+        return self._config
+
+    @property
+    def pool(self) -> KVPool:
+        """The KV block bookkeeping."""
+        return self._pool
+
+    @property
+    def num_waiting(self) -> int:
+        """Sequences queued."""
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        """Sequences holding blocks."""
+        return len(self._running)
+
+    def has_unfinished(self) -> bool:
+        """Whether any sequence is waiting or running."""
+        return bool(self._waiting or self._running)
+
+    def get(self, request_id: str) -> Sequence:
+        """The waiting or running sequence with this id."""
+        try:
+            return self._by_id[request_id]
+        except KeyError:
+            raise RequestNotFoundError(f"no waiting or running request {request_id!r}") from None
+
+    def sequences(self) -> list[Sequence]:
+        """Waiting then running sequences."""
+        return [*self._waiting.values(), *self._running.values()]
+
+    def blocks_needed(self, num_tokens: int) -> list[int]:
+        """Blocks each group needs at most for one sequence that grows to ``num_tokens`` tokens."""
+        bs = self._bs
+        full = -(-num_tokens // bs)
+        budget = self._config.max_num_batched_tokens
+        needs = []
+        for group in self._pool.groups:
+            if group.sliding_window is None:
+                needs.append(full)
+            else:  # the window plus one step's chunk, plus a partly filled block at each end
+                needs.append(min(full, -(-(group.sliding_window - 1 + budget) // bs) + 2))
+        return needs
+
+    # ------------------------------------------------------------------ commands
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence. Raises when it can never fit in the pool, or its id is taken."""
+        if not isinstance(seq, Sequence):
+            raise InvalidRequestError(f"add: expected a Sequence, got {type(seq).__name__}")
+        if seq.request_id in self._by_id:
+            raise DuplicateRequestError(f"request id {seq.request_id!r} is already waiting or running")
+        if seq.status is not SequenceStatus.WAITING or seq.blocks is not None or seq.num_computed_tokens:
+            raise InvalidRequestError(f"request {seq.request_id!r} was already scheduled once; add a new Sequence")
+        if seq.num_samples > self._config.max_num_seqs:
+            raise InvalidRequestError(
+                f"request {seq.request_id!r} asks for {seq.num_samples} parallel samples but at most "
+                f"{self._config.max_num_seqs} sequences run at once (max_num_seqs)"
+            )
+        total = seq.num_tokens + seq.max_new_tokens - seq.num_output_tokens
+        for group, need in zip(self._pool.groups, self.blocks_needed(total)):
+            capacity = group.block_manager.num_blocks
+            if need > capacity:
+                raise InvalidRequestError(
+                    f"request {seq.request_id!r} can never fit: {seq.num_prompt_tokens} prompt tokens + "
+                    f"{seq.max_new_tokens} new tokens need {need} blocks of {self._bs} tokens in KV group "
+                    f"{group.index}, but the pool has {capacity}"
+                )
+        self._enqueue(seq)
+
+    def abort(self, request_id: str) -> list[Sequence]:
+        """Stop a request and its parallel samples; their blocks go back at once. Returns the aborted sequences."""
+        victims = [s for s in self.sequences() if s.group_id == request_id or s.request_id == request_id]
+        if not victims:
+            raise RequestNotFoundError(f"no waiting or running request {request_id!r}")
+        for seq in victims:
+            self._finish(seq, FinishReason.ABORT)
+        self.stats.num_aborted += len(victims)
+        return victims
+
+    def fail(self, request_ids: SequenceABC[str]) -> list[Sequence]:
+        """Finish these sequences with ``FinishReason.ERROR`` (e.g. their step raised); blocks go back at once."""
+        failed = [self._by_id[r] for r in request_ids if r in self._by_id]
+        for seq in failed:
+            self._finish(seq, FinishReason.ERROR)
+        return failed
+
+    def schedule(self) -> SchedulerOutput:
+        """Plan the next step: which tokens of which sequences to compute, with their slots and block tables."""
+        budget = self._config.max_num_batched_tokens
+        plan: list[tuple[Sequence, int]] = []
+        planned: set[int] = set()
+        copies: list[Copy] = []
+        preempted: list[str] = []
+
+        running = list(self._running.values())
+        decodes = [s for s in running if s.num_uncomputed_tokens == 1 and s.num_computed_tokens > 0]
+        decode_ids = {id(s) for s in decodes}
+        ordered = decodes + [s for s in running if id(s) not in decode_ids]
+        for seq in ordered:
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this step
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            assert seq.blocks is not None
+            while not seq.blocks.can_append(num_new):
+                victim = self._newest_unplanned(planned)
+                assert victim is not None  # ``seq`` itself is unplanned
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            copies.extend(seq.blocks.append(num_new))
+            plan.append((seq, num_new))
+            planned.add(id(seq))
+            budget -= num_new
+
+        if not preempted:
+            budget = self._admit(budget, plan, copies)
+
+        scheduled = [self._scheduled(seq, num_new) for seq, num_new in plan]
+        self.stats.num_steps += 1
+        return SchedulerOutput(scheduled, copies, preempted)
+
+    def update(self, output: SchedulerOutput, sampled: Mapping[str, SequenceABC[int]]) -> list[Sequence]:
+        """Record a computed step. ``sampled[request_id]`` holds the tokens sampled for every scheduled sequence
+        with ``sample=True`` (``num_samples`` tokens at a forking step, else one).
+
+        Returns the sequences that finished in this step (forked samples included).
+        """
+        live = [
+            item
+            for item in output.scheduled
+            # skip sequences aborted or failed after the step was planned
+            if item.sequence.status is SequenceStatus.RUNNING and self._by_id.get(item.request_id) is item.sequence
+        ]
+        for item in live:  # validate everything before changing anything
+            got = len(sampled.get(item.request_id, ())) if item.sample else 0
+            if got != item.num_samples:
+                raise InvalidRequestError(
+                    f"update: request {item.request_id!r} needs {item.num_samples} sampled tokens, got {got}"
+                )
+        finished: list[Sequence] = []
+        cache = self._config.enable_prefix_caching
+        for item in live:
+            seq = item.sequence
+            assert seq.blocks is not None
+            seq.num_computed_tokens = item.end
+            self.stats.num_computed_tokens += len(item.token_ids)
+            self.stats.num_prompt_tokens_computed += max(0, min(item.end, seq.num_prompt_tokens) - item.start)
+            if cache:
+                seq.blocks.cache_full_blocks(seq.token_ids, seq.num_computed_tokens, seq.namespace)
+            if not item.sample:
+                seq.blocks.drop_out_of_window(seq.num_computed_tokens)
+                continue
+            tokens = list(sampled[seq.request_id])
+            family = [seq]
+            if seq.needs_fork:
+                family += self._fork(seq, item.num_samples - 1)
+            for member, token in zip(family, tokens):
+                reason = member.append_token(int(token))
+                if reason is not None:
+                    self._finish(member, reason)
+                    finished.append(member)
+                else:
+                    assert member.blocks is not None
+                    member.blocks.drop_out_of_window(member.num_computed_tokens)
+        return finished
+
+    def check_invariants(self) -> None:
+        """Raise ``AssertionError`` on inconsistent state (tests and debugging)."""
+        self._pool.check_invariants()
+        assert len(self._running) <= self._config.max_num_seqs, "more sequences running than max_num_seqs"
+        ids = [s.request_id for s in self.sequences()]
+        assert len(ids) == len(set(ids)) == len(self._by_id), "request ids are not unique"
+        for seq in self._waiting.values():
+            assert seq.status is SequenceStatus.WAITING and seq.blocks is None
+        for seq in self._running.values():
+            assert seq.status is SequenceStatus.RUNNING and seq.blocks is not None
+            assert seq.blocks.num_tokens >= seq.num_computed_tokens
+        held = sum(s.blocks.num_held_blocks() for s in self._running.values() if s.blocks is not None)
+        refs = sum(g.block_manager.ref_count(b) for g in self._pool.groups for b in range(g.block_manager.num_blocks))
+        assert held == refs, f"sequences hold {held} block references, the pool counts {refs}"
+
+    # ------------------------------------------------------------------ internals
+    def _enqueue(self, seq: Sequence, *, front: bool = False) -> None:
+        self._by_id[seq.request_id] = seq
+        if seq.request_id not in self._arrival:
+            self._arrival[seq.request_id] = self._clock
+            self._clock += 1
+        self._waiting[seq.request_id] = seq
+        if front:
+            self._waiting.move_to_end(seq.request_id, last=False)
+
+    def _newest_unplanned(self, planned: set[int]) -> Sequence | None:
+        for seq in reversed(self._running.values()):
+            if id(seq) not in planned:
+                return seq
+        return None
+
+    def _preempt(self, seq: Sequence) -> None:
+        assert seq.blocks is not None
+        seq.blocks.release()
+        seq.blocks = None
+        del self._running[seq.request_id]
+        seq.status = SequenceStatus.WAITING
+        computed = seq.num_computed_tokens
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        self._waiting[seq.request_id] = seq
+        self._waiting.move_to_end(seq.request_id, last=False)
+        self._emit("pagedcore_request_preempted", request_id=seq.request_id, num_computed_tokens=computed)
+
+    def _admit(self, budget: int, plan: list[tuple[Sequence, int]], copies: list[Copy]) -> int:
+        cfg = self._config
+        while self._waiting and budget > 0:
+            seq = next(iter(self._waiting.values()))
+            # Count the samples running sequences will still fork into, so a fork never exceeds max_num_seqs.
+            width = sum(_width(s) for s in self._running.values())
+            if width + _width(seq) > cfg.max_num_seqs:
+                break
+            blocks = self._start_blocks(seq, budget)
+            if blocks is None:
+                break
+            hit, num_new = blocks.num_tokens, min(seq.num_tokens - blocks.num_tokens, budget)
+            copies.extend(blocks.append(num_new))
+            del self._waiting[seq.request_id]
+            seq.blocks = blocks
+            seq.num_computed_tokens = hit
+            seq.num_cached_tokens = hit
+            seq.status = SequenceStatus.RUNNING
+            self._running[seq.request_id] = seq
+            plan.append((seq, num_new))
+            budget -= num_new
+            self.stats.num_admitted += 1
+            if cfg.enable_prefix_caching:
+                self._pool.record(seq.num_tokens, hit)
+                self._emit(
+                    "pagedcore_prefix_hit",
+                    request_id=seq.request_id,
+                    num_query_tokens=seq.num_tokens,
+                    num_hit_tokens=hit,
+                    namespace=seq.namespace,
+                )
+            self._emit(
+                "pagedcore_request_admitted",
+                request_id=seq.request_id,
+                num_prompt_tokens=seq.num_prompt_tokens,
+                num_cached_tokens=hit,
+            )
+        return budget
+
+    def _start_blocks(self, seq: Sequence, budget: int) -> BlockTables | None:
+        """Blocks for ``seq``'s first step (prefix hit attached), or None when they cannot be had now."""
+        reserve = self._watermark_blocks if self._running else [0] * len(self._watermark_blocks)
+        hit = 0
+        match = None
+        if self._config.enable_prefix_caching:
+            match = self._pool.match(seq.token_ids, seq.namespace)
+            hit = min(match.num_tokens, seq.num_tokens - 1)  # the last token is always computed (for its logits)
+        candidates = [hit] if hit % self._bs == 0 else [hit, hit - hit % self._bs]  # partial hit needs a copy
+        for num_hit in candidates:
+            blocks = BlockTables(self._pool)
+            if match is not None and num_hit:
+                blocks.attach(match, num_hit)
+                blocks.drop_out_of_window(num_hit)
+            num_new = min(seq.num_tokens - num_hit, budget)
+            needed = blocks.blocks_needed(num_new)
+            if all(g.block_manager.can_allocate(n + r) for g, n, r in zip(self._pool.groups, needed, reserve)):
+                return blocks
+            blocks.release()
+        return None
+
+    def _scheduled(self, seq: Sequence, num_new: int) -> ScheduledSequence:
+        blocks = seq.blocks
+        assert blocks is not None
+        start = seq.num_computed_tokens
+        end = start + num_new
+        groups = range(len(self._pool.groups))
+        return ScheduledSequence(
+            sequence=seq,
+            token_ids=seq.token_ids[start:end],
+            start=start,
+            slots=tuple(blocks.slots(g, start, end) for g in groups),
+            block_tables=tuple(blocks.table(g) for g in groups),
+            block_offsets=tuple(blocks.num_dropped(g) for g in groups),
+            sample=end == seq.num_tokens,
+            num_samples=0 if end != seq.num_tokens else (seq.num_samples if seq.needs_fork else 1),
+        )
+
+    def _fork(self, parent: Sequence, count: int) -> list[Sequence]:
+        assert parent.blocks is not None
+        children = []
+        for k in range(1, count + 1):
+            child = parent.child(f"{parent.request_id}#{k}", k)
+            if child.request_id in self._by_id:
+                raise DuplicateRequestError(f"fork: request id {child.request_id!r} is already in use")
+            child.blocks = parent.blocks.fork()
+            child.status = SequenceStatus.RUNNING
+            self._by_id[child.request_id] = child
+            self._arrival[child.request_id] = self._clock
+            self._clock += 1
+            self._running[child.request_id] = child
+            children.append(child)
+        parent.mark_forked()
+        return children
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        if seq.blocks is not None:
+            seq.blocks.release()
+            seq.blocks = None
+        if seq.status is SequenceStatus.RUNNING:
+            del self._running[seq.request_id]
+        elif seq.status is SequenceStatus.WAITING:
+            del self._waiting[seq.request_id]
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        self._by_id.pop(seq.request_id, None)
+        self._arrival.pop(seq.request_id, None)
+        if reason is not FinishReason.ABORT:
+            self.stats.num_finished += 1
+        self._emit(
+            "pagedcore_request_finished",
+            request_id=seq.request_id,
+            finish_reason=reason.value,
+            num_output_tokens=seq.num_output_tokens,
+        )
+
+    def _emit(self, hook: str, **kwargs: object) -> None:
+        if self._plugins is not None:
+            self._plugins.emit(hook, **kwargs)
+
+
+def _width(seq: Sequence) -> int:
+    """Running slots a sequence takes once it has forked into its parallel samples."""
+    return seq.num_samples if seq.needs_fork else 1

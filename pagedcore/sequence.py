@@ -1,0 +1,164 @@
+"""Sequence: one request's tokens and progress, as the scheduler sees it. Plain data, no tensors."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+
+from pagedcore.block_tables import BlockTables
+from pagedcore.errors import InvalidRequestError
+
+__all__ = ["FinishReason", "Sequence", "SequenceStatus"]
+
+
+class SequenceStatus(enum.Enum):
+    """Where a sequence is in its life."""
+
+    WAITING = "waiting"  # queued (new, or preempted and re-queued)
+    RUNNING = "running"  # holds blocks and is scheduled step after step
+    FINISHED = "finished"  # done; holds nothing
+
+
+class FinishReason(str, enum.Enum):
+    """Why a sequence finished."""
+
+    STOP = "stop"  # produced a stop token
+    LENGTH = "length"  # reached max_new_tokens
+    ABORT = "abort"  # aborted by the caller
+    ERROR = "error"  # the step that computed it failed
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One sequence of tokens: a prompt, the tokens generated so far, and how far its KV has been computed.
+
+    Args:
+        request_id: unique among waiting and running sequences.
+        prompt_token_ids: the prompt (non-empty).
+        max_new_tokens: tokens to generate at most (>= 1).
+        stop_token_ids: generation stops after any of these.
+        namespace: prefix-cache namespace (cache salt); sequences in different namespaces never share blocks.
+        num_samples: parallel samples (``n``); the sequence forks into that many once its prompt is computed.
+        min_new_tokens: stop tokens are ignored before this many tokens were generated.
+
+    Example:
+        >>> seq = Sequence("r1", [5, 6, 7], max_new_tokens=2, stop_token_ids=frozenset({0}))
+        >>> seq.num_tokens, seq.num_uncomputed_tokens
+        (3, 3)
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    max_new_tokens: int
+    stop_token_ids: frozenset[int] = frozenset()
+    namespace: Hashable = None
+    num_samples: int = 1
+    min_new_tokens: int = 0
+    # --- owned by the scheduler
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: FinishReason | None = None
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prefix-cache hit at the latest admission
+    num_preemptions: int = 0
+    sample_index: int = 0  # which of the parent's samples this is (0 for the parent)
+    group_id: str = ""  # the request this sequence belongs to (its own id, or its parent's after a fork)
+    blocks: BlockTables | None = field(default=None, repr=False)
+    _token_ids: list[int] = field(default_factory=list, repr=False)
+    _num_prompt: int = 0
+    _forked: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.request_id, str) or not self.request_id:
+            raise InvalidRequestError(f"request_id must be a non-empty str, got {self.request_id!r}")
+        prompt = list(self.prompt_token_ids)
+        if not prompt:
+            raise InvalidRequestError(f"request {self.request_id!r}: the prompt is empty")
+        bad = [t for t in prompt if isinstance(t, bool) or not isinstance(t, int) or t < 0]
+        if bad:
+            raise InvalidRequestError(f"request {self.request_id!r}: prompt token ids {bad[:5]} are not ids >= 0")
+        for name in ("max_new_tokens", "num_samples"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidRequestError(f"request {self.request_id!r}: {name} must be an int >= 1, got {value!r}")
+        if isinstance(self.min_new_tokens, bool) or not isinstance(self.min_new_tokens, int) or self.min_new_tokens < 0:
+            raise InvalidRequestError(f"request {self.request_id!r}: min_new_tokens must be an int >= 0")
+        self.stop_token_ids = frozenset(self.stop_token_ids)
+        self.prompt_token_ids = prompt
+        self._token_ids = list(prompt)
+        self._num_prompt = len(prompt)
+        self._forked = self.num_samples == 1
+        if not self.group_id:
+            self.group_id = self.request_id
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Prompt followed by generated tokens (the live list: do not modify)."""
+        return self._token_ids
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        """Generated tokens so far."""
+        return self._token_ids[self._num_prompt :]
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens."""
+        return len(self._token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Tokens in the prompt."""
+        return self._num_prompt
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Tokens generated so far."""
+        return len(self._token_ids) - self._num_prompt
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """Tokens whose KV still has to be computed."""
+        return len(self._token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        """Whether the sequence is done."""
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def needs_fork(self) -> bool:
+        """Whether its next sampling step produces ``num_samples`` tokens and forks the sequence."""
+        return not self._forked
+
+    def append_token(self, token_id: int) -> FinishReason | None:
+        """Add a generated token; returns why the sequence is now finished, if it is."""
+        self._token_ids.append(token_id)
+        n = self.num_output_tokens
+        if n >= self.min_new_tokens and token_id in self.stop_token_ids:
+            return FinishReason.STOP
+        if n >= self.max_new_tokens:
+            return FinishReason.LENGTH
+        return None
+
+    def child(self, request_id: str, sample_index: int) -> Sequence:
+        """A copy of this sequence for parallel sample ``sample_index``, without blocks (see ``Scheduler``)."""
+        seq = Sequence(
+            request_id,
+            self.prompt_token_ids,
+            self.max_new_tokens,
+            self.stop_token_ids,
+            self.namespace,
+            1,
+            self.min_new_tokens,
+        )
+        seq._token_ids = list(self._token_ids)
+        seq.num_computed_tokens = self.num_computed_tokens
+        seq.num_cached_tokens = self.num_cached_tokens
+        seq.sample_index = sample_index
+        seq.group_id = self.group_id
+        return seq
+
+    def mark_forked(self) -> None:
+        """Record that the parallel samples were created."""
+        self._forked = True

@@ -1,0 +1,149 @@
+"""Built-in attention backend: plain torch, on any device. The reference every other backend is tested against.
+
+Sequences are split into a decode bucket (one query each) and a prefill bucket; each bucket gathers its sequences'
+blocks into a padded ``(num_seqs, kv_heads, keys, head_dim)`` batch and runs one ``scaled_dot_product_attention``
+with a boolean mask that encodes causality (bottom-right aligned), the sliding window and the padding. GQA is not
+expanded. Index tensors and masks are built once per forward and group and reused by every layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from pagedcore.attention import PagedAttentionMetadata
+from pagedcore.hookspecs import hookimpl
+
+__all__ = ["TorchPagedAttention", "pagedcore_attention_backend"]
+
+
+@dataclass
+class _Bucket:
+    query_index: torch.Tensor  # (n, max_q) into the packed queries, padded with num_tokens (a zero row)
+    valid: torch.Tensor  # (n * max_q,) bool: which padded query rows are real
+    out_index: torch.Tensor  # (num valid,) packed position of each real row
+    blocks: torch.Tensor  # (n, num_blocks) physical blocks to gather, padded with pad_block
+    mask: torch.Tensor  # (n, 1, max_q, num_blocks * block_size) bool, True = attend
+
+
+class TorchPagedAttention:
+    """The torch reference backend (varlen, GQA, decode and prefill over a cached prefix, sliding window, softcap).
+
+    Example:
+        >>> backend = TorchPagedAttention()
+        >>> kc = torch.randn(3, 4, 1, 8); vc = torch.randn(3, 4, 1, 8)   # 2 blocks of 4 + the pad block
+        >>> meta = PagedAttentionMetadata.build(block_size=4, query_lens=[1], seq_lens=[5], block_offsets=[0],
+        ...     tables=[[0, 1]], slots=[[4]], sliding_window=None, pad_block=2)
+        >>> backend.forward(torch.randn(1, 2, 8), kc, vc, meta, scale=8 ** -0.5).shape
+        torch.Size([1, 2, 8])
+    """
+
+    name = "torch"
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        metadata: PagedAttentionMetadata,
+        *,
+        scale: float,
+        softcap: float | None = None,
+    ) -> torch.Tensor:
+        num_tokens, q_heads, _ = query.shape
+        out = query.new_zeros(num_tokens, q_heads, value_cache.shape[-1])
+        padded_query = torch.cat([query, query.new_zeros(1, *query.shape[1:])])  # row num_tokens = padding
+        for bucket in self._buckets(metadata, query.device):
+            q = padded_query[bucket.query_index].transpose(1, 2)  # (n, q_heads, max_q, d)
+            k = _gather(key_cache, bucket.blocks)  # (n, kv_heads, keys, d)
+            v = _gather(value_cache, bucket.blocks)
+            o = _attend(q, k, v, bucket.mask, scale, softcap)  # (n, q_heads, max_q, dv)
+            o = o.transpose(1, 2).reshape(-1, q_heads, o.shape[-1])[bucket.valid]
+            out.index_copy_(0, bucket.out_index, o)
+        return out
+
+    def _buckets(self, meta: PagedAttentionMetadata, device: torch.device) -> list[_Bucket]:
+        key = ("torch", device)
+        cached = meta.backend_state.get(key)
+        if cached is None:
+            starts = meta.query_start_loc
+            decode = [i for i, n in enumerate(meta.query_lens) if n == 1]
+            prefill = [i for i, n in enumerate(meta.query_lens) if n > 1]
+            cached = [_bucket(meta, rows, starts, device) for rows in (decode, prefill) if rows]
+            meta.backend_state[key] = cached
+        return cached  # type: ignore[no-any-return]
+
+
+def _bucket(meta: PagedAttentionMetadata, rows: list[int], starts: list[int], device: torch.device) -> _Bucket:
+    bs = meta.block_size
+    num_tokens = starts[-1]
+    max_q = max(meta.query_lens[i] for i in rows)
+    # Gather only the blocks a query can see: from the window's first block (or the first live block) on.
+    first: list[int] = []
+    count: list[int] = []
+    for i in rows:
+        q_start = meta.seq_lens[i] - meta.query_lens[i]
+        lo = 0 if meta.sliding_window is None else max(0, q_start - meta.sliding_window + 1)
+        first_block = max(lo // bs, meta.block_offsets[i])
+        first.append(first_block)
+        count.append(-(-meta.seq_lens[i] // bs) - first_block)
+    width = max(count)
+    tables = meta.block_tables.to(device=device, dtype=torch.long)
+    row_index = torch.tensor(rows, device=device)
+    column = torch.arange(width, device=device)
+    skip = torch.tensor([f - meta.block_offsets[i] for f, i in zip(first, rows)], device=device)
+    table_column = (skip[:, None] + column[None, :]).clamp(max=tables.shape[1] - 1)
+    blocks = tables[row_index[:, None], table_column]
+    blocks = torch.where(column[None, :] < torch.tensor(count, device=device)[:, None], blocks, meta.pad_block)
+
+    # Positions: keys are block-aligned from `first`; queries are the last query_len positions.
+    key_pos = torch.tensor(first, device=device)[:, None] * bs + torch.arange(width * bs, device=device)[None, :]
+    q_len = torch.tensor([meta.query_lens[i] for i in rows], device=device)
+    seq_len = torch.tensor([meta.seq_lens[i] for i in rows], device=device)
+    t = torch.arange(max_q, device=device)
+    q_pos = (seq_len - q_len)[:, None] + t[None, :]  # (n, max_q)
+    mask = (key_pos[:, None, :] <= q_pos[:, :, None]) & (key_pos[:, None, :] < seq_len[:, None, None])
+    if meta.sliding_window is not None:
+        mask &= key_pos[:, None, :] > q_pos[:, :, None] - meta.sliding_window
+    real = t[None, :] < q_len[:, None]  # (n, max_q)
+    mask[:, :, 0] |= ~real  # padded query rows attend one key (no NaN); their output is dropped
+    starts_t = torch.tensor([starts[i] for i in rows], device=device)
+    query_index = torch.where(real, starts_t[:, None] + t[None, :], num_tokens)
+    valid = real.reshape(-1)
+    return _Bucket(query_index, valid, query_index.reshape(-1)[valid], blocks, mask[:, None])
+
+
+def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    n, width = blocks.shape
+    _, bs, heads, dim = cache.shape
+    return cache[blocks].reshape(n, width * bs, heads, dim).transpose(1, 2)
+
+
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, softcap: float | None
+) -> torch.Tensor:
+    groups = q.shape[1] // k.shape[1]
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=groups > 1)
+    if groups > 1:
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)
+
+
+_BACKEND = TorchPagedAttention()
+
+
+@hookimpl(trylast=True)
+def pagedcore_attention_backend(name: str | None) -> Any:
+    """The torch backend, for any device, when asked for by name or when nothing better answered."""
+    if name in (None, "torch"):
+        return _BACKEND
+    return None

@@ -1,0 +1,293 @@
+"""BlockManager: the safe version of the design note's interface, each bad input, atomicity."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from pagedcore import (
+    BlockManager,
+    ConfigError,
+    DoubleReleaseError,
+    InvalidBlockError,
+    OutOfBlocksError,
+    PagedCoreError,
+    PrefixTrie,
+    SharedBlockError,
+)
+
+
+def snapshot(bm: BlockManager) -> tuple:
+    return (
+        [bm.ref_count(b) for b in range(bm.num_blocks)],
+        [bm.is_cached(b) for b in range(bm.num_blocks)],
+        bm.num_free_blocks,
+        bm.num_evictable_blocks,
+    )
+
+
+@pytest.mark.parametrize("num_blocks", [0, -1, 1.5, True, "4"])
+def test_bad_num_blocks(num_blocks):
+    with pytest.raises(ConfigError, match="num_blocks"):
+        BlockManager(num_blocks, 16)
+
+
+@pytest.mark.parametrize("block_size", [0, -16, None])
+def test_bad_block_size(block_size):
+    with pytest.raises(ConfigError, match="block_size"):
+        BlockManager(4, block_size)
+
+
+def test_allocate_gives_ref_one_and_is_all_or_nothing():
+    bm = BlockManager(4, 16)
+    ids = bm.allocate(3)
+    assert sorted(ids) == [0, 1, 2]
+    assert all(bm.ref_count(b) == 1 for b in ids)
+    before = snapshot(bm)
+    with pytest.raises(OutOfBlocksError, match="2 blocks requested but only 1") as info:
+        bm.allocate(2)
+    assert info.value.requested == 2 and info.value.available == 1
+    assert snapshot(bm) == before
+    assert bm.can_allocate(1) and not bm.can_allocate(2)
+    bm.check_invariants()
+
+
+def test_allocate_rejects_negative():
+    bm = BlockManager(4, 16)
+    with pytest.raises(InvalidBlockError, match="-1"):
+        bm.allocate(-1)
+    assert bm.allocate(0) == []
+
+
+def test_release_goes_free_unless_cached():
+    bm = BlockManager(4, 2)
+    trie = PrefixTrie(bm)
+    a, b = bm.allocate(2)
+    trie.insert([1, 2], [a])
+    bm.release([b, a])
+    assert bm.num_free_blocks == 3  # b (never cached) plus the two untouched
+    assert bm.num_evictable_blocks == 1  # a is cached: its content stays reusable
+    bm.check_invariants()
+
+
+def test_double_release_is_an_error_and_changes_nothing():
+    bm = BlockManager(4, 16)
+    a, b = bm.allocate(2)
+    bm.release([a])
+    before = snapshot(bm)
+    with pytest.raises(DoubleReleaseError, match=rf"\[{a}\]"):
+        bm.release([b, a])  # b is fine, a is at 0: nothing may change, b included
+    assert snapshot(bm) == before
+    assert bm.ref_count(b) == 1
+
+
+def test_free_of_shared_block_raises_instead_of_recycling():
+    bm = BlockManager(4, 16)
+    (a,) = bm.allocate(1)
+    bm.retain([a])
+    before = snapshot(bm)
+    with pytest.raises(SharedBlockError, match=rf"{a} \(ref 2\)"):
+        bm.free([a])
+    assert snapshot(bm) == before
+    bm.release([a])
+    bm.free([a])
+    assert bm.num_free_blocks == 4
+    with pytest.raises(DoubleReleaseError):
+        bm.free([a])
+
+
+def test_free_of_cached_block_keeps_it_evictable():
+    bm = BlockManager(2, 2)
+    trie = PrefixTrie(bm)
+    (a,) = bm.allocate(1)
+    trie.insert([5, 6], [a])
+    bm.free([a])
+    assert bm.num_evictable_blocks == 1 and bm.num_free_blocks == 1
+    assert trie.match([5, 6, 7]).block_ids == [a]
+
+
+@pytest.mark.parametrize(
+    ("ids", "message"),
+    [
+        ([7], "out of range"),
+        ([-1], "out of range"),
+        ([0, 0], "more than once"),
+        (["x"], "not an integer"),
+        ([True], "not an integer"),
+        ([1.0], "not an integer"),
+    ],
+)
+@pytest.mark.parametrize("op", ["retain", "release", "free"])
+def test_bad_ids_are_typed_errors_naming_the_value(op, ids, message):
+    bm = BlockManager(4, 16)
+    bm.allocate(2)
+    before = snapshot(bm)
+    with pytest.raises(InvalidBlockError, match=message) as info:
+        getattr(bm, op)(ids)
+    assert isinstance(info.value, PagedCoreError)
+    assert str(ids[0]) in str(info.value) or repr(ids[0]) in str(info.value)
+    assert snapshot(bm) == before
+
+
+def test_retain_of_free_block_is_refused():
+    bm = BlockManager(4, 16)
+    with pytest.raises(InvalidBlockError, match="free"):
+        bm.retain([2])
+    assert bm.num_free_blocks == 4
+
+
+def test_numpy_like_ints_are_accepted():
+    class Index:
+        def __init__(self, v):
+            self.v = v
+
+        def __index__(self):
+            return self.v
+
+    bm = BlockManager(4, 16)
+    a = bm.allocate(1)[0]
+    bm.retain([Index(a)])
+    assert bm.ref_count(a) == 2
+
+
+def test_retain_revives_cached_block_out_of_evictable_pool():
+    bm = BlockManager(2, 2)
+    trie = PrefixTrie(bm)
+    (a,) = bm.allocate(1)
+    trie.insert([1, 2], [a])
+    bm.release([a])
+    assert bm.num_evictable_blocks == 1
+    bm.retain([a])
+    assert bm.num_evictable_blocks == 0 and bm.ref_count(a) == 1
+    # Now it cannot be evicted: only one block can be had.
+    assert bm.allocate(1) != [a]
+    with pytest.raises(OutOfBlocksError):
+        bm.allocate(1)
+
+
+def test_lru_eviction_order_and_trie_is_told():
+    evicted: list[list[int]] = []
+    bm = BlockManager(3, 1, on_evict=evicted.append)
+    trie = PrefixTrie(bm)
+    for token in (10, 20, 30):
+        (b,) = bm.allocate(1)
+        trie.insert([token], [b])
+        bm.release([b])
+    # Least recently released first.
+    got = bm.allocate(2)
+    assert len(evicted) == 1 and sorted(evicted[0]) == sorted(got)
+    assert trie.match([10]).block_ids == [] and trie.match([20]).block_ids == []
+    assert trie.match([30]).num_tokens == 1
+    bm.check_invariants()
+    trie.check_invariants()
+
+
+def test_evicting_a_parent_drops_its_subtree():
+    bm = BlockManager(4, 1)
+    trie = PrefixTrie(bm)
+    parent, child = bm.allocate(2)
+    trie.insert([1, 2], [parent, child])
+    # Release the parent first (as a sliding window would), keep the child held.
+    bm.release([parent])
+    other = bm.allocate(3)  # 2 free + evict the parent
+    assert parent in other
+    assert not bm.is_cached(child)  # unreachable without its parent
+    assert trie.match([1, 2]).block_ids == []
+    bm.release([child])
+    assert bm.num_free_blocks == 1  # child went straight to free, not evictable
+    bm.check_invariants()
+    trie.check_invariants()
+
+
+def test_on_evict_listener_failure_does_not_corrupt():
+    def boom(ids):
+        raise RuntimeError("observer bug")
+
+    bm = BlockManager(1, 1, on_evict=boom)
+    trie = PrefixTrie(bm)
+    (a,) = bm.allocate(1)
+    trie.insert([1], [a])
+    bm.release([a])
+    assert bm.allocate(1) == [a]
+    bm.check_invariants()
+
+
+class TestAppendSlot:
+    def test_grows_at_block_boundary(self):
+        bm = BlockManager(4, 2)
+        table = bm.allocate(1)
+        out = bm.append_slot(table, num_tokens=1)
+        assert out.block_ids == table and not out.new_block_ids and not out.copies
+        out = bm.append_slot(table, num_tokens=2)
+        assert len(out.block_ids) == 2 and out.new_block_ids == out.block_ids[1:]
+
+    def test_copy_on_write_of_shared_last_block(self):
+        bm = BlockManager(4, 4)
+        table = bm.allocate(1)
+        forked = bm.fork(table)
+        out = bm.append_slot(table, num_tokens=3, num_new_tokens=1)
+        assert out.copies == [(table[0], out.block_ids[0])]
+        assert bm.ref_count(table[0]) == 1  # the fork alone holds the original now
+        assert forked == table
+        bm.check_invariants()
+
+    def test_copy_on_write_of_cached_partial_block(self):
+        bm = BlockManager(4, 4)
+        trie = PrefixTrie(bm)
+        table = bm.allocate(1)
+        trie.insert([1, 2, 3, 4], table)
+        # A sequence reusing the first 3 tokens of the cached block must not write into it.
+        out = bm.append_slot(table, num_tokens=3, num_new_tokens=1)
+        assert out.copies and out.block_ids != table
+        assert trie.match([1, 2, 3, 4]).block_ids == table
+
+    def test_no_copy_when_block_is_full(self):
+        bm = BlockManager(4, 2)
+        table = bm.allocate(1)
+        bm.fork(table)
+        out = bm.append_slot(table, num_tokens=2, num_new_tokens=1)
+        assert not out.copies and out.block_ids[0] == table[0]
+
+    def test_atomic_when_short(self):
+        bm = BlockManager(2, 2)
+        table = bm.allocate(1)
+        bm.fork(table)
+        before = snapshot(bm)
+        with pytest.raises(OutOfBlocksError):
+            bm.append_slot(table, num_tokens=1, num_new_tokens=3)  # copy + 1 more block: 2 needed, 1 free
+        assert snapshot(bm) == before
+
+    @pytest.mark.parametrize(("tokens", "count"), [(0, 1), (5, 1), (2, 3)])
+    def test_table_length_must_match_tokens(self, tokens, count):
+        bm = BlockManager(8, 2)
+        table = bm.allocate(count)
+        with pytest.raises(InvalidBlockError, match="needs"):
+            bm.append_slot(table, num_tokens=tokens)
+
+    def test_bad_counts(self):
+        bm = BlockManager(8, 2)
+        with pytest.raises(InvalidBlockError, match="num_new_tokens"):
+            bm.append_slot([], 0, -1)
+        with pytest.raises(InvalidBlockError, match="not held"):
+            bm.append_slot([3], 1, 1)
+
+
+def test_queries_have_no_side_effects():
+    bm = BlockManager(4, 2)
+    trie = PrefixTrie(bm)
+    a = bm.allocate(2)
+    trie.insert([1, 2, 3, 4], a)
+    before = snapshot(bm)
+    clone = copy.deepcopy(before)
+    for b in range(4):
+        bm.ref_count(b)
+        bm.is_cached(b)
+    bm.can_allocate(3)
+    _ = (bm.num_free_blocks, bm.num_evictable_blocks, bm.num_used_blocks, bm.num_cached_blocks, bm.usage)
+    trie.match([1, 2, 3, 4])
+    assert snapshot(bm) == clone
+
+
+def test_repr_mentions_counts():
+    assert "free=4" in repr(BlockManager(4, 16))

@@ -1,0 +1,157 @@
+"""KVPool and BlockTables: groups, prefix attach, copy-on-write, sliding windows, forks, truncation."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedcore import BlockTables, ConfigError, InvalidBlockError, KVPool, OutOfBlocksError
+
+
+def finished_sequence(pool, tokens, namespace=None):
+    seq = BlockTables(pool)
+    seq.append(len(tokens))
+    seq.cache_full_blocks(tokens, len(tokens), namespace)
+    seq.release()
+
+
+def test_pool_validates_windows():
+    with pytest.raises(ConfigError, match="window"):
+        KVPool(4, 2, sliding_windows=(None, 0))
+    with pytest.raises(ConfigError, match="at least one group"):
+        KVPool(4, 2, sliding_windows=())
+
+
+def test_append_slots_and_release():
+    pool = KVPool(8, 4)
+    seq = BlockTables(pool)
+    assert seq.append(6) == []
+    assert seq.slots(0, 0, 6) == [0, 1, 2, 3, 4, 5]
+    seq.append(3)
+    assert seq.num_tokens == 9 and len(seq.table(0)) == 3
+    with pytest.raises(InvalidBlockError, match="not held"):
+        seq.slots(0, 5, 10)
+    seq.release()
+    seq.release()  # idempotent
+    assert pool.num_used_blocks == 0
+    with pytest.raises(InvalidBlockError, match="released"):
+        seq.append(1)
+
+
+def test_append_is_atomic_across_groups():
+    pool = KVPool(2, 2, sliding_windows=(None, 2))
+    seq = BlockTables(pool)
+    seq.append(4)
+    with pytest.raises(OutOfBlocksError, match="group 0"):
+        seq.append(1)
+    assert seq.num_tokens == 4
+    assert [g.block_manager.num_used_blocks for g in pool.groups] == [2, 2]
+
+
+def test_prefix_attach_with_partial_block_copies_on_write():
+    pool = KVPool(8, 4)
+    finished_sequence(pool, list(range(8)))
+    match = pool.match(list(range(8)))
+    assert match.num_tokens == 8
+    seq = BlockTables(pool)
+    seq.attach(match, 7)  # keep the last prompt token to compute
+    assert seq.table(0) == match.block_ids[0]
+    copies = seq.append(1)
+    assert len(copies) == 1 and copies[0][1] == match.block_ids[0][1]
+    assert seq.table(0)[1] != match.block_ids[0][1]
+    pool.check_invariants()
+    seq.release()
+    assert pool.num_used_blocks == 0
+
+
+def test_duplicate_content_switches_to_the_cached_block():
+    pool = KVPool(8, 2)
+    a, b = BlockTables(pool), BlockTables(pool)
+    a.append(4)
+    b.append(4)
+    a.cache_full_blocks([1, 2, 3, 4], 4)
+    b.cache_full_blocks([1, 2, 3, 4], 4)  # computed the same content concurrently
+    assert b.table(0) == a.table(0)
+    assert pool.groups[0].block_manager.num_used_blocks == 2
+    a.release()
+    b.release()
+    pool.check_invariants()
+
+
+def test_sliding_window_drops_blocks_and_keeps_full_group():
+    pool = KVPool(16, 4, sliding_windows=(None, 5))
+    seq = BlockTables(pool)
+    seq.append(12)
+    # A query at 12 sees keys > 12 - 5, i.e. from 8 on: blocks 0 and 1 of the sliding group go.
+    assert seq.drop_out_of_window(12) == 2
+    assert seq.num_dropped(1) == 2 and seq.num_dropped(0) == 0
+    assert len(seq.table(0)) == 3 and len(seq.table(1)) == 1
+    assert seq.slots(1, 8, 12) == [seq.table(1)[0] * 4 + i for i in range(4)]
+    with pytest.raises(InvalidBlockError):
+        seq.slots(1, 0, 4)
+    seq.append(1)  # still consistent after dropping
+    assert seq.num_tokens == 13
+    seq.release()
+    assert pool.num_used_blocks == 0
+
+
+def test_sliding_group_keeps_caching_through_its_evictable_head():
+    pool = KVPool(16, 2, sliding_windows=(None, 2))
+    tokens = list(range(8))
+    seq = BlockTables(pool)
+    seq.append(4)
+    seq.cache_full_blocks(tokens, 4)
+    seq.drop_out_of_window(4)
+    seq.append(4)
+    seq.cache_full_blocks(tokens, 8)
+    assert pool.match(tokens).num_tokens == 8
+    seq.release()
+    pool.check_invariants()
+
+
+def test_fork_shares_and_copies_on_write():
+    pool = KVPool(8, 4)
+    parent = BlockTables(pool)
+    parent.append(6)
+    child = parent.fork()
+    assert child.table(0) == parent.table(0)
+    copies = child.append(1)
+    assert len(copies) == 1  # the shared, partly filled last block
+    assert child.table(0)[0] == parent.table(0)[0] and child.table(0)[1] != parent.table(0)[1]
+    parent.release()
+    child.release()
+    assert pool.num_used_blocks == 0
+
+
+def test_truncate_releases_tail_blocks():
+    pool = KVPool(8, 4)
+    seq = BlockTables(pool)
+    seq.append(10)
+    seq.truncate(5)
+    assert seq.num_tokens == 5 and len(seq.table(0)) == 2
+    with pytest.raises(InvalidBlockError, match="outside"):
+        seq.truncate(6)
+    seq.truncate(0)
+    assert pool.num_used_blocks == 0
+
+
+def test_truncate_refuses_positions_that_left_the_window():
+    pool = KVPool(16, 2, sliding_windows=(None, 2))
+    seq = BlockTables(pool)
+    seq.append(8)
+    seq.drop_out_of_window(8)
+    with pytest.raises(InvalidBlockError, match="window"):
+        seq.truncate(2)
+    assert seq.num_tokens == 8
+
+
+def test_attach_checks():
+    pool = KVPool(8, 4)
+    finished_sequence(pool, list(range(8)))
+    match = pool.match(list(range(8)))
+    seq = BlockTables(pool)
+    with pytest.raises(InvalidBlockError, match="outside"):
+        seq.attach(match, 9)
+    seq.append(1)
+    with pytest.raises(InvalidBlockError, match="already holds"):
+        seq.attach(match, 4)
+    seq.release()

@@ -1,0 +1,263 @@
+"""Scheduler: chunked prefill, decode-first, prefix hits, preemption by recompute, forks, aborts, bad input."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from fake_model import FakeModel, reference_output
+
+from pagedcore import (
+    DuplicateRequestError,
+    FinishReason,
+    InvalidRequestError,
+    KVPool,
+    RequestNotFoundError,
+    Scheduler,
+    SchedulerConfig,
+    Sequence,
+)
+
+
+def run_to_completion(sched: Scheduler, model: FakeModel, max_steps: int = 10_000) -> dict[str, Sequence]:
+    done: dict[str, Sequence] = {}
+    for _ in range(max_steps):
+        if not sched.has_unfinished():
+            return done
+        out = sched.schedule()
+        for seq in sched.update(out, model.step(out)):
+            done[seq.request_id] = seq
+        sched.check_invariants()
+    raise AssertionError("did not finish: deadlock or livelock")
+
+
+def make(num_blocks=32, block_size=4, windows=(None,), **cfg) -> tuple[Scheduler, FakeModel]:
+    sched = Scheduler(KVPool(num_blocks, block_size, windows), SchedulerConfig(**cfg))
+    return sched, FakeModel(sched)
+
+
+def test_chunked_prefill_respects_budget_then_decodes():
+    sched, model = make(max_num_batched_tokens=4)
+    sched.add(Sequence("a", list(range(10)), max_new_tokens=3))
+    chunks = []
+    while sched.has_unfinished():
+        out = sched.schedule()
+        assert out.num_batched_tokens <= 4
+        chunks.append([(s.start, len(s.token_ids), s.sample) for s in out.scheduled])
+        sched.update(out, model.step(out))
+    assert chunks[:3] == [[(0, 4, False)], [(4, 4, False)], [(8, 2, True)]]
+    assert chunks[3:] == [[(10, 1, True)], [(11, 1, True)]]
+
+
+def test_decodes_come_first_and_outputs_match_reference():
+    sched, model = make(max_num_batched_tokens=8)
+    sched.add(Sequence("a", [1, 2, 3], max_new_tokens=4))
+    out = sched.schedule()
+    sched.update(out, model.step(out))
+    sched.add(Sequence("b", list(range(20)), max_new_tokens=2))
+    out = sched.schedule()
+    assert [s.request_id for s in out.scheduled] == ["a", "b"]
+    assert len(out.scheduled[1].token_ids) == 7  # the rest of the budget goes to b's prefill chunk
+    sched.update(out, model.step(out))
+    done = run_to_completion(sched, model)
+    assert done["a"].output_token_ids == reference_output([1, 2, 3], 4)
+    assert done["b"].output_token_ids == reference_output(list(range(20)), 2)
+
+
+def test_prefix_hit_shortens_prefill_and_full_hit_leaves_last_token():
+    sched, model = make(block_size=4)
+    prompt = list(range(12))
+    sched.add(Sequence("a", prompt, max_new_tokens=1))
+    run_to_completion(sched, model)
+    sched.add(Sequence("b", [*prompt, 99, 98], max_new_tokens=1))
+    out = sched.schedule()
+    (item,) = out.scheduled
+    assert item.start == 12 and item.token_ids == [99, 98]
+    sched.update(out, model.step(out))
+    # The whole prompt is cached: only its last token is computed (through a copy of the shared last block).
+    sched.add(Sequence("c", prompt, max_new_tokens=2))
+    out = sched.schedule()
+    (item,) = out.scheduled
+    assert item.start == 11 and item.token_ids == [11]
+    assert len(out.copies) == 1
+    sched.update(out, model.step(out))
+    done = run_to_completion(sched, model)
+    assert done["c"].output_token_ids == reference_output(prompt, 2)
+    assert sched.pool.num_hit_tokens == 12 + 11
+    assert sched.stats.num_prompt_tokens_computed == 12 + 2 + 1
+
+
+def test_namespaces_do_not_share_prefixes():
+    sched, model = make()
+    prompt = list(range(12))
+    sched.add(Sequence("a", prompt, max_new_tokens=1, namespace="tenant-a"))
+    run_to_completion(sched, model)
+    sched.add(Sequence("b", prompt, max_new_tokens=1, namespace="tenant-b"))
+    out = sched.schedule()
+    assert out.scheduled[0].start == 0
+
+
+def test_preemption_by_recompute_and_rehit_of_own_prefix():
+    # 8 blocks of 4 tokens; three sequences that grow to 20 tokens (5 blocks) each cannot all run.
+    sched, model = make(num_blocks=8, block_size=4, max_num_batched_tokens=64)
+    prompts = {name: [i] * 8 for i, name in enumerate("abc")}
+    for name, prompt in prompts.items():
+        sched.add(Sequence(name, prompt, max_new_tokens=12))
+    done = run_to_completion(sched, model)
+    assert sched.stats.num_preemptions > 0
+    assert any(s.num_preemptions and s.num_cached_tokens for s in done.values()), "a preempted sequence re-hit"
+    for name, prompt in prompts.items():
+        assert done[name].output_token_ids == reference_output(prompt, 12)
+    assert sched.pool.num_used_blocks == 0
+
+
+def test_request_that_can_never_fit_is_rejected_when_added():
+    sched, _ = make(num_blocks=4, block_size=4)
+    with pytest.raises(InvalidRequestError, match=r"can never fit: 10 prompt tokens \+ 10 new tokens need 5 blocks"):
+        sched.add(Sequence("big", list(range(10)), max_new_tokens=10))
+    assert not sched.has_unfinished()
+    sched.add(Sequence("exact", list(range(10)), max_new_tokens=6))  # exactly the whole pool: fine
+    model = FakeModel(sched)
+    done = run_to_completion(sched, model)
+    assert done["exact"].output_token_ids == reference_output(list(range(10)), 6)
+
+
+def test_sliding_window_requests_need_only_their_window():
+    sched, model = make(num_blocks=6, block_size=4, windows=(8,), max_num_batched_tokens=8)
+    prompt = list(range(30))
+    sched.add(Sequence("long", prompt, max_new_tokens=20))  # 50 tokens = 13 blocks, but the window needs few
+    done = run_to_completion(sched, model)
+    assert done["long"].output_token_ids == reference_output(prompt, 20)
+
+
+def test_hybrid_groups_release_only_sliding_blocks():
+    sched, model = make(num_blocks=16, block_size=4, windows=(None, 4), max_num_batched_tokens=64)
+    sched.add(Sequence("a", list(range(40)), max_new_tokens=4))
+    out = sched.schedule()
+    sched.update(out, model.step(out))
+    seq = sched.get("a")
+    assert seq.blocks.num_dropped(1) > 0 and seq.blocks.num_dropped(0) == 0
+    run_to_completion(sched, model)
+
+
+def test_abort_releases_everything():
+    sched, model = make()
+    sched.add(Sequence("a", list(range(9)), max_new_tokens=5))
+    sched.add(Sequence("b", list(range(9)), max_new_tokens=5))
+    out = sched.schedule()
+    sched.update(out, model.step(out))
+    aborted = sched.abort("a")
+    assert [s.finish_reason for s in aborted] == [FinishReason.ABORT]
+    with pytest.raises(RequestNotFoundError, match="'a'"):
+        sched.abort("a")
+    run_to_completion(sched, model)
+    assert sched.pool.num_used_blocks == 0
+
+
+def test_abort_after_schedule_before_update_is_skipped():
+    sched, model = make()
+    sched.add(Sequence("a", [1, 2, 3], max_new_tokens=5))
+    out = sched.schedule()
+    sampled = model.step(out)
+    sched.abort("a")
+    assert sched.update(out, sampled) == []
+    assert sched.pool.num_used_blocks == 0
+
+
+def test_fork_parallel_samples_share_prompt_blocks():
+    sched, model = make(num_blocks=32, block_size=4)
+    sched.add(Sequence("p", list(range(10)), max_new_tokens=3, num_samples=3))
+    out = sched.schedule()
+    assert out.scheduled[0].num_samples == 3
+    sched.update(out, model.step(out))
+    family = [sched.get("p"), sched.get("p#1"), sched.get("p#2")]
+    tables = [s.blocks.table(0) for s in family]
+    assert tables[0] == tables[1] == tables[2]  # shared until each writes
+    assert [s.output_token_ids[0] for s in family] == [(family[0].output_token_ids[0] + k) % 50 for k in range(3)]
+    out = sched.schedule()
+    assert len(out.copies) == 2  # two of the three copy the shared partial block; the last writer keeps it
+    sched.update(out, model.step(out))
+    done = run_to_completion(sched, model)
+    assert {s.group_id for s in done.values()} == {"p"}
+    assert sched.pool.num_used_blocks == 0
+
+
+def test_bad_input():
+    sched, _ = make(max_num_seqs=4)
+    with pytest.raises(InvalidRequestError, match="empty"):
+        Sequence("x", [], max_new_tokens=1)
+    with pytest.raises(InvalidRequestError, match="max_new_tokens"):
+        Sequence("x", [1], max_new_tokens=0)
+    with pytest.raises(InvalidRequestError, match="num_samples"):
+        Sequence("x", [1], max_new_tokens=1, num_samples=0)
+    with pytest.raises(InvalidRequestError, match=r"\[-3\]"):
+        Sequence("x", [1, -3], max_new_tokens=1)
+    with pytest.raises(InvalidRequestError, match="100 parallel samples"):
+        sched.add(Sequence("x", [1], max_new_tokens=1, num_samples=100))
+    sched.add(Sequence("x", [1], max_new_tokens=1))
+    with pytest.raises(DuplicateRequestError, match="'x'"):
+        sched.add(Sequence("x", [1], max_new_tokens=1))
+    with pytest.raises(InvalidRequestError, match="expected a Sequence"):
+        sched.add("x")  # type: ignore[arg-type]
+    out = sched.schedule()
+    with pytest.raises(InvalidRequestError, match="needs 1 sampled tokens, got 0"):
+        sched.update(out, {})
+    assert sched.get("x").num_computed_tokens == 0  # nothing changed
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("windows", [(None,), (None, 6)])
+def test_randomized_run_with_fake_model(seed, windows):
+    rng = random.Random(seed)
+    block_size = rng.choice([1, 2, 4])
+    budget = rng.choice([3, 8, 32])
+    sched, model = make(
+        num_blocks=24,
+        block_size=block_size,
+        windows=windows,
+        max_num_batched_tokens=budget,
+        max_num_seqs=rng.choice([2, 4, 8]),
+    )
+    prefixes = [[rng.randrange(50) for _ in range(rng.randrange(1, 12))] for _ in range(3)]
+    expected: dict[str, list[int]] = {}
+    rejected: set[str] = set()
+    aborted: set[str] = set()
+    done: dict[str, Sequence] = {}
+    next_id = 0
+    for _ in range(400):
+        for _ in range(rng.choice([0, 0, 1, 2])):  # arrivals between steps
+            prompt = rng.choice(prefixes) + [rng.randrange(50) for _ in range(rng.randrange(0, 10))]
+            if not prompt:
+                prompt = [1]
+            rid = f"r{next_id}"
+            next_id += 1
+            n = rng.choice([1, 1, 1, 2])
+            seq = Sequence(
+                rid, prompt, max_new_tokens=rng.randrange(1, 14), num_samples=n, namespace=rng.choice([None, None, "t"])
+            )
+            try:
+                sched.add(seq)
+            except InvalidRequestError:
+                rejected.add(rid)
+                continue
+            expected[rid] = prompt
+        if sched.has_unfinished() and rng.random() < 0.03:
+            victim = rng.choice(sched.sequences())
+            aborted.update(s.request_id for s in sched.abort(victim.group_id))
+        out = sched.schedule()
+        assert out.num_batched_tokens <= budget
+        assert sched.num_running <= sched.config.max_num_seqs
+        for seq in sched.update(out, model.step(out)):
+            done[seq.request_id] = seq
+        sched.check_invariants()
+        if next_id > 60 and not sched.has_unfinished():
+            break
+    done.update(run_to_completion(sched, model))
+    assert sched.pool.num_used_blocks == 0, "blocks leaked"
+    for rid, prompt in expected.items():
+        if rid in aborted:
+            continue
+        seq = done[rid]
+        assert seq.finish_reason in (FinishReason.LENGTH, FinishReason.STOP)
+        # Sample 0 of every request follows the deterministic reference exactly, whatever the batching.
+        assert seq.output_token_ids == reference_output(prompt, seq.max_new_tokens)
