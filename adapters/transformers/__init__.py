@@ -1,1 +1,36 @@
-"""transformers adapter (in progress)."""
+"""pagedcore for Hugging Face transformers.
+
+- :class:`PagedCache`: a drop-in ``Cache`` for ``model.generate`` backed by a paged, ref-counted pool.
+- :class:`PagedKVPool`: the paged KV memory of a model, shareable between caches, with a prefix cache.
+- ``attn_implementation="paged"``: attention that reads straight from the pool (registered on import).
+
+Example:
+    >>> import torch
+    >>> from transformers import LlamaConfig, LlamaForCausalLM
+    >>> from pagedcore.adapters.transformers import PagedCache
+    >>> model = LlamaForCausalLM(LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+    ...     num_hidden_layers=2, intermediate_size=128, vocab_size=100)).eval()
+    >>> ids = torch.tensor([[1, 2, 3, 4]])
+    >>> out = model.generate(ids, max_new_tokens=3, do_sample=False, cache=PagedCache(model, num_blocks=32))
+    >>> out.shape
+    torch.Size([1, 7])
+"""
+
+from .attention import ForwardContext, paged_attention_forward, register
+from .cache import CacheMemoryStats, PagedCache
+from .pool import MemoryStats, PagedKVPool
+from .spec import LayerSpec, ModelKVSpec
+
+register()
+
+__all__ = [
+    "CacheMemoryStats",
+    "ForwardContext",
+    "LayerSpec",
+    "MemoryStats",
+    "ModelKVSpec",
+    "PagedCache",
+    "PagedKVPool",
+    "paged_attention_forward",
+    "register",
+]

@@ -1,0 +1,319 @@
+"""PagedKVPool: a model's paged KV memory (one tensor pair per layer) plus its block bookkeeping and prefix cache.
+
+A pool outlives caches: :class:`~pagedcore.adapters.transformers.PagedCache` objects and the
+:class:`~pagedcore.adapters.transformers.Engine` take blocks from it and give them back, and the prefix trie
+inside keeps finished sequences' blocks for later prompts. Each layer's tensors are created on the device and
+dtype of the first keys that layer stores, so models split over devices (accelerate's ``device_map``) work.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections.abc import Hashable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pagedcore.attention import AttentionBackend
+from pagedcore.errors import ConfigError, PoolMismatchError
+from pagedcore.kv_pool import KVPool
+from pagedcore.plugin_manager import PluginManager, default_plugin_manager
+
+from .spec import ModelKVSpec, text_config
+
+__all__ = ["MemoryStats", "PagedKVPool", "parse_bytes"]
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "kib": 2**10,
+    "m": 10**6,
+    "mb": 10**6,
+    "mib": 2**20,
+    "g": 10**9,
+    "gb": 10**9,
+    "gib": 2**30,
+    "t": 10**12,
+    "tb": 10**12,
+    "tib": 2**40,
+}
+_DEFAULT_TOKENS = 32_768  # default capacity when neither num_blocks nor memory_budget is given
+
+
+def parse_bytes(value: int | float | str) -> int:
+    """``"2GiB"``, ``"512 MB"``, ``1_000_000`` -> bytes.
+
+    Example:
+        >>> parse_bytes("1.5 GiB"), parse_bytes(4096)
+        (1610612736, 4096)
+    """
+    if isinstance(value, bool):
+        raise ConfigError(f"memory budget must be a number of bytes or a string like '2GiB', got {value!r}")
+    if isinstance(value, (int, float)):
+        return int(value)
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+    if match is None or match.group(2).lower() not in _UNITS:
+        raise ConfigError(f"memory budget {value!r} is not a size like '2GiB' or '512MB'")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+@dataclass(frozen=True)
+class MemoryStats:
+    """KV memory of a pool, in bytes.
+
+    Attributes:
+        capacity_bytes: what the pool can hold (all blocks of all layers).
+        allocated_bytes: layer tensors created so far (they are created lazily, at their layer's first keys).
+        used_bytes: blocks held by running sequences or caches (real tokens rounded up to whole blocks).
+        cached_bytes: blocks kept only by the prefix cache (reusable, evicted when room is needed).
+        used_blocks: block references held, summed over KV groups.
+        num_blocks: blocks per KV group.
+        block_size: tokens per block.
+    """
+
+    capacity_bytes: int
+    allocated_bytes: int
+    used_bytes: int
+    cached_bytes: int
+    used_blocks: int
+    num_blocks: int
+    block_size: int
+
+
+class PagedKVPool:
+    """Paged KV memory for one model.
+
+    Args:
+        model: the model (or its config) the pool serves.
+        num_blocks: blocks per KV group. Give this or ``memory_budget``.
+        memory_budget: bytes (or a string like ``"2GiB"``) for all layers' keys and values together.
+        block_size: tokens per block (default 16).
+        dtype: dtype of the stored keys and values, to size a memory budget (default: the model's dtype).
+        eviction_policy: name of the eviction policy plugin to use ("lru" by default).
+        plugins: plugin manager for policies, hashing and events (the default one when omitted).
+
+    Without ``num_blocks`` or ``memory_budget`` the pool holds 32,768 tokens.
+
+    Example:
+        >>> from transformers import LlamaConfig
+        >>> config = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+        ...                      num_hidden_layers=2, intermediate_size=128, vocab_size=100)
+        >>> pool = PagedKVPool(config, memory_budget="1MiB", block_size=16, dtype=torch.float32)
+        >>> pool.num_blocks, pool.block_size
+        (128, 16)
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        *,
+        num_blocks: int | None = None,
+        memory_budget: int | float | str | None = None,
+        block_size: int = 16,
+        dtype: torch.dtype | None = None,
+        eviction_policy: str | None = None,
+        plugins: PluginManager | None = None,
+    ) -> None:
+        self.spec = ModelKVSpec.from_model(model)
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
+            raise ConfigError(f"block_size must be a positive integer, got {block_size!r}")
+        if dtype is None:
+            dtype = getattr(model, "dtype", None) or getattr(text_config(model), "dtype", None) or torch.float32
+            if isinstance(dtype, str):
+                dtype = getattr(torch, dtype)
+        self._dtype: torch.dtype = dtype
+        per_block = self.spec.bytes_per_block(block_size, dtype)
+        if num_blocks is not None and memory_budget is not None:
+            raise ConfigError("give num_blocks or memory_budget, not both")
+        if num_blocks is None:
+            if memory_budget is None:
+                num_blocks = -(-_DEFAULT_TOKENS // block_size)
+            else:
+                budget = parse_bytes(memory_budget)
+                num_blocks = budget // per_block
+                if num_blocks < 1:
+                    raise ConfigError(
+                        f"memory budget {memory_budget!r} holds no block: one block of {block_size} tokens costs "
+                        f"{per_block} bytes over all layers"
+                    )
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
+            raise ConfigError(f"num_blocks must be a positive integer, got {num_blocks!r}")
+        self.plugins = plugins if plugins is not None else default_plugin_manager()
+        policy_name = eviction_policy
+        self.plugins.eviction_policy(policy_name, num_blocks)  # fail now on an unknown policy name
+        self.kv = KVPool(
+            num_blocks,
+            block_size,
+            self.spec.windows,
+            eviction_policy=lambda: self.plugins.eviction_policy(policy_name, num_blocks),
+            hash_fn=self.plugins.block_hasher(),
+            on_evict=self._on_evict,
+        )
+        self._bytes_per_block = per_block
+        self._layers: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * self.spec.num_layers
+        # Bookkeeping lock: caches of several threads may share one pool. Tensor reads and writes need no lock:
+        # each sequence writes only blocks it holds alone (copy-on-write), and cached blocks are never written.
+        self.lock = threading.RLock()
+        self._backends: dict[tuple[str, torch.dtype, str | None], AttentionBackend] = {}
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def num_blocks(self) -> int:
+        """Blocks per KV group."""
+        return self.kv.num_blocks
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per block."""
+        return self.kv.block_size
+
+    @property
+    def pad_block(self) -> int:
+        """The extra, always-zero block at the end of every layer tensor (for padded gathers)."""
+        return self.kv.num_blocks
+
+    @property
+    def num_query_tokens(self) -> int:
+        """Prompt tokens looked up in the prefix cache."""
+        return self.kv.num_query_tokens
+
+    @property
+    def num_hit_tokens(self) -> int:
+        """Prompt tokens served from the prefix cache."""
+        return self.kv.num_hit_tokens
+
+    @property
+    def hit_rate(self) -> float:
+        """Prefix-cache hit rate in tokens."""
+        return self.kv.hit_rate
+
+    def group_of(self, layer_idx: int) -> int:
+        """The KV group of a layer (raises for layers without a cache)."""
+        group = self.spec.layer_groups[layer_idx]
+        if group is None:
+            raise ConfigError(f"layer {layer_idx} has no KV cache of its own")
+        return group
+
+    def layer_tensors(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A layer's ``(keys, values)`` pool, each ``(num_blocks + 1, block_size, kv_heads, head_dim)``, or None
+        before the layer stored anything."""
+        return self._layers[layer_idx]
+
+    def attention_backend(self, device: torch.device, dtype: torch.dtype, name: str | None = None) -> AttentionBackend:
+        """The attention backend the plugins choose for a device type and dtype (looked up once, then cached)."""
+        key = (device.type, dtype, name)
+        backend = self._backends.get(key)
+        if backend is None:
+            backend = self._backends[key] = self.plugins.attention_backend(device.type, dtype, name)
+        return backend
+
+    def memory_stats(self) -> MemoryStats:
+        """KV memory: capacity, what is allocated, used by holders and kept by the prefix cache."""
+        per_group = self._group_block_bytes()
+        used = sum(per_group[g.index] * g.block_manager.num_used_blocks for g in self.kv.groups)
+        cached = sum(per_group[g.index] * g.block_manager.num_evictable_blocks for g in self.kv.groups)
+        allocated = sum(
+            k.numel() * k.element_size() + v.numel() * v.element_size()
+            for k, v in (t for t in self._layers if t is not None)
+        )
+        return MemoryStats(
+            capacity_bytes=self._bytes_per_block * self.num_blocks,
+            allocated_bytes=allocated,
+            used_bytes=used,
+            cached_bytes=cached,
+            used_blocks=self.kv.num_used_blocks,
+            num_blocks=self.num_blocks,
+            block_size=self.block_size,
+        )
+
+    def block_bytes(self, group: int) -> int:
+        """Bytes one block of ``group`` costs over that group's layers."""
+        return self._group_block_bytes()[group]
+
+    # ------------------------------------------------------------------ commands
+    def layer_kv(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A layer's pool tensors, created on the device and dtype of ``keys`` at the first call.
+
+        ``keys``/``values`` are ``(..., kv_heads, head_dim)`` in their last two dimensions.
+        """
+        tensors = self._layers[layer_idx]
+        if tensors is None:
+            with self.lock:
+                tensors = self._layers[layer_idx]
+                if tensors is None:
+                    tensors = self._create(layer_idx, keys, values)
+                    self._layers[layer_idx] = tensors
+        k, v = tensors
+        if keys.shape[-2:] != k.shape[-2:] or values.shape[-2:] != v.shape[-2:]:
+            raise PoolMismatchError(
+                f"layer {layer_idx} stores keys {tuple(keys.shape[-2:])} / values {tuple(values.shape[-2:])} "
+                f"(kv_heads, head_dim) but the pool holds {tuple(k.shape[-2:])} / {tuple(v.shape[-2:])}: "
+                "the pool was built for another model or config"
+            )
+        return k, v
+
+    def copy_blocks(self, copies: list[tuple[int, int, int]]) -> None:
+        """Perform copy-on-write copies ``(group, source, destination)`` in every layer of each group."""
+        if not copies:
+            return
+        for layer_idx, tensors in enumerate(self._layers):
+            if tensors is None:
+                continue
+            group = self.spec.layer_groups[layer_idx]
+            pairs = [(src, dst) for g, src, dst in copies if g == group]
+            if not pairs:
+                continue
+            device = tensors[0].device
+            src = torch.tensor([p[0] for p in pairs], device=device)
+            dst = torch.tensor([p[1] for p in pairs], device=device)
+            for t in tensors:
+                t.index_copy_(0, dst, t.index_select(0, src))
+
+    def clear_prefix_cache(self, *namespaces: Hashable) -> int:
+        """Forget cached prefixes (of the given namespaces, or all). Returns blocks forgotten."""
+        with self.lock:
+            return self.kv.clear_prefix_cache(*namespaces)
+
+    def check_invariants(self) -> None:
+        """Raise ``AssertionError`` on inconsistent bookkeeping (tests, debugging)."""
+        with self.lock:
+            self.kv.check_invariants()
+
+    def __repr__(self) -> str:
+        stats = self.memory_stats()
+        return (
+            f"PagedKVPool({self.spec.model_type}, num_blocks={self.num_blocks}, block_size={self.block_size}, "
+            f"groups={len(self.kv.groups)}, used_blocks={stats.used_blocks}, "
+            f"cached_blocks={self.kv.num_cached_blocks})"
+        )
+
+    # ------------------------------------------------------------------ internals
+    def _create(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        layer = self.spec.layers[layer_idx]
+        if not layer.has_cache:
+            raise PoolMismatchError(f"layer {layer_idx} ({layer.layer_type}) has no KV cache of its own")
+        expected = (layer.num_kv_heads, layer.head_dim)
+        if tuple(keys.shape[-2:]) != expected or values.shape[-1] != layer.v_head_dim:
+            raise PoolMismatchError(
+                f"layer {layer_idx} produces keys with (kv_heads, head_dim) = {tuple(keys.shape[-2:])} but the "
+                f"pool was sized for {expected} from the config of {self.spec.model_type!r}"
+            )
+        shape = (self.num_blocks + 1, self.block_size)  # + the zero pad block
+        k = torch.zeros(*shape, *keys.shape[-2:], dtype=keys.dtype, device=keys.device)
+        v = torch.zeros(*shape, *values.shape[-2:], dtype=values.dtype, device=values.device)
+        return k, v
+
+    def _group_block_bytes(self) -> list[int]:
+        item = torch.empty((), dtype=self._dtype).element_size()
+        out = [0] * len(self.kv.groups)
+        for layer, group in zip(self.spec.layers, self.spec.layer_groups):
+            if group is not None:
+                out[group] += self.block_size * layer.num_kv_heads * (layer.head_dim + layer.v_head_dim) * item
+        return out
+
+    def _on_evict(self, group: int, block_ids: list[int]) -> None:
+        self.plugins.emit("pagedcore_blocks_evicted", group=group, block_ids=block_ids)

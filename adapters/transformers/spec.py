@@ -1,0 +1,150 @@
+"""What a transformers model needs from a paged KV cache: per layer, its attention kind, KV heads and head size.
+
+Built from the model's config with transformers' own layer-type inference, so the layer kinds (full, sliding) are
+exactly those :class:`transformers.DynamicCache` would use. Models the paged cache cannot serve get an
+:class:`~pagedcore.errors.UnsupportedModelError` naming the model type instead of silently wrong output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import PretrainedConfig, PreTrainedModel
+from transformers.cache_utils import get_layer_types_and_kwargs
+
+from pagedcore.errors import PoolMismatchError, UnsupportedModelError
+
+__all__ = ["LayerSpec", "ModelKVSpec", "text_config"]
+
+_SUPPORTED = {"full_attention", "sliding_attention", "dummy"}
+_WHY = {
+    "chunked_attention": "chunked attention (e.g. Llama 4) keeps per-chunk state the paged cache does not model",
+    "linear_attention": "linear-attention / state-space layers keep a recurrent state, not per-token keys and values",
+    "conv": "convolutional layers keep a recurrent state, not per-token keys and values",
+    "hybrid": "hybrid linear-attention layers keep a recurrent state besides their keys and values",
+    "hybrid_sliding": "hybrid linear-attention layers keep a recurrent state besides their keys and values",
+    "indexed_attention": "sparse indexed attention keeps an extra indexer cache",
+}
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """One decoder layer: its KV group (None for a layer without its own cache), heads and sizes."""
+
+    layer_type: str
+    sliding_window: int | None
+    num_kv_heads: int
+    head_dim: int
+    v_head_dim: int
+
+    @property
+    def has_cache(self) -> bool:
+        """Whether the layer stores keys and values (KV-sharing and attention-free layers do not)."""
+        return self.layer_type != "dummy"
+
+
+@dataclass(frozen=True)
+class ModelKVSpec:
+    """The KV layout of a model, and how its layers map onto KV groups.
+
+    Example:
+        >>> from transformers import LlamaConfig
+        >>> spec = ModelKVSpec.from_config(LlamaConfig(hidden_size=64, num_attention_heads=4,
+        ...     num_key_value_heads=2, num_hidden_layers=2, intermediate_size=128, vocab_size=100))
+        >>> spec.windows, spec.layer_groups, spec.layers[0].num_kv_heads, spec.layers[0].head_dim
+        ((None,), (0, 0), 2, 16)
+    """
+
+    model_type: str
+    layers: tuple[LayerSpec, ...]
+    windows: tuple[int | None, ...]  # one entry per KV group
+    layer_groups: tuple[int | None, ...]  # per layer, its group (None: no cache)
+
+    @classmethod
+    def from_model(cls, model: PreTrainedModel | PretrainedConfig) -> ModelKVSpec:
+        """The spec of a model (or of a config)."""
+        return cls.from_config(text_config(model))
+
+    @classmethod
+    def from_config(cls, config: PretrainedConfig) -> ModelKVSpec:
+        """The spec of a decoder config; raises :class:`UnsupportedModelError` for models it cannot serve."""
+        model_type = getattr(config, "model_type", type(config).__name__)
+        if getattr(config, "is_encoder_decoder", False):
+            raise UnsupportedModelError(
+                f"model type {model_type!r} is an encoder-decoder model: its cross-attention cache is not a paged "
+                "self-attention cache, so pagedcore cannot serve it (decoder-only models only)"
+            )
+        if getattr(config, "kv_lora_rank", None) is not None:
+            raise UnsupportedModelError(
+                f"model type {model_type!r} uses multi-head latent attention (kv_lora_rank="
+                f"{config.kv_lora_rank}); its cached latents are not per-head keys and values, which pagedcore "
+                "pages: use transformers' DynamicCache for this model"
+            )
+        try:
+            layer_types, layer_kwargs = get_layer_types_and_kwargs(config)
+        except Exception as exc:  # configs without the usual fields
+            raise UnsupportedModelError(f"model type {model_type!r}: cannot read its layer types ({exc})") from exc
+        for i, kind in enumerate(layer_types):
+            if kind not in _SUPPORTED:
+                why = _WHY.get(kind, "pagedcore only pages full and sliding-window attention layers")
+                raise UnsupportedModelError(f"model type {model_type!r}, layer {i} is {kind!r}: {why}")
+        heads = getattr(config, "num_attention_heads", None)
+        hidden = getattr(config, "hidden_size", None)
+        if not heads or not hidden:
+            raise UnsupportedModelError(f"model type {model_type!r}: the config names no attention heads")
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        head_dim = getattr(config, "head_dim", None) or hidden // heads
+        v_head_dim = getattr(config, "v_head_dim", None) or head_dim
+        windows: list[int | None] = []
+        groups: list[int | None] = []
+        layers = []
+        for kind, kwargs in zip(layer_types, layer_kwargs):
+            window = kwargs.get("sliding_window") if kind == "sliding_attention" else None
+            layers.append(LayerSpec(kind, window, kv_heads, head_dim, v_head_dim))
+            if kind == "dummy":
+                groups.append(None)
+                continue
+            if window not in windows:
+                windows.append(window)
+            groups.append(windows.index(window))
+        if not windows:
+            raise UnsupportedModelError(f"model type {model_type!r} has no layer with a KV cache")
+        return cls(model_type, tuple(layers), tuple(windows), tuple(groups))
+
+    @property
+    def num_layers(self) -> int:
+        """Decoder layers (with or without a cache)."""
+        return len(self.layers)
+
+    def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
+        """Bytes one block id costs over all layers (keys and values)."""
+        item = torch.empty((), dtype=dtype).element_size()
+        return sum(
+            block_size * layer.num_kv_heads * (layer.head_dim + layer.v_head_dim) * item
+            for layer in self.layers
+            if layer.has_cache
+        )
+
+    def check_compatible(self, other: ModelKVSpec) -> None:
+        """Raise :class:`PoolMismatchError` unless a pool built for ``other`` can serve this model."""
+        if self.layers != other.layers:
+            mine = _summary(self)
+            theirs = _summary(other)
+            raise PoolMismatchError(
+                f"this pool was built for {other.model_type!r} ({theirs}) and cannot serve "
+                f"{self.model_type!r} ({mine}): layers, KV heads, head sizes and windows must all match"
+            )
+
+
+def _summary(spec: ModelKVSpec) -> str:
+    first = next(layer for layer in spec.layers if layer.has_cache)
+    return f"{spec.num_layers} layers, {first.num_kv_heads} KV heads of {first.head_dim}, windows {list(spec.windows)}"
+
+
+def text_config(model: Any) -> PretrainedConfig:
+    """The decoder text config of a model or config."""
+    config = model.config if hasattr(model, "config") else model
+    getter = getattr(config, "get_text_config", None)
+    return getter(decoder=True) if getter is not None else config
