@@ -184,9 +184,8 @@ class BlockManager:
 
     def blocks_needed(self, block_ids: Sequence[int], num_tokens: int, num_new_tokens: int) -> int:
         """Blocks :meth:`append_slot` would allocate for these arguments (copy-on-write included)."""
-        ids = self._validate(block_ids, "blocks_needed")
-        self._check_table(ids, num_tokens, num_new_tokens, "blocks_needed")
-        return self._blocks_needed(ids, num_tokens, num_new_tokens)
+        last = self._check_table(block_ids, num_tokens, num_new_tokens, "blocks_needed")
+        return self._blocks_needed(len(block_ids), last, num_tokens, num_new_tokens)
 
     # ------------------------------------------------------------------ commands for holders
     def allocate(self, num_blocks: int) -> list[int]:
@@ -285,7 +284,9 @@ class BlockManager:
             when the partly filled last block is shared or cached, writing into it would change what another
             holder (or the prefix cache) reads, so it is replaced by a private copy (copy-on-write).
 
-        Raises :class:`OutOfBlocksError` and changes nothing when the blocks cannot be had.
+        Raises :class:`OutOfBlocksError` and changes nothing when the blocks cannot be had. Only the ids this
+        call acts on are validated (the table's length and its last block), so a decode step costs O(1), not
+        O(table length).
 
         Example:
             >>> bm = BlockManager(num_blocks=8, block_size=4)
@@ -297,16 +298,15 @@ class BlockManager:
             >>> out.block_ids
             [1, 2]
         """
-        ids = self._validate(block_ids, "append_slot")
-        self._check_table(ids, num_tokens, num_new_tokens, "append_slot")
-        needed = self._blocks_needed(ids, num_tokens, num_new_tokens)
+        last = self._check_table(block_ids, num_tokens, num_new_tokens, "append_slot")
+        table = list(block_ids)
+        needed = self._blocks_needed(len(table), last, num_tokens, num_new_tokens)
         if needed == 0:
-            return SlotAppend(block_ids=ids)
+            return SlotAppend(block_ids=table)
         new_ids = self.allocate(needed)  # raises (changing nothing) when short
-        table = list(ids)
         copies: list[tuple[int, int]] = []
         cursor = 0
-        if self._needs_copy(ids, num_tokens, num_new_tokens):
+        if self._needs_copy(last, num_tokens, num_new_tokens):
             source, destination = table[-1], new_ids[0]
             copies.append((source, destination))
             table[-1] = destination
@@ -382,7 +382,8 @@ class BlockManager:
             raise InvalidBlockError(f"{op}: block ids {dups} appear more than once in one call")
         return ids
 
-    def _check_table(self, ids: list[int], num_tokens: int, num_new_tokens: int, op: str) -> None:
+    def _check_table(self, ids: Sequence[int], num_tokens: int, num_new_tokens: int, op: str) -> int | None:
+        """Validate a table's length and its last block (the only one a growth step acts on); return that block."""
         for name, value in (("num_tokens", num_tokens), ("num_new_tokens", num_new_tokens)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise InvalidBlockError(f"{op}: {name} must be a non-negative integer, got {value!r}")
@@ -392,19 +393,21 @@ class BlockManager:
                 f"{op}: a table holding {num_tokens} tokens needs {expected} blocks of {self._block_size}, "
                 f"got {len(ids)}"
             )
-        unheld = [b for b in ids if self._ref[b] == 0]
-        if unheld:
-            raise InvalidBlockError(f"{op}: blocks {unheld} of the table are not held by anyone")
+        if not ids:
+            return None
+        (last,) = self._validate(ids[-1:], op)
+        if self._ref[last] == 0:
+            raise InvalidBlockError(f"{op}: block {last} (the table's last) is not held by anyone")
+        return last
 
-    def _needs_copy(self, ids: list[int], num_tokens: int, num_new_tokens: int) -> bool:
-        if num_new_tokens == 0 or num_tokens % self._block_size == 0:
+    def _needs_copy(self, last: int | None, num_tokens: int, num_new_tokens: int) -> bool:
+        if last is None or num_new_tokens == 0 or num_tokens % self._block_size == 0:
             return False
-        last = ids[-1]
         return self._ref[last] > 1 or bool(self._cached[last])
 
-    def _blocks_needed(self, ids: list[int], num_tokens: int, num_new_tokens: int) -> int:
-        grow = _cdiv(num_tokens + num_new_tokens, self._block_size) - len(ids)
-        return grow + int(self._needs_copy(ids, num_tokens, num_new_tokens))
+    def _blocks_needed(self, num_table: int, last: int | None, num_tokens: int, num_new_tokens: int) -> int:
+        grow = _cdiv(num_tokens + num_new_tokens, self._block_size) - num_table
+        return grow + int(self._needs_copy(last, num_tokens, num_new_tokens))
 
     def _drop_refs(self, ids: list[int]) -> None:
         ref, cached, policy, free = self._ref, self._cached, self._policy, self._free

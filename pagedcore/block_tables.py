@@ -43,7 +43,12 @@ class BlockTables:
         self._num_tokens = 0
         self._num_cached_blocks = [0] * len(pool.groups)  # leading full blocks registered in the prefix cache
         self._uncachable = [False] * len(pool.groups)  # the chain's head was evicted: stop registering
+        # The partly filled last block of every group was allocated by this sequence's own append (ref 1, not
+        # cached), so writing into it needs no copy: decode steps then skip the BlockManager entirely.
+        self._last_private = False
         self._released = False
+        self._bs = pool.block_size
+        self._sliding = [g.index for g in pool.groups if g.sliding_window is not None]
 
     # ------------------------------------------------------------------ queries
     @property
@@ -70,17 +75,22 @@ class BlockTables:
 
     def slots(self, group: int, start: int, end: int) -> list[int]:
         """Physical slots (``block * block_size + offset``) of positions ``start .. end - 1`` in ``group``."""
-        bs = self._pool.block_size
+        bs = self._bs
         first = self._dropped[group] * bs
         if start < first or end > self._num_tokens or start > end:
             raise InvalidBlockError(
                 f"slots: positions [{start}, {end}) are not held (held: [{first}, {self._num_tokens}))"
             )
         table = self._tables[group]
-        return [table[p // bs - self._dropped[group]] * bs + p % bs for p in range(start, end)]
+        dropped = self._dropped[group]
+        if end - start == 1:
+            return [table[start // bs - dropped] * bs + start % bs]
+        return [table[p // bs - dropped] * bs + p % bs for p in range(start, end)]
 
     def blocks_needed(self, num_new_tokens: int) -> list[int]:
         """Blocks each group would allocate for ``append(num_new_tokens)``."""
+        if self._fits_in_private_block(num_new_tokens):
+            return [0] * len(self._tables)
         return [
             g.block_manager.blocks_needed(self._tables[i], self._held_tokens(i), num_new_tokens)
             for i, g in enumerate(self._pool.groups)
@@ -88,6 +98,8 @@ class BlockTables:
 
     def can_append(self, num_new_tokens: int, *, reserve: int = 0) -> bool:
         """Whether ``append(num_new_tokens)`` would succeed, leaving ``reserve`` blocks free in every group."""
+        if self._fits_in_private_block(num_new_tokens):
+            return True
         needed = self.blocks_needed(num_new_tokens)
         return all(g.block_manager.can_allocate(n + (reserve if n else 0)) for g, n in zip(self._pool.groups, needed))
 
@@ -119,6 +131,7 @@ class BlockTables:
             self._tables[i] = list(ids)
             self._num_cached_blocks[i] = num_tokens // bs
         self._num_tokens = num_tokens
+        self._last_private = False
 
     def append(self, num_new_tokens: int) -> list[Copy]:
         """Give ``num_new_tokens`` more positions a slot in every group. All groups or none.
@@ -127,6 +140,9 @@ class BlockTables:
         nothing when some group is short of blocks.
         """
         self._check_live()
+        if self._fits_in_private_block(num_new_tokens):
+            self._num_tokens += num_new_tokens
+            return []
         groups = self._pool.groups
         needed = self.blocks_needed(num_new_tokens)
         short = [(g.index, n, g.block_manager.num_available_blocks) for g, n in zip(groups, needed)]
@@ -144,16 +160,18 @@ class BlockTables:
             self._tables[i] = out.block_ids
             copies.extend((i, src, dst) for src, dst in out.copies)
         self._num_tokens += num_new_tokens
+        # Every group's last block is now private: fresh, a copy, or checked by the manager (ref 1, uncached).
+        self._last_private = num_new_tokens > 0
         return copies
 
     def drop_out_of_window(self, next_position: int) -> int:
         """Release sliding-group blocks that no query at ``next_position`` or later can see. Returns blocks released."""
-        bs = self._pool.block_size
+        bs = self._bs
         released = 0
-        for i, group in enumerate(self._pool.groups):
+        for i in self._sliding:
+            group = self._pool.groups[i]
             window = group.sliding_window
-            if window is None:
-                continue
+            assert window is not None
             keep_from = max(0, next_position - window + 1) // bs  # first logical block a query may still see
             count = min(keep_from - self._dropped[i], len(self._tables[i]))
             if count <= 0:
@@ -169,31 +187,43 @@ class BlockTables:
         """Register blocks whose ``block_size`` tokens all have computed KV in the prefix caches.
 
         ``token_ids`` are the sequence's tokens (at least ``num_computed`` of them). Where another sequence cached
-        the same content first, this sequence switches to that block and gives its duplicate back.
+        the same content first, this sequence switches to that block and gives its duplicate back. A growing
+        sequence registers each new block under its last registered one, in O(1).
         """
         self._check_live()
-        bs = self._pool.block_size
+        bs = self._bs
         num_full = min(num_computed, self._num_tokens, len(token_ids)) // bs
+        if num_full <= min(self._num_cached_blocks):
+            return  # the common decode step: no block filled up
         for i, group in enumerate(self._pool.groups):
-            if self._uncachable[i] or num_full <= self._num_cached_blocks[i]:
+            done = self._num_cached_blocks[i]
+            if self._uncachable[i] or num_full <= done:
                 continue
             first = self._dropped[i]
-            head: list[int] = []
-            if first:
-                # Blocks that left a sliding window are no longer held; the chain's head must still be cached.
-                head = group.trie.match(token_ids[: first * bs], namespace).block_ids
-                if len(head) < first:
-                    self._uncachable[i] = True  # evicted: nothing after it can be reached from the root
-                    continue
-            own = self._tables[i][: num_full - first]
-            canonical = group.trie.insert(token_ids[: num_full * bs], head + own, namespace)[first:]
-            swaps = [(j, can) for j, (mine, can) in enumerate(zip(own, canonical)) if mine != can]
+            table = self._tables[i]
+            parent = table[done - 1 - first] if done > first else None
+            if parent is not None and group.trie.contains(parent):
+                own = table[done - first : num_full - first]
+                canonical = group.trie.insert(token_ids[done * bs : num_full * bs], own, namespace, parent=parent)
+                offset = done - first
+            else:
+                head: list[int] = []
+                if first:
+                    # Blocks that left a sliding window are no longer held; the chain's head must still be cached.
+                    head = group.trie.match(token_ids[: first * bs], namespace).block_ids
+                    if len(head) < first:
+                        self._uncachable[i] = True  # evicted: nothing after it can be reached from the root
+                        continue
+                own = table[: num_full - first]
+                canonical = group.trie.insert(token_ids[: num_full * bs], head + own, namespace)[first:]
+                offset = 0
+            swaps = [(offset + j, can) for j, (mine, can) in enumerate(zip(own, canonical)) if mine != can]
             if swaps:
                 # Same content was cached by another sequence first: share its block, give ours back.
                 group.block_manager.retain([can for _, can in swaps])
-                group.block_manager.release([own[j] for j, _ in reversed(swaps)])
+                group.block_manager.release([table[j] for j, _ in reversed(swaps)])
                 for j, can in swaps:
-                    self._tables[i][j] = can
+                    table[j] = can
             self._num_cached_blocks[i] = num_full
 
     def fork(self) -> BlockTables:
@@ -207,6 +237,7 @@ class BlockTables:
         child._num_tokens = self._num_tokens
         child._num_cached_blocks = list(self._num_cached_blocks)
         child._uncachable = list(self._uncachable)
+        self._last_private = False  # shared now: the first write copies
         return child
 
     def truncate(self, num_tokens: int) -> None:
@@ -231,6 +262,7 @@ class BlockTables:
                 del self._tables[i][keep:]
             self._num_cached_blocks[i] = min(self._num_cached_blocks[i], num_tokens // bs)
         self._num_tokens = num_tokens
+        self._last_private = False  # a cached full block may now be partly filled
 
     def release(self) -> None:
         """Give every block back (tail first, so chains are evicted from their leaves). Idempotent."""
@@ -256,11 +288,16 @@ class BlockTables:
         self._dropped = [0] * len(self._pool.groups)
         self._num_cached_blocks = [0] * len(self._pool.groups)
         self._uncachable = [False] * len(self._pool.groups)
+        self._last_private = False
 
     def __repr__(self) -> str:
         return f"BlockTables(num_tokens={self._num_tokens}, tables={self._tables}, dropped={self._dropped})"
 
     # ------------------------------------------------------------------ internals
+    def _fits_in_private_block(self, num_new_tokens: int) -> bool:
+        used = self._num_tokens % self._bs
+        return self._last_private and used != 0 and used + num_new_tokens <= self._bs and not self._released
+
     def _held_tokens(self, group: int) -> int:
         """Tokens stored in the live part of a group's table (what append_slot needs)."""
         return self._num_tokens - self._dropped[group] * self._pool.block_size

@@ -31,12 +31,15 @@ def default_block_hash(tokens: tuple[int, ...]) -> int:
 
 
 class _Node:
-    __slots__ = ("block_id", "children", "parent", "tokens")
+    __slots__ = ("block_id", "children", "namespace", "parent", "tokens")
 
-    def __init__(self, tokens: tuple[int, ...], block_id: int | None, parent: _Node | None) -> None:
+    def __init__(
+        self, tokens: tuple[int, ...], block_id: int | None, parent: _Node | None, namespace: Namespace
+    ) -> None:
         self.tokens = tokens
         self.block_id = block_id  # None only for a namespace root
         self.parent = parent
+        self.namespace = namespace
         # hash bucket -> {tokens: node}; the inner dict compares tokens, so equal hashes never conflate blocks
         self.children: dict[int, dict[tuple[int, ...], _Node]] = {}
 
@@ -144,12 +147,26 @@ class PrefixTrie:
         self._queries += num_query_tokens
         self._hits += num_hit_tokens
 
-    def insert(self, token_ids: Sequence[int], block_ids: Sequence[int], namespace: Namespace = None) -> list[int]:
+    def insert(
+        self,
+        token_ids: Sequence[int],
+        block_ids: Sequence[int],
+        namespace: Namespace = None,
+        *,
+        parent: int | None = None,
+    ) -> list[int]:
         """Register a sequence's full blocks: ``block_ids[i]`` holds ``token_ids[i*bs:(i+1)*bs]``.
 
         Blocks must be held by the caller (reference count >= 1). Where the same content is cached already, the
         existing block is kept and returned in its place: the caller then holds a duplicate, which it may swap
         for the returned one (``retain`` it, ``release`` its own). Atomic: on error nothing changes.
+
+        Args:
+            token_ids: the blocks' tokens (from the root, or from after ``parent``).
+            block_ids: the blocks.
+            namespace: the cache salt.
+            parent: a cached block of ``namespace`` the new blocks follow, so a growing sequence registers its
+                newest block in O(1) instead of walking its whole chain again.
 
         Returns:
             The cached block id for each position (the caller's own where it was newly cached).
@@ -162,7 +179,12 @@ class PrefixTrie:
             )
         self._check_namespace(namespace)
         # Plan first (no changes), so that a bad block anywhere leaves the trie and the manager untouched.
-        root = self._roots.get(namespace)
+        if parent is None:
+            root = self._roots.get(namespace)
+        else:
+            root = self._by_block.get(parent)
+            if root is None or root.namespace != namespace:
+                raise InvalidBlockError(f"insert: parent block {parent} is not cached in namespace {namespace!r}")
         node: _Node | None = root
         canonical: list[int] = []
         to_create: dict[int, tuple[int, ...]] = {}
@@ -186,17 +208,17 @@ class PrefixTrie:
             self._bm.mark_cached(new_ids)  # validates: in use, not cached, no duplicates
         # Apply.
         if root is None:
-            root = self._roots[namespace] = _Node((), None, None)
-        parent = root
+            root = self._roots[namespace] = _Node((), None, None, namespace)
+        at = root
         for i, block_id in enumerate(canonical):
             new_tokens = to_create.get(i)
             if new_tokens is not None:
-                child = _Node(new_tokens, block_id, parent)
-                parent.children.setdefault(self._hash(new_tokens), {})[new_tokens] = child
+                child = _Node(new_tokens, block_id, at, namespace)
+                at.children.setdefault(self._hash(new_tokens), {})[new_tokens] = child
                 self._by_block[block_id] = child
-                parent = child
+                at = child
             else:
-                parent = self._by_block[block_id]
+                at = self._by_block[block_id]
         return canonical
 
     def drop_block(self, block_id: int) -> list[int]:

@@ -60,28 +60,26 @@ class SchedulerConfig:
             raise ConfigError(f"watermark must be in [0, 1), got {self.watermark!r}")
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class ScheduledSequence:
     """What to compute for one sequence in a step.
 
+    The token, slot and block-table views read the sequence's live state: use them before handing the step's
+    results to :meth:`Scheduler.update` (which moves the sequence on). They are computed on access, so a step
+    over hundreds of decoding sequences costs only what its consumer reads.
+
     Attributes:
         sequence: the sequence.
-        token_ids: tokens to compute now.
-        start: position of ``token_ids[0]``; the tokens sit at ``start .. start + len(token_ids) - 1``.
-        slots: per KV group, the physical slot of every new token.
-        block_tables: per KV group, the live blocks (logical block ``block_offsets[g]`` first).
-        block_offsets: per KV group, leading logical blocks released by a sliding window.
+        start: position of the first token to compute.
+        num_new_tokens: tokens to compute now (positions ``start .. start + num_new_tokens - 1``).
         sample: whether this step computes the sequence's last known token, so a new token must be sampled.
         num_samples: tokens to sample after this step: 0 when not sampling, ``sequence.num_samples`` at the step
             that forks a sequence into its parallel samples, else 1.
     """
 
     sequence: Sequence
-    token_ids: list[int]
     start: int
-    slots: tuple[list[int], ...]
-    block_tables: tuple[list[int], ...]
-    block_offsets: tuple[int, ...]
+    num_new_tokens: int
     sample: bool
     num_samples: int
 
@@ -93,7 +91,37 @@ class ScheduledSequence:
     @property
     def end(self) -> int:
         """One past the last position computed in this step (the key length after it)."""
-        return self.start + len(self.token_ids)
+        return self.start + self.num_new_tokens
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Tokens to compute now."""
+        return self.sequence.token_ids[self.start : self.start + self.num_new_tokens]
+
+    @property
+    def slots(self) -> tuple[list[int], ...]:
+        """Per KV group, the physical slot of every new token."""
+        blocks = self._blocks()
+        end = self.start + self.num_new_tokens
+        return tuple(blocks.slots(g, self.start, end) for g in range(len(blocks.pool.groups)))
+
+    @property
+    def block_tables(self) -> tuple[list[int], ...]:
+        """Per KV group, the live blocks (logical block ``block_offsets[g]`` first)."""
+        blocks = self._blocks()
+        return tuple(blocks.table(g) for g in range(len(blocks.pool.groups)))
+
+    @property
+    def block_offsets(self) -> tuple[int, ...]:
+        """Per KV group, leading logical blocks released by a sliding window."""
+        blocks = self._blocks()
+        return tuple(blocks.num_dropped(g) for g in range(len(blocks.pool.groups)))
+
+    def _blocks(self) -> BlockTables:
+        blocks = self.sequence.blocks
+        if blocks is None:
+            raise InvalidRequestError(f"request {self.request_id!r} holds no blocks any more (updated or aborted)")
+        return blocks
 
 
 @dataclass(frozen=True)
@@ -113,7 +141,7 @@ class SchedulerOutput:
     @property
     def num_batched_tokens(self) -> int:
         """Tokens computed in this step."""
-        return sum(len(s.token_ids) for s in self.scheduled)
+        return sum(s.num_new_tokens for s in self.scheduled)
 
     @property
     def is_empty(self) -> bool:
@@ -328,7 +356,7 @@ class Scheduler:
             seq = item.sequence
             assert seq.blocks is not None
             seq.num_computed_tokens = item.end
-            self.stats.num_computed_tokens += len(item.token_ids)
+            self.stats.num_computed_tokens += item.num_new_tokens
             self.stats.num_prompt_tokens_computed += max(0, min(item.end, seq.num_prompt_tokens) - item.start)
             if cache:
                 seq.blocks.cache_full_blocks(seq.token_ids, seq.num_computed_tokens, seq.namespace)
@@ -455,21 +483,10 @@ class Scheduler:
         return None
 
     def _scheduled(self, seq: Sequence, num_new: int) -> ScheduledSequence:
-        blocks = seq.blocks
-        assert blocks is not None
-        start = seq.num_computed_tokens
-        end = start + num_new
-        groups = range(len(self._pool.groups))
-        return ScheduledSequence(
-            sequence=seq,
-            token_ids=seq.token_ids[start:end],
-            start=start,
-            slots=tuple(blocks.slots(g, start, end) for g in groups),
-            block_tables=tuple(blocks.table(g) for g in groups),
-            block_offsets=tuple(blocks.num_dropped(g) for g in groups),
-            sample=end == seq.num_tokens,
-            num_samples=0 if end != seq.num_tokens else (seq.num_samples if seq.needs_fork else 1),
-        )
+        end = seq.num_computed_tokens + num_new
+        sample = end == seq.num_tokens
+        num_samples = (seq.num_samples if seq.needs_fork else 1) if sample else 0
+        return ScheduledSequence(seq, seq.num_computed_tokens, num_new, sample, num_samples)
 
     def _fork(self, parent: Sequence, count: int) -> list[Sequence]:
         assert parent.blocks is not None
