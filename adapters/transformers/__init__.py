@@ -2,6 +2,8 @@
 
 - :class:`PagedCache`: a drop-in ``Cache`` for ``model.generate`` backed by a paged, ref-counted pool.
 - :class:`PagedKVPool`: the paged KV memory of a model, shareable between caches, with a prefix cache.
+- :func:`enable` / :func:`disable`: automatic prefix caching for plain ``model.generate`` (:func:`namespace` to
+  isolate tenants).
 - ``attn_implementation="paged"``: attention that reads straight from the pool (registered on import).
 
 Example:
@@ -19,6 +21,7 @@ Example:
 from .attention import ForwardContext, paged_attention_forward, register
 from .cache import CacheMemoryStats, PagedCache
 from .pool import MemoryStats, PagedKVPool
+from .prefix_caching import disable, enable, is_enabled, namespace, prefix_pool
 from .spec import LayerSpec, ModelKVSpec
 
 register()
@@ -31,6 +34,11 @@ __all__ = [
     "ModelKVSpec",
     "PagedCache",
     "PagedKVPool",
+    "disable",
+    "enable",
+    "is_enabled",
+    "namespace",
     "paged_attention_forward",
+    "prefix_pool",
     "register",
 ]
