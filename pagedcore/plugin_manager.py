@@ -1,7 +1,8 @@
 """The plugin manager: pluggy over the ``pagedcore`` hooks, entry points loaded lazily.
 
 Built-in plugins (``pagedcore.plugins.*``) are registered through the same ``pagedcore`` entry-point group a third
-party uses. Entry points load on first use, sorted by name so the order is the same on every machine, then
+party uses. Entry points load on first use, sorted by name so the order is the same on every machine (the torch
+backend, the fallback that serves any device, last), then
 ``check_pending()`` makes a misspelled hook fail loudly. Events go through :meth:`PluginManager.emit`, which
 isolates observers: one that raises is logged and counted, and never reaches the pool or the caller.
 """
@@ -31,6 +32,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["ENTRY_POINT_GROUP", "PluginInfo", "PluginManager", "default_plugin_manager"]
 
 ENTRY_POINT_GROUP = "pagedcore"
+_FALLBACKS = frozenset({"torch"})  # built-in plugins that must answer selection hooks last
 
 
 @dataclass(frozen=True)
@@ -162,7 +164,12 @@ class PluginManager:
             if self._loaded:
                 return
             self._loaded = True
-            points = sorted(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda ep: ep.name)
+            # pluggy asks trylast implementations in registration order, so the universal fallbacks register
+            # last: every other backend (built-in or installed) is asked before the torch backend.
+            points = sorted(
+                importlib.metadata.entry_points(group=ENTRY_POINT_GROUP),
+                key=lambda ep: (ep.name in _FALLBACKS, ep.name),
+            )
             for point in points:
                 if self._pm.get_plugin(point.name) is not None or self._pm.is_blocked(point.name):
                     continue
