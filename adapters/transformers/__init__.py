@@ -4,6 +4,7 @@
 - :class:`PagedKVPool`: the paged KV memory of a model, shareable between caches, with a prefix cache.
 - :func:`enable` / :func:`disable`: automatic prefix caching for plain ``model.generate`` (:func:`namespace` to
   isolate tenants).
+- :class:`Engine`: continuous batching over the model (``generate``, ``stream``, ``add_request``/``step``/``abort``).
 - ``attn_implementation="paged"``: attention that reads straight from the pool (registered on import).
 
 Example:
@@ -20,20 +21,30 @@ Example:
 
 from .attention import ForwardContext, paged_attention_forward, register
 from .cache import CacheMemoryStats, PagedCache
+from .engine import Engine
+from .outputs import EngineStats, RequestMetrics, RequestOutput, SampleOutput, TokenEvent
 from .pool import MemoryStats, PagedKVPool
 from .prefix_caching import disable, enable, is_enabled, namespace, prefix_pool
+from .sampling import SamplingParams
 from .spec import LayerSpec, ModelKVSpec
 
 register()
 
 __all__ = [
     "CacheMemoryStats",
+    "Engine",
+    "EngineStats",
     "ForwardContext",
     "LayerSpec",
     "MemoryStats",
     "ModelKVSpec",
     "PagedCache",
     "PagedKVPool",
+    "RequestMetrics",
+    "RequestOutput",
+    "SampleOutput",
+    "SamplingParams",
+    "TokenEvent",
     "disable",
     "enable",
     "is_enabled",

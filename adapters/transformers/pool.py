@@ -303,8 +303,11 @@ class PagedKVPool:
                 f"pool was sized for {expected} from the config of {self.spec.model_type!r}"
             )
         shape = (self.num_blocks + 1, self.block_size)  # + the zero pad block
-        k = torch.zeros(*shape, *keys.shape[-2:], dtype=keys.dtype, device=keys.device)
-        v = torch.zeros(*shape, *values.shape[-2:], dtype=values.dtype, device=values.device)
+        # Never inference tensors, even when the first write happens under torch.inference_mode(): the pool
+        # outlives that forward and is updated in place outside it (copy-on-write copies).
+        with torch.inference_mode(False):
+            k = torch.zeros(*shape, *keys.shape[-2:], dtype=keys.dtype, device=keys.device)
+            v = torch.zeros(*shape, *values.shape[-2:], dtype=values.dtype, device=values.device)
         return k, v
 
     def _group_block_bytes(self) -> list[int]:

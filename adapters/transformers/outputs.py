@@ -1,0 +1,157 @@
+"""What the Engine returns: per-request outputs, streamed token events and engine statistics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["EngineStats", "RequestMetrics", "RequestOutput", "SampleOutput", "TokenEvent"]
+
+
+@dataclass
+class SampleOutput:
+    """One parallel sample of a request.
+
+    Attributes:
+        index: sample number (0 .. n-1).
+        token_ids: generated token ids.
+        text: decoded text (with a tokenizer).
+        finish_reason: "stop", "length", "abort" or "error".
+        logits: with ``SamplingParams(return_logits=True)``, the float32 logits each token was drawn from.
+    """
+
+    index: int
+    token_ids: list[int] = field(default_factory=list)
+    text: str | None = None
+    finish_reason: str | None = None
+    logits: list[torch.Tensor] | None = None
+
+
+@dataclass
+class RequestMetrics:
+    """Timings of one request (``time.perf_counter`` seconds).
+
+    Attributes:
+        arrival_time: when it was added.
+        first_token_time: when its first token was sampled.
+        finish_time: when its last sample finished.
+        num_cached_tokens: prompt tokens served from the prefix cache at its (last) admission.
+        num_preemptions: times it was preempted and recomputed.
+    """
+
+    arrival_time: float
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        """Seconds from arrival to the first token."""
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def latency(self) -> float | None:
+        """Seconds from arrival to the end."""
+        return None if self.finish_time is None else self.finish_time - self.arrival_time
+
+
+@dataclass
+class RequestOutput:
+    """The result of one request.
+
+    Attributes:
+        request_id: the request's id.
+        prompt_token_ids: the prompt.
+        samples: one entry per parallel sample (``n``).
+        metrics: timings.
+        error: why the request failed (``finish_reason == "error"``), else None.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    samples: list[SampleOutput]
+    metrics: RequestMetrics
+    error: str | None = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The first sample's generated token ids."""
+        return self.samples[0].token_ids
+
+    @property
+    def text(self) -> str | None:
+        """The first sample's text."""
+        return self.samples[0].text
+
+    @property
+    def finish_reason(self) -> str | None:
+        """The first sample's finish reason."""
+        return self.samples[0].finish_reason
+
+    @property
+    def finished(self) -> bool:
+        """Whether every sample has finished."""
+        return all(s.finish_reason is not None for s in self.samples)
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One generated token, as :meth:`Engine.stream` yields it.
+
+    Attributes:
+        request_id: the request.
+        sample: which parallel sample.
+        token_id: the token (None on an event that only reports a finish without a token, e.g. an abort).
+        text: the text this token adds (with a tokenizer), else None.
+        finish_reason: set on the sample's last event.
+    """
+
+    request_id: str
+    sample: int
+    token_id: int | None
+    text: str | None = None
+    finish_reason: str | None = None
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """Counters and gauges of an Engine since it was created.
+
+    Attributes:
+        num_requests / num_finished / num_aborted / num_failed: request counts.
+        num_steps: forward passes.
+        num_preemptions: sequences preempted (recomputed later).
+        prefix_query_tokens / prefix_hit_tokens: prompt tokens looked up / served by the prefix cache.
+        prompt_tokens_computed: prompt tokens whose KV was computed (recomputation after preemption included).
+        generated_tokens: tokens sampled.
+        kv_usage: fraction of KV blocks in use now (highest over KV groups).
+        kv_used_bytes / kv_peak_used_bytes: KV memory held by sequences now / at the peak.
+        busy_seconds: time spent inside ``step()``.
+    """
+
+    num_requests: int
+    num_finished: int
+    num_aborted: int
+    num_failed: int
+    num_steps: int
+    num_preemptions: int
+    prefix_query_tokens: int
+    prefix_hit_tokens: int
+    prompt_tokens_computed: int
+    generated_tokens: int
+    kv_usage: float
+    kv_used_bytes: int
+    kv_peak_used_bytes: int
+    busy_seconds: float
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """``prefix_hit_tokens / prefix_query_tokens``."""
+        return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
+
+    @property
+    def generation_throughput(self) -> float:
+        """Generated tokens per second of ``step()`` time."""
+        return self.generated_tokens / self.busy_seconds if self.busy_seconds else 0.0
