@@ -67,14 +67,14 @@ class TorchPagedAttention:
 
     def _buckets(self, meta: PagedAttentionMetadata, device: torch.device) -> list[_Bucket]:
         key = ("torch", device)
-        cached = meta.backend_state.get(key)
+        cached: list[_Bucket] | None = meta.backend_state.get(key)
         if cached is None:
             starts = meta.query_start_loc
             decode = [i for i, n in enumerate(meta.query_lens) if n == 1]
             prefill = [i for i, n in enumerate(meta.query_lens) if n > 1]
             cached = [_bucket(meta, rows, starts, device) for rows in (decode, prefill) if rows]
             meta.backend_state[key] = cached
-        return cached  # type: ignore[no-any-return]
+        return cached
 
 
 def _bucket(meta: PagedAttentionMetadata, rows: list[int], starts: list[int], device: torch.device) -> _Bucket:

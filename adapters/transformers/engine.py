@@ -644,7 +644,7 @@ def _eos_ids(model: Any) -> list[int]:
 def _as_prompt_list(prompts: Prompt | Iterable[Prompt]) -> list[Prompt]:
     if isinstance(prompts, str):
         return [prompts]
-    items = list(prompts)
+    items: list[Any] = list(prompts)
     if items and all(isinstance(t, int) and not isinstance(t, bool) for t in items):
         return [items]  # one prompt given as a list of token ids
     return items
