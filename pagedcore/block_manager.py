@@ -23,7 +23,7 @@ import logging
 import operator
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from pagedcore.errors import (
     ConfigError,
@@ -39,8 +39,17 @@ logger = logging.getLogger(__name__)
 __all__ = ["BlockManager", "CacheIndex", "SlotAppend"]
 
 
+@runtime_checkable
 class CacheIndex(Protocol):
-    """What the BlockManager needs from a prefix cache (implemented by :class:`~pagedcore.prefix_trie.PrefixTrie`)."""
+    """What the BlockManager needs from a prefix cache (implemented by :class:`~pagedcore.prefix_trie.PrefixTrie`).
+
+    Example:
+        >>> from pagedcore.prefix_trie import PrefixTrie
+        >>> bm = BlockManager(num_blocks=2, block_size=1)
+        >>> trie = PrefixTrie(bm)          # attaches itself: bm.attach_cache(trie)
+        >>> isinstance(trie, CacheIndex)
+        True
+    """
 
     def drop_block(self, block_id: int) -> list[int]:
         """Forget ``block_id`` because it is being evicted.
@@ -59,6 +68,10 @@ class SlotAppend:
         block_ids: the sequence's new block table (replace the old one with it).
         new_block_ids: blocks allocated by this call (copy-on-write destinations included).
         copies: ``(source, destination)`` block copies to perform before writing the new tokens.
+
+    Example:
+        >>> BlockManager(num_blocks=4, block_size=2).append_slot([], num_tokens=0, num_new_tokens=3)
+        SlotAppend(block_ids=[0, 1], new_block_ids=[0, 1], copies=[])
     """
 
     block_ids: list[int]

@@ -81,13 +81,19 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"pagedcore {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    gen = sub.add_parser("generate", help="generate text with paged KV memory and prefix caching",
-                         description="Generate from prompts; prints the text and a stats line.")
+    gen = sub.add_parser(
+        "generate",
+        help="generate text with paged KV memory and prefix caching",
+        description="Generate from prompts; prints the text and a stats line.",
+    )
     gen.add_argument("prompts", nargs="*", help="prompts (default: three questions sharing a system prompt)")
     gen.add_argument("-f", "--file", help="read prompts from a file, one per line ('-' for stdin)")
     gen.add_argument("--model", help="local path or hub name of a causal LM (default: the built-in model)")
-    gen.add_argument("--system", default=None, help="text prepended to every prompt (default: a demo system prompt "
-                     "when no prompt is given)")
+    gen.add_argument(
+        "--system",
+        default=None,
+        help="text prepended to every prompt (default: a demo system prompt when no prompt is given)",
+    )
     gen.add_argument("--engine", action="store_true", help="run all prompts through the continuous-batching Engine")
     gen.add_argument("--max-new-tokens", type=_positive_or_zero, default=32)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -98,8 +104,12 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--memory-budget", default=None, help="KV memory of the pool, e.g. 2GiB (instead of blocks)")
     gen.add_argument("--block-size", type=int, default=16)
     gen.add_argument("--namespace", default=None, help="prefix-cache namespace (tenant) of these prompts")
-    gen.add_argument("--attn", default="paged", choices=["paged", "sdpa", "eager"],
-                     help="attention implementation (default: paged, reading KV straight from the pool)")
+    gen.add_argument(
+        "--attn",
+        default="paged",
+        choices=["paged", "sdpa", "eager"],
+        help="attention implementation (default: paged, reading KV straight from the pool)",
+    )
     gen.add_argument("--backend", default=None, help="attention backend plugin for --attn paged (default: auto)")
     gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     gen.add_argument("--device", default="cpu", help="device for the model (default: cpu)")
@@ -107,15 +117,21 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON object per prompt and one for the stats")
     gen.set_defaults(handler=_cmd_generate)
 
-    bench = sub.add_parser("bench", help="side-by-side benchmarks (markdown table + PNG chart)",
-                           description="Run the prefix-cache, cold-generate, memory and engine benchmarks.")
+    bench = sub.add_parser(
+        "bench",
+        help="side-by-side benchmarks (markdown table + PNG chart)",
+        description="Run the prefix-cache, cold-generate, memory and engine benchmarks.",
+    )
     bench.add_argument("--quick", action="store_true", help="a small workload that finishes in about two minutes")
     bench.add_argument("--out", default="bench-out", help="directory for results.md and the chart")
     bench.add_argument("--no-progress", action="store_true", help="no progress bars")
     bench.set_defaults(handler=_cmd_bench)
 
-    plugins = sub.add_parser("plugins", help="list plugins, their hooks and the attention backend per device",
-                             description="List the loaded plugins and which attention backend each device gets.")
+    plugins = sub.add_parser(
+        "plugins",
+        help="list plugins, their hooks and the attention backend per device",
+        description="List the loaded plugins and which attention backend each device gets.",
+    )
     plugins.add_argument("--json", action="store_true")
     plugins.set_defaults(handler=_cmd_plugins)
     return parser
@@ -143,8 +159,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     tokenizer: Any
     if args.model is None:
         model, tokenizer = builtin_model(), builtin_tokenizer()
-        print(f"note: no --model given: using the {BUILTIN_DESCRIPTION}; its text is gibberish. "
-              "Pass --model PATH for a real checkpoint.", file=sys.stderr)
+        print(
+            f"note: no --model given: using the {BUILTIN_DESCRIPTION}; its text is gibberish. "
+            "Pass --model PATH for a real checkpoint.",
+            file=sys.stderr,
+        )
     else:
         model, tokenizer = _load(args.model, dtype, args.device)
     model.to(device=args.device, dtype=dtype)
@@ -154,10 +173,14 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         from pagedcore import default_plugin_manager
 
         default_plugin_manager().attention_backend(torch.device(args.device).type, dtype, args.backend)
-    pool = PagedKVPool(model, num_blocks=args.num_blocks, memory_budget=args.memory_budget,
-                       block_size=args.block_size)
-    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                            top_p=args.top_p, seed=args.seed)
+    pool = PagedKVPool(model, num_blocks=args.num_blocks, memory_budget=args.memory_budget, block_size=args.block_size)
+    params = SamplingParams(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+    )
     started = time.perf_counter()
     generated = 0
     results: list[tuple[str, str]] = []
@@ -224,7 +247,10 @@ def _generate_one(model: Any, tokenizer: Any, prompt: str, params: Any, device: 
             return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
     ids = tokenizer(prompt, return_tensors="pt")["input_ids"].to(device)
-    kwargs: dict[str, Any] = {"max_new_tokens": params.max_new_tokens, "stopping_criteria": StoppingCriteriaList([_Watch()])}
+    kwargs: dict[str, Any] = {
+        "max_new_tokens": params.max_new_tokens,
+        "stopping_criteria": StoppingCriteriaList([_Watch()]),
+    }
     if params.is_greedy:
         kwargs["do_sample"] = False
     else:
@@ -294,10 +320,15 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
             except PluginError:
                 choices[device][str(dtype).removeprefix("torch.")] = "none"
     if args.json:
-        print(json.dumps({
-            "plugins": [{"name": i.name, "source": i.source, "hooks": list(i.hooks)} for i in infos],
-            "attention_backends": choices,
-        }, indent=2))
+        print(
+            json.dumps(
+                {
+                    "plugins": [{"name": i.name, "source": i.source, "hooks": list(i.hooks)} for i in infos],
+                    "attention_backends": choices,
+                },
+                indent=2,
+            )
+        )
         return EXIT_OK
     print("plugins:")
     for info in infos:

@@ -28,6 +28,11 @@ class KVGroup:
         sliding_window: attention window in tokens (a query at ``p`` sees keys ``> p - window``); None = full.
         block_manager: the group's blocks.
         trie: the group's prefix cache.
+
+    Example:
+        >>> group = KVPool(num_blocks=4, block_size=2, sliding_windows=(None, 8)).groups[1]
+        >>> group.index, group.sliding_window, group.block_manager.num_blocks
+        (1, 8, 4)
     """
 
     index: int
@@ -43,6 +48,11 @@ class PoolMatch:
     Attributes:
         num_tokens: tokens of the prompt covered in every group (a multiple of the block size).
         block_ids: per group, the chain covering those tokens (not retained yet).
+
+    Example:
+        >>> pool = KVPool(num_blocks=4, block_size=2)
+        >>> pool.match([1, 2, 3])
+        PoolMatch(num_tokens=0, block_ids=([],))
     """
 
     num_tokens: int

@@ -37,7 +37,12 @@ _FALLBACKS = frozenset({"torch"})  # built-in plugins that must answer selection
 
 @dataclass(frozen=True)
 class PluginInfo:
-    """A registered plugin: its name, where it came from and the hooks it implements."""
+    """A registered plugin: its name, where it came from and the hooks it implements.
+
+    Example:
+        >>> [info.name for info in default_plugin_manager().plugins() if "pagedcore_eviction_policy" in info.hooks]
+        ['lru']
+    """
 
     name: str
     source: str
@@ -198,7 +203,12 @@ _default_lock = threading.Lock()
 
 
 def default_plugin_manager() -> PluginManager:
-    """The process-wide manager with every installed plugin (created on first use)."""
+    """The process-wide manager with every installed plugin (created on first use).
+
+    Example:
+        >>> default_plugin_manager() is default_plugin_manager()
+        True
+    """
     global _default
     if _default is None:
         with _default_lock:

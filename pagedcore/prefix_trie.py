@@ -26,7 +26,12 @@ Namespace = Hashable
 
 
 def default_block_hash(tokens: tuple[int, ...]) -> int:
-    """Python's tuple hash. Fast; collisions are harmless because matching compares tokens too."""
+    """Python's tuple hash. Fast; collisions are harmless because matching compares tokens too.
+
+    Example:
+        >>> default_block_hash((1, 2)) == hash((1, 2))
+        True
+    """
     return hash(tokens)
 
 
@@ -51,6 +56,10 @@ class PrefixMatch:
     Attributes:
         block_ids: the chain's blocks, root first. Not retained: call ``BlockManager.retain`` to use them.
         num_tokens: tokens covered (``len(block_ids) * block_size``).
+
+    Example:
+        >>> PrefixTrie(BlockManager(num_blocks=2, block_size=2)).match([1, 2, 3])
+        PrefixMatch(block_ids=[], num_tokens=0)
     """
 
     block_ids: list[int]

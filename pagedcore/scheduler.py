@@ -44,6 +44,12 @@ class SchedulerConfig:
         watermark: fraction of each group's blocks kept free when admitting a new sequence, so running sequences
             can grow without preempting at once.
         enable_prefix_caching: look prompts up in the prefix cache and register computed blocks in it.
+
+    Example:
+        >>> SchedulerConfig(max_num_batched_tokens=0)
+        Traceback (most recent call last):
+        ...
+        pagedcore.errors.ConfigError: max_num_batched_tokens must be an integer >= 1, got 0
     """
 
     max_num_batched_tokens: int = 512
@@ -75,6 +81,13 @@ class ScheduledSequence:
         sample: whether this step computes the sequence's last known token, so a new token must be sampled.
         num_samples: tokens to sample after this step: 0 when not sampling, ``sequence.num_samples`` at the step
             that forks a sequence into its parallel samples, else 1.
+
+    Example:
+        >>> sched = Scheduler(KVPool(num_blocks=4, block_size=2))
+        >>> sched.add(Sequence("a", [7, 8, 9], max_new_tokens=1))
+        >>> (item,) = sched.schedule().scheduled
+        >>> item.token_ids, item.start, item.slots, item.block_tables, item.sample
+        ([7, 8, 9], 0, ([0, 1, 2],), ([0, 1],), True)
     """
 
     sequence: Sequence
@@ -132,6 +145,10 @@ class SchedulerOutput:
         scheduled: sequences to compute, decodes first.
         copies: copy-on-write block copies ``(group, source, destination)`` to perform before the forward.
         preempted: ids of sequences preempted in this step (their blocks are back in the pool).
+
+    Example:
+        >>> Scheduler(KVPool(num_blocks=4, block_size=2)).schedule().is_empty
+        True
     """
 
     scheduled: list[ScheduledSequence]
@@ -151,7 +168,12 @@ class SchedulerOutput:
 
 @dataclass
 class SchedulerStats:
-    """Counters since the scheduler was created."""
+    """Counters since the scheduler was created.
+
+    Example:
+        >>> Scheduler(KVPool(num_blocks=4, block_size=2)).stats.num_steps
+        0
+    """
 
     num_steps: int = 0
     num_preemptions: int = 0

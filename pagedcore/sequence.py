@@ -13,7 +13,12 @@ __all__ = ["FinishReason", "Sequence", "SequenceStatus"]
 
 
 class SequenceStatus(enum.Enum):
-    """Where a sequence is in its life."""
+    """Where a sequence is in its life.
+
+    Example:
+        >>> Sequence("r", [1], max_new_tokens=1).status
+        <SequenceStatus.WAITING: 'waiting'>
+    """
 
     WAITING = "waiting"  # queued (new, or preempted and re-queued)
     RUNNING = "running"  # holds blocks and is scheduled step after step
@@ -21,7 +26,12 @@ class SequenceStatus(enum.Enum):
 
 
 class FinishReason(str, enum.Enum):
-    """Why a sequence finished."""
+    """Why a sequence finished.
+
+    Example:
+        >>> Sequence("r", [1], max_new_tokens=1).append_token(5)
+        <FinishReason.LENGTH: 'length'>
+    """
 
     STOP = "stop"  # produced a stop token
     LENGTH = "length"  # reached max_new_tokens

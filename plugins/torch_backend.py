@@ -143,7 +143,12 @@ _BACKEND = TorchPagedAttention()
 
 @hookimpl(trylast=True)
 def pagedcore_attention_backend(name: str | None) -> Any:
-    """The torch backend, for any device, when asked for by name or when nothing better answered."""
+    """The torch backend, for any device, when asked for by name or when nothing better answered.
+
+    Example:
+        >>> pagedcore_attention_backend(name=None).name, pagedcore_attention_backend(name="other")
+        ('torch', None)
+    """
     if name in (None, "torch"):
         return _BACKEND
     return None

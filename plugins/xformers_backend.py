@@ -41,7 +41,7 @@ import importlib
 import importlib.util
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -82,6 +82,12 @@ class Step:
         op: ``"triton_splitk"`` or ``"flash_paged"`` (paged, over the pool) or ``"gather"`` (contiguous keys).
         rows: the metadata rows (sequences) this step computes.
         per_query: build the paged bias with one piece per query (see :func:`build_attn_bias`).
+
+    Example:
+        >>> meta = PagedAttentionMetadata.build(block_size=64, query_lens=[1, 1], seq_lens=[70, 9],
+        ...     block_offsets=[0, 0], tables=[[0, 1], [2]], slots=[[69], [136]], sliding_window=None, pad_block=3)
+        >>> [(step.op, step.rows) for step in plan_steps(meta, flash_paged=False)]
+        [('triton_splitk', (0, 1))]
     """
 
     op: str
@@ -213,6 +219,12 @@ class GatheredKeys:
             keys are the contiguous positions from the first one any of its queries sees to ``seq_len - 1``.
         bias: ``BlockDiagonalCausalFromBottomRightMask`` over the packed queries and gathered keys, or
             ``BlockDiagonalCausalLocalAttentionFromBottomRightMask`` (the window) in a sliding group.
+
+    Example:
+        >>> meta = PagedAttentionMetadata.build(block_size=4, query_lens=[2], seq_lens=[6], block_offsets=[0],
+        ...     tables=[[3, 1]], slots=[[5, 6]], sliding_window=None, pad_block=4)
+        >>> build_gathered_keys(meta, "cpu").slots.tolist()  # doctest: +SKIP
+        [12, 13, 14, 15, 4, 5]
     """
 
     slots: torch.Tensor
@@ -299,12 +311,17 @@ def _pieces(meta: PagedAttentionMetadata, rows: list[int], per_query: bool) -> l
 
 
 # ---------------------------------------------------------------- kernels
+@runtime_checkable
 class AttentionKernels(Protocol):
     """Runs one xformers op (``"triton_splitk"``, ``"flash"``, ``"cutlass"``) on prepared inputs.
 
     Queries are ``[1, T, Hq, D]`` or ``[1, T, Hkv, Hq // Hkv, D]``, keys and values the same layout over the pool or
     the gathered keys; the result has the queries' shape with the values' head dim. Injected into
     :class:`XFormersPagedAttention` so that tests can run the whole plan on CPU against a dense reference.
+
+    Example:
+        >>> isinstance(XFormersKernels(), AttentionKernels)
+        True
     """
 
     def supports(
@@ -321,7 +338,13 @@ class AttentionKernels(Protocol):
 
 
 class XFormersKernels:
-    """The real kernels: ``xformers.ops.fmha.memory_efficient_attention_forward`` with an explicit ``op``."""
+    """The real kernels: ``xformers.ops.fmha.memory_efficient_attention_forward`` with an explicit ``op``.
+
+    Example:
+        >>> backend = XFormersPagedAttention(XFormersKernels())  # what the plugin hook returns on a GPU
+        >>> backend.name
+        'xformers'
+    """
 
     def supports(
         self, op: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bias: Any, scale: float
@@ -554,7 +577,12 @@ _BACKEND = XFormersPagedAttention()
 
 @hookimpl(trylast=True)
 def pagedcore_attention_backend(device_type: str, dtype: Any, name: str | None) -> AttentionBackend | None:
-    """The xformers backend for CUDA tensors in fp16/bf16 when xformers' kernels work; otherwise None."""
+    """The xformers backend for CUDA tensors in fp16/bf16 when xformers' kernels work; otherwise None.
+
+    Example:
+        >>> pagedcore_attention_backend(device_type="cpu", dtype=torch.float16, name=None) is None
+        True
+    """
     if name not in (None, "xformers") or device_type != "cuda" or dtype not in _HALF_DTYPES:
         return None
     if not xformers_available():

@@ -14,7 +14,9 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 __all__ = ["BUILTIN_DESCRIPTION", "builtin_model", "builtin_tokenizer"]
 
-BUILTIN_DESCRIPTION = "built-in Llama (hidden 256, 4 layers, 4 heads / 2 KV heads, ASCII character vocab, random weights)"
+BUILTIN_DESCRIPTION = (
+    "built-in Llama (hidden 256, 4 layers, 4 heads / 2 KV heads, ASCII character vocab, random weights)"
+)
 
 
 def builtin_tokenizer() -> PreTrainedTokenizerFast:

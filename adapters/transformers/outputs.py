@@ -19,6 +19,10 @@ class SampleOutput:
         text: decoded text (with a tokenizer).
         finish_reason: "stop", "length", "abort" or "error".
         logits: with ``SamplingParams(return_logits=True)``, the float32 logits each token was drawn from.
+
+    Example:
+        >>> SampleOutput(0, [5, 6], finish_reason="length").token_ids
+        [5, 6]
     """
 
     index: int
@@ -38,6 +42,11 @@ class RequestMetrics:
         finish_time: when its last sample finished.
         num_cached_tokens: prompt tokens served from the prefix cache at its (last) admission.
         num_preemptions: times it was preempted and recomputed.
+
+    Example:
+        >>> metrics = RequestMetrics(arrival_time=1.0, first_token_time=1.25, finish_time=2.0)
+        >>> metrics.time_to_first_token, metrics.latency
+        (0.25, 1.0)
     """
 
     arrival_time: float
@@ -67,6 +76,11 @@ class RequestOutput:
         samples: one entry per parallel sample (``n``).
         metrics: timings.
         error: why the request failed (``finish_reason == "error"``), else None.
+
+    Example:
+        >>> out = RequestOutput("r1", [1, 2], [SampleOutput(0, [7], finish_reason="stop")], RequestMetrics(0.0))
+        >>> out.token_ids, out.finish_reason, out.finished
+        ([7], 'stop', True)
     """
 
     request_id: str
@@ -106,6 +120,10 @@ class TokenEvent:
         token_id: the token (None on an event that only reports a finish without a token, e.g. an abort).
         text: the text this token adds (with a tokenizer), else None.
         finish_reason: set on the sample's last event.
+
+    Example:
+        >>> TokenEvent("r1", 0, 42).finish_reason is None
+        True
     """
 
     request_id: str
@@ -129,6 +147,11 @@ class EngineStats:
         kv_usage: fraction of KV blocks in use now (highest over KV groups).
         kv_used_bytes / kv_peak_used_bytes: KV memory held by sequences now / at the peak.
         busy_seconds: time spent inside ``step()``.
+
+    Example:
+        >>> stats = EngineStats(1, 1, 0, 0, 3, 0, 100, 75, 25, 10, 0.0, 0, 4096, 0.5)
+        >>> stats.prefix_hit_rate, stats.generation_throughput
+        (0.75, 20.0)
     """
 
     num_requests: int

@@ -73,6 +73,14 @@ class MemoryStats:
         used_blocks: block references held, summed over KV groups.
         num_blocks: blocks per KV group.
         block_size: tokens per block.
+
+    Example:
+        >>> from transformers import LlamaConfig
+        >>> config = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+        ...                      num_hidden_layers=2, intermediate_size=128, vocab_size=100)
+        >>> stats = PagedKVPool(config, num_blocks=8, block_size=4, dtype=torch.float32).memory_stats()
+        >>> stats.capacity_bytes, stats.used_bytes
+        (16384, 0)
     """
 
     capacity_bytes: int

@@ -130,7 +130,16 @@ def enable(
 
 
 def disable(model: Any) -> PagedKVPool:
-    """Restore the model's own ``generate``. Returns the pool (its cached prefixes stay until it is dropped)."""
+    """Restore the model's own ``generate``. Returns the pool (its cached prefixes stay until it is dropped).
+
+    Example:
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> model = LlamaForCausalLM(LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+        ...     num_hidden_layers=2, intermediate_size=128, vocab_size=100))
+        >>> pool = enable(model, num_blocks=16)
+        >>> disable(model) is pool, is_enabled(model)
+        (True, False)
+    """
     state = _ENABLED.pop(model, None)
     if state is None:
         raise ConfigError("prefix caching is not enabled on this model")
@@ -142,12 +151,27 @@ def disable(model: Any) -> PagedKVPool:
 
 
 def is_enabled(model: Any) -> bool:
-    """Whether :func:`enable` is in effect for ``model``."""
+    """Whether :func:`enable` is in effect for ``model``.
+
+    Example:
+        >>> is_enabled(object())
+        False
+    """
     return model in _ENABLED
 
 
 def prefix_pool(model: Any) -> PagedKVPool:
-    """The pool :func:`enable` gave ``model``."""
+    """The pool :func:`enable` gave ``model``.
+
+    Example:
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> model = LlamaForCausalLM(LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+        ...     num_hidden_layers=2, intermediate_size=128, vocab_size=100))
+        >>> pool = enable(model, num_blocks=16)
+        >>> prefix_pool(model) is pool
+        True
+        >>> _ = disable(model)
+    """
     state = _ENABLED.get(model)
     if state is None:
         raise ConfigError("prefix caching is not enabled on this model")

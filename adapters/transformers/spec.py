@@ -31,7 +31,12 @@ _WHY = {
 
 @dataclass(frozen=True)
 class LayerSpec:
-    """One decoder layer: its KV group (None for a layer without its own cache), heads and sizes."""
+    """One decoder layer: its kind, window, KV heads and head sizes.
+
+    Example:
+        >>> LayerSpec("sliding_attention", 4096, 8, 128, 128).has_cache
+        True
+    """
 
     layer_type: str
     sliding_window: int | None
@@ -144,7 +149,13 @@ def _summary(spec: ModelKVSpec) -> str:
 
 
 def text_config(model: Any) -> PretrainedConfig:
-    """The decoder text config of a model or config."""
+    """The decoder text config of a model or config.
+
+    Example:
+        >>> from transformers import LlamaConfig
+        >>> text_config(LlamaConfig()).model_type
+        'llama'
+    """
     config = model.config if hasattr(model, "config") else model
     getter = getattr(config, "get_text_config", None)
     return getter(decoder=True) if getter is not None else config
