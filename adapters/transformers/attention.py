@@ -6,13 +6,16 @@ Registered with transformers' ``AttentionInterface`` and ``AttentionMaskInterfac
 query tokens, asks the backend selected by the ``pagedcore_attention_backend`` hook for attention over the pool,
 and unpacks. Without a context (a model that calls ``cache.update`` without its kwargs, or a batch whose padding
 the cache could not account for) it falls back to dense attention over the keys and values ``update`` returned,
-masked by the standard mask — the same result, computed the ordinary way.
+masked by the standard mask — the same result, computed the ordinary way. So does a forward whose mask hides
+more than the padding the cache left out (``ForwardContext.mask_matches``), over keys the context gathers.
 """
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from transformers import AttentionInterface
@@ -41,13 +44,22 @@ class ForwardContext:
         real_index: flat indices of the real query tokens in ``(batch * q_len)``, or None when the queries are
             already packed (the Engine).
         backend: attention backend name requested by the user, or None for the plugin hook's choice.
+        pads: per batch row, its leading positions that are not stored (PagedCache); None when there is no
+            rectangular batch to check the attention mask against (the Engine).
+        length: rectangular positions per row after this forward (with ``pads``).
+        dense: ``dense(layer_idx) -> (keys, values)``: the layer's keys and values gathered as ``update`` returns
+            them without a context, for a forward whose mask the paged path cannot honour (see :meth:`mask_matches`).
     """
 
     pool: PagedKVPool
     metadata: list[PagedAttentionMetadata | None]
     real_index: torch.Tensor | None
     backend: str | None = None
+    pads: list[int] | None = None
+    length: int = 0
+    dense: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None = None
     _index_on: dict[torch.device, torch.Tensor] = field(default_factory=dict, repr=False)
+    _mask_checks: dict[int, tuple[Any, bool]] = field(default_factory=dict, repr=False)
 
     def group_metadata(self, group: int, device: torch.device) -> PagedAttentionMetadata:
         """The group's metadata with tensors on ``device``."""
@@ -64,6 +76,23 @@ class ForwardContext:
         if moved is None:
             moved = self._index_on[device] = self.real_index.to(device)
         return moved
+
+    def mask_matches(self, mask: Any) -> bool:
+        """Whether ``mask`` hides exactly the unstored padding, the only thing the paged path leaves out.
+
+        The cache reads padding from ``position_ids``; a padded ``attention_mask`` whose padding the positions do
+        not show (``model(ids, attention_mask=mask, cache=cache)`` without ``position_ids``: the model then makes
+        ``arange`` positions) hides keys that are stored, and the paged path would attend to them. Checked once
+        per mask object (all layers of a kind share it).
+        """
+        if self.pads is None or self.dense is None:
+            return True
+        if mask is None:
+            return not any(self.pads)
+        entry = self._mask_checks.get(id(mask))
+        if entry is None or entry[0]() is not mask:  # a weak reference: a dead mask's id may be reused
+            entry = self._mask_checks[id(mask)] = (weakref.ref(mask), _hides_only_padding(mask, self.pads, self.length))
+        return entry[1]
 
 
 def paged_attention_forward(
@@ -90,7 +119,11 @@ def paged_attention_forward(
     ctx: ForwardContext | None = kwargs.get(CONTEXT_KEY)
     if ctx is None:
         return _dense(module, query, key, value, attention_mask, scaling, softcap, kwargs)
-    layer_idx = module.layer_idx  # type: ignore[attr-defined]
+    layer_idx = cast(int, module.layer_idx)
+    if not ctx.mask_matches(attention_mask):
+        assert ctx.dense is not None
+        key, value = ctx.dense(layer_idx)
+        return _dense(module, query, key, value, attention_mask, scaling, softcap, kwargs)
     group = ctx.pool.group_of(layer_idx)
     tensors = ctx.pool.layer_tensors(layer_idx)
     if tensors is None:
@@ -112,6 +145,20 @@ def paged_attention_forward(
         full = out.new_zeros(batch * q_len, heads, out.shape[-1])
         out = full.index_copy_(0, index, out)
     return out.view(batch, q_len, heads, -1), None
+
+
+def _hides_only_padding(mask: Any, pads: list[int], length: int) -> bool:
+    """Whether the keys no query of a row may see are exactly that row's first ``pads[row]`` positions.
+
+    Causal and sliding masks built by transformers let some query of a row see every other key of the row (the
+    last query sees every earlier key, the first query its whole window), so only padding is hidden from all.
+    """
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[0] != len(pads):
+        return False
+    kv_len = mask.shape[-1]
+    positions = torch.arange(length - kv_len, length, device=mask.device)
+    expected = positions[None, :] >= torch.tensor(pads, device=mask.device)[:, None]
+    return torch.equal(mask.any(dim=2).any(dim=1), expected)
 
 
 def _dense(

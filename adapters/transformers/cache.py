@@ -256,8 +256,8 @@ class PagedCache(Cache):
         """``(kv_length, kv_offset)`` of the keys ``update`` will return for ``layer_idx`` (transformers' rules)."""
         if isinstance(self.layers[layer_idx], DummyLayer):
             layer_idx = self._first_cached_layer()
-        layer = self.layers[layer_idx]
-        return _mask_sizes(self._state.layer_len[layer_idx], query_length, layer.sliding_window)
+        window = self._pool.spec.layers[layer_idx].sliding_window
+        return _mask_sizes(self._state.layer_len[layer_idx], query_length, window)
 
     def get_max_length(self, layer_idx: int | None = None) -> int:
         """-1 (no fixed maximum: the pool decides), or the window of a sliding layer."""
@@ -291,12 +291,28 @@ class PagedCache(Cache):
         new_length = max(0, state.length + tokens_to_remove)
         with self._pool.lock:
             if tokens_to_remove < 0:
+                # Check every row before truncating any: a row whose kept positions need sliding-window blocks that
+                # were already given back makes truncate raise, and raising after earlier rows were truncated left
+                # the cache half-cropped (rows shorter than its length).
+                bs = self._pool.block_size
+                for row in state.rows:
+                    keep = max(0, new_length - min(row.pad, new_length))
+                    for g in self._pool.kv.groups:
+                        window = g.sliding_window
+                        if window is not None and max(0, keep - window + 1) < row.blocks.num_dropped(g.index) * bs:
+                            raise InvalidBlockError(
+                                f"crop({tokens_to_remove}): the kept positions need keys that already left the "
+                                f"{window}-token window and were given back; call activate_past_recording() before "
+                                "the forwards you may want to crop"
+                            )
                 for row in state.rows:
                     row.pad = min(row.pad, new_length)
                     row.blocks.truncate(max(0, new_length - row.pad))
-            if not self._recording_past():
-                for row in state.rows:
-                    row.blocks.drop_out_of_window(row.blocks.num_tokens)
+            # Also while past recording is on: a crop is the rollback point, after which transformers' sliding layers
+            # shrink back to their window too. Skipping the drop then (the earlier code) kept every sliding block of an
+            # assisted / prompt-lookup generation until the cache was released.
+            for row in state.rows:
+                row.blocks.drop_out_of_window(row.blocks.num_tokens)
         state.length = new_length
         state.layer_len = [min(n, new_length) for n in state.layer_len]
         state.step = None
@@ -500,7 +516,27 @@ class PagedCache(Cache):
                     pad_block=pool.pad_block,
                 )
             )
-        return ForwardContext(pool, metas, real_index, self.attention_backend)
+        state = self._state
+        # The dense fallback for a mask the paged path cannot honour (ForwardContext.mask_matches). A weak reference:
+        # the state (kept alive by the finalizer) holds this context, so a strong one would keep the cache forever.
+        gather = weakref.WeakMethod(self._gather)
+
+        def dense(layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+            method = gather()
+            tensors = pool.layer_tensors(layer_idx)
+            if method is None or tensors is None:
+                raise RuntimeError(f"PagedCache: layer {layer_idx} has nothing stored to attend to")
+            return method(layer_idx, pool.group_of(layer_idx), *tensors, tensors[0].device)
+
+        return ForwardContext(
+            pool,
+            metas,
+            real_index,
+            self.attention_backend,
+            pads=[row.pad for row in state.rows],
+            length=state.length,
+            dense=dense,
+        )
 
     def _gather(
         self, layer_idx: int, group: int, key_cache: torch.Tensor, value_cache: torch.Tensor, device: torch.device
@@ -508,7 +544,7 @@ class PagedCache(Cache):
         state = self._state
         step = state.step
         assert step is not None
-        window = self.layers[layer_idx].sliding_window
+        window = self._pool.spec.layers[layer_idx].sliding_window
         kv_len, kv_offset = _mask_sizes(step.start, step.q_len, window)
         index = step.tensor(("gather", group, kv_offset), device, lambda: self._gather_index(group, kv_offset, kv_len))
         batch = step.batch

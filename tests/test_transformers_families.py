@@ -1,0 +1,169 @@
+"""PagedCache against DynamicCache on every supported model family, in a stock attention mode and in "paged".
+
+Each case generates greedily on the same tiny model with both caches and asserts identical tokens and fp32 per-step
+logits within 1e-4, for a plain batch and a left-padded batch (pad lengths differ per row, one longer than the
+sliding window), with block sizes 4 and 16; prompt + generation (31 positions) crosses the sliding window (8) and
+block boundaries. It then checks the memory the cache holds and that releasing it leaves the pool empty.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from models import FAMILIES, SLIDING_FAMILIES, WINDOW, compatible_attn, tiny_model
+from paged_checks import (
+    assert_same_generation,
+    batch,
+    dynamic,
+    generate,
+    group_used,
+    release_and_check,
+    sliding_bound,
+    spy_paged_attention,
+)
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
+
+from pagedcore import UnsupportedModelError
+from pagedcore.adapters.transformers import PagedCache, PagedKVPool
+
+PROMPT_LEN = 12
+NEW_TOKENS = 20
+BATCHES = {"plain": [0, 0, 0], "left_padded": [0, 3, 9]}  # 9 > WINDOW: a row whose padding outlasts the window
+NO_KWARGS = {"gpt_neox"}  # calls cache.update without the model kwargs: no position_ids, so padding is stored
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models run fastest on one thread, and several threads on 2 busy cores stall each other."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@functools.cache
+def model_for(family: str, mode: str) -> torch.nn.Module:
+    return tiny_model(family, attn_implementation=compatible_attn(family) if mode == "compatible" else mode)
+
+
+@functools.cache
+def reference(family: str, mode: str, batch_kind: str) -> object:
+    model = model_for(family, mode)
+    ids, mask = batch(BATCHES[batch_kind], PROMPT_LEN, seed=1)
+    kwargs = {"input_ids": ids, "attention_mask": mask, "max_new_tokens": NEW_TOKENS, "do_sample": False}
+    return generate(model, dynamic(model), **kwargs)
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("batch_kind", list(BATCHES))
+@pytest.mark.parametrize("mode", ["compatible", "paged"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_matches_dynamic_cache(family, mode, batch_kind, block_size, monkeypatch):
+    model = model_for(family, mode)
+    pads = BATCHES[batch_kind]
+    ids, mask = batch(pads, PROMPT_LEN, seed=1)
+    calls = spy_paged_attention(monkeypatch)
+    cache = PagedCache(model, num_blocks=64, block_size=block_size)
+
+    out = generate(model, cache, input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False)
+
+    assert_same_generation(out, reference(family, mode, batch_kind))
+    assert out.cache is cache
+    stored = PROMPT_LEN + NEW_TOKENS - 1  # rectangular positions; the last token is never fed back
+    assert cache.get_seq_length() == stored
+    if mode == "paged":
+        # The paged path really read the pool, except for a model whose update lacks kwargs (dense fallback).
+        assert (calls[0] == 0) if family in NO_KWARGS else (calls[0] > 0)
+    if family in NO_KWARGS:
+        assert cache.row_padding() == [0] * len(pads)  # padding cannot be told apart: every position is stored
+        assert cache.row_tokens() == [stored] * len(pads)
+    else:
+        real = [stored - pad for pad in pads]
+        assert cache.row_padding() == pads  # left padding is not stored
+        assert cache.row_tokens() == real
+        stats = cache.memory_stats()
+        assert (stats.rows, stats.tokens, stats.padding_tokens) == (len(pads), sum(real), sum(pads))
+        for window, used in group_used(cache):
+            if window is None:
+                # No block is shared in greedy search, so the sum being the per-row minimum means every row holds
+                # exactly ceil(real tokens / block size) blocks.
+                assert used == sum(-(-n // block_size) for n in real)
+            else:
+                # Blocks that left the window went back: each row keeps about window / block_size + 1.
+                assert window == WINDOW
+                assert used <= len(pads) * sliding_bound(WINDOW, block_size)
+                assert used < sum(-(-n // block_size) for n in real)
+    assert (family in SLIDING_FAMILIES) == any(w is not None for w, _ in group_used(cache))
+    release_and_check(cache)
+
+
+def test_every_family_is_covered():
+    expected = {"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "gpt_neox", "gpt2", "opt"}
+    assert expected | {"mixtral", "qwen3_moe"} == set(FAMILIES)
+
+
+# ---------------------------------------------------------------------------------------------- unsupported models
+def _t5():
+    config = AutoConfig.for_model("t5", vocab_size=128, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4)
+    return AutoModelForSeq2SeqLM.from_config(config)
+
+
+def _bart():
+    config = AutoConfig.for_model(
+        "bart",
+        vocab_size=128,
+        d_model=32,
+        encoder_layers=1,
+        decoder_layers=1,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        max_position_embeddings=64,
+    )
+    return AutoModelForSeq2SeqLM.from_config(config)
+
+
+def _deepseek_v3():
+    config = AutoConfig.for_model(
+        "deepseek_v3",
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_shared_experts=1,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        kv_lora_rank=16,
+        q_lora_rank=None,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=16,
+        first_k_dense_replace=1,
+        max_position_embeddings=128,
+    )
+    return AutoModelForCausalLM.from_config(config)
+
+
+@pytest.mark.parametrize(
+    ("build", "model_type", "why"),
+    [(_t5, "t5", "encoder-decoder"), (_bart, "bart", "encoder-decoder"), (_deepseek_v3, "deepseek_v3", "latent")],
+)
+def test_unsupported_model_raises_naming_its_type(build, model_type, why):
+    model = build()
+    with pytest.raises(UnsupportedModelError, match=f"'{model_type}'.*{why}"):
+        PagedCache(model, num_blocks=8)
+    with pytest.raises(UnsupportedModelError, match=f"'{model_type}'"):
+        PagedKVPool(model.config, num_blocks=8)
+    pool = PagedKVPool(model_for("llama", "compatible"), num_blocks=8)
+    with pytest.raises(UnsupportedModelError, match=f"'{model_type}'"):
+        PagedCache(model, pool=pool)
+    assert pool.kv.num_used_blocks == 0
+    pool.check_invariants()
