@@ -281,7 +281,8 @@ class Engine:
             if request is None:
                 raise InvalidRequestError(f"no running request {request_id!r}")
             for seq in self.scheduler.abort(request_id):
-                self._finish_sample(request, seq.sample_index, FinishReason.ABORT.value)
+                for index in _sample_indices(seq):
+                    self._finish_sample(request, index, FinishReason.ABORT.value)
             self._counts["aborted"] += 1
             return request.output
 
@@ -524,7 +525,8 @@ class Engine:
             if request is not None:
                 request.output.error = failed[seq.request_id]
                 self._counts["failed"] += int(request.done == 0)
-                self._finish_sample(request, seq.sample_index, FinishReason.ERROR.value)
+                for index in _sample_indices(seq):
+                    self._finish_sample(request, index, FinishReason.ERROR.value)
         live = [item for item in plan.scheduled if item.request_id not in failed]
         finished = self.scheduler.update(SchedulerOutput(live, plan.copies, plan.preempted), sampled)
         reasons = {seq.request_id: seq.finish_reason for seq in finished}
@@ -630,6 +632,11 @@ class Engine:
     def _check_open(self) -> None:
         if self._closed:
             raise ConfigError("this Engine was closed")
+
+
+def _sample_indices(seq: CoreSequence) -> range | list[int]:
+    """The samples a sequence stands for: all of them before it forked into its parallel samples."""
+    return range(seq.num_samples) if seq.needs_fork else [seq.sample_index]
 
 
 def _eos_ids(model: Any) -> list[int]:
