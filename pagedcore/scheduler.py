@@ -7,7 +7,9 @@ tokens that catches up with its number of tokens, within a per-step token budget
    preempts the newest running sequence not yet scheduled (by recompute: its blocks go back, it is re-queued at the
    front and later re-hits its own cached prefix), possibly itself;
 2. waiting sequences in FIFO order (none after a preemption in this step), each starting from its longest cached
-   prefix, admitted only when its blocks can be had with a small watermark left free.
+   prefix, admitted only when its blocks can be had with a small watermark left free. A request whose next
+   prompt block another running sequence is computing right now waits a step (later requests may go ahead), so
+   requests that arrive together with a common prefix compute it once and share it.
 
 The model is not the scheduler's concern: :meth:`Scheduler.schedule` says what to compute, the caller computes it
 and hands the sampled tokens to :meth:`Scheduler.update`.
@@ -27,7 +29,7 @@ from pagedcore.errors import (
     InvalidRequestError,
     RequestNotFoundError,
 )
-from pagedcore.kv_pool import KVPool
+from pagedcore.kv_pool import KVPool, PoolMatch
 from pagedcore.plugin_manager import PluginManager
 from pagedcore.sequence import FinishReason, Sequence, SequenceStatus
 
@@ -446,15 +448,19 @@ class Scheduler:
 
     def _admit(self, budget: int, plan: list[tuple[Sequence, int]], copies: list[Copy]) -> int:
         cfg = self._config
-        while self._waiting and budget > 0:
-            seq = next(iter(self._waiting.values()))
-            # Count the samples running sequences will still fork into, so a fork never exceeds max_num_seqs.
-            width = sum(_width(s) for s in self._running.values())
-            if width + _width(seq) > cfg.max_num_seqs:
+        # Count the samples running sequences will still fork into, so a fork never exceeds max_num_seqs.
+        width = sum(_width(s) for s in self._running.values())
+        for seq in list(self._waiting.values()):
+            if budget == 0 or width + _width(seq) > cfg.max_num_seqs:
                 break
-            blocks = self._start_blocks(seq, budget)
+            match = self._pool.match(seq.token_ids, seq.namespace) if cfg.enable_prefix_caching else None
+            if match is not None and self._prefix_in_flight(seq, match.num_tokens):
+                # A running sequence is computing this prompt's next blocks right now: wait a step and hit them
+                # in the cache instead of computing them twice (later requests may go ahead meanwhile).
+                continue
+            blocks = self._start_blocks(seq, budget, match)
             if blocks is None:
-                break
+                break  # FIFO: a request that cannot get its blocks is not overtaken
             hit, num_new = blocks.num_tokens, min(seq.num_tokens - blocks.num_tokens, budget)
             copies.extend(blocks.append(num_new))
             del self._waiting[seq.request_id]
@@ -463,6 +469,7 @@ class Scheduler:
             seq.num_cached_tokens = hit
             seq.status = SequenceStatus.RUNNING
             self._running[seq.request_id] = seq
+            width += _width(seq)
             plan.append((seq, num_new))
             budget -= num_new
             self.stats.num_admitted += 1
@@ -483,13 +490,26 @@ class Scheduler:
             )
         return budget
 
-    def _start_blocks(self, seq: Sequence, budget: int) -> BlockTables | None:
+    def _prefix_in_flight(self, seq: Sequence, num_cached: int) -> bool:
+        """Whether a running sequence of the same namespace has the same tokens as ``seq`` up to the end of the
+        block after ``seq``'s cached prefix, and has not computed that block yet (it is being prefilled)."""
+        end = num_cached + self._bs
+        if end > seq.num_tokens - 1:
+            return False  # no further full block of this prompt could be shared
+        tokens = seq.token_ids
+        for other in self._running.values():
+            if other.num_computed_tokens >= end or other.num_tokens < end or other.namespace != seq.namespace:
+                continue
+            theirs = other.token_ids
+            if theirs[num_cached:end] == tokens[num_cached:end] and theirs[:num_cached] == tokens[:num_cached]:
+                return True
+        return False
+
+    def _start_blocks(self, seq: Sequence, budget: int, match: PoolMatch | None) -> BlockTables | None:
         """Blocks for ``seq``'s first step (prefix hit attached), or None when they cannot be had now."""
         reserve = self._watermark_blocks if self._running else [0] * len(self._watermark_blocks)
         hit = 0
-        match = None
-        if self._config.enable_prefix_caching:
-            match = self._pool.match(seq.token_ids, seq.namespace)
+        if match is not None:
             hit = min(match.num_tokens, seq.num_tokens - 1)  # the last token is always computed (for its logits)
         candidates = [hit] if hit % self._bs == 0 else [hit, hit - hit % self._bs]  # partial hit needs a copy
         for num_hit in candidates:

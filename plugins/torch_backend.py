@@ -53,6 +53,13 @@ class TorchPagedAttention:
         scale: float,
         softcap: float | None = None,
     ) -> torch.Tensor:
+        run = self._single_run(metadata, query.device)
+        if run is not None:  # one sequence whose visible keys sit in consecutive blocks: attend to a view
+            start, length, mask = run
+            k = key_cache.view(-1, *key_cache.shape[2:])[start : start + length].transpose(0, 1).unsqueeze(0)
+            v = value_cache.view(-1, *value_cache.shape[2:])[start : start + length].transpose(0, 1).unsqueeze(0)
+            q = query.transpose(0, 1).unsqueeze(0)  # (1, q_heads, q_len, d)
+            return _attend(q, k, v, mask, scale, softcap)[0].transpose(0, 1)
         num_tokens, q_heads, _ = query.shape
         out = query.new_zeros(num_tokens, q_heads, value_cache.shape[-1])
         padded_query = torch.cat([query, query.new_zeros(1, *query.shape[1:])])  # row num_tokens = padding
@@ -64,6 +71,17 @@ class TorchPagedAttention:
             o = o.transpose(1, 2).reshape(-1, q_heads, o.shape[-1])[bucket.valid]
             out.index_copy_(0, bucket.out_index, o)
         return out
+
+    def _single_run(
+        self, meta: PagedAttentionMetadata, device: torch.device
+    ) -> tuple[int, int, torch.Tensor | None] | None:
+        """``(first slot, number of keys, mask or None)`` when the batch is one sequence whose visible keys are one
+        contiguous run of slots, else None. Decided once per forward from the block table (no tensor work)."""
+        key = ("torch-run", device)
+        if key not in meta.backend_state:
+            meta.backend_state[key] = _contiguous_run(meta, device)
+        run: tuple[int, int, torch.Tensor | None] | None = meta.backend_state[key]
+        return run
 
     def _buckets(self, meta: PagedAttentionMetadata, device: torch.device) -> list[_Bucket]:
         key = ("torch", device)
@@ -114,6 +132,29 @@ def _bucket(meta: PagedAttentionMetadata, rows: list[int], starts: list[int], de
     query_index = torch.where(real, starts_t[:, None] + t[None, :], num_tokens)
     valid = real.reshape(-1)
     return _Bucket(query_index, valid, query_index.reshape(-1)[valid], blocks, mask[:, None])
+
+
+def _contiguous_run(meta: PagedAttentionMetadata, device: torch.device) -> tuple[int, int, torch.Tensor | None] | None:
+    if meta.num_seqs != 1:
+        return None
+    bs = meta.block_size
+    seq_len, q_len = meta.seq_lens[0], meta.query_lens[0]
+    q_start = seq_len - q_len
+    first = 0 if meta.sliding_window is None else max(0, q_start - meta.sliding_window + 1)
+    first = max(first, meta.block_offsets[0] * bs)
+    table = meta.block_tables[0].tolist()
+    lo, hi = first // bs - meta.block_offsets[0], (seq_len - 1) // bs - meta.block_offsets[0]
+    if any(table[i + 1] != table[i] + 1 for i in range(lo, hi)):
+        return None
+    length = seq_len - first
+    mask = None
+    if q_len > 1 or (meta.sliding_window is not None and length > meta.sliding_window):
+        key_pos = torch.arange(first, seq_len, device=device)
+        q_pos = torch.arange(q_start, seq_len, device=device)
+        mask = key_pos[None, :] <= q_pos[:, None]
+        if meta.sliding_window is not None:
+            mask &= key_pos[None, :] > q_pos[:, None] - meta.sliding_window
+    return table[lo] * bs + first % bs, length, mask
 
 
 def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:

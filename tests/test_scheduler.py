@@ -261,3 +261,24 @@ def test_randomized_run_with_fake_model(seed, windows):
         assert seq.finish_reason in (FinishReason.LENGTH, FinishReason.STOP)
         # Sample 0 of every request follows the deterministic reference exactly, whatever the batching.
         assert seq.output_token_ids == reference_output(prompt, seq.max_new_tokens)
+
+
+def test_requests_arriving_together_compute_a_common_prefix_once():
+    sched, model = make(num_blocks=64, block_size=4, max_num_batched_tokens=64)
+    prefix = list(range(20))
+    for i in range(4):
+        sched.add(Sequence(f"r{i}", [*prefix, 100 + i, 200 + i], max_new_tokens=2))
+    sched.add(Sequence("other", [7, 7, 7, 7, 7], max_new_tokens=2))
+    out = sched.schedule()
+    # r0 computes the prefix; r1..r3 wait a step for its blocks; the unrelated request goes ahead.
+    assert [s.request_id for s in out.scheduled] == ["r0", "other"]
+    sched.update(out, model.step(out))
+    out = sched.schedule()
+    admitted = {s.request_id: s for s in out.scheduled if s.request_id.startswith("r") and s.request_id != "r0"}
+    assert set(admitted) == {"r1", "r2", "r3"}
+    assert all(s.start == 20 for s in admitted.values())  # the 5 prefix blocks were hits
+    sched.update(out, model.step(out))
+    done = run_to_completion(sched, model)
+    assert sched.stats.num_prompt_tokens_computed == 22 + 3 * 2 + 5
+    for i in range(1, 4):
+        assert done[f"r{i}"].output_token_ids == reference_output([*prefix, 100 + i, 200 + i], 2)

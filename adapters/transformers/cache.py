@@ -564,20 +564,21 @@ class PagedCache(Cache):
         zero block). A single contiguous row is returned as its first slot only (1-D)."""
         bs = self._pool.block_size
         pad_slot = self._pool.pad_block * bs
-        rows = []
-        for row in self._state.rows:
+        rows = self._state.rows
+        if len(rows) == 1 and kv_len > 0:
+            start = _contiguous_start(rows[0], group, kv_offset, kv_len, bs)
+            if start is not None:  # the common single-sequence case: a view, decided without tensor work
+                return torch.tensor([start], dtype=torch.long)
+        gathered = []
+        for row in rows:
             first_real = max(kv_offset - row.pad, 0)
             n_pad = max(0, min(row.pad, kv_offset + kv_len) - kv_offset)
             count = kv_len - n_pad
             table = torch.tensor(row.blocks.table(group), dtype=torch.long)
             j = torch.arange(first_real, first_real + count) - row.blocks.num_dropped(group) * bs
             real = table[j // bs] * bs + j % bs
-            rows.append(torch.cat([torch.full((n_pad,), pad_slot, dtype=torch.long), real]))
-        index = torch.stack(rows)
-        one_run = index.shape[0] == 1 and int(index[0, -1] - index[0, 0]) == kv_len - 1
-        if one_run and bool((index[0, 1:] - index[0, :-1] == 1).all()):
-            return index[0, :1]
-        return index
+            gathered.append(torch.cat([torch.full((n_pad,), pad_slot, dtype=torch.long), real]))
+        return torch.stack(gathered)
 
     def _select(self, indices: list[int]) -> None:
         state = self._check_live()
@@ -594,10 +595,32 @@ class PagedCache(Cache):
         state.step = None
 
 
+def _contiguous_start(row: _Row, group: int, kv_offset: int, kv_len: int, block_size: int) -> int | None:
+    """The first slot of rectangular positions ``kv_offset .. kv_offset + kv_len - 1`` of ``row`` when they are
+    all stored in one contiguous run of slots (consecutive blocks, no padding among them), else None."""
+    if row.pad > kv_offset:
+        return None
+    first = kv_offset - row.pad - row.blocks.num_dropped(group) * block_size
+    table = row.blocks.table(group)
+    lo, hi = first // block_size, (first + kv_len - 1) // block_size
+    if hi >= len(table) or table[hi] - table[lo] != hi - lo:
+        return None
+    if any(table[i + 1] != table[i] + 1 for i in range(lo, hi)):
+        return None
+    return table[lo] * block_size + first % block_size
+
+
 def _left_padding(positions: Any, batch: int, q_len: int, before: list[int]) -> tuple[list[int], bool]:
     """Per row, how many of the new positions are left padding (from ``position_ids``), and whether the
     positions are exactly explained by left padding. Rows that do not fit the pattern store every position."""
     none = [0] * batch
+    if q_len == 1 and isinstance(positions, torch.Tensor) and positions.dim() == 2 and positions.shape[1] == 1:
+        # Decode step: one new position per row, which must be the row's next one (no tensor work beyond .tolist()).
+        values = positions[:, 0].tolist()
+        if len(values) == 1 and batch > 1:
+            values = values * batch
+        if len(values) == batch and all(v == n for v, n in zip(values, before)):
+            return none, True
     if not isinstance(positions, torch.Tensor) or positions.dim() != 2:
         return none, False
     pos = positions.detach().to("cpu", torch.long)
