@@ -164,8 +164,9 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
 
 
 def _attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, softcap: float | None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float, softcap: float | None
 ) -> torch.Tensor:
+    """Attention with a boolean mask (True = attend); no mask means every query sees every key."""
     groups = q.shape[1] // k.shape[1]
     if softcap is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=groups > 1)
@@ -174,7 +175,8 @@ def _attend(
         v = v.repeat_interleave(groups, dim=1)
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
     scores = torch.tanh(scores / softcap) * softcap
-    scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     return torch.matmul(probs, v)
 
