@@ -240,3 +240,20 @@ def test_generate_from_threads_is_safe(enabled):
         assert torch.equal(results[i], ref)
     assert pool.kv.num_used_blocks == 0
     pool.check_invariants()
+
+
+def test_a_pool_serves_one_model_only():
+    first, second = llama(seed=0), llama(seed=1)  # same shapes, different weights
+    pool = pc.PagedKVPool(first, num_blocks=32)
+    for use in (
+        lambda: pc.PagedCache(second, pool=pool),
+        lambda: pc.enable(second, pool=pool),
+        lambda: pc.Engine(second, pool=pool),
+    ):
+        with pytest.raises(PoolMismatchError, match="another LlamaForCausalLM instance"):
+            use()
+    assert not pc.is_enabled(second)
+    from_config = pc.PagedKVPool(first.config, num_blocks=32)
+    pc.PagedCache(first, pool=from_config)  # the first model to use it owns it
+    with pytest.raises(PoolMismatchError):
+        pc.PagedCache(second, pool=from_config)

@@ -30,7 +30,7 @@ from pagedcore.kv_pool import PoolMatch
 
 from .attention import ATTN_IMPLEMENTATION, CONTEXT_KEY, ForwardContext
 from .pool import PagedKVPool
-from .spec import ModelKVSpec, text_config
+from .spec import text_config
 
 __all__ = ["CacheMemoryStats", "PagedCache"]
 
@@ -190,7 +190,7 @@ class PagedCache(Cache):
             if num_blocks is not None or memory_budget is not None:
                 raise ConfigError("num_blocks / memory_budget size a private pool: not with pool=")
             if model is not None:
-                ModelKVSpec.from_model(model).check_compatible(pool.spec)
+                pool.bind(model)
         self._config = text_config(model) if model is not None else None
         self._pool = pool
         self._state = _State(pool, pool.spec.num_layers)

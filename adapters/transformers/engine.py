@@ -37,7 +37,7 @@ from .attention import ATTN_IMPLEMENTATION, CONTEXT_KEY, ForwardContext
 from .outputs import EngineStats, RequestMetrics, RequestOutput, SampleOutput, TokenEvent
 from .pool import PagedKVPool
 from .sampling import SamplingParams, sample_tokens
-from .spec import ModelKVSpec, text_config
+from .spec import text_config
 
 logger = logging.getLogger(__name__)
 
@@ -169,7 +169,7 @@ class Engine:
         else:
             if num_blocks is not None or memory_budget is not None:
                 raise ConfigError("num_blocks / memory_budget size a new pool: not with pool=")
-            ModelKVSpec.from_model(model).check_compatible(pool.spec)
+            pool.bind(model)
         self.model = model
         self.tokenizer = tokenizer
         self.pool = pool

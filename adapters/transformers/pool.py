@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 import threading
+import weakref
 from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
@@ -167,6 +168,9 @@ class PagedKVPool:
         # each sequence writes only blocks it holds alone (copy-on-write), and cached blocks are never written.
         self.lock = threading.RLock()
         self._backends: dict[tuple[str, torch.dtype, str | None], AttentionBackend] = {}
+        self._owner: weakref.ref[Any] | None = None
+        if isinstance(model, torch.nn.Module):
+            self._owner = weakref.ref(model)
 
     # ------------------------------------------------------------------ queries
     @property
@@ -243,6 +247,29 @@ class PagedKVPool:
         return self._group_block_bytes()[group]
 
     # ------------------------------------------------------------------ commands
+    def bind(self, model: Any) -> None:
+        """Check that ``model`` may use this pool, and tie the pool to it.
+
+        A pool holds keys and values computed by one model: its prefix cache must never serve them to another
+        (even one with the same shapes). A pool built from a config is tied to the first model that uses it.
+        Raises :class:`PoolMismatchError` for another model's pool.
+        """
+        ModelKVSpec.from_model(model).check_compatible(self.spec)
+        if not isinstance(model, torch.nn.Module):
+            return  # a config: nothing computed with it yet
+        with self.lock:
+            owner = self._owner() if self._owner is not None else None
+            if owner is model:
+                return
+            if owner is not None:
+                raise PoolMismatchError(
+                    f"this pool holds keys and values computed by another {type(owner).__name__} instance; its prefix "
+                    "cache would serve them to this model. Give each model its own pool."
+                )
+            if self._owner is not None:  # its model was garbage collected: what it cached means nothing now
+                self.kv.clear_prefix_cache()
+            self._owner = weakref.ref(model)
+
     def layer_kv(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A layer's pool tensors, created on the device and dtype of ``keys`` at the first call.
 

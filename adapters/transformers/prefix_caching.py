@@ -38,7 +38,6 @@ from pagedcore.errors import ConfigError, OutOfBlocksError
 
 from .cache import PagedCache
 from .pool import PagedKVPool
-from .spec import ModelKVSpec
 
 __all__ = ["disable", "enable", "is_enabled", "namespace", "prefix_pool"]
 
@@ -110,7 +109,7 @@ def enable(
     else:
         if num_blocks is not None or memory_budget is not None:
             raise ConfigError("num_blocks / memory_budget size a new pool: not with pool=")
-        ModelKVSpec.from_model(model).check_compatible(pool.spec)
+        pool.bind(model)
     had_instance = "generate" in vars(model)
     state = _Enabled(pool, namespace, attention_backend, had_instance, vars(model).get("generate"))
     original = state.instance_generate if had_instance else type(model).generate
