@@ -2,8 +2,9 @@
 
 Built-in plugins (``pagedcore.plugins.*``) are registered through the same ``pagedcore`` entry-point group a third
 party uses. Entry points load on first use, sorted by name so the order is the same on every machine (the torch
-backend, the fallback that serves any device, last), then
-``check_pending()`` makes a misspelled hook fail loudly. Events go through :meth:`PluginManager.emit`, which
+backend, the fallback that serves any device, last); each is checked with ``check_pending()`` so a misspelled hook
+fails loudly. A plugin that fails to load is skipped, logged and listed in ``load_errors``: one broken install
+must not take the built-in backends down with it. Events go through :meth:`PluginManager.emit`, which
 isolates observers: one that raises is logged and counted, and never reaches the pool or the caller.
 """
 
@@ -21,18 +22,32 @@ import pluggy
 
 from pagedcore import hookspecs
 from pagedcore.errors import PluginError
+from pagedcore.eviction import EvictionPolicy
 
 if TYPE_CHECKING:
     from pagedcore.attention import AttentionBackend
-    from pagedcore.eviction import EvictionPolicy
     from pagedcore.prefix_trie import BlockHasher
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ENTRY_POINT_GROUP", "PluginInfo", "PluginManager", "default_plugin_manager"]
+__all__ = ["ENTRY_POINT_GROUP", "PluginInfo", "PluginLoadError", "PluginManager", "default_plugin_manager"]
 
 ENTRY_POINT_GROUP = "pagedcore"
 _FALLBACKS = frozenset({"torch"})  # built-in plugins that must answer selection hooks last
+
+
+@dataclass(frozen=True)
+class PluginLoadError:
+    """An entry point that could not be loaded (it is skipped; the others load).
+
+    Example:
+        >>> PluginLoadError("broken", "entry point broken_plugin (broken-dist)", "ImportError: missing").name
+        'broken'
+    """
+
+    name: str
+    source: str
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -77,28 +92,29 @@ class PluginManager:
         self._lock = threading.Lock()
         self._sources: dict[str, str] = {}
         self.num_observer_errors = 0
+        self.load_errors: list[PluginLoadError] = []
 
     # ------------------------------------------------------------------ registration
     def register(self, plugin: object, name: str | None = None) -> str:
-        """Register a plugin object or module; returns its name. Unknown hook names raise :class:`PluginError`."""
+        """Register a plugin object or module; returns its name.
+
+        An unknown hook name, a wrong argument name or a wrapper on an event hook raises :class:`PluginError` and
+        registers nothing.
+        """
         self._ensure_loaded()
-        try:
-            registered = self._pm.register(plugin, name=name)
-        except pluggy.PluginValidationError as exc:
-            raise PluginError(f"plugin {name or plugin!r} is invalid: {exc}") from exc
-        except ValueError as exc:  # name already taken
-            raise PluginError(str(exc)) from exc
-        if registered is None:
-            raise PluginError(f"plugin {name or plugin!r} is blocked or already registered")
-        self._check(registered)
+        registered = self._register(plugin, name)
         self._sources.setdefault(registered, "registered")
         return registered
 
     def unregister(self, plugin: object | None = None, name: str | None = None) -> None:
-        """Remove a plugin (by object or by name)."""
-        removed = self._pm.unregister(plugin=plugin, name=name)
-        if removed is not None:
-            self._sources.pop(self._pm.get_name(removed) or name or "", None)
+        """Remove a plugin (by object or by name); raises :class:`PluginError` if it is not registered."""
+        self._ensure_loaded()
+        if name is None and plugin is not None:
+            name = self._pm.get_name(plugin)
+        if name is None or self._pm.get_plugin(name) is None:
+            raise PluginError(f"plugin {name or plugin!r} is not registered")
+        self._pm.unregister(name=name)
+        self._sources.pop(name, None)
 
     @contextmanager
     def plugin(self, plugin: object, name: str | None = None) -> Iterator[str]:
@@ -135,6 +151,8 @@ class PluginManager:
                 f"no plugin offers {wanted} for device {device_type!r} and dtype {dtype}; "
                 f"plugins with backends: {available or 'none'}"
             )
+        if not callable(getattr(backend, "forward", None)) or not isinstance(getattr(backend, "name", None), str):
+            raise PluginError(f"a plugin returned {backend!r} as attention backend: it needs a name and forward()")
         return backend
 
     def eviction_policy(self, name: str | None = None, num_blocks: int = 0) -> EvictionPolicy:
@@ -142,18 +160,29 @@ class PluginManager:
         policy = self.hook.pagedcore_eviction_policy(name=name, num_blocks=num_blocks)
         if policy is None:
             raise PluginError(f"no plugin offers the eviction policy {name!r}")
+        if not isinstance(policy, EvictionPolicy):
+            raise PluginError(f"a plugin returned {policy!r} as eviction policy {name!r}: not an EvictionPolicy")
         if len(policy) != 0:
             raise PluginError(f"the eviction policy {name!r} returned by a plugin is not empty")
         return policy
 
     def block_hasher(self) -> BlockHasher | None:
         """A plugin's block hash function, or None for the default."""
-        return self.hook.pagedcore_block_hasher()
+        hasher = self.hook.pagedcore_block_hasher()
+        if hasher is not None and not callable(hasher):
+            raise PluginError(f"a plugin returned {hasher!r} as block hasher: it must be callable")
+        return hasher
 
     # ------------------------------------------------------------------ events
     def emit(self, hook_name: str, **kwargs: Any) -> None:
-        """Call every observer of an event hook. An observer that raises is logged and counted, never propagated."""
+        """Call every observer of an event hook. An observer that raises is logged and counted, never propagated.
+
+        Every argument of the hook's spec must be given (a missing one is the caller's bug: ``TypeError``).
+        """
         caller = getattr(self.hook, hook_name)
+        missing = [arg for arg in caller.spec.argnames if arg not in kwargs] if caller.spec is not None else []
+        if missing:
+            raise TypeError(f"emit({hook_name!r}) is missing arguments {missing}")
         for impl in reversed(caller.get_hookimpls()):
             try:
                 impl.function(*[kwargs[arg] for arg in impl.argnames])
@@ -162,13 +191,39 @@ class PluginManager:
                 logger.exception("pagedcore: plugin %r failed in %s; ignored", impl.plugin_name, hook_name)
 
     # ------------------------------------------------------------------ internals
+    def _register(self, plugin: object, name: str | None) -> str:
+        try:
+            registered = self._pm.register(plugin, name=name)
+        except pluggy.PluginValidationError as exc:
+            raise PluginError(f"plugin {name or plugin!r} is invalid: {exc}") from exc
+        except ValueError as exc:  # name already taken
+            raise PluginError(str(exc)) from exc
+        if registered is None:
+            raise PluginError(f"plugin {name or plugin!r} is blocked or already registered")
+        try:
+            self._pm.check_pending()  # a misspelled hook name fails here, not silently later
+            self._check_event_wrappers(registered)
+        except (pluggy.PluginValidationError, PluginError) as exc:
+            self._pm.unregister(name=registered)
+            raise PluginError(f"plugin {registered!r} is invalid: {exc}") from exc
+        return registered
+
+    def _check_event_wrappers(self, name: str) -> None:
+        plugin = self._pm.get_plugin(name)
+        for caller in self._pm.get_hookcallers(plugin) or ():
+            spec = caller.spec
+            if spec is None or spec.opts.get("firstresult"):
+                continue
+            for impl in caller.get_hookimpls():
+                if impl.plugin_name == name and (impl.hookwrapper or impl.wrapper):
+                    raise PluginError(f"event hook {caller.name} cannot be implemented as a wrapper")
+
     def _ensure_loaded(self) -> None:
         if self._loaded or not self._load_entrypoints:
             return
-        with self._lock:
+        with self._lock:  # other threads wait here until loading is complete
             if self._loaded:
                 return
-            self._loaded = True
             # pluggy asks trylast implementations in registration order, so the universal fallbacks register
             # last: every other backend (built-in or installed) is asked before the torch backend.
             points = sorted(
@@ -178,24 +233,18 @@ class PluginManager:
             for point in points:
                 if self._pm.get_plugin(point.name) is not None or self._pm.is_blocked(point.name):
                     continue
-                try:
-                    plugin = point.load()
-                except Exception as exc:
-                    raise PluginError(
-                        f"the pagedcore plugin {point.name!r} ({point.value}) failed to import: {exc}"
-                    ) from exc
-                self._pm.register(plugin, name=point.name)
                 dist = getattr(point, "dist", None)
-                self._sources[point.name] = f"entry point {point.value}" + (f" ({dist.name})" if dist else "")
-            self._check(None)
-
-    def _check(self, name: str | None) -> None:
-        try:
-            self._pm.check_pending()
-        except pluggy.PluginValidationError as exc:
-            if name is not None:
-                self._pm.unregister(name=name)
-            raise PluginError(f"plugin validation failed: {exc}") from exc
+                source = f"entry point {point.value}" + (f" ({dist.name})" if dist else "")
+                try:
+                    self._register(point.load(), point.name)
+                except Exception as exc:
+                    # One broken plugin must not take the others (the built-in backends included) down with it.
+                    error = PluginLoadError(point.name, source, f"{type(exc).__name__}: {exc}")
+                    self.load_errors.append(error)
+                    logger.error("pagedcore: plugin %r (%s) was not loaded: %s", point.name, source, error.reason)
+                    continue
+                self._sources[point.name] = source
+            self._loaded = True
 
 
 _default: PluginManager | None = None
