@@ -60,7 +60,7 @@ class CacheIndex(Protocol):
         ...
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class SlotAppend:
     """What :meth:`BlockManager.append_slot` did to a block table.
 
@@ -397,9 +397,10 @@ class BlockManager:
 
     def _check_table(self, ids: Sequence[int], num_tokens: int, num_new_tokens: int, op: str) -> int | None:
         """Validate a table's length and its last block (the only one a growth step acts on); return that block."""
-        for name, value in (("num_tokens", num_tokens), ("num_new_tokens", num_new_tokens)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise InvalidBlockError(f"{op}: {name} must be a non-negative integer, got {value!r}")
+        if type(num_tokens) is not int or type(num_new_tokens) is not int or num_tokens < 0 or num_new_tokens < 0:
+            for name, value in (("num_tokens", num_tokens), ("num_new_tokens", num_new_tokens)):
+                if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                    raise InvalidBlockError(f"{op}: {name} must be a non-negative integer, got {value!r}")
         expected = _cdiv(num_tokens, self._block_size)
         if len(ids) != expected:
             raise InvalidBlockError(
@@ -408,7 +409,9 @@ class BlockManager:
             )
         if not ids:
             return None
-        (last,) = self._validate(ids[-1:], op)
+        last = ids[-1]
+        if type(last) is not int or not 0 <= last < self._num_blocks:
+            (last,) = self._validate([last], op)  # coerces or raises with the standard message
         if self._ref[last] == 0:
             raise InvalidBlockError(f"{op}: block {last} (the table's last) is not held by anyone")
         return last
@@ -449,6 +452,8 @@ class BlockManager:
         if self._index is None:
             return
         dropped = self._index.drop_block(victim)
+        if len(dropped) == 1 and dropped[0] == victim:
+            return  # a leaf (the usual LRU victim)
         if not dropped or dropped[0] != victim:
             raise AssertionError(f"the prefix cache did not drop evicted block {victim} first")
         descendants = dropped[1:]

@@ -46,6 +46,7 @@ class BlockTables:
         # The partly filled last block of every group was allocated by this sequence's own append (ref 1, not
         # cached), so writing into it needs no copy: decode steps then skip the BlockManager entirely.
         self._last_private = False
+        self._next_full = 0  # cache_full_blocks has nothing to do before this many computed tokens
         self._released = False
         self._bs = pool.block_size
         self._sliding = [g.index for g in pool.groups if g.sliding_window is not None]
@@ -132,6 +133,7 @@ class BlockTables:
             self._num_cached_blocks[i] = num_tokens // bs
         self._num_tokens = num_tokens
         self._last_private = False
+        self._next_full = 0
 
     def append(self, num_new_tokens: int) -> list[Copy]:
         """Give ``num_new_tokens`` more positions a slot in every group. All groups or none.
@@ -164,6 +166,24 @@ class BlockTables:
         self._last_private = num_new_tokens > 0
         return copies
 
+    def try_append(self, num_new_tokens: int, *, reserve: int = 0) -> list[Copy] | None:
+        """:meth:`append` when it would leave ``reserve`` blocks free in every group, else None (nothing changed).
+
+        One call for the scheduler's check-then-grow; a decode step into a private block costs a few comparisons.
+        """
+        used = self._num_tokens % self._bs
+        if self._last_private and used and used + num_new_tokens <= self._bs and not self._released:
+            self._num_tokens += num_new_tokens  # the decode fast path, inlined
+            return []
+        if not self.can_append(num_new_tokens, reserve=reserve):
+            return None
+        return self.append(num_new_tokens)
+
+    @property
+    def has_sliding_groups(self) -> bool:
+        """Whether any group of the pool has a sliding window (else :meth:`drop_out_of_window` is a no-op)."""
+        return bool(self._sliding)
+
     def drop_out_of_window(self, next_position: int) -> int:
         """Release sliding-group blocks that no query at ``next_position`` or later can see. Returns blocks released."""
         bs = self._bs
@@ -190,11 +210,14 @@ class BlockTables:
         the same content first, this sequence switches to that block and gives its duplicate back. A growing
         sequence registers each new block under its last registered one, in O(1).
         """
+        if num_computed < self._next_full:
+            return  # the common decode step: no block filled up since the last call
         self._check_live()
         bs = self._bs
         num_full = min(num_computed, self._num_tokens, len(token_ids)) // bs
         if num_full <= min(self._num_cached_blocks):
-            return  # the common decode step: no block filled up
+            self._next_full = (num_full + 1) * bs
+            return
         for i, group in enumerate(self._pool.groups):
             done = self._num_cached_blocks[i]
             if self._uncachable[i] or num_full <= done:
@@ -225,6 +248,7 @@ class BlockTables:
                 for j, can in swaps:
                     table[j] = can
             self._num_cached_blocks[i] = num_full
+        self._next_full = (num_full + 1) * bs
 
     def fork(self) -> BlockTables:
         """A new sequence sharing every block of this one (copy-on-write on its first write into a shared block)."""
@@ -263,6 +287,7 @@ class BlockTables:
             self._num_cached_blocks[i] = min(self._num_cached_blocks[i], num_tokens // bs)
         self._num_tokens = num_tokens
         self._last_private = False  # a cached full block may now be partly filled
+        self._next_full = 0
 
     def release(self) -> None:
         """Give every block back (tail first, so chains are evicted from their leaves). Idempotent."""
@@ -289,6 +314,7 @@ class BlockTables:
         self._num_cached_blocks = [0] * len(self._pool.groups)
         self._uncachable = [False] * len(self._pool.groups)
         self._last_private = False
+        self._next_full = 0
 
     def __repr__(self) -> str:
         return f"BlockTables(num_tokens={self._num_tokens}, tables={self._tables}, dropped={self._dropped})"

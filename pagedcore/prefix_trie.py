@@ -36,12 +36,13 @@ def default_block_hash(tokens: tuple[int, ...]) -> int:
 
 
 class _Node:
-    __slots__ = ("block_id", "children", "namespace", "parent", "tokens")
+    __slots__ = ("block_id", "children", "key", "namespace", "parent", "tokens")
 
     def __init__(
-        self, tokens: tuple[int, ...], block_id: int | None, parent: _Node | None, namespace: Namespace
+        self, tokens: tuple[int, ...], key: int, block_id: int | None, parent: _Node | None, namespace: Namespace
     ) -> None:
         self.tokens = tokens
+        self.key = key  # hash_fn(tokens), kept so that eviction never hashes again
         self.block_id = block_id  # None only for a namespace root
         self.parent = parent
         self.namespace = namespace
@@ -196,38 +197,41 @@ class PrefixTrie:
                 raise InvalidBlockError(f"insert: parent block {parent} is not cached in namespace {namespace!r}")
         node: _Node | None = root
         canonical: list[int] = []
-        to_create: dict[int, tuple[int, ...]] = {}
+        to_create: dict[int, tuple[tuple[int, ...], int]] = {}
+        hash_fn, by_block = self._hash, self._by_block
         for i, block_id in enumerate(blocks):
             tokens = tuple(token_ids[i * bs : (i + 1) * bs])
-            child = self._child(node, tokens) if node is not None else None
-            if child is not None:
-                assert child.block_id is not None
-                canonical.append(child.block_id)
-                node = child
-                continue
-            if block_id in self._by_block:
+            key = hash_fn(tokens)
+            if node is not None:
+                bucket = node.children.get(key)
+                child = None if bucket is None else bucket.get(tokens)  # content decides, not the hash alone
+                if child is not None:
+                    assert child.block_id is not None
+                    canonical.append(child.block_id)
+                    node = child
+                    continue
+            if block_id in by_block:
                 raise InvalidBlockError(
                     f"insert: block {block_id} is already cached for other content (position {i} of this chain)"
                 )
             canonical.append(block_id)
-            to_create[i] = tokens
+            to_create[i] = (tokens, key)
             node = None  # every later block is new as well
-        new_ids = [blocks[i] for i in to_create]
-        if new_ids:
-            self._bm.mark_cached(new_ids)  # validates: in use, not cached, no duplicates
+        if to_create:
+            self._bm.mark_cached([blocks[i] for i in to_create])  # validates: in use, not cached, no duplicates
         # Apply.
         if root is None:
-            root = self._roots[namespace] = _Node((), None, None, namespace)
+            root = self._roots[namespace] = _Node((), 0, None, None, namespace)
         at = root
         for i, block_id in enumerate(canonical):
-            new_tokens = to_create.get(i)
-            if new_tokens is not None:
-                child = _Node(new_tokens, block_id, at, namespace)
-                at.children.setdefault(self._hash(new_tokens), {})[new_tokens] = child
-                self._by_block[block_id] = child
+            new = to_create.get(i)
+            if new is not None:
+                child = _Node(new[0], new[1], block_id, at, namespace)
+                at.children.setdefault(new[1], {})[new[0]] = child
+                by_block[block_id] = child
                 at = child
             else:
-                at = self._by_block[block_id]
+                at = by_block[block_id]
         return canonical
 
     def drop_block(self, block_id: int) -> list[int]:
@@ -239,6 +243,9 @@ class PrefixTrie:
         if node is None:
             raise InvalidBlockError(f"drop_block: block {block_id} is not cached")
         self._detach(node)
+        if not node.children:  # a leaf: the usual victim of LRU eviction
+            del self._by_block[block_id]
+            return [block_id]
         dropped: list[int] = []
         stack = [node]
         while stack:
@@ -284,7 +291,7 @@ class PrefixTrie:
                     for tokens, child in bucket.items():
                         assert tokens == child.tokens, "child filed under the wrong tokens"
                         assert child.parent is node, "child points to the wrong parent"
-                        assert self._hash(child.tokens) == h, "child filed under the wrong hash"
+                        assert self._hash(child.tokens) == h == child.key, "child filed under the wrong hash"
                         assert len(child.tokens) == self._block_size
                         assert child.block_id is not None and child.block_id not in seen
                         assert self._by_block.get(child.block_id) is child
@@ -306,11 +313,10 @@ class PrefixTrie:
     def _detach(self, node: _Node) -> None:
         parent = node.parent
         assert parent is not None
-        h = self._hash(node.tokens)
-        bucket = parent.children[h]
+        bucket = parent.children[node.key]
         del bucket[node.tokens]
         if not bucket:
-            del parent.children[h]
+            del parent.children[node.key]
 
     @staticmethod
     def _check_namespace(namespace: Namespace) -> None:

@@ -224,6 +224,7 @@ class Scheduler:
         bs = pool.block_size
         self._watermark_blocks = [int(self._config.watermark * g.block_manager.num_blocks) for g in pool.groups]
         self._bs = bs
+        self._has_sliding = any(g.sliding_window is not None for g in pool.groups)
 
     # ------------------------------------------------------------------ queries
     @property
@@ -324,27 +325,32 @@ class Scheduler:
         copies: list[Copy] = []
         preempted: list[str] = []
 
-        running = list(self._running.values())
-        decodes = [s for s in running if s.num_uncomputed_tokens == 1 and s.num_computed_tokens > 0]
-        decode_ids = {id(s) for s in decodes}
-        ordered = decodes + [s for s in running if id(s) not in decode_ids]
-        for seq in ordered:
+        decodes: list[tuple[Sequence, int]] = []
+        prefills: list[tuple[Sequence, int]] = []
+        for seq in self._running.values():
+            uncomputed = seq.num_uncomputed_tokens
+            (decodes if uncomputed == 1 and seq.num_computed_tokens else prefills).append((seq, uncomputed))
+        running = SequenceStatus.RUNNING
+        for seq, uncomputed in decodes + prefills:
             if budget == 0:
                 break
-            if seq.status is not SequenceStatus.RUNNING:
+            if seq.status is not running:
                 continue  # preempted earlier in this step
-            num_new = min(seq.num_uncomputed_tokens, budget)
-            assert seq.blocks is not None
-            while not seq.blocks.can_append(num_new):
+            num_new = uncomputed if uncomputed < budget else budget
+            blocks = seq.blocks
+            assert blocks is not None
+            grown = blocks.try_append(num_new)
+            while grown is None:
                 victim = self._newest_unplanned(planned)
                 assert victim is not None  # ``seq`` itself is unplanned
                 self._preempt(victim)
                 preempted.append(victim.request_id)
                 if victim is seq:
                     break
-            if seq.status is not SequenceStatus.RUNNING:
+                grown = blocks.try_append(num_new)
+            if grown is None:
                 continue
-            copies.extend(seq.blocks.append(num_new))
+            copies.extend(grown)
             plan.append((seq, num_new))
             planned.add(id(seq))
             budget -= num_new
@@ -376,29 +382,43 @@ class Scheduler:
                 )
         finished: list[Sequence] = []
         cache = self._config.enable_prefix_caching
+        sliding = self._has_sliding
+        computed = prompt_computed = 0
         for item in live:
             seq = item.sequence
-            assert seq.blocks is not None
-            seq.num_computed_tokens = item.end
-            self.stats.num_computed_tokens += item.num_new_tokens
-            self.stats.num_prompt_tokens_computed += max(0, min(item.end, seq.num_prompt_tokens) - item.start)
+            blocks = seq.blocks
+            assert blocks is not None
+            end = item.start + item.num_new_tokens
+            seq.num_computed_tokens = end
+            computed += item.num_new_tokens
+            if item.start < seq.num_prompt_tokens:
+                prompt_computed += min(end, seq.num_prompt_tokens) - item.start
             if cache:
-                seq.blocks.cache_full_blocks(seq.token_ids, seq.num_computed_tokens, seq.namespace)
+                blocks.cache_full_blocks(seq.token_ids, end, seq.namespace)
             if not item.sample:
-                seq.blocks.drop_out_of_window(seq.num_computed_tokens)
+                if sliding:
+                    blocks.drop_out_of_window(end)
                 continue
-            tokens = list(sampled[seq.request_id])
-            family = [seq]
-            if seq.needs_fork:
-                family += self._fork(seq, item.num_samples - 1)
+            tokens = sampled[seq.request_id]
+            if item.num_samples == 1:
+                reason = seq.append_token(int(tokens[0]))
+                if reason is not None:
+                    self._finish(seq, reason)
+                    finished.append(seq)
+                elif sliding:
+                    blocks.drop_out_of_window(end)
+                continue
+            family = [seq, *self._fork(seq, item.num_samples - 1)] if seq.needs_fork else [seq]
             for member, token in zip(family, tokens):
                 reason = member.append_token(int(token))
                 if reason is not None:
                     self._finish(member, reason)
                     finished.append(member)
-                else:
+                elif sliding:
                     assert member.blocks is not None
                     member.blocks.drop_out_of_window(member.num_computed_tokens)
+        self.stats.num_computed_tokens += computed
+        self.stats.num_prompt_tokens_computed += prompt_computed
         return finished
 
     def check_invariants(self) -> None:
