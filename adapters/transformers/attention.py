@@ -49,6 +49,30 @@ class ForwardContext:
         length: rectangular positions per row after this forward (with ``pads``).
         dense: ``dense(layer_idx) -> (keys, values)``: the layer's keys and values gathered as ``update`` returns
             them without a context, for a forward whose mask the paged path cannot honour (see :meth:`mask_matches`).
+
+    Example:
+        A PagedCache builds one per forward; here, by hand, for a left-padded batch of two rows of 3 positions whose
+        row 0 starts with one unstored padding position:
+
+        >>> import torch
+        >>> from transformers import LlamaConfig
+        >>> from pagedcore.adapters.transformers import PagedKVPool
+        >>> from pagedcore.attention import PagedAttentionMetadata
+        >>> pool = PagedKVPool(LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+        ...     num_hidden_layers=2, intermediate_size=128, vocab_size=100), num_blocks=8, block_size=4)
+        >>> meta = PagedAttentionMetadata.build(block_size=4, query_lens=[2, 3], seq_lens=[2, 3], block_offsets=[0, 0],
+        ...     tables=[[0], [1]], slots=[[0, 1], [4, 5, 6]], sliding_window=None, pad_block=pool.pad_block)
+        >>> ctx = ForwardContext(pool, [meta], real_index=torch.tensor([1, 2, 3, 4, 5]), pads=[1, 0], length=3,
+        ...     dense=lambda layer_idx: ...)   # dense: the fallback's gather (not called here)
+        >>> ctx.group_metadata(0, torch.device("cpu")).seq_lens
+        [2, 3]
+        >>> causal = torch.ones(3, 3, dtype=torch.bool).tril()
+        >>> ctx.mask_matches(causal.expand(2, 1, 3, 3))   # lets row 0 see its padding, which the pool does not hold
+        False
+        >>> padded = causal.expand(2, 1, 3, 3).clone()
+        >>> padded[0, ..., 0] = False   # hides exactly row 0's padding: the paged path gives the same result
+        >>> ctx.mask_matches(padded)
+        True
     """
 
     pool: PagedKVPool
@@ -107,7 +131,31 @@ def paged_attention_forward(
     sliding_window: int | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """Attention over the paged pool (see the module docstring). Returns ``(out (batch, q, heads, dim), None)``."""
+    """Attention over the paged pool (see the module docstring). Returns ``(out (batch, q, heads, dim), None)``.
+
+    Registered as ``attn_implementation="paged"``; a model set to it reads its keys and values from the pool of a
+    :class:`~pagedcore.adapters.transformers.PagedCache` (or the Engine) instead of gathering them.
+
+    Example:
+        >>> import torch
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> from pagedcore.adapters.transformers import PagedCache
+        >>> model = LlamaForCausalLM(LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+        ...     num_hidden_layers=2, intermediate_size=128, vocab_size=100)).eval()
+        >>> ids = torch.tensor([[1, 2, 3, 4]])
+        >>> reference = model.generate(ids, max_new_tokens=4, do_sample=False)   # sdpa + DynamicCache
+        >>> model.set_attn_implementation("paged")
+        >>> out = model.generate(ids, max_new_tokens=4, do_sample=False, cache=PagedCache(model, num_blocks=16))
+        >>> torch.equal(out, reference)
+        True
+
+        Without a :class:`ForwardContext` in the kwargs it is ordinary (dense) attention over the given keys:
+
+        >>> query, key, value = torch.randn(1, 4, 3, 16), torch.randn(1, 2, 3, 16), torch.randn(1, 2, 3, 16)
+        >>> out, weights = paged_attention_forward(model.model.layers[0].self_attn, query, key, value, None)
+        >>> out.shape, weights
+        (torch.Size([1, 3, 4, 16]), None)
+    """
     if kwargs.get("s_aux") is not None:
         raise UnsupportedModelError(
             f"{type(module).__name__} uses attention sinks (s_aux), which pagedcore's attention does not implement"
@@ -191,7 +239,17 @@ def _dense(
 
 
 def register() -> None:
-    """Register ``"paged"`` with transformers' attention and mask interfaces (idempotent)."""
+    """Register ``"paged"`` with transformers' attention and mask interfaces (idempotent).
+
+    Importing ``pagedcore.adapters.transformers`` already calls it; call it again only if something replaced the
+    registration.
+
+    Example:
+        >>> from transformers import AttentionInterface
+        >>> register()
+        >>> AttentionInterface()["paged"] is paged_attention_forward
+        True
+    """
     AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
     # The mask is only used by the dense fallback; the paged path knows each sequence's extent exactly.
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)

@@ -107,7 +107,15 @@ _QUICK_MODEL: dict[str, Any] = {
 
 # ---------------------------------------------------------------------------------------------------- model, machine
 def bench_config(quick: bool = False, **overrides: Any) -> LlamaConfig:
-    """The benchmark Llama's config (the smaller ``--quick`` one with ``quick=True``), with ``overrides`` applied."""
+    """The benchmark Llama's config (the smaller ``--quick`` one with ``quick=True``), with ``overrides`` applied.
+
+    Example:
+        >>> config = bench_config(quick=True)
+        >>> config.num_hidden_layers, config.hidden_size, config.num_key_value_heads, config.vocab_size
+        (4, 256, 1, 8000)
+        >>> bench_config(num_hidden_layers=2).num_hidden_layers   # the full model with fewer layers
+        2
+    """
     fields = {**(_QUICK_MODEL if quick else _FULL_MODEL), "pad_token_id": PAD, "bos_token_id": 1, "eos_token_id": 2}
     return LlamaConfig(**{**fields, **overrides})
 
@@ -125,6 +133,13 @@ def bench_model(
     ``quick=True`` builds the smaller model of ``--quick`` runs (hidden 256, 4 layers, 4 heads, 1 KV head, vocab
     8000). The model comes back in eval mode with ``attn_implementation="sdpa"``; its generation config has no eos
     token (generations run to ``max_new_tokens``) and pad token 0. No weights are downloaded.
+
+    Example:
+        >>> model = bench_model(quick=True, num_hidden_layers=1)   # the quick model, cut to one layer
+        >>> model.config.hidden_size, model.config.num_hidden_layers, model.training
+        (256, 1, False)
+        >>> model.generation_config.eos_token_id is None, model.generation_config.pad_token_id
+        (True, 0)
     """
     torch.manual_seed(seed)
     config = bench_config(quick, **overrides)
@@ -136,7 +151,14 @@ def bench_model(
 
 
 def machine_info() -> str:
-    """CPU model (from /proc/cpuinfo), cores, torch and transformers versions, torch threads and the load average."""
+    """CPU model (from /proc/cpuinfo), cores, torch and transformers versions, torch threads and the load average.
+
+    Every report quotes it, so that figures are read next to the machine that measured them.
+
+    Example:
+        >>> machine_info()  # doctest: +ELLIPSIS
+        '... cores; torch ... threads), transformers ...; Python ...'
+    """
     cpu = platform.processor() or "unknown CPU"
     with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -313,6 +335,20 @@ class PrefixResult:
     """Shared system prompt + questions: ``enable(model)``-ed generate vs plain generate (DynamicCache).
 
     Times are per question, in seconds; TTFT is from the ``generate`` call to the streamer receiving the first token.
+
+    Example:
+        Two questions after a 512-token system prompt; the first enabled question is cold (it caches the prompt):
+
+        >>> result = PrefixResult(quick=True, model="Llama", machine="laptop", system_tokens=512,
+        ...     question_tokens=[30, 34], new_tokens=8, ttft_plain=[0.5, 0.5], ttft_enabled=[0.5, 0.0625],
+        ...     time_plain=[1.0, 1.0], time_enabled=[1.0, 0.5], prefill_plain=1088, prefill_enabled=576,
+        ...     hit_tokens=512, query_tokens=1088, mismatches=[])
+        >>> result.unique_tokens, result.prefill_ratio
+        (576, 1.0)
+        >>> round(result.ttft_speedup, 2), result.warm_ttft_speedup, round(result.total_speedup, 2)
+        (1.78, 8.0, 1.33)
+        >>> print(result.markdown().splitlines()[0])
+        ### 1. Prefix caching: shared system prompt (quick workload)
     """
 
     quick: bool
@@ -424,6 +460,17 @@ def prefix_benchmark(
 
     Compares ``generate`` with automatic prefix caching (:func:`enable`) against plain ``generate`` with a
     ``DynamicCache``; see :class:`PrefixResult`.
+
+    Example:
+        >>> model = bench_model(quick=True)   # what quick=True builds when no model is given
+        >>> model.config.num_hidden_layers
+        4
+        >>> result = prefix_benchmark(quick=True, progress=False, model=model)  # doctest: +SKIP
+        >>> result.system_tokens, len(result.question_tokens), result.mismatches  # doctest: +SKIP
+        (512, 10, [])
+        >>> print(result.markdown())  # doctest: +SKIP
+        ### 1. Prefix caching: shared system prompt (quick workload)
+        ...
     """
     system_len, questions, (q_lo, q_hi), new = (512, 10, (24, 40), 8) if quick else (1024, 16, (24, 40), 32)
     model = _model_for(model, quick, seed)
@@ -489,7 +536,15 @@ COLD_PAGED_ATTN = 'PagedCache + attn_implementation="paged"'
 
 @dataclass
 class ColdResult:
-    """One sequence, no reuse: wall time of ``generate`` per cache, each run ``repeats`` times (seconds)."""
+    """One sequence, no reuse: wall time of ``generate`` per cache, each run ``repeats`` times (seconds).
+
+    Example:
+        >>> base, paged = "DynamicCache (sdpa)", "PagedCache (sdpa, compatible mode)"
+        >>> result = ColdResult(quick=True, model="Llama", machine="laptop", prompt_tokens=256, new_tokens=64,
+        ...     times={base: [1.0, 1.25, 1.0], paged: [1.0, 1.5, 1.125]}, identical={base: True, paged: True})
+        >>> result.median(paged), result.slowdown(paged)   # vs a median of 1.0 s for DynamicCache
+        (1.125, 1.125)
+    """
 
     quick: bool
     model: str
@@ -563,7 +618,18 @@ def cold_benchmark(
     repeats: int | None = None,
 ) -> ColdResult:
     """One sequence, 512-token prompt, 256 new tokens (quick: 256 / 64): ``PagedCache`` (sdpa and paged attention)
-    vs ``DynamicCache``; median of ``repeats`` rounds (default 5) after one warm-up each."""
+    vs ``DynamicCache``; median of ``repeats`` rounds (default 5) after one warm-up each.
+
+    Example:
+        >>> model = bench_model(quick=True)   # what quick=True builds when no model is given
+        >>> model.config.hidden_size
+        256
+        >>> result = cold_benchmark(quick=True, progress=False, model=model, repeats=3)  # doctest: +SKIP
+        >>> list(result.times)  # doctest: +SKIP
+        ['DynamicCache (sdpa)', 'PagedCache (sdpa, compatible mode)', 'PagedCache + attn_implementation="paged"']
+        >>> result.slowdown('PagedCache + attn_implementation="paged"') <= 1.10  # the aim  # doctest: +SKIP
+        True
+    """
     prompt_len, new = (256, 64) if quick else (512, 256)
     repeats = repeats if repeats is not None else 5
     model = _model_for(model, quick, seed)
@@ -625,7 +691,21 @@ class MemoryRow:
 
 @dataclass
 class MemoryResult:
-    """Mixed-length left-padded batch: KV bytes reserved per byte of real tokens, per cache."""
+    """Mixed-length left-padded batch: KV bytes reserved per byte of real tokens, per cache.
+
+    Example:
+        Prompts of 20 and 40 tokens, 5 new tokens, 256 KV bytes per token; blocks of 16 tokens hold 24 + 44 tokens in
+        2 + 3 blocks, a ``StaticCache`` reserves 2 rows x 45 positions:
+
+        >>> rows = [MemoryRow("PagedCache", 5 * 16 * 256, "blocks held", True),
+        ...         MemoryRow("StaticCache", 2 * 45 * 256, "preallocated", True)]
+        >>> result = MemoryResult(quick=True, model="Llama", machine="laptop", prompt_lengths=[20, 40], new_tokens=5,
+        ...     bytes_per_token=256, rows=rows, pool_capacity_bytes=65536)
+        >>> result.stored_tokens, result.real_bytes
+        (68, 17408)
+        >>> round(result.ratio("PagedCache"), 3), round(result.ratio("StaticCache"), 3)
+        (1.176, 1.324)
+    """
 
     quick: bool
     model: str
@@ -698,7 +778,18 @@ def memory_benchmark(
     quick: bool = False, progress: bool = True, *, model: PreTrainedModel | None = None, seed: int = 0
 ) -> MemoryResult:
     """8 prompts of 64-1024 tokens (quick: 4 of 32-256), left padding, 128 new tokens (quick: 16): KV bytes reserved
-    / real-token bytes for ``PagedCache``, ``DynamicCache`` and ``StaticCache``."""
+    / real-token bytes for ``PagedCache``, ``DynamicCache`` and ``StaticCache``.
+
+    Example:
+        >>> model = bench_model(quick=True)   # what quick=True builds when no model is given
+        >>> model.config.num_key_value_heads
+        1
+        >>> result = memory_benchmark(quick=True, progress=False, model=model)  # doctest: +SKIP
+        >>> [row.cache for row in result.rows]  # doctest: +SKIP
+        ['PagedCache', 'DynamicCache (left padding)', 'StaticCache']
+        >>> result.ratio("PagedCache") <= 1.05  # the aim  # doctest: +SKIP
+        True
+    """
     batch, (lo, hi), new = (4, (32, 256), 16) if quick else (8, (64, 1024), 128)
     model = _model_for(model, quick, seed)
     rng = random.Random(seed + 3)
@@ -781,6 +872,12 @@ class PeerResult:
         tokens: per request, its greedy tokens.
         counted_positions: positions the model computed, counted by a forward hook.
         decode_positions: of those, the decode positions (one per generated token after the first, per row run).
+
+    Example:
+        >>> PeerResult("pagedcore Engine", wall=2.0, latencies=[1.25, 2.0], generated_tokens=96).tokens_per_second
+        48.0
+        >>> PeerResult("transformers continuous batching", error="n/a (ImportError: ...)").tokens_per_second is None
+        True
     """
 
     name: str
@@ -806,7 +903,18 @@ class PeerResult:
 
 @dataclass
 class EngineResult:
-    """Requests sharing a prefix served by the Engine and its peers (see :class:`PeerResult`)."""
+    """Requests sharing a prefix served by the Engine and its peers (see :class:`PeerResult`).
+
+    Example:
+        >>> peers = [PeerResult("generate, one at a time", wall=6.0, generated_tokens=24),
+        ...          PeerResult("pagedcore Engine", wall=1.5, generated_tokens=24)]
+        >>> result = EngineResult(quick=True, model="Llama", machine="laptop", prefix_tokens=256,
+        ...     unique_lengths=[8, 16], new_tokens=[8, 16], peers=peers, engine_config="", hf_config="")
+        >>> result.prompt_tokens, result.unique_tokens
+        (536, 280)
+        >>> result.speedup("generate, one at a time"), result.peer("pagedcore Engine").tokens_per_second
+        (4.0, 16.0)
+    """
 
     quick: bool
     model: str
@@ -920,7 +1028,18 @@ def engine_benchmark(
 ) -> EngineResult:
     """32 requests: a shared 512-token prefix + 16-64 unique tokens, 16-64 new tokens each (quick: 16 requests,
     256-token prefix, 8-32 unique, 8-16 new). Compares the :class:`Engine` with ``generate`` one request at a time,
-    ``generate`` on the left-padded batch and transformers' continuous batching; see :class:`EngineResult`."""
+    ``generate`` on the left-padded batch and transformers' continuous batching; see :class:`EngineResult`.
+
+    Example:
+        >>> model = bench_model(quick=True)   # what quick=True builds when no model is given
+        >>> model.config.vocab_size
+        8000
+        >>> result = engine_benchmark(quick=True, progress=False, model=model)  # doctest: +SKIP
+        >>> [peer.name for peer in result.peers]  # doctest: +SKIP
+        ['generate, one at a time', 'generate, padded batch', 'transformers continuous batching', 'pagedcore Engine']
+        >>> result.speedup("generate, one at a time") >= 3.0  # the aim  # doctest: +SKIP
+        True
+    """
     if quick:
         count, prefix_len, (u_lo, u_hi), (n_lo, n_hi) = 16, 256, (8, 32), (8, 16)
     else:
@@ -1192,7 +1311,19 @@ def _engine(
 # ---------------------------------------------------------------------------------------------------- all
 def write_chart(path: str | os.PathLike[str], engine: EngineResult, prefix: PrefixResult | None = None) -> None:
     """A PNG (matplotlib, Agg): wall time and generated tokens/s of the engine benchmark's peers, and the prefix
-    benchmark's mean TTFT when given."""
+    benchmark's mean TTFT when given.
+
+    Example:
+        >>> import tempfile
+        >>> engine = EngineResult(quick=True, model="Llama", machine="laptop", prefix_tokens=256,
+        ...     unique_lengths=[8, 16], new_tokens=[8, 16], engine_config="", hf_config="",
+        ...     peers=[PeerResult("generate, one at a time", wall=6.0, generated_tokens=24),
+        ...            PeerResult("pagedcore Engine", wall=1.5, generated_tokens=24)])
+        >>> path = Path(tempfile.gettempdir()) / "engine.png"
+        >>> write_chart(path, engine)  # doctest: +SKIP
+        >>> path.exists()  # doctest: +SKIP
+        True
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -1242,6 +1373,14 @@ def torch_threads(threads: int | None) -> Iterator[None]:
 
     On a machine where other jobs compete for the cores, one thread gives steadier (if slower) figures than as many
     threads as cores, whose synchronisation suffers whenever one of them is descheduled.
+
+    Example:
+        >>> before = torch.get_num_threads()
+        >>> with torch_threads(1):
+        ...     torch.get_num_threads()
+        1
+        >>> torch.get_num_threads() == before
+        True
     """
     before = torch.get_num_threads()
     if threads is not None:
@@ -1262,7 +1401,15 @@ BENCHMARKS: dict[str, Callable[..., Any]] = {
 
 def run_one(name: str, quick: bool = False, progress: bool = True, threads: int | None = None) -> str:
     """Run one benchmark of :data:`BENCHMARKS` (``"prefix"``, ``"cold"``, ``"memory"``, ``"engine"``); returns its
-    markdown."""
+    markdown.
+
+    Example:
+        >>> sorted(BENCHMARKS)
+        ['cold', 'engine', 'memory', 'prefix']
+        >>> print(run_one("memory", quick=True, progress=False, threads=1))  # doctest: +SKIP
+        ### 3. KV memory of a mixed-length batch (quick workload)
+        ...
+    """
     if name not in BENCHMARKS:
         raise ValueError(f"unknown benchmark {name!r}; choose from {sorted(BENCHMARKS)}")
     with torch_threads(threads):
@@ -1279,6 +1426,15 @@ def run_all(
 
     ``threads``: torch intra-op threads for the run (default: torch's, one per core). Returns the markdown of all
     tables.
+
+    Example:
+        >>> bench_config(quick=True).num_hidden_layers   # the model a quick run builds and shares between the four
+        4
+        >>> markdown = run_all(quick=True, out_dir="bench-out", progress=False, threads=1)  # doctest: +SKIP
+        >>> markdown.splitlines()[0]  # doctest: +SKIP
+        '# pagedcore benchmarks (quick workload)'
+        >>> sorted(p.name for p in Path("bench-out").iterdir())  # doctest: +SKIP
+        ['engine.png', 'results.md']
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

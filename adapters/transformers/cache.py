@@ -46,6 +46,23 @@ class CacheMemoryStats:
         blocks: block references held, summed over rows and KV groups.
         held_bytes: bytes of the blocks held (what the cache keeps from other users of the pool).
         token_bytes: bytes the stored tokens themselves need (``held_bytes`` minus partly filled blocks).
+
+    Example:
+        A left-padded batch of a 3-token and a 5-token prompt, 2 new tokens each: the padding is not stored.
+
+        >>> import torch
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> model = LlamaForCausalLM(LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+        ...     num_hidden_layers=2, intermediate_size=128, vocab_size=100)).eval()
+        >>> ids = torch.tensor([[0, 0, 5, 6, 7], [5, 6, 7, 8, 9]])
+        >>> mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+        >>> cache = PagedCache(model, num_blocks=16, block_size=4)
+        >>> _ = model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False, pad_token_id=0, cache=cache)
+        >>> stats = cache.memory_stats()
+        >>> stats.rows, stats.tokens, stats.padding_tokens, stats.blocks   # rows of 4 and 6 tokens: 1 + 2 blocks
+        (2, 10, 2, 3)
+        >>> stats.held_bytes, stats.token_bytes
+        (6144, 5120)
     """
 
     rows: int
