@@ -93,6 +93,12 @@ class Sequence:
                 raise InvalidRequestError(f"request {self.request_id!r}: {name} must be an int >= 1, got {value!r}")
         if isinstance(self.min_new_tokens, bool) or not isinstance(self.min_new_tokens, int) or self.min_new_tokens < 0:
             raise InvalidRequestError(f"request {self.request_id!r}: min_new_tokens must be an int >= 0")
+        try:
+            hash(self.namespace)
+        except TypeError:
+            raise InvalidRequestError(
+                f"request {self.request_id!r}: namespace must be hashable (a str is best), got {self.namespace!r}"
+            ) from None
         self.stop_token_ids = frozenset(self.stop_token_ids)
         self.prompt_token_ids = prompt
         self._token_ids = list(prompt)

@@ -34,10 +34,11 @@ from typing import Any
 
 import torch
 
-from pagedcore.errors import ConfigError, OutOfBlocksError
+from pagedcore.errors import ConfigError, InvalidRequestError, OutOfBlocksError
 
 from .cache import PagedCache
 from .pool import PagedKVPool
+from .spec import text_config
 
 __all__ = ["disable", "enable", "is_enabled", "namespace", "prefix_pool"]
 
@@ -207,6 +208,7 @@ def _generate(model: Any, call: Callable[..., Any], state: _Enabled, args: tuple
     settings = _settings(model, kwargs, input_ids.shape[1])
     if not settings.use_cache:
         return call(*args, **kwargs)
+    _check_inputs(model, input_ids, ns)
     mask = _attention_mask(input_ids, kwargs.get("attention_mask"), settings)
     pads = _left_pads(mask)
     pool = state.pool
@@ -225,6 +227,20 @@ def _generate(model: Any, call: Callable[..., Any], state: _Enabled, args: tuple
         return result
     finally:
         cache.release()
+
+
+def _check_inputs(model: Any, input_ids: torch.Tensor, ns: Hashable) -> None:
+    """Typed errors for input the prefix cache would otherwise trip over later, half-way through a call."""
+    try:
+        hash(ns)
+    except TypeError:
+        raise InvalidRequestError(f"the prefix-cache namespace must be hashable (a str is best), got {ns!r}") from None
+    vocab = getattr(text_config(model), "vocab_size", None)
+    if input_ids.numel() and vocab:
+        low, high = int(input_ids.min()), int(input_ids.max())
+        if low < 0 or high >= vocab:
+            bad = low if low < 0 else high
+            raise InvalidRequestError(f"token id {bad} is outside the model's vocabulary [0, {vocab})")
 
 
 @dataclass(frozen=True)
