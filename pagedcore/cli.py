@@ -125,6 +125,7 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--quick", action="store_true", help="a small workload that finishes in about two minutes")
     bench.add_argument("--out", default="bench-out", help="directory for results.md and the chart")
     bench.add_argument("--no-progress", action="store_true", help="no progress bars")
+    bench.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own choice)")
     bench.set_defaults(handler=_cmd_bench)
 
     plugins = sub.add_parser(
@@ -297,7 +298,7 @@ def _load(name: str, dtype: Any, device: str) -> tuple[Any, Any]:
 def _cmd_bench(args: argparse.Namespace) -> int:
     from pagedcore.adapters.transformers.benchmarks import run_all
 
-    print(run_all(quick=args.quick, out_dir=args.out, progress=not args.no_progress))
+    print(run_all(quick=args.quick, out_dir=args.out, progress=not args.no_progress, threads=args.threads))
     return EXIT_OK
 
 
