@@ -4,6 +4,12 @@ Sequences are split into a decode bucket (one query each) and a prefill bucket; 
 blocks into a padded ``(num_seqs, kv_heads, keys, head_dim)`` batch and runs one ``scaled_dot_product_attention``
 with a boolean mask that encodes causality (bottom-right aligned), the sliding window and the padding. GQA is not
 expanded. Index tensors and masks are built once per forward and group and reused by every layer.
+
+Shared prefixes ("cascade" attention): when every sequence of a bucket starts with the same blocks (a common
+system prompt served from the prefix cache) and all of its queries come after them, those blocks are read once —
+as a view of the pool when they are consecutive — for all queries together, each sequence gathers only its own
+tail, and the two partial softmaxes are merged with their log-sum-exp. The same numbers, without copying the
+prefix once per sequence and layer. A single sequence whose visible keys are consecutive attends to a view.
 """
 
 from __future__ import annotations
@@ -27,6 +33,14 @@ class _Bucket:
     out_index: torch.Tensor  # (num valid,) packed position of each real row
     blocks: torch.Tensor  # (n, num_blocks) physical blocks to gather, padded with pad_block
     mask: torch.Tensor  # (n, 1, max_q, num_blocks * block_size) bool, True = attend
+    shared: _Shared | None = None  # leading blocks every sequence shares (then ``blocks`` holds only the tails)
+
+
+@dataclass
+class _Shared:
+    start: int | None  # first slot when the shared blocks are consecutive in the pool (a view), else None
+    blocks: torch.Tensor  # (count,) the shared blocks, to gather once when they are not consecutive
+    length: int  # keys in the shared part
 
 
 class TorchPagedAttention:
@@ -67,7 +81,10 @@ class TorchPagedAttention:
             q = padded_query[bucket.query_index].transpose(1, 2)  # (n, q_heads, max_q, d)
             k = _gather(key_cache, bucket.blocks)  # (n, kv_heads, keys, d)
             v = _gather(value_cache, bucket.blocks)
-            o = _attend(q, k, v, bucket.mask, scale, softcap)  # (n, q_heads, max_q, dv)
+            if bucket.shared is None:
+                o = _attend(q, k, v, bucket.mask, scale, softcap)  # (n, q_heads, max_q, dv)
+            else:
+                o = _cascade(q, k, v, bucket.mask, bucket.shared, key_cache, value_cache, scale, softcap)
             o = o.transpose(1, 2).reshape(-1, q_heads, o.shape[-1])[bucket.valid]
             out.index_copy_(0, bucket.out_index, o)
         return out
@@ -95,17 +112,33 @@ class TorchPagedAttention:
         return cached
 
 
+def _shared_blocks(meta: PagedAttentionMetadata, rows: list[int]) -> int:
+    """Leading blocks every row of a bucket holds in common and all of their queries see whole (0 if not worth it)."""
+    if len(rows) < 2 or meta.sliding_window is not None or any(meta.block_offsets[i] for i in rows):
+        return 0
+    bs = meta.block_size
+    tables = [meta.block_tables[i].tolist() for i in rows]
+    limit = min((meta.seq_lens[i] - meta.query_lens[i]) // bs for i in rows)  # before every row's first query
+    count = 0
+    first = tables[0]
+    while count < limit and all(t[count] == first[count] for t in tables):
+        count += 1
+    return count if count * bs >= 64 else 0  # a short prefix is cheaper to gather than to merge
+
+
 def _bucket(meta: PagedAttentionMetadata, rows: list[int], starts: list[int], device: torch.device) -> _Bucket:
     bs = meta.block_size
     num_tokens = starts[-1]
     max_q = max(meta.query_lens[i] for i in rows)
-    # Gather only the blocks a query can see: from the window's first block (or the first live block) on.
+    shared_count = _shared_blocks(meta, rows)
+    # Gather only the blocks a query can see: from the window's first block (or the first live block) on, and
+    # after the shared leading blocks, which are read once for the whole bucket.
     first: list[int] = []
     count: list[int] = []
     for i in rows:
         q_start = meta.seq_lens[i] - meta.query_lens[i]
         lo = 0 if meta.sliding_window is None else max(0, q_start - meta.sliding_window + 1)
-        first_block = max(lo // bs, meta.block_offsets[i])
+        first_block = max(lo // bs, meta.block_offsets[i], shared_count)
         first.append(first_block)
         count.append(-(-meta.seq_lens[i] // bs) - first_block)
     width = max(count)
@@ -131,7 +164,66 @@ def _bucket(meta: PagedAttentionMetadata, rows: list[int], starts: list[int], de
     starts_t = torch.tensor([starts[i] for i in rows], device=device)
     query_index = torch.where(real, starts_t[:, None] + t[None, :], num_tokens)
     valid = real.reshape(-1)
-    return _Bucket(query_index, valid, query_index.reshape(-1)[valid], blocks, mask[:, None])
+    shared = None
+    if shared_count:
+        ids = meta.block_tables[rows[0], :shared_count].tolist()
+        consecutive = all(ids[j + 1] == ids[j] + 1 for j in range(shared_count - 1))
+        shared = _Shared(
+            ids[0] * bs if consecutive else None,
+            torch.tensor(ids, dtype=torch.long, device=device),
+            shared_count * bs,
+        )
+    return _Bucket(query_index, valid, query_index.reshape(-1)[valid], blocks, mask[:, None], shared)
+
+
+def _cascade(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    shared: _Shared,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    scale: float,
+    softcap: float | None,
+) -> torch.Tensor:
+    """Attention over (shared prefix + own tail) keys, the prefix computed once for all sequences; merged exactly
+    through the two parts' log-sum-exp. ``q (n, q_heads, max_q, d)``, ``k``/``v`` the gathered tails."""
+    n, q_heads, max_q, dim = q.shape
+    kv_heads = k.shape[1]
+    groups = q_heads // kv_heads
+    work = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+    if shared.start is not None:
+        kp = key_cache.view(-1, *key_cache.shape[2:])[shared.start : shared.start + shared.length]
+        vp = value_cache.view(-1, *value_cache.shape[2:])[shared.start : shared.start + shared.length]
+    else:
+        kp = key_cache[shared.blocks].reshape(shared.length, *key_cache.shape[2:])
+        vp = value_cache[shared.blocks].reshape(shared.length, *value_cache.shape[2:])
+    # Prefix part: (kv_heads, n * groups * max_q, d) @ (kv_heads, d, shared) in one matmul per KV head.
+    q5 = q.to(work).view(n, kv_heads, groups, max_q, dim)
+    qp = q5.permute(1, 0, 2, 3, 4).reshape(kv_heads, n * groups * max_q, dim)
+    sp = torch.matmul(qp, kp.to(work).permute(1, 2, 0)) * scale  # (kv_heads, m, shared)
+    # Tail part: each sequence's own keys, masked (causal, padding).
+    st = torch.matmul(q5.reshape(n, kv_heads, groups * max_q, dim), k.to(work).transpose(-1, -2)) * scale
+    if softcap is not None:
+        sp = torch.tanh(sp / softcap) * softcap
+        st = torch.tanh(st / softcap) * softcap
+    st = st.masked_fill(~mask.expand(n, groups, max_q, -1).reshape(n, 1, groups * max_q, -1), float("-inf"))
+    mp = sp.amax(dim=-1, keepdim=True)
+    mt = st.amax(dim=-1, keepdim=True)
+    ep, et = torch.exp(sp - mp), torch.exp(st - mt)
+    op = torch.matmul(ep, vp.to(work).transpose(0, 1))  # (kv_heads, m, dv)
+    ot = torch.matmul(et, v.to(work))  # (n, kv_heads, groups * max_q, dv)
+
+    # Bring the prefix part to the tail's layout: (n, kv_heads, groups * max_q, ...).
+    def to_tail(x: torch.Tensor) -> torch.Tensor:
+        return x.view(kv_heads, n, groups * max_q, x.shape[-1]).transpose(0, 1)
+
+    mp, sum_p, op = to_tail(mp), to_tail(ep.sum(dim=-1, keepdim=True)), to_tail(op)
+    m = torch.maximum(mp, mt)
+    wp, wt = torch.exp(mp - m), torch.exp(mt - m)
+    out = (op * wp + ot * wt) / (sum_p * wp + et.sum(dim=-1, keepdim=True) * wt)
+    return out.reshape(n, q_heads, max_q, -1).to(q.dtype)
 
 
 def _contiguous_run(meta: PagedAttentionMetadata, device: torch.device) -> tuple[int, int, torch.Tensor | None] | None:

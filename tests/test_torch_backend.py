@@ -100,3 +100,74 @@ def test_metadata_is_reused_across_layers():
     first = backend.forward(query, kc, vc, meta, scale=0.25)
     assert ("torch", query.device) in meta.backend_state
     torch.testing.assert_close(backend.forward(query, kc, vc, meta, scale=0.25), first)
+
+
+def build_shared(seed, query_lens, seq_lens, block_size, shared_tokens, consecutive, kv_heads=2, q_heads=8, dim=16):
+    """Sequences whose first ``shared_tokens`` positions live in the same blocks (a cached common prefix)."""
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    shared_blocks = shared_tokens // block_size
+    own_blocks = [-(-n // block_size) - shared_blocks for n in seq_lens]
+    num_blocks = shared_blocks + sum(own_blocks) + 2
+    ids = list(range(num_blocks))
+    rng.shuffle(ids)
+    prefix_ids = sorted(ids[:shared_blocks]) if consecutive else ids[:shared_blocks]
+    if consecutive:  # make them truly consecutive in the pool
+        prefix_ids = list(range(10, 10 + shared_blocks))
+        ids = prefix_ids + [b for b in range(num_blocks + 10) if b not in prefix_ids][: num_blocks - shared_blocks]
+    rest = ids[shared_blocks:]
+    key_cache = torch.zeros(max(ids) + 2, block_size, kv_heads, dim)
+    value_cache = torch.zeros_like(key_cache)
+    pk, pv = torch.randn(shared_tokens, kv_heads, dim), torch.randn(shared_tokens, kv_heads, dim)
+    keys, values, tables, slots = [], [], [], []
+    cursor = 0
+    for n, own, q_len in zip(seq_lens, own_blocks, query_lens):
+        table = prefix_ids + rest[cursor : cursor + own]
+        cursor += own
+        k = torch.cat([pk, torch.randn(n - shared_tokens, kv_heads, dim)])
+        v = torch.cat([pv, torch.randn(n - shared_tokens, kv_heads, dim)])
+        slot = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(n)])
+        write_kv(key_cache, value_cache, k, v, slot)
+        keys.append(k)
+        values.append(v)
+        tables.append(table)
+        slots.append(slot[n - q_len :].tolist())
+    meta = PagedAttentionMetadata.build(
+        block_size=block_size,
+        query_lens=query_lens,
+        seq_lens=seq_lens,
+        block_offsets=[0] * len(seq_lens),
+        tables=tables,
+        slots=slots,
+        sliding_window=None,
+        pad_block=key_cache.shape[0] - 1,
+    )
+    return torch.randn(sum(query_lens), q_heads, dim), key_cache, value_cache, meta, keys, values
+
+
+@pytest.mark.parametrize(
+    ("query_lens", "seq_lens"),
+    [([1, 1, 1, 1], [70, 81, 97, 66]), ([5, 9, 3], [72, 90, 130]), ([1, 7, 1], [65, 80, 100])],
+)
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("consecutive", [True, False])
+@pytest.mark.parametrize("softcap", [None, 30.0])
+def test_shared_prefix_is_read_once_and_matches(query_lens, seq_lens, block_size, consecutive, softcap):
+    query, kc, vc, meta, keys, values = build_shared(5, query_lens, seq_lens, block_size, 64, consecutive)
+    backend = TorchPagedAttention()
+    got = backend.forward(query, kc, vc, meta, scale=0.25, softcap=softcap)
+    buckets = [b for b in meta.backend_state[("torch", query.device)] if len(b.blocks) > 1]
+    assert buckets and all(b.shared is not None and b.shared.length == 64 for b in buckets)  # the cascade ran
+    assert all((b.shared.start is not None) == consecutive for b in buckets)
+    want = naive(query, keys, values, query_lens, seq_lens, None, 0.25, softcap)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_no_shared_path_when_a_query_sits_inside_the_common_blocks():
+    # The second sequence is still computing part of the common blocks: the prefix is not whole for its queries.
+    query, kc, vc, meta, keys, values = build_shared(6, [1, 20], [70, 70], 4, 64, True)
+    got = TorchPagedAttention().forward(query, kc, vc, meta, scale=0.25)
+    assert all(b.shared is None or b.shared.length <= 50 for b in meta.backend_state[("torch", query.device)])
+    torch.testing.assert_close(
+        got, naive(query, keys, values, [1, 20], [70, 70], None, 0.25, None), atol=1e-5, rtol=1e-5
+    )

@@ -496,17 +496,25 @@ class Engine:
         sampled: dict[str, list[int]] = {}
         failed: dict[str, str] = {}
         kept: dict[str, torch.Tensor] = {}
+        # One batched argmax and finiteness check for the whole step instead of one small op per sequence.
+        greedy = logits.argmax(dim=-1).tolist() if len(logits) else []
+        finite = torch.isfinite(logits).any(dim=-1).tolist() if len(logits) else []
         row = 0
         for item in plan.scheduled:
             if not item.sample:
                 continue
             request = self._requests[item.sequence.group_id]
             index = item.sequence.sample_index
-            generators = request.generators[: item.num_samples] if item.num_samples > 1 else [request.generators[index]]
-            try:
-                sampled[item.request_id] = sample_tokens(logits[row], request.params, generators)
-            except Exception as exc:
-                failed[item.request_id] = f"{type(exc).__name__}: {exc}"
+            if request.params.is_greedy and finite[row]:
+                sampled[item.request_id] = [greedy[row]] * item.num_samples
+            else:
+                generators = (
+                    request.generators[: item.num_samples] if item.num_samples > 1 else [request.generators[index]]
+                )
+                try:
+                    sampled[item.request_id] = sample_tokens(logits[row], request.params, generators)
+                except Exception as exc:
+                    failed[item.request_id] = f"{type(exc).__name__}: {exc}"
             if request.params.return_logits:
                 kept[item.request_id] = logits[row].detach().cpu().clone()
             row += 1
