@@ -1,0 +1,70 @@
+"""Packaging: one distribution whose adapters/ and plugins/ install as pagedcore.adapters / pagedcore.plugins (in a
+regular wheel as in the editable install), built-ins registered through entry points, a core free of
+transformers and xformers."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_wheel_layout_and_entry_points(tmp_path):
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--quiet",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(tmp_path),
+            str(ROOT),
+        ],
+        check=True,
+    )
+    (wheel,) = tmp_path.glob("pagedcore-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "pagedcore/adapters/transformers/cache.py" in names
+    assert "pagedcore/plugins/torch_backend.py" in names
+    assert "pagedcore/py.typed" in names
+    assert not [n for n in names if n.split("/")[0] in ("adapters", "plugins", "tests", "examples")]
+    (entry_points,) = [n for n in names if n.endswith("entry_points.txt")]
+    text = zipfile.ZipFile(wheel).read(entry_points).decode()
+    assert "[pagedcore]" in text and "torch = pagedcore.plugins.torch_backend" in text
+    assert "pagedcore = pagedcore.cli:main" in text
+    # A regular (non-editable) install of the wheel imports the mapped packages and loads the built-in plugins.
+    target = tmp_path / "site"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(target), str(wheel)],
+        check=True,
+    )
+    code = (
+        "import pagedcore, pagedcore.adapters.transformers as t, pagedcore.plugins.torch_backend as b;"
+        "from pagedcore import default_plugin_manager as d;"
+        "print(pagedcore.__file__); print(t.__file__); print(sorted(i.name for i in d().plugins()))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-I", "-c", f"import sys; sys.path.insert(0, {str(target)!r}); {code}"],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=tmp_path,
+    )
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith(str(target)) and lines[1].startswith(str(target))
+    assert lines[2] == "['logging', 'lru', 'torch', 'xformers']"
+
+
+def test_core_imports_neither_transformers_nor_xformers():
+    code = (
+        "import sys, pagedcore, pagedcore.scheduler, pagedcore.plugin_manager;"
+        "print(sorted(m for m in ('transformers', 'xformers', 'torch') if m in sys.modules))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]"
