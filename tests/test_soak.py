@@ -22,7 +22,7 @@ from transformers import DynamicCache
 from pagedcore import PagedCoreError, hookimpl
 from pagedcore.adapters.transformers import Engine, SamplingParams
 
-REQUESTS = int(os.environ.get("PAGEDCORE_SOAK_REQUESTS", "160"))
+REQUESTS = int(os.environ.get("PAGEDCORE_SOAK_REQUESTS", "400"))
 
 
 @dataclass
