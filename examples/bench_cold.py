@@ -14,26 +14,13 @@ Usage:
 
 from __future__ import annotations
 
-import argparse
-from pathlib import Path
-
-from pagedcore.adapters.transformers.benchmarks import run_one
+from pagedcore.adapters.transformers.benchmarks import script_main
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     """Parse the arguments, run the benchmark and print its markdown."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="smaller model and workload (a smoke run)")
-    parser.add_argument("--out", type=Path, help="also write the markdown report to this file")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, one per core)")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
-    args = parser.parse_args(argv)
-    markdown = run_one("cold", quick=args.quick, progress=not args.no_progress, threads=args.threads)
-    print(markdown)
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(markdown)
+    return script_main("cold", argv, __doc__ or "")
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

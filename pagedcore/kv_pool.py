@@ -107,8 +107,6 @@ class KVPool:
         self._groups = tuple(groups)
         self._block_size = block_size
         self._num_blocks = num_blocks
-        self._queries = 0
-        self._hits = 0
 
     @property
     def groups(self) -> tuple[KVGroup, ...]:
@@ -142,18 +140,18 @@ class KVPool:
 
     @property
     def num_query_tokens(self) -> int:
-        """Prompt tokens looked up (see :meth:`record`)."""
-        return self._queries
+        """Prompt tokens looked up (see :meth:`record`; every group's trie counts the same)."""
+        return self._groups[0].trie.num_query_tokens
 
     @property
     def num_hit_tokens(self) -> int:
         """Prompt tokens served from the prefix cache (see :meth:`record`)."""
-        return self._hits
+        return self._groups[0].trie.num_hit_tokens
 
     @property
     def hit_rate(self) -> float:
         """``num_hit_tokens / num_query_tokens``."""
-        return self._hits / self._queries if self._queries else 0.0
+        return self._groups[0].trie.hit_rate
 
     def match(self, token_ids: Sequence[int], namespace: Hashable = None) -> PoolMatch:
         """The longest prefix of ``token_ids`` cached in every group. No side effects."""
@@ -162,11 +160,9 @@ class KVPool:
         return PoolMatch(num_blocks * self._block_size, tuple(m.block_ids[:num_blocks] for m in matches))
 
     def record(self, num_query_tokens: int, num_hit_tokens: int) -> None:
-        """Count a lookup that was acted on (in the pool and in every group's trie)."""
+        """Count a lookup that was acted on, in every group's trie (a hit is one for all groups)."""
         for group in self._groups:
             group.trie.record(num_query_tokens, num_hit_tokens)
-        self._queries += num_query_tokens
-        self._hits += num_hit_tokens
 
     def clear_prefix_cache(self, *namespaces: Hashable) -> int:
         """Forget cached prefixes: of the given namespaces, or of all of them when none is given.

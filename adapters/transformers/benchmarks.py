@@ -18,6 +18,7 @@ quiet machine only. Each benchmark warms its code paths up before timing.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import math
 import os
@@ -65,6 +66,7 @@ __all__ = [
     "prefix_benchmark",
     "run_all",
     "run_one",
+    "script_main",
     "torch_threads",
     "write_chart",
 ]
@@ -1414,6 +1416,31 @@ def run_one(name: str, quick: bool = False, progress: bool = True, threads: int 
         raise ValueError(f"unknown benchmark {name!r}; choose from {sorted(BENCHMARKS)}")
     with torch_threads(threads):
         return str(BENCHMARKS[name](quick, progress).markdown())
+
+
+def script_main(name: str, argv: list[str] | None = None, description: str = "") -> int:
+    """The command line of the ``examples/bench_*.py`` scripts: run benchmark ``name`` and print its markdown.
+
+    Options: ``--quick``, ``--out FILE`` (also write the report), ``--threads N``, ``--no-progress``.
+
+    Example:
+        >>> script_main("memory", ["--quick", "--no-progress", "--threads", "1"])  # doctest: +SKIP
+        ### 3. KV memory of a mixed-length batch (quick workload)
+        ...
+        0
+    """
+    parser = argparse.ArgumentParser(description=description.splitlines()[0] if description else None)
+    parser.add_argument("--quick", action="store_true", help="smaller model and workload (a smoke run)")
+    parser.add_argument("--out", type=Path, help="also write the markdown report to this file")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, one per core)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    args = parser.parse_args(argv)
+    markdown = run_one(name, quick=args.quick, progress=not args.no_progress, threads=args.threads)
+    print(markdown)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(markdown)
+    return 0
 
 
 def run_all(
