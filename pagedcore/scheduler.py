@@ -368,18 +368,18 @@ class Scheduler:
 
         Returns the sequences that finished in this step (forked samples included).
         """
-        live = [
-            item
-            for item in output.scheduled
-            # skip sequences aborted or failed after the step was planned
-            if item.sequence.status is SequenceStatus.RUNNING and self._by_id.get(item.request_id) is item.sequence
-        ]
-        for item in live:  # validate everything before changing anything
-            got = len(sampled.get(item.request_id, ())) if item.sample else 0
+        live = []
+        running, by_id = SequenceStatus.RUNNING, self._by_id
+        for item in output.scheduled:  # validate everything before changing anything
+            seq = item.sequence
+            if seq.status is not running or by_id.get(seq.request_id) is not seq:
+                continue  # aborted or failed after the step was planned
+            got = len(sampled.get(seq.request_id, ())) if item.sample else 0
             if got != item.num_samples:
                 raise InvalidRequestError(
-                    f"update: request {item.request_id!r} needs {item.num_samples} sampled tokens, got {got}"
+                    f"update: request {seq.request_id!r} needs {item.num_samples} sampled tokens, got {got}"
                 )
+            live.append(item)
         finished: list[Sequence] = []
         cache = self._config.enable_prefix_caching
         sliding = self._has_sliding
@@ -391,8 +391,9 @@ class Scheduler:
             end = item.start + item.num_new_tokens
             seq.num_computed_tokens = end
             computed += item.num_new_tokens
-            if item.start < seq.num_prompt_tokens:
-                prompt_computed += min(end, seq.num_prompt_tokens) - item.start
+            prompt_len = seq.num_prompt_tokens
+            if item.start < prompt_len:
+                prompt_computed += min(end, prompt_len) - item.start
             if cache:
                 blocks.cache_full_blocks(seq.token_ids, end, seq.namespace)
             if not item.sample:

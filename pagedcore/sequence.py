@@ -149,9 +149,10 @@ class Sequence:
 
     def append_token(self, token_id: int) -> FinishReason | None:
         """Add a generated token; returns why the sequence is now finished, if it is."""
-        self._token_ids.append(token_id)
-        n = self.num_output_tokens
-        if n >= self.min_new_tokens and token_id in self.stop_token_ids:
+        tokens = self._token_ids
+        tokens.append(token_id)
+        n = len(tokens) - self._num_prompt
+        if token_id in self.stop_token_ids and n >= self.min_new_tokens:
             return FinishReason.STOP
         if n >= self.max_new_tokens:
             return FinishReason.LENGTH
