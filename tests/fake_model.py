@@ -8,7 +8,7 @@ of the whole sequence, so a preempted and recomputed sequence must produce exact
 
 from __future__ import annotations
 
-from pagedcore import Scheduler, SchedulerOutput
+from pagedcore import Scheduler, SchedulerOutput, Sequence
 
 VOCAB = 50
 
@@ -66,3 +66,16 @@ class FakeModel:
                 # Parallel samples get distinct (but deterministic) first tokens.
                 sampled[item.request_id] = [(first + k) % VOCAB for k in range(item.num_samples)]
         return sampled
+
+
+def run_to_completion(sched: Scheduler, model: FakeModel, max_steps: int = 10_000) -> dict[str, Sequence]:
+    """Step until nothing is left, checking the invariants after every step; returns the finished sequences."""
+    done: dict[str, Sequence] = {}
+    for _ in range(max_steps):
+        if not sched.has_unfinished():
+            return done
+        out = sched.schedule()
+        for seq in sched.update(out, model.step(out)):
+            done[seq.request_id] = seq
+        sched.check_invariants()
+    raise AssertionError("did not finish: deadlock or livelock")

@@ -23,7 +23,7 @@ from typing import Any
 import pluggy
 import pytest
 import torch
-from fake_model import FakeModel, reference_output
+from fake_model import FakeModel, reference_output, run_to_completion
 from transformers import Gemma2Config, LlamaConfig
 
 from pagedcore import (
@@ -171,18 +171,6 @@ def use(pm: PluginManager) -> Iterator[Callable[[Any, str], Any]]:
 
 def make_pool(pm: PluginManager, *, num_blocks: int = 32, block_size: int = 4, config: Any = LLAMA, **kw: Any):
     return PagedKVPool(config, num_blocks=num_blocks, block_size=block_size, dtype=torch.float32, plugins=pm, **kw)
-
-
-def run_to_completion(sched: Scheduler, model: FakeModel, max_steps: int = 1000) -> dict[str, Sequence]:
-    done: dict[str, Sequence] = {}
-    for _ in range(max_steps):
-        if not sched.has_unfinished():
-            return done
-        out = sched.schedule()
-        for seq in sched.update(out, model.step(out)):
-            done[seq.request_id] = seq
-        sched.check_invariants()
-    raise AssertionError("did not finish")
 
 
 class Recorder:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from fake_model import FakeModel, reference_output
+from fake_model import FakeModel, reference_output, run_to_completion
 
 from pagedcore import (
     DuplicateRequestError,
@@ -17,18 +17,6 @@ from pagedcore import (
     SchedulerConfig,
     Sequence,
 )
-
-
-def run_to_completion(sched: Scheduler, model: FakeModel, max_steps: int = 10_000) -> dict[str, Sequence]:
-    done: dict[str, Sequence] = {}
-    for _ in range(max_steps):
-        if not sched.has_unfinished():
-            return done
-        out = sched.schedule()
-        for seq in sched.update(out, model.step(out)):
-            done[seq.request_id] = seq
-        sched.check_invariants()
-    raise AssertionError("did not finish: deadlock or livelock")
 
 
 def make(num_blocks=32, block_size=4, windows=(None,), **cfg) -> tuple[Scheduler, FakeModel]:
