@@ -34,13 +34,7 @@ MODES = ["sdpa", "paged"]
 LLAMA_AND_SLIDING = ["llama", "mistral"]  # mistral: every layer slides over a window of WINDOW tokens
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models run fastest on one thread, and several threads on 2 busy cores stall each other."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @functools.cache

@@ -34,13 +34,7 @@ BATCHES = {"plain": [0, 0, 0], "left_padded": [0, 3, 9]}  # 9 > WINDOW: a row wh
 NO_KWARGS = {"gpt_neox"}  # calls cache.update without the model kwargs: no position_ids, so padding is stored
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models run fastest on one thread, and several threads on 2 busy cores stall each other."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @functools.cache
