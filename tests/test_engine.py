@@ -152,6 +152,25 @@ def test_stream_yields_every_token():
     assert sum(e.finish_reason is not None for e in events) == len(prompts)
 
 
+def test_step_events_reports_every_token_and_the_finished_outputs():
+    model = tiny_model("llama")
+    prompts = workload(5, 3)
+    with Engine(model, num_blocks=64, block_size=4) as engine:
+        expected = [o.token_ids for o in engine.generate(prompts, SamplingParams(max_new_tokens=4), use_tqdm=False)]
+        ids = [engine.add_request(p, SamplingParams(max_new_tokens=4)) for p in prompts]
+        tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+        finished = {}
+        while engine.has_unfinished():
+            step = engine.step_events()
+            for event in step.events:
+                if event.token_id is not None:
+                    tokens[event.request_id].append(event.token_id)
+            finished.update({out.request_id: out for out in step.finished})
+        settle(engine)
+    assert [tokens[rid] for rid in ids] == expected
+    assert [finished[rid].token_ids for rid in ids] == expected
+
+
 def test_stop_tokens_and_eos_default():
     model = tiny_model("llama")
     prompt = workload(5, 1)[0]

@@ -22,7 +22,7 @@ Example:
 from .attention import ForwardContext, paged_attention_forward, register
 from .cache import CacheMemoryStats, PagedCache
 from .engine import Engine
-from .outputs import EngineStats, RequestMetrics, RequestOutput, SampleOutput, TokenEvent
+from .outputs import EngineStats, RequestMetrics, RequestOutput, SampleOutput, StepOutput, TokenEvent
 from .pool import MemoryStats, PagedKVPool
 from .prefix_caching import disable, enable, is_enabled, namespace, prefix_pool
 from .sampling import SamplingParams
@@ -44,6 +44,7 @@ __all__ = [
     "RequestOutput",
     "SampleOutput",
     "SamplingParams",
+    "StepOutput",
     "TokenEvent",
     "disable",
     "enable",

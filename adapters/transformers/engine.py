@@ -34,7 +34,7 @@ from pagedcore.sequence import FinishReason
 from pagedcore.sequence import Sequence as CoreSequence
 
 from .attention import ATTN_IMPLEMENTATION, CONTEXT_KEY, ForwardContext
-from .outputs import EngineStats, RequestMetrics, RequestOutput, SampleOutput, TokenEvent
+from .outputs import EngineStats, RequestMetrics, RequestOutput, SampleOutput, StepOutput, TokenEvent
 from .pool import PagedKVPool
 from .sampling import SamplingParams, sample_tokens
 from .spec import text_config
@@ -295,6 +295,12 @@ class Engine:
         """Run one scheduling step and forward pass. Returns the requests that finished in it."""
         finished, _ = self._step()
         return finished
+
+    def step_events(self) -> StepOutput:
+        """:meth:`step`, also returning every token event of the step (for callers that run their own loop and
+        stream, e.g. a server: one thread steps, and hands each event to the request it belongs to)."""
+        finished, events = self._step()
+        return StepOutput(finished, events)
 
     # ------------------------------------------------------------------ high-level API
     def generate(

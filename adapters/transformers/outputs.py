@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["EngineStats", "RequestMetrics", "RequestOutput", "SampleOutput", "TokenEvent"]
+__all__ = ["EngineStats", "RequestMetrics", "RequestOutput", "SampleOutput", "StepOutput", "TokenEvent"]
 
 
 @dataclass
@@ -131,6 +131,23 @@ class TokenEvent:
     token_id: int | None
     text: str | None = None
     finish_reason: str | None = None
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """What one :meth:`Engine.step_events` call produced.
+
+    Attributes:
+        finished: requests that finished (every sample done), in the order they finished.
+        events: every token event of the step, in order (a sample's last event has ``finish_reason``).
+
+    Example:
+        >>> StepOutput([], [TokenEvent("r1", 0, 42)]).events[0].token_id
+        42
+    """
+
+    finished: list[RequestOutput]
+    events: list[TokenEvent]
 
 
 @dataclass(frozen=True)
