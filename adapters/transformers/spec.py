@@ -99,7 +99,7 @@ class ModelKVSpec:
         hidden = getattr(config, "hidden_size", None)
         if not heads or not hidden:
             raise UnsupportedModelError(f"model type {model_type!r}: the config names no attention heads")
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        kv_heads = _num_kv_heads(config, heads)
         head_dim = getattr(config, "head_dim", None) or hidden // heads
         v_head_dim = getattr(config, "v_head_dim", None) or head_dim
         windows: list[int | None] = []
@@ -141,6 +141,17 @@ class ModelKVSpec:
                 f"this pool was built for {other.model_type!r} ({theirs}) and cannot serve "
                 f"{self.model_type!r} ({mine}): layers, KV heads, head sizes and windows must all match"
             )
+
+
+def _num_kv_heads(config: PretrainedConfig, heads: int) -> int:
+    """KV heads per layer as the model caches them."""
+    if getattr(config, "model_type", None) == "falcon":
+        # Falcon caches every head with its new decoder architecture (it expands its KV groups before the cache),
+        # one head when multi-query (Falcon-7B), else config.num_kv_heads (which has no num_key_value_heads alias).
+        if getattr(config, "new_decoder_architecture", False):
+            return heads
+        return 1 if getattr(config, "multi_query", False) else int(getattr(config, "num_kv_heads", None) or heads)
+    return int(getattr(config, "num_key_value_heads", None) or heads)
 
 
 def _summary(spec: ModelKVSpec) -> str:
