@@ -33,6 +33,8 @@ import pagedcore.adapters.transformers  # noqa: F401  (registers attn_implementa
 __all__ = [
     "FAMILIES",
     "FIRST_TOKEN",
+    "NO_KWARGS_FAMILIES",
+    "NO_PAGED_ATTENTION",
     "PAD",
     "SLIDING_FAMILIES",
     "VOCAB",
@@ -227,6 +229,62 @@ _FAMILY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
             "initializer_range": INIT,
         },
     ),
+    # Families below call cache.update without the model kwargs (no position_ids reach the cache).
+    "falcon": (
+        "falcon",
+        {
+            "hidden_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "multi_query": True,  # Falcon-7B's layout: one KV head
+            "new_decoder_architecture": False,
+            "alibi": False,
+            "max_position_embeddings": 512,
+            "initializer_range": INIT,
+            "hidden_dropout": 0.0,
+            "attention_dropout": 0.0,
+        },
+    ),
+    "bloom": (
+        "bloom",
+        {
+            "hidden_size": 64,
+            "n_layer": 2,
+            "n_head": 4,
+            "initializer_range": INIT,
+            "hidden_dropout": 0.0,
+            "attention_dropout": 0.0,
+        },
+    ),
+    "gpt_neo": (
+        "gpt_neo",
+        {
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_layers": 2,
+            "num_heads": 4,
+            "attention_types": [[["global", "local"], 1]],
+            "window_size": WINDOW,
+            "max_position_embeddings": 512,
+            "initializer_range": INIT,
+            "embed_dropout": 0.0,
+            "attention_dropout": 0.0,
+            "resid_dropout": 0.0,
+        },
+    ),
+    "ctrl": (
+        "ctrl",
+        {
+            "n_embd": 64,
+            "dff": 128,
+            "n_layer": 2,
+            "n_head": 4,
+            "n_positions": 512,
+            "initializer_range": INIT,
+            "resid_pdrop": 0.0,
+            "embd_pdrop": 0.0,
+        },
+    ),
 }
 
 FAMILIES: tuple[str, ...] = tuple(_FAMILY_CONFIGS)
@@ -235,10 +293,20 @@ FAMILIES: tuple[str, ...] = tuple(_FAMILY_CONFIGS)
 SLIDING_FAMILIES: frozenset[str] = frozenset({"mistral", "gemma2", "gemma3"})
 """Families whose tiny config has sliding-window layers (window :data:`WINDOW`)."""
 
+NO_KWARGS_FAMILIES: frozenset[str] = frozenset({"gpt_neox", "falcon", "bloom", "gpt_neo", "ctrl"})
+"""Families whose attention calls ``cache.update`` without the model kwargs: no ``position_ids`` reach the cache,
+so a plain PagedCache cannot tell their left padding from tokens (``enable`` declares it)."""
+
+NO_PAGED_ATTENTION: frozenset[str] = frozenset({"falcon", "gpt_neo"})
+"""Families whose attention cannot be swapped through ``attn_implementation`` (no ``"paged"``)."""
+
+_EAGER = frozenset({"gemma2", "bloom", "gpt_neo"})  # sdpa rejects softcap (Gemma2) or is not implemented
+
 
 def compatible_attn(family: str) -> str:
-    """The stock attention implementation to compare against: sdpa, or eager for Gemma2 (sdpa rejects softcap)."""
-    return "eager" if family == "gemma2" else "sdpa"
+    """The stock attention implementation to compare against: sdpa, or eager where sdpa is not available (Bloom,
+    GPT-Neo) or rejects the model (Gemma2's softcap)."""
+    return "eager" if family in _EAGER else "sdpa"
 
 
 def tiny_config(family: str, **overrides: Any) -> PretrainedConfig:

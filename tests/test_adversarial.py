@@ -129,6 +129,25 @@ def generate_cases(model, pool: PagedKVPool) -> list[Case]:
         Case(
             "enable()d generate: token id >= vocabulary size", gen([[5, VOCAB + 3]]), InvalidRequestError, "vocabulary"
         ),
+        Case("enable()d generate: empty prompt", gen([[]]), InvalidRequestError, "empty"),
+        Case(
+            "enable()d generate: float input_ids",
+            lambda: model.generate(torch.tensor([[5.0, 6.0]]), max_new_tokens=2),
+            InvalidRequestError,
+            "torch.float32",
+        ),
+        Case(
+            "enable()d generate: bool input_ids",
+            lambda: model.generate(torch.tensor([[True, False]]), max_new_tokens=2),
+            InvalidRequestError,
+            "torch.bool",
+        ),
+        Case(
+            "enable()d generate: prompt + new tokens over the model's context",
+            gen([[5] * 510], max_new_tokens=5),
+            InvalidRequestError,
+            "context",
+        ),
         Case(
             "enable()d generate: unhashable namespace",
             gen([[5, 6]], pagedcore_namespace={"a": 1}),

@@ -7,9 +7,11 @@ and position ``p >= pad[r]`` is the row's token ``p - pad[r]``. KV memory held i
 rounded up to whole blocks. Beam search permutes block tables and reference counts, forks share blocks with
 copy-on-write, ``crop`` truncates tables, and sliding-window layers give back blocks that left their window.
 
-Padding is read from the ``position_ids`` that reach ``update`` through the model's kwargs. A model that calls
-``update`` without them (GPT-NeoX), or a batch whose positions do not look like left padding, stores every
-position instead, and attention falls back to the standard mask: correct, just less frugal.
+Padding is read from the ``position_ids`` that reach ``update`` through the model's kwargs, or declared up front
+with :meth:`PagedCache.attach_prefix` (``enable`` does: it reads the attention mask). A model that calls ``update``
+without its kwargs (GPT-NeoX, Falcon, Bloom, GPT-Neo, CTRL) and no declared padding, or a batch whose positions do not
+look like left padding, stores every position instead, and attention falls back to the standard mask: correct, just
+less frugal. Such a cache does not vouch for what its rows store, so it registers nothing in the prefix cache.
 """
 
 from __future__ import annotations
@@ -74,11 +76,19 @@ class CacheMemoryStats:
 
 
 class _Row:
-    __slots__ = ("blocks", "pad")
+    __slots__ = ("blocks", "declared_pad", "pad", "prompt")
 
-    def __init__(self, blocks: BlockTables, pad: int = 0) -> None:
+    def __init__(
+        self, blocks: BlockTables, pad: int = 0, declared_pad: int | None = None, prompt: Sequence[int] | None = None
+    ) -> None:
         self.blocks = blocks
         self.pad = pad  # leading rectangular positions that are padding and not stored
+        self.declared_pad = declared_pad  # the row's whole left padding, when declared by attach_prefix
+        self.prompt = prompt  # the row's first real tokens, when declared: registered before a window drops them
+
+    def copy(self) -> _Row:
+        """A row sharing this one's blocks (copy-on-write)."""
+        return _Row(self.blocks.fork(), self.pad, self.declared_pad, self.prompt)
 
 
 @dataclass
@@ -110,7 +120,9 @@ class _State:
         self.layer_len = [0] * num_layers
         self.length = 0  # rectangular positions with a slot (or a pad) after the latest reservation
         self.step: _Step | None = None
-        self.exact = True  # unstored positions are exactly the masked ones (the paged path may skip the mask)
+        # Unstored positions are exactly the left padding, and the rows store their real tokens at positions 0, 1, ...
+        # The paged path may then skip the mask, and the rows' full blocks may be registered in the prefix cache.
+        self.exact = True
         self.released = False
 
     def release(self) -> None:
@@ -119,6 +131,10 @@ class _State:
                 row.blocks.release()
         self.rows = []
         self.step = None
+
+
+def _release_soon(state: _State) -> None:
+    state.pool.lock.call_soon(state.release)
 
 
 class _PagedLayer(CacheLayerMixin):
@@ -217,7 +233,9 @@ class PagedCache(Cache):
         for i, spec in enumerate(pool.spec.layers):
             layers.append(_PagedLayer(self._state, i, spec.sliding_window) if spec.has_cache else DummyLayer())
         super().__init__(layers=layers)
-        self._finalizer = weakref.finalize(self, _State.release, self._state)
+        # A cache dropped without release() gives its blocks back when garbage collected (deferred to a moment when
+        # no bookkeeping call is in progress: a collection may run in the middle of one).
+        self._finalizer = weakref.finalize(self, _release_soon, self._state)
         self._owner = threading.get_ident()
 
     # ------------------------------------------------------------------ what generate and the models call
@@ -235,10 +253,14 @@ class PagedCache(Cache):
         if not isinstance(model_kwargs, dict):
             model_kwargs = None
         batch, _, q_len, _ = key_states.shape
+        keys = key_states.transpose(1, 2).reshape(batch * q_len, *key_states.shape[1:2], key_states.shape[-1])
+        values = value_states.transpose(1, 2).reshape(batch * q_len, *value_states.shape[1:2], value_states.shape[-1])
+        # Before any bookkeeping: raises PoolMismatchError, changing nothing, for keys the pool cannot hold.
+        key_cache, value_cache = self._pool.layer_kv(layer_idx, keys, values)
         past = state.layer_len[layer_idx]
         if past == state.length:
             positions = model_kwargs.get("position_ids") if model_kwargs is not None else None
-            self._begin_step(batch, q_len, positions)
+            self._begin_step(batch, q_len, positions, model_kwargs is not None)
         step = state.step
         if step is None or past + q_len != state.length or batch != step.batch or q_len != step.q_len:
             raise RuntimeError(
@@ -247,9 +269,6 @@ class PagedCache(Cache):
             )
         state.layer_len[layer_idx] += q_len
         group = self._pool.group_of(layer_idx)
-        keys = key_states.transpose(1, 2).reshape(batch * q_len, *key_states.shape[1:2], key_states.shape[-1])
-        values = value_states.transpose(1, 2).reshape(batch * q_len, *value_states.shape[1:2], value_states.shape[-1])
-        key_cache, value_cache = self._pool.layer_kv(layer_idx, keys, values)
         device = key_states.device
         if step.real_index is not None:
             index = step.tensor("real", device, lambda: step.real_index)
@@ -329,7 +348,7 @@ class PagedCache(Cache):
             # shrink back to their window too. Skipping the drop then (the earlier code) kept every sliding block of an
             # assisted / prompt-lookup generation until the cache was released.
             for row in state.rows:
-                row.blocks.drop_out_of_window(row.blocks.num_tokens)
+                self._drop_out_of_window(row, row.blocks.num_tokens)
         state.length = new_length
         state.layer_len = [min(n, new_length) for n in state.layer_len]
         state.step = None
@@ -385,23 +404,41 @@ class PagedCache(Cache):
             token_bytes=token_bytes // pool.block_size,
         )
 
-    def attach_prefix(self, matches: Sequence[PoolMatch | None], pads: Sequence[int], length: int) -> None:
-        """Start an empty cache from prefix hits: row ``r`` gets ``pads[r]`` padding positions (capped at
-        ``length``) and its first ``length - pads[r]`` tokens from ``matches[r]``. Used by :func:`enable`."""
+    def attach_prefix(
+        self,
+        matches: Sequence[PoolMatch | None],
+        pads: Sequence[int],
+        length: int,
+        prompts: Sequence[Sequence[int]] | None = None,
+    ) -> None:
+        """Start an empty cache whose row ``r`` begins with ``pads[r]`` positions of left padding, and take its first
+        ``length`` rectangular positions from prefix hits: ``min(pads[r], length)`` padding positions, then the row's
+        first ``length - pads[r]`` tokens from ``matches[r]`` (None where none are taken). Used by :func:`enable`;
+        ``length=0`` only declares the padding.
+
+        Declared padding is never stored, also for models whose attention calls ``update`` without ``position_ids``
+        (GPT-NeoX, Falcon, Bloom): the rows then store exactly their real tokens, which :meth:`cache_prefixes`
+        needs. The attention mask of the forwards must hide exactly that padding (``generate`` builds it so).
+        ``prompts[r]``, row ``r``'s real prompt tokens, lets the cache register their full blocks before a sliding
+        window gives them back (at the end of the call they would be gone).
+        """
         state = self._check_live()
         if state.rows or state.length:
             raise InvalidBlockError("attach_prefix: the cache is not empty")
+        if len(matches) != len(pads) or length < 0 or any(p < 0 for p in pads) or len(prompts or pads) != len(pads):
+            raise InvalidBlockError(f"attach_prefix: {len(matches)} matches for pads {list(pads)}, length {length}")
         rows: list[_Row] = []
         with self._pool.lock:
             try:
-                for match, pad in zip(matches, pads):
+                for r, (match, pad) in enumerate(zip(matches, pads)):
                     used_pad = min(pad, length)
                     blocks = BlockTables(self._pool.kv)
-                    rows.append(_Row(blocks, used_pad))
+                    rows.append(_Row(blocks, used_pad, pad, list(prompts[r]) if prompts is not None else None))
                     if length > used_pad:
-                        assert match is not None
+                        if match is None:
+                            raise InvalidBlockError(f"attach_prefix: a row needs {length - used_pad} cached tokens")
                         blocks.attach(match, length - used_pad)
-                        if not self._recording_past():
+                        if not self._recording_past():  # attached blocks are cached already
                             blocks.drop_out_of_window(length - used_pad)
             except Exception:
                 for row in rows:
@@ -413,8 +450,15 @@ class PagedCache(Cache):
 
     def cache_prefixes(self, token_ids: Sequence[Sequence[int]]) -> None:
         """Register every row's full blocks in the pool's prefix cache. ``token_ids[r]`` are row ``r``'s real
-        tokens (no padding), at least as many as the row stores."""
+        tokens (no padding), at least as many as the row stores.
+
+        Does nothing for a cache that stored positions it could not tell from padding (a model that calls ``update``
+        without ``position_ids`` and no padding declared by :meth:`attach_prefix`, or padding in the middle of a
+        row): its blocks would not hold the keys and values of those tokens at those positions.
+        """
         state = self._check_live()
+        if not state.exact:
+            return
         with self._pool.lock:
             for row, tokens in zip(state.rows, token_ids):
                 row.blocks.cache_full_blocks(tokens, row.blocks.num_tokens, self.namespace)
@@ -453,7 +497,7 @@ class PagedCache(Cache):
     def _uses_paged_attention(self) -> bool:
         return self._config is not None and getattr(self._config, "_attn_implementation", None) == ATTN_IMPLEMENTATION
 
-    def _begin_step(self, batch: int, q_len: int, positions: Any) -> None:
+    def _begin_step(self, batch: int, q_len: int, positions: Any, has_kwargs: bool) -> None:
         state = self._state
         pool = self._pool
         with pool.lock:
@@ -465,10 +509,10 @@ class PagedCache(Cache):
                     "batch_repeat_interleave / batch_select_indices to change the batch"
                 )
             before = [row.blocks.num_tokens for row in state.rows]
-            pads, exact = _left_padding(positions, batch, q_len, before)
+            pads, exact = self._step_padding(positions, batch, q_len, before)
             if not self._recording_past():
                 for row, n in zip(state.rows, before):
-                    row.blocks.drop_out_of_window(n)
+                    self._drop_out_of_window(row, n)
             grown: list[int] = []
             try:
                 for r, row in enumerate(state.rows):
@@ -505,9 +549,41 @@ class PagedCache(Cache):
         state.length += q_len
         state.exact = state.exact and exact
         step = _Step(batch, q_len, state.length - q_len, real_new, real_index, slots)
-        if state.exact and self._uses_paged_attention():
+        if state.exact and has_kwargs and self._uses_paged_attention():
             step.context = self._context(before, real_new, real_index, slots)
         state.step = step
+
+    def _drop_out_of_window(self, row: _Row, next_position: int) -> None:
+        """Give back the row's sliding-window blocks no query at ``next_position`` or later sees, registering its
+        declared prompt's full blocks first: once given back they could not be registered at the end of the call,
+        and a prefix hit needs the chain from the first block in every group."""
+        if not row.blocks.has_sliding_groups:
+            return
+        if row.prompt is not None and self._state.exact:
+            row.blocks.cache_full_blocks(row.prompt, row.blocks.num_tokens, self.namespace)
+        row.blocks.drop_out_of_window(next_position)
+
+    def _step_padding(self, positions: Any, batch: int, q_len: int, before: list[int]) -> tuple[list[int], bool]:
+        """Per row, how many of this forward's positions are padding, and whether that is exact (see ``_State``).
+
+        Declared padding (attach_prefix) decides; ``position_ids``, when the model passes them, must agree with it.
+        Without a declaration the positions decide (:func:`_left_padding`).
+        """
+        rows = self._state.rows
+        if any(row.declared_pad is None for row in rows):
+            return _left_padding(positions, batch, q_len, before)
+        start = self._state.length
+        pads = []
+        for row, n in zip(rows, before):
+            declared = row.declared_pad
+            assert declared is not None
+            pads.append(min(max(declared - start, 0), q_len) if n == 0 else 0)
+        if positions is None:
+            return pads, True
+        if not any(pads):  # the common case (every decode step): no tensor work beyond _left_padding's fast path
+            derived, exact = _left_padding(positions, batch, q_len, before)
+            return pads, exact and not any(derived)
+        return pads, _positions_fit(positions, pads, batch, q_len, before)
 
     def _context(
         self, before: list[int], real_new: list[int], real_index: torch.Tensor | None, slots: list[list[int]]
@@ -605,7 +681,7 @@ class PagedCache(Cache):
             bad = [i for i in indices if not 0 <= i < len(state.rows)]
             if bad:
                 raise IndexError(f"rows {bad} do not exist (the cache holds {len(state.rows)})")
-            new_rows = [_Row(state.rows[i].blocks.fork(), state.rows[i].pad) for i in indices]
+            new_rows = [state.rows[i].copy() for i in indices]
             for row in state.rows:
                 row.blocks.release()
         state.rows = new_rows
@@ -647,14 +723,28 @@ def _left_padding(positions: Any, batch: int, q_len: int, before: list[int]) -> 
         return none, False
     prior = torch.tensor(before, dtype=torch.long)
     pads = q_len - (pos[:, -1] + 1 - prior)
+    fits = (pads >= 0) & (pads < q_len) & _fits(pos, pads, prior, q_len)
+    exact = bool(fits.all())
+    return [int(p) if ok else 0 for p, ok in zip(pads.tolist(), fits.tolist())], exact
+
+
+def _positions_fit(positions: Any, pads: list[int], batch: int, q_len: int, before: list[int]) -> bool:
+    """Whether ``position_ids`` are exactly those of rows whose first ``pads[r]`` new positions are padding."""
+    if not isinstance(positions, torch.Tensor) or positions.dim() != 2:
+        return False
+    pos = positions.detach().to("cpu", torch.long)
+    if pos.shape[0] == 1 and batch > 1:
+        pos = pos.expand(batch, -1)
+    if tuple(pos.shape) != (batch, q_len):
+        return False
+    pad = torch.tensor(pads, dtype=torch.long)
+    return bool(_fits(pos, pad, torch.tensor(before, dtype=torch.long), q_len).all())
+
+
+def _fits(pos: torch.Tensor, pads: torch.Tensor, prior: torch.Tensor, q_len: int) -> torch.Tensor:
+    """Per row: padding only before a row's first token (position 0 there, as generate makes it), then positions
+    that continue the ``prior`` stored ones."""
     t = torch.arange(q_len)
     is_pad = t[None, :] < pads[:, None]
     expected = prior[:, None] + t[None, :] - pads[:, None]
-    fits = (
-        (pads >= 0)
-        & (pads < q_len)
-        & ((pads == 0) | (prior == 0))
-        & torch.where(is_pad, pos == 0, pos == expected).all(dim=1)
-    )
-    exact = bool(fits.all())
-    return [int(p) if ok else 0 for p, ok in zip(pads.tolist(), fits.tolist())], exact
+    return ((pads == 0) | (prior == 0)) & torch.where(is_pad, pos == 0, pos == expected).all(dim=1)

@@ -3,28 +3,33 @@
 A pool outlives caches: :class:`~pagedcore.adapters.transformers.PagedCache` objects and the
 :class:`~pagedcore.adapters.transformers.Engine` take blocks from it and give them back, and the prefix trie
 inside keeps finished sequences' blocks for later prompts. Each layer's tensors are created on the device and
-dtype of the first keys that layer stores, so models split over devices (accelerate's ``device_map``) work.
+dtype of the first keys that layer stores, so models split over devices (accelerate's ``device_map``) work. Keys of
+another dtype or device later (the model was converted with ``.to()``) raise :class:`PoolMismatchError`: the stored
+keys and values no longer belong to that model; :meth:`PagedKVPool.rebuild` drops them.
 """
 
 from __future__ import annotations
 
+import logging
 import re
 import threading
 import weakref
-from collections.abc import Hashable
+from collections import deque
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
+from types import TracebackType
 from typing import Any
 
 import torch
 
 from pagedcore.attention import AttentionBackend
-from pagedcore.errors import ConfigError, PoolMismatchError
+from pagedcore.errors import ConfigError, InvalidBlockError, PoolMismatchError
 from pagedcore.kv_pool import KVPool
 from pagedcore.plugin_manager import PluginManager, default_plugin_manager
 
 from .spec import ModelKVSpec, text_config
 
-__all__ = ["MemoryStats", "PagedKVPool", "parse_bytes"]
+__all__ = ["MemoryStats", "PagedKVPool", "PoolLock", "parse_bytes"]
 
 _UNITS = {
     "": 1,
@@ -43,6 +48,7 @@ _UNITS = {
     "tib": 2**40,
 }
 _DEFAULT_TOKENS = 32_768  # default capacity when neither num_blocks nor memory_budget is given
+_log = logging.getLogger(__name__)
 
 
 def parse_bytes(value: int | float | str) -> int:
@@ -60,6 +66,73 @@ def parse_bytes(value: int | float | str) -> int:
     if match is None or match.group(2).lower() not in _UNITS:
         raise ConfigError(f"memory budget {value!r} is not a size like '2GiB' or '512MB'")
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+class PoolLock:
+    """The pool's re-entrant bookkeeping lock (``with pool.lock:``), plus releases deferred to a safe moment.
+
+    A cache dropped without :meth:`PagedCache.release` gives its blocks back from a garbage-collection finalizer,
+    which may run at any allocation, even in the middle of a bookkeeping call of this very thread. Such releases
+    go through :meth:`call_soon`: run at once when no bookkeeping call is in progress, else when the outermost one
+    in progress (of any thread) ends.
+
+    Example:
+        >>> lock = PoolLock()
+        >>> done = []
+        >>> with lock:
+        ...     lock.call_soon(lambda: done.append(1))   # inside a bookkeeping call: deferred
+        ...     print(done)
+        []
+        >>> done
+        [1]
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._depth = 0  # nested holds by the owning thread (only touched while holding the lock)
+        self._pending: deque[Callable[[], None]] = deque()
+
+    def __enter__(self) -> PoolLock:
+        self._lock.acquire()
+        self._depth += 1
+        if self._depth == 1 and self._pending:
+            self._drain()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        try:
+            if self._depth == 1:
+                self._drain()
+        finally:
+            self._depth -= 1
+            self._lock.release()
+
+    def call_soon(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` under the lock now if no bookkeeping call is in progress, else when the current one ends."""
+        self._pending.append(fn)
+        if self._lock.acquire(blocking=False):
+            try:
+                if self._depth == 0:  # not inside a bookkeeping call of this thread
+                    self._depth = 1
+                    try:
+                        self._drain()
+                    finally:
+                        self._depth = 0
+            finally:
+                self._lock.release()
+
+    def _drain(self) -> None:
+        while self._pending:
+            try:
+                fn = self._pending.popleft()
+            except IndexError:  # another thread's call_soon appended and drained concurrently
+                return
+            try:
+                fn()
+            except Exception:  # a finalizer's release must never break the call that happened to run it
+                _log.exception("pagedcore: a deferred release failed")
 
 
 @dataclass(frozen=True)
@@ -162,11 +235,10 @@ class PagedKVPool:
             hash_fn=self.plugins.block_hasher(),
             on_evict=self._on_evict,
         )
-        self._bytes_per_block = per_block
         self._layers: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * self.spec.num_layers
         # Bookkeeping lock: caches of several threads may share one pool. Tensor reads and writes need no lock:
         # each sequence writes only blocks it holds alone (copy-on-write), and cached blocks are never written.
-        self.lock = threading.RLock()
+        self.lock = PoolLock()
         self._backends: dict[tuple[str, torch.dtype, str | None], AttentionBackend] = {}
         self._owner: weakref.ref[Any] | None = None
         if isinstance(model, torch.nn.Module):
@@ -233,7 +305,7 @@ class PagedKVPool:
             for k, v in (t for t in self._layers if t is not None)
         )
         return MemoryStats(
-            capacity_bytes=self._bytes_per_block * self.num_blocks,
+            capacity_bytes=self.spec.bytes_per_block(self.block_size, self._dtype) * self.num_blocks,
             allocated_bytes=allocated,
             used_bytes=used,
             cached_bytes=cached,
@@ -283,6 +355,14 @@ class PagedKVPool:
                     tensors = self._create(layer_idx, keys, values)
                     self._layers[layer_idx] = tensors
         k, v = tensors
+        if keys.dtype != k.dtype or keys.device != k.device:
+            raise PoolMismatchError(
+                f"layer {layer_idx} now produces {keys.dtype} keys on {keys.device} but this pool stores {k.dtype} "
+                f"keys on {k.device}: the model was converted (.to(), .half()) after the pool stored keys and values, "
+                "which belong to the model as it was. Release every cache that uses this pool, then call "
+                "pool.rebuild() (drops the stored keys and values and the cached prefixes), or use a new pool. "
+                "enable()d generate does this by itself when no cache holds blocks."
+            )
         if keys.shape[-2:] != k.shape[-2:] or values.shape[-2:] != v.shape[-2:]:
             raise PoolMismatchError(
                 f"layer {layer_idx} stores keys {tuple(keys.shape[-2:])} / values {tuple(values.shape[-2:])} "
@@ -307,6 +387,38 @@ class PagedKVPool:
             dst = torch.tensor([p[1] for p in pairs], device=device)
             for t in tensors:
                 t.index_copy_(0, dst, t.index_select(0, src))
+
+    def rebuild(self) -> int:
+        """Drop every layer's keys and values and the whole prefix cache; the tensors are created again, on the
+        device and dtype of the next keys stored. For a model converted to another dtype or device (its old keys
+        and values mean nothing to it now). Returns the cached blocks forgotten.
+
+        Raises :class:`~pagedcore.errors.InvalidBlockError`, changing nothing, while any cache or request holds
+        blocks: release them first (their contents would be lost).
+
+        Example:
+            >>> from transformers import LlamaConfig
+            >>> pool = PagedKVPool(LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+            ...     num_hidden_layers=2, intermediate_size=128, vocab_size=100), num_blocks=8)
+            >>> pool.rebuild(), pool.memory_stats().allocated_bytes
+            (0, 0)
+        """
+        with self.lock:
+            held = self.kv.num_used_blocks
+            if held:
+                raise InvalidBlockError(
+                    f"rebuild: {held} blocks are held by caches or requests; release them first (cache.release(), "
+                    "or drop the caches returned by generate)"
+                )
+            forgotten = self.kv.clear_prefix_cache()
+            self._layers = [None] * self.spec.num_layers
+            self._backends.clear()
+            return forgotten
+
+    @property
+    def has_tensors(self) -> bool:
+        """Whether any layer's keys and values were stored since the pool was created or rebuilt."""
+        return any(t is not None for t in self._layers)
 
     def clear_prefix_cache(self, *namespaces: Hashable) -> int:
         """Forget cached prefixes (of the given namespaces, or all). Returns blocks forgotten."""
@@ -343,6 +455,7 @@ class PagedKVPool:
         with torch.inference_mode(False):
             k = torch.zeros(*shape, *keys.shape[-2:], dtype=keys.dtype, device=keys.device)
             v = torch.zeros(*shape, *values.shape[-2:], dtype=values.dtype, device=values.device)
+        self._dtype = keys.dtype  # what the memory statistics count from now on
         return k, v
 
     def _group_block_bytes(self) -> list[int]:

@@ -5,16 +5,41 @@
 1. looks every row's prompt up in the pool's prefix trie (per namespace) and attaches the longest cached prefix
    to a fresh :class:`PagedCache`, always leaving the last prompt token to compute;
 2. runs the original ``generate`` with that cache, which feeds only the uncached part of the prompt;
-3. registers the rows' full blocks in the trie and releases the call's references.
+3. registers the rows' full blocks in the trie; then releases the cache's references, unless the result returns
+   the cache (``return_dict_in_generate=True``): the caller then keeps a live cache (see *Kept caches*).
 
 **Batches and left padding.** ``generate`` sees one rectangular cache length for all rows, so the usable prefix is
 the shortest one: with ``pad[r]`` left-padding positions and ``hit[r]`` cached tokens in row ``r``, the first
 ``L = min_r(pad[r] + hit[r])`` positions are taken from the cache (padding positions cost nothing) and each row
-computes the rest. A row whose mask is not left-padded (right padding, holes) turns prefix reuse off for the call.
+computes the rest. The padding is declared to the cache, so it is never stored, also for models whose attention
+does not pass ``position_ids`` to the cache (GPT-NeoX, Falcon, Bloom). A row whose mask is not left-padded (right
+padding, holes) turns prefix reuse off for the call.
+
+**Kept caches.** A result that carries the cache (``out.cache`` / ``out.past_key_values``) keeps it valid: it holds
+its rows' blocks (prompt and generated tokens, rounded up to whole blocks, in every KV group) until the caller calls
+``out.cache.release()`` or drops the last reference to it (garbage collection gives the blocks back). Meanwhile
+those blocks count as used: they cannot be evicted and the pool has that much less room for other calls. Passing
+it back (``generate(..., cache=out.cache)``) continues the conversation, exactly as with ``DynamicCache``; after
+each call its full blocks are in the prefix trie, so later calls that do not pass it hit them too. A call whose
+result carries no cache (the default, a tensor) releases it before returning. Calls nested in a call (an assistant
+model's ``generate`` in assisted decoding, a ``generate`` inside a stopping criterion, logits processor or streamer)
+work the same way.
 
 **Namespaces.** ``with namespace("tenant-a"): model.generate(...)`` or ``model.generate(..., pagedcore_namespace=
 "tenant-a")``: prompts in different namespaces never share blocks (a prefix hit is measurably faster, so shared
-blocks would let one tenant probe another's prompts by timing; see vLLM's CVE-2025-46570).
+blocks would let one tenant probe another's prompts by timing; see vLLM's CVE-2025-46570). An explicit ``None``
+(``pagedcore_namespace=None`` or ``namespace(None)``) is the shared default namespace, also inside
+``with namespace("X")`` and for a model enabled with a namespace of its own. Calls nested in a call run in its
+namespace. A kept cache registers its blocks only when continued in the namespace it was made in.
+
+**Calls that compute the whole prompt.** A call that asks for ``output_attentions`` or ``output_hidden_states``
+takes no prefix hit (and no shared prefill for ``num_return_sequences`` / beams), so those outputs cover every prompt
+position exactly as without ``enable``. So does assisted or prompt-lookup decoding, which transformers 5.24 gets
+wrong after a pre-filled cache (also a ``DynamicCache``). Their blocks are still registered.
+
+**A converted model.** After ``model.to(dtype or device)`` the cached keys and values belong to the model as it was.
+The next call rebuilds the pool (drops its tensors and cached prefixes) when no cache holds blocks, and raises
+:class:`~pagedcore.errors.PoolMismatchError` saying what to release otherwise.
 
 ``num_return_sequences`` / ``num_beams`` > 1: the prompt is computed once for the unexpanded batch, then every row
 is forked; the copies share the prompt's blocks (copy-on-write) instead of recomputing and storing it k times.
@@ -26,7 +51,7 @@ import functools
 import inspect
 import itertools
 import weakref
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -34,11 +59,11 @@ from typing import Any
 
 import torch
 
-from pagedcore.errors import ConfigError, InvalidRequestError, OutOfBlocksError
+from pagedcore.errors import ConfigError, InvalidRequestError, OutOfBlocksError, PoolMismatchError
 
 from .cache import PagedCache
 from .pool import PagedKVPool
-from .spec import text_config
+from .spec import context_limit, text_config
 
 __all__ = ["disable", "enable", "is_enabled", "namespace", "prefix_pool"]
 
@@ -46,6 +71,7 @@ NAMESPACE_KWARG = "pagedcore_namespace"
 _UNSET: Any = object()
 _namespace: ContextVar[Any] = ContextVar("pagedcore_namespace", default=_UNSET)
 _call_ids = itertools.count()
+_TOKEN_DTYPES = (torch.int64, torch.int32)  # what embedding lookups accept
 
 
 @dataclass
@@ -55,6 +81,7 @@ class _Enabled:
     attention_backend: str | None
     had_instance_generate: bool
     instance_generate: Any
+    placement: tuple[Any, Any]  # the model's (dtype, device) when the pool last served it
 
 
 _ENABLED: weakref.WeakKeyDictionary[Any, _Enabled] = weakref.WeakKeyDictionary()
@@ -77,11 +104,21 @@ def enable(
         model: a transformers causal LM.
         pool: a pool to use (e.g. shared with an Engine); else one is created with the sizing arguments.
         num_blocks / memory_budget / block_size / eviction_policy: sizing of a new pool (see PagedKVPool).
-        namespace: default namespace of this model's calls (override per call or per block of code).
+        namespace: default namespace of this model's calls (override per call or per block of code; an explicit
+            ``pagedcore_namespace=None`` is the shared default namespace).
         attention_backend: backend for ``attn_implementation="paged"`` (default: the plugins' choice).
 
     Returns:
         The pool; read ``pool.num_hit_tokens / pool.num_query_tokens`` for the hit rate.
+
+    Memory held by a result: with ``return_dict_in_generate=True`` the output carries the call's cache, which stays
+    valid (pass it back with ``cache=`` to continue) and holds its rows' blocks (prompt + generated tokens, whole
+    blocks) until ``out.cache.release()`` or until the output is garbage collected. A call that returns a tensor
+    holds nothing afterwards. Requests for ``output_attentions`` / ``output_hidden_states`` compute the whole
+    prompt (no prefix hit). Prompt + ``max_new_tokens`` over the model's context raises
+    :class:`~pagedcore.errors.InvalidRequestError` (see :func:`~pagedcore.adapters.transformers.spec.context_limit`).
+    After ``model.to(...)`` the next call rebuilds the pool if no cache holds blocks, else raises
+    :class:`~pagedcore.errors.PoolMismatchError`.
 
     Example:
         >>> import torch
@@ -95,6 +132,12 @@ def enable(
         >>> _ = model.generate(prompt, max_new_tokens=2, do_sample=False)   # warm: 12 cached, computes 1
         >>> pool.num_hit_tokens
         12
+        >>> out = model.generate(prompt, max_new_tokens=2, do_sample=False, return_dict_in_generate=True)
+        >>> pool.kv.num_used_blocks      # the kept cache holds 14 stored tokens: 4 blocks
+        4
+        >>> more = model.generate(out.sequences, max_new_tokens=2, do_sample=False, cache=out.cache)
+        >>> out.cache.release(); pool.kv.num_used_blocks
+        0
         >>> _ = pc.disable(model)
     """
     if model in _ENABLED:
@@ -112,7 +155,7 @@ def enable(
             raise ConfigError("num_blocks / memory_budget size a new pool: not with pool=")
         pool.bind(model)
     had_instance = "generate" in vars(model)
-    state = _Enabled(pool, namespace, attention_backend, had_instance, vars(model).get("generate"))
+    state = _Enabled(pool, namespace, attention_backend, had_instance, vars(model).get("generate"), _placement(model))
     original = state.instance_generate if had_instance else type(model).generate
     model_ref = weakref.ref(model)
 
@@ -131,6 +174,8 @@ def enable(
 
 def disable(model: Any) -> PagedKVPool:
     """Restore the model's own ``generate``. Returns the pool (its cached prefixes stay until it is dropped).
+
+    Caches returned by earlier calls stay valid and keep their blocks until released or dropped.
 
     Example:
         >>> from transformers import LlamaConfig, LlamaForCausalLM
@@ -182,6 +227,10 @@ def prefix_pool(model: Any) -> PagedKVPool:
 def namespace(name: Hashable) -> Iterator[None]:
     """Run ``generate`` calls of enabled models in the block under prefix-cache namespace ``name``.
 
+    A per-call ``pagedcore_namespace=`` overrides it; an explicit ``None`` (here or per call) is the shared default
+    namespace, not "unset": ``with namespace(None)`` inside ``with namespace("X")`` shares with calls that never set
+    a namespace.
+
     Example:
         >>> with namespace("tenant-a"):
         ...     pass  # model.generate(...) here only shares prefixes with other "tenant-a" calls
@@ -195,46 +244,139 @@ def namespace(name: Hashable) -> Iterator[None]:
 
 # ---------------------------------------------------------------------- the wrapped generate
 def _generate(model: Any, call: Callable[..., Any], state: _Enabled, args: tuple[Any, ...], kwargs: dict) -> Any:
+    explicit = NAMESPACE_KWARG in kwargs
     ns = kwargs.pop(NAMESPACE_KWARG, _UNSET)
     if ns is _UNSET:
         ns = _namespace.get()
     if ns is _UNSET:
         ns = state.namespace
-    if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
-        return call(*args, **kwargs)  # the caller manages its own cache
-    input_ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
-    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
-        return call(*args, **kwargs)  # inputs_embeds or unusual inputs: plain generate
-    settings = _settings(model, kwargs, input_ids.shape[1])
-    if not settings.use_cache:
-        return call(*args, **kwargs)
-    _check_inputs(model, input_ids, ns)
-    mask = _attention_mask(input_ids, kwargs.get("attention_mask"), settings)
-    pads = _left_pads(mask)
-    pool = state.pool
-    cache = PagedCache(model, pool=pool, namespace=ns, attention_backend=state.attention_backend)
-    try:
-        rows = [input_ids[r, p:].tolist() for r, p in enumerate(pads)] if pads is not None else None
-        length = _attach(cache, pool, rows, pads, ns) if rows is not None and pads is not None else 0
-        _check_capacity(pool, cache, input_ids, pads, settings)
-        if settings.expand > 1:
-            _prefill_once(model, cache, input_ids, mask, length)
-            cache.batch_repeat_interleave(settings.expand)
-        kwargs["cache"] = cache
-        result = call(*args, **kwargs)
-        if rows is not None and pads is not None:
-            _register(cache, result, rows, pads, settings)
-        return result
-    finally:
-        cache.release()
-
-
-def _check_inputs(model: Any, input_ids: torch.Tensor, ns: Hashable) -> None:
-    """Typed errors for input the prefix cache would otherwise trip over later, half-way through a call."""
     try:
         hash(ns)
     except TypeError:
         raise InvalidRequestError(f"the prefix-cache namespace must be hashable (a str is best), got {ns!r}") from None
+    # Calls nested in this one (an assistant model's generate, a generate in a callback) run in its namespace.
+    token = _namespace.set(ns) if explicit else None
+    try:
+        return _run(model, call, state, args, kwargs, ns)
+    finally:
+        if token is not None:
+            _namespace.reset(token)
+
+
+def _run(
+    model: Any, call: Callable[..., Any], state: _Enabled, args: tuple[Any, ...], kwargs: dict, ns: Hashable
+) -> Any:
+    input_ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
+    if not isinstance(input_ids, torch.Tensor) or kwargs.get("inputs_embeds") is not None:
+        return call(*args, **kwargs)  # inputs_embeds (or no tensor at all: generate's own checks)
+    _check_input_ids(model, input_ids)
+    settings = _settings(model, kwargs, input_ids.shape[1])
+    mask = _attention_mask(input_ids, kwargs.get("attention_mask"), settings)
+    _check_context(model, mask, settings)
+    passed = kwargs.get("cache")
+    if passed is None:
+        passed = kwargs.get("past_key_values")
+    if passed is not None:
+        if isinstance(passed, PagedCache) and passed.pool is state.pool:
+            _check_placement(model, state)
+            return _continue(call, state, passed, args, kwargs, input_ids, mask, settings, ns)
+        return call(*args, **kwargs)  # the caller's own cache
+    if not settings.use_cache:
+        return call(*args, **kwargs)
+    _check_placement(model, state)
+    return _fresh(model, call, state, args, kwargs, input_ids, mask, settings, ns)
+
+
+def _fresh(
+    model: Any,
+    call: Callable[..., Any],
+    state: _Enabled,
+    args: tuple[Any, ...],
+    kwargs: dict,
+    input_ids: torch.Tensor,
+    mask: torch.Tensor,
+    settings: _Settings,
+    ns: Hashable,
+) -> Any:
+    """A call without a cache of its own: attach the prefix hit to a new cache, generate, register, release."""
+    pads = _left_pads(mask)
+    pool = state.pool
+    cache = PagedCache(model, pool=pool, namespace=ns, attention_backend=state.attention_backend)
+    keep = False
+    try:
+        rows = [input_ids[r, p:].tolist() for r, p in enumerate(pads)] if pads is not None else None
+        length = 0
+        if rows is not None and pads is not None:
+            length = _attach(cache, pool, rows, pads, ns, lookup=settings.reuse)
+        share_prompt = settings.expand > 1 and settings.reuse
+        _check_capacity(pool, cache, input_ids.shape[1], pads, settings, share_prompt)
+        if share_prompt:
+            _prefill_once(model, cache, input_ids, mask, length)
+        if settings.expand > 1:  # generate expands the batch but never the cache
+            cache.batch_repeat_interleave(settings.expand)
+        kwargs["cache"] = cache
+        result = call(*args, **kwargs)
+        if pads is not None:
+            _register(cache, result, pads, settings, rows)
+        keep = _carries(result, cache)
+        return result
+    finally:
+        if not keep:
+            cache.release()
+
+
+def _continue(
+    call: Callable[..., Any],
+    state: _Enabled,
+    cache: PagedCache,
+    args: tuple[Any, ...],
+    kwargs: dict,
+    input_ids: torch.Tensor,
+    mask: torch.Tensor,
+    settings: _Settings,
+    ns: Hashable,
+) -> Any:
+    """A call given a PagedCache of this pool (one returned by an earlier call): continue it, then register.
+
+    Its blocks are registered only when they hold exactly the rows' tokens: the mask is left padding equal to the
+    padding the cache left out, one row per sequence (no beams or expansion), and the call runs in the namespace
+    the cache was made in. The caller owns the cache: it is never released here.
+    """
+    pads = _left_pads(mask)
+    if settings.expand == 1 and cache.batch_size == input_ids.shape[0]:
+        _check_capacity(state.pool, cache, input_ids.shape[1], cache.row_padding(), settings, False)
+    result = call(*args, **kwargs)
+    if (
+        pads is not None
+        and pads == cache.row_padding()
+        and settings.expand == 1
+        and _same_namespace(cache.namespace, ns)
+    ):
+        _register(cache, result, pads, settings, None)
+    return result
+
+
+def _carries(result: Any, cache: PagedCache) -> bool:
+    """Whether ``generate`` returned the cache to the caller (``return_dict_in_generate=True``)."""
+    return isinstance(result, Mapping) and any(value is cache for value in result.values())
+
+
+def _same_namespace(a: Hashable, b: Hashable) -> bool:
+    return type(a) is type(b) and a == b  # 1, 1.0 and True are different namespaces
+
+
+# ---------------------------------------------------------------------- checks (typed errors, nothing changed)
+def _check_input_ids(model: Any, input_ids: torch.Tensor) -> None:
+    """Typed errors for input the prefix cache (or the model) would otherwise trip over half-way through a call."""
+    if input_ids.dim() != 2:
+        raise InvalidRequestError(f"input_ids must be 2-D (batch, tokens), got shape {tuple(input_ids.shape)}")
+    if input_ids.shape[1] == 0:
+        raise InvalidRequestError("the prompt is empty")
+    if input_ids.dtype not in _TOKEN_DTYPES:
+        raise InvalidRequestError(
+            f"input_ids must be integer token ids (torch.long or torch.int), got a {input_ids.dtype} tensor; pass "
+            "embeddings as inputs_embeds="
+        )
     vocab = getattr(text_config(model), "vocab_size", None)
     if input_ids.numel() and vocab:
         low, high = int(input_ids.min()), int(input_ids.max())
@@ -243,12 +385,55 @@ def _check_inputs(model: Any, input_ids: torch.Tensor, ns: Hashable) -> None:
             raise InvalidRequestError(f"token id {bad} is outside the model's vocabulary [0, {vocab})")
 
 
+def _check_context(model: Any, mask: torch.Tensor, settings: _Settings) -> None:
+    """Prompt + new tokens must fit the model's context (positions count real tokens: padding takes none)."""
+    limit = context_limit(model)
+    if limit is None or mask.numel() == 0:
+        return
+    longest = int(mask.ne(0).sum(dim=1).max())
+    if longest + settings.max_new_tokens > limit:
+        raise InvalidRequestError(
+            f"{longest} prompt tokens + {settings.max_new_tokens} new tokens exceed the model's context of {limit} "
+            "positions: shorten the prompt or lower max_new_tokens"
+        )
+
+
+def _placement(model: Any) -> tuple[Any, Any]:
+    param = next(iter(model.parameters()), None) if hasattr(model, "parameters") else None
+    return (None, None) if param is None else (param.dtype, param.device)
+
+
+def _check_placement(model: Any, state: _Enabled) -> None:
+    """After ``model.to(...)``: rebuild the pool (its keys belong to the model as it was), or say what holds it."""
+    now = _placement(model)
+    if now == state.placement:
+        return
+    pool = state.pool
+    with pool.lock:
+        if pool.has_tensors or pool.kv.num_cached_blocks:
+            held = pool.kv.num_used_blocks
+            if held:
+                raise PoolMismatchError(
+                    f"the model is now {now[0]} on {now[1]} but this pool holds keys and values computed as "
+                    f"{state.placement[0]} on {state.placement[1]}, and {held} of its blocks are held (caches "
+                    "returned by earlier calls with return_dict_in_generate=True, or an Engine's requests). Release "
+                    "them (out.cache.release()) or drop them; the next call then rebuilds the pool"
+                )
+            pool.rebuild()
+        state.placement = now
+
+
+# ---------------------------------------------------------------------- one call's plan
 @dataclass(frozen=True)
 class _Settings:
     max_new_tokens: int
     expand: int
     beams: int
     use_cache: bool
+    # False when the call must compute its whole prompt: attentions or hidden states asked for (they must cover every
+    # prompt position), or assisted / prompt-lookup decoding (transformers 5.24 gets them wrong after a pre-filled
+    # cache: a DynamicCache holding the first prompt tokens gives other tokens than an empty one).
+    reuse: bool
     pad_token_id: Any
     eos_token_id: Any
 
@@ -268,7 +453,12 @@ def _settings(model: Any, kwargs: dict[str, Any], prompt_len: int) -> _Settings:
     beams = int(get("num_beams", 1))
     expand = max(beams, int(get("num_return_sequences", 1)))
     use_cache = bool(get("use_cache", True))
-    return _Settings(int(max_new), expand, beams, use_cache, get("pad_token_id"), get("eos_token_id"))
+    full_outputs = bool(get("output_attentions", False)) or bool(get("output_hidden_states", False))
+    candidates = any(
+        get(name) is not None for name in ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit")
+    )
+    reuse = not (full_outputs or candidates)
+    return _Settings(int(max_new), expand, beams, use_cache, reuse, get("pad_token_id"), get("eos_token_id"))
 
 
 def _attention_mask(input_ids: torch.Tensor, mask: Any, settings: _Settings) -> torch.Tensor:
@@ -294,9 +484,15 @@ def _left_pads(mask: torch.Tensor) -> list[int] | None:
     return [int(p) for p in pads]
 
 
-def _attach(cache: PagedCache, pool: PagedKVPool, rows: list[list[int]], pads: list[int], ns: Hashable) -> int:
-    """Attach the prefix every row can use (see the module docstring); returns its rectangular length."""
+def _attach(
+    cache: PagedCache, pool: PagedKVPool, rows: list[list[int]], pads: list[int], ns: Hashable, *, lookup: bool
+) -> int:
+    """Declare the rows' padding and prompts to the cache and attach the prefix every row can use (see the module
+    docstring); returns its rectangular length. ``lookup=False`` declares the padding and prompts only."""
     with pool.lock:
+        if not lookup:
+            cache.attach_prefix([None] * len(rows), pads, 0, rows)
+            return 0
         matches = [pool.kv.match(tokens, ns) for tokens in rows]
         hits = [min(m.num_tokens, len(tokens) - 1) for m, tokens in zip(matches, rows)]
         length = min(p + h for p, h in zip(pads, hits))
@@ -311,29 +507,33 @@ def _attach(cache: PagedCache, pool: PagedKVPool, rows: list[list[int]], pads: l
                 num_hit_tokens=used,
                 namespace=ns,
             )
-        if length > 0:
-            cache.attach_prefix(matches, pads, length)
+        cache.attach_prefix(matches, pads, length, rows)
     return length
 
 
 def _check_capacity(
-    pool: PagedKVPool, cache: PagedCache, input_ids: torch.Tensor, pads: list[int] | None, settings: _Settings
+    pool: PagedKVPool, cache: PagedCache, width: int, pads: list[int] | None, settings: _Settings, share_prompt: bool
 ) -> None:
-    """Raise OutOfBlocksError before generation when the call cannot fit, so nothing runs half-way."""
+    """Raise OutOfBlocksError before generation when the call cannot fit, so nothing runs half-way.
+
+    ``width`` is the rectangular prompt length, ``pads`` each row's unstored padding; rows already hold what the
+    cache holds. With ``share_prompt`` the prompt is stored once per row, then forked ``settings.expand`` times.
+    """
     bs = pool.block_size
-    total = input_ids.shape[1]
-    pads = pads if pads is not None else [0] * input_ids.shape[0]
     held = cache.row_tokens()
+    rows = len(pads) if pads is not None else len(held) or 1
+    pads = pads if pads is not None else [0] * rows
     with pool.lock:
         for group in pool.kv.groups:
             need = 0
             for r, pad in enumerate(pads):
-                prompt = total - pad
+                prompt = width - pad
                 final = prompt + settings.max_new_tokens - 1  # the last sampled token is never stored
-                attached = -(-held[r] // bs) if held else 0
-                partial = 1 if held and held[r] % bs else 0  # a partly used cached block is copied on write
-                if settings.expand == 1:
-                    row_need = -(-final // bs) - attached + partial
+                stored = held[r] if r < len(held) else 0
+                attached = -(-stored // bs)
+                partial = 1 if stored % bs else 0  # a partly used cached block is copied on write
+                if not share_prompt:
+                    row_need = settings.expand * (-(-final // bs)) - attached + partial
                 else:  # the prompt once, then per fork its own tail (a copy of the shared last block + new ones)
                     row_need = max(-(-(prompt - 1) // bs) - attached, 0) + partial
                     row_need += settings.expand * (-(-final // bs) - (prompt - 1) // bs)
@@ -345,7 +545,8 @@ def _check_capacity(
                 raise OutOfBlocksError(
                     f"this generate call needs up to {need} blocks of {bs} tokens (KV group {group.index}) but the "
                     f"pool has {available} available of {group.block_manager.num_blocks}: use a larger pool "
-                    "(enable(model, num_blocks=... / memory_budget=...)) or smaller batches",
+                    "(enable(model, num_blocks=... / memory_budget=...)), smaller batches, or release caches "
+                    "returned by earlier calls",
                     requested=need,
                     available=available,
                 )
@@ -367,15 +568,20 @@ def _prefill_once(model: Any, cache: PagedCache, input_ids: torch.Tensor, mask: 
         model(input_ids=input_ids[:, start:end], **kwargs)
 
 
-def _register(cache: PagedCache, result: Any, rows: list[list[int]], pads: list[int], settings: _Settings) -> None:
-    """Register every row's full blocks in the trie (prompt only after beam search, whose rows get reordered)."""
+def _register(
+    cache: PagedCache, result: Any, pads: list[int], settings: _Settings, prompts: list[list[int]] | None
+) -> None:
+    """Register every row's full blocks in the trie: its tokens from the output, or only its prompt after beam
+    search (whose rows get reordered) or without sequences in the output."""
     sequences = result if isinstance(result, torch.Tensor) else getattr(result, "sequences", None)
     tokens: list[list[int]] = []
-    for i in range(cache.batch_size if cache.batch_size > 0 else 0):
+    for i in range(max(cache.batch_size, 0)):
         source = i // settings.expand
         if settings.beams == 1 and isinstance(sequences, torch.Tensor) and i < sequences.shape[0]:
             tokens.append(sequences[i, pads[source] :].tolist())
+        elif prompts is not None:
+            tokens.append(prompts[source])
         else:
-            tokens.append(rows[source])
+            return
     if tokens:
         cache.cache_prefixes(tokens)

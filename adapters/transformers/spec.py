@@ -16,7 +16,7 @@ from transformers.cache_utils import get_layer_types_and_kwargs
 
 from pagedcore.errors import PoolMismatchError, UnsupportedModelError
 
-__all__ = ["LayerSpec", "ModelKVSpec", "text_config"]
+__all__ = ["LayerSpec", "ModelKVSpec", "context_limit", "text_config"]
 
 _SUPPORTED = {"full_attention", "sliding_attention", "dummy"}
 _WHY = {
@@ -99,7 +99,7 @@ class ModelKVSpec:
         hidden = getattr(config, "hidden_size", None)
         if not heads or not hidden:
             raise UnsupportedModelError(f"model type {model_type!r}: the config names no attention heads")
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        kv_heads = _num_kv_heads(config, heads)
         head_dim = getattr(config, "head_dim", None) or hidden // heads
         v_head_dim = getattr(config, "v_head_dim", None) or head_dim
         windows: list[int | None] = []
@@ -143,9 +143,54 @@ class ModelKVSpec:
             )
 
 
+def _num_kv_heads(config: PretrainedConfig, heads: int) -> int:
+    """KV heads per layer as the model caches them."""
+    if getattr(config, "model_type", None) == "falcon":
+        # Falcon caches every head with its new decoder architecture (it expands its KV groups before the cache),
+        # one head when multi-query (Falcon-7B), else config.num_kv_heads (which has no num_key_value_heads alias).
+        if getattr(config, "new_decoder_architecture", False):
+            return heads
+        return 1 if getattr(config, "multi_query", False) else int(getattr(config, "num_kv_heads", None) or heads)
+    return int(getattr(config, "num_key_value_heads", None) or heads)
+
+
 def _summary(spec: ModelKVSpec) -> str:
     first = next(layer for layer in spec.layers if layer.has_cache)
     return f"{spec.num_layers} layers, {first.num_kv_heads} KV heads of {first.head_dim}, windows {list(spec.windows)}"
+
+
+def context_limit(model: Any) -> int | None:
+    """The most positions (prompt + new tokens) a model can be asked for, or None when it has no fixed limit.
+
+    - Learned or tabled absolute positions (GPT-2 ``n_positions``, OPT, GPT-Neo, CTRL): a hard limit; past it the
+      position embedding lookup fails (``IndexError``).
+    - Rotary positions (Llama, Mistral, Qwen, Gemma, Phi-3, GPT-NeoX, Falcon...): ``max_position_embeddings``, the
+      context the model is configured for (with its rope scaling, if any: yarn, linear, llama3 and longrope configs
+      state the scaled context there); past it output degrades silently.
+    - Dynamic NTK rope scaling (``rope_type="dynamic"``) rescales past ``max_position_embeddings`` by design, and
+      ALiBi models (Bloom, Falcon with ``alibi=True``) have no position table: no limit.
+
+    Example:
+        >>> from transformers import GPT2Config, LlamaConfig
+        >>> context_limit(GPT2Config(n_positions=512)), context_limit(LlamaConfig(max_position_embeddings=4096))
+        (512, 4096)
+        >>> context_limit(LlamaConfig(max_position_embeddings=4096, rope_parameters={"rope_type": "dynamic",
+        ...     "factor": 2.0, "rope_theta": 10000.0})) is None
+        True
+    """
+    config = text_config(model)
+    if getattr(config, "alibi", False) or getattr(config, "model_type", None) == "bloom":
+        return None
+    rope = getattr(config, "rope_parameters", None)
+    if isinstance(rope, dict):
+        per_kind = [v for v in rope.values() if isinstance(v, dict)] or [rope]  # Gemma3: one entry per layer kind
+        if any(p.get("rope_type") == "dynamic" for p in per_kind):
+            return None
+    for name in ("max_position_embeddings", "n_positions"):
+        limit = getattr(config, name, None)
+        if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0:
+            return limit
+    return None
 
 
 def text_config(model: Any) -> PretrainedConfig:
