@@ -15,7 +15,6 @@ import pluggy
 if TYPE_CHECKING:
     from pagedcore.attention import AttentionBackend
     from pagedcore.eviction import EvictionPolicy
-    from pagedcore.prefix_trie import BlockHasher
 
 hookspec = pluggy.HookspecMarker("pagedcore")
 hookimpl = pluggy.HookimplMarker("pagedcore")
@@ -35,14 +34,6 @@ def pagedcore_eviction_policy(name: str | None, num_blocks: int) -> EvictionPoli
     """Return a new, empty eviction policy for a pool of ``num_blocks`` blocks, or None.
 
     ``name`` is the policy the user asked for ("lru", ...) or None for the default.
-    """
-
-
-@hookspec(firstresult=True)
-def pagedcore_block_hasher() -> BlockHasher | None:
-    """Return the function that hashes a block's token tuple for the prefix trie, or None for the default.
-
-    Matching always compares tokens as well, so a weak hash only costs speed, never correctness.
     """
 
 

@@ -26,7 +26,6 @@ from pagedcore.eviction import EvictionPolicy
 
 if TYPE_CHECKING:
     from pagedcore.attention import AttentionBackend
-    from pagedcore.prefix_trie import BlockHasher
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +64,7 @@ class PluginInfo:
 
 
 class PluginManager:
-    """Hooks for backends, eviction policies, block hashing and observers.
+    """Hooks for attention backends, eviction policies and observers.
 
     Args:
         load_entrypoints: load the ``pagedcore`` entry points on first use (built-ins included).
@@ -165,13 +164,6 @@ class PluginManager:
         if len(policy) != 0:
             raise PluginError(f"the eviction policy {name!r} returned by a plugin is not empty")
         return policy
-
-    def block_hasher(self) -> BlockHasher | None:
-        """A plugin's block hash function, or None for the default."""
-        hasher = self.hook.pagedcore_block_hasher()
-        if hasher is not None and not callable(hasher):
-            raise PluginError(f"a plugin returned {hasher!r} as block hasher: it must be callable")
-        return hasher
 
     # ------------------------------------------------------------------ events
     def emit(self, hook_name: str, **kwargs: Any) -> None:

@@ -1,4 +1,4 @@
-"""Plugin hooks: every hookspec exercised, backend and policy selection, block hashing, events, observer isolation,
+"""Plugin hooks: every hookspec exercised, backend and policy selection, events, observer isolation,
 hook validation (``check_pending``) and end-to-end entry-point loading from a throwaway distribution.
 
 Tests use a manager with entry points off and the built-ins registered by hand, so another installed plugin cannot
@@ -98,7 +98,7 @@ def test_every_hook_has_a_test():
     # The enumeration must agree with what pluggy itself registered from the hookspecs module.
     relay = PluginManager(load_entrypoints=False).hook
     registered = {name for name, caller in vars(relay).items() if not name.startswith("_") and caller.has_spec()}
-    assert registered == HOOK_NAMES and len(HOOK_NAMES) >= 8
+    assert registered == HOOK_NAMES and len(HOOK_NAMES) >= 7
     covered: set[str] = set()
     for name, obj in globals().items():
         hooks = getattr(obj, "covered_hooks", None)
@@ -382,57 +382,6 @@ def test_non_empty_eviction_policy_is_refused(pm, use):
         pm.eviction_policy("dirty", num_blocks=4)
     with pytest.raises(PluginError, match="not empty"):
         make_pool(pm, eviction_policy="dirty")
-
-
-# ---------------------------------------------------------------- block hasher
-
-
-class ConstantHashPlugin:
-    """The weakest possible hash: every block collides. Matching must still compare tokens."""
-
-    def __init__(self) -> None:
-        self.calls = 0
-
-    def hash(self, tokens: tuple[int, ...]) -> int:
-        self.calls += 1
-        return 0
-
-    @hookimpl
-    def pagedcore_block_hasher(self) -> Callable[[tuple[int, ...]], int]:
-        return self.hash
-
-
-@covers("pagedcore_block_hasher", "pagedcore_prefix_hit")
-def test_weak_block_hash_never_shares_different_content(pm, use):
-    assert pm.block_hasher() is None  # no built-in hasher: the trie's default
-    plugin = use(ConstantHashPlugin(), "constant-hash")
-    recorder = use(Recorder(), "recorder")
-    assert pm.block_hasher() == plugin.hash
-    pool = make_pool(pm, num_blocks=32, block_size=4)
-    sched = Scheduler(pool.kv, SchedulerConfig(max_num_batched_tokens=64), plugins=pm)
-    model = FakeModel(sched)  # asserts that every position read holds exactly the token written there
-    prompts = {
-        "p1": [1, 2, 3, 4, 5, 6, 7, 8, 9],
-        "p2": [1, 2, 3, 4, 8, 7, 6, 5, 9],  # same first block, different second block
-        "p3": [4, 3, 2, 1, 5, 6, 7, 8, 9],  # different first block, then p1's second block (another prefix)
-        "p4": [1, 2, 3, 4, 5, 6, 7, 8, 9],  # identical to p1
-    }
-    tables: dict[str, list[int]] = {}
-    for rid, prompt in prompts.items():
-        sched.add(Sequence(rid, prompt, max_new_tokens=1))
-        out = sched.schedule()
-        tables[rid] = out.scheduled[0].block_tables[0]
-        sched.update(out, model.step(out))
-        run_to_completion(sched, model)
-    assert plugin.calls > 0, "the pool's tries did not use the plugin's hasher"
-    assert [e[2] for e in recorder.of("prefix_hit")] == [0, 4, 0, 8]
-    assert tables["p2"][0] == tables["p1"][0] and tables["p2"][1] != tables["p1"][1]
-    assert not set(tables["p3"][:2]) & set(tables["p1"][:2] + tables["p2"][:2])  # full (cacheable) blocks
-    assert tables["p4"][:2] == tables["p1"][:2]
-    # Every cached block is filed under hash 0 (check_invariants re-hashes them) and still found by content.
-    pool.check_invariants()
-    assert pool.kv.num_cached_blocks == 5
-    assert pool.kv.match([4, 3, 2, 1, 1, 2, 3, 4]).num_tokens == 4
 
 
 # ---------------------------------------------------------------- events
@@ -846,8 +795,8 @@ def test_entry_point_with_a_misspelled_hook_is_skipped_and_the_manager_stays_usa
 def test_unregister_by_object_forgets_the_source(pm):
     class Mine:
         @hookimpl
-        def pagedcore_block_hasher(self):
-            return None
+        def pagedcore_request_finished(self, request_id):
+            pass
 
     plugin = Mine()
     pm.register(plugin, name="mine")
@@ -865,18 +814,12 @@ def test_plugin_answers_are_type_checked(pm):
             return [] if name == "list" else None
 
         @hookimpl
-        def pagedcore_block_hasher(self):
-            return 42
-
-        @hookimpl
         def pagedcore_attention_backend(self, name):
             return object() if name == "junk" else None
 
     with pm.plugin(Bad(), name="bad"):
         with pytest.raises(PluginError, match="not an EvictionPolicy"):
             pm.eviction_policy("list")
-        with pytest.raises(PluginError, match="callable"):
-            pm.block_hasher()
         with pytest.raises(PluginError, match="forward"):
             pm.attention_backend("cpu", None, "junk")
 

@@ -159,7 +159,6 @@ class PagedKVPool:
             block_size,
             self.spec.windows,
             eviction_policy=lambda: self.plugins.eviction_policy(policy_name, num_blocks),
-            hash_fn=self.plugins.block_hasher(),
             on_evict=self._on_evict,
         )
         self._bytes_per_block = per_block
