@@ -4,12 +4,21 @@ regular wheel as in the editable install); the built-in plugins are registered b
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def load_typecheck():
+    spec = importlib.util.spec_from_file_location("ci_typecheck", ROOT / ".ci" / "typecheck.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def test_wheel_layout_and_builtin_plugins(tmp_path):
@@ -34,6 +43,10 @@ def test_wheel_layout_and_builtin_plugins(tmp_path):
     assert "pagedcore/plugins/torch_backend.py" in names
     assert "pagedcore/py.typed" in names
     assert not [n for n in names if n.split("/")[0] in ("adapters", "plugins", "tests", "examples")]
+    # The type check (.ci/typecheck.py) sees exactly the modules the wheel installs, under their installed names.
+    installed = {n.removesuffix(".py").removesuffix("/__init__").replace("/", ".") for n in names if n.endswith(".py")}
+    typecheck = load_typecheck()
+    assert {source.module for source in typecheck.sources(typecheck.package_dirs())} == installed
     (entry_points,) = [n for n in names if n.endswith("entry_points.txt")]
     text = zipfile.ZipFile(wheel).read(entry_points).decode()
     assert "[pagedcore]" not in text  # the host registers its built-ins itself
@@ -71,3 +84,24 @@ def test_core_imports_neither_transformers_nor_xformers():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"
+
+
+def test_typecheck_covers_every_folder_in_package_dir(tmp_path):
+    (tmp_path / "pyproject.toml").write_text(
+        '[tool.setuptools]\npackage-dir = { "pkg" = "src", "pkg.serve" = "serve" }\npackages = ["pkg", "pkg.serve"]\n'
+    )
+    for path in ("src/__init__.py", "src/core.py", "serve/__init__.py", "serve/app.py", "serve/sub/__init__.py",
+                 "serve/sub/x.py", "serve/scripts/not_a_package.py"):  # fmt: skip
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text("")
+    typecheck = load_typecheck()
+    sources = typecheck.sources(typecheck.package_dirs(tmp_path / "pyproject.toml"))
+    found = {source.module: Path(source.path).relative_to(tmp_path).as_posix() for source in sources}
+    assert found == {
+        "pkg": "src/__init__.py",
+        "pkg.core": "src/core.py",
+        "pkg.serve": "serve/__init__.py",
+        "pkg.serve.app": "serve/app.py",
+        "pkg.serve.sub": "serve/sub/__init__.py",
+        "pkg.serve.sub.x": "serve/sub/x.py",
+    }
