@@ -1,6 +1,7 @@
 """Every pagedcore plugin hook, in one place.
 
-Plugins implement these with ``@pagedcore.hookimpl`` and are found through the ``pagedcore`` entry-point group.
+Plugins implement these with ``@pagedcore.hookimpl`` and are found through the ``pagedcore`` entry-point group (the
+built-ins, which implement them the same way, are registered by the host: :mod:`pagedcore.plugin_manager`).
 Hooks are always called with keyword arguments, and an implementation may accept fewer arguments than its spec,
 so specs can grow without breaking plugins. Selection hooks are ``firstresult``: the first non-None answer wins;
 the built-in plugins mark theirs ``trylast`` so that an installed plugin is asked first.

@@ -94,7 +94,7 @@ BUILTIN_PLUGINS: tuple[BuiltinPlugin, ...] = (
 
 @dataclass(frozen=True)
 class PluginLoadError:
-    """An entry point that could not be loaded (it is skipped; the others load).
+    """A plugin (entry point or built-in) that could not be loaded: it is skipped; the others load.
 
     Example:
         >>> PluginLoadError("broken", "entry point broken_plugin (broken-dist)", "ImportError: missing").name
@@ -194,7 +194,7 @@ class PluginManager:
 
     @property
     def hook(self) -> Any:
-        """pluggy's hook relay (entry points loaded first)."""
+        """pluggy's hook relay (plugins loaded first)."""
         self._ensure_loaded()
         return self._pm.hook
 
