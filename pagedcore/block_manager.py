@@ -6,10 +6,18 @@ the prefix cache indexes its content:
 =========  ==========  ========  ==========================================================
 state      ref count   cached    where it lives
 =========  ==========  ========  ==========================================================
-free       0           no        the free stack; ``allocate`` takes from here first
+free       0           no        the free stack, or at/above the high-water mark (never used)
 evictable  0           yes       the eviction policy's queue; ``allocate`` evicts from here
 in use     >= 1        either    held by ``ref count`` sequences (or other holders)
 =========  ==========  ========  ==========================================================
+
+Host memory grows with the blocks actually used, not with ``num_blocks``: ids at or above the high-water mark have
+never been handed out and have no state at all (a pool of 10**9 blocks is built in microseconds). Below it a block
+costs a list slot for its reference count (8 bytes; small ints are shared), a 1-byte cached flag and, while it is
+free, a slot on the free stack. Lists, not ``array('i')``: every allocate / retain / release reads and writes these
+per block, and an array boxes and unboxes each access (measured 2-3x slower per block). ``allocate`` takes the most
+recently freed block first and then never-used ids in increasing order (what an eager stack of every id did), so
+small workloads stay in a compact, low region of the pool.
 
 Every command validates all of its ids before it changes anything, so a call that raises leaves the manager as it
 was. Nothing outside this module reads or writes its fields: holders go through ``allocate`` / ``retain`` /
@@ -23,7 +31,7 @@ import logging
 import operator
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import ClassVar, Protocol, runtime_checkable
 
 from pagedcore.errors import (
     ConfigError,
@@ -87,7 +95,7 @@ class BlockManager:
     """Ref-counted KV blocks with a free pool and an evictable pool of cached blocks.
 
     Args:
-        num_blocks: blocks in the pool (> 0).
+        num_blocks: blocks in the pool (1 .. :attr:`MAX_NUM_BLOCKS`). Costs nothing until blocks are used.
         block_size: tokens per block (> 0).
         eviction_policy: orders evictable blocks; LRU by default.
         on_evict: called with the ids evicted by one ``allocate`` call, after the call has finished its work.
@@ -105,6 +113,10 @@ class BlockManager:
         4
     """
 
+    MAX_NUM_BLOCKS: ClassVar[int] = 2**31 - 1
+    """Largest pool: block tables reach attention kernels as int32, with the pad block at id ``num_blocks``. No host
+    could hold the keys and values of more blocks anyway (even at one token of one tiny layer per block)."""
+
     def __init__(
         self,
         num_blocks: int,
@@ -115,14 +127,21 @@ class BlockManager:
     ) -> None:
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
             raise ConfigError(f"num_blocks must be a positive integer, got {num_blocks!r}")
+        if num_blocks > self.MAX_NUM_BLOCKS:
+            raise ConfigError(
+                f"num_blocks {num_blocks} is over the limit of {self.MAX_NUM_BLOCKS} (2**31 - 1): block ids reach "
+                "attention kernels as int32; no host could hold the keys and values of that many blocks"
+            )
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
             raise ConfigError(f"block_size must be a positive integer, got {block_size!r}")
         self._num_blocks = num_blocks
         self._block_size = block_size
-        self._ref = [0] * num_blocks
-        self._cached = bytearray(num_blocks)
-        # A stack: the lowest ids are handed out first, which keeps small workloads in a compact region.
-        self._free = list(range(num_blocks - 1, -1, -1))
+        # Per-block state exists only below the high-water mark: blocks at or above it were never handed out.
+        self._hwm = 0
+        self._ref: list[int] = []  # reference count of blocks [0, hwm)
+        self._cached = bytearray()  # 1 where the prefix cache indexes the block; blocks [0, hwm)
+        self._num_cached = 0
+        self._free: list[int] = []  # a stack of freed blocks below the high-water mark
         self._policy: EvictionPolicy = eviction_policy if eviction_policy is not None else LRUEvictionPolicy()
         if len(self._policy) != 0:
             raise ConfigError("the eviction policy must start empty")
@@ -144,7 +163,7 @@ class BlockManager:
     @property
     def num_free_blocks(self) -> int:
         """Blocks that hold nothing (neither referenced nor cached)."""
-        return len(self._free)
+        return len(self._free) + self._num_blocks - self._hwm
 
     @property
     def num_evictable_blocks(self) -> int:
@@ -154,17 +173,17 @@ class BlockManager:
     @property
     def num_available_blocks(self) -> int:
         """Blocks ``allocate`` can hand out now: free plus evictable."""
-        return len(self._free) + len(self._policy)
+        return len(self._free) + self._num_blocks - self._hwm + len(self._policy)
 
     @property
     def num_used_blocks(self) -> int:
         """Blocks with a reference count of at least 1."""
-        return self._num_blocks - len(self._free) - len(self._policy)
+        return self._hwm - len(self._free) - len(self._policy)
 
     @property
     def num_cached_blocks(self) -> int:
         """Blocks the prefix cache indexes (in use or evictable)."""
-        return sum(self._cached)
+        return self._num_cached
 
     @property
     def num_evicted(self) -> int:
@@ -188,12 +207,12 @@ class BlockManager:
     def ref_count(self, block_id: int) -> int:
         """Holders of ``block_id`` (0 for free and evictable blocks)."""
         (block_id,) = self._validate((block_id,), "ref_count")
-        return self._ref[block_id]
+        return self._ref[block_id] if block_id < self._hwm else 0
 
     def is_cached(self, block_id: int) -> bool:
         """Whether the prefix cache indexes ``block_id``."""
         (block_id,) = self._validate((block_id,), "is_cached")
-        return bool(self._cached[block_id])
+        return block_id < self._hwm and bool(self._cached[block_id])
 
     def blocks_needed(self, block_ids: Sequence[int], num_tokens: int, num_new_tokens: int) -> int:
         """Blocks :meth:`append_slot` would allocate for these arguments (copy-on-write included)."""
@@ -208,25 +227,38 @@ class BlockManager:
         """
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 0:
             raise InvalidBlockError(f"allocate: num_blocks must be a non-negative integer, got {num_blocks!r}")
-        available = self.num_available_blocks
-        if num_blocks > available:
+        free, untouched = self._free, self._num_blocks - self._hwm
+        if num_blocks > len(free) + untouched + len(self._policy):
+            available = self.num_available_blocks
             raise OutOfBlocksError(
                 f"allocate: {num_blocks} blocks requested but only {available} can be had "
-                f"({len(self._free)} free + {len(self._policy)} evictable of {self._num_blocks})",
+                f"({self.num_free_blocks} free + {len(self._policy)} evictable of {self._num_blocks})",
                 requested=num_blocks,
                 available=available,
             )
         if num_blocks == 0:
             return []
         evicted: list[int] = []
-        while len(self._free) < num_blocks:
+        while len(free) + untouched < num_blocks:
             self._evict_one(evicted)
-        ids = self._free[-num_blocks:]
-        del self._free[-num_blocks:]
-        ids.reverse()
-        ref = self._ref
-        for block_id in ids:
-            ref[block_id] = 1
+        # The most recently freed first (top of the stack), then never-used ids in increasing order.
+        reused = min(num_blocks, len(free))
+        if reused:
+            ids = free[-reused:]
+            del free[-reused:]
+            ids.reverse()
+            ref = self._ref
+            for block_id in ids:
+                ref[block_id] = 1
+        else:
+            ids = []
+        fresh = num_blocks - reused
+        if fresh:
+            start = self._hwm
+            self._hwm = start + fresh
+            ids.extend(range(start, start + fresh))
+            self._ref += [1] * fresh
+            self._cached += bytes(fresh)
         if evicted:
             self._num_evicted += len(evicted)
             self._notify_evicted(evicted)
@@ -236,7 +268,10 @@ class BlockManager:
         """Add a holder to each block. A cached block at reference count 0 is revived out of the evictable pool."""
         ids = self._validate(block_ids, "retain")
         ref, cached = self._ref, self._cached
-        bad = [b for b in ids if ref[b] == 0 and not cached[b]]
+        if self._any_unused(ids):
+            bad = [b for b in ids if b >= self._hwm or (ref[b] == 0 and not cached[b])]
+        else:
+            bad = [b for b in ids if ref[b] == 0 and not cached[b]]
         if bad:
             raise InvalidBlockError(f"retain: blocks {bad} are free (not allocated, not cached); allocate them first")
         policy = self._policy
@@ -252,8 +287,7 @@ class BlockManager:
         Releasing a block that is already at 0 raises :class:`DoubleReleaseError` (and changes nothing).
         """
         ids = self._validate(block_ids, "release")
-        ref = self._ref
-        bad = [b for b in ids if ref[b] == 0]
+        bad = self._unheld(ids)
         if bad:
             raise DoubleReleaseError(f"release: blocks {bad} have reference count 0 (released twice?)")
         self._drop_refs(ids)
@@ -266,7 +300,7 @@ class BlockManager:
         """
         ids = self._validate(block_ids, "free")
         ref = self._ref
-        unheld = [b for b in ids if ref[b] == 0]
+        unheld = self._unheld(ids)
         if unheld:
             raise DoubleReleaseError(f"free: blocks {unheld} have reference count 0 (freed twice?)")
         shared = [(b, ref[b]) for b in ids if ref[b] != 1]
@@ -278,7 +312,7 @@ class BlockManager:
     def fork(self, block_ids: Sequence[int]) -> list[int]:
         """Add a holder to every block of a table and return a copy of it, for a forked sequence."""
         ids = self._validate(block_ids, "fork")
-        bad = [b for b in ids if self._ref[b] == 0]
+        bad = self._unheld(ids)
         if bad:
             raise InvalidBlockError(f"fork: blocks {bad} are not in use")
         self.retain(ids)
@@ -340,42 +374,50 @@ class BlockManager:
         ids = self._validate(block_ids, "mark_cached")
         if self._index is None:
             raise ConfigError("mark_cached: no prefix cache is attached (attach_cache first)")
-        bad = [b for b in ids if self._ref[b] == 0 or self._cached[b]]
+        bad = [b for b in ids if b >= self._hwm or self._ref[b] == 0 or self._cached[b]]
         if bad:
             raise InvalidBlockError(f"mark_cached: blocks {bad} are not in use, or are cached already")
         for block_id in ids:
             self._cached[block_id] = 1
+        self._num_cached += len(ids)
 
     def uncache(self, block_ids: Iterable[int]) -> None:
         """Record that the prefix cache forgot these blocks; unreferenced ones become free at once."""
         ids = self._validate(block_ids, "uncache")
-        bad = [b for b in ids if not self._cached[b]]
+        bad = [b for b in ids if b >= self._hwm or not self._cached[b]]
         if bad:
             raise InvalidBlockError(f"uncache: blocks {bad} are not cached")
         self._uncache(ids)
 
     # ------------------------------------------------------------------ checks
     def check_invariants(self) -> None:
-        """Raise ``AssertionError`` if the bookkeeping is inconsistent. For tests and debugging; O(num_blocks)."""
+        """Raise ``AssertionError`` if the bookkeeping is inconsistent. For tests and debugging; O(blocks used)."""
+        n, hwm = self._num_blocks, self._hwm
+        assert 0 <= hwm <= n, f"high-water mark {hwm} outside [0, {n}]"
+        assert len(self._ref) == len(self._cached) == hwm, "per-block state does not end at the high-water mark"
         free = set(self._free)
         assert len(free) == len(self._free), "a block appears twice on the free stack"
-        for block_id in range(self._num_blocks):
+        assert all(0 <= b < hwm for b in free), "a never-used block is on the free stack"
+        in_use = 0
+        for block_id in range(hwm):
             r, c = self._ref[block_id], self._cached[block_id]
             in_free, in_policy = block_id in free, block_id in self._policy
             assert r >= 0, f"block {block_id} has negative ref count {r}"
             if r > 0:
+                in_use += 1
                 assert not in_free and not in_policy, f"block {block_id} is referenced but free/evictable"
             elif c:
                 assert in_policy and not in_free, f"cached block {block_id} at ref 0 is not evictable"
             else:
                 assert in_free and not in_policy, f"unreferenced uncached block {block_id} is not free"
-        total = len(self._free) + len(self._policy) + sum(1 for r in self._ref if r > 0)
-        assert total == self._num_blocks, f"free + evictable + in use = {total} != {self._num_blocks}"
+        assert self._cached.count(1) == self._num_cached, "cached count disagrees with the cached flags"
+        total = len(self._free) + (n - hwm) + len(self._policy) + in_use
+        assert total == n, f"free + evictable + in use = {total} != {n}"
 
     def __repr__(self) -> str:
         return (
             f"BlockManager(num_blocks={self._num_blocks}, block_size={self._block_size}, "
-            f"free={len(self._free)}, evictable={len(self._policy)}, used={self.num_used_blocks})"
+            f"free={self.num_free_blocks}, evictable={len(self._policy)}, used={self.num_used_blocks})"
         )
 
     # ------------------------------------------------------------------ internals
@@ -395,6 +437,17 @@ class BlockManager:
             raise InvalidBlockError(f"{op}: block ids {dups} appear more than once in one call")
         return ids
 
+    def _any_unused(self, ids: list[int]) -> bool:
+        """Whether an id is at or above the high-water mark (never used: ref count 0, not cached, no state)."""
+        return bool(ids) and max(ids) >= self._hwm
+
+    def _unheld(self, ids: list[int]) -> list[int]:
+        """The ids whose reference count is 0."""
+        ref = self._ref
+        if self._any_unused(ids):
+            return [b for b in ids if b >= self._hwm or ref[b] == 0]
+        return [b for b in ids if ref[b] == 0]
+
     def _check_table(self, ids: Sequence[int], num_tokens: int, num_new_tokens: int, op: str) -> int | None:
         """Validate a table's length and its last block (the only one a growth step acts on); return that block."""
         if type(num_tokens) is not int or type(num_new_tokens) is not int or num_tokens < 0 or num_new_tokens < 0:
@@ -412,7 +465,7 @@ class BlockManager:
         last = ids[-1]
         if type(last) is not int or not 0 <= last < self._num_blocks:
             (last,) = self._validate([last], op)  # coerces or raises with the standard message
-        if self._ref[last] == 0:
+        if last >= self._hwm or self._ref[last] == 0:
             raise InvalidBlockError(f"{op}: block {last} (the table's last) is not held by anyone")
         return last
 
@@ -436,8 +489,9 @@ class BlockManager:
                 else:
                     free.append(block_id)
 
-    def _uncache(self, ids: Iterable[int]) -> None:
+    def _uncache(self, ids: list[int]) -> None:
         ref, cached, policy, free = self._ref, self._cached, self._policy, self._free
+        self._num_cached -= len(ids)
         for block_id in ids:
             cached[block_id] = 0
             if ref[block_id] == 0:
@@ -447,6 +501,7 @@ class BlockManager:
     def _evict_one(self, evicted: list[int]) -> None:
         victim = self._policy.pop()
         self._cached[victim] = 0
+        self._num_cached -= 1
         self._free.append(victim)
         evicted.append(victim)
         if self._index is None:

@@ -1,6 +1,7 @@
 """Every pagedcore plugin hook, in one place.
 
-Plugins implement these with ``@pagedcore.hookimpl`` and are found through the ``pagedcore`` entry-point group.
+Plugins implement these with ``@pagedcore.hookimpl`` and are found through the ``pagedcore`` entry-point group (the
+built-ins, which implement them the same way, are registered by the host: :mod:`pagedcore.plugin_manager`).
 Hooks are always called with keyword arguments, and an implementation may accept fewer arguments than its spec,
 so specs can grow without breaking plugins. Selection hooks are ``firstresult``: the first non-None answer wins;
 the built-in plugins mark theirs ``trylast`` so that an installed plugin is asked first.
@@ -15,7 +16,6 @@ import pluggy
 if TYPE_CHECKING:
     from pagedcore.attention import AttentionBackend
     from pagedcore.eviction import EvictionPolicy
-    from pagedcore.prefix_trie import BlockHasher
 
 hookspec = pluggy.HookspecMarker("pagedcore")
 hookimpl = pluggy.HookimplMarker("pagedcore")
@@ -35,14 +35,6 @@ def pagedcore_eviction_policy(name: str | None, num_blocks: int) -> EvictionPoli
     """Return a new, empty eviction policy for a pool of ``num_blocks`` blocks, or None.
 
     ``name`` is the policy the user asked for ("lru", ...) or None for the default.
-    """
-
-
-@hookspec(firstresult=True)
-def pagedcore_block_hasher() -> BlockHasher | None:
-    """Return the function that hashes a block's token tuple for the prefix trie, or None for the default.
-
-    Matching always compares tokens as well, so a weak hash only costs speed, never correctness.
     """
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pagedcore.block_manager import BlockManager
 from pagedcore.errors import ConfigError
 from pagedcore.eviction import EvictionPolicy
-from pagedcore.prefix_trie import BlockHasher, PrefixTrie
+from pagedcore.prefix_trie import PrefixTrie
 
 __all__ = ["KVGroup", "KVPool", "PoolMatch"]
 
@@ -67,7 +67,6 @@ class KVPool:
         block_size: tokens per block, the same in every group.
         sliding_windows: one entry per group: None for full attention, else the window in tokens.
         eviction_policy: builds a policy per group (called once per group); LRU by default.
-        hash_fn: block hash for the tries (see :class:`~pagedcore.prefix_trie.PrefixTrie`).
         on_evict: ``on_evict(group_index, block_ids)`` after blocks were evicted from a group's cache.
 
     Example:
@@ -85,7 +84,6 @@ class KVPool:
         sliding_windows: Sequence[int | None] = (None,),
         *,
         eviction_policy: Callable[[], EvictionPolicy] | None = None,
-        hash_fn: BlockHasher | None = None,
         on_evict: Callable[[int, list[int]], None] | None = None,
     ) -> None:
         windows = list(sliding_windows)
@@ -103,7 +101,7 @@ class KVPool:
                 eviction_policy=eviction_policy() if eviction_policy is not None else None,
                 on_evict=listener,
             )
-            groups.append(KVGroup(index, window, bm, PrefixTrie(bm, hash_fn=hash_fn)))
+            groups.append(KVGroup(index, window, bm, PrefixTrie(bm)))
         self._groups = tuple(groups)
         self._block_size = block_size
         self._num_blocks = num_blocks

@@ -1,19 +1,27 @@
-"""The plugin manager: pluggy over the ``pagedcore`` hooks, entry points loaded lazily.
+"""The plugin manager: pluggy over the ``pagedcore`` hooks; built-ins registered by the host, third parties found
+through entry points, both lazily.
 
-Built-in plugins (``pagedcore.plugins.*``) are registered through the same ``pagedcore`` entry-point group a third
-party uses. Entry points load on first use, sorted by name so the order is the same on every machine (the torch
-backend, the fallback that serves any device, last); each is checked with ``check_pending()`` so a misspelled hook
-fails loudly. A plugin that fails to load is skipped, logged and listed in ``load_errors``: one broken install
-must not take the built-in backends down with it. Events go through :meth:`PluginManager.emit`, which
-isolates observers: one that raises is logged and counted, and never reaches the pool or the caller.
+As in pluggy's own example host (eggsample), the host registers its built-in plugins itself
+(:data:`BUILTIN_PLUGINS`: the LRU policy, the logging observer, the xformers and torch backends) and entry points
+add third-party ones. Everything loads on first use, not at import: the built-in backends import torch, and the core
+must not. Entry points load first, sorted by name so the order is the same on every machine, then the built-ins,
+the torch backend (the fallback that serves any device) last: selection hooks are ``firstresult`` and the built-ins
+answer ``trylast``, so an installed plugin is asked before any built-in. A built-in whose optional dependency is not
+installed (torch, xformers) is not registered. Each plugin is checked with ``check_pending()`` so a misspelled hook
+fails loudly; one that fails to load is skipped, logged and listed in ``load_errors``: one broken install must not
+take the others down with it. Events go through :meth:`PluginManager.emit`, which isolates observers: one that
+raises is logged and counted, and never reaches the pool or the caller.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
 import importlib.metadata
+import importlib.util
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -26,19 +34,67 @@ from pagedcore.eviction import EvictionPolicy
 
 if TYPE_CHECKING:
     from pagedcore.attention import AttentionBackend
-    from pagedcore.prefix_trie import BlockHasher
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ENTRY_POINT_GROUP", "PluginInfo", "PluginLoadError", "PluginManager", "default_plugin_manager"]
+__all__ = [
+    "BUILTIN_PLUGINS",
+    "BUILTIN_SOURCE",
+    "ENTRY_POINT_GROUP",
+    "BuiltinPlugin",
+    "PluginInfo",
+    "PluginLoadError",
+    "PluginManager",
+    "default_plugin_manager",
+]
 
 ENTRY_POINT_GROUP = "pagedcore"
-_FALLBACKS = frozenset({"torch"})  # built-in plugins that must answer selection hooks last
+BUILTIN_SOURCE = "built-in"
+
+
+@dataclass(frozen=True)
+class BuiltinPlugin:
+    """A plugin the host registers itself.
+
+    Attributes:
+        name: its plugin name (reserved: an entry point cannot take it).
+        module: the module that implements its hooks, imported on first use.
+        requires: top-level modules it needs; when one is not installed the plugin is not registered.
+
+    Example:
+        >>> [(p.name, p.requires) for p in BUILTIN_PLUGINS][-1]
+        ('torch', ('torch',))
+    """
+
+    name: str
+    module: str
+    requires: tuple[str, ...] = ()
+
+    def is_installable(self) -> bool:
+        """Whether every required module is installed (found without importing it)."""
+        return all(_is_installed(module) for module in self.requires)
+
+
+def _is_installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ValueError:  # in sys.modules without a spec (set up by hand): present
+        return True
+
+
+# In registration order. pluggy asks trylast implementations in the order they were registered, so the torch
+# backend, which answers for any device, comes last: every other backend is asked before it.
+BUILTIN_PLUGINS: tuple[BuiltinPlugin, ...] = (
+    BuiltinPlugin("lru", "pagedcore.plugins.eviction"),
+    BuiltinPlugin("logging", "pagedcore.plugins.logging_observer"),
+    BuiltinPlugin("xformers", "pagedcore.plugins.xformers_backend", ("torch", "xformers")),
+    BuiltinPlugin("torch", "pagedcore.plugins.torch_backend", ("torch",)),
+)
 
 
 @dataclass(frozen=True)
 class PluginLoadError:
-    """An entry point that could not be loaded (it is skipped; the others load).
+    """A plugin (entry point or built-in) that could not be loaded: it is skipped; the others load.
 
     Example:
         >>> PluginLoadError("broken", "entry point broken_plugin (broken-dist)", "ImportError: missing").name
@@ -65,10 +121,11 @@ class PluginInfo:
 
 
 class PluginManager:
-    """Hooks for backends, eviction policies, block hashing and observers.
+    """Hooks for attention backends, eviction policies and observers.
 
     Args:
-        load_entrypoints: load the ``pagedcore`` entry points on first use (built-ins included).
+        load_entrypoints: load third-party plugins from the ``pagedcore`` entry points on first use.
+        builtins: register the built-in plugins (:data:`BUILTIN_PLUGINS`) on first use.
 
     Example:
         >>> from pagedcore import hookimpl
@@ -77,17 +134,18 @@ class PluginManager:
         ...     @hookimpl
         ...     def pagedcore_request_finished(self, request_id):
         ...         Counter.finished += 1
-        >>> pm = PluginManager(load_entrypoints=False)
+        >>> pm = PluginManager(load_entrypoints=False)   # the built-ins only, plus what is registered
         >>> _ = pm.register(Counter(), name="counter")
         >>> pm.emit("pagedcore_request_finished", request_id="r1", finish_reason="stop", num_output_tokens=3)
         >>> Counter.finished
         1
     """
 
-    def __init__(self, *, load_entrypoints: bool = True) -> None:
+    def __init__(self, *, load_entrypoints: bool = True, builtins: bool = True) -> None:
         self._pm = pluggy.PluginManager("pagedcore")
         self._pm.add_hookspecs(hookspecs)
         self._load_entrypoints = load_entrypoints
+        self._builtins = builtins
         self._loaded = False
         self._lock = threading.Lock()
         self._sources: dict[str, str] = {}
@@ -136,7 +194,7 @@ class PluginManager:
 
     @property
     def hook(self) -> Any:
-        """pluggy's hook relay (entry points loaded first)."""
+        """pluggy's hook relay (plugins loaded first)."""
         self._ensure_loaded()
         return self._pm.hook
 
@@ -165,13 +223,6 @@ class PluginManager:
         if len(policy) != 0:
             raise PluginError(f"the eviction policy {name!r} returned by a plugin is not empty")
         return policy
-
-    def block_hasher(self) -> BlockHasher | None:
-        """A plugin's block hash function, or None for the default."""
-        hasher = self.hook.pagedcore_block_hasher()
-        if hasher is not None and not callable(hasher):
-            raise PluginError(f"a plugin returned {hasher!r} as block hasher: it must be callable")
-        return hasher
 
     # ------------------------------------------------------------------ events
     def emit(self, hook_name: str, **kwargs: Any) -> None:
@@ -219,32 +270,51 @@ class PluginManager:
                     raise PluginError(f"event hook {caller.name} cannot be implemented as a wrapper")
 
     def _ensure_loaded(self) -> None:
-        if self._loaded or not self._load_entrypoints:
+        if self._loaded:
             return
         with self._lock:  # other threads wait here until loading is complete
             if self._loaded:
                 return
-            # pluggy asks trylast implementations in registration order, so the universal fallbacks register
-            # last: every other backend (built-in or installed) is asked before the torch backend.
-            points = sorted(
-                importlib.metadata.entry_points(group=ENTRY_POINT_GROUP),
-                key=lambda ep: (ep.name in _FALLBACKS, ep.name),
-            )
-            for point in points:
-                if self._pm.get_plugin(point.name) is not None or self._pm.is_blocked(point.name):
-                    continue
-                dist = getattr(point, "dist", None)
-                source = f"entry point {point.value}" + (f" ({dist.name})" if dist else "")
-                try:
-                    self._register(point.load(), point.name)
-                except Exception as exc:
-                    # One broken plugin must not take the others (the built-in backends included) down with it.
-                    error = PluginLoadError(point.name, source, f"{type(exc).__name__}: {exc}")
-                    self.load_errors.append(error)
-                    logger.error("pagedcore: plugin %r (%s) was not loaded: %s", point.name, source, error.reason)
-                    continue
-                self._sources[point.name] = source
+            if self._load_entrypoints:
+                self._load_entry_points()
+            if self._builtins:
+                self._register_builtins()  # after the entry points: every installed plugin is asked first
             self._loaded = True
+
+    def _load_entry_points(self) -> None:
+        builtins = {plugin.name: plugin for plugin in BUILTIN_PLUGINS}
+        for point in sorted(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda ep: ep.name):
+            dist = getattr(point, "dist", None)
+            source = f"entry point {point.value}" + (f" ({dist.name})" if dist else "")
+            builtin = builtins.get(point.name)
+            if builtin is not None and point.value == builtin.module:
+                continue  # metadata of an older pagedcore that still listed its built-ins: the host registers them
+            if builtin is not None:
+                self._load_failed(point.name, source, f"the name {point.name!r} is reserved for a built-in plugin")
+                continue
+            if self._pm.get_plugin(point.name) is not None or self._pm.is_blocked(point.name):
+                continue
+            self._load(point.name, source, point.load)
+
+    def _register_builtins(self) -> None:
+        for builtin in BUILTIN_PLUGINS:
+            if self._pm.get_plugin(builtin.name) is not None or self._pm.is_blocked(builtin.name):
+                continue
+            if builtin.is_installable():
+                self._load(builtin.name, BUILTIN_SOURCE, functools.partial(importlib.import_module, builtin.module))
+
+    def _load(self, name: str, source: str, load: Callable[[], object]) -> None:
+        try:
+            self._register(load(), name)
+        except Exception as exc:
+            # One broken plugin must not take the others (the built-in backends included) down with it.
+            self._load_failed(name, source, f"{type(exc).__name__}: {exc}")
+            return
+        self._sources[name] = source
+
+    def _load_failed(self, name: str, source: str, reason: str) -> None:
+        self.load_errors.append(PluginLoadError(name, source, reason))
+        logger.error("pagedcore: plugin %r (%s) was not loaded: %s", name, source, reason)
 
 
 _default: PluginManager | None = None
@@ -252,7 +322,7 @@ _default_lock = threading.Lock()
 
 
 def default_plugin_manager() -> PluginManager:
-    """The process-wide manager with every installed plugin (created on first use).
+    """The process-wide manager: the built-ins and every installed plugin (created on first use).
 
     Example:
         >>> default_plugin_manager() is default_plugin_manager()

@@ -1,9 +1,17 @@
 """The prefix trie: chains of full token blocks -> cached KV block ids.
 
 Each node is one full block of ``block_size`` tokens; its path from the namespace's root is the exact token
-prefix whose keys and values the block holds. Children are found by a hash of their tokens, then compared token
-by token, so a hash collision can never serve another prompt's KV. Every namespace (a cache salt) has its own
-root: entries in different namespaces never match each other.
+prefix whose keys and values the block holds. A node's children are keyed by their token tuples themselves, so a
+child is found by content: two blocks whose hashes collide are still told apart by comparing their tokens, and a
+collision can never serve another prompt's KV.
+
+**Namespaces.** Every namespace (a cache salt, e.g. the tenant) has its own root: entries in different namespaces
+never match each other. The trie is the one owner of namespace identity (:func:`namespace_key`): two namespaces
+are the same when they have the same type and equal values, element by element for tuples and frozensets, so
+``1``, ``1.0`` and ``True`` are three namespaces although a dict would take them for one key. An unhashable
+namespace raises :class:`~pagedcore.errors.ConfigError`. A root lives only while its namespace has a cached block:
+the trie never holds more than ``num_blocks`` nodes plus one root per namespace with a cached block, however many
+namespaces a long-running pool has served.
 
 The trie owns the token -> block mapping; the :class:`~pagedcore.block_manager.BlockManager` owns reference counts
 and decides when to evict. A cached block at reference count 0 sits in the manager's evictable pool; when the
@@ -13,41 +21,63 @@ longer be reached).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 from pagedcore.block_manager import BlockManager
 from pagedcore.errors import ConfigError, InvalidBlockError
 
-__all__ = ["BlockHasher", "PrefixMatch", "PrefixTrie", "default_block_hash"]
+__all__ = ["PrefixMatch", "PrefixTrie", "namespace_key"]
 
-BlockHasher = Callable[[tuple[int, ...]], int]
 Namespace = Hashable
 
 
-def default_block_hash(tokens: tuple[int, ...]) -> int:
-    """Python's tuple hash. Fast; collisions are harmless because matching compares tokens too.
+def namespace_key(namespace: Namespace) -> Hashable:
+    """The identity of a namespace: its type and value (element by element for tuples and frozensets).
+
+    Namespaces that a dict would conflate because they compare equal (``1 == 1.0 == True``) stay distinct.
+    Raises :class:`~pagedcore.errors.ConfigError` for an unhashable namespace.
 
     Example:
-        >>> default_block_hash((1, 2)) == hash((1, 2))
+        >>> namespace_key("tenant-a") == namespace_key("tenant-a")
         True
+        >>> namespace_key(1) == namespace_key(True), namespace_key(("t", 1)) == namespace_key(("t", 1.0))
+        (False, False)
     """
-    return hash(tokens)
+    key = _typed(namespace)
+    try:
+        hash(key)
+    except TypeError as exc:
+        raise ConfigError(f"namespace must be hashable (a str is best), got {namespace!r}") from exc
+    return key
+
+
+def _typed(value: object) -> Hashable:
+    if isinstance(value, tuple):  # named tuples included
+        return (type(value), tuple(_typed(item) for item in value))
+    if isinstance(value, frozenset):
+        return (type(value), frozenset(_typed(item) for item in value))
+    return (type(value), value)
 
 
 class _Node:
     __slots__ = ("block_id", "children", "key", "namespace", "parent", "tokens")
 
     def __init__(
-        self, tokens: tuple[int, ...], key: int, block_id: int | None, parent: _Node | None, namespace: Namespace
+        self,
+        tokens: tuple[int, ...],
+        block_id: int | None,
+        parent: _Node | None,
+        namespace: Namespace,
+        key: Hashable,
     ) -> None:
         self.tokens = tokens
-        self.key = key  # hash_fn(tokens), kept so that eviction never hashes again
         self.block_id = block_id  # None only for a namespace root
         self.parent = parent
-        self.namespace = namespace
-        # hash bucket -> {tokens: node}; the inner dict compares tokens, so equal hashes never conflate blocks
-        self.children: dict[int, dict[tuple[int, ...], _Node]] = {}
+        self.namespace = namespace  # as first given for this namespace (what namespaces() reports)
+        self.key = key  # namespace_key(namespace): the namespace's identity
+        # Keyed by content: the dict compares the tokens themselves, so equal hashes never conflate two blocks.
+        self.children: dict[tuple[int, ...], _Node] = {}
 
 
 @dataclass(frozen=True)
@@ -72,8 +102,6 @@ class PrefixTrie:
 
     Args:
         block_manager: the manager whose blocks this trie indexes (one trie per manager).
-        hash_fn: hashes a block's tokens to find its bucket. Only a speed knob: equal-hash blocks are told apart
-            by comparing their tokens.
 
     Example:
         >>> bm = BlockManager(num_blocks=8, block_size=2)
@@ -88,11 +116,10 @@ class PrefixTrie:
         []
     """
 
-    def __init__(self, block_manager: BlockManager, *, hash_fn: BlockHasher | None = None) -> None:
+    def __init__(self, block_manager: BlockManager) -> None:
         self._bm = block_manager
         self._block_size = block_manager.block_size
-        self._hash: BlockHasher = hash_fn if hash_fn is not None else default_block_hash
-        self._roots: dict[Namespace, _Node] = {}
+        self._roots: dict[Hashable, _Node] = {}  # namespace_key -> root; only namespaces with a cached block
         self._by_block: dict[int, _Node] = {}
         self._queries = 0
         self._hits = 0
@@ -124,9 +151,14 @@ class PrefixTrie:
         """``num_hit_tokens / num_query_tokens`` (0.0 before any query)."""
         return self._hits / self._queries if self._queries else 0.0
 
+    @property
+    def num_namespaces(self) -> int:
+        """Namespaces that hold at least one cached block (each has a root node; never more than cached blocks)."""
+        return len(self._roots)
+
     def namespaces(self) -> list[Namespace]:
-        """Namespaces that hold at least one cached block."""
-        return [ns for ns, root in self._roots.items() if root.children]
+        """Namespaces that hold at least one cached block, in the order they got their first one."""
+        return [root.namespace for root in self._roots.values()]
 
     def contains(self, block_id: int) -> bool:
         """Whether ``block_id`` is indexed."""
@@ -134,14 +166,14 @@ class PrefixTrie:
 
     def match(self, token_ids: Sequence[int], namespace: Namespace = None) -> PrefixMatch:
         """Longest chain of cached full blocks that prefixes ``token_ids`` in ``namespace``. No side effects."""
-        root = self._roots.get(namespace)
+        root = self._roots.get(namespace_key(namespace))
         ids: list[int] = []
         if root is None:
             return PrefixMatch(ids, 0)
         node = root
         bs = self._block_size
         for start in range(0, len(token_ids) - bs + 1, bs):
-            child = self._child(node, tuple(token_ids[start : start + bs]))
+            child = node.children.get(tuple(token_ids[start : start + bs]))
             if child is None:
                 break
             assert child.block_id is not None
@@ -187,24 +219,22 @@ class PrefixTrie:
             raise InvalidBlockError(
                 f"insert: {len(blocks)} blocks of {bs} tokens need {len(blocks) * bs} tokens, got {len(token_ids)}"
             )
-        self._check_namespace(namespace)
+        key = namespace_key(namespace)
         # Plan first (no changes), so that a bad block anywhere leaves the trie and the manager untouched.
         if parent is None:
-            root = self._roots.get(namespace)
+            root = self._roots.get(key)
         else:
             root = self._by_block.get(parent)
-            if root is None or root.namespace != namespace:
+            if root is None or root.key != key:
                 raise InvalidBlockError(f"insert: parent block {parent} is not cached in namespace {namespace!r}")
         node: _Node | None = root
         canonical: list[int] = []
-        to_create: dict[int, tuple[tuple[int, ...], int]] = {}
-        hash_fn, by_block = self._hash, self._by_block
+        to_create: dict[int, tuple[int, ...]] = {}
+        by_block = self._by_block
         for i, block_id in enumerate(blocks):
             tokens = tuple(token_ids[i * bs : (i + 1) * bs])
-            key = hash_fn(tokens)
             if node is not None:
-                bucket = node.children.get(key)
-                child = None if bucket is None else bucket.get(tokens)  # content decides, not the hash alone
+                child = node.children.get(tokens)  # content decides: the tokens are the key
                 if child is not None:
                     assert child.block_id is not None
                     canonical.append(child.block_id)
@@ -215,19 +245,21 @@ class PrefixTrie:
                     f"insert: block {block_id} is already cached for other content (position {i} of this chain)"
                 )
             canonical.append(block_id)
-            to_create[i] = (tokens, key)
+            to_create[i] = tokens
             node = None  # every later block is new as well
         if to_create:
             self._bm.mark_cached([blocks[i] for i in to_create])  # validates: in use, not cached, no duplicates
         # Apply.
         if root is None:
-            root = self._roots[namespace] = _Node((), 0, None, None, namespace)
+            if not canonical:
+                return canonical  # nothing to cache: no root for an empty namespace
+            root = self._roots[key] = _Node((), None, None, namespace, key)
         at = root
         for i, block_id in enumerate(canonical):
             new = to_create.get(i)
             if new is not None:
-                child = _Node(new[0], new[1], block_id, at, namespace)
-                at.children.setdefault(new[1], {})[new[0]] = child
+                child = _Node(new, block_id, at, at.namespace, key)
+                at.children[new] = child
                 by_block[block_id] = child
                 at = child
             else:
@@ -253,8 +285,7 @@ class PrefixTrie:
             assert current.block_id is not None
             dropped.append(current.block_id)
             del self._by_block[current.block_id]
-            for bucket in current.children.values():
-                stack.extend(bucket.values())
+            stack.extend(current.children.values())
         return dropped
 
     def remove(self, block_id: int) -> list[int]:
@@ -265,39 +296,33 @@ class PrefixTrie:
 
     def clear(self) -> int:
         """Forget every cached block in every namespace. Returns how many were forgotten."""
-        return sum(self.clear_namespace(ns) for ns in list(self._roots))
+        return sum(self._clear(root) for root in list(self._roots.values()))
 
     def clear_namespace(self, namespace: Namespace) -> int:
         """Forget every cached block of one namespace. Returns how many were forgotten."""
-        root = self._roots.pop(namespace, None)
-        if root is None:
-            return 0
-        count = 0
-        for bucket in list(root.children.values()):
-            for child in list(bucket.values()):
-                assert child.block_id is not None
-                count += len(self.remove(child.block_id))
-        return count
+        root = self._roots.get(namespace_key(namespace))
+        return 0 if root is None else self._clear(root)
 
     def check_invariants(self) -> None:
         """Raise ``AssertionError`` on inconsistent bookkeeping (tests and debugging; O(cached blocks))."""
         seen: set[int] = set()
-        for root in self._roots.values():
+        for key, root in self._roots.items():
             assert root.block_id is None and root.parent is None
+            assert root.key == key == namespace_key(root.namespace), "root filed under the wrong namespace"
+            assert root.children, f"namespace {root.namespace!r} keeps a root without cached blocks"
             stack = [root]
             while stack:
                 node = stack.pop()
-                for h, bucket in node.children.items():
-                    for tokens, child in bucket.items():
-                        assert tokens == child.tokens, "child filed under the wrong tokens"
-                        assert child.parent is node, "child points to the wrong parent"
-                        assert self._hash(child.tokens) == h == child.key, "child filed under the wrong hash"
-                        assert len(child.tokens) == self._block_size
-                        assert child.block_id is not None and child.block_id not in seen
-                        assert self._by_block.get(child.block_id) is child
-                        assert self._bm.is_cached(child.block_id), f"block {child.block_id} indexed but not cached"
-                        seen.add(child.block_id)
-                        stack.append(child)
+                for tokens, child in node.children.items():
+                    assert tokens == child.tokens, "child filed under the wrong tokens"
+                    assert child.parent is node, "child points to the wrong parent"
+                    assert child.key == key and child.namespace is root.namespace, "child of another namespace"
+                    assert len(child.tokens) == self._block_size
+                    assert child.block_id is not None and child.block_id not in seen
+                    assert self._by_block.get(child.block_id) is child
+                    assert self._bm.is_cached(child.block_id), f"block {child.block_id} indexed but not cached"
+                    seen.add(child.block_id)
+                    stack.append(child)
         assert seen == set(self._by_block), "index and tree disagree"
         assert self._bm.num_cached_blocks == len(seen), "manager's cached flags disagree with the trie"
 
@@ -305,22 +330,16 @@ class PrefixTrie:
         return f"PrefixTrie(cached_blocks={len(self._by_block)}, namespaces={len(self._roots)})"
 
     # ------------------------------------------------------------------ internals
-    def _child(self, node: _Node, tokens: tuple[int, ...]) -> _Node | None:
-        bucket = node.children.get(self._hash(tokens))
-        # Content, not the hash alone, decides a match: the bucket is keyed by the tokens themselves.
-        return None if bucket is None else bucket.get(tokens)
+    def _clear(self, root: _Node) -> int:
+        count = 0
+        for child in list(root.children.values()):  # removing the last child removes the root
+            assert child.block_id is not None
+            count += len(self.remove(child.block_id))
+        return count
 
     def _detach(self, node: _Node) -> None:
         parent = node.parent
         assert parent is not None
-        bucket = parent.children[node.key]
-        del bucket[node.tokens]
-        if not bucket:
-            del parent.children[node.key]
-
-    @staticmethod
-    def _check_namespace(namespace: Namespace) -> None:
-        try:
-            hash(namespace)
-        except TypeError as exc:
-            raise ConfigError(f"namespace must be hashable (a str is best), got {namespace!r}") from exc
+        del parent.children[node.tokens]
+        if parent.block_id is None and not parent.children:
+            del self._roots[parent.key]  # the namespace's last cached block is gone: so is its root

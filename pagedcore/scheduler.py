@@ -31,6 +31,7 @@ from pagedcore.errors import (
 )
 from pagedcore.kv_pool import KVPool, PoolMatch
 from pagedcore.plugin_manager import PluginManager
+from pagedcore.prefix_trie import namespace_key
 from pagedcore.sequence import FinishReason, Sequence, SequenceStatus
 
 __all__ = ["ScheduledSequence", "Scheduler", "SchedulerConfig", "SchedulerOutput", "SchedulerStats"]
@@ -517,9 +518,11 @@ class Scheduler:
         end = num_cached + self._bs
         if end > seq.num_tokens - 1:
             return False  # no further full block of this prompt could be shared
-        tokens = seq.token_ids
+        tokens, namespace = seq.token_ids, namespace_key(seq.namespace)
         for other in self._running.values():
-            if other.num_computed_tokens >= end or other.num_tokens < end or other.namespace != seq.namespace:
+            if other.num_computed_tokens >= end or other.num_tokens < end:
+                continue
+            if namespace_key(other.namespace) != namespace:  # the trie's identity: 1 and True are two namespaces
                 continue
             theirs = other.token_ids
             if theirs[num_cached:end] == tokens[num_cached:end] and theirs[:num_cached] == tokens[:num_cached]:

@@ -1,7 +1,8 @@
-"""Built-in plugins, registered through the ``pagedcore`` entry points exactly as a third party's would be.
+"""Built-in plugins. They implement the same hooks as a third party's, but the host registers them itself, on first
+use (:data:`pagedcore.plugin_manager.BUILTIN_PLUGINS`), not through entry points:
 
-- ``torch``: the reference attention backend (any device).
-- ``xformers``: paged attention with xformers' kernels (CUDA, fp16/bf16).
 - ``lru``: the default eviction policy.
 - ``logging``: logs request and cache events at DEBUG level.
+- ``xformers``: paged attention with xformers' kernels (CUDA, fp16/bf16); registered where xformers is installed.
+- ``torch``: the reference attention backend (any device), asked last.
 """

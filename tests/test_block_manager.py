@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import tracemalloc
 
 import pytest
 
@@ -291,3 +292,66 @@ def test_queries_have_no_side_effects():
 
 def test_repr_mentions_counts():
     assert "free=4" in repr(BlockManager(4, 16))
+
+
+# ---------------------------------------------------------------- size: per-block state is built lazily
+
+
+def test_a_huge_pool_costs_nothing_until_used():
+    # Issue 9.14: BlockManager(10**8) took 20 s and 5 GB before a block was used. Never-used blocks cost nothing now:
+    # building a million-block manager allocates a constant few hundred bytes, not ~50 per block.
+    tracemalloc.start()
+    try:
+        bm = BlockManager(10**6, 16)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 * 1024, f"building 10**6 blocks allocated {peak} bytes"
+    assert bm.num_free_blocks == 10**6 and bm.num_used_blocks == 0 and bm.usage == 0.0
+
+
+def test_the_largest_pool_works_at_both_ends():
+    top = BlockManager.MAX_NUM_BLOCKS
+    bm = BlockManager(top, 16)
+    assert bm.allocate(2) == [0, 1]
+    assert bm.ref_count(top - 1) == 0 and not bm.is_cached(top - 1)
+    with pytest.raises(InvalidBlockError, match="free"):
+        bm.retain([top - 1])
+    with pytest.raises(DoubleReleaseError, match=str(top - 1)):
+        bm.release([top - 1])
+    with pytest.raises(InvalidBlockError, match="out of range"):
+        bm.release([top])
+    assert bm.num_free_blocks == top - 2
+    bm.free([0, 1])
+    assert bm.num_free_blocks == top
+
+
+@pytest.mark.parametrize("num_blocks", [2**31, 10**12])
+def test_an_absurd_pool_size_is_a_config_error_naming_it(num_blocks):
+    with pytest.raises(ConfigError, match=rf"num_blocks {num_blocks} .*{BlockManager.MAX_NUM_BLOCKS}"):
+        BlockManager(num_blocks, 16)
+
+
+def test_reuse_order_is_lowest_new_id_after_most_recently_freed():
+    # The lazy free list hands out ids exactly as the eager stack did: recycled blocks (last freed first), then
+    # never-used ids in increasing order.
+    bm = BlockManager(8, 2)
+    a = bm.allocate(3)
+    bm.free([a[1]])
+    bm.free([a[0]])
+    assert bm.allocate(4) == [a[0], a[1], 3, 4]
+    bm.check_invariants()
+
+
+def test_num_cached_blocks_follows_the_cache():
+    bm = BlockManager(8, 2)
+    trie = PrefixTrie(bm)
+    ids = bm.allocate(3)
+    trie.insert([1, 2, 3, 4, 5, 6], ids)
+    assert bm.num_cached_blocks == 3
+    bm.release(ids[::-1])
+    bm.allocate(7)  # 5 free + 2 evicted leaves first
+    assert bm.num_cached_blocks == 1
+    trie.clear()
+    assert bm.num_cached_blocks == 0
+    bm.check_invariants()

@@ -1,12 +1,16 @@
 """Property-based test of BlockManager + PrefixTrie bookkeeping (hypothesis state machine).
 
-The test keeps its own model of who holds which block and what each block contains, drives random allocate /
-retain / release / free / insert / match / evict, and after every step checks that the manager agrees: free +
-evictable + in use == total, each ref count equals the number of holders, no block is both free and referenced,
-and every prefix hit serves blocks whose content equals the prompt (also with a deliberately colliding hash).
+The test keeps its own model of who holds which block, what each block contains and which namespace cached it,
+drives random allocate / retain / release / free / insert / match / evict, and after every step checks that the
+manager agrees: free + evictable + in use == total, each ref count equals the number of holders, no block is both
+free and referenced, every prefix hit serves blocks of the asked namespace whose content equals the prompt (also
+with tokens whose tuple hashes collide), and the trie keeps a root for exactly the namespaces with a cached block.
+Namespaces include ``1`` and ``True``, equal in Python but distinct namespaces.
 """
 
 from __future__ import annotations
+
+import sys
 
 import hypothesis.strategies as st
 from hypothesis import settings
@@ -23,18 +27,28 @@ from pagedcore import (
 
 BLOCK = 2
 NUM_BLOCKS = 8
-tokens_st = st.lists(st.integers(0, 2), min_size=BLOCK, max_size=4 * BLOCK)  # tiny alphabet: many equal blocks
+NAMESPACES = [None, "a", 1, True]  # 1 == True, yet two namespaces
+M = sys.hash_info.modulus  # hash(n) == hash(n + M): tokens 0 and M (1 and M + 1) collide in every tuple hash
+
+
+def tokens_of(alphabet: list[int]) -> st.SearchStrategy[list[int]]:
+    return st.lists(st.sampled_from(alphabet), min_size=BLOCK, max_size=4 * BLOCK)
+
+
+def typed(namespace: object) -> tuple[type, object]:
+    return type(namespace), namespace
 
 
 class BlockBookkeeping(RuleBasedStateMachine):
-    hash_fn = None
+    tokens_st = tokens_of([0, 1, 2])  # tiny alphabet: many equal blocks (drawn in the rules: subclasses change it)
 
     def __init__(self) -> None:
         super().__init__()
         self.bm = BlockManager(NUM_BLOCKS, BLOCK)
-        self.trie = PrefixTrie(self.bm, hash_fn=self.hash_fn)
+        self.trie = PrefixTrie(self.bm)
         self.holders: dict[int, list[int]] = {}  # holder -> blocks it holds, in chain order
         self.content: dict[int, tuple[int, ...]] = {}  # block -> tokens written into it
+        self.namespace_of: dict[int, object] = {}  # block -> the namespace that cached it (valid while cached)
         self.next_holder = 0
 
     # ---------------------------------------------------------------- helpers
@@ -50,8 +64,9 @@ class BlockBookkeeping(RuleBasedStateMachine):
         return refs, self.bm.num_free_blocks, self.trie.num_cached_blocks
 
     # ---------------------------------------------------------------- rules
-    @rule(n=st.integers(0, NUM_BLOCKS + 1), tokens=tokens_st)
-    def allocate(self, n, tokens):
+    @rule(n=st.integers(0, NUM_BLOCKS + 1), data=st.data())
+    def allocate(self, n, data):
+        tokens = data.draw(self.tokens_st)
         if self.bm.can_allocate(n):
             ids = self.bm.allocate(n)
             for i, block in enumerate(ids):  # "compute" KV for some tokens into each block
@@ -100,7 +115,7 @@ class BlockBookkeeping(RuleBasedStateMachine):
         self.new_holder(self.bm.fork(self.holders[holder]))
 
     @precondition(lambda self: self.holders)
-    @rule(data=st.data(), namespace=st.sampled_from([None, "a"]))
+    @rule(data=st.data(), namespace=st.sampled_from(NAMESPACES))
     def insert_holder(self, data, namespace):
         holder = data.draw(st.sampled_from(sorted(self.holders)))
         blocks = self.holders[holder]
@@ -115,16 +130,20 @@ class BlockBookkeeping(RuleBasedStateMachine):
             return
         for i, (own, can) in enumerate(zip(blocks, canonical)):
             assert self.content[can] == self.content[own]
-            if own != can:  # switch to the cached block, give ours back
+            if own == can:
+                self.namespace_of[own] = namespace
+            else:  # switch to the cached block, give ours back
                 self.bm.retain([can])
                 self.bm.release([own])
                 blocks[i] = can
 
-    @rule(tokens=tokens_st, namespace=st.sampled_from([None, "a"]))
-    def match_and_hold(self, tokens, namespace):
+    @rule(data=st.data(), namespace=st.sampled_from(NAMESPACES))
+    def match_and_hold(self, data, namespace):
+        tokens = data.draw(self.tokens_st)
         match = self.trie.match(tokens, namespace)
         for i, block in enumerate(match.block_ids):
             assert self.content[block] == tuple(tokens[i * BLOCK : (i + 1) * BLOCK]), "served another prompt's KV"
+            assert typed(self.namespace_of[block]) == typed(namespace), "served another namespace's KV"
         if match.block_ids:
             self.bm.retain(match.block_ids)
             self.new_holder(list(match.block_ids))
@@ -166,6 +185,12 @@ class BlockBookkeeping(RuleBasedStateMachine):
             used += self.refs(block) > 0
         assert self.bm.num_free_blocks + self.bm.num_evictable_blocks + used == NUM_BLOCKS
 
+    @invariant()
+    def roots_are_the_namespaces_with_a_cached_block(self):
+        cached = {typed(self.namespace_of[b]) for b in range(NUM_BLOCKS) if self.bm.is_cached(b)}
+        assert {typed(ns) for ns in self.trie.namespaces()} == cached
+        assert self.trie.num_namespaces == len(cached)
+
     def teardown(self):
         for blocks in self.holders.values():
             self.bm.release(blocks[::-1])
@@ -174,13 +199,12 @@ class BlockBookkeeping(RuleBasedStateMachine):
         self.bm.check_invariants()
 
 
-class CollidingHashBookkeeping(BlockBookkeeping):
-    @staticmethod
-    def hash_fn(tokens):  # every block collides: only the token comparison tells them apart
-        return 0
+class CollidingTokensBookkeeping(BlockBookkeeping):
+    # Blocks such as (0, 1), (M, 1), (0, M + 1) and (M, M + 1) all have one tuple hash: only content tells them apart.
+    tokens_st = tokens_of([0, 1, M, M + 1])
 
 
 TestBlockBookkeeping = BlockBookkeeping.TestCase
 TestBlockBookkeeping.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
-TestCollidingHash = CollidingHashBookkeeping.TestCase
-TestCollidingHash.settings = settings(max_examples=75, stateful_step_count=40, deadline=None)
+TestCollidingTokens = CollidingTokensBookkeeping.TestCase
+TestCollidingTokens.settings = settings(max_examples=75, stateful_step_count=40, deadline=None)

@@ -1,9 +1,10 @@
-"""Plugin hooks: every hookspec exercised, backend and policy selection, block hashing, events, observer isolation,
-hook validation (``check_pending``) and end-to-end entry-point loading from a throwaway distribution.
+"""Plugin hooks: every hookspec exercised, backend and policy selection, events, observer isolation,
+hook validation (``check_pending``), the built-ins the host registers itself, and end-to-end entry-point loading
+from a throwaway distribution.
 
-Tests use a manager with entry points off and the built-ins registered by hand, so another installed plugin cannot
-change the answers; whatever a test registers goes through fixtures that always unregister it. The process-wide
-``default_plugin_manager()`` is only read, and an autouse fixture checks that it is left as it was.
+Tests use a manager with entry points off (the host still registers its built-ins), so another installed plugin
+cannot change the answers; whatever a test registers goes through fixtures that always unregister it. The
+process-wide ``default_plugin_manager()`` is only read, and an autouse fixture checks that it is left as it was.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import importlib
 import importlib.metadata
 import inspect
 import logging
+import subprocess
 import sys
 import textwrap
 from collections.abc import Callable, Iterator
@@ -37,6 +39,7 @@ from pagedcore import (
     default_plugin_manager,
     hookimpl,
     hookspecs,
+    plugin_manager,
 )
 from pagedcore.adapters.transformers import PagedKVPool
 from pagedcore.attention import AttentionBackend
@@ -98,7 +101,7 @@ def test_every_hook_has_a_test():
     # The enumeration must agree with what pluggy itself registered from the hookspecs module.
     relay = PluginManager(load_entrypoints=False).hook
     registered = {name for name, caller in vars(relay).items() if not name.startswith("_") and caller.has_spec()}
-    assert registered == HOOK_NAMES and len(HOOK_NAMES) >= 8
+    assert registered == HOOK_NAMES and len(HOOK_NAMES) >= 7
     covered: set[str] = set()
     for name, obj in globals().items():
         hooks = getattr(obj, "covered_hooks", None)
@@ -111,10 +114,9 @@ def test_every_hook_has_a_test():
 
 # ---------------------------------------------------------------- fixtures and helpers
 
-# In the order the manager loads the entry points: by name, with the torch backend (the fallback for any device)
-# last, so that pluggy asks it after every other trylast backend.
-BUILTINS = {"logging": logging_observer, "lru": lru_plugin, "xformers": xformers_backend, "torch": torch_backend}
-BUILTIN_MODULES = {name: module.__name__ for name, module in BUILTINS.items()}
+# In the order the host registers them, the torch backend (the fallback for any device) last, so that pluggy asks
+# it after every other trylast backend.
+BUILTINS = {"lru": lru_plugin, "logging": logging_observer, "xformers": xformers_backend, "torch": torch_backend}
 
 LLAMA = LlamaConfig(
     hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2, intermediate_size=128
@@ -144,14 +146,11 @@ def _default_manager_untouched() -> Iterator[None]:
 
 @pytest.fixture
 def pm() -> Iterator[PluginManager]:
-    """A fresh manager with entry points off and exactly the built-ins, registered the way a third party would be."""
+    """A fresh manager with entry points off: exactly the built-ins, which the host registers itself."""
     manager = PluginManager(load_entrypoints=False)
-    for name, module in BUILTINS.items():
-        manager.register(module, name=name)
+    assert {info.name: info.source for info in manager.plugins()} == dict.fromkeys(BUILTINS, "built-in")
     yield manager
-    for info in manager.plugins():
-        manager.unregister(name=info.name)
-    assert manager.plugins() == []
+    assert {info.name for info in manager.plugins()} == set(BUILTINS), "a test left a plugin registered"
 
 
 @pytest.fixture
@@ -382,57 +381,6 @@ def test_non_empty_eviction_policy_is_refused(pm, use):
         pm.eviction_policy("dirty", num_blocks=4)
     with pytest.raises(PluginError, match="not empty"):
         make_pool(pm, eviction_policy="dirty")
-
-
-# ---------------------------------------------------------------- block hasher
-
-
-class ConstantHashPlugin:
-    """The weakest possible hash: every block collides. Matching must still compare tokens."""
-
-    def __init__(self) -> None:
-        self.calls = 0
-
-    def hash(self, tokens: tuple[int, ...]) -> int:
-        self.calls += 1
-        return 0
-
-    @hookimpl
-    def pagedcore_block_hasher(self) -> Callable[[tuple[int, ...]], int]:
-        return self.hash
-
-
-@covers("pagedcore_block_hasher", "pagedcore_prefix_hit")
-def test_weak_block_hash_never_shares_different_content(pm, use):
-    assert pm.block_hasher() is None  # no built-in hasher: the trie's default
-    plugin = use(ConstantHashPlugin(), "constant-hash")
-    recorder = use(Recorder(), "recorder")
-    assert pm.block_hasher() == plugin.hash
-    pool = make_pool(pm, num_blocks=32, block_size=4)
-    sched = Scheduler(pool.kv, SchedulerConfig(max_num_batched_tokens=64), plugins=pm)
-    model = FakeModel(sched)  # asserts that every position read holds exactly the token written there
-    prompts = {
-        "p1": [1, 2, 3, 4, 5, 6, 7, 8, 9],
-        "p2": [1, 2, 3, 4, 8, 7, 6, 5, 9],  # same first block, different second block
-        "p3": [4, 3, 2, 1, 5, 6, 7, 8, 9],  # different first block, then p1's second block (another prefix)
-        "p4": [1, 2, 3, 4, 5, 6, 7, 8, 9],  # identical to p1
-    }
-    tables: dict[str, list[int]] = {}
-    for rid, prompt in prompts.items():
-        sched.add(Sequence(rid, prompt, max_new_tokens=1))
-        out = sched.schedule()
-        tables[rid] = out.scheduled[0].block_tables[0]
-        sched.update(out, model.step(out))
-        run_to_completion(sched, model)
-    assert plugin.calls > 0, "the pool's tries did not use the plugin's hasher"
-    assert [e[2] for e in recorder.of("prefix_hit")] == [0, 4, 0, 8]
-    assert tables["p2"][0] == tables["p1"][0] and tables["p2"][1] != tables["p1"][1]
-    assert not set(tables["p3"][:2]) & set(tables["p1"][:2] + tables["p2"][:2])  # full (cacheable) blocks
-    assert tables["p4"][:2] == tables["p1"][:2]
-    # Every cached block is filed under hash 0 (check_invariants re-hashes them) and still found by content.
-    pool.check_invariants()
-    assert pool.kv.num_cached_blocks == 5
-    assert pool.kv.match([4, 3, 2, 1, 1, 2, 3, 4]).num_tokens == 4
 
 
 # ---------------------------------------------------------------- events
@@ -683,6 +631,85 @@ def test_wrong_argument_name_is_refused(pm, plugin, argument):
     assert isinstance(pm.eviction_policy(None), LRUEvictionPolicy)
 
 
+# ---------------------------------------------------------------- built-ins: registered by the host itself
+
+
+def test_the_host_registers_its_builtins_without_any_entry_point(monkeypatch):
+    # Issue 11.3: the built-ins existed only through installed entry points: without them the manager had no
+    # plugins and choosing an eviction policy raised.
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda **kwargs: [])
+    pm = PluginManager()
+    assert {info.name: info.source for info in pm.plugins()} == dict.fromkeys(BUILTINS, "built-in")
+    assert isinstance(pm.eviction_policy(None), LRUEvictionPolicy)
+    assert pm.attention_backend("cpu", torch.float32).name == "torch"
+    assert pm.load_errors == []
+    assert PluginManager(load_entrypoints=False, builtins=False).plugins() == []
+
+
+def test_builtins_load_lazily_and_in_order(pm):
+    assert [info.name for info in pm.plugins()] == sorted(BUILTINS)  # plugins() sorts by name
+    # Registration order decides the order pluggy asks trylast implementations: the torch fallback last.
+    impls = pm.hook.pagedcore_attention_backend.get_hookimpls()  # pluggy calls them from the end of this list
+    assert [impl.plugin_name for impl in reversed(impls)] == ["xformers", "torch"]
+    code = "import sys, pagedcore; pagedcore.PluginManager(); print('torch' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "False"  # building a manager imports no built-in yet
+
+
+class DefaultMRUPlugin(MRUPlugin):
+    """A third party whose policy is also the default (answers ``name=None``), registered normally."""
+
+    @hookimpl
+    def pagedcore_eviction_policy(self, name: str | None, num_blocks: int) -> EvictionPolicy | None:
+        return super().pagedcore_eviction_policy("mru" if name is None else name, num_blocks)
+
+
+@covers("pagedcore_eviction_policy", "pagedcore_attention_backend")
+def test_a_third_party_plugin_overrides_the_builtin_defaults(pm, use):
+    assert isinstance(pm.eviction_policy(None), LRUEvictionPolicy)
+    plugin = use(DefaultMRUPlugin(), "default-mru")
+    backend = use(FakeBackendPlugin(), "fake-backend")
+    assert pm.eviction_policy(None) is plugin.policies[-1]
+    assert isinstance(pm.eviction_policy("lru"), LRUEvictionPolicy)  # the built-in still answers by name
+    assert pm.attention_backend("cpu", torch.float32) is backend.backend
+    pool = make_pool(pm, num_blocks=4)
+    assert pool.kv.groups[0].block_manager.eviction_policy is plugin.policies[-1]
+
+
+def test_a_builtin_whose_dependency_is_missing_is_not_registered(monkeypatch):
+    monkeypatch.setattr(
+        plugin_manager,
+        "BUILTIN_PLUGINS",
+        (
+            *plugin_manager.BUILTIN_PLUGINS,
+            plugin_manager.BuiltinPlugin("needs-nothing-installed", "pagedcore.plugins.eviction", ("no_such_module",)),
+            plugin_manager.BuiltinPlugin("broken-builtin", "pagedcore.plugins.no_such_module"),
+        ),
+    )
+    pm = PluginManager(load_entrypoints=False)
+    names = {info.name for info in pm.plugins()}
+    assert names == set(BUILTINS)
+    (error,) = pm.load_errors  # a missing optional dependency is not an error; a built-in that fails to import is
+    assert (error.name, error.source) == ("broken-builtin", "built-in")
+    assert error.reason.startswith("ModuleNotFoundError")
+
+
+def test_an_entry_point_for_a_builtin_is_not_registered_twice(install, loaded_pm, caplog):
+    # An older pagedcore listed its built-ins as entry points: such metadata is ignored, the host registers them.
+    install("pagedcore-old-metadata", "pagedcore.plugins.torch_backend", "torch", None)
+    # Another distribution cannot take a built-in's name.
+    install("pagedcore-impostor", "pagedcore_impostor_demo", "lru", "from pagedcore import hookimpl\n")
+    pm = loaded_pm()
+    with caplog.at_level("ERROR", logger="pagedcore.plugin_manager"):
+        infos = {info.name: info.source for info in pm.plugins()}
+    assert infos == dict.fromkeys(BUILTINS, "built-in")
+    (error,) = pm.load_errors
+    assert error.name == "lru" and "pagedcore_impostor_demo" in error.source
+    assert error.reason == "the name 'lru' is reserved for a built-in plugin"
+    assert "reserved for a built-in" in caplog.text
+    assert "pagedcore_impostor_demo" not in sys.modules
+
+
 # ---------------------------------------------------------------- entry points, end to end
 
 THIRD_PARTY = '''
@@ -711,19 +738,22 @@ def pagedcore_request_finished(request_id, finish_reason):
 
 
 @pytest.fixture
-def install(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[str, str, str, str], None]]:
+def install(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[str, str, str, str | None], None]]:
     """``install(dist, module, entry_name, source)`` writes a module and its ``*.dist-info`` under a tmp dir on
-    ``sys.path``. Afterwards sys.path, the imported modules and importlib's caches are restored."""
+    ``sys.path`` (with ``source=None``, only an entry point naming ``module``). Afterwards sys.path, the imported
+    modules and importlib's caches are restored."""
     modules: list[str] = []
     entry_names: list[str] = []
 
-    def write(dist: str, module: str, entry_name: str, source: str) -> None:
-        (tmp_path / f"{module}.py").write_text(textwrap.dedent(source))
+    def write(dist: str, module: str, entry_name: str, source: str | None) -> None:
+        if source is not None:
+            (tmp_path / f"{module}.py").write_text(textwrap.dedent(source))
         info = tmp_path / f"{dist.replace('-', '_')}-1.0.dist-info"
         info.mkdir()
         (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 1.0\n")
         (info / "entry_points.txt").write_text(f"[pagedcore]\n{entry_name} = {module}\n")
-        modules.append(module)
+        if source is not None:
+            modules.append(module)
         entry_names.append(entry_name)
         importlib.invalidate_caches()
 
@@ -765,8 +795,8 @@ def test_entry_points_load_third_party_and_builtins(install, loaded_pm):
     third = infos["thirdparty"]
     assert third.source == "entry point pagedcore_thirdparty_demo (pagedcore-thirdparty-demo)"
     assert third.hooks == ("pagedcore_attention_backend", "pagedcore_request_finished")
-    for name, module in BUILTIN_MODULES.items():
-        assert infos[name].source == f"entry point {module} (pagedcore)"
+    for name in BUILTINS:
+        assert infos[name].source == "built-in"
     assert infos["torch"].hooks == ("pagedcore_attention_backend",)
     assert infos["lru"].hooks == ("pagedcore_eviction_policy",)
     event_hooks = {name for name in HOOK_NAMES if not getattr(hookspecs, name).pagedcore_spec["firstresult"]}
@@ -846,14 +876,15 @@ def test_entry_point_with_a_misspelled_hook_is_skipped_and_the_manager_stays_usa
 def test_unregister_by_object_forgets_the_source(pm):
     class Mine:
         @hookimpl
-        def pagedcore_block_hasher(self):
-            return None
+        def pagedcore_request_finished(self, request_id):
+            pass
 
     plugin = Mine()
     pm.register(plugin, name="mine")
     pm.unregister(plugin)
     pm.register(Mine(), name="mine")
     assert {i.name: i.source for i in pm.plugins()}["mine"] == "registered"
+    pm.unregister(name="mine")
     with pytest.raises(PluginError, match="not registered"):
         pm.unregister(name="nobody")
 
@@ -865,18 +896,12 @@ def test_plugin_answers_are_type_checked(pm):
             return [] if name == "list" else None
 
         @hookimpl
-        def pagedcore_block_hasher(self):
-            return 42
-
-        @hookimpl
         def pagedcore_attention_backend(self, name):
             return object() if name == "junk" else None
 
     with pm.plugin(Bad(), name="bad"):
         with pytest.raises(PluginError, match="not an EvictionPolicy"):
             pm.eviction_policy("list")
-        with pytest.raises(PluginError, match="callable"):
-            pm.block_hasher()
         with pytest.raises(PluginError, match="forward"):
             pm.attention_backend("cpu", None, "junk")
 

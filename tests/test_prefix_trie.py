@@ -1,6 +1,8 @@
-"""PrefixTrie: longest match, duplicates, namespaces, collisions, counters, clearing."""
+"""PrefixTrie: longest match, duplicates, namespaces (bounded, typed), hash collisions, counters, clearing."""
 
 from __future__ import annotations
+
+import sys
 
 import pytest
 
@@ -79,16 +81,6 @@ def test_unhashable_namespace_is_a_config_error(bm):
         trie.insert([1, 2], ids, namespace=["x"])
 
 
-def test_colliding_hash_never_serves_other_content(bm):
-    trie = PrefixTrie(bm, hash_fn=lambda tokens: 42)
-    x = cached_chain(bm, trie, [1, 2])
-    y = cached_chain(bm, trie, [3, 4])
-    assert trie.match([1, 2]).block_ids == x
-    assert trie.match([3, 4]).block_ids == y
-    assert trie.match([5, 6]).block_ids == []
-    trie.check_invariants()
-
-
 def test_counters_make_a_hit_rate(bm):
     trie = PrefixTrie(bm)
     assert trie.hit_rate == 0.0
@@ -136,3 +128,166 @@ def test_one_trie_per_manager(bm):
     PrefixTrie(bm)
     with pytest.raises(ConfigError, match="another prefix cache"):
         PrefixTrie(bm)
+
+
+# ---------------------------------------------------------------- namespaces: bounded, and keyed by type and value
+
+
+def test_ten_thousand_namespaces_keep_the_trie_bounded_by_the_pool():
+    # Issue 9.10: every namespace ever used kept a root for ever (per-tenant namespaces grow host memory without
+    # bound). A root goes with its namespace's last cached block, so the trie never holds more than the pool.
+    bm = BlockManager(16, 2)
+    trie = PrefixTrie(bm)
+    most = 0
+    for i in range(10_000):
+        cached_chain(bm, trie, [1, 2, 3, 4], namespace=f"tenant-{i}")  # evicts older tenants' blocks
+        most = max(most, trie.num_namespaces)
+    assert trie.num_cached_blocks <= 16
+    assert trie.num_namespaces == len(trie.namespaces()) <= 8  # two blocks per tenant, 16 blocks
+    assert most <= 8
+    trie.check_invariants()
+    bm.check_invariants()
+
+
+def test_a_root_goes_with_its_last_block_whatever_removes_it(bm):
+    trie = PrefixTrie(bm)
+    ids = cached_chain(bm, trie, [1, 2, 3, 4], namespace="a")
+    cached_chain(bm, trie, [5, 6], namespace="b")
+    held = bm.allocate(1)
+    trie.insert([7, 8], held, namespace="c")
+    assert trie.num_namespaces == 3
+    trie.remove(ids[0])  # a's whole chain
+    assert sorted(trie.namespaces()) == ["b", "c"] and trie.num_namespaces == 2
+    assert trie.clear_namespace("b") == 1
+    assert trie.namespaces() == ["c"] and trie.num_namespaces == 1
+    bm.release(held)
+    bm.allocate(bm.num_available_blocks)  # evicts c's block
+    assert trie.namespaces() == [] and trie.num_namespaces == 0
+    trie.check_invariants()
+
+
+@pytest.mark.parametrize(
+    "namespaces",
+    [(1, 1.0, True), (0, 0.0, False, None), (("t", 1), ("t", True), ("t", 1.0)), (frozenset({1}), frozenset({1.0}))],
+)
+def test_namespaces_that_compare_equal_but_differ_in_type_are_distinct(bm, namespaces):
+    # Issue 9.13: namespaces followed dict-key equality, so 1, 1.0 and True shared one cache.
+    trie = PrefixTrie(bm)
+    blocks = {}
+    for i, namespace in enumerate(namespaces):
+        assert trie.match([1, 2], namespace).block_ids == [], f"{namespace!r} sees another namespace's block"
+        blocks[i] = cached_chain(bm, trie, [1, 2], namespace=namespace)
+    assert len({b for chain in blocks.values() for b in chain}) == len(namespaces)
+    for i, namespace in enumerate(namespaces):
+        assert trie.match([1, 2], namespace).block_ids == blocks[i]
+    assert trie.num_namespaces == len(namespaces)
+    assert [repr(ns) for ns in trie.namespaces()] == [repr(ns) for ns in namespaces]
+    assert trie.clear_namespace(namespaces[0]) == 1
+    assert trie.num_namespaces == len(namespaces) - 1
+    trie.check_invariants()
+
+
+def test_the_scheduler_keeps_equal_but_differently_typed_namespaces_apart():
+    from fake_model import FakeModel, run_to_completion
+
+    from pagedcore import KVPool, Scheduler, SchedulerConfig, Sequence
+
+    pool = KVPool(num_blocks=16, block_size=2)
+    sched = Scheduler(pool, SchedulerConfig(max_num_batched_tokens=64))
+    model = FakeModel(sched)
+    prompt = list(range(3, 12))
+    for request_id, namespace in (("int", 1), ("bool", True), ("float", 1.0), ("int again", 1)):
+        sched.add(Sequence(request_id, prompt, max_new_tokens=2, namespace=namespace))
+    done = run_to_completion(sched, model)
+    assert [done[r].num_cached_tokens for r in ("int", "bool", "float", "int again")] == [0, 0, 0, 8]
+    assert pool.num_used_blocks == 0
+    pool.check_invariants()
+
+
+def test_an_unhashable_namespace_is_a_config_error_in_every_call(bm):
+    trie = PrefixTrie(bm)
+    for bad in (["x"], ("t", ["x"]), {"a": 1}):
+        with pytest.raises(ConfigError, match="hashable"):
+            trie.match([1, 2], bad)
+        with pytest.raises(ConfigError, match="hashable"):
+            trie.clear_namespace(bad)
+    assert trie.num_cached_blocks == 0
+
+
+# ---------------------------------------------------------------- children keyed by content: collisions are harmless
+
+MODULUS = sys.hash_info.modulus  # hash(n) == hash(n + MODULUS) for every int n >= 0, so tuples collide at will
+
+
+def test_blocks_whose_tuple_hashes_collide_never_share_a_cache_entry(bm):
+    trie = PrefixTrie(bm)
+    a, b = (1, 2), (1 + MODULUS, 2)
+    assert hash(a) == hash(b) and a != b  # a real collision of Python's tuple hash
+    x = cached_chain(bm, trie, list(a))
+    assert trie.match(list(b)).block_ids == []  # same hash, other content: no hit
+    y = cached_chain(bm, trie, list(b))
+    assert x != y
+    assert trie.match(list(a)).block_ids == x and trie.match(list(b)).block_ids == y
+    # Colliding second blocks under one parent: the chain decides block by block.
+    parent = [7, 7]
+    p1 = cached_chain(bm, trie, [*parent, 3, 4])
+    p2 = trie.insert([*parent, 3 + MODULUS, 4], [p1[0], *bm.allocate(1)])
+    assert p2[0] == p1[0] and p2[1] != p1[1]
+    bm.release([p2[1]])
+    assert trie.match([*parent, 3, 4]).block_ids == p1
+    assert trie.match([*parent, 3 + MODULUS, 4]).block_ids == p2
+    trie.check_invariants()
+
+
+def test_colliding_blocks_through_the_scheduler_read_only_their_own_tokens():
+    # What the removed block-hasher plugin's constant-hash test proved, with real collisions of Python's tuple hash:
+    # the fake model asserts that every position a query reads holds exactly the token written there.
+    from fake_model import FakeModel, run_to_completion
+
+    from pagedcore import KVPool, Scheduler, SchedulerConfig, Sequence
+
+    pool = KVPool(num_blocks=32, block_size=4)
+    sched = Scheduler(pool, SchedulerConfig(max_num_batched_tokens=64))
+    model = FakeModel(sched)
+    p1 = [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    prompts = {
+        "p1": p1,
+        "p2": [1, 2, 3, 4, 5 + MODULUS, 6, 7, 8, 9],  # same first block; second block collides with p1's
+        "p3": [1 + MODULUS, 2, 3, 4, 5, 6, 7, 8, 9],  # first block collides with p1's, then p1's second block
+        "p4": list(p1),
+    }
+    assert hash(tuple(prompts["p2"][4:8])) == hash(tuple(p1[4:8]))
+    assert hash(tuple(prompts["p3"][:4])) == hash(tuple(p1[:4]))
+    tables: dict[str, list[int]] = {}
+    cached_tokens: dict[str, int] = {}
+    for rid, prompt in prompts.items():
+        sched.add(Sequence(rid, prompt, max_new_tokens=1))
+        out = sched.schedule()
+        tables[rid] = out.scheduled[0].block_tables[0]
+        done = {seq.request_id: seq for seq in sched.update(out, model.step(out))}
+        done.update(run_to_completion(sched, model))
+        cached_tokens[rid] = done[rid].num_cached_tokens
+    assert cached_tokens == {"p1": 0, "p2": 4, "p3": 0, "p4": 8}
+    assert tables["p2"][0] == tables["p1"][0] and tables["p2"][1] != tables["p1"][1]
+    assert not set(tables["p3"][:2]) & set(tables["p1"][:2] + tables["p2"][:2])
+    assert tables["p4"][:2] == tables["p1"][:2]
+    assert pool.num_cached_blocks == 5 and pool.num_used_blocks == 0
+    pool.check_invariants()
+
+
+def test_the_scheduler_does_not_hold_a_request_back_for_another_namespace_prefill():
+    # A waiting request is held back while a running one computes the blocks it could hit: only in its own
+    # namespace. 1 == True, but a request in namespace True can never hit blocks computed in namespace 1.
+    from pagedcore import KVPool, Scheduler, SchedulerConfig, Sequence
+
+    sched = Scheduler(KVPool(num_blocks=32, block_size=2), SchedulerConfig(max_num_batched_tokens=64))
+    prompt = list(range(3, 13))
+    sched.add(Sequence("int", prompt, max_new_tokens=1, namespace=1))
+    sched.add(Sequence("bool", prompt, max_new_tokens=1, namespace=True))
+    sched.add(Sequence("int again", prompt, max_new_tokens=1, namespace=1))
+    out = sched.schedule()
+    assert [item.request_id for item in out.scheduled] == ["int", "bool"]  # "int again" waits to hit "int"'s blocks
+    for item in out.scheduled:
+        sched.abort(item.request_id)
+    sched.abort("int again")
+    assert sched.pool.num_used_blocks == 0

@@ -232,7 +232,6 @@ class PagedKVPool:
             block_size,
             self.spec.windows,
             eviction_policy=lambda: self.plugins.eviction_policy(policy_name, num_blocks),
-            hash_fn=self.plugins.block_hasher(),
             on_evict=self._on_evict,
         )
         self._layers: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * self.spec.num_layers

@@ -1,0 +1,189 @@
+"""Import structure: no module takes part in an import cycle, and the core imports neither the adapters nor torch,
+transformers or xformers when it is imported.
+
+Modules are every file of every folder in ``[tool.setuptools] package-dir``, named as they install (the rule lives in
+``.ci/typecheck.py``; tests/test_packaging.py checks that it matches the wheel). Import-time imports are read with
+``ast``: a module's top level, class bodies and ``if``/``try`` blocks count; function bodies (lazy imports, such as the
+CLI's) and ``if TYPE_CHECKING:`` blocks do not. The core is ``pagedcore.*`` from the ``pagedcore/`` folder, less
+:data:`TENSOR_SIDE`; it is also imported for real, each module alone in a fresh interpreter.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+FORBIDDEN_IN_CORE = ("torch", "transformers", "xformers", "pagedcore.adapters", "pagedcore.plugins")
+# pagedcore.attention holds the tensor-side interface (PagedAttentionMetadata builds torch tensors): it imports torch
+# by design and is reached only from the adapters and plugins, or under TYPE_CHECKING.
+TENSOR_SIDE = frozenset({"pagedcore.attention"})
+# Importing it runs the command line (python -m pagedcore): checked statically only.
+ENTRY_SCRIPTS = frozenset({"pagedcore.__main__"})
+
+
+def load_typecheck():
+    spec = importlib.util.spec_from_file_location("ci_typecheck", ROOT / ".ci" / "typecheck.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@dataclass(frozen=True)
+class Module:
+    name: str
+    path: Path
+    is_package: bool
+
+
+def discover() -> dict[str, Module]:
+    typecheck = load_typecheck()
+    mapping = typecheck.package_dirs()
+    modules = {}
+    for source in typecheck.sources(mapping):
+        path = Path(source.path)
+        modules[source.module] = Module(source.module, path, path.name == "__init__.py")
+    return modules
+
+
+MODULES = discover()
+CORE_DIR = load_typecheck().package_dirs()["pagedcore"]
+CORE = sorted(
+    name
+    for name, module in MODULES.items()
+    if module.path.is_relative_to(CORE_DIR) and name not in TENSOR_SIDE and name not in ENTRY_SCRIPTS
+)
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def import_time_imports(module: Module) -> list[str]:
+    """Absolute names of what ``module`` imports when it is imported (``from X import n`` -> ``X.n`` if a module)."""
+    tree = ast.parse(module.path.read_text(), str(module.path))
+    package = module.name if module.is_package else module.name.rpartition(".")[0]
+    found: list[str] = []
+
+    def visit(nodes: list[ast.stmt] | list[ast.excepthandler]) -> None:
+        for node in nodes:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue  # runs later, if ever
+            if isinstance(node, ast.If) and _is_type_checking(node.test):
+                visit(node.orelse)
+                continue
+            if isinstance(node, ast.Import):
+                found.extend(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join([*anchor, *([base] if base else [])])
+                for alias in node.names:
+                    name = f"{base}.{alias.name}"
+                    found.append(name if name in MODULES else base)
+            for field in ("body", "orelse", "finalbody", "handlers"):  # class bodies, if/try/with blocks
+                children = getattr(node, field, None)
+                if isinstance(children, list) and all(isinstance(c, ast.stmt | ast.excepthandler) for c in children):
+                    visit(children)
+
+    visit(tree.body)
+    return found
+
+
+def internal(name: str) -> str | None:
+    """The project module an import resolves to (the deepest one that exists), or None for a third-party one."""
+    while name:
+        if name in MODULES:
+            return name
+        name = name.rpartition(".")[0]
+    return None
+
+
+GRAPH: dict[str, list[str]] = {
+    name: sorted({target for imp in import_time_imports(module) if (target := internal(imp)) and target != name})
+    for name, module in MODULES.items()
+}
+
+
+def find_cycle(graph: dict[str, list[str]]) -> list[str] | None:
+    """One import cycle (``[a, b, ..., a]``), or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def dfs(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in graph[node]:
+            if state.get(nxt) == 1:
+                return [*path[path.index(nxt) :], nxt]
+            if nxt not in state and (cycle := dfs(nxt)):
+                return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := dfs(node)):
+            return cycle
+    return None
+
+
+def test_discovery_sees_every_kind_of_module():
+    assert {"pagedcore", "pagedcore.block_manager", "pagedcore.cli"} <= set(CORE)
+    assert {"pagedcore.adapters.transformers.cache", "pagedcore.plugins.torch_backend"} <= set(MODULES)
+    assert GRAPH["pagedcore.kv_pool"] == ["pagedcore.block_manager", "pagedcore.errors", "pagedcore.eviction",
+                                          "pagedcore.prefix_trie"]  # fmt: skip
+    assert "pagedcore.attention" not in GRAPH["pagedcore.hookspecs"]  # only under TYPE_CHECKING
+    assert "pagedcore.adapters.transformers" not in GRAPH["pagedcore.cli"]  # only inside functions
+
+
+def test_finding_a_cycle():
+    assert find_cycle({"a": ["b"], "b": ["c"], "c": ["a"], "d": []}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": ["b"], "b": [], "c": ["a", "b"]}) is None
+
+
+def test_no_import_cycle():
+    cycle = find_cycle(GRAPH)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_the_core_reaches_no_adapter_plugin_or_tensor_module_when_imported():
+    for start in CORE:
+        seen, stack, parents = {start}, [start], {start: ""}
+        while stack:
+            node = stack.pop()
+            for imp in import_time_imports(MODULES[node]):
+                bad = next((f for f in FORBIDDEN_IN_CORE if imp == f or imp.startswith(f + ".")), None)
+                target = internal(imp)
+                if bad or target in TENSOR_SIDE:
+                    chain = [node]
+                    while parents[chain[-1]]:
+                        chain.append(parents[chain[-1]])
+                    pytest.fail(f"{' <- '.join(chain)} imports {imp} when imported")
+                if target and target not in seen:
+                    seen.add(target)
+                    parents[target] = node
+                    stack.append(target)
+
+
+@pytest.mark.parametrize("module", CORE)
+def test_each_core_module_imports_alone_without_torch_or_the_adapters(module):
+    forbidden = (*FORBIDDEN_IN_CORE, *sorted(TENSOR_SIDE))
+    code = (
+        f"import sys, {module}\n"
+        f"bad = {{f for f in {forbidden!r} for m in sys.modules if m == f or m.startswith(f + '.')}}\n"
+        "print(sorted(bad))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
