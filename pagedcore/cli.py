@@ -22,6 +22,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from pagedcore import __version__
+from pagedcore.benchmarks.options import add_arguments as add_bench_arguments
+from pagedcore.benchmarks.options import options_from as bench_options
 from pagedcore.errors import PagedCoreError, PluginError
 
 __all__ = ["main"]
@@ -119,13 +121,11 @@ def _parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser(
         "bench",
-        help="side-by-side benchmarks (markdown table + PNG chart)",
-        description="Run the prefix-cache, cold-generate, memory and engine benchmarks.",
+        help="side-by-side benchmarks (markdown tables + PNG chart)",
+        description="Run the prefix-cache, cold-generate, memory, engine and bookkeeping-core benchmarks.",
     )
-    bench.add_argument("--quick", action="store_true", help="a small workload that finishes in about two minutes")
-    bench.add_argument("--out", default="bench-out", help="directory for results.md and the chart")
-    bench.add_argument("--no-progress", action="store_true", help="no progress bars")
-    bench.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own choice)")
+    add_bench_arguments(bench)  # --quick, --device, --dtype, --model-size, --only, --threads, --no-progress
+    bench.add_argument("--out", default="bench-out", help="folder for results.md and the chart (default: bench-out)")
     bench.set_defaults(handler=_cmd_bench)
 
     plugins = sub.add_parser(
@@ -296,9 +296,9 @@ def _load(name: str, dtype: Any, device: str) -> tuple[Any, Any]:
 
 # ---------------------------------------------------------------------- bench
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from pagedcore.adapters.transformers.benchmarks import run_all
+    from pagedcore.benchmarks import run_benchmarks
 
-    print(run_all(quick=args.quick, out_dir=args.out, progress=not args.no_progress, threads=args.threads))
+    print(run_benchmarks(bench_options(args), args.out))
     return EXIT_OK
 
 
