@@ -15,7 +15,7 @@ from pagedcore.errors import ConfigError
 
 from .registry import BENCHMARKS
 
-__all__ = ["DEVICES", "DTYPES", "MODEL_SIZES", "QUICK_MODEL", "BenchOptions", "add_arguments"]
+__all__ = ["DEVICES", "DTYPES", "MODEL_SIZES", "QUICK_MODEL", "BenchOptions", "add_arguments", "options_from"]
 
 DEVICES = ("cpu", "cuda", "auto")
 DTYPES = ("float32", "float16", "bfloat16")
