@@ -1,6 +1,6 @@
-"""All four transformers-adapter benchmarks on one model: prefix caching, cold generation, KV memory, Engine.
+"""Every benchmark on one model: prefix caching, cold generation, KV memory, Engine, bookkeeping core.
 
-A thin wrapper over ``pagedcore.adapters.transformers.benchmarks.run_all``: prints the markdown and writes
+The same as ``pagedcore bench`` (a thin wrapper over ``pagedcore.benchmarks``): prints the markdown and writes
 ``OUT/results.md`` and the chart ``OUT/engine.png``.
 
 Usage:
@@ -8,25 +8,21 @@ Usage:
     python examples/bench_all.py --quick              # smaller model and workloads (about 2 minutes on 2 cores)
     python examples/bench_all.py --out bench-out      # output folder (default: bench-out)
     python examples/bench_all.py --threads 1          # steadier figures on a machine shared with other jobs
+    python examples/bench_all.py --only prefix,engine # a subset
+    python examples/bench_all.py --device cuda --dtype bfloat16 --model-size 1b   # on a GPU, the ~1B model
 """
 
 from __future__ import annotations
 
-import argparse
+import sys
 
-from pagedcore.adapters.transformers.benchmarks import run_all
+from pagedcore.cli import main as cli
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Parse the arguments, run every benchmark and print the markdown."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="smaller model and workloads (a smoke run)")
-    parser.add_argument("--out", default="bench-out", help="folder for results.md and engine.png (default: bench-out)")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, one per core)")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
-    args = parser.parse_args(argv)
-    print(run_all(quick=args.quick, out_dir=args.out, progress=not args.no_progress, threads=args.threads))
+def main(argv: list[str] | None = None) -> int:
+    """Run ``pagedcore bench`` with these arguments; returns its exit code."""
+    return cli(["bench", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

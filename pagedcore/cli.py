@@ -19,9 +19,12 @@ import json
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from pagedcore import __version__
+from pagedcore.benchmarks.options import add_arguments as add_bench_arguments
+from pagedcore.benchmarks.options import options_from as bench_options
 from pagedcore.errors import PagedCoreError, PluginError
 
 __all__ = ["main"]
@@ -112,20 +115,18 @@ def _parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("--backend", default=None, help="attention backend plugin for --attn paged (default: auto)")
     gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    gen.add_argument("--device", default="cpu", help="device for the model (default: cpu)")
+    gen.add_argument("--device", default="cpu", help="device for the model: cpu, cuda, cuda:N, auto (default: cpu)")
     gen.add_argument("--repeat", type=int, default=1, help="run the prompts this many times (see prefix reuse)")
     gen.add_argument("--json", action="store_true", help="print one JSON object per prompt and one for the stats")
     gen.set_defaults(handler=_cmd_generate)
 
     bench = sub.add_parser(
         "bench",
-        help="side-by-side benchmarks (markdown table + PNG chart)",
-        description="Run the prefix-cache, cold-generate, memory and engine benchmarks.",
+        help="side-by-side benchmarks (markdown tables + PNG chart)",
+        description="Run the prefix-cache, cold-generate, memory, engine and bookkeeping-core benchmarks.",
     )
-    bench.add_argument("--quick", action="store_true", help="a small workload that finishes in about two minutes")
-    bench.add_argument("--out", default="bench-out", help="directory for results.md and the chart")
-    bench.add_argument("--no-progress", action="store_true", help="no progress bars")
-    bench.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own choice)")
+    add_bench_arguments(bench)  # --quick, --device, --dtype, --model-size, --only, --threads, --no-progress
+    bench.add_argument("--out", default="bench-out", help="folder for results.md and the chart (default: bench-out)")
     bench.set_defaults(handler=_cmd_bench)
 
     plugins = sub.add_parser(
@@ -147,15 +148,18 @@ def _positive_or_zero(text: str) -> int:
 
 # ---------------------------------------------------------------------- generate
 def _cmd_generate(args: argparse.Namespace) -> int:
-    import torch
+    if args.max_new_tokens == 0 and not args.engine:
+        raise UsageError("--max-new-tokens 0 needs --engine (transformers' generate makes at least one token)")
+    if args.repeat < 1:
+        raise UsageError(f"--repeat must be >= 1, got {args.repeat}")
+    prompts = _read_prompts(args)
 
     from pagedcore.adapters.transformers import Engine, PagedKVPool, SamplingParams, disable, enable, namespace
     from pagedcore.adapters.transformers.builtin import BUILTIN_DESCRIPTION, builtin_model, builtin_tokenizer
+    from pagedcore.benchmarks.device import resolve_device, resolve_dtype
 
-    prompts = _read_prompts(args)
-    if args.repeat < 1:
-        raise UsageError(f"--repeat must be >= 1, got {args.repeat}")
-    dtype = getattr(torch, args.dtype)
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
     model: Any
     tokenizer: Any
     if args.model is None:
@@ -166,14 +170,14 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     else:
-        model, tokenizer = _load(args.model, dtype, args.device)
-    model.to(device=args.device, dtype=dtype)
+        model, tokenizer = _load(args.model, dtype)
+    model.to(device=device, dtype=dtype)
     if args.attn:
         model.set_attn_implementation(args.attn)
     if args.backend is not None:  # fail now, with exit code 3, if no plugin offers it
         from pagedcore import default_plugin_manager
 
-        default_plugin_manager().attention_backend(torch.device(args.device).type, dtype, args.backend)
+        default_plugin_manager().attention_backend(device.type, dtype, args.backend)
     pool = PagedKVPool(model, num_blocks=args.num_blocks, memory_budget=args.memory_budget, block_size=args.block_size)
     params = SamplingParams(
         max_new_tokens=args.max_new_tokens,
@@ -202,7 +206,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             with namespace(args.namespace):
                 for _ in range(args.repeat):
                     for prompt in prompts:
-                        text, count, used = _generate_one(model, tokenizer, prompt, params, args.device, pool)
+                        text, count, used = _generate_one(model, tokenizer, prompt, params, device, pool)
                         peak = max(peak, used)
                         generated += count
                         results.append((prompt, text))
@@ -236,7 +240,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _generate_one(model: Any, tokenizer: Any, prompt: str, params: Any, device: str, pool: Any) -> tuple[str, int, int]:
+def _generate_one(model: Any, tokenizer: Any, prompt: str, params: Any, device: Any, pool: Any) -> tuple[str, int, int]:
     import torch
     from transformers import StoppingCriteria, StoppingCriteriaList
 
@@ -283,22 +287,38 @@ def _read_prompts(args: argparse.Namespace) -> list[str]:
     return [(system or "") + p for p in prompts]
 
 
-def _load(name: str, dtype: Any, device: str) -> tuple[Any, Any]:
+def _load(name: str, dtype: Any) -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    path = Path(name).expanduser()
+    if not path.exists() and (path.is_absolute() or name.startswith((".", "~"))):
+        raise UsageError(f"--model {name!r}: no such folder")
+    if path.is_file():
+        raise UsageError(f"--model {name!r} is a file: give a model folder (with config.json) or a hub name")
+    if path.is_dir() and not (path / "config.json").is_file():
+        raise UsageError(f"--model {name!r}: the folder holds no model (no config.json)")
     try:
         tokenizer = AutoTokenizer.from_pretrained(name)
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"cannot load model {name!r} (its tokenizer): {_first_line(exc)}") from exc
+    try:
         model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
     except (OSError, ValueError) as exc:
-        raise UsageError(f"cannot load model {name!r}: {exc}") from exc
+        raise UsageError(f"cannot load model {name!r}: {_first_line(exc)}") from exc
     return model.eval(), tokenizer
+
+
+def _first_line(exc: BaseException) -> str:
+    """An error's message cut to its first line: the command line reports each error in one line."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 # ---------------------------------------------------------------------- bench
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from pagedcore.adapters.transformers.benchmarks import run_all
+    from pagedcore.benchmarks import run_benchmarks
 
-    print(run_all(quick=args.quick, out_dir=args.out, progress=not args.no_progress, threads=args.threads))
+    print(run_benchmarks(bench_options(args), args.out))
     return EXIT_OK
 
 

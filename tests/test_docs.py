@@ -12,12 +12,13 @@ import pytest
 
 import pagedcore
 import pagedcore.adapters
+import pagedcore.benchmarks
 import pagedcore.plugins
 
 
 def public_modules() -> list[str]:
-    names = ["pagedcore"]
-    for package in (pagedcore, pagedcore.adapters, pagedcore.plugins):
+    names = ["pagedcore", "pagedcore.benchmarks"]
+    for package in (pagedcore, pagedcore.adapters, pagedcore.plugins, pagedcore.benchmarks):
         for info in pkgutil.walk_packages(package.__path__, prefix=package.__name__ + "."):
             if info.name.endswith("__main__"):
                 continue

@@ -1,0 +1,38 @@
+"""pagedcore's benchmarks: ``pagedcore bench`` and ``examples/bench_*.py`` run them.
+
+Each benchmark is one module, registered in :mod:`~pagedcore.benchmarks.registry` (report order):
+
+- :mod:`~pagedcore.benchmarks.prefix`: a long shared system prompt + many questions, ``enable(model)`` vs plain
+  ``generate``.
+- :mod:`~pagedcore.benchmarks.cold`: one sequence without reuse, ``PagedCache`` (sdpa and paged attention) vs
+  ``DynamicCache``.
+- :mod:`~pagedcore.benchmarks.memory`: KV bytes reserved per byte of real tokens for a mixed-length padded batch.
+- :mod:`~pagedcore.benchmarks.engine` (peers in :mod:`~pagedcore.benchmarks.engine_peers`): many requests sharing
+  a prefix, the ``Engine`` vs ``generate`` one at a time, the padded batch and transformers' continuous batching.
+- :mod:`~pagedcore.benchmarks.core`: the plain-Python bookkeeping (blocks, prefix trie, one scheduler step).
+
+Shared: :mod:`~pagedcore.benchmarks.options` (what a run is asked for), :mod:`~pagedcore.benchmarks.context` (its
+device, dtype and shared model), :mod:`~pagedcore.benchmarks.device`, :mod:`~pagedcore.benchmarks.common` (model,
+workloads, timing), :mod:`~pagedcore.benchmarks.report` (markdown), :mod:`~pagedcore.benchmarks.chart` (PNG) and
+:mod:`~pagedcore.benchmarks.runner` (run, write ``results.md`` and ``engine.png``).
+
+Every model benchmark runs its peers side by side in one process, on the same model, and reports ratios next to
+their aims. Timings are wall-clock (``time.perf_counter``, after waiting for the GPU when there is one) on whatever
+else the machine is doing: compare figures measured on a quiet machine only. Each benchmark warms its code paths up
+before timing. Importing this package imports neither torch nor transformers; the benchmark modules do.
+
+Example:
+    >>> from pagedcore.benchmarks import BENCHMARKS, BenchOptions
+    >>> list(BENCHMARKS)
+    ['prefix', 'cold', 'memory', 'engine', 'core']
+    >>> BenchOptions(only=("core",)).needs_torch
+    False
+"""
+
+from __future__ import annotations
+
+from .options import BenchOptions
+from .registry import BENCHMARKS, Benchmark
+from .runner import run_all, run_benchmarks, run_one, script_main
+
+__all__ = ["BENCHMARKS", "BenchOptions", "Benchmark", "run_all", "run_benchmarks", "run_one", "script_main"]

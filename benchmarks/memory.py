@@ -1,0 +1,216 @@
+"""Benchmark 3: KV bytes reserved per byte of real tokens for a mixed-length, left-padded batch, per cache."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import DynamicCache, PreTrainedModel, StaticCache
+
+from pagedcore.adapters.transformers import PagedCache, PagedKVPool
+
+from .common import (
+    BLOCK_SIZE,
+    bench_model,
+    blocks_for,
+    cache_tensor_bytes,
+    describe_model,
+    generate,
+    kv_bytes_per_token,
+    left_padded,
+    progress_bar,
+    random_tokens,
+)
+from .context import BenchContext
+from .report import aim_status, machine_info, mib, section_header, table
+
+__all__ = ["MemoryResult", "MemoryRow", "memory_benchmark"]
+
+AIM_MEMORY_RATIO = 1.05
+
+
+@dataclass
+class MemoryRow:
+    """KV bytes one cache reserved for the batch.
+
+    Example:
+        >>> MemoryRow("StaticCache", 2 * 45 * 256, "preallocated", identical=True).reserved_bytes
+        23040
+    """
+
+    cache: str
+    reserved_bytes: int
+    how: str
+    identical: bool
+
+
+@dataclass
+class MemoryResult:
+    """Mixed-length left-padded batch: KV bytes reserved per byte of real tokens, per cache.
+
+    Example:
+        Prompts of 20 and 40 tokens, 5 new tokens, 256 KV bytes per token; blocks of 16 tokens hold 24 + 44 tokens in
+        2 + 3 blocks, a ``StaticCache`` reserves 2 rows x 45 positions:
+
+        >>> rows = [MemoryRow("PagedCache", 5 * 16 * 256, "blocks held", True),
+        ...         MemoryRow("StaticCache", 2 * 45 * 256, "preallocated", True)]
+        >>> result = MemoryResult(quick=True, model="Llama", machine="laptop", prompt_lengths=[20, 40], new_tokens=5,
+        ...     bytes_per_token=256, rows=rows, pool_capacity_bytes=65536)
+        >>> result.stored_tokens, result.real_bytes
+        (68, 17408)
+        >>> round(result.ratio("PagedCache"), 3), round(result.ratio("StaticCache"), 3)
+        (1.176, 1.324)
+    """
+
+    quick: bool
+    model: str
+    machine: str
+    prompt_lengths: list[int]
+    new_tokens: int
+    bytes_per_token: int
+    rows: list[MemoryRow]
+    pool_capacity_bytes: int
+
+    @property
+    def stored_tokens(self) -> int:
+        """Real tokens stored: every prompt token and every generated token but the last (never fed back)."""
+        return sum(n + self.new_tokens - 1 for n in self.prompt_lengths)
+
+    @property
+    def real_bytes(self) -> int:
+        """Bytes the real tokens need: stored tokens x per-token KV bytes."""
+        return self.stored_tokens * self.bytes_per_token
+
+    def ratio(self, cache: str) -> float:
+        """Reserved bytes / real-token bytes of one cache."""
+        row = next(r for r in self.rows if r.cache == cache)
+        return row.reserved_bytes / self.real_bytes
+
+    def markdown(self) -> str:
+        """The report: workload, model, machine, bytes and ratios with the aim."""
+        batch = len(self.prompt_lengths)
+        workload = (
+            f"a batch of {batch} prompts of {sorted(self.prompt_lengths)} tokens (seeded, left-padded to "
+            f"{max(self.prompt_lengths)}), {self.new_tokens} new tokens, greedy, one `generate` call"
+        )
+        measured = (
+            f"after `generate`; real-token bytes = {self.stored_tokens} stored tokens (prompt + generated - 1 per row: "
+            f"the last sampled token is never stored) x {self.bytes_per_token} bytes of keys and values per token over "
+            "all layers"
+        )
+        head = section_header(
+            "3. KV memory of a mixed-length batch", self.quick, workload, self.model, self.machine, measured
+        )
+        rows = []
+        for row in self.rows:
+            reserved = row.reserved_bytes / self.real_bytes
+            paged = row.cache.startswith("PagedCache")
+            rows.append(
+                [
+                    row.cache,
+                    mib(row.reserved_bytes),
+                    mib(self.real_bytes),
+                    f"{reserved:.3f}",
+                    f"≤ {AIM_MEMORY_RATIO:.2f}" if paged else "-",
+                    aim_status(reserved <= AIM_MEMORY_RATIO) if paged else "-",
+                    "reference"
+                    if row.cache == "DynamicCache (left padding)"
+                    else ("yes" if row.identical else "**no**"),
+                    row.how,
+                ]
+            )
+        figures = table(
+            ["cache", "KV bytes reserved", "real-token bytes", "reserved / real", "aim", "status", "same greedy tokens",
+             "how reserved bytes are measured"],
+            rows,
+        )  # fmt: skip
+        note = (
+            f"\nThe PagedCache took its blocks from a pool of {mib(self.pool_capacity_bytes)} (sized for this batch; "
+            "a pool is shared by every cache and request that uses it, so only the blocks held count for this batch).\n"
+        )
+        return f"{head}{figures}\n{note}"
+
+
+def memory_benchmark(
+    quick: bool = False, progress: bool = True, *, model: PreTrainedModel | None = None, seed: int = 0
+) -> MemoryResult:
+    """8 prompts of 64-1024 tokens (quick: 4 of 32-256), left padding, 128 new tokens (quick: 16): KV bytes reserved
+    / real-token bytes for ``PagedCache``, ``DynamicCache`` and ``StaticCache``.
+
+    Example:
+        >>> model = bench_model(quick=True)   # what quick=True builds when no model is given
+        >>> model.config.num_key_value_heads
+        1
+        >>> result = memory_benchmark(quick=True, progress=False, model=model)  # doctest: +SKIP
+        >>> [row.cache for row in result.rows]  # doctest: +SKIP
+        ['PagedCache', 'DynamicCache (left padding)', 'StaticCache']
+        >>> result.ratio("PagedCache") <= 1.05  # the aim  # doctest: +SKIP
+        True
+    """
+    batch, (lo, hi), new = (4, (32, 256), 16) if quick else (8, (64, 1024), 128)
+    model = model if model is not None else bench_model(seed, quick=quick)
+    rng = random.Random(seed + 3)
+    lengths = [lo, hi] + [rng.randint(lo, hi) for _ in range(batch - 2)]
+    rng.shuffle(lengths)
+    prompts = [random_tokens(rng, n, model.config.vocab_size) for n in lengths]
+    width = max(lengths)
+    ids, mask = left_padded(prompts, model.device)
+    pool = PagedKVPool(model, num_blocks=sum(blocks_for(n + new) for n in lengths) + 4, block_size=BLOCK_SIZE)
+    machine = machine_info()
+
+    def run_cache(cache: Any) -> list[list[int]]:
+        with torch.inference_mode():
+            out = generate(model, ids, attention_mask=mask, max_new_tokens=new, do_sample=False, cache=cache)
+        return list(out[:, width:].tolist())
+
+    bar = progress_bar(3, "memory: KV bytes per cache", progress)
+    dynamic = DynamicCache(config=model.config)
+    reference = run_cache(dynamic)
+    bar.update(1)
+    paged = PagedCache(model, pool=pool)
+    paged_out = run_cache(paged)
+    stats = paged.memory_stats()
+    paged.release()
+    bar.update(1)
+    static = StaticCache(config=model.config, max_cache_len=width + new)
+    static_out = run_cache(static)
+    bar.update(1)
+    bar.close()
+    rows = [
+        MemoryRow(
+            "PagedCache",
+            stats.held_bytes,
+            f"`memory_stats().held_bytes`: {stats.blocks} blocks of {BLOCK_SIZE} tokens held ({stats.tokens} tokens "
+            f"stored, {stats.padding_tokens} padding positions not stored)",
+            paged_out == reference,
+        ),
+        MemoryRow(
+            "DynamicCache (left padding)",
+            cache_tensor_bytes(dynamic),
+            f"bytes of its key/value tensors: {batch} rows x {width + new - 1} positions",
+            True,
+        ),
+        MemoryRow(
+            "StaticCache",
+            cache_tensor_bytes(static),
+            f"bytes of its preallocated key/value tensors: {batch} rows x max_cache_len {width + new}",
+            static_out == reference,
+        ),
+    ]
+    return MemoryResult(
+        quick=quick,
+        model=describe_model(model),
+        machine=machine,
+        prompt_lengths=lengths,
+        new_tokens=new,
+        bytes_per_token=kv_bytes_per_token(model),
+        rows=rows,
+        pool_capacity_bytes=pool.memory_stats().capacity_bytes,
+    )
+
+
+def run(ctx: BenchContext) -> MemoryResult:
+    """The registry's entry point: the benchmark on the run's model."""
+    return memory_benchmark(ctx.quick, ctx.progress, model=ctx.model(), seed=ctx.options.seed)

@@ -1,0 +1,78 @@
+"""The benchmarks ``pagedcore bench`` knows, in report order. A new benchmark is one module plus one line here.
+
+A benchmark module has ``run(ctx: BenchContext) -> Report``: it takes the run's options and shared model from the
+:class:`~pagedcore.benchmarks.context.BenchContext` and returns a result whose ``markdown()`` is its report section.
+A result may also draw in the run's PNG chart (``chart_panels()`` and ``chart_title()``: see
+:class:`pagedcore.benchmarks.chart.Charted`). Modules are imported only when their benchmark runs, so listing them
+imports nothing heavy.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from .context import BenchContext
+
+__all__ = ["BENCHMARKS", "Benchmark", "Report"]
+
+
+class Report(Protocol):
+    """What a benchmark returns: its measurements, rendered as a markdown section.
+
+    Example:
+        >>> class Tally:
+        ...     def markdown(self) -> str:
+        ...         return "### 9. Tally"
+        >>> report: Report = Tally()
+        >>> report.markdown()
+        '### 9. Tally'
+    """
+
+    def markdown(self) -> str:
+        """The report section: workload, model, machine, how it was measured, the figures."""
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    """One registered benchmark.
+
+    Attributes:
+        name: what ``--only`` and ``run_one`` call it.
+        module: its module in ``pagedcore.benchmarks`` (imported on first run).
+        summary: one line for listings.
+        uses_model: whether it runs the benchmark model (so it needs torch, a device and a dtype).
+        chart_rank: where its ``chart_panels()`` go in the chart, lowest first (None: it has none).
+
+    Example:
+        >>> BENCHMARKS["core"].uses_model, BENCHMARKS["engine"].chart_rank
+        (False, 0)
+        >>> list(BENCHMARKS)
+        ['prefix', 'cold', 'memory', 'engine', 'core']
+    """
+
+    name: str
+    module: str
+    summary: str
+    uses_model: bool = True
+    chart_rank: int | None = None
+
+    def run(self, ctx: BenchContext) -> Report:
+        """Import the benchmark's module and run it."""
+        module = importlib.import_module(f"{__package__}.{self.module}")
+        report: Report = module.run(ctx)
+        return report
+
+
+BENCHMARKS: dict[str, Benchmark] = {
+    b.name: b
+    for b in (
+        Benchmark("prefix", "prefix", "shared system prompt: enable(model) vs plain generate", chart_rank=1),
+        Benchmark("cold", "cold", "one sequence, no reuse: PagedCache vs DynamicCache"),
+        Benchmark("memory", "memory", "KV bytes of a mixed-length batch: PagedCache vs DynamicCache, StaticCache"),
+        Benchmark("engine", "engine", "continuous batching: Engine vs generate and transformers' own", chart_rank=0),
+        Benchmark("core", "core", "plain-Python bookkeeping: blocks, prefix trie, scheduler step", uses_model=False),
+    )
+}
