@@ -19,6 +19,7 @@ def main() -> int:
     shutil.copytree(ROOT / "pagedcore", OUT / "pagedcore", ignore=ignore)
     shutil.copytree(ROOT / "adapters", OUT / "pagedcore" / "adapters", ignore=ignore)
     shutil.copytree(ROOT / "plugins", OUT / "pagedcore" / "plugins", ignore=ignore)
+    shutil.copytree(ROOT / "serve", OUT / "pagedcore" / "serve", ignore=ignore)
     command = [sys.executable, "-m", "mypy", "--config-file", str(ROOT / "pyproject.toml"), "pagedcore"]
     return subprocess.call(command, cwd=OUT)
 

@@ -13,11 +13,12 @@ import pytest
 import pagedcore
 import pagedcore.adapters
 import pagedcore.plugins
+import pagedcore.serve
 
 
 def public_modules() -> list[str]:
     names = ["pagedcore"]
-    for package in (pagedcore, pagedcore.adapters, pagedcore.plugins):
+    for package in (pagedcore, pagedcore.adapters, pagedcore.plugins, pagedcore.serve):
         for info in pkgutil.walk_packages(package.__path__, prefix=package.__name__ + "."):
             if info.name.endswith("__main__"):
                 continue
