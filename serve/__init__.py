@@ -11,7 +11,7 @@
 Names are imported lazily, so ``import pagedcore.serve`` (as the ``pagedcore`` command does) costs nothing.
 
 Example:
-    >>> from pagedcore.serve import EngineLoop
+    >>> from pagedcore.serve import EngineLoop, create_app
     >>> EngineLoop.__module__
     'pagedcore.serve.loop'
 """
@@ -22,11 +22,21 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from .app import create_app
+    from .auth import ApiKeys
     from .loop import EngineLoop, Submission
+    from .server import BackgroundServer, make_server
 
-__all__ = ["EngineLoop", "Submission"]
+__all__ = ["ApiKeys", "BackgroundServer", "EngineLoop", "Submission", "create_app", "make_server"]
 
-_HOMES = {"EngineLoop": "loop", "Submission": "loop"}
+_HOMES = {
+    "ApiKeys": "auth",
+    "BackgroundServer": "server",
+    "EngineLoop": "loop",
+    "Submission": "loop",
+    "create_app": "app",
+    "make_server": "server",
+}
 
 
 def __getattr__(name: str) -> Any:
