@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import os
 import signal
 import socket
@@ -9,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -104,3 +107,17 @@ def test_serve_as_a_process_with_api_keys_until_sigterm(tmp_path):
             process.communicate()
     assert process.returncode == 0, err
     assert f"http://127.0.0.1:{port}/v1" in err and "1 API keys" in err
+
+
+def test_the_load_example_reports_its_figures(one_thread, capsys):
+    path = Path(__file__).resolve().parent.parent / "examples" / "serve_load.py"
+    spec = importlib.util.spec_from_file_location("example_serve_load", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    assert module.main(["--requests", "4", "--concurrency", "2", "--max-tokens", "3", "--json"]) == 0
+    (row,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert row["server"] == "pagedcore serve" and row["requests"] == 4
+    assert row["requests_per_s"] > 0 and row["ttft_p50_s"] <= row["latency_p50_s"]
+    assert row["prefix_hit_rate"] > 0  # the four prompts share the system prompt
