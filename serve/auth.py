@@ -20,10 +20,12 @@ import json
 from collections.abc import Mapping
 from pathlib import Path
 
+from pagedcore.errors import ConfigError
+
 __all__ = ["ApiKeys", "ApiKeysError"]
 
 
-class ApiKeysError(ValueError):
+class ApiKeysError(ConfigError):
     """The key file cannot be read or is malformed (the message names the line)."""
 
 
