@@ -7,6 +7,7 @@ Subcommands:
   config (random weights, nothing downloaded).
 - ``pagedcore bench`` — the side-by-side benchmarks (markdown table on stdout, PNG chart in ``--out``).
 - ``pagedcore plugins`` — the loaded plugins, their hooks, and the attention backend chosen per device and dtype.
+- ``pagedcore serve`` — an OpenAI-compatible HTTP server over the Engine (``pagedcore.serve``).
 
 Exit codes: 0 success, 1 unexpected failure, 2 bad arguments or input (including a checkpoint that cannot be
 loaded), 3 an unavailable plugin (e.g. an attention backend no plugin offers on this device).
@@ -136,6 +137,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     plugins.add_argument("--json", action="store_true")
     plugins.set_defaults(handler=_cmd_plugins)
+
+    from pagedcore.serve import cli as serve_cli  # argparse only: the server's imports wait for `serve` to run
+
+    serve_cli.add_arguments(sub.add_parser("serve", help="an OpenAI-compatible server over the Engine"))
     return parser
 
 

@@ -14,11 +14,12 @@ import pagedcore
 import pagedcore.adapters
 import pagedcore.benchmarks
 import pagedcore.plugins
+import pagedcore.serve
 
 
 def public_modules() -> list[str]:
-    names = ["pagedcore", "pagedcore.benchmarks"]
-    for package in (pagedcore, pagedcore.adapters, pagedcore.plugins, pagedcore.benchmarks):
+    names = ["pagedcore", "pagedcore.benchmarks", "pagedcore.serve"]
+    for package in (pagedcore, pagedcore.adapters, pagedcore.plugins, pagedcore.benchmarks, pagedcore.serve):
         for info in pkgutil.walk_packages(package.__path__, prefix=package.__name__ + "."):
             if info.name.endswith("__main__"):
                 continue

@@ -1,0 +1,112 @@
+"""API keys and tenants.
+
+A key file maps each API key to a tenant; the tenant becomes the prefix-cache namespace of every request made with
+that key, so tenants never share cached blocks (and cannot time each other's prompts). Clients cannot choose a
+namespace. Two formats:
+
+- text: one ``KEY TENANT`` pair per line (whitespace between them); blank lines and lines starting with ``#`` are
+  skipped;
+- JSON: an object ``{"KEY": "TENANT", ...}``.
+
+Several keys may map to one tenant. Keys are compared in constant time (SHA-256 digests with
+:func:`hmac.compare_digest`, every key checked), so response times do not reveal how much of a key was right.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+from collections.abc import Mapping
+from pathlib import Path
+
+from pagedcore.errors import ConfigError
+
+__all__ = ["ApiKeys", "ApiKeysError"]
+
+
+class ApiKeysError(ConfigError):
+    """The key file cannot be read or is malformed (the message names the line)."""
+
+
+class ApiKeys:
+    """Known API keys and their tenants.
+
+    Args:
+        tenants: API key -> tenant name.
+
+    Example:
+        >>> keys = ApiKeys({"sk-alice": "alice", "sk-bob": "bob"})
+        >>> keys.tenant("Bearer sk-bob"), keys.tenant("Bearer sk-eve"), keys.tenant(None)
+        ('bob', None, None)
+        >>> len(keys)
+        2
+    """
+
+    def __init__(self, tenants: Mapping[str, str]) -> None:
+        if not tenants:
+            raise ApiKeysError("no API keys given")
+        for key, tenant in tenants.items():
+            if not isinstance(key, str) or not key or any(c.isspace() for c in key):
+                raise ApiKeysError("API keys must be non-empty strings without whitespace")
+            if not isinstance(tenant, str) or not tenant.strip():
+                raise ApiKeysError(f"the tenant of a key must be a non-empty string, got {tenant!r}")
+        self._digests = [(_digest(key), tenant) for key, tenant in tenants.items()]
+
+    def __len__(self) -> int:
+        return len(self._digests)
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> ApiKeys:
+        """Read a key file (text or JSON, see the module docstring).
+
+        Example:
+            >>> import tempfile, os
+            >>> with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
+            ...     _ = f.write("# key tenant\\nsk-1 team-a\\nsk-2 team-b\\n")
+            >>> ApiKeys.from_file(f.name).tenant("Bearer sk-2")
+            'team-b'
+            >>> os.unlink(f.name)
+        """
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ApiKeysError(f"cannot read the API key file {str(path)!r}: {exc}") from exc
+        if text.lstrip().startswith("{"):
+            try:
+                data = json.loads(text)
+            except ValueError as exc:
+                raise ApiKeysError(f"{path}: not valid JSON: {exc}") from exc
+            if not isinstance(data, dict):
+                raise ApiKeysError(f"{path}: expected a JSON object mapping keys to tenants")
+            return cls(data)
+        tenants: dict[str, str] = {}
+        for number, line in enumerate(text.splitlines(), 1):
+            line = line.strip()
+            if not line or line.startswith("#"):
+                continue
+            parts = line.split()
+            if len(parts) != 2:
+                raise ApiKeysError(f"{path}, line {number}: expected 'KEY TENANT', got {len(parts)} fields")
+            if parts[0] in tenants:
+                raise ApiKeysError(f"{path}, line {number}: this key appears twice")
+            tenants[parts[0]] = parts[1]
+        return cls(tenants)
+
+    def tenant(self, authorization: str | None) -> str | None:
+        """The tenant of an ``Authorization: Bearer KEY`` header value, or None when the key is unknown."""
+        if not authorization:
+            return None
+        scheme, _, key = authorization.strip().partition(" ")
+        if scheme.lower() != "bearer":
+            return None
+        presented = _digest(key.strip())
+        found: str | None = None
+        for digest, tenant in self._digests:  # no early exit: the same work whichever key matches
+            if hmac.compare_digest(digest, presented):
+                found = tenant
+        return found
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode("utf-8")).digest()

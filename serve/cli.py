@@ -1,0 +1,177 @@
+"""``pagedcore serve``: its arguments and its run function.
+
+This module is imported whenever the ``pagedcore`` command builds its parser, so it imports only ``argparse`` at
+the top: torch, transformers, FastAPI and uvicorn are imported by :func:`run`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from typing import Any
+
+__all__ = ["BUILTIN_NAME", "add_arguments", "run"]
+
+BUILTIN_NAME = "pagedcore-builtin"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the ``serve`` options to ``parser`` and make :func:`run` its handler.
+
+    Example:
+        >>> parser = argparse.ArgumentParser()
+        >>> add_arguments(parser)
+        >>> args = parser.parse_args(["--port", "9000", "--max-queue", "8"])
+        >>> args.host, args.port, args.max_queue, args.handler is run
+        ('127.0.0.1', 9000, 8, True)
+    """
+    if parser.description is None:
+        parser.description = (
+            "Serve a model over HTTP with OpenAI's API (completions, chat, streaming), continuous batching and "
+            "prefix caching. Without --model: the built-in model."
+        )
+    parser.add_argument("--model", help="local path or hub name of a causal LM (default: the built-in model)")
+    parser.add_argument("--served-model-name", help="the model name clients use (default: --model, or the built-in's)")
+    parser.add_argument("--host", default="127.0.0.1", help="interface to listen on (default: loopback only)")
+    parser.add_argument("--port", type=int, default=8000)
+    sizing = parser.add_mutually_exclusive_group()
+    sizing.add_argument("--num-blocks", type=int, default=None, help="KV blocks in the pool")
+    sizing.add_argument("--memory-budget", default=None, help="KV memory of the pool, e.g. 2GiB (instead of blocks)")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-num-seqs", type=int, default=64, help="sequences running at once")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens computed per step")
+    parser.add_argument(
+        "--max-queue", type=int, default=512, help="waiting requests before new ones get 429 (default 512)"
+    )
+    parser.add_argument(
+        "--api-keys",
+        metavar="FILE",
+        help="API keys: 'KEY TENANT' per line, or a JSON object {KEY: TENANT}; each tenant gets its own prefix "
+        "cache namespace, requests without a known key get 401",
+    )
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--device", default="cpu", help="device for the model (default: cpu)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own choice)")
+    parser.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+    parser.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Load the model, start the engine loop and serve until interrupted (Ctrl-C or SIGTERM); returns the exit
+    code. Bad arguments raise ``pagedcore.cli.UsageError`` (exit code 2).
+
+    Example:
+        >>> run(argparse.Namespace(port=70000))  # doctest: +IGNORE_EXCEPTION_DETAIL
+        Traceback (most recent call last):
+        ...
+        pagedcore.cli.UsageError: --port must be in 0..65535, got 70000
+    """
+    from pagedcore.cli import EXIT_OK, EXIT_UNAVAILABLE, UsageError
+
+    _check(args, UsageError)
+    try:
+        import fastapi  # noqa: F401
+        import prometheus_client  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as exc:
+        print(f"pagedcore serve: needs the serve extra: pip install 'pagedcore[serve]' ({exc})", file=sys.stderr)
+        return EXIT_UNAVAILABLE
+
+    from .app import create_app
+    from .auth import ApiKeys, ApiKeysError
+    from .loop import EngineLoop
+    from .server import make_server
+
+    try:
+        api_keys = ApiKeys.from_file(args.api_keys) if args.api_keys else None
+    except ApiKeysError as exc:
+        raise UsageError(str(exc)) from exc
+    model, tokenizer, name = _model(args, UsageError)
+    from pagedcore.adapters.transformers import Engine
+
+    engine = Engine(
+        model,
+        tokenizer,
+        num_blocks=args.num_blocks,
+        memory_budget=args.memory_budget,
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+    )
+    loop = EngineLoop(engine, max_queue=args.max_queue)
+    app = create_app(loop, model_name=args.served_model_name or name, api_keys=api_keys)
+    server = make_server(app, loop, host=args.host, port=args.port, log_level=args.log_level)
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    tenants = f", {len(api_keys)} API keys" if api_keys is not None else ""
+    print(
+        f"pagedcore serve: model {args.served_model_name or name!r} at http://{host}:{args.port}/v1 "
+        f"({engine.pool.num_blocks} KV blocks of {engine.pool.block_size} tokens{tenants}); Ctrl-C stops",
+        file=sys.stderr,
+        flush=True,
+    )
+    if api_keys is None and args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(
+            f"pagedcore serve: warning: {args.host} is reachable from other machines and no --api-keys is set",
+            file=sys.stderr,
+        )
+    in_main = _in_main_thread()
+    # uvicorn handles SIGTERM / Ctrl-C while serving, then raises the signal again once it has shut down; these
+    # handlers turn that second signal into a normal return, so the engine is closed below and the exit code is 0.
+    previous = signal.signal(signal.SIGTERM, _ignore) if in_main else None
+    loop.start()
+    try:
+        server.run()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if in_main:
+            signal.signal(signal.SIGTERM, previous)
+        loop.stop()
+        engine.close()
+    return EXIT_OK
+
+
+def _check(args: argparse.Namespace, error: type[Exception]) -> None:
+    if not 0 <= args.port <= 65535:
+        raise error(f"--port must be in 0..65535, got {args.port}")
+    if args.max_queue < 0:
+        raise error(f"--max-queue must be >= 0, got {args.max_queue}")
+    if args.threads is not None and args.threads < 1:
+        raise error(f"--threads must be >= 1, got {args.threads}")
+
+
+def _model(args: argparse.Namespace, error: type[Exception]) -> tuple[Any, Any, str]:
+    import torch
+
+    from pagedcore.cli import _load  # the `--model` loader of `pagedcore generate`
+
+    dtype = getattr(torch, args.dtype)
+    model: Any
+    tokenizer: Any
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    if args.model is None:
+        from pagedcore.adapters.transformers.builtin import BUILTIN_DESCRIPTION, builtin_model, builtin_tokenizer
+
+        print(
+            f"note: no --model given: serving the {BUILTIN_DESCRIPTION} as {BUILTIN_NAME!r}; its text is gibberish. "
+            "Pass --model PATH for a real checkpoint.",
+            file=sys.stderr,
+        )
+        model, tokenizer, name = builtin_model(), builtin_tokenizer(), BUILTIN_NAME
+    else:
+        model, tokenizer = _load(args.model, dtype, args.device)
+        name = args.model
+    model.to(device=args.device, dtype=dtype)
+    return model, tokenizer, name
+
+
+def _in_main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
+def _ignore(signum: int, frame: Any) -> None:
+    """SIGTERM after uvicorn's own shutdown: nothing left to do but return."""

@@ -1,0 +1,123 @@
+"""One HTTP request's engine requests, seen from the server's event loop.
+
+The :class:`~pagedcore.serve.loop.EngineLoop` calls a job's sink on its own thread; the sink hands each event to
+the event loop with ``call_soon_threadsafe``, onto an asyncio queue that the request handler reads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import AsyncIterator, Sequence
+
+from .loop import Delta, EngineLoop, Finished, LoopClosedError, LoopEvent, QueueFullError, Started, Submission
+from .protocol import ApiError
+
+__all__ = ["Job", "error_of"]
+
+_ERRORS = {
+    # error_kind -> (HTTP status, OpenAI error type, code)
+    "invalid": (400, "invalid_request_error", None),
+    "failed": (500, "server_error", "engine_error"),
+    "shutdown": (503, "server_error", "shutting_down"),
+    "aborted": (500, "server_error", "aborted"),
+}
+
+
+def error_of(finished: Finished) -> ApiError:
+    """The :class:`ApiError` that answers a request that ended with an error.
+
+    Example:
+        >>> error_of(Finished("r0", 0, (), (), "the prompt is empty", "invalid")).status
+        400
+    """
+    status, type_, code = _ERRORS.get(finished.error_kind or "failed", _ERRORS["failed"])
+    return ApiError(status, finished.error or "the request failed", type=type_, code=code)
+
+
+class Job:
+    """The engine requests of one HTTP request (one per prompt), and their events in arrival order.
+
+    Args:
+        loop: the engine loop.
+
+    Call :meth:`start` (inside a running event loop), then iterate :meth:`events`; :meth:`abort` in a
+    ``finally`` gives back the blocks of whatever is still running (e.g. when the client leaves).
+
+    Example:
+        >>> import asyncio
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> from pagedcore.adapters.transformers import Engine, SamplingParams
+        >>> model = LlamaForCausalLM(LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+        ...     num_hidden_layers=1, intermediate_size=128, vocab_size=100)).eval()
+        >>> async def run(loop):
+        ...     job = Job(loop)
+        ...     await job.start([Submission([1, 2, 3], SamplingParams(max_new_tokens=2))])
+        ...     return [type(event).__name__ async for event in job.events()]
+        >>> with Engine(model, num_blocks=16, block_size=8) as engine:
+        ...     loop = EngineLoop(engine)
+        ...     loop.start()
+        ...     names = asyncio.run(run(loop))
+        ...     loop.stop()
+        >>> names[-1]
+        'Finished'
+    """
+
+    def __init__(self, loop: EngineLoop) -> None:
+        self._loop = loop
+        self._queue: asyncio.Queue[LoopEvent] = asyncio.Queue()
+        self._aloop: asyncio.AbstractEventLoop | None = None
+        self._backlog: deque[LoopEvent] = deque()
+        self.request_ids: list[str] = []
+        self._open: set[str] = set()
+
+    @property
+    def is_open(self) -> bool:
+        """Whether some of its engine requests have not ended yet."""
+        return bool(self._open)
+
+    async def start(self, submissions: Sequence[Submission]) -> None:
+        """Queue the requests and wait until the engine accepted every one of them. Raises :class:`ApiError`:
+        429 when the queue is full, 503 when the server is stopping, and the error of the first request the
+        engine refused (the others are aborted)."""
+        self._aloop = asyncio.get_running_loop()
+        try:
+            self.request_ids = self._loop.submit(submissions, self._sink)
+        except QueueFullError as exc:
+            raise ApiError(429, str(exc), type="rate_limit_error", code="queue_full") from exc
+        except LoopClosedError as exc:
+            raise ApiError(503, str(exc), type="server_error", code="shutting_down") from exc
+        self._open = set(self.request_ids)
+        waiting = set(self.request_ids)
+        while waiting:
+            event = await self._queue.get()
+            if isinstance(event, Finished) and event.error is not None:
+                self._open.discard(event.request_id)
+                self.abort()
+                raise error_of(event)
+            if isinstance(event, (Started, Finished)):
+                waiting.discard(event.request_id)
+            if not isinstance(event, Started):
+                self._backlog.append(event)
+
+    async def events(self) -> AsyncIterator[Delta | Finished]:
+        """Every :class:`Delta` and :class:`Finished` until each request has ended."""
+        while self._open:
+            event = self._backlog.popleft() if self._backlog else await self._queue.get()
+            if isinstance(event, Started):
+                continue
+            if isinstance(event, Finished):
+                self._open.discard(event.request_id)
+            yield event
+
+    def abort(self) -> bool:
+        """Abort the requests that have not ended; returns whether there were any."""
+        for request_id in self._open:
+            self._loop.abort(request_id)
+        had = bool(self._open)
+        self._open.clear()
+        return had
+
+    def _sink(self, event: LoopEvent) -> None:  # the loop thread
+        assert self._aloop is not None
+        self._aloop.call_soon_threadsafe(self._queue.put_nowait, event)

@@ -1,0 +1,477 @@
+"""EngineLoop: the one thread that owns an :class:`~pagedcore.adapters.transformers.Engine`.
+
+Every engine mutation happens on this thread: requests and aborts from other threads are queued as commands and
+applied between steps, then :meth:`Engine.step_events` runs and each token event goes to its request's *sink* (a
+callable given with the request, called on the loop thread: an HTTP server hands it to its event loop with
+``call_soon_threadsafe``; a Ray replica could put it on any queue). Nothing here knows about HTTP, so the loop can
+be wrapped by other front ends.
+
+Each request ends with exactly one :class:`Finished` event, whatever happens: finished, rejected by the engine,
+aborted, failed in a step, or cut short by :meth:`EngineLoop.stop`. Stop strings are applied here
+(:class:`~pagedcore.serve.stops.StopChecker`), so a request whose samples all stopped is aborted before the next
+step computes anything more for it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
+
+from pagedcore.errors import PagedCoreError
+
+from .stops import StopChecker
+
+if TYPE_CHECKING:
+    from pagedcore.adapters.transformers import Engine, EngineStats, RequestOutput, SamplingParams, TokenEvent
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "Delta",
+    "EngineLoop",
+    "Finished",
+    "LoopClosedError",
+    "LoopEvent",
+    "LoopStats",
+    "QueueFullError",
+    "Started",
+    "Submission",
+]
+
+
+class QueueFullError(PagedCoreError):
+    """More requests wait than the loop's ``max_queue`` allows; nothing was queued."""
+
+
+class LoopClosedError(PagedCoreError):
+    """The loop was stopped: it takes no new requests."""
+
+
+@dataclass(frozen=True)
+class Submission:
+    """One request for the loop.
+
+    Args:
+        prompt: text (the engine's tokenizer encodes it) or token ids.
+        params: sampling parameters (validated by the caller when it built them).
+        namespace: prefix-cache namespace (the tenant); never chosen by a client.
+        stop: stop strings; the text ends before the first one that appears.
+        stop_token_ids: token ids that stop a sample as well (the ids of stop strings that are one token).
+
+    Example:
+        >>> from pagedcore.adapters.transformers import SamplingParams
+        >>> Submission([5, 6, 7], SamplingParams(max_new_tokens=4), stop=("\\n",)).stop
+        ('\\n',)
+    """
+
+    prompt: str | Sequence[int]
+    params: SamplingParams
+    namespace: Hashable = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: frozenset[int] = frozenset()
+
+
+@dataclass(frozen=True)
+class Started:
+    """The engine accepted the request (sent before any :class:`Delta`).
+
+    Example:
+        >>> Started("r0").request_id
+        'r0'
+    """
+
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Delta:
+    """New text of one sample; ``finish_reason`` ("stop" or "length") is set on the sample's last delta.
+
+    Example:
+        >>> Delta("r0", 0, "Hi", "stop").finish_reason
+        'stop'
+    """
+
+    request_id: str
+    sample: int
+    text: str
+    finish_reason: str | None = None
+
+
+@dataclass(frozen=True)
+class Finished:
+    """The last event of every request.
+
+    Attributes:
+        request_id: the request.
+        prompt_tokens: prompt length in tokens (0 when the engine rejected it).
+        completion_tokens: tokens generated per sample (up to and including a stop).
+        finish_reasons: per sample: "stop", "length", or None when the request failed or was aborted.
+        error: why the request did not finish, else None.
+        error_kind: "invalid" (the engine rejected it: bad input), "failed" (a step or the model failed),
+            "aborted" (:meth:`EngineLoop.abort`) or "shutdown" (:meth:`EngineLoop.stop`); None on success.
+
+    Example:
+        >>> Finished("r0", 3, (2,), ("length",)).error is None
+        True
+    """
+
+    request_id: str
+    prompt_tokens: int
+    completion_tokens: tuple[int, ...]
+    finish_reasons: tuple[str | None, ...]
+    error: str | None = None
+    error_kind: str | None = None
+
+
+LoopEvent = Started | Delta | Finished
+Sink = Callable[[LoopEvent], None]
+
+
+@dataclass(frozen=True)
+class LoopStats:
+    """A snapshot the loop publishes after each step (safe to read from any thread).
+
+    Attributes:
+        engine: the engine's counters (:class:`~pagedcore.adapters.transformers.EngineStats`).
+        num_waiting: requests not yet running (queued in the loop or waiting in the scheduler).
+        num_running: sequences running in the scheduler.
+        num_used_blocks / num_blocks: KV blocks held by sequences / in the pool (summed over KV groups).
+        num_prompt_tokens: prompt tokens of the requests that ended so far.
+        num_failed_steps: steps that raised (their requests failed; the loop kept serving).
+
+    Example:
+        >>> from pagedcore.adapters.transformers import EngineStats
+        >>> stats = LoopStats(EngineStats(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0.0, 0, 0, 0.0), 0, 0, 0, 64, 0, 0)
+        >>> stats.num_blocks
+        64
+    """
+
+    engine: EngineStats
+    num_waiting: int
+    num_running: int
+    num_used_blocks: int
+    num_blocks: int
+    num_prompt_tokens: int
+    num_failed_steps: int
+
+
+@dataclass(frozen=True)
+class _Add:
+    request_id: str
+    submission: Submission
+    sink: Sink
+
+
+@dataclass(frozen=True)
+class _Abort:
+    request_id: str
+
+
+@dataclass
+class _Sample:
+    checker: StopChecker
+    num_tokens: int = 0
+    reason: str | None = None
+
+
+@dataclass
+class _Live:
+    sink: Sink
+    samples: list[_Sample] = field(default_factory=list)
+
+
+class EngineLoop:
+    """Runs an Engine's step loop on a background thread and routes its events to per-request sinks.
+
+    Args:
+        engine: the engine; from :meth:`start` on, only the loop thread touches it.
+        max_queue: requests that may wait (queued here or in the scheduler) before :meth:`submit` raises
+            :class:`QueueFullError`.
+
+    Example:
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> from pagedcore.adapters.transformers import Engine, SamplingParams
+        >>> model = LlamaForCausalLM(LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+        ...     num_hidden_layers=1, intermediate_size=128, vocab_size=100)).eval()
+        >>> events, done = [], threading.Event()
+        >>> def sink(event):
+        ...     events.append(event)
+        ...     if isinstance(event, Finished):
+        ...         done.set()
+        >>> with Engine(model, num_blocks=16, block_size=8) as engine:
+        ...     loop = EngineLoop(engine)
+        ...     loop.start()
+        ...     ids = loop.submit([Submission([1, 2, 3], SamplingParams(max_new_tokens=3))], sink)
+        ...     _ = done.wait(60)
+        ...     loop.stop()
+        >>> events[-1].completion_tokens, events[-1].finish_reasons
+        ((3,), ('length',))
+    """
+
+    def __init__(self, engine: Engine, *, max_queue: int = 512) -> None:
+        if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 0:
+            raise ValueError(f"max_queue must be an integer >= 0, got {max_queue!r}")
+        self._engine = engine
+        self._max_queue = max_queue
+        self._cond = threading.Condition(threading.Lock())
+        self._commands: list[_Add | _Abort] = []
+        self._num_pending = 0  # _Add commands not yet applied
+        self._num_waiting = 0  # the scheduler's waiting requests, as of the last publish
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._ids = itertools.count()
+        self._live: dict[str, _Live] = {}  # loop thread only
+        self._listeners: list[Callable[[float], None]] = []
+        self._num_prompt_tokens = 0
+        self._num_failed_steps = 0
+        self._stats = self._snapshot()
+
+    # ------------------------------------------------------------------ any thread
+    @property
+    def engine(self) -> Engine:
+        """The engine (touch it only through the loop once it runs)."""
+        return self._engine
+
+    @property
+    def max_queue(self) -> int:
+        """Bound on waiting requests."""
+        return self._max_queue
+
+    @property
+    def stats(self) -> LoopStats:
+        """The latest published :class:`LoopStats`, with the number of waiting requests as of now."""
+        with self._cond:
+            waiting = self._num_pending + self._num_waiting
+        return replace(self._stats, num_waiting=waiting)
+
+    @property
+    def is_running(self) -> bool:
+        """Whether the loop thread is alive and not stopping."""
+        return self._thread is not None and self._thread.is_alive() and not self._stopping
+
+    def add_step_listener(self, listener: Callable[[float], None]) -> None:
+        """Call ``listener(seconds)`` on the loop thread after every engine step (e.g. a histogram)."""
+        self._listeners.append(listener)
+
+    def submit(self, submissions: Sequence[Submission], sink: Sink) -> list[str]:
+        """Queue requests (all or none); returns their ids. Each gets :class:`Started` or a :class:`Finished`
+        with an error, then its deltas and one :class:`Finished`, all through ``sink`` on the loop thread.
+
+        Raises :class:`QueueFullError` when they would take the waiting requests over ``max_queue``, and
+        :class:`LoopClosedError` after :meth:`stop`.
+        """
+        with self._cond:
+            if self._stopping:
+                raise LoopClosedError("the server is shutting down")
+            waiting = self._num_pending + self._num_waiting
+            if waiting + len(submissions) > self._max_queue:
+                raise QueueFullError(
+                    f"{waiting} requests are waiting; {len(submissions)} more would exceed the queue bound of "
+                    f"{self._max_queue}: retry later"
+                )
+            ids = [f"req-{next(self._ids)}" for _ in submissions]
+            self._commands.extend(_Add(rid, sub, sink) for rid, sub in zip(ids, submissions))
+            self._num_pending += len(submissions)
+            self._cond.notify()
+        return ids
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (idempotent; unknown or finished ids are ignored). Its blocks go back before the next
+        step; its sink gets a :class:`Finished` with ``error_kind="aborted"``."""
+        with self._cond:
+            if self._stopping:
+                return
+            self._commands.append(_Abort(request_id))
+            self._cond.notify()
+
+    def start(self) -> None:
+        """Start the loop thread."""
+        with self._cond:
+            if self._thread is not None or self._stopping:
+                raise LoopClosedError("an EngineLoop starts once")
+            self._thread = threading.Thread(target=self._run, name="pagedcore-engine-loop", daemon=True)
+            self._thread.start()
+
+    def stop(self, *, wait: bool = True, timeout: float | None = 30.0) -> None:
+        """Stop taking requests; every pending and running request ends with an error ("shutdown"). With
+        ``wait``, join the thread (it finishes its current step first)."""
+        with self._cond:
+            first = not self._stopping
+            self._stopping = True
+            self._cond.notify()
+            thread = self._thread
+        if thread is None:
+            if first:
+                self._shutdown()  # never started: fail what was queued, here
+            return
+        if wait and thread is not threading.current_thread():
+            thread.join(timeout)
+            if thread.is_alive():
+                logger.warning("pagedcore: the engine loop did not stop within %s s", timeout)
+
+    # ------------------------------------------------------------------ loop thread
+    def _run(self) -> None:
+        idle_after_failure = False
+        while True:
+            busy = self._engine.has_unfinished() and not idle_after_failure
+            with self._cond:
+                while not self._commands and not self._stopping and not busy:
+                    self._cond.wait()
+                if self._stopping:
+                    break
+                commands, self._commands = self._commands, []
+            if commands:
+                idle_after_failure = False
+                self._apply(commands)
+            if self._engine.has_unfinished() and not idle_after_failure:
+                idle_after_failure = not self._step()
+            self._publish()
+        self._shutdown()
+
+    def _apply(self, commands: list[_Add | _Abort]) -> None:
+        for command in commands:
+            if isinstance(command, _Add):
+                self._add(command)
+            else:
+                self._abort(command.request_id)
+
+    def _add(self, command: _Add) -> None:
+        rid, sub = command.request_id, command.submission
+        try:
+            self._engine.add_request(sub.prompt, sub.params, request_id=rid, namespace=sub.namespace)
+        except PagedCoreError as exc:
+            _send(command.sink, Finished(rid, 0, (), (), str(exc), "invalid"))
+        except Exception as exc:  # a broken tokenizer or engine: this request fails, the loop goes on
+            logger.exception("pagedcore: add_request failed")
+            _send(command.sink, Finished(rid, 0, (), (), f"{type(exc).__name__}: {exc}", "failed"))
+        else:
+            samples = [_Sample(StopChecker(sub.stop, sub.stop_token_ids)) for _ in range(sub.params.n)]
+            self._live[rid] = _Live(command.sink, samples)
+            _send(command.sink, Started(rid))
+        finally:
+            with self._cond:
+                self._num_pending -= 1
+
+    def _abort(self, request_id: str, error: str = "aborted", kind: str = "aborted") -> None:
+        live = self._live.pop(request_id, None)
+        if live is None:
+            return
+        output: RequestOutput | None
+        try:
+            output = self._engine.abort(request_id)
+        except Exception:  # already gone from the engine: nothing holds its blocks
+            output = None
+        self._end(live, request_id, output, error, kind)
+
+    def _step(self) -> bool:
+        started = time.perf_counter()
+        try:
+            result = self._engine.step_events()
+        except Exception as exc:
+            logger.exception("pagedcore: an engine step failed; failing its requests and serving on")
+            self._num_failed_steps += 1
+            for request_id in list(self._live):
+                self._abort(request_id, f"the engine step failed: {type(exc).__name__}: {exc}", "failed")
+            return False
+        elapsed = time.perf_counter() - started
+        for listener in self._listeners:
+            try:
+                listener(elapsed)
+            except Exception:
+                logger.exception("pagedcore: a step listener failed")
+        for event in result.events:
+            self._route(event)
+        for output in result.finished:
+            live = self._live.pop(output.request_id, None)
+            if live is not None:
+                self._end(live, output.request_id, output, output.error, "failed" if output.error else None)
+        return True
+
+    def _route(self, event: TokenEvent) -> None:
+        live = self._live.get(event.request_id)
+        if live is None:
+            return
+        sample = live.samples[event.sample]
+        if sample.reason is not None:
+            return  # stopped here already: the engine's later tokens of this sample are dropped
+        text, stopped = "", False
+        if event.token_id is not None:
+            sample.num_tokens += 1
+            text, stopped = sample.checker.feed(event.text or "", event.token_id)
+        reason = "stop" if stopped else event.finish_reason
+        if reason is None:
+            if text:
+                _send(live.sink, Delta(event.request_id, event.sample, text))
+            return
+        sample.reason = reason
+        if reason in ("abort", "error"):
+            return  # reported by the request's Finished
+        if not stopped:
+            text += sample.checker.flush()
+        _send(live.sink, Delta(event.request_id, event.sample, text, reason))
+        if stopped and all(s.reason is not None for s in live.samples):
+            # Every sample is done but the engine would go on generating the ones our stop strings ended.
+            try:
+                output = self._engine.abort(event.request_id)
+            except PagedCoreError:
+                return  # the engine finished it in this step too: its output comes with the step's results
+            self._live.pop(event.request_id, None)
+            self._end(live, event.request_id, output, None, None)
+
+    def _end(
+        self, live: _Live, request_id: str, output: RequestOutput | None, error: str | None, kind: str | None
+    ) -> None:
+        reasons: list[str | None] = []
+        for index, sample in enumerate(live.samples):
+            reason = sample.reason
+            if reason is None and output is not None:
+                reason = output.samples[index].finish_reason  # e.g. max_tokens=0 finishes without events
+            reasons.append(reason if reason in ("stop", "length") and error is None else None)
+        prompt_tokens = len(output.prompt_token_ids) if output is not None else 0
+        self._num_prompt_tokens += prompt_tokens
+        tokens = tuple(s.num_tokens for s in live.samples)
+        _send(live.sink, Finished(request_id, prompt_tokens, tokens, tuple(reasons), error, kind))
+
+    def _publish(self) -> None:
+        self._stats = self._snapshot()
+
+    def _snapshot(self) -> LoopStats:
+        engine = self._engine
+        waiting = engine.scheduler.num_waiting
+        with self._cond:
+            self._num_waiting = waiting
+            pending = self._num_pending
+        return LoopStats(
+            engine=engine.stats(),
+            num_waiting=pending + waiting,
+            num_running=engine.scheduler.num_running,
+            num_used_blocks=engine.pool.kv.num_used_blocks,
+            num_blocks=engine.pool.kv.num_blocks * len(engine.pool.kv.groups),
+            num_prompt_tokens=self._num_prompt_tokens,
+            num_failed_steps=self._num_failed_steps,
+        )
+
+    def _shutdown(self) -> None:
+        with self._cond:
+            commands, self._commands = self._commands, []
+        for command in commands:
+            if isinstance(command, _Add):
+                _send(command.sink, Finished(command.request_id, 0, (), (), "the server is shutting down", "shutdown"))
+                with self._cond:
+                    self._num_pending -= 1
+        for request_id in list(self._live):
+            self._abort(request_id, "the server is shutting down", "shutdown")
+        self._publish()
+
+
+def _send(sink: Sink, event: LoopEvent) -> None:
+    try:
+        sink(event)
+    except Exception:  # e.g. the client's event loop is closed: its request is over anyway
+        logger.debug("pagedcore: a request's sink failed", exc_info=True)

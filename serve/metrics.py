@@ -1,0 +1,115 @@
+"""Prometheus metrics of one server, in a registry of its own (never the process-global one).
+
+Engine counters and gauges are read at scrape time from the loop's last published :class:`LoopStats`; the step
+time histogram is fed by the loop thread; request outcomes are counted by the HTTP layer.
+
+=========================================  =======  ====================================================
+metric                                     type     meaning
+=========================================  =======  ====================================================
+``pagedcore_requests_total{status}``       counter  HTTP requests by outcome: finished, aborted (the client
+                                                    left), failed (the engine failed), invalid, unauthorized,
+                                                    overloaded (429), unavailable (shutting down)
+``pagedcore_prompt_tokens_total``          counter  prompt tokens of the engine requests that ended
+``pagedcore_generation_tokens_total``      counter  tokens the engine sampled
+``pagedcore_prefix_cache_queries_total``   counter  prompt tokens looked up in the prefix cache
+``pagedcore_prefix_cache_hits_total``      counter  prompt tokens served by the prefix cache (hit rate =
+                                                    hits / queries)
+``pagedcore_preemptions_total``            counter  sequences preempted (recomputed later)
+``pagedcore_failed_steps_total``           counter  engine steps that raised (their requests failed)
+``pagedcore_kv_blocks_used``               gauge    KV blocks held by running sequences
+``pagedcore_kv_blocks``                    gauge    KV blocks in the pool
+``pagedcore_kv_usage``                     gauge    fraction of blocks in use (highest over KV groups)
+``pagedcore_requests_waiting``             gauge    requests queued, not yet running
+``pagedcore_requests_running``             gauge    sequences running
+``pagedcore_step_seconds``                 histo.   duration of one engine step
+=========================================  =======  ====================================================
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from .loop import EngineLoop
+
+__all__ = ["CONTENT_TYPE", "REQUEST_STATUSES", "ServeMetrics"]
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+REQUEST_STATUSES = ("finished", "aborted", "failed", "invalid", "unauthorized", "overloaded", "unavailable")
+_STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class ServeMetrics:
+    """The metrics of one server (see the module docstring for the list).
+
+    Args:
+        loop: the engine loop whose statistics are exported; its steps feed the step time histogram.
+
+    Example:
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> from pagedcore.adapters.transformers import Engine
+        >>> model = LlamaForCausalLM(LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+        ...     num_hidden_layers=1, intermediate_size=128, vocab_size=100)).eval()
+        >>> with Engine(model, num_blocks=16, block_size=8) as engine:
+        ...     metrics = ServeMetrics(EngineLoop(engine))
+        ...     metrics.count("invalid")
+        ...     text = metrics.render().decode()
+        >>> 'pagedcore_requests_total{status="invalid"} 1.0' in text, "pagedcore_kv_blocks 16.0" in text
+        (True, True)
+    """
+
+    def __init__(self, loop: EngineLoop) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._requests = Counter("pagedcore_requests", "HTTP requests by outcome", ["status"], registry=self.registry)
+        for status in REQUEST_STATUSES:
+            self._requests.labels(status=status)  # every status is exported from the start, at 0
+        self._step = Histogram(
+            "pagedcore_step_seconds", "Duration of one engine step", buckets=_STEP_BUCKETS, registry=self.registry
+        )
+        self.registry.register(_LoopCollector(loop))
+        loop.add_step_listener(self._step.observe)
+
+    def count(self, status: str) -> None:
+        """Count one request with this outcome (one of :data:`REQUEST_STATUSES`)."""
+        if status not in REQUEST_STATUSES:
+            raise ValueError(f"unknown request status {status!r}; expected one of {REQUEST_STATUSES}")
+        self._requests.labels(status=status).inc()
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric."""
+        return generate_latest(self.registry)
+
+
+class _LoopCollector(Collector):
+    def __init__(self, loop: EngineLoop) -> None:
+        self._loop = loop
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._loop.stats
+        engine = stats.engine
+        counters = [
+            ("pagedcore_prompt_tokens", "Prompt tokens of the engine requests that ended", stats.num_prompt_tokens),
+            ("pagedcore_generation_tokens", "Tokens the engine sampled", engine.generated_tokens),
+            (
+                "pagedcore_prefix_cache_queries",
+                "Prompt tokens looked up in the prefix cache",
+                engine.prefix_query_tokens,
+            ),
+            ("pagedcore_prefix_cache_hits", "Prompt tokens served by the prefix cache", engine.prefix_hit_tokens),
+            ("pagedcore_preemptions", "Sequences preempted (recomputed later)", engine.num_preemptions),
+            ("pagedcore_failed_steps", "Engine steps that raised", stats.num_failed_steps),
+        ]
+        for name, doc, value in counters:
+            yield CounterMetricFamily(name, doc, value=value)
+        gauges = [
+            ("pagedcore_kv_blocks_used", "KV blocks held by running sequences", stats.num_used_blocks),
+            ("pagedcore_kv_blocks", "KV blocks in the pool", stats.num_blocks),
+            ("pagedcore_kv_usage", "Fraction of KV blocks in use (highest over KV groups)", engine.kv_usage),
+            ("pagedcore_requests_waiting", "Requests queued, not yet running", stats.num_waiting),
+            ("pagedcore_requests_running", "Sequences running", stats.num_running),
+        ]
+        for name, doc, level in gauges:
+            yield GaugeMetricFamily(name, doc, value=level)

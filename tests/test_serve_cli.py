@@ -1,0 +1,123 @@
+"""`pagedcore serve` as a command: cheap to import, serves the built-in model, stops cleanly on Ctrl-C / SIGTERM."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from pagedcore.cli import main
+
+
+def test_the_command_line_imports_no_server_or_model_library():
+    code = (
+        "import sys, pagedcore.cli; pagedcore.cli._parser();"
+        "print(sorted(m for m in ('torch', 'transformers', 'fastapi', 'uvicorn', 'prometheus_client', 'starlette')"
+        " if m in sys.modules))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--port", "70000"], "--port must be in 0..65535"),
+        (["--max-queue", "-1"], "--max-queue must be >= 0"),
+        (["--threads", "0"], "--threads must be >= 1"),
+        (["--api-keys", "/nonexistent/keys.txt"], "cannot read the API key file"),
+    ],
+)
+def test_bad_arguments_exit_with_code_2(argv, message, capsys):
+    assert main(["serve", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def wait_healthy(url: str, alive) -> None:
+    deadline = time.monotonic() + 180
+    while True:
+        assert alive(), "the server exited"
+        try:
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "the server did not come up"
+        time.sleep(0.1)
+
+
+BODY = {"model": "pagedcore-builtin", "prompt": "Hello", "max_tokens": 3, "temperature": 0}
+
+
+def test_serve_in_process_until_ctrl_c(one_thread, capsys):
+    port = free_port()
+    statuses: list[int] = []
+
+    def client() -> None:
+        try:
+            wait_healthy(f"http://127.0.0.1:{port}", lambda: True)
+            statuses.append(httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=BODY, timeout=60).status_code)
+        finally:
+            os.kill(os.getpid(), signal.SIGINT)  # what Ctrl-C sends; uvicorn shuts down, run() returns
+
+    thread = threading.Thread(target=client)
+    thread.start()
+    code = main(["serve", "--port", str(port), "--num-blocks", "64"])
+    thread.join(60)
+    assert code == 0 and statuses == [200]
+    assert "no --model given: serving the built-in" in capsys.readouterr().err
+
+
+def test_serve_as_a_process_with_api_keys_until_sigterm(tmp_path):
+    port = free_port()
+    keys = tmp_path / "keys.txt"
+    keys.write_text("sk-test tenant-a\n")
+    command = [sys.executable, "-m", "pagedcore", "serve", "--port", str(port), "--num-blocks", "64", "--threads", "1"]
+    process = subprocess.Popen(
+        [*command, "--api-keys", str(keys)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, lambda: process.poll() is None)
+        assert httpx.post(f"{url}/v1/completions", json=BODY, timeout=60).status_code == 401
+        headers = {"Authorization": "Bearer sk-test"}
+        response = httpx.post(f"{url}/v1/completions", json=BODY, headers=headers, timeout=60)
+        assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 3
+        process.send_signal(signal.SIGTERM)
+        _, err = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+    assert process.returncode == 0, err
+    assert f"http://127.0.0.1:{port}/v1" in err and "1 API keys" in err
+
+
+def test_the_load_example_reports_its_figures(one_thread, capsys):
+    path = Path(__file__).resolve().parent.parent / "examples" / "serve_load.py"
+    spec = importlib.util.spec_from_file_location("example_serve_load", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    assert module.main(["--requests", "4", "--concurrency", "2", "--max-tokens", "3", "--json"]) == 0
+    (row,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert row["server"] == "pagedcore serve" and row["requests"] == 4
+    assert row["requests_per_s"] > 0 and row["ttft_p50_s"] <= row["latency_p50_s"]
+    assert row["prefix_hit_rate"] > 0  # the four prompts share the system prompt

@@ -1,0 +1,239 @@
+"""The server's pure parts: stop strings, API keys, request parsing, chat rendering."""
+
+from __future__ import annotations
+
+import hmac
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pagedcore.adapters.transformers.builtin import builtin_tokenizer
+from pagedcore.serve import auth
+from pagedcore.serve.auth import ApiKeys, ApiKeysError
+from pagedcore.serve.prompts import ChatRenderer, completion_prompts, plain_chat_prompt
+from pagedcore.serve.protocol import (
+    ApiError,
+    ChatMessage,
+    ChatRequest,
+    CompletionRequest,
+    parse_request,
+    sampling_params,
+    stop_strings,
+)
+from pagedcore.serve.stops import StopChecker
+
+
+# ---------------------------------------------------------------------- stop strings
+def first_stop(text: str, stops: list[str]) -> int | None:
+    """Oracle: where the text is cut: at the stop string that completes first (earliest start on a tie)."""
+    for end in range(1, len(text) + 1):
+        starts = [end - len(s) for s in stops if end >= len(s) and text[end - len(s) : end] == s]
+        if starts:
+            return min(starts)
+    return None
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    pieces=st.lists(st.text(alphabet="abc\n", max_size=4), max_size=12),
+    stops=st.lists(st.text(alphabet="abc\n", min_size=1, max_size=4), max_size=3),
+)
+def test_stop_checker_releases_exactly_the_text_before_the_first_stop(pieces, stops):
+    checker = StopChecker(stops)
+    sent, stopped = "", False
+    for piece in pieces:
+        out, stopped = checker.feed(piece)
+        sent += out
+        if stopped:
+            break
+    else:
+        sent += checker.flush()
+    text = "".join(pieces)
+    cut = first_stop(text, stops)
+    if cut is None:
+        assert not stopped and sent == text
+    else:
+        assert stopped and sent == text[:cut] == checker.text
+        for s in stops:
+            assert s not in sent
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    pieces=st.lists(st.text(alphabet="ab", max_size=3), min_size=1, max_size=10),
+    stops=st.lists(st.text(alphabet="ab", min_size=1, max_size=3), min_size=1, max_size=2),
+)
+def test_stop_checker_never_sends_a_prefix_that_becomes_a_stop(pieces, stops):
+    checker = StopChecker(stops)
+    sent = ""
+    for piece in pieces:
+        out, stopped = checker.feed(piece)
+        sent += out
+        if stopped:
+            break
+        # What was sent is final: it is a prefix of the text wherever the stop string turns up later.
+        assert checker.text.startswith(sent)
+        assert len(checker.text) - len(sent) <= max(len(s) for s in stops) - 1
+
+
+def test_a_stop_token_that_decodes_to_nothing_stops_by_id():
+    checker = StopChecker(["<|end|>"], stop_token_ids={7})
+    assert checker.feed("Hello", 5) == ("", False)
+    assert checker.feed("", 7) == ("Hello", True)  # special tokens decode to "" (skip_special_tokens)
+    assert checker.feed("more", 8) == ("", True)
+
+
+def test_without_stop_strings_text_is_sent_at_once():
+    checker = StopChecker()
+    assert checker.feed("abc") == ("abc", False)
+    assert checker.flush() == ""
+
+
+def test_empty_stop_strings_are_refused():
+    with pytest.raises(ValueError, match="non-empty"):
+        StopChecker([""])
+
+
+# ---------------------------------------------------------------------- API keys
+def test_key_files_in_text_and_json(tmp_path):
+    text = tmp_path / "keys.txt"
+    text.write_text("# comment\n\nsk-a  team-a\n  sk-b\tteam-b  \nsk-c team-a\n")
+    keys = ApiKeys.from_file(text)
+    assert len(keys) == 3
+    assert [keys.tenant(f"Bearer {k}") for k in ("sk-a", "sk-b", "sk-c")] == ["team-a", "team-b", "team-a"]
+    assert keys.tenant("bearer sk-a") == "team-a" and keys.tenant("  Bearer   sk-b ") == "team-b"
+    for header in (None, "", "sk-a", "Basic sk-a", "Bearer", "Bearer sk-", "Bearer sk-a2", "Bearer SK-A"):
+        assert keys.tenant(header) is None, header
+    as_json = tmp_path / "keys.json"
+    as_json.write_text(json.dumps({"sk-x": "x", "sk-y": "y"}))
+    assert ApiKeys.from_file(as_json).tenant("Bearer sk-y") == "y"
+
+
+@pytest.mark.parametrize(
+    ("content", "match"),
+    [
+        ("sk-a\n", "line 1: expected 'KEY TENANT'"),
+        ("sk-a t1 extra\n", "line 1"),
+        ("sk-a t1\nsk-a t2\n", "line 2: this key appears twice"),
+        ("# nothing\n", "no API keys"),
+        ('{"sk-a": 5}', "tenant"),
+        ('{"sk-a": "  "}', "tenant"),
+        ('{"": "t"}', "non-empty"),
+        ("[1]", "line 1"),
+        ("{not json", "not valid JSON"),
+    ],
+)
+def test_bad_key_files_name_the_problem(tmp_path, content, match):
+    path = tmp_path / "keys"
+    path.write_text(content)
+    with pytest.raises(ApiKeysError, match=match):
+        ApiKeys.from_file(path)
+
+
+def test_a_missing_key_file_is_a_clear_error(tmp_path):
+    with pytest.raises(ApiKeysError, match="cannot read"):
+        ApiKeys.from_file(tmp_path / "absent")
+
+
+def test_every_key_is_compared_whichever_matches(monkeypatch):
+    keys = ApiKeys({f"sk-{i}": f"t{i}" for i in range(5)})
+    calls = []
+    real = hmac.compare_digest
+
+    def counting(a, b):
+        calls.append(1)
+        return real(a, b)
+
+    monkeypatch.setattr(auth.hmac, "compare_digest", counting)
+    for header in ("Bearer sk-0", "Bearer sk-4", "Bearer nope"):
+        calls.clear()
+        keys.tenant(header)
+        assert len(calls) == 5, header
+
+
+# ---------------------------------------------------------------------- request bodies
+def test_no_op_values_of_unsupported_fields_are_accepted():
+    body = {"model": "m", "prompt": "x", "logprobs": None, "echo": False, "best_of": 1, "presence_penalty": 0.0}
+    body.update(frequency_penalty=0, logit_bias={}, suffix=None, user="u", some_future_field=[1])
+    request = parse_request(CompletionRequest, json.dumps(body).encode())
+    assert request.prompt == "x"
+    for field, value in [("best_of", True), ("echo", 0), ("logprobs", 0), ("presence_penalty", 0.1)]:
+        with pytest.raises(ApiError, match=field):
+            parse_request(CompletionRequest, json.dumps({**body, field: value}).encode())
+
+
+def test_openai_defaults_are_sampling_at_temperature_one():
+    request = CompletionRequest.model_validate({"model": "m", "prompt": "x"})
+    params = sampling_params(request, 16)
+    assert (params.temperature, params.top_p, params.n, params.max_new_tokens) == (1.0, 1.0, 1, 16)
+    assert not params.is_greedy
+
+
+def test_engine_parameter_errors_use_the_openai_names():
+    request = CompletionRequest.model_validate({"model": "m", "prompt": "x"})
+    with pytest.raises(ApiError, match=r"^max_tokens must be an integer >= 0, got -2$") as caught:
+        sampling_params(request, -2)
+    assert caught.value.param == "max_tokens" and caught.value.status == 400
+
+
+def test_stop_accepts_a_string_or_a_list():
+    def stops(value):
+        return stop_strings(CompletionRequest.model_validate({"model": "m", "prompt": "x", "stop": value}))
+
+    assert stops(None) == () and stops("a") == ("a",) and stops(["a", "bc"]) == ("a", "bc")
+
+
+def test_chat_max_completion_tokens_wins_over_max_tokens():
+    messages = [{"role": "user", "content": "hi"}]
+    request = ChatRequest.model_validate({"model": "m", "messages": messages, "max_tokens": 5})
+    assert request.max_new_tokens(default=99) == 5
+    request = ChatRequest.model_validate(
+        {"model": "m", "messages": messages, "max_tokens": 5, "max_completion_tokens": 7}
+    )
+    assert request.max_new_tokens(default=99) == 7
+
+
+def test_completion_prompt_forms():
+    assert completion_prompts("a") == ["a"]
+    assert completion_prompts([1, 2]) == [[1, 2]]
+    assert completion_prompts([[1], [2, 3]]) == [[1], [2, 3]]
+    assert completion_prompts(["a", "b"]) == ["a", "b"]
+    with pytest.raises(ApiError, match="empty"):
+        completion_prompts([])
+
+
+# ---------------------------------------------------------------------- chat rendering
+def test_the_plain_template_joins_text_parts():
+    message = ChatMessage.model_validate(
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}
+    )
+    assert plain_chat_prompt([message]) == "user: ab\nassistant:"
+
+
+def test_a_tokenizer_chat_template_is_used_when_there_is_one():
+    tokenizer = builtin_tokenizer()
+    tokenizer.chat_template = (
+        "{{ bos_token }}{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}"
+        "{% if add_generation_prompt %}[assistant]{% endif %}"
+    )
+    renderer = ChatRenderer(tokenizer)
+    assert renderer.uses_template
+    messages = [ChatMessage(role="developer", content="Be brief."), ChatMessage(role="user", content="Hi")]
+    ids = renderer.render(messages)
+    assert ids[0] == tokenizer.bos_token_id and ids.count(tokenizer.bos_token_id) == 1  # no second bos
+    assert tokenizer.decode(ids, skip_special_tokens=True) == "[system]Be brief.[user]Hi[assistant]"
+
+
+def test_a_chat_template_that_refuses_the_messages_is_a_400():
+    tokenizer = builtin_tokenizer()
+    tokenizer.chat_template = "{{ raise_exception('roles must alternate') }}"
+    with pytest.raises(ApiError, match="roles must alternate") as caught:
+        ChatRenderer(tokenizer).render([ChatMessage(role="user", content="Hi")])
+    assert caught.value.status == 400 and caught.value.param == "messages"
+
+
+def test_stop_strings_that_are_special_tokens_match_by_id():
+    renderer = ChatRenderer(builtin_tokenizer())
+    assert renderer.stop_token_ids(["</s>", "<s>", "a", "</s>x"]) == frozenset({1, 2})
