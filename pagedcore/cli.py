@@ -28,7 +28,7 @@ from pagedcore.benchmarks.options import add_arguments as add_bench_arguments
 from pagedcore.benchmarks.options import options_from as bench_options
 from pagedcore.errors import PagedCoreError, PluginError
 
-__all__ = ["main"]
+__all__ = ["load_model", "main"]
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_UNAVAILABLE = 0, 1, 2, 3
 
@@ -175,7 +175,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     else:
-        model, tokenizer = _load(args.model, dtype)
+        model, tokenizer = load_model(args.model, dtype)
     model.to(device=device, dtype=dtype)
     if args.attn:
         model.set_attn_implementation(args.attn)
@@ -292,7 +292,18 @@ def _read_prompts(args: argparse.Namespace) -> list[str]:
     return [(system or "") + p for p in prompts]
 
 
-def _load(name: str, dtype: Any) -> tuple[Any, Any]:
+def load_model(name: str, dtype: Any) -> tuple[Any, Any]:
+    """``(model, tokenizer)`` of a checkpoint folder or hub name, for the subcommands' ``--model``.
+
+    Raises :class:`UsageError` (exit code 2, one line) for a path that holds no model or a checkpoint that cannot
+    be loaded.
+
+    Example:
+        >>> load_model("./no-such-model", None)
+        Traceback (most recent call last):
+        ...
+        pagedcore.cli.UsageError: --model './no-such-model': no such folder
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = Path(name).expanduser()

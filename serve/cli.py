@@ -144,7 +144,7 @@ def _check(args: argparse.Namespace, error: type[Exception]) -> None:
 def _model(args: argparse.Namespace, error: type[Exception]) -> tuple[Any, Any, str]:
     import torch
 
-    from pagedcore.cli import _load  # the `--model` loader of `pagedcore generate`
+    from pagedcore.cli import load_model  # the `--model` loader of `pagedcore generate`
 
     dtype = getattr(torch, args.dtype)
     model: Any
@@ -161,7 +161,7 @@ def _model(args: argparse.Namespace, error: type[Exception]) -> tuple[Any, Any, 
         )
         model, tokenizer, name = builtin_model(), builtin_tokenizer(), BUILTIN_NAME
     else:
-        model, tokenizer = _load(args.model, dtype, args.device)
+        model, tokenizer = load_model(args.model, dtype)
         name = args.model
     model.to(device=args.device, dtype=dtype)
     return model, tokenizer, name
