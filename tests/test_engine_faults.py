@@ -27,10 +27,13 @@ def model():
 def drain(engine: Engine) -> dict:
     """Step until nothing is left; returns what the steps reported, by request id (each reported once)."""
     done: dict = {}
-    while engine.has_unfinished():
+    for _ in range(1000):
+        if not engine.has_unfinished():
+            break
         for out in engine.step():
             assert out.request_id not in done, f"{out.request_id} reported twice"
             done[out.request_id] = out
+    assert not engine.has_unfinished(), "the step loop never ends"
     return done
 
 
@@ -196,6 +199,19 @@ def test_interleaved_streams_and_generate_each_get_all_their_tokens(model, one_t
         assert not engine.has_unfinished()
         settle(engine)
     assert got["a"] == want[0] and got["b"] == want[1] and generated.token_ids == want[2]
+
+
+def test_a_suspended_stream_keeps_its_requests_and_a_step_loop_still_ends(model, one_thread):
+    with Engine(model, num_blocks=64, block_size=4) as engine:
+        stream = engine.stream([[8, 9, 10]], SamplingParams(max_new_tokens=4))
+        tokens = [next(stream).token_id]
+        other = engine.add_request([5, 6, 7], SamplingParams(max_new_tokens=2))
+        done = drain(engine)  # runs the stream's request to its end too, but does not report it
+        assert set(done) == {other}
+        tokens += [e.token_id for e in stream if e.token_id is not None]  # the stream still gets all its tokens
+        assert not engine.has_unfinished()
+        settle(engine)
+    assert tokens == reference(model, [8, 9, 10], 4)[0]
 
 
 # ---------------------------------------------------------------- 8. one bad request among good ones

@@ -224,9 +224,10 @@ class Engine:
             return request.output
 
     def has_unfinished(self) -> bool:
-        """Whether any request is queued, running or finished but not yet reported."""
+        """Whether any request is queued or running, or finished and not yet reported by :meth:`step` (the requests
+        of a ``generate``/``stream`` call that is still waiting are reported by that call, not counted here)."""
         with self._lock:
-            return bool(self._requests or self._ready)
+            return bool(self._requests) or any(owner is None for owner, _ in self._ready)
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step and forward pass. Returns the requests that finished (and are not reported by a
