@@ -344,7 +344,7 @@ def sample_tokens(logits: torch.Tensor, params: SamplingParams, generators: Sequ
     return [int(torch.multinomial(probs, 1, generator=g)) for g in generators]
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class SampleRow:
     """One row of a step's logits to draw tokens from: a sequence that has computed all its known tokens.
 
@@ -398,9 +398,8 @@ def sample_rows(logits: torch.Tensor, rows: Sequence[SampleRow]) -> StepSamples:
     out = StepSamples()
     if not rows:
         return out
-    for i, row in enumerate(rows):
-        if row.params.return_logits:
-            out.logits[row.request_id] = logits[i].detach().cpu().clone()
+    for i in [i for i, row in enumerate(rows) if row.params.return_logits]:
+        out.logits[rows[i].request_id] = logits[i].detach().cpu().clone()  # before any masking
     masked = [(i, row.suppress) for i, row in enumerate(rows) if row.suppress]
     if masked:
         logits = logits.clone()
@@ -409,12 +408,13 @@ def sample_rows(logits: torch.Tensor, rows: Sequence[SampleRow]) -> StepSamples:
     # One batched argmax and finiteness check for the whole step instead of one small op per sequence.
     greedy = logits.argmax(dim=-1).tolist()
     finite = torch.isfinite(logits).any(dim=-1).tolist()
+    tokens = out.tokens
     for i, row in enumerate(rows):
-        if row.params.is_greedy and finite[i]:
-            out.tokens[row.request_id] = [greedy[i]] * len(row.generators)
+        if row.params.temperature == 0 and finite[i]:  # greedy
+            tokens[row.request_id] = [greedy[i]] * len(row.generators)
             continue
         try:
-            out.tokens[row.request_id] = sample_tokens(logits[i], row.params, row.generators)
+            tokens[row.request_id] = sample_tokens(logits[i], row.params, row.generators)
         except Exception as exc:  # one row's failure (e.g. no finite logit) fails that sequence only
             out.failed[row.request_id] = f"{type(exc).__name__}: {exc}"
     return out

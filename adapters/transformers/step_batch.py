@@ -219,13 +219,13 @@ def pack(
         positions.extend(range(item.start, item.end))
         if item.sample:
             logit_rows.append(len(tokens) - 1)
-            generators = (
-                request.generators[: item.num_samples]
-                if item.num_samples > 1
-                else [request.generators[seq.sample_index]]
-            )
-            early = seq.num_output_tokens < seq.min_new_tokens
-            suppress = tuple(sorted(seq.stop_token_ids)) if early else ()
+            if item.num_samples > 1:
+                generators = request.generators[: item.num_samples]
+            else:
+                generators = [request.generators[seq.sample_index]]
+            suppress: tuple[int, ...] = ()
+            if seq.min_new_tokens and seq.num_output_tokens < seq.min_new_tokens:
+                suppress = tuple(sorted(seq.stop_token_ids))
             rows.append(SampleRow(item.request_id, request.params, generators, suppress))
         item_tables, item_offsets, item_slots = item.block_tables, item.block_offsets, item.slots
         for g in range(len(groups)):
