@@ -10,7 +10,8 @@ thread aborts running requests while the model forward runs.
 After every step the BlockManager, trie and scheduler invariants hold and the Engine tracks exactly the requests the
 scheduler runs (no zombie). At the end nothing is unfinished and no block is held; every request was reported
 exactly once (by ``generate``, by its ``stream`` or by ``step()``); every greedy output that finished equals
-``model.generate`` on that prompt alone, and an aborted or failed one is a prefix of it.
+``model.generate`` on that prompt alone, and an aborted or failed one is a prefix of it (up to a near-tie of the
+reference's two best logits, within the 1e-4 fp32 tolerance, after which paths may differ; counted in the report).
 
 CI runs a bounded version (about 20 s on an idle 2-core machine). The long run:
 ``PAGEDCORE_SOAK_REQUESTS=2000 pytest tests/test_soak.py -s``.
@@ -55,6 +56,7 @@ class SoakReport:
     streams_closed_early: int = 0
     generate_calls: int = 0
     leaked_blocks: int = 0
+    greedy_ties: int = 0  # outputs that left the reference at a near-tie of its two best logits (float noise)
     notes: list[str] = field(default_factory=list)
 
 
@@ -247,7 +249,7 @@ class Soak:
         running = {seq.group_id for seq in engine.scheduler.sequences()}
         assert running == set(engine._requests), "the engine and the scheduler disagree on what runs (zombie)"
 
-    def reference(self, prompt: list[int], max_new: int) -> list[int]:
+    def reference(self, prompt: list[int], max_new: int) -> tuple[list[int], list[torch.Tensor]]:
         key = (*prompt, -max_new)
         if key not in self._references:
             out = self.model.generate(
@@ -255,19 +257,27 @@ class Soak:
                 max_new_tokens=max_new,
                 do_sample=False,
                 cache=DynamicCache(config=self.model.config),
+                return_dict_in_generate=True,
+                output_logits=True,
             )
-            self._references[key] = out[0, len(prompt) :].tolist()
+            self._references[key] = (out.sequences[0, len(prompt) :].tolist(), [x[0].float() for x in out.logits])
         return self._references[key]
 
     def check_sample(self, rid: str, tokens: list[int], reason: str | None) -> None:
         prompt, params = self.known[rid]
-        want = self.reference(prompt, params.max_new_tokens)
-        if reason == "length":
-            assert tokens == want, f"{rid} differs from generate alone"
-        else:
-            assert reason in ("abort", "error"), (rid, reason)
-            assert tokens == want[: len(tokens)], f"{rid}: its {reason} output diverged"
+        want, logits = self.reference(prompt, params.max_new_tokens)
+        assert reason in ("length", "abort", "error"), (rid, reason)
         self.report.samples_checked += 1
+        if reason == "length":
+            assert len(tokens) == len(want), f"{rid}: {len(tokens)} tokens, not {len(want)}"
+        for step, (got, expected) in enumerate(zip(tokens, want)):
+            if got != expected:
+                # Equal only up to float noise is a tie, not an error: the reference's two logits must be within
+                # the fp32 tolerance the project holds outputs to (1e-4). Later tokens follow another path.
+                margin = float(logits[step][expected] - logits[step][got])
+                assert margin <= 1e-4, f"{rid} differs from generate alone at token {step} (margin {margin:.2e})"
+                self.report.greedy_ties += 1
+                return
 
     def run(self, num_requests: int) -> SoakReport:
         rng, engine, report = self.rng, self.engine, self.report
@@ -351,3 +361,4 @@ def test_soak(family, seed, one_thread):
     assert report.decode_faults > 0 and report.failed > 0
     assert report.forward_aborts > 0 and report.streams_closed_early > 0 and report.generate_calls > 0
     assert report.finished + report.aborted + report.failed + report.rejected == report.requests
+    assert report.greedy_ties * 100 <= report.samples_checked, "too many near-ties to be float noise"
