@@ -39,6 +39,14 @@ class EngineReporting(RuleBasedStateMachine):
     def report(self, rid: str) -> None:
         self.reports[rid] = self.reports.get(rid, 0) + 1
 
+    def on_event(self, stream: dict, event) -> None:
+        if stream["rid"] is None:
+            stream["rid"] = event.request_id
+            self.known.add(event.request_id)
+        stream["finals"] += event.finish_reason is not None
+        if event.finish_reason is not None and stream["finals"] == stream["n"]:
+            self.report(event.request_id)  # its consumer saw every sample's last event
+
     @rule(prompt=prompts, sp=params)
     def add(self, prompt, sp):
         self.known.add(self.engine.add_request(prompt, sp))
@@ -77,12 +85,7 @@ class EngineReporting(RuleBasedStateMachine):
             if event is None:
                 self.streams.remove(stream)
                 return
-            if stream["rid"] is None:
-                stream["rid"] = event.request_id
-                self.known.add(event.request_id)
-            stream["finals"] += event.finish_reason is not None
-            if stream["finals"] == stream["n"]:
-                self.report(event.request_id)  # its consumer saw every sample's last event
+            self.on_event(stream, event)
 
     @precondition(lambda self: self.streams)
     @rule(data=st.data())
@@ -101,12 +104,7 @@ class EngineReporting(RuleBasedStateMachine):
         try:
             for stream in self.streams:  # consume what was left suspended, as its caller would
                 for event in stream["it"]:
-                    if stream["rid"] is None:
-                        stream["rid"] = event.request_id
-                        self.known.add(event.request_id)
-                    stream["finals"] += event.finish_reason is not None
-                if stream["rid"] is not None and stream["finals"] == stream["n"]:
-                    self.report(stream["rid"])
+                    self.on_event(stream, event)
             for _ in range(1000):
                 if not self.engine.has_unfinished():
                     break
