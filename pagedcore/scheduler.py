@@ -285,6 +285,21 @@ class Scheduler:
             raise DuplicateRequestError(f"request id {seq.request_id!r} is already waiting or running")
         if seq.status is not SequenceStatus.WAITING or seq.blocks is not None or seq.num_computed_tokens:
             raise InvalidRequestError(f"request {seq.request_id!r} was already scheduled once; add a new Sequence")
+        self.check_admissible(seq)
+        self._enqueue(seq)
+
+    def check_admissible(self, seq: Sequence) -> None:
+        """Raise ``InvalidRequestError`` when ``seq`` could never run under these limits (more parallel samples
+        than ``max_num_seqs``, more tokens than the pool holds); changes nothing. :meth:`add` checks it too, so a
+        caller can validate a batch of requests before queuing any of them.
+
+        Example:
+            >>> sched = Scheduler(KVPool(num_blocks=2, block_size=2))
+            >>> sched.check_admissible(Sequence("a", [1, 2, 3], max_new_tokens=2))
+            Traceback (most recent call last):
+            ...
+            pagedcore.errors.InvalidRequestError: request 'a' can never fit: 3 prompt tokens + 2 new tokens need 3 ...
+        """
         if seq.num_samples > self._config.max_num_seqs:
             raise InvalidRequestError(
                 f"request {seq.request_id!r} asks for {seq.num_samples} parallel samples but at most "
@@ -299,7 +314,6 @@ class Scheduler:
                     f"{seq.max_new_tokens} new tokens need {need} blocks of {self._bs} tokens in KV group "
                     f"{group.index}, but the pool has {capacity}"
                 )
-        self._enqueue(seq)
 
     def abort(self, request_id: str) -> list[Sequence]:
         """Stop a request and its parallel samples; their blocks go back at once. Returns the aborted sequences."""

@@ -1,16 +1,24 @@
 """Engine: continuous batching over a transformers model, driven by pagedcore's scheduler and prefix trie.
 
-Each :meth:`Engine.step` asks the :class:`~pagedcore.scheduler.Scheduler` what to compute (decodes first, then
-chunks of prefills, within the token budget), packs every scheduled token of every sequence into one
-``(1, num_tokens)`` batch without padding, runs the model once with ``attn_implementation="paged"`` (the attention
-reads each sequence's keys and values from the pool through its block table, via the backend the plugin hook
-picks), samples the next token of every sequence that completed its known tokens, and hands the tokens back to
-the scheduler. New requests join between steps; finished ones release their blocks and leave their full blocks
-in the prefix cache for later requests.
+Each :meth:`Engine.step` runs five stages: **schedule** (the :class:`~pagedcore.scheduler.Scheduler` says what to
+compute: decodes first, then chunks of prefills, within the token budget), **prepare** (:func:`.step_batch.pack`
+packs every scheduled token of every sequence into one ``(1, num_tokens)`` batch without padding), **forward** (the
+model runs once with ``attn_implementation="paged"``: the attention reads each sequence's keys and values from the
+pool through its block table), **sample** (:func:`.sampling.sample_rows` draws the next token of every sequence
+that completed its known tokens) and **record** (the tokens go back to the scheduler and become outputs and token
+events). New requests join between steps; finished ones release their blocks and leave their full blocks in the
+prefix cache for later requests.
 
-Thread safety: ``add_request`` / ``abort`` / ``stats`` may be called from any thread while another thread runs
-``step``; they serialize on one lock that ``step`` holds only while it plans and records (not during the forward).
-Only one thread may run ``step`` at a time.
+Thread safety: ``add_request`` / ``abort`` / ``stats`` / ``has_unfinished`` may be called from any thread while
+another thread runs ``step`` or ``step_events``; they serialize on one lock that a step holds only while it
+schedules, prepares and records (not during the forward and sampling, which read only the step's own batch). An
+abort during a forward finishes the request at once; its blocks go back when the forward ends (it is still
+writing into them) and the token sampled for it is dropped. Only one thread may step at a time.
+
+Reporting: every request is reported exactly once, by whoever is waiting for it. ``generate`` returns its own
+requests' outputs and ``stream`` yields its own requests' events; everything else (requests queued with
+``add_request``, and the requests of a ``generate``/``stream`` that was interrupted or closed early, which are
+aborted) is reported by the next ``step()`` / ``step_events()``, whatever other call ran the steps meanwhile.
 """
 
 from __future__ import annotations
@@ -21,106 +29,44 @@ import logging
 import threading
 import time
 from collections.abc import Hashable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin, DummyLayer
 
-from pagedcore.attention import PagedAttentionMetadata, write_kv
-from pagedcore.errors import ConcurrentUseError, ConfigError, InvalidRequestError, PagedCoreError
+from pagedcore.errors import ConcurrentUseError, ConfigError, InvalidRequestError, PagedCoreError, RequestNotFoundError
 from pagedcore.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pagedcore.sequence import FinishReason
 from pagedcore.sequence import Sequence as CoreSequence
+from pagedcore.validation import token_ids as valid_token_ids
 
-from .attention import ATTN_IMPLEMENTATION, CONTEXT_KEY, ForwardContext
+from .attention import ATTN_IMPLEMENTATION, CONTEXT_KEY
+from .inputs import as_prompt_list, token_id_list
 from .outputs import EngineStats, RequestMetrics, RequestOutput, SampleOutput, StepOutput, TokenEvent
 from .pool import PagedKVPool
-from .sampling import SamplingParams, sample_tokens
+from .sampling import SamplingParams, StepSamples, merge_generation_config, sample_rows, to_sampling_params
 from .spec import text_config
+from .step_batch import EngineRequest, NewRequest, PackedCache, StepBatch, pack
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["Engine"]
 
-Prompt = str | Sequence[int]
+Prompt = str | Sequence[int] | torch.Tensor
+Params = SamplingParams | dict[str, Any]
+_ENDED = (FinishReason.ABORT.value, FinishReason.ERROR.value)
 
 
-class _PackedLayer(CacheLayerMixin):
-    """Layer view for transformers' mask code; the engine's attention does not use masks."""
+@dataclass(frozen=True)
+class _Generation:
+    """Parameters given in transformers' words, merged with the model's generation_config (per call)."""
 
-    is_compileable = False
-
-    def __init__(self, sliding_window: int | None) -> None:
-        super().__init__()
-        self.is_sliding = sliding_window is not None
-        self.is_initialized = True
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Nothing to do."""
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        raise RuntimeError("updated through the engine's cache")
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return query_length, 0
-
-    def get_seq_length(self) -> int:
-        return 0
-
-    def get_max_length(self) -> int:
-        return -1
+    config: Any  # transformers.GenerationConfig
+    seed: int | None
 
 
-class _PackedCache(Cache):
-    """The cache a packed engine forward writes through: every new token's keys/values go to its slot."""
-
-    def __init__(self, pool: PagedKVPool) -> None:
-        layers: list[Any] = [
-            _PackedLayer(spec.sliding_window) if spec.has_cache else DummyLayer() for spec in pool.spec.layers
-        ]
-        super().__init__(layers=layers)
-        self._pool = pool
-        self._slots: list[torch.Tensor] = []
-        self._on: dict[tuple[int, torch.device], torch.Tensor] = {}
-
-    def begin(self, slots: list[torch.Tensor]) -> None:
-        self._slots = slots
-        self._on = {}
-
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        group = self._pool.group_of(layer_idx)
-        keys = key_states[0].transpose(0, 1)  # (tokens, kv_heads, head_dim)
-        values = value_states[0].transpose(0, 1)
-        key_cache, value_cache = self._pool.layer_kv(layer_idx, keys, values)
-        slots = self._on.get((group, keys.device))
-        if slots is None:
-            slots = self._on[(group, keys.device)] = self._slots[group].to(keys.device)
-        write_kv(key_cache, value_cache, keys, values, slots)
-        return key_states, value_states
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return 0
-
-    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
-        return query_length, 0
-
-    @property
-    def is_compileable(self) -> bool:
-        return False
-
-
-@dataclass
-class _Request:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    generators: list[torch.Generator]
-    output: RequestOutput
-    texts: list[str] = field(default_factory=list)
-    done: int = 0
+class _TokenizerError(Exception):
+    """The tokenizer raised or returned something that is not text."""
 
 
 class Engine:
@@ -137,6 +83,11 @@ class Engine:
         attention_backend: backend name (default: the plugins' choice for the device).
         watermark: fraction of blocks kept free when admitting new requests.
 
+    Generation parameters: either a :class:`SamplingParams` (or a dict of its fields), or ``model.generate``'s
+    keyword arguments (``max_new_tokens``, ``do_sample``, ``temperature``, ``top_k``, ``top_p``,
+    ``num_return_sequences``, ``eos_token_id``, ``min_new_tokens``, ``generation_config=``, plus ``seed``), with
+    the model's ``generation_config`` as the default exactly as ``model.generate`` uses it; not both.
+
     Example:
         >>> import torch
         >>> from transformers import LlamaConfig, LlamaForCausalLM
@@ -145,8 +96,9 @@ class Engine:
         ...     num_hidden_layers=2, intermediate_size=128, vocab_size=100)).eval()
         >>> with Engine(model, num_blocks=64, block_size=8) as engine:
         ...     outs = engine.generate([[1, 2, 3], [4, 5, 6, 7]], SamplingParams(max_new_tokens=4), use_tqdm=False)
-        >>> [len(o.token_ids) for o in outs]
-        [4, 4]
+        ...     same = engine.generate([[1, 2, 3], [4, 5, 6, 7]], max_new_tokens=4, do_sample=False, use_tqdm=False)
+        >>> [len(o.token_ids) for o in outs], [o.token_ids for o in outs] == [o.token_ids for o in same]
+        ([4, 4], True)
     """
 
     def __init__(
@@ -182,16 +134,19 @@ class Engine:
         )
         self.scheduler = Scheduler(pool.kv, config, plugins=pool.plugins)
         self._text_config = text_config(model)
-        self._vocab_size = int(getattr(self._text_config, "vocab_size", 0) or 0)
-        self._max_positions = getattr(self._text_config, "max_position_embeddings", None)
+        self._vocab_size: int | None = int(getattr(self._text_config, "vocab_size", 0) or 0) or None
+        self._max_positions: int | None = getattr(self._text_config, "max_position_embeddings", None)
         self._eos = _eos_ids(model)
-        self._cache = _PackedCache(pool)
+        self._cache = PackedCache(pool)
         self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
-        self._requests: dict[str, _Request] = {}
-        self._ready: list[RequestOutput] = []
-        self._events: list[TokenEvent] = []
+        self._requests: dict[str, EngineRequest] = {}  # queued or running: not every sample has finished
+        self._ready: list[tuple[object | None, RequestOutput]] = []  # (owner, output) finished, not yet reported
+        self._events: list[tuple[object | None, TokenEvent]] = []  # (owner, event) not yet reported
+        self._aborting: set[str] = set()  # aborted during a forward: their sequences are released after it
+        self._in_flight = False  # a step's forward is running on the batch it took
         self._lock = threading.RLock()
         self._stepping = threading.Lock()
+        self._stepper: int | None = None  # the thread inside step()
         self._ids = itertools.count()
         self._counts = {"requests": 0, "finished": 0, "aborted": 0, "failed": 0, "generated": 0}
         self._peak_bytes = 0
@@ -202,15 +157,28 @@ class Engine:
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
-        """Abort what is still running and give the model its attention implementation back."""
-        if self._closed:
-            return
+        """Abort what is still running, drop what is not reported yet, and give the model its attention
+        implementation back (always, even if aborting fails). Waits for a step running in another thread."""
         with self._lock:
-            for request_id in list(self._requests):
-                self.abort(request_id)
-        if self._original_attn is not None and self._original_attn != ATTN_IMPLEMENTATION:
-            self.model.set_attn_implementation(self._original_attn)
-        self._closed = True
+            if self._closed:
+                return
+            self._closed = True  # no new request or step from here on
+        waited = self._stepper != threading.get_ident() and self._stepping.acquire()
+        try:
+            with self._lock:
+                for request_id in list(self._requests):
+                    try:
+                        self.abort(request_id)
+                    except Exception:
+                        logger.exception("pagedcore: aborting request %r while closing the Engine failed", request_id)
+                self._requests.clear()
+                self._ready.clear()
+                self._events.clear()
+        finally:
+            if waited:
+                self._stepping.release()
+            if self._original_attn is not None and self._original_attn != ATTN_IMPLEMENTATION:
+                self.model.set_attn_implementation(self._original_attn)
 
     def __enter__(self) -> Engine:
         return self
@@ -222,164 +190,130 @@ class Engine:
     def add_request(
         self,
         prompt: Prompt,
-        params: SamplingParams | dict[str, Any] | None = None,
+        params: Params | None = None,
         *,
         request_id: str | None = None,
         namespace: Hashable = None,
+        **generate_kwargs: Any,
     ) -> str:
         """Queue a request; returns its id. Raises a typed error (and queues nothing) for bad input.
 
-        ``params`` may be a :class:`SamplingParams` or a dict of its fields (validated here).
+        ``params`` may be a :class:`SamplingParams` or a dict of its fields; or pass ``model.generate``'s keyword
+        arguments instead (see :class:`Engine`). The request is reported by :meth:`step` / :meth:`step_events`.
         """
-        self._check_open()
-        params = _params(params)
-        token_ids = self._encode(prompt)
-        if self._max_positions and len(token_ids) + params.max_new_tokens > self._max_positions:
-            raise InvalidRequestError(
-                f"{len(token_ids)} prompt tokens + {params.max_new_tokens} new tokens exceed the model's context "
-                f"of {self._max_positions} positions"
-            )
-        stop = () if params.ignore_eos else (params.stop_token_ids if params.stop_token_ids is not None else self._eos)
-        with self._lock:
-            rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-            if rid in self._requests:
-                raise InvalidRequestError(f"request id {rid!r} is already in use")
-            if not isinstance(rid, str) or not rid or "#" in rid:
-                raise InvalidRequestError(f"request ids must be non-empty strings without '#', got {rid!r}")
-            output = RequestOutput(
-                rid, token_ids, [SampleOutput(k) for k in range(params.n)], RequestMetrics(time.perf_counter())
-            )
-            request = _Request(rid, token_ids, params, params.generators(), output, [""] * params.n)
-            if params.max_new_tokens == 0:
-                for sample in output.samples:
-                    sample.finish_reason = FinishReason.LENGTH.value
-                    sample.text = "" if self.tokenizer is not None else None
-                output.metrics.finish_time = output.metrics.arrival_time
-                self._ready.append(output)
-                self._counts["requests"] += 1
-                self._counts["finished"] += 1
-                return rid
-            seq = CoreSequence(
-                rid,
-                token_ids,
-                params.max_new_tokens,
-                frozenset(int(t) for t in stop),
-                namespace,
-                params.n,
-                params.min_new_tokens,
-            )
-            self.scheduler.add(seq)  # raises when it can never fit
-            self._requests[rid] = request
-            self._counts["requests"] += 1
-        return rid
+        (spec,) = self._specs(params, generate_kwargs, 1)
+        new = self._validate(prompt, spec, namespace, request_id)
+        return self._submit(new, owner=None).request_id
 
     def abort(self, request_id: str) -> RequestOutput:
-        """Stop a request (all its samples); its blocks go back at once. The output is also reported by the next
-        :meth:`step`."""
+        """Stop a request (all its samples) and return its output; it is also reported by the next :meth:`step`.
+
+        Its blocks go back at once, or, when a step's forward is running in another thread, as soon as it ends
+        (the token sampled for it in that step is dropped).
+        """
         with self._lock:
             request = self._requests.get(request_id)
             if request is None:
                 raise InvalidRequestError(f"no running request {request_id!r}")
-            for seq in self.scheduler.abort(request_id):
-                for index in _sample_indices(seq):
-                    self._finish_sample(request, index, FinishReason.ABORT.value)
-            self._counts["aborted"] += 1
+            if self._in_flight:
+                self._aborting.add(request_id)
+            else:
+                self._release(request_id)
+            for index in range(len(request.output.samples)):
+                self._finish_sample(request, index, FinishReason.ABORT.value)
             return request.output
 
     def has_unfinished(self) -> bool:
-        """Whether any request is queued, running or finished but not yet reported."""
+        """Whether any request is queued or running, or finished and not yet reported by :meth:`step` (the requests
+        of a ``generate``/``stream`` call that is still waiting are reported by that call, not counted here)."""
         with self._lock:
-            return bool(self._requests or self._ready)
+            return bool(self._requests) or any(owner is None for owner, _ in self._ready)
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduling step and forward pass. Returns the requests that finished in it."""
-        finished, _ = self._step()
+        """Run one scheduling step and forward pass. Returns the requests that finished (and are not reported by a
+        ``generate``/``stream`` call)."""
+        finished, _ = self._step(None)
         return finished
 
     def step_events(self) -> StepOutput:
-        """:meth:`step`, also returning every token event of the step (for callers that run their own loop and
-        stream, e.g. a server: one thread steps, and hands each event to the request it belongs to)."""
-        finished, events = self._step()
+        """:meth:`step`, also returning the step's token events (for callers that run their own loop and stream,
+        e.g. a server: one thread steps, and hands each event to the request it belongs to). Thread-safe with
+        :meth:`add_request` / :meth:`abort` from other threads, like :meth:`step`."""
+        finished, events = self._step(None)
         return StepOutput(finished, events)
 
     # ------------------------------------------------------------------ high-level API
     def generate(
         self,
         prompts: Prompt | Iterable[Prompt],
-        params: SamplingParams | dict[str, Any] | Sequence[SamplingParams | dict[str, Any]] | None = None,
+        params: Params | Sequence[Params] | None = None,
         *,
         use_tqdm: bool = True,
         namespace: Hashable = None,
+        **generate_kwargs: Any,
     ) -> list[RequestOutput]:
         """Generate for many prompts; returns one output per prompt, in order.
 
-        ``params``: one :class:`SamplingParams` (or dict of its fields) for all prompts, or one per prompt. A
-        prompt with bad input or bad parameters gets an output with ``error`` set (finish reason "error"); the
-        others finish.
+        ``params``: one :class:`SamplingParams` (or dict of its fields) for all prompts, or one per prompt; or
+        ``model.generate``'s keyword arguments (see :class:`Engine`). A prompt with bad input or bad parameters
+        gets an output with ``error`` set (finish reason "error"); the others finish. Arguments that are wrong
+        whatever the prompt (e.g. ``num_beams=4``) raise :class:`~pagedcore.errors.InvalidRequestError`.
         """
-        prompt_list = _as_prompt_list(prompts)
-        param_list = _as_params(params, len(prompt_list))
+        prompt_list = as_prompt_list(prompts)
+        specs = self._specs(params, generate_kwargs, len(prompt_list))
         outputs: list[RequestOutput | None] = [None] * len(prompt_list)
-        pending: dict[str, int] = {}
-        for i, (prompt, sp) in enumerate(zip(prompt_list, param_list)):
+        valid: list[tuple[int, NewRequest]] = []
+        for i, (prompt, spec) in enumerate(zip(prompt_list, specs)):
             try:
-                pending[self.add_request(prompt, sp, namespace=namespace)] = i
+                valid.append((i, self._validate(prompt, spec, namespace)))
             except PagedCoreError as exc:
-                outputs[i] = self._error_output(prompt, sp, exc)
+                outputs[i] = self._rejected(prompt, spec, exc)
+        owner = object()
+        mine: list[EngineRequest] = []
+        taken: list[RequestOutput] = []
         progress = _progress(len(prompt_list), use_tqdm)
-        progress.update(len(prompt_list) - len(pending))
-        others: list[RequestOutput] = []  # requests added by someone else: reported by the next step()
+        progress.update(len(prompt_list) - len(valid))
         try:
-            while pending:
-                for out in self.step():
-                    index = pending.pop(out.request_id, None)
-                    if index is None:
-                        others.append(out)
-                    else:
-                        outputs[index] = out
-                        progress.update(1)
+            for i, new in valid:
+                request = self._submit(new, owner)
+                mine.append(request)
+                outputs[i] = request.output
+            while len(taken) < len(mine):
+                finished, _ = self._step(owner)
+                taken.extend(finished)
+                progress.update(len(finished))
+        except BaseException:  # e.g. KeyboardInterrupt: the next step() reports these requests
+            self._give_up(owner, mine, taken)
+            raise
         finally:
             progress.close()
-            with self._lock:
-                self._ready[:0] = others
-            for request_id in pending:  # interrupted (e.g. KeyboardInterrupt): give the blocks back
-                try:
-                    self.abort(request_id)
-                except PagedCoreError:
-                    pass
         return [o for o in outputs if o is not None]
 
     def stream(
         self,
         prompts: Prompt | Iterable[Prompt],
-        params: SamplingParams | dict[str, Any] | Sequence[SamplingParams | dict[str, Any]] | None = None,
+        params: Params | Sequence[Params] | None = None,
         *,
         namespace: Hashable = None,
+        **generate_kwargs: Any,
     ) -> Iterator[TokenEvent]:
-        """Yield every token of every request as it is produced (a sample's last event has ``finish_reason``)."""
-        prompt_list = _as_prompt_list(prompts)
-        param_list = _as_params(params, len(prompt_list))
-        ids = {self.add_request(p, sp, namespace=namespace) for p, sp in zip(prompt_list, param_list)}
-        others: list[RequestOutput] = []  # requests added by someone else: reported by the next step()
-        try:
-            while ids:
-                finished, events = self._step()
-                for event in events:
-                    if event.request_id in ids:
-                        yield event
-                for out in finished:
-                    if out.request_id in ids:
-                        ids.discard(out.request_id)
-                    else:
-                        others.append(out)
-        finally:
-            with self._lock:
-                self._ready[:0] = others
-            for request_id in ids:
-                try:
-                    self.abort(request_id)
-                except PagedCoreError:
-                    pass
+        """Yield every token of every request as it is produced (a sample's last event has ``finish_reason``).
+
+        Every prompt and parameter is checked here, before anything is queued: a bad one raises
+        :class:`~pagedcore.errors.InvalidRequestError` naming it. The requests are queued when iteration starts;
+        closing the iterator early aborts the unfinished ones (the next :meth:`step` reports them).
+        """
+        prompt_list = as_prompt_list(prompts)
+        specs = self._specs(params, generate_kwargs, len(prompt_list))
+        new = []
+        for i, (prompt, spec) in enumerate(zip(prompt_list, specs)):
+            try:
+                new.append(self._validate(prompt, spec, namespace))
+            except InvalidRequestError as exc:
+                if len(prompt_list) == 1:
+                    raise
+                raise InvalidRequestError(f"prompt {i}: {exc}") from exc
+        return self._stream(new)
 
     def stats(self) -> EngineStats:
         """Counters and gauges (see :class:`EngineStats`)."""
@@ -403,241 +337,362 @@ class Engine:
                 busy_seconds=self._busy,
             )
 
-    # ------------------------------------------------------------------ internals
-    def _step(self) -> tuple[list[RequestOutput], list[TokenEvent]]:
+    # ------------------------------------------------------------------ the step
+    def _step(self, owner: object | None) -> tuple[list[RequestOutput], list[TokenEvent]]:
+        """schedule -> prepare -> forward -> sample -> record; returns the reports that belong to ``owner`` (None:
+        the requests no ``generate``/``stream`` call reports)."""
         if not self._stepping.acquire(blocking=False):
             raise ConcurrentUseError("Engine.step is already running in another thread; run one loop per engine")
+        self._stepper = threading.get_ident()
         started = time.perf_counter()
         try:
             with self._lock:
                 self._check_open()
                 plan = self.scheduler.schedule()
-                batch = self._prepare(plan) if not plan.is_empty else None
-                self._peak_bytes = max(self._peak_bytes, self.pool.memory_stats().used_bytes)
-            sampled: dict[str, list[int]] = {}
-            failed: dict[str, str] = {}
-            kept: dict[str, torch.Tensor] = {}
-            if batch is not None:
-                try:
-                    logits = self._forward(batch)
-                except Exception as exc:  # a failing forward fails its step's requests, not the engine
-                    logger.exception("pagedcore: the model forward failed; failing this step's requests")
-                    failed = {item.request_id: f"{type(exc).__name__}: {exc}" for item in plan.scheduled}
-                else:
-                    sampled, failed, kept = self._sample(plan, logits)
+                batch = self._prepare(plan)
+            samples = self._forward_and_sample(batch)  # without the lock: reads only the batch
             with self._lock:
-                self._record(plan, sampled, failed, kept)
-                finished, self._ready = self._ready, []
-                events, self._events = self._events, []
-            return finished, events
+                if batch is not None and samples is not None:
+                    self._record(batch, samples)
+                return self._take(owner)
         finally:
             self._busy += time.perf_counter() - started
+            self._stepper = None
             self._stepping.release()
 
-    def _prepare(self, plan: SchedulerOutput) -> dict[str, Any]:
-        """Pack the step's tokens and build each KV group's metadata (under the lock: reads live tables)."""
-        self.pool.copy_blocks(plan.copies)
-        groups = self.pool.kv.groups
-        tokens: list[int] = []
-        positions: list[int] = []
-        tables: list[list[list[int]]] = [[] for _ in groups]
-        offsets: list[list[int]] = [[] for _ in groups]
-        slots: list[list[list[int]]] = [[] for _ in groups]
-        keep: list[int] = []
-        for item in plan.scheduled:
-            tokens.extend(item.token_ids)
-            positions.extend(range(item.start, item.end))
-            if item.sample:
-                keep.append(len(tokens) - 1)
-            item_tables, item_offsets, item_slots = item.block_tables, item.block_offsets, item.slots
-            for g in range(len(groups)):
-                tables[g].append(item_tables[g])
-                offsets[g].append(item_offsets[g])
-                slots[g].append(item_slots[g])
-        query_lens = [item.num_new_tokens for item in plan.scheduled]
-        seq_lens = [item.end for item in plan.scheduled]
-        metas: list[PagedAttentionMetadata | None] = [
-            PagedAttentionMetadata.build(
-                block_size=self.pool.block_size,
-                query_lens=query_lens,
-                seq_lens=seq_lens,
-                block_offsets=offsets[g.index],
-                tables=tables[g.index],
-                slots=slots[g.index],
-                sliding_window=g.sliding_window,
-                pad_block=self.pool.pad_block,
-            )
-            for g in groups
-        ]
-        return {
-            "tokens": tokens,
-            "positions": positions,
-            "keep": keep,
-            "context": ForwardContext(self.pool, metas, None, self.attention_backend),
-        }
+    def _prepare(self, plan: SchedulerOutput) -> StepBatch | None:
+        """Pack the plan (under the lock). From here until its forward ends, aborts leave the blocks alone."""
+        self._peak_bytes = max(self._peak_bytes, self.pool.memory_stats().used_bytes)
+        if plan.is_empty:
+            return None
+        self._in_flight = True
+        return pack(plan, self.pool, self._requests, self.attention_backend)
 
-    def _forward(self, batch: dict[str, Any]) -> torch.Tensor:
+    def _forward_and_sample(self, batch: StepBatch | None) -> StepSamples | None:
+        if batch is None:
+            return None
+        try:
+            logits = self._forward(batch)
+        except Exception as exc:  # a failing forward fails its step's requests, not the engine
+            logger.exception("pagedcore: the model forward failed; failing this step's requests")
+            reason = f"{type(exc).__name__}: {exc}"
+            return StepSamples(failed={item.request_id: reason for item in batch.plan.scheduled})
+        finally:
+            with self._lock:
+                self._in_flight = False
+                for request_id in self._aborting:  # aborted during the forward: their blocks can go back now
+                    self._release(request_id)
+                self._aborting.clear()
+        return sample_rows(logits, batch.rows)
+
+    def _forward(self, batch: StepBatch) -> torch.Tensor:
         device = self.model.get_input_embeddings().weight.device
-        context: ForwardContext = batch["context"]
-        self._cache.begin([meta.slot_mapping for meta in context.metadata if meta is not None])
+        self._cache.begin([meta.slot_mapping for meta in batch.context.metadata if meta is not None])
         kwargs: dict[str, Any] = {
-            "input_ids": torch.tensor([batch["tokens"]], device=device),
-            "position_ids": torch.tensor([batch["positions"]], device=device),
+            "input_ids": torch.tensor([batch.input_ids], device=device),
+            "position_ids": torch.tensor([batch.position_ids], device=device),
             "cache": self._cache,
             "use_cache": True,
-            CONTEXT_KEY: context,
+            CONTEXT_KEY: batch.context,
         }
-        keep = batch["keep"]
+        keep = batch.logit_rows
         if self._keeps_logits:
             kwargs["logits_to_keep"] = torch.tensor(keep, device=device) if keep else 1
         with torch.inference_mode():
             logits = self.model(**kwargs).logits[0]
         if not self._keeps_logits and keep:
             logits = logits[torch.tensor(keep, device=logits.device)]
-        return logits.float()
+        return logits.float()  # (len(batch.rows), vocab)
 
-    def _sample(
-        self, plan: SchedulerOutput, logits: torch.Tensor
-    ) -> tuple[dict[str, list[int]], dict[str, str], dict[str, torch.Tensor]]:
-        sampled: dict[str, list[int]] = {}
-        failed: dict[str, str] = {}
-        kept: dict[str, torch.Tensor] = {}
-        # One batched argmax and finiteness check for the whole step instead of one small op per sequence.
-        greedy = logits.argmax(dim=-1).tolist() if len(logits) else []
-        finite = torch.isfinite(logits).any(dim=-1).tolist() if len(logits) else []
-        row = 0
-        for item in plan.scheduled:
-            if not item.sample:
-                continue
-            request = self._requests[item.sequence.group_id]
-            index = item.sequence.sample_index
-            if request.params.is_greedy and finite[row]:
-                sampled[item.request_id] = [greedy[row]] * item.num_samples
-            else:
-                generators = (
-                    request.generators[: item.num_samples] if item.num_samples > 1 else [request.generators[index]]
-                )
-                try:
-                    sampled[item.request_id] = sample_tokens(logits[row], request.params, generators)
-                except Exception as exc:
-                    failed[item.request_id] = f"{type(exc).__name__}: {exc}"
-            if request.params.return_logits:
-                kept[item.request_id] = logits[row].detach().cpu().clone()
-            row += 1
-        return sampled, failed, kept
+    def _record(self, batch: StepBatch, samples: StepSamples) -> None:
+        """Hand the step's tokens to the scheduler and turn them into outputs and events (under the lock).
 
-    def _record(
-        self,
-        plan: SchedulerOutput,
-        sampled: dict[str, list[int]],
-        failed: dict[str, str],
-        kept: dict[str, torch.Tensor],
-    ) -> None:
-        """Hand the step's results to the scheduler and turn them into outputs and events (under the lock)."""
-        for seq in self.scheduler.fail(list(failed)):
-            request = self._requests.get(seq.group_id)
-            if request is not None:
-                request.output.error = failed[seq.request_id]
-                self._counts["failed"] += int(request.done == 0)
-                for index in _sample_indices(seq):
-                    self._finish_sample(request, index, FinishReason.ERROR.value)
-        live = [item for item in plan.scheduled if item.request_id not in failed]
-        finished = self.scheduler.update(SchedulerOutput(live, plan.copies, plan.preempted), sampled)
-        reasons = {seq.request_id: seq.finish_reason for seq in finished}
+        Sequences aborted or failed since the step was planned are skipped: their tokens are dropped.
+        """
+        for seq in self.scheduler.fail(list(samples.failed)):
+            request = batch.owners[seq.request_id]
+            if request.output.error is None:
+                request.output.error = samples.failed[seq.request_id]
+            for index in _sample_indices(seq):
+                self._finish_sample(request, index, FinishReason.ERROR.value)
+        plan = batch.plan
+        live = [item for item in plan.scheduled if not item.sequence.is_finished]
+        finished = self.scheduler.update(SchedulerOutput(live, plan.copies, plan.preempted), samples.tokens)
+        reasons = {(seq.group_id, seq.sample_index): seq.finish_reason for seq in finished}
         now = time.perf_counter()
         for item in live:
-            tokens = sampled.get(item.request_id)
-            if not tokens:
+            tokens = samples.tokens.get(item.request_id)
+            request = batch.owners[item.request_id]
+            if not tokens or request.is_done:
                 continue
             seq = item.sequence
-            request = self._requests.get(seq.group_id)
-            if request is None:
-                continue
-            if request.output.metrics.first_token_time is None:
-                request.output.metrics.first_token_time = now
-            request.output.metrics.num_cached_tokens = seq.num_cached_tokens
+            metrics = request.output.metrics
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
+            metrics.num_cached_tokens = seq.num_cached_tokens
+            metrics.num_preemptions = seq.num_preemptions
             indices = range(len(tokens)) if item.num_samples > 1 else [seq.sample_index]
             for index, token in zip(indices, tokens):
                 sample = request.output.samples[index]
                 sample.token_ids.append(token)
-                if item.request_id in kept:
+                if item.request_id in samples.logits:
                     if sample.logits is None:
                         sample.logits = []
-                    sample.logits.append(kept[item.request_id])
+                    sample.logits.append(samples.logits[item.request_id])
                 self._counts["generated"] += 1
-                member = seq.request_id if index == seq.sample_index else f"{seq.request_id}#{index}"
-                reason = reasons.get(member)
-                self._events.append(
-                    TokenEvent(
-                        request.request_id,
-                        index,
-                        token,
-                        self._text_delta(request, index),
-                        reason.value if reason is not None else None,
-                    )
-                )
-                if reason is not None:
-                    self._finish_sample(request, index, reason.value, event=False)
+                reason = reasons.get((seq.group_id, index))
+                try:
+                    delta = self._text_delta(request, index)
+                except _TokenizerError as exc:
+                    self._events.append((request.owner, TokenEvent(request.request_id, index, token)))
+                    self._fail(request, str(exc))
+                    break
+                end = reason.value if reason is not None else None
+                self._events.append((request.owner, TokenEvent(request.request_id, index, token, delta, end)))
+                if end is not None:
+                    self._finish_sample(request, index, end, event=False)
 
-    def _finish_sample(self, request: _Request, index: int, reason: str, *, event: bool = True) -> None:
+    # ------------------------------------------------------------------ requests: validate -> submit -> finish
+    def _specs(self, params: Any, generate_kwargs: dict[str, Any], count: int) -> list[Params | _Generation]:
+        """One parameter spec per prompt; raises for what is wrong whatever the prompt."""
+        if generate_kwargs and params is not None:
+            raise InvalidRequestError(
+                "pass either params= (SamplingParams, or a dict of its fields) or model.generate's keyword "
+                f"arguments, not both: got params= and {', '.join(sorted(generate_kwargs))}"
+            )
+        if params is None:
+            config, seed = merge_generation_config(getattr(self.model, "generation_config", None), generate_kwargs)
+            return [_Generation(config, seed)] * count
+        if isinstance(params, (SamplingParams, dict)):
+            return [params] * count
+        if isinstance(params, (str, bytes)) or not isinstance(params, Iterable):
+            raise InvalidRequestError(f"params must be SamplingParams, a dict or a list of them, got {params!r}")
+        items = list(params)
+        if len(items) != count:
+            raise InvalidRequestError(f"{len(items)} SamplingParams for {count} prompts")
+        return items
+
+    def _validate(
+        self, prompt: Any, spec: Params | _Generation, namespace: Hashable, request_id: str | None = None
+    ) -> NewRequest:
+        """Everything about one request that can be refused, checked before anything is queued."""
+        token_ids = self._encode(prompt)
+        params = self._params(spec, len(token_ids))
+        if self._max_positions and len(token_ids) + params.max_new_tokens > self._max_positions:
+            raise InvalidRequestError(
+                f"{len(token_ids)} prompt tokens + {params.max_new_tokens} new tokens exceed the model's context "
+                f"of {self._max_positions} positions"
+            )
+        if request_id is not None and (not isinstance(request_id, str) or not request_id or "#" in request_id):
+            raise InvalidRequestError(f"request ids must be non-empty strings without '#', got {request_id!r}")
+        stop = () if params.ignore_eos else (params.stop_token_ids if params.stop_token_ids is not None else self._eos)
+        stop_ids = frozenset(
+            valid_token_ids(stop, vocab_size=self._vocab_size, name="stop_token_ids", allow_empty=True)
+        )
+        new = NewRequest(token_ids, params, stop_ids, namespace, request_id)
+        if params.max_new_tokens:
+            self.scheduler.check_admissible(self._sequence(new, request_id or "new"))  # also checks the namespace
+        return new
+
+    def _submit(self, new: NewRequest, owner: object | None) -> EngineRequest:
+        with self._lock:
+            self._check_open()
+            rid = new.request_id if new.request_id is not None else self._fresh_id()
+            if rid in self._requests:
+                raise InvalidRequestError(f"request id {rid!r} is already in use")
+            params = new.params
+            samples = [SampleOutput(k) for k in range(params.n)]
+            output = RequestOutput(rid, new.token_ids, samples, RequestMetrics(time.perf_counter()))
+            request = EngineRequest(rid, params, params.generators(), output, owner, [""] * params.n)
+            if params.max_new_tokens:
+                self.scheduler.add(self._sequence(new, rid))
+                self._requests[rid] = request
+            self._counts["requests"] += 1
+            if not params.max_new_tokens:
+                for index in range(params.n):
+                    self._finish_sample(request, index, FinishReason.LENGTH.value)
+            return request
+
+    def _finish_sample(self, request: EngineRequest, index: int, reason: str, *, event: bool = True) -> None:
+        """Finish one sample (with its final text); the request is reported once its last sample finishes.
+
+        A tokenizer that fails here fails the request (unless it was being aborted or failed already)."""
         sample = request.output.samples[index]
         if sample.finish_reason is not None:
             return
+        escalate = None
+        try:
+            sample.text = self._decode(sample.token_ids)
+        except _TokenizerError as exc:
+            sample.text = None
+            if reason not in _ENDED:  # a sample that was ending anyway keeps its reason
+                reason = FinishReason.ERROR.value
+                escalate = str(exc)
+                request.output.error = request.output.error or escalate
         sample.finish_reason = reason
-        if self.tokenizer is not None:
-            sample.text = self.tokenizer.decode(sample.token_ids, skip_special_tokens=True)
         if event:
-            self._events.append(TokenEvent(request.request_id, index, None, None, reason))
+            self._events.append((request.owner, TokenEvent(request.request_id, index, None, None, reason)))
         request.done += 1
-        if request.done == len(request.output.samples):
+        if request.is_done:
             request.output.metrics.finish_time = time.perf_counter()
             self._requests.pop(request.request_id, None)
-            self._ready.append(request.output)
-            if reason not in (FinishReason.ABORT.value, FinishReason.ERROR.value):
-                self._counts["finished"] += 1
+            self._ready.append((request.owner, request.output))
+            outcome = "failed" if request.output.error else "aborted" if reason == FinishReason.ABORT.value else ""
+            self._counts[outcome or "finished"] += 1
+        elif escalate is not None:
+            self._fail(request, escalate)
 
-    def _text_delta(self, request: _Request, index: int) -> str | None:
+    def _fail(self, request: EngineRequest, message: str) -> None:
+        """Fail every unfinished sample of a request (e.g. its tokenizer raised); its blocks go back."""
+        if request.is_done:
+            return
+        if request.output.error is None:
+            request.output.error = message
+        self.scheduler.fail([s.request_id for s in self.scheduler.sequences() if s.group_id == request.request_id])
+        for index in range(len(request.output.samples)):
+            self._finish_sample(request, index, FinishReason.ERROR.value)
+
+    def _release(self, request_id: str) -> None:
+        """Give an aborted request's sequences and blocks back to the scheduler."""
+        try:
+            self.scheduler.abort(request_id)
+        except RequestNotFoundError:
+            pass  # every sample had already finished in the scheduler
+
+    def _take(self, owner: object | None) -> tuple[list[RequestOutput], list[TokenEvent]]:
+        """Remove and return the finished outputs and events that ``owner`` reports (under the lock)."""
+        finished = [out for who, out in self._ready if who is owner]
+        events = [event for who, event in self._events if who is owner]
+        self._ready = [(who, out) for who, out in self._ready if who is not owner]
+        self._events = [(who, event) for who, event in self._events if who is not owner]
+        return finished, events
+
+    def _give_up(self, owner: object, mine: list[EngineRequest], unreported: Iterable[RequestOutput]) -> None:
+        """A generate/stream call stops early: its requests are aborted and reported by the next ``step()``."""
+        with self._lock:
+            if self._closed:
+                return
+            for request in mine:
+                request.owner = None
+            self._ready = [(None if who is owner else who, out) for who, out in self._ready]
+            self._ready.extend((None, out) for out in unreported)
+            self._events = [(who, event) for who, event in self._events if who is not owner]
+            for request in mine:
+                if not request.is_done:
+                    self.abort(request.request_id)
+
+    def _stream(self, new: list[NewRequest]) -> Iterator[TokenEvent]:
+        owner: object = object()
+        mine: list[EngineRequest] = []
+        unreported: dict[str, RequestOutput] = {}  # finished, but their last events are not yielded yet
+        finals: dict[str, int] = {}
+        try:
+            for request in new:
+                mine.append(self._submit(request, owner))
+            while True:
+                done = all(request.is_done for request in mine)
+                if done:  # e.g. a generate() call ran them to the end: only their reports are left
+                    with self._lock:
+                        finished, events = self._take(owner)
+                else:
+                    finished, events = self._step(owner)
+                unreported.update((out.request_id, out) for out in finished)
+                for event in events:
+                    if event.finish_reason is not None:
+                        finals[event.request_id] = finals.get(event.request_id, 0) + 1
+                        if finals[event.request_id] == len(unreported.get(event.request_id, _NO_OUTPUT).samples):
+                            unreported.pop(event.request_id)  # its consumer receives its last event now
+                    yield event
+                if done:
+                    return
+        finally:
+            self._give_up(owner, mine, unreported.values())
+
+    # ------------------------------------------------------------------ helpers
+    def _params(self, spec: Params | _Generation, prompt_length: int) -> SamplingParams:
+        if isinstance(spec, _Generation):
+            return to_sampling_params(
+                spec.config, prompt_length=prompt_length, max_positions=self._max_positions, seed=spec.seed
+            )
+        if isinstance(spec, SamplingParams):
+            return spec
+        if isinstance(spec, dict):
+            try:
+                return SamplingParams(**spec)
+            except TypeError as exc:  # unknown field
+                raise InvalidRequestError(f"bad sampling parameters: {exc}") from exc
+        raise InvalidRequestError(f"params must be SamplingParams or a dict, got {type(spec).__name__}")
+
+    def _encode(self, prompt: Any) -> list[int]:
+        if not isinstance(prompt, str):
+            return token_id_list(prompt, vocab_size=self._vocab_size)
+        if self.tokenizer is None:
+            raise InvalidRequestError("a string prompt needs a tokenizer: Engine(model, tokenizer=...)")
+        try:
+            encoded = self.tokenizer(prompt)["input_ids"]
+        except Exception as exc:  # the tokenizer is user code: its failure is this request's error
+            raise InvalidRequestError(
+                f"the tokenizer failed on the prompt {prompt[:40]!r}: {type(exc).__name__}: {exc}"
+            ) from exc
+        return token_id_list(encoded, vocab_size=self._vocab_size)
+
+    def _decode(self, token_ids: list[int]) -> str | None:
         if self.tokenizer is None:
             return None
-        text = self.tokenizer.decode(request.output.samples[index].token_ids, skip_special_tokens=True)
+        try:
+            text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        except Exception as exc:
+            logger.warning("pagedcore: tokenizer.decode failed: %s: %s", type(exc).__name__, exc)
+            raise _TokenizerError(f"tokenizer.decode failed: {type(exc).__name__}: {exc}") from exc
+        if not isinstance(text, str):
+            raise _TokenizerError(f"tokenizer.decode returned a {type(text).__name__}, not a str")
+        return text
+
+    def _text_delta(self, request: EngineRequest, index: int) -> str | None:
+        text = self._decode(request.output.samples[index].token_ids)
+        if text is None:
+            return None
         delta = text[len(request.texts[index]) :]
         request.texts[index] = text
         return delta
 
-    def _encode(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise InvalidRequestError("a string prompt needs a tokenizer: Engine(model, tokenizer=...)")
-            token_ids = list(self.tokenizer(prompt)["input_ids"])
-        elif isinstance(prompt, torch.Tensor):
-            token_ids = [int(t) for t in prompt.flatten().tolist()]
-        else:
-            try:
-                token_ids = [int(t) if not isinstance(t, bool) else -1 for t in prompt]
-            except (TypeError, ValueError) as exc:
-                raise InvalidRequestError(f"a prompt must be a string or a list of token ids: {exc}") from exc
-        if not token_ids:
-            raise InvalidRequestError("the prompt is empty")
-        if self._vocab_size:
-            bad = [t for t in token_ids if not 0 <= t < self._vocab_size]
-            if bad:
-                raise InvalidRequestError(
-                    f"token ids {bad[:5]} are outside the model's vocabulary [0, {self._vocab_size})"
-                )
-        return token_ids
+    def _sequence(self, new: NewRequest, request_id: str) -> CoreSequence:
+        params = new.params
+        return CoreSequence(
+            request_id,
+            new.token_ids,
+            params.max_new_tokens,
+            new.stop_token_ids,
+            new.namespace,
+            params.n,
+            params.min_new_tokens,
+        )
 
-    def _error_output(self, prompt: Prompt, params: Any, exc: Exception) -> RequestOutput:
-        n = params.n if isinstance(params, SamplingParams) else 1
-        if isinstance(params, dict) and isinstance(params.get("n"), int) and params["n"] >= 1:
-            n = params["n"]
+    def _fresh_id(self) -> str:
+        while True:
+            rid = f"req-{next(self._ids)}"
+            if rid not in self._requests and rid not in self._aborting:
+                return rid
+
+    def _rejected(self, prompt: Any, spec: Params | _Generation, exc: Exception) -> RequestOutput:
+        """The output of a request refused by ``generate`` (counted as a failed request)."""
+        n = 1
+        if isinstance(spec, SamplingParams):
+            n = spec.n
+        elif isinstance(spec, dict) and isinstance(spec.get("n"), int) and spec["n"] >= 1:
+            n = spec["n"]
+        elif isinstance(spec, _Generation):
+            n = spec.config.num_return_sequences or 1
         samples = [SampleOutput(k, finish_reason=FinishReason.ERROR.value) for k in range(n)]
-        token_ids = list(prompt) if not isinstance(prompt, str) else []
+        tokens = prompt.tolist() if isinstance(prompt, torch.Tensor) else prompt if isinstance(prompt, list) else []
         now = time.perf_counter()
-        self._counts["requests"] += 1
-        self._counts["failed"] += 1
+        with self._lock:
+            self._counts["requests"] += 1
+            self._counts["failed"] += 1
+            rid = f"rejected-{next(self._ids)}"
         return RequestOutput(
-            f"rejected-{next(self._ids)}",
-            [t for t in token_ids if isinstance(t, int)],
+            rid,
+            [t for t in tokens if isinstance(t, int) and not isinstance(t, bool)],
             samples,
             RequestMetrics(now, None, now),
             error=f"{type(exc).__name__}: {exc}",
@@ -646,6 +701,9 @@ class Engine:
     def _check_open(self) -> None:
         if self._closed:
             raise ConfigError("this Engine was closed")
+
+
+_NO_OUTPUT = RequestOutput("", [], [], RequestMetrics(0.0))
 
 
 def _sample_indices(seq: CoreSequence) -> range | list[int]:
@@ -660,37 +718,6 @@ def _eos_ids(model: Any) -> list[int]:
     if eos is None:
         return []
     return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
-
-
-def _as_prompt_list(prompts: Prompt | Iterable[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str):
-        return [prompts]
-    items: list[Any] = list(prompts)
-    if items and all(isinstance(t, int) and not isinstance(t, bool) for t in items):
-        return [items]  # one prompt given as a list of token ids
-    return items
-
-
-def _as_params(params: Any, count: int) -> list[Any]:
-    if params is None or isinstance(params, (SamplingParams, dict)):
-        return [params] * count
-    items = list(params)
-    if len(items) != count:
-        raise InvalidRequestError(f"{len(items)} SamplingParams for {count} prompts")
-    return items
-
-
-def _params(params: SamplingParams | dict[str, Any] | None) -> SamplingParams:
-    if params is None:
-        return SamplingParams()
-    if isinstance(params, SamplingParams):
-        return params
-    if isinstance(params, dict):
-        try:
-            return SamplingParams(**params)
-        except TypeError as exc:  # unknown field
-            raise InvalidRequestError(f"bad sampling parameters: {exc}") from exc
-    raise InvalidRequestError(f"params must be SamplingParams or a dict, got {type(params).__name__}")
 
 
 class _NoProgress:

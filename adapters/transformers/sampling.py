@@ -1,20 +1,41 @@
-"""Per-request sampling parameters and the sampler.
+"""Per-request sampling parameters, their translation from transformers' ``generate`` arguments, and the sampler.
 
 Each sample of each request owns a ``torch.Generator`` seeded from its request's seed, so a seeded request draws
-the same tokens whatever else is in the batch, and a recomputed (preempted) request does not draw again.
+the same tokens whatever else is in the batch, and a recomputed (preempted) request does not draw again. Sample 0
+of a request seeded with ``s`` draws exactly what ``torch.manual_seed(s); model.generate(...)`` draws for that
+prompt alone.
+
+Callers who think in transformers' terms pass ``generate``'s keyword arguments (``max_new_tokens``, ``do_sample``,
+``temperature``, ``top_k``, ``top_p``, ``num_return_sequences``, ``eos_token_id``, ``min_new_tokens``,
+``generation_config=``); :func:`merge_generation_config` combines them with the model's ``generation_config`` the
+way ``model.generate`` does, and :func:`to_sampling_params` turns the result into :class:`SamplingParams`.
 """
 
 from __future__ import annotations
 
+import copy
+import math
 import random
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
+from transformers import GenerationConfig
 
 from pagedcore.errors import InvalidRequestError
+from pagedcore.validation import integer, token_ids
 
-__all__ = ["SamplingParams", "sample_tokens"]
+__all__ = [
+    "GENERATE_KWARGS",
+    "SampleRow",
+    "SamplingParams",
+    "StepSamples",
+    "merge_generation_config",
+    "sample_rows",
+    "sample_tokens",
+    "to_sampling_params",
+]
 
 
 @dataclass(frozen=True)
@@ -29,10 +50,14 @@ class SamplingParams:
         seed: seed of this request's random draws (None: drawn from Python's ``random``).
         stop_token_ids: stop after any of these; None means the model's eos token ids.
         ignore_eos: never stop early (benchmarks).
-        min_new_tokens: stop tokens are ignored before this many tokens.
+        min_new_tokens: the stop tokens cannot be drawn before this many tokens were generated (they are masked,
+            as transformers' ``min_new_tokens`` does).
         n: parallel samples of the prompt; they share the prompt's KV blocks.
-        return_logits: keep each step's float32 logits in the output (for tests and analysis; memory grows with
-            ``vocab * tokens``).
+        return_logits: keep each step's float32 logits in the output, before any masking (for tests and analysis;
+            memory grows with ``vocab * tokens``).
+
+    Integer fields accept anything with ``__index__`` (numpy integers included) and are stored as ``int``;
+    ``stop_token_ids`` is stored as a tuple.
 
     Example:
         >>> SamplingParams(max_new_tokens=8, temperature=0.7, top_p=0.9, seed=1).is_greedy
@@ -55,18 +80,22 @@ class SamplingParams:
     return_logits: bool = False
 
     def __post_init__(self) -> None:
-        _int("max_new_tokens", self.max_new_tokens, 0)
-        _int("top_k", self.top_k, 0)
-        _int("min_new_tokens", self.min_new_tokens, 0)
-        _int("n", self.n, 1)
+        fix = object.__setattr__  # frozen: normalize once, here
+        for name, minimum in (("max_new_tokens", 0), ("top_k", 0), ("min_new_tokens", 0), ("n", 1)):
+            fix(self, name, integer(name, getattr(self, name), minimum=minimum))
+        if self.seed is not None:
+            fix(self, "seed", integer("seed", self.seed))
+        if self.stop_token_ids is not None:
+            fix(self, "stop_token_ids", tuple(token_ids(self.stop_token_ids, name="stop_token_ids", allow_empty=True)))
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)):
             raise InvalidRequestError(f"temperature must be a number, got {self.temperature!r}")
-        if not self.temperature >= 0:  # also catches NaN
+        if not self.temperature >= 0 or math.isinf(self.temperature):  # also catches NaN
             raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature!r}")
         if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise InvalidRequestError(f"seed must be an int or None, got {self.seed!r}")
+        for name in ("ignore_eos", "return_logits"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidRequestError(f"{name} must be True or False, got {getattr(self, name)!r}")
 
     @property
     def is_greedy(self) -> bool:
@@ -74,7 +103,7 @@ class SamplingParams:
         return self.temperature == 0
 
     def generators(self, device: torch.device | str = "cpu") -> list[torch.Generator]:
-        """One generator per sample, seeded from ``seed`` (or at random)."""
+        """One generator per sample, seeded from ``seed`` (or at random); sample 0's seed is ``seed`` itself."""
         seed = self.seed if self.seed is not None else random.getrandbits(63)
         out = []
         for k in range(self.n):
@@ -84,11 +113,211 @@ class SamplingParams:
         return out
 
 
-def _int(name: str, value: object, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise InvalidRequestError(f"{name} must be an integer >= {minimum}, got {value!r}")
+# ---------------------------------------------------------------------------------------------- transformers' words
+GENERATE_KWARGS = frozenset(
+    {
+        "max_new_tokens",
+        "max_length",
+        "min_new_tokens",
+        "min_length",
+        "do_sample",
+        "temperature",
+        "top_k",
+        "top_p",
+        "num_return_sequences",
+        "eos_token_id",
+        "pad_token_id",  # no effect: the Engine never pads
+        "bos_token_id",  # no effect: the prompt is used as given
+        "generation_config",
+        "seed",  # not a transformers argument: the seed of the request's draws (transformers uses the global RNG)
+    }
+)
+"""``generate`` keyword arguments the Engine accepts (and the options it does not implement, at their neutral value,
+e.g. ``num_beams=1``)."""
+
+# transformers' defaults for what is still unset after the model's generation_config (5.x:
+# ``GenerationConfig._get_default_generation_params``); only the fields the translation reads.
+_DEFAULTS: dict[str, Any] = {"do_sample": False, "temperature": 1.0, "top_k": 50, "top_p": 1.0}
+_DEFAULT_MAX_NEW_TOKENS = 20  # transformers generates 20 new tokens when no length is set anywhere
+
+# Options the Engine does not implement, with the values at which they do nothing (None always does nothing).
+_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "num_beams": (1,),
+    "num_beam_groups": (1,),
+    "penalty_alpha": (),
+    "diversity_penalty": (0.0,),
+    "repetition_penalty": (1.0,),
+    "encoder_repetition_penalty": (1.0,),
+    "no_repeat_ngram_size": (0,),
+    "encoder_no_repeat_ngram_size": (0,),
+    "bad_words_ids": (),
+    "force_words_ids": (),
+    "constraints": (),
+    "suppress_tokens": (),
+    "begin_suppress_tokens": (),
+    "forced_bos_token_id": (),
+    "forced_eos_token_id": (),
+    "sequence_bias": (),
+    "min_p": (),
+    "top_h": (),
+    "typical_p": (1.0,),
+    "epsilon_cutoff": (0.0,),
+    "eta_cutoff": (0.0,),
+    "exponential_decay_length_penalty": (),
+    "guidance_scale": (1.0,),
+    "max_time": (),
+    "stop_strings": (),
+    "renormalize_logits": (False,),
+    "remove_invalid_values": (False,),
+    "token_healing": (False,),
+    "watermarking_config": (),
+    "dola_layers": (),
+    "prompt_lookup_num_tokens": (),
+    "use_mtp": (False,),
+    "use_cache": (True,),
+    "output_scores": (False,),
+    "output_logits": (False,),
+    "output_attentions": (False,),
+    "output_hidden_states": (False,),
+    "return_dict_in_generate": (False,),
+    "low_memory": (False,),
+}
 
 
+def merge_generation_config(
+    model_config: GenerationConfig | None, kwargs: Mapping[str, Any]
+) -> tuple[GenerationConfig, int | None]:
+    """Combine ``generate`` keyword arguments with the model's ``generation_config`` as ``model.generate`` does.
+
+    Priority: the keyword arguments, then ``generation_config=`` (a ``GenerationConfig``), then the model's
+    ``generation_config``, then transformers' defaults. Returns the merged config (a copy: nothing passed in is
+    modified) and the ``seed`` argument. Raises :class:`~pagedcore.errors.InvalidRequestError` naming any unknown
+    argument, any option the Engine does not implement set to a value that would change the output (e.g.
+    ``num_beams=4``, also when it comes from the model's config), and any value that cannot give a request
+    whatever the prompt (e.g. ``max_new_tokens=0``, ``do_sample=True`` with ``temperature=0``).
+
+    Example:
+        >>> config, seed = merge_generation_config(GenerationConfig(temperature=0.7), {"do_sample": True, "seed": 3})
+        >>> config.do_sample, config.temperature, config.top_k, seed
+        (True, 0.7, 50, 3)
+        >>> merge_generation_config(None, {"num_beams": 4})
+        Traceback (most recent call last):
+        ...
+        pagedcore.errors.InvalidRequestError: num_beams=4 (an argument) is not supported by the Engine: ...
+    """
+    kwargs = dict(kwargs)
+    seed = kwargs.pop("seed", None)
+    if seed is not None:
+        seed = integer("seed", seed)
+    user_config = kwargs.pop("generation_config", None)
+    if user_config is not None and not isinstance(user_config, GenerationConfig):
+        raise InvalidRequestError(f"generation_config must be a transformers GenerationConfig, got {user_config!r}")
+    unknown = sorted(k for k in kwargs if k not in GENERATE_KWARGS and k not in _NEUTRAL)
+    if unknown:
+        raise InvalidRequestError(
+            f"unknown or unsupported generate() arguments for the Engine: {', '.join(unknown)} (it accepts "
+            f"{', '.join(sorted(GENERATE_KWARGS))}, or SamplingParams)"
+        )
+    config = copy.deepcopy(user_config) if user_config is not None else GenerationConfig()
+    try:
+        if model_config is not None:
+            config.update(**model_config.to_dict(), defaults_only=True)
+        config.update(**_DEFAULTS, defaults_only=True)
+        config.update(**kwargs)  # last, as in transformers: an explicit None unsets an option
+    except (ValueError, TypeError) as exc:  # transformers' own validation of the values
+        raise InvalidRequestError(f"bad generation arguments: {exc}") from exc
+    for name, neutral in _NEUTRAL.items():
+        value = getattr(config, name, None)
+        if not _is_neutral(value, neutral):
+            where = (
+                "an argument"
+                if name in kwargs
+                else "from generation_config"
+                if user_config is not None and getattr(user_config, name, None) is not None
+                else "from the model's generation_config"
+            )
+            raise InvalidRequestError(
+                f"{name}={value!r} ({where}) is not supported by the Engine: "
+                f"use {' or '.join(repr(v) for v in (*neutral, None)[:2])}, or model.generate"
+            )
+    to_sampling_params(config, prompt_length=0, seed=seed)  # everything that does not depend on the prompt
+    return config, seed
+
+
+def _is_neutral(value: object, neutral: tuple[Any, ...]) -> bool:
+    return value is None or any(value == v and isinstance(value, bool) == isinstance(v, bool) for v in neutral)
+
+
+def to_sampling_params(
+    config: GenerationConfig, *, prompt_length: int, max_positions: int | None = None, seed: int | None = None
+) -> SamplingParams:
+    """Translate a (merged, see :func:`merge_generation_config`) ``GenerationConfig`` for one prompt.
+
+    ``do_sample=False`` is greedy whatever the temperature says; with ``do_sample=True`` the temperature, top-k
+    and top-p apply as transformers applies them. ``max_new_tokens`` wins over ``max_length`` (a total length,
+    prompt included); with neither, 20 new tokens, within ``max_positions``. ``eos_token_id`` (None: none) gives
+    the stop tokens, and ``min_new_tokens`` (or ``min_length``) masks them at first.
+
+    An option left None does nothing (no top-k, no top-p, temperature 1).
+
+    Example:
+        >>> params = to_sampling_params(GenerationConfig(max_length=12, eos_token_id=2), prompt_length=5)
+        >>> params.max_new_tokens, params.is_greedy, params.stop_token_ids
+        (7, True, (2,))
+    """
+    do_sample = bool(config.do_sample) if config.do_sample in (None, True, False) else config.do_sample
+    if not isinstance(do_sample, bool):
+        raise InvalidRequestError(f"do_sample must be True or False, got {do_sample!r}")
+    n = config.num_return_sequences
+    n = 1 if n is None else integer("num_return_sequences", n, minimum=1)
+    if n > 1 and not do_sample:
+        raise InvalidRequestError(
+            f"num_return_sequences={n} needs do_sample=True: greedy decoding has one answer (transformers "
+            "refuses it too)"
+        )
+    if config.max_new_tokens is not None:
+        max_new_tokens = config.max_new_tokens
+    elif config.max_length is not None:
+        max_new_tokens = config.max_length - prompt_length
+        if max_new_tokens <= 0:
+            raise InvalidRequestError(
+                f"the prompt has {prompt_length} tokens but max_length={config.max_length} counts the prompt too: "
+                "set max_new_tokens instead"
+            )
+    else:
+        max_new_tokens = _DEFAULT_MAX_NEW_TOKENS
+        if max_positions is not None:
+            max_new_tokens = min(max_new_tokens, max_positions - prompt_length)
+    if config.min_new_tokens is not None:
+        min_new_tokens = config.min_new_tokens
+    else:
+        min_new_tokens = max(0, (config.min_length or 0) - prompt_length)
+    eos = config.eos_token_id
+    stop: tuple[int, ...] = ()
+    if eos is not None:
+        stop = tuple(token_ids([eos] if isinstance(eos, int) else eos, name="eos_token_id", allow_empty=True))
+    fields: dict[str, Any] = {}
+    if do_sample:
+        temperature = config.temperature if config.temperature is not None else 1.0
+        if isinstance(temperature, (int, float)) and not isinstance(temperature, bool) and temperature <= 0:
+            raise InvalidRequestError(
+                f"temperature={temperature!r} with do_sample=True: it must be > 0 (for greedy decoding, "
+                "do_sample=False)"
+            )
+        top_k = config.top_k if config.top_k is not None else 0
+        top_p = config.top_p if config.top_p is not None else 1.0
+        fields = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
+    return SamplingParams(
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=min_new_tokens,
+        stop_token_ids=stop,
+        n=n,
+        seed=seed,
+        **fields,
+    )
+
+
+# ------------------------------------------------------------------------------------------------------ the sampler
 def sample_tokens(logits: torch.Tensor, params: SamplingParams, generators: Sequence[torch.Generator]) -> list[int]:
     """Draw ``len(generators)`` tokens from one row of logits ``(vocab,)`` (float32 recommended).
 
@@ -113,3 +342,79 @@ def sample_tokens(logits: torch.Tensor, params: SamplingParams, generators: Sequ
         scores = scores.scatter(0, order, sorted_scores.masked_fill(drop, float("-inf")))
     probs = torch.softmax(scores, dim=-1)
     return [int(torch.multinomial(probs, 1, generator=g)) for g in generators]
+
+
+@dataclass(slots=True)
+class SampleRow:
+    """One row of a step's logits to draw tokens from: a sequence that has computed all its known tokens.
+
+    Attributes:
+        request_id: the sequence (a parallel sample has its own id).
+        params: its request's parameters.
+        generators: one per token to draw (all the samples' at the step that forks a request, else one).
+        suppress: token ids that may not be drawn yet (the stop tokens, before ``min_new_tokens``).
+
+    Example:
+        >>> SampleRow("r1", SamplingParams(), [torch.Generator()]).suppress
+        ()
+    """
+
+    request_id: str
+    params: SamplingParams
+    generators: list[torch.Generator]
+    suppress: tuple[int, ...] = ()
+
+
+@dataclass
+class StepSamples:
+    """What :func:`sample_rows` drew.
+
+    Attributes:
+        tokens: per sequence id, the tokens drawn.
+        failed: per sequence id, why no token could be drawn (e.g. no finite logit).
+        logits: per sequence id, its float32 logits row (only for requests with ``return_logits``).
+
+    Example:
+        >>> StepSamples().tokens
+        {}
+    """
+
+    tokens: dict[str, list[int]] = field(default_factory=dict)
+    failed: dict[str, str] = field(default_factory=dict)
+    logits: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def sample_rows(logits: torch.Tensor, rows: Sequence[SampleRow]) -> StepSamples:
+    """Draw the tokens of a whole step: ``logits`` is ``(len(rows), vocab)``, one row per :class:`SampleRow`.
+
+    Greedy rows share one batched argmax; a row that cannot be sampled fails alone.
+
+    Example:
+        >>> rows = [SampleRow("a", SamplingParams(), [torch.Generator()]),
+        ...         SampleRow("b", SamplingParams(), [torch.Generator()], suppress=(1,))]
+        >>> sample_rows(torch.tensor([[0.0, 2.0, 1.0], [0.0, 2.0, 1.0]]), rows).tokens
+        {'a': [1], 'b': [2]}
+    """
+    out = StepSamples()
+    if not rows:
+        return out
+    for i in [i for i, row in enumerate(rows) if row.params.return_logits]:
+        out.logits[rows[i].request_id] = logits[i].detach().cpu().clone()  # before any masking
+    masked = [(i, row.suppress) for i, row in enumerate(rows) if row.suppress]
+    if masked:
+        logits = logits.clone()
+        for i, ids in masked:
+            logits[i, list(ids)] = float("-inf")
+    # One batched argmax and finiteness check for the whole step instead of one small op per sequence.
+    greedy = logits.argmax(dim=-1).tolist()
+    finite = torch.isfinite(logits).any(dim=-1).tolist()
+    tokens = out.tokens
+    for i, row in enumerate(rows):
+        if row.params.temperature == 0 and finite[i]:  # greedy
+            tokens[row.request_id] = [greedy[i]] * len(row.generators)
+            continue
+        try:
+            tokens[row.request_id] = sample_tokens(logits[i], row.params, row.generators)
+        except Exception as exc:  # one row's failure (e.g. no finite logit) fails that sequence only
+            out.failed[row.request_id] = f"{type(exc).__name__}: {exc}"
+    return out

@@ -1,0 +1,251 @@
+"""One Engine step as tensors: the packed batch, the cache its forward writes through, and the requests it serves.
+
+:func:`pack` turns the scheduler's plan into a :class:`StepBatch`: every scheduled token of every sequence in one
+``(1, num_tokens)`` row without padding, each KV group's paged-attention metadata, and a :class:`SampleRow` per
+sequence that completed its known tokens. The batch holds everything the forward and the sampler read, so they
+run without the Engine's lock while other threads add and abort requests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin, DummyLayer
+
+from pagedcore.attention import PagedAttentionMetadata, write_kv
+from pagedcore.scheduler import SchedulerOutput
+
+from .attention import ForwardContext
+from .outputs import RequestOutput
+from .pool import PagedKVPool
+from .sampling import SampleRow, SamplingParams
+
+__all__ = ["EngineRequest", "NewRequest", "PackedCache", "StepBatch", "pack"]
+
+
+@dataclass(frozen=True)
+class NewRequest:
+    """A validated request, not queued yet (see ``Engine.add_request``).
+
+    Example:
+        >>> NewRequest([5, 6], SamplingParams(), frozenset({2})).request_id is None
+        True
+    """
+
+    token_ids: list[int]
+    params: SamplingParams
+    stop_token_ids: frozenset[int]
+    namespace: Hashable = None
+    request_id: str | None = None
+
+
+@dataclass
+class EngineRequest:
+    """A queued request as the Engine tracks it: its output (filled in as it runs) and who reports it.
+
+    Attributes:
+        owner: the ``generate``/``stream`` call that reports it, or None for ``step()``/``step_events()``.
+        texts: per sample, the text decoded so far (for text deltas).
+        done: samples finished.
+
+    Example:
+        >>> from pagedcore.adapters.transformers import RequestMetrics, SampleOutput
+        >>> out = RequestOutput("r", [5], [SampleOutput(0)], RequestMetrics(0.0))
+        >>> EngineRequest("r", SamplingParams(), [], out).is_done
+        False
+    """
+
+    request_id: str
+    params: SamplingParams
+    generators: list[torch.Generator]
+    output: RequestOutput
+    owner: object | None = None
+    texts: list[str] = field(default_factory=list)
+    done: int = 0
+
+    @property
+    def is_done(self) -> bool:
+        """Whether every sample has finished."""
+        return self.done == len(self.output.samples)
+
+
+class _PackedLayer(CacheLayerMixin):
+    """Layer view for transformers' mask code; the engine's attention does not use masks."""
+
+    is_compileable = False
+
+    def __init__(self, sliding_window: int | None) -> None:
+        super().__init__()
+        self.is_sliding = sliding_window is not None
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Nothing to do."""
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("updated through the engine's cache")
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return query_length, 0
+
+    def get_seq_length(self) -> int:
+        return 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class PackedCache(Cache):
+    """The cache a packed Engine forward writes through: every new token's keys/values go to its slot.
+
+    Example:
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> model = LlamaForCausalLM(LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+        ...     num_hidden_layers=2, intermediate_size=128, vocab_size=100))
+        >>> PackedCache(PagedKVPool(model, num_blocks=8, block_size=4)).get_seq_length()
+        0
+    """
+
+    def __init__(self, pool: PagedKVPool) -> None:
+        layers: list[Any] = [
+            _PackedLayer(spec.sliding_window) if spec.has_cache else DummyLayer() for spec in pool.spec.layers
+        ]
+        super().__init__(layers=layers)
+        self._pool = pool
+        self._slots: list[torch.Tensor] = []
+        self._on: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+    def begin(self, slots: list[torch.Tensor]) -> None:
+        """Start a forward whose new tokens go to ``slots`` (one tensor per KV group)."""
+        self._slots = slots
+        self._on = {}
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        group = self._pool.group_of(layer_idx)
+        keys = key_states[0].transpose(0, 1)  # (tokens, kv_heads, head_dim)
+        values = value_states[0].transpose(0, 1)
+        key_cache, value_cache = self._pool.layer_kv(layer_idx, keys, values)
+        slots = self._on.get((group, keys.device))
+        if slots is None:
+            slots = self._on[(group, keys.device)] = self._slots[group].to(keys.device)
+        write_kv(key_cache, value_cache, keys, values, slots)
+        return key_states, value_states
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        return query_length, 0
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    """Everything one step's forward and sampler read, taken under the Engine's lock.
+
+    Attributes:
+        plan: the scheduler's plan for this step.
+        owners: per scheduled sequence id, the request it belongs to.
+        input_ids / position_ids: the packed tokens and their positions.
+        logit_rows: per :class:`SampleRow`, the index of its last token in the packed batch.
+        rows: the sequences to sample for, in the order of ``logit_rows``.
+        context: each KV group's paged-attention metadata and the backend choice.
+
+    Example:
+        >>> StepBatch(SchedulerOutput([]), {}, [], [], [], [], ForwardContext(None, [], None, None)).num_tokens
+        0
+    """
+
+    plan: SchedulerOutput
+    owners: dict[str, EngineRequest]
+    input_ids: list[int]
+    position_ids: list[int]
+    logit_rows: list[int]
+    rows: list[SampleRow]
+    context: ForwardContext
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens computed in this step."""
+        return len(self.input_ids)
+
+
+def pack(
+    plan: SchedulerOutput,
+    pool: PagedKVPool,
+    requests: Mapping[str, EngineRequest],
+    attention_backend: str | None = None,
+) -> StepBatch:
+    """Pack a non-empty plan (call it under the lock that guards ``requests``: it reads the live block tables).
+
+    Performs the plan's copy-on-write block copies first.
+
+    Example:
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> from pagedcore import Scheduler, Sequence
+        >>> from pagedcore.adapters.transformers import RequestMetrics, SampleOutput
+        >>> model = LlamaForCausalLM(LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+        ...     num_hidden_layers=2, intermediate_size=128, vocab_size=100))
+        >>> pool = PagedKVPool(model, num_blocks=8, block_size=4)
+        >>> sched = Scheduler(pool.kv)
+        >>> sched.add(Sequence("r", [5, 6, 7], max_new_tokens=2))
+        >>> out = RequestOutput("r", [5, 6, 7], [SampleOutput(0)], RequestMetrics(0.0))
+        >>> batch = pack(sched.schedule(), pool, {"r": EngineRequest("r", SamplingParams(), [torch.Generator()], out)})
+        >>> batch.input_ids, batch.position_ids, batch.logit_rows, [row.request_id for row in batch.rows]
+        ([5, 6, 7], [0, 1, 2], [2], ['r'])
+    """
+    pool.copy_blocks(plan.copies)
+    groups = pool.kv.groups
+    tokens: list[int] = []
+    positions: list[int] = []
+    tables: list[list[list[int]]] = [[] for _ in groups]
+    offsets: list[list[int]] = [[] for _ in groups]
+    slots: list[list[list[int]]] = [[] for _ in groups]
+    logit_rows: list[int] = []
+    rows: list[SampleRow] = []
+    owners: dict[str, EngineRequest] = {}
+    for item in plan.scheduled:
+        seq = item.sequence
+        request = owners[item.request_id] = requests[seq.group_id]
+        tokens.extend(item.token_ids)
+        positions.extend(range(item.start, item.end))
+        if item.sample:
+            logit_rows.append(len(tokens) - 1)
+            if item.num_samples > 1:
+                generators = request.generators[: item.num_samples]
+            else:
+                generators = [request.generators[seq.sample_index]]
+            suppress: tuple[int, ...] = ()
+            if seq.min_new_tokens and seq.num_output_tokens < seq.min_new_tokens:
+                suppress = tuple(sorted(seq.stop_token_ids))
+            rows.append(SampleRow(item.request_id, request.params, generators, suppress))
+        item_tables, item_offsets, item_slots = item.block_tables, item.block_offsets, item.slots
+        for g in range(len(groups)):
+            tables[g].append(item_tables[g])
+            offsets[g].append(item_offsets[g])
+            slots[g].append(item_slots[g])
+    query_lens = [item.num_new_tokens for item in plan.scheduled]
+    seq_lens = [item.end for item in plan.scheduled]
+    metas: list[PagedAttentionMetadata | None] = [
+        PagedAttentionMetadata.build(
+            block_size=pool.block_size,
+            query_lens=query_lens,
+            seq_lens=seq_lens,
+            block_offsets=offsets[g.index],
+            tables=tables[g.index],
+            slots=slots[g.index],
+            sliding_window=g.sliding_window,
+            pad_block=pool.pad_block,
+        )
+        for g in groups
+    ]
+    context = ForwardContext(pool, metas, None, attention_backend)
+    return StepBatch(plan, owners, tokens, positions, logit_rows, rows, context)

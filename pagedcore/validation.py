@@ -1,0 +1,115 @@
+"""Validators for values that come from callers: integers and token ids. Plain Python, no torch.
+
+One home for these rules, so every entry point (the Engine, ``enable``d ``generate``, a server) refuses the same
+inputs with the same message. Anything with ``__index__`` counts as an integer (``int``, numpy integers, a
+one-element integer tensor); ``bool`` does not, although it is an ``int`` subclass: ``True`` as a token id is a bug
+in the caller, not token 1. Floats are never rounded: ``5.7`` is refused, not read as ``5``.
+
+Example:
+    >>> token_ids([5, 6, 7], vocab_size=100)
+    [5, 6, 7]
+    >>> token_ids([5.7, 6.2])
+    Traceback (most recent call last):
+    ...
+    pagedcore.errors.InvalidRequestError: token ids must be integers, got 5.7, 6.2
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Iterable
+
+from pagedcore.errors import InvalidRequestError
+
+__all__ = ["integer", "token_ids"]
+
+_SHOWN = 5  # bad values named in a message
+
+
+def integer(name: str, value: object, *, minimum: int | None = None) -> int:
+    """``value`` as an ``int`` (anything with ``__index__`` except ``bool``), at least ``minimum``.
+
+    Raises :class:`~pagedcore.errors.InvalidRequestError` naming ``name`` and the value otherwise.
+
+    Example:
+        >>> integer("max_new_tokens", 8, minimum=0)
+        8
+        >>> integer("n", 0, minimum=1)
+        Traceback (most recent call last):
+        ...
+        pagedcore.errors.InvalidRequestError: n must be an integer >= 1, got 0
+    """
+    expected = "an integer" if minimum is None else f"an integer >= {minimum}"
+    number = _as_int(value)
+    if number is None or (minimum is not None and number < minimum):
+        raise InvalidRequestError(f"{name} must be {expected}, got {value!r}")
+    return number
+
+
+def token_ids(
+    values: object,
+    *,
+    vocab_size: int | None = None,
+    name: str = "token ids",
+    allow_empty: bool = False,
+) -> list[int]:
+    """``values`` as a list of token ids: integers (see :func:`integer`) in ``[0, vocab_size)``.
+
+    Refuses (with :class:`~pagedcore.errors.InvalidRequestError` naming the offending values) a string, anything
+    not iterable, any element that is not an integer (floats, numeric strings, bools, nested lists), ids outside
+    the vocabulary, and an empty sequence (a prompt) unless ``allow_empty`` (e.g. stop ids). Tensors are the
+    adapter's business: check their dtype first (a float tensor's elements would be refused here one by one),
+    then pass ``tensor.tolist()``.
+
+    Example:
+        >>> token_ids((3, 4), vocab_size=10, name="stop_token_ids")
+        [3, 4]
+        >>> token_ids([True, 5])
+        Traceback (most recent call last):
+        ...
+        pagedcore.errors.InvalidRequestError: token ids must be integers, got True
+        >>> token_ids([3, 12, -1], vocab_size=10)
+        Traceback (most recent call last):
+        ...
+        pagedcore.errors.InvalidRequestError: token ids [12, -1] are outside the model's vocabulary [0, 10)
+        >>> token_ids([])
+        Traceback (most recent call last):
+        ...
+        pagedcore.errors.InvalidRequestError: the prompt is empty
+    """
+    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+        raise InvalidRequestError(f"{name} must be a sequence of integers, got {_show(values)}")
+    out: list[int] = []
+    bad: list[object] = []
+    for value in values:
+        number = _as_int(value)
+        if number is None:
+            bad.append(value)
+        else:
+            out.append(number)
+    if bad:
+        shown = ", ".join(_show(v) for v in bad[:_SHOWN]) + (
+            f" (and {len(bad) - _SHOWN} more)" if len(bad) > _SHOWN else ""
+        )
+        raise InvalidRequestError(f"{name} must be integers, got {shown}")
+    if not out and not allow_empty:
+        raise InvalidRequestError("the prompt is empty")
+    outside = [t for t in out if t < 0 or (vocab_size is not None and t >= vocab_size)]
+    if outside:
+        where = f"the model's vocabulary [0, {vocab_size})" if vocab_size is not None else "the ids >= 0"
+        raise InvalidRequestError(f"{name} {outside[:_SHOWN]} are outside {where}")
+    return out
+
+
+def _as_int(value: object) -> int | None:
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+
+
+def _show(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
