@@ -162,7 +162,9 @@ class PagedAttentionMetadata:
 
     @property
     def host_tables(self) -> torch.Tensor:
-        """The block tables on the CPU (no copy, no wait for a GPU)."""
+        """The block tables on the CPU: kept by :meth:`to`; for metadata built on a device, copied once (a wait)."""
+        if self.host_block_tables is None and self.block_tables.device.type != "cpu":
+            self.host_block_tables = self.block_tables.cpu()
         return self.block_tables if self.host_block_tables is None else self.host_block_tables
 
     def to(self, device: torch.device) -> PagedAttentionMetadata:

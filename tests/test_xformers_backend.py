@@ -627,6 +627,26 @@ def test_install_plan(changes: dict[str, Any], expected: list[str]) -> None:
     assert len(steps) == len(expected) and all(s.startswith(e) for s, e in zip(steps, expected)), steps
 
 
+def test_the_gpu_install_pair_provides_what_the_wheel_needs() -> None:
+    """The ``gpu`` extra pins the xformers whose library was read, with the CUDA runtime wheel that library needs,
+    and ``make EXTRAS=all,gpu install`` installs it after the chosen torch."""
+    import tomllib
+
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["gpu"]
+    assert "xformers==0.0.35" in extra
+    facts = environment()
+    if facts.xformers_version == "0.0.35":
+        major = facts.needed_runtime.rsplit(".", 1)[-1] if facts.needed_runtime else None
+        assert any(req.startswith(f"nvidia-cuda-runtime-cu{major}") for req in extra), (facts.needed_runtime, extra)
+    dry_run = subprocess.run(
+        ["make", "-n", "install", "EXTRAS=all,gpu", "TORCH=torch==2.13.0"], cwd=ROOT, capture_output=True, text=True
+    )
+    if dry_run.returncode == 0:  # `make` present
+        lines = dry_run.stdout.splitlines()
+        torch_line = next(i for i, line in enumerate(lines) if '"torch==2.13.0"' in line)
+        assert torch_line < next(i for i, line in enumerate(lines) if '-e ".[all,gpu]"' in line)
+
+
 def test_diagnosis_names_the_cause_and_the_fix() -> None:
     error = "OSError: libcudart.so.12: cannot open shared object file: No such file or directory"
     status = diagnose(env(), load_error=error, preload=PreloadResult("libcudart.so.12", "not found"))
