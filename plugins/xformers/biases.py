@@ -208,7 +208,16 @@ class PreparedStep:
 def prepare_steps(
     metadata: PagedAttentionMetadata, steps: list[Step], device: torch.device | str
 ) -> list[PreparedStep]:
-    """The device tensors of every step: ``triton_splitk`` steps padded to their buckets, the others exact."""
+    """The device tensors of every step: ``triton_splitk`` steps padded to their buckets, the others exact.
+
+    Example:
+        >>> meta = PagedAttentionMetadata.build(block_size=64, query_lens=[1, 5], seq_lens=[70, 5],
+        ...     block_offsets=[0, 0], tables=[[3, 5], [1]], slots=[[325], [64, 65, 66, 67, 68]],
+        ...     sliding_window=None, pad_block=8)
+        >>> steps = prepare_steps(meta, [Step("triton_splitk", (0,)), Step("gather", (1,))], "cpu")
+        >>> [s.token_index.tolist() for s in steps], steps[1].gathered.slots.tolist()
+        ([[0], [1, 2, 3, 4, 5]], [64, 65, 66, 67, 68])
+    """
     device = torch.device(device)
     every = rows_with_queries(metadata)
     starts = metadata.query_start_loc

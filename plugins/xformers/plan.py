@@ -147,6 +147,14 @@ def pieces(meta: PagedAttentionMetadata, rows: list[int], per_query: bool) -> li
     Full attention: one causal piece per row. A sliding window or released blocks: the queries of a row that all
     reach back to its first live key share one causal piece; each later query (whose window starts after that key)
     is its own piece. ``per_query``: one piece per query, each with its exact key range.
+
+    Example:
+        >>> meta = PagedAttentionMetadata.build(block_size=4, query_lens=[3], seq_lens=[7], block_offsets=[0],
+        ...     tables=[[2, 0]], slots=[[4, 5, 6]], sliding_window=None, pad_block=3)
+        >>> [(p.num_queries, p.key_start, p.key_end) for p in pieces(meta, [0], per_query=False)]
+        [(3, 0, 7)]
+        >>> [(p.num_queries, p.key_start, p.key_end) for p in pieces(meta, [0], per_query=True)]
+        [(1, 0, 5), (1, 0, 6), (1, 0, 7)]
     """
     out = []
     for i in rows:

@@ -88,7 +88,13 @@ def _version(distribution: str) -> str | None:
 
 
 def environment() -> Environment:
-    """The facts of this process's machine (no xformers import, no GPU work)."""
+    """The facts of this process's machine (no xformers import, no GPU work).
+
+    Example:
+        >>> facts = environment()
+        >>> facts.torch_cuda == torch.version.cuda, facts.cuda_devices == torch.cuda.device_count()
+        (True, True)
+    """
     devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
     library = xformers_library_path()
     built_for = needed = wheel = None
