@@ -1,8 +1,8 @@
 """The xformers backend on a GPU: which xformers op runs each case, and its output against the torch backend.
 
 Without CUDA the module is skipped, with the reason :func:`xformers_status` gives. With CUDA every test **fails**
-when xformers' kernels cannot run (the reason says why and what to install), unless ``PAGEDCORE_ALLOW_NO_XFORMERS=1``
-turns that into a skip: a GPU machine must not pass by testing nothing.
+(an error in its setup) when xformers' kernels cannot run, with the reason and what to install, unless
+``PAGEDCORE_ALLOW_NO_XFORMERS=1`` turns that into a skip: a GPU machine must not pass by testing nothing.
 
 Cases: random pools with shuffled block tables, metadata built on the CPU and moved as the caches move it; fp16 and
 bf16; GQA 32/8 with head dim 128, MHA 8/8 with head dim 64, head dims 80/96/256; decode, prefill over a cached

@@ -6,10 +6,10 @@ Per forward and KV group, the first layer plans the steps (:func:`~.plan.plan_st
 bucket (:attr:`XFormersStats.support_checks`): a paged step no kernel accepts (head dim, GPU generation) runs as a
 gather step, and a gather step no kernel accepts runs on the torch backend.
 
-A kernel that raises (a Triton compile or launch failure, say) does not fail the forward: that forward runs on the
-torch backend from the failing layer on, the failure is logged once and counted (:attr:`XFormersStats.kernel_failures`,
-which an Engine's stats can report), and the op is not used again for inputs of that shape. Out-of-memory errors are
-not caught: the torch backend needs more memory, not less.
+A kernel that raises (a Triton compile or launch failure, say) does not fail the forward: the failing layer and the
+KV group's later layers of that forward run on the torch backend, the failure is logged once and counted
+(:attr:`XFormersStats.kernel_failures`, which an Engine's stats can report), and the op is not used again for inputs
+of that shape. Out-of-memory errors are not caught: the torch backend needs more memory, not less.
 """
 
 from __future__ import annotations
