@@ -9,7 +9,11 @@ Layout shared by every backend:
   ``<=`` its own (and ``> position - sliding_window`` in a sliding group).
 
 Metadata is built once per forward and KV group and shared by all of the group's layers; a backend keeps whatever
-it derives from it (index tensors, attention biases) in ``metadata.backend_state``.
+it derives from it (index tensors, attention biases) in ``metadata.backend_state``. Moving it to a GPU
+(:meth:`PagedAttentionMetadata.to`, :func:`to_device`) copies from pinned memory without waiting for the GPU, and the
+moved metadata keeps the host copy of its block tables, so a backend derives its per-step tensors on the CPU.
+
+The block size is chosen by :func:`default_block_size` when a pool is created without one.
 """
 
 from __future__ import annotations
@@ -19,7 +23,58 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["AttentionBackend", "PagedAttentionMetadata", "write_kv"]
+__all__ = [
+    "CPU_BLOCK_SIZE",
+    "CUDA_BLOCK_SIZE",
+    "AttentionBackend",
+    "PagedAttentionMetadata",
+    "default_block_size",
+    "to_device",
+    "write_kv",
+]
+
+CPU_BLOCK_SIZE = 16  # the torch backend gathers whole blocks: small blocks waste less and give finer prefix hits
+CUDA_BLOCK_SIZE = 64  # xformers' triton_splitk reads the pool in place only for pages of a multiple of 64 tokens
+
+
+def default_block_size(device: torch.device | str, backend: str | None = None) -> int:
+    """Tokens per block for a pool whose model runs on ``device`` with the attention backend ``backend``.
+
+    On CUDA, with the xformers backend (the plugins' choice there, ``backend=None``), 64: xformers' ``triton_splitk``
+    reads keys and values straight from the pool only for pages of a multiple of 64 tokens; with smaller pages every
+    step gathers them into a contiguous copy first. 64, not 256 (what the ``flash_attn`` package's paged kernel needs),
+    because prefix hits are whole blocks: pass ``block_size=256`` yourself for long prompts with ``flash_attn``.
+    Elsewhere (CPU, or ``backend="torch"``) 16: the torch backend gathers whole blocks, so small blocks waste less.
+
+    Args:
+        device: the device the model (its first layer) runs on.
+        backend: the attention backend name requested (None: the plugins' choice).
+
+    Example:
+        >>> default_block_size("cpu"), default_block_size("cuda"), default_block_size("cuda", "torch")
+        (16, 64, 16)
+    """
+    if torch.device(device).type == "cuda" and backend in (None, "xformers"):
+        return CUDA_BLOCK_SIZE
+    return CPU_BLOCK_SIZE
+
+
+def to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """``tensor`` (on the CPU) on ``device``, copied from pinned memory without waiting for the GPU.
+
+    A plain ``.to("cuda")`` of a pageable CPU tensor waits until the GPU has finished all work queued before it; a
+    non-blocking copy from pinned memory does not (torch keeps the pinned buffer alive until the copy is done).
+
+    Example:
+        >>> to_device(torch.tensor([1, 2]), "cpu").tolist()
+        [1, 2]
+    """
+    device = torch.device(device)
+    if tensor.device == device:
+        return tensor
+    if device.type != "cuda" or tensor.device.type != "cpu":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 @dataclass
@@ -36,6 +91,8 @@ class PagedAttentionMetadata:
         slot_mapping: ``int64 (num_tokens,)``: the slot each new token's key and value are written to.
         sliding_window: the group's window, or None for full attention.
         pad_block: the zero block used for padding.
+        host_block_tables: the CPU copy of ``block_tables`` when they live on another device (set by :meth:`to`), so
+            that backends derive per-step tensors on the host; None when ``block_tables`` are on the CPU.
 
     Example:
         >>> meta = PagedAttentionMetadata.build(
@@ -54,6 +111,7 @@ class PagedAttentionMetadata:
     sliding_window: int | None
     pad_block: int
     backend_state: dict[Any, Any] = field(default_factory=dict, repr=False)
+    host_block_tables: torch.Tensor | None = field(default=None, repr=False)
 
     @classmethod
     def build(
@@ -102,8 +160,18 @@ class PagedAttentionMetadata:
             out.append(out[-1] + n)
         return out
 
+    @property
+    def host_tables(self) -> torch.Tensor:
+        """The block tables on the CPU: kept by :meth:`to`; for metadata built on a device, copied once (a wait)."""
+        if self.host_block_tables is None and self.block_tables.device.type != "cpu":
+            self.host_block_tables = self.block_tables.cpu()
+        return self.block_tables if self.host_block_tables is None else self.host_block_tables
+
     def to(self, device: torch.device) -> PagedAttentionMetadata:
-        """The same metadata with its tensors on ``device`` (cached: layers split over devices share it)."""
+        """The same metadata with its tensors on ``device`` (cached: layers split over devices share it).
+
+        The copy does not wait for the GPU (see :func:`to_device`); the moved metadata keeps the host tables.
+        """
         if self.block_tables.device == device:
             return self
         key = ("to", device)
@@ -114,10 +182,11 @@ class PagedAttentionMetadata:
                 self.query_lens,
                 self.seq_lens,
                 self.block_offsets,
-                self.block_tables.to(device),
-                self.slot_mapping.to(device),
+                to_device(self.block_tables, device),
+                to_device(self.slot_mapping, device),
                 self.sliding_window,
                 self.pad_block,
+                host_block_tables=self.host_tables,
             )
             self.backend_state[key] = moved
         return moved

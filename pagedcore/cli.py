@@ -344,9 +344,11 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
 
     import pagedcore.adapters.transformers  # noqa: F401  (registers the "paged" attention implementation)
     from pagedcore import default_plugin_manager
+    from pagedcore.plugins.xformers.status import describe, xformers_status
 
     pm = default_plugin_manager()
     infos = pm.plugins()
+    xformers = xformers_status()  # why the xformers backend is (not) offered
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     choices: dict[str, dict[str, str]] = {}
     for device in devices:
@@ -362,6 +364,7 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
                 {
                     "plugins": [{"name": i.name, "source": i.source, "hooks": list(i.hooks)} for i in infos],
                     "attention_backends": choices,
+                    "xformers": {"available": xformers.available, "reason": xformers.reason, "ops": xformers.ops},
                 },
                 indent=2,
             )
@@ -377,6 +380,7 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
         print(f"  {device:<6} " + ", ".join(f"{dtype}: {name}" for dtype, name in per_dtype.items()))
     if "cuda" not in choices:
         print("  cuda   (no CUDA device here)")
+    print(describe(xformers))
     return EXIT_OK
 
 

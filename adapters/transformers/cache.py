@@ -211,7 +211,7 @@ class PagedCache(Cache):
         pool: PagedKVPool | None = None,
         num_blocks: int | None = None,
         memory_budget: int | float | str | None = None,
-        block_size: int = 16,
+        block_size: int | None = None,
         namespace: Hashable = None,
         attention_backend: str | None = None,
     ) -> None:

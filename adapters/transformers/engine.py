@@ -109,7 +109,7 @@ class Engine:
         pool: PagedKVPool | None = None,
         num_blocks: int | None = None,
         memory_budget: int | float | str | None = None,
-        block_size: int = 16,
+        block_size: int | None = None,
         max_num_batched_tokens: int = 512,
         max_num_seqs: int = 64,
         enable_prefix_caching: bool = True,

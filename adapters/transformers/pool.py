@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from pagedcore.attention import AttentionBackend
+from pagedcore.attention import AttentionBackend, default_block_size
 from pagedcore.errors import ConfigError, InvalidBlockError, PoolMismatchError
 from pagedcore.kv_pool import KVPool
 from pagedcore.plugin_manager import PluginManager, default_plugin_manager
@@ -173,7 +173,7 @@ class PagedKVPool:
         model: the model (or its config) the pool serves.
         num_blocks: blocks per KV group. Give this or ``memory_budget``.
         memory_budget: bytes (or a string like ``"2GiB"``) for all layers' keys and values together.
-        block_size: tokens per block (default 16).
+        block_size: tokens per block (default: ``default_block_size`` of the model's device, 16 on CPU, 64 on CUDA).
         dtype: dtype of the stored keys and values, to size a memory budget (default: the model's dtype).
         eviction_policy: name of the eviction policy plugin to use ("lru" by default).
         plugins: plugin manager for policies, hashing and events (the default one when omitted).
@@ -195,12 +195,13 @@ class PagedKVPool:
         *,
         num_blocks: int | None = None,
         memory_budget: int | float | str | None = None,
-        block_size: int = 16,
+        block_size: int | None = None,
         dtype: torch.dtype | None = None,
         eviction_policy: str | None = None,
         plugins: PluginManager | None = None,
     ) -> None:
         self.spec = ModelKVSpec.from_model(model)
+        block_size = default_block_size(getattr(model, "device", "cpu")) if block_size is None else block_size
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
             raise ConfigError(f"block_size must be a positive integer, got {block_size!r}")
         if dtype is None:
