@@ -11,6 +11,7 @@ replica; after output was sent the request fails cleanly (an error event, or a 5
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 import itertools
 import logging
@@ -137,7 +138,11 @@ class ReplicaLoop:
         ids = [f"req-{next(self._ids)}" for _ in submissions]
         for request_id, submission in zip(ids, submissions):
             self._num_waiting += 1
-            task = aloop.create_task(self._run(request_id, self._routed(submission), sink))
+            # Each engine call runs in a context of its own: Ray Serve then gives it a request id of its own. In
+            # the HTTP request's context every call of a batch would share that request's id, and Ray's router
+            # matches routing decisions to pending calls by that id (calls sharing one were never sent).
+            coroutine = self._run(request_id, self._routed(submission), sink)
+            task = contextvars.Context().run(aloop.create_task, coroutine)
             self._tasks[request_id] = task
             task.add_done_callback(functools.partial(self._forget, request_id))
         return ids

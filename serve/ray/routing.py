@@ -80,11 +80,14 @@ class RoutedRequest:
 
 
 def _hashes_of(pending_request: PendingRequest | None) -> tuple[int, ...]:
+    # By attribute, not isinstance: Ray Serve ships a router class to the handle's process pickled by value,
+    # together with its module, so the RoutedRequest class the router sees is a copy of the one the ingress uses.
     if pending_request is None:
         return ()
     for arg in pending_request.args:
-        if isinstance(arg, RoutedRequest):
-            return arg.prefix_hashes
+        hashes = getattr(arg, "prefix_hashes", None)
+        if isinstance(hashes, tuple):
+            return hashes
     return ()
 
 
