@@ -42,16 +42,17 @@ class GenerateBatch:
         params: a :class:`~pagedcore.adapters.transformers.SamplingParams` for every prompt, or instead
         **generate_kwargs: ``model.generate``'s keyword arguments (``max_new_tokens``, ``do_sample``, ``seed``...).
 
-    Each output batch is the input batch plus the columns ``generated_text`` (None without a tokenizer),
-    ``generated_token_ids`` (the first sample's), ``num_prompt_tokens``, ``num_cached_tokens`` (prefix-cache hits)
-    and ``error`` (None, or why that prompt failed: one bad prompt never fails the batch).
+    Each output batch is the input batch plus the columns ``generated_text``, ``generated_token_ids`` (the first
+    sample's), ``num_prompt_tokens``, ``num_cached_tokens`` (prefix-cache hits) and ``error`` (why that prompt
+    failed: one bad prompt never fails the batch). Text columns hold strings, empty when there is nothing to say
+    (no error, no tokenizer), so that every batch format (numpy, pandas, Arrow) reads them alike.
 
     Example:
         >>> generate = GenerateBatch(ModelSpec(builtin_overrides={"num_hidden_layers": 1, "hidden_size": 64,
         ...     "intermediate_size": 128}), max_new_tokens=3)
         >>> out = generate({"prompt": np.array(["Hello", "Hello there"], dtype=object)})
         >>> [len(ids) for ids in out["generated_token_ids"]], list(out["error"])
-        ([3, 3], [None, None])
+        ([3, 3], ['', ''])
     """
 
     def __init__(
@@ -76,11 +77,11 @@ class GenerateBatch:
         prompts = [_prompt(p) for p in batch[self._prompt_column]]
         outputs = self._engine.generate(prompts, self._params, use_tqdm=False, **self._generate_kwargs)
         out = dict(batch)
-        out["generated_text"] = _objects([o.text for o in outputs])
+        out["generated_text"] = _objects([o.text or "" for o in outputs])
         out["generated_token_ids"] = _objects([list(o.token_ids) for o in outputs])
         out["num_prompt_tokens"] = np.array([len(o.prompt_token_ids) for o in outputs], dtype=np.int64)
         out["num_cached_tokens"] = np.array([o.metrics.num_cached_tokens for o in outputs], dtype=np.int64)
-        out["error"] = _objects([o.error for o in outputs])
+        out["error"] = _objects([o.error or "" for o in outputs])
         return out
 
     @property
