@@ -153,6 +153,14 @@ class ReplicaLoop:
         if task is not None:
             task.cancel()
 
+    def count_waiting(self, change: int) -> None:
+        """Requests that have not heard from a replica yet (the queue bound counts them)."""
+        self._num_waiting += change
+
+    def count_running(self, change: int) -> None:
+        """Requests a replica accepted and has not finished."""
+        self._num_running += change
+
     def _forget(self, request_id: str, task: asyncio.Task[None]) -> None:
         self._tasks.pop(request_id, None)
 
@@ -176,41 +184,29 @@ class ReplicaLoop:
         return RoutedRequest(submission, hashes)
 
     async def _run(self, request_id: str, request: RoutedRequest, sink: Sink) -> None:
-        state = {"waiting": True, "delivered": False}
-
-        def started() -> None:
-            if state["waiting"]:
-                state["waiting"] = False
-                self._num_waiting -= 1
-                self._num_running += 1
-
+        progress = _Progress(self, request_id, sink)
         try:
             for attempt in range(1, self._attempts + 1):
                 try:
-                    await self._stream(request_id, request, sink, state, started)
+                    await self._stream(request, progress)
                     return
                 except _REPLICA_FAILURES as exc:
-                    if state["delivered"] or attempt == self._attempts:
-                        error = f"the engine replica failed: {type(exc).__name__}: {exc}"
-                        sink(Finished(request_id, 0, (), (), error, "failed"))
+                    if progress.delivered or attempt == self._attempts:
+                        progress.fail(f"the engine replica failed: {type(exc).__name__}: {exc}", "failed")
                         return
                     logger.warning("pagedcore: %s failed on a replica (%s); retrying", request_id, type(exc).__name__)
         except asyncio.CancelledError:
-            kind = "shutdown" if self._stopping else "aborted"
-            message = "the server is shutting down" if self._stopping else "aborted"
-            sink(Finished(request_id, 0, (), (), message, kind))
+            if self._stopping:
+                progress.fail("the server is shutting down", "shutdown")
+            else:
+                progress.fail("aborted", "aborted")
         except Exception as exc:  # a bug or an unexpected Ray error: this request fails, the ingress serves on
             logger.exception("pagedcore: request %s failed in the ingress", request_id)
-            sink(Finished(request_id, 0, (), (), f"{type(exc).__name__}: {exc}", "failed"))
+            progress.fail(f"{type(exc).__name__}: {exc}", "failed")
         finally:
-            if state["waiting"]:
-                self._num_waiting -= 1
-            else:
-                self._num_running -= 1
+            progress.end()
 
-    async def _stream(
-        self, request_id: str, request: RoutedRequest, sink: Sink, state: dict[str, bool], started: Callable[[], None]
-    ) -> None:
+    async def _stream(self, request: RoutedRequest, progress: _Progress) -> None:
         stream = self._handle.options(stream=True).generate.remote(request)
         ended = False
         try:
@@ -222,17 +218,54 @@ class ReplicaLoop:
                     break
                 if isinstance(item, ReplicaReport):
                     self._reports[item.replica] = item.stats
-                    continue
-                if isinstance(item, Started):
-                    started()
-                    if state["delivered"]:
-                        continue
-                elif isinstance(item, (Delta, Finished)):
-                    started()
-                    state["delivered"] = True
-                sink(replace(item, request_id=request_id))
+                else:
+                    progress.send(item)
+        except _REPLICA_FAILURES:
+            if not progress.finished:
+                raise  # else only the replica's report is lost
         finally:
             if not ended:  # aborted, failed or stalled: the replica aborts the request
                 stream.cancel()
-        if not state["delivered"]:
+        if not progress.finished:
             raise _StreamEndedError("the replica ended the stream without finishing the request")
+
+
+class _Progress:
+    """One request's state in the ingress: what its sink has seen, and the loop's waiting / running counts."""
+
+    def __init__(self, loop: ReplicaLoop, request_id: str, sink: Sink) -> None:
+        self.loop = loop
+        self.request_id = request_id
+        self.sink = sink
+        self.state = "waiting"  # then "running", then "ended"
+        self.delivered = False  # a Delta or the Finished reached the sink: no retry from here on
+        self.finished = False
+
+    def send(self, event: Started | Delta | Finished) -> None:
+        if self.finished or (isinstance(event, Started) and self.delivered):
+            return
+        self._advance("running")
+        if isinstance(event, (Delta, Finished)):
+            self.delivered = True
+        if isinstance(event, Finished):
+            self.finished = True
+            self._advance("ended")
+        self.sink(replace(event, request_id=self.request_id))
+
+    def fail(self, message: str, kind: str) -> None:
+        if not self.finished:
+            self.send(Finished(self.request_id, 0, (), (), message, kind))
+
+    def end(self) -> None:
+        self._advance("ended")
+
+    def _advance(self, state: str) -> None:
+        order = ("waiting", "running", "ended")
+        while order.index(self.state) < order.index(state):
+            if self.state == "waiting":
+                self.loop.count_waiting(-1)
+                self.loop.count_running(+1)
+                self.state = "running"
+            else:
+                self.loop.count_running(-1)
+                self.state = "ended"
