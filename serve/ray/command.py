@@ -46,6 +46,14 @@ def run(args: argparse.Namespace) -> int:
     except ApiKeysError as exc:
         raise UsageError(str(exc)) from exc
     spec = ModelSpec(path=args.model, dtype=args.dtype, device=args.device, threads=args.threads)
+    if args.model is None:
+        from pagedcore.adapters.transformers.builtin import BUILTIN_DESCRIPTION
+
+        print(
+            f"note: no --model given: serving the {BUILTIN_DESCRIPTION} as {spec.name!r}; its text is gibberish. "
+            "Pass --model PATH for a real checkpoint.",
+            file=sys.stderr,
+        )
     try:  # fail here, in one line, rather than in every replica
         spec.load_tokenizer()
         spec.context_length()
