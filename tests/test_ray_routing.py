@@ -277,6 +277,23 @@ def test_abort_cancels_the_stream_and_ends_the_request_as_aborted():
     assert loop.stats.num_running == 0
 
 
+def test_a_full_replica_refuses_with_overloaded_which_the_app_answers_with_429():
+    from pagedcore.serve.jobs import error_of
+    from pagedcore.serve.ray import EngineReplica, ModelSpec
+
+    tiny = ModelSpec(builtin_overrides={"num_hidden_layers": 1, "hidden_size": 64, "intermediate_size": 128})
+    replica = EngineReplica(tiny, {"num_blocks": 16, "block_size": 8}, max_queue=0)
+
+    async def generate():
+        return [item async for item in replica.generate(RoutedRequest(Submission([5, 6], PARAMS)))]
+
+    try:
+        [refused] = asyncio.run(generate())
+    finally:
+        replica.shutdown()
+    assert refused.error_kind == "overloaded" and error_of(refused).status == 429
+
+
 def test_the_queue_bound_and_stop():
     stream = FakeStream([], block_after=True)
     loop = ReplicaLoop(FakeHandle(stream, FakeStream([])), None, block_size=4, max_queue=1)

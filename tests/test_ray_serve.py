@@ -143,9 +143,9 @@ def test_the_load_example_runs_through_the_ingress(port, prefix_url, capsys):
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     argv = ["--systems", "2", "--questions", "2", "--concurrency", "2", "--max-tokens", "2", "--routing", "prefix"]
-    assert module.main([*argv, "--port", str(port), "--cpus-per-replica", "0.5"]) == 0
+    assert module.main([*argv, "--replicas", "1", "--port", str(port), "--cpus-per-replica", "0.5"]) == 0
     out = capsys.readouterr().out
-    assert "4 requests (2 system prompts x 2 questions)" in out and "prefix routing, requests=4" in out
+    assert "4 requests (2 system prompts x 2 questions)" in out and "1 replicas, prefix routing, requests=4" in out
 
 
 def test_killing_a_replica_under_load_ends_every_request_and_the_ingress_serves_on(prefix_url):

@@ -114,10 +114,11 @@ class ReplicaLoop:
         """The replicas' statistics as of each one's last finished request, summed; waiting and running counts
         as this ingress sees them."""
         merged = merge_stats(list(self._reports.values()))
-        if merged is None:
+        if merged is None:  # no replica has reported yet: zeros
             from pagedcore.adapters.transformers import EngineStats
 
-            merged = LoopStats(EngineStats(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0.0, 0, 0, 0.0), 0, 0, 0, 0, 0, 0)
+            engine = EngineStats(**{f.name: 0 for f in fields(EngineStats)})
+            merged = LoopStats(engine, **{f.name: 0 for f in fields(LoopStats) if f.name != "engine"})
         return replace(merged, num_waiting=self._num_waiting, num_running=self._num_running)
 
     def add_step_listener(self, listener: Callable[[float], None]) -> None:

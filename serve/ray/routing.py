@@ -181,14 +181,15 @@ class PrefixAffinityRouter(RequestRouter):
     def _remember(self, hashes: tuple[int, ...], replica_id: ReplicaID) -> None:
         owners, owned = self._owners, self._num_owned
         for value in hashes:
-            previous = owners.pop(value, None)
-            if previous is not None:
-                owned[previous] -= 1
+            self._disown(owners.pop(value, None))
             owners[value] = replica_id
             owned[replica_id] += 1
         while len(owners) > self.max_entries:
-            _, evicted = owners.popitem(last=False)
-            owned[evicted] -= 1
+            self._disown(owners.popitem(last=False)[1])
+
+    def _disown(self, replica_id: ReplicaID | None) -> None:
+        if replica_id in self._num_owned:  # a replica that left has no count any more
+            self._num_owned[replica_id] -= 1
 
 
 class RandomRouter(RequestRouter):
