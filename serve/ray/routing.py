@@ -188,7 +188,7 @@ class PrefixAffinityRouter(RequestRouter):
             self._disown(owners.popitem(last=False)[1])
 
     def _disown(self, replica_id: ReplicaID | None) -> None:
-        if replica_id in self._num_owned:  # a replica that left has no count any more
+        if replica_id is not None and replica_id in self._num_owned:  # one that left has no count any more
             self._num_owned[replica_id] -= 1
 
 
