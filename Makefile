@@ -19,7 +19,7 @@ STAMP := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
 CARRY ?= carry
 CARRY_PYTHON ?= 3.12
 
-.PHONY: install demo test lint typecheck unit bench gpu-check gpu-carry clean
+.PHONY: install demo test lint typecheck unit bench ray-load gpu-check gpu-carry clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -49,6 +49,10 @@ test: lint typecheck unit
 
 bench: install
 	$(BIN)/pagedcore bench
+
+# Prefix against random routing through the Ray Serve ingress, on a local Ray cluster (README: Ray).
+ray-load: install
+	$(BIN)/python examples/ray_serve_load.py
 
 # One GPU, under 8 minutes: versions and the xformers diagnosis, the GPU tests, a decode run (step times, Triton
 # compilations, syncs) and the benchmarks; writes gpu-check/report.md. Without CUDA: the CPU-visible parts only.

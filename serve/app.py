@@ -25,7 +25,7 @@ from pagedcore.adapters.transformers.spec import text_config
 
 from .auth import ApiKeys
 from .jobs import Job, error_of
-from .loop import Delta, EngineLoop, Finished, Submission
+from .loop import Delta, EngineLoop, Finished, RequestLoop, Submission
 from .metrics import CONTENT_TYPE, ServeMetrics
 from .prompts import ChatRenderer, completion_prompts
 from .protocol import ApiError, ChatRequest, CompletionRequest, parse_request, sampling_params, stop_strings
@@ -58,7 +58,7 @@ class _Shape:
         choice.update(logprobs=None, finish_reason=finish_reason)
         return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [choice])
 
-    def response(self, texts: list[str], reasons: list[str | None], usage: dict[str, int]) -> dict[str, Any]:
+    def response(self, texts: list[str], reasons: list[str | None], usage: dict[str, Any]) -> dict[str, Any]:
         choices = []
         for index, (text, reason) in enumerate(zip(texts, reasons)):
             choice: dict[str, Any] = {"index": index}
@@ -72,7 +72,7 @@ class _Shape:
         body["usage"] = usage
         return body
 
-    def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:
+    def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
         body = self._envelope("chat.completion.chunk" if self.chat else "text_completion", [])
         body["usage"] = usage
         return body
@@ -98,6 +98,7 @@ class _Tally:
         self.reasons: list[str | None] = [None] * count
         self.prompt_tokens = 0
         self.completion_tokens = 0
+        self.cached_tokens = 0
 
     def choice(self, event: Delta) -> int:
         return self._index[event.request_id] * self._n + event.sample
@@ -113,10 +114,16 @@ class _Tally:
             self.reasons[base + sample] = self.reasons[base + sample] or reason
         self.prompt_tokens += event.prompt_tokens
         self.completion_tokens += sum(event.completion_tokens)
+        self.cached_tokens += event.cached_tokens
 
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict[str, Any]:
         total = self.prompt_tokens + self.completion_tokens
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens, "total_tokens": total}
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": total,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},  # OpenAI's field for prefix-cache hits
+        }
 
 
 class _JobStream(StreamingResponse):
@@ -138,20 +145,23 @@ class _JobStream(StreamingResponse):
 
 
 def create_app(
-    loop: EngineLoop,
+    loop: RequestLoop,
     *,
     model_name: str,
     api_keys: ApiKeys | None = None,
     tokenizer: Any = None,
+    context_length: int | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app over ``loop`` (which the caller starts and stops).
 
     Args:
-        loop: the engine loop.
+        loop: the engine loop (or another :class:`~pagedcore.serve.loop.RequestLoop`, e.g. engine replicas on Ray).
         model_name: the name clients give as ``model`` (``GET /v1/models`` lists it).
         api_keys: when given, every ``/v1`` request needs ``Authorization: Bearer KEY`` of a known key (else 401),
             and runs in its tenant's prefix-cache namespace.
-        tokenizer: default: the engine's.
+        tokenizer: default: the engine's (an :class:`EngineLoop`'s); chat needs one.
+        context_length: the model's context in tokens (the default length of a chat answer); default: the
+            engine's model's ``max_position_embeddings``.
 
     Example:
         >>> from transformers import LlamaConfig, LlamaForCausalLM
@@ -163,10 +173,13 @@ def create_app(
         >>> sorted(route.path for route in app.routes if route.path.startswith("/v1"))
         ['/v1/chat/completions', '/v1/completions', '/v1/models', '/v1/models/{model_id:path}']
     """
-    engine = loop.engine
-    tokenizer = engine.tokenizer if tokenizer is None else tokenizer
+    context = context_length
+    if isinstance(loop, EngineLoop):
+        engine = loop.engine
+        tokenizer = engine.tokenizer if tokenizer is None else tokenizer
+        if context is None:
+            context = getattr(text_config(engine.model), "max_position_embeddings", None)
     renderer = ChatRenderer(tokenizer)
-    context = getattr(text_config(engine.model), "max_position_embeddings", None)
     metrics = ServeMetrics(loop)
     created = int(time.time())
     app = FastAPI(title="pagedcore", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)

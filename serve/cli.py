@@ -54,6 +54,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", help="device for the model (default: cpu)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own choice)")
     parser.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+    ray = parser.add_argument_group("more than one replica, with Ray Serve (needs the ray extra)")
+    ray.add_argument("--ray", action="store_true", help="serve N engine replicas behind one ingress with Ray Serve")
+    ray.add_argument("--replicas", type=int, default=None, help="engine replicas (with --ray; default 2)")
+    ray.add_argument(
+        "--routing", choices=["prefix", "random"], default=None, help="prefix-affinity (default) or random routing"
+    )
+    ray.add_argument("--ray-address", default=None, help="a Ray cluster to join (default: start a local one)")
+    ray.add_argument("--cpus-per-replica", type=float, default=None, help="Ray CPUs per engine replica (default 1)")
     parser.set_defaults(handler=run)
 
 
@@ -70,6 +78,13 @@ def run(args: argparse.Namespace) -> int:
     from pagedcore.cli import EXIT_OK, EXIT_UNAVAILABLE, UsageError
 
     _check(args, UsageError)
+    if getattr(args, "ray", False):
+        from .ray.command import run as run_with_ray
+
+        args.replicas = 2 if args.replicas is None else args.replicas
+        args.routing = args.routing or "prefix"
+        args.cpus_per_replica = 1.0 if args.cpus_per_replica is None else args.cpus_per_replica
+        return run_with_ray(args)
     try:
         import fastapi  # noqa: F401
         import prometheus_client  # noqa: F401
@@ -139,6 +154,10 @@ def _check(args: argparse.Namespace, error: type[Exception]) -> None:
         raise error(f"--max-queue must be >= 0, got {args.max_queue}")
     if args.threads is not None and args.threads < 1:
         raise error(f"--threads must be >= 1, got {args.threads}")
+    if not getattr(args, "ray", False):
+        for option in ("replicas", "routing", "ray_address", "cpus_per_replica"):
+            if getattr(args, option, None) is not None:
+                raise error(f"--{option.replace('_', '-')} needs --ray")
 
 
 def _model(args: argparse.Namespace, error: type[Exception]) -> tuple[Any, Any, str]:

@@ -10,7 +10,16 @@ import asyncio
 from collections import deque
 from collections.abc import AsyncIterator, Sequence
 
-from .loop import Delta, EngineLoop, Finished, LoopClosedError, LoopEvent, QueueFullError, Started, Submission
+from .loop import (
+    Delta,
+    Finished,
+    LoopClosedError,
+    LoopEvent,
+    QueueFullError,
+    RequestLoop,
+    Started,
+    Submission,
+)
 from .protocol import ApiError
 
 __all__ = ["Job", "error_of"]
@@ -21,6 +30,7 @@ _ERRORS = {
     "failed": (500, "server_error", "engine_error"),
     "shutdown": (503, "server_error", "shutting_down"),
     "aborted": (500, "server_error", "aborted"),
+    "overloaded": (429, "rate_limit_error", "queue_full"),
 }
 
 
@@ -39,7 +49,7 @@ class Job:
     """The engine requests of one HTTP request (one per prompt), and their events in arrival order.
 
     Args:
-        loop: the engine loop.
+        loop: the engine loop (or any :class:`~pagedcore.serve.loop.RequestLoop`).
 
     Call :meth:`start` (inside a running event loop), then iterate :meth:`events`; :meth:`abort` in a
     ``finally`` gives back the blocks of whatever is still running (e.g. when the client leaves).
@@ -48,6 +58,7 @@ class Job:
         >>> import asyncio
         >>> from transformers import LlamaConfig, LlamaForCausalLM
         >>> from pagedcore.adapters.transformers import Engine, SamplingParams
+        >>> from pagedcore.serve.loop import EngineLoop
         >>> model = LlamaForCausalLM(LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
         ...     num_hidden_layers=1, intermediate_size=128, vocab_size=100)).eval()
         >>> async def run(loop):
@@ -63,7 +74,7 @@ class Job:
         'Finished'
     """
 
-    def __init__(self, loop: EngineLoop) -> None:
+    def __init__(self, loop: RequestLoop) -> None:
         self._loop = loop
         self._queue: asyncio.Queue[LoopEvent] = asyncio.Queue()
         self._aloop: asyncio.AbstractEventLoop | None = None

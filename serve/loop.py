@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from pagedcore.errors import PagedCoreError
 
@@ -39,6 +39,7 @@ __all__ = [
     "LoopEvent",
     "LoopStats",
     "QueueFullError",
+    "RequestLoop",
     "Started",
     "Submission",
 ]
@@ -114,7 +115,9 @@ class Finished:
         finish_reasons: per sample: "stop", "length", or None when the request failed or was aborted.
         error: why the request did not finish, else None.
         error_kind: "invalid" (the engine rejected it: bad input), "failed" (a step or the model failed),
-            "aborted" (:meth:`EngineLoop.abort`) or "shutdown" (:meth:`EngineLoop.stop`); None on success.
+            "aborted" (:meth:`EngineLoop.abort`), "shutdown" (:meth:`EngineLoop.stop`) or "overloaded" (a
+            remote loop's queue was full); None on success.
+        cached_tokens: prompt tokens served from the prefix cache (at the request's last admission).
 
     Example:
         >>> Finished("r0", 3, (2,), ("length",)).error is None
@@ -127,6 +130,7 @@ class Finished:
     finish_reasons: tuple[str | None, ...]
     error: str | None = None
     error_kind: str | None = None
+    cached_tokens: int = 0
 
 
 LoopEvent = Started | Delta | Finished
@@ -159,6 +163,29 @@ class LoopStats:
     num_blocks: int
     num_prompt_tokens: int
     num_failed_steps: int
+
+
+class RequestLoop(Protocol):
+    """What the HTTP app (:func:`~pagedcore.serve.app.create_app`, :class:`~pagedcore.serve.jobs.Job`, the
+    metrics) needs from a loop: :class:`EngineLoop` in one process, or ``pagedcore.serve.ray``'s ``ReplicaLoop``
+    over engine replicas in a Ray cluster. ``submit`` and ``abort`` follow :class:`EngineLoop`'s contract.
+
+    Example:
+        >>> sorted(name for name in vars(RequestLoop) if not name.startswith("_"))
+        ['abort', 'add_step_listener', 'is_running', 'stats', 'submit']
+    """
+
+    @property
+    def stats(self) -> LoopStats: ...
+
+    @property
+    def is_running(self) -> bool: ...
+
+    def submit(self, submissions: Sequence[Submission], sink: Sink) -> list[str]: ...
+
+    def abort(self, request_id: str) -> None: ...
+
+    def add_step_listener(self, listener: Callable[[float], None]) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -434,9 +461,10 @@ class EngineLoop:
                 reason = output.samples[index].finish_reason  # e.g. max_tokens=0 finishes without events
             reasons.append(reason if reason in ("stop", "length") and error is None else None)
         prompt_tokens = len(output.prompt_token_ids) if output is not None else 0
+        cached = output.metrics.num_cached_tokens if output is not None else 0
         self._num_prompt_tokens += prompt_tokens
         tokens = tuple(s.num_tokens for s in live.samples)
-        _send(live.sink, Finished(request_id, prompt_tokens, tokens, tuple(reasons), error, kind))
+        _send(live.sink, Finished(request_id, prompt_tokens, tokens, tuple(reasons), error, kind, cached))
 
     def _publish(self) -> None:
         self._stats = self._snapshot()

@@ -33,7 +33,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from .loop import EngineLoop
+from .loop import RequestLoop
 
 __all__ = ["CONTENT_TYPE", "REQUEST_STATUSES", "ServeMetrics"]
 
@@ -51,6 +51,7 @@ class ServeMetrics:
     Example:
         >>> from transformers import LlamaConfig, LlamaForCausalLM
         >>> from pagedcore.adapters.transformers import Engine
+        >>> from pagedcore.serve.loop import EngineLoop
         >>> model = LlamaForCausalLM(LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
         ...     num_hidden_layers=1, intermediate_size=128, vocab_size=100)).eval()
         >>> with Engine(model, num_blocks=16, block_size=8) as engine:
@@ -61,7 +62,7 @@ class ServeMetrics:
         (True, True)
     """
 
-    def __init__(self, loop: EngineLoop) -> None:
+    def __init__(self, loop: RequestLoop) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self._requests = Counter("pagedcore_requests", "HTTP requests by outcome", ["status"], registry=self.registry)
         for status in REQUEST_STATUSES:
@@ -84,7 +85,7 @@ class ServeMetrics:
 
 
 class _LoopCollector(Collector):
-    def __init__(self, loop: EngineLoop) -> None:
+    def __init__(self, loop: RequestLoop) -> None:
         self._loop = loop
 
     def collect(self) -> Iterator[Metric]:

@@ -132,6 +132,14 @@ def test_completion_equals_engine_generate_alone(served, reference):
     assert (out.usage.prompt_tokens, out.usage.completion_tokens, out.usage.total_tokens) == (16, 12, 28)
 
 
+def test_usage_reports_the_prompt_tokens_served_from_the_prefix_cache(served):
+    prompt = "Cached tokens show in the usage: " + "abcdefgh" * 3  # 57 tokens: 7 blocks of 8, then one token
+    first = served.client().completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    second = served.client().completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens == 56  # whole blocks; the last token is recomputed
+
+
 def test_completion_of_token_ids_and_batches(served, reference):
     ids = builtin_tokenizer()("Low water")["input_ids"]
     client = served.client()

@@ -1,0 +1,104 @@
+"""``pagedcore serve --ray``: the Ray Serve application from the command line.
+
+Connects to a Ray cluster (``--ray-address``; default: starts a local one), deploys N engine replicas behind the
+OpenAI-compatible ingress (:func:`~pagedcore.serve.ray.deployment.build_app`) on Ray Serve's HTTP proxy at
+``--host:--port``, and serves until Ctrl-C or SIGTERM, then shuts Serve (and a Ray it started) down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+from typing import Any
+
+__all__ = ["run"]
+
+
+def run(args: argparse.Namespace) -> int:
+    """Serve with Ray until interrupted; returns the exit code. Bad arguments raise ``pagedcore.cli.UsageError``.
+
+    Example:
+        >>> run(argparse.Namespace(replicas=0))  # doctest: +IGNORE_EXCEPTION_DETAIL
+        Traceback (most recent call last):
+        ...
+        pagedcore.cli.UsageError: --replicas must be >= 1, got 0
+    """
+    from pagedcore.cli import EXIT_OK, EXIT_UNAVAILABLE, UsageError
+
+    if args.replicas < 1:
+        raise UsageError(f"--replicas must be >= 1, got {args.replicas}")
+    if args.cpus_per_replica <= 0:
+        raise UsageError(f"--cpus-per-replica must be > 0, got {args.cpus_per_replica}")
+    try:
+        import ray
+        from ray import serve
+    except ImportError as exc:
+        print(f"pagedcore serve --ray: needs the ray extra: pip install 'pagedcore[ray]' ({exc})", file=sys.stderr)
+        return EXIT_UNAVAILABLE
+    from ..auth import ApiKeys, ApiKeysError
+    from .deployment import build_app, deploy
+    from .model_spec import ModelSpec
+
+    try:
+        api_keys = ApiKeys.from_file(args.api_keys) if args.api_keys else None
+    except ApiKeysError as exc:
+        raise UsageError(str(exc)) from exc
+    spec = ModelSpec(path=args.model, dtype=args.dtype, device=args.device, threads=args.threads)
+    if args.model is None:
+        from pagedcore.adapters.transformers.builtin import BUILTIN_DESCRIPTION
+
+        print(
+            f"note: no --model given: serving the {BUILTIN_DESCRIPTION} as {spec.name!r}; its text is gibberish. "
+            "Pass --model PATH for a real checkpoint.",
+            file=sys.stderr,
+        )
+    try:  # fail here, in one line, rather than in every replica
+        spec.load_tokenizer()
+        spec.context_length()
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"cannot load model {spec.name!r}: {str(exc).strip().splitlines()[0]}") from exc
+    engine_kwargs: dict[str, Any] = {
+        "num_blocks": args.num_blocks,
+        "memory_budget": args.memory_budget,
+        "block_size": args.block_size,
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+    }
+    app = build_app(
+        spec,
+        replicas=args.replicas,
+        routing=args.routing,
+        engine_kwargs=engine_kwargs,
+        max_queue=args.max_queue,
+        served_model_name=args.served_model_name,
+        api_keys=api_keys,
+        num_cpus_per_replica=args.cpus_per_replica,
+    )
+    started_ray = not ray.is_initialized()
+    if started_ray:
+        ray.init(address=args.ray_address, logging_level=args.log_level.upper(), log_to_driver=False)
+    stop = threading.Event()
+    in_main = threading.current_thread() is threading.main_thread()
+    previous = (
+        {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)} if in_main else {}
+    )
+    try:
+        url = deploy(app, host=args.host, port=args.port)
+        name = args.served_model_name or spec.name
+        print(
+            f"pagedcore serve: model {name!r} at {url}/v1 on {args.replicas} Ray Serve replicas "
+            f"({args.routing} routing); Ctrl-C stops",
+            file=sys.stderr,
+            flush=True,
+        )
+        while not stop.wait(0.5):
+            pass
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        serve.shutdown()
+        if started_ray:
+            ray.shutdown()
+    return EXIT_OK

@@ -1,0 +1,272 @@
+"""ReplicaLoop: the :class:`~pagedcore.serve.loop.RequestLoop` that the HTTP app runs on in a Ray ingress.
+
+It takes the place of an :class:`~pagedcore.serve.loop.EngineLoop`: the same ``submit`` / ``abort`` contract, the
+same events, so :func:`~pagedcore.serve.app.create_app` serves OpenAI's API over it unchanged. Each request becomes
+a streaming call to the engine deployment (routed by prefix, see :mod:`pagedcore.serve.ray.routing`); the replica's
+events come back through that stream. A replica that dies before the request produced output is retried on another
+replica; after output was sent the request fails cleanly (an error event, or a 500). A stream that stays silent for
+``stall_timeout`` seconds counts as a failed replica, so no request waits forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import functools
+import itertools
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import fields, replace
+from typing import Any
+
+from ray.exceptions import ActorUnavailableError, RayActorError
+
+from ..loop import Delta, Finished, LoopClosedError, LoopStats, QueueFullError, Started, Submission
+from .replica import ReplicaReport
+from .routing import MAX_ROUTED_BLOCKS, RoutedRequest, prefix_hashes
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ReplicaLoop", "merge_stats"]
+
+Sink = Callable[[Any], None]
+
+
+class _StreamEndedError(Exception):
+    """A replica's stream ended before the request's Finished event."""
+
+
+_REPLICA_FAILURES = (RayActorError, ActorUnavailableError, asyncio.TimeoutError, _StreamEndedError)
+
+
+def merge_stats(reports: Sequence[LoopStats]) -> LoopStats | None:
+    """The sum of several loops' statistics (KV usage: the highest), or None without any.
+
+    Example:
+        >>> from pagedcore.adapters.transformers import EngineStats
+        >>> one = LoopStats(EngineStats(2, 2, 0, 0, 5, 0, 64, 48, 16, 8, 0.5, 0, 0, 0.1), 0, 1, 4, 32, 24, 0)
+        >>> two = LoopStats(EngineStats(1, 1, 0, 0, 3, 0, 32, 0, 32, 4, 0.25, 0, 0, 0.1), 1, 0, 2, 32, 12, 0)
+        >>> merged = merge_stats([one, two])
+        >>> merged.engine.prefix_hit_rate, merged.engine.kv_usage, merged.num_blocks
+        (0.5, 0.5, 64)
+    """
+    if not reports:
+        return None
+    engine_type = type(reports[0].engine)
+    engine = {}
+    for item in fields(engine_type):
+        values = [getattr(r.engine, item.name) for r in reports]
+        engine[item.name] = max(values) if item.name == "kv_usage" else sum(values)
+    counts = {f.name: sum(getattr(r, f.name) for r in reports) for f in fields(LoopStats) if f.name != "engine"}
+    return LoopStats(engine=engine_type(**engine), **counts)
+
+
+class ReplicaLoop:
+    """Submits requests to engine replicas through a Ray Serve deployment handle; one asyncio task per request.
+
+    Call :meth:`submit` and :meth:`abort` on the event loop that serves HTTP (the app's handlers do).
+
+    Args:
+        handle: the engine deployment's handle (``EngineReplica``).
+        tokenizer: encodes text prompts here, so the router sees their tokens (None: text goes as it is, unrouted).
+        block_size: the replicas' KV block size (prefixes are routed by whole blocks).
+        max_queue: requests that may wait for a replica's first answer before new ones get :class:`QueueFullError`.
+        attempts: tries per request when a replica fails before the request produced output.
+        stall_timeout: seconds without an event from the replica after which it counts as failed.
+
+    Example:
+        >>> loop = ReplicaLoop(handle=None, tokenizer=None, block_size=16)
+        >>> loop.is_running, loop.stats.num_blocks
+        (True, 0)
+    """
+
+    def __init__(
+        self,
+        handle: Any,
+        tokenizer: Any,
+        *,
+        block_size: int,
+        max_queue: int = 512,
+        attempts: int = 3,
+        stall_timeout: float = 600.0,
+    ) -> None:
+        self._handle = handle
+        self._tokenizer = tokenizer
+        self._block_size = block_size
+        self._max_queue = max_queue
+        self._attempts = attempts
+        self._stall_timeout = stall_timeout
+        self._ids = itertools.count()
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._num_waiting = 0
+        self._num_running = 0
+        self._reports: dict[str, LoopStats] = {}
+        self._stopping = False
+        self._listeners: list[Callable[[float], None]] = []
+
+    @property
+    def is_running(self) -> bool:
+        """Whether it takes requests (until :meth:`stop`)."""
+        return not self._stopping
+
+    @property
+    def stats(self) -> LoopStats:
+        """The replicas' statistics as of each one's last finished request, summed; waiting and running counts
+        as this ingress sees them."""
+        merged = merge_stats(list(self._reports.values()))
+        if merged is None:  # no replica has reported yet: zeros
+            from pagedcore.adapters.transformers import EngineStats
+
+            engine = EngineStats(**{f.name: 0 for f in fields(EngineStats)})
+            merged = LoopStats(engine, **{f.name: 0 for f in fields(LoopStats) if f.name != "engine"})
+        return replace(merged, num_waiting=self._num_waiting, num_running=self._num_running)
+
+    def add_step_listener(self, listener: Callable[[float], None]) -> None:
+        """Accepted for the app's sake; engine steps run in the replicas, so it is never called here."""
+        self._listeners.append(listener)
+
+    def submit(self, submissions: Sequence[Submission], sink: Sink) -> list[str]:
+        """Start the requests (all or none); events reach ``sink`` on this event loop. Raises
+        :class:`QueueFullError` over ``max_queue`` waiting requests, :class:`LoopClosedError` after :meth:`stop`."""
+        if self._stopping:
+            raise LoopClosedError("the server is shutting down")
+        if self._num_waiting + len(submissions) > self._max_queue:
+            raise QueueFullError(
+                f"{self._num_waiting} requests are waiting; {len(submissions)} more would exceed the queue bound of "
+                f"{self._max_queue}: retry later"
+            )
+        aloop = asyncio.get_running_loop()
+        ids = [f"req-{next(self._ids)}" for _ in submissions]
+        for request_id, submission in zip(ids, submissions):
+            self._num_waiting += 1
+            # Each engine call runs in a context of its own: Ray Serve then gives it a request id of its own. In
+            # the HTTP request's context every call of a batch would share that request's id, and Ray's router
+            # matches routing decisions to pending calls by that id (calls sharing one were never sent).
+            coroutine = self._run(request_id, self._routed(submission), sink)
+            task = contextvars.Context().run(aloop.create_task, coroutine)
+            self._tasks[request_id] = task
+            task.add_done_callback(functools.partial(self._forget, request_id))
+        return ids
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request's stream (the replica aborts it); unknown or finished ids are ignored."""
+        task = self._tasks.get(request_id)
+        if task is not None:
+            task.cancel()
+
+    def count_waiting(self, change: int) -> None:
+        """Requests that have not heard from a replica yet (the queue bound counts them)."""
+        self._num_waiting += change
+
+    def count_running(self, change: int) -> None:
+        """Requests a replica accepted and has not finished."""
+        self._num_running += change
+
+    def _forget(self, request_id: str, task: asyncio.Task[None]) -> None:
+        self._tasks.pop(request_id, None)
+
+    def stop(self) -> None:
+        """Take no new requests; running ones end with a "shutdown" error."""
+        self._stopping = True
+        for task in list(self._tasks.values()):
+            task.cancel()
+
+    def _routed(self, submission: Submission) -> RoutedRequest:
+        prompt = submission.prompt
+        if isinstance(prompt, str):
+            if self._tokenizer is None:
+                return RoutedRequest(submission)
+            try:
+                prompt = list(self._tokenizer(prompt)["input_ids"])
+            except Exception:  # the replica's engine reports it as this request's error
+                return RoutedRequest(submission)
+            submission = replace(submission, prompt=prompt)
+        hashes = prefix_hashes(prompt, self._block_size, submission.namespace, max_blocks=MAX_ROUTED_BLOCKS)
+        return RoutedRequest(submission, hashes)
+
+    async def _run(self, request_id: str, request: RoutedRequest, sink: Sink) -> None:
+        progress = _Progress(self, request_id, sink)
+        try:
+            for attempt in range(1, self._attempts + 1):
+                try:
+                    await self._stream(request, progress)
+                    return
+                except _REPLICA_FAILURES as exc:
+                    if progress.delivered or attempt == self._attempts:
+                        progress.fail(f"the engine replica failed: {type(exc).__name__}: {exc}", "failed")
+                        return
+                    logger.warning("pagedcore: %s failed on a replica (%s); retrying", request_id, type(exc).__name__)
+        except asyncio.CancelledError:
+            if self._stopping:
+                progress.fail("the server is shutting down", "shutdown")
+            else:
+                progress.fail("aborted", "aborted")
+        except Exception as exc:  # a bug or an unexpected Ray error: this request fails, the ingress serves on
+            logger.exception("pagedcore: request %s failed in the ingress", request_id)
+            progress.fail(f"{type(exc).__name__}: {exc}", "failed")
+        finally:
+            progress.end()
+
+    async def _stream(self, request: RoutedRequest, progress: _Progress) -> None:
+        stream = self._handle.options(stream=True).generate.remote(request)
+        ended = False
+        try:
+            while True:
+                try:
+                    item = await asyncio.wait_for(stream.__anext__(), self._stall_timeout)
+                except StopAsyncIteration:
+                    ended = True
+                    break
+                if isinstance(item, ReplicaReport):
+                    self._reports[item.replica] = item.stats
+                else:
+                    progress.send(item)
+        except _REPLICA_FAILURES:
+            if not progress.finished:
+                raise  # else only the replica's report is lost
+        finally:
+            if not ended:  # aborted, failed or stalled: the replica aborts the request
+                stream.cancel()
+        if not progress.finished:
+            raise _StreamEndedError("the replica ended the stream without finishing the request")
+
+
+class _Progress:
+    """One request's state in the ingress: what its sink has seen, and the loop's waiting / running counts."""
+
+    def __init__(self, loop: ReplicaLoop, request_id: str, sink: Sink) -> None:
+        self.loop = loop
+        self.request_id = request_id
+        self.sink = sink
+        self.state = "waiting"  # then "running", then "ended"
+        self.delivered = False  # a Delta or the Finished reached the sink: no retry from here on
+        self.finished = False
+
+    def send(self, event: Started | Delta | Finished) -> None:
+        if self.finished or (isinstance(event, Started) and self.delivered):
+            return
+        self._advance("running")
+        if isinstance(event, (Delta, Finished)):
+            self.delivered = True
+        if isinstance(event, Finished):
+            self.finished = True
+            self._advance("ended")
+        self.sink(replace(event, request_id=self.request_id))
+
+    def fail(self, message: str, kind: str) -> None:
+        if not self.finished:
+            self.send(Finished(self.request_id, 0, (), (), message, kind))
+
+    def end(self) -> None:
+        self._advance("ended")
+
+    def _advance(self, state: str) -> None:
+        order = ("waiting", "running", "ended")
+        while order.index(self.state) < order.index(state):
+            if self.state == "waiting":
+                self.loop.count_waiting(-1)
+                self.loop.count_running(+1)
+                self.state = "running"
+            else:
+                self.loop.count_running(-1)
+                self.state = "ended"
