@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from pagedcore.block_tables import BlockTables
 from pagedcore.errors import InvalidRequestError
+from pagedcore.validation import integer, token_ids
 
 __all__ = ["FinishReason", "Sequence", "SequenceStatus"]
 
@@ -84,15 +85,11 @@ class Sequence:
         prompt = list(self.prompt_token_ids)
         if not prompt:
             raise InvalidRequestError(f"request {self.request_id!r}: the prompt is empty")
-        bad = [t for t in prompt if isinstance(t, bool) or not isinstance(t, int) or t < 0]
-        if bad:
-            raise InvalidRequestError(f"request {self.request_id!r}: prompt token ids {bad[:5]} are not ids >= 0")
-        for name in ("max_new_tokens", "num_samples"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise InvalidRequestError(f"request {self.request_id!r}: {name} must be an int >= 1, got {value!r}")
-        if isinstance(self.min_new_tokens, bool) or not isinstance(self.min_new_tokens, int) or self.min_new_tokens < 0:
-            raise InvalidRequestError(f"request {self.request_id!r}: min_new_tokens must be an int >= 0")
+        prompt = token_ids(prompt, name=f"request {self.request_id!r}: prompt token ids")
+        where = f"request {self.request_id!r}: "
+        self.max_new_tokens = integer(where + "max_new_tokens", self.max_new_tokens, minimum=1)
+        self.num_samples = integer(where + "num_samples", self.num_samples, minimum=1)
+        self.min_new_tokens = integer(where + "min_new_tokens", self.min_new_tokens, minimum=0)
         try:
             hash(self.namespace)
         except TypeError:

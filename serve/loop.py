@@ -22,7 +22,8 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
-from pagedcore.errors import PagedCoreError
+from pagedcore.errors import ConfigError, PagedCoreError
+from pagedcore.validation import integer
 
 from .stops import StopChecker
 
@@ -215,8 +216,7 @@ class EngineLoop:
     """
 
     def __init__(self, engine: Engine, *, max_queue: int = 512) -> None:
-        if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 0:
-            raise ValueError(f"max_queue must be an integer >= 0, got {max_queue!r}")
+        max_queue = integer("max_queue", max_queue, minimum=0, error=ConfigError)
         self._engine = engine
         self._max_queue = max_queue
         self._cond = threading.Condition(threading.Lock())

@@ -15,6 +15,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 from transformers.cache_utils import get_layer_types_and_kwargs
 
 from pagedcore.errors import PoolMismatchError, UnsupportedModelError
+from pagedcore.validation import as_integer
 
 __all__ = ["LayerSpec", "ModelKVSpec", "context_limit", "text_config"]
 
@@ -187,8 +188,8 @@ def context_limit(model: Any) -> int | None:
         if any(p.get("rope_type") == "dynamic" for p in per_kind):
             return None
     for name in ("max_position_embeddings", "n_positions"):
-        limit = getattr(config, name, None)
-        if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0:
+        limit = as_integer(getattr(config, name, None))
+        if limit is not None and limit > 0:
             return limit
     return None
 
