@@ -33,6 +33,7 @@ from pagedcore.kv_pool import KVPool, PoolMatch
 from pagedcore.plugin_manager import PluginManager
 from pagedcore.prefix_trie import namespace_key
 from pagedcore.sequence import FinishReason, Sequence, SequenceStatus
+from pagedcore.validation import integer
 
 __all__ = ["ScheduledSequence", "Scheduler", "SchedulerConfig", "SchedulerOutput", "SchedulerStats"]
 
@@ -62,9 +63,7 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
+            object.__setattr__(self, name, integer(name, getattr(self, name), minimum=1, error=ConfigError))
         if not 0.0 <= self.watermark < 1.0:
             raise ConfigError(f"watermark must be in [0, 1), got {self.watermark!r}")
 
@@ -223,9 +222,9 @@ class Scheduler:
         self._clock = 0
         self.stats = SchedulerStats()
         bs = pool.block_size
-        self._watermark_blocks = [int(self._config.watermark * g.block_manager.num_blocks) for g in pool.groups]
+        self._watermark_blocks = int(self._config.watermark * pool.num_blocks)  # every group has num_blocks blocks
         self._bs = bs
-        self._has_sliding = any(g.sliding_window is not None for g in pool.groups)
+        self._has_sliding = any(g.kind.is_sliding for g in pool.groups)
 
     # ------------------------------------------------------------------ queries
     @property
@@ -264,17 +263,9 @@ class Scheduler:
         return [*self._waiting.values(), *self._running.values()]
 
     def blocks_needed(self, num_tokens: int) -> list[int]:
-        """Blocks each group needs at most for one sequence that grows to ``num_tokens`` tokens."""
-        bs = self._bs
-        full = -(-num_tokens // bs)
-        budget = self._config.max_num_batched_tokens
-        needs = []
-        for group in self._pool.groups:
-            if group.sliding_window is None:
-                needs.append(full)
-            else:  # the window plus one step's chunk, plus a partly filled block at each end
-                needs.append(min(full, -(-(group.sliding_window - 1 + budget) // bs) + 2))
-        return needs
+        """Blocks each group needs at most for one sequence that grows to ``num_tokens`` stored positions, a step
+        of at most ``max_num_batched_tokens`` at a time (the pool's :meth:`~pagedcore.kv_pool.KVPool.max_blocks`)."""
+        return list(self._pool.max_blocks(num_tokens, chunk=self._config.max_num_batched_tokens))
 
     # ------------------------------------------------------------------ commands
     def add(self, seq: Sequence) -> None:
@@ -295,25 +286,25 @@ class Scheduler:
 
         Example:
             >>> sched = Scheduler(KVPool(num_blocks=2, block_size=2))
-            >>> sched.check_admissible(Sequence("a", [1, 2, 3], max_new_tokens=2))
+            >>> sched.check_admissible(Sequence("a", [1, 2, 3], max_new_tokens=2))   # 4 positions: 2 blocks
+            >>> sched.check_admissible(Sequence("a", [1, 2, 3], max_new_tokens=3))
             Traceback (most recent call last):
             ...
-            pagedcore.errors.InvalidRequestError: request 'a' can never fit: 3 prompt tokens + 2 new tokens need 3 ...
+            pagedcore.errors.InvalidRequestError: request 'a' can never fit: 3 prompt tokens + 3 new tokens need 3 ...
         """
         if seq.num_samples > self._config.max_num_seqs:
             raise InvalidRequestError(
                 f"request {seq.request_id!r} asks for {seq.num_samples} parallel samples but at most "
                 f"{self._config.max_num_seqs} sequences run at once (max_num_seqs)"
             )
-        total = seq.num_tokens + seq.max_new_tokens - seq.num_output_tokens
-        for group, need in zip(self._pool.groups, self.blocks_needed(total)):
-            capacity = group.block_manager.num_blocks
-            if need > capacity:
-                raise InvalidRequestError(
-                    f"request {seq.request_id!r} can never fit: {seq.num_prompt_tokens} prompt tokens + "
-                    f"{seq.max_new_tokens} new tokens need {need} blocks of {self._bs} tokens in KV group "
-                    f"{group.index}, but the pool has {capacity}"
-                )
+        # The last token is sampled but never computed: its position needs no slot.
+        stored = seq.num_tokens + seq.max_new_tokens - seq.num_output_tokens - 1
+        for short in self._pool.capacity_shortfalls(self.blocks_needed(stored)):
+            raise InvalidRequestError(
+                f"request {seq.request_id!r} can never fit: {seq.num_prompt_tokens} prompt tokens + "
+                f"{seq.max_new_tokens} new tokens need {short.needed} blocks of {self._bs} tokens in KV group "
+                f"{short.group}, but the pool has {short.available}"
+            )
 
     def abort(self, request_id: str) -> list[Sequence]:
         """Stop a request and its parallel samples; their blocks go back at once. Returns the aborted sequences."""
@@ -411,28 +402,23 @@ class Scheduler:
                 prompt_computed += min(end, prompt_len) - item.start
             if cache:
                 blocks.cache_full_blocks(seq.token_ids, end, seq.namespace)
+            # One pass for all three outcomes: no token (a prefill chunk), one token, or the forking step's tokens.
             if not item.sample:
-                if sliding:
-                    blocks.drop_out_of_window(end)
-                continue
-            tokens = sampled[seq.request_id]
-            if item.num_samples == 1:
-                reason = seq.append_token(int(tokens[0]))
-                if reason is not None:
-                    self._finish(seq, reason)
-                    finished.append(seq)
-                elif sliding:
-                    blocks.drop_out_of_window(end)
-                continue
-            family = [seq, *self._fork(seq, item.num_samples - 1)] if seq.needs_fork else [seq]
+                family: SequenceABC[Sequence] = (seq,)
+                tokens: SequenceABC[int | None] = _NO_TOKEN
+            else:
+                tokens = sampled[seq.request_id]
+                family = [seq, *self._fork(seq, item.num_samples - 1)] if item.num_samples > 1 else (seq,)
             for member, token in zip(family, tokens):
-                reason = member.append_token(int(token))
-                if reason is not None:
-                    self._finish(member, reason)
-                    finished.append(member)
-                elif sliding:
+                if token is not None:
+                    reason = member.append_token(int(token))
+                    if reason is not None:
+                        self._finish(member, reason)
+                        finished.append(member)
+                        continue
+                if sliding:
                     assert member.blocks is not None
-                    member.blocks.drop_out_of_window(member.num_computed_tokens)
+                    member.blocks.drop_out_of_window(end)
         self.stats.num_computed_tokens += computed
         self.stats.num_prompt_tokens_computed += prompt_computed
         return finished
@@ -545,7 +531,7 @@ class Scheduler:
 
     def _start_blocks(self, seq: Sequence, budget: int, match: PoolMatch | None) -> BlockTables | None:
         """Blocks for ``seq``'s first step (prefix hit attached), or None when they cannot be had now."""
-        reserve = self._watermark_blocks if self._running else [0] * len(self._watermark_blocks)
+        reserve = self._watermark_blocks if self._running else 0
         hit = 0
         if match is not None:
             hit = min(match.num_tokens, seq.num_tokens - 1)  # the last token is always computed (for its logits)
@@ -555,9 +541,7 @@ class Scheduler:
             if match is not None and num_hit:
                 blocks.attach(match, num_hit)
                 blocks.drop_out_of_window(num_hit)
-            num_new = min(seq.num_tokens - num_hit, budget)
-            needed = blocks.blocks_needed(num_new)
-            if all(g.block_manager.can_allocate(n + r) for g, n, r in zip(self._pool.groups, needed, reserve)):
+            if blocks.can_append(min(seq.num_tokens - num_hit, budget), reserve=reserve):
                 return blocks
             blocks.release()
         return None
@@ -609,6 +593,9 @@ class Scheduler:
     def _emit(self, hook: str, **kwargs: object) -> None:
         if self._plugins is not None:
             self._plugins.emit(hook, **kwargs)
+
+
+_NO_TOKEN: tuple[None] = (None,)
 
 
 def _width(seq: Sequence) -> int:
