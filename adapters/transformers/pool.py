@@ -26,6 +26,7 @@ from pagedcore.attention import AttentionBackend, default_block_size
 from pagedcore.errors import ConfigError, InvalidBlockError, PoolMismatchError
 from pagedcore.kv_pool import KVPool
 from pagedcore.plugin_manager import PluginManager, default_plugin_manager
+from pagedcore.validation import integer
 
 from .spec import ModelKVSpec, text_config
 
@@ -90,11 +91,13 @@ class PoolLock:
     def __init__(self) -> None:
         self._lock = threading.RLock()
         self._depth = 0  # nested holds by the owning thread (only touched while holding the lock)
+        self._holder: int | None = None  # the owning thread's id while held
         self._pending: deque[Callable[[], None]] = deque()
 
     def __enter__(self) -> PoolLock:
         self._lock.acquire()
         self._depth += 1
+        self._holder = threading.get_ident()
         if self._depth == 1 and self._pending:
             self._drain()
         return self
@@ -107,7 +110,22 @@ class PoolLock:
                 self._drain()
         finally:
             self._depth -= 1
+            if self._depth == 0:
+                self._holder = None
             self._lock.release()
+
+    def is_held(self) -> bool:
+        """Whether the calling thread holds the lock (for assertions: every change to a pool's blocks holds it).
+
+        Example:
+            >>> lock = PoolLock()
+            >>> with lock:
+            ...     print(lock.is_held())
+            True
+            >>> lock.is_held()
+            False
+        """
+        return self._holder == threading.get_ident()
 
     def call_soon(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` under the lock now if no bookkeeping call is in progress, else when the current one ends."""
@@ -116,10 +134,12 @@ class PoolLock:
             try:
                 if self._depth == 0:  # not inside a bookkeeping call of this thread
                     self._depth = 1
+                    self._holder = threading.get_ident()
                     try:
                         self._drain()
                     finally:
                         self._depth = 0
+                        self._holder = None
             finally:
                 self._lock.release()
 
@@ -202,8 +222,7 @@ class PagedKVPool:
     ) -> None:
         self.spec = ModelKVSpec.from_model(model)
         block_size = default_block_size(getattr(model, "device", "cpu")) if block_size is None else block_size
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
-            raise ConfigError(f"block_size must be a positive integer, got {block_size!r}")
+        block_size = integer("block_size", block_size, minimum=1, error=ConfigError, expected="a positive integer")
         if dtype is None:
             dtype = getattr(model, "dtype", None) or getattr(text_config(model), "dtype", None) or torch.float32
             if isinstance(dtype, str):
@@ -223,8 +242,7 @@ class PagedKVPool:
                         f"memory budget {memory_budget!r} holds no block: one block of {block_size} tokens costs "
                         f"{per_block} bytes over all layers"
                     )
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
-            raise ConfigError(f"num_blocks must be a positive integer, got {num_blocks!r}")
+        num_blocks = integer("num_blocks", num_blocks, minimum=1, error=ConfigError, expected="a positive integer")
         self.plugins = plugins if plugins is not None else default_plugin_manager()
         policy_name = eviction_policy
         self.plugins.eviction_policy(policy_name, num_blocks)  # fail now on an unknown policy name
