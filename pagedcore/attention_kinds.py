@@ -40,7 +40,13 @@ def _cdiv(a: int, b: int) -> int:
 
 
 class AttentionKind(ABC):
-    """The rules of one kind of attention layer (see the module docstring). Immutable and hashable."""
+    """The rules of one kind of attention layer (see the module docstring). Immutable and hashable.
+
+    Example:
+        >>> kind = SlidingWindow(4)
+        >>> kind.first_needed_block(9, block_size=2), kind.max_blocks(40, block_size=2, chunk=1)
+        (3, 3)
+    """
 
     @property
     @abstractmethod

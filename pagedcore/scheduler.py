@@ -1,4 +1,4 @@
-"""Continuous-batching scheduler over :class:`~pagedcore.sequence.Sequence` objects.
+"""Continuous-batching scheduler over :class:`~pagedcore.sequence.SequenceState` objects.
 
 One mechanism covers prefill, chunked prefill, prefix hits and decode: every sequence has a number of computed
 tokens that catches up with its number of tokens, within a per-step token budget. Each step:
@@ -18,8 +18,7 @@ and hands the sampled tokens to :meth:`Scheduler.update`.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Mapping
-from collections.abc import Sequence as SequenceABC
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from pagedcore.block_tables import BlockTables, Copy
@@ -32,7 +31,7 @@ from pagedcore.errors import (
 from pagedcore.kv_pool import KVPool, PoolMatch
 from pagedcore.plugin_manager import PluginManager
 from pagedcore.prefix_trie import namespace_key
-from pagedcore.sequence import FinishReason, Sequence, SequenceStatus
+from pagedcore.sequence import FinishReason, SequenceState, SequenceStatus
 from pagedcore.validation import integer
 
 __all__ = ["ScheduledSequence", "Scheduler", "SchedulerConfig", "SchedulerOutput", "SchedulerStats"]
@@ -86,13 +85,13 @@ class ScheduledSequence:
 
     Example:
         >>> sched = Scheduler(KVPool(num_blocks=4, block_size=2))
-        >>> sched.add(Sequence("a", [7, 8, 9], max_new_tokens=1))
+        >>> sched.add(SequenceState("a", [7, 8, 9], max_new_tokens=1))
         >>> (item,) = sched.schedule().scheduled
         >>> item.token_ids, item.start, item.slots, item.block_tables, item.sample
         ([7, 8, 9], 0, ([0, 1, 2],), ([0, 1],), True)
     """
 
-    sequence: Sequence
+    sequence: SequenceState
     start: int
     num_new_tokens: int
     sample: bool
@@ -197,7 +196,7 @@ class Scheduler:
     Example:
         >>> pool = KVPool(num_blocks=8, block_size=4)
         >>> sched = Scheduler(pool, SchedulerConfig(max_num_batched_tokens=16))
-        >>> sched.add(Sequence("a", [1, 2, 3, 4, 5], max_new_tokens=2))
+        >>> sched.add(SequenceState("a", [1, 2, 3, 4, 5], max_new_tokens=2))
         >>> step = sched.schedule()
         >>> [(s.request_id, s.token_ids, s.sample) for s in step.scheduled]
         [('a', [1, 2, 3, 4, 5], True)]
@@ -215,9 +214,9 @@ class Scheduler:
         self._config = config if config is not None else SchedulerConfig()
         self._plugins = plugins
         # Insertion-ordered maps keyed by request id: O(1) removal, FIFO iteration, newest-first via reversed().
-        self._waiting: OrderedDict[str, Sequence] = OrderedDict()
-        self._running: dict[str, Sequence] = {}
-        self._by_id: dict[str, Sequence] = {}
+        self._waiting: OrderedDict[str, SequenceState] = OrderedDict()
+        self._running: dict[str, SequenceState] = {}
+        self._by_id: dict[str, SequenceState] = {}
         self._arrival: dict[str, int] = {}
         self._clock = 0
         self.stats = SchedulerStats()
@@ -251,14 +250,14 @@ class Scheduler:
         """Whether any sequence is waiting or running."""
         return bool(self._waiting or self._running)
 
-    def get(self, request_id: str) -> Sequence:
+    def get(self, request_id: str) -> SequenceState:
         """The waiting or running sequence with this id."""
         try:
             return self._by_id[request_id]
         except KeyError:
             raise RequestNotFoundError(f"no waiting or running request {request_id!r}") from None
 
-    def sequences(self) -> list[Sequence]:
+    def sequences(self) -> list[SequenceState]:
         """Waiting then running sequences."""
         return [*self._waiting.values(), *self._running.values()]
 
@@ -268,26 +267,26 @@ class Scheduler:
         return list(self._pool.max_blocks(num_tokens, chunk=self._config.max_num_batched_tokens))
 
     # ------------------------------------------------------------------ commands
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: SequenceState) -> None:
         """Queue a new sequence. Raises when it can never fit in the pool, or its id is taken."""
-        if not isinstance(seq, Sequence):
-            raise InvalidRequestError(f"add: expected a Sequence, got {type(seq).__name__}")
+        if not isinstance(seq, SequenceState):
+            raise InvalidRequestError(f"add: expected a SequenceState, got {type(seq).__name__}")
         if seq.request_id in self._by_id:
             raise DuplicateRequestError(f"request id {seq.request_id!r} is already waiting or running")
         if seq.status is not SequenceStatus.WAITING or seq.blocks is not None or seq.num_computed_tokens:
-            raise InvalidRequestError(f"request {seq.request_id!r} was already scheduled once; add a new Sequence")
+            raise InvalidRequestError(f"request {seq.request_id!r} was already scheduled once; add a new SequenceState")
         self.check_admissible(seq)
         self._enqueue(seq)
 
-    def check_admissible(self, seq: Sequence) -> None:
+    def check_admissible(self, seq: SequenceState) -> None:
         """Raise ``InvalidRequestError`` when ``seq`` could never run under these limits (more parallel samples
         than ``max_num_seqs``, more tokens than the pool holds); changes nothing. :meth:`add` checks it too, so a
         caller can validate a batch of requests before queuing any of them.
 
         Example:
             >>> sched = Scheduler(KVPool(num_blocks=2, block_size=2))
-            >>> sched.check_admissible(Sequence("a", [1, 2, 3], max_new_tokens=2))   # 4 positions: 2 blocks
-            >>> sched.check_admissible(Sequence("a", [1, 2, 3], max_new_tokens=3))
+            >>> sched.check_admissible(SequenceState("a", [1, 2, 3], max_new_tokens=2))   # 4 positions: 2 blocks
+            >>> sched.check_admissible(SequenceState("a", [1, 2, 3], max_new_tokens=3))
             Traceback (most recent call last):
             ...
             pagedcore.errors.InvalidRequestError: request 'a' can never fit: 3 prompt tokens + 3 new tokens need 3 ...
@@ -306,7 +305,7 @@ class Scheduler:
                 f"{short.group}, but the pool has {short.available}"
             )
 
-    def abort(self, request_id: str) -> list[Sequence]:
+    def abort(self, request_id: str) -> list[SequenceState]:
         """Stop a request and its parallel samples; their blocks go back at once. Returns the aborted sequences."""
         victims = [s for s in self.sequences() if s.group_id == request_id or s.request_id == request_id]
         if not victims:
@@ -316,7 +315,7 @@ class Scheduler:
         self.stats.num_aborted += len(victims)
         return victims
 
-    def fail(self, request_ids: SequenceABC[str]) -> list[Sequence]:
+    def fail(self, request_ids: Sequence[str]) -> list[SequenceState]:
         """Finish these sequences with ``FinishReason.ERROR`` (e.g. their step raised); blocks go back at once."""
         failed = [self._by_id[r] for r in request_ids if r in self._by_id]
         for seq in failed:
@@ -326,13 +325,13 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Plan the next step: which tokens of which sequences to compute, with their slots and block tables."""
         budget = self._config.max_num_batched_tokens
-        plan: list[tuple[Sequence, int]] = []
+        plan: list[tuple[SequenceState, int]] = []
         planned: set[int] = set()
         copies: list[Copy] = []
         preempted: list[str] = []
 
-        decodes: list[tuple[Sequence, int]] = []
-        prefills: list[tuple[Sequence, int]] = []
+        decodes: list[tuple[SequenceState, int]] = []
+        prefills: list[tuple[SequenceState, int]] = []
         for seq in self._running.values():
             uncomputed = seq.num_uncomputed_tokens
             (decodes if uncomputed == 1 and seq.num_computed_tokens else prefills).append((seq, uncomputed))
@@ -368,7 +367,7 @@ class Scheduler:
         self.stats.num_steps += 1
         return SchedulerOutput(scheduled, copies, preempted)
 
-    def update(self, output: SchedulerOutput, sampled: Mapping[str, SequenceABC[int]]) -> list[Sequence]:
+    def update(self, output: SchedulerOutput, sampled: Mapping[str, Sequence[int]]) -> list[SequenceState]:
         """Record a computed step. ``sampled[request_id]`` holds the tokens sampled for every scheduled sequence
         with ``sample=True`` (``num_samples`` tokens at a forking step, else one).
 
@@ -386,7 +385,7 @@ class Scheduler:
                     f"update: request {seq.request_id!r} needs {item.num_samples} sampled tokens, got {got}"
                 )
             live.append(item)
-        finished: list[Sequence] = []
+        finished: list[SequenceState] = []
         cache = self._config.enable_prefix_caching
         sliding = self._has_sliding
         computed = prompt_computed = 0
@@ -404,8 +403,8 @@ class Scheduler:
                 blocks.cache_full_blocks(seq.token_ids, end, seq.namespace)
             # One pass for all three outcomes: no token (a prefill chunk), one token, or the forking step's tokens.
             if not item.sample:
-                family: SequenceABC[Sequence] = (seq,)
-                tokens: SequenceABC[int | None] = _NO_TOKEN
+                family: Sequence[SequenceState] = (seq,)
+                tokens: Sequence[int | None] = _NO_TOKEN
             else:
                 tokens = sampled[seq.request_id]
                 family = [seq, *self._fork(seq, item.num_samples - 1)] if item.num_samples > 1 else (seq,)
@@ -439,7 +438,7 @@ class Scheduler:
         assert held == refs, f"sequences hold {held} block references, the pool counts {refs}"
 
     # ------------------------------------------------------------------ internals
-    def _enqueue(self, seq: Sequence, *, front: bool = False) -> None:
+    def _enqueue(self, seq: SequenceState, *, front: bool = False) -> None:
         self._by_id[seq.request_id] = seq
         if seq.request_id not in self._arrival:
             self._arrival[seq.request_id] = self._clock
@@ -448,13 +447,13 @@ class Scheduler:
         if front:
             self._waiting.move_to_end(seq.request_id, last=False)
 
-    def _newest_unplanned(self, planned: set[int]) -> Sequence | None:
+    def _newest_unplanned(self, planned: set[int]) -> SequenceState | None:
         for seq in reversed(self._running.values()):
             if id(seq) not in planned:
                 return seq
         return None
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: SequenceState) -> None:
         assert seq.blocks is not None
         seq.blocks.release()
         seq.blocks = None
@@ -468,7 +467,7 @@ class Scheduler:
         self._waiting.move_to_end(seq.request_id, last=False)
         self._emit("pagedcore_request_preempted", request_id=seq.request_id, num_computed_tokens=computed)
 
-    def _admit(self, budget: int, plan: list[tuple[Sequence, int]], copies: list[Copy]) -> int:
+    def _admit(self, budget: int, plan: list[tuple[SequenceState, int]], copies: list[Copy]) -> int:
         cfg = self._config
         # Count the samples running sequences will still fork into, so a fork never exceeds max_num_seqs.
         width = sum(_width(s) for s in self._running.values())
@@ -512,7 +511,7 @@ class Scheduler:
             )
         return budget
 
-    def _prefix_in_flight(self, seq: Sequence, num_cached: int) -> bool:
+    def _prefix_in_flight(self, seq: SequenceState, num_cached: int) -> bool:
         """Whether a running sequence of the same namespace has the same tokens as ``seq`` up to the end of the
         block after ``seq``'s cached prefix, and has not computed that block yet (it is being prefilled)."""
         end = num_cached + self._bs
@@ -529,7 +528,7 @@ class Scheduler:
                 return True
         return False
 
-    def _start_blocks(self, seq: Sequence, budget: int, match: PoolMatch | None) -> BlockTables | None:
+    def _start_blocks(self, seq: SequenceState, budget: int, match: PoolMatch | None) -> BlockTables | None:
         """Blocks for ``seq``'s first step (prefix hit attached), or None when they cannot be had now."""
         reserve = self._watermark_blocks if self._running else 0
         hit = 0
@@ -546,13 +545,13 @@ class Scheduler:
             blocks.release()
         return None
 
-    def _scheduled(self, seq: Sequence, num_new: int) -> ScheduledSequence:
+    def _scheduled(self, seq: SequenceState, num_new: int) -> ScheduledSequence:
         end = seq.num_computed_tokens + num_new
         sample = end == seq.num_tokens
         num_samples = (seq.num_samples if seq.needs_fork else 1) if sample else 0
         return ScheduledSequence(seq, seq.num_computed_tokens, num_new, sample, num_samples)
 
-    def _fork(self, parent: Sequence, count: int) -> list[Sequence]:
+    def _fork(self, parent: SequenceState, count: int) -> list[SequenceState]:
         assert parent.blocks is not None
         children = []
         for k in range(1, count + 1):
@@ -569,7 +568,7 @@ class Scheduler:
         parent.mark_forked()
         return children
 
-    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+    def _finish(self, seq: SequenceState, reason: FinishReason) -> None:
         if seq.blocks is not None:
             seq.blocks.release()
             seq.blocks = None
@@ -598,6 +597,6 @@ class Scheduler:
 _NO_TOKEN: tuple[None] = (None,)
 
 
-def _width(seq: Sequence) -> int:
+def _width(seq: SequenceState) -> int:
     """Running slots a sequence takes once it has forked into its parallel samples."""
     return seq.num_samples if seq.needs_fork else 1

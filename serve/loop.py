@@ -196,10 +196,9 @@ class EngineLoop:
             :class:`QueueFullError`.
 
     Example:
-        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> from pagedcore.adapters.transformers.testing import tiny_llama
         >>> from pagedcore.adapters.transformers import Engine, SamplingParams
-        >>> model = LlamaForCausalLM(LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-        ...     num_hidden_layers=1, intermediate_size=128, vocab_size=100)).eval()
+        >>> model = tiny_llama(num_hidden_layers=1)
         >>> events, done = [], threading.Event()
         >>> def sink(event):
         ...     events.append(event)

@@ -16,7 +16,7 @@ from models import FIRST_TOKEN, WINDOW, tiny_model
 from paged_checks import dynamic
 from transformers import DynamicCache
 
-from pagedcore import InvalidRequestError, KVPool, OutOfBlocksError, Scheduler, SchedulerConfig, Sequence
+from pagedcore import InvalidRequestError, KVPool, OutOfBlocksError, Scheduler, SchedulerConfig, SequenceState
 from pagedcore.adapters import transformers as pc
 from pagedcore.adapters.transformers import Engine, PagedCache, SamplingParams
 
@@ -29,7 +29,7 @@ def run_alone(num_blocks: int, windows, prompt: list[int], max_new: int, chunk: 
     """Run one sequence alone through the scheduler and the fake model; returns its output and the peak blocks."""
     pool = KVPool(num_blocks, BLOCK, windows)
     sched = Scheduler(pool, SchedulerConfig(max_num_batched_tokens=chunk))
-    sched.add(Sequence("a", prompt, max_new_tokens=max_new))
+    sched.add(SequenceState("a", prompt, max_new_tokens=max_new))
     model = FakeModel(sched)
     peak = 0
     done = {}
@@ -58,7 +58,7 @@ def test_scheduler_runs_at_its_bound_and_refuses_one_block_less(windows, prompt_
     assert peak == blocks  # tight: the run needed every block of the bound
     sched = Scheduler(KVPool(blocks - 1, BLOCK, windows), SchedulerConfig(max_num_batched_tokens=chunk))
     with pytest.raises(InvalidRequestError, match=f"need {blocks} blocks of 4 tokens in KV group 0, but the pool has"):
-        sched.add(Sequence("a", prompt, max_new_tokens=max_new))
+        sched.add(SequenceState("a", prompt, max_new_tokens=max_new))
     assert not sched.has_unfinished() and sched.pool.num_used_blocks == 0
 
 
@@ -69,7 +69,7 @@ def test_scheduler_bound_holds_under_preemption_and_budget_sharing():
     sched = Scheduler(pool, SchedulerConfig(max_num_batched_tokens=7, max_num_seqs=8))
     prompts = {f"r{i}": list(range(FIRST_TOKEN + i, FIRST_TOKEN + i + 9 + 3 * i)) for i in range(6)}
     for rid, prompt in prompts.items():
-        sched.add(Sequence(rid, prompt, max_new_tokens=14))
+        sched.add(SequenceState(rid, prompt, max_new_tokens=14))
     bound = pool.max_blocks(max(len(p) for p in prompts.values()) + 13, chunk=7)[1]
     model = FakeModel(sched)
     done = {}

@@ -55,11 +55,10 @@ class ForwardContext:
         row 0 starts with one unstored padding position:
 
         >>> import torch
-        >>> from transformers import LlamaConfig
+        >>> from pagedcore.adapters.transformers.testing import tiny_llama_config
         >>> from pagedcore.adapters.transformers import PagedKVPool
         >>> from pagedcore.attention import PagedAttentionMetadata, eager_attention
-        >>> pool = PagedKVPool(LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-        ...     num_hidden_layers=2, intermediate_size=128, vocab_size=100), num_blocks=8, block_size=4)
+        >>> pool = PagedKVPool(tiny_llama_config(), num_blocks=8, block_size=4)
         >>> meta = PagedAttentionMetadata.build(block_size=4, query_lens=[2, 3], seq_lens=[2, 3], block_offsets=[0, 0],
         ...     tables=[[0], [1]], slots=[[0, 1], [4, 5, 6]], sliding_window=None, pad_block=pool.pad_block)
         >>> ctx = ForwardContext(pool, [meta], real_index=torch.tensor([1, 2, 3, 4, 5]), pads=[1, 0], length=3,
@@ -138,10 +137,9 @@ def paged_attention_forward(
 
     Example:
         >>> import torch
-        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> from pagedcore.adapters.transformers.testing import tiny_llama
         >>> from pagedcore.adapters.transformers import PagedCache
-        >>> model = LlamaForCausalLM(LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-        ...     num_hidden_layers=2, intermediate_size=128, vocab_size=100)).eval()
+        >>> model = tiny_llama()
         >>> ids = torch.tensor([[1, 2, 3, 4]])
         >>> reference = model.generate(ids, max_new_tokens=4, do_sample=False)   # sdpa + DynamicCache
         >>> model.set_attn_implementation("paged")

@@ -58,9 +58,8 @@ class CacheMemoryStats:
         A left-padded batch of a 3-token and a 5-token prompt, 2 new tokens each: the padding is not stored.
 
         >>> import torch
-        >>> from transformers import LlamaConfig, LlamaForCausalLM
-        >>> model = LlamaForCausalLM(LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-        ...     num_hidden_layers=2, intermediate_size=128, vocab_size=100)).eval()
+        >>> from pagedcore.adapters.transformers.testing import tiny_llama
+        >>> model = tiny_llama()
         >>> ids = torch.tensor([[0, 0, 5, 6, 7], [5, 6, 7, 8, 9]])
         >>> mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
         >>> cache = PagedCache(model, num_blocks=16, block_size=4)
@@ -209,10 +208,9 @@ class PagedCache(Cache):
 
     Example:
         >>> import torch
-        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> from pagedcore.adapters.transformers.testing import tiny_llama
         >>> from pagedcore.adapters.transformers import PagedCache
-        >>> model = LlamaForCausalLM(LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-        ...     num_hidden_layers=2, intermediate_size=128, vocab_size=100)).eval()
+        >>> model = tiny_llama()
         >>> cache = PagedCache(model, num_blocks=64, block_size=16)
         >>> out = model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4, do_sample=False, cache=cache)
         >>> cache.get_seq_length(), cache.memory_stats().tokens

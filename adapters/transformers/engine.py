@@ -45,8 +45,7 @@ from pagedcore.errors import (
     UnsupportedModelError,
 )
 from pagedcore.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from pagedcore.sequence import FinishReason
-from pagedcore.sequence import Sequence as CoreSequence
+from pagedcore.sequence import FinishReason, SequenceState
 from pagedcore.validation import as_integer
 from pagedcore.validation import token_ids as valid_token_ids
 
@@ -100,10 +99,9 @@ class Engine:
 
     Example:
         >>> import torch
-        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> from pagedcore.adapters.transformers.testing import tiny_llama
         >>> from pagedcore.adapters.transformers import Engine, SamplingParams
-        >>> model = LlamaForCausalLM(LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-        ...     num_hidden_layers=2, intermediate_size=128, vocab_size=100)).eval()
+        >>> model = tiny_llama()
         >>> with Engine(model, num_blocks=64, block_size=8) as engine:
         ...     outs = engine.generate([[1, 2, 3], [4, 5, 6, 7]], SamplingParams(max_new_tokens=4), use_tqdm=False)
         ...     same = engine.generate([[1, 2, 3], [4, 5, 6, 7]], max_new_tokens=4, do_sample=False, use_tqdm=False)
@@ -675,9 +673,9 @@ class Engine:
         request.texts[index] = text
         return delta
 
-    def _sequence(self, new: NewRequest, request_id: str) -> CoreSequence:
+    def _sequence(self, new: NewRequest, request_id: str) -> SequenceState:
         params = new.params
-        return CoreSequence(
+        return SequenceState(
             request_id,
             new.token_ids,
             params.max_new_tokens,
@@ -748,7 +746,7 @@ class _Locks:
             lock.__exit__(None, None, None)
 
 
-def _sample_indices(seq: CoreSequence) -> range | list[int]:
+def _sample_indices(seq: SequenceState) -> range | list[int]:
     """The samples a sequence stands for: all of them before it forked into its parallel samples."""
     return range(seq.num_samples) if seq.needs_fork else [seq.sample_index]
 

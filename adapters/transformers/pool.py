@@ -169,9 +169,8 @@ class MemoryStats:
         block_size: tokens per block.
 
     Example:
-        >>> from transformers import LlamaConfig
-        >>> config = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-        ...                      num_hidden_layers=2, intermediate_size=128, vocab_size=100)
+        >>> from pagedcore.adapters.transformers.testing import tiny_llama_config
+        >>> config = tiny_llama_config()
         >>> stats = PagedKVPool(config, num_blocks=8, block_size=4, dtype=torch.float32).memory_stats()
         >>> stats.capacity_bytes, stats.used_bytes
         (16384, 0)
@@ -201,9 +200,8 @@ class PagedKVPool:
     Without ``num_blocks`` or ``memory_budget`` the pool holds 32,768 tokens.
 
     Example:
-        >>> from transformers import LlamaConfig
-        >>> config = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-        ...                      num_hidden_layers=2, intermediate_size=128, vocab_size=100)
+        >>> from pagedcore.adapters.transformers.testing import tiny_llama_config
+        >>> config = tiny_llama_config()
         >>> pool = PagedKVPool(config, memory_budget="1MiB", block_size=16, dtype=torch.float32)
         >>> pool.num_blocks, pool.block_size
         (128, 16)
@@ -415,9 +413,8 @@ class PagedKVPool:
         blocks: release them first (their contents would be lost).
 
         Example:
-            >>> from transformers import LlamaConfig
-            >>> pool = PagedKVPool(LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-            ...     num_hidden_layers=2, intermediate_size=128, vocab_size=100), num_blocks=8)
+            >>> from pagedcore.adapters.transformers.testing import tiny_llama_config
+            >>> pool = PagedKVPool(tiny_llama_config(), num_blocks=8)
             >>> pool.rebuild(), pool.memory_stats().allocated_bytes
             (0, 0)
         """

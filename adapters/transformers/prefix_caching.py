@@ -124,10 +124,9 @@ def enable(
 
     Example:
         >>> import torch
-        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> from pagedcore.adapters.transformers.testing import tiny_llama
         >>> from pagedcore.adapters import transformers as pc
-        >>> model = LlamaForCausalLM(LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-        ...     num_hidden_layers=2, intermediate_size=128, vocab_size=100)).eval()
+        >>> model = tiny_llama()
         >>> pool = pc.enable(model, num_blocks=64, block_size=4)
         >>> prompt = torch.arange(1, 14)[None]
         >>> _ = model.generate(prompt, max_new_tokens=2, do_sample=False)   # cold: computes 13 tokens
@@ -180,9 +179,8 @@ def disable(model: Any) -> PagedKVPool:
     Caches returned by earlier calls stay valid and keep their blocks until released or dropped.
 
     Example:
-        >>> from transformers import LlamaConfig, LlamaForCausalLM
-        >>> model = LlamaForCausalLM(LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-        ...     num_hidden_layers=2, intermediate_size=128, vocab_size=100))
+        >>> from pagedcore.adapters.transformers.testing import tiny_llama
+        >>> model = tiny_llama()
         >>> pool = enable(model, num_blocks=16)
         >>> disable(model) is pool, is_enabled(model)
         (True, False)
@@ -211,9 +209,8 @@ def prefix_pool(model: Any) -> PagedKVPool:
     """The pool :func:`enable` gave ``model``.
 
     Example:
-        >>> from transformers import LlamaConfig, LlamaForCausalLM
-        >>> model = LlamaForCausalLM(LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-        ...     num_hidden_layers=2, intermediate_size=128, vocab_size=100))
+        >>> from pagedcore.adapters.transformers.testing import tiny_llama
+        >>> model = tiny_llama()
         >>> pool = enable(model, num_blocks=16)
         >>> prefix_pool(model) is pool
         True

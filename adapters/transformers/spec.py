@@ -56,9 +56,8 @@ class ModelKVSpec:
     """The KV layout of a model, and how its layers map onto KV groups.
 
     Example:
-        >>> from transformers import LlamaConfig
-        >>> spec = ModelKVSpec.from_config(LlamaConfig(hidden_size=64, num_attention_heads=4,
-        ...     num_key_value_heads=2, num_hidden_layers=2, intermediate_size=128, vocab_size=100))
+        >>> from pagedcore.adapters.transformers.testing import tiny_llama_config
+        >>> spec = ModelKVSpec.from_config(tiny_llama_config())
         >>> spec.windows, spec.layer_groups, spec.layers[0].num_kv_heads, spec.layers[0].head_dim
         ((None,), (0, 0), 2, 16)
     """
