@@ -72,6 +72,9 @@ def parse_bytes(value: int | float | str) -> int:
 class PoolLock:
     """The pool's re-entrant bookkeeping lock (``with pool.lock:``), plus releases deferred to a safe moment.
 
+    It is the one lock over the pool's block state: every holder (caches, ``enable()``d calls, an Engine, whose own
+    lock takes it) changes blocks only while holding it, so holders in different threads can share a pool.
+
     A cache dropped without :meth:`PagedCache.release` gives its blocks back from a garbage-collection finalizer,
     which may run at any allocation, even in the middle of a bookkeeping call of this very thread. Such releases
     go through :meth:`call_soon`: run at once when no bookkeeping call is in progress, else when the outermost one
@@ -252,8 +255,8 @@ class PagedKVPool:
             on_evict=self._on_evict,
         )
         self._layers: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * self.spec.num_layers
-        # Bookkeeping lock: caches of several threads may share one pool. Tensor reads and writes need no lock:
-        # each sequence writes only blocks it holds alone (copy-on-write), and cached blocks are never written.
+        # Bookkeeping lock: caches and engines of several threads may share one pool. Tensor reads and writes need no
+        # lock: each sequence writes only blocks it holds alone (copy-on-write), and cached blocks are never written.
         self.lock = PoolLock()
         self._backends: dict[tuple[str, torch.dtype, str | None], AttentionBackend] = {}
         self._owner: weakref.ref[Any] | None = None
