@@ -51,6 +51,7 @@ class BlockTables:
         self._released = False
         self._bs = pool.block_size
         self._sliding = [g.index for g in pool.groups if g.kind.is_sliding]
+        self._next_drop = 0  # drop_out_of_window has nothing to release before this position
 
     # ------------------------------------------------------------------ queries
     @property
@@ -193,18 +194,26 @@ class BlockTables:
 
     def drop_out_of_window(self, next_position: int) -> int:
         """Release sliding-group blocks that no query at ``next_position`` or later can see. Returns blocks released."""
+        if next_position < self._next_drop:
+            return 0  # the common decode step: no group's next block has left its window yet
         bs = self._bs
         released = 0
+        next_drop = None
         for i in self._sliding:
             group = self._pool.groups[i]
-            count = min(group.kind.first_needed_block(next_position, bs) - self._dropped[i], len(self._tables[i]))
-            if count <= 0:
-                continue
-            gone = self._tables[i][:count]
-            group.block_manager.release(gone[::-1])
-            del self._tables[i][:count]
-            self._dropped[i] += count
-            released += count
+            kind = group.kind
+            count = min(kind.first_needed_block(next_position, bs) - self._dropped[i], len(self._tables[i]))
+            if count > 0:
+                gone = self._tables[i][:count]
+                group.block_manager.release(gone[::-1])
+                del self._tables[i][:count]
+                self._dropped[i] += count
+                released += count
+            # The first query that no longer sees the last key of the group's first live block.
+            last = kind.last_query_seeing((self._dropped[i] + 1) * bs - 1)
+            if last is not None and (next_drop is None or last + 1 < next_drop):
+                next_drop = last + 1
+        self._next_drop = next_drop if next_drop is not None else 0
         return released
 
     def cache_full_blocks(self, token_ids: Sequence[int], num_computed: int, namespace: Hashable = None) -> None:
@@ -262,6 +271,7 @@ class BlockTables:
             group.block_manager.retain(self._tables[i])
             child._tables[i] = list(self._tables[i])
         child._dropped = list(self._dropped)
+        child._next_drop = self._next_drop
         child._num_tokens = self._num_tokens
         child._num_cached_blocks = list(self._num_cached_blocks)
         child._uncachable = list(self._uncachable)
@@ -316,6 +326,7 @@ class BlockTables:
         self.release()
         self._released = False
         self._dropped = [0] * len(self._pool.groups)
+        self._next_drop = 0
         self._num_cached_blocks = [0] * len(self._pool.groups)
         self._uncachable = [False] * len(self._pool.groups)
         self._last_private = False
