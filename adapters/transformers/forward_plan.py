@@ -88,10 +88,11 @@ def plan_forward(
         (1,)
     """
     batch = len(before)
-    if any(d is None for d in declared):
+    whole = [d for d in declared if d is not None]
+    if len(whole) != batch:
         pads, exact = left_padding(positions, batch, q_len, before)
-    else:
-        pads = [min(max(d - start, 0), q_len) if n == 0 else 0 for d, n in zip(declared, before)]  # type: ignore[operator]
+    else:  # a row's declared padding is taken by its first forward(s), before its first stored token
+        pads = [min(max(d - start, 0), q_len) if n == 0 else 0 for d, n in zip(whole, before)]
         if positions is None:
             exact = True
         elif not any(pads):  # the common case (every decode step): no tensor work beyond left_padding's fast path
