@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from pagedcore import BlockManager, BlockTables, KVPool, PrefixTrie, Scheduler, SchedulerConfig, Sequence
+from pagedcore import BlockManager, BlockTables, KVPool, PrefixTrie, Scheduler, SchedulerConfig, SequenceState
 from pagedcore.errors import ConfigError
 
 from .context import BenchContext
@@ -359,7 +359,9 @@ def bench_scheduler(s: CoreSettings, clock: Clock) -> list[Figure]:
     for i in range(s.num_seqs):
         # Distinct prompts; lengths staggered over a block so block boundaries are crossed on different steps.
         length = s.seq_tokens - i % BLOCK_SIZE
-        sched.add(Sequence(f"r{i}", [i, *(rng.randrange(32_000) for _ in range(length - 1))], max_new_tokens=max_new))
+        sched.add(
+            SequenceState(f"r{i}", [i, *(rng.randrange(32_000) for _ in range(length - 1))], max_new_tokens=max_new)
+        )
     t_prefill = time.perf_counter()
     while sched.num_waiting or any(seq.num_uncomputed_tokens > 1 for seq in sched.sequences()):
         out = sched.schedule()

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedcore.errors import ConfigError
+from pagedcore.validation import integer
 
 from .registry import BENCHMARKS
 
@@ -101,8 +102,8 @@ class BenchOptions:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
-            raise ConfigError(f"threads must be a positive integer, got {self.threads!r}")
+        if self.threads is not None:
+            integer("threads", self.threads, minimum=1, error=ConfigError, expected="a positive integer")
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
         if self.model_size is not None and self.model_size not in MODEL_SIZES:

@@ -37,7 +37,7 @@ from pagedcore.kv_pool import KVGroup, KVPool, PoolMatch
 from pagedcore.plugin_manager import PluginManager, default_plugin_manager
 from pagedcore.prefix_trie import PrefixMatch, PrefixTrie
 from pagedcore.scheduler import ScheduledSequence, Scheduler, SchedulerConfig, SchedulerOutput, SchedulerStats
-from pagedcore.sequence import FinishReason, Sequence, SequenceStatus
+from pagedcore.sequence import FinishReason, SequenceState, SequenceStatus, deprecated_sequence
 
 __version__ = "0.1.0"
 
@@ -69,7 +69,7 @@ __all__ = [
     "SchedulerConfig",
     "SchedulerOutput",
     "SchedulerStats",
-    "Sequence",
+    "SequenceState",
     "SequenceStatus",
     "SharedBlockError",
     "SlotAppend",
@@ -78,3 +78,9 @@ __all__ = [
     "default_plugin_manager",
     "hookimpl",
 ]
+
+
+def __getattr__(name: str) -> object:
+    if name == "Sequence":  # the old name of SequenceState
+        return deprecated_sequence()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

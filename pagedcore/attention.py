@@ -5,8 +5,9 @@ Layout shared by every backend:
 - a layer's pool is two tensors ``(num_blocks + 1, block_size, kv_heads, head_dim)`` for keys and values; the last
   block (``pad_block``) is never handed out and stays zero, so padded block tables and padded gathers can point at it;
 - queries are packed: ``(num_tokens, q_heads, head_dim)``, sequence after sequence, only real tokens;
-- a sequence's queries are its last ``query_lens[i]`` positions of ``seq_lens[i]``; it sees keys at positions
-  ``<=`` its own (and ``> position - sliding_window`` in a sliding group).
+- a sequence's queries are its last ``query_lens[i]`` positions of ``seq_lens[i]``; which keys a query sees is its
+  group's attention kind's rule (:attr:`PagedAttentionMetadata.kind`: causal, and within the window in a sliding
+  group).
 
 Metadata is built once per forward and KV group and shared by all of the group's layers; a backend keeps whatever
 it derives from it (index tensors, attention biases) in ``metadata.backend_state``. Moving it to a GPU
@@ -18,17 +19,22 @@ The block size is chosen by :func:`default_block_size` when a pool is created wi
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import torch
+
+from pagedcore.attention_kinds import AttentionKind, attention_kind
 
 __all__ = [
     "CPU_BLOCK_SIZE",
     "CUDA_BLOCK_SIZE",
     "AttentionBackend",
     "PagedAttentionMetadata",
+    "contiguous_start",
     "default_block_size",
+    "eager_attention",
     "to_device",
     "write_kv",
 ]
@@ -143,6 +149,18 @@ class PagedAttentionMetadata:
         )
 
     @property
+    def kind(self) -> AttentionKind:
+        """The group's attention kind: which keys each query sees (ask it rather than the window).
+
+        Example:
+            >>> meta = PagedAttentionMetadata.build(block_size=4, query_lens=[1], seq_lens=[9], block_offsets=[0],
+            ...     tables=[[0, 1, 2]], slots=[[8]], sliding_window=4, pad_block=5)
+            >>> meta.kind.first_visible(8)
+            5
+        """
+        return attention_kind(self.sliding_window)
+
+    @property
     def num_seqs(self) -> int:
         """Sequences in the batch."""
         return len(self.query_lens)
@@ -239,3 +257,58 @@ def write_kv(
     key_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(key_cache.dtype))
     v_heads, v_dim = value_cache.shape[-2:]
     value_cache.view(-1, v_heads, v_dim).index_copy_(0, slot_mapping, value.to(value_cache.dtype))
+
+
+def contiguous_start(
+    table: Sequence[int], start: int, length: int, block_size: int, first_block: int = 0
+) -> int | None:
+    """The slot of position ``start`` when positions ``start .. start + length - 1`` lie in consecutive blocks of
+    ``table`` (whose first entry is logical block ``first_block``), else None. Then those positions' keys are one
+    run of the pool's slots, and attention can read them as a view instead of gathering them.
+
+    Example:
+        >>> contiguous_start([4, 5, 9], start=2, length=5, block_size=4), contiguous_start([4, 5, 9], 2, 8, 4)
+        (18, None)
+    """
+    lo = start // block_size - first_block
+    hi = (start + length - 1) // block_size - first_block
+    if length < 1 or lo < 0 or hi >= len(table) or table[hi] - table[lo] != hi - lo:
+        return None
+    if any(table[i + 1] != table[i] + 1 for i in range(lo, hi)):
+        return None
+    return table[lo] * block_size + start % block_size
+
+
+def eager_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    *,
+    scale: float,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Attention computed step by step (for what SDPA cannot do: logit softcapping, as Gemma2 needs).
+
+    ``query (..., q_heads, q_len, d)``, ``key``/``value (..., kv_heads, k_len, d)`` (GQA expanded here); ``mask``
+    broadcasts to the scores: boolean (True = attend) or additive, None = every query sees every key. Returns
+    ``(..., q_heads, q_len, dv)``.
+
+    Example:
+        >>> q, k, v = torch.randn(1, 4, 2, 8), torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8)
+        >>> eager_attention(q, k, v, None, scale=8 ** -0.5, softcap=30.0).shape
+        torch.Size([1, 4, 2, 8])
+    """
+    groups = query.shape[-3] // key.shape[-3]
+    if groups > 1:
+        key = key.repeat_interleave(groups, dim=-3)
+        value = value.repeat_interleave(groups, dim=-3)
+    scores = torch.matmul(query, key.transpose(-1, -2)) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None and mask.dtype == torch.bool:
+        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    elif mask is not None:
+        scores = scores + mask
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    return torch.matmul(probs, value)

@@ -28,7 +28,6 @@ was. Nothing outside this module reads or writes its fields: holders go through 
 from __future__ import annotations
 
 import logging
-import operator
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar, Protocol, runtime_checkable
@@ -41,6 +40,7 @@ from pagedcore.errors import (
     SharedBlockError,
 )
 from pagedcore.eviction import EvictionPolicy, LRUEvictionPolicy
+from pagedcore.validation import as_integer, integer
 
 logger = logging.getLogger(__name__)
 
@@ -125,15 +125,13 @@ class BlockManager:
         eviction_policy: EvictionPolicy | None = None,
         on_evict: Callable[[list[int]], None] | None = None,
     ) -> None:
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
-            raise ConfigError(f"num_blocks must be a positive integer, got {num_blocks!r}")
+        num_blocks = integer("num_blocks", num_blocks, minimum=1, error=ConfigError, expected="a positive integer")
         if num_blocks > self.MAX_NUM_BLOCKS:
             raise ConfigError(
                 f"num_blocks {num_blocks} is over the limit of {self.MAX_NUM_BLOCKS} (2**31 - 1): block ids reach "
                 "attention kernels as int32; no host could hold the keys and values of that many blocks"
             )
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
-            raise ConfigError(f"block_size must be a positive integer, got {block_size!r}")
+        block_size = integer("block_size", block_size, minimum=1, error=ConfigError, expected="a positive integer")
         self._num_blocks = num_blocks
         self._block_size = block_size
         # Per-block state exists only below the high-water mark: blocks at or above it were never handed out.
@@ -225,8 +223,8 @@ class BlockManager:
 
         All or nothing: raises :class:`OutOfBlocksError` and changes nothing when fewer can be had.
         """
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 0:
-            raise InvalidBlockError(f"allocate: num_blocks must be a non-negative integer, got {num_blocks!r}")
+        if type(num_blocks) is not int or num_blocks < 0:
+            num_blocks = integer("allocate: num_blocks", num_blocks, minimum=0, error=InvalidBlockError)
         free, untouched = self._free, self._num_blocks - self._hwm
         if num_blocks > len(free) + untouched + len(self._policy):
             available = self.num_available_blocks
@@ -426,9 +424,10 @@ class BlockManager:
         n = self._num_blocks
         for i, block_id in enumerate(ids):
             if type(block_id) is not int:
-                if isinstance(block_id, bool) or not hasattr(block_id, "__index__"):
+                number = as_integer(block_id)
+                if number is None:
                     raise InvalidBlockError(f"{op}: block id {block_id!r} is not an integer")
-                block_id = ids[i] = operator.index(block_id)
+                block_id = ids[i] = number
             if not 0 <= block_id < n:
                 raise InvalidBlockError(f"{op}: block id {block_id} is out of range [0, {n})")
         if len(set(ids)) != len(ids):
@@ -451,9 +450,9 @@ class BlockManager:
     def _check_table(self, ids: Sequence[int], num_tokens: int, num_new_tokens: int, op: str) -> int | None:
         """Validate a table's length and its last block (the only one a growth step acts on); return that block."""
         if type(num_tokens) is not int or type(num_new_tokens) is not int or num_tokens < 0 or num_new_tokens < 0:
-            for name, value in (("num_tokens", num_tokens), ("num_new_tokens", num_new_tokens)):
-                if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                    raise InvalidBlockError(f"{op}: {name} must be a non-negative integer, got {value!r}")
+            # The fast path above only lets plain ints through; the rule is validation.integer's (no float, no bool).
+            num_tokens = integer(f"{op}: num_tokens", num_tokens, minimum=0, error=InvalidBlockError)
+            num_new_tokens = integer(f"{op}: num_new_tokens", num_new_tokens, minimum=0, error=InvalidBlockError)
         expected = _cdiv(num_tokens, self._block_size)
         if len(ids) != expected:
             raise InvalidBlockError(

@@ -7,12 +7,13 @@ through the BlockManager's public interface.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 from pagedcore.errors import InvalidBlockError, OutOfBlocksError
 from pagedcore.kv_pool import KVPool, PoolMatch
+from pagedcore.validation import as_integer
 
-__all__ = ["BlockTables", "Copy"]
+__all__ = ["BlockTables", "Copy", "append_all"]
 
 Copy = tuple[int, int, int]
 """A copy-on-write copy to perform before writing: ``(group index, source block, destination block)``."""
@@ -49,7 +50,8 @@ class BlockTables:
         self._next_full = 0  # cache_full_blocks has nothing to do before this many computed tokens
         self._released = False
         self._bs = pool.block_size
-        self._sliding = [g.index for g in pool.groups if g.sliding_window is not None]
+        self._sliding = [g.index for g in pool.groups if g.kind.is_sliding]
+        self._next_drop = 0  # drop_out_of_window has nothing to release before this position
 
     # ------------------------------------------------------------------ queries
     @property
@@ -98,11 +100,19 @@ class BlockTables:
         ]
 
     def can_append(self, num_new_tokens: int, *, reserve: int = 0) -> bool:
-        """Whether ``append(num_new_tokens)`` would succeed, leaving ``reserve`` blocks free in every group."""
+        """Whether ``append(num_new_tokens)`` would succeed, leaving ``reserve`` blocks free in every group that
+        allocates (the pool decides: :meth:`KVPool.shortfalls`)."""
         if self._fits_in_private_block(num_new_tokens):
             return True
-        needed = self.blocks_needed(num_new_tokens)
-        return all(g.block_manager.can_allocate(n + (reserve if n else 0)) for g, n in zip(self._pool.groups, needed))
+        return not self._pool.shortfalls(self.blocks_needed(num_new_tokens), reserve=reserve)
+
+    def can_truncate(self, num_tokens: int) -> bool:
+        """Whether :meth:`truncate` to ``num_tokens`` positions is possible: in a sliding group, the query at
+        ``num_tokens`` must not need keys whose blocks already left the window (its kind decides)."""
+        bs = self._bs
+        return all(
+            g.kind.can_truncate(num_tokens, self._dropped[g.index], bs) for g in self._pool.groups if g.kind.is_sliding
+        )
 
     # ------------------------------------------------------------------ commands
     def attach(self, match: PoolMatch, num_tokens: int) -> None:
@@ -146,15 +156,13 @@ class BlockTables:
             self._num_tokens += num_new_tokens
             return []
         groups = self._pool.groups
-        needed = self.blocks_needed(num_new_tokens)
-        short = [(g.index, n, g.block_manager.num_available_blocks) for g, n in zip(groups, needed)]
-        short = [s for s in short if s[1] > s[2]]
+        short = self._pool.shortfalls(self.blocks_needed(num_new_tokens))
         if short:
-            detail = ", ".join(f"group {i}: need {n}, have {a}" for i, n, a in short)
+            detail = ", ".join(f"group {s.group}: need {s.needed}, have {s.available}" for s in short)
             raise OutOfBlocksError(
                 f"append: not enough blocks for {num_new_tokens} tokens ({detail})",
-                requested=sum(s[1] for s in short),
-                available=sum(s[2] for s in short),
+                requested=sum(s.needed for s in short),
+                available=sum(s.available for s in short),
             )
         copies: list[Copy] = []
         for i, group in enumerate(groups):
@@ -186,21 +194,26 @@ class BlockTables:
 
     def drop_out_of_window(self, next_position: int) -> int:
         """Release sliding-group blocks that no query at ``next_position`` or later can see. Returns blocks released."""
+        if next_position < self._next_drop:
+            return 0  # the common decode step: no group's next block has left its window yet
         bs = self._bs
         released = 0
+        next_drop = None
         for i in self._sliding:
             group = self._pool.groups[i]
-            window = group.sliding_window
-            assert window is not None
-            keep_from = max(0, next_position - window + 1) // bs  # first logical block a query may still see
-            count = min(keep_from - self._dropped[i], len(self._tables[i]))
-            if count <= 0:
-                continue
-            gone = self._tables[i][:count]
-            group.block_manager.release(gone[::-1])
-            del self._tables[i][:count]
-            self._dropped[i] += count
-            released += count
+            kind = group.kind
+            count = min(kind.first_needed_block(next_position, bs) - self._dropped[i], len(self._tables[i]))
+            if count > 0:
+                gone = self._tables[i][:count]
+                group.block_manager.release(gone[::-1])
+                del self._tables[i][:count]
+                self._dropped[i] += count
+                released += count
+            # The first query that no longer sees the last key of the group's first live block.
+            last = kind.last_query_seeing((self._dropped[i] + 1) * bs - 1)
+            if last is not None and (next_drop is None or last + 1 < next_drop):
+                next_drop = last + 1
+        self._next_drop = next_drop if next_drop is not None else 0
         return released
 
     def cache_full_blocks(self, token_ids: Sequence[int], num_computed: int, namespace: Hashable = None) -> None:
@@ -258,6 +271,7 @@ class BlockTables:
             group.block_manager.retain(self._tables[i])
             child._tables[i] = list(self._tables[i])
         child._dropped = list(self._dropped)
+        child._next_drop = self._next_drop
         child._num_tokens = self._num_tokens
         child._num_cached_blocks = list(self._num_cached_blocks)
         child._uncachable = list(self._uncachable)
@@ -267,16 +281,17 @@ class BlockTables:
     def truncate(self, num_tokens: int) -> None:
         """Keep only positions ``0 .. num_tokens - 1``, releasing blocks past them (e.g. rejected draft tokens)."""
         self._check_live()
-        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or not 0 <= num_tokens <= self._num_tokens:
+        number = as_integer(num_tokens)
+        if number is None or not 0 <= number <= self._num_tokens:
             raise InvalidBlockError(f"truncate: {num_tokens!r} outside [0, {self._num_tokens}]")
+        num_tokens = number
         bs = self._pool.block_size
-        for i, group in enumerate(self._pool.groups):
-            window = group.sliding_window
-            if window is not None and max(0, num_tokens - window + 1) < self._dropped[i] * bs:
-                raise InvalidBlockError(
-                    f"truncate: a query at position {num_tokens} needs keys that left group {i}'s window "
-                    f"(positions before {self._dropped[i] * bs} were released)"
-                )
+        if not self.can_truncate(num_tokens):
+            first = min(self._dropped[g.index] for g in self._pool.groups if g.kind.is_sliding) * bs
+            raise InvalidBlockError(
+                f"truncate: a query at position {num_tokens} needs keys that left a sliding window "
+                f"(positions before {first} were released)"
+            )
         keep_blocks = -(-num_tokens // bs)
         for i, group in enumerate(self._pool.groups):
             keep = max(0, keep_blocks - self._dropped[i])
@@ -311,6 +326,7 @@ class BlockTables:
         self.release()
         self._released = False
         self._dropped = [0] * len(self._pool.groups)
+        self._next_drop = 0
         self._num_cached_blocks = [0] * len(self._pool.groups)
         self._uncachable = [False] * len(self._pool.groups)
         self._last_private = False
@@ -331,3 +347,33 @@ class BlockTables:
     def _check_live(self) -> None:
         if self._released:
             raise InvalidBlockError("this sequence's blocks were released; reset() it to use it again")
+
+
+def append_all(tables: Sequence[BlockTables], counts: Sequence[int], perform: Callable[[list[Copy]], None]) -> None:
+    """Give ``tables[i]`` ``counts[i]`` more positions, all of them or none: one batched step's reservation.
+
+    Each table's copy-on-write copies go to ``perform`` as soon as that table has grown (a later table's
+    allocation may evict a copy's source from the prefix cache and hand its block out again). When a table cannot
+    grow, the tables grown before it are cut back to their length before the call and the
+    :class:`~pagedcore.errors.OutOfBlocksError` is raised: the pool holds what it held.
+
+    Example:
+        >>> pool = KVPool(num_blocks=3, block_size=4)
+        >>> rows = [BlockTables(pool), BlockTables(pool)]
+        >>> append_all(rows, [8, 5], perform=lambda copies: None)
+        Traceback (most recent call last):
+        ...
+        pagedcore.errors.OutOfBlocksError: append: not enough blocks for 5 tokens (group 0: need 2, have 1)
+        >>> [row.num_tokens for row in rows], pool.num_used_blocks
+        ([0, 0], 0)
+    """
+    before = [table.num_tokens for table in tables]
+    grown: list[int] = []
+    try:
+        for i, (table, count) in enumerate(zip(tables, counts)):
+            perform(table.append(count))
+            grown.append(i)
+    except OutOfBlocksError:
+        for i in grown:
+            tables[i].truncate(before[i])
+        raise

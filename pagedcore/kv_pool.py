@@ -3,7 +3,12 @@
 Layers that attend the same way share block ids: one group for full-attention layers and one per distinct sliding
 window (Gemma2/3, Mistral with a window). Each group has its own :class:`~pagedcore.block_manager.BlockManager` and
 :class:`~pagedcore.prefix_trie.PrefixTrie`, so a sliding group can release blocks that fell out of its window while
-the full-attention group keeps them. Tensors live in the framework adapter; this module is plain Python.
+the full-attention group keeps them; its :class:`~pagedcore.attention_kinds.AttentionKind` owns the rules.
+
+The pool is also the one place that answers whether blocks can be had (vLLM's ``KVCacheManager`` plays this part):
+:meth:`KVPool.max_blocks` (how many one sequence needs at worst), :meth:`KVPool.shortfalls` (can they be had now)
+and :meth:`KVPool.capacity_shortfalls` (could they ever be). The scheduler, ``enable()`` and ``PagedCache`` ask it.
+Tensors live in the framework adapter; this module is plain Python.
 """
 
 from __future__ import annotations
@@ -11,12 +16,13 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
+from pagedcore.attention_kinds import AttentionKind, attention_kind
 from pagedcore.block_manager import BlockManager
 from pagedcore.errors import ConfigError
 from pagedcore.eviction import EvictionPolicy
 from pagedcore.prefix_trie import PrefixTrie
 
-__all__ = ["KVGroup", "KVPool", "PoolMatch"]
+__all__ = ["KVGroup", "KVPool", "PoolMatch", "Shortfall"]
 
 
 @dataclass(frozen=True)
@@ -25,20 +31,44 @@ class KVGroup:
 
     Attributes:
         index: position in ``KVPool.groups``.
-        sliding_window: attention window in tokens (a query at ``p`` sees keys ``> p - window``); None = full.
+        kind: how its layers attend (:class:`~pagedcore.attention_kinds.FullAttention` or ``SlidingWindow``).
         block_manager: the group's blocks.
         trie: the group's prefix cache.
 
     Example:
         >>> group = KVPool(num_blocks=4, block_size=2, sliding_windows=(None, 8)).groups[1]
-        >>> group.index, group.sliding_window, group.block_manager.num_blocks
-        (1, 8, 4)
+        >>> group.index, group.kind, group.sliding_window, group.block_manager.num_blocks
+        (1, SlidingWindow(window=8), 8, 4)
     """
 
     index: int
-    sliding_window: int | None
+    kind: AttentionKind
     block_manager: BlockManager
     trie: PrefixTrie
+
+    @property
+    def sliding_window(self) -> int | None:
+        """The kind's window in tokens (a query at ``p`` sees keys ``> p - window``); None for full attention."""
+        return self.kind.sliding_window
+
+
+@dataclass(frozen=True)
+class Shortfall:
+    """A KV group that cannot supply the blocks asked of it.
+
+    Attributes:
+        group: the group's index.
+        needed: blocks asked for (plus the reserve kept free, when one was asked).
+        available: blocks it can hand out now, or its whole capacity (:meth:`KVPool.capacity_shortfalls`).
+
+    Example:
+        >>> KVPool(num_blocks=4, block_size=2).capacity_shortfalls([5])
+        [Shortfall(group=0, needed=5, available=4)]
+    """
+
+    group: int
+    needed: int
+    available: int
 
 
 @dataclass(frozen=True)
@@ -86,14 +116,11 @@ class KVPool:
         eviction_policy: Callable[[], EvictionPolicy] | None = None,
         on_evict: Callable[[int, list[int]], None] | None = None,
     ) -> None:
-        windows = list(sliding_windows)
-        if not windows:
+        kinds = [attention_kind(window) for window in sliding_windows]  # ConfigError for a bad window
+        if not kinds:
             raise ConfigError("sliding_windows: a pool needs at least one group")
-        for window in windows:
-            if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window <= 0):
-                raise ConfigError(f"sliding_windows: a window must be a positive integer or None, got {window!r}")
         groups = []
-        for index, window in enumerate(windows):
+        for index, kind in enumerate(kinds):
             listener = None if on_evict is None else _bind_group(on_evict, index)
             bm = BlockManager(
                 num_blocks,
@@ -101,7 +128,7 @@ class KVPool:
                 eviction_policy=eviction_policy() if eviction_policy is not None else None,
                 on_evict=listener,
             )
-            groups.append(KVGroup(index, window, bm, PrefixTrie(bm)))
+            groups.append(KVGroup(index, kind, bm, PrefixTrie(bm)))
         self._groups = tuple(groups)
         self._block_size = block_size
         self._num_blocks = num_blocks
@@ -151,6 +178,45 @@ class KVPool:
         """``num_hit_tokens / num_query_tokens``."""
         return self._groups[0].trie.hit_rate
 
+    # ------------------------------------------------------------------ capacity and admission
+    def max_blocks(self, num_tokens: int, *, chunk: int | None = None, start: int = 0) -> tuple[int, ...]:
+        """Per group, the most blocks one sequence holds at once while its positions ``start .. num_tokens - 1``
+        get slots in steps of at most ``chunk`` positions (see :meth:`AttentionKind.max_blocks`).
+
+        Example:
+            >>> KVPool(num_blocks=64, block_size=4, sliding_windows=(None, 8)).max_blocks(100, chunk=6)
+            (25, 4)
+        """
+        bs = self._block_size
+        return tuple(g.kind.max_blocks(num_tokens, bs, chunk=chunk, start=start) for g in self._groups)
+
+    def shortfalls(self, needs: Sequence[int], *, reserve: int = 0) -> list[Shortfall]:
+        """The groups that cannot hand out ``needs[g]`` more blocks now while keeping ``reserve`` blocks free (a
+        group that needs none is never short). Empty: the blocks can be had. No side effects.
+
+        Example:
+            >>> pool = KVPool(num_blocks=4, block_size=2)
+            >>> pool.shortfalls([4]), pool.shortfalls([4], reserve=1)
+            ([], [Shortfall(group=0, needed=5, available=4)])
+        """
+        short = []
+        for group, need in zip(self._groups, needs):
+            if need:
+                available = group.block_manager.num_available_blocks
+                if need + reserve > available:
+                    short.append(Shortfall(group.index, need + reserve, available))
+        return short
+
+    def capacity_shortfalls(self, needs: Sequence[int]) -> list[Shortfall]:
+        """The groups with fewer than ``needs[g]`` blocks in all: what could never be had, however many are freed.
+
+        Example:
+            >>> KVPool(num_blocks=4, block_size=2).capacity_shortfalls([4])
+            []
+        """
+        return [Shortfall(g.index, n, self._num_blocks) for g, n in zip(self._groups, needs) if n > self._num_blocks]
+
+    # ------------------------------------------------------------------ prefix cache
     def match(self, token_ids: Sequence[int], namespace: Hashable = None) -> PoolMatch:
         """The longest prefix of ``token_ids`` cached in every group. No side effects."""
         matches = [g.trie.match(token_ids, namespace) for g in self._groups]

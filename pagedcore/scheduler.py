@@ -1,4 +1,4 @@
-"""Continuous-batching scheduler over :class:`~pagedcore.sequence.Sequence` objects.
+"""Continuous-batching scheduler over :class:`~pagedcore.sequence.SequenceState` objects.
 
 One mechanism covers prefill, chunked prefill, prefix hits and decode: every sequence has a number of computed
 tokens that catches up with its number of tokens, within a per-step token budget. Each step:
@@ -18,8 +18,7 @@ and hands the sampled tokens to :meth:`Scheduler.update`.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Mapping
-from collections.abc import Sequence as SequenceABC
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from pagedcore.block_tables import BlockTables, Copy
@@ -32,7 +31,8 @@ from pagedcore.errors import (
 from pagedcore.kv_pool import KVPool, PoolMatch
 from pagedcore.plugin_manager import PluginManager
 from pagedcore.prefix_trie import namespace_key
-from pagedcore.sequence import FinishReason, Sequence, SequenceStatus
+from pagedcore.sequence import FinishReason, SequenceState, SequenceStatus
+from pagedcore.validation import integer
 
 __all__ = ["ScheduledSequence", "Scheduler", "SchedulerConfig", "SchedulerOutput", "SchedulerStats"]
 
@@ -62,9 +62,7 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
+            object.__setattr__(self, name, integer(name, getattr(self, name), minimum=1, error=ConfigError))
         if not 0.0 <= self.watermark < 1.0:
             raise ConfigError(f"watermark must be in [0, 1), got {self.watermark!r}")
 
@@ -87,13 +85,13 @@ class ScheduledSequence:
 
     Example:
         >>> sched = Scheduler(KVPool(num_blocks=4, block_size=2))
-        >>> sched.add(Sequence("a", [7, 8, 9], max_new_tokens=1))
+        >>> sched.add(SequenceState("a", [7, 8, 9], max_new_tokens=1))
         >>> (item,) = sched.schedule().scheduled
         >>> item.token_ids, item.start, item.slots, item.block_tables, item.sample
         ([7, 8, 9], 0, ([0, 1, 2],), ([0, 1],), True)
     """
 
-    sequence: Sequence
+    sequence: SequenceState
     start: int
     num_new_tokens: int
     sample: bool
@@ -198,7 +196,7 @@ class Scheduler:
     Example:
         >>> pool = KVPool(num_blocks=8, block_size=4)
         >>> sched = Scheduler(pool, SchedulerConfig(max_num_batched_tokens=16))
-        >>> sched.add(Sequence("a", [1, 2, 3, 4, 5], max_new_tokens=2))
+        >>> sched.add(SequenceState("a", [1, 2, 3, 4, 5], max_new_tokens=2))
         >>> step = sched.schedule()
         >>> [(s.request_id, s.token_ids, s.sample) for s in step.scheduled]
         [('a', [1, 2, 3, 4, 5], True)]
@@ -216,16 +214,16 @@ class Scheduler:
         self._config = config if config is not None else SchedulerConfig()
         self._plugins = plugins
         # Insertion-ordered maps keyed by request id: O(1) removal, FIFO iteration, newest-first via reversed().
-        self._waiting: OrderedDict[str, Sequence] = OrderedDict()
-        self._running: dict[str, Sequence] = {}
-        self._by_id: dict[str, Sequence] = {}
+        self._waiting: OrderedDict[str, SequenceState] = OrderedDict()
+        self._running: dict[str, SequenceState] = {}
+        self._by_id: dict[str, SequenceState] = {}
         self._arrival: dict[str, int] = {}
         self._clock = 0
         self.stats = SchedulerStats()
         bs = pool.block_size
-        self._watermark_blocks = [int(self._config.watermark * g.block_manager.num_blocks) for g in pool.groups]
+        self._watermark_blocks = int(self._config.watermark * pool.num_blocks)  # every group has num_blocks blocks
         self._bs = bs
-        self._has_sliding = any(g.sliding_window is not None for g in pool.groups)
+        self._has_sliding = any(g.kind.is_sliding for g in pool.groups)
 
     # ------------------------------------------------------------------ queries
     @property
@@ -252,70 +250,62 @@ class Scheduler:
         """Whether any sequence is waiting or running."""
         return bool(self._waiting or self._running)
 
-    def get(self, request_id: str) -> Sequence:
+    def get(self, request_id: str) -> SequenceState:
         """The waiting or running sequence with this id."""
         try:
             return self._by_id[request_id]
         except KeyError:
             raise RequestNotFoundError(f"no waiting or running request {request_id!r}") from None
 
-    def sequences(self) -> list[Sequence]:
+    def sequences(self) -> list[SequenceState]:
         """Waiting then running sequences."""
         return [*self._waiting.values(), *self._running.values()]
 
     def blocks_needed(self, num_tokens: int) -> list[int]:
-        """Blocks each group needs at most for one sequence that grows to ``num_tokens`` tokens."""
-        bs = self._bs
-        full = -(-num_tokens // bs)
-        budget = self._config.max_num_batched_tokens
-        needs = []
-        for group in self._pool.groups:
-            if group.sliding_window is None:
-                needs.append(full)
-            else:  # the window plus one step's chunk, plus a partly filled block at each end
-                needs.append(min(full, -(-(group.sliding_window - 1 + budget) // bs) + 2))
-        return needs
+        """Blocks each group needs at most for one sequence that grows to ``num_tokens`` stored positions, a step
+        of at most ``max_num_batched_tokens`` at a time (the pool's :meth:`~pagedcore.kv_pool.KVPool.max_blocks`)."""
+        return list(self._pool.max_blocks(num_tokens, chunk=self._config.max_num_batched_tokens))
 
     # ------------------------------------------------------------------ commands
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: SequenceState) -> None:
         """Queue a new sequence. Raises when it can never fit in the pool, or its id is taken."""
-        if not isinstance(seq, Sequence):
-            raise InvalidRequestError(f"add: expected a Sequence, got {type(seq).__name__}")
+        if not isinstance(seq, SequenceState):
+            raise InvalidRequestError(f"add: expected a SequenceState, got {type(seq).__name__}")
         if seq.request_id in self._by_id:
             raise DuplicateRequestError(f"request id {seq.request_id!r} is already waiting or running")
         if seq.status is not SequenceStatus.WAITING or seq.blocks is not None or seq.num_computed_tokens:
-            raise InvalidRequestError(f"request {seq.request_id!r} was already scheduled once; add a new Sequence")
+            raise InvalidRequestError(f"request {seq.request_id!r} was already scheduled once; add a new SequenceState")
         self.check_admissible(seq)
         self._enqueue(seq)
 
-    def check_admissible(self, seq: Sequence) -> None:
+    def check_admissible(self, seq: SequenceState) -> None:
         """Raise ``InvalidRequestError`` when ``seq`` could never run under these limits (more parallel samples
         than ``max_num_seqs``, more tokens than the pool holds); changes nothing. :meth:`add` checks it too, so a
         caller can validate a batch of requests before queuing any of them.
 
         Example:
             >>> sched = Scheduler(KVPool(num_blocks=2, block_size=2))
-            >>> sched.check_admissible(Sequence("a", [1, 2, 3], max_new_tokens=2))
+            >>> sched.check_admissible(SequenceState("a", [1, 2, 3], max_new_tokens=2))   # 4 positions: 2 blocks
+            >>> sched.check_admissible(SequenceState("a", [1, 2, 3], max_new_tokens=3))
             Traceback (most recent call last):
             ...
-            pagedcore.errors.InvalidRequestError: request 'a' can never fit: 3 prompt tokens + 2 new tokens need 3 ...
+            pagedcore.errors.InvalidRequestError: request 'a' can never fit: 3 prompt tokens + 3 new tokens need 3 ...
         """
         if seq.num_samples > self._config.max_num_seqs:
             raise InvalidRequestError(
                 f"request {seq.request_id!r} asks for {seq.num_samples} parallel samples but at most "
                 f"{self._config.max_num_seqs} sequences run at once (max_num_seqs)"
             )
-        total = seq.num_tokens + seq.max_new_tokens - seq.num_output_tokens
-        for group, need in zip(self._pool.groups, self.blocks_needed(total)):
-            capacity = group.block_manager.num_blocks
-            if need > capacity:
-                raise InvalidRequestError(
-                    f"request {seq.request_id!r} can never fit: {seq.num_prompt_tokens} prompt tokens + "
-                    f"{seq.max_new_tokens} new tokens need {need} blocks of {self._bs} tokens in KV group "
-                    f"{group.index}, but the pool has {capacity}"
-                )
+        # The last token is sampled but never computed: its position needs no slot.
+        stored = seq.num_tokens + seq.max_new_tokens - seq.num_output_tokens - 1
+        for short in self._pool.capacity_shortfalls(self.blocks_needed(stored)):
+            raise InvalidRequestError(
+                f"request {seq.request_id!r} can never fit: {seq.num_prompt_tokens} prompt tokens + "
+                f"{seq.max_new_tokens} new tokens need {short.needed} blocks of {self._bs} tokens in KV group "
+                f"{short.group}, but the pool has {short.available}"
+            )
 
-    def abort(self, request_id: str) -> list[Sequence]:
+    def abort(self, request_id: str) -> list[SequenceState]:
         """Stop a request and its parallel samples; their blocks go back at once. Returns the aborted sequences."""
         victims = [s for s in self.sequences() if s.group_id == request_id or s.request_id == request_id]
         if not victims:
@@ -325,7 +315,7 @@ class Scheduler:
         self.stats.num_aborted += len(victims)
         return victims
 
-    def fail(self, request_ids: SequenceABC[str]) -> list[Sequence]:
+    def fail(self, request_ids: Sequence[str]) -> list[SequenceState]:
         """Finish these sequences with ``FinishReason.ERROR`` (e.g. their step raised); blocks go back at once."""
         failed = [self._by_id[r] for r in request_ids if r in self._by_id]
         for seq in failed:
@@ -335,13 +325,13 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Plan the next step: which tokens of which sequences to compute, with their slots and block tables."""
         budget = self._config.max_num_batched_tokens
-        plan: list[tuple[Sequence, int]] = []
+        plan: list[tuple[SequenceState, int]] = []
         planned: set[int] = set()
         copies: list[Copy] = []
         preempted: list[str] = []
 
-        decodes: list[tuple[Sequence, int]] = []
-        prefills: list[tuple[Sequence, int]] = []
+        decodes: list[tuple[SequenceState, int]] = []
+        prefills: list[tuple[SequenceState, int]] = []
         for seq in self._running.values():
             uncomputed = seq.num_uncomputed_tokens
             (decodes if uncomputed == 1 and seq.num_computed_tokens else prefills).append((seq, uncomputed))
@@ -377,7 +367,7 @@ class Scheduler:
         self.stats.num_steps += 1
         return SchedulerOutput(scheduled, copies, preempted)
 
-    def update(self, output: SchedulerOutput, sampled: Mapping[str, SequenceABC[int]]) -> list[Sequence]:
+    def update(self, output: SchedulerOutput, sampled: Mapping[str, Sequence[int]]) -> list[SequenceState]:
         """Record a computed step. ``sampled[request_id]`` holds the tokens sampled for every scheduled sequence
         with ``sample=True`` (``num_samples`` tokens at a forking step, else one).
 
@@ -395,7 +385,7 @@ class Scheduler:
                     f"update: request {seq.request_id!r} needs {item.num_samples} sampled tokens, got {got}"
                 )
             live.append(item)
-        finished: list[Sequence] = []
+        finished: list[SequenceState] = []
         cache = self._config.enable_prefix_caching
         sliding = self._has_sliding
         computed = prompt_computed = 0
@@ -411,28 +401,23 @@ class Scheduler:
                 prompt_computed += min(end, prompt_len) - item.start
             if cache:
                 blocks.cache_full_blocks(seq.token_ids, end, seq.namespace)
+            # One pass for all three outcomes: no token (a prefill chunk), one token, or the forking step's tokens.
             if not item.sample:
-                if sliding:
-                    blocks.drop_out_of_window(end)
-                continue
-            tokens = sampled[seq.request_id]
-            if item.num_samples == 1:
-                reason = seq.append_token(int(tokens[0]))
-                if reason is not None:
-                    self._finish(seq, reason)
-                    finished.append(seq)
-                elif sliding:
-                    blocks.drop_out_of_window(end)
-                continue
-            family = [seq, *self._fork(seq, item.num_samples - 1)] if seq.needs_fork else [seq]
+                family: Sequence[SequenceState] = (seq,)
+                tokens: Sequence[int | None] = _NO_TOKEN
+            else:
+                tokens = sampled[seq.request_id]
+                family = [seq, *self._fork(seq, item.num_samples - 1)] if item.num_samples > 1 else (seq,)
             for member, token in zip(family, tokens):
-                reason = member.append_token(int(token))
-                if reason is not None:
-                    self._finish(member, reason)
-                    finished.append(member)
-                elif sliding:
+                if token is not None:
+                    reason = member.append_token(int(token))
+                    if reason is not None:
+                        self._finish(member, reason)
+                        finished.append(member)
+                        continue
+                if sliding:
                     assert member.blocks is not None
-                    member.blocks.drop_out_of_window(member.num_computed_tokens)
+                    member.blocks.drop_out_of_window(end)
         self.stats.num_computed_tokens += computed
         self.stats.num_prompt_tokens_computed += prompt_computed
         return finished
@@ -453,7 +438,7 @@ class Scheduler:
         assert held == refs, f"sequences hold {held} block references, the pool counts {refs}"
 
     # ------------------------------------------------------------------ internals
-    def _enqueue(self, seq: Sequence, *, front: bool = False) -> None:
+    def _enqueue(self, seq: SequenceState, *, front: bool = False) -> None:
         self._by_id[seq.request_id] = seq
         if seq.request_id not in self._arrival:
             self._arrival[seq.request_id] = self._clock
@@ -462,13 +447,13 @@ class Scheduler:
         if front:
             self._waiting.move_to_end(seq.request_id, last=False)
 
-    def _newest_unplanned(self, planned: set[int]) -> Sequence | None:
+    def _newest_unplanned(self, planned: set[int]) -> SequenceState | None:
         for seq in reversed(self._running.values()):
             if id(seq) not in planned:
                 return seq
         return None
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: SequenceState) -> None:
         assert seq.blocks is not None
         seq.blocks.release()
         seq.blocks = None
@@ -482,7 +467,7 @@ class Scheduler:
         self._waiting.move_to_end(seq.request_id, last=False)
         self._emit("pagedcore_request_preempted", request_id=seq.request_id, num_computed_tokens=computed)
 
-    def _admit(self, budget: int, plan: list[tuple[Sequence, int]], copies: list[Copy]) -> int:
+    def _admit(self, budget: int, plan: list[tuple[SequenceState, int]], copies: list[Copy]) -> int:
         cfg = self._config
         # Count the samples running sequences will still fork into, so a fork never exceeds max_num_seqs.
         width = sum(_width(s) for s in self._running.values())
@@ -526,7 +511,7 @@ class Scheduler:
             )
         return budget
 
-    def _prefix_in_flight(self, seq: Sequence, num_cached: int) -> bool:
+    def _prefix_in_flight(self, seq: SequenceState, num_cached: int) -> bool:
         """Whether a running sequence of the same namespace has the same tokens as ``seq`` up to the end of the
         block after ``seq``'s cached prefix, and has not computed that block yet (it is being prefilled)."""
         end = num_cached + self._bs
@@ -543,9 +528,9 @@ class Scheduler:
                 return True
         return False
 
-    def _start_blocks(self, seq: Sequence, budget: int, match: PoolMatch | None) -> BlockTables | None:
+    def _start_blocks(self, seq: SequenceState, budget: int, match: PoolMatch | None) -> BlockTables | None:
         """Blocks for ``seq``'s first step (prefix hit attached), or None when they cannot be had now."""
-        reserve = self._watermark_blocks if self._running else [0] * len(self._watermark_blocks)
+        reserve = self._watermark_blocks if self._running else 0
         hit = 0
         if match is not None:
             hit = min(match.num_tokens, seq.num_tokens - 1)  # the last token is always computed (for its logits)
@@ -555,20 +540,18 @@ class Scheduler:
             if match is not None and num_hit:
                 blocks.attach(match, num_hit)
                 blocks.drop_out_of_window(num_hit)
-            num_new = min(seq.num_tokens - num_hit, budget)
-            needed = blocks.blocks_needed(num_new)
-            if all(g.block_manager.can_allocate(n + r) for g, n, r in zip(self._pool.groups, needed, reserve)):
+            if blocks.can_append(min(seq.num_tokens - num_hit, budget), reserve=reserve):
                 return blocks
             blocks.release()
         return None
 
-    def _scheduled(self, seq: Sequence, num_new: int) -> ScheduledSequence:
+    def _scheduled(self, seq: SequenceState, num_new: int) -> ScheduledSequence:
         end = seq.num_computed_tokens + num_new
         sample = end == seq.num_tokens
         num_samples = (seq.num_samples if seq.needs_fork else 1) if sample else 0
         return ScheduledSequence(seq, seq.num_computed_tokens, num_new, sample, num_samples)
 
-    def _fork(self, parent: Sequence, count: int) -> list[Sequence]:
+    def _fork(self, parent: SequenceState, count: int) -> list[SequenceState]:
         assert parent.blocks is not None
         children = []
         for k in range(1, count + 1):
@@ -585,7 +568,7 @@ class Scheduler:
         parent.mark_forked()
         return children
 
-    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+    def _finish(self, seq: SequenceState, reason: FinishReason) -> None:
         if seq.blocks is not None:
             seq.blocks.release()
             seq.blocks = None
@@ -611,6 +594,9 @@ class Scheduler:
             self._plugins.emit(hook, **kwargs)
 
 
-def _width(seq: Sequence) -> int:
+_NO_TOKEN: tuple[None] = (None,)
+
+
+def _width(seq: SequenceState) -> int:
     """Running slots a sequence takes once it has forked into its parallel samples."""
     return seq.num_samples if seq.needs_fork else 1

@@ -1,22 +1,28 @@
-"""Sequence: one request's tokens and progress, as the scheduler sees it. Plain data, no tensors."""
+"""SequenceState: one request's tokens and progress, as the scheduler sees it. Plain data, no tensors.
+
+It was called ``Sequence``, which shadowed ``collections.abc.Sequence`` wherever both were used; that name still
+works (``pagedcore.Sequence``, ``pagedcore.sequence.Sequence``) with a ``DeprecationWarning``.
+"""
 
 from __future__ import annotations
 
 import enum
+import warnings
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 from pagedcore.block_tables import BlockTables
 from pagedcore.errors import InvalidRequestError
+from pagedcore.validation import integer, token_ids
 
-__all__ = ["FinishReason", "Sequence", "SequenceStatus"]
+__all__ = ["FinishReason", "SequenceState", "SequenceStatus"]
 
 
 class SequenceStatus(enum.Enum):
     """Where a sequence is in its life.
 
     Example:
-        >>> Sequence("r", [1], max_new_tokens=1).status
+        >>> SequenceState("r", [1], max_new_tokens=1).status
         <SequenceStatus.WAITING: 'waiting'>
     """
 
@@ -29,7 +35,7 @@ class FinishReason(str, enum.Enum):
     """Why a sequence finished.
 
     Example:
-        >>> Sequence("r", [1], max_new_tokens=1).append_token(5)
+        >>> SequenceState("r", [1], max_new_tokens=1).append_token(5)
         <FinishReason.LENGTH: 'length'>
     """
 
@@ -40,7 +46,7 @@ class FinishReason(str, enum.Enum):
 
 
 @dataclass(eq=False)
-class Sequence:
+class SequenceState:
     """One sequence of tokens: a prompt, the tokens generated so far, and how far its KV has been computed.
 
     Args:
@@ -53,7 +59,7 @@ class Sequence:
         min_new_tokens: stop tokens are ignored before this many tokens were generated.
 
     Example:
-        >>> seq = Sequence("r1", [5, 6, 7], max_new_tokens=2, stop_token_ids=frozenset({0}))
+        >>> seq = SequenceState("r1", [5, 6, 7], max_new_tokens=2, stop_token_ids=frozenset({0}))
         >>> seq.num_tokens, seq.num_uncomputed_tokens
         (3, 3)
     """
@@ -84,15 +90,11 @@ class Sequence:
         prompt = list(self.prompt_token_ids)
         if not prompt:
             raise InvalidRequestError(f"request {self.request_id!r}: the prompt is empty")
-        bad = [t for t in prompt if isinstance(t, bool) or not isinstance(t, int) or t < 0]
-        if bad:
-            raise InvalidRequestError(f"request {self.request_id!r}: prompt token ids {bad[:5]} are not ids >= 0")
-        for name in ("max_new_tokens", "num_samples"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise InvalidRequestError(f"request {self.request_id!r}: {name} must be an int >= 1, got {value!r}")
-        if isinstance(self.min_new_tokens, bool) or not isinstance(self.min_new_tokens, int) or self.min_new_tokens < 0:
-            raise InvalidRequestError(f"request {self.request_id!r}: min_new_tokens must be an int >= 0")
+        prompt = token_ids(prompt, name=f"request {self.request_id!r}: prompt token ids")
+        where = f"request {self.request_id!r}: "
+        self.max_new_tokens = integer(where + "max_new_tokens", self.max_new_tokens, minimum=1)
+        self.num_samples = integer(where + "num_samples", self.num_samples, minimum=1)
+        self.min_new_tokens = integer(where + "min_new_tokens", self.min_new_tokens, minimum=0)
         try:
             hash(self.namespace)
         except TypeError:
@@ -158,9 +160,9 @@ class Sequence:
             return FinishReason.LENGTH
         return None
 
-    def child(self, request_id: str, sample_index: int) -> Sequence:
+    def child(self, request_id: str, sample_index: int) -> SequenceState:
         """A copy of this sequence for parallel sample ``sample_index``, without blocks (see ``Scheduler``)."""
-        seq = Sequence(
+        seq = SequenceState(
             request_id,
             self.prompt_token_ids,
             self.max_new_tokens,
@@ -179,3 +181,26 @@ class Sequence:
     def mark_forked(self) -> None:
         """Record that the parallel samples were created."""
         self._forked = True
+
+
+def __getattr__(name: str) -> type[SequenceState]:
+    if name == "Sequence":
+        return deprecated_sequence()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def deprecated_sequence() -> type[SequenceState]:
+    """:class:`SequenceState`, for code that still asks for it by its old name ``Sequence`` (with a warning).
+
+    Example:
+        >>> import warnings
+        >>> with warnings.catch_warnings(record=True):
+        ...     deprecated_sequence() is SequenceState
+        True
+    """
+    warnings.warn(
+        "pagedcore.Sequence was renamed SequenceState (it shadowed collections.abc.Sequence); the old name will go",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return SequenceState

@@ -1,9 +1,10 @@
 """Validators for values that come from callers: integers and token ids. Plain Python, no torch.
 
-One home for these rules, so every entry point (the Engine, ``enable``d ``generate``, a server) refuses the same
-inputs with the same message. Anything with ``__index__`` counts as an integer (``int``, numpy integers, a
-one-element integer tensor); ``bool`` does not, although it is an ``int`` subclass: ``True`` as a token id is a bug
-in the caller, not token 1. Floats are never rounded: ``5.7`` is refused, not read as ``5``.
+One home for these rules, so every entry point (the Engine, ``enable``d ``generate``, a server, the core's own
+constructors and commands) refuses the same inputs with the same message. Anything with ``__index__`` counts as an
+integer (``int``, numpy integers, a one-element integer tensor); ``bool`` does not, although it is an ``int``
+subclass: ``True`` as a token id is a bug in the caller, not token 1. Floats are never rounded: ``5.7`` is
+refused, not read as ``5``.
 
 Example:
     >>> token_ids([5, 6, 7], vocab_size=100)
@@ -19,17 +20,30 @@ from __future__ import annotations
 import operator
 from collections.abc import Iterable
 
-from pagedcore.errors import InvalidRequestError
+from pagedcore.errors import InvalidRequestError, PagedCoreError
 
-__all__ = ["integer", "token_ids"]
+__all__ = ["as_integer", "integer", "token_ids"]
 
 _SHOWN = 5  # bad values named in a message
 
 
-def integer(name: str, value: object, *, minimum: int | None = None) -> int:
-    """``value`` as an ``int`` (anything with ``__index__`` except ``bool``), at least ``minimum``.
+def integer(
+    name: str,
+    value: object,
+    *,
+    minimum: int | None = None,
+    maximum: int | None = None,
+    error: type[PagedCoreError] = InvalidRequestError,
+    expected: str | None = None,
+) -> int:
+    """``value`` as an ``int`` (anything with ``__index__`` except ``bool``) in ``[minimum, maximum]``.
 
-    Raises :class:`~pagedcore.errors.InvalidRequestError` naming ``name`` and the value otherwise.
+    Raises ``error`` (:class:`~pagedcore.errors.InvalidRequestError` by default; constructors pass
+    :class:`~pagedcore.errors.ConfigError`) naming ``name`` and the value otherwise. ``expected`` words what is
+    expected (default: "an integer", with its bounds).
+
+    Hot paths keep a fast path in front of it (``if type(x) is not int or x < 1: x = integer(...)``): the rule stays
+    here, and a plain valid ``int`` costs one comparison.
 
     Example:
         >>> integer("max_new_tokens", 8, minimum=0)
@@ -38,12 +52,35 @@ def integer(name: str, value: object, *, minimum: int | None = None) -> int:
         Traceback (most recent call last):
         ...
         pagedcore.errors.InvalidRequestError: n must be an integer >= 1, got 0
+        >>> from pagedcore.errors import ConfigError
+        >>> integer("block_size", True, minimum=1, error=ConfigError, expected="a positive integer")
+        Traceback (most recent call last):
+        ...
+        pagedcore.errors.ConfigError: block_size must be a positive integer, got True
     """
-    expected = "an integer" if minimum is None else f"an integer >= {minimum}"
-    number = _as_int(value)
-    if number is None or (minimum is not None and number < minimum):
-        raise InvalidRequestError(f"{name} must be {expected}, got {value!r}")
+    number = as_integer(value)
+    if number is None or (minimum is not None and number < minimum) or (maximum is not None and number > maximum):
+        if expected is None:
+            bounds = [f">= {minimum}"] if minimum is not None else []
+            bounds += [f"<= {maximum}"] if maximum is not None else []
+            expected = " ".join(["an integer", " and ".join(bounds)]).strip()
+        raise error(f"{name} must be {expected}, got {value!r}")
     return number
+
+
+def as_integer(value: object) -> int | None:
+    """``value`` as an ``int`` when it is an integer (see :func:`integer`: ``__index__``, not ``bool``), else None.
+
+    Example:
+        >>> as_integer(3), as_integer(True), as_integer(2.0)
+        (3, None, None)
+    """
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return None
 
 
 def token_ids(
@@ -82,7 +119,7 @@ def token_ids(
     out: list[int] = []
     bad: list[object] = []
     for value in values:
-        number = _as_int(value)
+        number = as_integer(value)
         if number is None:
             bad.append(value)
         else:
@@ -99,15 +136,6 @@ def token_ids(
         where = f"the model's vocabulary [0, {vocab_size})" if vocab_size is not None else "the ids >= 0"
         raise InvalidRequestError(f"{name} {outside[:_SHOWN]} are outside {where}")
     return out
-
-
-def _as_int(value: object) -> int | None:
-    if isinstance(value, bool):
-        return None
-    try:
-        return operator.index(value)  # type: ignore[arg-type]
-    except TypeError:
-        return None
 
 
 def _show(value: object) -> str:

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from pagedcore.attention import PagedAttentionMetadata
+from pagedcore.attention import PagedAttentionMetadata, contiguous_start, eager_attention
 from pagedcore.hookspecs import hookimpl
 
 __all__ = ["TorchPagedAttention", "pagedcore_attention_backend"]
@@ -133,12 +133,12 @@ def _bucket(meta: PagedAttentionMetadata, rows: list[int], starts: list[int], de
     shared_count = _shared_blocks(meta, rows)
     # Gather only the blocks a query can see: from the window's first block (or the first live block) on, and
     # after the shared leading blocks, which are read once for the whole bucket.
+    kind = meta.kind
     first: list[int] = []
     count: list[int] = []
     for i in rows:
         q_start = meta.seq_lens[i] - meta.query_lens[i]
-        lo = 0 if meta.sliding_window is None else max(0, q_start - meta.sliding_window + 1)
-        first_block = max(lo // bs, meta.block_offsets[i], shared_count)
+        first_block = max(kind.first_needed_block(q_start, bs), meta.block_offsets[i], shared_count)
         first.append(first_block)
         count.append(-(-meta.seq_lens[i] // bs) - first_block)
     width = max(count)
@@ -156,9 +156,7 @@ def _bucket(meta: PagedAttentionMetadata, rows: list[int], starts: list[int], de
     seq_len = torch.tensor([meta.seq_lens[i] for i in rows], device=device)
     t = torch.arange(max_q, device=device)
     q_pos = (seq_len - q_len)[:, None] + t[None, :]  # (n, max_q)
-    mask = (key_pos[:, None, :] <= q_pos[:, :, None]) & (key_pos[:, None, :] < seq_len[:, None, None])
-    if meta.sliding_window is not None:
-        mask &= key_pos[:, None, :] > q_pos[:, :, None] - meta.sliding_window
+    mask = kind.sees(q_pos[:, :, None], key_pos[:, None, :]) & (key_pos[:, None, :] < seq_len[:, None, None])
     real = t[None, :] < q_len[:, None]  # (n, max_q)
     mask[:, :, 0] |= ~real  # padded query rows attend one key (no NaN); their output is dropped
     starts_t = torch.tensor([starts[i] for i in rows], device=device)
@@ -230,23 +228,20 @@ def _contiguous_run(meta: PagedAttentionMetadata, device: torch.device) -> tuple
     if meta.num_seqs != 1:
         return None
     bs = meta.block_size
+    kind = meta.kind
     seq_len, q_len = meta.seq_lens[0], meta.query_lens[0]
     q_start = seq_len - q_len
-    first = 0 if meta.sliding_window is None else max(0, q_start - meta.sliding_window + 1)
-    first = max(first, meta.block_offsets[0] * bs)
-    table = meta.block_tables[0].tolist()
-    lo, hi = first // bs - meta.block_offsets[0], (seq_len - 1) // bs - meta.block_offsets[0]
-    if any(table[i + 1] != table[i] + 1 for i in range(lo, hi)):
+    first = max(kind.first_visible(q_start), meta.block_offsets[0] * bs)
+    slot = contiguous_start(meta.block_tables[0].tolist(), first, seq_len - first, bs, meta.block_offsets[0])
+    if slot is None:
         return None
     length = seq_len - first
     mask = None
-    if q_len > 1 or (meta.sliding_window is not None and length > meta.sliding_window):
+    if q_len > 1:  # a single query sees every key from `first` on (first >= its first visible key)
         key_pos = torch.arange(first, seq_len, device=device)
         q_pos = torch.arange(q_start, seq_len, device=device)
-        mask = key_pos[None, :] <= q_pos[:, None]
-        if meta.sliding_window is not None:
-            mask &= key_pos[None, :] > q_pos[:, None] - meta.sliding_window
-    return table[lo] * bs + first % bs, length, mask
+        mask = kind.sees(q_pos[:, None], key_pos[None, :])
+    return slot, length, mask
 
 
 def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
@@ -259,18 +254,10 @@ def _attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float, softcap: float | None
 ) -> torch.Tensor:
     """Attention with a boolean mask (True = attend); no mask means every query sees every key."""
-    groups = q.shape[1] // k.shape[1]
     if softcap is None:
+        groups = q.shape[1] // k.shape[1]
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=groups > 1)
-    if groups > 1:
-        k = k.repeat_interleave(groups, dim=1)
-        v = v.repeat_interleave(groups, dim=1)
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / softcap) * softcap
-    if mask is not None:
-        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    return torch.matmul(probs, v)
+    return eager_attention(q, k, v, mask, scale=scale, softcap=softcap)
 
 
 _BACKEND = TorchPagedAttention()

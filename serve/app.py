@@ -164,10 +164,9 @@ def create_app(
             engine's model's ``max_position_embeddings``.
 
     Example:
-        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> from pagedcore.adapters.transformers.testing import tiny_llama
         >>> from pagedcore.adapters.transformers import Engine
-        >>> model = LlamaForCausalLM(LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-        ...     num_hidden_layers=1, intermediate_size=128, vocab_size=100)).eval()
+        >>> model = tiny_llama(num_hidden_layers=1)
         >>> with Engine(model, num_blocks=16, block_size=8) as engine:
         ...     app = create_app(EngineLoop(engine), model_name="tiny")
         >>> sorted(route.path for route in app.routes if route.path.startswith("/v1"))

@@ -56,11 +56,10 @@ class Job:
 
     Example:
         >>> import asyncio
-        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> from pagedcore.adapters.transformers.testing import tiny_llama
         >>> from pagedcore.adapters.transformers import Engine, SamplingParams
         >>> from pagedcore.serve.loop import EngineLoop
-        >>> model = LlamaForCausalLM(LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-        ...     num_hidden_layers=1, intermediate_size=128, vocab_size=100)).eval()
+        >>> model = tiny_llama(num_hidden_layers=1)
         >>> async def run(loop):
         ...     job = Job(loop)
         ...     await job.start([Submission([1, 2, 3], SamplingParams(max_new_tokens=2))])

@@ -22,7 +22,8 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Protocol
 
-from pagedcore.errors import PagedCoreError
+from pagedcore.errors import ConfigError, PagedCoreError
+from pagedcore.validation import integer
 
 from .stops import StopChecker
 
@@ -222,10 +223,9 @@ class EngineLoop:
             :class:`QueueFullError`.
 
     Example:
-        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> from pagedcore.adapters.transformers.testing import tiny_llama
         >>> from pagedcore.adapters.transformers import Engine, SamplingParams
-        >>> model = LlamaForCausalLM(LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-        ...     num_hidden_layers=1, intermediate_size=128, vocab_size=100)).eval()
+        >>> model = tiny_llama(num_hidden_layers=1)
         >>> events, done = [], threading.Event()
         >>> def sink(event):
         ...     events.append(event)
@@ -242,8 +242,7 @@ class EngineLoop:
     """
 
     def __init__(self, engine: Engine, *, max_queue: int = 512) -> None:
-        if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 0:
-            raise ValueError(f"max_queue must be an integer >= 0, got {max_queue!r}")
+        max_queue = integer("max_queue", max_queue, minimum=0, error=ConfigError)
         self._engine = engine
         self._max_queue = max_queue
         self._cond = threading.Condition(threading.Lock())

@@ -49,11 +49,10 @@ class ServeMetrics:
         loop: the engine loop whose statistics are exported; its steps feed the step time histogram.
 
     Example:
-        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> from pagedcore.adapters.transformers.testing import tiny_llama
         >>> from pagedcore.adapters.transformers import Engine
         >>> from pagedcore.serve.loop import EngineLoop
-        >>> model = LlamaForCausalLM(LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-        ...     num_hidden_layers=1, intermediate_size=128, vocab_size=100)).eval()
+        >>> model = tiny_llama(num_hidden_layers=1)
         >>> with Engine(model, num_blocks=16, block_size=8) as engine:
         ...     metrics = ServeMetrics(EngineLoop(engine))
         ...     metrics.count("invalid")

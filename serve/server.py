@@ -35,10 +35,9 @@ def make_server(app: Any, loop: EngineLoop, *, host: str = "127.0.0.1", port: in
 
     Example:
         >>> from fastapi import FastAPI
-        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> from pagedcore.adapters.transformers.testing import tiny_llama
         >>> from pagedcore.adapters.transformers import Engine
-        >>> model = LlamaForCausalLM(LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-        ...     num_hidden_layers=1, intermediate_size=128, vocab_size=100)).eval()
+        >>> model = tiny_llama(num_hidden_layers=1)
         >>> with Engine(model, num_blocks=16, block_size=8) as engine:
         ...     server = make_server(FastAPI(), EngineLoop(engine), port=8123)
         >>> server.config.port
@@ -61,11 +60,10 @@ class BackgroundServer:
 
     Example:
         >>> import urllib.request
-        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> from pagedcore.adapters.transformers.testing import tiny_llama
         >>> from pagedcore.adapters.transformers import Engine
         >>> from pagedcore.serve.app import create_app
-        >>> model = LlamaForCausalLM(LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-        ...     num_hidden_layers=1, intermediate_size=128, vocab_size=100)).eval()
+        >>> model = tiny_llama(num_hidden_layers=1)
         >>> with Engine(model, num_blocks=16, block_size=8) as engine:
         ...     loop = EngineLoop(engine)
         ...     with BackgroundServer(create_app(loop, model_name="tiny"), loop) as server:

@@ -8,7 +8,7 @@ of the whole sequence, so a preempted and recomputed sequence must produce exact
 
 from __future__ import annotations
 
-from pagedcore import Scheduler, SchedulerOutput, Sequence
+from pagedcore import Scheduler, SchedulerOutput, SequenceState
 
 VOCAB = 50
 
@@ -68,9 +68,9 @@ class FakeModel:
         return sampled
 
 
-def run_to_completion(sched: Scheduler, model: FakeModel, max_steps: int = 10_000) -> dict[str, Sequence]:
+def run_to_completion(sched: Scheduler, model: FakeModel, max_steps: int = 10_000) -> dict[str, SequenceState]:
     """Step until nothing is left, checking the invariants after every step; returns the finished sequences."""
-    done: dict[str, Sequence] = {}
+    done: dict[str, SequenceState] = {}
     for _ in range(max_steps):
         if not sched.has_unfinished():
             return done

@@ -77,9 +77,10 @@ def engine_cases(model, engine: Engine) -> list[Case]:
         Case("Engine: non-integer token", one([5, "x"]), InvalidRequestError, "token ids"),
         Case("Engine: prompt of exactly one block", exact(tokens[:BLOCK], 3), None),
         Case("Engine: prompt one token over a block", exact(tokens[: BLOCK + 1], 3), None),
-        Case("Engine: prompt + new tokens = the whole pool", exact(tokens[:60], 4), None),
+        # The last new token is sampled but never stored: 61 + 4 - 1 = 64 positions fill the pool's 16 blocks of 4.
+        Case("Engine: prompt + new tokens - 1 = the whole pool", exact(tokens[:61], 4), None),
         Case(
-            "Engine: one token more than the pool", one(tokens[:61], max_new_tokens=4), InvalidRequestError, "never fit"
+            "Engine: one token more than the pool", one(tokens[:62], max_new_tokens=4), InvalidRequestError, "never fit"
         ),
         Case(
             "Engine: prompt longer than the model's context",

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from pagedcore import BlockTables, ConfigError, InvalidBlockError, KVPool, OutOfBlocksError
 
@@ -155,3 +157,27 @@ def test_attach_checks():
     with pytest.raises(InvalidBlockError, match="already holds"):
         seq.attach(match, 4)
     seq.release()
+
+
+@given(
+    window=st.integers(1, 12),
+    block_size=st.integers(1, 5),
+    steps=st.lists(st.tuples(st.integers(0, 6), st.integers(0, 6)), min_size=1, max_size=25),
+)
+def test_drop_out_of_window_gives_back_exactly_what_no_later_query_sees(window, block_size, steps):
+    # Each step grows the sequence, then drops for a query position at most its length (decode, or a chunk start).
+    # Skipping the work when nothing can go (the decode fast path) must never leave a block held too long.
+    pool = KVPool(256, block_size, sliding_windows=(None, window))  # the full group keeps all of up to 150 tokens
+    kind = pool.groups[1].kind
+    seq = BlockTables(pool)
+    expected = 0
+    position = 0
+    for grow, advance in steps:
+        seq.append(grow)
+        position = min(seq.num_tokens, position + advance)
+        seq.drop_out_of_window(position)
+        expected = max(expected, min(kind.first_needed_block(position, block_size), -(-seq.num_tokens // block_size)))
+        assert seq.num_dropped(1) == expected and seq.num_dropped(0) == 0
+        assert len(seq.table(1)) == -(-seq.num_tokens // block_size) - expected
+    seq.release()
+    assert pool.num_used_blocks == 0

@@ -10,7 +10,7 @@ import torch
 from models import FIRST_TOKEN, VOCAB, tiny_model
 from transformers import DynamicCache
 
-from pagedcore import ConcurrentUseError, ConfigError, InvalidRequestError
+from pagedcore import ConcurrentUseError, ConfigError, InvalidRequestError, UnsupportedModelError
 from pagedcore.adapters.transformers import Engine, SamplingParams
 
 ENGINE_FAMILIES = ["llama", "qwen3", "gemma3", "mixtral", "qwen3_moe", "gpt_neox", "gemma2", "mistral", "gpt2", "opt"]
@@ -334,3 +334,33 @@ def test_stats_and_close_restore_the_model():
     assert model.config._attn_implementation == "sdpa"
     with pytest.raises(ConfigError, match="closed"):
         engine.add_request([1, 2])
+
+
+# --------------------------------------------------------------------------- the model's context, unsupported models
+def test_the_context_limit_is_the_specs():
+    # Dynamic NTK rope rescales past max_position_embeddings by design: the spec says no limit, so the Engine takes
+    # a longer prompt (it used to refuse it on max_position_embeddings alone) and matches generate.
+    rope = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    model = tiny_model("llama", max_position_embeddings=32, rope_parameters=rope)
+    twin = tiny_model("llama", max_position_embeddings=32, rope_parameters=rope)  # NTK state: one copy per run
+    prompt = list(range(FIRST_TOKEN, FIRST_TOKEN + 40))
+    with Engine(model, num_blocks=64, block_size=4) as engine:
+        (out,) = engine.generate([prompt], SamplingParams(max_new_tokens=4), use_tqdm=False)
+        settle(engine)
+    assert out.error is None and out.token_ids == reference(twin, prompt, 4)[0]
+    # Learned positions: GPT-2's n_positions is a hard limit.
+    with Engine(tiny_model("gpt2", n_positions=32), num_blocks=64, block_size=4) as engine:
+        with pytest.raises(InvalidRequestError, match="context of 32 positions"):
+            engine.add_request(prompt[:30], SamplingParams(max_new_tokens=4))
+        engine.add_request(prompt[:28], SamplingParams(max_new_tokens=4))  # 32 positions: fits
+
+
+@pytest.mark.parametrize("family", ["bloom", "falcon", "gpt_neo"])
+def test_a_model_whose_attention_the_engine_cannot_replace_is_refused(family):
+    # Their attention ignores attn_implementation: with the Engine's cache it read only each step's own keys and
+    # gave wrong tokens after the first, without an error.
+    model = tiny_model(family)
+    before = model.config._attn_implementation
+    with pytest.raises(UnsupportedModelError, match="AttentionInterface"):
+        Engine(model, num_blocks=64, block_size=4)
+    assert model.config._attn_implementation == before

@@ -141,8 +141,8 @@ def find_cycle(graph: dict[str, list[str]]) -> list[str] | None:
 def test_discovery_sees_every_kind_of_module():
     assert {"pagedcore", "pagedcore.block_manager", "pagedcore.cli"} <= set(CORE)
     assert {"pagedcore.adapters.transformers.cache", "pagedcore.plugins.torch_backend"} <= set(MODULES)
-    assert GRAPH["pagedcore.kv_pool"] == ["pagedcore.block_manager", "pagedcore.errors", "pagedcore.eviction",
-                                          "pagedcore.prefix_trie"]  # fmt: skip
+    assert GRAPH["pagedcore.kv_pool"] == ["pagedcore.attention_kinds", "pagedcore.block_manager", "pagedcore.errors",
+                                          "pagedcore.eviction", "pagedcore.prefix_trie"]  # fmt: skip
     assert "pagedcore.attention" not in GRAPH["pagedcore.hookspecs"]  # only under TYPE_CHECKING
     assert "pagedcore.adapters.transformers" not in GRAPH["pagedcore.cli"]  # only inside functions
 

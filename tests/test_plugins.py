@@ -35,7 +35,7 @@ from pagedcore import (
     PluginManager,
     Scheduler,
     SchedulerConfig,
-    Sequence,
+    SequenceState,
     default_plugin_manager,
     hookimpl,
     hookspecs,
@@ -394,17 +394,17 @@ def test_request_events_carry_the_right_values(pm, use, caplog):
     sched = Scheduler(pool.kv, SchedulerConfig(max_num_batched_tokens=64), plugins=pm)
     model = FakeModel(sched)
     prompt_a = list(range(1, 11))
-    sched.add(Sequence("a", prompt_a, max_new_tokens=2, namespace="t1"))
+    sched.add(SequenceState("a", prompt_a, max_new_tokens=2, namespace="t1"))
     run_to_completion(sched, model)  # 10 prompt tokens + 1 decoded -> two full blocks (8 tokens) cached
-    sched.add(Sequence("b", [*prompt_a[:8], 50, 51, 52], max_new_tokens=1, namespace="t1"))
-    sched.add(Sequence("b2", [*prompt_a[:8], 50], max_new_tokens=1, namespace="t2"))  # other namespace: no hit
+    sched.add(SequenceState("b", [*prompt_a[:8], 50, 51, 52], max_new_tokens=1, namespace="t1"))
+    sched.add(SequenceState("b2", [*prompt_a[:8], 50], max_new_tokens=1, namespace="t2"))  # other namespace: no hit
     run_to_completion(sched, model)
     stop = reference_output([20, 21, 22], 1)[0]
-    sched.add(Sequence("c", [20, 21, 22], max_new_tokens=5, stop_token_ids=frozenset({stop})))
+    sched.add(SequenceState("c", [20, 21, 22], max_new_tokens=5, stop_token_ids=frozenset({stop})))
     run_to_completion(sched, model)
-    sched.add(Sequence("d", [30, 31], max_new_tokens=3))
+    sched.add(SequenceState("d", [30, 31], max_new_tokens=3))
     sched.abort("d")  # while waiting: never admitted
-    sched.add(Sequence("e", [40, 41, 42], max_new_tokens=3))
+    sched.add(SequenceState("e", [40, 41, 42], max_new_tokens=3))
     out = sched.schedule()
     sched.update(out, model.step(out))
     sched.abort("e")  # while running, after one sampled token
@@ -439,10 +439,10 @@ def test_preemption_events_match_the_scheduler(pm, use):
     model = FakeModel(sched)
     prompts = {name: [i + 1] * 8 for i, name in enumerate("abc")}
     for name, prompt in prompts.items():
-        sched.add(Sequence(name, prompt, max_new_tokens=12))
+        sched.add(SequenceState(name, prompt, max_new_tokens=12))
     expected_preempted: list[tuple[str, int]] = []
     readmissions: list[tuple[str, int, int]] = []  # (id, tokens at re-admission, hit)
-    done: dict[str, Sequence] = {}
+    done: dict[str, SequenceState] = {}
     while sched.has_unfinished():
         computed = {s.request_id: s.num_computed_tokens for s in sched.sequences()}
         tokens = {s.request_id: s.num_tokens for s in sched.sequences()}
@@ -478,18 +478,18 @@ def test_blocks_evicted_event_names_the_evicted_blocks(pm, use):
     pool = make_pool(pm, num_blocks=4, block_size=4)
     sched = Scheduler(pool.kv, SchedulerConfig(max_num_batched_tokens=64), plugins=pm)
     model = FakeModel(sched)
-    sched.add(Sequence("a", list(range(1, 9)), max_new_tokens=1))
+    sched.add(SequenceState("a", list(range(1, 9)), max_new_tokens=1))
     out = sched.schedule()
     (a_table,) = out.scheduled[0].block_tables
     sched.update(out, model.step(out))
     assert pool.kv.num_cached_blocks == 2 and recorder.of("evicted") == []
-    sched.add(Sequence("b", list(range(20, 32)), max_new_tokens=1))  # 3 blocks: 2 free + 1 evicted
+    sched.add(SequenceState("b", list(range(20, 32)), max_new_tokens=1))  # 3 blocks: 2 free + 1 evicted
     out = sched.schedule()
     (b_table,) = out.scheduled[0].block_tables
     sched.update(out, model.step(out))
     assert recorder.of("evicted") == [(0, [a_table[1]])]  # LRU: a's chain goes from its leaf
     assert pool.kv.match(list(range(1, 9))).block_ids == (a_table[:1],)
-    sched.add(Sequence("c", list(range(40, 55)), max_new_tokens=1))  # 4 blocks: all of them evicted
+    sched.add(SequenceState("c", list(range(40, 55)), max_new_tokens=1))  # 4 blocks: all of them evicted
     run_to_completion(sched, model)
     # Oldest release first (a's root), then b's chain from its leaf; one allocate call -> one event.
     assert recorder.of("evicted") == [(0, [a_table[1]]), (0, [a_table[0], *b_table[::-1]])]
@@ -506,7 +506,7 @@ def test_blocks_evicted_event_names_the_group(pm, use):
     sched = Scheduler(pool.kv, SchedulerConfig(max_num_batched_tokens=64), plugins=pm)
     model = FakeModel(sched)
     for i in range(4):
-        sched.add(Sequence(f"r{i}", [i + 1] * 12, max_new_tokens=2))
+        sched.add(SequenceState(f"r{i}", [i + 1] * 12, max_new_tokens=2))
         run_to_completion(sched, model)
     evicted = recorder.of("evicted")
     assert {group for group, _ in evicted} == {0, 1}
@@ -559,7 +559,7 @@ def test_raising_observer_is_isolated_and_counted(pm, use, caplog):
     model = FakeModel(sched)
     prompts = {name: [i + 1] * 8 for i, name in enumerate("abcd")}
     for name, prompt in prompts.items():
-        sched.add(Sequence(name, prompt, max_new_tokens=12))
+        sched.add(SequenceState(name, prompt, max_new_tokens=12))
     with caplog.at_level(logging.ERROR, logger="pagedcore.plugin_manager"):
         done = run_to_completion(sched, model)  # checks scheduler and pool invariants after every step
     for name, prompt in prompts.items():

@@ -190,14 +190,14 @@ def test_namespaces_that_compare_equal_but_differ_in_type_are_distinct(bm, names
 def test_the_scheduler_keeps_equal_but_differently_typed_namespaces_apart():
     from fake_model import FakeModel, run_to_completion
 
-    from pagedcore import KVPool, Scheduler, SchedulerConfig, Sequence
+    from pagedcore import KVPool, Scheduler, SchedulerConfig, SequenceState
 
     pool = KVPool(num_blocks=16, block_size=2)
     sched = Scheduler(pool, SchedulerConfig(max_num_batched_tokens=64))
     model = FakeModel(sched)
     prompt = list(range(3, 12))
     for request_id, namespace in (("int", 1), ("bool", True), ("float", 1.0), ("int again", 1)):
-        sched.add(Sequence(request_id, prompt, max_new_tokens=2, namespace=namespace))
+        sched.add(SequenceState(request_id, prompt, max_new_tokens=2, namespace=namespace))
     done = run_to_completion(sched, model)
     assert [done[r].num_cached_tokens for r in ("int", "bool", "float", "int again")] == [0, 0, 0, 8]
     assert pool.num_used_blocks == 0
@@ -244,7 +244,7 @@ def test_colliding_blocks_through_the_scheduler_read_only_their_own_tokens():
     # the fake model asserts that every position a query reads holds exactly the token written there.
     from fake_model import FakeModel, run_to_completion
 
-    from pagedcore import KVPool, Scheduler, SchedulerConfig, Sequence
+    from pagedcore import KVPool, Scheduler, SchedulerConfig, SequenceState
 
     pool = KVPool(num_blocks=32, block_size=4)
     sched = Scheduler(pool, SchedulerConfig(max_num_batched_tokens=64))
@@ -261,7 +261,7 @@ def test_colliding_blocks_through_the_scheduler_read_only_their_own_tokens():
     tables: dict[str, list[int]] = {}
     cached_tokens: dict[str, int] = {}
     for rid, prompt in prompts.items():
-        sched.add(Sequence(rid, prompt, max_new_tokens=1))
+        sched.add(SequenceState(rid, prompt, max_new_tokens=1))
         out = sched.schedule()
         tables[rid] = out.scheduled[0].block_tables[0]
         done = {seq.request_id: seq for seq in sched.update(out, model.step(out))}
@@ -278,13 +278,13 @@ def test_colliding_blocks_through_the_scheduler_read_only_their_own_tokens():
 def test_the_scheduler_does_not_hold_a_request_back_for_another_namespace_prefill():
     # A waiting request is held back while a running one computes the blocks it could hit: only in its own
     # namespace. 1 == True, but a request in namespace True can never hit blocks computed in namespace 1.
-    from pagedcore import KVPool, Scheduler, SchedulerConfig, Sequence
+    from pagedcore import KVPool, Scheduler, SchedulerConfig, SequenceState
 
     sched = Scheduler(KVPool(num_blocks=32, block_size=2), SchedulerConfig(max_num_batched_tokens=64))
     prompt = list(range(3, 13))
-    sched.add(Sequence("int", prompt, max_new_tokens=1, namespace=1))
-    sched.add(Sequence("bool", prompt, max_new_tokens=1, namespace=True))
-    sched.add(Sequence("int again", prompt, max_new_tokens=1, namespace=1))
+    sched.add(SequenceState("int", prompt, max_new_tokens=1, namespace=1))
+    sched.add(SequenceState("bool", prompt, max_new_tokens=1, namespace=True))
+    sched.add(SequenceState("int again", prompt, max_new_tokens=1, namespace=1))
     out = sched.schedule()
     assert [item.request_id for item in out.scheduled] == ["int", "bool"]  # "int again" waits to hit "int"'s blocks
     for item in out.scheduled:

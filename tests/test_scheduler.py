@@ -15,7 +15,7 @@ from pagedcore import (
     RequestNotFoundError,
     Scheduler,
     SchedulerConfig,
-    Sequence,
+    SequenceState,
 )
 
 
@@ -26,7 +26,7 @@ def make(num_blocks=32, block_size=4, windows=(None,), **cfg) -> tuple[Scheduler
 
 def test_chunked_prefill_respects_budget_then_decodes():
     sched, model = make(max_num_batched_tokens=4)
-    sched.add(Sequence("a", list(range(10)), max_new_tokens=3))
+    sched.add(SequenceState("a", list(range(10)), max_new_tokens=3))
     chunks = []
     while sched.has_unfinished():
         out = sched.schedule()
@@ -39,10 +39,10 @@ def test_chunked_prefill_respects_budget_then_decodes():
 
 def test_decodes_come_first_and_outputs_match_reference():
     sched, model = make(max_num_batched_tokens=8)
-    sched.add(Sequence("a", [1, 2, 3], max_new_tokens=4))
+    sched.add(SequenceState("a", [1, 2, 3], max_new_tokens=4))
     out = sched.schedule()
     sched.update(out, model.step(out))
-    sched.add(Sequence("b", list(range(20)), max_new_tokens=2))
+    sched.add(SequenceState("b", list(range(20)), max_new_tokens=2))
     out = sched.schedule()
     assert [s.request_id for s in out.scheduled] == ["a", "b"]
     assert len(out.scheduled[1].token_ids) == 7  # the rest of the budget goes to b's prefill chunk
@@ -55,15 +55,15 @@ def test_decodes_come_first_and_outputs_match_reference():
 def test_prefix_hit_shortens_prefill_and_full_hit_leaves_last_token():
     sched, model = make(block_size=4)
     prompt = list(range(12))
-    sched.add(Sequence("a", prompt, max_new_tokens=1))
+    sched.add(SequenceState("a", prompt, max_new_tokens=1))
     run_to_completion(sched, model)
-    sched.add(Sequence("b", [*prompt, 99, 98], max_new_tokens=1))
+    sched.add(SequenceState("b", [*prompt, 99, 98], max_new_tokens=1))
     out = sched.schedule()
     (item,) = out.scheduled
     assert item.start == 12 and item.token_ids == [99, 98]
     sched.update(out, model.step(out))
     # The whole prompt is cached: only its last token is computed (through a copy of the shared last block).
-    sched.add(Sequence("c", prompt, max_new_tokens=2))
+    sched.add(SequenceState("c", prompt, max_new_tokens=2))
     out = sched.schedule()
     (item,) = out.scheduled
     assert item.start == 11 and item.token_ids == [11]
@@ -78,9 +78,9 @@ def test_prefix_hit_shortens_prefill_and_full_hit_leaves_last_token():
 def test_namespaces_do_not_share_prefixes():
     sched, model = make()
     prompt = list(range(12))
-    sched.add(Sequence("a", prompt, max_new_tokens=1, namespace="tenant-a"))
+    sched.add(SequenceState("a", prompt, max_new_tokens=1, namespace="tenant-a"))
     run_to_completion(sched, model)
-    sched.add(Sequence("b", prompt, max_new_tokens=1, namespace="tenant-b"))
+    sched.add(SequenceState("b", prompt, max_new_tokens=1, namespace="tenant-b"))
     out = sched.schedule()
     assert out.scheduled[0].start == 0
 
@@ -90,7 +90,7 @@ def test_preemption_by_recompute_and_rehit_of_own_prefix():
     sched, model = make(num_blocks=8, block_size=4, max_num_batched_tokens=64)
     prompts = {name: [i] * 8 for i, name in enumerate("abc")}
     for name, prompt in prompts.items():
-        sched.add(Sequence(name, prompt, max_new_tokens=12))
+        sched.add(SequenceState(name, prompt, max_new_tokens=12))
     done = run_to_completion(sched, model)
     assert sched.stats.num_preemptions > 0
     assert any(s.num_preemptions and s.num_cached_tokens for s in done.values()), "a preempted sequence re-hit"
@@ -102,9 +102,9 @@ def test_preemption_by_recompute_and_rehit_of_own_prefix():
 def test_request_that_can_never_fit_is_rejected_when_added():
     sched, _ = make(num_blocks=4, block_size=4)
     with pytest.raises(InvalidRequestError, match=r"can never fit: 10 prompt tokens \+ 10 new tokens need 5 blocks"):
-        sched.add(Sequence("big", list(range(10)), max_new_tokens=10))
+        sched.add(SequenceState("big", list(range(10)), max_new_tokens=10))
     assert not sched.has_unfinished()
-    sched.add(Sequence("exact", list(range(10)), max_new_tokens=6))  # exactly the whole pool: fine
+    sched.add(SequenceState("exact", list(range(10)), max_new_tokens=6))  # exactly the whole pool: fine
     model = FakeModel(sched)
     done = run_to_completion(sched, model)
     assert done["exact"].output_token_ids == reference_output(list(range(10)), 6)
@@ -113,14 +113,14 @@ def test_request_that_can_never_fit_is_rejected_when_added():
 def test_sliding_window_requests_need_only_their_window():
     sched, model = make(num_blocks=6, block_size=4, windows=(8,), max_num_batched_tokens=8)
     prompt = list(range(30))
-    sched.add(Sequence("long", prompt, max_new_tokens=20))  # 50 tokens = 13 blocks, but the window needs few
+    sched.add(SequenceState("long", prompt, max_new_tokens=20))  # 50 tokens = 13 blocks, but the window needs few
     done = run_to_completion(sched, model)
     assert done["long"].output_token_ids == reference_output(prompt, 20)
 
 
 def test_hybrid_groups_release_only_sliding_blocks():
     sched, model = make(num_blocks=16, block_size=4, windows=(None, 4), max_num_batched_tokens=64)
-    sched.add(Sequence("a", list(range(40)), max_new_tokens=4))
+    sched.add(SequenceState("a", list(range(40)), max_new_tokens=4))
     out = sched.schedule()
     sched.update(out, model.step(out))
     seq = sched.get("a")
@@ -130,8 +130,8 @@ def test_hybrid_groups_release_only_sliding_blocks():
 
 def test_abort_releases_everything():
     sched, model = make()
-    sched.add(Sequence("a", list(range(9)), max_new_tokens=5))
-    sched.add(Sequence("b", list(range(9)), max_new_tokens=5))
+    sched.add(SequenceState("a", list(range(9)), max_new_tokens=5))
+    sched.add(SequenceState("b", list(range(9)), max_new_tokens=5))
     out = sched.schedule()
     sched.update(out, model.step(out))
     aborted = sched.abort("a")
@@ -144,7 +144,7 @@ def test_abort_releases_everything():
 
 def test_abort_after_schedule_before_update_is_skipped():
     sched, model = make()
-    sched.add(Sequence("a", [1, 2, 3], max_new_tokens=5))
+    sched.add(SequenceState("a", [1, 2, 3], max_new_tokens=5))
     out = sched.schedule()
     sampled = model.step(out)
     sched.abort("a")
@@ -154,7 +154,7 @@ def test_abort_after_schedule_before_update_is_skipped():
 
 def test_fork_parallel_samples_share_prompt_blocks():
     sched, model = make(num_blocks=32, block_size=4)
-    sched.add(Sequence("p", list(range(10)), max_new_tokens=3, num_samples=3))
+    sched.add(SequenceState("p", list(range(10)), max_new_tokens=3, num_samples=3))
     out = sched.schedule()
     assert out.scheduled[0].num_samples == 3
     sched.update(out, model.step(out))
@@ -173,19 +173,19 @@ def test_fork_parallel_samples_share_prompt_blocks():
 def test_bad_input():
     sched, _ = make(max_num_seqs=4)
     with pytest.raises(InvalidRequestError, match="empty"):
-        Sequence("x", [], max_new_tokens=1)
+        SequenceState("x", [], max_new_tokens=1)
     with pytest.raises(InvalidRequestError, match="max_new_tokens"):
-        Sequence("x", [1], max_new_tokens=0)
+        SequenceState("x", [1], max_new_tokens=0)
     with pytest.raises(InvalidRequestError, match="num_samples"):
-        Sequence("x", [1], max_new_tokens=1, num_samples=0)
+        SequenceState("x", [1], max_new_tokens=1, num_samples=0)
     with pytest.raises(InvalidRequestError, match=r"\[-3\]"):
-        Sequence("x", [1, -3], max_new_tokens=1)
+        SequenceState("x", [1, -3], max_new_tokens=1)
     with pytest.raises(InvalidRequestError, match="100 parallel samples"):
-        sched.add(Sequence("x", [1], max_new_tokens=1, num_samples=100))
-    sched.add(Sequence("x", [1], max_new_tokens=1))
+        sched.add(SequenceState("x", [1], max_new_tokens=1, num_samples=100))
+    sched.add(SequenceState("x", [1], max_new_tokens=1))
     with pytest.raises(DuplicateRequestError, match="'x'"):
-        sched.add(Sequence("x", [1], max_new_tokens=1))
-    with pytest.raises(InvalidRequestError, match="expected a Sequence"):
+        sched.add(SequenceState("x", [1], max_new_tokens=1))
+    with pytest.raises(InvalidRequestError, match="expected a SequenceState"):
         sched.add("x")  # type: ignore[arg-type]
     out = sched.schedule()
     with pytest.raises(InvalidRequestError, match="needs 1 sampled tokens, got 0"):
@@ -210,7 +210,7 @@ def test_randomized_run_with_fake_model(seed, windows):
     expected: dict[str, list[int]] = {}
     rejected: set[str] = set()
     aborted: set[str] = set()
-    done: dict[str, Sequence] = {}
+    done: dict[str, SequenceState] = {}
     next_id = 0
     for _ in range(400):
         for _ in range(rng.choice([0, 0, 1, 2])):  # arrivals between steps
@@ -220,7 +220,7 @@ def test_randomized_run_with_fake_model(seed, windows):
             rid = f"r{next_id}"
             next_id += 1
             n = rng.choice([1, 1, 1, 2])
-            seq = Sequence(
+            seq = SequenceState(
                 rid, prompt, max_new_tokens=rng.randrange(1, 14), num_samples=n, namespace=rng.choice([None, None, "t"])
             )
             try:
@@ -255,8 +255,8 @@ def test_requests_arriving_together_compute_a_common_prefix_once():
     sched, model = make(num_blocks=64, block_size=4, max_num_batched_tokens=64)
     prefix = list(range(20))
     for i in range(4):
-        sched.add(Sequence(f"r{i}", [*prefix, 100 + i, 200 + i], max_new_tokens=2))
-    sched.add(Sequence("other", [7, 7, 7, 7, 7], max_new_tokens=2))
+        sched.add(SequenceState(f"r{i}", [*prefix, 100 + i, 200 + i], max_new_tokens=2))
+    sched.add(SequenceState("other", [7, 7, 7, 7, 7], max_new_tokens=2))
     out = sched.schedule()
     # r0 computes the prefix; r1..r3 wait a step for its blocks; the unrelated request goes ahead.
     assert [s.request_id for s in out.scheduled] == ["r0", "other"]

@@ -9,10 +9,9 @@
 
 Example:
     >>> import torch
-    >>> from transformers import LlamaConfig, LlamaForCausalLM
+    >>> from pagedcore.adapters.transformers.testing import tiny_llama
     >>> from pagedcore.adapters.transformers import PagedCache
-    >>> model = LlamaForCausalLM(LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-    ...     num_hidden_layers=2, intermediate_size=128, vocab_size=100)).eval()
+    >>> model = tiny_llama()
     >>> ids = torch.tensor([[1, 2, 3, 4]])
     >>> out = model.generate(ids, max_new_tokens=3, do_sample=False, cache=PagedCache(model, num_blocks=32))
     >>> out.shape

@@ -22,7 +22,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from pagedcore.attention import PagedAttentionMetadata
+from pagedcore.attention import PagedAttentionMetadata, eager_attention
 from pagedcore.errors import UnsupportedModelError
 
 if TYPE_CHECKING:
@@ -55,11 +55,10 @@ class ForwardContext:
         row 0 starts with one unstored padding position:
 
         >>> import torch
-        >>> from transformers import LlamaConfig
+        >>> from pagedcore.adapters.transformers.testing import tiny_llama_config
         >>> from pagedcore.adapters.transformers import PagedKVPool
-        >>> from pagedcore.attention import PagedAttentionMetadata
-        >>> pool = PagedKVPool(LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-        ...     num_hidden_layers=2, intermediate_size=128, vocab_size=100), num_blocks=8, block_size=4)
+        >>> from pagedcore.attention import PagedAttentionMetadata, eager_attention
+        >>> pool = PagedKVPool(tiny_llama_config(), num_blocks=8, block_size=4)
         >>> meta = PagedAttentionMetadata.build(block_size=4, query_lens=[2, 3], seq_lens=[2, 3], block_offsets=[0, 0],
         ...     tables=[[0], [1]], slots=[[0, 1], [4, 5, 6]], sliding_window=None, pad_block=pool.pad_block)
         >>> ctx = ForwardContext(pool, [meta], real_index=torch.tensor([1, 2, 3, 4, 5]), pads=[1, 0], length=3,
@@ -138,10 +137,9 @@ def paged_attention_forward(
 
     Example:
         >>> import torch
-        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> from pagedcore.adapters.transformers.testing import tiny_llama
         >>> from pagedcore.adapters.transformers import PagedCache
-        >>> model = LlamaForCausalLM(LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-        ...     num_hidden_layers=2, intermediate_size=128, vocab_size=100)).eval()
+        >>> model = tiny_llama()
         >>> ids = torch.tensor([[1, 2, 3, 4]])
         >>> reference = model.generate(ids, max_new_tokens=4, do_sample=False)   # sdpa + DynamicCache
         >>> model.set_attn_implementation("paged")
@@ -224,18 +222,11 @@ def _dense(
     if softcap is None:
         out, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=scaling, dropout=0.0, **extra)
         return out, None
-    groups = query.shape[1] // key.shape[1]
-    key = key.repeat_interleave(groups, dim=1)
-    value = value.repeat_interleave(groups, dim=1)
-    scores = torch.matmul(query, key.transpose(2, 3)) * scaling
-    scores = torch.tanh(scores / softcap) * softcap
-    q_len, k_len = query.shape[-2], key.shape[-2]
     if mask is None:  # causal, aligned to the newest key
+        q_len, k_len = query.shape[-2], key.shape[-2]
         mask = torch.ones(q_len, k_len, dtype=torch.bool, device=query.device).tril(k_len - q_len)
-    bool_mask = mask.dtype == torch.bool
-    scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min) if bool_mask else scores + mask
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-    return torch.matmul(probs, value).transpose(1, 2).contiguous(), None
+    out = eager_attention(query, key, value, mask, scale=scaling, softcap=softcap)
+    return out.transpose(1, 2).contiguous(), None
 
 
 def register() -> None:

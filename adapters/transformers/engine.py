@@ -11,7 +11,9 @@ prefix cache for later requests.
 
 Thread safety: ``add_request`` / ``abort`` / ``stats`` / ``has_unfinished`` may be called from any thread while
 another thread runs ``step`` or ``step_events``; they serialize on one lock that a step holds only while it
-schedules, prepares and records (not during the forward and sampling, which read only the step's own batch). An
+schedules, prepares and records (not during the forward and sampling, which read only the step's own batch). That
+lock includes the pool's bookkeeping lock (``pool.lock``), which guards the pool's blocks for every holder, so an
+Engine and ``enable()``d ``generate`` calls (or caches) can share one pool from different threads. An
 abort during a forward finishes the request at once; its blocks go back when the forward ends (it is still
 writing into them) and the token sampled for it is dropped. Only one thread may step at a time.
 
@@ -34,10 +36,17 @@ from typing import Any
 
 import torch
 
-from pagedcore.errors import ConcurrentUseError, ConfigError, InvalidRequestError, PagedCoreError, RequestNotFoundError
+from pagedcore.errors import (
+    ConcurrentUseError,
+    ConfigError,
+    InvalidRequestError,
+    PagedCoreError,
+    RequestNotFoundError,
+    UnsupportedModelError,
+)
 from pagedcore.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from pagedcore.sequence import FinishReason
-from pagedcore.sequence import Sequence as CoreSequence
+from pagedcore.sequence import FinishReason, SequenceState
+from pagedcore.validation import as_integer
 from pagedcore.validation import token_ids as valid_token_ids
 
 from .attention import ATTN_IMPLEMENTATION, CONTEXT_KEY
@@ -45,7 +54,7 @@ from .inputs import as_prompt_list, token_id_list
 from .outputs import EngineStats, RequestMetrics, RequestOutput, SampleOutput, StepOutput, TokenEvent
 from .pool import PagedKVPool
 from .sampling import SamplingParams, StepSamples, merge_generation_config, sample_rows, to_sampling_params
-from .spec import text_config
+from .spec import context_limit, text_config
 from .step_batch import EngineRequest, NewRequest, PackedCache, StepBatch, pack
 
 logger = logging.getLogger(__name__)
@@ -90,10 +99,9 @@ class Engine:
 
     Example:
         >>> import torch
-        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> from pagedcore.adapters.transformers.testing import tiny_llama
         >>> from pagedcore.adapters.transformers import Engine, SamplingParams
-        >>> model = LlamaForCausalLM(LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-        ...     num_hidden_layers=2, intermediate_size=128, vocab_size=100)).eval()
+        >>> model = tiny_llama()
         >>> with Engine(model, num_blocks=64, block_size=8) as engine:
         ...     outs = engine.generate([[1, 2, 3], [4, 5, 6, 7]], SamplingParams(max_new_tokens=4), use_tqdm=False)
         ...     same = engine.generate([[1, 2, 3], [4, 5, 6, 7]], max_new_tokens=4, do_sample=False, use_tqdm=False)
@@ -135,7 +143,7 @@ class Engine:
         self.scheduler = Scheduler(pool.kv, config, plugins=pool.plugins)
         self._text_config = text_config(model)
         self._vocab_size: int | None = int(getattr(self._text_config, "vocab_size", 0) or 0) or None
-        self._max_positions: int | None = getattr(self._text_config, "max_position_embeddings", None)
+        self._max_positions = context_limit(model)  # the spec decides per family (None: no fixed limit)
         self._eos = _eos_ids(model)
         self._cache = PackedCache(pool)
         self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
@@ -144,7 +152,9 @@ class Engine:
         self._events: list[tuple[object | None, TokenEvent]] = []  # (owner, event) not yet reported
         self._aborting: set[str] = set()  # aborted during a forward: their sequences are released after it
         self._in_flight = False  # a step's forward is running on the batch it took
-        self._lock = threading.RLock()
+        # The Engine's requests and the pool's blocks, in that order: the pool's lock guards its block state for every
+        # holder (enable()d calls and caches on the same pool), so the Engine takes it whenever it books blocks.
+        self._lock = _Locks(threading.RLock(), pool.lock)
         self._stepping = threading.Lock()
         self._stepper: int | None = None  # the thread inside step()
         self._ids = itertools.count()
@@ -153,6 +163,13 @@ class Engine:
         self._busy = 0.0
         self._original_attn = getattr(self._text_config, "_attn_implementation", None)
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        if getattr(self._text_config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
+            # transformers leaves such a model as it was (with a warning): its attention would read only the step's
+            # own keys from the Engine's cache, the cached ones never, and answer wrongly without an error.
+            raise UnsupportedModelError(
+                f"{type(model).__name__} does not attend through transformers' AttentionInterface, so the Engine's "
+                "paged attention cannot serve it; use PagedCache or enable() with this model"
+            )
         self._closed = False
 
     # ------------------------------------------------------------------ lifecycle
@@ -656,9 +673,9 @@ class Engine:
         request.texts[index] = text
         return delta
 
-    def _sequence(self, new: NewRequest, request_id: str) -> CoreSequence:
+    def _sequence(self, new: NewRequest, request_id: str) -> SequenceState:
         params = new.params
-        return CoreSequence(
+        return SequenceState(
             request_id,
             new.token_ids,
             params.max_new_tokens,
@@ -692,7 +709,7 @@ class Engine:
             rid = f"rejected-{next(self._ids)}"
         return RequestOutput(
             rid,
-            [t for t in tokens if isinstance(t, int) and not isinstance(t, bool)],
+            [n for n in map(as_integer, tokens) if n is not None],
             samples,
             RequestMetrics(now, None, now),
             error=f"{type(exc).__name__}: {exc}",
@@ -706,7 +723,30 @@ class Engine:
 _NO_OUTPUT = RequestOutput("", [], [], RequestMetrics(0.0))
 
 
-def _sample_indices(seq: CoreSequence) -> range | list[int]:
+class _Locks:
+    """Locks taken together, in order, and released in reverse (re-entrant when every one of them is)."""
+
+    def __init__(self, *locks: Any) -> None:
+        self._locks = locks
+
+    def __enter__(self) -> _Locks:
+        taken = []
+        try:
+            for lock in self._locks:
+                lock.__enter__()
+                taken.append(lock)
+        except BaseException:
+            for lock in reversed(taken):
+                lock.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for lock in reversed(self._locks):
+            lock.__exit__(None, None, None)
+
+
+def _sample_indices(seq: SequenceState) -> range | list[int]:
     """The samples a sequence stands for: all of them before it forked into its parallel samples."""
     return range(seq.num_samples) if seq.needs_fork else [seq.sample_index]
 

@@ -15,7 +15,47 @@ import torch
 from pagedcore.errors import InvalidRequestError
 from pagedcore.validation import token_ids
 
-__all__ = ["as_prompt_list", "token_id_list"]
+__all__ = ["TOKEN_DTYPES", "as_prompt_list", "check_token_tensor", "token_id_list"]
+
+TOKEN_DTYPES = (torch.int64, torch.int32)  # what embedding lookups accept
+
+
+def check_token_tensor(
+    value: torch.Tensor,
+    *,
+    vocab_size: int | None = None,
+    name: str = "token ids",
+    dtypes: tuple[torch.dtype, ...] | None = None,
+    hint: str = "",
+) -> None:
+    """Raise :class:`~pagedcore.errors.InvalidRequestError` unless ``value`` holds token ids: an integer dtype (one
+    of ``dtypes`` when given), at least one id, every id in ``[0, vocab_size)``.
+
+    The dtype is checked before any value is read (a float tensor is refused as such, never truncated); the range
+    with tensor operations, the ids outside it named by :func:`pagedcore.validation.token_ids`, whose rules these
+    are. ``hint`` is appended to the dtype error.
+
+    Example:
+        >>> check_token_tensor(torch.tensor([[5, 6], [7, 8]]), vocab_size=10)
+        >>> check_token_tensor(torch.tensor([[5, 12]]), vocab_size=10)
+        Traceback (most recent call last):
+        ...
+        pagedcore.errors.InvalidRequestError: token ids [12] are outside the model's vocabulary [0, 10)
+        >>> check_token_tensor(torch.tensor([5, 6], dtype=torch.uint8), dtypes=TOKEN_DTYPES)
+        Traceback (most recent call last):
+        ...
+        pagedcore.errors.InvalidRequestError: token ids must be integers (torch.int64 or torch.int32), got a ...
+    """
+    if value.numel() == 0:
+        token_ids([], name=name)  # raises: the prompt is empty (whatever the dtype of no values)
+    refused = value.is_floating_point() or value.is_complex() or value.dtype == torch.bool
+    if refused or (dtypes is not None and value.dtype not in dtypes):
+        shown = [round(v, 4) if isinstance(v, float) else v for v in value.flatten()[:5].tolist()]
+        allowed = "" if dtypes is None else f" ({' or '.join(str(d) for d in dtypes)})"
+        raise InvalidRequestError(f"{name} must be integers{allowed}, got a {value.dtype} tensor {shown}{hint}")
+    outside = value < 0 if vocab_size is None else (value < 0) | (value >= vocab_size)
+    if bool(outside.any()):
+        token_ids(value[outside].unique().tolist(), vocab_size=vocab_size, name=name)  # raises, naming them
 
 
 def token_id_list(value: object, *, vocab_size: int | None = None, name: str = "token ids") -> list[int]:
@@ -33,9 +73,7 @@ def token_id_list(value: object, *, vocab_size: int | None = None, name: str = "
         pagedcore.errors.InvalidRequestError: token ids must be integers, got a torch.float32 tensor [5.9, 6.1]
     """
     if isinstance(value, torch.Tensor):
-        if value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
-            shown = [round(v, 4) if isinstance(v, float) else v for v in value.flatten()[:5].tolist()]
-            raise InvalidRequestError(f"{name} must be integers, got a {value.dtype} tensor {shown}")
+        check_token_tensor(value, vocab_size=vocab_size, name=name)
         if value.dim() == 2 and value.shape[0] == 1:
             value = value[0]
         if value.dim() != 1:

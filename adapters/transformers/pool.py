@@ -26,6 +26,7 @@ from pagedcore.attention import AttentionBackend, default_block_size
 from pagedcore.errors import ConfigError, InvalidBlockError, PoolMismatchError
 from pagedcore.kv_pool import KVPool
 from pagedcore.plugin_manager import PluginManager, default_plugin_manager
+from pagedcore.validation import integer
 
 from .spec import ModelKVSpec, text_config
 
@@ -71,6 +72,9 @@ def parse_bytes(value: int | float | str) -> int:
 class PoolLock:
     """The pool's re-entrant bookkeeping lock (``with pool.lock:``), plus releases deferred to a safe moment.
 
+    It is the one lock over the pool's block state: every holder (caches, ``enable()``d calls, an Engine, whose own
+    lock takes it) changes blocks only while holding it, so holders in different threads can share a pool.
+
     A cache dropped without :meth:`PagedCache.release` gives its blocks back from a garbage-collection finalizer,
     which may run at any allocation, even in the middle of a bookkeeping call of this very thread. Such releases
     go through :meth:`call_soon`: run at once when no bookkeeping call is in progress, else when the outermost one
@@ -90,11 +94,13 @@ class PoolLock:
     def __init__(self) -> None:
         self._lock = threading.RLock()
         self._depth = 0  # nested holds by the owning thread (only touched while holding the lock)
+        self._holder: int | None = None  # the owning thread's id while held
         self._pending: deque[Callable[[], None]] = deque()
 
     def __enter__(self) -> PoolLock:
         self._lock.acquire()
         self._depth += 1
+        self._holder = threading.get_ident()
         if self._depth == 1 and self._pending:
             self._drain()
         return self
@@ -107,7 +113,22 @@ class PoolLock:
                 self._drain()
         finally:
             self._depth -= 1
+            if self._depth == 0:
+                self._holder = None
             self._lock.release()
+
+    def is_held(self) -> bool:
+        """Whether the calling thread holds the lock (for assertions: every change to a pool's blocks holds it).
+
+        Example:
+            >>> lock = PoolLock()
+            >>> with lock:
+            ...     print(lock.is_held())
+            True
+            >>> lock.is_held()
+            False
+        """
+        return self._holder == threading.get_ident()
 
     def call_soon(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` under the lock now if no bookkeeping call is in progress, else when the current one ends."""
@@ -116,10 +137,12 @@ class PoolLock:
             try:
                 if self._depth == 0:  # not inside a bookkeeping call of this thread
                     self._depth = 1
+                    self._holder = threading.get_ident()
                     try:
                         self._drain()
                     finally:
                         self._depth = 0
+                        self._holder = None
             finally:
                 self._lock.release()
 
@@ -149,9 +172,8 @@ class MemoryStats:
         block_size: tokens per block.
 
     Example:
-        >>> from transformers import LlamaConfig
-        >>> config = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-        ...                      num_hidden_layers=2, intermediate_size=128, vocab_size=100)
+        >>> from pagedcore.adapters.transformers.testing import tiny_llama_config
+        >>> config = tiny_llama_config()
         >>> stats = PagedKVPool(config, num_blocks=8, block_size=4, dtype=torch.float32).memory_stats()
         >>> stats.capacity_bytes, stats.used_bytes
         (16384, 0)
@@ -181,9 +203,8 @@ class PagedKVPool:
     Without ``num_blocks`` or ``memory_budget`` the pool holds 32,768 tokens.
 
     Example:
-        >>> from transformers import LlamaConfig
-        >>> config = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-        ...                      num_hidden_layers=2, intermediate_size=128, vocab_size=100)
+        >>> from pagedcore.adapters.transformers.testing import tiny_llama_config
+        >>> config = tiny_llama_config()
         >>> pool = PagedKVPool(config, memory_budget="1MiB", block_size=16, dtype=torch.float32)
         >>> pool.num_blocks, pool.block_size
         (128, 16)
@@ -202,8 +223,7 @@ class PagedKVPool:
     ) -> None:
         self.spec = ModelKVSpec.from_model(model)
         block_size = default_block_size(getattr(model, "device", "cpu")) if block_size is None else block_size
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
-            raise ConfigError(f"block_size must be a positive integer, got {block_size!r}")
+        block_size = integer("block_size", block_size, minimum=1, error=ConfigError, expected="a positive integer")
         if dtype is None:
             dtype = getattr(model, "dtype", None) or getattr(text_config(model), "dtype", None) or torch.float32
             if isinstance(dtype, str):
@@ -223,8 +243,7 @@ class PagedKVPool:
                         f"memory budget {memory_budget!r} holds no block: one block of {block_size} tokens costs "
                         f"{per_block} bytes over all layers"
                     )
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
-            raise ConfigError(f"num_blocks must be a positive integer, got {num_blocks!r}")
+        num_blocks = integer("num_blocks", num_blocks, minimum=1, error=ConfigError, expected="a positive integer")
         self.plugins = plugins if plugins is not None else default_plugin_manager()
         policy_name = eviction_policy
         self.plugins.eviction_policy(policy_name, num_blocks)  # fail now on an unknown policy name
@@ -236,8 +255,8 @@ class PagedKVPool:
             on_evict=self._on_evict,
         )
         self._layers: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * self.spec.num_layers
-        # Bookkeeping lock: caches of several threads may share one pool. Tensor reads and writes need no lock:
-        # each sequence writes only blocks it holds alone (copy-on-write), and cached blocks are never written.
+        # Bookkeeping lock: caches and engines of several threads may share one pool. Tensor reads and writes need no
+        # lock: each sequence writes only blocks it holds alone (copy-on-write), and cached blocks are never written.
         self.lock = PoolLock()
         self._backends: dict[tuple[str, torch.dtype, str | None], AttentionBackend] = {}
         self._owner: weakref.ref[Any] | None = None
@@ -397,9 +416,8 @@ class PagedKVPool:
         blocks: release them first (their contents would be lost).
 
         Example:
-            >>> from transformers import LlamaConfig
-            >>> pool = PagedKVPool(LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-            ...     num_hidden_layers=2, intermediate_size=128, vocab_size=100), num_blocks=8)
+            >>> from pagedcore.adapters.transformers.testing import tiny_llama_config
+            >>> pool = PagedKVPool(tiny_llama_config(), num_blocks=8)
             >>> pool.rebuild(), pool.memory_stats().allocated_bytes
             (0, 0)
         """

@@ -59,9 +59,12 @@ from typing import Any
 
 import torch
 
+from pagedcore.attention_kinds import FullAttention
 from pagedcore.errors import ConfigError, InvalidRequestError, OutOfBlocksError, PoolMismatchError
+from pagedcore.validation import as_integer
 
 from .cache import PagedCache
+from .inputs import TOKEN_DTYPES, check_token_tensor
 from .pool import PagedKVPool
 from .spec import context_limit, text_config
 
@@ -71,7 +74,6 @@ NAMESPACE_KWARG = "pagedcore_namespace"
 _UNSET: Any = object()
 _namespace: ContextVar[Any] = ContextVar("pagedcore_namespace", default=_UNSET)
 _call_ids = itertools.count()
-_TOKEN_DTYPES = (torch.int64, torch.int32)  # what embedding lookups accept
 
 
 @dataclass
@@ -122,10 +124,9 @@ def enable(
 
     Example:
         >>> import torch
-        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> from pagedcore.adapters.transformers.testing import tiny_llama
         >>> from pagedcore.adapters import transformers as pc
-        >>> model = LlamaForCausalLM(LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-        ...     num_hidden_layers=2, intermediate_size=128, vocab_size=100)).eval()
+        >>> model = tiny_llama()
         >>> pool = pc.enable(model, num_blocks=64, block_size=4)
         >>> prompt = torch.arange(1, 14)[None]
         >>> _ = model.generate(prompt, max_new_tokens=2, do_sample=False)   # cold: computes 13 tokens
@@ -178,9 +179,8 @@ def disable(model: Any) -> PagedKVPool:
     Caches returned by earlier calls stay valid and keep their blocks until released or dropped.
 
     Example:
-        >>> from transformers import LlamaConfig, LlamaForCausalLM
-        >>> model = LlamaForCausalLM(LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-        ...     num_hidden_layers=2, intermediate_size=128, vocab_size=100))
+        >>> from pagedcore.adapters.transformers.testing import tiny_llama
+        >>> model = tiny_llama()
         >>> pool = enable(model, num_blocks=16)
         >>> disable(model) is pool, is_enabled(model)
         (True, False)
@@ -209,9 +209,8 @@ def prefix_pool(model: Any) -> PagedKVPool:
     """The pool :func:`enable` gave ``model``.
 
     Example:
-        >>> from transformers import LlamaConfig, LlamaForCausalLM
-        >>> model = LlamaForCausalLM(LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-        ...     num_hidden_layers=2, intermediate_size=128, vocab_size=100))
+        >>> from pagedcore.adapters.transformers.testing import tiny_llama
+        >>> model = tiny_llama()
         >>> pool = enable(model, num_blocks=16)
         >>> prefix_pool(model) is pool
         True
@@ -367,22 +366,14 @@ def _same_namespace(a: Hashable, b: Hashable) -> bool:
 
 # ---------------------------------------------------------------------- checks (typed errors, nothing changed)
 def _check_input_ids(model: Any, input_ids: torch.Tensor) -> None:
-    """Typed errors for input the prefix cache (or the model) would otherwise trip over half-way through a call."""
+    """Typed errors for input the prefix cache (or the model) would otherwise trip over half-way through a call: a
+    batch (2-D) of token ids, with the Engine's rules on the ids (:func:`.inputs.check_token_tensor`)."""
     if input_ids.dim() != 2:
         raise InvalidRequestError(f"input_ids must be 2-D (batch, tokens), got shape {tuple(input_ids.shape)}")
-    if input_ids.shape[1] == 0:
-        raise InvalidRequestError("the prompt is empty")
-    if input_ids.dtype not in _TOKEN_DTYPES:
-        raise InvalidRequestError(
-            f"input_ids must be integer token ids (torch.long or torch.int), got a {input_ids.dtype} tensor; pass "
-            "embeddings as inputs_embeds="
-        )
-    vocab = getattr(text_config(model), "vocab_size", None)
-    if input_ids.numel() and vocab:
-        low, high = int(input_ids.min()), int(input_ids.max())
-        if low < 0 or high >= vocab:
-            bad = low if low < 0 else high
-            raise InvalidRequestError(f"token id {bad} is outside the model's vocabulary [0, {vocab})")
+    vocab = as_integer(getattr(text_config(model), "vocab_size", None)) or None
+    check_token_tensor(
+        input_ids, vocab_size=vocab, name="input_ids", dtypes=TOKEN_DTYPES, hint="; pass embeddings as inputs_embeds="
+    )
 
 
 def _check_context(model: Any, mask: torch.Tensor, settings: _Settings) -> None:
@@ -434,6 +425,9 @@ class _Settings:
     # prompt position), or assisted / prompt-lookup decoding (transformers 5.24 gets them wrong after a pre-filled
     # cache: a DynamicCache holding the first prompt tokens gives other tokens than an empty one).
     reuse: bool
+    # Assisted / prompt-lookup decoding: the cache records its past, so sliding-window layers keep their blocks
+    # between crops (a window's bound does not hold for such a call).
+    records_past: bool
     pad_token_id: Any
     eos_token_id: Any
 
@@ -458,7 +452,9 @@ def _settings(model: Any, kwargs: dict[str, Any], prompt_len: int) -> _Settings:
         get(name) is not None for name in ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit")
     )
     reuse = not (full_outputs or candidates)
-    return _Settings(int(max_new), expand, beams, use_cache, reuse, get("pad_token_id"), get("eos_token_id"))
+    return _Settings(
+        int(max_new), expand, beams, use_cache, reuse, candidates, get("pad_token_id"), get("eos_token_id")
+    )
 
 
 def _attention_mask(input_ids: torch.Tensor, mask: Any, settings: _Settings) -> torch.Tensor:
@@ -518,13 +514,20 @@ def _check_capacity(
 
     ``width`` is the rectangular prompt length, ``pads`` each row's unstored padding; rows already hold what the
     cache holds. With ``share_prompt`` the prompt is stored once per row, then forked ``settings.expand`` times.
+    Per row and KV group: the blocks its positions need (all of them, as for full attention), and for a sliding
+    window at most ``expand`` times what one copy of the row holds at once (its kind's
+    :meth:`~pagedcore.attention_kinds.AttentionKind.max_blocks`: the prompt's forward, then a token per step). The
+    pool says whether that many can be had (:meth:`~pagedcore.kv_pool.KVPool.shortfalls`).
     """
     bs = pool.block_size
     held = cache.row_tokens()
     rows = len(pads) if pads is not None else len(held) or 1
     pads = pads if pads is not None else [0] * rows
+    expand = settings.expand
     with pool.lock:
+        needs = []
         for group in pool.kv.groups:
+            kind = FullAttention() if settings.records_past else group.kind
             need = 0
             for r, pad in enumerate(pads):
                 prompt = width - pad
@@ -533,23 +536,27 @@ def _check_capacity(
                 attached = -(-stored // bs)
                 partial = 1 if stored % bs else 0  # a partly used cached block is copied on write
                 if not share_prompt:
-                    row_need = settings.expand * (-(-final // bs)) - attached + partial
+                    row_need = expand * (-(-final // bs)) - attached + partial
                 else:  # the prompt once, then per fork its own tail (a copy of the shared last block + new ones)
                     row_need = max(-(-(prompt - 1) // bs) - attached, 0) + partial
-                    row_need += settings.expand * (-(-final // bs) - (prompt - 1) // bs)
-                if group.sliding_window is not None:
-                    row_need = min(row_need, settings.expand * (-(-(group.sliding_window + prompt) // bs) + 2))
+                    row_need += expand * (-(-final // bs) - (prompt - 1) // bs)
+                if kind.is_sliding:
+                    computed = prompt - 1 if share_prompt else prompt  # what the prompt's forward stores
+                    peak = max(
+                        kind.max_blocks(computed, bs, start=stored), kind.max_blocks(final, bs, chunk=1, start=computed)
+                    )
+                    row_need = min(row_need, expand * peak - kind.blocks_held(stored, 0, bs) + partial)
                 need += row_need
-            available = group.block_manager.num_available_blocks
-            if need > available:
-                raise OutOfBlocksError(
-                    f"this generate call needs up to {need} blocks of {bs} tokens (KV group {group.index}) but the "
-                    f"pool has {available} available of {group.block_manager.num_blocks}: use a larger pool "
-                    "(enable(model, num_blocks=... / memory_budget=...)), smaller batches, or release caches "
-                    "returned by earlier calls",
-                    requested=need,
-                    available=available,
-                )
+            needs.append(need)
+        for short in pool.kv.shortfalls(needs):
+            raise OutOfBlocksError(
+                f"this generate call needs up to {short.needed} blocks of {bs} tokens (KV group {short.group}) but "
+                f"the pool has {short.available} available of {pool.num_blocks}: use a larger pool "
+                "(enable(model, num_blocks=... / memory_budget=...)), smaller batches, or release caches "
+                "returned by earlier calls",
+                requested=short.needed,
+                available=short.available,
+            )
 
 
 def _prefill_once(model: Any, cache: PagedCache, input_ids: torch.Tensor, mask: torch.Tensor, start: int) -> None:

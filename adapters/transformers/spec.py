@@ -15,6 +15,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 from transformers.cache_utils import get_layer_types_and_kwargs
 
 from pagedcore.errors import PoolMismatchError, UnsupportedModelError
+from pagedcore.validation import as_integer
 
 __all__ = ["LayerSpec", "ModelKVSpec", "context_limit", "text_config"]
 
@@ -55,9 +56,8 @@ class ModelKVSpec:
     """The KV layout of a model, and how its layers map onto KV groups.
 
     Example:
-        >>> from transformers import LlamaConfig
-        >>> spec = ModelKVSpec.from_config(LlamaConfig(hidden_size=64, num_attention_heads=4,
-        ...     num_key_value_heads=2, num_hidden_layers=2, intermediate_size=128, vocab_size=100))
+        >>> from pagedcore.adapters.transformers.testing import tiny_llama_config
+        >>> spec = ModelKVSpec.from_config(tiny_llama_config())
         >>> spec.windows, spec.layer_groups, spec.layers[0].num_kv_heads, spec.layers[0].head_dim
         ((None,), (0, 0), 2, 16)
     """
@@ -187,8 +187,8 @@ def context_limit(model: Any) -> int | None:
         if any(p.get("rope_type") == "dynamic" for p in per_kind):
             return None
     for name in ("max_position_embeddings", "n_positions"):
-        limit = getattr(config, name, None)
-        if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0:
+        limit = as_integer(getattr(config, name, None))
+        if limit is not None and limit > 0:
             return limit
     return None
 

@@ -102,9 +102,8 @@ class PackedCache(Cache):
     """The cache a packed Engine forward writes through: every new token's keys/values go to its slot.
 
     Example:
-        >>> from transformers import LlamaConfig, LlamaForCausalLM
-        >>> model = LlamaForCausalLM(LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-        ...     num_hidden_layers=2, intermediate_size=128, vocab_size=100))
+        >>> from pagedcore.adapters.transformers.testing import tiny_llama
+        >>> model = tiny_llama()
         >>> PackedCache(PagedKVPool(model, num_blocks=8, block_size=4)).get_seq_length()
         0
     """
@@ -189,14 +188,13 @@ def pack(
     Performs the plan's copy-on-write block copies first.
 
     Example:
-        >>> from transformers import LlamaConfig, LlamaForCausalLM
-        >>> from pagedcore import Scheduler, Sequence
+        >>> from pagedcore.adapters.transformers.testing import tiny_llama
+        >>> from pagedcore import Scheduler, SequenceState
         >>> from pagedcore.adapters.transformers import RequestMetrics, SampleOutput
-        >>> model = LlamaForCausalLM(LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-        ...     num_hidden_layers=2, intermediate_size=128, vocab_size=100))
+        >>> model = tiny_llama()
         >>> pool = PagedKVPool(model, num_blocks=8, block_size=4)
         >>> sched = Scheduler(pool.kv)
-        >>> sched.add(Sequence("r", [5, 6, 7], max_new_tokens=2))
+        >>> sched.add(SequenceState("r", [5, 6, 7], max_new_tokens=2))
         >>> out = RequestOutput("r", [5, 6, 7], [SampleOutput(0)], RequestMetrics(0.0))
         >>> batch = pack(sched.schedule(), pool, {"r": EngineRequest("r", SamplingParams(), [torch.Generator()], out)})
         >>> batch.input_ids, batch.position_ids, batch.logit_rows, [row.request_id for row in batch.rows]

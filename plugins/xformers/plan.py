@@ -157,16 +157,18 @@ def pieces(meta: PagedAttentionMetadata, rows: list[int], per_query: bool) -> li
         [(1, 0, 5), (1, 0, 6), (1, 0, 7)]
     """
     out = []
+    kind = meta.kind
     for i in rows:
         seq_len = meta.seq_lens[i]
         first_query = seq_len - meta.query_lens[i]
         live = meta.block_offsets[i] * meta.block_size
+        last_seeing_live = kind.last_query_seeing(live)  # queries up to it all see keys from `live` on
         if per_query:
             shared = 0
-        elif meta.sliding_window is None:
+        elif last_seeing_live is None:
             shared = meta.query_lens[i]
-        else:  # queries at positions < live + window all see keys from `live` on
-            shared = max(0, min(seq_len, live + meta.sliding_window) - first_query)
+        else:
+            shared = max(0, min(seq_len, last_seeing_live + 1) - first_query)
         if shared:
             out.append(Piece(i, shared, 0, first_query + shared - live))
         for position in range(first_query + shared, seq_len):
@@ -191,7 +193,4 @@ def num_live_blocks(meta: PagedAttentionMetadata, i: int) -> int:
 
 def first_key(meta: PagedAttentionMetadata, i: int, position: int) -> int:
     """The first key position the query at ``position`` of row ``i`` sees (never one in a released block)."""
-    live = meta.block_offsets[i] * meta.block_size
-    if meta.sliding_window is None:
-        return live
-    return max(live, position - meta.sliding_window + 1)
+    return max(meta.block_offsets[i] * meta.block_size, meta.kind.first_visible(position))
