@@ -6,10 +6,11 @@ Python thread, then summarize the raw (collapsed-stack) output::
 
     py-spy record --native --format raw -r 200 -o decode.txt -- \\
         python -m pagedcore.benchmarks.profiles run decode --cache paged-sdpa --context 4096
-    python -m pagedcore.benchmarks.profiles summarize decode.txt --exclude _prefill
+    python -m pagedcore.benchmarks.profiles summarize decode.txt --within _sample --exclude _prefill
 
-``--exclude _prefill`` leaves out the samples taken inside ``generate``'s prefill, keeping the decode steps. Or let
-torch's profiler time the operators of the same run: ``... run decode --torch-profile``.
+``--within _sample --exclude _prefill`` keeps the samples taken inside ``generate``'s decoding loop but not in its
+prefill: the decode steps (for the Engine: ``--within Engine.generate``). Or let torch's profiler time the operators
+of the same run: ``... run decode --torch-profile``.
 
 Scenarios: ``decode`` (one sequence: a prompt of ``context - new`` tokens, ``new`` greedy tokens, with a cache of
 ``--cache``, on the decode benchmark's narrower model by default), ``engine`` (the engine benchmark's 32 requests
@@ -41,7 +42,8 @@ from .host import OWN
 __all__ = ["ProfileEntry", "main", "summarize_collapsed"]
 
 CACHES = ("dynamic", "static", "paged-sdpa", "paged-attn")
-OWN_PACKAGES = ("pagedcore/", "adapters/", "plugins/", "benchmarks/", "serve/")
+LIBRARY = ("pagedcore/", "adapters/", "plugins/", "serve/")  # the library's folders (its own functions' table)
+SOURCE_FOLDERS = (*LIBRARY, "benchmarks/")
 
 
 @dataclass(frozen=True)
@@ -64,15 +66,17 @@ def _frame_key(frame: str) -> str | None:
     if "site-packages" in parts:  # transformers/..., torch/...
         path = "/".join(parts[parts.index("site-packages") + 1 :])
     else:  # pagedcore's source folders, wherever the checkout is
-        roots = [i for i, part in enumerate(parts) if part + "/" in OWN_PACKAGES]
+        roots = [i for i, part in enumerate(parts) if part + "/" in SOURCE_FOLDERS]
         if roots:
             path = "/".join(parts[roots[0] :])
     return f"{path}:{name}"
 
 
-def summarize_collapsed(lines: Iterable[str], exclude: Sequence[str] = ()) -> tuple[int, list[ProfileEntry]]:
+def summarize_collapsed(
+    lines: Iterable[str], exclude: Sequence[str] = (), within: Sequence[str] = ()
+) -> tuple[int, list[ProfileEntry]]:
     """Samples and per-function shares of py-spy's raw output (``frame;frame;... count`` per line, outermost first),
-    leaving out stacks with a frame containing any of ``exclude``; sorted by self share.
+    keeping only the stacks that contain every text of ``within`` and none of ``exclude``; sorted by self share.
 
     Example:
         >>> raw = ["main (run.py:1);forward (model.py:9);matmul_kernel (libtorch.so) 6",
@@ -81,6 +85,8 @@ def summarize_collapsed(lines: Iterable[str], exclude: Sequence[str] = ()) -> tu
         >>> samples, entries = summarize_collapsed(raw, exclude=["_prefill"])
         >>> samples, [(e.function, e.self_share, e.total_share) for e in entries]
         (10, [('model.py:forward', 0.6, 0.6), ('cache.py:update', 0.3, 0.3), ('run.py:main', 0.1, 1.0)])
+        >>> summarize_collapsed(raw, within=["forward ("])[0]
+        6
     """
     own: collections.Counter[str] = collections.Counter()
     total: collections.Counter[str] = collections.Counter()
@@ -88,6 +94,8 @@ def summarize_collapsed(lines: Iterable[str], exclude: Sequence[str] = ()) -> tu
     for line in lines:
         stack, _, count_text = line.strip().rpartition(" ")
         if not stack or not count_text.isdigit() or any(x in stack for x in exclude):
+            continue
+        if not all(x in stack for x in within):
             continue
         count = int(count_text)
         samples += count
@@ -107,7 +115,7 @@ def render(samples: int, entries: list[ProfileEntry], top: int) -> str:
     """Markdown: the ``top`` functions by self share, then pagedcore's own functions by total share."""
     lines = [f"{samples} samples", "", "| function | self | total |", "| --- | --- | --- |"]
     lines += [f"| `{e.function}` | {e.self_share:.1%} | {e.total_share:.1%} |" for e in entries[:top]]
-    mine = sorted((e for e in entries if e.function.startswith(OWN_PACKAGES)), key=lambda e: -e.total_share)
+    mine = sorted((e for e in entries if e.function.startswith(LIBRARY)), key=lambda e: -e.total_share)
     lines += ["", "pagedcore's own functions by total share:", "", "| function | total | self |", "| --- | --- | --- |"]
     lines += [f"| `{e.function}` | {e.total_share:.1%} | {e.self_share:.1%} |" for e in mine[:top]]
     return "\n".join(lines)
@@ -200,10 +208,11 @@ def main(argv: list[str] | None = None) -> int:
     summ = sub.add_parser("summarize", help="summarize py-spy's raw output")
     summ.add_argument("raw", type=Path)
     summ.add_argument("--exclude", action="append", default=[], help="leave out stacks with this frame text")
+    summ.add_argument("--within", action="append", default=[], help="keep only stacks with this frame text")
     summ.add_argument("--top", type=int, default=15)
     args = parser.parse_args(argv)
     if args.command == "summarize":
-        samples, entries = summarize_collapsed(args.raw.read_text().splitlines(), args.exclude)
+        samples, entries = summarize_collapsed(args.raw.read_text().splitlines(), args.exclude, args.within)
         print(render(samples, entries, args.top))
         return 0
     with torch_threads(args.threads):
