@@ -33,6 +33,7 @@ ENGINE = "pagedcore Engine"
 HF = "transformers continuous batching"
 AIM_HOST_MS = {64: 1.0, 256: 3.0}  # Engine host milliseconds per step at that many decoding sequences
 OWN = 16  # each sequence's own prompt tokens after the shared part (one block)
+HEADROOM = 32  # prompts are this much shorter than the context: the decode steps stay within it (and the model's)
 BUDGET = 512  # max_num_batched_tokens / max_batch_tokens
 HF_LIMIT = 64 * 64 * 512  # transformers' CPU path attends each of N queries to all N x context keys read: N^2 x C
 
@@ -88,8 +89,9 @@ class HostResult:
         seqs = sorted({p.seqs for p in self.points})
         workload = (
             f"{'/'.join(map(str, seqs))} sequences decoding together (greedy, eos ignored) at contexts "
-            f"{' and '.join(map(str, contexts))}: prompts of `context` tokens that share all but their last {OWN} "
-            f"(the shared part computed once, beforehand, and taken from the prefix cache), submitted at once"
+            f"{' and '.join(map(str, contexts))}: prompts of `context - {HEADROOM}` tokens (the decode steps read up "
+            f"to `context` positions) that share all but their last {OWN} (the shared part computed once, "
+            "beforehand, and taken from the prefix cache), submitted at once"
         )
         measured = (
             "forward pre- and post-hooks on the model stamp every forward; a decode step is a forward that computes "
@@ -129,7 +131,7 @@ class HostResult:
 
 
 def _engine_point(
-    model: PreTrainedModel, engine: Engine, prompts: list[list[int]], new: int, context: int, warm: int
+    model: PreTrainedModel, engine: Engine, prompts: list[list[int]], new: int, prompt_len: int, warm: int
 ) -> tuple[StepTimes, list[list[int]]]:
     params = SamplingParams(max_new_tokens=new, ignore_eos=True)
     with logging_forwards(model) as log:
@@ -137,11 +139,11 @@ def _engine_point(
     errors = [o.error for o in outputs if o.error is not None]
     if errors:
         raise RuntimeError(f"{len(errors)} requests failed: {errors[0]}")
-    return log.decode_steps(len(prompts), context, skip=warm), [list(o.token_ids) for o in outputs]
+    return log.decode_steps(len(prompts), prompt_len, skip=warm), [list(o.token_ids) for o in outputs]
 
 
 def _hf_point(
-    model: PreTrainedModel, warm_prompt: list[int], prompts: list[list[int]], new: int, context: int, warm: int
+    model: PreTrainedModel, warm_prompt: list[int], prompts: list[list[int]], new: int, prompt_len: int, warm: int
 ) -> tuple[StepTimes, list[list[int]]]:
     """transformers' continuous batching (the manager ``generate_batch`` runs): the shared prompt part first, as its
     own request, so that the others find its blocks; then every prompt at once."""
@@ -150,7 +152,7 @@ def _hf_point(
     n = len(prompts)
     config = ContinuousBatchingConfig(
         page_size=BLOCK_SIZE,
-        num_blocks=n * blocks_for(context + new) + blocks_for(context) + 8,  # room to read every sequence's keys
+        num_blocks=n * blocks_for(prompt_len + new) + blocks_for(prompt_len) + 8,  # to read every sequence's keys
         max_batch_tokens=BUDGET,
         max_requests_per_batch=max(n, 1),
         allow_block_sharing=True,
@@ -183,7 +185,7 @@ def _hf_point(
         for i, prompt in enumerate(prompts):
             ids[manager.add_request(prompt, request_id=f"r{i}", max_new_tokens=new, eos_token_id=-1)] = i
         done = results(manager, ids)
-    return log.decode_steps(n, context, skip=warm), [done[i] for i in range(n)]
+    return log.decode_steps(n, prompt_len, skip=warm), [done[i] for i in range(n)]
 
 
 def host_benchmark(
@@ -211,8 +213,10 @@ def host_benchmark(
     seqs = seqs or ((1, 4, 16) if quick else (1, 16, 64, 256))
     timed = timed_steps or (4 if quick else 8)
     warm = 2
-    if min(contexts) <= OWN or min(contexts) % BLOCK_SIZE:
-        raise ValueError(f"contexts must be multiples of {BLOCK_SIZE} above {OWN}, got {contexts}")
+    if min(contexts) <= HEADROOM + OWN or min(contexts) % BLOCK_SIZE:
+        raise ValueError(f"contexts must be multiples of {BLOCK_SIZE} above {HEADROOM + OWN}, got {contexts}")
+    if warm + timed + math.ceil(max(seqs) * OWN / BUDGET) + 2 > HEADROOM:
+        raise ValueError(f"{timed} timed steps for {max(seqs)} sequences do not fit in {HEADROOM} new tokens")
     model = model if model is not None else bench_model(seed, quick=quick)
     vocab = model.config.vocab_size
     rng = random.Random(seed + 8)
@@ -221,10 +225,10 @@ def host_benchmark(
     runs = len(contexts) * len(seqs) * (2 if with_transformers else 1)
     bar = progress_bar(runs, "host: overhead per step", progress)
     for context in contexts:
-        shared = random_tokens(rng, context - OWN, vocab)
+        prompt_len = context - HEADROOM
+        shared = random_tokens(rng, prompt_len - OWN, vocab)
         warm_prompt = shared + random_tokens(rng, OWN, vocab)
-        longest = OWN + warm + timed + math.ceil(max(seqs) * OWN / BUDGET) + 2  # own tokens + new tokens
-        room = blocks_for(context) + max(seqs) * blocks_for(longest)
+        room = blocks_for(context) + max(seqs) * blocks_for(OWN + HEADROOM)
         with Engine(model, num_blocks=room + 8, block_size=BLOCK_SIZE, max_num_batched_tokens=BUDGET,
                     max_num_seqs=max(seqs)) as engine:  # fmt: skip
             engine.generate([warm_prompt], SamplingParams(max_new_tokens=2, ignore_eos=True), use_tqdm=False)
@@ -233,11 +237,11 @@ def host_benchmark(
                 new = warm + timed + math.ceil(n * OWN / BUDGET) + 2  # enough decode steps after the last prefill
                 point = HostPoint(context, n)
                 peers: list[tuple[str, Callable[[], tuple[StepTimes, list[list[int]]]]]] = [
-                    (ENGINE, functools.partial(_engine_point, model, engine, prompts, new, context, warm))
+                    (ENGINE, functools.partial(_engine_point, model, engine, prompts, new, prompt_len, warm))
                 ]
                 if with_transformers:
                     if n * n * context <= HF_LIMIT:
-                        hf = functools.partial(_hf_point, model, warm_prompt, prompts, new, context, warm)
+                        hf = functools.partial(_hf_point, model, warm_prompt, prompts, new, prompt_len, warm)
                         peers.append((HF, hf))
                     else:
                         point.skipped[HF] = f"not run ({n}² x {context} > 64² x 512)"

@@ -188,6 +188,15 @@ def test_host_benchmark_skips_transformers_where_it_is_too_slow(tiny, monkeypatc
     assert "| not run (2² x 64 > 64² x 512) |" in result.markdown()
 
 
+def test_host_benchmark_runs_at_the_models_full_context(tiny):
+    """A context equal to the model's 4096 positions: the prompts leave room for the decode steps."""
+    assert tiny.config.max_position_embeddings == 4096
+    result = host.host_benchmark(progress=False, model=tiny, contexts=(4096,), seqs=(2,), timed_steps=2,
+                                 with_transformers=False)  # fmt: skip
+    (point,) = result.points
+    assert point.skipped == {} and point.times[host.ENGINE].steps >= 2
+
+
 def test_host_report_flags_a_missed_aim():
     slow = host.HostPoint(512, 64, {host.ENGINE: host.StepTimes([0.1] * 3, [0.002] * 3)})
     result = host.HostResult(False, "Llama", "laptop", [slow], 3, 2, "")
