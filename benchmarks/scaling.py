@@ -173,6 +173,24 @@ class ScalingResult:
         return {CHART: (f"Engine scaling{suffix}", panels)}
 
 
+def _run_point(model: PreTrainedModel, point: ScalePoint, prompts: list[list[int]]) -> None:
+    """Serve ``prompts`` with a new Engine sized for them; fill in the point's figures."""
+    num_blocks = point.requests * blocks_for(point.prompt + point.new) + 8
+    params = SamplingParams(max_new_tokens=point.new, ignore_eos=True)
+    with Engine(model, num_blocks=num_blocks, block_size=BLOCK_SIZE, max_num_seqs=point.requests,
+                max_num_batched_tokens=max(512, point.requests)) as engine:  # fmt: skip
+        with logging_forwards(model) as log:
+            start = clock(model.device)
+            outputs = engine.generate(prompts, params, use_tqdm=False)
+            wall = clock(model.device) - start
+        stats = engine.stats()
+    errors = [o.error for o in outputs if o.error is not None]
+    if errors:
+        raise RuntimeError(f"{len(errors)} requests failed: {errors[0]}")
+    point.wall, point.busy, point.steps = wall, log.busy_seconds(), stats.num_steps
+    point.kv_peak = stats.kv_peak_used_bytes
+
+
 def scaling_benchmark(
     quick: bool = False,
     progress: bool = True,
@@ -180,10 +198,14 @@ def scaling_benchmark(
     model: PreTrainedModel | None = None,
     seed: int = 0,
     point_budget: float | None = None,
+    requests: tuple[int, ...] | None = None,
+    prompt_lens: tuple[int, ...] | None = None,
 ) -> ScalingResult:
-    """Requests 8/32/128/512 with 128-token prompts, then prompts of 128/512/2048/4096 tokens for 8 requests, 16 new
+    """Requests 8/32/128/512 (``requests``) with 128-token prompts, then prompts of 128/512/2048/4096 tokens
+    (``prompt_lens``; at most the model's positions minus the new tokens: 4080 for 4096) for 8 requests, 16 new
     tokens each (quick: requests 4/8/16/32 of 32 tokens, prompts 32/64/128/256 for 4 requests, 4 new tokens); points
-    whose estimate exceeds ``point_budget`` seconds (default 120; quick 20) are skipped.
+    whose estimate exceeds ``point_budget`` seconds (default 120; quick 20) are skipped, and a point that fails keeps
+    its row with the reason.
 
     Example:
         >>> result = scaling_benchmark(quick=True, progress=False, model=bench_model(size="tiny"))  # doctest: +SKIP
@@ -191,11 +213,14 @@ def scaling_benchmark(
         [(4, 32), (8, 32), (16, 32), (32, 32)]
     """
     if quick:
-        requests, prompt_lens, base_prompt, base_requests, new = (4, 8, 16, 32), (32, 64, 128, 256), 32, 4, 4
+        counts, lengths, base_prompt, base_requests, new = (4, 8, 16, 32), (32, 64, 128, 256), 32, 4, 4
     else:
-        requests, prompt_lens, base_prompt, base_requests, new = (8, 32, 128, 512), (128, 512, 2048, 4096), 128, 8, 16
+        counts, lengths, base_prompt, base_requests, new = (8, 32, 128, 512), (128, 512, 2048, 4096), 128, 8, 16
+    counts, lengths = requests or counts, prompt_lens or lengths
     budget = point_budget if point_budget is not None else (20.0 if quick else 120.0)
     model = model if model is not None else bench_model(seed, quick=quick)
+    positions = getattr(model.config, "max_position_embeddings", None) or max(lengths) + new
+    lengths = tuple(min(p, positions - new) for p in lengths)
     vocab = model.config.vocab_size
     rng = random.Random(seed + 9)
     machine = machine_info()
@@ -206,8 +231,8 @@ def scaling_benchmark(
         segments = [Segment(0, prompt, 1), Segment(prompt, new - 1, new - 1)] * n
         return segments_flops(shape, segments) / rate
 
-    plan = [ScalePoint(REQUESTS, n, base_prompt, new, floor(n, base_prompt)) for n in requests]
-    plan += [ScalePoint(PROMPTS, base_requests, p, new, floor(base_requests, p)) for p in prompt_lens]
+    plan = [ScalePoint(REQUESTS, n, base_prompt, new, floor(n, base_prompt)) for n in counts]
+    plan += [ScalePoint(PROMPTS, base_requests, p, new, floor(base_requests, p)) for p in lengths]
     with Engine(model, num_blocks=64, block_size=BLOCK_SIZE) as warm:
         warm.generate(
             [random_tokens(rng, 24, vocab)], SamplingParams(max_new_tokens=2, ignore_eos=True), use_tqdm=False
@@ -220,22 +245,15 @@ def scaling_benchmark(
             point.skipped = f"skipped: about {estimate:.0f} s > the {budget:.0f} s point budget"
             bar.update(1)
             continue
-        prompts = [random_tokens(rng, point.prompt, vocab) for _ in range(point.requests)]
-        num_blocks = point.requests * blocks_for(point.prompt + new) + 8
-        params = SamplingParams(max_new_tokens=new, ignore_eos=True)
         bar.set_postfix_str(f"{point.requests} x {point.prompt}")
-        with Engine(model, num_blocks=num_blocks, block_size=BLOCK_SIZE, max_num_seqs=point.requests,
-                    max_num_batched_tokens=max(512, point.requests)) as engine:  # fmt: skip
-            with logging_forwards(model) as log:
-                start = clock(model.device)
-                outputs = engine.generate(prompts, params, use_tqdm=False)
-                point.wall = clock(model.device) - start
-            stats = engine.stats()
-        errors = [o.error for o in outputs if o.error is not None]
-        if errors:
-            raise RuntimeError(f"{len(errors)} requests failed: {errors[0]}")
-        point.busy, point.steps, point.kv_peak = log.busy_seconds(), stats.num_steps, stats.kv_peak_used_bytes
-        ratio_seen[point.sweep] = point.wall / point.floor
+        try:
+            _run_point(model, point, [random_tokens(rng, point.prompt, vocab) for _ in range(point.requests)])
+        except Exception as exc:  # a point that cannot run keeps its row with the reason
+            point.wall = None
+            point.skipped = f"n/a ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})"
+        else:
+            assert point.wall is not None
+            ratio_seen[point.sweep] = point.wall / point.floor
         bar.update(1)
     bar.close()
     return ScalingResult(

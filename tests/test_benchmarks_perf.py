@@ -235,6 +235,27 @@ def test_scaling_benchmark_measures_every_point(tiny):
     assert len(result.plots()["scaling.png"][1]) == 8
 
 
+def test_scaling_prompts_stop_at_the_models_positions(tiny):
+    """A 4096-token prompt point on a model of 4096 positions runs with room for its new tokens."""
+    result = scaling.scaling_benchmark(progress=False, model=tiny, requests=(2,), prompt_lens=(256, 4096))
+    assert [(p.sweep, p.requests, p.prompt) for p in result.points] == [
+        (scaling.REQUESTS, 2, 128),
+        (scaling.PROMPTS, 8, 256),
+        (scaling.PROMPTS, 8, 4096 - 16),
+    ]
+    assert all(p.wall is not None for p in result.points), [p.skipped for p in result.points]
+
+
+def test_scaling_point_that_fails_keeps_its_row(tiny, monkeypatch):
+    def refuse(model, point, prompts):
+        raise RuntimeError("2 requests failed: out of blocks")
+
+    monkeypatch.setattr(scaling, "_run_point", refuse)
+    result = scaling.scaling_benchmark(quick=True, progress=False, model=tiny, requests=(2,), prompt_lens=(32,))
+    assert [p.skipped for p in result.points] == ["n/a (RuntimeError: 2 requests failed: out of blocks)"] * 2
+    assert result.markdown().count("| n/a (RuntimeError: 2 requests failed: out of blocks) |") == 2
+
+
 def test_scaling_benchmark_skips_points_over_its_budget(tiny):
     result = scaling.scaling_benchmark(quick=True, progress=False, model=tiny, point_budget=0.0)
     assert all(p.wall is None and p.skipped.startswith("skipped: about") for p in result.points)
