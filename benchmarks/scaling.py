@@ -212,6 +212,8 @@ def scaling_benchmark(
         >>> [(p.requests, p.prompt) for p in result.points][:4]  # doctest: +SKIP
         [(4, 32), (8, 32), (16, 32), (32, 32)]
     """
+    counts: tuple[int, ...]
+    lengths: tuple[int, ...]
     if quick:
         counts, lengths, base_prompt, base_requests, new = (4, 8, 16, 32), (32, 64, 128, 256), 32, 4, 4
     else:
@@ -220,7 +222,7 @@ def scaling_benchmark(
     budget = point_budget if point_budget is not None else (20.0 if quick else 120.0)
     model = model if model is not None else bench_model(seed, quick=quick)
     positions = getattr(model.config, "max_position_embeddings", None) or max(lengths) + new
-    lengths = tuple(min(p, positions - new) for p in lengths)
+    lengths = tuple(min(p, int(positions) - new) for p in lengths)
     vocab = model.config.vocab_size
     rng = random.Random(seed + 9)
     machine = machine_info()
