@@ -14,8 +14,8 @@ of the same run: ``... run decode --torch-profile``.
 
 Scenarios: ``decode`` (one sequence: a prompt of ``context - new`` tokens, ``new`` greedy tokens, with a cache of
 ``--cache``, on the decode benchmark's narrower model by default), ``engine`` (the engine benchmark's 32 requests
-sharing a prefix, served by the Engine), ``engine-decode`` (``--seqs`` sequences sharing all but 16 tokens of a
-``--context``-token prompt, decoding ``--steps`` steps together).
+sharing a prefix, served by the Engine), ``engine-decode`` (``--seqs`` sequences sharing all but 16 tokens of their
+prompts, decoding ``--steps`` steps together up to ``--context`` positions).
 """
 
 from __future__ import annotations
@@ -160,11 +160,14 @@ def engine_scenario(model: PreTrainedModel, quick: bool = False, seed: int = 0) 
 
 
 def engine_decode_scenario(model: PreTrainedModel, seqs: int, context: int, steps: int, seed: int = 0) -> int:
-    """``seqs`` sequences whose ``context``-token prompts share all but their last 16 tokens (computed once first)
-    decode ``steps`` steps together in one Engine; returns the Engine's step count."""
+    """``seqs`` sequences whose prompts of ``context - steps`` tokens share all but their last 16 (computed once
+    first) decode ``steps`` steps together in one Engine, up to ``context`` positions; returns the Engine's step
+    count."""
+    if context - steps <= OWN:
+        raise ValueError(f"a context of {context} leaves no shared prompt before {steps} steps and {OWN} own tokens")
     rng = random.Random(seed + 8)
     vocab = model.config.vocab_size
-    shared = random_tokens(rng, context - OWN, vocab)
+    shared = random_tokens(rng, context - steps - OWN, vocab)
     room = blocks_for(context) + seqs * blocks_for(OWN + steps) + 8
     with Engine(model, num_blocks=room, block_size=BLOCK_SIZE, max_num_seqs=seqs,
                 max_num_batched_tokens=max(512, seqs)) as engine:  # fmt: skip

@@ -121,8 +121,9 @@ class ScalingResult:
             "= (prompt + generated tokens) / wall; compute floor = the FLOPs of every prompt token and every "
             f"generated token but the last, at {self.rate / 1e9:.1f} GFLOP/s (the best `F.linear` rate of this "
             f"machine on the model's weight shapes with {RATE_ROWS} rows, measured once in the run); KV peak = "
-            f"`stats().kv_peak_used_bytes`. A point runs if floor x the previous point's wall / floor is under "
-            f"{self.point_budget:.0f} s."
+            "`stats().kv_peak_used_bytes`; all requests' KV = the bytes of every request's prompt and generated "
+            "tokens (below 1 when requests finish before the last ones start). A point runs if floor x the previous "
+            f"point's wall / floor is under {self.point_budget:.0f} s."
         )
         head = section_header("9. Scaling: requests and prompt length", self.quick, workload, self.model,
                               self.machine, measured)  # fmt: skip
@@ -150,7 +151,7 @@ class ScalingResult:
                 ]
             )
         headers = ["sweep", "requests", "prompt tokens", "wall", "tokens/s", "compute floor", "wall / floor",
-                   "in forward", "host ms/step", "steps", "KV peak", "KV peak / stored tokens' bytes"]  # fmt: skip
+                   "in forward", "host ms/step", "steps", "KV peak", "KV peak / all requests' KV"]  # fmt: skip
         return f"{head}{table(headers, rows)}\n\n- Engine: {self.engine_config}.\n\n![scaling]({CHART})\n"
 
     def plots(self) -> dict[str, tuple[str, list[LinePanel]]]:
