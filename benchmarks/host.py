@@ -40,7 +40,13 @@ HF_LIMIT = 64 * 64 * 512  # transformers' CPU path attends each of N queries to 
 
 @dataclass
 class HostPoint:
-    """One (context, sequences) point: per peer its decode steps' times, or why it did not run; greedy tokens."""
+    """One (context, sequences) point: per peer its decode steps' times, or why it did not run; greedy tokens.
+
+    Example:
+        >>> point = HostPoint(4096, 256, skipped={HF: "not run (256² x 4096 > 64² x 512)"})
+        >>> point.identical() is None   # only one peer could have run
+        True
+    """
 
     context: int
     seqs: int

@@ -20,7 +20,12 @@ __all__ = ["Forward", "ForwardLog", "StepTimes", "logging_forwards"]
 
 @dataclass(frozen=True)
 class Forward:
-    """One model forward: start and end (``time.perf_counter``), positions computed, the smallest position."""
+    """One model forward: start and end (``time.perf_counter``), positions computed, the smallest position.
+
+    Example:
+        >>> Forward(start=1.0, end=1.25, tokens=64, first_position=512).seconds
+        0.25
+    """
 
     start: float
     end: float
@@ -134,7 +139,18 @@ class ForwardLog:
 
 @contextlib.contextmanager
 def logging_forwards(model: Any) -> Iterator[ForwardLog]:
-    """A :class:`ForwardLog` on ``model`` for the block."""
+    """A :class:`ForwardLog` on ``model`` for the block (its hooks removed afterwards).
+
+    Example:
+        >>> from pagedcore.benchmarks.common import bench_model
+        >>> model = bench_model(size="tiny")
+        >>> with logging_forwards(model) as log, torch.inference_mode():
+        ...     _ = model(torch.tensor([[5, 6]]))
+        >>> with torch.inference_mode():
+        ...     _ = model(torch.tensor([[7]]))   # after the block: not recorded
+        >>> len(log.forwards)
+        1
+    """
     log = ForwardLog(model)
     try:
         yield log
