@@ -10,11 +10,21 @@ Each benchmark is one module, registered in :mod:`~pagedcore.benchmarks.registry
 - :mod:`~pagedcore.benchmarks.engine` (peers in :mod:`~pagedcore.benchmarks.engine_peers`): many requests sharing
   a prefix, the ``Engine`` vs ``generate`` one at a time, the padded batch and transformers' continuous batching.
 - :mod:`~pagedcore.benchmarks.core`: the plain-Python bookkeeping (blocks, prefix trie, one scheduler step).
+- :mod:`~pagedcore.benchmarks.decode`: decode time per token against context length, ``PagedCache`` (both attention
+  paths) vs ``DynamicCache`` and ``StaticCache``, on the run's model and a narrower-headed one.
+- :mod:`~pagedcore.benchmarks.chat`: multi-turn chat, the ``Engine`` (prefix cache across turns) vs the padded batch.
+- :mod:`~pagedcore.benchmarks.host`: host time per decode step outside the forward, the ``Engine`` vs transformers'
+  continuous batching, 1-256 sequences at contexts 512 and 4k.
+- :mod:`~pagedcore.benchmarks.scaling`: the ``Engine``'s throughput, host share and KV memory as requests and prompts
+  grow, next to the compute floor.
 
 Shared: :mod:`~pagedcore.benchmarks.options` (what a run is asked for), :mod:`~pagedcore.benchmarks.context` (its
 device, dtype and shared model), :mod:`~pagedcore.benchmarks.device`, :mod:`~pagedcore.benchmarks.common` (model,
-workloads, timing), :mod:`~pagedcore.benchmarks.report` (markdown), :mod:`~pagedcore.benchmarks.chart` (PNG) and
-:mod:`~pagedcore.benchmarks.runner` (run, write ``results.md`` and ``engine.png``).
+workloads, timing), :mod:`~pagedcore.benchmarks.floor` (the compute floor: FLOPs at the measured matmul rate),
+:mod:`~pagedcore.benchmarks.steps` (forward and host time of a serving loop's steps, from model hooks),
+:mod:`~pagedcore.benchmarks.report` (markdown), :mod:`~pagedcore.benchmarks.chart` (the bar chart) and
+:mod:`~pagedcore.benchmarks.plots` (line charts), :mod:`~pagedcore.benchmarks.runner` (run, write ``results.md``,
+``engine.png`` and the line charts) and :mod:`~pagedcore.benchmarks.profiles` (the profiling scenarios).
 
 Every model benchmark runs its peers side by side in one process, on the same model, and reports ratios next to
 their aims. Timings are wall-clock (``time.perf_counter``, after waiting for the GPU when there is one) on whatever
@@ -24,7 +34,7 @@ before timing. Importing this package imports neither torch nor transformers; th
 Example:
     >>> from pagedcore.benchmarks import BENCHMARKS, BenchOptions
     >>> list(BENCHMARKS)
-    ['prefix', 'cold', 'memory', 'engine', 'core']
+    ['prefix', 'cold', 'memory', 'engine', 'core', 'decode', 'chat', 'host', 'scaling']
     >>> BenchOptions(only=("core",)).needs_torch
     False
 """

@@ -14,12 +14,29 @@ from .chart import Panel
 from .common import BLOCK_SIZE, bench_model, blocks_for, describe_model, percentile, progress_bar, random_tokens
 from .context import BenchContext
 from .engine_peers import ENGINE, HF_CONTINUOUS, ONE_AT_A_TIME, PADDED_BATCH, PeerResult
+from .floor import ComputeFloor, Segment, compute_floor
 from .report import aim_status, machine_info, mib, ratio, section_header, table
 
-__all__ = ["EngineResult", "engine_benchmark"]
+__all__ = ["EngineResult", "engine_benchmark", "shared_prefix_segments", "shared_prefix_workload"]
 
 AIM_ENGINE_PREFILL_RATIO = 1.05
-AIM_ENGINE_SPEEDUP = {ONE_AT_A_TIME: 3.0, PADDED_BATCH: 1.5, HF_CONTINUOUS: 3.0}
+AIM_ENGINE_SPEEDUP = {ONE_AT_A_TIME: 3.0, PADDED_BATCH: 3.0, HF_CONTINUOUS: 3.0}
+AIM_FLOOR_RATIO = 1.7  # Engine wall / compute floor (issue 13: 4.0 s on the reference 2-core machine)
+
+
+def shared_prefix_segments(prefix_tokens: int, unique_lengths: list[int], new_tokens: list[int]) -> list[Segment]:
+    """The positions serving requests that share a prefix must compute: the prefix once, each request's own prompt
+    tokens (then one row of logits), and each generated token but the last fed back as a decode step.
+
+    Example:
+        >>> [(s.start, s.count, s.logits) for s in shared_prefix_segments(512, [20, 30], [16, 1])]
+        [(0, 512, 0), (512, 20, 1), (532, 15, 15), (512, 30, 1), (542, 0, 0)]
+    """
+    segments = [Segment(0, prefix_tokens, 0)]
+    for own, new in zip(unique_lengths, new_tokens):
+        segments.append(Segment(prefix_tokens, own, 1))
+        segments.append(Segment(prefix_tokens + own, new - 1, new - 1))
+    return segments
 
 
 @dataclass
@@ -30,11 +47,14 @@ class EngineResult:
         >>> peers = [PeerResult("generate, one at a time", wall=6.0, generated_tokens=24),
         ...          PeerResult("pagedcore Engine", wall=1.5, generated_tokens=24)]
         >>> result = EngineResult(quick=True, model="Llama", machine="laptop", prefix_tokens=256,
-        ...     unique_lengths=[8, 16], new_tokens=[8, 16], peers=peers, engine_config="", hf_config="")
+        ...     unique_lengths=[8, 16], new_tokens=[8, 16], peers=peers, engine_config="", hf_config="",
+        ...     floor=ComputeFloor(flops=1e9, rate=1e9, rows=512, tokens=302))
         >>> result.prompt_tokens, result.unique_tokens
         (536, 280)
         >>> result.speedup("generate, one at a time"), result.peer("pagedcore Engine").tokens_per_second
         (4.0, 16.0)
+        >>> result.floor_ratio()   # 1.5 s of wall for a 1.0 s floor
+        1.5
     """
 
     quick: bool
@@ -46,6 +66,12 @@ class EngineResult:
     peers: list[PeerResult]
     engine_config: str
     hf_config: str
+    floor: ComputeFloor | None = None
+
+    def floor_ratio(self) -> float | None:
+        """The Engine's wall time / the workload's compute floor (None without either)."""
+        wall = self.peer(ENGINE).wall
+        return wall / self.floor.seconds if wall and self.floor is not None else None
 
     @property
     def unique_tokens(self) -> int:
@@ -136,8 +162,24 @@ class EngineResult:
                     aim_status(r <= AIM_ENGINE_PREFILL_RATIO),
                 ]
             )
+        floor_ratio = self.floor_ratio()
+        if floor_ratio is not None and self.floor is not None:
+            ratio_rows.append(
+                [
+                    f"Engine wall / compute floor ({self.floor.seconds:.2f} s)",
+                    ratio(floor_ratio),
+                    f"≤ {AIM_FLOOR_RATIO:g}x",
+                    aim_status(floor_ratio <= AIM_FLOOR_RATIO),
+                ]
+            )
         ratios = table(["ratio", "value", "aim", "status"], ratio_rows)
         notes = [f"- Engine: {self.engine_config}.", f"- {HF_CONTINUOUS}: {self.hf_config}."]
+        if self.floor is not None:
+            notes.append(
+                f"- Compute floor: the FLOPs of the positions the workload must compute (the shared prefix once, each "
+                f"request's own prompt tokens, each generated token but the last as a decode step; projections, MLP, "
+                f"attention over each position's context, the LM head for each sampled row): {self.floor.describe()}."
+            )
         notes += [f"- {p.name}: {p.note}" for p in self.peers if p.note]
         mism = [p for p in self.peers if p.mismatches and p.name != ONE_AT_A_TIME]
         notes += [f"- {p.name}: greedy tokens differ from one-at-a-time for requests {p.mismatches}." for p in mism]
@@ -159,12 +201,36 @@ class EngineResult:
         return f"{len(self.unique_lengths)} requests sharing a {self.prefix_tokens}-token prefix{suffix}"
 
 
+def shared_prefix_workload(
+    quick: bool, vocab: int, seed: int = 0
+) -> tuple[int, list[list[int]], list[int], list[list[int]]]:
+    """The engine benchmark's seeded requests: ``(prefix length, prompts, max_new_tokens per prompt, two warm-up
+    prompts)``; 32 prompts of a 512-token prefix + 16-64 tokens, 16-64 new tokens (quick: 16, 256, 8-32, 8-16).
+
+    Example:
+        >>> prefix_len, prompts, news, warm = shared_prefix_workload(False, 32000)
+        >>> prefix_len, len(prompts), sum(news), all(p[:512] == prompts[0][:512] for p in prompts)
+        (512, 32, 1244, True)
+    """
+    if quick:
+        count, prefix_len, (u_lo, u_hi), (n_lo, n_hi) = 16, 256, (8, 32), (8, 16)
+    else:
+        count, prefix_len, (u_lo, u_hi), (n_lo, n_hi) = 32, 512, (16, 64), (16, 64)
+    rng = random.Random(seed + 4)
+    prefix = random_tokens(rng, prefix_len, vocab)
+    prompts = [prefix + random_tokens(rng, rng.randint(u_lo, u_hi), vocab) for _ in range(count)]
+    news = [rng.randint(n_lo, n_hi) for _ in range(count)]
+    warm = [random_tokens(rng, 24, vocab) for _ in range(2)]
+    return prefix_len, prompts, news, warm
+
+
 def engine_benchmark(
     quick: bool = False, progress: bool = True, *, model: PreTrainedModel | None = None, seed: int = 0
 ) -> EngineResult:
     """32 requests: a shared 512-token prefix + 16-64 unique tokens, 16-64 new tokens each (quick: 16 requests,
     256-token prefix, 8-32 unique, 8-16 new). Compares the Engine with ``generate`` one request at a time,
-    ``generate`` on the left-padded batch and transformers' continuous batching; see :class:`EngineResult`.
+    ``generate`` on the left-padded batch and transformers' continuous batching, and the Engine's wall time with the
+    workload's compute floor (:mod:`~pagedcore.benchmarks.floor`, measured after the peers); see :class:`EngineResult`.
 
     Example:
         >>> model = bench_model(quick=True)   # what quick=True builds when no model is given
@@ -176,17 +242,9 @@ def engine_benchmark(
         >>> result.speedup("generate, one at a time") >= 3.0  # the aim  # doctest: +SKIP
         True
     """
-    if quick:
-        count, prefix_len, (u_lo, u_hi), (n_lo, n_hi) = 16, 256, (8, 32), (8, 16)
-    else:
-        count, prefix_len, (u_lo, u_hi), (n_lo, n_hi) = 32, 512, (16, 64), (16, 64)
     model = model if model is not None else bench_model(seed, quick=quick)
-    vocab = model.config.vocab_size
-    rng = random.Random(seed + 4)
-    prefix = random_tokens(rng, prefix_len, vocab)
-    prompts = [prefix + random_tokens(rng, rng.randint(u_lo, u_hi), vocab) for _ in range(count)]
-    news = [rng.randint(n_lo, n_hi) for _ in range(count)]
-    warm = [random_tokens(rng, 24, vocab) for _ in range(2)]
+    prefix_len, prompts, news, warm = shared_prefix_workload(quick, model.config.vocab_size, seed)
+    count = len(prompts)
     num_blocks = sum(blocks_for(len(p) + n) for p, n in zip(prompts, news)) + 8
     budget = prefix_len  # tokens per step: 512 (the Engine's default) in the full workload, scaled down with --quick
     machine = machine_info()
@@ -218,14 +276,17 @@ def engine_benchmark(
                 peer.prefill_computed = computed
             elif computed != peer.prefill_computed:
                 peer.note += f" Forward-hook count of prefill positions: {computed} (differs from its own counter)."
+    unique_lengths = [len(p) - prefix_len for p in prompts]
+    floor = compute_floor(model, shared_prefix_segments(prefix_len, unique_lengths, news))
     return EngineResult(
         quick=quick,
         model=describe_model(model),
         machine=machine,
         prefix_tokens=prefix_len,
-        unique_lengths=[len(p) - prefix_len for p in prompts],
+        unique_lengths=unique_lengths,
         new_tokens=news,
         peers=peers,
+        floor=floor,
         engine_config=(
             f"block size {BLOCK_SIZE}, {num_blocks} blocks (room for every request without sharing), "
             f"max_num_batched_tokens {budget} (tokens computed per step; the same budget for transformers' continuous "

@@ -50,7 +50,7 @@ class Benchmark:
         >>> BENCHMARKS["core"].uses_model, BENCHMARKS["engine"].chart_rank
         (False, 0)
         >>> list(BENCHMARKS)
-        ['prefix', 'cold', 'memory', 'engine', 'core']
+        ['prefix', 'cold', 'memory', 'engine', 'core', 'decode', 'chat', 'host', 'scaling']
     """
 
     name: str
@@ -74,5 +74,9 @@ BENCHMARKS: dict[str, Benchmark] = {
         Benchmark("memory", "memory", "KV bytes of a mixed-length batch: PagedCache vs DynamicCache, StaticCache"),
         Benchmark("engine", "engine", "continuous batching: Engine vs generate and transformers' own", chart_rank=0),
         Benchmark("core", "core", "plain-Python bookkeeping: blocks, prefix trie, scheduler step", uses_model=False),
+        Benchmark("decode", "decode", "decode time per token against context: PagedCache vs Dynamic/StaticCache"),
+        Benchmark("chat", "chat", "multi-turn chat: Engine (prefix cache across turns) vs the padded batch per turn"),
+        Benchmark("host", "host", "host time per decode step outside the forward: Engine vs transformers' manager"),
+        Benchmark("scaling", "scaling", "Engine throughput, host share and KV memory as requests and prompts grow"),
     )
 }

@@ -21,6 +21,7 @@ from pagedcore.errors import ConfigError, PagedCoreError
 from .chart import Charted, Panel, write_chart
 from .context import BenchContext
 from .options import BenchOptions, add_arguments, options_from
+from .plots import Plotted, write_lines
 from .registry import BENCHMARKS, Report
 from .report import machine_info
 
@@ -100,7 +101,8 @@ def run_benchmarks(
 ) -> str:
     """Run the benchmarks ``options`` name on one shared model; returns the markdown report.
 
-    With ``out_dir``, also write ``out_dir/results.md`` and, when a benchmark offers chart panels, ``engine.png``.
+    With ``out_dir``, also write ``out_dir/results.md``, ``engine.png`` when a benchmark offers chart panels, and the
+    line charts of the results that are :class:`~pagedcore.benchmarks.plots.Plotted` (e.g. ``decode.png``).
     ``model``: benchmark this model instead of building one from the options.
 
     Example:
@@ -132,6 +134,10 @@ def run_benchmarks(
         (out / "results.md").write_text(markdown)
         if panels:
             write_chart(out / CHART, panels, chart_title)
+        for result in results.values():
+            if isinstance(result, Plotted):
+                for name, (title, lines) in result.plots().items():
+                    write_lines(out / name, lines, title)
     return markdown
 
 
@@ -164,10 +170,10 @@ def run_one(name: str, quick: bool = False, progress: bool = True, threads: int 
     """Run one benchmark of :data:`~pagedcore.benchmarks.registry.BENCHMARKS`; returns its markdown section.
 
     Example:
-        >>> run_one("nonesuch")
+        >>> run_one("nonesuch")  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        pagedcore.errors.ConfigError: unknown benchmark 'nonesuch'; choose from prefix, cold, memory, engine, core
+        pagedcore.errors.ConfigError: unknown benchmark 'nonesuch'; choose from prefix, cold, memory, engine, core, ...
         >>> print(run_one("memory", quick=True, progress=False, threads=1))  # doctest: +SKIP
         ### 3. KV memory of a mixed-length batch (quick workload)
         ...

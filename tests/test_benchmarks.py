@@ -153,6 +153,10 @@ def test_engine_benchmark_reports_every_peer(tiny, tmp_path):
     assert hf.error is None or hf.error.startswith("n/a (")
     text = result.markdown()
     assert "Engine speedup vs" in text
+    assert result.floor is not None and result.floor.tokens == result.unique_tokens + sum(result.new_tokens) - len(
+        result.new_tokens
+    )
+    assert "| Engine wall / compute floor (" in text
     titles = [p.title for p in result.chart_panels()]
     assert titles == ["wall time (lower is better)", "generated tokens/s (higher is better)"]
     assert tiny.config._attn_implementation == "sdpa"  # the Engine and the continuous batching run restored it

@@ -1,0 +1,347 @@
+"""Benchmark 7: multi-turn chat. Several conversations share a system prompt; each turn's prompt is the previous
+turn's prompt, its reply and a new user message, and all conversations of a turn are submitted together. The
+:class:`~pagedcore.adapters.transformers.Engine` (one engine for the whole chat, so each turn finds the previous
+turns in its prefix cache) vs ``generate`` on the left-padded batch of each turn (which recomputes every prompt).
+
+Every peer continues each conversation with its own replies; the replies are compared reply by reply, so a
+divergence shows as the first mismatching (conversation, turn) and everything after it.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from pagedcore.adapters.transformers import Engine, SamplingParams
+
+from .common import (
+    BLOCK_SIZE,
+    bench_model,
+    blocks_for,
+    clock,
+    describe_model,
+    generate,
+    left_padded,
+    progress_bar,
+    random_tokens,
+)
+from .context import BenchContext
+from .report import aim_status, machine_info, ratio, section_header, table
+
+__all__ = ["ChatResult", "ChatWorkload", "chat_benchmark"]
+
+PADDED = "generate, padded batch per turn"
+ENGINE = "pagedcore Engine"
+AIM_CHAT_SPEEDUP = 3.0
+AIM_CHAT_PREFILL = 1.00
+
+
+@dataclass(frozen=True)
+class ChatWorkload:
+    """The scripted part of a chat: the system prompt, each conversation's user messages and reply lengths.
+
+    Example:
+        >>> chat = ChatWorkload(system=[5] * 4, users=[[[6], [7, 7]], [[8], [9]]], replies=[[2, 3], [2, 2]])
+        >>> chat.conversations, chat.turns
+        (2, 2)
+        >>> chat.prompt(0, 0, []), chat.prompt(0, 1, [[40, 41]])   # turn 1: turn 0's prompt, its reply, a message
+        ([5, 5, 5, 5, 6], [5, 5, 5, 5, 6, 40, 41, 7, 7])
+        >>> chat.unique_prompt_tokens   # the system prompt once, each message, each reply's last token (never fed)
+        11
+    """
+
+    system: list[int]
+    users: list[list[list[int]]]  # [conversation][turn] -> message tokens
+    replies: list[list[int]]  # [conversation][turn] -> new tokens
+
+    @property
+    def conversations(self) -> int:
+        """Conversations."""
+        return len(self.users)
+
+    @property
+    def turns(self) -> int:
+        """Turns per conversation."""
+        return len(self.users[0])
+
+    def prompt(self, conversation: int, turn: int, replies: list[list[int]]) -> list[int]:
+        """The prompt of ``turn`` given the conversation's earlier ``replies`` (one per earlier turn)."""
+        tokens = list(self.system)
+        for t in range(turn + 1):
+            tokens += self.users[conversation][t]
+            if t < turn:
+                tokens += replies[t]
+        return tokens
+
+    @property
+    def unique_prompt_tokens(self) -> int:
+        """Prompt tokens no earlier forward computed: the system prompt once, every user message, and the last
+        token of every reply that a later turn extends (the reply's other tokens were computed as decode steps)."""
+        own = sum(len(m) for conv in self.users for m in conv)
+        return len(self.system) + own + self.conversations * (self.turns - 1)
+
+    @property
+    def generated_tokens(self) -> int:
+        """New tokens over all conversations and turns."""
+        return sum(sum(r) for r in self.replies)
+
+
+def chat_workload(
+    rng: random.Random,
+    vocab: int,
+    *,
+    conversations: int,
+    turns: int,
+    system: int,
+    user: tuple[int, int],
+    reply: tuple[int, int],
+) -> ChatWorkload:
+    """A seeded :class:`ChatWorkload`: user messages of ``user`` (min, max) tokens, replies of ``reply`` tokens."""
+    return ChatWorkload(
+        system=random_tokens(rng, system, vocab),
+        users=[[random_tokens(rng, rng.randint(*user), vocab) for _ in range(turns)] for _ in range(conversations)],
+        replies=[[rng.randint(*reply) for _ in range(turns)] for _ in range(conversations)],
+    )
+
+
+@dataclass
+class ChatRun:
+    """One peer's runs: wall times, the replies of its first run, prefill positions computed per turn."""
+
+    name: str
+    walls: list[float] = field(default_factory=list)
+    replies: list[list[list[int]]] = field(default_factory=list)  # [conversation][turn]
+    prefill_per_turn: list[int] = field(default_factory=list)
+    padding: int = 0
+    note: str = ""
+
+    @property
+    def wall(self) -> float:
+        """Median wall time."""
+        return statistics.median(self.walls)
+
+
+@dataclass
+class ChatResult:
+    """A multi-turn chat served by the Engine and by the padded batch (see :func:`chat_benchmark`).
+
+    Example:
+        >>> chat = ChatWorkload(system=[5] * 4, users=[[[6], [7, 7]], [[8], [9]]], replies=[[2, 3], [2, 2]])
+        >>> padded = ChatRun(PADDED, [3.0], [[[1, 2], [3, 4, 5]], [[1, 1], [2, 2]]], [10, 18])
+        >>> served = ChatRun(ENGINE, [1.0], [[[1, 2], [3, 4, 6]], [[1, 1], [2, 2]]], [7, 4])
+        >>> result = ChatResult(True, "Llama", "laptop", chat, [padded, served], 2, "")
+        >>> result.speedup(), result.prefill_ratio(), result.mismatches()
+        (3.0, 1.0, [(0, 1)])
+    """
+
+    quick: bool
+    model: str
+    machine: str
+    workload: ChatWorkload
+    runs: list[ChatRun]
+    repeats: int
+    engine_config: str
+
+    def run(self, name: str) -> ChatRun:
+        """One peer's runs."""
+        return next(r for r in self.runs if r.name == name)
+
+    def speedup(self) -> float:
+        """Median wall of the padded batch / median wall of the Engine."""
+        return self.run(PADDED).wall / self.run(ENGINE).wall
+
+    def prefill_ratio(self) -> float:
+        """Prompt positions the Engine computed / unique prompt tokens."""
+        return sum(self.run(ENGINE).prefill_per_turn) / self.workload.unique_prompt_tokens
+
+    def mismatches(self) -> list[tuple[int, int]]:
+        """(conversation, turn) whose Engine reply differs from the padded batch's."""
+        ref, got = self.run(PADDED).replies, self.run(ENGINE).replies
+        return [(c, t) for c in range(len(ref)) for t in range(len(ref[c])) if ref[c][t] != got[c][t]]
+
+    def markdown(self) -> str:
+        """The report: workload, model, machine, per-peer and per-turn figures, the ratios with their aims."""
+        w = self.workload
+        users = [len(m) for conv in w.users for m in conv]
+        replies = [r for conv in w.replies for r in conv]
+        workload = (
+            f"{w.conversations} conversations x {w.turns} turns, greedy, eos ignored: a shared {len(w.system)}-token "
+            f"system prompt; each turn appends a {min(users)}-{max(users)}-token user message to the previous turn's "
+            f"prompt and reply, and asks for {min(replies)}-{max(replies)} new tokens (seeded); the conversations of "
+            f"a turn are submitted together, a turn starts when the previous one has finished. "
+            f"{w.unique_prompt_tokens} unique prompt tokens, {w.generated_tokens} tokens to generate"
+        )
+        measured = (
+            f"wall time of all turns; one untimed warm-up per peer, then {self.repeats} rounds alternating the peers "
+            "(padded batch first in even rounds); median over the rounds. Prefill positions: the padded batch computes "
+            "every prompt token of every turn (and its padding); the Engine's `stats().prompt_tokens_computed` per "
+            "turn. Unique prompt tokens: the system prompt once, every user message, and the last token of each "
+            "reply a later turn extends (the other reply tokens were computed as decode steps)."
+        )
+        head = section_header("7. Multi-turn chat", self.quick, workload, self.model, self.machine, measured)
+        mism = self.mismatches()
+        rows = []
+        for run in self.runs:
+            prefill = f"{sum(run.prefill_per_turn)}" + (f" (+{run.padding} padding)" if run.padding else "")
+            same = "reference" if run.name == PADDED else ("0" if not mism else f"**{len(mism)}**")
+            rows.append(
+                [
+                    run.name,
+                    f"{run.wall:.2f} s",
+                    f"{min(run.walls):.2f} / {max(run.walls):.2f} s",
+                    f"{w.generated_tokens / run.wall:.1f}",
+                    prefill,
+                    same,
+                ]
+            )
+        figures = table(["peer", "median wall", "min / max", "gen tokens/s", "prefill positions computed",
+                         "replies differing from the padded batch"], rows)  # fmt: skip
+        padded, served = self.run(PADDED), self.run(ENGINE)
+        turn_rows = [
+            [t, padded.prefill_per_turn[t], served.prefill_per_turn[t]] for t in range(len(served.prefill_per_turn))
+        ]
+        turns = table(["turn", "prefill positions: padded batch", "prefill positions: Engine"], turn_rows)
+        speedup, reuse = self.speedup(), self.prefill_ratio()
+        ratios = table(
+            ["ratio", "value", "aim", "status"],
+            [
+                ["Engine speedup vs the padded batch (median wall)", ratio(speedup), f"≥ {AIM_CHAT_SPEEDUP:g}x",
+                 aim_status(speedup >= AIM_CHAT_SPEEDUP)],
+                ["Engine prefill positions / unique prompt tokens", f"{reuse:.3f}", f"≤ {AIM_CHAT_PREFILL:.2f}",
+                 aim_status(reuse <= AIM_CHAT_PREFILL)],
+                ["replies identical to the padded batch's", "yes" if not mism else f"no: {len(mism)} differ",
+                 "all", aim_status(not mism)],
+            ],
+        )  # fmt: skip
+        notes = [f"- Engine: {self.engine_config}."]
+        notes += [f"- {run.name}: {run.note}" for run in self.runs if run.note]
+        if mism:
+            notes.append(f"- First differing reply: conversation {mism[0][0]}, turn {mism[0][1]}.")
+        return f"{head}{figures}\n\n{turns}\n\n{ratios}\n\n" + "\n".join(notes) + "\n"
+
+
+def _padded_turns(model: PreTrainedModel, chat: ChatWorkload, run: ChatRun, first: bool) -> float:
+    """Every turn as one ``generate`` call on the left-padded prompts; returns the wall time."""
+    replies: list[list[list[int]]] = [[] for _ in range(chat.conversations)]
+    prefill, padding = [], 0
+    start = clock(model.device)
+    for t in range(chat.turns):
+        prompts = [chat.prompt(c, t, replies[c]) for c in range(chat.conversations)]
+        limits = [chat.replies[c][t] for c in range(chat.conversations)]
+        width = max(len(p) for p in prompts)
+        ids, mask = left_padded(prompts, model.device)
+        with torch.inference_mode():
+            out = generate(model, ids, attention_mask=mask, max_new_tokens=max(limits), do_sample=False,
+                           cache=DynamicCache(config=model.config))  # fmt: skip
+        for c, n in enumerate(limits):
+            replies[c].append(out[c, width : width + n].tolist())
+        prefill.append(sum(len(p) for p in prompts))
+        padding += sum(width - len(p) for p in prompts)
+    wall = clock(model.device) - start
+    if first:
+        run.replies, run.prefill_per_turn, run.padding = replies, prefill, padding
+        run.note = (
+            "one `generate` call per turn (a fresh DynamicCache), max_new_tokens = the turn's largest, each reply "
+            "truncated to its own length"
+        )
+    return wall
+
+
+def _engine_turns(model: PreTrainedModel, chat: ChatWorkload, run: ChatRun, first: bool, num_blocks: int) -> float:
+    """Every turn as one ``Engine.generate`` call on one Engine made inside the timed run; returns the wall time."""
+    replies: list[list[list[int]]] = [[] for _ in range(chat.conversations)]
+    prefill: list[int] = []
+    start = clock(model.device)
+    with Engine(model, num_blocks=num_blocks, block_size=BLOCK_SIZE, max_num_seqs=chat.conversations) as served:
+        before = 0
+        for t in range(chat.turns):
+            prompts = [chat.prompt(c, t, replies[c]) for c in range(chat.conversations)]
+            params = [SamplingParams(max_new_tokens=chat.replies[c][t], ignore_eos=True)
+                      for c in range(chat.conversations)]  # fmt: skip
+            outputs = served.generate(prompts, params, use_tqdm=False)
+            errors = [o.error for o in outputs if o.error is not None]
+            if errors:
+                raise RuntimeError(f"{len(errors)} requests failed: {errors[0]}")
+            for c, o in enumerate(outputs):
+                replies[c].append(list(o.token_ids))
+            computed = served.stats().prompt_tokens_computed
+            prefill.append(computed - before)
+            before = computed
+        wall = clock(model.device) - start
+        stats = served.stats()
+    if first:
+        run.replies, run.prefill_per_turn = replies, prefill
+        run.note = (
+            f"{stats.num_steps} steps, {stats.num_preemptions} preemptions, prefix hits {stats.prefix_hit_tokens} of "
+            f"{stats.prefix_query_tokens} looked-up prompt tokens"
+        )
+    return wall
+
+
+def chat_benchmark(
+    quick: bool = False,
+    progress: bool = True,
+    *,
+    model: PreTrainedModel | None = None,
+    seed: int = 0,
+    repeats: int | None = None,
+) -> ChatResult:
+    """8 conversations x 4 turns, a 256-token system prompt, 32-96-token user messages, 16-48 new tokens per reply
+    (quick: 4 x 3, 64, 8-24, 4-8): the Engine vs the padded batch per turn, median of ``repeats`` rounds (default 3;
+    quick 1) after a warm-up.
+
+    Example:
+        >>> result = chat_benchmark(quick=True, progress=False, model=bench_model(size="tiny"))  # doctest: +SKIP
+        >>> result.mismatches(), result.speedup() > 0  # doctest: +SKIP
+        ([], True)
+    """
+    repeats = repeats or (1 if quick else 3)
+    model = model if model is not None else bench_model(seed, quick=quick)
+    rng = random.Random(seed + 7)
+    vocab = model.config.vocab_size
+    if quick:
+        chat = chat_workload(rng, vocab, conversations=4, turns=3, system=64, user=(8, 24), reply=(4, 8))
+    else:
+        chat = chat_workload(rng, vocab, conversations=8, turns=4, system=256, user=(32, 96), reply=(16, 48))
+    warm = chat_workload(rng, vocab, conversations=2, turns=2, system=16, user=(4, 8), reply=(2, 2))
+    final = [len(chat.prompt(c, chat.turns - 1, [[0] * n for n in chat.replies[c]])) + chat.replies[c][-1]
+             for c in range(chat.conversations)]  # fmt: skip
+    num_blocks = sum(blocks_for(n) for n in final) * 2 + 8  # every turn's blocks, even if nothing were reused
+    machine = machine_info()
+    runs = {PADDED: ChatRun(PADDED), ENGINE: ChatRun(ENGINE)}
+
+    def once(name: str, workload: ChatWorkload, run: ChatRun, first: bool) -> float:
+        if name == PADDED:
+            return _padded_turns(model, workload, run, first)
+        return _engine_turns(model, workload, run, first, num_blocks)
+
+    bar = progress_bar(2 * (repeats + 1), "chat: Engine vs padded batch", progress)
+    for name in runs:
+        once(name, warm, ChatRun(name), False)
+        bar.update(1)
+    for r in range(repeats):
+        for name in (PADDED, ENGINE) if r % 2 == 0 else (ENGINE, PADDED):
+            runs[name].walls.append(once(name, chat, runs[name], r == 0))
+            bar.update(1)
+    bar.close()
+    return ChatResult(
+        quick=quick,
+        model=describe_model(model),
+        machine=machine,
+        workload=chat,
+        runs=list(runs.values()),
+        repeats=repeats,
+        engine_config=(
+            f"one Engine for all turns, created inside the timed run: block size {BLOCK_SIZE}, {num_blocks} blocks, "
+            f"max_num_seqs {chat.conversations}, max_num_batched_tokens 512 (its default), prefix caching on"
+        ),
+    )
+
+
+def run(ctx: BenchContext) -> ChatResult:
+    """The registry's entry point: the benchmark on the run's model."""
+    return chat_benchmark(ctx.quick, ctx.progress, model=ctx.model(), seed=ctx.options.seed)

@@ -1,0 +1,279 @@
+"""Benchmark 8: host overhead per decode step: what a serving loop spends outside the model forward (sampling,
+bookkeeping, scheduling, packing the next batch) with 1 to 256 sequences decoding at contexts of 512 and 4k tokens,
+the :class:`~pagedcore.adapters.transformers.Engine` next to transformers' continuous batching (the manager
+``generate_batch`` runs).
+
+The sequences share all but their last 16 prompt tokens (computed once and served from the prefix cache, so reaching
+256 x 4k tokens of context costs one 4k prefill), and decode together. The bookkeeping of a step (block tables of
+``context / block_size`` entries per sequence, slots, sampling rows) is that of independent sequences of the same
+length; the forward is cheaper than theirs would be, and is not what this benchmark measures.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from transformers import GenerationConfig, PreTrainedModel
+
+from pagedcore.adapters.transformers import Engine, SamplingParams
+
+from .common import BLOCK_SIZE, PAD, attn, bench_model, blocks_for, describe_model, progress_bar, random_tokens
+from .context import BenchContext
+from .report import aim_status, machine_info, section_header, table
+from .steps import StepTimes, logging_forwards
+
+__all__ = ["HostPoint", "HostResult", "host_benchmark"]
+
+ENGINE = "pagedcore Engine"
+HF = "transformers continuous batching"
+AIM_HOST_MS = {64: 1.0, 256: 3.0}  # Engine host milliseconds per step at that many decoding sequences
+OWN = 16  # each sequence's own prompt tokens after the shared part (one block)
+HEADROOM = 32  # prompts are this much shorter than the context: the decode steps stay within it (and the model's)
+BUDGET = 512  # max_num_batched_tokens / max_batch_tokens
+HF_LIMIT = 64 * 64 * 512  # transformers' CPU path attends each of N queries to all N x context keys read: N^2 x C
+
+
+@dataclass
+class HostPoint:
+    """One (context, sequences) point: per peer its decode steps' times, or why it did not run; greedy tokens.
+
+    Example:
+        >>> point = HostPoint(4096, 256, skipped={HF: "not run (256² x 4096 > 64² x 512)"})
+        >>> point.identical() is None   # only one peer could have run
+        True
+    """
+
+    context: int
+    seqs: int
+    times: dict[str, StepTimes] = field(default_factory=dict)
+    skipped: dict[str, str] = field(default_factory=dict)
+    tokens: dict[str, list[list[int]]] = field(default_factory=dict, repr=False)
+
+    def identical(self) -> bool | None:
+        """Whether both peers produced the same greedy tokens (None unless both ran)."""
+        if len(self.tokens) < 2:
+            return None
+        return self.tokens[ENGINE] == self.tokens[HF]
+
+
+@dataclass
+class HostResult:
+    """Host milliseconds per decode step by context and running sequences.
+
+    Example:
+        >>> point = HostPoint(512, 64, {ENGINE: StepTimes([0.05] * 3, [0.0008, 0.0009, 0.0012]),
+        ...     HF: StepTimes([0.07] * 3, [0.004] * 3)}, tokens={ENGINE: [[1]], HF: [[1]]})
+        >>> result = HostResult(True, "Llama", "laptop", [point], 4, 2, "")
+        >>> result.missed(), point.identical()
+        ([], True)
+    """
+
+    quick: bool
+    model: str
+    machine: str
+    points: list[HostPoint]
+    timed_steps: int
+    warm_steps: int
+    configs: str
+
+    def missed(self) -> list[str]:
+        """Points above their aim."""
+        return [
+            f"{p.seqs} sequences at {p.context}: {p.times[ENGINE].host_ms:.2f} ms"
+            for p in self.points
+            if ENGINE in p.times and p.seqs in AIM_HOST_MS and p.times[ENGINE].host_ms > AIM_HOST_MS[p.seqs]
+        ]
+
+    def markdown(self) -> str:
+        """The report: workload, model, machine, the table of points and the aims."""
+        contexts = sorted({p.context for p in self.points})
+        seqs = sorted({p.seqs for p in self.points})
+        workload = (
+            f"{'/'.join(map(str, seqs))} sequences decoding together (greedy, eos ignored) at contexts "
+            f"{' and '.join(map(str, contexts))}: prompts of `context - {HEADROOM}` tokens (the decode steps read up "
+            f"to `context` positions) that share all but their last {OWN} (the shared part computed once, "
+            "beforehand, and taken from the prefix cache), submitted at once"
+        )
+        measured = (
+            "forward pre- and post-hooks on the model stamp every forward; a decode step is a forward that computes "
+            "one position per sequence for every sequence; host time per step = from the end of a decode step's "
+            "forward to the start of the next one's (sampling, bookkeeping, scheduling and packing: everything the "
+            f"loop does outside the forward). The first {self.warm_steps} decode steps are left out; median over the "
+            f"next {self.timed_steps}. Each point runs both peers, their order alternating from point to point."
+        )
+        head = section_header("8. Host overhead per decode step", self.quick, workload, self.model, self.machine,
+                              measured)  # fmt: skip
+        rows = []
+        for p in self.points:
+            e, h = p.times.get(ENGINE), p.times.get(HF)
+            aim = AIM_HOST_MS.get(p.seqs)
+            same = p.identical()
+            rows.append(
+                [
+                    p.context,
+                    p.seqs,
+                    f"{e.host_ms:.2f}" if e else p.skipped.get(ENGINE, "n/a"),
+                    f"{e.forward_ms:.1f}" if e else "n/a",
+                    f"{100 * e.host_share:.1f}%" if e else "n/a",
+                    f"{h.host_ms:.2f}" if h else p.skipped.get(HF, "n/a"),
+                    f"{h.forward_ms:.1f}" if h else "n/a",
+                    f"{h.host_ms / e.host_ms:.1f}x" if e and h else "n/a",
+                    f"≤ {aim:g} ms" if aim else "-",
+                    aim_status(e.host_ms <= aim) if aim and e else "-",
+                    "n/a" if same is None else ("yes" if same else "**no**"),
+                ]
+            )
+        headers = ["context", "sequences", "Engine host ms/step", "Engine forward ms/step", "Engine host share",
+                   "transformers host ms/step", "transformers forward ms/step", "transformers / Engine host", "aim",
+                   "status", "same greedy tokens"]  # fmt: skip
+        missed = self.missed()
+        verdict = "Every aim met." if not missed else f"Above the aim: {'; '.join(missed)}."
+        return f"{head}{table(headers, rows)}\n\n{verdict}\n\n- {self.configs}\n"
+
+
+def _engine_point(
+    model: PreTrainedModel, engine: Engine, prompts: list[list[int]], new: int, prompt_len: int, warm: int
+) -> tuple[StepTimes, list[list[int]]]:
+    params = SamplingParams(max_new_tokens=new, ignore_eos=True)
+    with logging_forwards(model) as log:
+        outputs = engine.generate(prompts, params, use_tqdm=False)
+    errors = [o.error for o in outputs if o.error is not None]
+    if errors:
+        raise RuntimeError(f"{len(errors)} requests failed: {errors[0]}")
+    return log.decode_steps(len(prompts), prompt_len, skip=warm), [list(o.token_ids) for o in outputs]
+
+
+def _hf_point(
+    model: PreTrainedModel, warm_prompt: list[int], prompts: list[list[int]], new: int, prompt_len: int, warm: int
+) -> tuple[StepTimes, list[list[int]]]:
+    """transformers' continuous batching (the manager ``generate_batch`` runs): the shared prompt part first, as its
+    own request, so that the others find its blocks; then every prompt at once."""
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    n = len(prompts)
+    config = ContinuousBatchingConfig(
+        page_size=BLOCK_SIZE,
+        num_blocks=n * blocks_for(prompt_len + new) + blocks_for(prompt_len) + 8,  # to read every sequence's keys
+        max_batch_tokens=BUDGET,
+        max_requests_per_batch=max(n, 1),
+        allow_block_sharing=True,
+    )
+    generation = GenerationConfig(
+        do_sample=False, eos_token_id=-1, pad_token_id=PAD, max_new_tokens=new, bos_token_id=1
+    )
+
+    def results(manager: Any, ids: dict[str, int]) -> dict[int, list[int]]:
+        done: dict[int, list[int]] = {}
+        while len(done) < len(ids):
+            result = manager.get_result(timeout=1)
+            if result is None:
+                if not manager.is_running():
+                    raise RuntimeError("the continuous batching thread stopped before every request finished")
+                continue
+            if result.is_finished():
+                if result.error is not None:
+                    raise RuntimeError(f"request {result.request_id} failed: {result.error}")
+                done[ids[result.request_id]] = list(result.generated_tokens)
+        return done
+
+    manager_context = model.continuous_batching_context_manager(  # type: ignore[operator]
+        generation_config=generation, continuous_batching_config=config, block=True, timeout=30, warmup=False
+    )
+    with attn(model, "sdpa"), logging_forwards(model) as log, manager_context as manager:
+        manager.add_request(warm_prompt, request_id="warm", max_new_tokens=2, eos_token_id=-1)
+        results(manager, {"warm": 0})
+        ids = {}
+        for i, prompt in enumerate(prompts):
+            ids[manager.add_request(prompt, request_id=f"r{i}", max_new_tokens=new, eos_token_id=-1)] = i
+        done = results(manager, ids)
+    return log.decode_steps(n, prompt_len, skip=warm), [done[i] for i in range(n)]
+
+
+def host_benchmark(
+    quick: bool = False,
+    progress: bool = True,
+    *,
+    model: PreTrainedModel | None = None,
+    seed: int = 0,
+    contexts: tuple[int, ...] | None = None,
+    seqs: tuple[int, ...] | None = None,
+    timed_steps: int | None = None,
+    with_transformers: bool = True,
+) -> HostResult:
+    """Host milliseconds per decode step at 1/16/64/256 sequences and contexts 512 and 4096 (quick: 1/4/16 at 64 and
+    256), median over ``timed_steps`` steps (default 8; quick 4) after 2 warm-up steps. transformers' continuous
+    batching runs where its attention (each query over every key the step reads) stays affordable:
+    ``sequences^2 x context <= 64^2 x 512``.
+
+    Example:
+        >>> result = host_benchmark(quick=True, progress=False, model=bench_model(size="tiny"))  # doctest: +SKIP
+        >>> [(p.context, p.seqs) for p in result.points]  # doctest: +SKIP
+        [(64, 1), (64, 4), (64, 16), (256, 1), (256, 4), (256, 16)]
+    """
+    contexts = contexts or ((64, 256) if quick else (512, 4096))
+    seqs = seqs or ((1, 4, 16) if quick else (1, 16, 64, 256))
+    timed = timed_steps or (4 if quick else 8)
+    warm = 2
+    if min(contexts) <= HEADROOM + OWN or min(contexts) % BLOCK_SIZE:
+        raise ValueError(f"contexts must be multiples of {BLOCK_SIZE} above {HEADROOM + OWN}, got {contexts}")
+    if warm + timed + math.ceil(max(seqs) * OWN / BUDGET) + 2 > HEADROOM:
+        raise ValueError(f"{timed} timed steps for {max(seqs)} sequences do not fit in {HEADROOM} new tokens")
+    model = model if model is not None else bench_model(seed, quick=quick)
+    vocab = model.config.vocab_size
+    rng = random.Random(seed + 8)
+    machine = machine_info()
+    points: list[HostPoint] = []
+    runs = len(contexts) * len(seqs) * (2 if with_transformers else 1)
+    bar = progress_bar(runs, "host: overhead per step", progress)
+    for context in contexts:
+        prompt_len = context - HEADROOM
+        shared = random_tokens(rng, prompt_len - OWN, vocab)
+        warm_prompt = shared + random_tokens(rng, OWN, vocab)
+        room = blocks_for(context) + max(seqs) * blocks_for(OWN + HEADROOM)
+        with Engine(model, num_blocks=room + 8, block_size=BLOCK_SIZE, max_num_batched_tokens=BUDGET,
+                    max_num_seqs=max(seqs)) as engine:  # fmt: skip
+            engine.generate([warm_prompt], SamplingParams(max_new_tokens=2, ignore_eos=True), use_tqdm=False)
+            for n in seqs:
+                prompts = [shared + random_tokens(rng, OWN, vocab) for _ in range(n)]
+                new = warm + timed + math.ceil(n * OWN / BUDGET) + 2  # enough decode steps after the last prefill
+                point = HostPoint(context, n)
+                peers: list[tuple[str, Callable[[], tuple[StepTimes, list[list[int]]]]]] = [
+                    (ENGINE, functools.partial(_engine_point, model, engine, prompts, new, prompt_len, warm))
+                ]
+                if with_transformers:
+                    if n * n * context <= HF_LIMIT:
+                        hf = functools.partial(_hf_point, model, warm_prompt, prompts, new, prompt_len, warm)
+                        peers.append((HF, hf))
+                    else:
+                        point.skipped[HF] = f"not run ({n}² x {context} > 64² x 512)"
+                        bar.update(1)
+                if len(points) % 2:
+                    peers.reverse()
+                for name, fn in peers:
+                    bar.set_postfix_str(f"{name}: {n} x {context}")
+                    try:
+                        point.times[name], point.tokens[name] = fn()
+                    except Exception as exc:  # a peer that cannot run keeps its cell with the reason
+                        point.skipped[name] = f"n/a ({type(exc).__name__}: {str(exc).splitlines()[0][:120]})"
+                    bar.update(1)
+                points.append(point)
+    bar.close()
+    configs = (
+        f"Engine: one per context, block size {BLOCK_SIZE}, max_num_batched_tokens {BUDGET}, max_num_seqs "
+        f"{max(seqs)}, prefix caching on, the shared part computed by one request before the points; transformers: "
+        f"`continuous_batching_context_manager` with `ContinuousBatchingConfig(page_size={BLOCK_SIZE}, "
+        f"max_batch_tokens={BUDGET}, max_requests_per_batch=N, allow_block_sharing=True)` and blocks to read every "
+        "sequence's keys in one step, the shared part first as its own request, sdpa attention; not run where "
+        "N² x context > 64² x 512 (its CPU attention attends each query to every key of the step: minutes per point)"
+    )
+    return HostResult(quick, describe_model(model), machine, points, timed, warm, configs)
+
+
+def run(ctx: BenchContext) -> HostResult:
+    """The registry's entry point: the benchmark on the run's model."""
+    return host_benchmark(ctx.quick, ctx.progress, model=ctx.model(), seed=ctx.options.seed)
