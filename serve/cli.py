@@ -11,7 +11,7 @@ import signal
 import sys
 from typing import Any
 
-__all__ = ["BUILTIN_NAME", "add_arguments", "run"]
+__all__ = ["BUILTIN_NAME", "add_arguments", "load_api_keys", "missing_extra", "run"]
 
 BUILTIN_NAME = "pagedcore-builtin"
 
@@ -85,23 +85,14 @@ def run(args: argparse.Namespace) -> int:
         args.routing = args.routing or "prefix"
         args.cpus_per_replica = 1.0 if args.cpus_per_replica is None else args.cpus_per_replica
         return run_with_ray(args)
-    try:
-        import fastapi  # noqa: F401
-        import prometheus_client  # noqa: F401
-        import uvicorn  # noqa: F401
-    except ImportError as exc:
-        print(f"pagedcore serve: needs the serve extra: pip install 'pagedcore[serve]' ({exc})", file=sys.stderr)
+    if missing_extra("pagedcore serve", "serve", ("fastapi", "prometheus_client", "uvicorn")):
         return EXIT_UNAVAILABLE
 
     from .app import create_app
-    from .auth import ApiKeys, ApiKeysError
     from .loop import EngineLoop
     from .server import make_server
 
-    try:
-        api_keys = ApiKeys.from_file(args.api_keys) if args.api_keys else None
-    except ApiKeysError as exc:
-        raise UsageError(str(exc)) from exc
+    api_keys = load_api_keys(args.api_keys, UsageError)
     model, tokenizer, name = _model(args, UsageError)
     from pagedcore.adapters.transformers import Engine
 
@@ -194,3 +185,39 @@ def _in_main_thread() -> bool:
 
 def _ignore(signum: int, frame: Any) -> None:
     """SIGTERM after uvicorn's own shutdown: nothing left to do but return."""
+
+
+def missing_extra(command: str, extra: str, modules: tuple[str, ...]) -> bool:
+    """Whether one of ``modules`` cannot be imported; if so, say in one line which extra ``command`` needs.
+
+    Example:
+        >>> missing_extra("pagedcore serve", "serve", ("json",))
+        False
+    """
+    import importlib
+
+    try:
+        for module in modules:
+            importlib.import_module(module)
+    except ImportError as exc:
+        print(f"{command}: needs the {extra} extra: pip install 'pagedcore[{extra}]' ({exc})", file=sys.stderr)
+        return True
+    return False
+
+
+def load_api_keys(path: str | None, usage_error: type[Exception]) -> Any:
+    """The :class:`~pagedcore.serve.auth.ApiKeys` of ``--api-keys FILE`` (None without one); a bad file raises
+    ``usage_error`` with the file's problem in one line.
+
+    Example:
+        >>> load_api_keys(None, ValueError) is None
+        True
+    """
+    if not path:
+        return None
+    from .auth import ApiKeys, ApiKeysError
+
+    try:
+        return ApiKeys.from_file(path)
+    except ApiKeysError as exc:
+        raise usage_error(str(exc)) from exc

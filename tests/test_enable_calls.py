@@ -29,20 +29,7 @@ def pool_state(pool) -> tuple[int, int, int, int]:
     return pool.kv.num_used_blocks, pool.kv.num_cached_blocks, pool.num_query_tokens, pool.num_hit_tokens
 
 
-@pytest.fixture
-def enabled():
-    models = []
-
-    def _enable(model, **kwargs):
-        models.append(model)
-        return pc.enable(model, **{"num_blocks": 256, "block_size": BLOCK, **kwargs})
-
-    yield _enable
-    for model in models:
-        if pc.is_enabled(model):
-            pool = pc.disable(model)
-            assert pool.kv.num_used_blocks == 0, "blocks are still held after the test"
-            pool.check_invariants()
+ENABLE_DEFAULTS = {"num_blocks": 256, "block_size": BLOCK}
 
 
 # ------------------------------------------------------------------------------- calls that compute the whole prompt

@@ -20,7 +20,6 @@ from paged_checks import assert_same_generation, batch, dynamic
 from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
-from pagedcore.adapters import transformers as pc
 from pagedcore.adapters.transformers import PagedCache
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -33,22 +32,7 @@ def model_for(family: str) -> torch.nn.Module:
     return tiny_model(family)
 
 
-@pytest.fixture
-def enabled():
-    """enable() a model for one test; afterwards no block may be held and the bookkeeping must be consistent."""
-    models = []
-
-    def _enable(model, **kwargs):
-        models.append(model)
-        return pc.enable(model, **{"num_blocks": 256, "block_size": BLOCK, **kwargs})
-
-    yield _enable
-    gc.collect()  # outputs of a failed test may sit in a traceback cycle
-    for model in models:
-        if pc.is_enabled(model):
-            pool = pc.disable(model)
-            assert pool.kv.num_used_blocks == 0, "blocks are still held after the test"
-            pool.check_invariants()
+ENABLE_DEFAULTS = {"num_blocks": 256, "block_size": BLOCK}
 
 
 def greedy(model, ids, mask, max_new, **kwargs):

@@ -11,29 +11,20 @@ CLI's) and ``if TYPE_CHECKING:`` blocks do not. The core is ``pagedcore.*`` from
 from __future__ import annotations
 
 import ast
-import importlib.util
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from repo import ROOT, load_typecheck
 
-ROOT = Path(__file__).resolve().parent.parent
 FORBIDDEN_IN_CORE = ("torch", "transformers", "xformers", "pagedcore.adapters", "pagedcore.plugins")
 # pagedcore.attention holds the tensor-side interface (PagedAttentionMetadata builds torch tensors): it imports torch
 # by design and is reached only from the adapters and plugins, or under TYPE_CHECKING.
 TENSOR_SIDE = frozenset({"pagedcore.attention"})
 # Importing it runs the command line (python -m pagedcore): checked statically only.
 ENTRY_SCRIPTS = frozenset({"pagedcore.__main__"})
-
-
-def load_typecheck():
-    spec = importlib.util.spec_from_file_location("ci_typecheck", ROOT / ".ci" / "typecheck.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @dataclass(frozen=True)

@@ -4,22 +4,13 @@ regular wheel as in the editable install); the built-in plugins are registered b
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def load_typecheck():
-    spec = importlib.util.spec_from_file_location("ci_typecheck", ROOT / ".ci" / "typecheck.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from repo import ROOT, load_typecheck
 
 
 def test_wheel_layout_and_builtin_plugins(tmp_path):

@@ -55,22 +55,6 @@ def assert_same(ref, out) -> None:
         torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
 
 
-@pytest.fixture
-def enabled():
-    models = []
-
-    def _enable(model, **kwargs):
-        models.append(model)
-        return pc.enable(model, **kwargs)
-
-    yield _enable
-    for model in models:
-        if pc.is_enabled(model):
-            pool = pc.disable(model)
-            assert pool.kv.num_used_blocks == 0, "a generate call leaked blocks"
-            pool.check_invariants()
-
-
 @pytest.mark.parametrize("attn", ["sdpa", "paged"])
 def test_prefix_hit_equals_cold_generate(enabled, attn):
     model = llama(attn=attn)

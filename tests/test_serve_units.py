@@ -137,6 +137,38 @@ def test_a_missing_key_file_is_a_clear_error(tmp_path):
         ApiKeys.from_file(tmp_path / "absent")
 
 
+def test_the_command_line_turns_a_bad_key_file_into_a_usage_error(tmp_path):
+    from pagedcore.cli import UsageError
+    from pagedcore.serve.cli import load_api_keys
+
+    path = tmp_path / "keys"
+    path.write_text("sk-1 team-a\n")
+    assert load_api_keys(str(path), UsageError).tenant("Bearer sk-1") == "team-a"
+    with pytest.raises(UsageError, match="cannot read"):
+        load_api_keys(str(tmp_path / "absent"), UsageError)
+
+
+def test_a_missing_extra_is_named_in_one_line(capsys):
+    from pagedcore.serve.cli import missing_extra
+
+    assert missing_extra("pagedcore serve --ray", "ray", ("json", "pagedcore_no_such_module"))
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert "pagedcore serve --ray: needs the ray extra: pip install 'pagedcore[ray]'" in err
+    assert "pagedcore_no_such_module" in err
+
+
+def test_serve_packages_import_names_lazily_and_refuse_unknown_ones():
+    import pagedcore.serve as serve
+    import pagedcore.serve.ray as serve_ray
+
+    assert serve.EngineLoop.__module__ == "pagedcore.serve.loop"
+    assert serve_ray.ModelSpec.__module__ == "pagedcore.serve.ray.model_spec"
+    for module in (serve, serve_ray):
+        with pytest.raises(AttributeError, match="has no attribute 'nope'"):
+            module.nope  # noqa: B018
+
+
 def test_every_key_is_compared_whichever_matches(monkeypatch):
     keys = ApiKeys({f"sk-{i}": f"t{i}" for i in range(5)})
     calls = []

@@ -23,8 +23,9 @@ Example:
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from pagedcore.lazy_names import lazy_getattr
 
 if TYPE_CHECKING:
     from .data import GenerateBatch
@@ -56,9 +57,4 @@ _HOMES = {
     "deploy": "deployment",
 }
 
-
-def __getattr__(name: str) -> Any:
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module 'pagedcore.serve.ray' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{home}"), name)
+__getattr__ = lazy_getattr(__name__, _HOMES)

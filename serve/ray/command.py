@@ -31,20 +31,17 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--replicas must be >= 1, got {args.replicas}")
     if args.cpus_per_replica <= 0:
         raise UsageError(f"--cpus-per-replica must be > 0, got {args.cpus_per_replica}")
-    try:
-        import ray
-        from ray import serve
-    except ImportError as exc:
-        print(f"pagedcore serve --ray: needs the ray extra: pip install 'pagedcore[ray]' ({exc})", file=sys.stderr)
+    from ..cli import load_api_keys, missing_extra
+
+    if missing_extra("pagedcore serve --ray", "ray", ("ray", "ray.serve")):
         return EXIT_UNAVAILABLE
-    from ..auth import ApiKeys, ApiKeysError
+    import ray
+    from ray import serve
+
     from .deployment import build_app, deploy
     from .model_spec import ModelSpec
 
-    try:
-        api_keys = ApiKeys.from_file(args.api_keys) if args.api_keys else None
-    except ApiKeysError as exc:
-        raise UsageError(str(exc)) from exc
+    api_keys = load_api_keys(args.api_keys, UsageError)
     spec = ModelSpec(path=args.model, dtype=args.dtype, device=args.device, threads=args.threads)
     if args.model is None:
         from pagedcore.adapters.transformers.builtin import BUILTIN_DESCRIPTION
