@@ -26,6 +26,7 @@ from typing import Any
 from pagedcore import __version__
 from pagedcore.benchmarks.options import add_arguments as add_bench_arguments
 from pagedcore.benchmarks.options import options_from as bench_options
+from pagedcore.benchmarks.registry import BENCHMARKS
 from pagedcore.errors import PagedCoreError, PluginError
 
 __all__ = ["load_model", "main"]
@@ -124,7 +125,9 @@ def _parser() -> argparse.ArgumentParser:
     bench = sub.add_parser(
         "bench",
         help="side-by-side benchmarks (markdown tables + PNG chart)",
-        description="Run the prefix-cache, cold-generate, memory, engine and bookkeeping-core benchmarks.",
+        description="Run the side-by-side benchmarks (all, or those --only names), in this order:\n"
+        + "\n".join(f"  {b.name:8} {b.summary}" for b in BENCHMARKS.values()),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_bench_arguments(bench)  # --quick, --device, --dtype, --model-size, --only, --threads, --no-progress
     bench.add_argument("--out", default="bench-out", help="folder for results.md and the chart (default: bench-out)")

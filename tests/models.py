@@ -5,8 +5,7 @@
   sliding window (:data:`WINDOW`) for the sliding families so short generations cross it.
 - :func:`tiny_tokenizer`: a word-level tokenizer over the same vocabulary (token ``i`` is the word ``t<i>``), built
   offline, for streamers and anything else that needs text.
-- :func:`bench_llama_config` / :func:`bench_llama`: the benchmark-sized Llama (hidden 512, 8 layers, 8 heads, 2 KV
-  heads, vocab 32000). For benchmarks only: too slow for the test suite.
+  (The benchmark-sized models are ``pagedcore.benchmarks.options.MODEL_SIZES``.)
 
 Every model is built from its own config object: ``from_config(cfg, attn_implementation=X)`` mutates ``cfg``.
 Token ids ``0, 1, 2`` are pad, bos and eos in every family; tests draw prompt tokens from ``3 .. vocab - 1``.
@@ -39,8 +38,6 @@ __all__ = [
     "SLIDING_FAMILIES",
     "VOCAB",
     "WINDOW",
-    "bench_llama",
-    "bench_llama_config",
     "compatible_attn",
     "tiny_config",
     "tiny_model",
@@ -337,32 +334,6 @@ def tiny_tokenizer(vocab_size: int = VOCAB) -> PreTrainedTokenizerFast:
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer.decoder = decoders.WordPiece()  # joins words with spaces
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
-
-
-def bench_llama_config(**overrides: Any) -> PretrainedConfig:
-    """The benchmark-sized Llama: hidden 512, 8 layers, 8 heads, 2 KV heads, vocab 32000."""
-    fields: dict[str, Any] = {
-        "vocab_size": 32000,
-        "hidden_size": 512,
-        "intermediate_size": 1536,
-        "num_hidden_layers": 8,
-        "num_attention_heads": 8,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 4096,
-        "pad_token_id": PAD,
-        "bos_token_id": BOS,
-        "eos_token_id": EOS,
-        "tie_word_embeddings": False,
-    }
-    return AutoConfig.for_model("llama", **{**fields, **overrides})
-
-
-def bench_llama(
-    *, attn_implementation: str = "sdpa", seed: int = 0, dtype: torch.dtype = torch.float32, **overrides: Any
-) -> PreTrainedModel:
-    """The benchmark-sized Llama with random weights (benchmarks only; not used by the test suite)."""
-    model = _build(bench_llama_config(**overrides), attn_implementation, seed)
-    return model.to(dtype)
 
 
 def _build(config: PretrainedConfig, attn_implementation: str, seed: int) -> PreTrainedModel:
