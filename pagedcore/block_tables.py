@@ -7,13 +7,16 @@ through the BlockManager's public interface.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Callable, Hashable, Sequence
+
+import torch
 
 from pagedcore.errors import InvalidBlockError, OutOfBlocksError
 from pagedcore.kv_pool import KVPool, PoolMatch
 from pagedcore.validation import as_integer
 
-__all__ = ["BlockTables", "Copy", "append_all"]
+__all__ = ["BlockTables", "Copy", "append_all", "stack_tables"]
 
 Copy = tuple[int, int, int]
 """A copy-on-write copy to perform before writing: ``(group index, source block, destination block)``."""
@@ -40,6 +43,7 @@ class BlockTables:
     def __init__(self, pool: KVPool) -> None:
         self._pool = pool
         self._tables: list[list[int]] = [[] for _ in pool.groups]
+        self._arrays: list[array[int] | None] = [None] * len(pool.groups)  # table_array's copies (None: stale)
         self._dropped = [0] * len(pool.groups)
         self._num_tokens = 0
         self._num_cached_blocks = [0] * len(pool.groups)  # leading full blocks registered in the prefix cache
@@ -67,6 +71,22 @@ class BlockTables:
     def table(self, group: int) -> list[int]:
         """Live blocks of ``group`` (a copy), starting at logical block ``num_dropped(group)``."""
         return list(self._tables[group])
+
+    def table_array(self, group: int) -> array[int]:
+        """:meth:`table` as an ``array('i')`` (int32), kept between calls until the table changes: a step packs the
+        block tables of hundreds of sequences into one tensor by copying these buffers, without a per-block Python
+        loop (a decode step changes a sequence's table once per ``block_size`` tokens). Do not modify it.
+
+        Example:
+            >>> seq = BlockTables(KVPool(num_blocks=8, block_size=4))
+            >>> _ = seq.append(6)
+            >>> seq.table_array(0).tolist(), seq.table_array(0) is seq.table_array(0)
+            ([0, 1], True)
+        """
+        cached = self._arrays[group]
+        if cached is None:
+            cached = self._arrays[group] = array("i", self._tables[group])
+        return cached
 
     def num_dropped(self, group: int) -> int:
         """Leading logical blocks of ``group`` released because they left the sliding window."""
@@ -138,6 +158,7 @@ class BlockTables:
             for i, ids in held:
                 self._pool.groups[i].block_manager.release(ids[::-1])
             raise
+        self._stale()
         for i, ids in held:
             self._tables[i] = list(ids)
             self._num_cached_blocks[i] = num_tokens // bs
@@ -165,6 +186,7 @@ class BlockTables:
                 available=sum(s.available for s in short),
             )
         copies: list[Copy] = []
+        self._stale()
         for i, group in enumerate(groups):
             out = group.block_manager.append_slot(self._tables[i], self._held_tokens(i), num_new_tokens)
             self._tables[i] = out.block_ids
@@ -207,6 +229,7 @@ class BlockTables:
                 gone = self._tables[i][:count]
                 group.block_manager.release(gone[::-1])
                 del self._tables[i][:count]
+                self._arrays[i] = None
                 self._dropped[i] += count
                 released += count
             # The first query that no longer sees the last key of the group's first live block.
@@ -260,6 +283,7 @@ class BlockTables:
                 group.block_manager.release([table[j] for j, _ in reversed(swaps)])
                 for j, can in swaps:
                     table[j] = can
+                self._arrays[i] = None
             self._num_cached_blocks[i] = num_full
         self._next_full = (num_full + 1) * bs
 
@@ -299,6 +323,7 @@ class BlockTables:
             if gone:
                 group.block_manager.release(gone[::-1])
                 del self._tables[i][keep:]
+                self._arrays[i] = None
             self._num_cached_blocks[i] = min(self._num_cached_blocks[i], num_tokens // bs)
         self._num_tokens = num_tokens
         self._last_private = False  # a cached full block may now be partly filled
@@ -313,6 +338,7 @@ class BlockTables:
             if table:
                 group.block_manager.release(table[::-1])
             self._tables[i] = []
+        self._stale()
         self._released = True
         self._num_tokens = 0
 
@@ -331,6 +357,10 @@ class BlockTables:
         self._uncachable = [False] * len(self._pool.groups)
         self._last_private = False
         self._next_full = 0
+
+    def _stale(self) -> None:
+        """Forget every :meth:`table_array` copy (the tables are about to change)."""
+        self._arrays = [None] * len(self._tables)
 
     def __repr__(self) -> str:
         return f"BlockTables(num_tokens={self._num_tokens}, tables={self._tables}, dropped={self._dropped})"
@@ -377,3 +407,23 @@ def append_all(tables: Sequence[BlockTables], counts: Sequence[int], perform: Ca
         for i in grown:
             tables[i].truncate(before[i])
         raise
+
+
+def stack_tables(rows: Sequence[array[int]], pad_block: int) -> torch.Tensor:
+    """Block tables of several sequences (e.g. :meth:`BlockTables.table_array`) as one ``int32 (len(rows), width)``
+    tensor, each row padded with ``pad_block`` to the longest (width at least 1): buffer copies, no per-block loop.
+
+    Example:
+        >>> stack_tables([array("i", [3, 5]), array("i", [1])], pad_block=8).tolist()
+        [[3, 5], [1, 8]]
+    """
+    width = max((len(row) for row in rows), default=0) or 1
+    pad = array("i", [pad_block]) * width
+    buffer = array("i")
+    for row in rows:
+        buffer += row
+        if len(row) < width:
+            buffer += pad[: width - len(row)]
+    if not buffer:
+        return torch.full((len(rows), width), pad_block, dtype=torch.int32)
+    return torch.frombuffer(buffer, dtype=torch.int32).clone().view(len(rows), width)

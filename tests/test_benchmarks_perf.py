@@ -173,6 +173,9 @@ def test_host_benchmark_times_decode_steps_of_both_peers(host_result):
         for times in point.times.values():
             assert times.steps >= 3 and min(times.host) > 0 and min(times.forward) > 0
         assert point.identical() is True
+        engine = point.times[host.ENGINE]
+        assert set(engine.stages) == {"schedule", "prepare", "forward", "sample", "record"}
+        assert all(len(values) == engine.steps for values in engine.stages.values()) and engine.stages_host_ms > 0
     text = host_result.markdown()
     assert text.startswith("### 8. Host overhead per decode step (quick workload)")
     assert text.count("| 64 | ") == 2 and "| yes |" in text

@@ -365,6 +365,12 @@ class Engine:
         backend = self.pool.attention_backend(weight.device, weight.dtype, self.attention_backend)
         return int(getattr(getattr(backend, "stats", None), "kernel_failures", 0))
 
+    def stage_seconds(self) -> dict[str, float]:
+        """Cumulative seconds per stage of the steps (``schedule``, ``prepare``, ``forward``, ``sample``,
+        ``record``): the ``*_seconds`` fields of :meth:`stats`, cheap enough to read around every step."""
+        with self._lock:
+            return dict(self._phases)
+
     # ------------------------------------------------------------------ the step
     def _step(self, owner: object | None) -> tuple[list[RequestOutput], list[TokenEvent]]:
         """schedule -> prepare -> forward -> sample -> record; returns the reports that belong to ``owner`` (None:

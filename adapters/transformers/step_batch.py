@@ -8,6 +8,7 @@ run without the Engine's lock while other threads add and abort requests.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,6 +17,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DummyLayer
 
 from pagedcore.attention import PagedAttentionMetadata, write_kv
+from pagedcore.block_tables import stack_tables
 from pagedcore.scheduler import SchedulerOutput
 
 from .attention import ForwardContext
@@ -201,20 +203,30 @@ def pack(
         ([5, 6, 7], [0, 1, 2], [2], ['r'])
     """
     pool.copy_blocks(plan.copies)
-    groups = pool.kv.groups
+    group_ids = range(len(pool.kv.groups))
     tokens: list[int] = []
     positions: list[int] = []
-    tables: list[list[list[int]]] = [[] for _ in groups]
-    offsets: list[list[int]] = [[] for _ in groups]
-    slots: list[list[list[int]]] = [[] for _ in groups]
+    tables: list[list[array[int]]] = [[] for _ in group_ids]
+    offsets: list[list[int]] = [[] for _ in group_ids]
+    slots: list[list[int]] = [[] for _ in group_ids]
+    query_lens: list[int] = []
+    seq_lens: list[int] = []
     logit_rows: list[int] = []
     rows: list[SampleRow] = []
     owners: dict[str, EngineRequest] = {}
-    for item in plan.scheduled:
+    for item in plan.scheduled:  # one pass; a decode step of hundreds of sequences spends its host time here
         seq = item.sequence
         request = owners[item.request_id] = requests[seq.group_id]
-        tokens.extend(item.token_ids)
-        positions.extend(range(item.start, item.end))
+        start, count = item.start, item.num_new_tokens
+        end = start + count
+        if count == 1:
+            tokens.append(seq.token_ids[start])
+            positions.append(start)
+        else:
+            tokens.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+        query_lens.append(count)
+        seq_lens.append(end)
         if item.sample:
             logit_rows.append(len(tokens) - 1)
             if item.num_samples > 1:
@@ -225,25 +237,23 @@ def pack(
             if seq.min_new_tokens and seq.num_output_tokens < seq.min_new_tokens:
                 suppress = tuple(sorted(seq.stop_token_ids))
             rows.append(SampleRow(item.request_id, request.params, generators, suppress))
-        item_tables, item_offsets, item_slots = item.block_tables, item.block_offsets, item.slots
-        for g in range(len(groups)):
-            tables[g].append(item_tables[g])
-            offsets[g].append(item_offsets[g])
-            slots[g].append(item_slots[g])
-    query_lens = [item.num_new_tokens for item in plan.scheduled]
-    seq_lens = [item.end for item in plan.scheduled]
+        blocks = item.blocks
+        for g in group_ids:
+            tables[g].append(blocks.table_array(g))
+            offsets[g].append(blocks.num_dropped(g))
+            slots[g].extend(blocks.slots(g, start, end))
     metas: list[PagedAttentionMetadata | None] = [
-        PagedAttentionMetadata.build(
+        PagedAttentionMetadata(
             block_size=pool.block_size,
             query_lens=query_lens,
             seq_lens=seq_lens,
             block_offsets=offsets[g.index],
-            tables=tables[g.index],
-            slots=slots[g.index],
+            block_tables=stack_tables(tables[g.index], pool.pad_block),
+            slot_mapping=torch.tensor(slots[g.index], dtype=torch.int64),
             sliding_window=g.sliding_window,
             pad_block=pool.pad_block,
         )
-        for g in groups
+        for g in pool.kv.groups
     ]
     context = ForwardContext(pool, metas, None, attention_backend)
     return StepBatch(plan, owners, tokens, positions, logit_rows, rows, context)
