@@ -106,8 +106,8 @@ class HostResult:
             "loop does outside the forward). The Engine's own split of that time comes from "
             "`Engine.stage_seconds()` read around each `step()`: schedule / prepare (packing, metadata) / sample / "
             "record (outputs, events), medians per step; the gap also holds what none of them times (freeing the "
-            f"step's logits, the model call's wrapping). The first {self.warm_steps} decode steps are left out; median over the next "
-            f"{self.timed_steps}. Each point runs both peers, their order alternating from point to point."
+            f"step's logits, the model call's wrapping). The first {self.warm_steps} decode steps are left out; "
+            f"median over the next {self.timed_steps}. Each point runs both peers, their order alternating from point to point."
         )
         head = section_header("8. Host overhead per decode step", self.quick, workload, self.model, self.machine,
                               measured)  # fmt: skip
