@@ -107,7 +107,8 @@ class HostResult:
             "`Engine.stage_seconds()` read around each `step()`: schedule / prepare (packing, metadata) / sample / "
             "record (outputs, events), medians per step; the gap also holds what none of them times (freeing the "
             f"step's logits, the model call's wrapping). The first {self.warm_steps} decode steps are left out; "
-            f"median over the next {self.timed_steps}. Each point runs both peers, their order alternating from point to point."
+            f"median over the next {self.timed_steps}. Each point runs both peers, their order alternating from point "
+            "to point."
         )
         head = section_header("8. Host overhead per decode step", self.quick, workload, self.model, self.machine,
                               measured)  # fmt: skip
