@@ -34,6 +34,7 @@ class _Bucket:
     blocks: torch.Tensor  # (n, num_blocks) physical blocks to gather, padded with pad_block
     mask: torch.Tensor  # (n, 1, max_q, num_blocks * block_size) bool, True = attend
     shared: _Shared | None = None  # leading blocks every sequence shares (then ``blocks`` holds only the tails)
+    tail_hidden: torch.Tensor | None = None  # the cascade's tail mask, inverted and laid out for its scores
 
 
 @dataclass
@@ -83,9 +84,10 @@ class TorchPagedAttention:
             v = _gather(value_cache, bucket.blocks)
             if bucket.shared is None:
                 o = _attend(q, k, v, bucket.mask, scale, softcap)  # (n, q_heads, max_q, dv)
+                o = o.transpose(1, 2).reshape(-1, q_heads, o.shape[-1])[bucket.valid]
             else:
-                o = _cascade(q, k, v, bucket.mask, bucket.shared, key_cache, value_cache, scale, softcap)
-            o = o.transpose(1, 2).reshape(-1, q_heads, o.shape[-1])[bucket.valid]
+                rows = query.index_select(0, bucket.out_index)  # the real queries, unpadded
+                o = _cascade(q, rows, k, v, bucket, key_cache, value_cache, scale, softcap)
             out.index_copy_(0, bucket.out_index, o)
         return out
 
@@ -176,18 +178,28 @@ def _bucket(meta: PagedAttentionMetadata, rows: list[int], starts: list[int], de
 
 def _cascade(
     q: torch.Tensor,
+    rows: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    mask: torch.Tensor,
-    shared: _Shared,
+    bucket: _Bucket,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     scale: float,
     softcap: float | None,
 ) -> torch.Tensor:
     """Attention over (shared prefix + own tail) keys, the prefix computed once for all sequences; merged exactly
-    through the two parts' log-sum-exp. ``q (n, q_heads, max_q, d)``, ``k``/``v`` the gathered tails."""
+    through the two parts' log-sum-exp. ``q (n, q_heads, max_q, d)`` the bucket's padded queries, ``rows (R,
+    q_heads, d)`` its real query rows in the order of ``bucket.valid``, ``k``/``v`` the gathered tails. Returns
+    ``(R, q_heads, dv)``.
+
+    Every real query sees every shared key, so the prefix part runs on the real rows only (no padding: a prefill
+    bucket's queries are padded to its longest); the tail part runs padded, with its mask. Scores are scaled
+    through the (smaller) queries, and softmax numerators are formed in place.
+    """
+    shared = bucket.shared
+    assert shared is not None
     n, q_heads, max_q, dim = q.shape
+    num_rows = rows.shape[0]
     kv_heads = k.shape[1]
     groups = q_heads // kv_heads
     work = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
@@ -197,31 +209,47 @@ def _cascade(
     else:
         kp = key_cache[shared.blocks].reshape(shared.length, *key_cache.shape[2:])
         vp = value_cache[shared.blocks].reshape(shared.length, *value_cache.shape[2:])
-    # Prefix part: (kv_heads, n * groups * max_q, d) @ (kv_heads, d, shared) in one matmul per KV head.
-    q5 = q.to(work).view(n, kv_heads, groups, max_q, dim)
-    qp = q5.permute(1, 0, 2, 3, 4).reshape(kv_heads, n * groups * max_q, dim)
-    sp = torch.matmul(qp, kp.to(work).permute(1, 2, 0)) * scale  # (kv_heads, m, shared)
-    # Tail part: each sequence's own keys, masked (causal, padding).
-    st = torch.matmul(q5.reshape(n, kv_heads, groups * max_q, dim), k.to(work).transpose(-1, -2)) * scale
-    if softcap is not None:
-        sp = torch.tanh(sp / softcap) * softcap
-        st = torch.tanh(st / softcap) * softcap
-    st = st.masked_fill(~mask.expand(n, groups, max_q, -1).reshape(n, 1, groups * max_q, -1), float("-inf"))
-    mp = sp.amax(dim=-1, keepdim=True)
-    mt = st.amax(dim=-1, keepdim=True)
-    ep, et = torch.exp(sp - mp), torch.exp(st - mt)
-    op = torch.matmul(ep, vp.to(work).transpose(0, 1))  # (kv_heads, m, dv)
-    ot = torch.matmul(et, v.to(work))  # (n, kv_heads, groups * max_q, dv)
 
-    # Bring the prefix part to the tail's layout: (n, kv_heads, groups * max_q, ...).
-    def to_tail(x: torch.Tensor) -> torch.Tensor:
-        return x.view(kv_heads, n, groups * max_q, x.shape[-1]).transpose(0, 1)
+    # Prefix part: (kv_heads, R * groups, d) @ (kv_heads, d, shared) in one matmul per KV head.
+    qp = (rows.to(work) * scale).view(num_rows, kv_heads, groups, dim).transpose(0, 1)
+    sp = torch.matmul(qp.reshape(kv_heads, num_rows * groups, dim), kp.to(work).permute(1, 2, 0))
+    mp, lp, op = _partial_softmax(sp, None, vp.to(work).transpose(0, 1), softcap)  # (kv_heads, R * groups, ...)
 
-    mp, sum_p, op = to_tail(mp), to_tail(ep.sum(dim=-1, keepdim=True)), to_tail(op)
+    # Tail part: each sequence's own keys, masked (causal, padding): (n, kv_heads, groups * max_q, ...).
+    qt = (q.to(work) * scale).reshape(n, kv_heads, groups * max_q, dim)
+    st = torch.matmul(qt, k.to(work).transpose(-1, -2))
+    if bucket.tail_hidden is None:  # once per forward, for every layer: keys each tail score row must not see
+        bucket.tail_hidden = ~bucket.mask.expand(n, groups, max_q, -1).reshape(n, 1, groups * max_q, -1)
+    mt, lt, ot = _partial_softmax(st, bucket.tail_hidden, v.to(work), softcap)
+
+    # Both parts in the real rows' layout (R, kv_heads, groups, ...), merged.
+    def prefix_rows(x: torch.Tensor) -> torch.Tensor:
+        return x.view(kv_heads, num_rows, groups, x.shape[-1]).transpose(0, 1)
+
+    def tail_rows(x: torch.Tensor) -> torch.Tensor:
+        x = x.view(n, kv_heads, groups, max_q, x.shape[-1]).permute(0, 3, 1, 2, 4)
+        return x.reshape(n * max_q, kv_heads, groups, x.shape[-1])[bucket.valid]
+
+    mp, lp, op = prefix_rows(mp), prefix_rows(lp), prefix_rows(op)
+    mt, lt, ot = tail_rows(mt), tail_rows(lt), tail_rows(ot)
     m = torch.maximum(mp, mt)
     wp, wt = torch.exp(mp - m), torch.exp(mt - m)
-    out = (op * wp + ot * wt) / (sum_p * wp + et.sum(dim=-1, keepdim=True) * wt)
-    return out.reshape(n, q_heads, max_q, -1).to(q.dtype)
+    out = (op * wp + ot * wt) / (lp * wp + lt * wt)
+    return out.reshape(num_rows, q_heads, -1).to(q.dtype)
+
+
+def _partial_softmax(
+    scores: torch.Tensor, hidden: torch.Tensor | None, values: torch.Tensor, softcap: float | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(max, sum of exp(score - max), exp(score - max) @ values)`` over the last axis of scaled ``scores`` (which
+    it overwrites), ``hidden`` (True = masked out) applied first."""
+    if softcap is not None:
+        scores = scores.div_(softcap).tanh_().mul_(softcap)
+    if hidden is not None:
+        scores = scores.masked_fill_(hidden, float("-inf"))
+    top = scores.amax(dim=-1, keepdim=True)
+    numerators = scores.sub_(top).exp_()
+    return top, numerators.sum(dim=-1, keepdim=True), torch.matmul(numerators, values)
 
 
 def _contiguous_run(meta: PagedAttentionMetadata, device: torch.device) -> tuple[int, int, torch.Tensor | None] | None:
