@@ -9,7 +9,9 @@ Shared prefixes ("cascade" attention): when every sequence of a bucket starts wi
 system prompt served from the prefix cache) and all of its queries come after them, those blocks are read once —
 as a view of the pool when they are consecutive — for all queries together, each sequence gathers only its own
 tail, and the two partial softmaxes are merged with their log-sum-exp. The same numbers, without copying the
-prefix once per sequence and layer. A single sequence whose visible keys are consecutive attends to a view.
+prefix once per sequence and layer. It is used where that copy is what costs (up to 16 queries per sequence and a
+prefix at least as long as the longest own tail: decode steps under a long system prompt); elsewhere the fused SDPA
+over the gathered keys is faster on CPU. A single sequence whose visible keys are consecutive attends to a view.
 """
 
 from __future__ import annotations
@@ -79,7 +81,8 @@ class TorchPagedAttention:
         out = query.new_zeros(num_tokens, q_heads, value_cache.shape[-1])
         padded_query = torch.cat([query, query.new_zeros(1, *query.shape[1:])])  # row num_tokens = padding
         for bucket in self._buckets(metadata, query.device):
-            q = padded_query[bucket.query_index].transpose(1, 2)  # (n, q_heads, max_q, d)
+            q = padded_query.index_select(0, bucket.query_index.reshape(-1))
+            q = q.view(*bucket.query_index.shape, *query.shape[1:]).transpose(1, 2)  # (n, q_heads, max_q, d)
             k = _gather(key_cache, bucket.blocks)  # (n, kv_heads, keys, d)
             v = _gather(value_cache, bucket.blocks)
             if bucket.shared is None:
@@ -114,18 +117,32 @@ class TorchPagedAttention:
         return cached
 
 
+_CASCADE_MAX_QUERIES = 16  # queries per sequence up to which a shared prefix is attended once (see _shared_blocks)
+
+
 def _shared_blocks(meta: PagedAttentionMetadata, rows: list[int]) -> int:
     """Leading blocks every row of a bucket holds in common and all of their queries see whole (0 if not worth it)."""
     if len(rows) < 2 or meta.sliding_window is not None or any(meta.block_offsets[i] for i in rows):
         return 0
     bs = meta.block_size
-    tables = [meta.block_tables[i].tolist() for i in rows]
+    host = meta.host_tables  # the CPU copy when the tables live on a GPU: no device sync
+    tables = [host[i].tolist() for i in rows]
     limit = min((meta.seq_lens[i] - meta.query_lens[i]) // bs for i in rows)  # before every row's first query
     count = 0
     first = tables[0]
     while count < limit and all(t[count] == first[count] for t in tables):
         count += 1
-    return count if count * bs >= 64 else 0  # a short prefix is cheaper to gather than to merge
+    length = count * bs
+    if length < 64:
+        return 0  # a short prefix is cheaper to gather than to merge
+    # Measured on CPU (docs/benchmarks.md, Profiles): the cascade pays when copying the prefix once per sequence
+    # would dominate, i.e. few queries per sequence and a prefix at least as long as the longest own tail; with
+    # more queries the attention's FLOPs dominate and one fused SDPA call over the gathered keys is faster.
+    if max(meta.query_lens[i] for i in rows) > _CASCADE_MAX_QUERIES:
+        return 0
+    if max(meta.seq_lens[i] for i in rows) - length > length:
+        return 0
+    return count
 
 
 def _bucket(meta: PagedAttentionMetadata, rows: list[int], starts: list[int], device: torch.device) -> _Bucket:
@@ -166,7 +183,7 @@ def _bucket(meta: PagedAttentionMetadata, rows: list[int], starts: list[int], de
     valid = real.reshape(-1)
     shared = None
     if shared_count:
-        ids = meta.block_tables[rows[0], :shared_count].tolist()
+        ids = meta.host_tables[rows[0], :shared_count].tolist()
         consecutive = all(ids[j + 1] == ids[j] + 1 for j in range(shared_count - 1))
         shared = _Shared(
             ids[0] * bs if consecutive else None,
@@ -207,8 +224,8 @@ def _cascade(
         kp = key_cache.view(-1, *key_cache.shape[2:])[shared.start : shared.start + shared.length]
         vp = value_cache.view(-1, *value_cache.shape[2:])[shared.start : shared.start + shared.length]
     else:
-        kp = key_cache[shared.blocks].reshape(shared.length, *key_cache.shape[2:])
-        vp = value_cache[shared.blocks].reshape(shared.length, *value_cache.shape[2:])
+        kp = _gather(key_cache, shared.blocks[None]).transpose(1, 2)[0]  # (shared, kv_heads, d)
+        vp = _gather(value_cache, shared.blocks[None]).transpose(1, 2)[0]
 
     # Prefix part: (kv_heads, R * groups, d) @ (kv_heads, d, shared) in one matmul per KV head.
     qp = (rows.to(work) * scale).view(num_rows, kv_heads, groups, dim).transpose(0, 1)
@@ -273,9 +290,12 @@ def _contiguous_run(meta: PagedAttentionMetadata, device: torch.device) -> tuple
 
 
 def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """``(n, heads, width * block_size, dim)``: the blocks ``(n, width)`` of each row, one after the other.
+    (``index_select`` over whole blocks: several times faster than advanced indexing on CPU.)"""
     n, width = blocks.shape
-    _, bs, heads, dim = cache.shape
-    return cache[blocks].reshape(n, width * bs, heads, dim).transpose(1, 2)
+    num_blocks, bs, heads, dim = cache.shape
+    flat = cache.view(num_blocks, -1).index_select(0, blocks.reshape(-1))
+    return flat.view(n, width * bs, heads, dim).transpose(1, 2)
 
 
 def _attend(
