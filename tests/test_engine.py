@@ -391,3 +391,25 @@ def test_a_model_whose_attention_the_engine_cannot_replace_is_refused(family):
     with pytest.raises(UnsupportedModelError, match="AttentionInterface"):
         Engine(model, num_blocks=64, block_size=4)
     assert model.config._attn_implementation == before
+
+
+def test_the_step_moves_its_host_tensors_with_to_device(monkeypatch):
+    # On CUDA a plain .to()/torch.tensor(device=) of a CPU tensor waits for the GPU every step; to_device copies
+    # from pinned memory without waiting. On the CPU it returns its input: here we check that every per-step copy
+    # of the Engine (inputs, slots, copy-on-write pairs) goes through it.
+    from pagedcore.adapters.transformers import engine as engine_module
+    from pagedcore.adapters.transformers import pool as pool_module
+    from pagedcore.adapters.transformers import step_batch
+    from pagedcore.attention import to_device
+
+    calls: list[str] = []
+    for module in (engine_module, pool_module, step_batch):
+        name = module.__name__.rsplit(".", 1)[-1]
+        monkeypatch.setattr(module, "to_device", lambda t, d, name=name: calls.append(name) or to_device(t, d))
+    model = tiny_model("llama")
+    with Engine(model, num_blocks=64, block_size=4) as engine:
+        # two samples of a prompt that ends inside a block: the fork copies that block on its first write
+        engine.generate([[5, 6, 7, 8, 9, 10]], SamplingParams(max_new_tokens=3, n=2, temperature=1.0, seed=0),
+                        use_tqdm=False)  # fmt: skip
+        settle(engine)
+    assert {"engine", "pool", "step_batch"} <= set(calls), calls

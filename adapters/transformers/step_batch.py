@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DummyLayer
 
-from pagedcore.attention import PagedAttentionMetadata, write_kv
+from pagedcore.attention import PagedAttentionMetadata, to_device, write_kv
 from pagedcore.block_tables import stack_tables
 from pagedcore.scheduler import SchedulerOutput
 
@@ -133,7 +133,7 @@ class PackedCache(Cache):
         key_cache, value_cache = self._pool.layer_kv(layer_idx, keys, values)
         slots = self._on.get((group, keys.device))
         if slots is None:
-            slots = self._on[(group, keys.device)] = self._slots[group].to(keys.device)
+            slots = self._on[(group, keys.device)] = to_device(self._slots[group], keys.device)
         write_kv(key_cache, value_cache, keys, values, slots)
         return key_states, value_states
 
