@@ -10,13 +10,11 @@ from __future__ import annotations
 from array import array
 from collections.abc import Callable, Hashable, Sequence
 
-import torch
-
 from pagedcore.errors import InvalidBlockError, OutOfBlocksError
 from pagedcore.kv_pool import KVPool, PoolMatch
 from pagedcore.validation import as_integer
 
-__all__ = ["BlockTables", "Copy", "append_all", "stack_tables"]
+__all__ = ["BlockTables", "Copy", "append_all"]
 
 Copy = tuple[int, int, int]
 """A copy-on-write copy to perform before writing: ``(group index, source block, destination block)``."""
@@ -407,23 +405,3 @@ def append_all(tables: Sequence[BlockTables], counts: Sequence[int], perform: Ca
         for i in grown:
             tables[i].truncate(before[i])
         raise
-
-
-def stack_tables(rows: Sequence[array[int]], pad_block: int) -> torch.Tensor:
-    """Block tables of several sequences (e.g. :meth:`BlockTables.table_array`) as one ``int32 (len(rows), width)``
-    tensor, each row padded with ``pad_block`` to the longest (width at least 1): buffer copies, no per-block loop.
-
-    Example:
-        >>> stack_tables([array("i", [3, 5]), array("i", [1])], pad_block=8).tolist()
-        [[3, 5], [1, 8]]
-    """
-    width = max((len(row) for row in rows), default=0) or 1
-    pad = array("i", [pad_block]) * width
-    buffer = array("i")
-    for row in rows:
-        buffer += row
-        if len(row) < width:
-            buffer += pad[: width - len(row)]
-    if not buffer:
-        return torch.full((len(rows), width), pad_block, dtype=torch.int32)
-    return torch.frombuffer(buffer, dtype=torch.int32).clone().view(len(rows), width)

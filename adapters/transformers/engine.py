@@ -52,6 +52,7 @@ from pagedcore.validation import token_ids as valid_token_ids
 
 from .attention import ATTN_IMPLEMENTATION, CONTEXT_KEY
 from .inputs import as_prompt_list, token_id_list
+from .locks import Locks
 from .outputs import EngineStats, RequestMetrics, RequestOutput, SampleOutput, StepOutput, TokenEvent
 from .pool import PagedKVPool
 from .sampling import SamplingParams, StepSamples, merge_generation_config, sample_rows, to_sampling_params
@@ -156,7 +157,7 @@ class Engine:
         self._in_flight = False  # a step's forward is running on the batch it took
         # The Engine's requests and the pool's blocks, in that order: the pool's lock guards its block state for every
         # holder (enable()d calls and caches on the same pool), so the Engine takes it whenever it books blocks.
-        self._lock = _Locks(threading.RLock(), pool.lock)
+        self._lock = Locks(threading.RLock(), pool.lock)
         self._stepping = threading.Lock()
         self._stepper: int | None = None  # the thread inside step()
         self._ids = itertools.count()
@@ -366,8 +367,7 @@ class Engine:
         return int(getattr(getattr(backend, "stats", None), "kernel_failures", 0))
 
     def stage_seconds(self) -> dict[str, float]:
-        """Cumulative seconds per stage of the steps (``schedule``, ``prepare``, ``forward``, ``sample``,
-        ``record``): the ``*_seconds`` fields of :meth:`stats`, cheap enough to read around every step."""
+        """The ``*_seconds`` stage fields of :meth:`stats` by stage name, cheap enough to read around every step."""
         with self._lock:
             return dict(self._phases)
 
@@ -391,12 +391,10 @@ class Engine:
             samples = self._forward_and_sample(batch)  # without the lock: reads only the batch
             with self._lock:
                 recording = time.perf_counter()
-                try:
-                    if batch is not None and samples is not None:
-                        self._record(batch, samples)
-                    return self._take(owner)
-                finally:
-                    phases["record"] += time.perf_counter() - recording
+                if batch is not None and samples is not None:
+                    self._record(batch, samples)
+                phases["record"] += time.perf_counter() - recording
+                return self._take(owner)
         finally:
             self._busy += time.perf_counter() - started
             self._stepper = None
@@ -751,29 +749,6 @@ class Engine:
 
 
 _NO_OUTPUT = RequestOutput("", [], [], RequestMetrics(0.0))
-
-
-class _Locks:
-    """Locks taken together, in order, and released in reverse (re-entrant when every one of them is)."""
-
-    def __init__(self, *locks: Any) -> None:
-        self._locks = locks
-
-    def __enter__(self) -> _Locks:
-        taken = []
-        try:
-            for lock in self._locks:
-                lock.__enter__()
-                taken.append(lock)
-        except BaseException:
-            for lock in reversed(taken):
-                lock.__exit__(None, None, None)
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for lock in reversed(self._locks):
-            lock.__exit__(None, None, None)
 
 
 def _sample_indices(seq: SequenceState) -> range | list[int]:
