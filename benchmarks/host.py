@@ -103,8 +103,12 @@ class HostResult:
             "forward pre- and post-hooks on the model stamp every forward; a decode step is a forward that computes "
             "one position per sequence for every sequence; host time per step = from the end of a decode step's "
             "forward to the start of the next one's (sampling, bookkeeping, scheduling and packing: everything the "
-            f"loop does outside the forward). The first {self.warm_steps} decode steps are left out; median over the "
-            f"next {self.timed_steps}. Each point runs both peers, their order alternating from point to point."
+            "loop does outside the forward). The Engine's own split of that time comes from "
+            "`Engine.stage_seconds()` read around each `step()`: schedule / prepare (packing, metadata) / sample / "
+            "record (outputs, events), medians per step; the gap also holds what none of them times (freeing the "
+            f"step's logits, the model call's wrapping). The first {self.warm_steps} decode steps are left out; "
+            f"median over the next {self.timed_steps}. Each point runs both peers, their order alternating from point "
+            "to point."
         )
         head = section_header("8. Host overhead per decode step", self.quick, workload, self.model, self.machine,
                               measured)  # fmt: skip
@@ -120,6 +124,7 @@ class HostResult:
                     f"{e.host_ms:.2f}" if e else p.skipped.get(ENGINE, "n/a"),
                     f"{e.forward_ms:.1f}" if e else "n/a",
                     f"{100 * e.host_share:.1f}%" if e else "n/a",
+                    _split(e),
                     f"{h.host_ms:.2f}" if h else p.skipped.get(HF, "n/a"),
                     f"{h.forward_ms:.1f}" if h else "n/a",
                     f"{h.host_ms / e.host_ms:.1f}x" if e and h else "n/a",
@@ -129,6 +134,7 @@ class HostResult:
                 ]
             )
         headers = ["context", "sequences", "Engine host ms/step", "Engine forward ms/step", "Engine host share",
+                   "Engine schedule / prepare / sample / record ms",
                    "transformers host ms/step", "transformers forward ms/step", "transformers / Engine host", "aim",
                    "status", "same greedy tokens"]  # fmt: skip
         missed = self.missed()
@@ -136,16 +142,33 @@ class HostResult:
         return f"{head}{table(headers, rows)}\n\n{verdict}\n\n- {self.configs}\n"
 
 
+def _split(times: StepTimes | None) -> str:
+    if times is None or not times.stages:
+        return "n/a"
+    return " / ".join(f"{times.stage_ms(name):.2f}" for name in ("schedule", "prepare", "sample", "record"))
+
+
 def _engine_point(
     model: PreTrainedModel, engine: Engine, prompts: list[list[int]], new: int, prompt_len: int, warm: int
 ) -> tuple[StepTimes, list[list[int]]]:
+    """The prompts through ``step()``, reading the Engine's stage times around each step that ran a forward."""
     params = SamplingParams(max_new_tokens=new, ignore_eos=True)
+    stages: list[dict[str, float]] = []
+    done: dict[str, Any] = {}
     with logging_forwards(model) as log:
-        outputs = engine.generate(prompts, params, use_tqdm=False)
+        ids = [engine.add_request(prompt, params) for prompt in prompts]
+        while len(done) < len(ids):
+            before, forwards = engine.stage_seconds(), len(log.forwards)
+            done.update((out.request_id, out) for out in engine.step())
+            if len(log.forwards) > forwards:
+                after = engine.stage_seconds()
+                stages.append({name: after[name] - before[name] for name in after})
+    outputs = [done[i] for i in ids]
     errors = [o.error for o in outputs if o.error is not None]
     if errors:
         raise RuntimeError(f"{len(errors)} requests failed: {errors[0]}")
-    return log.decode_steps(len(prompts), prompt_len, skip=warm), [list(o.token_ids) for o in outputs]
+    times = log.decode_steps(len(prompts), prompt_len, skip=warm, stages=stages)
+    return times, [list(o.token_ids) for o in outputs]
 
 
 def _hf_point(

@@ -10,7 +10,7 @@ import contextlib
 import statistics
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -51,6 +51,17 @@ class StepTimes:
 
     forward: list[float]
     host: list[float]
+    stages: dict[str, list[float]] = field(default_factory=dict)  # per step, seconds in each Engine stage
+
+    def stage_ms(self, name: str) -> float:
+        """Median milliseconds per step in one of the Engine's stages (``Engine.stage_seconds``)."""
+        return 1000 * statistics.median(self.stages[name])
+
+    @property
+    def stages_host_ms(self) -> float:
+        """Median milliseconds per step in the Engine's host stages (all but ``forward``)."""
+        per_step = [sum(values) for values in zip(*(v for k, v in self.stages.items() if k != "forward"))]
+        return 1000 * statistics.median(per_step)
 
     @property
     def steps(self) -> int:
@@ -123,18 +134,24 @@ class ForwardLog:
         """Total seconds spent inside forwards."""
         return sum(f.seconds for f in self.forwards)
 
-    def decode_steps(self, num_seqs: int, from_position: int, skip: int = 0) -> StepTimes:
+    def decode_steps(
+        self, num_seqs: int, from_position: int, skip: int = 0, stages: list[dict[str, float]] | None = None
+    ) -> StepTimes:
         """The forwards that each computed exactly ``num_seqs`` positions, all at or after ``from_position`` (a
         decode step of every sequence, no prefill in it), and were followed by another such forward; the first
-        ``skip`` of them are left out (warm-up). Host time = the gap to the next such forward."""
+        ``skip`` of them are left out (warm-up). Host time = the gap to the next such forward. ``stages``: per
+        forward, the seconds of each stage of the step that ran it (e.g. the Engine's), kept for the same steps."""
         decode = [f.tokens == num_seqs and f.first_position >= from_position for f in self.forwards]
         forward: list[float] = []
         host: list[float] = []
+        kept: dict[str, list[float]] = {}
         for i in range(len(self.forwards) - 1):
             if decode[i] and decode[i + 1]:
                 forward.append(self.forwards[i].seconds)
                 host.append(self.forwards[i + 1].start - self.forwards[i].end)
-        return StepTimes(forward[skip:], host[skip:])
+                for name, seconds in (stages[i] if stages is not None else {}).items():
+                    kept.setdefault(name, []).append(seconds)
+        return StepTimes(forward[skip:], host[skip:], {name: values[skip:] for name, values in kept.items()})
 
 
 @contextlib.contextmanager

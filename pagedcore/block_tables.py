@@ -7,6 +7,7 @@ through the BlockManager's public interface.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Callable, Hashable, Sequence
 
 from pagedcore.errors import InvalidBlockError, OutOfBlocksError
@@ -40,6 +41,7 @@ class BlockTables:
     def __init__(self, pool: KVPool) -> None:
         self._pool = pool
         self._tables: list[list[int]] = [[] for _ in pool.groups]
+        self._arrays: list[array[int] | None] = [None] * len(pool.groups)  # table_array's copies (None: stale)
         self._dropped = [0] * len(pool.groups)
         self._num_tokens = 0
         self._num_cached_blocks = [0] * len(pool.groups)  # leading full blocks registered in the prefix cache
@@ -67,6 +69,22 @@ class BlockTables:
     def table(self, group: int) -> list[int]:
         """Live blocks of ``group`` (a copy), starting at logical block ``num_dropped(group)``."""
         return list(self._tables[group])
+
+    def table_array(self, group: int) -> array[int]:
+        """:meth:`table` as an ``array('i')`` (int32), kept between calls until the table changes: a step packs the
+        block tables of hundreds of sequences into one tensor by copying these buffers, without a per-block Python
+        loop (a decode step changes a sequence's table once per ``block_size`` tokens). Do not modify it.
+
+        Example:
+            >>> seq = BlockTables(KVPool(num_blocks=8, block_size=4))
+            >>> _ = seq.append(6)
+            >>> seq.table_array(0).tolist(), seq.table_array(0) is seq.table_array(0)
+            ([0, 1], True)
+        """
+        cached = self._arrays[group]
+        if cached is None:
+            cached = self._arrays[group] = array("i", self._tables[group])
+        return cached
 
     def num_dropped(self, group: int) -> int:
         """Leading logical blocks of ``group`` released because they left the sliding window."""
@@ -138,6 +156,7 @@ class BlockTables:
             for i, ids in held:
                 self._pool.groups[i].block_manager.release(ids[::-1])
             raise
+        self._stale()
         for i, ids in held:
             self._tables[i] = list(ids)
             self._num_cached_blocks[i] = num_tokens // bs
@@ -165,6 +184,7 @@ class BlockTables:
                 available=sum(s.available for s in short),
             )
         copies: list[Copy] = []
+        self._stale()
         for i, group in enumerate(groups):
             out = group.block_manager.append_slot(self._tables[i], self._held_tokens(i), num_new_tokens)
             self._tables[i] = out.block_ids
@@ -207,6 +227,7 @@ class BlockTables:
                 gone = self._tables[i][:count]
                 group.block_manager.release(gone[::-1])
                 del self._tables[i][:count]
+                self._arrays[i] = None
                 self._dropped[i] += count
                 released += count
             # The first query that no longer sees the last key of the group's first live block.
@@ -260,6 +281,7 @@ class BlockTables:
                 group.block_manager.release([table[j] for j, _ in reversed(swaps)])
                 for j, can in swaps:
                     table[j] = can
+                self._arrays[i] = None
             self._num_cached_blocks[i] = num_full
         self._next_full = (num_full + 1) * bs
 
@@ -299,6 +321,7 @@ class BlockTables:
             if gone:
                 group.block_manager.release(gone[::-1])
                 del self._tables[i][keep:]
+                self._arrays[i] = None
             self._num_cached_blocks[i] = min(self._num_cached_blocks[i], num_tokens // bs)
         self._num_tokens = num_tokens
         self._last_private = False  # a cached full block may now be partly filled
@@ -313,6 +336,7 @@ class BlockTables:
             if table:
                 group.block_manager.release(table[::-1])
             self._tables[i] = []
+        self._stale()
         self._released = True
         self._num_tokens = 0
 
@@ -331,6 +355,10 @@ class BlockTables:
         self._uncachable = [False] * len(self._pool.groups)
         self._last_private = False
         self._next_full = 0
+
+    def _stale(self) -> None:
+        """Forget every :meth:`table_array` copy (the tables are about to change)."""
+        self._arrays = [None] * len(self._tables)
 
     def __repr__(self) -> str:
         return f"BlockTables(num_tokens={self._num_tokens}, tables={self._tables}, dropped={self._dropped})"

@@ -107,7 +107,7 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--num-blocks", type=int, default=None, help="KV blocks in the pool")
     gen.add_argument("--memory-budget", default=None, help="KV memory of the pool, e.g. 2GiB (instead of blocks)")
-    gen.add_argument("--block-size", type=int, default=16)
+    gen.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default: the device's)")
     gen.add_argument("--namespace", default=None, help="prefix-cache namespace (tenant) of these prompts")
     gen.add_argument(
         "--attn",

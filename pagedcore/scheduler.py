@@ -131,6 +131,11 @@ class ScheduledSequence:
         blocks = self._blocks()
         return tuple(blocks.num_dropped(g) for g in range(len(blocks.pool.groups)))
 
+    @property
+    def blocks(self) -> BlockTables:
+        """The sequence's live block tables (raises :class:`InvalidRequestError` once it holds none)."""
+        return self._blocks()
+
     def _blocks(self) -> BlockTables:
         blocks = self.sequence.blocks
         if blocks is None:
@@ -433,6 +438,8 @@ class Scheduler:
         for seq in self._running.values():
             assert seq.status is SequenceStatus.RUNNING and seq.blocks is not None
             assert seq.blocks.num_tokens >= seq.num_computed_tokens
+            for g in range(len(self._pool.groups)):
+                assert seq.blocks.table_array(g).tolist() == seq.blocks.table(g), "a stale BlockTables.table_array"
         held = sum(s.blocks.num_held_blocks() for s in self._running.values() if s.blocks is not None)
         refs = sum(g.block_manager.ref_count(b) for g in self._pool.groups for b in range(g.block_manager.num_blocks))
         assert held == refs, f"sequences hold {held} block references, the pool counts {refs}"

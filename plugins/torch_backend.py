@@ -9,7 +9,9 @@ Shared prefixes ("cascade" attention): when every sequence of a bucket starts wi
 system prompt served from the prefix cache) and all of its queries come after them, those blocks are read once —
 as a view of the pool when they are consecutive — for all queries together, each sequence gathers only its own
 tail, and the two partial softmaxes are merged with their log-sum-exp. The same numbers, without copying the
-prefix once per sequence and layer. A single sequence whose visible keys are consecutive attends to a view.
+prefix once per sequence and layer. It is used where that copy is what costs (up to 16 queries per sequence and a
+prefix at least as long as the longest own tail: decode steps under a long system prompt); elsewhere the fused SDPA
+over the gathered keys is faster on CPU. A single sequence whose visible keys are consecutive attends to a view.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ class _Bucket:
     blocks: torch.Tensor  # (n, num_blocks) physical blocks to gather, padded with pad_block
     mask: torch.Tensor  # (n, 1, max_q, num_blocks * block_size) bool, True = attend
     shared: _Shared | None = None  # leading blocks every sequence shares (then ``blocks`` holds only the tails)
+    tail_hidden: torch.Tensor | None = None  # the cascade's tail mask, inverted and laid out for its scores
 
 
 @dataclass
@@ -78,14 +81,16 @@ class TorchPagedAttention:
         out = query.new_zeros(num_tokens, q_heads, value_cache.shape[-1])
         padded_query = torch.cat([query, query.new_zeros(1, *query.shape[1:])])  # row num_tokens = padding
         for bucket in self._buckets(metadata, query.device):
-            q = padded_query[bucket.query_index].transpose(1, 2)  # (n, q_heads, max_q, d)
+            q = padded_query.index_select(0, bucket.query_index.reshape(-1))
+            q = q.view(*bucket.query_index.shape, *query.shape[1:]).transpose(1, 2)  # (n, q_heads, max_q, d)
             k = _gather(key_cache, bucket.blocks)  # (n, kv_heads, keys, d)
             v = _gather(value_cache, bucket.blocks)
             if bucket.shared is None:
                 o = _attend(q, k, v, bucket.mask, scale, softcap)  # (n, q_heads, max_q, dv)
+                o = o.transpose(1, 2).reshape(-1, q_heads, o.shape[-1])[bucket.valid]
             else:
-                o = _cascade(q, k, v, bucket.mask, bucket.shared, key_cache, value_cache, scale, softcap)
-            o = o.transpose(1, 2).reshape(-1, q_heads, o.shape[-1])[bucket.valid]
+                rows = query.index_select(0, bucket.out_index)  # the real queries, unpadded
+                o = _cascade(q, rows, k, v, bucket, key_cache, value_cache, scale, softcap)
             out.index_copy_(0, bucket.out_index, o)
         return out
 
@@ -112,18 +117,32 @@ class TorchPagedAttention:
         return cached
 
 
+_CASCADE_MAX_QUERIES = 16  # queries per sequence up to which a shared prefix is attended once (see _shared_blocks)
+
+
 def _shared_blocks(meta: PagedAttentionMetadata, rows: list[int]) -> int:
     """Leading blocks every row of a bucket holds in common and all of their queries see whole (0 if not worth it)."""
     if len(rows) < 2 or meta.sliding_window is not None or any(meta.block_offsets[i] for i in rows):
         return 0
     bs = meta.block_size
-    tables = [meta.block_tables[i].tolist() for i in rows]
+    host = meta.host_tables  # the CPU copy when the tables live on a GPU: no device sync
+    tables = [host[i].tolist() for i in rows]
     limit = min((meta.seq_lens[i] - meta.query_lens[i]) // bs for i in rows)  # before every row's first query
     count = 0
     first = tables[0]
     while count < limit and all(t[count] == first[count] for t in tables):
         count += 1
-    return count if count * bs >= 64 else 0  # a short prefix is cheaper to gather than to merge
+    length = count * bs
+    if length < 64:
+        return 0  # a short prefix is cheaper to gather than to merge
+    # Measured on CPU (docs/benchmarks.md, Profiles): the cascade pays when copying the prefix once per sequence
+    # would dominate, i.e. few queries per sequence and a prefix at least as long as the longest own tail; with
+    # more queries the attention's FLOPs dominate and one fused SDPA call over the gathered keys is faster.
+    if max(meta.query_lens[i] for i in rows) > _CASCADE_MAX_QUERIES:
+        return 0
+    if max(meta.seq_lens[i] for i in rows) - length > length:
+        return 0
+    return count
 
 
 def _bucket(meta: PagedAttentionMetadata, rows: list[int], starts: list[int], device: torch.device) -> _Bucket:
@@ -164,7 +183,7 @@ def _bucket(meta: PagedAttentionMetadata, rows: list[int], starts: list[int], de
     valid = real.reshape(-1)
     shared = None
     if shared_count:
-        ids = meta.block_tables[rows[0], :shared_count].tolist()
+        ids = meta.host_tables[rows[0], :shared_count].tolist()
         consecutive = all(ids[j + 1] == ids[j] + 1 for j in range(shared_count - 1))
         shared = _Shared(
             ids[0] * bs if consecutive else None,
@@ -176,18 +195,28 @@ def _bucket(meta: PagedAttentionMetadata, rows: list[int], starts: list[int], de
 
 def _cascade(
     q: torch.Tensor,
+    rows: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    mask: torch.Tensor,
-    shared: _Shared,
+    bucket: _Bucket,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     scale: float,
     softcap: float | None,
 ) -> torch.Tensor:
     """Attention over (shared prefix + own tail) keys, the prefix computed once for all sequences; merged exactly
-    through the two parts' log-sum-exp. ``q (n, q_heads, max_q, d)``, ``k``/``v`` the gathered tails."""
+    through the two parts' log-sum-exp. ``q (n, q_heads, max_q, d)`` the bucket's padded queries, ``rows (R,
+    q_heads, d)`` its real query rows in the order of ``bucket.valid``, ``k``/``v`` the gathered tails. Returns
+    ``(R, q_heads, dv)``.
+
+    Every real query sees every shared key, so the prefix part runs on the real rows only (no padding: a prefill
+    bucket's queries are padded to its longest); the tail part runs padded, with its mask. Scores are scaled
+    through the (smaller) queries, and softmax numerators are formed in place.
+    """
+    shared = bucket.shared
+    assert shared is not None
     n, q_heads, max_q, dim = q.shape
+    num_rows = rows.shape[0]
     kv_heads = k.shape[1]
     groups = q_heads // kv_heads
     work = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
@@ -195,33 +224,49 @@ def _cascade(
         kp = key_cache.view(-1, *key_cache.shape[2:])[shared.start : shared.start + shared.length]
         vp = value_cache.view(-1, *value_cache.shape[2:])[shared.start : shared.start + shared.length]
     else:
-        kp = key_cache[shared.blocks].reshape(shared.length, *key_cache.shape[2:])
-        vp = value_cache[shared.blocks].reshape(shared.length, *value_cache.shape[2:])
-    # Prefix part: (kv_heads, n * groups * max_q, d) @ (kv_heads, d, shared) in one matmul per KV head.
-    q5 = q.to(work).view(n, kv_heads, groups, max_q, dim)
-    qp = q5.permute(1, 0, 2, 3, 4).reshape(kv_heads, n * groups * max_q, dim)
-    sp = torch.matmul(qp, kp.to(work).permute(1, 2, 0)) * scale  # (kv_heads, m, shared)
-    # Tail part: each sequence's own keys, masked (causal, padding).
-    st = torch.matmul(q5.reshape(n, kv_heads, groups * max_q, dim), k.to(work).transpose(-1, -2)) * scale
-    if softcap is not None:
-        sp = torch.tanh(sp / softcap) * softcap
-        st = torch.tanh(st / softcap) * softcap
-    st = st.masked_fill(~mask.expand(n, groups, max_q, -1).reshape(n, 1, groups * max_q, -1), float("-inf"))
-    mp = sp.amax(dim=-1, keepdim=True)
-    mt = st.amax(dim=-1, keepdim=True)
-    ep, et = torch.exp(sp - mp), torch.exp(st - mt)
-    op = torch.matmul(ep, vp.to(work).transpose(0, 1))  # (kv_heads, m, dv)
-    ot = torch.matmul(et, v.to(work))  # (n, kv_heads, groups * max_q, dv)
+        kp = _gather(key_cache, shared.blocks[None]).transpose(1, 2)[0]  # (shared, kv_heads, d)
+        vp = _gather(value_cache, shared.blocks[None]).transpose(1, 2)[0]
 
-    # Bring the prefix part to the tail's layout: (n, kv_heads, groups * max_q, ...).
-    def to_tail(x: torch.Tensor) -> torch.Tensor:
-        return x.view(kv_heads, n, groups * max_q, x.shape[-1]).transpose(0, 1)
+    # Prefix part: (kv_heads, R * groups, d) @ (kv_heads, d, shared) in one matmul per KV head.
+    qp = (rows.to(work) * scale).view(num_rows, kv_heads, groups, dim).transpose(0, 1)
+    sp = torch.matmul(qp.reshape(kv_heads, num_rows * groups, dim), kp.to(work).permute(1, 2, 0))
+    mp, lp, op = _partial_softmax(sp, None, vp.to(work).transpose(0, 1), softcap)  # (kv_heads, R * groups, ...)
 
-    mp, sum_p, op = to_tail(mp), to_tail(ep.sum(dim=-1, keepdim=True)), to_tail(op)
+    # Tail part: each sequence's own keys, masked (causal, padding): (n, kv_heads, groups * max_q, ...).
+    qt = (q.to(work) * scale).reshape(n, kv_heads, groups * max_q, dim)
+    st = torch.matmul(qt, k.to(work).transpose(-1, -2))
+    if bucket.tail_hidden is None:  # once per forward, for every layer: keys each tail score row must not see
+        bucket.tail_hidden = ~bucket.mask.expand(n, groups, max_q, -1).reshape(n, 1, groups * max_q, -1)
+    mt, lt, ot = _partial_softmax(st, bucket.tail_hidden, v.to(work), softcap)
+
+    # Both parts in the real rows' layout (R, kv_heads, groups, ...), merged.
+    def prefix_rows(x: torch.Tensor) -> torch.Tensor:
+        return x.view(kv_heads, num_rows, groups, x.shape[-1]).transpose(0, 1)
+
+    def tail_rows(x: torch.Tensor) -> torch.Tensor:
+        x = x.view(n, kv_heads, groups, max_q, x.shape[-1]).permute(0, 3, 1, 2, 4)
+        return x.reshape(n * max_q, kv_heads, groups, x.shape[-1])[bucket.valid]
+
+    mp, lp, op = prefix_rows(mp), prefix_rows(lp), prefix_rows(op)
+    mt, lt, ot = tail_rows(mt), tail_rows(lt), tail_rows(ot)
     m = torch.maximum(mp, mt)
     wp, wt = torch.exp(mp - m), torch.exp(mt - m)
-    out = (op * wp + ot * wt) / (sum_p * wp + et.sum(dim=-1, keepdim=True) * wt)
-    return out.reshape(n, q_heads, max_q, -1).to(q.dtype)
+    out = (op * wp + ot * wt) / (lp * wp + lt * wt)
+    return out.reshape(num_rows, q_heads, -1).to(q.dtype)
+
+
+def _partial_softmax(
+    scores: torch.Tensor, hidden: torch.Tensor | None, values: torch.Tensor, softcap: float | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(max, sum of exp(score - max), exp(score - max) @ values)`` over the last axis of scaled ``scores`` (which
+    it overwrites), ``hidden`` (True = masked out) applied first."""
+    if softcap is not None:
+        scores = scores.div_(softcap).tanh_().mul_(softcap)
+    if hidden is not None:
+        scores = scores.masked_fill_(hidden, float("-inf"))
+    top = scores.amax(dim=-1, keepdim=True)
+    numerators = scores.sub_(top).exp_()
+    return top, numerators.sum(dim=-1, keepdim=True), torch.matmul(numerators, values)
 
 
 def _contiguous_run(meta: PagedAttentionMetadata, device: torch.device) -> tuple[int, int, torch.Tensor | None] | None:
@@ -245,9 +290,12 @@ def _contiguous_run(meta: PagedAttentionMetadata, device: torch.device) -> tuple
 
 
 def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """``(n, heads, width * block_size, dim)``: the blocks ``(n, width)`` of each row, one after the other.
+    (``index_select`` over whole blocks: several times faster than advanced indexing on CPU.)"""
     n, width = blocks.shape
-    _, bs, heads, dim = cache.shape
-    return cache[blocks].reshape(n, width * bs, heads, dim).transpose(1, 2)
+    num_blocks, bs, heads, dim = cache.shape
+    flat = cache.view(num_blocks, -1).index_select(0, blocks.reshape(-1))
+    return flat.view(n, width * bs, heads, dim).transpose(1, 2)
 
 
 def _attend(

@@ -144,7 +144,14 @@ def test_chat_benchmark_reuses_earlier_turns_and_matches_the_padded_batch(tiny):
         new = sum(len(w.users[c][t]) + 1 for c in range(w.conversations))
         assert new <= served.prefill_per_turn[t] <= new + (common.BLOCK_SIZE - 1) * w.conversations
     assert all(len(r) == n for conv, lens in zip(replies, w.replies) for r, n in zip(conv, lens))
+    # exactly: the unique tokens and the previous turns' partial last blocks (the prefix cache shares whole blocks)
+    partial = w.partial_block_tokens(served.replies, common.BLOCK_SIZE)
+    assert sum(served.prefill_per_turn) == w.unique_prompt_tokens + partial
     text = result.markdown()
+    assert (
+        "| Engine prefill positions / (unique prompt tokens + the previous turns' partial last blocks) | 1.000 |"
+        in text
+    )
     assert text.startswith("### 7. Multi-turn chat (quick workload)")
     assert "| replies identical to the padded batch's | yes | all | met |" in text
     for t in range(w.turns):
@@ -173,6 +180,9 @@ def test_host_benchmark_times_decode_steps_of_both_peers(host_result):
         for times in point.times.values():
             assert times.steps >= 3 and min(times.host) > 0 and min(times.forward) > 0
         assert point.identical() is True
+        engine = point.times[host.ENGINE]
+        assert set(engine.stages) == {"schedule", "prepare", "forward", "sample", "record"}
+        assert all(len(values) == engine.steps for values in engine.stages.values()) and engine.stages_host_ms > 0
     text = host_result.markdown()
     assert text.startswith("### 8. Host overhead per decode step (quick workload)")
     assert text.count("| 64 | ") == 2 and "| yes |" in text

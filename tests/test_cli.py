@@ -23,6 +23,24 @@ def test_cli_generate(capsys):
     assert last.startswith("prefix hit rate") and "tokens/s" in last
 
 
+def test_cli_generate_leaves_the_block_size_to_the_device_default(monkeypatch, capsys):
+    # --block-size defaulted to 16, overriding the pool's per-device default (64 on CUDA).
+    from pagedcore.adapters.transformers import pool as pool_module
+
+    sizes: list[int] = []
+    original = pool_module.PagedKVPool.__init__
+
+    def recording(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        sizes.append(self.block_size)
+
+    monkeypatch.setattr(pool_module, "default_block_size", lambda device: 8)
+    monkeypatch.setattr(pool_module.PagedKVPool, "__init__", recording)
+    assert cli(["generate", "--max-new-tokens", "2", "x"]) == 0
+    assert cli(["generate", "--max-new-tokens", "2", "--block-size", "4", "x"]) == 0
+    assert sizes == [8, 4]
+
+
 def test_cli_generate_engine_json(capsys):
     assert cli(["generate", "--engine", "--json", "--max-new-tokens", "3", "one prompt", "another prompt"]) == 0
     lines = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]

@@ -336,6 +336,33 @@ def test_stats_and_close_restore_the_model():
         engine.add_request([1, 2])
 
 
+def test_stats_time_each_stage_of_the_steps():
+    model = tiny_model("llama")
+    with Engine(model, num_blocks=64, block_size=4) as engine:
+        before = engine.stats()
+        assert before.host_seconds == before.forward_seconds == 0.0
+        engine.generate(workload(12, 4), SamplingParams(max_new_tokens=3), use_tqdm=False)
+        stats = engine.stats()
+    stages = [stats.schedule_seconds, stats.prepare_seconds, stats.forward_seconds, stats.sample_seconds,
+              stats.record_seconds]  # fmt: skip
+    assert all(seconds > 0 for seconds in stages)
+    assert stats.host_seconds == pytest.approx(sum(stages) - stats.forward_seconds)
+    assert sum(stages) <= stats.busy_seconds and stats.forward_seconds > stats.sample_seconds
+
+
+def test_stats_report_the_attention_backends_kernel_failures(monkeypatch):
+    from types import SimpleNamespace
+
+    model = tiny_model("llama")
+    engine = Engine(model, num_blocks=64, block_size=4)
+    assert engine.stats().kernel_failures == 0  # the torch backend does not count any
+    torch_backend = engine.pool.attention_backend(torch.device("cpu"), torch.float32)
+    counting = SimpleNamespace(name="counting", forward=torch_backend.forward, stats=SimpleNamespace(kernel_failures=3))
+    monkeypatch.setattr(engine.pool, "attention_backend", lambda device, dtype, name=None: counting)
+    assert engine.stats().kernel_failures == 3
+    engine.close()
+
+
 # --------------------------------------------------------------------------- the model's context, unsupported models
 def test_the_context_limit_is_the_specs():
     # Dynamic NTK rope rescales past max_position_embeddings by design: the spec says no limit, so the Engine takes
@@ -364,3 +391,25 @@ def test_a_model_whose_attention_the_engine_cannot_replace_is_refused(family):
     with pytest.raises(UnsupportedModelError, match="AttentionInterface"):
         Engine(model, num_blocks=64, block_size=4)
     assert model.config._attn_implementation == before
+
+
+def test_the_step_moves_its_host_tensors_with_to_device(monkeypatch):
+    # On CUDA a plain .to()/torch.tensor(device=) of a CPU tensor waits for the GPU every step; to_device copies
+    # from pinned memory without waiting. On the CPU it returns its input: here we check that every per-step copy
+    # of the Engine (inputs, slots, copy-on-write pairs) goes through it.
+    from pagedcore.adapters.transformers import engine as engine_module
+    from pagedcore.adapters.transformers import pool as pool_module
+    from pagedcore.adapters.transformers import step_batch
+    from pagedcore.attention import to_device
+
+    calls: list[str] = []
+    for module in (engine_module, pool_module, step_batch):
+        name = module.__name__.rsplit(".", 1)[-1]
+        monkeypatch.setattr(module, "to_device", lambda t, d, name=name: calls.append(name) or to_device(t, d))
+    model = tiny_model("llama")
+    with Engine(model, num_blocks=64, block_size=4) as engine:
+        # two samples of a prompt that ends inside a block: the fork copies that block on its first write
+        engine.generate([[5, 6, 7, 8, 9, 10]], SamplingParams(max_new_tokens=3, n=2, temperature=1.0, seed=0),
+                        use_tqdm=False)  # fmt: skip
+        settle(engine)
+    assert {"engine", "pool", "step_batch"} <= set(calls), calls

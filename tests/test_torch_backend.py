@@ -147,7 +147,7 @@ def build_shared(seed, query_lens, seq_lens, block_size, shared_tokens, consecut
 
 @pytest.mark.parametrize(
     ("query_lens", "seq_lens"),
-    [([1, 1, 1, 1], [70, 81, 97, 66]), ([5, 9, 3], [72, 90, 130]), ([1, 7, 1], [65, 80, 100])],
+    [([1, 1, 1, 1], [70, 81, 97, 66]), ([5, 9, 3], [72, 90, 120]), ([1, 7, 1], [65, 80, 100])],
 )
 @pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize("consecutive", [True, False])
@@ -160,6 +160,19 @@ def test_shared_prefix_is_read_once_and_matches(query_lens, seq_lens, block_size
     assert buckets and all(b.shared is not None and b.shared.length == 64 for b in buckets)  # the cascade ran
     assert all((b.shared.start is not None) == consecutive for b in buckets)
     want = naive(query, keys, values, query_lens, seq_lens, None, 0.25, softcap)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("query_lens", "seq_lens", "why"),
+    [([5, 9, 3], [72, 90, 130], "a tail (66 keys) longer than the prefix (64)"),
+     ([17, 1], [90, 70], "more than 16 queries for one sequence")],
+)  # fmt: skip
+def test_the_shared_prefix_is_gathered_where_the_cascade_does_not_pay(query_lens, seq_lens, why):
+    query, kc, vc, meta, keys, values = build_shared(7, query_lens, seq_lens, 16, 64, True)
+    got = TorchPagedAttention().forward(query, kc, vc, meta, scale=0.25)
+    assert all(b.shared is None for b in meta.backend_state[("torch", query.device)]), why
+    want = naive(query, keys, values, query_lens, seq_lens, None, 0.25, None)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 

@@ -22,7 +22,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from pagedcore.attention import PagedAttentionMetadata, eager_attention
+from pagedcore.attention import PagedAttentionMetadata, eager_attention, to_device
 from pagedcore.errors import UnsupportedModelError
 
 if TYPE_CHECKING:
@@ -97,7 +97,7 @@ class ForwardContext:
             return None
         moved = self._index_on.get(device)
         if moved is None:
-            moved = self._index_on[device] = self.real_index.to(device)
+            moved = self._index_on[device] = to_device(self.real_index, device)  # pinned, non-blocking
         return moved
 
     def mask_matches(self, mask: Any) -> bool:

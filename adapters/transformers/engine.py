@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from pagedcore.attention import to_device
 from pagedcore.errors import (
     ConcurrentUseError,
     ConfigError,
@@ -51,6 +52,7 @@ from pagedcore.validation import token_ids as valid_token_ids
 
 from .attention import ATTN_IMPLEMENTATION, CONTEXT_KEY
 from .inputs import as_prompt_list, token_id_list
+from .locks import Locks
 from .outputs import EngineStats, RequestMetrics, RequestOutput, SampleOutput, StepOutput, TokenEvent
 from .pool import PagedKVPool
 from .sampling import SamplingParams, StepSamples, merge_generation_config, sample_rows, to_sampling_params
@@ -64,6 +66,7 @@ __all__ = ["Engine"]
 Prompt = str | Sequence[int] | torch.Tensor
 Params = SamplingParams | dict[str, Any]
 _ENDED = (FinishReason.ABORT.value, FinishReason.ERROR.value)
+_PHASES = ("schedule", "prepare", "forward", "sample", "record")  # the stages of a step, timed in stats()
 
 
 @dataclass(frozen=True)
@@ -154,13 +157,14 @@ class Engine:
         self._in_flight = False  # a step's forward is running on the batch it took
         # The Engine's requests and the pool's blocks, in that order: the pool's lock guards its block state for every
         # holder (enable()d calls and caches on the same pool), so the Engine takes it whenever it books blocks.
-        self._lock = _Locks(threading.RLock(), pool.lock)
+        self._lock = Locks(threading.RLock(), pool.lock)
         self._stepping = threading.Lock()
         self._stepper: int | None = None  # the thread inside step()
         self._ids = itertools.count()
         self._counts = {"requests": 0, "finished": 0, "aborted": 0, "failed": 0, "generated": 0}
         self._peak_bytes = 0
         self._busy = 0.0
+        self._phases = dict.fromkeys(_PHASES, 0.0)  # cumulative seconds per stage of the steps
         self._original_attn = getattr(self._text_config, "_attn_implementation", None)
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
         if getattr(self._text_config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
@@ -352,7 +356,20 @@ class Engine:
                 kv_used_bytes=memory.used_bytes,
                 kv_peak_used_bytes=self._peak_bytes,
                 busy_seconds=self._busy,
+                **{f"{phase}_seconds": seconds for phase, seconds in self._phases.items()},
+                kernel_failures=self._kernel_failures(),
             )
+
+    def _kernel_failures(self) -> int:
+        """The attention backend's kernel calls that fell back to the torch backend (0 if it does not count)."""
+        weight = self.model.get_input_embeddings().weight
+        backend = self.pool.attention_backend(weight.device, weight.dtype, self.attention_backend)
+        return int(getattr(getattr(backend, "stats", None), "kernel_failures", 0))
+
+    def stage_seconds(self) -> dict[str, float]:
+        """The ``*_seconds`` stage fields of :meth:`stats` by stage name, cheap enough to read around every step."""
+        with self._lock:
+            return dict(self._phases)
 
     # ------------------------------------------------------------------ the step
     def _step(self, owner: object | None) -> tuple[list[RequestOutput], list[TokenEvent]]:
@@ -362,15 +379,21 @@ class Engine:
             raise ConcurrentUseError("Engine.step is already running in another thread; run one loop per engine")
         self._stepper = threading.get_ident()
         started = time.perf_counter()
+        phases = self._phases
         try:
             with self._lock:
                 self._check_open()
                 plan = self.scheduler.schedule()
+                scheduled = time.perf_counter()
+                phases["schedule"] += scheduled - started
                 batch = self._prepare(plan)
+                phases["prepare"] += time.perf_counter() - scheduled
             samples = self._forward_and_sample(batch)  # without the lock: reads only the batch
             with self._lock:
+                recording = time.perf_counter()
                 if batch is not None and samples is not None:
                     self._record(batch, samples)
+                phases["record"] += time.perf_counter() - recording
                 return self._take(owner)
         finally:
             self._busy += time.perf_counter() - started
@@ -388,6 +411,7 @@ class Engine:
     def _forward_and_sample(self, batch: StepBatch | None) -> StepSamples | None:
         if batch is None:
             return None
+        started = time.perf_counter()
         try:
             logits = self._forward(batch)
         except Exception as exc:  # a failing forward fails its step's requests, not the engine
@@ -400,25 +424,29 @@ class Engine:
                 for request_id in self._aborting:  # aborted during the forward: their blocks can go back now
                     self._release(request_id)
                 self._aborting.clear()
-        return sample_rows(logits, batch.rows)
+            sampling = time.perf_counter()
+            self._phases["forward"] += sampling - started
+        samples = sample_rows(logits, batch.rows)
+        self._phases["sample"] += time.perf_counter() - sampling
+        return samples
 
     def _forward(self, batch: StepBatch) -> torch.Tensor:
         device = self.model.get_input_embeddings().weight.device
         self._cache.begin([meta.slot_mapping for meta in batch.context.metadata if meta is not None])
         kwargs: dict[str, Any] = {
-            "input_ids": torch.tensor([batch.input_ids], device=device),
-            "position_ids": torch.tensor([batch.position_ids], device=device),
+            "input_ids": to_device(torch.tensor([batch.input_ids]), device),
+            "position_ids": to_device(torch.tensor([batch.position_ids]), device),
             "cache": self._cache,
             "use_cache": True,
             CONTEXT_KEY: batch.context,
         }
         keep = batch.logit_rows
         if self._keeps_logits:
-            kwargs["logits_to_keep"] = torch.tensor(keep, device=device) if keep else 1
+            kwargs["logits_to_keep"] = to_device(torch.tensor(keep), device) if keep else 1
         with torch.inference_mode():
             logits = self.model(**kwargs).logits[0]
         if not self._keeps_logits and keep:
-            logits = logits[torch.tensor(keep, device=logits.device)]
+            logits = logits[to_device(torch.tensor(keep), logits.device)]
         return logits.float()  # (len(batch.rows), vocab)
 
     def _record(self, batch: StepBatch, samples: StepSamples) -> None:
@@ -721,29 +749,6 @@ class Engine:
 
 
 _NO_OUTPUT = RequestOutput("", [], [], RequestMetrics(0.0))
-
-
-class _Locks:
-    """Locks taken together, in order, and released in reverse (re-entrant when every one of them is)."""
-
-    def __init__(self, *locks: Any) -> None:
-        self._locks = locks
-
-    def __enter__(self) -> _Locks:
-        taken = []
-        try:
-            for lock in self._locks:
-                lock.__enter__()
-                taken.append(lock)
-        except BaseException:
-            for lock in reversed(taken):
-                lock.__exit__(None, None, None)
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for lock in reversed(self._locks):
-            lock.__exit__(None, None, None)
 
 
 def _sample_indices(seq: SequenceState) -> range | list[int]:

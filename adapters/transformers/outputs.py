@@ -164,6 +164,13 @@ class EngineStats:
         kv_usage: fraction of KV blocks in use now (highest over KV groups).
         kv_used_bytes / kv_peak_used_bytes: KV memory held by sequences now / at the peak.
         busy_seconds: time spent inside ``step()``.
+        schedule_seconds / prepare_seconds / forward_seconds / sample_seconds / record_seconds: the part of
+            ``busy_seconds`` spent in each stage of the steps (cumulative): the scheduler's plan, packing it into
+            tensors and metadata, the model forward, drawing the tokens, handing them back (outputs, events).
+            Everything but ``forward_seconds`` is the Engine's host work. On a GPU the forward's kernels may still
+            run when it returns: their tail is counted in ``sample_seconds``, which waits for the logits.
+        kernel_failures: kernel calls of the attention backend that raised and fell back to the torch backend
+            (the xformers backend counts them; 0 for backends that do not).
 
     Example:
         >>> stats = EngineStats(1, 1, 0, 0, 3, 0, 100, 75, 25, 10, 0.0, 0, 4096, 0.5)
@@ -185,6 +192,17 @@ class EngineStats:
     kv_used_bytes: int
     kv_peak_used_bytes: int
     busy_seconds: float
+    schedule_seconds: float = 0.0
+    prepare_seconds: float = 0.0
+    forward_seconds: float = 0.0
+    sample_seconds: float = 0.0
+    record_seconds: float = 0.0
+    kernel_failures: int = 0
+
+    @property
+    def host_seconds(self) -> float:
+        """Step time outside the model forward: scheduling, packing, sampling and recording."""
+        return self.schedule_seconds + self.prepare_seconds + self.sample_seconds + self.record_seconds
 
     @property
     def prefix_hit_rate(self) -> float:

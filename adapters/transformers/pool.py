@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from pagedcore.attention import AttentionBackend, default_block_size
+from pagedcore.attention import AttentionBackend, default_block_size, to_device
 from pagedcore.errors import ConfigError, InvalidBlockError, PoolMismatchError
 from pagedcore.kv_pool import KVPool
 from pagedcore.plugin_manager import PluginManager, default_plugin_manager
@@ -402,8 +402,8 @@ class PagedKVPool:
             if not pairs:
                 continue
             device = tensors[0].device
-            src = torch.tensor([p[0] for p in pairs], device=device)
-            dst = torch.tensor([p[1] for p in pairs], device=device)
+            src = to_device(torch.tensor([p[0] for p in pairs]), device)  # pinned, non-blocking
+            dst = to_device(torch.tensor([p[1] for p in pairs]), device)
             for t in tensors:
                 t.index_copy_(0, dst, t.index_select(0, src))
 

@@ -8,14 +8,15 @@ run without the Engine's lock while other threads add and abort requests.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping
+from array import array
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DummyLayer
 
-from pagedcore.attention import PagedAttentionMetadata, write_kv
+from pagedcore.attention import PagedAttentionMetadata, to_device, write_kv
 from pagedcore.scheduler import SchedulerOutput
 
 from .attention import ForwardContext
@@ -131,7 +132,7 @@ class PackedCache(Cache):
         key_cache, value_cache = self._pool.layer_kv(layer_idx, keys, values)
         slots = self._on.get((group, keys.device))
         if slots is None:
-            slots = self._on[(group, keys.device)] = self._slots[group].to(keys.device)
+            slots = self._on[(group, keys.device)] = to_device(self._slots[group], keys.device)
         write_kv(key_cache, value_cache, keys, values, slots)
         return key_states, value_states
 
@@ -201,20 +202,30 @@ def pack(
         ([5, 6, 7], [0, 1, 2], [2], ['r'])
     """
     pool.copy_blocks(plan.copies)
-    groups = pool.kv.groups
+    group_ids = range(len(pool.kv.groups))
     tokens: list[int] = []
     positions: list[int] = []
-    tables: list[list[list[int]]] = [[] for _ in groups]
-    offsets: list[list[int]] = [[] for _ in groups]
-    slots: list[list[list[int]]] = [[] for _ in groups]
+    tables: list[list[array[int]]] = [[] for _ in group_ids]
+    offsets: list[list[int]] = [[] for _ in group_ids]
+    slots: list[list[int]] = [[] for _ in group_ids]
+    query_lens: list[int] = []
+    seq_lens: list[int] = []
     logit_rows: list[int] = []
     rows: list[SampleRow] = []
     owners: dict[str, EngineRequest] = {}
-    for item in plan.scheduled:
+    for item in plan.scheduled:  # one pass; a decode step of hundreds of sequences spends its host time here
         seq = item.sequence
         request = owners[item.request_id] = requests[seq.group_id]
-        tokens.extend(item.token_ids)
-        positions.extend(range(item.start, item.end))
+        start, count = item.start, item.num_new_tokens
+        end = start + count
+        if count == 1:
+            tokens.append(seq.token_ids[start])
+            positions.append(start)
+        else:
+            tokens.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+        query_lens.append(count)
+        seq_lens.append(end)
         if item.sample:
             logit_rows.append(len(tokens) - 1)
             if item.num_samples > 1:
@@ -225,25 +236,43 @@ def pack(
             if seq.min_new_tokens and seq.num_output_tokens < seq.min_new_tokens:
                 suppress = tuple(sorted(seq.stop_token_ids))
             rows.append(SampleRow(item.request_id, request.params, generators, suppress))
-        item_tables, item_offsets, item_slots = item.block_tables, item.block_offsets, item.slots
-        for g in range(len(groups)):
-            tables[g].append(item_tables[g])
-            offsets[g].append(item_offsets[g])
-            slots[g].append(item_slots[g])
-    query_lens = [item.num_new_tokens for item in plan.scheduled]
-    seq_lens = [item.end for item in plan.scheduled]
+        blocks = item.blocks
+        for g in group_ids:
+            tables[g].append(blocks.table_array(g))
+            offsets[g].append(blocks.num_dropped(g))
+            slots[g].extend(blocks.slots(g, start, end))
     metas: list[PagedAttentionMetadata | None] = [
-        PagedAttentionMetadata.build(
+        PagedAttentionMetadata(
             block_size=pool.block_size,
             query_lens=query_lens,
             seq_lens=seq_lens,
             block_offsets=offsets[g.index],
-            tables=tables[g.index],
-            slots=slots[g.index],
+            block_tables=_stack_tables(tables[g.index], pool.pad_block),
+            slot_mapping=torch.tensor(slots[g.index], dtype=torch.int64),
             sliding_window=g.sliding_window,
             pad_block=pool.pad_block,
         )
-        for g in groups
+        for g in pool.kv.groups
     ]
     context = ForwardContext(pool, metas, None, attention_backend)
     return StepBatch(plan, owners, tokens, positions, logit_rows, rows, context)
+
+
+def _stack_tables(rows: Sequence[array[int]], pad_block: int) -> torch.Tensor:
+    """Block tables of several sequences (e.g. :meth:`BlockTables.table_array`) as one ``int32 (len(rows), width)``
+    tensor, each row padded with ``pad_block`` to the longest (width at least 1): buffer copies, no per-block loop.
+
+    Example:
+        >>> _stack_tables([array("i", [3, 5]), array("i", [1])], pad_block=8).tolist()
+        [[3, 5], [1, 8]]
+    """
+    width = max((len(row) for row in rows), default=0) or 1
+    pad = array("i", [pad_block]) * width
+    buffer = array("i")
+    for row in rows:
+        buffer += row
+        if len(row) < width:
+            buffer += pad[: width - len(row)]
+    if not buffer:
+        return torch.full((len(rows), width), pad_block, dtype=torch.int32)
+    return torch.frombuffer(buffer, dtype=torch.int32).clone().view(len(rows), width)
