@@ -250,7 +250,7 @@ def decode_benchmark(
     rng = random.Random(seed + 6)
     models = {_label(m): m for m in (model, narrow)}
     prompts = {c: random_tokens(rng, c - new, narrow.config.vocab_size) for c in contexts}
-    pools = {label: PagedKVPool(m, num_blocks=blocks_for(max(contexts)) + 2, block_size=BLOCK_SIZE)
+    pools = {label: PagedKVPool(m, num_blocks=blocks_for(max(contexts)) + 2, block_size=BLOCK_SIZE, kv_layout="auto")
              for label, m in models.items()}  # fmt: skip
 
     def run(label: str, variant: str, context: int, max_new: int) -> tuple[float, list[int]]:

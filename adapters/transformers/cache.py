@@ -203,6 +203,8 @@ class PagedCache(Cache):
         num_blocks: blocks of the private pool.
         memory_budget: bytes (or ``"2GiB"``) of the private pool.
         block_size: tokens per block of the private pool.
+        kv_layout: memory layout of the private pool (see :class:`PagedKVPool`); default ``"auto"``: each head's keys
+            contiguous on the CPU, where single-sequence attention then reads them as fast as ``DynamicCache``'s.
         namespace: prefix-cache namespace used by :meth:`attach_prefix` and :meth:`cache_prefixes`.
         attention_backend: attention backend name for ``attn_implementation="paged"`` (default: the plugins').
 
@@ -227,14 +229,21 @@ class PagedCache(Cache):
         block_size: int | None = None,
         namespace: Hashable = None,
         attention_backend: str | None = None,
+        kv_layout: str | None = None,
     ) -> None:
         if pool is None:
             if model is None:
                 raise ConfigError("PagedCache needs a model (or config) or a pool")
-            pool = PagedKVPool(model, num_blocks=num_blocks, memory_budget=memory_budget, block_size=block_size)
+            pool = PagedKVPool(
+                model,
+                num_blocks=num_blocks,
+                memory_budget=memory_budget,
+                block_size=block_size,
+                kv_layout=kv_layout or "auto",
+            )
         else:
-            if num_blocks is not None or memory_budget is not None:
-                raise ConfigError("num_blocks / memory_budget size a private pool: not with pool=")
+            if num_blocks is not None or memory_budget is not None or kv_layout is not None:
+                raise ConfigError("num_blocks / memory_budget / kv_layout shape a private pool: not with pool=")
             if model is not None:
                 pool.bind(model)
         self._pool = pool
