@@ -145,9 +145,7 @@ class PagedLayer(CacheLayerMixin):
         if real_index is not None:
             index = step.tensor("real", device, lambda: real_index)
             keys, values = keys.index_select(0, index), values.index_select(0, index)
-        group = self.group
-        slots = step.tensor(("slots", group), device, lambda: torch.tensor(step.slots[group], dtype=torch.long))
-        write_kv(key_cache, value_cache, keys, values, slots)
+        write_kv(key_cache, value_cache, keys, values, step.write_slots(self.group, device))
         if step.context is not None and model_kwargs is not None:
             model_kwargs[CONTEXT_KEY] = step.context
             return key_states, value_states
@@ -163,15 +161,17 @@ class PagedLayer(CacheLayerMixin):
         assert step is not None
         kv_len, kv_offset = self.kind.mask_sizes(step.plan.start, step.plan.q_len)
         group = self.group
-        index = step.tensor(("gather", group, kv_offset), device, lambda: state.gather_index(group, kv_offset, kv_len))
-        batch = step.plan.batch
         keys = key_cache.view(-1, *key_cache.shape[2:])
         values = value_cache.view(-1, *value_cache.shape[2:])
-        if index.dim() == 1:  # one row whose slots are one contiguous run: a view, no copy
-            start = int(index[0])
+        start = step.memo(("view", group, kv_offset), lambda: state.view_start(group, kv_offset, kv_len))
+        if start is not None:  # one row whose slots are one contiguous run: a view, no copy
             k = keys[start : start + kv_len].unsqueeze(0)
             v = values[start : start + kv_len].unsqueeze(0)
         else:
+            batch = step.plan.batch
+            index = step.tensor(
+                ("gather", group, kv_offset), device, lambda: state.gather_index(group, kv_offset, kv_len)
+            )
             k = keys.index_select(0, index.view(-1)).view(batch, kv_len, *keys.shape[1:])
             v = values.index_select(0, index.view(-1)).view(batch, kv_len, *values.shape[1:])
         return k.transpose(1, 2), v.transpose(1, 2)
