@@ -174,7 +174,8 @@ class DecodeResult:
             "them, stamped by a streamer (the prefill is not timed); one untimed warm-up per cache and model at the "
             f"smallest context, then {self.repeats} rounds over every context, the cache order rotating each round; "
             "median over the rounds. The PagedCache variants take their blocks from one pool per model created "
-            "beforehand; DynamicCache grows its tensors, StaticCache is allocated for the context inside the call."
+            "beforehand, with `kv_layout=\"auto\"` as PagedCache's own pool (each KV head's keys contiguous on the "
+            "CPU); DynamicCache grows its tensors, StaticCache is allocated for the context inside the call."
         )
         head = section_header("6. Decode time per token: PagedCache vs DynamicCache and StaticCache", self.quick,
                               workload, models, self.machine, measured)  # fmt: skip
@@ -250,7 +251,8 @@ def decode_benchmark(
     rng = random.Random(seed + 6)
     models = {_label(m): m for m in (model, narrow)}
     prompts = {c: random_tokens(rng, c - new, narrow.config.vocab_size) for c in contexts}
-    pools = {label: PagedKVPool(m, num_blocks=blocks_for(max(contexts)) + 2, block_size=BLOCK_SIZE, kv_layout="auto")
+    pools = {label: PagedKVPool(m, num_blocks=blocks_for(max(contexts)) + 2, block_size=BLOCK_SIZE,
+                                kv_layout="auto")  # what a PagedCache's own pool uses
              for label, m in models.items()}  # fmt: skip
 
     def run(label: str, variant: str, context: int, max_new: int) -> tuple[float, list[int]]:

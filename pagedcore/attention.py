@@ -3,7 +3,9 @@
 Layout shared by every backend:
 
 - a layer's pool is two tensors ``(num_blocks + 1, block_size, kv_heads, head_dim)`` for keys and values; the last
-  block (``pad_block``) is never handed out and stays zero, so padded block tables and padded gathers can point at it;
+  block (``pad_block``) is never handed out and stays zero, so padded block tables and padded gathers can point at it.
+  They may be permuted views (the adapter pool's ``kv_layout="heads"`` stores head after head): backends index them
+  and ``view`` their first two dimensions together, never assume them contiguous;
 - queries are packed: ``(num_tokens, q_heads, head_dim)``, sequence after sequence, only real tokens;
 - a sequence's queries are its last ``query_lens[i]`` positions of ``seq_lens[i]``; which keys a query sees is its
   group's attention kind's rule (:attr:`PagedAttentionMetadata.kind`: causal, and within the window in a sliding
