@@ -174,10 +174,10 @@ class DecodeResult:
             "them, stamped by a streamer (the prefill is not timed); one untimed warm-up per cache and model at the "
             "smallest context; per model and context, every cache prefills the prompt once (untimed), then "
             f"{self.repeats} rounds alternate the caches (the order rotating each round), each round cropping every "
-            "cache back to the prompt but its last token and decoding again; median over the rounds. The PagedCache "
-            "variants take their blocks from one pool per model created "
-            "beforehand, with `kv_layout=\"auto\"` as PagedCache's own pool (each KV head's keys contiguous on the "
-            "CPU); DynamicCache grows its tensors, StaticCache is allocated for the context inside the call."
+            "cache back to the prompt but its last token and decoding again; median over the rounds. Each PagedCache "
+            "variant takes its blocks from a pool of its own per model, created beforehand, with "
+            "`kv_layout=\"auto\"` as PagedCache's private pool (each KV head's keys contiguous on the CPU); "
+            "DynamicCache grows its tensors, StaticCache is allocated for the context when its cache is created."
         )
         head = section_header("6. Decode time per token: PagedCache vs DynamicCache and StaticCache", self.quick,
                               workload, models, self.machine, measured)  # fmt: skip
