@@ -16,6 +16,8 @@ def test_unknown_layout_raises_a_config_error_naming_it():
     model = tiny_model("llama")
     with pytest.raises(ConfigError, match="'columns'"):
         PagedKVPool(model, num_blocks=4, kv_layout="columns")
+    with pytest.raises(ConfigError, match="''"):  # not taken for "auto"
+        PagedCache(model, num_blocks=4, kv_layout="")
     pool = PagedKVPool(model, num_blocks=4)
     with pytest.raises(ConfigError, match="kv_layout"):
         PagedCache(model, pool=pool, kv_layout="heads")

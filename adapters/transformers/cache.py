@@ -239,7 +239,7 @@ class PagedCache(Cache):
                 num_blocks=num_blocks,
                 memory_budget=memory_budget,
                 block_size=block_size,
-                kv_layout=kv_layout or "auto",
+                kv_layout="auto" if kv_layout is None else kv_layout,
             )
         else:
             if num_blocks is not None or memory_budget is not None or kv_layout is not None:
