@@ -3,7 +3,9 @@
 Layout shared by every backend:
 
 - a layer's pool is two tensors ``(num_blocks + 1, block_size, kv_heads, head_dim)`` for keys and values; the last
-  block (``pad_block``) is never handed out and stays zero, so padded block tables and padded gathers can point at it;
+  block (``pad_block``) is never handed out and stays zero, so padded block tables and padded gathers can point at it.
+  They may be permuted views (the adapter pool's ``kv_layout="heads"`` stores head after head): backends index them
+  and ``view`` their first two dimensions together, never assume them contiguous;
 - queries are packed: ``(num_tokens, q_heads, head_dim)``, sequence after sequence, only real tokens;
 - a sequence's queries are its last ``query_lens[i]`` positions of ``seq_lens[i]``; which keys a query sees is its
   group's attention kind's rule (:attr:`PagedAttentionMetadata.kind`: causal, and within the window in a sliding
@@ -243,20 +245,26 @@ def write_kv(
     value_cache: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    slot_mapping: torch.Tensor,
+    slot_mapping: torch.Tensor | int,
 ) -> None:
     """Store packed ``key``/``value`` ``(num_tokens, kv_heads, head_dim)`` at their slots in the pool.
+
+    ``slot_mapping`` is the slot of every token, or an ``int``: the first of ``num_tokens`` consecutive slots (a
+    sequence growing inside its blocks, as every decode step of one sequence does), written as one slice.
 
     Example:
         >>> kc, vc = torch.zeros(3, 2, 1, 1), torch.zeros(3, 2, 1, 1)
         >>> write_kv(kc, vc, torch.ones(1, 1, 1), torch.ones(1, 1, 1), torch.tensor([3]))
+        >>> write_kv(kc, vc, torch.full((2, 1, 1), 2.0), torch.ones(2, 1, 1), 4)   # slots 4 and 5
         >>> kc.flatten().tolist()
-        [0.0, 0.0, 0.0, 1.0, 0.0, 0.0]
+        [0.0, 0.0, 0.0, 1.0, 2.0, 2.0]
     """
-    kv_heads, head_dim = key_cache.shape[-2:]
-    key_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(key_cache.dtype))
-    v_heads, v_dim = value_cache.shape[-2:]
-    value_cache.view(-1, v_heads, v_dim).index_copy_(0, slot_mapping, value.to(value_cache.dtype))
+    for cache, new in ((key_cache, key), (value_cache, value)):
+        flat = cache.view(-1, *cache.shape[-2:])
+        if isinstance(slot_mapping, int):
+            flat[slot_mapping : slot_mapping + new.shape[0]] = new
+        else:
+            flat.index_copy_(0, slot_mapping, new.to(cache.dtype))
 
 
 def contiguous_start(

