@@ -277,7 +277,7 @@ def _contiguous_run(meta: PagedAttentionMetadata, device: torch.device) -> tuple
     seq_len, q_len = meta.seq_lens[0], meta.query_lens[0]
     q_start = seq_len - q_len
     first = max(kind.first_visible(q_start), meta.block_offsets[0] * bs)
-    slot = contiguous_start(meta.block_tables[0].tolist(), first, seq_len - first, bs, meta.block_offsets[0])
+    slot = contiguous_start(meta.host_tables[0].tolist(), first, seq_len - first, bs, meta.block_offsets[0])
     if slot is None:
         return None
     length = seq_len - first
@@ -294,8 +294,13 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     (``index_select`` over whole blocks: several times faster than advanced indexing on CPU.)"""
     n, width = blocks.shape
     num_blocks, bs, heads, dim = cache.shape
-    flat = cache.view(num_blocks, -1).index_select(0, blocks.reshape(-1))
-    return flat.view(n, width * bs, heads, dim).transpose(1, 2)
+    if cache.is_contiguous():  # the slot-major pool
+        flat = cache.view(num_blocks, -1).index_select(0, blocks.reshape(-1))
+        return flat.view(n, width * bs, heads, dim).transpose(1, 2)
+    # a heads-first pool (a permuted view of (heads, blocks, block_size, dim)): select along its physical block axis
+    physical = cache.permute(2, 0, 1, 3)
+    picked = physical.index_select(1, blocks.reshape(-1))  # (heads, n * width, block_size, dim)
+    return picked.view(heads, n, width * bs, dim).transpose(0, 1)
 
 
 def _attend(
