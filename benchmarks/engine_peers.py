@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,7 +25,7 @@ from .common import (
     progress_bar,
 )
 
-__all__ = ["PeerResult"]
+__all__ = ["PeerResult", "finished_results"]
 
 ONE_AT_A_TIME = "generate, one at a time"
 PADDED_BATCH = "generate, padded batch"
@@ -186,18 +187,10 @@ def hf_continuous(
                 if rid is None:
                     raise RuntimeError(f"the continuous batching manager refused request {i}")
                 ids[rid] = i
-            while len(results) < len(batch):
-                result = manager.get_result(timeout=1)
-                if result is None:
-                    if not manager.is_running():
-                        raise RuntimeError("the continuous batching thread stopped before every request finished")
-                    continue
-                if result.is_finished():
-                    if result.error is not None:
-                        raise RuntimeError(f"request {result.request_id} failed: {result.error}")
-                    done = result.lifespan[1] if result.lifespan[1] > 0 else time.perf_counter()
-                    results[ids[result.request_id]] = (result, done)
-                    bar.update(1)
+            for result in finished_results(manager, len(batch)):
+                done = result.lifespan[1] if result.lifespan[1] > 0 else time.perf_counter()
+                results[ids[result.request_id]] = (result, done)
+                bar.update(1)
             processor = getattr(manager, "batch_processor", None)
             tensor = getattr(getattr(processor, "cache", None), "cache_tensor", None)
             if isinstance(tensor, torch.Tensor):
@@ -279,3 +272,34 @@ def engine(
     peer.counted_positions = counter.positions
     peer.decode_positions = sum(n - 1 for n in news)
     return peer
+
+
+def finished_results(manager: Any, count: int) -> Iterator[Any]:
+    """The next ``count`` finished results of transformers' continuous batching ``manager``, as they come; a request
+    that failed, or the manager's thread stopping first, raises :class:`RuntimeError`.
+
+    Example:
+        >>> class Finished:
+        ...     request_id, error = "r0", None
+        ...     def is_finished(self) -> bool:
+        ...         return True
+        >>> class Manager:
+        ...     def get_result(self, timeout: float) -> Finished:
+        ...         return Finished()
+        ...     def is_running(self) -> bool:
+        ...         return True
+        >>> [result.request_id for result in finished_results(Manager(), 2)]
+        ['r0', 'r0']
+    """
+    seen = 0
+    while seen < count:
+        result = manager.get_result(timeout=1)
+        if result is None:
+            if not manager.is_running():
+                raise RuntimeError("the continuous batching thread stopped before every request finished")
+            continue
+        if result.is_finished():
+            if result.error is not None:
+                raise RuntimeError(f"request {result.request_id} failed: {result.error}")
+            seen += 1
+            yield result

@@ -24,6 +24,7 @@ from pagedcore.adapters.transformers import Engine, SamplingParams
 
 from .common import BLOCK_SIZE, PAD, attn, bench_model, blocks_for, describe_model, progress_bar, random_tokens
 from .context import BenchContext
+from .engine_peers import finished_results
 from .report import aim_status, machine_info, section_header, table
 from .steps import StepTimes, logging_forwards
 
@@ -191,18 +192,7 @@ def _hf_point(
     )
 
     def results(manager: Any, ids: dict[str, int]) -> dict[int, list[int]]:
-        done: dict[int, list[int]] = {}
-        while len(done) < len(ids):
-            result = manager.get_result(timeout=1)
-            if result is None:
-                if not manager.is_running():
-                    raise RuntimeError("the continuous batching thread stopped before every request finished")
-                continue
-            if result.is_finished():
-                if result.error is not None:
-                    raise RuntimeError(f"request {result.request_id} failed: {result.error}")
-                done[ids[result.request_id]] = list(result.generated_tokens)
-        return done
+        return {ids[r.request_id]: list(r.generated_tokens) for r in finished_results(manager, len(ids))}
 
     manager_context = model.continuous_batching_context_manager(  # type: ignore[operator]
         generation_config=generation, continuous_batching_config=config, block=True, timeout=30, warmup=False
