@@ -22,6 +22,7 @@ from .common import (
     BLOCK_SIZE,
     bench_model,
     blocks_for,
+    check_outputs,
     clock,
     describe_model,
     generate,
@@ -291,9 +292,7 @@ def _engine_turns(model: PreTrainedModel, chat: ChatWorkload, run: ChatRun, firs
             params = [SamplingParams(max_new_tokens=chat.replies[c][t], ignore_eos=True)
                       for c in range(chat.conversations)]  # fmt: skip
             outputs = served.generate(prompts, params, use_tqdm=False)
-            errors = [o.error for o in outputs if o.error is not None]
-            if errors:
-                raise RuntimeError(f"{len(errors)} requests failed: {errors[0]}")
+            check_outputs(outputs)
             for c, o in enumerate(outputs):
                 replies[c].append(list(o.token_ids))
             computed = served.stats().prompt_tokens_computed

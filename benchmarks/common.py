@@ -209,6 +209,22 @@ def counting(model: PreTrainedModel) -> Iterator[ForwardCounter]:
 
 
 # ---------------------------------------------------------------------------------------------------- measuring
+def check_outputs(outputs: Sequence[Any]) -> None:
+    """Raise :class:`RuntimeError` when an Engine output carries an error: a benchmark measures finished requests only.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> check_outputs([SimpleNamespace(error=None)])
+        >>> check_outputs([SimpleNamespace(error=None), SimpleNamespace(error="boom")])
+        Traceback (most recent call last):
+        ...
+        RuntimeError: 1 requests failed: boom
+    """
+    errors = [o.error for o in outputs if o.error is not None]
+    if errors:
+        raise RuntimeError(f"{len(errors)} requests failed: {errors[0]}")
+
+
 def clock(device: torch.device) -> float:
     """``time.perf_counter()`` once the work queued on ``device`` is done (CUDA runs asynchronously)."""
     if device.type == "cuda":

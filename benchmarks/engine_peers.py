@@ -17,6 +17,7 @@ from .common import (
     PAD,
     attn,
     cache_tensor_bytes,
+    check_outputs,
     clock,
     counting,
     generate,
@@ -252,9 +253,7 @@ def engine(
             outputs = served.generate(prompts, params, use_tqdm=progress)
             wall = clock(model.device) - start
             stats = served.stats()
-    errors = [o.error for o in outputs if o.error is not None]
-    if errors:
-        raise RuntimeError(f"{len(errors)} requests failed: {errors[0]}")
+    check_outputs(outputs)
     peer = PeerResult(
         ENGINE,
         wall=wall,

@@ -22,7 +22,17 @@ from transformers import GenerationConfig, PreTrainedModel
 
 from pagedcore.adapters.transformers import Engine, SamplingParams
 
-from .common import BLOCK_SIZE, PAD, attn, bench_model, blocks_for, describe_model, progress_bar, random_tokens
+from .common import (
+    BLOCK_SIZE,
+    PAD,
+    attn,
+    bench_model,
+    blocks_for,
+    check_outputs,
+    describe_model,
+    progress_bar,
+    random_tokens,
+)
 from .context import BenchContext
 from .engine_peers import finished_results
 from .report import aim_status, machine_info, section_header, table
@@ -165,9 +175,7 @@ def _engine_point(
                 after = engine.stage_seconds()
                 stages.append({name: after[name] - before[name] for name in after})
     outputs = [done[i] for i in ids]
-    errors = [o.error for o in outputs if o.error is not None]
-    if errors:
-        raise RuntimeError(f"{len(errors)} requests failed: {errors[0]}")
+    check_outputs(outputs)
     times = log.decode_steps(len(prompts), prompt_len, skip=warm, stages=stages)
     return times, [list(o.token_ids) for o in outputs]
 

@@ -18,6 +18,7 @@ from .common import (
     BLOCK_SIZE,
     bench_model,
     blocks_for,
+    check_outputs,
     clock,
     describe_model,
     kv_bytes_per_token,
@@ -185,9 +186,7 @@ def _run_point(model: PreTrainedModel, point: ScalePoint, prompts: list[list[int
             outputs = engine.generate(prompts, params, use_tqdm=False)
             wall = clock(model.device) - start
         stats = engine.stats()
-    errors = [o.error for o in outputs if o.error is not None]
-    if errors:
-        raise RuntimeError(f"{len(errors)} requests failed: {errors[0]}")
+    check_outputs(outputs)
     point.wall, point.busy, point.steps = wall, log.busy_seconds(), stats.num_steps
     point.kv_peak = stats.kv_peak_used_bytes
 

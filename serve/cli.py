@@ -9,7 +9,10 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .auth import ApiKeys
 
 __all__ = ["BUILTIN_NAME", "add_arguments", "load_api_keys", "missing_extra", "run"]
 
@@ -205,7 +208,7 @@ def missing_extra(command: str, extra: str, modules: tuple[str, ...]) -> bool:
     return False
 
 
-def load_api_keys(path: str | None, usage_error: type[Exception]) -> Any:
+def load_api_keys(path: str | None, usage_error: type[Exception]) -> ApiKeys | None:
     """The :class:`~pagedcore.serve.auth.ApiKeys` of ``--api-keys FILE`` (None without one); a bad file raises
     ``usage_error`` with the file's problem in one line.
 
