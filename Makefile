@@ -40,7 +40,7 @@ lint: install
 	$(BIN)/ruff format --check .
 
 typecheck: install
-	$(BIN)/python .ci/typecheck.py
+	$(BIN)/mypy
 
 unit: install
 	$(BIN)/pytest

@@ -279,7 +279,7 @@ def test_profile_summary_of_pyspy_raw_output(tmp_path, capsys):
     raw = tmp_path / "raw.txt"
     raw.write_text(
         "<module> (pagedcore/benchmarks/profiles.py:9);generate (transformers/generation/utils.py:2);"
-        "update (/x/checkout/adapters/transformers/cache.py:250);index_copy (libtorch_cpu.so) 30\n"
+        "update (/x/pagedcore/pagedcore/adapters/transformers/cache.py:250);index_copy (libtorch_cpu.so) 30\n"
         "<module> (pagedcore/benchmarks/profiles.py:9);generate (transformers/generation/utils.py:2);"
         "_prefill (transformers/generation/utils.py:4283) 50\n"
         "<module> (pagedcore/benchmarks/profiles.py:9);generate (transformers/generation/utils.py:2) 10\n"
@@ -287,7 +287,7 @@ def test_profile_summary_of_pyspy_raw_output(tmp_path, capsys):
     assert profiles.main(["summarize", str(raw), "--exclude", "_prefill"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("40 samples")
-    assert "| `adapters/transformers/cache.py:update` | 75.0% | 75.0% |" in out
+    assert "| `pagedcore/adapters/transformers/cache.py:update` | 75.0% | 75.0% |" in out
     assert "| `transformers/generation/utils.py:generate` | 25.0% | 100.0% |" in out
     assert "_prefill" not in out
 

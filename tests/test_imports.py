@@ -1,25 +1,29 @@
-"""Import structure: no module takes part in an import cycle, and the core imports neither the adapters nor torch,
-transformers or xformers when it is imported.
+"""Import structure: no module takes part in an import cycle; each layer imports only the layers above it; the core
+imports neither the adapters nor torch, transformers or xformers when it is imported.
 
-Modules are every file of every folder in ``[tool.setuptools] package-dir``, named as they install (the rule lives in
-``.ci/typecheck.py``; tests/test_packaging.py checks that it matches the wheel). Import-time imports are read with
-``ast``: a module's top level, class bodies and ``if``/``try`` blocks count; function bodies (lazy imports, such as the
-CLI's) and ``if TYPE_CHECKING:`` blocks do not. The core is ``pagedcore.*`` from the ``pagedcore/`` folder, less
-:data:`TENSOR_SIDE`; it is also imported for real, each module alone in a fresh interpreter.
+Modules are every file of the ``pagedcore/`` tree, named by their path, which is the name they install under
+(``tests/repo.py``; tests/test_packaging.py checks that it matches the wheel). Import-time imports are read with
+``ast``: a module's top level, class bodies and ``if``/``try`` blocks count; function bodies (lazy imports) and
+``if TYPE_CHECKING:`` blocks do not. The layers (docs/architecture.md): the core is the top-level modules of
+``pagedcore/`` less :data:`TENSOR_SIDE` and the entry script; the adapters and plugins sit below it; the front ends
+(:data:`FRONT_ENDS`) at the bottom. Nothing but a front end imports a front end, lazily or not: that rule reads
+function bodies too. The core is also imported for real, each module alone in a fresh interpreter.
 """
 
 from __future__ import annotations
 
 import ast
+import os
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from repo import ROOT, load_typecheck
+from repo import ROOT, source_modules
 
-FORBIDDEN_IN_CORE = ("torch", "transformers", "xformers", "pagedcore.adapters", "pagedcore.plugins")
+FRONT_ENDS = ("pagedcore.cli", "pagedcore.serve", "pagedcore.benchmarks")
+FORBIDDEN_IN_CORE = ("torch", "transformers", "xformers", "pagedcore.adapters", "pagedcore.plugins", *FRONT_ENDS)
 # pagedcore.attention holds the tensor-side interface (PagedAttentionMetadata builds torch tensors): it imports torch
 # by design and is reached only from the adapters and plugins, or under TYPE_CHECKING.
 TENSOR_SIDE = frozenset({"pagedcore.attention"})
@@ -35,22 +39,23 @@ class Module:
 
 
 def discover() -> dict[str, Module]:
-    typecheck = load_typecheck()
-    mapping = typecheck.package_dirs()
-    modules = {}
-    for source in typecheck.sources(mapping):
-        path = Path(source.path)
-        modules[source.module] = Module(source.module, path, path.name == "__init__.py")
-    return modules
+    return {name: Module(name, path, path.name == "__init__.py") for name, path in source_modules().items()}
 
 
 MODULES = discover()
-CORE_DIR = load_typecheck().package_dirs()["pagedcore"]
+SUBPACKAGES = ("pagedcore.adapters", "pagedcore.plugins", *FRONT_ENDS)
 CORE = sorted(
     name
-    for name, module in MODULES.items()
-    if module.path.is_relative_to(CORE_DIR) and name not in TENSOR_SIDE and name not in ENTRY_SCRIPTS
+    for name in MODULES
+    if not name.startswith(tuple(p + "." for p in SUBPACKAGES))
+    and name not in SUBPACKAGES
+    and name not in TENSOR_SIDE
+    and name not in ENTRY_SCRIPTS
 )
+
+
+def _in(name: str, packages: tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in packages)
 
 
 def _is_type_checking(test: ast.expr) -> bool:
@@ -59,15 +64,16 @@ def _is_type_checking(test: ast.expr) -> bool:
     )
 
 
-def import_time_imports(module: Module) -> list[str]:
-    """Absolute names of what ``module`` imports when it is imported (``from X import n`` -> ``X.n`` if a module)."""
+def import_time_imports(module: Module, *, lazy: bool = False) -> list[str]:
+    """Absolute names of what ``module`` imports when it is imported (``from X import n`` -> ``X.n`` if a module);
+    with ``lazy``, also what its functions import when they run."""
     tree = ast.parse(module.path.read_text(), str(module.path))
     package = module.name if module.is_package else module.name.rpartition(".")[0]
     found: list[str] = []
 
     def visit(nodes: list[ast.stmt] | list[ast.excepthandler]) -> None:
         for node in nodes:
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not lazy:
                 continue  # runs later, if ever
             if isinstance(node, ast.If) and _is_type_checking(node.test):
                 visit(node.orelse)
@@ -130,12 +136,15 @@ def find_cycle(graph: dict[str, list[str]]) -> list[str] | None:
 
 
 def test_discovery_sees_every_kind_of_module():
-    assert {"pagedcore", "pagedcore.block_manager", "pagedcore.cli"} <= set(CORE)
+    assert {"pagedcore", "pagedcore.block_manager"} <= set(CORE)
+    assert not {"pagedcore.cli", "pagedcore.serve.app", "pagedcore.adapters.transformers.cache"} & set(CORE)
     assert {"pagedcore.adapters.transformers.cache", "pagedcore.plugins.torch_backend"} <= set(MODULES)
     assert GRAPH["pagedcore.kv_pool"] == ["pagedcore.attention_kinds", "pagedcore.block_manager", "pagedcore.errors",
                                           "pagedcore.eviction", "pagedcore.prefix_trie"]  # fmt: skip
     assert "pagedcore.attention" not in GRAPH["pagedcore.hookspecs"]  # only under TYPE_CHECKING
     assert "pagedcore.adapters.transformers" not in GRAPH["pagedcore.cli"]  # only inside functions
+    lazy = import_time_imports(MODULES["pagedcore.cli"], lazy=True)
+    assert "pagedcore.adapters.transformers" in {internal(name) for name in lazy}
 
 
 def test_finding_a_cycle():
@@ -178,3 +187,35 @@ def test_each_core_module_imports_alone_without_torch_or_the_adapters(module):
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
+
+
+def test_only_front_ends_import_front_ends_even_lazily():
+    for name, module in MODULES.items():
+        if _in(name, FRONT_ENDS) or name in ENTRY_SCRIPTS:
+            continue
+        bad = sorted({imp for imp in import_time_imports(module, lazy=True) if _in(imp, FRONT_ENDS)})
+        assert not bad, f"{name} imports the front end(s) {bad}"
+
+
+def test_adapters_and_plugins_import_no_front_end_and_plugins_no_adapter():
+    for name, module in MODULES.items():
+        imports = import_time_imports(module, lazy=True)
+        if _in(name, ("pagedcore.plugins",)):
+            assert not [i for i in imports if _in(i, ("pagedcore.adapters",))], name
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        [sys.executable, "-m", "pagedcore", "--version"],
+        [sys.executable, "-c", "import pagedcore.adapters.transformers, pagedcore.serve, pagedcore.benchmarks"],
+        [sys.executable, "-c", "import pagedcore.plugins.xformers.status, pagedcore.cli.common"],
+    ],
+    ids=["python-m-pagedcore", "import-adapters-serve-benchmarks", "import-plugins"],
+)
+def test_the_source_root_imports_as_installed(command):
+    # Run from the root with no PYTHONPATH: the root's pagedcore/ folder comes first on sys.path and must be the whole
+    # package (it shadowed the installed one and lacked its subpackages when they lived beside it).
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
+    assert result.returncode == 0, result.stderr

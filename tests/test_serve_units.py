@@ -138,7 +138,7 @@ def test_a_missing_key_file_is_a_clear_error(tmp_path):
 
 
 def test_the_command_line_turns_a_bad_key_file_into_a_usage_error(tmp_path):
-    from pagedcore.cli import UsageError
+    from pagedcore.cli.common import UsageError
     from pagedcore.serve.cli import load_api_keys
 
     path = tmp_path / "keys"

@@ -42,8 +42,7 @@ from .host import OWN
 __all__ = ["ProfileEntry", "main", "summarize_collapsed"]
 
 CACHES = ("dynamic", "static", "paged-sdpa", "paged-attn")
-LIBRARY = ("pagedcore/", "adapters/", "plugins/", "serve/")  # the library's folders (its own functions' table)
-SOURCE_FOLDERS = (*LIBRARY, "benchmarks/")
+LIBRARY = ("pagedcore/",)  # the library's folder (its own functions' table); the benchmarks are inside it too
 
 
 @dataclass(frozen=True)
@@ -52,7 +51,8 @@ class ProfileEntry:
     the torch operators it calls counts as its own), ``total_share`` anywhere on the stack.
 
     Example:
-        >>> ProfileEntry("adapters/transformers/sampling.py:sample_rows", 0.072, 0.072).function.endswith("sample_rows")
+        >>> entry = ProfileEntry("pagedcore/adapters/transformers/sampling.py:sample_rows", 0.072, 0.072)
+        >>> entry.function.endswith("sample_rows")
         True
     """
 
@@ -71,9 +71,9 @@ def _frame_key(frame: str) -> str | None:
     if "site-packages" in parts:  # transformers/..., torch/...
         path = "/".join(parts[parts.index("site-packages") + 1 :])
     else:  # pagedcore's source folders, wherever the checkout is
-        roots = [i for i, part in enumerate(parts) if part + "/" in SOURCE_FOLDERS]
-        if roots:
-            path = "/".join(parts[roots[0] :])
+        roots = [i for i, part in enumerate(parts[:-1]) if part + "/" in LIBRARY]
+        if roots:  # the innermost: a checkout may itself sit in a folder named pagedcore
+            path = "/".join(parts[roots[-1] :])
     return f"{path}:{name}"
 
 

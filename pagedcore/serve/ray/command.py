@@ -17,15 +17,15 @@ __all__ = ["run"]
 
 
 def run(args: argparse.Namespace) -> int:
-    """Serve with Ray until interrupted; returns the exit code. Bad arguments raise ``pagedcore.cli.UsageError``.
+    """Serve with Ray until interrupted; returns the exit code. Bad arguments raise ``pagedcore.cli.common.UsageError``.
 
     Example:
         >>> run(argparse.Namespace(replicas=0))  # doctest: +IGNORE_EXCEPTION_DETAIL
         Traceback (most recent call last):
         ...
-        pagedcore.cli.UsageError: --replicas must be >= 1, got 0
+        pagedcore.cli.common.UsageError: --replicas must be >= 1, got 0
     """
-    from pagedcore.cli import EXIT_OK, EXIT_UNAVAILABLE, UsageError
+    from pagedcore.cli.common import EXIT_OK, EXIT_UNAVAILABLE, UsageError
 
     if args.replicas < 1:
         raise UsageError(f"--replicas must be >= 1, got {args.replicas}")

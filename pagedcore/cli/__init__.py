@@ -20,7 +20,6 @@ import json
 import sys
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from pagedcore import __version__
@@ -29,9 +28,9 @@ from pagedcore.benchmarks.options import options_from as bench_options
 from pagedcore.benchmarks.registry import BENCHMARKS
 from pagedcore.errors import PagedCoreError, PluginError
 
-__all__ = ["load_model", "main"]
+from .common import EXIT_FAILURE, EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE, UsageError, load_model
 
-EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_UNAVAILABLE = 0, 1, 2, 3
+__all__ = ["load_model", "main"]
 
 DEFAULT_SYSTEM = (
     "You are a helpful assistant for a bicycle repair shop. Answer briefly and politely, and suggest a visit to "
@@ -42,10 +41,6 @@ DEFAULT_QUESTIONS = [
     "My brakes squeak when it rains. Why?",
     "What tyre pressure should I use for commuting?",
 ]
-
-
-class UsageError(Exception):
-    """Bad command-line input (exit code 2)."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -293,44 +288,6 @@ def _read_prompts(args: argparse.Namespace) -> list[str]:
     if any(not p.strip() for p in prompts):
         raise UsageError("empty prompt")
     return [(system or "") + p for p in prompts]
-
-
-def load_model(name: str, dtype: Any) -> tuple[Any, Any]:
-    """``(model, tokenizer)`` of a checkpoint folder or hub name, for the subcommands' ``--model``.
-
-    Raises :class:`UsageError` (exit code 2, one line) for a path that holds no model or a checkpoint that cannot
-    be loaded.
-
-    Example:
-        >>> load_model("./no-such-model", None)
-        Traceback (most recent call last):
-        ...
-        pagedcore.cli.UsageError: --model './no-such-model': no such folder
-    """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    path = Path(name).expanduser()
-    if not path.exists() and (path.is_absolute() or name.startswith((".", "~"))):
-        raise UsageError(f"--model {name!r}: no such folder")
-    if path.is_file():
-        raise UsageError(f"--model {name!r} is a file: give a model folder (with config.json) or a hub name")
-    if path.is_dir() and not (path / "config.json").is_file():
-        raise UsageError(f"--model {name!r}: the folder holds no model (no config.json)")
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(name)
-    except (OSError, ValueError) as exc:
-        raise UsageError(f"cannot load model {name!r} (its tokenizer): {_first_line(exc)}") from exc
-    try:
-        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
-    except (OSError, ValueError) as exc:
-        raise UsageError(f"cannot load model {name!r}: {_first_line(exc)}") from exc
-    return model.eval(), tokenizer
-
-
-def _first_line(exc: BaseException) -> str:
-    """An error's message cut to its first line: the command line reports each error in one line."""
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
 
 
 # ---------------------------------------------------------------------- bench

@@ -70,15 +70,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Load the model, start the engine loop and serve until interrupted (Ctrl-C or SIGTERM); returns the exit
-    code. Bad arguments raise ``pagedcore.cli.UsageError`` (exit code 2).
+    code. Bad arguments raise ``pagedcore.cli.common.UsageError`` (exit code 2).
 
     Example:
         >>> run(argparse.Namespace(port=70000))  # doctest: +IGNORE_EXCEPTION_DETAIL
         Traceback (most recent call last):
         ...
-        pagedcore.cli.UsageError: --port must be in 0..65535, got 70000
+        pagedcore.cli.common.UsageError: --port must be in 0..65535, got 70000
     """
-    from pagedcore.cli import EXIT_OK, EXIT_UNAVAILABLE, UsageError
+    from pagedcore.cli.common import EXIT_OK, EXIT_UNAVAILABLE, UsageError
 
     _check(args, UsageError)
     if getattr(args, "ray", False):
@@ -157,7 +157,7 @@ def _check(args: argparse.Namespace, error: type[Exception]) -> None:
 def _model(args: argparse.Namespace, error: type[Exception]) -> tuple[Any, Any, str]:
     import torch
 
-    from pagedcore.cli import load_model  # the `--model` loader of `pagedcore generate`
+    from pagedcore.cli.common import load_model  # the `--model` loader of `pagedcore generate`
 
     dtype = getattr(torch, args.dtype)
     model: Any

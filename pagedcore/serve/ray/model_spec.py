@@ -70,7 +70,7 @@ class ModelSpec:
 
             model, tokenizer = builtin_model(seed=self.seed, **self.builtin_overrides), builtin_tokenizer()
         else:
-            from pagedcore.cli import load_model
+            from pagedcore.cli.common import load_model
 
             model, tokenizer = load_model(self.path, dtype)
         return model.to(device=self.device, dtype=dtype), tokenizer
