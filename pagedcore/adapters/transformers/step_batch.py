@@ -1,4 +1,4 @@
-"""One Engine step as tensors: the packed batch, the cache its forward writes through, and the requests it serves.
+"""One Engine step as tensors: the packed batch and the cache its forward writes through.
 
 :func:`pack` turns the scheduler's plan into a :class:`StepBatch`: every scheduled token of every sequence in one
 ``(1, num_tokens)`` row without padding, each KV group's paged-attention metadata, and a :class:`SampleRow` per
@@ -9,8 +9,8 @@ run without the Engine's lock while other threads add and abort requests.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Hashable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -20,57 +20,11 @@ from pagedcore.attention import PagedAttentionMetadata, to_device, write_kv
 from pagedcore.scheduler import SchedulerOutput
 
 from .attention import ForwardContext
-from .outputs import RequestOutput
 from .pool import PagedKVPool
-from .sampling import SampleRow, SamplingParams
+from .request import EngineRequest
+from .sampling import SampleRow
 
-__all__ = ["EngineRequest", "NewRequest", "PackedCache", "StepBatch", "pack"]
-
-
-@dataclass(frozen=True)
-class NewRequest:
-    """A validated request, not queued yet (see ``Engine.add_request``).
-
-    Example:
-        >>> NewRequest([5, 6], SamplingParams(), frozenset({2})).request_id is None
-        True
-    """
-
-    token_ids: list[int]
-    params: SamplingParams
-    stop_token_ids: frozenset[int]
-    namespace: Hashable = None
-    request_id: str | None = None
-
-
-@dataclass
-class EngineRequest:
-    """A queued request as the Engine tracks it: its output (filled in as it runs) and who reports it.
-
-    Attributes:
-        owner: the ``generate``/``stream`` call that reports it, or None for ``step()``/``step_events()``.
-        texts: per sample, the text decoded so far (for text deltas).
-        done: samples finished.
-
-    Example:
-        >>> from pagedcore.adapters.transformers import RequestMetrics, SampleOutput
-        >>> out = RequestOutput("r", [5], [SampleOutput(0)], RequestMetrics(0.0))
-        >>> EngineRequest("r", SamplingParams(), [], out).is_done
-        False
-    """
-
-    request_id: str
-    params: SamplingParams
-    generators: list[torch.Generator]
-    output: RequestOutput
-    owner: object | None = None
-    texts: list[str] = field(default_factory=list)
-    done: int = 0
-
-    @property
-    def is_done(self) -> bool:
-        """Whether every sample has finished."""
-        return self.done == len(self.output.samples)
+__all__ = ["PackedCache", "StepBatch", "pack"]
 
 
 class _PackedLayer(CacheLayerMixin):
@@ -191,13 +145,17 @@ def pack(
     Example:
         >>> from pagedcore.adapters.transformers.testing import tiny_llama
         >>> from pagedcore import Scheduler, SequenceState
-        >>> from pagedcore.adapters.transformers import RequestMetrics, SampleOutput
+        >>> from pagedcore.adapters.transformers import RequestMetrics, RequestOutput, SampleOutput, SamplingParams
+        >>> from pagedcore.adapters.transformers.stopping import SampleText, StopStrings
         >>> model = tiny_llama()
         >>> pool = PagedKVPool(model, num_blocks=8, block_size=4)
         >>> sched = Scheduler(pool.kv)
-        >>> sched.add(SequenceState("r", [5, 6, 7], max_new_tokens=2))
+        >>> seq = SequenceState("r", [5, 6, 7], max_new_tokens=2)
+        >>> sched.add(seq)
         >>> out = RequestOutput("r", [5, 6, 7], [SampleOutput(0)], RequestMetrics(0.0))
-        >>> batch = pack(sched.schedule(), pool, {"r": EngineRequest("r", SamplingParams(), [torch.Generator()], out)})
+        >>> texts = [SampleText(None, StopStrings())]
+        >>> request = EngineRequest("r", SamplingParams(), seq, out, texts, [torch.Generator()])
+        >>> batch = pack(sched.schedule(), pool, {"r": request})
         >>> batch.input_ids, batch.position_ids, batch.logit_rows, [row.request_id for row in batch.rows]
         ([5, 6, 7], [0, 1, 2], [2], ['r'])
     """
@@ -235,7 +193,7 @@ def pack(
             suppress: tuple[int, ...] = ()
             if seq.min_new_tokens and seq.num_output_tokens < seq.min_new_tokens:
                 suppress = tuple(sorted(seq.stop_token_ids))
-            rows.append(SampleRow(item.request_id, request.params, generators, suppress))
+            rows.append(SampleRow(item.request_id, request.params, generators, suppress, seq))
         blocks = item.blocks
         for g in group_ids:
             tables[g].append(blocks.table_array(g))
