@@ -174,15 +174,18 @@ class Engine:
         self._busy = 0.0
         self._phases = dict.fromkeys(_PHASES, 0.0)  # cumulative seconds per stage of the steps
         self._original_attn = getattr(self._text_config, "_attn_implementation", None)
-        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        self._use_paged_attention()
+        self._closed = False
+
+    def _use_paged_attention(self) -> None:
+        self.model.set_attn_implementation(ATTN_IMPLEMENTATION)
         if getattr(self._text_config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
             # transformers leaves such a model as it was (with a warning): its attention would read only the step's
             # own keys from the Engine's cache, the cached ones never, and answer wrongly without an error.
             raise UnsupportedModelError(
-                f"{type(model).__name__} does not attend through transformers' AttentionInterface, so the Engine's "
-                "paged attention cannot serve it; use PagedCache or enable() with this model"
+                f"{type(self.model).__name__} does not attend through transformers' AttentionInterface, so the "
+                "Engine's paged attention cannot serve it; use PagedCache or enable() with this model"
             )
-        self._closed = False
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:

@@ -300,23 +300,7 @@ def to_sampling_params(
             f"num_return_sequences={n} needs do_sample=True: greedy decoding has one answer (transformers "
             "refuses it too)"
         )
-    if config.max_new_tokens is not None:
-        max_new_tokens = config.max_new_tokens
-    elif config.max_length is not None:
-        max_new_tokens = config.max_length - prompt_length
-        if max_new_tokens <= 0:
-            raise InvalidRequestError(
-                f"the prompt has {prompt_length} tokens but max_length={config.max_length} counts the prompt too: "
-                "set max_new_tokens instead"
-            )
-    else:
-        max_new_tokens = _DEFAULT_MAX_NEW_TOKENS
-        if max_positions is not None:
-            max_new_tokens = min(max_new_tokens, max_positions - prompt_length)
-    if config.min_new_tokens is not None:
-        min_new_tokens = config.min_new_tokens
-    else:
-        min_new_tokens = max(0, (config.min_length or 0) - prompt_length)
+    max_new_tokens, min_new_tokens = _lengths(config, prompt_length, max_positions)
     eos = config.eos_token_id
     stop: tuple[int, ...] = ()
     if eos is not None:
@@ -341,6 +325,29 @@ def to_sampling_params(
         seed=seed,
         **fields,
     )
+
+
+def _lengths(config: GenerationConfig, prompt_length: int, max_positions: int | None) -> tuple[int, int]:
+    """``max_new_tokens`` (over ``max_length``, a total; else 20 within the context) and ``min_new_tokens`` (over
+    ``min_length``) for a prompt of ``prompt_length`` tokens."""
+    if config.max_new_tokens is not None:
+        max_new_tokens = config.max_new_tokens
+    elif config.max_length is not None:
+        max_new_tokens = config.max_length - prompt_length
+        if max_new_tokens <= 0:
+            raise InvalidRequestError(
+                f"the prompt has {prompt_length} tokens but max_length={config.max_length} counts the prompt too: "
+                "set max_new_tokens instead"
+            )
+    else:
+        max_new_tokens = _DEFAULT_MAX_NEW_TOKENS
+        if max_positions is not None:
+            max_new_tokens = min(max_new_tokens, max_positions - prompt_length)
+    if config.min_new_tokens is not None:
+        min_new_tokens = config.min_new_tokens
+    else:
+        min_new_tokens = max(0, (config.min_length or 0) - prompt_length)
+    return max_new_tokens, min_new_tokens
 
 
 # ------------------------------------------------------------------------------------------------------ the sampler

@@ -17,7 +17,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DummyLayer
 
 from pagedcore.attention import PagedAttentionMetadata, to_device, write_kv
-from pagedcore.scheduler import SchedulerOutput
+from pagedcore.scheduler import ScheduledSequence, SchedulerOutput
 
 from .attention import ForwardContext
 from .pool import PagedKVPool
@@ -138,23 +138,18 @@ def pack(
     requests: Mapping[str, EngineRequest],
     attention_backend: str | None = None,
 ) -> StepBatch:
-    """Pack a non-empty plan (call it under the lock that guards ``requests``: it reads the live block tables).
-
-    Performs the plan's copy-on-write block copies first.
+    """Pack a non-empty plan (call it under the lock that guards ``requests``: it reads the live block tables), after
+    the plan's copy-on-write block copies.
 
     Example:
-        >>> from pagedcore.adapters.transformers.testing import tiny_llama
         >>> from pagedcore import Scheduler, SequenceState
         >>> from pagedcore.adapters.transformers import RequestMetrics, RequestOutput, SampleOutput, SamplingParams
-        >>> from pagedcore.adapters.transformers.stopping import SampleText, StopStrings
-        >>> model = tiny_llama()
-        >>> pool = PagedKVPool(model, num_blocks=8, block_size=4)
-        >>> sched = Scheduler(pool.kv)
-        >>> seq = SequenceState("r", [5, 6, 7], max_new_tokens=2)
+        >>> from pagedcore.adapters.transformers.testing import tiny_llama
+        >>> pool = PagedKVPool(tiny_llama(), num_blocks=8, block_size=4)
+        >>> sched, seq = Scheduler(pool.kv), SequenceState("r", [5, 6, 7], max_new_tokens=2)
         >>> sched.add(seq)
         >>> out = RequestOutput("r", [5, 6, 7], [SampleOutput(0)], RequestMetrics(0.0))
-        >>> texts = [SampleText(None, StopStrings())]
-        >>> request = EngineRequest("r", SamplingParams(), seq, out, texts, [torch.Generator()])
+        >>> request = EngineRequest("r", SamplingParams(), seq, out, [], [torch.Generator()])
         >>> batch = pack(sched.schedule(), pool, {"r": request})
         >>> batch.input_ids, batch.position_ids, batch.logit_rows, [row.request_id for row in batch.rows]
         ([5, 6, 7], [0, 1, 2], [2], ['r'])
@@ -186,20 +181,28 @@ def pack(
         seq_lens.append(end)
         if item.sample:
             logit_rows.append(len(tokens) - 1)
-            if item.num_samples > 1:
-                generators = request.generators[: item.num_samples]
-            else:
-                generators = [request.generators[seq.sample_index]]
-            suppress: tuple[int, ...] = ()
-            if seq.min_new_tokens and seq.num_output_tokens < seq.min_new_tokens:
-                suppress = tuple(sorted(seq.stop_token_ids))
-            rows.append(SampleRow(item.request_id, request.params, generators, suppress, seq))
+            rows.append(_sample_row(item, request))
         blocks = item.blocks
         for g in group_ids:
             tables[g].append(blocks.table_array(g))
             offsets[g].append(blocks.num_dropped(g))
             slots[g].extend(blocks.slots(g, start, end))
-    metas: list[PagedAttentionMetadata | None] = [
+    metas = _metadata(pool, query_lens, seq_lens, offsets, tables, slots)
+    context = ForwardContext(pool, metas, None, attention_backend)
+    return StepBatch(plan, owners, tokens, positions, logit_rows, rows, context)
+
+
+def _metadata(
+    pool: PagedKVPool,
+    query_lens: list[int],
+    seq_lens: list[int],
+    offsets: list[list[int]],
+    tables: list[list[array[int]]],
+    slots: list[list[int]],
+) -> list[PagedAttentionMetadata | None]:
+    """Each KV group's paged-attention metadata for the packed sequences (per group: their dropped-block offsets,
+    block tables and the new tokens' slots)."""
+    return [
         PagedAttentionMetadata(
             block_size=pool.block_size,
             query_lens=query_lens,
@@ -212,8 +215,20 @@ def pack(
         )
         for g in pool.kv.groups
     ]
-    context = ForwardContext(pool, metas, None, attention_backend)
-    return StepBatch(plan, owners, tokens, positions, logit_rows, rows, context)
+
+
+def _sample_row(item: ScheduledSequence, request: EngineRequest) -> SampleRow:
+    """What the sampler needs for a sequence that completed its known tokens: all the samples' generators at the
+    step that forks the request, else its own; the stop tokens masked before ``min_new_tokens``."""
+    seq = item.sequence
+    if item.num_samples > 1:
+        generators = request.generators[: item.num_samples]
+    else:
+        generators = [request.generators[seq.sample_index]]
+    suppress: tuple[int, ...] = ()
+    if seq.min_new_tokens and seq.num_output_tokens < seq.min_new_tokens:
+        suppress = tuple(sorted(seq.stop_token_ids))
+    return SampleRow(item.request_id, request.params, generators, suppress, seq)
 
 
 def _stack_tables(rows: Sequence[array[int]], pad_block: int) -> torch.Tensor:
