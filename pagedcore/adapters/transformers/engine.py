@@ -506,7 +506,9 @@ class Engine:
             index = member.sample_index
             sample = request.output.samples[index]
             if logits is not None:
-                sample.logits = [*(sample.logits or ()), logits]
+                if sample.logits is None:
+                    sample.logits = []
+                sample.logits.append(logits)
             self._counts["generated"] += 1
             try:
                 event = self._text_event(request, member, token)
