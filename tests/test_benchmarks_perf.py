@@ -11,8 +11,20 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from pagedcore.benchmarks import BenchOptions, chat, common, decode, engine, host, profiles, run_benchmarks, scaling
+from pagedcore.benchmarks import (
+    BenchOptions,
+    chat,
+    common,
+    decode,
+    engine,
+    host,
+    peers,
+    profiles,
+    run_benchmarks,
+    scaling,
+)
 from pagedcore.benchmarks.floor import ModelShape, compute_floor, segments_flops
+from pagedcore.benchmarks.runner import TokenStamps
 from pagedcore.benchmarks.steps import Forward, ForwardLog, logging_forwards
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -93,20 +105,22 @@ def test_decode_benchmark_runs_every_cache_on_both_models(tiny):
     assert text.startswith("### 6. Decode time per token")
     assert text.count("| context | DynamicCache | StaticCache |") == 2
     assert text.count("| yes (all four) |") == 4
-    title, panels = result.plots()["decode.png"]
+    (chart,) = result.section().line_charts
+    title, panels = chart.title, chart.panels
+    assert chart.file == "decode.png"
     assert [len(p.curves) for p in panels] == [4, 4] and "batch 1" in title
     assert [c.xs for c in panels[0].curves] == [[48, 80]] * 4
     assert tiny.config._attn_implementation == "sdpa"  # restored
 
 
 def test_decode_benchmark_reports_differing_outputs(tiny, monkeypatch):
-    real = decode.greedy
+    real = peers.greedy
 
     def paged_differs(model, ids, new, **kwargs):
         out = real(model, ids, new, **kwargs)
-        return wrong_tokens(out) if isinstance(kwargs.get("cache"), decode.PagedCache) else out
+        return wrong_tokens(out) if isinstance(kwargs.get("cache"), peers.PagedCache) else out
 
-    monkeypatch.setattr(decode, "greedy", paged_differs)
+    monkeypatch.setattr(peers, "greedy", paged_differs)
     result = decode.decode_benchmark(progress=False, model=tiny, contexts=(48,), new_tokens=4, repeats=1)
     for point in result.points:
         assert point.identical == {decode.DYNAMIC: True, decode.STATIC: True, decode.PAGED_SDPA: False,
@@ -115,7 +129,7 @@ def test_decode_benchmark_reports_differing_outputs(tiny, monkeypatch):
 
 
 def test_decode_time_is_per_decode_step():
-    stamps = decode.TokenStamps()
+    stamps = TokenStamps()
     stamps.put("prompt")
     assert stamps.stamps == []
     for t in range(3):
@@ -124,7 +138,7 @@ def test_decode_time_is_per_decode_step():
     stamps.stamps = [10.0, 10.5, 11.0]
     assert stamps.per_decode_step() == 0.5
     with pytest.raises(ValueError, match="two generated tokens"):
-        decode.TokenStamps().per_decode_step()
+        TokenStamps().per_decode_step()
 
 
 # ---------------------------------------------------------------------------------------------------- chat
@@ -242,7 +256,7 @@ def test_scaling_benchmark_measures_every_point(tiny):
     text = result.markdown()
     assert text.startswith("### 9. Scaling: requests and prompt length (quick workload)")
     assert text.count("| requests | ") == 4 + 1 and text.count("| prompt length | ") == 4
-    assert len(result.plots()["scaling.png"][1]) == 8
+    assert [(c.file, len(c.panels)) for c in result.section().line_charts] == [("scaling.png", 8)]
 
 
 def test_scaling_prompts_stop_at_the_models_positions(tiny):
@@ -270,7 +284,7 @@ def test_scaling_benchmark_skips_points_over_its_budget(tiny):
     result = scaling.scaling_benchmark(quick=True, progress=False, model=tiny, point_budget=0.0)
     assert all(p.wall is None and p.skipped.startswith("skipped: about") for p in result.points)
     assert result.markdown().count("| skipped: about ") == len(result.points)
-    panels = result.plots()["scaling.png"][1]
+    panels = result.section().line_charts[0].panels
     assert all(c.points() == [] for panel in panels for c in panel.curves)
 
 

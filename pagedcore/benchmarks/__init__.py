@@ -43,6 +43,6 @@ from __future__ import annotations
 
 from .options import BenchOptions
 from .registry import BENCHMARKS, Benchmark
-from .runner import run_all, run_benchmarks, run_one, script_main
+from .suite import run_all, run_benchmarks, run_one, script_main
 
 __all__ = ["BENCHMARKS", "BenchOptions", "Benchmark", "run_all", "run_benchmarks", "run_one", "script_main"]

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Any
 
-import torch
-from transformers import DynamicCache, PreTrainedModel, StaticCache
+from transformers import PreTrainedModel
 
-from pagedcore.adapters.transformers import PagedCache, PagedKVPool
+from pagedcore.adapters.transformers import PagedKVPool
 
 from .common import (
     BLOCK_SIZE,
@@ -17,18 +15,18 @@ from .common import (
     blocks_for,
     cache_tensor_bytes,
     describe_model,
-    generate,
     kv_bytes_per_token,
-    left_padded,
-    progress_bar,
     random_tokens,
 )
 from .context import BenchContext
-from .report import aim_status, machine_info, mib, section_header, table
+from .peers import DYNAMIC, PAGED_SDPA, STATIC
+from .report import Aim, Reported, Section, Table, mib
+from .runner import Runner
 
 __all__ = ["MemoryResult", "MemoryRow", "memory_benchmark"]
 
-AIM_MEMORY_RATIO = 1.05
+AIM_MEMORY_RATIO = Aim(1.05, fmt="{:.2f}")
+REFERENCE = "DynamicCache (left padding)"
 
 
 @dataclass
@@ -47,7 +45,7 @@ class MemoryRow:
 
 
 @dataclass
-class MemoryResult:
+class MemoryResult(Reported):
     """Mixed-length left-padded batch: KV bytes reserved per byte of real tokens, per cache.
 
     Example:
@@ -88,7 +86,7 @@ class MemoryResult:
         row = next(r for r in self.rows if r.cache == cache)
         return row.reserved_bytes / self.real_bytes
 
-    def markdown(self) -> str:
+    def section(self) -> Section:
         """The report: workload, model, machine, bytes and ratios with the aim."""
         batch = len(self.prompt_lengths)
         workload = (
@@ -100,37 +98,24 @@ class MemoryResult:
             f"the last sampled token is never stored) x {self.bytes_per_token} bytes of keys and values per token over "
             "all layers"
         )
-        head = section_header(
-            "3. KV memory of a mixed-length batch", self.quick, workload, self.model, self.machine, measured
-        )
-        rows = []
-        for row in self.rows:
-            reserved = row.reserved_bytes / self.real_bytes
-            paged = row.cache.startswith("PagedCache")
-            rows.append(
-                [
-                    row.cache,
-                    mib(row.reserved_bytes),
-                    mib(self.real_bytes),
-                    f"{reserved:.3f}",
-                    f"≤ {AIM_MEMORY_RATIO:.2f}" if paged else "-",
-                    aim_status(reserved <= AIM_MEMORY_RATIO) if paged else "-",
-                    "reference"
-                    if row.cache == "DynamicCache (left padding)"
-                    else ("yes" if row.identical else "**no**"),
-                    row.how,
-                ]
-            )
-        figures = table(
+        figures = Table(
             ["cache", "KV bytes reserved", "real-token bytes", "reserved / real", "aim", "status", "same greedy tokens",
              "how reserved bytes are measured"],
-            rows,
+            [self._row(row) for row in self.rows],
         )  # fmt: skip
         note = (
-            f"\nThe PagedCache took its blocks from a pool of {mib(self.pool_capacity_bytes)} (sized for this batch; "
-            "a pool is shared by every cache and request that uses it, so only the blocks held count for this batch).\n"
+            f"The PagedCache took its blocks from a pool of {mib(self.pool_capacity_bytes)} (sized for this batch; "
+            "a pool is shared by every cache and request that uses it, so only the blocks held count for this batch)."
         )
-        return f"{head}{figures}\n{note}"
+        return Section("3. KV memory of a mixed-length batch", self.quick, workload, self.model, self.machine,
+                       measured, body=[figures, note])  # fmt: skip
+
+    def _row(self, row: MemoryRow) -> list[str]:
+        reserved = row.reserved_bytes / self.real_bytes
+        paged = row.cache.startswith("PagedCache")
+        same = "reference" if row.cache == REFERENCE else ("yes" if row.identical else "**no**")
+        aim = [AIM_MEMORY_RATIO.text, AIM_MEMORY_RATIO.status(reserved)] if paged else ["-", "-"]
+        return [row.cache, mib(row.reserved_bytes), mib(self.real_bytes), f"{reserved:.3f}", *aim, same, row.how]
 
 
 def memory_benchmark(
@@ -155,60 +140,49 @@ def memory_benchmark(
     lengths = [lo, hi] + [rng.randint(lo, hi) for _ in range(batch - 2)]
     rng.shuffle(lengths)
     prompts = [random_tokens(rng, n, model.config.vocab_size) for n in lengths]
-    width = max(lengths)
-    ids, mask = left_padded(prompts, model.device)
     pool = PagedKVPool(model, num_blocks=sum(blocks_for(n + new) for n in lengths) + 4, block_size=BLOCK_SIZE)
-    machine = machine_info()
-
-    def run_cache(cache: Any) -> list[list[int]]:
-        with torch.inference_mode():
-            out = generate(model, ids, attention_mask=mask, max_new_tokens=new, do_sample=False, cache=cache)
-        return list(out[:, width:].tolist())
-
-    bar = progress_bar(3, "memory: KV bytes per cache", progress)
-    dynamic = DynamicCache(config=model.config)
-    reference = run_cache(dynamic)
-    bar.update(1)
-    paged = PagedCache(model, pool=pool)
-    paged_out = run_cache(paged)
-    stats = paged.memory_stats()
-    paged.release()
-    bar.update(1)
-    static = StaticCache(config=model.config, max_cache_len=width + new)
-    static_out = run_cache(static)
-    bar.update(1)
-    bar.close()
-    rows = [
-        MemoryRow(
-            "PagedCache",
-            stats.held_bytes,
-            f"`memory_stats().held_bytes`: {stats.blocks} blocks of {BLOCK_SIZE} tokens held ({stats.tokens} tokens "
-            f"stored, {stats.padding_tokens} padding positions not stored)",
-            paged_out == reference,
-        ),
-        MemoryRow(
-            "DynamicCache (left padding)",
-            cache_tensor_bytes(dynamic),
-            f"bytes of its key/value tensors: {batch} rows x {width + new - 1} positions",
-            True,
-        ),
-        MemoryRow(
-            "StaticCache",
-            cache_tensor_bytes(static),
-            f"bytes of its preallocated key/value tensors: {batch} rows x max_cache_len {width + new}",
-            static_out == reference,
-        ),
-    ]
+    with Runner("memory: KV bytes per cache", 3, progress) as runner:
+        rows = _rows(runner, model, prompts, new, pool)
     return MemoryResult(
         quick=quick,
         model=describe_model(model),
-        machine=machine,
+        machine=runner.machine,
         prompt_lengths=lengths,
         new_tokens=new,
         bytes_per_token=kv_bytes_per_token(model),
         rows=rows,
         pool_capacity_bytes=pool.memory_stats().capacity_bytes,
     )
+
+
+def _rows(
+    runner: Runner, model: PreTrainedModel, prompts: list[list[int]], new: int, pool: PagedKVPool
+) -> list[MemoryRow]:
+    """The batch through ``generate`` with each cache: the bytes each reserved, and its tokens against the
+    DynamicCache's."""
+    batch, width = len(prompts), max(len(p) for p in prompts)
+    dynamic = DYNAMIC.new_cache(model)
+    reference = DYNAMIC.batch(model, prompts, new, dynamic)
+    runner.tick()
+    with PAGED_SDPA.cache(model, pool=pool) as paged:
+        paged_out = PAGED_SDPA.batch(model, prompts, new, paged)
+        stats = paged.memory_stats()
+    runner.tick()
+    static = STATIC.new_cache(model, width + new)
+    static_out = STATIC.batch(model, prompts, new, static)
+    runner.tick()
+    held = (
+        f"`memory_stats().held_bytes`: {stats.blocks} blocks of {BLOCK_SIZE} tokens held ({stats.tokens} tokens "
+        f"stored, {stats.padding_tokens} padding positions not stored)"
+    )
+    return [
+        MemoryRow("PagedCache", stats.held_bytes, held, paged_out == reference),
+        MemoryRow(REFERENCE, cache_tensor_bytes(dynamic),
+                  f"bytes of its key/value tensors: {batch} rows x {width + new - 1} positions", True),
+        MemoryRow("StaticCache", cache_tensor_bytes(static),
+                  f"bytes of its preallocated key/value tensors: {batch} rows x max_cache_len {width + new}",
+                  static_out == reference),
+    ]  # fmt: skip
 
 
 def run(ctx: BenchContext) -> MemoryResult:
