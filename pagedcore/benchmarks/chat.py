@@ -15,13 +15,13 @@ from dataclasses import dataclass, field
 
 from transformers import PreTrainedModel
 
-from .common import BLOCK_SIZE, bench_model, blocks_for, describe_model, random_tokens
+from .common import BLOCK_SIZE, blocks_for, random_tokens
 from .context import BenchContext
 from .peers import ENGINE, Batch, EnginePeer, PaddedBatch, Peer
-from .report import RATIO_HEADERS, Aim, Reported, Section, Table, aim_status, ratio, sentence
+from .report import RATIO_HEADERS, Aim, Header, Reported, Section, Table, aim_status, ratio, sentence
 from .runner import Runner, Timed, clock
 
-__all__ = ["ChatResult", "ChatWorkload", "chat_benchmark"]
+__all__ = ["ChatResult", "ChatWorkload", "run"]
 
 PADDED = "generate, padded batch per turn"
 AIM_CHAT_SPEEDUP = Aim(3.0, at_most=False, fmt="{:g}x")
@@ -142,14 +142,12 @@ class ChatResult(Reported):
         >>> chat = ChatWorkload(system=[5] * 4, users=[[[6], [7, 7]], [[8], [9]]], replies=[[2, 3], [2, 2]])
         >>> padded = ChatRun(PADDED, [3.0], [[[1, 2], [3, 4, 5]], [[1, 1], [2, 2]]], [10, 18])
         >>> served = ChatRun(ENGINE, [1.0], [[[1, 2], [3, 4, 6]], [[1, 1], [2, 2]]], [7, 4])
-        >>> result = ChatResult(True, "Llama", "laptop", chat, [padded, served], 2, "")
+        >>> result = ChatResult(Header(True, "Llama", "laptop"), chat, [padded, served], 2, "")
         >>> result.speedup(), result.prefill_ratio(), result.mismatches()
         (3.0, 1.0, [(0, 1)])
     """
 
-    quick: bool
-    model: str
-    machine: str
+    head: Header
     workload: ChatWorkload
     runs: list[ChatRun]
     repeats: int
@@ -195,7 +193,7 @@ class ChatResult(Reported):
         padded, served = self.run(PADDED), self.run(ENGINE)
         turns = Table(["turn", "prefill positions: padded batch", "prefill positions: Engine"],
                       [[t, padded.prefill_per_turn[t], n] for t, n in enumerate(served.prefill_per_turn)])  # fmt: skip
-        return Section("7. Multi-turn chat", self.quick, workload, self.model, self.machine, measured,
+        return Section("7. Multi-turn chat", self.head, workload, measured,
                        body=[self._figures(), turns, self._ratios()], notes=self._notes())  # fmt: skip
 
     def _figures(self) -> Table:
@@ -271,25 +269,20 @@ def _chat(model: PreTrainedModel, peer: Peer, chat: ChatWorkload) -> Timed:
     return Timed(wall, Conversations(replies, prefill, padding, note))
 
 
-def chat_benchmark(
-    quick: bool = False,
-    progress: bool = True,
-    *,
-    model: PreTrainedModel | None = None,
-    seed: int = 0,
-    repeats: int | None = None,
-) -> ChatResult:
+def run(ctx: BenchContext, *, repeats: int | None = None) -> ChatResult:
     """8 conversations x 4 turns, a 256-token system prompt, 32-96-token user messages, 16-48 new tokens per reply
     (quick: 4 x 3, 64, 8-24, 4-8): the Engine vs the padded batch per turn, median of ``repeats`` rounds (default 3;
     quick 1) after a warm-up.
 
     Example:
-        >>> result = chat_benchmark(quick=True, progress=False, model=bench_model(size="tiny"))  # doctest: +SKIP
+        >>> from pagedcore.benchmarks import BenchOptions
+        >>> ctx = BenchContext(BenchOptions(quick=True, progress=False, model_size="tiny"))
+        >>> result = run(ctx)  # doctest: +SKIP
         >>> result.mismatches(), result.speedup() > 0  # doctest: +SKIP
         ([], True)
     """
+    quick, model, seed = ctx.quick, ctx.model(), ctx.options.seed
     repeats = repeats or (1 if quick else 3)
-    model = model if model is not None else bench_model(seed, quick=quick)
     rng = random.Random(seed + 7)
     vocab = model.config.vocab_size
     if quick:
@@ -304,7 +297,7 @@ def chat_benchmark(
         PADDED: PaddedBatch(name=PADDED),
         ENGINE: EnginePeer(num_blocks=num_blocks, max_seqs=chat.conversations),
     }
-    with Runner("chat: Engine vs padded batch", 2 * (repeats + 1), progress) as runner:
+    with Runner(ctx, "chat: Engine vs padded batch", 2 * (repeats + 1)) as runner:
         runner.warm_up(list(peers), lambda name: _chat(model, peers[name], warm))
         trials = runner.rounds(list(peers), repeats, lambda name, r: _chat(model, peers[name], chat))
     runs = []
@@ -313,9 +306,7 @@ def chat_benchmark(
         note = PADDED_NOTE if name == PADDED else first.note
         runs.append(ChatRun(name, trials.seconds(name), first.replies, first.prefill_per_turn, first.padding, note))
     return ChatResult(
-        quick=quick,
-        model=describe_model(model),
-        machine=runner.machine,
+        head=runner.header(),
         workload=chat,
         runs=runs,
         repeats=repeats,
@@ -324,8 +315,3 @@ def chat_benchmark(
             f"max_num_seqs {chat.conversations}, max_num_batched_tokens 512 (its default), prefix caching on"
         ),
     )
-
-
-def run(ctx: BenchContext) -> ChatResult:
-    """The registry's entry point: the benchmark on the run's model."""
-    return chat_benchmark(ctx.quick, ctx.progress, model=ctx.model(), seed=ctx.options.seed)

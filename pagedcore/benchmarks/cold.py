@@ -7,17 +7,15 @@ import random
 import statistics
 from dataclasses import dataclass, replace
 
-from transformers import PreTrainedModel
-
 from pagedcore.adapters.transformers import PagedKVPool
 
-from .common import BLOCK_SIZE, bench_model, blocks_for, describe_model, random_tokens
+from .common import BLOCK_SIZE, blocks_for, random_tokens
 from .context import BenchContext
 from .peers import DYNAMIC, PAGED_ATTN, PAGED_SDPA, CacheKind
-from .report import Aim, Reported, Section, Table
+from .report import Aim, Header, Reported, Section, Table
 from .runner import Runner, Timed, clock
 
-__all__ = ["ColdResult", "cold_benchmark"]
+__all__ = ["ColdResult", "run"]
 
 AIM_COLD_SLOWDOWN = Aim(1.10, fmt="{:.2f}")
 VARIANTS = (DYNAMIC, replace(PAGED_SDPA, name="PagedCache (sdpa, compatible mode)"), PAGED_ATTN)
@@ -30,15 +28,13 @@ class ColdResult(Reported):
 
     Example:
         >>> base, paged = "DynamicCache (sdpa)", "PagedCache (sdpa, compatible mode)"
-        >>> result = ColdResult(quick=True, model="Llama", machine="laptop", prompt_tokens=256, new_tokens=64,
+        >>> result = ColdResult(Header(True, "Llama", "laptop"), prompt_tokens=256, new_tokens=64,
         ...     times={base: [1.0, 1.25, 1.0], paged: [1.0, 1.5, 1.125]}, identical={base: True, paged: True})
         >>> result.median(paged), result.slowdown(paged)   # vs a median of 1.0 s for DynamicCache
         (1.125, 1.125)
     """
 
-    quick: bool
-    model: str
-    machine: str
+    head: Header
     prompt_tokens: int
     new_tokens: int
     times: dict[str, list[float]]
@@ -68,8 +64,8 @@ class ColdResult(Reported):
         headers = ["cache", "median wall", "min / max", "new tokens/s", "time / DynamicCache", "aim", "status",
                    "same greedy tokens"]  # fmt: skip
         rows = [self._row(variant) for variant in self.times]
-        return Section("2. Cold generation: PagedCache vs DynamicCache", self.quick, workload, self.model,
-                       self.machine, measured, body=[Table(headers, rows)])  # fmt: skip
+        title = "2. Cold generation: PagedCache vs DynamicCache"
+        return Section(title, self.head, workload, measured, body=[Table(headers, rows)])
 
     def _row(self, variant: str) -> list[str]:
         times, slowdown, median = self.times[variant], self.slowdown(variant), self.median(variant)
@@ -85,30 +81,22 @@ class ColdResult(Reported):
         return [*figures, f"{slowdown:.3f}", AIM_COLD_SLOWDOWN.text, AIM_COLD_SLOWDOWN.status(slowdown), same]
 
 
-def cold_benchmark(
-    quick: bool = False,
-    progress: bool = True,
-    *,
-    model: PreTrainedModel | None = None,
-    seed: int = 0,
-    repeats: int | None = None,
-) -> ColdResult:
+def run(ctx: BenchContext, *, repeats: int | None = None) -> ColdResult:
     """One sequence, 512-token prompt, 256 new tokens (quick: 256 / 64): ``PagedCache`` (sdpa and paged attention)
     vs ``DynamicCache``; median of ``repeats`` rounds (default 5) after one warm-up each.
 
     Example:
-        >>> model = bench_model(quick=True)   # what quick=True builds when no model is given
-        >>> model.config.hidden_size
-        256
-        >>> result = cold_benchmark(quick=True, progress=False, model=model, repeats=3)  # doctest: +SKIP
+        >>> from pagedcore.benchmarks import BenchOptions
+        >>> ctx = BenchContext(BenchOptions(quick=True, progress=False, model_size="tiny"))
+        >>> result = run(ctx, repeats=3)  # doctest: +SKIP
         >>> list(result.times)  # doctest: +SKIP
         ['DynamicCache (sdpa)', 'PagedCache (sdpa, compatible mode)', 'PagedCache + attn_implementation="paged"']
         >>> result.slowdown('PagedCache + attn_implementation="paged"') <= 1.10  # the aim  # doctest: +SKIP
         True
     """
+    quick, model, seed = ctx.quick, ctx.model(), ctx.options.seed
     prompt_len, new = (256, 64) if quick else (512, 256)
     repeats = repeats if repeats is not None else 5
-    model = model if model is not None else bench_model(seed, quick=quick)
     rng = random.Random(seed + 2)
     prompt = random_tokens(rng, prompt_len, model.config.vocab_size)
     pool = PagedKVPool(model, num_blocks=blocks_for(prompt_len + new) + 2, block_size=BLOCK_SIZE)
@@ -120,20 +108,13 @@ def cold_benchmark(
             out = kind.greedy(model, prompt, max_new, cache)
             return Timed(clock(model.device) - start, out)
 
-    with Runner("cold: PagedCache vs DynamicCache", len(kinds) * (repeats + 1), progress) as runner:
+    with Runner(ctx, "cold: PagedCache vs DynamicCache", len(kinds) * (repeats + 1)) as runner:
         runner.warm_up(list(kinds), lambda name: once(kinds[name], min(new, 16)))
         trials = runner.rounds(list(kinds), repeats, lambda name, r: once(kinds[name], new))
     return ColdResult(
-        quick=quick,
-        model=describe_model(model),
-        machine=runner.machine,
+        head=runner.header(),
         prompt_tokens=prompt_len,
         new_tokens=new,
         times={name: trials.seconds(name) for name in kinds},
         identical={name: trials.outputs(name)[0] == trials.outputs(COLD_DYNAMIC)[0] for name in kinds},
     )
-
-
-def run(ctx: BenchContext) -> ColdResult:
-    """The registry's entry point: the benchmark on the run's model."""
-    return cold_benchmark(ctx.quick, ctx.progress, model=ctx.model(), seed=ctx.options.seed)

@@ -24,7 +24,7 @@ from pagedcore import BlockManager, BlockTables, KVPool, PrefixTrie, Scheduler, 
 from pagedcore.errors import ConfigError
 
 from .context import BenchContext
-from .report import QUICK_NOTE, Reported, Section, Table, load_average, machine_info, num_cores
+from .report import QUICK_NOTE, Header, Reported, Section, Table, load_average, machine_info, num_cores
 
 __all__ = ["Clock", "CoreResult", "CoreSettings", "core_benchmark", "profile_report"]
 
@@ -498,9 +498,10 @@ class CoreResult(Reported):
                         align=["---", "---:", "---", "---:", "---", "---", "---"])  # fmt: skip
         missed = self.missed
         verdict = f"Missed aims: {'; '.join(missed)}." if missed else "Every aim met."
+        header = Header(self.quick, "none: plain-Python bookkeeping (no tensors, no torch)",
+                        f"{self.machine}; {self.python_speed}")  # fmt: skip
         return Section(
-            "5. Bookkeeping core: blocks, prefix trie, scheduler", self.quick, workload,
-            "none: plain-Python bookkeeping (no tensors, no torch)", f"{self.machine}; {self.python_speed}", measured,
+            "5. Bookkeeping core: blocks, prefix trie, scheduler", header, workload, measured,
             body=[figures, verdict],
             quick_note=QUICK_NOTE.replace("a smaller model and fewer tokens", "fewer repetitions"),
         )  # fmt: skip

@@ -21,13 +21,13 @@ from transformers import PreTrainedModel
 from pagedcore.adapters.transformers import PagedKVPool
 
 from . import peers
-from .common import BLOCK_SIZE, bench_model, blocks_for, describe_model, model_from_config, random_tokens
+from .common import BLOCK_SIZE, blocks_for, describe_model, model_from_config, random_tokens
 from .context import BenchContext
 from .plots import Curve, LineChart, LinePanel
-from .report import Aim, Reported, Section, Table
+from .report import Aim, Header, Reported, Section, Table
 from .runner import Runner, Timed, TokenStamps
 
-__all__ = ["DecodeResult", "decode_benchmark", "narrow_model"]
+__all__ = ["DecodeResult", "narrow_model", "run"]
 
 KINDS = {kind.name: kind for kind in (peers.DYNAMIC, peers.STATIC, peers.PAGED_SDPA, peers.PAGED_ATTN)}
 DYNAMIC, STATIC, PAGED_SDPA, PAGED_ATTN = KINDS
@@ -43,6 +43,7 @@ def narrow_model(model: PreTrainedModel, seed: int = 0) -> PreTrainedModel:
     and 32000 tokens give 6 layers and 16000), random weights drawn from ``seed``, same dtype and device.
 
     Example:
+        >>> from pagedcore.benchmarks.common import bench_model
         >>> narrow = narrow_model(bench_model(size="tiny"))
         >>> narrow.config.num_hidden_layers, narrow.config.vocab_size, narrow.config.hidden_size
         (1, 256, 64)
@@ -87,15 +88,14 @@ class DecodeResult(Reported):
         >>> point = DecodePoint("8 layers, vocab 32000", 512,
         ...     {DYNAMIC: [0.020, 0.022], STATIC: [0.021, 0.021], PAGED_SDPA: [0.022, 0.022], PAGED_ATTN: [0.02, 0.02]},
         ...     {v: True for v in VARIANTS})
-        >>> result = DecodeResult(quick=True, models={"8 layers, vocab 32000": "Llama"}, machine="laptop",
-        ...     new_tokens=32, repeats=2, points=[point])
+        >>> result = DecodeResult(Header(True, "**8 layers, vocab 32000**: Llama", "laptop"),
+        ...     labels=["8 layers, vocab 32000"], new_tokens=32, repeats=2, points=[point])
         >>> round(point.ms(DYNAMIC), 3), round(point.ratio(PAGED_SDPA), 3), result.missed()
         (21.0, 1.048, ['8 layers, vocab 32000 at 512: PagedCache (sdpa) 1.048x'])
     """
 
-    quick: bool
-    models: dict[str, str]  # label -> description
-    machine: str
+    head: Header  # its model: every model's label and description
+    labels: list[str]  # the models' labels, in the order they ran
     new_tokens: int
     repeats: int
     points: list[DecodePoint]
@@ -119,9 +119,8 @@ class DecodeResult(Reported):
         workload = (
             f"one sequence per `generate` call, greedy, batch 1: a prompt of (context - {self.new_tokens}) random "
             f"tokens, then {self.new_tokens} new tokens, so the last decode step reads the whole context; contexts "
-            f"{', '.join(map(str, self.contexts))}; every cache on each of the {len(self.models)} models"
+            f"{', '.join(map(str, self.contexts))}; every cache on each of the {len(self.labels)} models"
         )
-        models = "; ".join(f"**{label}**: {desc}" for label, desc in self.models.items())
         measured = (
             "decode time per token = (stamp of the last generated token - stamp of the first) / decode steps between "
             "them, stamped by a streamer (the prefill is not timed); one untimed warm-up per cache and model at the "
@@ -135,7 +134,7 @@ class DecodeResult(Reported):
         body: list[Table | str] = [
             Table(HEADERS, [_row(p) for p in self.points if p.model == label],
                   caption=f"**{label}**: decode milliseconds per token, median")
-            for label in self.models
+            for label in self.labels
         ]  # fmt: skip
         missed, total = self.missed(), 2 * len(self.points)
         body.append(
@@ -143,17 +142,17 @@ class DecodeResult(Reported):
             if not missed
             else f"{len(missed)} of {total} (model, context, paged path) points above the aim: {'; '.join(missed)}."
         )
-        return Section("6. Decode time per token: PagedCache vs DynamicCache and StaticCache", self.quick, workload,
-                       models, self.machine, measured, body=body, line_charts=[self._chart()])  # fmt: skip
+        return Section("6. Decode time per token: PagedCache vs DynamicCache and StaticCache", self.head, workload,
+                       measured, body=body, line_charts=[self._chart()])  # fmt: skip
 
     def _chart(self) -> LineChart:
         """``decode.png``: a panel per model, decode ms per token against context, a curve per cache."""
         panels = []
-        for label in self.models:
+        for label in self.labels:
             points = [p for p in self.points if p.model == label]
             curves = [Curve(v, [p.context for p in points], [p.ms(v) for p in points]) for v in VARIANTS]
             panels.append(LinePanel(label, "context (tokens)", "decode ms / token (lower is better)", curves))
-        suffix = " (quick workload)" if self.quick else ""
+        suffix = " (quick workload)" if self.head.quick else ""
         return LineChart(CHART, f"Decode time per token, batch 1{suffix}", panels, "decode time per token")
 
 
@@ -197,13 +196,10 @@ def _point(
     return DecodePoint(label, context, times, {v: first[v] == first[DYNAMIC] for v in VARIANTS})  # fmt: skip
 
 
-def decode_benchmark(
-    quick: bool = False,
-    progress: bool = True,
+def run(
+    ctx: BenchContext,
     *,
-    model: PreTrainedModel | None = None,
     narrow: PreTrainedModel | None = None,
-    seed: int = 0,
     contexts: tuple[int, ...] | None = None,
     new_tokens: int | None = None,
     repeats: int | None = None,
@@ -213,16 +209,18 @@ def decode_benchmark(
     7; quick 2). Each cache prefills a context's prompt once; every round crops it back and decodes again.
 
     Example:
-        >>> result = decode_benchmark(quick=True, progress=False, model=bench_model(size="tiny"))  # doctest: +SKIP
-        >>> [p.context for p in result.points]  # doctest: +SKIP
-        [128, 256, 512, 128, 256, 512]
+        >>> from pagedcore.benchmarks import BenchOptions
+        >>> ctx = BenchContext(BenchOptions(quick=True, progress=False, model_size="tiny"))
+        >>> result = run(ctx, contexts=(48,), new_tokens=4, repeats=1)
+        >>> [(p.model, p.context) for p in result.points], all(result.points[0].identical.values())
+        ([('2 layers, vocab 512', 48), ('1 layers, vocab 256', 48)], True)
     """
+    quick, model, seed = ctx.quick, ctx.model(), ctx.options.seed
     contexts = contexts or ((128, 256, 512) if quick else (512, 2048, 4096))
     new = new_tokens or (8 if quick else 32)
     repeats = repeats or (2 if quick else 7)
     if new < 2 or min(contexts) <= new:
         raise ValueError(f"need 2 <= new_tokens < every context, got {new} for {contexts}")
-    model = model if model is not None else bench_model(seed, quick=quick)
     narrow = narrow if narrow is not None else narrow_model(model, seed)
     rng = random.Random(seed + 6)
     models = {_label(m): m for m in (model, narrow)}
@@ -239,21 +237,16 @@ def decode_benchmark(
             _decode(m, v, smallest, cache, 4)
 
     total = len(models) * len(VARIANTS) * (1 + len(contexts) * (1 + repeats))
-    with Runner("decode: caches", total, progress) as runner:
+    with Runner(ctx, "decode: caches", total) as runner:
         for label, m in models.items():
             runner.warm_up(VARIANTS, functools.partial(warm_up, m, label))
         points = [_point(runner, m, label, prompts[c], pools[label], new, repeats)
                   for label, m in models.items() for c in contexts]  # fmt: skip
+    described = "; ".join(f"**{label}**: {describe_model(m)}" for label, m in models.items())
     return DecodeResult(
-        quick=quick,
-        models={label: describe_model(m) for label, m in models.items()},
-        machine=runner.machine,
+        head=runner.header(described),
+        labels=list(models),
         new_tokens=new,
         repeats=repeats,
         points=points,
     )
-
-
-def run(ctx: BenchContext) -> DecodeResult:
-    """The registry's entry point: the benchmark on the run's model and its narrower-headed variant."""
-    return decode_benchmark(ctx.quick, ctx.progress, model=ctx.model(), seed=ctx.options.seed)

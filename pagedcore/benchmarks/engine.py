@@ -6,10 +6,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from transformers import PreTrainedModel
-
 from .chart import Panel
-from .common import BLOCK_SIZE, bench_model, blocks_for, describe_model, random_tokens
+from .common import BLOCK_SIZE, blocks_for, random_tokens
 from .context import BenchContext
 from .floor import ComputeFloor, Segment, compute_floor
 from .peers import (
@@ -26,12 +24,12 @@ from .peers import (
     PeerResult,
     measure_all,
 )
-from .report import RATIO_HEADERS, Aim, Reported, Section, Table, mib, ratio, sentence
+from .report import RATIO_HEADERS, Aim, Header, Reported, Section, Table, mib, ratio, sentence
 from .runner import Runner, percentile
 
 __all__ = [
     "EngineResult",
-    "engine_benchmark",
+    "run",
     "shared_prefix_peers",
     "shared_prefix_segments",
     "shared_prefix_workload",
@@ -41,6 +39,8 @@ AIM_ENGINE_PREFILL_RATIO = Aim(1.05)
 AIM_ENGINE_SPEEDUP = {name: Aim(3.0, at_most=False, fmt="{:g}x") for name in (ONE_AT_A_TIME, PADDED_BATCH,
                                                                                 HF_CONTINUOUS)}  # fmt: skip
 AIM_FLOOR_RATIO = Aim(1.7, fmt="{:g}x")  # Engine wall / compute floor (issue 13: 4.0 s on the reference 2-core machine)
+HEADERS = ["peer", "wall", "gen tokens/s", "p50 latency", "p99 latency", "prefill tokens computed", "peak KV",
+           "greedy mismatches vs one-at-a-time"]  # fmt: skip
 
 
 def shared_prefix_segments(prefix_tokens: int, unique_lengths: list[int], new_tokens: list[int]) -> list[Segment]:
@@ -65,7 +65,7 @@ class EngineResult(Reported):
     Example:
         >>> peers = [PeerResult("generate, one at a time", wall=6.0, generated_tokens=24),
         ...          PeerResult("pagedcore Engine", wall=1.5, generated_tokens=24)]
-        >>> result = EngineResult(quick=True, model="Llama", machine="laptop", prefix_tokens=256,
+        >>> result = EngineResult(Header(True, "Llama", "laptop"), prefix_tokens=256,
         ...     unique_lengths=[8, 16], new_tokens=[8, 16], peers=peers, engine_config="", hf_config="",
         ...     floor=ComputeFloor(flops=1e9, rate=1e9, rows=512, tokens=302))
         >>> result.prompt_tokens, result.unique_tokens
@@ -76,9 +76,7 @@ class EngineResult(Reported):
         1.5
     """
 
-    quick: bool
-    model: str
-    machine: str
+    head: Header
     prefix_tokens: int
     unique_lengths: list[int]
     new_tokens: list[int]
@@ -128,14 +126,10 @@ class EngineResult(Reported):
             "`stats().prompt_tokens_computed`; every peer also cross-checked by counting the positions each model "
             "forward computes (minus one decode position per generated token after the first)."
         )
-        figures = Table(
-            ["peer", "wall", "gen tokens/s", "p50 latency", "p99 latency", "prefill tokens computed", "peak KV",
-             "greedy mismatches vs one-at-a-time"],
-            [self._peer_row(p) for p in self.peers],
-        )  # fmt: skip
-        suffix = " (quick workload)" if self.quick else ""
+        figures = Table(HEADERS, [self._peer_row(p) for p in self.peers])
+        suffix = " (quick workload)" if self.head.quick else ""
         return Section(
-            "4. Continuous batching with a shared prefix", self.quick, workload, self.model, self.machine, measured,
+            "4. Continuous batching with a shared prefix", self.head, workload, measured,
             body=[figures, Table(RATIO_HEADERS, self._ratio_rows())],
             notes=self._notes(),
             panels=self._panels(),
@@ -233,38 +227,33 @@ def shared_prefix_peers(num_blocks: int, budget: int, count: int, longest: int) 
     ]
 
 
-def engine_benchmark(
-    quick: bool = False, progress: bool = True, *, model: PreTrainedModel | None = None, seed: int = 0
-) -> EngineResult:
+def run(ctx: BenchContext) -> EngineResult:
     """32 requests: a shared 512-token prefix + 16-64 unique tokens, 16-64 new tokens each (quick: 16 requests,
     256-token prefix, 8-32 unique, 8-16 new). Compares the Engine with ``generate`` one request at a time,
     ``generate`` on the left-padded batch and transformers' continuous batching, and the Engine's wall time with the
     workload's compute floor (:mod:`~pagedcore.benchmarks.floor`, measured after the peers); see :class:`EngineResult`.
 
     Example:
-        >>> model = bench_model(quick=True)   # what quick=True builds when no model is given
-        >>> model.config.vocab_size
-        8000
-        >>> result = engine_benchmark(quick=True, progress=False, model=model)  # doctest: +SKIP
+        >>> from pagedcore.benchmarks import BenchOptions
+        >>> ctx = BenchContext(BenchOptions(quick=True, progress=False, model_size="tiny"))
+        >>> result = run(ctx)  # doctest: +SKIP
         >>> [peer.name for peer in result.peers]  # doctest: +SKIP
         ['generate, one at a time', 'generate, padded batch', 'transformers continuous batching', 'pagedcore Engine']
         >>> result.speedup("generate, one at a time") >= 3.0  # the aim  # doctest: +SKIP
         True
     """
-    model = model if model is not None else bench_model(seed, quick=quick)
+    quick, model, seed = ctx.quick, ctx.model(), ctx.options.seed
     prefix_len, prompts, news, warm = shared_prefix_workload(quick, model.config.vocab_size, seed)
     count = len(prompts)
     num_blocks = sum(blocks_for(len(p) + n) for p, n in zip(prompts, news)) + 8
     budget = prefix_len  # tokens per step: 512 (the Engine's default) in the full workload, scaled down with --quick
     peers = shared_prefix_peers(num_blocks, budget, count, max(news))
     warm_batch = Batch([warm[0], warm[1][8:]], [2, 2])  # 24 tokens, and 16 (after 8 padding positions when padded)
-    with Runner("engine benchmark: peers", len(peers), progress) as runner:
+    with Runner(ctx, "engine benchmark: peers", len(peers)) as runner:
         results = measure_all(model, peers, Batch(prompts, news), warm_batch, runner)
     unique_lengths = [len(p) - prefix_len for p in prompts]
     return EngineResult(
-        quick=quick,
-        model=describe_model(model),
-        machine=runner.machine,
+        head=runner.header(),
         prefix_tokens=prefix_len,
         unique_lengths=unique_lengths,
         new_tokens=news,
@@ -286,8 +275,3 @@ def engine_benchmark(
             "(used blocks at the peak are not exposed)"
         ),
     )
-
-
-def run(ctx: BenchContext) -> EngineResult:
-    """The registry's entry point: the benchmark on the run's model."""
-    return engine_benchmark(ctx.quick, ctx.progress, model=ctx.model(), seed=ctx.options.seed)

@@ -22,14 +22,14 @@ from transformers import PreTrainedModel
 
 from pagedcore.adapters.transformers import Engine, SamplingParams
 
-from .common import BLOCK_SIZE, bench_model, blocks_for, describe_model, random_tokens
+from .common import BLOCK_SIZE, blocks_for, random_tokens
 from .context import BenchContext
 from .peers import Batch, ContinuousBatching, EnginePeer, check_outputs
-from .report import Aim, Reported, Section, Table
+from .report import Aim, Header, Reported, Section, Table
 from .runner import Runner, rotated
 from .steps import StepTimes, logging_forwards
 
-__all__ = ["HostPoint", "HostResult", "host_benchmark"]
+__all__ = ["HostPoint", "HostResult", "run"]
 
 ENGINE = "pagedcore Engine"
 HF = "transformers continuous batching"
@@ -74,14 +74,12 @@ class HostResult(Reported):
     Example:
         >>> point = HostPoint(512, 64, {ENGINE: StepTimes([0.05] * 3, [0.0008, 0.0009, 0.0012]),
         ...     HF: StepTimes([0.07] * 3, [0.004] * 3)}, tokens={ENGINE: [[1]], HF: [[1]]})
-        >>> result = HostResult(True, "Llama", "laptop", [point], 4, 2, "")
+        >>> result = HostResult(Header(True, "Llama", "laptop"), [point], 4, 2, "")
         >>> result.missed(), point.identical()
         ([], True)
     """
 
-    quick: bool
-    model: str
-    machine: str
+    head: Header
     points: list[HostPoint]
     timed_steps: int
     warm_steps: int
@@ -118,7 +116,7 @@ class HostResult(Reported):
         )
         missed = self.missed()
         verdict = "Every aim met." if not missed else f"Above the aim: {'; '.join(missed)}."
-        return Section("8. Host overhead per decode step", self.quick, workload, self.model, self.machine, measured,
+        return Section("8. Host overhead per decode step", self.head, workload, measured,
                        body=[Table(HEADERS, [_row(p) for p in self.points]), verdict],
                        notes=[self.configs])  # fmt: skip
 
@@ -182,12 +180,9 @@ def _hf_point(
     return log.decode_steps(n, prompt_len, skip=warm), served.tokens
 
 
-def host_benchmark(
-    quick: bool = False,
-    progress: bool = True,
+def run(
+    ctx: BenchContext,
     *,
-    model: PreTrainedModel | None = None,
-    seed: int = 0,
     contexts: tuple[int, ...] | None = None,
     seqs: tuple[int, ...] | None = None,
     timed_steps: int | None = None,
@@ -199,10 +194,13 @@ def host_benchmark(
     ``sequences^2 x context <= 64^2 x 512``.
 
     Example:
-        >>> result = host_benchmark(quick=True, progress=False, model=bench_model(size="tiny"))  # doctest: +SKIP
+        >>> from pagedcore.benchmarks import BenchOptions
+        >>> ctx = BenchContext(BenchOptions(quick=True, progress=False, model_size="tiny"))
+        >>> result = run(ctx)  # doctest: +SKIP
         >>> [(p.context, p.seqs) for p in result.points]  # doctest: +SKIP
         [(64, 1), (64, 4), (64, 16), (256, 1), (256, 4), (256, 16)]
     """
+    quick, model, seed = ctx.quick, ctx.model(), ctx.options.seed
     contexts = contexts or ((64, 256) if quick else (512, 4096))
     seqs = seqs or ((1, 4, 16) if quick else (1, 16, 64, 256))
     timed = timed_steps or (4 if quick else 8)
@@ -211,11 +209,10 @@ def host_benchmark(
         raise ValueError(f"contexts must be multiples of {BLOCK_SIZE} above {HEADROOM + OWN}, got {contexts}")
     if warm + timed + math.ceil(max(seqs) * OWN / BUDGET) + 2 > HEADROOM:
         raise ValueError(f"{timed} timed steps for {max(seqs)} sequences do not fit in {HEADROOM} new tokens")
-    model = model if model is not None else bench_model(seed, quick=quick)
     rng = random.Random(seed + 8)
     runs = len(contexts) * len(seqs) * (2 if with_transformers else 1)
     points: list[HostPoint] = []
-    with Runner("host: overhead per step", runs, progress) as runner:
+    with Runner(ctx, "host: overhead per step", runs) as runner:
         for context in contexts:  # the peers' order alternates from point to point, across contexts too
             points += _context(runner, model, rng, context, seqs, (timed, warm, len(points)), with_transformers)
     configs = (
@@ -226,7 +223,7 @@ def host_benchmark(
         "sequence's keys in one step, the shared part first as its own request, sdpa attention; not run where "
         "N² x context > 64² x 512 (its CPU attention attends each query to every key of the step: minutes per point)"
     )
-    return HostResult(quick, describe_model(model), runner.machine, points, timed, warm, configs)
+    return HostResult(runner.header(), points, timed, warm, configs)
 
 
 def _context(
@@ -270,8 +267,3 @@ def _context(
                 runner.tick()
             points.append(point)
     return points
-
-
-def run(ctx: BenchContext) -> HostResult:
-    """The registry's entry point: the benchmark on the run's model."""
-    return host_benchmark(ctx.quick, ctx.progress, model=ctx.model(), seed=ctx.options.seed)

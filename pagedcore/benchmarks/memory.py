@@ -11,22 +11,22 @@ from pagedcore.adapters.transformers import PagedKVPool
 
 from .common import (
     BLOCK_SIZE,
-    bench_model,
     blocks_for,
     cache_tensor_bytes,
-    describe_model,
     kv_bytes_per_token,
     random_tokens,
 )
 from .context import BenchContext
 from .peers import DYNAMIC, PAGED_SDPA, STATIC
-from .report import Aim, Reported, Section, Table, mib
+from .report import Aim, Header, Reported, Section, Table, mib
 from .runner import Runner
 
-__all__ = ["MemoryResult", "MemoryRow", "memory_benchmark"]
+__all__ = ["MemoryResult", "MemoryRow", "run"]
 
 AIM_MEMORY_RATIO = Aim(1.05, fmt="{:.2f}")
 REFERENCE = "DynamicCache (left padding)"
+HEADERS = ["cache", "KV bytes reserved", "real-token bytes", "reserved / real", "aim", "status", "same greedy tokens",
+           "how reserved bytes are measured"]  # fmt: skip
 
 
 @dataclass
@@ -54,7 +54,7 @@ class MemoryResult(Reported):
 
         >>> rows = [MemoryRow("PagedCache", 5 * 16 * 256, "blocks held", True),
         ...         MemoryRow("StaticCache", 2 * 45 * 256, "preallocated", True)]
-        >>> result = MemoryResult(quick=True, model="Llama", machine="laptop", prompt_lengths=[20, 40], new_tokens=5,
+        >>> result = MemoryResult(Header(True, "Llama", "laptop"), prompt_lengths=[20, 40], new_tokens=5,
         ...     bytes_per_token=256, rows=rows, pool_capacity_bytes=65536)
         >>> result.stored_tokens, result.real_bytes
         (68, 17408)
@@ -62,9 +62,7 @@ class MemoryResult(Reported):
         (1.176, 1.324)
     """
 
-    quick: bool
-    model: str
-    machine: str
+    head: Header
     prompt_lengths: list[int]
     new_tokens: int
     bytes_per_token: int
@@ -88,27 +86,21 @@ class MemoryResult(Reported):
 
     def section(self) -> Section:
         """The report: workload, model, machine, bytes and ratios with the aim."""
-        batch = len(self.prompt_lengths)
         workload = (
-            f"a batch of {batch} prompts of {sorted(self.prompt_lengths)} tokens (seeded, left-padded to "
-            f"{max(self.prompt_lengths)}), {self.new_tokens} new tokens, greedy, one `generate` call"
+            f"a batch of {len(self.prompt_lengths)} prompts of {sorted(self.prompt_lengths)} tokens (seeded, "
+            f"left-padded to {max(self.prompt_lengths)}), {self.new_tokens} new tokens, greedy, one `generate` call"
         )
         measured = (
             f"after `generate`; real-token bytes = {self.stored_tokens} stored tokens (prompt + generated - 1 per row: "
             f"the last sampled token is never stored) x {self.bytes_per_token} bytes of keys and values per token over "
             "all layers"
         )
-        figures = Table(
-            ["cache", "KV bytes reserved", "real-token bytes", "reserved / real", "aim", "status", "same greedy tokens",
-             "how reserved bytes are measured"],
-            [self._row(row) for row in self.rows],
-        )  # fmt: skip
+        figures = Table(HEADERS, [self._row(row) for row in self.rows])
         note = (
             f"The PagedCache took its blocks from a pool of {mib(self.pool_capacity_bytes)} (sized for this batch; "
             "a pool is shared by every cache and request that uses it, so only the blocks held count for this batch)."
         )
-        return Section("3. KV memory of a mixed-length batch", self.quick, workload, self.model, self.machine,
-                       measured, body=[figures, note])  # fmt: skip
+        return Section("3. KV memory of a mixed-length batch", self.head, workload, measured, body=[figures, note])
 
     def _row(self, row: MemoryRow) -> list[str]:
         reserved = row.reserved_bytes / self.real_bytes
@@ -118,35 +110,30 @@ class MemoryResult(Reported):
         return [row.cache, mib(row.reserved_bytes), mib(self.real_bytes), f"{reserved:.3f}", *aim, same, row.how]
 
 
-def memory_benchmark(
-    quick: bool = False, progress: bool = True, *, model: PreTrainedModel | None = None, seed: int = 0
-) -> MemoryResult:
+def run(ctx: BenchContext) -> MemoryResult:
     """8 prompts of 64-1024 tokens (quick: 4 of 32-256), left padding, 128 new tokens (quick: 16): KV bytes reserved
     / real-token bytes for ``PagedCache``, ``DynamicCache`` and ``StaticCache``.
 
     Example:
-        >>> model = bench_model(quick=True)   # what quick=True builds when no model is given
-        >>> model.config.num_key_value_heads
-        1
-        >>> result = memory_benchmark(quick=True, progress=False, model=model)  # doctest: +SKIP
-        >>> [row.cache for row in result.rows]  # doctest: +SKIP
-        ['PagedCache', 'DynamicCache (left padding)', 'StaticCache']
+        >>> from pagedcore.benchmarks import BenchOptions
+        >>> ctx = BenchContext(BenchOptions(quick=True, progress=False, model_size="tiny"))
+        >>> result = run(ctx)
+        >>> [(row.cache, row.identical) for row in result.rows]
+        [('PagedCache', True), ('DynamicCache (left padding)', True), ('StaticCache', True)]
         >>> result.ratio("PagedCache") <= 1.05  # the aim  # doctest: +SKIP
         True
     """
+    quick, model, seed = ctx.quick, ctx.model(), ctx.options.seed
     batch, (lo, hi), new = (4, (32, 256), 16) if quick else (8, (64, 1024), 128)
-    model = model if model is not None else bench_model(seed, quick=quick)
     rng = random.Random(seed + 3)
     lengths = [lo, hi] + [rng.randint(lo, hi) for _ in range(batch - 2)]
     rng.shuffle(lengths)
     prompts = [random_tokens(rng, n, model.config.vocab_size) for n in lengths]
     pool = PagedKVPool(model, num_blocks=sum(blocks_for(n + new) for n in lengths) + 4, block_size=BLOCK_SIZE)
-    with Runner("memory: KV bytes per cache", 3, progress) as runner:
+    with Runner(ctx, "memory: KV bytes per cache", 3) as runner:
         rows = _rows(runner, model, prompts, new, pool)
     return MemoryResult(
-        quick=quick,
-        model=describe_model(model),
-        machine=runner.machine,
+        head=runner.header(),
         prompt_lengths=lengths,
         new_tokens=new,
         bytes_per_token=kv_bytes_per_token(model),
@@ -183,8 +170,3 @@ def _rows(
                   f"bytes of its preallocated key/value tensors: {batch} rows x max_cache_len {width + new}",
                   static_out == reference),
     ]  # fmt: skip
-
-
-def run(ctx: BenchContext) -> MemoryResult:
-    """The registry's entry point: the benchmark on the run's model."""
-    return memory_benchmark(ctx.quick, ctx.progress, model=ctx.model(), seed=ctx.options.seed)

@@ -596,9 +596,11 @@ def measure_all(
     :func:`compare` against the first: the first peer's tokens are the reference.
 
     Example:
-        >>> from pagedcore.benchmarks.common import bench_model
-        >>> model, batch = bench_model(size="tiny"), Batch([[5, 6, 7], [8, 9]], [3, 2])
-        >>> with Runner("peers", 2, progress=False) as runner:
+        >>> from pagedcore.benchmarks import BenchOptions
+        >>> from pagedcore.benchmarks.context import BenchContext
+        >>> ctx = BenchContext(BenchOptions(progress=False, model_size="tiny"))
+        >>> model, batch = ctx.model(), Batch([[5, 6, 7], [8, 9]], [3, 2])
+        >>> with Runner(ctx, "peers", 2) as runner:
         ...     results = measure_all(model, [OneAtATime(), PaddedBatch()], batch, Batch([[4]], [2]), runner)
         >>> [(r.name, r.mismatches, r.prefill_computed) for r in results]
         [('generate, one at a time', [], 5), ('generate, padded batch', [], 5)]

@@ -11,13 +11,13 @@ from transformers import PreTrainedModel
 from pagedcore.adapters.transformers import disable, enable
 
 from .chart import Panel
-from .common import BLOCK_SIZE, bench_model, blocks_for, describe_model, random_tokens
+from .common import BLOCK_SIZE, blocks_for, random_tokens
 from .context import BenchContext
 from .peers import DYNAMIC, ENABLED, CacheKind, mismatches
-from .report import RATIO_HEADERS, Aim, Reported, Section, Table, ratio
+from .report import RATIO_HEADERS, Aim, Header, Reported, Section, Table, ratio
 from .runner import FirstTokenClock, Runner, Timed, clock
 
-__all__ = ["PrefixResult", "prefix_benchmark"]
+__all__ = ["PrefixResult", "run"]
 
 AIM_TTFT_SPEEDUP = Aim(5.0, at_most=False, fmt="{:g}x")
 AIM_PREFIX_PREFILL_RATIO = Aim(1.1)
@@ -33,7 +33,7 @@ class PrefixResult(Reported):
     Example:
         Two questions after a 512-token system prompt; the first enabled question is cold (it caches the prompt):
 
-        >>> result = PrefixResult(quick=True, model="Llama", machine="laptop", system_tokens=512,
+        >>> result = PrefixResult(Header(True, "Llama", "laptop"), system_tokens=512,
         ...     question_tokens=[30, 34], new_tokens=8, ttft_plain=[0.5, 0.5], ttft_enabled=[0.5, 0.0625],
         ...     time_plain=[1.0, 1.0], time_enabled=[1.0, 0.5], prefill_plain=1088, prefill_enabled=576,
         ...     hit_tokens=512, query_tokens=1088, mismatches=[])
@@ -45,9 +45,7 @@ class PrefixResult(Reported):
         ### 1. Prefix caching: shared system prompt (quick workload)
     """
 
-    quick: bool
-    model: str
-    machine: str
+    head: Header
     system_tokens: int
     question_tokens: list[int]
     new_tokens: int
@@ -107,9 +105,9 @@ class PrefixResult(Reported):
             if not self.mismatches
             else f"**differ** for questions {self.mismatches} (of {n})"
         )
-        suffix = " (quick workload)" if self.quick else ""
+        suffix = " (quick workload)" if self.head.quick else ""
         return Section(
-            "1. Prefix caching: shared system prompt", self.quick, workload, self.model, self.machine, measured,
+            "1. Prefix caching: shared system prompt", self.head, workload, measured,
             body=[self._figures(), self._ratios(), f"Greedy outputs of the two modes: {same}."],
             panels=self._panels(),
             chart_title=f"a {self.system_tokens}-token system prompt + {n} questions{suffix}",
@@ -165,27 +163,24 @@ def _ask(model: PreTrainedModel, kind: CacheKind, prompt: list[int], new: int) -
     return Timed(end - start, out, stamp.first_token_time - start)
 
 
-def prefix_benchmark(
-    quick: bool = False, progress: bool = True, *, model: PreTrainedModel | None = None, seed: int = 0
-) -> PrefixResult:
+def run(ctx: BenchContext) -> PrefixResult:
     """Shared system prompt (1024 tokens) + 16 questions of ~32 tokens, 32 new tokens each (quick: 512 / 10 / 8).
 
     Compares ``generate`` with automatic prefix caching (:func:`~pagedcore.adapters.transformers.enable`) against
     plain ``generate`` with a ``DynamicCache``; see :class:`PrefixResult`.
 
     Example:
-        >>> model = bench_model(quick=True)   # what quick=True builds when no model is given
-        >>> model.config.num_hidden_layers
-        4
-        >>> result = prefix_benchmark(quick=True, progress=False, model=model)  # doctest: +SKIP
+        >>> from pagedcore.benchmarks import BenchOptions
+        >>> ctx = BenchContext(BenchOptions(quick=True, progress=False, model_size="tiny"))
+        >>> result = run(ctx)  # doctest: +SKIP
         >>> result.system_tokens, len(result.question_tokens), result.mismatches  # doctest: +SKIP
         (512, 10, [])
         >>> print(result.markdown())  # doctest: +SKIP
         ### 1. Prefix caching: shared system prompt (quick workload)
         ...
     """
+    quick, model, seed = ctx.quick, ctx.model(), ctx.options.seed
     system_len, questions, (q_lo, q_hi), new = (512, 10, (24, 40), 8) if quick else (1024, 16, (24, 40), 32)
-    model = model if model is not None else bench_model(seed, quick=quick)
     vocab = model.config.vocab_size
     rng = random.Random(seed + 1)
     system = random_tokens(rng, system_len, vocab)
@@ -195,7 +190,7 @@ def prefix_benchmark(
     capacity += blocks_for(64 + 4) + 4
     pool = enable(model, num_blocks=capacity, block_size=BLOCK_SIZE)
     try:
-        with Runner("prefix: plain vs enable()", 2 * questions + 2, progress) as runner:
+        with Runner(ctx, "prefix: plain vs enable()", 2 * questions + 2) as runner:
             runner.warm_up(list(MODES), lambda mode: MODES[mode].run(model, warm, 4))
             query0, hit0 = pool.num_query_tokens, pool.num_hit_tokens
             trials = runner.rounds(list(MODES), questions, lambda mode, i: _ask(model, MODES[mode], prompts[i], new))
@@ -204,9 +199,7 @@ def prefix_benchmark(
         disable(model)
     plain, enabled = trials.runs["plain"], trials.runs["enabled"]
     return PrefixResult(
-        quick=quick,
-        model=describe_model(model),
-        machine=runner.machine,
+        head=runner.header(),
         system_tokens=system_len,
         question_tokens=[len(p) - system_len for p in prompts],
         new_tokens=new,
@@ -220,8 +213,3 @@ def prefix_benchmark(
         query_tokens=queried,
         mismatches=mismatches(trials.outputs("plain"), trials.outputs("enabled")),
     )
-
-
-def run(ctx: BenchContext) -> PrefixResult:
-    """The registry's entry point: the benchmark on the run's model."""
-    return prefix_benchmark(ctx.quick, ctx.progress, model=ctx.model(), seed=ctx.options.seed)

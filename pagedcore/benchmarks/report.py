@@ -24,7 +24,7 @@ from typing import Any
 from .chart import Panel
 from .plots import LineChart
 
-__all__ = ["Aim", "Reported", "Section", "Table", "machine_info", "table"]
+__all__ = ["Aim", "Header", "Reported", "Section", "Table", "machine_info", "table"]
 
 QUICK_NOTE = "a smaller model and fewer tokens; a smoke run, not the reference figures."
 RATIO_HEADERS = ("ratio", "value", "aim", "status")
@@ -108,6 +108,20 @@ class Aim:
         return [label, shown, self.text, self.status(value)]
 
 
+@dataclass(frozen=True)
+class Header:
+    """What a section's figures were measured on: the quick workload or not, the model, the machine.
+
+    Example:
+        >>> Header(quick=True, model="Llama", machine="laptop").quick
+        True
+    """
+
+    quick: bool
+    model: str
+    machine: str
+
+
 @dataclass
 class Section:
     """What a benchmark reports: its head (what ran, on which model and machine, how it was measured), then its
@@ -115,7 +129,7 @@ class Section:
     ``chart_title``) are what it draws in the run's bar chart.
 
     Example:
-        >>> section = Section("9. Demo", True, "two calls", "Llama", "laptop", "wall time",
+        >>> section = Section("9. Demo", Header(True, "Llama", "laptop"), "two calls", "wall time",
         ...     body=[Table(["peer", "wall"], [["Engine", "1.0 s"]]), "Outputs identical."], notes=["one round"])
         >>> print(section.markdown())
         ### 9. Demo (quick workload)
@@ -138,10 +152,8 @@ class Section:
     """
 
     title: str
-    quick: bool
+    header: Header
     workload: str
-    model: str
-    machine: str
     measured: str
     body: list[Table | str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
@@ -150,13 +162,17 @@ class Section:
     line_charts: list[LineChart] = field(default_factory=list)
     quick_note: str = QUICK_NOTE
 
-    def head(self) -> str:
+    @property
+    def suffix(self) -> str:
+        """`` (quick workload)`` for a quick run, else nothing: what titles of its charts end with too."""
+        return " (quick workload)" if self.header.quick else ""
+
+    def preamble(self) -> str:
         """The title, then what ran, on which model and machine, and how (a warning first for quick workloads)."""
-        suffix = " (quick workload)" if self.quick else ""
-        lines = [f"### {self.title}{suffix}", ""]
-        if self.quick:
+        lines = [f"### {self.title}{self.suffix}", ""]
+        if self.header.quick:
             lines += [f"**Quick workload**: {self.quick_note}", ""]
-        lines += [f"- Workload: {self.workload}", f"- Model: {self.model}", f"- Machine: {self.machine}",
+        lines += [f"- Workload: {self.workload}", f"- Model: {self.header.model}", f"- Machine: {self.header.machine}",
                   f"- Measured: {self.measured}", ""]  # fmt: skip
         return "\n".join(lines) + "\n"
 
@@ -166,7 +182,7 @@ class Section:
         if self.notes:
             parts.append("\n".join(f"- {note}" for note in self.notes))
         parts += [f"![{chart.alt}]({chart.file})" for chart in self.line_charts]
-        return self.head() + "\n\n".join(parts) + "\n"
+        return self.preamble() + "\n\n".join(parts) + "\n"
 
 
 class Reported(ABC):
@@ -175,7 +191,7 @@ class Reported(ABC):
     Example:
         >>> class Tally(Reported):
         ...     def section(self) -> Section:
-        ...         return Section("9. Tally", False, "counting", "none", "laptop", "by hand", ["3 calls"])
+        ...         return Section("9. Tally", Header(False, "none", "laptop"), "counting", "by hand", ["3 calls"])
         >>> Tally().markdown().splitlines()[0]
         '### 9. Tally'
     """

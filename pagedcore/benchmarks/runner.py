@@ -24,7 +24,9 @@ from typing import Any, TypeVar
 import torch
 from transformers.generation.streamers import BaseStreamer
 
-from .report import machine_info
+from .common import describe_model
+from .context import BenchContext
+from .report import Header, machine_info
 
 __all__ = ["FirstTokenClock", "Runner", "Timed", "TokenStamps", "Trials", "clock", "rotated", "torch_threads"]
 
@@ -171,22 +173,27 @@ class Trials:
 
 
 class Runner:
-    """Times one benchmark's variants: a progress bar of ``total`` steps, the machine (read when the runner starts),
-    untimed warm-ups and rotating rounds.
+    """Times one benchmark's variants on a run's context: a progress bar of ``total`` steps (when the run shows
+    progress), the machine (read when the runner starts), untimed warm-ups and rotating rounds.
 
     Example:
-        >>> with Runner("demo", total=6, progress=False) as runner:
+        >>> from pagedcore.benchmarks import BenchOptions
+        >>> ctx = BenchContext(BenchOptions(quick=True, progress=False))
+        >>> with Runner(ctx, "demo", total=6) as runner:
         ...     runner.warm_up(["a", "b"], lambda name: None)
         ...     trials = runner.rounds(["a", "b"], 2, lambda name, r: Timed(float(r), name))
         >>> trials.seconds("b"), [name for name in trials.outputs("a")], "cores" in runner.machine
         ([0.0, 1.0], ['a', 'a'], True)
-        >>> Runner("demo", 1, progress=False).attempt(lambda: 1 / 0)
+        >>> runner.attempt(lambda: 1 / 0)
         (None, 'n/a (ZeroDivisionError: division by zero)')
+        >>> runner.header("Llama").quick, runner.header("Llama").model
+        (True, 'Llama')
     """
 
-    def __init__(self, desc: str, total: int, progress: bool) -> None:
+    def __init__(self, ctx: BenchContext, desc: str, total: int) -> None:
+        self.ctx = ctx
         self.machine = machine_info()
-        self._bar = progress_bar(total, desc, progress)
+        self._bar = progress_bar(total, desc, ctx.progress)
 
     def __enter__(self) -> Runner:
         return self
@@ -197,6 +204,11 @@ class Runner:
     def close(self) -> None:
         """Close the progress bar."""
         self._bar.close()
+
+    def header(self, model: str | None = None) -> Header:
+        """The section's header: the run's quick setting, ``model`` (default: the run's model described), the
+        machine."""
+        return Header(self.ctx.quick, model if model is not None else describe_model(self.ctx.model()), self.machine)
 
     def label(self, text: str) -> None:
         """Show what runs now next to the bar."""

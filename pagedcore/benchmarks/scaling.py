@@ -13,16 +13,16 @@ from dataclasses import dataclass
 
 from transformers import PreTrainedModel
 
-from .common import BLOCK_SIZE, bench_model, blocks_for, describe_model, kv_bytes_per_token, random_tokens
+from .common import BLOCK_SIZE, blocks_for, kv_bytes_per_token, random_tokens
 from .context import BenchContext
 from .floor import RATE_ROWS, ModelShape, Segment, matmul_rate, segments_flops
 from .peers import Batch, EnginePeer
 from .plots import Curve, LineChart, LinePanel
-from .report import Reported, Section, Table, mib
+from .report import Header, Reported, Section, Table, mib
 from .runner import Runner, clock
 from .steps import logging_forwards
 
-__all__ = ["ScalePoint", "ScalingResult", "scaling_benchmark"]
+__all__ = ["ScalePoint", "ScalingResult", "run"]
 
 CHART = "scaling.png"
 REQUESTS = "requests"
@@ -86,16 +86,14 @@ class ScalingResult(Reported):
         >>> points = [ScalePoint(REQUESTS, 8, 128, 16, 0.5, 1.0, 0.9, 20, 2**20),
         ...           ScalePoint(REQUESTS, 512, 128, 16, 30.0, None, skipped="skipped: ~90 s > 60 s budget"),
         ...           ScalePoint(PROMPTS, 8, 4096, 16, 9.0, 12.0, 11.0, 30, 2**24)]
-        >>> result = ScalingResult(True, "Llama", "laptop", points, 8192, 1e11, 60.0, "")
+        >>> result = ScalingResult(Header(True, "Llama", "laptop"), points, 8192, 1e11, 60.0, "")
         >>> [panel.title for panel in result.section().line_charts[0].panels][:3]
         ['throughput vs requests', 'KV peak vs requests', 'wall / compute floor vs requests']
         >>> result.markdown().count("| skipped: ~90 s > 60 s budget |")
         1
     """
 
-    quick: bool
-    model: str
-    machine: str
+    head: Header
     points: list[ScalePoint]
     kv_bytes_per_token: int
     rate: float
@@ -121,9 +119,11 @@ class ScalingResult(Reported):
             "tokens (below 1 when requests finish before the last ones start). A point runs if floor x the previous "
             f"point's wall / floor is under {self.point_budget:.0f} s."
         )
-        return Section("9. Scaling: requests and prompt length", self.quick, workload, self.model, self.machine,
-                       measured, body=[Table(HEADERS, [self._row(p) for p in self.points])],
-                       notes=[f"Engine: {self.engine_config}."], line_charts=[self._chart()])  # fmt: skip
+        return Section(
+            "9. Scaling: requests and prompt length", self.head, workload, measured,
+            body=[Table(HEADERS, [self._row(p) for p in self.points])], notes=[f"Engine: {self.engine_config}."],
+            line_charts=[self._chart()],
+        )  # fmt: skip
 
     def _row(self, p: ScalePoint) -> list[object]:
         if p.wall is None:
@@ -151,7 +151,7 @@ class ScalingResult(Reported):
                           [Curve("Engine", xs, [p.floor_ratio for p in points])]),
                 LinePanel(f"time outside the forward vs {sweep}", x_label, "% of wall", [Curve("Engine", xs, host)]),
             ]  # fmt: skip
-        suffix = " (quick workload)" if self.quick else ""
+        suffix = " (quick workload)" if self.head.quick else ""
         return LineChart(CHART, f"Engine scaling{suffix}", panels, "scaling")
 
 
@@ -166,12 +166,9 @@ def _run_point(model: PreTrainedModel, point: ScalePoint, prompts: list[list[int
     point.kv_peak = served.peak_kv_bytes or 0
 
 
-def scaling_benchmark(
-    quick: bool = False,
-    progress: bool = True,
+def run(
+    ctx: BenchContext,
     *,
-    model: PreTrainedModel | None = None,
-    seed: int = 0,
     point_budget: float | None = None,
     requests: tuple[int, ...] | None = None,
     prompt_lens: tuple[int, ...] | None = None,
@@ -183,10 +180,13 @@ def scaling_benchmark(
     its row with the reason.
 
     Example:
-        >>> result = scaling_benchmark(quick=True, progress=False, model=bench_model(size="tiny"))  # doctest: +SKIP
+        >>> from pagedcore.benchmarks import BenchOptions
+        >>> ctx = BenchContext(BenchOptions(quick=True, progress=False, model_size="tiny"))
+        >>> result = run(ctx)  # doctest: +SKIP
         >>> [(p.requests, p.prompt) for p in result.points][:4]  # doctest: +SKIP
         [(4, 32), (8, 32), (16, 32), (32, 32)]
     """
+    quick, model, seed = ctx.quick, ctx.model(), ctx.options.seed
     counts: tuple[int, ...]
     lengths: tuple[int, ...]
     if quick:
@@ -195,7 +195,6 @@ def scaling_benchmark(
         counts, lengths, base_prompt, base_requests, new = (8, 32, 128, 512), (128, 512, 2048, 4096), 128, 8, 16
     counts, lengths = requests or counts, prompt_lens or lengths
     budget = point_budget if point_budget is not None else (20.0 if quick else 120.0)
-    model = model if model is not None else bench_model(seed, quick=quick)
     positions = getattr(model.config, "max_position_embeddings", None) or max(lengths) + new
     lengths = tuple(min(p, int(positions) - new) for p in lengths)
     rng = random.Random(seed + 9)
@@ -210,12 +209,10 @@ def scaling_benchmark(
     plan += [ScalePoint(PROMPTS, base_requests, p, new, floor(base_requests, p)) for p in lengths]
     with EnginePeer(num_blocks=64).session(model) as serve:  # warm-up
         serve(Batch([random_tokens(rng, 24, model.config.vocab_size)], [2]))
-    with Runner("scaling: Engine", len(plan), progress) as runner:
+    with Runner(ctx, "scaling: Engine", len(plan)) as runner:
         _run_plan(runner, model, plan, rng, budget)
     return ScalingResult(
-        quick=quick,
-        model=describe_model(model),
-        machine=runner.machine,
+        head=runner.header(),
         points=plan,
         kv_bytes_per_token=kv_bytes_per_token(model),
         rate=rate,
@@ -248,8 +245,3 @@ def _run_plan(
             assert point.wall is not None
             ratio_seen[point.sweep] = point.wall / point.floor
         runner.tick()
-
-
-def run(ctx: BenchContext) -> ScalingResult:
-    """The registry's entry point: the benchmark on the run's model."""
-    return scaling_benchmark(ctx.quick, ctx.progress, model=ctx.model(), seed=ctx.options.seed)
