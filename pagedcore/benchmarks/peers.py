@@ -234,7 +234,7 @@ class OneAtATime:
                 finished.append(clock(model.device))
                 peak = max(peak, cache_tensor_bytes(cache))
         return Served(tokens, finished, finished[-1], peak_kv_bytes=peak, decode_positions=_decodes(batch),
-                      kv_how="measured: largest DynamicCache, tensor bytes")  # fmt: skip
+                      kv_how=f"measured: largest {self.cache.name.split()[0]}, tensor bytes")  # fmt: skip
 
 
 @dataclass(frozen=True)
