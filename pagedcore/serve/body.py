@@ -8,6 +8,7 @@ raises :class:`ClientGone`: the app counts it as a disconnect and logs one line.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 from dataclasses import dataclass
 
@@ -15,7 +16,7 @@ from starlette.requests import Request
 
 from .protocol import ApiError
 
-__all__ = ["DEFAULT_BODY_TIMEOUT", "DEFAULT_MAX_REQUEST_BYTES", "BodyLimits", "ClientGone", "read_body"]
+__all__ = ["DEFAULT_BODY_TIMEOUT", "DEFAULT_MAX_REQUEST_BYTES", "BodyLimits", "ClientGone", "body_limits", "read_body"]
 
 DEFAULT_MAX_REQUEST_BYTES = 8 * 2**20
 DEFAULT_BODY_TIMEOUT = 30.0
@@ -42,6 +43,17 @@ class BodyLimits:
             raise ValueError(f"max_bytes must be an integer >= 1, got {self.max_bytes!r}")
         if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) or not self.timeout > 0:
             raise ValueError(f"timeout must be a number of seconds > 0, got {self.timeout!r}")
+
+
+def body_limits(args: argparse.Namespace) -> BodyLimits:
+    """The limits of ``pagedcore serve``'s ``--max-request-bytes`` (already a number of bytes) and
+    ``--body-timeout``.
+
+    Example:
+        >>> body_limits(argparse.Namespace(max_request_bytes=1000, body_timeout=2.5))
+        BodyLimits(max_bytes=1000, timeout=2.5)
+    """
+    return BodyLimits(max_bytes=args.max_request_bytes, timeout=args.body_timeout)
 
 
 class ClientGone(Exception):

@@ -121,7 +121,7 @@ def text_bound(tokenizer: Any, context: int | None) -> int | None:
     if context is None or backend is None:
         return None
     spec = json.loads(backend.to_str())
-    factor = _merging_factor(spec.get("normalizer")) * _merging_factor(spec.get("pre_tokenizer"))
+    factor = _merging_factor([spec.get("normalizer"), spec.get("pre_tokenizer")])
     if factor is None:
         return None
     longest = max((len(entry) for entry in tokenizer.get_vocab()), default=1)
