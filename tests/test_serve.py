@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 import openai
@@ -60,10 +61,13 @@ class Served:
 
 
 @contextlib.contextmanager
-def serving(*, api_keys: ApiKeys | None = None, max_queue: int = 64, start_loop: bool = True) -> Iterator[Served]:
+def serving(
+    *, api_keys: ApiKeys | None = None, max_queue: int = 64, start_loop: bool = True, **app_options: Any
+) -> Iterator[Served]:
     engine = Engine(tiny_model(), builtin_tokenizer(), num_blocks=256, block_size=8, max_num_seqs=32)
     loop = EngineLoop(engine, max_queue=max_queue)
-    server = BackgroundServer(create_app(loop, model_name=MODEL, api_keys=api_keys), loop, start_loop=start_loop)
+    app = create_app(loop, model_name=MODEL, api_keys=api_keys, **app_options)
+    server = BackgroundServer(app, loop, start_loop=start_loop)
     server.start()
     try:
         yield Served(server.url, engine, loop, server)
