@@ -409,6 +409,14 @@ BAD_INPUTS = [
     (CHAT, {**OK_CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
     (CHAT, {**OK_CHAT, "response_format": {"type": "json_object"}}, 400, "response_format"),
     (CHAT, {**OK_CHAT, "model": "gpt-4"}, 404, "model"),
+    # A lone surrogate is valid JSON but no tokenizer's input: the tokenizer's failure is a 400, not a 500.
+    (C, b'{"model": "tiny", "prompt": "a\\ud800b", "max_tokens": 2}', 400, "prompt"),
+    (
+        CHAT,
+        b'{"model": "tiny", "messages": [{"role": "user", "content": "a\\ud800"}], "max_tokens": 2}',
+        400,
+        "messages",
+    ),
 ]
 
 

@@ -12,10 +12,10 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+from test_serve import CONTEXT, MODEL, OK_COMPLETION, C, Served, idle, serving, wait_for
 
 from pagedcore.adapters.transformers.builtin import builtin_tokenizer
 from pagedcore.serve.body import BodyLimits
-from test_serve import C, CONTEXT, MODEL, OK_COMPLETION, Served, idle, serving, wait_for
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -158,7 +158,10 @@ def test_deeply_nested_json_is_a_400_and_the_keep_alive_connection_survives(watc
     s, _ = watched
     with httpx.Client(base_url=s.url, timeout=60, limits=httpx.Limits(max_connections=1)) as client:
         ports = []
-        for body in (b"[" * 100_000, b'{"model": "tiny", "prompt": "x", "deep": ' + b"[" * 50_000 + b"]" * 50_000 + b"}"):
+        for body in (
+            b"[" * 100_000,
+            b'{"model": "tiny", "prompt": "x", "deep": ' + b"[" * 50_000 + b"]" * 50_000 + b"}",
+        ):
             response = client.post(C, content=body, headers={"content-type": "application/json"})
             assert "nests too deeply" in assert_openai_error(response, 400)["message"]
             ports.append(response.extensions["network_stream"].get_extra_info("client_addr"))

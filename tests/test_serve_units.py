@@ -381,7 +381,9 @@ def test_the_character_bound_is_sound_for_a_byte_level_bpe_over_utf8_text():
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     core.decoder = decoders.ByteLevel()
     corpus = ["the tide comes in, the tide goes out", "潮の満ち引き", "🌊 waves 🌊", "aaaaaaaaaaaaaaaa"] * 50
-    core.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    core.train_from_iterator(
+        corpus, trainers.BpeTrainer(vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    )
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=core)
     context = 16
     bound = text_bound(tokenizer, context)

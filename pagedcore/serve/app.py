@@ -57,8 +57,8 @@ def create_app(
         >>> model = tiny_llama(num_hidden_layers=1)
         >>> with Engine(model, num_blocks=16, block_size=8) as engine:
         ...     app = create_app(EngineLoop(engine), model_name="tiny")
-        >>> sorted(route.path for route in app.routes if route.path.startswith("/v1"))
-        ['/v1/chat/completions', '/v1/completions', '/v1/models', '/v1/models/{model_id:path}']
+        >>> sorted(path for path in app.openapi()["paths"] if path.startswith("/v1"))
+        ['/v1/chat/completions', '/v1/completions', '/v1/models', '/v1/models/{model_id}']
     """
     context = context_length
     if isinstance(loop, EngineLoop):

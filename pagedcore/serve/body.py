@@ -107,6 +107,7 @@ async def read_body(request: Request, limits: BodyLimits) -> bytes:
 
 def _too_large(limits: BodyLimits, what: str) -> ApiError:
     return ApiError(
-        413, f"the request body is larger than this server's limit of {limits.max_bytes} bytes ({what})",
+        413,
+        f"the request body is larger than this server's limit of {limits.max_bytes} bytes ({what})",
         code="request_too_large",
     )

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
+from fastapi import Depends
 from starlette.requests import Request
 
 from .auth import ApiKeys
@@ -18,7 +19,7 @@ from .metrics import ServeMetrics
 from .prompts import PromptEncoder
 from .protocol import ApiError
 
-__all__ = ["ServeContext", "serve_context"]
+__all__ = ["Context", "ServeContext", "serve_context"]
 
 
 @dataclass
@@ -81,7 +82,7 @@ class ServeContext:
 
 
 def serve_context(request: Request) -> ServeContext:
-    """The app's :class:`ServeContext` (a FastAPI dependency: ``ctx: ServeContext = Depends(serve_context)``).
+    """The app's :class:`ServeContext` (the FastAPI dependency behind :data:`Context`).
 
     Example:
         >>> from fastapi import FastAPI
@@ -92,3 +93,7 @@ def serve_context(request: Request) -> ServeContext:
     """
     context: ServeContext = request.app.state.serve
     return context
+
+
+Context = Annotated[ServeContext, Depends(serve_context)]
+"""A handler's parameter ``ctx: Context`` receives the app's :class:`ServeContext`."""

@@ -14,6 +14,7 @@ import uuid
 from typing import Any
 
 from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -91,6 +92,7 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(ApiError, _api_error)  # type: ignore[arg-type]
     app.add_exception_handler(ClientGone, _client_gone)  # type: ignore[arg-type]
     app.add_exception_handler(StarletteHTTPException, _http_error)  # type: ignore[arg-type]
+    app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
     app.add_exception_handler(Exception, _unexpected)
 
 
@@ -125,6 +127,12 @@ async def _client_gone(request: Request, exc: ClientGone) -> Response:
 
 async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:  # unknown path, method
     return ErrorResponse(ApiError(exc.status_code, str(exc.detail), code=str(exc.status_code)))
+
+
+async def _validation_error(request: Request, exc: RequestValidationError) -> Response:  # FastAPI's own checks
+    first = exc.errors()[0] if exc.errors() else {}
+    where = ".".join(str(part) for part in first.get("loc", ()))
+    return await _api_error(request, ApiError(400, f"{where}: {first.get('msg', 'invalid request')}"))
 
 
 async def _unexpected(request: Request, exc: Exception) -> Response:  # a bug: still OpenAI's error shape

@@ -40,7 +40,10 @@ ERROR_SCHEMA: dict[str, Any] = {
 
 
 def _error(description: str) -> dict[str, Any]:
-    return {"description": description, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+    return {
+        "description": description,
+        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}},
+    }
 
 
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
@@ -71,7 +74,10 @@ def json_body(model: type[BaseModel], *, streams: bool = True) -> dict[str, Any]
         }
     }
     if streams:
-        content = {"application/json": {"schema": {"type": "object"}}, "text/event-stream": {"schema": {"type": "string"}}}
+        content = {
+            "application/json": {"schema": {"type": "object"}},
+            "text/event-stream": {"schema": {"type": "string"}},
+        }
         extra["responses"] = {"200": {"description": "the answer (events with stream: true)", "content": content}}
     return extra
 

@@ -86,18 +86,27 @@ class ChatRenderer:
         if tokenizer is None:
             raise ApiError(400, "this server has no tokenizer: chat needs one", param="messages")
         if not self.uses_template:
-            return list(tokenizer(plain_chat_prompt(messages))["input_ids"])
+            return _encoded(tokenizer, plain_chat_prompt(messages))
         conversation = [{"role": "system" if m.role == "developer" else m.role, "content": m.text} for m in messages]
         try:
             text = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
         except Exception as exc:  # jinja2 raises TemplateError (e.g. "roles must alternate") or ValueError
             raise ApiError(400, f"the chat template refused the messages: {exc}", param="messages") from exc
         # The rendered text already holds the template's special tokens (e.g. a bos): add none again.
-        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        return _encoded(tokenizer, text, add_special_tokens=False)
 
     def stop_token_ids(self, stop: Sequence[str]) -> frozenset[int]:
         """Ids of the stop strings that are special or added tokens."""
         return frozenset(self._added[s] for s in stop if s in self._added)
+
+
+def _encoded(tokenizer: Any, text: str, *, param: str = "messages", **options: Any) -> list[int]:
+    """``text``'s token ids; the tokenizer's failure (e.g. on a lone surrogate, which JSON allows) is a 400."""
+    try:
+        return list(tokenizer(text, **options)["input_ids"])
+    except Exception as exc:  # the tokenizer is user code: its failure is this request's error
+        message = f"the tokenizer failed on the {param} {text[:40]!r}: {type(exc).__name__}: {exc}"
+        raise ApiError(400, message, param=param) from exc
 
 
 def text_bound(tokenizer: Any, context: int | None) -> int | None:
@@ -173,7 +182,7 @@ class PromptEncoder:
         >>> encoder.completion("x" * 21)
         Traceback (most recent call last):
         ...
-        pagedcore.serve.protocol.ApiError: the prompt has 21 characters: more than the model's context of 4 tokens can hold with this tokenizer (at most 20 characters)
+        pagedcore.serve.protocol.ApiError: the prompt has 21 characters: more than ... (at most 20 characters)
     """
 
     def __init__(self, tokenizer: Any, context: int | None) -> None:
@@ -196,12 +205,7 @@ class PromptEncoder:
         self._check_length(len(text), "the prompt has", "prompt")
         if self._tokenizer is None:
             return text
-        try:
-            return list(self._tokenizer(text)["input_ids"])
-        except Exception as exc:  # the tokenizer is user code: its failure is this request's error
-            raise ApiError(
-                400, f"the tokenizer failed on the prompt {text[:40]!r}: {type(exc).__name__}: {exc}", param="prompt"
-            ) from exc
+        return _encoded(self._tokenizer, text, param="prompt")
 
     def _check_length(self, chars: int, subject: str, param: str) -> None:
         if self.max_chars is not None and chars > self.max_chars:

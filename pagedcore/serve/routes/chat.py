@@ -10,10 +10,10 @@ from __future__ import annotations
 import time
 import uuid
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from ..context import ServeContext, serve_context
+from ..context import Context
 from ..openapi import ERROR_RESPONSES, json_body
 from ..pipeline import Generation, answer, off_loop, read_request
 from ..protocol import ChatRequest, sampling_params
@@ -26,7 +26,7 @@ router = APIRouter()
 
 
 @router.post("/v1/chat/completions", responses=ERROR_RESPONSES, openapi_extra=json_body(ChatRequest))
-async def chat_completions(request: Request, ctx: ServeContext = Depends(serve_context)) -> Response:
+async def chat_completions(request: Request, ctx: Context) -> Response:
     """OpenAI's chat completions: ``n`` answers to the conversation, as JSON or server-sent events."""
     tenant, body = await read_request(ctx, request, ChatRequest)
     prompt = await off_loop(ctx.encoder.chat, body.messages)

@@ -10,10 +10,10 @@ from __future__ import annotations
 import time
 import uuid
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from ..context import ServeContext, serve_context
+from ..context import Context
 from ..openapi import ERROR_RESPONSES, json_body
 from ..pipeline import Generation, answer, off_loop, read_request
 from ..protocol import CompletionRequest, sampling_params
@@ -27,7 +27,7 @@ router = APIRouter()
 
 
 @router.post("/v1/completions", responses=ERROR_RESPONSES, openapi_extra=json_body(CompletionRequest))
-async def completions(request: Request, ctx: ServeContext = Depends(serve_context)) -> Response:
+async def completions(request: Request, ctx: Context) -> Response:
     """OpenAI's completions: one choice per prompt and sample, as JSON or server-sent events."""
     tenant, body = await read_request(ctx, request, CompletionRequest)
     max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens

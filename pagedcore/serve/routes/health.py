@@ -7,10 +7,10 @@ Example:
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends
-from fastapi.responses import JSONResponse, Response
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-from ..context import ServeContext, serve_context
+from ..context import Context
 from ..metrics import CONTENT_TYPE
 
 __all__ = ["router"]
@@ -18,15 +18,15 @@ __all__ = ["router"]
 router = APIRouter()
 
 
-@router.get("/health")
-async def health(ctx: ServeContext = Depends(serve_context)) -> Response:
+@router.get("/health", responses={503: {"description": "the engine loop is not running"}})
+async def health(ctx: Context) -> Response:
     """200 ``{"status": "ok"}`` while the loop runs, else 503 ``{"status": "stopped"}``."""
     if not ctx.loop.is_running:
         return JSONResponse({"status": "stopped"}, status_code=503)
     return JSONResponse({"status": "ok"})
 
 
-@router.get("/metrics")
-async def metrics(ctx: ServeContext = Depends(serve_context)) -> Response:
+@router.get("/metrics", response_class=PlainTextResponse)
+async def metrics(ctx: Context) -> Response:
     """The Prometheus text exposition of the app's metrics."""
     return Response(ctx.metrics.render(), media_type=CONTENT_TYPE)
