@@ -15,10 +15,9 @@ from typing import Any
 
 import pytest
 import schemathesis
-from schemathesis import checks
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from schemathesis import GenerationMode
+from schemathesis import GenerationMode, checks
 
 from pagedcore.adapters.transformers import Engine
 from pagedcore.adapters.transformers.builtin import builtin_model, builtin_tokenizer
@@ -76,7 +75,7 @@ def test_fuzzed_requests_get_no_server_error_and_well_formed_errors(served, mode
     )
     @given(case=st.one_of(strategies), served_model=st.booleans())
     def fuzz(case: Any, served_model: bool) -> None:
-        if served_model and isinstance(case.body, dict) and "model" in case.body:
+        if served_model and isinstance(case.body, dict) and isinstance(case.body.get("model"), str):
             case.body["model"] = MODEL  # else nearly every generated request would only find an unknown model
         response = case.call()
         statuses[response.status_code] = statuses.get(response.status_code, 0) + 1

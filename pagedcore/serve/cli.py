@@ -52,19 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-queue", type=int, default=512, help="waiting requests before new ones get 429 (>= 1, default 512)"
     )
-    parser.add_argument(
-        "--max-request-bytes",
-        default=_MAX_REQUEST_BYTES,
-        metavar="SIZE",
-        help=f"largest request body, e.g. 8MiB or 1000000; larger ones get 413 (default {_MAX_REQUEST_BYTES})",
-    )
-    parser.add_argument(
-        "--body-timeout",
-        type=float,
-        default=_BODY_TIMEOUT,
-        metavar="SECONDS",
-        help=f"seconds a request body may take to arrive; slower ones get 408 (default {_BODY_TIMEOUT:g})",
-    )
+    _add_limits(parser)
     parser.add_argument(
         "--api-keys",
         metavar="FILE",
@@ -84,6 +72,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     ray.add_argument("--ray-address", default=None, help="a Ray cluster to join (default: start a local one)")
     ray.add_argument("--cpus-per-replica", type=float, default=None, help="Ray CPUs per engine replica (default 1)")
     parser.set_defaults(handler=run)
+
+
+def _add_limits(parser: argparse.ArgumentParser) -> None:
+    """The bounds on one request's body."""
+    parser.add_argument(
+        "--max-request-bytes",
+        default=_MAX_REQUEST_BYTES,
+        metavar="SIZE",
+        help=f"largest request body, e.g. 8MiB or 1000000; larger ones get 413 (default {_MAX_REQUEST_BYTES})",
+    )
+    parser.add_argument(
+        "--body-timeout",
+        type=float,
+        default=_BODY_TIMEOUT,
+        metavar="SECONDS",
+        help=f"seconds a request body may take to arrive; slower ones get 408 (default {_BODY_TIMEOUT:g})",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -109,15 +114,35 @@ def run(args: argparse.Namespace) -> int:
     if missing_extra("pagedcore serve", "serve", ("fastapi", "prometheus_client", "uvicorn")):
         return EXIT_UNAVAILABLE
 
+    engine, loop, server = _build(args, UsageError)
+    in_main = _in_main_thread()
+    # uvicorn handles SIGTERM / Ctrl-C while serving, then raises the signal again once it has shut down; these
+    # handlers turn that second signal into a normal return, so the engine is closed below and the exit code is 0.
+    previous = signal.signal(signal.SIGTERM, _ignore) if in_main else None
+    loop.start()
+    try:
+        server.run()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if in_main:
+            signal.signal(signal.SIGTERM, previous)
+        loop.stop()
+        engine.close()
+    return EXIT_OK
+
+
+def _build(args: argparse.Namespace, error: type[Exception]) -> tuple[Any, Any, Any]:
+    """The engine, its loop and the uvicorn server that ``args`` describe (nothing started yet)."""
+    from pagedcore.adapters.transformers import Engine
+
     from .app import create_app
     from .body import body_limits
     from .loop import EngineLoop
     from .server import make_server
 
-    api_keys = load_api_keys(args.api_keys, UsageError)
-    model, tokenizer, name = _model(args, UsageError)
-    from pagedcore.adapters.transformers import Engine
-
+    api_keys = load_api_keys(args.api_keys, error)
+    model, tokenizer, name = _model(args, error)
     engine = Engine(
         model,
         tokenizer,
@@ -143,21 +168,7 @@ def run(args: argparse.Namespace) -> int:
             f"pagedcore serve: warning: {args.host} is reachable from other machines and no --api-keys is set",
             file=sys.stderr,
         )
-    in_main = _in_main_thread()
-    # uvicorn handles SIGTERM / Ctrl-C while serving, then raises the signal again once it has shut down; these
-    # handlers turn that second signal into a normal return, so the engine is closed below and the exit code is 0.
-    previous = signal.signal(signal.SIGTERM, _ignore) if in_main else None
-    loop.start()
-    try:
-        server.run()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        if in_main:
-            signal.signal(signal.SIGTERM, previous)
-        loop.stop()
-        engine.close()
-    return EXIT_OK
+    return engine, loop, server
 
 
 def _check(args: argparse.Namespace, error: type[Exception]) -> None:

@@ -39,6 +39,10 @@ ERROR_SCHEMA: dict[str, Any] = {
 }
 
 
+# One server-sent event: its data is a JSON chunk (or an error body), the last one is "[DONE]".
+_SSE_EVENT = {"type": "object", "required": ["data"], "properties": {"data": {"type": "string"}}}
+
+
 def _error(description: str) -> dict[str, Any]:
     return {
         "description": description,
@@ -76,7 +80,7 @@ def json_body(model: type[BaseModel], *, streams: bool = True) -> dict[str, Any]
     if streams:
         content = {
             "application/json": {"schema": {"type": "object"}},
-            "text/event-stream": {"schema": {"type": "string"}},
+            "text/event-stream": {"schema": _SSE_EVENT},
         }
         extra["responses"] = {"200": {"description": "the answer (events with stream: true)", "content": content}}
     return extra
