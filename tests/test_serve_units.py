@@ -366,6 +366,8 @@ def test_the_character_bound_holds_for_real_tokenizer_kinds_and_is_off_where_cha
         dict(pre_tokenizer=pre_tokenizers.Whitespace()),
         dict(pre_tokenizer=pre_tokenizers.Sequence([pre_tokenizers.Digits(), pre_tokenizers.WhitespaceSplit()])),
         dict(pre_tokenizer=pre_tokenizers.Split(" ", behavior="removed")),
+        dict(normalizer=normalizers.Nmt()),
+        dict(pre_tokenizer=pre_tokenizers.CharDelimiterSplit(" ")),
     ):
         assert text_bound(fast(**dropping), 10) is None, dropping
     assert text_bound(None, 10) is None and text_bound(builtin_tokenizer(), None) is None

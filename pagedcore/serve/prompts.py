@@ -24,7 +24,19 @@ __all__ = ["ChatRenderer", "PromptEncoder", "completion_prompts", "plain_chat_pr
 
 # Normalizers and pre-tokenizers (tokenizers' type names) that can drop characters: behind one of them, a text's
 # length says nothing about its number of tokens.
-_DROPPING = frozenset({"BertNormalizer", "StripAccents", "Strip", "BertPreTokenizer", "Whitespace", "WhitespaceSplit"})
+_DROPPING = frozenset(
+    {
+        "BertNormalizer",
+        "StripAccents",
+        "Strip",
+        "Nmt",  # drops control characters
+        "Precompiled",  # SentencePiece's character map: may map a character to nothing
+        "BertPreTokenizer",
+        "Whitespace",
+        "WhitespaceSplit",
+        "CharDelimiterSplit",
+    }
+)
 _COMPOSING = frozenset({"NFC", "NFKC"})  # may merge a few characters into one (Hangul jamo: 3 into 1)
 _COMPOSED_AT_MOST = 4
 
