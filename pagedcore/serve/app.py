@@ -74,6 +74,7 @@ def create_app(
         encoder=PromptEncoder(tokenizer, context),
         api_keys=api_keys,
         limits=limits or BodyLimits(),
+        loop_errors_are_public=getattr(loop, "public_errors", False) is True,
     )
     install_error_handlers(app)
     for router in ROUTERS:

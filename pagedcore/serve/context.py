@@ -33,6 +33,9 @@ class ServeContext:
         encoder: turns prompts into token ids (its ``context`` is the model's context in tokens, or None).
         api_keys: the known keys (None: no authentication).
         limits: bounds on request bodies.
+        loop_errors_are_public: whether the loop's error messages are fit for clients already (a loop that says
+            so with a ``public_errors = True`` attribute, as Ray's ``ReplicaLoop`` does); else a server error's
+            message is replaced by a generic one naming the request id (:func:`~pagedcore.serve.errors.public_error`).
 
     Example:
         >>> ctx = ServeContext(loop=None, metrics=None, model_name="tiny", encoder=PromptEncoder(None, None))
@@ -50,6 +53,7 @@ class ServeContext:
     encoder: PromptEncoder
     api_keys: ApiKeys | None = None
     limits: BodyLimits = field(default_factory=BodyLimits)
+    loop_errors_are_public: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property

@@ -116,7 +116,8 @@ def request_id(request: Request) -> str:
 
 async def _api_error(request: Request, exc: ApiError) -> Response:
     _count(request, outcome(exc))
-    return ErrorResponse(public_error(exc, request_id(request)))
+    public = request.app.state.serve.loop_errors_are_public
+    return ErrorResponse(exc if public else public_error(exc, request_id(request)))
 
 
 async def _client_gone(request: Request, exc: ClientGone) -> Response:

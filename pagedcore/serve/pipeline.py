@@ -108,7 +108,7 @@ async def answer(ctx: ServeContext, request: Request, generation: Generation, sh
 
         def stream_error(error: ApiError) -> ApiError:
             ctx.metrics.count(outcome(error))
-            return public_error(error, shape.response_id)
+            return error if ctx.loop_errors_are_public else public_error(error, shape.response_id)
 
         events = sse_events(
             job,
