@@ -6,8 +6,8 @@ the module skips. ``PAGEDCORE_CUDA_TESTS_DEVICE=cpu`` runs it with the CPU stand
 this code on a machine without a GPU (``make gpu-rehearsal``), which proves nothing about CUDA.
 
 The CPU is the reference: fp32 outputs and logits within 1e-4 of it, and greedy tokens equal (the workload's
-greedy choices are checked, on the CPU, to be clear of near-ties, so a 1e-6 difference cannot flip one). The pool's
-block size is each device's default (64 on CUDA, 16 on the CPU), so the layouts differ too.
+greedy choices are checked, on the CPU, to be clear of near-ties, so a 1e-6 difference cannot flip one; fp32 matrix
+products run without TF32). The Engines' pools have blocks of 64 on CUDA and 16 on the CPU, so the layouts differ too.
 """
 
 from __future__ import annotations
@@ -34,6 +34,15 @@ pytestmark = pytest.mark.gpu
 ATOL = 1e-4
 HALF_TOL = {torch.float16: 5e-3, torch.bfloat16: 4e-2}
 MIN_MARGIN = 1e-3  # top-1 minus top-2 logit of every greedy choice in the reference
+
+
+@pytest.fixture(autouse=True)
+def _full_fp32_matmuls():
+    """fp32 matrix products in full precision on CUDA (no TF32), as on the CPU, whatever a library set before."""
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    yield
+    torch.set_float32_matmul_precision(previous)
 
 
 def fresh(meta: PagedAttentionMetadata) -> PagedAttentionMetadata:
@@ -66,22 +75,19 @@ def engine_outputs(model, prompts, params, **engine_args):
         outputs = engine.generate(prompts, params, use_tqdm=False)
         assert engine.pool.kv.num_used_blocks == 0, "blocks leaked"
         engine.pool.check_invariants()
-        block_size = engine.pool.block_size
     for out in outputs:
         assert out.error is None, out.error
-    return outputs, block_size
+    return outputs
 
 
 @pytest.mark.parametrize("backend", ["torch", None], ids=["torch", "default"])
 def test_engine_on_cuda_equals_the_engine_on_cpu(backend):
     prompts = workload(3, 6)
     params = SamplingParams(max_new_tokens=10, return_logits=True)
-    want, cpu_block = engine_outputs(tiny_model("llama"), prompts, params)
+    want = engine_outputs(tiny_model("llama"), prompts, params, block_size=16)
     assert min(margins(out.samples[0].logits) for out in want) > MIN_MARGIN, "a near-tie: choose another workload"
     model = tiny_model("llama").to(DEVICE)
-    got, device_block = engine_outputs(model, prompts, params, attention_backend=backend)
-    if DEVICE.type == "cuda":
-        assert (cpu_block, device_block) == (16, 64)  # each device's default block size
+    got = engine_outputs(model, prompts, params, block_size=64, attention_backend=backend)  # another layout too
     for g, w in zip(got, want):
         assert g.token_ids == w.token_ids
         for got_step, want_step in zip(g.samples[0].logits, w.samples[0].logits):
