@@ -95,12 +95,15 @@ class Run:
         self.cuda: bool | None = None
         self.device = "unknown"
         self.finished = False
+        self.stopped: str | None = None  # the signal that stopped the run
         self.work = Path(tempfile.mkdtemp(prefix="pagedcore-gpu-check-"))
 
     def left(self) -> float:
         return self.budget - RESERVE_S - (time.monotonic() - self.started)
 
     def verdict(self) -> str:
+        if self.stopped:
+            return f"cut short by {self.stopped}: the parts below are what it reached"
         if not self.finished:
             return "in progress (a run cut short stops here: the parts below are what it reached)"
         failed = [f"{p.name} ({p.status})" for p in self.parts if not p.ok]
@@ -167,12 +170,23 @@ def execute(run: Run, part: Part, command: list[str]) -> tuple[int | None, str]:
         except subprocess.TimeoutExpired:
             code = None
             _kill(process)
+        except Stopped:  # the run itself is being stopped: the part goes with it
+            _kill(process)
+            raise
         with contextlib.suppress(ProcessLookupError):  # what it left running (holding GPU memory) goes too
             os.killpg(process.pid, signal.SIGKILL)
         part.seconds = time.monotonic() - started
     with log.open() as handle:
         handle.seek(offset)
         return code, handle.read()
+
+
+class Stopped(Exception):
+    """SIGTERM or SIGINT reached the driver (the outer timeout, a person): the report says so, then it exits."""
+
+
+def _stop(signum: int, frame: Any) -> None:
+    raise Stopped(signal.Signals(signum).name)
 
 
 def _kill(process: subprocess.Popen[bytes]) -> None:
@@ -305,6 +319,24 @@ def run_part(run: Run, part: Part, args: argparse.Namespace) -> None:
         script_part(run, part, *(["--steps", str(args.steps)] if part.name == "decode" else []))
 
 
+def run_parts(run: Run, args: argparse.Namespace) -> None:
+    for part in run.parts:
+        if run.left() < MIN_PART_S:
+            part.ok, part.status = False, f"not reached: {run.budget:.0f} s budget spent"
+            continue
+        part.status = f"running (started at {time.monotonic() - run.started:.0f} s)"
+        run.write()
+        try:
+            run_part(run, part, args)
+        except Stopped:
+            part.ok, part.status = False, f"stopped (started at {part.status.split('at ', 1)[1]}"
+            raise
+        except Exception as exc:  # the driver's own fault: the part fails, the run goes on
+            part.ok, part.status = False, f"driver error: {type(exc).__name__}: {exc}"
+        print(f"gpu-check: {part.name}: {part.status} ({part.seconds or 0:.0f} s)", flush=True)
+        run.write()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=ROOT / "gpu-check", help="folder for the report and the logs")
@@ -327,18 +359,15 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     run = Run(args.out, args.budget, parts)
     run.write()
-    for part in parts:
-        if run.left() < MIN_PART_S:
-            part.ok, part.status = False, f"not reached: {run.budget:.0f} s budget spent"
-            continue
-        part.status = f"running (started at {time.monotonic() - run.started:.0f} s)"
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _stop)
+    try:
+        run_parts(run, args)
+    except Stopped as exc:
+        run.stopped = f"{exc} after {time.monotonic() - run.started:.0f} s"
         run.write()
-        try:
-            run_part(run, part, args)
-        except Exception as exc:  # the driver's own fault: the part fails, the run goes on
-            part.ok, part.status = False, f"driver error: {type(exc).__name__}: {exc}"
-        print(f"gpu-check: {part.name}: {part.status} ({part.seconds or 0:.0f} s)", flush=True)
-        run.write()
+        print(f"gpu-check: {run.verdict()}; report: {args.out / 'report.md'}", flush=True)
+        return 1
     run.finished = True
     run.write()
     print(f"gpu-check: {run.verdict()}; report: {args.out / 'report.md'}", flush=True)
@@ -352,7 +381,7 @@ def verify(out: Path) -> list[str]:
     if not status_file.exists():
         return [f"{status_file}: missing"]
     status = json.loads(status_file.read_text())
-    problems = [] if status["finished"] else ["the run did not finish (verdict: in progress)"]
+    problems = [] if status["finished"] else [f"the run did not finish (verdict: {status['verdict']})"]
     names = [p["name"] for p in status["parts"]]
     if names != [p.name for p in plan_parts()]:
         problems.append(f"parts {names}, expected {[p.name for p in plan_parts()]}")

@@ -9,6 +9,7 @@ budget is spent. The whole rehearsal (``make gpu-rehearsal``, scripts/gpu_rehear
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -143,35 +144,43 @@ def run_part(run, part, args):
     if part.name == "setup":
         part.ok, part.status, part.lines = True, "ok", ["- fine"]
         run.cuda = True
-    else:
-        time.sleep(120)
+    else:  # a part that hangs, in a process of its own
+        code = "import os, time; print('part', os.getpid(), flush=True); time.sleep(120)"
+        gpu_check.execute(run, part, [sys.executable, "-c", code])
 
 gpu_check.run_part = run_part
 gpu_check.main(["--out", {out!r}, "--budget", "300"])
 """
 
 
-def test_a_run_killed_in_a_part_leaves_a_whole_report(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["killed", "terminated"])
+def test_a_run_stopped_in_a_part_leaves_a_whole_report(tmp_path, sig):
     code = KILLED_RUN.format(scripts=str(ROOT / "scripts"), out=str(tmp_path))
     process = subprocess.Popen([sys.executable, "-c", code])
     try:
         deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            status = _status(tmp_path)
-            if status and status["parts"][1]["status"].startswith("running"):
-                break
+        log = tmp_path / "tests.log"
+        while time.monotonic() < deadline and not (log.exists() and "part " in log.read_text()):
             time.sleep(0.1)
-        process.send_signal(signal.SIGKILL)  # what a machine taken back does
+        part_pid = int(log.read_text().split("part ")[1].split()[0])
+        process.send_signal(sig)  # SIGKILL: a machine taken back; SIGTERM: gpu_run.sh's outer timeout
         process.wait(30)
+        if sig == signal.SIGTERM:  # the driver stopped the part before it exited
+            assert not _alive(part_pid), "the part outlived the stopped run"
     finally:
         if process.poll() is None:
             process.kill()
+        with contextlib.suppress(ProcessLookupError, UnboundLocalError):
+            os.killpg(part_pid, signal.SIGKILL)  # a killed driver cannot stop its part: the machine goes anyway
     status = _status(tmp_path)
     assert status is not None and not status["finished"]
-    assert [p["status"].split(" ")[0] for p in status["parts"][:3]] == ["ok", "running", "not"]
+    second = "running" if sig == signal.SIGKILL else "stopped"
+    assert [p["status"].split(" ")[0] for p in status["parts"][:3]] == ["ok", second, "not"]
     report = (tmp_path / "report.md").read_text()
-    assert "**in progress" in report and "| cuda-tests | running (started at" in report and "## setup: " in report
-    assert "the run did not finish (verdict: in progress)" in gpu_check.verify(tmp_path)
+    assert f"| cuda-tests | {second} (started at" in report and "## setup: " in report
+    verdict = "**in progress" if sig == signal.SIGKILL else "**cut short by SIGTERM after"
+    assert verdict in report
+    assert any(p.startswith("the run did not finish") for p in gpu_check.verify(tmp_path))
 
 
 def _status(out: Path) -> dict | None:
