@@ -14,14 +14,14 @@
 # GPU_INSTALL_ONLY=1 (stop after the install, its exit status). Exit status: 0 when every part passed (or, without
 # CUDA, ran its CPU rehearsal cleanly), 1 otherwise.
 set -uo pipefail
-cd "$(dirname "$0")/.."
 OUT=${1:-gpu-check}
+mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd) || exit 1  # as given, from where it was given
+cd "$(dirname "$0")/.."
 PY=${GPU_PYTHON:-python3}
 BUDGET=${GPU_BUDGET_S:-300}
 CARRY=${GPU_CARRY:-carry}
 SITE=${GPU_SITE:-/tmp/pagedcore-site}
 started=$(date +%s)
-mkdir -p "$OUT" || exit 1
 LOG="$OUT/install.log"
 
 install_carry() {
