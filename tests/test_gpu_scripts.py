@@ -196,6 +196,29 @@ def test_parts_the_budget_cannot_hold_are_not_reached(tmp_path, monkeypatch):
     status = json.loads((tmp_path / "status.json").read_text())
     assert status["finished"] and status["verdict"].startswith("FAILED: setup (not reached: 5 s budget spent)")
     assert all(p["status"] == "not reached: 5 s budget spent" for p in status["parts"])
+    # the checks fail; the benchmarks are left out (no failure of their own), and the verdict names them
+    assert {p["name"] for p in status["parts"] if p["ok"] is False} == {
+        "setup",
+        "cuda-tests",
+        "xformers-tests",
+        "decode",
+        "syncs",
+    }
+    assert "left out by the budget: bench-engine, bench-decode" in status["verdict"]
+
+
+def test_benchmarks_the_budget_leaves_out_do_not_fail_a_run(tmp_path, monkeypatch):
+    def run_part(run, part, args):
+        part.ok, part.status, part.seconds = True, "ok", 0.0
+        run.cuda = True
+        if part.name == "bench-cold":  # the budget runs out here
+            monkeypatch.setattr(run, "left", lambda: 0.0)
+
+    monkeypatch.setattr(gpu_check, "run_part", run_part)
+    assert gpu_check.main(["--out", str(tmp_path)]) == 0
+    status = json.loads((tmp_path / "status.json").read_text())
+    assert status["verdict"].startswith("all checks passed; left out by the budget: bench-prefix, bench-host")
+    assert gpu_check.verify(tmp_path)  # the rehearsal, which must reach every part, would say so
 
 
 @pytest.mark.parametrize(
