@@ -255,7 +255,7 @@ def pass_line(name: str, rows: list[tuple[float, int, int]], compiles: Compiles)
             else f"compilations not counted ({compiles.error})"
         )
     )
-    return line, [f"  slow step {i}: {ms:.1f} ms, {n} running" for i, ms, n in slow[:10]]
+    return line, [f"  - slow step {i}: {ms:.1f} ms, {n} running" for i, ms, n in slow[:10]]
 
 
 def part_decode(result: Result, args: argparse.Namespace) -> str:
@@ -341,7 +341,7 @@ def part_syncs(result: Result, args: argparse.Namespace) -> str:
     result.add(f"{per_step:.1f} syncs per decode step ({len(syncs)} over {steps} steps, 8 sequences, {backend.name})")
     result.add(f"inside the first layer's attention, per step: {first_layer}")
     per_line = Counter(f"{Path(w.filename).name}:{w.lineno}" for w in syncs)
-    result.add(*[f"  {where}: {count}" for where, count in per_line.most_common(12)])
+    result.add(*[f"  - {where}: {count}" for where, count in per_line.most_common(12)])
     if not cuda():
         return "no CUDA: rehearsed on CPU (no syncs to count)"
     if per_step > 2:
