@@ -367,8 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     run = Run(args.out, args.budget, parts)
     run.write()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, _stop)
+    previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         run_parts(run, args)
     except Stopped as exc:
@@ -376,6 +375,9 @@ def main(argv: list[str] | None = None) -> int:
         run.write()
         print(f"gpu-check: {run.verdict()}; report: {args.out / 'report.md'}", flush=True)
         return 1
+    finally:  # a caller's own handlers (pytest's, when a test runs main()) come back
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     run.finished = True
     run.write()
     print(f"gpu-check: {run.verdict()}; report: {args.out / 'report.md'}", flush=True)

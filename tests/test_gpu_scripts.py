@@ -192,7 +192,9 @@ def _status(out: Path) -> dict | None:
 
 def test_parts_the_budget_cannot_hold_are_not_reached(tmp_path, monkeypatch):
     monkeypatch.setattr(gpu_check, "run_part", lambda run, part, args: pytest.fail("no part should start"))
+    handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
     assert gpu_check.main(["--out", str(tmp_path), "--budget", "5"]) == 1
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == handlers  # the caller's, back
     status = json.loads((tmp_path / "status.json").read_text())
     assert status["finished"] and status["verdict"].startswith("FAILED: setup (not reached: 5 s budget spent)")
     assert all(p["status"] == "not reached: 5 s budget spent" for p in status["parts"])
