@@ -94,6 +94,9 @@ class Engine:
         enable_prefix_caching: reuse cached prompt prefixes.
         attention_backend: backend name (default: the plugins' choice for the device).
         watermark: fraction of blocks kept free when admitting new requests.
+        scheduling_policy: ``"fair"`` (the default: round-robin over namespaces, so one tenant's burst does not hold
+            back another's first token), ``"fcfs"``, or ``"priority"`` (lowest ``priority=`` first, as vLLM); see
+            :class:`~pagedcore.scheduler.SchedulerConfig`.
 
     Generation parameters: either a :class:`SamplingParams` (or a dict of its fields), or ``model.generate``'s
     keyword arguments (``max_new_tokens``, ``do_sample``, ``temperature``, ``top_k``, ``top_p``,
@@ -126,6 +129,7 @@ class Engine:
         enable_prefix_caching: bool = True,
         attention_backend: str | None = None,
         watermark: float = 0.01,
+        scheduling_policy: str = "fair",
     ) -> None:
         if pool is None:
             pool = PagedKVPool(model, num_blocks=num_blocks, memory_budget=memory_budget, block_size=block_size)
@@ -142,6 +146,7 @@ class Engine:
             max_num_seqs=max_num_seqs,
             watermark=watermark,
             enable_prefix_caching=enable_prefix_caching,
+            policy=scheduling_policy,
         )
         self.scheduler = Scheduler(pool.kv, config, plugins=pool.plugins)
         self._text_config = text_config(model)
@@ -215,15 +220,17 @@ class Engine:
         *,
         request_id: str | None = None,
         namespace: Hashable = None,
+        priority: int = 0,
         **generate_kwargs: Any,
     ) -> str:
         """Queue a request; returns its id. Raises a typed error (and queues nothing) for bad input.
 
         ``params`` may be a :class:`SamplingParams` or a dict of its fields; or pass ``model.generate``'s keyword
         arguments instead (see :class:`Engine`). The request is reported by :meth:`step` / :meth:`step_events`.
+        ``priority`` (``scheduling_policy="priority"`` only): lower values are admitted first.
         """
         (spec,) = self._specs(params, generate_kwargs, 1)
-        new = self._validate(prompt, spec, namespace, request_id)
+        new = self._validate(prompt, spec, namespace, request_id, priority)
         return self._submit(new, owner=None).request_id
 
     def abort(self, request_id: str) -> RequestOutput:
@@ -271,6 +278,7 @@ class Engine:
         *,
         use_tqdm: bool = True,
         namespace: Hashable = None,
+        priority: int = 0,
         **generate_kwargs: Any,
     ) -> list[RequestOutput]:
         """Generate for many prompts; returns one output per prompt, in order.
@@ -286,7 +294,7 @@ class Engine:
         valid: list[tuple[int, NewRequest]] = []
         for i, (prompt, spec) in enumerate(zip(prompt_list, specs)):
             try:
-                valid.append((i, self._validate(prompt, spec, namespace)))
+                valid.append((i, self._validate(prompt, spec, namespace, priority=priority)))
             except PagedCoreError as exc:
                 outputs[i] = self._rejected(prompt, spec, exc)
         owner = object()
@@ -316,6 +324,7 @@ class Engine:
         params: Params | Sequence[Params] | None = None,
         *,
         namespace: Hashable = None,
+        priority: int = 0,
         **generate_kwargs: Any,
     ) -> Iterator[TokenEvent]:
         """Yield every token of every request as it is produced (a sample's last event has ``finish_reason``).
@@ -329,7 +338,7 @@ class Engine:
         new = []
         for i, (prompt, spec) in enumerate(zip(prompt_list, specs)):
             try:
-                new.append(self._validate(prompt, spec, namespace))
+                new.append(self._validate(prompt, spec, namespace, priority=priority))
             except InvalidRequestError as exc:
                 if len(prompt_list) == 1:
                     raise
@@ -518,7 +527,12 @@ class Engine:
         return items
 
     def _validate(
-        self, prompt: Any, spec: Params | _Generation, namespace: Hashable, request_id: str | None = None
+        self,
+        prompt: Any,
+        spec: Params | _Generation,
+        namespace: Hashable,
+        request_id: str | None = None,
+        priority: int = 0,
     ) -> NewRequest:
         """Everything about one request that can be refused, checked before anything is queued."""
         token_ids = self._encode(prompt)
@@ -534,7 +548,7 @@ class Engine:
         stop_ids = frozenset(
             valid_token_ids(stop, vocab_size=self._vocab_size, name="stop_token_ids", allow_empty=True)
         )
-        new = NewRequest(token_ids, params, stop_ids, namespace, request_id)
+        new = NewRequest(token_ids, params, stop_ids, namespace, request_id, priority)
         if params.max_new_tokens:
             self.scheduler.check_admissible(self._sequence(new, request_id or "new"))  # also checks the namespace
         return new
@@ -711,6 +725,7 @@ class Engine:
             new.namespace,
             params.n,
             params.min_new_tokens,
+            new.priority,
         )
 
     def _fresh_id(self) -> str:

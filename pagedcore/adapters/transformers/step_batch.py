@@ -41,6 +41,7 @@ class NewRequest:
     stop_token_ids: frozenset[int]
     namespace: Hashable = None
     request_id: str | None = None
+    priority: int = 0
 
 
 @dataclass
