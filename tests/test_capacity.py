@@ -17,9 +17,9 @@ from paged_checks import dynamic
 from transformers import DynamicCache
 
 from pagedcore import InvalidRequestError, KVPool, OutOfBlocksError, Scheduler, SchedulerConfig, SequenceState
-from pagedcore.capacity import Demand
 from pagedcore.adapters import transformers as pc
 from pagedcore.adapters.transformers import Engine, PagedCache, SamplingParams
+from pagedcore.capacity import Demand
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
