@@ -259,6 +259,7 @@ class BlockTables:
         released = 0
         next_drop = None
         before = self._available()
+        gave = [0] * len(self._tables)
         for i in self._sliding:
             group = self._pool.groups[i]
             kind = group.kind
@@ -270,12 +271,15 @@ class BlockTables:
                 self._arrays[i] = None
                 self._dropped[i] += count
                 released += count
+                gave[i] = count
             # The first query that no longer sees the last key of the group's first live block.
             last = kind.last_query_seeing((self._dropped[i] + 1) * bs - 1)
             if last is not None and (next_drop is None or last + 1 < next_drop):
                 next_drop = last + 1
         self._next_drop = next_drop if next_drop is not None else 0
         self._settle(before)
+        if before is not None and released:
+            self._replace_kept(before, gave)
         return released
 
     def cache_full_blocks(self, token_ids: Sequence[int], num_computed: int, namespace: Hashable = None) -> None:
@@ -439,6 +443,17 @@ class BlockTables:
         assert self._reservation is not None
         for i, group in enumerate(self._pool.groups):
             self._reservation.take(i, before[i] - group.block_manager.num_available_blocks)
+
+    def _replace_kept(self, before: list[int], gave: list[int]) -> None:
+        """The window gave back blocks that another holder keeps in use (it attached them as a prefix hit): they did
+        not become free, so the reservation, which counts on the window's blocks coming back, takes as many
+        unreserved blocks instead, as far as there are any."""
+        reservation = self._reservation
+        assert reservation is not None
+        for i, group in enumerate(self._pool.groups):
+            kept = gave[i] - (group.block_manager.num_available_blocks - before[i])
+            if kept > 0:
+                reservation.take(i, -min(kept, max(0, self._pool.available_blocks(i))))
 
     def _check_revival(self, chains: Sequence[Sequence[int]]) -> list[int]:
         """Per group, the cached blocks at reference count 0 among ``chains`` (retaining them takes them out of the

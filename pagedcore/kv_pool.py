@@ -32,7 +32,21 @@ __all__ = ["Claimant", "KVGroup", "KVPool", "PoolMatch", "Shortfall"]
 
 class Claimant(Protocol):
     """A holder whose needs change as it runs (the scheduler): before the pool grants a reservation to someone else
-    it asks each claimant to bring its own reservation up to date (see :meth:`KVPool.add_claimant`)."""
+    it asks each claimant to bring its own reservation up to date (see :meth:`KVPool.add_claimant`).
+
+    Example:
+        >>> class Growing:
+        ...     def __init__(self, pool):
+        ...         self.reservation, self.needs = pool.reserve([0]), [0]
+        ...     def refresh_reservation(self):
+        ...         self.reservation.resize(self.needs)
+        >>> pool = KVPool(num_blocks=8, block_size=4)
+        >>> holder = Growing(pool)
+        >>> pool.add_claimant(holder)
+        >>> holder.needs = [6]                  # it needs more now; the pool asks before granting others
+        >>> pool.reserve([2]).remaining, holder.reservation.remaining
+        ((2,), (6,))
+    """
 
     def refresh_reservation(self) -> None:
         """Resize the claimant's reservation to what it needs now."""
