@@ -345,16 +345,17 @@ def _continue(
 
     Its blocks are registered only when they hold exactly the rows' tokens: the mask is left padding equal to the
     padding the cache left out, one row per sequence (no beams or expansion), and the call runs in the namespace
-    the cache was made in. The caller owns the cache: it is never released here.
+    the cache was made in. The caller owns the cache: it is never released here. The call reserves its worst case
+    for its own length (one row per sequence), unless the cache holds a reservation of its own, which it draws from.
     """
     pads = _left_pads(mask)
     pool = state.pool
-    reservation = None
-    if settings.expand == 1 and cache.batch_size == input_ids.shape[0]:
+    reservation, own = None, cache.reservation  # a cache that holds a reservation of its own draws from that one
+    if own is None and settings.expand == 1 and cache.batch_size == input_ids.shape[0]:
         with pool.lock:
             reservation = _reserve(pool, cache, tuple(input_ids.shape), cache.row_padding(), settings, False, kwargs)
-    try:
         cache.reservation = reservation
+    try:
         result = call(*args, **kwargs)
     finally:
         _give_back(pool, reservation, cache)
