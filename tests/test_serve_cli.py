@@ -33,7 +33,12 @@ def test_the_command_line_imports_no_server_or_model_library():
     ("argv", "message"),
     [
         (["--port", "70000"], "--port must be in 0..65535"),
-        (["--max-queue", "-1"], "--max-queue must be >= 0"),
+        (["--max-queue", "-1"], "--max-queue must be >= 1"),
+        (["--max-queue", "0"], "--max-queue must be >= 1"),  # 0 would answer every request with 429
+        (["--max-request-bytes", "0"], "--max-request-bytes must be >= 1"),
+        (["--max-request-bytes", "lots"], "--max-request-bytes must be a size like 8MiB"),
+        (["--body-timeout", "0"], "--body-timeout must be a number of seconds > 0"),
+        (["--body-timeout", "nan"], "--body-timeout must be a number of seconds > 0"),
         (["--threads", "0"], "--threads must be >= 1"),
         (["--api-keys", "/nonexistent/keys.txt"], "cannot read the API key file"),
     ],
@@ -41,6 +46,14 @@ def test_the_command_line_imports_no_server_or_model_library():
 def test_bad_arguments_exit_with_code_2(argv, message, capsys):
     assert main(["serve", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_json_key_file_with_a_duplicated_key_exits_with_code_2_without_printing_it(tmp_path, capsys):
+    keys = tmp_path / "keys.json"
+    keys.write_text('{"sk-shared-secret": "alice", "sk-shared-secret": "bob"}')
+    assert main(["serve", "--api-keys", str(keys)]) == 2
+    err = capsys.readouterr().err
+    assert f"{keys}: entry 2 repeats the key of entry 1" in err and "sk-shared-secret" not in err
 
 
 def free_port() -> int:

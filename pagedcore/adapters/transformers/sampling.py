@@ -29,6 +29,7 @@ from pagedcore.validation import integer, token_ids
 
 __all__ = [
     "GENERATE_KWARGS",
+    "GREEDY_BELOW",
     "SampleRow",
     "SamplingParams",
     "StepSamples",
@@ -41,13 +42,19 @@ __all__ = [
 ]
 
 
+GREEDY_BELOW = 1e-5
+"""Temperatures below this are greedy (vLLM's threshold too): dividing logits by a temperature near 0 overflows
+float32 (``1e-40``, ``1e-300``) and the draw would fail, while its limit is the argmax anyway."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to generate for one request.
 
     Args:
         max_new_tokens: tokens to generate at most (0 returns at once with no tokens).
-        temperature: 0 for greedy decoding, else the softmax temperature (> 0).
+        temperature: 0 for greedy decoding, else the softmax temperature (> 0); below :data:`GREEDY_BELOW` it is
+            greedy too.
         top_k: keep the ``top_k`` most likely tokens (0 = all).
         top_p: keep the smallest set of tokens whose probability reaches ``top_p`` (in (0, 1]).
         seed: seed of this request's random draws (None: drawn from Python's ``random``).
@@ -110,8 +117,13 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        """Whether tokens are chosen by argmax."""
-        return self.temperature == 0
+        """Whether tokens are chosen by argmax (temperature 0, or below :data:`GREEDY_BELOW`).
+
+        Example:
+            >>> SamplingParams(temperature=1e-40).is_greedy, SamplingParams(temperature=0.5).is_greedy
+            (True, False)
+        """
+        return self.temperature < GREEDY_BELOW
 
     def generators(self, device: torch.device | str = "cpu") -> list[torch.Generator]:
         """One generator per sample, seeded from ``seed`` (or at random); sample 0's seed is ``seed`` itself."""
@@ -363,15 +375,17 @@ def sample_tokens(logits: torch.Tensor, params: SamplingParams, generators: Sequ
     if params.is_greedy:
         token = int(torch.argmax(logits))
         return [token] * len(generators)
-    scores = logits.float() / params.temperature
+    scores = logits.float() / params.temperature  # >= GREEDY_BELOW: no real logit overflows float32 here
     if params.top_k and params.top_k < scores.shape[-1]:
         kth = torch.topk(scores, params.top_k).values[-1]
         scores = scores.masked_fill(scores < kth, float("-inf"))
     if params.top_p < 1.0:
         sorted_scores, order = torch.sort(scores, descending=True)
         probs = torch.softmax(sorted_scores, dim=-1)
-        # Drop a token when the tokens before it already reach top_p (the most likely one always stays).
+        # Drop a token when the tokens before it already reach top_p. The most likely one always stays, also when
+        # top_p is below float32's smallest number (1e-320 reads as 0 there, and 0 >= 0 would drop it).
         drop = (probs.cumsum(-1) - probs) >= params.top_p
+        drop[0] = False
         scores = scores.scatter(0, order, sorted_scores.masked_fill(drop, float("-inf")))
     probs = torch.softmax(scores, dim=-1)
     return [int(torch.multinomial(probs, 1, generator=g)) for g in generators]
@@ -442,7 +456,7 @@ def sample_rows(logits: torch.Tensor, rows: Sequence[SampleRow]) -> StepSamples:
     greedy, finite = greedy_tokens(logits)
     tokens = out.tokens
     for i, row in enumerate(rows):
-        if row.params.temperature == 0 and finite[i]:  # greedy
+        if row.params.is_greedy and finite[i]:
             tokens[row.request_id] = [greedy[i]] * len(row.generators)
             continue
         try:
