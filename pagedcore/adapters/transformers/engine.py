@@ -96,6 +96,9 @@ class Engine:
         enable_prefix_caching: reuse cached prompt prefixes.
         attention_backend: backend name (default: the plugins' choice for the device).
         watermark: fraction of blocks kept free when admitting new requests.
+        scheduling_policy: ``"fair"`` (the default: round-robin over namespaces, so one tenant's burst does not hold
+            back another's first token), ``"fcfs"``, or ``"priority"`` (lowest ``priority=`` first, as vLLM); see
+            :class:`~pagedcore.scheduler.SchedulerConfig`.
 
     Generation parameters: either a :class:`SamplingParams` (or a dict of its fields), or ``model.generate``'s
     keyword arguments (``max_new_tokens``, ``do_sample``, ``temperature``, ``top_k``, ``top_p``,
@@ -133,6 +136,7 @@ class Engine:
         enable_prefix_caching: bool = True,
         attention_backend: str | None = None,
         watermark: float = 0.01,
+        scheduling_policy: str = "fair",
     ) -> None:
         if pool is None:
             pool = PagedKVPool(model, num_blocks=num_blocks, memory_budget=memory_budget, block_size=block_size)
@@ -149,6 +153,7 @@ class Engine:
             max_num_seqs=max_num_seqs,
             watermark=watermark,
             enable_prefix_caching=enable_prefix_caching,
+            policy=scheduling_policy,
         )
         self.scheduler = Scheduler(pool.kv, config, plugins=pool.plugins)
         self._text_config = text_config(model)
@@ -226,15 +231,17 @@ class Engine:
         *,
         request_id: str | None = None,
         namespace: Hashable = None,
+        priority: int = 0,
         **generate_kwargs: Any,
     ) -> str:
         """Queue a request; returns its id. Raises a typed error (and queues nothing) for bad input.
 
         ``params`` may be a :class:`SamplingParams` or a dict of its fields; or pass ``model.generate``'s keyword
         arguments instead (see :class:`Engine`). The request is reported by :meth:`step` / :meth:`step_events`.
+        ``priority`` (``scheduling_policy="priority"`` only): lower values are admitted first.
         """
         (spec,) = self._specs(params, generate_kwargs, 1)
-        return self._submit(self._validate(prompt, spec, namespace, request_id), owner=None).request_id
+        return self._submit(self._validate(prompt, spec, namespace, request_id, priority), owner=None).request_id
 
     def abort(self, request_id: str) -> RequestOutput:
         """Stop a request (all its samples) and return its output; it is also reported by the next :meth:`step`.
@@ -281,6 +288,7 @@ class Engine:
         *,
         use_tqdm: bool = True,
         namespace: Hashable = None,
+        priority: int = 0,
         **generate_kwargs: Any,
     ) -> list[RequestOutput]:
         """Generate for many prompts; returns one output per prompt, in order.
@@ -296,7 +304,7 @@ class Engine:
         valid: list[tuple[int, EngineRequest]] = []
         for i, (prompt, spec) in enumerate(zip(prompt_list, specs)):
             try:
-                valid.append((i, self._validate(prompt, spec, namespace)))
+                valid.append((i, self._validate(prompt, spec, namespace, priority=priority)))
             except PagedCoreError as exc:
                 outputs[i] = self._rejected(prompt, spec, exc)
         owner = object()
@@ -325,6 +333,7 @@ class Engine:
         params: Params | Sequence[Params] | None = None,
         *,
         namespace: Hashable = None,
+        priority: int = 0,
         **generate_kwargs: Any,
     ) -> Iterator[TokenEvent]:
         """Yield every token of every request as it is produced (a sample's last event has ``finish_reason``).
@@ -338,7 +347,7 @@ class Engine:
         new = []
         for i, (prompt, spec) in enumerate(zip(prompt_list, specs)):
             try:
-                new.append(self._validate(prompt, spec, namespace))
+                new.append(self._validate(prompt, spec, namespace, priority=priority))
             except InvalidRequestError as exc:
                 if len(prompt_list) == 1:
                     raise
@@ -561,7 +570,12 @@ class Engine:
         return items
 
     def _validate(
-        self, prompt: Any, spec: Params | _Generation, namespace: Hashable, request_id: str | None = None
+        self,
+        prompt: Any,
+        spec: Params | _Generation,
+        namespace: Hashable,
+        request_id: str | None = None,
+        priority: int = 0,
     ) -> EngineRequest:
         """Everything about one request that can be refused, checked before anything is queued."""
         token_ids = self._encode(prompt)
@@ -587,6 +601,7 @@ class Engine:
                 namespace,
                 params.n,
                 params.min_new_tokens,
+                priority,
             )
             self.scheduler.check_admissible(seq)  # also checks the namespace
         samples = [SampleOutput(k) for k in range(params.n)]
