@@ -58,7 +58,7 @@ def check_costs(model: torch.nn.Module, reps: int) -> dict[str, float]:
         pool.check_weights()  # sees the move: forgets the (empty) prefix cache
 
     def rewalked() -> None:
-        torch.nn.Identity().register_buffer("x", None)  # a registration anywhere: the next check walks again
+        model.register_buffer("probe", None)  # a registration on the model: the next check walks it again
         watch.check()
 
     unchanged = median_us(pool.check_weights, reps)

@@ -225,10 +225,11 @@ def test_generate_itself_never_moves_the_fingerprint(enabled, family):
     model.generate(ids, **NEW)
     watch = pool.weights
     assert watch is not None
-    epoch = watch.epoch
+    epoch, walks = watch.epoch, watch.num_walks
     for kwargs in ({}, {"num_return_sequences": 2, "do_sample": True}, {"num_beams": 2}):
         model.generate(ids, **{**NEW, **kwargs})
     assert not watch.check() and watch.epoch == epoch
+    assert watch.num_walks == walks  # every check read the tensors only (no registration on the model)
     before = pool.num_hit_tokens
     model.generate(ids, **NEW)
     assert pool.num_hit_tokens - before == 12

@@ -87,9 +87,10 @@ def test_a_whole_engine_run_keeps_its_hits():
     prompts = workload(1, 5)
     with Engine(model, num_blocks=128, block_size=BLOCK, max_num_batched_tokens=64) as engine:
         engine.generate(prompts, GREEDY, use_tqdm=False)
-        epoch = engine.pool.weights.epoch
+        watch = engine.pool.weights
+        epoch, walks = watch.epoch, watch.num_walks
         again = engine.generate(prompts, GREEDY, use_tqdm=False)
-        assert engine.pool.weights.epoch == epoch
+        assert watch.epoch == epoch and watch.num_walks == walks  # each step's check read the tensors only
         assert all(o.metrics.num_cached_tokens >= 8 for o in again)  # every prompt's full blocks
         settle(engine)
 

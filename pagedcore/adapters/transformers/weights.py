@@ -13,7 +13,8 @@ What the fingerprint covers:
   counter): a global optimizer step post-hook counts them per tensor;
 - the module structure: a submodule, parameter or buffer added or replaced (PEFT adapters injected or unloaded,
   ``merge_and_unload``, ``model.lm_head.weight = nn.Parameter(...)``, ``load_state_dict(assign=True)``): torch's
-  global registration hooks count registrations, and the watch walks the module tree again when one happened;
+  global registration hooks count registrations on the model's modules, and the watch walks the module tree again
+  after one;
 - the state of PEFT tuner layers (any module with ``active_adapters``, ``merged_adapters`` and
   ``disable_adapters``): which adapters are active, merged (``merge_adapter`` writes through ``.data``, which no
   version counter sees), disabled (``disable_adapter()``), and their scaling;
@@ -26,8 +27,9 @@ device (accelerate's offloaded weights between forwards, which it replaces at ev
 and shape only: their data is elsewhere, and the watch never calls ``data_ptr`` on them.
 
 The check reads each tensor's version counter and data pointer through weak references (the watch never keeps a
-replaced parameter alive): tens of microseconds for a model of a hundred tensors, about a thousandth of a forward
-(README, Limits). The module tree is walked again only after a registration anywhere in the process.
+replaced parameter alive): tens of microseconds for a model of a hundred tensors, a ten-thousandth of a forward
+(README, Limits; ``examples/weights_check_cost.py``). The module tree is walked again only after a registration on
+one of the model's modules (not on the temporary containers models build in their forward).
 
 The fingerprint is an in-process one (:class:`WeightsFingerprint`: which watch, how many moves it saw, where the
 weights are); a persisted key (a content hash of the weights, for a store shared across processes) extends it by
@@ -40,7 +42,7 @@ import itertools
 import threading
 import weakref
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -54,37 +56,46 @@ Placement = tuple[torch.dtype, torch.device] | None
 """The ``(dtype, device)`` of a model's first parameter not on the meta device (what its keys are computed in)."""
 
 
+@dataclass
 class _Events:
-    """Process-wide counters that torch's global hooks bump (installed once, by the first watch)."""
+    """Process-wide counters that torch's global hooks bump (installed once, by the first watch): the hooks are
+    global, so what they count is too; each watch compares the counters with what they were at its last check."""
 
-    registrations = 0  # modules, parameters and buffers registered on any module
-    optimizer_steps = 0  # steps of any torch.optim optimizer
-    installed = False
-    lock = threading.Lock()
-    stepped: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> optimizer steps over it
+    registrations: int = 0  # modules, parameters and buffers registered on a module of a watched model
+    optimizer_steps: int = 0  # steps of any torch.optim optimizer
+    installed: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    stepped: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary)  # tensor -> optimizer steps over it
+    # Every module of every watched model, as of its last walk. Registrations elsewhere do not count: models build
+    # temporary containers in their forward (Llama's ``self.layers[:n]`` makes a ModuleList at every call).
+    watched: weakref.WeakSet[torch.nn.Module] = field(default_factory=weakref.WeakSet)
+
+
+_EVENTS = _Events()
 
 
 def _on_registration(module: Any, name: str, value: Any) -> None:
-    _Events.registrations += 1  # returns None: torch registers the value unchanged
+    if module in _EVENTS.watched:
+        _EVENTS.registrations += 1  # returns None: torch registers the value unchanged
 
 
 def _on_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
-    _Events.optimizer_steps += 1
-    stepped = _Events.stepped
+    _EVENTS.optimizer_steps += 1
+    stepped = _EVENTS.stepped
     for group in optimizer.param_groups:
         for param in group["params"]:
             stepped[param] = stepped.get(param, 0) + 1
 
 
 def _install_hooks() -> None:
-    with _Events.lock:
-        if _Events.installed:
+    with _EVENTS.lock:
+        if _EVENTS.installed:
             return
         torch_module.register_module_module_registration_hook(_on_registration)
         torch_module.register_module_parameter_registration_hook(_on_registration)
         torch_module.register_module_buffer_registration_hook(_on_registration)
         torch_optimizer.register_optimizer_step_post_hook(_on_optimizer_step)
-        _Events.installed = True
+        _EVENTS.installed = True
 
 
 @dataclass(frozen=True)
@@ -155,9 +166,10 @@ class WeightsWatch:
         self._model = weakref.ref(model)
         self._serial = next(_serials)
         self._epoch = 0
-        self._registrations = _Events.registrations
-        self._optimizer_steps = _Events.optimizer_steps
+        self._registrations = _EVENTS.registrations
+        self._optimizer_steps = _EVENTS.optimizer_steps
         self._walk = _walk(model)
+        self._num_walks = 1
         state = self._state(model, self._walk)
         assert state is not None  # the tensors were just walked
         self._last = state
@@ -168,6 +180,12 @@ class WeightsWatch:
     def epoch(self) -> int:
         """How many moves :meth:`check` has seen."""
         return self._epoch
+
+    @property
+    def num_walks(self) -> int:
+        """How many times the watch walked the module tree (once when made, then after each registration on the
+        model or a tensor gone); every other check reads only the tensors it holds."""
+        return self._num_walks
 
     @property
     def placement(self) -> Placement:
@@ -187,14 +205,14 @@ class WeightsWatch:
         if model is None:
             return False
         walk = self._walk
-        if _Events.registrations != self._registrations:
+        if _EVENTS.registrations != self._registrations:
             return self._rewalk(model)
         state = self._state(model, walk)
         if state is None:  # a tensor is gone (replaced without a registration, e.g. by accelerate's offload hooks)
             return self._rewalk(model)
         moved = state != self._last
-        if _Events.optimizer_steps != self._optimizer_steps:
-            self._optimizer_steps = _Events.optimizer_steps
+        if _EVENTS.optimizer_steps != self._optimizer_steps:
+            self._optimizer_steps = _EVENTS.optimizer_steps
             steps = _steps(walk)
             moved = moved or steps != self._steps
             self._steps = steps
@@ -204,9 +222,10 @@ class WeightsWatch:
 
     # ------------------------------------------------------------------ internals
     def _rewalk(self, model: torch.nn.Module) -> bool:
-        self._registrations = _Events.registrations
-        self._optimizer_steps = _Events.optimizer_steps
+        self._registrations = _EVENTS.registrations
+        self._optimizer_steps = _EVENTS.optimizer_steps
         old, new = self._walk, _walk(model)
+        self._num_walks += 1
         state = self._state(model, new)
         assert state is not None
         steps = _steps(new)
@@ -251,7 +270,12 @@ def _walk(model: torch.nn.Module) -> _Walk:
         (plain if not on_meta and _readable(tensor) else others).append(ref)
         if is_param and first is None and not on_meta:
             first = ref
-    tuners = [(name, weakref.ref(m)) for name, m in model.named_modules() if _is_tuner(m)]
+    tuners: list[tuple[str, weakref.ref[Any]]] = []
+    watched = _EVENTS.watched
+    for module_name, module in model.named_modules():
+        watched.add(module)
+        if _is_tuner(module):
+            tuners.append((module_name, weakref.ref(module)))
     return _Walk(tuple(names), refs, tuple(meta), plain, others, tuners, first)
 
 
@@ -283,7 +307,7 @@ def _same_structure(old: _Walk, new: _Walk) -> bool:
 
 
 def _steps(walk: _Walk) -> tuple[int, ...]:
-    stepped = _Events.stepped
+    stepped = _EVENTS.stepped
     return tuple([stepped.get(t, 0) if (t := ref()) is not None else -1 for ref in walk.refs])
 
 
