@@ -534,7 +534,7 @@ class PagedKVPool:
             if watch is None:
                 owner = self._owner() if self._owner is not None else None
                 if owner is not None:
-                    self._weights = WeightsWatch(owner)  # the baseline: what was stored so far was computed so
+                    self._weights = WeightsWatch(owner)  # the baseline: what is stored was computed with these
                 return 0
             placement = watch.placement
             forgotten = 0
