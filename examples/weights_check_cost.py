@@ -5,10 +5,13 @@ Every ``enable()``d ``generate`` call and every Engine step asks the pool whethe
 structure). This script times that check on the benchmark model (``pagedcore.benchmarks.common.bench_model``: Llama,
 hidden 512, 8 layers, vocab 32k) and on the same model with LoRA adapters on its attention (when ``peft`` is
 installed), side by side with one decode forward (one token over a 512-token ``DynamicCache``) and one Engine decode
-step of 16 sequences, in one run. Figures are medians over several runs; on a shared machine read the ratios.
+step of 16 sequences, in one run. Figures are medians over several runs; on a shared machine read the ratios, or
+use ``--clock cpu``: this thread's CPU time, with torch on one thread so the forwards run in it too (both sides then
+count only their own work, whatever else loads the machine; a forward on one thread takes longer than on several).
 
-    python examples/weights_check_cost.py            # the benchmark model
-    python examples/weights_check_cost.py --quick    # the quick benchmark model, fewer repetitions
+    python examples/weights_check_cost.py              # the benchmark model, wall time
+    python examples/weights_check_cost.py --clock cpu  # CPU time of this thread (torch on one thread)
+    python examples/weights_check_cost.py --quick      # the quick benchmark model, fewer repetitions
 """
 
 from __future__ import annotations
@@ -27,6 +30,9 @@ from transformers import DynamicCache
 from pagedcore.adapters.transformers import Engine, PagedKVPool, SamplingParams
 from pagedcore.benchmarks.common import bench_model
 
+CLOCKS = {"wall": time.perf_counter_ns, "cpu": time.thread_time_ns}
+_clock = CLOCKS["wall"]
+
 
 def median_us(fn: Callable[[], object], reps: int, runs: int = 5) -> float:
     """Median over ``runs`` of the mean microseconds of ``fn`` over ``reps`` calls (GC paused, as timeit does)."""
@@ -35,10 +41,10 @@ def median_us(fn: Callable[[], object], reps: int, runs: int = 5) -> float:
     gc.disable()
     try:
         for _ in range(runs):
-            start = time.perf_counter_ns()
+            start = _clock()
             for _ in range(reps):
                 fn()
-            results.append((time.perf_counter_ns() - start) / reps / 1e3)
+            results.append((_clock() - start) / reps / 1e3)
     finally:
         gc.enable()
     return statistics.median(results)
@@ -87,10 +93,10 @@ def engine_step_ms(model: torch.nn.Module, seqs: int, steps: int) -> float:
         for prompt in prompts:
             engine.add_request(prompt, SamplingParams(max_new_tokens=steps + 2))
         engine.step()  # the prefills
-        start = time.perf_counter()
+        start = _clock()
         for _ in range(steps):
             engine.step()
-        elapsed = (time.perf_counter() - start) / steps * 1e3
+        elapsed = (_clock() - start) / steps / 1e6
         while engine.has_unfinished():
             engine.step()
     return elapsed
@@ -108,7 +114,12 @@ def with_lora(model: torch.nn.Module) -> torch.nn.Module | None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="the quick benchmark model, fewer repetitions")
+    parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall", help="wall time, or this thread's CPU time")
     args = parser.parse_args(argv)
+    global _clock
+    _clock = CLOCKS[args.clock]
+    if args.clock == "cpu":
+        torch.set_num_threads(1)  # the forwards run in this thread, so its CPU time counts them
     reps, steps, context, seqs = (100, 2, 128, 4) if args.quick else (2000, 10, 512, 16)
     model = bench_model(quick=args.quick)
     tensors = sum(1 for _ in model.parameters()) + sum(1 for _ in model.buffers())
@@ -123,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"model: Llama hidden {cfg.hidden_size}, {cfg.num_hidden_layers} layers, vocab {cfg.vocab_size}; "
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs, "
-        f"load average {os.getloadavg()[0]:.1f}"
+        f"load average {os.getloadavg()[0]:.1f}; clock: {args.clock}"
     )
     print(
         f"one decode forward (1 token over {context} cached): {decode:.2f} ms; "

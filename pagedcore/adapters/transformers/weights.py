@@ -27,7 +27,7 @@ device (accelerate's offloaded weights between forwards, which it replaces at ev
 and shape only: their data is elsewhere, and the watch never calls ``data_ptr`` on them.
 
 The check reads each tensor's version counter and data pointer through weak references (the watch never keeps a
-replaced parameter alive): tens of microseconds for a model of a hundred tensors, a ten-thousandth of a forward
+replaced parameter alive): tens of microseconds for a model of a hundred tensors, about a thousandth of a forward
 (README, Limits; ``examples/weights_check_cost.py``). The module tree is walked again only after a registration on
 one of the model's modules (not on the temporary containers models build in their forward).
 
