@@ -1,4 +1,5 @@
-"""The server's pure parts: stop strings, API keys, request parsing, chat rendering."""
+"""The server's pure parts: API keys, request parsing, chat rendering (stop strings are the Engine's: see
+test_text_units.py)."""
 
 from __future__ import annotations
 
@@ -6,8 +7,6 @@ import hmac
 import json
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from pagedcore.adapters.transformers.builtin import builtin_tokenizer
 from pagedcore.serve import auth
@@ -22,78 +21,6 @@ from pagedcore.serve.protocol import (
     sampling_params,
     stop_strings,
 )
-from pagedcore.serve.stops import StopChecker
-
-
-# ---------------------------------------------------------------------- stop strings
-def first_stop(text: str, stops: list[str]) -> int | None:
-    """Oracle: where the text is cut: at the stop string that completes first (earliest start on a tie)."""
-    for end in range(1, len(text) + 1):
-        starts = [end - len(s) for s in stops if end >= len(s) and text[end - len(s) : end] == s]
-        if starts:
-            return min(starts)
-    return None
-
-
-@settings(max_examples=300, deadline=None)
-@given(
-    pieces=st.lists(st.text(alphabet="abc\n", max_size=4), max_size=12),
-    stops=st.lists(st.text(alphabet="abc\n", min_size=1, max_size=4), max_size=3),
-)
-def test_stop_checker_releases_exactly_the_text_before_the_first_stop(pieces, stops):
-    checker = StopChecker(stops)
-    sent, stopped = "", False
-    for piece in pieces:
-        out, stopped = checker.feed(piece)
-        sent += out
-        if stopped:
-            break
-    else:
-        sent += checker.flush()
-    text = "".join(pieces)
-    cut = first_stop(text, stops)
-    if cut is None:
-        assert not stopped and sent == text
-    else:
-        assert stopped and sent == text[:cut] == checker.text
-        for s in stops:
-            assert s not in sent
-
-
-@settings(max_examples=200, deadline=None)
-@given(
-    pieces=st.lists(st.text(alphabet="ab", max_size=3), min_size=1, max_size=10),
-    stops=st.lists(st.text(alphabet="ab", min_size=1, max_size=3), min_size=1, max_size=2),
-)
-def test_stop_checker_never_sends_a_prefix_that_becomes_a_stop(pieces, stops):
-    checker = StopChecker(stops)
-    sent = ""
-    for piece in pieces:
-        out, stopped = checker.feed(piece)
-        sent += out
-        if stopped:
-            break
-        # What was sent is final: it is a prefix of the text wherever the stop string turns up later.
-        assert checker.text.startswith(sent)
-        assert len(checker.text) - len(sent) <= max(len(s) for s in stops) - 1
-
-
-def test_a_stop_token_that_decodes_to_nothing_stops_by_id():
-    checker = StopChecker(["<|end|>"], stop_token_ids={7})
-    assert checker.feed("Hello", 5) == ("", False)
-    assert checker.feed("", 7) == ("Hello", True)  # special tokens decode to "" (skip_special_tokens)
-    assert checker.feed("more", 8) == ("", True)
-
-
-def test_without_stop_strings_text_is_sent_at_once():
-    checker = StopChecker()
-    assert checker.feed("abc") == ("abc", False)
-    assert checker.flush() == ""
-
-
-def test_empty_stop_strings_are_refused():
-    with pytest.raises(ValueError, match="non-empty"):
-        StopChecker([""])
 
 
 # ---------------------------------------------------------------------- API keys
@@ -264,8 +191,3 @@ def test_a_chat_template_that_refuses_the_messages_is_a_400():
     with pytest.raises(ApiError, match="roles must alternate") as caught:
         ChatRenderer(tokenizer).render([ChatMessage(role="user", content="Hi")])
     assert caught.value.status == 400 and caught.value.param == "messages"
-
-
-def test_stop_strings_that_are_special_tokens_match_by_id():
-    renderer = ChatRenderer(builtin_tokenizer())
-    assert renderer.stop_token_ids(["</s>", "<s>", "a", "</s>x"]) == frozenset({1, 2})

@@ -12,7 +12,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -267,10 +267,11 @@ def create_app(
     async def run(
         request: Request, body: Any, prompts: list[Any], params: Any, tenant: str | None, shape: _Shape
     ) -> Response:
-        stop = stop_strings(body)
-        stop_ids = renderer.stop_token_ids(stop)
+        # Stopping is the engine's: the stop strings go with the parameters (special tokens among them match by id).
+        include = bool(body.include_stop_str_in_output)
+        params = replace(params, stop_strings=stop_strings(body), include_stop_str_in_output=include)
         job = Job(loop)
-        submissions = [Submission(p, params, tenant, stop, stop_ids) for p in prompts]
+        submissions = [Submission(p, params, tenant) for p in prompts]
         try:
             await job.start(submissions)
         except BaseException:

@@ -1,5 +1,4 @@
-"""From request bodies to engine prompts: the completion prompt forms, chat messages through a chat template, and
-stop strings that are special tokens.
+"""From request bodies to engine prompts: the completion prompt forms, and chat messages through a chat template.
 
 Chat messages go through the tokenizer's chat template when it has one. Without one (the built-in tokenizer has
 none) they go through this plain template, documented in the README::
@@ -48,7 +47,7 @@ def plain_chat_prompt(messages: Sequence[ChatMessage]) -> str:
 
 
 class ChatRenderer:
-    """Turns chat messages into prompt token ids with a tokenizer, and finds stop strings that are special tokens.
+    """Turns chat messages into prompt token ids with a tokenizer.
 
     Args:
         tokenizer: a transformers tokenizer.
@@ -61,16 +60,11 @@ class ChatRenderer:
         >>> ids = renderer.render([ChatMessage(role="user", content="Hi")])
         >>> builtin_tokenizer().decode(ids)  # the built-in vocabulary has no newline: it reads as <unk>
         'user: Hi<unk>assistant:'
-        >>> renderer.stop_token_ids(["</s>", "\\n"])
-        frozenset({2})
     """
 
     def __init__(self, tokenizer: Any) -> None:
         self._tokenizer = tokenizer
         self.uses_template = bool(getattr(tokenizer, "chat_template", None))
-        # Special and added tokens decode to nothing (skip_special_tokens), so a stop string that is one of them
-        # can only match by id. Every other stop string matches in the text.
-        self._added: dict[str, int] = dict(tokenizer.get_added_vocab()) if tokenizer is not None else {}
 
     def render(self, messages: Sequence[ChatMessage]) -> list[int]:
         """Prompt token ids for ``messages``, ending where the assistant's answer starts."""
@@ -86,7 +80,3 @@ class ChatRenderer:
             raise ApiError(400, f"the chat template refused the messages: {exc}", param="messages") from exc
         # The rendered text already holds the template's special tokens (e.g. a bos): add none again.
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-    def stop_token_ids(self, stop: Sequence[str]) -> frozenset[int]:
-        """Ids of the stop strings that are special or added tokens."""
-        return frozenset(self._added[s] for s in stop if s in self._added)

@@ -116,13 +116,14 @@ class _Request(_Strict):
     n: int | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
+    include_stop_str_in_output: bool | None = None  # vLLM's extension: keep the stop string that ended the text
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
 
 
 class CompletionRequest(_Request):
-    """``POST /v1/completions``. ``top_k`` is an extension (0 = all tokens).
+    """``POST /v1/completions``. ``top_k`` (0 = all tokens) and ``include_stop_str_in_output`` are extensions.
 
     Example:
         >>> CompletionRequest.model_validate({"model": "m", "prompt": ["a", "b"], "max_tokens": 4}).prompt
