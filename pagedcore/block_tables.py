@@ -64,6 +64,7 @@ class BlockTables:
         self._bs = pool.block_size
         self._sliding = [g.index for g in pool.groups if g.kind.is_sliding]
         self._next_drop = 0  # drop_out_of_window has nothing to release before this position
+        self._epoch = pool.epoch  # the pool's epoch when this table started filling (see cache_full_blocks)
 
     # ------------------------------------------------------------------ queries
     @property
@@ -194,6 +195,7 @@ class BlockTables:
             for i, n in enumerate(revived):
                 self._reservation.take(i, n)
         self._stale()
+        self._epoch = self._pool.epoch  # an empty table starts over with the current cache's blocks
         for i, ids in held:
             self._tables[i] = list(ids)
             self._num_cached_blocks[i] = num_tokens // bs
@@ -287,11 +289,15 @@ class BlockTables:
 
         ``token_ids`` are the sequence's tokens (at least ``num_computed`` of them). Where another sequence cached
         the same content first, this sequence switches to that block and gives its duplicate back. A growing
-        sequence registers each new block under its last registered one, in O(1).
+        sequence registers each new block under its last registered one, in O(1). A sequence that started before
+        the pool's last :meth:`~pagedcore.kv_pool.KVPool.reset_prefix_cache` registers nothing: its keys and values
+        were computed by the model as it was.
         """
         if num_computed < self._next_full:
             return  # the common decode step: no block filled up since the last call
         self._check_live()
+        if self._epoch != self._pool.epoch:
+            return
         bs = self._bs
         num_full = min(num_computed, self._num_tokens, len(token_ids)) // bs
         if num_full <= min(self._num_cached_blocks):
@@ -346,6 +352,7 @@ class BlockTables:
         child._num_tokens = self._num_tokens
         child._num_cached_blocks = list(self._num_cached_blocks)
         child._uncachable = list(self._uncachable)
+        child._epoch = self._epoch  # the same keys and values
         self._last_private = False  # shared now: the first write copies
         return child
 
@@ -408,6 +415,7 @@ class BlockTables:
         self._uncachable = [False] * len(self._pool.groups)
         self._last_private = False
         self._next_full = 0
+        self._epoch = self._pool.epoch
 
     def _stale(self) -> None:
         """Forget every :meth:`table_array` copy (the tables are about to change)."""

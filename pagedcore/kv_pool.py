@@ -161,6 +161,7 @@ class KVPool:
         self._num_blocks = num_blocks
         self._ledger = Ledger(len(groups))
         self._claimants: list[weakref.ref[Claimant]] = []
+        self._epoch = 0  # bumped by reset_prefix_cache: blocks filled before it never enter the prefix caches
 
     @property
     def groups(self) -> tuple[KVGroup, ...]:
@@ -186,6 +187,12 @@ class KVPool:
     def num_cached_blocks(self) -> int:
         """Blocks indexed by the prefix caches, summed over groups."""
         return sum(g.trie.num_cached_blocks for g in self._groups)
+
+    @property
+    def epoch(self) -> int:
+        """How many times :meth:`reset_prefix_cache` declared the cached keys and values stale. A
+        :class:`~pagedcore.block_tables.BlockTables` filled in an earlier epoch never registers its blocks."""
+        return self._epoch
 
     @property
     def usage(self) -> float:
@@ -348,6 +355,27 @@ class KVPool:
         if not namespaces:
             return sum(g.trie.clear() for g in self._groups)
         return sum(g.trie.clear_namespace(ns) for g in self._groups for ns in namespaces)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix because the keys and values were computed by a model that has changed since
+        (its weights were updated): unlike :meth:`clear_prefix_cache`, blocks held now stay their holders' but are
+        never registered later, as no prefix computed before the reset may be served after it. Returns how many
+        blocks were forgotten.
+
+        Example:
+            >>> from pagedcore.block_tables import BlockTables
+            >>> pool = KVPool(num_blocks=4, block_size=2)
+            >>> seq = BlockTables(pool)
+            >>> _ = seq.append(4)
+            >>> seq.cache_full_blocks([5, 6, 7, 8], 4)
+            >>> pool.reset_prefix_cache(), pool.epoch
+            (2, 1)
+            >>> seq.cache_full_blocks([5, 6, 7, 8], 4)   # filled before the reset: not registered again
+            >>> pool.num_cached_blocks
+            0
+        """
+        self._epoch += 1
+        return self.clear_prefix_cache()
 
     def check_invariants(self) -> None:
         """Raise ``AssertionError`` on inconsistent bookkeeping in any group, or reservations the pool cannot back."""

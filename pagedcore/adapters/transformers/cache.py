@@ -251,6 +251,7 @@ class PagedCache(Cache):
                 raise ConfigError("num_blocks / memory_budget / kv_layout shape a private pool: not with pool=")
             if model is not None:
                 pool.bind(model)
+            pool.check_weights()  # a shared pool forgets prefixes computed before a weight update
         self._pool = pool
         config = text_config(model) if model is not None else None
         self._state = CacheState(
@@ -502,12 +503,14 @@ class PagedCache(Cache):
 
         Does nothing for a cache that stored positions it could not tell from padding (a model that calls ``update``
         without ``position_ids`` and no padding declared by :meth:`attach_prefix`, or padding in the middle of a
-        row): its blocks would not hold the keys and values of those tokens at those positions.
+        row): its blocks would not hold the keys and values of those tokens at those positions. Nor for rows filled
+        before the model's weights changed (:meth:`PagedKVPool.check_weights`, run here first).
         """
         state = self._check_live()
         if not state.exact:
             return
         with self._pool.lock:
+            self._pool.check_weights()  # rows computed before a weight update register nothing (their epoch is old)
             for row, tokens in zip(state.rows, token_ids):
                 row.blocks.cache_full_blocks(tokens, row.blocks.num_tokens, self.namespace)
 

@@ -378,6 +378,22 @@ class Engine:
                 kernel_failures=self._kernel_failures(),
             )
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix of the pool now (vLLM's name; see :meth:`PagedKVPool.reset_prefix_cache`).
+        Weight updates the fingerprint sees need no call: each step checks it. Running requests finish on the keys
+        and values they computed; none of their blocks is cached afterwards. Returns the cached blocks forgotten.
+        Thread-safe with a stepping thread.
+
+        Example:
+            >>> from pagedcore.adapters.transformers.testing import tiny_llama
+            >>> with Engine(tiny_llama(), num_blocks=32, block_size=4) as engine:
+            ...     _ = engine.generate([list(range(1, 11))], max_new_tokens=2, use_tqdm=False)
+            ...     engine.reset_prefix_cache(), engine.pool.kv.num_cached_blocks
+            (2, 0)
+        """
+        with self._lock:
+            return self.pool.reset_prefix_cache()
+
     def _kernel_failures(self) -> int:
         """The attention backend's kernel calls that fell back to the torch backend (0 if it does not count)."""
         weight = self.model.get_input_embeddings().weight
@@ -429,6 +445,7 @@ class Engine:
         with self._lock:
             self._check_open()
             with self._timed("schedule"):
+                self.pool.check_weights()  # after a weight update: forget the old prefixes before admitting
                 plan = self.scheduler.schedule()
             with self._timed("prepare"):
                 self._peak_bytes = max(self._peak_bytes, self.pool.memory_stats().used_bytes)

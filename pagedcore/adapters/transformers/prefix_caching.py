@@ -37,6 +37,13 @@ takes no prefix hit (and no shared prefill for ``num_return_sequences`` / beams)
 position exactly as without ``enable``. So does assisted or prompt-lookup decoding, which transformers 5.24 gets
 wrong after a pre-filled cache (also a ``DynamicCache``). Their blocks are still registered.
 
+**Weights that change.** Every call first has the pool compare the model's weights fingerprint with the last one
+(:meth:`PagedKVPool.check_weights`: parameters' identities and version counters, optimizer steps, PEFT adapter
+state, module structure; see :mod:`.weights`). After an optimizer step, ``load_state_dict``, a replaced parameter or
+an adapter loaded, switched, merged or disabled, the cached prefixes are forgotten, so the call computes its prompt
+with the new weights as stock ``generate`` would. A kept cache holds what it computed (continuing it goes on from
+those keys and values, as a kept ``DynamicCache`` would), and its blocks are never cached afterwards.
+
 **A converted model.** After ``model.to(dtype or device)`` the cached keys and values belong to the model as it was.
 The next call rebuilds the pool (drops its tensors and cached prefixes) when no cache holds blocks, and raises
 :class:`~pagedcore.errors.PoolMismatchError` saying what to release otherwise.
@@ -84,7 +91,6 @@ class _Enabled:
     attention_backend: str | None
     had_instance_generate: bool
     instance_generate: Any
-    placement: tuple[Any, Any]  # the model's (dtype, device) when the pool last served it
 
 
 _ENABLED: weakref.WeakKeyDictionary[Any, _Enabled] = weakref.WeakKeyDictionary()
@@ -120,8 +126,9 @@ def enable(
     holds nothing afterwards. Requests for ``output_attentions`` / ``output_hidden_states`` compute the whole
     prompt (no prefix hit). Prompt + ``max_new_tokens`` over the model's context raises
     :class:`~pagedcore.errors.InvalidRequestError` (see :func:`~pagedcore.adapters.transformers.spec.context_limit`).
-    After ``model.to(...)`` the next call rebuilds the pool if no cache holds blocks, else raises
-    :class:`~pagedcore.errors.PoolMismatchError`.
+    After a weight update (optimizer step, ``load_state_dict``, PEFT adapters) the next call forgets the cached
+    prefixes (:meth:`PagedKVPool.check_weights`). After ``model.to(...)`` the next call rebuilds the pool if no cache
+    holds blocks, else raises :class:`~pagedcore.errors.PoolMismatchError`.
 
     Example:
         >>> import torch
@@ -157,7 +164,7 @@ def enable(
             raise ConfigError("num_blocks / memory_budget size a new pool: not with pool=")
         pool.bind(model)
     had_instance = "generate" in vars(model)
-    state = _Enabled(pool, namespace, attention_backend, had_instance, vars(model).get("generate"), _placement(model))
+    state = _Enabled(pool, namespace, attention_backend, had_instance, vars(model).get("generate"))
     original = state.instance_generate if had_instance else type(model).generate
     model_ref = weakref.ref(model)
 
@@ -278,12 +285,12 @@ def _run(
         passed = kwargs.get("past_key_values")
     if passed is not None:
         if isinstance(passed, PagedCache) and passed.pool is state.pool:
-            _check_placement(model, state)
+            _check_placement(state)
             return _continue(call, state, passed, args, kwargs, input_ids, mask, settings, ns)
         return call(*args, **kwargs)  # the caller's own cache
     if not settings.use_cache:
         return call(*args, **kwargs)
-    _check_placement(model, state)
+    _check_placement(state)
     return _fresh(model, call, state, args, kwargs, input_ids, mask, settings, ns)
 
 
@@ -399,29 +406,23 @@ def _check_context(model: Any, mask: torch.Tensor, settings: _Settings) -> None:
         )
 
 
-def _placement(model: Any) -> tuple[Any, Any]:
-    param = next(iter(model.parameters()), None) if hasattr(model, "parameters") else None
-    return (None, None) if param is None else (param.dtype, param.device)
-
-
-def _check_placement(model: Any, state: _Enabled) -> None:
-    """After ``model.to(...)``: rebuild the pool (its keys belong to the model as it was), or say what holds it."""
-    now = _placement(model)
-    if now == state.placement:
-        return
+def _check_placement(state: _Enabled) -> None:
+    """Have the pool notice a weight update (it forgets the old prefixes) or a conversion (it rebuilds when idle),
+    and say what holds the pool of a converted model that cannot rebuild yet."""
     pool = state.pool
     with pool.lock:
-        if pool.has_tensors or pool.kv.num_cached_blocks:
-            held = pool.kv.num_used_blocks
-            if held:
-                raise PoolMismatchError(
-                    f"the model is now {now[0]} on {now[1]} but this pool holds keys and values computed as "
-                    f"{state.placement[0]} on {state.placement[1]}, and {held} of its blocks are held (caches "
-                    "returned by earlier calls with return_dict_in_generate=True, or an Engine's requests). Release "
-                    "them (out.cache.release()) or drop them; the next call then rebuilds the pool"
-                )
-            pool.rebuild()
-        state.placement = now
+        pool.check_weights()
+        stored = pool.stale_placement
+        if stored is None:
+            return
+        now = pool.weights.placement if pool.weights is not None else None
+        dtype, device = now if now is not None else (None, None)
+        raise PoolMismatchError(
+            f"the model is now {dtype} on {device} but this pool holds keys and values computed as {stored[0]} on "
+            f"{stored[1]}, and {pool.kv.num_used_blocks} of its blocks are held "
+            "(caches returned by earlier calls with return_dict_in_generate=True, or an Engine's requests). Release "
+            "them (out.cache.release()) or drop them; the next call then rebuilds the pool"
+        )
 
 
 # ---------------------------------------------------------------------- one call's plan
