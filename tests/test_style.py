@@ -25,8 +25,6 @@ LONG_FUNCTIONS: dict[str, frozenset[str]] = {
     "pagedcore.cli": frozenset({"_cmd_generate", "_parser"}),
     "pagedcore.plugins.xformers.biases": frozenset({"build_attn_bias"}),
     "pagedcore.prefix_trie": frozenset({"PrefixTrie.insert"}),
-    "pagedcore.serve.app": frozenset({"create_app"}),
-    "pagedcore.serve.cli": frozenset({"run"}),
     "pagedcore.serve.ray.command": frozenset({"run"}),
     "pagedcore.serve.ray.deployment": frozenset({"build_app"}),
 }

@@ -48,6 +48,7 @@ from .outputs import TokenLogprobs
 __all__ = [
     "GENERATE_EXTENSIONS",
     "GENERATE_KWARGS",
+    "GREEDY_BELOW",
     "VLLM_NAMES",
     "SampleRow",
     "SamplingParams",
@@ -69,13 +70,19 @@ _TORCH_SEEDS = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes (
 _GOLDEN = 0x9E3779B97F4A7C15  # spreads the seeds of a request's parallel samples
 
 
+GREEDY_BELOW = 1e-5
+"""Temperatures below this are greedy (vLLM's threshold too): dividing logits by a temperature near 0 overflows
+float32 (``1e-40``, ``1e-300``) and the draw would fail, while its limit is the argmax anyway."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to generate for one request.
 
     Args:
         max_new_tokens: tokens to generate at most (0 returns at once with no tokens).
-        temperature: 0 for greedy decoding, else the softmax temperature (> 0).
+        temperature: 0 for greedy decoding, else the softmax temperature (> 0); below :data:`GREEDY_BELOW` it is
+            greedy too.
         top_k: keep the ``top_k`` most likely tokens (0 or -1, vLLM's spelling: all; -1 is stored as 0).
         top_p: keep the smallest set of tokens whose probability reaches ``top_p`` (in (0, 1]).
         seed: seed of this request's random draws, any Python int (None: drawn from Python's ``random``); see
@@ -225,8 +232,13 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        """Whether tokens are chosen by argmax."""
-        return self.temperature == 0
+        """Whether tokens are chosen by argmax (temperature 0, or below :data:`GREEDY_BELOW`).
+
+        Example:
+            >>> SamplingParams(temperature=1e-40).is_greedy, SamplingParams(temperature=0.5).is_greedy
+            (True, False)
+        """
+        return self.temperature < GREEDY_BELOW
 
     def generators(self, device: torch.device | str = "cpu") -> list[torch.Generator]:
         """One generator per sample, seeded from ``seed`` (or at random): sample 0's is seeded with
