@@ -352,3 +352,38 @@ def test_token_ids_outside_the_vocabulary_fail_that_request_alone(model, params,
         bad, good = engine.generate([[5, 6], [5, 6]], [params, SamplingParams(max_new_tokens=2)], use_tqdm=False)
         settle(engine)
     assert bad.error is not None and good.error is None and len(good.token_ids) == 2
+
+
+@pytest.mark.parametrize(
+    ("bad", "match"),
+    [
+        ({"params": SamplingParams(logit_bias={VOCAB + 1: 2.0})}, "logit_bias token ids"),
+        ({"params": SamplingParams(allowed_token_ids=[VOCAB])}, "allowed_token_ids"),
+        ({"params": {"min_tokens": 1, "min_new_tokens": 1}}, "min_tokens and min_new_tokens"),
+        ({"params": {"presence_penalty": 9}}, "presence_penalty"),
+        ({"repetition_penalty": -1.0}, "repetition_penalty"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": math.nan}, "frequency_penalty"),
+        ({"min_p": 2.0, "do_sample": True}, "min_p"),
+        ({"sequence_bias": {(3,): 500.0}}, r"logit_bias\[3\]"),
+    ],
+)
+def test_a_refused_control_changes_nothing_in_a_running_engine(model, bad, match):
+    """A bad value is refused by name while another request is mid-generation; that request's tokens, the pool's
+    blocks and the queue are as if the bad request had never come."""
+    prompt = workload(58, 1)[0]
+    params = SamplingParams(max_new_tokens=6, repetition_penalty=1.3)
+    with Engine(model, num_blocks=64, block_size=4) as engine:
+        alone = engine.generate([prompt], params, use_tqdm=False)[0]
+        engine.add_request(prompt, params, request_id="running")
+        engine.step()
+        used = engine.pool.kv.num_used_blocks
+        with pytest.raises(InvalidRequestError, match=match):
+            engine.add_request([5, 6, 7], **bad)
+        assert engine.pool.kv.num_used_blocks == used
+        assert engine.scheduler.num_waiting + engine.scheduler.num_running == 1
+        outs = []
+        while engine.has_unfinished():
+            outs.extend(engine.step())
+        settle(engine)
+    assert [out.request_id for out in outs] == ["running"] and outs[0].token_ids == alone.token_ids
