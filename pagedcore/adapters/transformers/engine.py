@@ -148,12 +148,7 @@ class Engine:
         scheduling_policy: str = "fair",
         max_logprobs: int = 20,
     ) -> None:
-        if pool is None:
-            pool = PagedKVPool(model, num_blocks=num_blocks, memory_budget=memory_budget, block_size=block_size)
-        else:
-            if num_blocks is not None or memory_budget is not None:
-                raise ConfigError("num_blocks / memory_budget size a new pool: not with pool=")
-            pool.bind(model)
+        pool = _pool_for(model, pool, num_blocks, memory_budget, block_size)
         self.model = model
         self.tokenizer = tokenizer
         self.pool = pool
@@ -901,6 +896,18 @@ def _added_vocab(tokenizer: Any) -> dict[str, int]:
         return dict(tokenizer.get_added_vocab()) if tokenizer is not None else {}
     except Exception:  # not a transformers tokenizer: stop strings match in the text only
         return {}
+
+
+def _pool_for(
+    model: Any, pool: PagedKVPool | None, num_blocks: int | None, memory_budget: Any, block_size: int | None
+) -> PagedKVPool:
+    """A new pool of ``num_blocks`` / ``memory_budget`` for ``model``, or ``pool`` bound to it (not both)."""
+    if pool is None:
+        return PagedKVPool(model, num_blocks=num_blocks, memory_budget=memory_budget, block_size=block_size)
+    if num_blocks is not None or memory_budget is not None:
+        raise ConfigError("num_blocks / memory_budget size a new pool: not with pool=")
+    pool.bind(model)
+    return pool
 
 
 def _eos_ids(model: Any) -> list[int]:
