@@ -13,8 +13,11 @@ exactly once (by ``generate``, by its ``stream`` or by ``step()``); every greedy
 ``model.generate`` on that prompt alone, and an aborted or failed one is a prefix of it (up to a near-tie of the
 reference's two best logits, within the 1e-4 fp32 tolerance, after which paths may differ; counted in the report).
 
-CI runs a bounded version (about 20 s on an idle 2-core machine). The long run:
-``PAGEDCORE_SOAK_REQUESTS=2000 pytest tests/test_soak.py -s``.
+The server soak (``test_serve_soak_...``) runs rounds of HTTP traffic through ``pagedcore serve``'s app with an
+optimizer step on the model between rounds (see its section below).
+
+CI runs a bounded version (the Engine soak about 20 s on an idle 2-core machine, the server soak's 3 rounds about
+15 s). The long run: ``PAGEDCORE_SOAK_REQUESTS=2000 pytest tests/test_soak.py -s``.
 """
 
 from __future__ import annotations
