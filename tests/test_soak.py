@@ -40,8 +40,31 @@ from pagedcore import PagedCoreError, hookimpl
 from pagedcore.adapters.transformers import Engine, RequestOutput, SamplingParams
 
 REQUESTS = int(os.environ.get("PAGEDCORE_SOAK_REQUESTS", "400"))
+ROUNDS = 3  # the Engine soak's rounds, an optimizer step on the model between them (the weights change)
 DECODE_FAULT_EVERY = 151  # the tokenizer raises on every Nth decode call
 FORWARD_ABORT_RATE = 0.03  # chance that a forward sees an abort from a second thread
+RSS_GROWTH_BOUND = 128 * 2**20  # over the rounds after the first (which warms every code path)
+
+
+def rss_bytes() -> int:
+    """This process's resident set now (Linux), else its peak."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def sgd_step(model: torch.nn.Module, ids: list[list[int]], lr: float = 0.5) -> None:
+    """One optimizer step on the model the Engine serves (the RL pattern: sample, score, step, sample again)."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    batch = torch.tensor([row[:16] for row in ids])
+    with torch.enable_grad():
+        model(input_ids=batch, labels=batch).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
 
 
 @dataclass
@@ -63,6 +86,9 @@ class SoakReport:
     generate_calls: int = 0
     leaked_blocks: int = 0
     greedy_ties: int = 0  # outputs that left the reference at a near-tie of its two best logits (float noise)
+    rounds: int = 0
+    outputs_moved_by_training: int = 0  # rounds whose probe output differs from the round before
+    rss_mb: list[float] = field(default_factory=list)  # after each round
     notes: list[str] = field(default_factory=list)
 
 
@@ -144,6 +170,7 @@ class Soak:
 
     def __init__(self, family: str, seed: int) -> None:
         self.model = tiny_model(family)
+        self.mirror = tiny_model(family)  # references run here, loaded with each round's weights
         self.rng = random.Random(seed)
         rng = self.rng
         self.prefixes = [[rng.randrange(FIRST_TOKEN, VOCAB) for _ in range(rng.choice([8, 16, 24]))] for _ in range(4)]
@@ -161,7 +188,8 @@ class Soak:
         self.reports: Counter[str] = Counter()
         self.outputs: dict[str, RequestOutput] = {}
         self.streamed: dict[str, dict[int, tuple[list[int], str | None]]] = {}  # id -> sample -> tokens, reason
-        self._references: dict[tuple[int, ...], list[int]] = {}
+        self._references: dict[tuple[int, ...], tuple[list[int], list[torch.Tensor]]] = {}
+        self._probes: list[list[int]] = []  # the first prefix's reference output, per round
 
     # ------------------------------------------------------------------ workload
     def prompt(self) -> list[int]:
@@ -258,11 +286,11 @@ class Soak:
     def reference(self, prompt: list[int], max_new: int) -> tuple[list[int], list[torch.Tensor]]:
         key = (*prompt, -max_new)
         if key not in self._references:
-            out = self.model.generate(
+            out = self.mirror.generate(
                 torch.tensor([prompt]),
                 max_new_tokens=max_new,
                 do_sample=False,
-                cache=DynamicCache(config=self.model.config),
+                cache=DynamicCache(config=self.mirror.config),
                 return_dict_in_generate=True,
                 output_logits=True,
             )
@@ -285,32 +313,21 @@ class Soak:
                 self.report.greedy_ties += 1
                 return
 
-    def run(self, num_requests: int) -> SoakReport:
-        rng, engine, report = self.rng, self.engine, self.report
+    def run(self, num_requests: int, rounds: int = ROUNDS) -> SoakReport:
+        engine, report = self.engine, self.report
         evictions, flaky = Evictions(), FlakyObserver()
         engine.pool.plugins.register(evictions, name="soak-evictions")
         engine.pool.plugins.register(flaky, name="soak-flaky")
         errors_before = engine.pool.plugins.num_observer_errors
-        forward_aborts = AbortDuringForward(engine, rng)
+        forward_aborts = AbortDuringForward(engine, self.rng)
         handle = self.model.model.layers[0].register_forward_pre_hook(forward_aborts)
         try:
-            while report.requests < num_requests:
-                for _ in range(rng.choice([0, 0, 1, 1, 2, 3])):  # arrivals between steps
-                    self.add()
-                roll = rng.random()
-                if roll < 0.02:
-                    self.abort_one()
-                elif roll < 0.05:
-                    self.generate()
-                elif roll < 0.12:
-                    self.stream()
-                self.step()
-            for _ in range(10_000):  # everything ends: no request stays unfinished
-                if not engine.has_unfinished():
-                    break
-                self.step()
-            assert not engine.has_unfinished(), "zombie requests"
-            report.leaked_blocks = engine.pool.kv.num_used_blocks
+            for number in range(rounds):
+                self.mirror.load_state_dict(self.model.state_dict())  # this round's weights, for the reference
+                self._references.clear()
+                self.run_round(num_requests * (number + 1) // rounds)
+                if number < rounds - 1:  # the weights change: the pool must forget what it cached before
+                    sgd_step(self.model, [(prefix * 3)[:16] for prefix in self.prefixes])
             stats = engine.stats()
             report.preemptions = stats.num_preemptions
             report.prefix_hit_tokens = stats.prefix_hit_tokens
@@ -324,8 +341,42 @@ class Soak:
             engine.pool.plugins.unregister(name="soak-evictions")
             engine.pool.plugins.unregister(name="soak-flaky")
             engine.close()
-        self.check_outputs()
         return report
+
+    def run_round(self, until: int) -> None:
+        """Requests until ``until`` were sent, then every request ends; each output is checked on these weights."""
+        rng, engine, report = self.rng, self.engine, self.report
+        while report.requests < until:
+            for _ in range(rng.choice([0, 0, 1, 1, 2, 3])):  # arrivals between steps
+                self.add()
+            roll = rng.random()
+            if roll < 0.02:
+                self.abort_one()
+            elif roll < 0.05:
+                self.generate()
+            elif roll < 0.12:
+                self.stream()
+            self.step()
+        for _ in range(10_000):  # everything ends: no request stays unfinished
+            if not engine.has_unfinished():
+                break
+            self.step()
+        assert not engine.has_unfinished(), "zombie requests"
+        report.leaked_blocks += engine.pool.kv.num_used_blocks
+        assert engine.pool.kv.num_used_blocks == 0, "blocks leaked"
+        engine.pool.kv.check_invariants()
+        self.check_outputs()
+        self.known.clear()
+        self.reports.clear()
+        self.outputs.clear()
+        self.streamed.clear()
+        probe, _ = self.reference(self.prefixes[0], 8)
+        if self._probes and probe != self._probes[-1]:
+            report.outputs_moved_by_training += 1
+        self._probes.append(probe)
+        report.rounds += 1
+        gc.collect()
+        report.rss_mb.append(round(rss_bytes() / 2**20, 1))
 
     def check_outputs(self) -> None:
         report = self.report
@@ -368,6 +419,9 @@ def test_soak(family, seed, one_thread):
     assert report.forward_aborts > 0 and report.streams_closed_early > 0 and report.generate_calls > 0
     assert report.finished + report.aborted + report.failed + report.rejected == report.requests
     assert report.greedy_ties * 100 <= report.samples_checked, "too many near-ties to be float noise"
+    assert report.rounds == ROUNDS and report.outputs_moved_by_training > 0, "the training steps moved no output"
+    growth = max(report.rss_mb[1:]) - report.rss_mb[0]
+    assert growth * 2**20 <= RSS_GROWTH_BOUND, f"RSS grew {growth} MB over the rounds: {report.rss_mb}"
 
 
 # ---------------------------------------------------------------------- the server soak, in rounds
@@ -381,22 +435,10 @@ SERVE_ROUNDS = max(3, REQUESTS // 130)  # 3 by default; PAGEDCORE_SOAK_REQUESTS=
 BURST, FEW = 12, 2  # completions per round from the busy tenant and from the quiet one
 SERVE_KEYS = {"sk-burst": "burst", "sk-few": "few"}
 MAX_BODY, BODY_TIMEOUT = 16_384, 1.0  # --max-request-bytes, --body-timeout
-RSS_GROWTH_BOUND = 128 * 2**20  # over the rounds after the first (which warms every code path)
 ALPHABET = "abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ.,;!?"
 HEAD = (
     "POST /v1/completions HTTP/1.1\r\nHost: soak\r\nContent-Type: application/json\r\nAuthorization: Bearer {key}\r\n"
 )
-
-
-def rss_bytes() -> int:
-    """This process's resident set now (Linux), else its peak."""
-    try:
-        with open("/proc/self/statm") as statm:
-            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except OSError:
-        import resource
-
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 @dataclass
@@ -425,16 +467,6 @@ class ServeSoakReport:
     outputs_moved_by_training: int = 0  # rounds whose probe output differs from the round before
     rss_mb: list[float] = field(default_factory=list)  # after each round
     seconds: float = 0.0
-
-
-def sgd_step(model: torch.nn.Module, ids: list[list[int]], lr: float = 0.5) -> None:
-    """One optimizer step on the served model (the RL pattern: sample, score, step, sample again)."""
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
-    batch = torch.tensor([row[:16] for row in ids])
-    with torch.enable_grad():
-        model(input_ids=batch, labels=batch).loss.backward()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
 
 
 class ServeSoak:
