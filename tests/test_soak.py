@@ -433,7 +433,7 @@ def test_soak(family, seed, one_thread):
 # over-the-context and half-sent requests mixed in. After each round: nothing runs or waits (no zombie), no block is
 # held, the pool's invariants hold, no request failed, RSS stays bounded, and every answer equals stock
 # ``generate`` on that round's weights (run on a mirror model loaded with them: paged attention never touches it).
-SERVE_ROUNDS = max(3, REQUESTS // 130)  # 3 by default; PAGEDCORE_SOAK_REQUESTS=2000: 15 (19 requests each)
+SERVE_ROUNDS = max(3, REQUESTS // 130)  # 3 by default; PAGEDCORE_SOAK_REQUESTS=2000: 15 (20 requests each)
 BURST, FEW = 12, 2  # completions per round from the busy tenant and from the quiet one
 SERVE_KEYS = {"sk-burst": "burst", "sk-few": "few"}
 MAX_BODY, BODY_TIMEOUT = 16_384, 1.0  # --max-request-bytes, --body-timeout
@@ -536,13 +536,14 @@ class ServeSoak:
         return lambda: self.completion(key, prompt, max_tokens, n, stream)
 
     def bad_jobs(self) -> list:
-        """One of each: a body over the byte limit (413), a text and a token list past the context (400), a body
-        left half-sent (disconnect) and one stalled past the body timeout (408)."""
+        """One of each: a body over the byte limit, declared or chunked (413), a text and a token list past the
+        context (400), a body left half-sent (disconnect) and one stalled past the body timeout (408)."""
         key = self.rng.choice(list(SERVE_KEYS))
         over_context_text = "y" * (self.context * len("<unk>") + 1)  # the bound before tokenizing
         over_context_ids = {"prompt": [10] * (self.context - 8), "max_tokens": 16}
         return [
             lambda: self.refused(key, {"prompt": "x" * MAX_BODY, "max_tokens": 2}, 413),
+            lambda: self.chunked_over_the_limit(key),
             lambda: self.refused(key, {"prompt": over_context_text, "max_tokens": 2}, 400),
             lambda: self.refused(key, over_context_ids, 400),
             lambda: self.half_sent(key, stall=False),
@@ -562,6 +563,20 @@ class ServeSoak:
         error = response.json()["error"]
         assert set(error) == {"message", "type", "param", "code"} and error["message"]
         return status
+
+    def chunked_over_the_limit(self, key: str) -> int:
+        """A chunked body (no length) that passes the byte limit: 413 once it does, the connection closed."""
+        chunk = b"1000\r\n" + b" " * 4096 + b"\r\n"
+        with socket.create_connection((self.server.host, self.server.port), timeout=60) as sock:
+            sock.sendall((HEAD.format(key=key) + "Transfer-Encoding: chunked\r\n\r\n").encode())
+            try:
+                for _ in range(MAX_BODY // 4096 + 2):
+                    sock.sendall(chunk)
+            except OSError:
+                pass  # the server answered and closed while the body still came
+            raw = b"".join(iter(lambda: sock.recv(65536), b""))
+        assert int(raw.split()[1]) == 413, raw[:300]
+        return 413
 
     def half_sent(self, key: str, *, stall: bool) -> int:
         """A body that stops half-way: the client leaves (a disconnect), or waits until the server answers 408."""
@@ -648,7 +663,7 @@ class ServeSoak:
         engine.pool.kv.check_invariants()
         assert engine.pool.kv.num_used_blocks == 0, "blocks leaked"
         assert delta("failed") == 0, "a request failed"
-        assert delta("invalid") == 3 and delta("timed_out") == 1, self.metrics()
+        assert delta("invalid") == 4 and delta("timed_out") == 1, self.metrics()
         hits = self.metrics()["pagedcore_prefix_cache_hits_total"] - before["pagedcore_prefix_cache_hits_total"]
         assert hits > 0, "each tenant's system prompt should hit within a round"
         self.report.prefix_hits += hits
@@ -695,8 +710,8 @@ def test_serve_soak_in_rounds_with_a_training_step_between_them(one_thread):
     report = ServeSoak(seed=2).run(SERVE_ROUNDS)
     print(f"\nserve soak: {report}")
     assert report.rounds == SERVE_ROUNDS and report.answers == SERVE_ROUNDS * (BURST + FEW)
-    assert report.refused_413 == report.timed_out_408 == report.disconnected == SERVE_ROUNDS
-    assert report.refused_400 == 2 * SERVE_ROUNDS
+    assert report.timed_out_408 == report.disconnected == SERVE_ROUNDS
+    assert report.refused_413 == report.refused_400 == 2 * SERVE_ROUNDS
     assert report.outputs_moved_by_training > 0, "the training step should change what the model generates"
     # Preemptions depend on how the requests' arrivals interleave with the steps: reported, not asserted.
     assert report.greedy_ties * 100 <= report.samples_checked, "too many near-ties to be float noise"
