@@ -8,12 +8,13 @@ raises on every Nth ``decode``, observer plugins raise, stream consumers close t
 thread aborts running requests while the model forward runs.
 
 After every step the BlockManager, trie and scheduler invariants hold and the Engine tracks exactly the requests the
-scheduler runs (no zombie). The run has three rounds with an optimizer step on the model between them (the weights
-change; the prefixes are shared across rounds, so stale cached blocks would be hit). At the end of each round nothing
-is unfinished and no block is held; every request was reported exactly once (by ``generate``, by its ``stream`` or
-by ``step()``); every greedy output that finished equals ``model.generate`` on that prompt alone with that round's
-weights, and an aborted or failed one is a prefix of it (up to a near-tie of the reference's two best logits, within
-the 1e-4 fp32 tolerance, after which paths may differ; counted in the report); RSS stays bounded over the rounds.
+scheduler runs (no zombie). The run has rounds (three in CI) with an optimizer step on the model between them (the
+weights change; the prefixes are shared across rounds, so stale cached blocks would be hit). At the end of each round
+nothing is unfinished and no block is held; every request was reported exactly once (by ``generate``, by its
+``stream`` or by ``step()``); every greedy output that finished equals ``model.generate`` on that prompt alone with
+that round's weights, and an aborted or failed one is a prefix of it (up to a near-tie of the reference's two best
+logits, within the 1e-4 fp32 tolerance, after which paths may differ; counted in the report); RSS stays bounded over
+the rounds.
 
 The server soak (``test_serve_soak_...``) runs rounds of HTTP traffic through ``pagedcore serve``'s app with an
 optimizer step on the model between rounds (see its section below).
@@ -42,7 +43,7 @@ from pagedcore import PagedCoreError, hookimpl
 from pagedcore.adapters.transformers import Engine, RequestOutput, SamplingParams
 
 REQUESTS = int(os.environ.get("PAGEDCORE_SOAK_REQUESTS", "400"))
-ROUNDS = 3  # the Engine soak's rounds, an optimizer step on the model between them (the weights change)
+ROUNDS = max(3, REQUESTS // 200)  # the Engine soak's rounds (3; the long run: 10), an optimizer step between them
 DECODE_FAULT_EVERY = 151  # the tokenizer raises on every Nth decode call
 FORWARD_ABORT_RATE = 0.03  # chance that a forward sees an abort from a second thread
 RSS_GROWTH_BOUND = 128 * 2**20  # over the rounds after the first (which warms every code path)
