@@ -36,6 +36,7 @@ from pagedcore.kv_pool import PoolMatch
 
 from .attention import CONTEXT_KEY
 from .cache_state import CacheState, Row
+from .forward_hooks import watch
 from .pool import PagedKVPool
 from .spec import text_config
 
@@ -106,7 +107,7 @@ class PagedLayer(CacheLayerMixin):
     is_croppable = True
 
     def __init__(self, state: CacheState, layer_idx: int, group: int, kind: AttentionKind) -> None:
-        super().__init__()
+        # CacheLayerMixin.__init__ is not called: it would assign ``keys`` / ``values``, which are read from the pool.
         self._state = state
         self.layer_idx = layer_idx
         self.group = group
@@ -118,6 +119,41 @@ class PagedLayer(CacheLayerMixin):
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Nothing to do: the pool creates its tensors on first write."""
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        """This layer's keys as a ``DynamicCache`` layer holds them after the same calls: ``(batch, kv_heads,
+        positions, head_dim)``, every rectangular position of every row (a sliding layer: the last ``window - 1``),
+        **a copy** gathered from the blocks at each access (writing to it changes nothing). Left padding that the
+        cache did not store reads as zeros (``DynamicCache`` holds the pad tokens' keys there, which the mask hides).
+        None before anything was stored."""
+        return self._held(0)
+
+    @keys.setter
+    def keys(self, value: Any) -> None:
+        raise AttributeError("PagedLayer.keys is gathered from the pool's blocks and cannot be assigned")
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        """This layer's values, as :attr:`keys` (a copy)."""
+        return self._held(1)
+
+    @values.setter
+    def values(self, value: Any) -> None:
+        raise AttributeError("PagedLayer.values is gathered from the pool's blocks and cannot be assigned")
+
+    def _held(self, which: int) -> torch.Tensor | None:
+        state = self._state
+        tensors = state.pool.layer_tensors(self.layer_idx)
+        length = state.layer_len[self.layer_idx]
+        if tensors is None or not state.rows or state.released:
+            return None
+        start = max(0, length - self.sliding_window + 1) if self.sliding_window else 0
+        with state.pool.lock:
+            index = state.gather_index(self.group, start, length - start)
+        flat = tensors[which].view(-1, *tensors[which].shape[2:])
+        held = flat.index_select(0, index.view(-1).to(flat.device))
+        return held.view(len(state.rows), length - start, *flat.shape[1:]).transpose(1, 2)
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
@@ -139,13 +175,15 @@ class PagedLayer(CacheLayerMixin):
         # Before any bookkeeping: raises PoolMismatchError, changing nothing, for keys the pool cannot hold.
         key_cache, value_cache = state.pool.layer_kv(self.layer_idx, keys, values)
         positions = model_kwargs.get("position_ids") if model_kwargs is not None else None
-        step = state.forward_step(self.layer_idx, batch, q_len, positions, model_kwargs is not None)
         device = key_states.device
-        real_index = step.real_index
-        if real_index is not None:
-            index = step.tensor("real", device, lambda: real_index)
+        step = state.forward_step(self.layer_idx, batch, q_len, positions, model_kwargs is not None, device)
+        # From here on tensor operations on indices the step built on the host (no data-dependent Python): a compiled
+        # forward writes through an index tensor, never a slice at an offset that changes every step.
+        index = step.real_index_on(device)
+        if index is not None:
             keys, values = keys.index_select(0, index), values.index_select(0, index)
-        write_kv(key_cache, value_cache, keys, values, step.write_slots(self.group, device))
+        slots = step.write_slots(self.group, device, as_tensor=torch.compiler.is_compiling())
+        write_kv(key_cache, value_cache, keys, values, slots)
         if step.context is not None and model_kwargs is not None:
             model_kwargs[CONTEXT_KEY] = step.context
             return key_states, value_states
@@ -159,19 +197,26 @@ class PagedLayer(CacheLayerMixin):
         state = self._state
         step = state.step
         assert step is not None
-        kv_len, kv_offset = self.kind.mask_sizes(step.plan.start, step.plan.q_len)
         group = self.group
         keys = key_cache.view(-1, *key_cache.shape[2:])
         values = value_cache.view(-1, *value_cache.shape[2:])
-        start = step.memo(("view", group, kv_offset), lambda: state.view_start(group, kv_offset, kv_len))
+        read = step.reads[group] if device == step.device else None
+        if read is not None and (read[2] is not None or read[3] is not None):
+            kv_len, _, start, index = read
+        else:  # another device, or a forward whose paged-attention context falls back to dense attention
+            kv_len, kv_offset = self.kind.mask_sizes(step.plan.start, step.plan.q_len)
+            start = step.memo(("view", group, kv_offset), lambda: state.view_start(group, kv_offset, kv_len))
+            index = None
+            if start is None:
+                index = step.tensor(
+                    ("gather", group, kv_offset), device, lambda: state.gather_index(group, kv_offset, kv_len)
+                )
         if start is not None:  # one row whose slots are one contiguous run: a view, no copy
             k = keys[start : start + kv_len].unsqueeze(0)
             v = values[start : start + kv_len].unsqueeze(0)
         else:
+            assert index is not None
             batch = step.plan.batch
-            index = step.tensor(
-                ("gather", group, kv_offset), device, lambda: state.gather_index(group, kv_offset, kv_len)
-            )
             k = keys.index_select(0, index.view(-1)).view(batch, kv_len, *keys.shape[1:])
             v = values.index_select(0, index.view(-1)).view(batch, kv_len, *values.shape[1:])
         return k.transpose(1, 2), v.transpose(1, 2)
@@ -264,6 +309,59 @@ class PagedCache(Cache):
         # no bookkeeping call is in progress: a collection may run in the middle of one).
         self._finalizer = weakref.finalize(self, _release_soon, self._state)
         self._owner = threading.get_ident()
+        # The model's forward pre-hook tells the cache each forward's attention mask before layer 0 (forward_hooks).
+        self._model = weakref.ref(model) if isinstance(model, torch.nn.Module) else None
+        if self._model is not None:
+            watch(model, PagedCache)
+
+    # ------------------------------------------------------------------ what the model's forward hooks call
+    def before_forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        attention_mask: Any = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> None:
+        """Reserve the coming forward for every layer, before layer 0: the padding is read from ``attention_mask``
+        (2-D, ``(batch, past + new)``; None: no padding). The forward pre-hook of the model the cache was made for
+        calls it with the forward's arguments; call it yourself only for a forward that hook does not see (a
+        submodule called directly). A forward whose mask is not left padding stores every position (the standard
+        mask then hides what it hides, exactly as with ``DynamicCache``).
+
+        Example:
+            >>> import torch
+            >>> from pagedcore.adapters.transformers.testing import tiny_llama
+            >>> model = tiny_llama()
+            >>> cache = PagedCache(model, num_blocks=16, block_size=4)
+            >>> ids, mask = torch.tensor([[0, 5, 6], [7, 8, 9]]), torch.tensor([[0, 1, 1], [1, 1, 1]])
+            >>> _ = model(ids, attention_mask=mask, cache=cache)    # the hook called before_forward(...)
+            >>> cache.row_padding(), cache.row_tokens()
+            ([1, 0], [2, 3])
+            >>> right = PagedCache(model, num_blocks=16, block_size=4)   # right padding: stored densely
+            >>> _ = model(ids, attention_mask=torch.tensor([[1, 1, 0], [1, 1, 1]]), cache=right)
+            >>> right.row_padding(), right.row_tokens()
+            ([0, 0], [3, 3])
+        """
+        inputs = input_ids if input_ids is not None else inputs_embeds
+        if not isinstance(inputs, torch.Tensor) or inputs.dim() < 2:
+            return
+        known = attention_mask is None or (isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2)
+        batch, q_len = int(inputs.shape[0]), int(inputs.shape[1])
+        self._state.begin_forward(batch, q_len, attention_mask, position_ids, inputs.device, mask_known=known)
+
+    def after_forward(self) -> None:
+        """After a forward (also one that raised): give back a reservation that no layer used, so a forward that
+        failed before storing anything leaves the cache as it was. The model's forward hook calls it.
+
+        Example:
+            >>> from pagedcore.adapters.transformers.testing import tiny_llama
+            >>> cache = PagedCache(tiny_llama(), num_blocks=16, block_size=4)
+            >>> cache.before_forward(input_ids=torch.tensor([[5, 6, 7]])); cache.pool.kv.num_used_blocks
+            1
+            >>> cache.after_forward(); cache.pool.kv.num_used_blocks, cache.get_seq_length()
+            (0, 0)
+        """
+        self._state.end_forward()
 
     # ------------------------------------------------------------------ what generate and the models call
     def update(

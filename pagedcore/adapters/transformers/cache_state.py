@@ -1,11 +1,16 @@
 """What a :class:`~pagedcore.adapters.transformers.PagedCache` and its layers share: the rows' blocks, the layers'
 lengths, and each forward's reservation.
 
-Per forward, the first layer that sees new keys has :class:`CacheState` reserve the forward once for all layers:
-:func:`~.forward_plan.plan_forward` says which rows grow by how many real tokens (the padding read from the
-positions), then the reservation gives back sliding-window blocks no query will see, grows every row or none
-(:func:`pagedcore.block_tables.append_all`) and computes the new tokens' slots in every KV group (a :class:`Step`).
-Each layer then writes its own keys and values and gathers what its attention reads (``PagedLayer.update``).
+Per forward, :class:`CacheState` reserves the forward once for all layers, on the host, before layer 0: the
+model's forward pre-hook calls :meth:`CacheState.begin_forward` with the forward's attention mask (a cache that
+knows no model, or a forward the hook did not see, reserves at its first layer instead).
+:func:`~.forward_plan.plan_forward` says which rows grow by how many real tokens (the padding read from the mask),
+then the reservation gives back sliding-window blocks no query will see, grows every row or none
+(:func:`pagedcore.block_tables.append_all`) and computes, once, every index the layers use (a :class:`Step`: the new
+tokens' slots in every KV group, what each group's attention reads). Each layer then only writes its own keys and
+values and gathers what its attention reads (``PagedLayer.update``): tensor operations on those indices, with no
+data-dependent Python, so a compiled forward has no graph break there. A forward that raised before any layer
+stored its keys is given back (:meth:`CacheState.end_forward`).
 
 The state never refers back to the cache object, so a cache dropped without ``release()`` can be garbage collected;
 its finalizer releases the state's blocks.
@@ -20,12 +25,12 @@ from typing import Any
 
 import torch
 
-from pagedcore.attention import PagedAttentionMetadata, contiguous_start
+from pagedcore.attention import PagedAttentionMetadata, contiguous_start, to_device
 from pagedcore.block_tables import BlockTables, append_all
 from pagedcore.errors import InvalidBlockError, OutOfBlocksError
 
 from .attention import ATTN_IMPLEMENTATION, ForwardContext
-from .forward_plan import ForwardPlan, plan_forward
+from .forward_plan import ForwardPlan, MaskRows, plan_forward
 from .pool import PagedKVPool
 
 __all__ = ["CacheState", "Row", "Step"]
@@ -58,13 +63,16 @@ class Row:
 
 @dataclass
 class Step:
-    """One forward's reservation, shared by all layers.
+    """One forward's reservation, shared by all layers, with the indices every layer of a group uses.
 
     Attributes:
         plan: what the forward stores (rows, real tokens, padding).
         slots: per KV group, the slot of every stored new token (row-major).
         real_index: flat indices of the stored tokens among ``batch * q_len`` (None: all are stored).
         context: what ``attn_implementation="paged"`` reads (None: the layers return gathered keys instead).
+        device: where :meth:`CacheState.prepare` put the indices below (None: built by each layer when first
+            needed, per device).
+        hooked: reserved before the forward by the model's forward pre-hook (given back if no layer stores).
 
     Example:
         >>> plan = ForwardPlan(batch=1, q_len=2, start=0, before=(0,), pads=(0,), exact=True)
@@ -77,8 +85,23 @@ class Step:
     slots: list[list[int]]
     real_index: torch.Tensor | None
     context: ForwardContext | None = None
+    device: torch.device | None = None
+    hooked: bool = False
+    new_rows: bool = False  # the rows were created by this forward (given back with it)
+    was_exact: bool = True  # the cache's exactness before this forward
+    # Per KV group, on ``device``: the new tokens' slots, the first of them when they are consecutive, and what
+    # the group's attention reads: (kv_len, kv_offset, first slot of a contiguous run or None, gather index or None).
+    write_index: list[torch.Tensor] = field(default_factory=list, repr=False)
+    write_run: list[int | None] = field(default_factory=list, repr=False)
+    reads: list[tuple[int, int, int | None, torch.Tensor | None]] = field(default_factory=list, repr=False)
+    real_on: torch.Tensor | None = field(default=None, repr=False)
     _on: dict[Any, torch.Tensor] = field(default_factory=dict, repr=False)
     _memo: dict[Any, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def end(self) -> int:
+        """Rectangular positions per row after this forward."""
+        return self.plan.start + self.plan.q_len
 
     def tensor(self, key: Any, device: torch.device, build: Callable[[], torch.Tensor]) -> torch.Tensor:
         """``build()`` on ``device``, built once per forward and device (layers split over devices share it)."""
@@ -94,9 +117,19 @@ class Step:
         value = self._memo[key] = build()
         return value
 
-    def write_slots(self, group: int, device: torch.device) -> torch.Tensor | int:
+    def real_index_on(self, device: torch.device) -> torch.Tensor | None:
+        """``real_index`` on ``device`` (None when every new position is stored)."""
+        if self.real_index is None:
+            return None
+        if device == self.device:
+            return self.real_on
+        real_index = self.real_index
+        return self.tensor("real", device, lambda: real_index)
+
+    def write_slots(self, group: int, device: torch.device, *, as_tensor: bool = False) -> torch.Tensor | int:
         """Where ``write_kv`` puts the group's new tokens: their first slot when they are consecutive slots (every
-        decode step of a sequence within its blocks), else their slots as a tensor on ``device``.
+        decode step of a sequence within its blocks), else their slots as a tensor on ``device``. ``as_tensor``
+        always gives the tensor (a compiled forward writes through an index, never a slice at a changing offset).
 
         Example:
             >>> plan = ForwardPlan(batch=1, q_len=2, start=0, before=(0,), pads=(0,), exact=True)
@@ -104,9 +137,12 @@ class Step:
             ...     0, torch.device("cpu")).tolist()
             (4, [4, 9])
         """
+        if device == self.device:
+            run = self.write_run[group]
+            return self.write_index[group] if as_tensor or run is None else run
         slots = self.slots[group]
         run = self.memo(("run", group), lambda: _run_start(slots))
-        if run is not None:
+        if run is not None and not as_tensor:
             return int(run)
         return self.tensor(("slots", group), device, lambda: torch.tensor(slots, dtype=torch.long))
 
@@ -152,6 +188,7 @@ class CacheState:
         self.layers: list[Any] = []  # the cache's layers (set by the cache): past recording, the dense fallback
         self.rows: list[Row] = []
         self.layer_len = [0] * num_layers
+        self.cached_layers = [i for i, layer in enumerate(pool.spec.layers) if layer.has_cache]
         self.length = 0  # rectangular positions with a slot (or a pad) after the latest reservation
         self.step: Step | None = None
         # Unstored positions are exactly the left padding, and the rows store their real tokens at positions 0, 1, ...
@@ -177,19 +214,61 @@ class CacheState:
         return self.config is not None and getattr(self.config, "_attn_implementation", None) == ATTN_IMPLEMENTATION
 
     # ------------------------------------------------------------------ one forward
-    def forward_step(self, layer_idx: int, batch: int, q_len: int, positions: Any, has_kwargs: bool) -> Step:
-        """The reservation of the forward that gives layer ``layer_idx`` ``q_len`` new positions per row: made by
-        the first layer of a forward (its length is the cache's), shared by the others."""
+    def begin_forward(
+        self, batch: int, q_len: int, mask: Any, positions: Any, device: torch.device, *, mask_known: bool = True
+    ) -> None:
+        """Reserve the next forward for every layer, on the host, before layer 0 (the model's forward pre-hook calls
+        this): ``mask`` is the forward's attention mask (None: none, every position a token), ``positions`` its
+        ``position_ids``, ``device`` where its layers' indices go. ``mask_known=False`` (a 4-D or unrecognised
+        mask): the padding is not read from it. Raises, with nothing reserved, like the reservation of a layer."""
+        self.check_live()
+        if q_len == 0:
+            return
+        rows = None
+        if mask_known:
+            width = self.length + q_len
+            rows = MaskRows.of(mask if isinstance(mask, torch.Tensor) else None, batch=batch, width=width)
+        self._begin(batch, q_len, positions, True, mask=rows, device=device, hooked=True)
+
+    def end_forward(self) -> None:
+        """After the forward (also one that raised): a reservation made by :meth:`begin_forward` that no layer used
+        (the forward failed before storing anything, or never called ``update``) is given back."""
+        step = self.step
+        if step is None or not step.hooked or self.length != step.end:
+            return
+        start = step.plan.start
+        if any(self.layer_len[i] != start for i in self.cached_layers):
+            return  # layers stored their keys: the forward happened (or failed half-way, as a DynamicCache would)
+        with self.pool.lock:
+            if step.new_rows:
+                for row in self.rows:
+                    row.blocks.release()
+                self.rows = []
+            else:
+                for row, n, pad in zip(self.rows, step.plan.before, step.plan.pads):
+                    row.blocks.truncate(n)
+                    if n == 0:
+                        row.pad -= pad
+        self.length = start
+        self.exact = step.was_exact
+        self.step = None
+
+    def forward_step(
+        self, layer_idx: int, batch: int, q_len: int, positions: Any, has_kwargs: bool, device: torch.device
+    ) -> Step:
+        """The reservation of the forward that gives layer ``layer_idx`` ``q_len`` new positions per row: made before
+        the forward (:meth:`begin_forward`) or by its first layer (its length is the cache's), shared by the others.
+        Reads and writes host integers only, no tensor."""
         past = self.layer_len[layer_idx]
         if past == self.length:
-            self._begin(batch, q_len, positions, has_kwargs)
+            self._begin(batch, q_len, positions, has_kwargs, device=device)
         step = self.step
-        if step is None or past + q_len != self.length or batch != step.plan.batch or q_len != step.plan.q_len:
+        if step is None or past != step.plan.start or batch != step.plan.batch or q_len != step.plan.q_len:
             raise RuntimeError(
                 f"PagedCache: layer {layer_idx} got {q_len} new tokens at length {past} but this forward reserved "
                 f"{self.length - past} (batch {batch}); every layer must see the same tokens in one forward"
             )
-        self.layer_len[layer_idx] += q_len
+        self.layer_len[layer_idx] = step.end
         return step
 
     def view_start(self, group: int, kv_offset: int, kv_len: int) -> int | None:
@@ -219,30 +298,70 @@ class CacheState:
             gathered.append(torch.cat([torch.full((n_pad,), pad_slot, dtype=torch.long), real]))
         return torch.stack(gathered)
 
-    def _begin(self, batch: int, q_len: int, positions: Any, has_kwargs: bool) -> None:
+    def _begin(
+        self,
+        batch: int,
+        q_len: int,
+        positions: Any,
+        has_kwargs: bool,
+        *,
+        mask: MaskRows | None = None,
+        device: torch.device | None = None,
+        hooked: bool = False,
+    ) -> None:
         pool = self.pool
         with pool.lock:
-            if not self.rows and self.length == 0:
+            new_rows = not self.rows and self.length == 0
+            if new_rows:
                 self.rows = [Row(BlockTables(pool.kv)) for _ in range(batch)]
             if len(self.rows) != batch:
                 raise ValueError(
                     f"PagedCache holds {len(self.rows)} rows but the forward has batch size {batch}; use "
                     "batch_repeat_interleave / batch_select_indices to change the batch"
                 )
-            plan = plan_forward(
-                start=self.length,
-                before=[row.blocks.num_tokens for row in self.rows],
-                declared=[row.declared_pad for row in self.rows],
-                q_len=q_len,
-                positions=positions,
-            )
-            slots = self._reserve(plan)
+            try:
+                plan = plan_forward(
+                    start=self.length,
+                    before=[row.blocks.num_tokens for row in self.rows],
+                    row_pads=[row.pad for row in self.rows],
+                    declared=[row.declared_pad for row in self.rows],
+                    q_len=q_len,
+                    positions=positions,
+                    mask=mask,
+                )
+                slots = self._reserve(plan)
+            except Exception:
+                if new_rows:
+                    self.rows = []
+                raise
+        step = Step(plan, slots, plan.real_index, hooked=hooked, new_rows=new_rows, was_exact=self.exact)
         self.length += q_len
         self.exact = self.exact and plan.exact
-        step = Step(plan, slots, plan.real_index)
         if self.exact and has_kwargs and self.uses_paged_attention():
             step.context = self._context(step)
+        if device is not None:
+            self.prepare(step, device)
         self.step = step
+
+    def prepare(self, step: Step, device: torch.device) -> None:
+        """Build, once per forward, every index the layers use on ``device``: the stored tokens among the new
+        positions, each group's write slots, and (without a paged-attention context) what each group's attention
+        reads: a view of one contiguous run, or a gather index. The layers then do tensor operations only."""
+        plan = step.plan
+        step.device = device
+        step.real_on = None if step.real_index is None else to_device(step.real_index, device)
+        for group in self.pool.kv.groups:
+            g = group.index
+            slots = step.slots[g]
+            step.write_run.append(_run_start(slots))
+            step.write_index.append(to_device(torch.tensor(slots, dtype=torch.long), device))
+            kv_len, kv_offset = group.kind.mask_sizes(plan.start, plan.q_len)
+            start = index = None
+            if step.context is None:
+                start = self.view_start(g, kv_offset, kv_len)
+                if start is None:
+                    index = to_device(self.gather_index(g, kv_offset, kv_len), device)
+            step.reads.append((kv_len, kv_offset, start, index))
 
     def _reserve(self, plan: ForwardPlan) -> list[list[int]]:
         """Give back what left the windows, grow every row by its real tokens (all rows or none), and return the new
@@ -308,7 +427,7 @@ class CacheState:
             metas,
             step.real_index,
             self.attention_backend,
-            pads=[row.pad for row in self.rows],
+            pads=None if plan.from_mask else [row.pad for row in self.rows],  # the mask hides exactly those
             length=self.length,
             dense=dense,
         )
