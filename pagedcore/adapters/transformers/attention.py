@@ -12,6 +12,7 @@ more than the padding the cache left out (``ForwardContext.mask_matches``), over
 
 from __future__ import annotations
 
+import sys
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.utils import logging
 
 from pagedcore.attention import PagedAttentionMetadata, eager_attention, to_device
 from pagedcore.errors import UnsupportedModelError
@@ -28,10 +30,15 @@ from pagedcore.errors import UnsupportedModelError
 if TYPE_CHECKING:
     from .pool import PagedKVPool
 
-__all__ = ["CONTEXT_KEY", "ForwardContext", "paged_attention_forward", "register"]
+__all__ = ["CONTEXT_KEY", "WEIGHTS_KEY", "ForwardContext", "paged_attention_forward", "register"]
 
 ATTN_IMPLEMENTATION = "paged"
 CONTEXT_KEY = "pagedcore_forward"
+# Set by PagedCache.update for a forward called with output_attentions=True, for models that consume that argument
+# themselves instead of handing it on to the attention function (GPT-2).
+WEIGHTS_KEY = "pagedcore_attention_weights"
+_OWN_KEYS = (CONTEXT_KEY, WEIGHTS_KEY)
+_LOGGER = logging.get_logger(__name__)
 
 
 @dataclass
@@ -129,8 +136,12 @@ def paged_attention_forward(
     softcap: float | None = None,
     sliding_window: int | None = None,
     **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention over the paged pool (see the module docstring). Returns ``(out (batch, q, heads, dim), None)``.
+
+    With ``output_attentions=True`` it returns the weights too: the model's own eager attention (its modeling
+    file's ``eager_attention_forward``) over the keys gathered from the pool, so outputs and weights are those of
+    ``attn_implementation="eager"`` (a model without one gets a warning and no weights, as transformers' sdpa does).
 
     Registered as ``attn_implementation="paged"``; a model set to it reads its keys and values from the pool of a
     :class:`~pagedcore.adapters.transformers.PagedCache` (or the Engine) instead of gathering them.
@@ -163,6 +174,16 @@ def paged_attention_forward(
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     ctx: ForwardContext | None = kwargs.get(CONTEXT_KEY)
+    if kwargs.get("output_attentions") or kwargs.get(WEIGHTS_KEY):
+        eager = _model_eager_attention(module)
+        if eager is not None:  # the weights are asked for: the model's own eager attention over the gathered keys
+            if ctx is not None and ctx.dense is not None:
+                key, value = ctx.dense(cast(int, module.layer_idx))
+            return _with_weights(eager, module, query, key, value, attention_mask, scaling, softcap, kwargs)
+        _LOGGER.warning_once(
+            f"{type(module).__name__} has no eager attention to return attention weights with: paged attention "
+            "returns none. Load the model with attn_implementation='eager' if you want them."
+        )
     if ctx is None:
         return _dense(module, query, key, value, attention_mask, scaling, softcap, kwargs)
     layer_idx = cast(int, module.layer_idx)
@@ -193,6 +214,38 @@ def paged_attention_forward(
     return out.view(batch, q_len, heads, -1), None
 
 
+def _model_eager_attention(module: torch.nn.Module) -> Callable[..., Any] | None:
+    """The ``eager_attention_forward`` of the module's own modeling file (what ``attn_implementation="eager"``
+    runs), or None for a model that has none."""
+    fn = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    return fn if callable(fn) else None
+
+
+def _with_weights(
+    eager: Callable[..., Any],
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scaling: float,
+    softcap: float | None,
+    kwargs: dict[str, Any],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, weights)`` from the model's eager attention, as with ``attn_implementation="eager"``: the boolean
+    mask the paged mask function builds (sdpa's, None when it is plain causal) becomes eager's additive one."""
+    q_len, k_len = query.shape[-2], key.shape[-2]
+    if mask is None:  # causal, aligned to the newest key
+        mask = torch.ones(q_len, k_len, dtype=torch.bool, device=query.device).tril(k_len - q_len)[None, None]
+    if mask.dtype == torch.bool:
+        mask = torch.zeros(mask.shape, dtype=query.dtype, device=mask.device).masked_fill(
+            ~mask, torch.finfo(query.dtype).min
+        )
+    extra = {k: v for k, v in kwargs.items() if k not in _OWN_KEYS}
+    out, weights = eager(module, query, key, value, mask, scaling=scaling, dropout=0.0, softcap=softcap, **extra)
+    return out, weights
+
+
 def _hides_only_padding(mask: Any, pads: list[int], length: int) -> bool:
     """Whether the keys no query of a row may see are exactly that row's first ``pads[row]`` positions.
 
@@ -218,7 +271,7 @@ def _dense(
     kwargs: dict[str, Any],
 ) -> tuple[torch.Tensor, None]:
     """Ordinary attention over the (gathered) keys and values ``update`` returned, with the standard mask."""
-    extra = {k: v for k, v in kwargs.items() if k != CONTEXT_KEY}
+    extra = {k: v for k, v in kwargs.items() if k not in _OWN_KEYS}
     if softcap is None:
         out, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=scaling, dropout=0.0, **extra)
         return out, None

@@ -34,7 +34,7 @@ from pagedcore.block_tables import BlockTables
 from pagedcore.errors import ConfigError, InvalidBlockError
 from pagedcore.kv_pool import PoolMatch
 
-from .attention import CONTEXT_KEY
+from .attention import CONTEXT_KEY, WEIGHTS_KEY
 from .cache_state import CacheState, Row
 from .forward_hooks import watch
 from .pool import PagedKVPool
@@ -184,6 +184,8 @@ class PagedLayer(CacheLayerMixin):
             keys, values = keys.index_select(0, index), values.index_select(0, index)
         slots = step.write_slots(self.group, device, as_tensor=torch.compiler.is_compiling())
         write_kv(key_cache, value_cache, keys, values, slots)
+        if step.wants_weights and model_kwargs is not None:
+            model_kwargs[WEIGHTS_KEY] = True
         if step.context is not None and model_kwargs is not None:
             model_kwargs[CONTEXT_KEY] = step.context
             return key_states, value_states
@@ -321,9 +323,11 @@ class PagedCache(Cache):
         inputs_embeds: torch.Tensor | None = None,
         attention_mask: Any = None,
         position_ids: torch.Tensor | None = None,
+        output_attentions: bool = False,
     ) -> None:
         """Reserve the coming forward for every layer, before layer 0: the padding is read from ``attention_mask``
-        (2-D, ``(batch, past + new)``; None: no padding). The forward pre-hook of the model the cache was made for
+        (2-D, ``(batch, past + new)``; None: no padding). With ``output_attentions`` paged attention returns the
+        attention weights (see :func:`~.attention.paged_attention_forward`). The forward pre-hook of the model the cache was made for
         calls it with the forward's arguments; call it yourself only for a forward that hook does not see (a
         submodule called directly). A forward whose mask is not left padding stores every position (the standard
         mask then hides what it hides, exactly as with ``DynamicCache``).
@@ -347,7 +351,9 @@ class PagedCache(Cache):
             return
         known = attention_mask is None or (isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2)
         batch, q_len = int(inputs.shape[0]), int(inputs.shape[1])
-        self._state.begin_forward(batch, q_len, attention_mask, position_ids, inputs.device, mask_known=known)
+        self._state.begin_forward(
+            batch, q_len, attention_mask, position_ids, inputs.device, mask_known=known, weights=bool(output_attentions)
+        )
 
     def after_forward(self) -> None:
         """After a forward (also one that raised): give back a reservation that no layer used, so a forward that

@@ -87,6 +87,7 @@ class Step:
     context: ForwardContext | None = None
     device: torch.device | None = None
     hooked: bool = False
+    wants_weights: bool = False  # the forward was asked for attention weights (paged attention then returns them)
     new_rows: bool = False  # the rows were created by this forward (given back with it)
     was_exact: bool = True  # the cache's exactness before this forward
     # Per KV group, on ``device``: the new tokens' slots, the first of them when they are consecutive, and what
@@ -98,10 +99,12 @@ class Step:
     _on: dict[Any, torch.Tensor] = field(default_factory=dict, repr=False)
     _memo: dict[Any, Any] = field(default_factory=dict, repr=False)
 
-    @property
-    def end(self) -> int:
-        """Rectangular positions per row after this forward."""
-        return self.plan.start + self.plan.q_len
+    def __post_init__(self) -> None:
+        # Rectangular positions per row after this forward, computed here on the host: each layer stores it as its
+        # length, and a compiled forward must store a value it reads, not a sum it computes (inductor's generated
+        # code loses the symbols of such an int output of a graph that resumes after a graph break:
+        # ``NameError: name 's14' is not defined``, see README Limits).
+        self.end = self.plan.start + self.plan.q_len
 
     def tensor(self, key: Any, device: torch.device, build: Callable[[], torch.Tensor]) -> torch.Tensor:
         """``build()`` on ``device``, built once per forward and device (layers split over devices share it)."""
@@ -215,12 +218,20 @@ class CacheState:
 
     # ------------------------------------------------------------------ one forward
     def begin_forward(
-        self, batch: int, q_len: int, mask: Any, positions: Any, device: torch.device, *, mask_known: bool = True
+        self,
+        batch: int,
+        q_len: int,
+        mask: Any,
+        positions: Any,
+        device: torch.device,
+        *,
+        mask_known: bool = True,
+        weights: bool = False,
     ) -> None:
         """Reserve the next forward for every layer, on the host, before layer 0 (the model's forward pre-hook calls
         this): ``mask`` is the forward's attention mask (None: none, every position a token), ``positions`` its
         ``position_ids``, ``device`` where its layers' indices go. ``mask_known=False`` (a 4-D or unrecognised
-        mask): the padding is not read from it. Raises, with nothing reserved, like the reservation of a layer."""
+        mask): the padding is not read from it. ``weights``: the forward asked for attention weights. Raises, with nothing reserved, like the reservation of a layer."""
         self.check_live()
         if q_len == 0:
             return
@@ -229,6 +240,8 @@ class CacheState:
             width = self.length + q_len
             rows = MaskRows.of(mask if isinstance(mask, torch.Tensor) else None, batch=batch, width=width)
         self._begin(batch, q_len, positions, True, mask=rows, device=device, hooked=True)
+        if weights and self.step is not None and self.uses_paged_attention():
+            self.step.wants_weights = True
 
     def end_forward(self) -> None:
         """After the forward (also one that raised): a reservation made by :meth:`begin_forward` that no layer used

@@ -81,6 +81,7 @@ def _before_forward(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict
         inputs_embeds=inputs.get("inputs_embeds"),
         attention_mask=inputs.get("attention_mask"),
         position_ids=inputs.get("position_ids"),
+        output_attentions=bool(inputs.get("output_attentions")),
     )
 
 
