@@ -72,4 +72,3 @@ def test_token_type_ids_without_expansion_match_stock_generate(family, enabled):
     want = generate(model, dynamic(model), do_sample=False, **kwargs)
     enabled(model)
     assert_same_generation(generate(model, do_sample=False, **kwargs), want)
-

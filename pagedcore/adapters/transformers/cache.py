@@ -327,10 +327,10 @@ class PagedCache(Cache):
     ) -> None:
         """Reserve the coming forward for every layer, before layer 0: the padding is read from ``attention_mask``
         (2-D, ``(batch, past + new)``; None: no padding). With ``output_attentions`` paged attention returns the
-        attention weights (see :func:`~.attention.paged_attention_forward`). The forward pre-hook of the model the cache was made for
-        calls it with the forward's arguments; call it yourself only for a forward that hook does not see (a
-        submodule called directly). A forward whose mask is not left padding stores every position (the standard
-        mask then hides what it hides, exactly as with ``DynamicCache``).
+        attention weights (see :func:`~.attention.paged_attention_forward`). The forward pre-hook of the model the
+        cache was made for calls it with the forward's arguments; call it yourself only for a forward that hook
+        does not see (a submodule called directly). A forward whose mask is not left padding stores every position
+        (the standard mask then hides what it hides, exactly as with ``DynamicCache``).
 
         Example:
             >>> import torch
@@ -575,6 +575,41 @@ class PagedCache(Cache):
         with self._pool.lock:
             for row, tokens in zip(state.rows, token_ids):
                 row.blocks.cache_full_blocks(tokens, row.blocks.num_tokens, self.namespace)
+
+    def fork(self) -> PagedCache:
+        """A new cache on the same pool whose rows share this cache's blocks (copy-on-write: the first write to a
+        shared block copies it), at the same length. ``copy.copy(cache)`` and ``copy.deepcopy(cache)`` give one,
+        so code that copies ``past_key_values`` to reuse a prompt (transformers' "re-use a cache" recipe) works
+        without copying any tensor; each copy holds its blocks until released.
+
+        Example:
+            >>> import copy, torch
+            >>> from pagedcore.adapters.transformers.testing import tiny_llama
+            >>> model = tiny_llama()
+            >>> cache = PagedCache(model, num_blocks=16, block_size=4)
+            >>> _ = model(torch.tensor([[5, 6, 7, 8, 9]]), cache=cache)
+            >>> twin = copy.deepcopy(cache)
+            >>> twin.get_seq_length(), twin.pool is cache.pool, torch.equal(twin.layers[0].keys, cache.layers[0].keys)
+            (5, True, True)
+            >>> cache.pool.kv.num_used_blocks   # 2 blocks, shared
+            2
+        """
+        state = self._check_live()
+        model = self._model() if self._model is not None else None
+        clone = PagedCache(
+            model if model is not None else state.config,
+            pool=self._pool,
+            namespace=state.namespace,
+            attention_backend=state.attention_backend,
+        )
+        clone._state.adopt(state)
+        return clone
+
+    def __copy__(self) -> PagedCache:
+        return self.fork()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> PagedCache:
+        return self.fork()
 
     def row_tokens(self) -> list[int]:
         """Real tokens stored per row."""

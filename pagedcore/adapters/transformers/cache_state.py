@@ -231,7 +231,8 @@ class CacheState:
         """Reserve the next forward for every layer, on the host, before layer 0 (the model's forward pre-hook calls
         this): ``mask`` is the forward's attention mask (None: none, every position a token), ``positions`` its
         ``position_ids``, ``device`` where its layers' indices go. ``mask_known=False`` (a 4-D or unrecognised
-        mask): the padding is not read from it. ``weights``: the forward asked for attention weights. Raises, with nothing reserved, like the reservation of a layer."""
+        mask): the padding is not read from it. ``weights``: the forward asked for attention weights. Raises, with
+        nothing reserved, like the reservation of a layer."""
         self.check_live()
         if q_len == 0:
             return
@@ -470,6 +471,21 @@ class CacheState:
                 row.blocks.release()
         self.rows = new_rows
         self.step = None
+
+    def adopt(self, source: CacheState) -> None:
+        """Become a copy of ``source`` (an empty state of the same pool): its rows forked (shared blocks,
+        copy-on-write), its lengths, exactness and the layers' past recording."""
+        source.check_live()
+        if self.rows or source.pool is not self.pool:
+            raise InvalidBlockError("adopt: the state is not empty or uses another pool")
+        with self.pool.lock:
+            self.rows = [row.copy() for row in source.rows]
+        self.length = source.length
+        self.layer_len = list(source.layer_len)
+        self.exact = source.exact
+        for mine, theirs in zip(self.layers, source.layers):
+            if hasattr(mine, "record_past"):
+                mine.record_past = getattr(theirs, "record_past", False)
 
     def release(self) -> None:
         """Give every row's blocks back."""
