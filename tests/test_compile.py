@@ -144,3 +144,26 @@ def test_inductor_with_graph_breaks_in_paged_attention():
     cache, reference = PagedCache(model, num_blocks=64, block_size=4), PagedCache(eager, num_blocks=64, block_size=4)
     assert_same_generation(greedy(model, cache), greedy(eager, reference))
     release_and_check(cache, reference)
+
+
+def test_what_a_layer_stores_under_inductor_is_computed_on_the_host():
+    """torch 2.13's inductor loses a symbol when a graph returns an int it computed from one a guard equated with
+    another (README Limits: ``lengths[0] = lengths[0] + a`` after ``a == b``). A layer's bookkeeping compares its
+    length with the reservation's and stores the new length: it must store the host's value, not a sum."""
+    cache = PagedCache(tiny_model("llama"), num_blocks=16, block_size=4)
+    state = cache._state
+
+    def bookkeeping(state, q_len, positions):
+        for layer in (0, 1):
+            state.forward_step(layer, 1, q_len, positions, True, positions.device)
+        return positions + 1
+
+    compiled_bookkeeping = torch.compile(bookkeeping, dynamic=True)
+    length = 0
+    for q_len in (8, 3, 3):
+        positions = torch.arange(length, length + q_len)[None]
+        cache.before_forward(input_ids=positions)
+        compiled_bookkeeping(state, q_len, positions)
+        length += q_len
+        assert state.layer_len == [length, length]
+    release_and_check(cache)

@@ -137,14 +137,12 @@ def paged_attention_forward(
     sliding_window: int | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Attention over the paged pool (see the module docstring). Returns ``(out (batch, q, heads, dim), None)``.
-
-    With ``output_attentions=True`` it returns the weights too: the model's own eager attention (its modeling
-    file's ``eager_attention_forward``) over the keys gathered from the pool, so outputs and weights are those of
-    ``attn_implementation="eager"`` (a model without one gets a warning and no weights, as transformers' sdpa does).
-
-    Registered as ``attn_implementation="paged"``; a model set to it reads its keys and values from the pool of a
-    :class:`~pagedcore.adapters.transformers.PagedCache` (or the Engine) instead of gathering them.
+    """Attention over the paged pool (see the module docstring). Returns ``(out (batch, q, heads, dim), None)``,
+    or with ``output_attentions=True`` the weights too: the model's own eager attention (its modeling file's
+    ``eager_attention_forward``) over the keys gathered from the pool, as ``attn_implementation="eager"`` gives them
+    (a model without one: a warning and no weights, as transformers' sdpa). Registered as
+    ``attn_implementation="paged"``: a model set to it reads the pool of a
+    :class:`~pagedcore.adapters.transformers.PagedCache` (or the Engine) instead of gathered keys.
 
     Example:
         >>> import torch
@@ -180,17 +178,24 @@ def paged_attention_forward(
             if ctx is not None and ctx.dense is not None:
                 key, value = ctx.dense(cast(int, module.layer_idx))
             return _with_weights(eager, module, query, key, value, attention_mask, scaling, softcap, kwargs)
-        _LOGGER.warning_once(
-            f"{type(module).__name__} has no eager attention to return attention weights with: paged attention "
-            "returns none. Load the model with attn_implementation='eager' if you want them."
-        )
     if ctx is None:
         return _dense(module, query, key, value, attention_mask, scaling, softcap, kwargs)
-    layer_idx = cast(int, module.layer_idx)
     if not ctx.mask_matches(attention_mask):
         assert ctx.dense is not None
-        key, value = ctx.dense(layer_idx)
+        key, value = ctx.dense(cast(int, module.layer_idx))
         return _dense(module, query, key, value, attention_mask, scaling, softcap, kwargs)
+    return _over_pool(ctx, cast(int, module.layer_idx), query, scaling, softcap, sliding_window), None
+
+
+def _over_pool(
+    ctx: ForwardContext,
+    layer_idx: int,
+    query: torch.Tensor,
+    scaling: float,
+    softcap: float | None,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """The paged path: the real queries packed, the backend's attention over the pool, unpacked (pads get zeros)."""
     group = ctx.pool.group_of(layer_idx)
     tensors = ctx.pool.layer_tensors(layer_idx)
     if tensors is None:
@@ -211,14 +216,20 @@ def paged_attention_forward(
     if index is not None:
         full = out.new_zeros(batch * q_len, heads, out.shape[-1])
         out = full.index_copy_(0, index, out)
-    return out.view(batch, q_len, heads, -1), None
+    return out.view(batch, q_len, heads, -1)
 
 
 def _model_eager_attention(module: torch.nn.Module) -> Callable[..., Any] | None:
     """The ``eager_attention_forward`` of the module's own modeling file (what ``attn_implementation="eager"``
-    runs), or None for a model that has none."""
+    runs), or None (with a warning, once) for a model that has none."""
     fn = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
-    return fn if callable(fn) else None
+    if callable(fn):
+        return fn
+    _LOGGER.warning_once(
+        f"{type(module).__name__} has no eager attention to return attention weights with: paged attention returns "
+        "none. Load the model with attn_implementation='eager' if you want them."
+    )
+    return None
 
 
 def _with_weights(

@@ -7,14 +7,17 @@ and position ``p >= pad[r]`` is the row's token ``p - pad[r]``. KV memory held i
 rounded up to whole blocks. Beam search permutes block tables and reference counts, forks share blocks with
 copy-on-write, ``crop`` truncates tables, and sliding-window layers give back blocks that left their window.
 
-Each layer (:class:`PagedLayer`) owns its update, as transformers' own layers do: the first layer of a forward has
-the shared state (:mod:`.cache_state`) reserve the forward once (:mod:`.forward_plan`), then every layer writes its
-keys and values and gathers what its attention reads. Padding is read from the ``position_ids`` that reach
-``update`` through the model's kwargs, or declared up front with :meth:`PagedCache.attach_prefix` (``enable`` does:
-it reads the attention mask). A model that calls ``update``
-without its kwargs (GPT-NeoX, Falcon, Bloom, GPT-Neo, CTRL) and no declared padding, or a batch whose positions do not
-look like left padding, stores every position instead, and attention falls back to the standard mask: correct, just
-less frugal. Such a cache does not vouch for what its rows store, so it registers nothing in the prefix cache.
+Each layer (:class:`PagedLayer`) owns its update, as transformers' own layers do. Before each forward of the model
+the cache was made for, the model's forward pre-hook (:mod:`.forward_hooks`) hands the cache the forward's attention
+mask and the shared state (:mod:`.cache_state`) reserves the forward once, on the host (:mod:`.forward_plan`: the
+padding is read from the mask; a row that is not left-padded stores every position and the standard mask hides what
+it hides); every layer then writes its keys and values and gathers what its attention reads, with indices built
+there (no data-dependent Python per layer: a compiled forward has no graph break). Padding declared up front with
+:meth:`PagedCache.attach_prefix` (``enable`` does) must agree with the mask. A cache made without a model (from a
+pool or a config) reserves at its first layer and, not knowing the mask, stores every position of a padded batch:
+correct, just less frugal. Such a cache does not vouch for what its rows store, so it registers nothing in the prefix
+cache. ``layers[i].keys`` / ``.values`` are what a ``DynamicCache`` layer holds after the same calls (a copy gathered
+from the blocks), and ``copy.deepcopy(cache)`` forks the rows (shared blocks, copy-on-write).
 """
 
 from __future__ import annotations
@@ -565,9 +568,9 @@ class PagedCache(Cache):
         """Register every row's full blocks in the pool's prefix cache. ``token_ids[r]`` are row ``r``'s real
         tokens (no padding), at least as many as the row stores.
 
-        Does nothing for a cache that stored positions it could not tell from padding (a model that calls ``update``
-        without ``position_ids`` and no padding declared by :meth:`attach_prefix`, or padding in the middle of a
-        row): its blocks would not hold the keys and values of those tokens at those positions.
+        Does nothing for a cache that stored positions it could not tell from padding (a row whose mask is not left
+        padding, or a padded batch whose mask the cache never saw and whose padding :meth:`attach_prefix` did not
+        declare): its blocks would not hold the keys and values of those tokens at those positions.
         """
         state = self._check_live()
         if not state.exact:

@@ -274,6 +274,9 @@ class CacheState:
         the forward (:meth:`begin_forward`) or by its first layer (its length is the cache's), shared by the others.
         Reads and writes host integers only, no tensor."""
         past = self.layer_len[layer_idx]
+        step = self.step
+        if step is not None and step.hooked and (batch, q_len) != (step.plan.batch, step.plan.q_len):
+            self.end_forward()  # the model changed its input's shape inside the forward: reserve what the layer sees
         if past == self.length:
             self._begin(batch, q_len, positions, has_kwargs, device=device)
         step = self.step
