@@ -167,3 +167,20 @@ def test_what_a_layer_stores_under_inductor_is_computed_on_the_host():
         length += q_len
         assert state.layer_len == [length, length]
     release_and_check(cache)
+
+
+def test_eager_decode_reads_a_view_and_a_compiled_one_a_gather_index():
+    """The forward pre-hook builds the gather index of a one-row decode only for a compiled ``model.forward`` (a
+    view of the pool is free; building the index costs host time on every eager step)."""
+    eager, model = compiled("llama", dynamic_shapes=True, backend="eager", num_hidden_layers=1)
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    for m, wants_index in ((eager, False), (model, True)):
+        cache = PagedCache(m, num_blocks=16, block_size=4)
+        with torch.no_grad():
+            m(ids, cache=cache)
+            m(ids[:, :1], position_ids=torch.tensor([[5]]), cache=cache)
+        step = cache._state.step
+        assert step is not None and step.compiled is wants_index
+        kv_len, _, start, index = step.reads[0]
+        assert (kv_len, start is not None, index is not None) == (6, True, wants_index)
+        release_and_check(cache)

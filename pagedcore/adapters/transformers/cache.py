@@ -38,7 +38,7 @@ from pagedcore.errors import ConfigError, InvalidBlockError
 from pagedcore.kv_pool import PoolMatch
 
 from .attention import CONTEXT_KEY, WEIGHTS_KEY
-from .cache_state import CacheState, Row
+from .cache_state import CacheState, Row, Step
 from .forward_hooks import watch
 from .pool import PagedKVPool
 from .spec import text_config
@@ -199,40 +199,49 @@ class PagedLayer(CacheLayerMixin):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The keys and values this forward's attention reads, ``(batch, kv_heads, kv_len, head_dim)``, as
         transformers' own layers return them (the window's keys only, in a sliding layer)."""
-        state = self._state
-        step = state.step
+        step = self._state.step
         assert step is not None
-        group = self.group
         keys = key_cache.view(-1, *key_cache.shape[2:])
         values = value_cache.view(-1, *value_cache.shape[2:])
-        read = step.reads[group] if device == step.device else None
-        if read is not None and (read[2] is not None or read[3] is not None):
-            kv_len, _, start, index = read
-        else:  # another device, or a forward whose paged-attention context falls back to dense attention
-            kv_len, kv_offset = self.kind.mask_sizes(step.plan.start, step.plan.q_len)
-            start = step.memo(("view", group, kv_offset), lambda: state.view_start(group, kv_offset, kv_len))
-            index = None
-            if start is None:
-                index = step.tensor(
-                    ("gather", group, kv_offset), device, lambda: state.gather_index(group, kv_offset, kv_len)
-                )
+        start, kv_len, index = self._read(step, device)
         if start is not None:  # one row whose slots are one contiguous run: a view, no copy
             k = keys[start : start + kv_len].unsqueeze(0)
             v = values[start : start + kv_len].unsqueeze(0)
-        else:
+        else:  # the index's shape gives every size (traced: no host integer to compare with)
             assert index is not None
-            batch = step.plan.batch
-            k = keys.index_select(0, index.view(-1)).view(batch, kv_len, *keys.shape[1:])
-            v = values.index_select(0, index.view(-1)).view(batch, kv_len, *values.shape[1:])
+            k = keys.index_select(0, index.view(-1)).view(*index.shape, *keys.shape[1:])
+            v = values.index_select(0, index.view(-1)).view(*index.shape, *values.shape[1:])
         return k.transpose(1, 2), v.transpose(1, 2)
+
+    def _read(self, step: Step, device: torch.device) -> tuple[int | None, int, torch.Tensor | None]:
+        """``(view start or None, kv_len, gather index or None)`` of this layer's group in this forward: built by
+        :meth:`CacheState.prepare` (a compiled forward always takes the gather index), else here, once per device
+        (another device, or a paged-attention forward that falls back to dense attention)."""
+        state, group = self._state, self.group
+        read = step.reads[group] if device == step.device else None
+        if read is not None and (read[2] is not None or read[3] is not None):
+            kv_len, _, start, index = read
+            return (None if torch.compiler.is_compiling() and index is not None else start), kv_len, index
+        kv_len, kv_offset = self.kind.mask_sizes(step.plan.start, step.plan.q_len)
+        start = step.memo(("view", group, kv_offset), lambda: state.view_start(group, kv_offset, kv_len))
+        if start is not None:
+            return start, kv_len, None
+        index = step.tensor(("gather", group, kv_offset), device, lambda: state.gather_index(group, kv_offset, kv_len))
+        return None, kv_len, index
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         """``(kv_length, kv_offset)`` of the keys :meth:`update` will return (transformers' rules, by its kind)."""
+        step = self._state.open_step()
+        if step is not None and step.reads:
+            _, kv_offset, _, index = step.reads[self.group]
+            if index is not None:  # traced: the gather index's length, as the keys update returns
+                return index.shape[-1], kv_offset
         return self.kind.mask_sizes(self._state.layer_len[self.layer_idx], query_length)
 
     def get_seq_length(self) -> int:
         """Positions stored (padding included)."""
-        return self._state.layer_len[self.layer_idx]
+        step = self._state.open_step()
+        return step.plan.start if step is not None else self._state.layer_len[self.layer_idx]
 
     def get_max_length(self) -> int:
         """-1, or the window of a sliding layer."""
@@ -327,13 +336,16 @@ class PagedCache(Cache):
         attention_mask: Any = None,
         position_ids: torch.Tensor | None = None,
         output_attentions: bool = False,
+        compiled: bool = False,
     ) -> None:
         """Reserve the coming forward for every layer, before layer 0: the padding is read from ``attention_mask``
         (2-D, ``(batch, past + new)``; None: no padding). With ``output_attentions`` paged attention returns the
-        attention weights (see :func:`~.attention.paged_attention_forward`). The forward pre-hook of the model the
-        cache was made for calls it with the forward's arguments; call it yourself only for a forward that hook
-        does not see (a submodule called directly). A forward whose mask is not left padding stores every position
-        (the standard mask then hides what it hides, exactly as with ``DynamicCache``).
+        attention weights (see :func:`~.attention.paged_attention_forward`); ``compiled``: the model's forward is a
+        ``torch.compile``'d function (its layers then read through gather indices built here, never a view). The
+        forward pre-hook of the model the cache was made for calls it with the forward's arguments; call it yourself
+        only for a forward that hook does not see (a submodule called directly). A forward whose mask is not left
+        padding stores every position (the standard mask then hides what it hides, exactly as with
+        ``DynamicCache``).
 
         Example:
             >>> import torch
@@ -355,7 +367,14 @@ class PagedCache(Cache):
         known = attention_mask is None or (isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2)
         batch, q_len = int(inputs.shape[0]), int(inputs.shape[1])
         self._state.begin_forward(
-            batch, q_len, attention_mask, position_ids, inputs.device, mask_known=known, weights=bool(output_attentions)
+            batch,
+            q_len,
+            attention_mask,
+            position_ids,
+            inputs.device,
+            mask_known=known,
+            weights=bool(output_attentions),
+            compiled=compiled,
         )
 
     def after_forward(self) -> None:
@@ -387,7 +406,9 @@ class PagedCache(Cache):
             return 0
         if isinstance(self.layers[layer_idx], DummyLayer):
             layer_idx = self._first_cached_layer()
-        return self._state.layer_len[layer_idx]
+        layer = self.layers[layer_idx]
+        assert isinstance(layer, PagedLayer)
+        return layer.get_seq_length()
 
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
         """``(kv_length, kv_offset)`` of the keys ``update`` will return for ``layer_idx`` (transformers' rules)."""

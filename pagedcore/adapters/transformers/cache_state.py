@@ -87,6 +87,8 @@ class Step:
     context: ForwardContext | None = None
     device: torch.device | None = None
     hooked: bool = False
+    open: bool = False  # reserved by the hook for the forward now running (until the forward hook closes it)
+    compiled: bool = False  # the model's forward is a torch.compile'd function: the layers read through gather indices
     wants_weights: bool = False  # the forward was asked for attention weights (paged attention then returns them)
     new_rows: bool = False  # the rows were created by this forward (given back with it)
     was_exact: bool = True  # the cache's exactness before this forward
@@ -227,12 +229,14 @@ class CacheState:
         *,
         mask_known: bool = True,
         weights: bool = False,
+        compiled: bool = False,
     ) -> None:
         """Reserve the next forward for every layer, on the host, before layer 0 (the model's forward pre-hook calls
         this): ``mask`` is the forward's attention mask (None: none, every position a token), ``positions`` its
         ``position_ids``, ``device`` where its layers' indices go. ``mask_known=False`` (a 4-D or unrecognised
-        mask): the padding is not read from it. ``weights``: the forward asked for attention weights. Raises, with
-        nothing reserved, like the reservation of a layer."""
+        mask): the padding is not read from it. ``weights``: the forward asked for attention weights. ``compiled``:
+        the model's forward is compiled (every group's gather index is built, also where an eager layer would take a
+        view of the pool). Raises, with nothing reserved, like the reservation of a layer."""
         self.check_live()
         if q_len == 0:
             return
@@ -240,9 +244,11 @@ class CacheState:
         if mask_known:
             width = self.length + q_len
             rows = MaskRows.of(mask if isinstance(mask, torch.Tensor) else None, batch=batch, width=width)
-        self._begin(batch, q_len, positions, True, mask=rows, device=device, hooked=True)
-        if weights and self.step is not None and self.uses_paged_attention():
-            self.step.wants_weights = True
+        self._begin(batch, q_len, positions, True, mask=rows, device=device, hooked=True, compiled=compiled)
+        step = self.step
+        if step is not None:
+            step.open = True
+            step.wants_weights = weights and self.uses_paged_attention()
 
     def end_forward(self) -> None:
         """After the forward (also one that raised): a reservation made by :meth:`begin_forward` that no layer used
@@ -250,6 +256,7 @@ class CacheState:
         step = self.step
         if step is None or not step.hooked or self.length != step.end:
             return
+        step.open = False
         start = step.plan.start
         if any(self.layer_len[i] != start for i in self.cached_layers):
             return  # layers stored their keys: the forward happened (or failed half-way, as a DynamicCache would)
@@ -272,7 +279,12 @@ class CacheState:
     ) -> Step:
         """The reservation of the forward that gives layer ``layer_idx`` ``q_len`` new positions per row: made before
         the forward (:meth:`begin_forward`) or by its first layer (its length is the cache's), shared by the others.
-        Reads and writes host integers only, no tensor."""
+        Reads and writes host integers only, no tensor; traced by ``torch.compile`` in a forward the hook reserved,
+        it only stores the host's new length (see :meth:`open_step`)."""
+        step = self.open_step()
+        if step is not None:
+            self.layer_len[layer_idx] = step.end
+            return step
         past = self.layer_len[layer_idx]
         step = self.step
         if step is not None and step.hooked and (batch, q_len) != (step.plan.batch, step.plan.q_len):
@@ -287,6 +299,18 @@ class CacheState:
             )
         self.layer_len[layer_idx] = step.end
         return step
+
+    def open_step(self) -> Step | None:
+        """While ``torch.compile`` traces a forward the forward pre-hook reserved: that reservation, whose host
+        values (the past length, each group's mask sizes and gather index) then answer every question a layer or
+        the mask builder asks, so the trace compares no integer with another (None otherwise, and in eager).
+
+        torch 2.13's inductor loses symbols that a guard equated with others (``NameError: name 's12' is not
+        defined``, README Limits), and comparing a layer's length with the reservation's makes such guards."""
+        if not torch.compiler.is_compiling():
+            return None
+        step = self.step
+        return step if step is not None and step.open and step.device is not None else None
 
     def view_start(self, group: int, kv_offset: int, kv_len: int) -> int | None:
         """The first slot when the batch is one row whose rectangular positions ``kv_offset .. kv_offset + kv_len
@@ -325,6 +349,7 @@ class CacheState:
         mask: MaskRows | None = None,
         device: torch.device | None = None,
         hooked: bool = False,
+        compiled: bool = False,
     ) -> None:
         pool = self.pool
         with pool.lock:
@@ -351,7 +376,9 @@ class CacheState:
                 if new_rows:
                     self.rows = []
                 raise
-        step = Step(plan, slots, plan.real_index, hooked=hooked, new_rows=new_rows, was_exact=self.exact)
+        step = Step(
+            plan, slots, plan.real_index, hooked=hooked, compiled=compiled, new_rows=new_rows, was_exact=self.exact
+        )
         self.length += q_len
         self.exact = self.exact and plan.exact
         if self.exact and has_kwargs and self.uses_paged_attention():
@@ -374,9 +401,9 @@ class CacheState:
             step.write_index.append(to_device(torch.tensor(slots, dtype=torch.long), device))
             kv_len, kv_offset = group.kind.mask_sizes(plan.start, plan.q_len)
             start = index = None
-            if step.context is None:
+            if step.context is None:  # a view for eager layers where one fits; the gather index otherwise, or compiled
                 start = self.view_start(g, kv_offset, kv_len)
-                if start is None:
+                if start is None or step.compiled:
                     index = to_device(self.gather_index(g, kv_offset, kv_len), device)
             step.reads.append((kv_len, kv_offset, start, index))
 
