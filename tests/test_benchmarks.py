@@ -7,6 +7,7 @@ The real figures come from ``pagedcore bench`` on a quiet machine.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import subprocess
@@ -15,13 +16,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from bench_helpers import ctx, wrong_tokens
 from transformers import AutoModelForCausalLM
 
-from pagedcore.benchmarks import BENCHMARKS, BenchOptions, cold, common, engine, memory, prefix, run_benchmarks
+from pagedcore.benchmarks import BENCHMARKS, BenchOptions, cold, common, engine, memory, peers, prefix, run_benchmarks
 from pagedcore.benchmarks.context import BenchContext
 from pagedcore.benchmarks.device import resolve_device, resolve_dtype
-from pagedcore.benchmarks.engine_peers import ENGINE, HF_CONTINUOUS, ONE_AT_A_TIME, PADDED_BATCH
-from pagedcore.benchmarks.runner import prepare_out_dir
+from pagedcore.benchmarks.peers import ENGINE, HF_CONTINUOUS, ONE_AT_A_TIME, PADDED_BATCH
+from pagedcore.benchmarks.suite import prepare_out_dir
 from pagedcore.errors import ConfigError
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -32,10 +34,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 @pytest.fixture(scope="module")
 def tiny():
     return common.bench_model(size="tiny")
-
-
-def wrong_tokens(tokens: list[int]) -> list[int]:
-    return [t + 1 for t in tokens]
 
 
 # ---------------------------------------------------------------------------------------------------- models
@@ -73,7 +71,7 @@ def test_bench_model_dtype_and_device(tiny):
 
 # ---------------------------------------------------------------------------------------------------- benchmarks
 def test_prefix_benchmark_counts_prefill_tokens(tiny):
-    result = prefix.prefix_benchmark(quick=True, progress=False, model=tiny)
+    result = prefix.run(ctx(tiny))
     assert result.prefill_plain == result.system_tokens * len(result.question_tokens) + sum(result.question_tokens)
     # Block-aligned system prompt: every question after the first reuses all of it.
     assert result.prefill_enabled == result.unique_tokens
@@ -85,20 +83,20 @@ def test_prefix_benchmark_counts_prefill_tokens(tiny):
 
 
 def test_prefix_benchmark_reports_differing_outputs(tiny, monkeypatch):
-    real = prefix.greedy
+    real = peers.greedy
 
     def enabled_differs(model, ids, new, **kwargs):
         out = real(model, ids, new, **kwargs)
         return out if "cache" in kwargs else wrong_tokens(out)  # the enabled mode passes no cache
 
-    monkeypatch.setattr(prefix, "greedy", enabled_differs)
-    result = prefix.prefix_benchmark(quick=True, progress=False, model=tiny)
+    monkeypatch.setattr(peers, "greedy", enabled_differs)
+    result = prefix.run(ctx(tiny))
     assert result.mismatches == list(range(len(result.question_tokens)))
     assert "**differ** for questions" in result.markdown()
 
 
 def test_cold_benchmark_runs_every_variant(tiny):
-    result = cold.cold_benchmark(quick=True, progress=False, model=tiny, repeats=1)
+    result = cold.run(ctx(tiny), repeats=1)
     assert set(result.times) == {cold.COLD_DYNAMIC, cold.COLD_PAGED, cold.COLD_PAGED_ATTN}
     assert all(len(t) == 1 for t in result.times.values())
     assert all(result.identical.values())
@@ -107,20 +105,20 @@ def test_cold_benchmark_runs_every_variant(tiny):
 
 
 def test_cold_benchmark_reports_differing_outputs(tiny, monkeypatch):
-    real = cold.greedy
+    real = peers.greedy
 
     def paged_differs(model, ids, new, **kwargs):
         out = real(model, ids, new, **kwargs)
-        return wrong_tokens(out) if isinstance(kwargs.get("cache"), cold.PagedCache) else out
+        return wrong_tokens(out) if isinstance(kwargs.get("cache"), peers.PagedCache) else out
 
-    monkeypatch.setattr(cold, "greedy", paged_differs)
-    result = cold.cold_benchmark(quick=True, progress=False, model=tiny, repeats=1)
+    monkeypatch.setattr(peers, "greedy", paged_differs)
+    result = cold.run(ctx(tiny), repeats=1)
     assert result.identical == {cold.COLD_DYNAMIC: True, cold.COLD_PAGED: False, cold.COLD_PAGED_ATTN: False}
     assert result.markdown().count("| **no** |") == 2
 
 
 def test_memory_benchmark_bytes(tiny):
-    result = memory.memory_benchmark(quick=True, progress=False, model=tiny)
+    result = memory.run(ctx(tiny))
     paged, dynamic, static = (result.ratio(r.cache) for r in result.rows)
     assert 1.0 <= paged <= 1.0 + common.BLOCK_SIZE * len(result.prompt_lengths) / result.stored_tokens
     assert dynamic > paged
@@ -132,15 +130,15 @@ def test_memory_benchmark_bytes(tiny):
 def test_memory_benchmark_peers_use_the_model_dtype(tiny):
     """The peers' caches follow the model's dtype: half the bytes of float32 in bfloat16."""
     half = common.bench_model(size="tiny", dtype=torch.bfloat16)
-    full, low = (memory.memory_benchmark(quick=True, progress=False, model=m) for m in (tiny, half))
+    full, low = (memory.run(ctx(m)) for m in (tiny, half))
     assert low.bytes_per_token * 2 == full.bytes_per_token
     for a, b in zip(full.rows, low.rows):
         assert a.reserved_bytes == 2 * b.reserved_bytes, a.cache
-    assert "bfloat16" in low.model
+    assert "bfloat16" in low.head.model
 
 
 def test_engine_benchmark_reports_every_peer(tiny, tmp_path):
-    result = engine.engine_benchmark(quick=True, progress=False, model=tiny)
+    result = engine.run(ctx(tiny))
     names = [p.name for p in result.peers]
     assert names == [ONE_AT_A_TIME, PADDED_BATCH, HF_CONTINUOUS, ENGINE]
     served = result.peer(ENGINE)
@@ -157,31 +155,37 @@ def test_engine_benchmark_reports_every_peer(tiny, tmp_path):
         result.new_tokens
     )
     assert "| Engine wall / compute floor (" in text
-    titles = [p.title for p in result.chart_panels()]
+    titles = [p.title for p in result.section().panels]
     assert titles == ["wall time (lower is better)", "generated tokens/s (higher is better)"]
     assert tiny.config._attn_implementation == "sdpa"  # the Engine and the continuous batching run restored it
 
 
 def test_engine_benchmark_reports_a_failing_peer_and_mismatches(tiny, monkeypatch):
-    def broken(*args, **kwargs):
+    def broken(self, model):
         raise RuntimeError("no GPU kernel for this")
 
-    real = engine.engine_peers.engine
+    real = peers.EnginePeer.session
 
-    def engine_differs(*args, **kwargs):
-        peer = real(*args, **kwargs)
-        peer.tokens = [wrong_tokens(t) if i == 3 else t for i, t in enumerate(peer.tokens)]
-        return peer
+    @contextlib.contextmanager
+    def engine_differs(self, model):
+        with real(self, model) as serve:
 
-    monkeypatch.setattr(engine.engine_peers, "hf_continuous", broken)
-    monkeypatch.setattr(engine.engine_peers, "engine", engine_differs)
-    result = engine.engine_benchmark(quick=True, progress=False, model=tiny)
+            def differs(batch):
+                served = serve(batch)
+                served.tokens = [wrong_tokens(t) if i == 3 else t for i, t in enumerate(served.tokens)]
+                return served
+
+            yield differs
+
+    monkeypatch.setattr(peers.ContinuousBatching, "session", broken)
+    monkeypatch.setattr(peers.EnginePeer, "session", engine_differs)
+    result = engine.run(ctx(tiny))
     assert result.peer(HF_CONTINUOUS).error == "n/a (RuntimeError: no GPU kernel for this)"
     assert result.peer(ENGINE).mismatches == [3]
     text = result.markdown()
     assert "| transformers continuous batching | n/a (RuntimeError: no GPU kernel for this) |" in text
     assert "greedy tokens differ from one-at-a-time for requests [3]" in text
-    assert result.chart_panels()[0].bar_texts()[2] == "n/a"
+    assert result.section().panels[0].bar_texts()[2] == "n/a"
 
 
 def test_core_benchmark_report():

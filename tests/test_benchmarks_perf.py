@@ -9,10 +9,24 @@ from __future__ import annotations
 
 import pytest
 import torch
+from bench_helpers import ctx, wrong_tokens
 from transformers import AutoModelForCausalLM
 
-from pagedcore.benchmarks import BenchOptions, chat, common, decode, engine, host, profiles, run_benchmarks, scaling
+from pagedcore.benchmarks import (
+    BenchOptions,
+    chat,
+    common,
+    decode,
+    engine,
+    host,
+    peers,
+    profiles,
+    run_benchmarks,
+    scaling,
+)
 from pagedcore.benchmarks.floor import ModelShape, compute_floor, segments_flops
+from pagedcore.benchmarks.report import Header
+from pagedcore.benchmarks.runner import TokenStamps
 from pagedcore.benchmarks.steps import Forward, ForwardLog, logging_forwards
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -21,10 +35,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 @pytest.fixture(scope="module")
 def tiny():
     return common.bench_model(size="tiny")
-
-
-def wrong_tokens(tokens: list[int]) -> list[int]:
-    return [t + 1 for t in tokens]
 
 
 # ---------------------------------------------------------------------------------------------------- compute floor
@@ -61,7 +71,7 @@ def test_floor_of_the_engine_workload_counts_every_computed_position_once(tiny):
 def test_engine_report_shows_the_floor_ratio():
     peers = [engine.PeerResult(name, wall=6.0, generated_tokens=8) for name in engine.AIM_ENGINE_SPEEDUP]
     peers.append(engine.PeerResult(engine.ENGINE, wall=3.0, generated_tokens=8))
-    result = engine.EngineResult(True, "Llama", "laptop", 16, [4], [8], peers, "", "",
+    result = engine.EngineResult(Header(True, "Llama", "laptop"), 16, [4], [8], peers, "", "",
                                  floor=engine.ComputeFloor(flops=2e9, rate=1e9, rows=512, tokens=27))  # fmt: skip
     assert result.floor_ratio() == 1.5
     text = result.markdown()
@@ -79,7 +89,7 @@ def test_narrow_model_is_the_small_models_16k_variant():
 
 
 def test_decode_benchmark_runs_every_cache_on_both_models(tiny):
-    result = decode.decode_benchmark(progress=False, model=tiny, contexts=(48, 80), new_tokens=4, repeats=2)
+    result = decode.run(ctx(tiny, quick=False), contexts=(48, 80), new_tokens=4, repeats=2)
     assert [(p.model, p.context) for p in result.points] == [
         ("2 layers, vocab 512", 48),
         ("2 layers, vocab 512", 80),
@@ -93,21 +103,23 @@ def test_decode_benchmark_runs_every_cache_on_both_models(tiny):
     assert text.startswith("### 6. Decode time per token")
     assert text.count("| context | DynamicCache | StaticCache |") == 2
     assert text.count("| yes (all four) |") == 4
-    title, panels = result.plots()["decode.png"]
+    (chart,) = result.section().line_charts
+    title, panels = chart.title, chart.panels
+    assert chart.file == "decode.png"
     assert [len(p.curves) for p in panels] == [4, 4] and "batch 1" in title
     assert [c.xs for c in panels[0].curves] == [[48, 80]] * 4
     assert tiny.config._attn_implementation == "sdpa"  # restored
 
 
 def test_decode_benchmark_reports_differing_outputs(tiny, monkeypatch):
-    real = decode.greedy
+    real = peers.greedy
 
     def paged_differs(model, ids, new, **kwargs):
         out = real(model, ids, new, **kwargs)
-        return wrong_tokens(out) if isinstance(kwargs.get("cache"), decode.PagedCache) else out
+        return wrong_tokens(out) if isinstance(kwargs.get("cache"), peers.PagedCache) else out
 
-    monkeypatch.setattr(decode, "greedy", paged_differs)
-    result = decode.decode_benchmark(progress=False, model=tiny, contexts=(48,), new_tokens=4, repeats=1)
+    monkeypatch.setattr(peers, "greedy", paged_differs)
+    result = decode.run(ctx(tiny, quick=False), contexts=(48,), new_tokens=4, repeats=1)
     for point in result.points:
         assert point.identical == {decode.DYNAMIC: True, decode.STATIC: True, decode.PAGED_SDPA: False,
                                    decode.PAGED_ATTN: False}  # fmt: skip
@@ -115,7 +127,7 @@ def test_decode_benchmark_reports_differing_outputs(tiny, monkeypatch):
 
 
 def test_decode_time_is_per_decode_step():
-    stamps = decode.TokenStamps()
+    stamps = TokenStamps()
     stamps.put("prompt")
     assert stamps.stamps == []
     for t in range(3):
@@ -124,12 +136,12 @@ def test_decode_time_is_per_decode_step():
     stamps.stamps = [10.0, 10.5, 11.0]
     assert stamps.per_decode_step() == 0.5
     with pytest.raises(ValueError, match="two generated tokens"):
-        decode.TokenStamps().per_decode_step()
+        TokenStamps().per_decode_step()
 
 
 # ---------------------------------------------------------------------------------------------------- chat
 def test_chat_benchmark_reuses_earlier_turns_and_matches_the_padded_batch(tiny):
-    result = chat.chat_benchmark(quick=True, progress=False, model=tiny)
+    result = chat.run(ctx(tiny))
     w = result.workload
     assert result.mismatches() == []
     padded, served = result.run(chat.PADDED), result.run(chat.ENGINE)
@@ -162,7 +174,7 @@ def test_chat_report_names_the_first_differing_reply():
     workload = chat.ChatWorkload(system=[5] * 4, users=[[[6], [7]], [[8], [9]]], replies=[[1, 1], [1, 1]])
     padded = chat.ChatRun(chat.PADDED, [2.0], [[[3], [4]], [[5], [6]]], [10, 12])
     served = chat.ChatRun(chat.ENGINE, [1.0], [[[3], [4]], [[5], [7]]], [6, 4])
-    text = chat.ChatResult(False, "Llama", "laptop", workload, [padded, served], 1, "").markdown()
+    text = chat.ChatResult(Header(False, "Llama", "laptop"), workload, [padded, served], 1, "").markdown()
     assert "| replies identical to the padded batch's | no: 1 differ | all | **missed** |" in text
     assert "First differing reply: conversation 1, turn 1." in text
 
@@ -170,7 +182,7 @@ def test_chat_report_names_the_first_differing_reply():
 # ---------------------------------------------------------------------------------------------------- host
 @pytest.fixture(scope="module")
 def host_result(tiny):
-    return host.host_benchmark(quick=True, progress=False, model=tiny, contexts=(64,), seqs=(1, 4), timed_steps=3)
+    return host.run(ctx(tiny), contexts=(64,), seqs=(1, 4), timed_steps=3)
 
 
 def test_host_benchmark_times_decode_steps_of_both_peers(host_result):
@@ -190,7 +202,7 @@ def test_host_benchmark_times_decode_steps_of_both_peers(host_result):
 
 def test_host_benchmark_skips_transformers_where_it_is_too_slow(tiny, monkeypatch):
     monkeypatch.setattr(host, "HF_LIMIT", 1 * 1 * 64)
-    result = host.host_benchmark(progress=False, model=tiny, contexts=(64,), seqs=(1, 2), timed_steps=2)
+    result = host.run(ctx(tiny, quick=False), contexts=(64,), seqs=(1, 2), timed_steps=2)
     one, two = result.points
     assert set(one.times) == {host.ENGINE, host.HF}
     assert set(two.times) == {host.ENGINE} and two.skipped[host.HF] == "not run (2² x 64 > 64² x 512)"
@@ -201,15 +213,14 @@ def test_host_benchmark_skips_transformers_where_it_is_too_slow(tiny, monkeypatc
 def test_host_benchmark_runs_at_the_models_full_context(tiny):
     """A context equal to the model's 4096 positions: the prompts leave room for the decode steps."""
     assert tiny.config.max_position_embeddings == 4096
-    result = host.host_benchmark(progress=False, model=tiny, contexts=(4096,), seqs=(2,), timed_steps=2,
-                                 with_transformers=False)  # fmt: skip
+    result = host.run(ctx(tiny, quick=False), contexts=(4096,), seqs=(2,), timed_steps=2, with_transformers=False)
     (point,) = result.points
     assert point.skipped == {} and point.times[host.ENGINE].steps >= 2
 
 
 def test_host_report_flags_a_missed_aim():
     slow = host.HostPoint(512, 64, {host.ENGINE: host.StepTimes([0.1] * 3, [0.002] * 3)})
-    result = host.HostResult(False, "Llama", "laptop", [slow], 3, 2, "")
+    result = host.HostResult(Header(False, "Llama", "laptop"), [slow], 3, 2, "")
     assert result.missed() == ["64 sequences at 512: 2.00 ms"]
     assert "| ≤ 1 ms | **missed** |" in result.markdown()
 
@@ -230,7 +241,7 @@ def test_forward_log_finds_consecutive_decode_steps(tiny):
 
 # ---------------------------------------------------------------------------------------------------- scaling
 def test_scaling_benchmark_measures_every_point(tiny):
-    result = scaling.scaling_benchmark(quick=True, progress=False, model=tiny)
+    result = scaling.run(ctx(tiny))
     assert [(p.sweep, p.requests, p.prompt) for p in result.points] == [
         *[(scaling.REQUESTS, n, 32) for n in (4, 8, 16, 32)],
         *[(scaling.PROMPTS, 4, n) for n in (32, 64, 128, 256)],
@@ -242,12 +253,12 @@ def test_scaling_benchmark_measures_every_point(tiny):
     text = result.markdown()
     assert text.startswith("### 9. Scaling: requests and prompt length (quick workload)")
     assert text.count("| requests | ") == 4 + 1 and text.count("| prompt length | ") == 4
-    assert len(result.plots()["scaling.png"][1]) == 8
+    assert [(c.file, len(c.panels)) for c in result.section().line_charts] == [("scaling.png", 8)]
 
 
 def test_scaling_prompts_stop_at_the_models_positions(tiny):
     """A 4096-token prompt point on a model of 4096 positions runs with room for its new tokens."""
-    result = scaling.scaling_benchmark(progress=False, model=tiny, requests=(2,), prompt_lens=(256, 4096))
+    result = scaling.run(ctx(tiny, quick=False), requests=(2,), prompt_lens=(256, 4096))
     assert [(p.sweep, p.requests, p.prompt) for p in result.points] == [
         (scaling.REQUESTS, 2, 128),
         (scaling.PROMPTS, 8, 256),
@@ -261,16 +272,16 @@ def test_scaling_point_that_fails_keeps_its_row(tiny, monkeypatch):
         raise RuntimeError("2 requests failed: out of blocks")
 
     monkeypatch.setattr(scaling, "_run_point", refuse)
-    result = scaling.scaling_benchmark(quick=True, progress=False, model=tiny, requests=(2,), prompt_lens=(32,))
+    result = scaling.run(ctx(tiny), requests=(2,), prompt_lens=(32,))
     assert [p.skipped for p in result.points] == ["n/a (RuntimeError: 2 requests failed: out of blocks)"] * 2
     assert result.markdown().count("| n/a (RuntimeError: 2 requests failed: out of blocks) |") == 2
 
 
 def test_scaling_benchmark_skips_points_over_its_budget(tiny):
-    result = scaling.scaling_benchmark(quick=True, progress=False, model=tiny, point_budget=0.0)
+    result = scaling.run(ctx(tiny), point_budget=0.0)
     assert all(p.wall is None and p.skipped.startswith("skipped: about") for p in result.points)
     assert result.markdown().count("| skipped: about ") == len(result.points)
-    panels = result.plots()["scaling.png"][1]
+    panels = result.section().line_charts[0].panels
     assert all(c.points() == [] for panel in panels for c in panel.curves)
 
 

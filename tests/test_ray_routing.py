@@ -4,7 +4,7 @@ ReplicaLoop over a fake deployment handle (retries, failures, stalls, aborts, qu
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import pytest
 from hypothesis import given
@@ -13,16 +13,15 @@ from hypothesis import strategies as st
 pytest.importorskip("ray.serve")
 
 from ray.exceptions import ActorDiedError
-from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID
+from ray_fakes import FakeHandle, FakeStream, finished, make_router, request
 
 from pagedcore.adapters.transformers import SamplingParams
 from pagedcore.errors import ConfigError
 from pagedcore.serve.loop import Delta, Finished, LoopClosedError, QueueFullError, Started, Submission
 from pagedcore.serve.ray.replica import ReplicaReport
-from pagedcore.serve.ray.replica_loop import ReplicaLoop, merge_stats
-from pagedcore.serve.ray.routing import PrefixAffinityRouter, RoutedRequest, prefix_hashes
-
-DEPLOYMENT = DeploymentID(name="PagedcoreEngine", app_name="test")
+from pagedcore.serve.ray.replica_loop import ReplicaLoop
+from pagedcore.serve.ray.replica_stats import merge_stats
+from pagedcore.serve.ray.routing import RoutedRequest, prefix_hashes
 
 
 # ---------------------------------------------------------------------------------------------------- prefix hashes
@@ -49,27 +48,6 @@ def test_prefix_hashes_keep_namespaces_apart_and_stop_at_max_blocks():
 
 
 # ---------------------------------------------------------------------------------------------------- the router
-@dataclass(frozen=True)
-class FakeReplica:
-    replica_id: ReplicaID
-
-
-@dataclass
-class FakePending:
-    args: list
-
-
-def make_router(**kwargs) -> tuple[PrefixAffinityRouter, list[FakeReplica]]:
-    router = PrefixAffinityRouter(deployment_id=DEPLOYMENT, handle_source=DeploymentHandleSource.UNKNOWN)
-    router.initialize_state(**kwargs)
-    return router, [FakeReplica(ReplicaID(name, DEPLOYMENT)) for name in ("r0", "r1", "r2")]
-
-
-def request(tokens: list[int]) -> FakePending:
-    submission = Submission(tokens, SamplingParams(max_new_tokens=1))
-    return FakePending([RoutedRequest(submission, prefix_hashes(tokens, 4))])
-
-
 def choose(router, replicas, pending) -> str:
     ranks = asyncio.run(router.choose_replicas(replicas, pending))
     assert sum(len(rank) for rank in ranks) == len(replicas)  # every replica ranked: a fallback always exists
@@ -128,56 +106,6 @@ def test_the_table_forgets_the_least_recently_used_chains_first():
 
 
 # ---------------------------------------------------------------------------------------------------- ReplicaLoop
-class FakeStream:
-    """A streaming DeploymentResponseGenerator: yields ``items`` (an exception item is raised)."""
-
-    def __init__(self, items, block_after=False):
-        self.items = list(items)
-        self.block_after = block_after
-        self.cancelled = False
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self):
-        if not self.items:
-            if self.block_after:
-                await asyncio.sleep(3600)
-            raise StopAsyncIteration
-        item = self.items.pop(0)
-        if isinstance(item, BaseException):
-            raise item
-        await asyncio.sleep(0)
-        return item
-
-    def cancel(self):
-        self.cancelled = True
-
-
-class FakeHandle:
-    """``handle.options(stream=True).generate.remote(request)`` returns the next scripted stream."""
-
-    def __init__(self, *streams):
-        self.streams = list(streams)
-        self.requests: list[RoutedRequest] = []
-
-    def options(self, **kwargs):
-        assert kwargs == {"stream": True}
-        return self
-
-    @property
-    def generate(self):
-        return self
-
-    def remote(self, routed):
-        self.requests.append(routed)
-        return self.streams.pop(0)
-
-
-def finished(rid="x", prompt=3, tokens=(2,), cached=0):
-    return Finished(rid, prompt, tokens, ("length",), cached_tokens=cached)
-
-
 def run(loop: ReplicaLoop, submissions, until_done=True, after_submit=None):
     """Submit on a fresh event loop and collect the events until every request finished."""
     events = []
@@ -205,7 +133,7 @@ PARAMS = SamplingParams(max_new_tokens=2)
 def test_events_come_back_under_the_ingress_id_and_reports_feed_the_stats():
     stats = replace(ReplicaLoop(None, None, block_size=4).stats, num_blocks=8, num_used_blocks=3)
     stream = FakeStream([Started("r9"), Delta("r9", 0, "ab"), finished("r9", cached=4), ReplicaReport("A", stats)])
-    handle = FakeHandle(stream)
+    handle = FakeHandle([stream])
     loop = ReplicaLoop(handle, None, block_size=4)
     ids, events = run(loop, [Submission([1, 2, 3, 4, 5], PARAMS)])
     assert [type(e).__name__ for e in events] == ["Started", "Delta", "Finished"]
@@ -224,7 +152,7 @@ def test_text_prompts_are_encoded_in_the_ingress_so_the_router_sees_their_blocks
     from pagedcore.adapters.transformers.builtin import builtin_tokenizer
 
     tokenizer = builtin_tokenizer()
-    handle = FakeHandle(FakeStream([Started("r"), finished("r")]))
+    handle = FakeHandle([FakeStream([Started("r"), finished("r")])])
     run(ReplicaLoop(handle, tokenizer, block_size=4), [Submission("Hello there", PARAMS)])
     ids = list(tokenizer("Hello there")["input_ids"])
     assert handle.requests[0].submission.prompt == ids
@@ -233,9 +161,11 @@ def test_text_prompts_are_encoded_in_the_ingress_so_the_router_sees_their_blocks
 
 def test_a_replica_that_dies_before_any_output_is_retried_on_another():
     handle = FakeHandle(
-        FakeStream([ActorDiedError()]),
-        FakeStream([Started("r"), ActorDiedError()]),  # accepted, but died before any token: still retried
-        FakeStream([Started("r"), Delta("r", 0, "ok"), finished("r")]),
+        [
+            FakeStream([ActorDiedError()]),
+            FakeStream([Started("r"), ActorDiedError()]),  # accepted, but died before any token: still retried
+            FakeStream([Started("r"), Delta("r", 0, "ok"), finished("r")]),
+        ]
     )
     _, events = run(ReplicaLoop(handle, None, block_size=4), [Submission([1, 2], PARAMS)])
     assert len(handle.requests) == 3
@@ -244,29 +174,30 @@ def test_a_replica_that_dies_before_any_output_is_retried_on_another():
 
 
 def test_a_replica_that_dies_after_output_fails_the_request_cleanly():
-    handle = FakeHandle(FakeStream([Started("r"), Delta("r", 0, "a"), ActorDiedError()]), FakeStream([]))
-    _, events = run(ReplicaLoop(handle, None, block_size=4), [Submission([1, 2], PARAMS)])
+    handle = FakeHandle([FakeStream([Started("r"), Delta("r", 0, "a"), ActorDiedError()]), FakeStream([])])
+    ids, events = run(ReplicaLoop(handle, None, block_size=4), [Submission([1, 2], PARAMS)])
     assert len(handle.requests) == 1  # not retried: the client has seen output
-    assert events[-1].error_kind == "failed" and "ActorDiedError" in events[-1].error
+    assert events[-1].error_kind == "failed"
+    assert f"the engine replica serving request {ids[0]} failed" in events[-1].error
 
 
 def test_attempts_run_out_and_a_stream_that_ends_early_counts_as_a_failure():
-    handle = FakeHandle(FakeStream([Started("r")]), FakeStream([ActorDiedError()]))
+    handle = FakeHandle([FakeStream([Started("r")]), FakeStream([ActorDiedError()])])
     _, events = run(ReplicaLoop(handle, None, block_size=4, attempts=2), [Submission([1], PARAMS)])
     assert len(handle.requests) == 2 and events[-1].error_kind == "failed"
 
 
 def test_a_silent_replica_fails_the_request_after_the_stall_timeout():
     stream = FakeStream([Started("r")], block_after=True)
-    handle = FakeHandle(stream)
+    handle = FakeHandle([stream])
     loop = ReplicaLoop(handle, None, block_size=4, attempts=1, stall_timeout=0.2)
     _, events = run(loop, [Submission([1], PARAMS)])
-    assert events[-1].error_kind == "failed" and "TimeoutError" in events[-1].error and stream.cancelled
+    assert events[-1].error_kind == "failed" and "sent nothing for 0.2 s" in events[-1].error and stream.cancelled
 
 
 def test_abort_cancels_the_stream_and_ends_the_request_as_aborted():
     stream = FakeStream([Started("r")], block_after=True)
-    loop = ReplicaLoop(FakeHandle(stream), None, block_size=4)
+    loop = ReplicaLoop(FakeHandle([stream]), None, block_size=4)
 
     async def abort_soon(ids):
         await asyncio.sleep(0.05)
@@ -296,7 +227,7 @@ def test_a_full_replica_refuses_with_overloaded_which_the_app_answers_with_429()
 
 def test_the_queue_bound_and_stop():
     stream = FakeStream([], block_after=True)
-    loop = ReplicaLoop(FakeHandle(stream, FakeStream([])), None, block_size=4, max_queue=1)
+    loop = ReplicaLoop(FakeHandle([stream, FakeStream([])]), None, block_size=4, max_queue=1)
 
     async def go():
         events = []

@@ -1,14 +1,17 @@
 """pagedcore's benchmarks: ``pagedcore bench`` and ``examples/bench_*.py`` run them.
 
-Each benchmark is one module, registered in :mod:`~pagedcore.benchmarks.registry` (report order):
+Each benchmark is one module, registered in :mod:`~pagedcore.benchmarks.registry` (report order), whose
+``run(ctx)`` is its workload and nothing else: it takes the run's model, quick setting and seed from the
+:class:`~pagedcore.benchmarks.context.BenchContext`, times its variants with the one runner, serves its requests
+with the one peers module, and returns a result that describes itself in the one report shape:
 
 - :mod:`~pagedcore.benchmarks.prefix`: a long shared system prompt + many questions, ``enable(model)`` vs plain
   ``generate``.
 - :mod:`~pagedcore.benchmarks.cold`: one sequence without reuse, ``PagedCache`` (sdpa and paged attention) vs
   ``DynamicCache``.
 - :mod:`~pagedcore.benchmarks.memory`: KV bytes reserved per byte of real tokens for a mixed-length padded batch.
-- :mod:`~pagedcore.benchmarks.engine` (peers in :mod:`~pagedcore.benchmarks.engine_peers`): many requests sharing
-  a prefix, the ``Engine`` vs ``generate`` one at a time, the padded batch and transformers' continuous batching.
+- :mod:`~pagedcore.benchmarks.engine`: many requests sharing a prefix, the ``Engine`` vs ``generate`` one at a time,
+  the padded batch and transformers' continuous batching.
 - :mod:`~pagedcore.benchmarks.core`: the plain-Python bookkeeping (blocks, prefix trie, one scheduler step).
 - :mod:`~pagedcore.benchmarks.decode`: decode time per token against context length, ``PagedCache`` (both attention
   paths) vs ``DynamicCache`` and ``StaticCache``, on the run's model and a narrower-headed one.
@@ -18,13 +21,18 @@ Each benchmark is one module, registered in :mod:`~pagedcore.benchmarks.registry
 - :mod:`~pagedcore.benchmarks.scaling`: the ``Engine``'s throughput, host share and KV memory as requests and prompts
   grow, next to the compute floor.
 
-Shared: :mod:`~pagedcore.benchmarks.options` (what a run is asked for), :mod:`~pagedcore.benchmarks.context` (its
-device, dtype and shared model), :mod:`~pagedcore.benchmarks.device`, :mod:`~pagedcore.benchmarks.common` (model,
-workloads, timing), :mod:`~pagedcore.benchmarks.floor` (the compute floor: FLOPs at the measured matmul rate),
-:mod:`~pagedcore.benchmarks.steps` (forward and host time of a serving loop's steps, from model hooks),
-:mod:`~pagedcore.benchmarks.report` (markdown), :mod:`~pagedcore.benchmarks.chart` (the bar chart) and
-:mod:`~pagedcore.benchmarks.plots` (line charts), :mod:`~pagedcore.benchmarks.runner` (run, write ``results.md``,
-``engine.png`` and the line charts) and :mod:`~pagedcore.benchmarks.profiles` (the profiling scenarios).
+Shared: :mod:`~pagedcore.benchmarks.runner` (how a benchmark is timed: the clock, token stamps, warm-ups, rotating
+rounds, medians, threads, progress), :mod:`~pagedcore.benchmarks.peers` (every peer run side by side, each a small
+adapter: ``generate`` with each cache, one at a time, the padded batch, transformers' continuous batching, the
+Engine; and the equality check of their outputs), :mod:`~pagedcore.benchmarks.report` (the report shape:
+``Section``, tables, aims, the machine), :mod:`~pagedcore.benchmarks.options` (what a run is asked for),
+:mod:`~pagedcore.benchmarks.context` (its device, dtype and shared model), :mod:`~pagedcore.benchmarks.device`,
+:mod:`~pagedcore.benchmarks.common` (model, workloads, ``generate``), :mod:`~pagedcore.benchmarks.floor` (the
+compute floor: FLOPs at the measured matmul rate), :mod:`~pagedcore.benchmarks.steps` (forward and host time of a
+serving loop's steps, from model hooks), :mod:`~pagedcore.benchmarks.chart` (the bar chart) and
+:mod:`~pagedcore.benchmarks.plots` (line charts), :mod:`~pagedcore.benchmarks.suite` (run the benchmarks, write
+``results.md``, ``engine.png`` and the line charts) and :mod:`~pagedcore.benchmarks.profiles` (the profiling
+scenarios).
 
 Every model benchmark runs its peers side by side in one process, on the same model, and reports ratios next to
 their aims. Timings are wall-clock (``time.perf_counter``, after waiting for the GPU when there is one) on whatever
@@ -43,6 +51,6 @@ from __future__ import annotations
 
 from .options import BenchOptions
 from .registry import BENCHMARKS, Benchmark
-from .runner import run_all, run_benchmarks, run_one, script_main
+from .suite import run_all, run_benchmarks, run_one, script_main
 
 __all__ = ["BENCHMARKS", "BenchOptions", "Benchmark", "run_all", "run_benchmarks", "run_one", "script_main"]

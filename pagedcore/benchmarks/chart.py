@@ -1,7 +1,7 @@
 """The run's PNG chart (matplotlib, Agg): one bar panel per :class:`Panel` the results offer, side by side.
 
-A result offers panels by being :class:`Charted` (``chart_panels()`` and ``chart_title()``); the registry's
-``chart_rank`` orders them. matplotlib is imported only when a chart is drawn.
+A report section offers panels (``Section.panels``, with a ``chart_title``); the registry's ``chart_rank`` orders
+them. matplotlib is imported only when a chart is drawn.
 """
 
 from __future__ import annotations
@@ -9,9 +9,8 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
 
-__all__ = ["Charted", "Panel", "write_chart"]
+__all__ = ["Panel", "write_chart"]
 
 
 @dataclass(frozen=True)
@@ -34,27 +33,6 @@ class Panel:
     def bar_texts(self) -> list[str]:
         """The figure written over each bar."""
         return ["n/a" if v is None else self.fmt.format(v) for v in self.values]
-
-
-@runtime_checkable
-class Charted(Protocol):
-    """A result that draws in the run's chart: its panels, and a title for the figure.
-
-    Example:
-        >>> class Tally:
-        ...     def chart_panels(self) -> list[Panel]:
-        ...         return [Panel("calls", "n", ["a", "b"], [3.0, 4.0], "{:.0f}")]
-        ...     def chart_title(self) -> str:
-        ...         return "two counters"
-        >>> isinstance(Tally(), Charted), isinstance(object(), Charted)
-        (True, False)
-    """
-
-    def chart_panels(self) -> list[Panel]:
-        """Bar panels, drawn left to right."""
-
-    def chart_title(self) -> str:
-        """The figure's title when this result's panels come first."""
 
 
 def write_chart(path: str | os.PathLike[str], panels: Sequence[Panel], title: str = "") -> None:

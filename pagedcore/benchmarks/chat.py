@@ -13,32 +13,23 @@ import random
 import statistics
 from dataclasses import dataclass, field
 
-import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
 
-from pagedcore.adapters.transformers import Engine, SamplingParams
-
-from .common import (
-    BLOCK_SIZE,
-    bench_model,
-    blocks_for,
-    check_outputs,
-    clock,
-    describe_model,
-    generate,
-    left_padded,
-    progress_bar,
-    random_tokens,
-)
+from .common import BLOCK_SIZE, blocks_for, random_tokens
 from .context import BenchContext
-from .report import aim_status, machine_info, ratio, section_header, table
+from .peers import ENGINE, Batch, EnginePeer, PaddedBatch, Peer
+from .report import RATIO_HEADERS, Aim, Header, Reported, Section, Table, aim_status, ratio, sentence
+from .runner import Runner, Timed, clock
 
-__all__ = ["ChatResult", "ChatWorkload", "chat_benchmark"]
+__all__ = ["ChatResult", "ChatWorkload", "run"]
 
 PADDED = "generate, padded batch per turn"
-ENGINE = "pagedcore Engine"
-AIM_CHAT_SPEEDUP = 3.0
-AIM_CHAT_PREFILL = 1.00
+AIM_CHAT_SPEEDUP = Aim(3.0, at_most=False, fmt="{:g}x")
+AIM_CHAT_PREFILL = Aim(1.00, fmt="{:.2f}")
+PADDED_NOTE = (
+    "one `generate` call per turn (a fresh DynamicCache), max_new_tokens = the turn's largest, each reply truncated "
+    "to its own length"
+)
 
 
 @dataclass(frozen=True)
@@ -144,21 +135,19 @@ class ChatRun:
 
 
 @dataclass
-class ChatResult:
+class ChatResult(Reported):
     """A multi-turn chat served by the Engine and by the padded batch (see :func:`chat_benchmark`).
 
     Example:
         >>> chat = ChatWorkload(system=[5] * 4, users=[[[6], [7, 7]], [[8], [9]]], replies=[[2, 3], [2, 2]])
         >>> padded = ChatRun(PADDED, [3.0], [[[1, 2], [3, 4, 5]], [[1, 1], [2, 2]]], [10, 18])
         >>> served = ChatRun(ENGINE, [1.0], [[[1, 2], [3, 4, 6]], [[1, 1], [2, 2]]], [7, 4])
-        >>> result = ChatResult(True, "Llama", "laptop", chat, [padded, served], 2, "")
+        >>> result = ChatResult(Header(True, "Llama", "laptop"), chat, [padded, served], 2, "")
         >>> result.speedup(), result.prefill_ratio(), result.mismatches()
         (3.0, 1.0, [(0, 1)])
     """
 
-    quick: bool
-    model: str
-    machine: str
+    head: Header
     workload: ChatWorkload
     runs: list[ChatRun]
     repeats: int
@@ -182,7 +171,7 @@ class ChatResult:
         ref, got = self.run(PADDED).replies, self.run(ENGINE).replies
         return [(c, t) for c in range(len(ref)) for t in range(len(ref[c])) if ref[c][t] != got[c][t]]
 
-    def markdown(self) -> str:
+    def section(self) -> Section:
         """The report: workload, model, machine, per-peer and per-turn figures, the ratios with their aims."""
         w = self.workload
         users = [len(m) for conv in w.users for m in conv]
@@ -201,133 +190,99 @@ class ChatResult:
             "turn. Unique prompt tokens: the system prompt once, every user message, and the last token of each "
             "reply a later turn extends (the other reply tokens were computed as decode steps)."
         )
-        head = section_header("7. Multi-turn chat", self.quick, workload, self.model, self.machine, measured)
-        mism = self.mismatches()
+        padded, served = self.run(PADDED), self.run(ENGINE)
+        turns = Table(["turn", "prefill positions: padded batch", "prefill positions: Engine"],
+                      [[t, padded.prefill_per_turn[t], n] for t, n in enumerate(served.prefill_per_turn)])  # fmt: skip
+        return Section("7. Multi-turn chat", self.head, workload, measured,
+                       body=[self._figures(), turns, self._ratios()], notes=self._notes())  # fmt: skip
+
+    def _figures(self) -> Table:
+        mism, generated = self.mismatches(), self.workload.generated_tokens
         rows = []
         for run in self.runs:
             prefill = f"{sum(run.prefill_per_turn)}" + (f" (+{run.padding} padding)" if run.padding else "")
             same = "reference" if run.name == PADDED else ("0" if not mism else f"**{len(mism)}**")
-            rows.append(
-                [
-                    run.name,
-                    f"{run.wall:.2f} s",
-                    f"{min(run.walls):.2f} / {max(run.walls):.2f} s",
-                    f"{w.generated_tokens / run.wall:.1f}",
-                    prefill,
-                    same,
-                ]
-            )
-        figures = table(["peer", "median wall", "min / max", "gen tokens/s", "prefill positions computed",
-                         "replies differing from the padded batch"], rows)  # fmt: skip
-        padded, served = self.run(PADDED), self.run(ENGINE)
-        turn_rows = [
-            [t, padded.prefill_per_turn[t], served.prefill_per_turn[t]] for t in range(len(served.prefill_per_turn))
-        ]
-        turns = table(["turn", "prefill positions: padded batch", "prefill positions: Engine"], turn_rows)
-        speedup, reuse = self.speedup(), self.prefill_ratio()
-        partial = w.partial_block_tokens(served.replies, self.block_size)
-        whole = sum(served.prefill_per_turn) / (w.unique_prompt_tokens + partial)
-        ratios = table(
-            ["ratio", "value", "aim", "status"],
+            rows.append([run.name, f"{run.wall:.2f} s", f"{min(run.walls):.2f} / {max(run.walls):.2f} s",
+                         f"{generated / run.wall:.1f}", prefill, same])  # fmt: skip
+        return Table(["peer", "median wall", "min / max", "gen tokens/s", "prefill positions computed",
+                      "replies differing from the padded batch"], rows)  # fmt: skip
+
+    def _partial(self) -> int:
+        return self.workload.partial_block_tokens(self.run(ENGINE).replies, self.block_size)
+
+    def _ratios(self) -> Table:
+        speedup, reuse, mism = self.speedup(), self.prefill_ratio(), self.mismatches()
+        whole = sum(self.run(ENGINE).prefill_per_turn) / (self.workload.unique_prompt_tokens + self._partial())
+        return Table(
+            RATIO_HEADERS,
             [
-                ["Engine speedup vs the padded batch (median wall)", ratio(speedup), f"≥ {AIM_CHAT_SPEEDUP:g}x",
-                 aim_status(speedup >= AIM_CHAT_SPEEDUP)],
-                ["Engine prefill positions / unique prompt tokens", f"{reuse:.3f}", f"≤ {AIM_CHAT_PREFILL:.2f}",
-                 aim_status(reuse <= AIM_CHAT_PREFILL)],
+                AIM_CHAT_SPEEDUP.row("Engine speedup vs the padded batch (median wall)", ratio(speedup), speedup),
+                AIM_CHAT_PREFILL.row("Engine prefill positions / unique prompt tokens", f"{reuse:.3f}", reuse),
                 ["Engine prefill positions / (unique prompt tokens + the previous turns' partial last blocks)",
                  f"{whole:.3f}", "-", "-"],
                 ["replies identical to the padded batch's", "yes" if not mism else f"no: {len(mism)} differ",
                  "all", aim_status(not mism)],
             ],
         )  # fmt: skip
-        notes = [f"- Engine: {self.engine_config}."]
-        notes.append(
-            f"- Prefill beyond the unique tokens: {sum(served.prefill_per_turn) - w.unique_prompt_tokens} positions; "
-            f"the previous turns' last, partly filled blocks hold {partial}. The prefix cache shares whole blocks of "
-            f"{self.block_size} tokens: a turn's prompt continues the previous reply inside a block, so the positions "
-            "of that block are computed again (on average half a block per conversation and turn)."
-        )
-        notes += [f"- {run.name}: {run.note}" for run in self.runs if run.note]
+
+    def _notes(self) -> list[str]:
+        beyond = sum(self.run(ENGINE).prefill_per_turn) - self.workload.unique_prompt_tokens
+        notes = [
+            f"Engine: {self.engine_config}.",
+            f"Prefill beyond the unique tokens: {beyond} positions; the previous turns' last, partly filled blocks "
+            f"hold {self._partial()}. The prefix cache shares whole blocks of {self.block_size} tokens: a turn's "
+            "prompt continues the previous reply inside a block, so the positions of that block are computed again "
+            "(on average half a block per conversation and turn).",
+        ]
+        notes += [f"{run.name}: {sentence(run.note)}" for run in self.runs if run.note]
+        mism = self.mismatches()
         if mism:
-            notes.append(f"- First differing reply: conversation {mism[0][0]}, turn {mism[0][1]}.")
-        return f"{head}{figures}\n\n{turns}\n\n{ratios}\n\n" + "\n".join(notes) + "\n"
+            notes.append(f"First differing reply: conversation {mism[0][0]}, turn {mism[0][1]}.")
+        return notes
 
 
-def _padded_turns(model: PreTrainedModel, chat: ChatWorkload, run: ChatRun, first: bool) -> float:
-    """Every turn as one ``generate`` call on the left-padded prompts; returns the wall time."""
+@dataclass(frozen=True)
+class Conversations:
+    """What one peer's run of a chat computed: each conversation's replies, the prefill positions per turn, the
+    padding positions, and the peer's note."""
+
+    replies: list[list[list[int]]]  # [conversation][turn]
+    prefill_per_turn: list[int]
+    padding: int
+    note: str
+
+
+def _chat(model: PreTrainedModel, peer: Peer, chat: ChatWorkload) -> Timed:
+    """Every turn of ``chat`` served by one session of ``peer``, made inside the timed run: the turns' wall time."""
     replies: list[list[list[int]]] = [[] for _ in range(chat.conversations)]
-    prefill, padding = [], 0
+    prefill, padding, note = [], 0, ""
     start = clock(model.device)
-    for t in range(chat.turns):
-        prompts = [chat.prompt(c, t, replies[c]) for c in range(chat.conversations)]
-        limits = [chat.replies[c][t] for c in range(chat.conversations)]
-        width = max(len(p) for p in prompts)
-        ids, mask = left_padded(prompts, model.device)
-        with torch.inference_mode():
-            out = generate(model, ids, attention_mask=mask, max_new_tokens=max(limits), do_sample=False,
-                           cache=DynamicCache(config=model.config))  # fmt: skip
-        for c, n in enumerate(limits):
-            replies[c].append(out[c, width : width + n].tolist())
-        prefill.append(sum(len(p) for p in prompts))
-        padding += sum(width - len(p) for p in prompts)
-    wall = clock(model.device) - start
-    if first:
-        run.replies, run.prefill_per_turn, run.padding = replies, prefill, padding
-        run.note = (
-            "one `generate` call per turn (a fresh DynamicCache), max_new_tokens = the turn's largest, each reply "
-            "truncated to its own length"
-        )
-    return wall
-
-
-def _engine_turns(model: PreTrainedModel, chat: ChatWorkload, run: ChatRun, first: bool, num_blocks: int) -> float:
-    """Every turn as one ``Engine.generate`` call on one Engine made inside the timed run; returns the wall time."""
-    replies: list[list[list[int]]] = [[] for _ in range(chat.conversations)]
-    prefill: list[int] = []
-    start = clock(model.device)
-    with Engine(model, num_blocks=num_blocks, block_size=BLOCK_SIZE, max_num_seqs=chat.conversations) as served:
-        before = 0
+    with peer.session(model) as serve:
         for t in range(chat.turns):
             prompts = [chat.prompt(c, t, replies[c]) for c in range(chat.conversations)]
-            params = [SamplingParams(max_new_tokens=chat.replies[c][t], ignore_eos=True)
-                      for c in range(chat.conversations)]  # fmt: skip
-            outputs = served.generate(prompts, params, use_tqdm=False)
-            check_outputs(outputs)
-            for c, o in enumerate(outputs):
-                replies[c].append(list(o.token_ids))
-            computed = served.stats().prompt_tokens_computed
-            prefill.append(computed - before)
-            before = computed
+            served = serve(Batch(prompts, [chat.replies[c][t] for c in range(chat.conversations)]))
+            for c, tokens in enumerate(served.tokens):
+                replies[c].append(tokens)
+            prefill.append(served.prefill or 0)
+            padding, note = padding + served.padding, served.note
         wall = clock(model.device) - start
-        stats = served.stats()
-    if first:
-        run.replies, run.prefill_per_turn = replies, prefill
-        run.note = (
-            f"{stats.num_steps} steps, {stats.num_preemptions} preemptions, prefix hits {stats.prefix_hit_tokens} of "
-            f"{stats.prefix_query_tokens} looked-up prompt tokens"
-        )
-    return wall
+    return Timed(wall, Conversations(replies, prefill, padding, note))
 
 
-def chat_benchmark(
-    quick: bool = False,
-    progress: bool = True,
-    *,
-    model: PreTrainedModel | None = None,
-    seed: int = 0,
-    repeats: int | None = None,
-) -> ChatResult:
+def run(ctx: BenchContext, *, repeats: int | None = None) -> ChatResult:
     """8 conversations x 4 turns, a 256-token system prompt, 32-96-token user messages, 16-48 new tokens per reply
     (quick: 4 x 3, 64, 8-24, 4-8): the Engine vs the padded batch per turn, median of ``repeats`` rounds (default 3;
     quick 1) after a warm-up.
 
     Example:
-        >>> result = chat_benchmark(quick=True, progress=False, model=bench_model(size="tiny"))  # doctest: +SKIP
+        >>> from pagedcore.benchmarks import BenchOptions
+        >>> ctx = BenchContext(BenchOptions(quick=True, progress=False, model_size="tiny"))
+        >>> result = run(ctx)  # doctest: +SKIP
         >>> result.mismatches(), result.speedup() > 0  # doctest: +SKIP
         ([], True)
     """
+    quick, model, seed = ctx.quick, ctx.model(), ctx.options.seed
     repeats = repeats or (1 if quick else 3)
-    model = model if model is not None else bench_model(seed, quick=quick)
     rng = random.Random(seed + 7)
     vocab = model.config.vocab_size
     if quick:
@@ -338,37 +293,25 @@ def chat_benchmark(
     final = [len(chat.prompt(c, chat.turns - 1, [[0] * n for n in chat.replies[c]])) + chat.replies[c][-1]
              for c in range(chat.conversations)]  # fmt: skip
     num_blocks = sum(blocks_for(n) for n in final) * 2 + 8  # every turn's blocks, even if nothing were reused
-    machine = machine_info()
-    runs = {PADDED: ChatRun(PADDED), ENGINE: ChatRun(ENGINE)}
-
-    def once(name: str, workload: ChatWorkload, run: ChatRun, first: bool) -> float:
-        if name == PADDED:
-            return _padded_turns(model, workload, run, first)
-        return _engine_turns(model, workload, run, first, num_blocks)
-
-    bar = progress_bar(2 * (repeats + 1), "chat: Engine vs padded batch", progress)
-    for name in runs:
-        once(name, warm, ChatRun(name), False)
-        bar.update(1)
-    for r in range(repeats):
-        for name in (PADDED, ENGINE) if r % 2 == 0 else (ENGINE, PADDED):
-            runs[name].walls.append(once(name, chat, runs[name], r == 0))
-            bar.update(1)
-    bar.close()
+    peers: dict[str, Peer] = {
+        PADDED: PaddedBatch(name=PADDED),
+        ENGINE: EnginePeer(num_blocks=num_blocks, max_seqs=chat.conversations),
+    }
+    with Runner(ctx, "chat: Engine vs padded batch", 2 * (repeats + 1)) as runner:
+        runner.warm_up(list(peers), lambda name: _chat(model, peers[name], warm))
+        trials = runner.rounds(list(peers), repeats, lambda name, r: _chat(model, peers[name], chat))
+    runs = []
+    for name in peers:
+        first: Conversations = trials.outputs(name)[0]
+        note = PADDED_NOTE if name == PADDED else first.note
+        runs.append(ChatRun(name, trials.seconds(name), first.replies, first.prefill_per_turn, first.padding, note))
     return ChatResult(
-        quick=quick,
-        model=describe_model(model),
-        machine=machine,
+        head=runner.header(),
         workload=chat,
-        runs=list(runs.values()),
+        runs=runs,
         repeats=repeats,
         engine_config=(
             f"one Engine for all turns, created inside the timed run: block size {BLOCK_SIZE}, {num_blocks} blocks, "
             f"max_num_seqs {chat.conversations}, max_num_batched_tokens 512 (its default), prefix caching on"
         ),
     )
-
-
-def run(ctx: BenchContext) -> ChatResult:
-    """The registry's entry point: the benchmark on the run's model."""
-    return chat_benchmark(ctx.quick, ctx.progress, model=ctx.model(), seed=ctx.options.seed)

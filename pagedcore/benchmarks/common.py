@@ -1,32 +1,38 @@
-"""What the model benchmarks share: the benchmark model, workload helpers and the measuring tools.
+"""What the model benchmarks share: the benchmark model, workload helpers, ``generate`` and a forward counter.
 
 - Model: :func:`bench_config` / :func:`bench_model` build a Llama with random weights in one of the
   :data:`~pagedcore.benchmarks.options.MODEL_SIZES` (or the quick model), on any device and dtype;
   :func:`describe_model`, :func:`kv_bytes_per_token`, :func:`cache_tensor_bytes` describe and measure it.
 - Workloads: seeded token lists (:func:`random_tokens`), block counts, left-padded batches on the model's device.
-- Measuring: :func:`clock` (``time.perf_counter`` after waiting for the device's queued work, so GPU timings end
-  when the work does), a streamer that stamps the first generated token, a forward hook that counts the positions
-  the model computes, :func:`torch_threads`, progress bars and percentiles.
+- Generation: :func:`generate` / :func:`greedy`, :func:`attn` (the attention implementation for a block), a
+  forward hook that counts the positions the model computes (:func:`counting`).
+
+How a benchmark is timed lives in :mod:`~pagedcore.benchmarks.runner`; the peers it runs, in
+:mod:`~pagedcore.benchmarks.peers`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 import random
-import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedModel
-from transformers.generation.streamers import BaseStreamer
 
 from pagedcore.adapters.transformers import ModelKVSpec
 
 from .options import MODEL_SIZES, QUICK_MODEL
 
-__all__ = ["bench_config", "bench_model", "cache_tensor_bytes", "describe_model", "kv_bytes_per_token", "torch_threads"]
+__all__ = [
+    "bench_config",
+    "bench_model",
+    "cache_tensor_bytes",
+    "describe_model",
+    "kv_bytes_per_token",
+    "model_from_config",
+]
 
 PAD = 0
 FIRST_TOKEN = 3  # prompts draw token ids from FIRST_TOKEN .. vocab - 1 (0, 1, 2: pad, bos, eos)
@@ -77,8 +83,24 @@ def bench_model(
         >>> bench_model(size="tiny", dtype=torch.bfloat16).dtype
         torch.bfloat16
     """
+    return model_from_config(bench_config(quick, size, **overrides), seed, dtype, device, attn_implementation)
+
+
+def model_from_config(
+    config: Any,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    attn_implementation: str = "sdpa",
+) -> PreTrainedModel:
+    """A model of ``config`` with random weights drawn on the CPU from ``seed``, moved to ``device`` and ``dtype``,
+    in eval mode, generating to ``max_new_tokens`` (no eos token) with pad token 0: the benchmarks' models.
+
+    Example:
+        >>> model_from_config(bench_config(size="tiny", vocab_size=256)).config.vocab_size
+        256
+    """
     torch.manual_seed(seed)
-    config = bench_config(quick, size, **overrides)
     model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
     model = model.to(device=device, dtype=dtype).eval()
     model.generation_config.eos_token_id = None
@@ -206,88 +228,3 @@ def counting(model: PreTrainedModel) -> Iterator[ForwardCounter]:
         yield counter
     finally:
         counter.close()
-
-
-# ---------------------------------------------------------------------------------------------------- measuring
-def check_outputs(outputs: Sequence[Any]) -> None:
-    """Raise :class:`RuntimeError` when an Engine output carries an error: a benchmark measures finished requests only.
-
-    Example:
-        >>> from types import SimpleNamespace
-        >>> check_outputs([SimpleNamespace(error=None)])
-        >>> check_outputs([SimpleNamespace(error=None), SimpleNamespace(error="boom")])
-        Traceback (most recent call last):
-        ...
-        RuntimeError: 1 requests failed: boom
-    """
-    errors = [o.error for o in outputs if o.error is not None]
-    if errors:
-        raise RuntimeError(f"{len(errors)} requests failed: {errors[0]}")
-
-
-def clock(device: torch.device) -> float:
-    """``time.perf_counter()`` once the work queued on ``device`` is done (CUDA runs asynchronously)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
-
-
-class FirstTokenClock(BaseStreamer):
-    """A streamer that timestamps the first generated token (``generate`` first puts the prompt, then each token).
-
-    ``generate`` hands the streamer tokens copied to the CPU, so the stamp waits for the device to compute them.
-    """
-
-    def __init__(self) -> None:
-        self.puts = 0
-        self.first_token_time: float | None = None
-
-    def put(self, value: Any) -> None:
-        """Called by ``generate`` with the prompt, then with every new token."""
-        self.puts += 1
-        if self.puts == 2:
-            self.first_token_time = time.perf_counter()
-
-    def end(self) -> None:
-        """Called by ``generate`` at the end."""
-
-
-@contextlib.contextmanager
-def torch_threads(threads: int | None) -> Iterator[None]:
-    """Run the block with ``torch.set_num_threads(threads)`` (no change for None); restored afterwards.
-
-    On a machine where other jobs compete for the cores, one thread gives steadier (if slower) figures than as many
-    threads as cores, whose synchronisation suffers whenever one of them is descheduled.
-
-    Example:
-        >>> before = torch.get_num_threads()
-        >>> with torch_threads(1):
-        ...     torch.get_num_threads()
-        1
-        >>> torch.get_num_threads() == before
-        True
-    """
-    before = torch.get_num_threads()
-    if threads is not None:
-        torch.set_num_threads(threads)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
-def progress_bar(total: int, desc: str, enabled: bool) -> Any:
-    """A tqdm bar that vanishes when done (or a disabled one)."""
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc=desc, leave=False, disable=not enabled, dynamic_ncols=True)
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """Linear-interpolated percentile (``q`` in 0..100); NaN for no values."""
-    data = sorted(values)
-    if not data:
-        return math.nan
-    k = (len(data) - 1) * q / 100
-    lo, hi = math.floor(k), math.ceil(k)
-    return data[lo] + (data[hi] - data[lo]) * (k - lo)

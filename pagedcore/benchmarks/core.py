@@ -8,6 +8,7 @@ garbage collector paused as ``timeit`` does. Aims: 2 us per block operation, 1 m
 from __future__ import annotations
 
 import cProfile
+import functools
 import gc
 import io
 import pstats
@@ -23,7 +24,7 @@ from pagedcore import BlockManager, BlockTables, KVPool, PrefixTrie, Scheduler, 
 from pagedcore.errors import ConfigError
 
 from .context import BenchContext
-from .report import QUICK_NOTE, load_average, machine_info, num_cores, section_header
+from .report import QUICK_NOTE, Header, Reported, Section, Table, load_average, machine_info, num_cores
 
 __all__ = ["Clock", "CoreResult", "CoreSettings", "core_benchmark", "profile_report"]
 
@@ -160,83 +161,91 @@ def cached_chains(bm: BlockManager, trie: PrefixTrie, chains: list[list[int]]) -
 
 
 def bench_block_manager(s: CoreSettings, clock: Clock) -> list[Figure]:
+    """Allocation, reference counting and freeing, per block (calls of :data:`BATCH` blocks)."""
     n = BATCH * s.batches
     bm = BlockManager(n, BLOCK_SIZE)
+    note = f"calls of {BATCH} blocks"
 
     def allocate() -> tuple[int, int]:
-        t0 = clock.start()
-        held = [bm.allocate(BATCH) for _ in range(s.batches)]
-        elapsed = clock.stop(t0)
+        return _time_then_free(clock, bm, lambda: [bm.allocate(BATCH) for _ in range(s.batches)], n)
+
+    return [
+        block_figure("BlockManager.allocate (free stack)", allocate, s, note),
+        block_figure("BlockManager.retain (ref 1 -> 2)", functools.partial(_holders, bm, s, clock, "retain"), s, note),
+        block_figure("BlockManager.release (ref 2 -> 1)", functools.partial(_holders, bm, s, clock, "release"), s,
+                     note),
+        block_figure("BlockManager.release (ref 1 -> 0, to free)", functools.partial(_to_zero, bm, s, clock,
+                                                                                     "release"), s, note),
+        block_figure("BlockManager.free (ref 1 -> 0, to free)", functools.partial(_to_zero, bm, s, clock, "free"), s,
+                     note),
+        *_cached_figures(s, clock, note),
+    ]  # fmt: skip
+
+
+def _time_then_free(
+    clock: Clock, bm: BlockManager, allocate: Callable[[], list[list[int]]], units: int
+) -> tuple[int, int]:
+    """Time ``allocate()`` (which returns the block lists it allocated), then free them untimed."""
+    t0 = clock.start()
+    held = allocate()
+    elapsed = clock.stop(t0)
+    for ids in held:
+        bm.free(ids)
+    return elapsed, units
+
+
+def _holders(bm: BlockManager, s: CoreSettings, clock: Clock, op: str) -> tuple[int, int]:
+    """retain (ref 1 -> 2) or release (ref 2 -> 1) of held blocks."""
+    held = [bm.allocate(BATCH) for _ in range(s.batches)]
+    if op == "release":
         for ids in held:
-            bm.free(ids)
-        return elapsed, n
+            bm.retain(ids)
+    call = bm.retain if op == "retain" else bm.release
+    t0 = clock.start()
+    for ids in held:
+        call(ids)
+    elapsed = clock.stop(t0)
+    for ids in held:
+        bm.release(ids)
+        if op == "retain":
+            bm.release(ids)
+    return elapsed, BATCH * s.batches
 
-    def holders(op: str) -> Callable[[], tuple[int, int]]:
-        """retain (ref 1 -> 2) or release (ref 2 -> 1) of held blocks."""
 
-        def run() -> tuple[int, int]:
-            held = [bm.allocate(BATCH) for _ in range(s.batches)]
-            if op == "release":
-                for ids in held:
-                    bm.retain(ids)
-            call = bm.retain if op == "retain" else bm.release
-            t0 = clock.start()
-            for ids in held:
-                call(ids)
-            elapsed = clock.stop(t0)
-            for ids in held:
-                bm.release(ids)
-                if op == "retain":
-                    bm.release(ids)
-            return elapsed, n
+def _to_zero(bm: BlockManager, s: CoreSettings, clock: Clock, op: str) -> tuple[int, int]:
+    """release or free of blocks held once: back to the free stack."""
+    held = [bm.allocate(BATCH) for _ in range(s.batches)]
+    call = bm.release if op == "release" else bm.free
+    t0 = clock.start()
+    for ids in held:
+        call(ids[::-1])
+    return clock.stop(t0), BATCH * s.batches
 
-        return run
 
-    def to_zero(op: str) -> Callable[[], tuple[int, int]]:
-        """release or free of blocks held once: back to the free stack."""
-
-        def run() -> tuple[int, int]:
-            held = [bm.allocate(BATCH) for _ in range(s.batches)]
-            call = bm.release if op == "release" else bm.free
-            t0 = clock.start()
-            for ids in held:
-                call(ids[::-1])
-            return clock.stop(t0), n
-
-        return run
-
-    cached_bm = BlockManager(n, BLOCK_SIZE)
-    trie = PrefixTrie(cached_bm)
+def _cached_figures(s: CoreSettings, clock: Clock, note: str) -> list[Figure]:
+    """Releasing cached blocks (to the LRU list), and allocating by evicting them."""
+    n = BATCH * s.batches
+    bm = BlockManager(n, BLOCK_SIZE)
+    trie = PrefixTrie(bm)
     rng = random.Random(0)
     chains = [chain_tokens(rng, BATCH, first=c) for c in range(s.batches)]
 
     def release_cached() -> tuple[int, int]:
-        held = cached_chains(cached_bm, trie, chains)
+        held = cached_chains(bm, trie, chains)
         t0 = clock.start()
         for ids in held:
-            cached_bm.release(ids[::-1])  # tail first, as a finished sequence does
+            bm.release(ids[::-1])  # tail first, as a finished sequence does
         elapsed = clock.stop(t0)
         trie.clear()
         return elapsed, n
 
     def evict() -> tuple[int, int]:
-        for ids in cached_chains(cached_bm, trie, chains):
-            cached_bm.release(ids[::-1])
-        assert cached_bm.num_evictable_blocks == n
-        t0 = clock.start()
-        held = [cached_bm.allocate(BATCH) for _ in range(s.batches)]
-        elapsed = clock.stop(t0)
-        for ids in held:
-            cached_bm.free(ids)
-        return elapsed, n
+        for ids in cached_chains(bm, trie, chains):
+            bm.release(ids[::-1])
+        assert bm.num_evictable_blocks == n
+        return _time_then_free(clock, bm, lambda: [bm.allocate(BATCH) for _ in range(s.batches)], n)
 
-    note = f"calls of {BATCH} blocks"
     return [
-        block_figure("BlockManager.allocate (free stack)", allocate, s, note),
-        block_figure("BlockManager.retain (ref 1 -> 2)", holders("retain"), s, note),
-        block_figure("BlockManager.release (ref 2 -> 1)", holders("release"), s, note),
-        block_figure("BlockManager.release (ref 1 -> 0, to free)", to_zero("release"), s, note),
-        block_figure("BlockManager.free (ref 1 -> 0, to free)", to_zero("free"), s, note),
         block_figure("BlockManager.release (ref 1 -> 0, cached: to LRU)", release_cached, s, note),
         block_figure("allocate with LRU eviction (all evictable)", evict, s, note + "; evicts trie leaves"),
     ]
@@ -255,11 +264,10 @@ def bench_append_slot(s: CoreSettings, clock: Clock) -> list[Figure]:
         return clock.stop(t0), s.calls
 
     def new_block() -> tuple[int, int]:
-        t0 = clock.start()
-        out = [bm.append_slot(table, TABLE_TOKENS, 1) for _ in range(s.calls)]  # each allocates one block
-        elapsed = clock.stop(t0)
-        bm.free([o.new_block_ids[0] for o in out])
-        return elapsed, s.calls
+        def append() -> list[list[int]]:  # each call allocates one block
+            return [bm.append_slot(table, TABLE_TOKENS, 1).new_block_ids for _ in range(s.calls)]
+
+        return _time_then_free(clock, bm, append, s.calls)
 
     pool = KVPool(-(-(TABLE_TOKENS + s.calls) // BLOCK_SIZE) + 1, BLOCK_SIZE)
 
@@ -345,16 +353,13 @@ def bench_trie(s: CoreSettings, clock: Clock) -> list[Figure]:
 # ---------------------------------------------------------------- scheduler
 
 
-def bench_scheduler(s: CoreSettings, clock: Clock) -> list[Figure]:
-    budget = 16_384
-    profile_steps = 32
-    # Sequences whose prefill is done decode while later ones still prefill (decodes go first): leave room for
-    # those tokens too, so that nothing finishes or is preempted during the timed (and profiled) steps.
-    max_new = s.decode_steps + 2 * profile_steps + s.num_seqs * s.seq_tokens // budget + 2 * BLOCK_SIZE
+def _decoding_scheduler(s: CoreSettings, budget: int, max_new: int) -> tuple[Scheduler, float]:
+    """A scheduler with ``s.num_seqs`` sequences of ``s.seq_tokens`` tokens, every prefill done (so every step from
+    here on is a decode step); the prefill's seconds."""
     blocks_per_seq = -(-(s.seq_tokens + max_new) // BLOCK_SIZE)
     num_blocks = int(s.num_seqs * blocks_per_seq / 0.98) + 1  # + the 1% admission watermark
-    pool = KVPool(num_blocks, BLOCK_SIZE)
-    sched = Scheduler(pool, SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=s.num_seqs))
+    sched = Scheduler(KVPool(num_blocks, BLOCK_SIZE), SchedulerConfig(max_num_batched_tokens=budget,
+                                                                      max_num_seqs=s.num_seqs))  # fmt: skip
     rng = random.Random(3)
     for i in range(s.num_seqs):
         # Distinct prompts; lengths staggered over a block so block boundaries are crossed on different steps.
@@ -366,9 +371,17 @@ def bench_scheduler(s: CoreSettings, clock: Clock) -> list[Figure]:
     while sched.num_waiting or any(seq.num_uncomputed_tokens > 1 for seq in sched.sequences()):
         out = sched.schedule()
         sched.update(out, {item.request_id: [7] for item in out.scheduled if item.sample})
-    prefill_s = time.perf_counter() - t_prefill
-    sampled = {f"r{i}": [7] for i in range(s.num_seqs)}  # the model's part, prepared once
+    return sched, time.perf_counter() - t_prefill
 
+
+def bench_scheduler(s: CoreSettings, clock: Clock) -> list[Figure]:
+    """One decode step of ``s.num_seqs`` running sequences: ``schedule()`` alone, and with ``update()``."""
+    budget, profile_steps = 16_384, 32
+    # Sequences whose prefill is done decode while later ones still prefill (decodes go first): leave room for
+    # those tokens too, so that nothing finishes or is preempted during the timed (and profiled) steps.
+    max_new = s.decode_steps + 2 * profile_steps + s.num_seqs * s.seq_tokens // budget + 2 * BLOCK_SIZE
+    sched, prefill_s = _decoding_scheduler(s, budget, max_new)
+    sampled = {f"r{i}": [7] for i in range(s.num_seqs)}  # the model's part, prepared once
     schedule_ms: list[float] = []
     step_ms: list[float] = []
     with no_gc():
@@ -396,19 +409,20 @@ def bench_scheduler(s: CoreSettings, clock: Clock) -> list[Figure]:
 
         return run
 
-    def spread(samples: list[float]) -> str:
-        ordered = sorted(samples)
-        return f"min {ordered[0]:.3f}, p90 {ordered[int(0.9 * (len(ordered) - 1))]:.3f}, max {ordered[-1]:.3f}"
-
     note = f"{s.num_seqs} seqs x {s.seq_tokens} tokens decoding; {s.decode_steps} steps (prefill: {prefill_s:.1f} s)"
     per_seq = statistics.median(step_ms) * 1e3 / s.num_seqs
     return [
-        Figure("Scheduler.schedule()", statistics.median(schedule_ms), spread(schedule_ms), "ms/step", AIM_STEP_MS,
+        Figure("Scheduler.schedule()", statistics.median(schedule_ms), _spread(schedule_ms), "ms/step", AIM_STEP_MS,
                note, rerun(False)),
-        Figure("Scheduler.schedule() + update()", statistics.median(step_ms), spread(step_ms), "ms/step",
+        Figure("Scheduler.schedule() + update()", statistics.median(step_ms), _spread(step_ms), "ms/step",
                AIM_STEP_MS, "one decode step of bookkeeping", rerun(True)),
         Figure("... per sequence", per_seq, "", "us/seq", None, "schedule() + update() / sequences"),
     ]  # fmt: skip
+
+
+def _spread(samples: list[float]) -> str:
+    ordered = sorted(samples)
+    return f"min {ordered[0]:.3f}, p90 {ordered[int(0.9 * (len(ordered) - 1))]:.3f}, max {ordered[-1]:.3f}"
 
 
 # ---------------------------------------------------------------- report
@@ -432,7 +446,7 @@ def load_note(load: float | None) -> str:
 
 
 @dataclass
-class CoreResult:
+class CoreResult(Reported):
     """The bookkeeping figures of one run, and how they were taken.
 
     Example:
@@ -462,7 +476,7 @@ class CoreResult:
         """The operations that missed their aim."""
         return [f.name for f in self.figures if f.ok is False]
 
-    def markdown(self) -> str:
+    def section(self) -> Section:
         """The report: workload, machine, how it was measured, and one row per operation."""
         s = self.settings
         workload = (
@@ -475,26 +489,22 @@ class CoreResult:
             f"around the operation alone (setup and clean-up untimed); gc paused while timing; load "
             f"{load_note(self.load)}; total {self.seconds:.1f} s"
         )
-        head = section_header(
-            "5. Bookkeeping core: blocks, prefix trie, scheduler",
-            self.quick,
-            workload,
-            "none: plain-Python bookkeeping (no tensors, no torch)",
-            f"{self.machine}; {self.python_speed}",
-            measured,
-            quick_note=QUICK_NOTE.replace("a smaller model and fewer tokens", "fewer repetitions"),
-        )
-        lines = [
-            "| operation | median | unit | aim | status | spread | notes |",
-            "|---|---:|---|---:|---|---|---|",
-        ]
+        rows = []
         for f in self.figures:
             aim = "" if f.aim is None else f"<= {f.aim:g}"
             status = "" if f.ok is None else ("ok" if f.ok else "MISSED")
-            lines.append(f"| {f.name} | {f.median:.3f} | {f.unit} | {aim} | {status} | {f.spread} | {f.note} |")
+            rows.append([f.name, f"{f.median:.3f}", f.unit, aim, status, f.spread, f.note])
+        figures = Table(["operation", "median", "unit", "aim", "status", "spread", "notes"], rows,
+                        align=["---", "---:", "---", "---:", "---", "---", "---"])  # fmt: skip
         missed = self.missed
-        lines += ["", f"Missed aims: {'; '.join(missed)}." if missed else "Every aim met."]
-        return head + "\n".join(lines) + "\n"
+        verdict = f"Missed aims: {'; '.join(missed)}." if missed else "Every aim met."
+        header = Header(self.quick, "none: plain-Python bookkeeping (no tensors, no torch)",
+                        f"{self.machine}; {self.python_speed}")  # fmt: skip
+        return Section(
+            "5. Bookkeeping core: blocks, prefix trie, scheduler", header, workload, measured,
+            body=[figures, verdict],
+            quick_note=QUICK_NOTE.replace("a smaller model and fewer tokens", "fewer repetitions"),
+        )  # fmt: skip
 
 
 def core_benchmark(

@@ -4,24 +4,43 @@ one request at a time, ``generate`` on the padded batch and transformers' own co
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
 from dataclasses import dataclass
 
-from transformers import PreTrainedModel
-
-from . import engine_peers
 from .chart import Panel
-from .common import BLOCK_SIZE, bench_model, blocks_for, describe_model, percentile, progress_bar, random_tokens
+from .common import BLOCK_SIZE, blocks_for, random_tokens
 from .context import BenchContext
-from .engine_peers import ENGINE, HF_CONTINUOUS, ONE_AT_A_TIME, PADDED_BATCH, PeerResult
 from .floor import ComputeFloor, Segment, compute_floor
-from .report import aim_status, machine_info, mib, ratio, section_header, table
+from .peers import (
+    ENGINE,
+    HF_CONTINUOUS,
+    ONE_AT_A_TIME,
+    PADDED_BATCH,
+    Batch,
+    ContinuousBatching,
+    EnginePeer,
+    OneAtATime,
+    PaddedBatch,
+    Peer,
+    PeerResult,
+    measure_all,
+)
+from .report import RATIO_HEADERS, Aim, Header, Reported, Section, Table, mib, ratio, sentence
+from .runner import Runner, percentile
 
-__all__ = ["EngineResult", "engine_benchmark", "shared_prefix_segments", "shared_prefix_workload"]
+__all__ = [
+    "EngineResult",
+    "run",
+    "shared_prefix_peers",
+    "shared_prefix_segments",
+    "shared_prefix_workload",
+]
 
-AIM_ENGINE_PREFILL_RATIO = 1.05
-AIM_ENGINE_SPEEDUP = {ONE_AT_A_TIME: 3.0, PADDED_BATCH: 3.0, HF_CONTINUOUS: 3.0}
-AIM_FLOOR_RATIO = 1.7  # Engine wall / compute floor (issue 13: 4.0 s on the reference 2-core machine)
+AIM_ENGINE_PREFILL_RATIO = Aim(1.05)
+AIM_ENGINE_SPEEDUP = {name: Aim(3.0, at_most=False, fmt="{:g}x") for name in (ONE_AT_A_TIME, PADDED_BATCH,
+                                                                                HF_CONTINUOUS)}  # fmt: skip
+AIM_FLOOR_RATIO = Aim(1.7, fmt="{:g}x")  # Engine wall / compute floor (issue 13: 4.0 s on the reference 2-core machine)
+HEADERS = ["peer", "wall", "gen tokens/s", "p50 latency", "p99 latency", "prefill tokens computed", "peak KV",
+           "greedy mismatches vs one-at-a-time"]  # fmt: skip
 
 
 def shared_prefix_segments(prefix_tokens: int, unique_lengths: list[int], new_tokens: list[int]) -> list[Segment]:
@@ -40,13 +59,13 @@ def shared_prefix_segments(prefix_tokens: int, unique_lengths: list[int], new_to
 
 
 @dataclass
-class EngineResult:
+class EngineResult(Reported):
     """Requests sharing a prefix served by the Engine and its peers (see :class:`PeerResult`).
 
     Example:
         >>> peers = [PeerResult("generate, one at a time", wall=6.0, generated_tokens=24),
         ...          PeerResult("pagedcore Engine", wall=1.5, generated_tokens=24)]
-        >>> result = EngineResult(quick=True, model="Llama", machine="laptop", prefix_tokens=256,
+        >>> result = EngineResult(Header(True, "Llama", "laptop"), prefix_tokens=256,
         ...     unique_lengths=[8, 16], new_tokens=[8, 16], peers=peers, engine_config="", hf_config="",
         ...     floor=ComputeFloor(flops=1e9, rate=1e9, rows=512, tokens=302))
         >>> result.prompt_tokens, result.unique_tokens
@@ -57,9 +76,7 @@ class EngineResult:
         1.5
     """
 
-    quick: bool
-    model: str
-    machine: str
+    head: Header
     prefix_tokens: int
     unique_lengths: list[int]
     new_tokens: list[int]
@@ -92,11 +109,10 @@ class EngineResult:
         other, engine = self.peer(name).wall, self.peer(ENGINE).wall
         return other / engine if other and engine else None
 
-    def markdown(self) -> str:
+    def section(self) -> Section:
         """The report: workload, model, machine, per-peer figures and the Engine's ratios with their aims."""
-        n = len(self.unique_lengths)
         workload = (
-            f"{n} requests: a shared {self.prefix_tokens}-token prefix followed by "
+            f"{len(self.unique_lengths)} requests: a shared {self.prefix_tokens}-token prefix followed by "
             f"{min(self.unique_lengths)}-{max(self.unique_lengths)} unique tokens, "
             f"{min(self.new_tokens)}-{max(self.new_tokens)} new tokens each (seeded), greedy, eos ignored; all "
             f"requests arrive at once. {self.prompt_tokens} prompt tokens, {self.unique_tokens} unique, "
@@ -110,82 +126,57 @@ class EngineResult:
             "`stats().prompt_tokens_computed`; every peer also cross-checked by counting the positions each model "
             "forward computes (minus one decode position per generated token after the first)."
         )
-        head = section_header("4. Continuous batching with a shared prefix", self.quick, workload, self.model,
-                              self.machine, measured)  # fmt: skip
-        rows = []
-        for p in self.peers:
-            if p.error is not None:
-                rows.append([p.name, p.error, "n/a", "n/a", "n/a", "n/a", "n/a", "n/a"])
-                continue
-            prefill = "n/a" if p.prefill_computed is None else f"{p.prefill_computed}"
-            if p.padding_computed:
-                prefill += f" (+{p.padding_computed} padding)"
-            kv = "n/a" if p.peak_kv_bytes is None else mib(p.peak_kv_bytes)
-            rows.append(
-                [
-                    p.name,
-                    f"{p.wall:.2f} s",
-                    f"{p.tokens_per_second:.1f}",
-                    f"{percentile(p.latencies, 50):.2f} s",
-                    f"{percentile(p.latencies, 99):.2f} s",
-                    prefill,
-                    f"{kv} ({p.kv_how})",
-                    "reference"
-                    if p.name == ONE_AT_A_TIME
-                    else (f"{len(p.mismatches)} of {n}" if p.mismatches else "0"),
-                ]
-            )
-        figures = table(
-            ["peer", "wall", "gen tokens/s", "p50 latency", "p99 latency", "prefill tokens computed", "peak KV",
-             "greedy mismatches vs one-at-a-time"],
-            rows,
+        figures = Table(HEADERS, [self._peer_row(p) for p in self.peers])
+        suffix = " (quick workload)" if self.head.quick else ""
+        return Section(
+            "4. Continuous batching with a shared prefix", self.head, workload, measured,
+            body=[figures, Table(RATIO_HEADERS, self._ratio_rows())],
+            notes=self._notes(),
+            panels=self._panels(),
+            chart_title=f"{len(self.unique_lengths)} requests sharing a {self.prefix_tokens}-token prefix{suffix}",
         )  # fmt: skip
-        ratio_rows = []
+
+    def _peer_row(self, p: PeerResult) -> list[str]:
+        if p.error is not None or p.wall is None:
+            return [p.name, p.error or "n/a", *["n/a"] * 6]
+        prefill = "n/a" if p.prefill_computed is None else f"{p.prefill_computed}"
+        if p.padding_computed:
+            prefill += f" (+{p.padding_computed} padding)"
+        kv = "n/a" if p.peak_kv_bytes is None else mib(p.peak_kv_bytes)
+        n = len(self.unique_lengths)
+        same = "reference" if p.name == ONE_AT_A_TIME else (f"{len(p.mismatches)} of {n}" if p.mismatches else "0")
+        return [p.name, f"{p.wall:.2f} s", f"{p.tokens_per_second:.1f}", f"{percentile(p.latencies, 50):.2f} s",
+                f"{percentile(p.latencies, 99):.2f} s", prefill, f"{kv} ({p.kv_how})", same]  # fmt: skip
+
+    def _ratio_rows(self) -> list[list[str]]:
+        rows = []
         for name, aim in AIM_ENGINE_SPEEDUP.items():
             s = self.speedup(name)
-            ratio_rows.append(
-                [
-                    f"Engine speedup vs {name} (wall)",
-                    "n/a" if s is None else ratio(s),
-                    f"≥ {aim:g}x",
-                    "n/a" if s is None else aim_status(s >= aim),
-                ]
-            )
+            rows.append(aim.row(f"Engine speedup vs {name} (wall)", "n/a" if s is None else ratio(s), s))
         engine = self.peer(ENGINE)
         if engine.prefill_computed is not None:
             r = engine.prefill_computed / self.unique_tokens
-            ratio_rows.append(
-                [
-                    "Engine prefill tokens computed / unique tokens",
-                    f"{r:.3f}",
-                    f"≤ {AIM_ENGINE_PREFILL_RATIO:g}",
-                    aim_status(r <= AIM_ENGINE_PREFILL_RATIO),
-                ]
-            )
+            rows.append(AIM_ENGINE_PREFILL_RATIO.row("Engine prefill tokens computed / unique tokens", f"{r:.3f}", r))
         floor_ratio = self.floor_ratio()
         if floor_ratio is not None and self.floor is not None:
-            ratio_rows.append(
-                [
-                    f"Engine wall / compute floor ({self.floor.seconds:.2f} s)",
-                    ratio(floor_ratio),
-                    f"≤ {AIM_FLOOR_RATIO:g}x",
-                    aim_status(floor_ratio <= AIM_FLOOR_RATIO),
-                ]
-            )
-        ratios = table(["ratio", "value", "aim", "status"], ratio_rows)
-        notes = [f"- Engine: {self.engine_config}.", f"- {HF_CONTINUOUS}: {self.hf_config}."]
+            label = f"Engine wall / compute floor ({self.floor.seconds:.2f} s)"
+            rows.append(AIM_FLOOR_RATIO.row(label, ratio(floor_ratio), floor_ratio))
+        return rows
+
+    def _notes(self) -> list[str]:
+        notes = [f"Engine: {self.engine_config}.", f"{HF_CONTINUOUS}: {self.hf_config}."]
         if self.floor is not None:
             notes.append(
-                f"- Compute floor: the FLOPs of the positions the workload must compute (the shared prefix once, each "
+                f"Compute floor: the FLOPs of the positions the workload must compute (the shared prefix once, each "
                 f"request's own prompt tokens, each generated token but the last as a decode step; projections, MLP, "
                 f"attention over each position's context, the LM head for each sampled row): {self.floor.describe()}."
             )
-        notes += [f"- {p.name}: {p.note}" for p in self.peers if p.note]
+        notes += [f"{p.name}: {sentence(p.note.strip())}" for p in self.peers if p.note]
         mism = [p for p in self.peers if p.mismatches and p.name != ONE_AT_A_TIME]
-        notes += [f"- {p.name}: greedy tokens differ from one-at-a-time for requests {p.mismatches}." for p in mism]
-        return f"{head}{figures}\n\n{ratios}\n\n" + "\n".join(notes) + "\n"
+        notes += [f"{p.name}: greedy tokens differ from one-at-a-time for requests {p.mismatches}." for p in mism]
+        return notes
 
-    def chart_panels(self) -> list[Panel]:
+    def _panels(self) -> list[Panel]:
         """The chart's panels: wall time and generated tokens/s per peer (``n/a`` for a peer that could not run)."""
         labels = [p.name.replace("generate, ", "generate\n").replace(" continuous", "\ncontinuous") for p in self.peers]
         walls = [None if p.error is not None else p.wall or 0.0 for p in self.peers]
@@ -194,11 +185,6 @@ class EngineResult:
             Panel("wall time (lower is better)", "s", labels, walls, "{:.2f}"),
             Panel("generated tokens/s (higher is better)", "tok/s", labels, rates, "{:.0f}"),
         ]
-
-    def chart_title(self) -> str:
-        """The chart's title: the workload in a few words."""
-        suffix = " (quick workload)" if self.quick else ""
-        return f"{len(self.unique_lengths)} requests sharing a {self.prefix_tokens}-token prefix{suffix}"
 
 
 def shared_prefix_workload(
@@ -224,69 +210,55 @@ def shared_prefix_workload(
     return prefix_len, prompts, news, warm
 
 
-def engine_benchmark(
-    quick: bool = False, progress: bool = True, *, model: PreTrainedModel | None = None, seed: int = 0
-) -> EngineResult:
+def shared_prefix_peers(num_blocks: int, budget: int, count: int, longest: int) -> list[Peer]:
+    """The engine benchmark's peers, the reference first: ``generate`` one at a time, on the padded batch,
+    transformers' continuous batching and the Engine, the last two with ``num_blocks`` blocks, a token budget of
+    ``budget`` per step and room for ``count`` requests.
+
+    Example:
+        >>> [peer.name for peer in shared_prefix_peers(64, 512, 32, 16)]
+        ['generate, one at a time', 'generate, padded batch', 'transformers continuous batching', 'pagedcore Engine']
+    """
+    return [
+        OneAtATime(),
+        PaddedBatch(),
+        ContinuousBatching(num_blocks=num_blocks, budget=budget, max_requests=count, max_new_tokens=longest),
+        EnginePeer(num_blocks=num_blocks, budget=budget, max_seqs=count),
+    ]
+
+
+def run(ctx: BenchContext) -> EngineResult:
     """32 requests: a shared 512-token prefix + 16-64 unique tokens, 16-64 new tokens each (quick: 16 requests,
     256-token prefix, 8-32 unique, 8-16 new). Compares the Engine with ``generate`` one request at a time,
     ``generate`` on the left-padded batch and transformers' continuous batching, and the Engine's wall time with the
     workload's compute floor (:mod:`~pagedcore.benchmarks.floor`, measured after the peers); see :class:`EngineResult`.
 
     Example:
-        >>> model = bench_model(quick=True)   # what quick=True builds when no model is given
-        >>> model.config.vocab_size
-        8000
-        >>> result = engine_benchmark(quick=True, progress=False, model=model)  # doctest: +SKIP
+        >>> from pagedcore.benchmarks import BenchOptions
+        >>> ctx = BenchContext(BenchOptions(quick=True, progress=False, model_size="tiny"))
+        >>> result = run(ctx)  # doctest: +SKIP
         >>> [peer.name for peer in result.peers]  # doctest: +SKIP
         ['generate, one at a time', 'generate, padded batch', 'transformers continuous batching', 'pagedcore Engine']
         >>> result.speedup("generate, one at a time") >= 3.0  # the aim  # doctest: +SKIP
         True
     """
-    model = model if model is not None else bench_model(seed, quick=quick)
+    quick, model, seed = ctx.quick, ctx.model(), ctx.options.seed
     prefix_len, prompts, news, warm = shared_prefix_workload(quick, model.config.vocab_size, seed)
     count = len(prompts)
     num_blocks = sum(blocks_for(len(p) + n) for p, n in zip(prompts, news)) + 8
     budget = prefix_len  # tokens per step: 512 (the Engine's default) in the full workload, scaled down with --quick
-    machine = machine_info()
-
-    runs: list[tuple[str, Callable[[], PeerResult]]] = [
-        (ONE_AT_A_TIME, lambda: engine_peers.one_at_a_time(model, prompts, news, warm, progress)),
-        (PADDED_BATCH, lambda: engine_peers.padded_batch(model, prompts, news, warm)),
-        (HF_CONTINUOUS, lambda: engine_peers.hf_continuous(model, prompts, news, warm, num_blocks, budget, progress)),
-        (ENGINE, lambda: engine_peers.engine(model, prompts, news, warm, num_blocks, budget, progress)),
-    ]
-    peers: list[PeerResult] = []
-    bar = progress_bar(len(runs), "engine benchmark: peers", progress)
-    for name, fn in runs:
-        bar.set_postfix_str(name)
-        try:
-            peer = fn()
-        except Exception as exc:  # a peer that cannot run keeps its row with the reason
-            peer = PeerResult(name, error=f"n/a ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})")
-        peers.append(peer)
-        bar.update(1)
-    bar.close()
-    reference = peers[0].tokens
-    for peer in peers:
-        if reference is not None and peer.tokens is not None:
-            peer.mismatches = [i for i, (a, b) in enumerate(zip(reference, peer.tokens)) if a != b]
-        if peer.counted_positions is not None and peer.error is None:
-            computed = peer.counted_positions - peer.decode_positions - peer.padding_computed
-            if peer.prefill_computed is None:
-                peer.prefill_computed = computed
-            elif computed != peer.prefill_computed:
-                peer.note += f" Forward-hook count of prefill positions: {computed} (differs from its own counter)."
+    peers = shared_prefix_peers(num_blocks, budget, count, max(news))
+    warm_batch = Batch([warm[0], warm[1][8:]], [2, 2])  # 24 tokens, and 16 (after 8 padding positions when padded)
+    with Runner(ctx, "engine benchmark: peers", len(peers)) as runner:
+        results = measure_all(model, peers, Batch(prompts, news), warm_batch, runner)
     unique_lengths = [len(p) - prefix_len for p in prompts]
-    floor = compute_floor(model, shared_prefix_segments(prefix_len, unique_lengths, news))
     return EngineResult(
-        quick=quick,
-        model=describe_model(model),
-        machine=machine,
+        head=runner.header(),
         prefix_tokens=prefix_len,
         unique_lengths=unique_lengths,
         new_tokens=news,
-        peers=peers,
-        floor=floor,
+        peers=results,
+        floor=compute_floor(model, shared_prefix_segments(prefix_len, unique_lengths, news)),
         engine_config=(
             f"block size {BLOCK_SIZE}, {num_blocks} blocks (room for every request without sharing), "
             f"max_num_batched_tokens {budget} (tokens computed per step; the same budget for transformers' continuous "
@@ -303,8 +275,3 @@ def engine_benchmark(
             "(used blocks at the peak are not exposed)"
         ),
     )
-
-
-def run(ctx: BenchContext) -> EngineResult:
-    """The registry's entry point: the benchmark on the run's model."""
-    return engine_benchmark(ctx.quick, ctx.progress, model=ctx.model(), seed=ctx.options.seed)

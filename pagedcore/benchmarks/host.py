@@ -18,35 +18,30 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from transformers import GenerationConfig, PreTrainedModel
+from transformers import PreTrainedModel
 
 from pagedcore.adapters.transformers import Engine, SamplingParams
 
-from .common import (
-    BLOCK_SIZE,
-    PAD,
-    attn,
-    bench_model,
-    blocks_for,
-    check_outputs,
-    describe_model,
-    progress_bar,
-    random_tokens,
-)
+from .common import BLOCK_SIZE, blocks_for, random_tokens
 from .context import BenchContext
-from .engine_peers import finished_results
-from .report import aim_status, machine_info, section_header, table
+from .peers import Batch, ContinuousBatching, EnginePeer, check_outputs
+from .report import Aim, Header, Reported, Section, Table
+from .runner import Runner, rotated
 from .steps import StepTimes, logging_forwards
 
-__all__ = ["HostPoint", "HostResult", "host_benchmark"]
+__all__ = ["HostPoint", "HostResult", "run"]
 
 ENGINE = "pagedcore Engine"
 HF = "transformers continuous batching"
-AIM_HOST_MS = {64: 1.0, 256: 3.0}  # Engine host milliseconds per step at that many decoding sequences
+AIM_HOST_MS = {64: Aim(1.0, fmt="{:g} ms"), 256: Aim(3.0, fmt="{:g} ms")}  # Engine host ms per step at N sequences
 OWN = 16  # each sequence's own prompt tokens after the shared part (one block)
 HEADROOM = 32  # prompts are this much shorter than the context: the decode steps stay within it (and the model's)
 BUDGET = 512  # max_num_batched_tokens / max_batch_tokens
 HF_LIMIT = 64 * 64 * 512  # transformers' CPU path attends each of N queries to all N x context keys read: N^2 x C
+HEADERS = ["context", "sequences", "Engine host ms/step", "Engine forward ms/step", "Engine host share",
+           "Engine schedule / prepare / sample / record ms", "transformers host ms/step",
+           "transformers forward ms/step", "transformers / Engine host", "aim", "status",
+           "same greedy tokens"]  # fmt: skip
 
 
 @dataclass
@@ -73,20 +68,18 @@ class HostPoint:
 
 
 @dataclass
-class HostResult:
+class HostResult(Reported):
     """Host milliseconds per decode step by context and running sequences.
 
     Example:
         >>> point = HostPoint(512, 64, {ENGINE: StepTimes([0.05] * 3, [0.0008, 0.0009, 0.0012]),
         ...     HF: StepTimes([0.07] * 3, [0.004] * 3)}, tokens={ENGINE: [[1]], HF: [[1]]})
-        >>> result = HostResult(True, "Llama", "laptop", [point], 4, 2, "")
+        >>> result = HostResult(Header(True, "Llama", "laptop"), [point], 4, 2, "")
         >>> result.missed(), point.identical()
         ([], True)
     """
 
-    quick: bool
-    model: str
-    machine: str
+    head: Header
     points: list[HostPoint]
     timed_steps: int
     warm_steps: int
@@ -97,10 +90,10 @@ class HostResult:
         return [
             f"{p.seqs} sequences at {p.context}: {p.times[ENGINE].host_ms:.2f} ms"
             for p in self.points
-            if ENGINE in p.times and p.seqs in AIM_HOST_MS and p.times[ENGINE].host_ms > AIM_HOST_MS[p.seqs]
+            if ENGINE in p.times and p.seqs in AIM_HOST_MS and not AIM_HOST_MS[p.seqs].met(p.times[ENGINE].host_ms)
         ]
 
-    def markdown(self) -> str:
+    def section(self) -> Section:
         """The report: workload, model, machine, the table of points and the aims."""
         contexts = sorted({p.context for p in self.points})
         seqs = sorted({p.seqs for p in self.points})
@@ -121,36 +114,29 @@ class HostResult:
             f"median over the next {self.timed_steps}. Each point runs both peers, their order alternating from point "
             "to point."
         )
-        head = section_header("8. Host overhead per decode step", self.quick, workload, self.model, self.machine,
-                              measured)  # fmt: skip
-        rows = []
-        for p in self.points:
-            e, h = p.times.get(ENGINE), p.times.get(HF)
-            aim = AIM_HOST_MS.get(p.seqs)
-            same = p.identical()
-            rows.append(
-                [
-                    p.context,
-                    p.seqs,
-                    f"{e.host_ms:.2f}" if e else p.skipped.get(ENGINE, "n/a"),
-                    f"{e.forward_ms:.1f}" if e else "n/a",
-                    f"{100 * e.host_share:.1f}%" if e else "n/a",
-                    _split(e),
-                    f"{h.host_ms:.2f}" if h else p.skipped.get(HF, "n/a"),
-                    f"{h.forward_ms:.1f}" if h else "n/a",
-                    f"{h.host_ms / e.host_ms:.1f}x" if e and h else "n/a",
-                    f"≤ {aim:g} ms" if aim else "-",
-                    aim_status(e.host_ms <= aim) if aim and e else "-",
-                    "n/a" if same is None else ("yes" if same else "**no**"),
-                ]
-            )
-        headers = ["context", "sequences", "Engine host ms/step", "Engine forward ms/step", "Engine host share",
-                   "Engine schedule / prepare / sample / record ms",
-                   "transformers host ms/step", "transformers forward ms/step", "transformers / Engine host", "aim",
-                   "status", "same greedy tokens"]  # fmt: skip
         missed = self.missed()
         verdict = "Every aim met." if not missed else f"Above the aim: {'; '.join(missed)}."
-        return f"{head}{table(headers, rows)}\n\n{verdict}\n\n- {self.configs}\n"
+        return Section("8. Host overhead per decode step", self.head, workload, measured,
+                       body=[Table(HEADERS, [_row(p) for p in self.points]), verdict],
+                       notes=[self.configs])  # fmt: skip
+
+
+def _row(p: HostPoint) -> list[str]:
+    e, h = p.times.get(ENGINE), p.times.get(HF)
+    aim, same = AIM_HOST_MS.get(p.seqs), p.identical()
+    engine = [f"{e.host_ms:.2f}", f"{e.forward_ms:.1f}", f"{100 * e.host_share:.1f}%", _split(e)] if e else [
+        p.skipped.get(ENGINE, "n/a"), "n/a", "n/a", "n/a"]  # fmt: skip
+    hf = [f"{h.host_ms:.2f}", f"{h.forward_ms:.1f}"] if h else [p.skipped.get(HF, "n/a"), "n/a"]
+    return [
+        str(p.context),
+        str(p.seqs),
+        *engine,
+        *hf,
+        f"{h.host_ms / e.host_ms:.1f}x" if e and h else "n/a",
+        aim.text if aim else "-",
+        aim.status(e.host_ms) if aim and e else "-",
+        "n/a" if same is None else ("yes" if same else "**no**"),
+    ]
 
 
 def _split(times: StepTimes | None) -> str:
@@ -185,42 +171,18 @@ def _hf_point(
 ) -> tuple[StepTimes, list[list[int]]]:
     """transformers' continuous batching (the manager ``generate_batch`` runs): the shared prompt part first, as its
     own request, so that the others find its blocks; then every prompt at once."""
-    from transformers.generation.configuration_utils import ContinuousBatchingConfig
-
     n = len(prompts)
-    config = ContinuousBatchingConfig(
-        page_size=BLOCK_SIZE,
-        num_blocks=n * blocks_for(prompt_len + new) + blocks_for(prompt_len) + 8,  # to read every sequence's keys
-        max_batch_tokens=BUDGET,
-        max_requests_per_batch=max(n, 1),
-        allow_block_sharing=True,
-    )
-    generation = GenerationConfig(
-        do_sample=False, eos_token_id=-1, pad_token_id=PAD, max_new_tokens=new, bos_token_id=1
-    )
-
-    def results(manager: Any, ids: dict[str, int]) -> dict[int, list[int]]:
-        return {ids[r.request_id]: list(r.generated_tokens) for r in finished_results(manager, len(ids))}
-
-    manager_context = model.continuous_batching_context_manager(  # type: ignore[operator]
-        generation_config=generation, continuous_batching_config=config, block=True, timeout=30, warmup=False
-    )
-    with attn(model, "sdpa"), logging_forwards(model) as log, manager_context as manager:
-        manager.add_request(warm_prompt, request_id="warm", max_new_tokens=2, eos_token_id=-1)
-        results(manager, {"warm": 0})
-        ids = {}
-        for i, prompt in enumerate(prompts):
-            ids[manager.add_request(prompt, request_id=f"r{i}", max_new_tokens=new, eos_token_id=-1)] = i
-        done = results(manager, ids)
-    return log.decode_steps(n, prompt_len, skip=warm), [done[i] for i in range(n)]
+    num_blocks = n * blocks_for(prompt_len + new) + blocks_for(prompt_len) + 8  # to read every sequence's keys
+    peer = ContinuousBatching(num_blocks=num_blocks, budget=BUDGET, max_requests=max(n, 1), max_new_tokens=new)
+    with logging_forwards(model) as log, peer.session(model) as serve:
+        serve(Batch([warm_prompt], [2]))
+        served = serve(Batch(prompts, [new] * n))
+    return log.decode_steps(n, prompt_len, skip=warm), served.tokens
 
 
-def host_benchmark(
-    quick: bool = False,
-    progress: bool = True,
+def run(
+    ctx: BenchContext,
     *,
-    model: PreTrainedModel | None = None,
-    seed: int = 0,
     contexts: tuple[int, ...] | None = None,
     seqs: tuple[int, ...] | None = None,
     timed_steps: int | None = None,
@@ -232,10 +194,13 @@ def host_benchmark(
     ``sequences^2 x context <= 64^2 x 512``.
 
     Example:
-        >>> result = host_benchmark(quick=True, progress=False, model=bench_model(size="tiny"))  # doctest: +SKIP
+        >>> from pagedcore.benchmarks import BenchOptions
+        >>> ctx = BenchContext(BenchOptions(quick=True, progress=False, model_size="tiny"))
+        >>> result = run(ctx)  # doctest: +SKIP
         >>> [(p.context, p.seqs) for p in result.points]  # doctest: +SKIP
         [(64, 1), (64, 4), (64, 16), (256, 1), (256, 4), (256, 16)]
     """
+    quick, model, seed = ctx.quick, ctx.model(), ctx.options.seed
     contexts = contexts or ((64, 256) if quick else (512, 4096))
     seqs = seqs or ((1, 4, 16) if quick else (1, 16, 64, 256))
     timed = timed_steps or (4 if quick else 8)
@@ -244,46 +209,12 @@ def host_benchmark(
         raise ValueError(f"contexts must be multiples of {BLOCK_SIZE} above {HEADROOM + OWN}, got {contexts}")
     if warm + timed + math.ceil(max(seqs) * OWN / BUDGET) + 2 > HEADROOM:
         raise ValueError(f"{timed} timed steps for {max(seqs)} sequences do not fit in {HEADROOM} new tokens")
-    model = model if model is not None else bench_model(seed, quick=quick)
-    vocab = model.config.vocab_size
     rng = random.Random(seed + 8)
-    machine = machine_info()
-    points: list[HostPoint] = []
     runs = len(contexts) * len(seqs) * (2 if with_transformers else 1)
-    bar = progress_bar(runs, "host: overhead per step", progress)
-    for context in contexts:
-        prompt_len = context - HEADROOM
-        shared = random_tokens(rng, prompt_len - OWN, vocab)
-        warm_prompt = shared + random_tokens(rng, OWN, vocab)
-        room = blocks_for(context) + max(seqs) * blocks_for(OWN + HEADROOM)
-        with Engine(model, num_blocks=room + 8, block_size=BLOCK_SIZE, max_num_batched_tokens=BUDGET,
-                    max_num_seqs=max(seqs)) as engine:  # fmt: skip
-            engine.generate([warm_prompt], SamplingParams(max_new_tokens=2, ignore_eos=True), use_tqdm=False)
-            for n in seqs:
-                prompts = [shared + random_tokens(rng, OWN, vocab) for _ in range(n)]
-                new = warm + timed + math.ceil(n * OWN / BUDGET) + 2  # enough decode steps after the last prefill
-                point = HostPoint(context, n)
-                peers: list[tuple[str, Callable[[], tuple[StepTimes, list[list[int]]]]]] = [
-                    (ENGINE, functools.partial(_engine_point, model, engine, prompts, new, prompt_len, warm))
-                ]
-                if with_transformers:
-                    if n * n * context <= HF_LIMIT:
-                        hf = functools.partial(_hf_point, model, warm_prompt, prompts, new, prompt_len, warm)
-                        peers.append((HF, hf))
-                    else:
-                        point.skipped[HF] = f"not run ({n}² x {context} > 64² x 512)"
-                        bar.update(1)
-                if len(points) % 2:
-                    peers.reverse()
-                for name, fn in peers:
-                    bar.set_postfix_str(f"{name}: {n} x {context}")
-                    try:
-                        point.times[name], point.tokens[name] = fn()
-                    except Exception as exc:  # a peer that cannot run keeps its cell with the reason
-                        point.skipped[name] = f"n/a ({type(exc).__name__}: {str(exc).splitlines()[0][:120]})"
-                    bar.update(1)
-                points.append(point)
-    bar.close()
+    points: list[HostPoint] = []
+    with Runner(ctx, "host: overhead per step", runs) as runner:
+        for context in contexts:  # the peers' order alternates from point to point, across contexts too
+            points += _context(runner, model, rng, context, seqs, (timed, warm, len(points)), with_transformers)
     configs = (
         f"Engine: one per context, block size {BLOCK_SIZE}, max_num_batched_tokens {BUDGET}, max_num_seqs "
         f"{max(seqs)}, prefix caching on, the shared part computed by one request before the points; transformers: "
@@ -292,9 +223,47 @@ def host_benchmark(
         "sequence's keys in one step, the shared part first as its own request, sdpa attention; not run where "
         "N² x context > 64² x 512 (its CPU attention attends each query to every key of the step: minutes per point)"
     )
-    return HostResult(quick, describe_model(model), machine, points, timed, warm, configs)
+    return HostResult(runner.header(), points, timed, warm, configs)
 
 
-def run(ctx: BenchContext) -> HostResult:
-    """The registry's entry point: the benchmark on the run's model."""
-    return host_benchmark(ctx.quick, ctx.progress, model=ctx.model(), seed=ctx.options.seed)
+def _context(
+    runner: Runner,
+    model: PreTrainedModel,
+    rng: random.Random,
+    context: int,
+    seqs: tuple[int, ...],
+    steps: tuple[int, int, int],
+    with_transformers: bool,
+) -> list[HostPoint]:
+    """Every point of one context, on one Engine whose prefix cache holds the shared prompt part; ``steps``: the
+    timed and warm-up decode steps, and how many points ran before (the peers' order alternates point by point)."""
+    timed, warm, before = steps
+    vocab, prompt_len = model.config.vocab_size, context - HEADROOM
+    shared = random_tokens(rng, prompt_len - OWN, vocab)
+    warm_prompt = shared + random_tokens(rng, OWN, vocab)
+    room = blocks_for(context) + max(seqs) * blocks_for(OWN + HEADROOM)
+    points: list[HostPoint] = []
+    with EnginePeer(num_blocks=room + 8, budget=BUDGET, max_seqs=max(seqs)).engine(model) as engine:
+        engine.generate([warm_prompt], SamplingParams(max_new_tokens=2, ignore_eos=True), use_tqdm=False)
+        for n in seqs:
+            prompts = [shared + random_tokens(rng, OWN, vocab) for _ in range(n)]
+            new = warm + timed + math.ceil(n * OWN / BUDGET) + 2  # enough decode steps after the last prefill
+            point = HostPoint(context, n)
+            peers: list[tuple[str, Callable[[], tuple[StepTimes, list[list[int]]]]]] = [
+                (ENGINE, functools.partial(_engine_point, model, engine, prompts, new, prompt_len, warm))
+            ]
+            if with_transformers and n * n * context <= HF_LIMIT:
+                peers.append((HF, functools.partial(_hf_point, model, warm_prompt, prompts, new, prompt_len, warm)))
+            elif with_transformers:
+                point.skipped[HF] = f"not run ({n}² x {context} > 64² x 512)"
+                runner.tick()
+            for name, fn in rotated(peers, before + len(points)):
+                runner.label(f"{name}: {n} x {context}")
+                measured, error = runner.attempt(fn, width=120)
+                if measured is None:
+                    point.skipped[name] = error or "n/a"
+                else:
+                    point.times[name], point.tokens[name] = measured
+                runner.tick()
+            points.append(point)
+    return points

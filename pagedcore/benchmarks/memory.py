@@ -4,31 +4,29 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Any
 
-import torch
-from transformers import DynamicCache, PreTrainedModel, StaticCache
+from transformers import PreTrainedModel
 
-from pagedcore.adapters.transformers import PagedCache, PagedKVPool
+from pagedcore.adapters.transformers import PagedKVPool
 
 from .common import (
     BLOCK_SIZE,
-    bench_model,
     blocks_for,
     cache_tensor_bytes,
-    describe_model,
-    generate,
     kv_bytes_per_token,
-    left_padded,
-    progress_bar,
     random_tokens,
 )
 from .context import BenchContext
-from .report import aim_status, machine_info, mib, section_header, table
+from .peers import DYNAMIC, PAGED_SDPA, STATIC
+from .report import Aim, Header, Reported, Section, Table, mib
+from .runner import Runner
 
-__all__ = ["MemoryResult", "MemoryRow", "memory_benchmark"]
+__all__ = ["MemoryResult", "MemoryRow", "run"]
 
-AIM_MEMORY_RATIO = 1.05
+AIM_MEMORY_RATIO = Aim(1.05, fmt="{:.2f}")
+REFERENCE = "DynamicCache (left padding)"
+HEADERS = ["cache", "KV bytes reserved", "real-token bytes", "reserved / real", "aim", "status", "same greedy tokens",
+           "how reserved bytes are measured"]  # fmt: skip
 
 
 @dataclass
@@ -47,7 +45,7 @@ class MemoryRow:
 
 
 @dataclass
-class MemoryResult:
+class MemoryResult(Reported):
     """Mixed-length left-padded batch: KV bytes reserved per byte of real tokens, per cache.
 
     Example:
@@ -56,7 +54,7 @@ class MemoryResult:
 
         >>> rows = [MemoryRow("PagedCache", 5 * 16 * 256, "blocks held", True),
         ...         MemoryRow("StaticCache", 2 * 45 * 256, "preallocated", True)]
-        >>> result = MemoryResult(quick=True, model="Llama", machine="laptop", prompt_lengths=[20, 40], new_tokens=5,
+        >>> result = MemoryResult(Header(True, "Llama", "laptop"), prompt_lengths=[20, 40], new_tokens=5,
         ...     bytes_per_token=256, rows=rows, pool_capacity_bytes=65536)
         >>> result.stored_tokens, result.real_bytes
         (68, 17408)
@@ -64,9 +62,7 @@ class MemoryResult:
         (1.176, 1.324)
     """
 
-    quick: bool
-    model: str
-    machine: str
+    head: Header
     prompt_lengths: list[int]
     new_tokens: int
     bytes_per_token: int
@@ -88,121 +84,56 @@ class MemoryResult:
         row = next(r for r in self.rows if r.cache == cache)
         return row.reserved_bytes / self.real_bytes
 
-    def markdown(self) -> str:
+    def section(self) -> Section:
         """The report: workload, model, machine, bytes and ratios with the aim."""
-        batch = len(self.prompt_lengths)
         workload = (
-            f"a batch of {batch} prompts of {sorted(self.prompt_lengths)} tokens (seeded, left-padded to "
-            f"{max(self.prompt_lengths)}), {self.new_tokens} new tokens, greedy, one `generate` call"
+            f"a batch of {len(self.prompt_lengths)} prompts of {sorted(self.prompt_lengths)} tokens (seeded, "
+            f"left-padded to {max(self.prompt_lengths)}), {self.new_tokens} new tokens, greedy, one `generate` call"
         )
         measured = (
             f"after `generate`; real-token bytes = {self.stored_tokens} stored tokens (prompt + generated - 1 per row: "
             f"the last sampled token is never stored) x {self.bytes_per_token} bytes of keys and values per token over "
             "all layers"
         )
-        head = section_header(
-            "3. KV memory of a mixed-length batch", self.quick, workload, self.model, self.machine, measured
-        )
-        rows = []
-        for row in self.rows:
-            reserved = row.reserved_bytes / self.real_bytes
-            paged = row.cache.startswith("PagedCache")
-            rows.append(
-                [
-                    row.cache,
-                    mib(row.reserved_bytes),
-                    mib(self.real_bytes),
-                    f"{reserved:.3f}",
-                    f"≤ {AIM_MEMORY_RATIO:.2f}" if paged else "-",
-                    aim_status(reserved <= AIM_MEMORY_RATIO) if paged else "-",
-                    "reference"
-                    if row.cache == "DynamicCache (left padding)"
-                    else ("yes" if row.identical else "**no**"),
-                    row.how,
-                ]
-            )
-        figures = table(
-            ["cache", "KV bytes reserved", "real-token bytes", "reserved / real", "aim", "status", "same greedy tokens",
-             "how reserved bytes are measured"],
-            rows,
-        )  # fmt: skip
+        figures = Table(HEADERS, [self._row(row) for row in self.rows])
         note = (
-            f"\nThe PagedCache took its blocks from a pool of {mib(self.pool_capacity_bytes)} (sized for this batch; "
-            "a pool is shared by every cache and request that uses it, so only the blocks held count for this batch).\n"
+            f"The PagedCache took its blocks from a pool of {mib(self.pool_capacity_bytes)} (sized for this batch; "
+            "a pool is shared by every cache and request that uses it, so only the blocks held count for this batch)."
         )
-        return f"{head}{figures}\n{note}"
+        return Section("3. KV memory of a mixed-length batch", self.head, workload, measured, body=[figures, note])
+
+    def _row(self, row: MemoryRow) -> list[str]:
+        reserved = row.reserved_bytes / self.real_bytes
+        paged = row.cache.startswith("PagedCache")
+        same = "reference" if row.cache == REFERENCE else ("yes" if row.identical else "**no**")
+        aim = [AIM_MEMORY_RATIO.text, AIM_MEMORY_RATIO.status(reserved)] if paged else ["-", "-"]
+        return [row.cache, mib(row.reserved_bytes), mib(self.real_bytes), f"{reserved:.3f}", *aim, same, row.how]
 
 
-def memory_benchmark(
-    quick: bool = False, progress: bool = True, *, model: PreTrainedModel | None = None, seed: int = 0
-) -> MemoryResult:
+def run(ctx: BenchContext) -> MemoryResult:
     """8 prompts of 64-1024 tokens (quick: 4 of 32-256), left padding, 128 new tokens (quick: 16): KV bytes reserved
     / real-token bytes for ``PagedCache``, ``DynamicCache`` and ``StaticCache``.
 
     Example:
-        >>> model = bench_model(quick=True)   # what quick=True builds when no model is given
-        >>> model.config.num_key_value_heads
-        1
-        >>> result = memory_benchmark(quick=True, progress=False, model=model)  # doctest: +SKIP
-        >>> [row.cache for row in result.rows]  # doctest: +SKIP
-        ['PagedCache', 'DynamicCache (left padding)', 'StaticCache']
+        >>> from pagedcore.benchmarks import BenchOptions
+        >>> ctx = BenchContext(BenchOptions(quick=True, progress=False, model_size="tiny"))
+        >>> result = run(ctx)
+        >>> [(row.cache, row.identical) for row in result.rows]
+        [('PagedCache', True), ('DynamicCache (left padding)', True), ('StaticCache', True)]
         >>> result.ratio("PagedCache") <= 1.05  # the aim  # doctest: +SKIP
         True
     """
+    quick, model, seed = ctx.quick, ctx.model(), ctx.options.seed
     batch, (lo, hi), new = (4, (32, 256), 16) if quick else (8, (64, 1024), 128)
-    model = model if model is not None else bench_model(seed, quick=quick)
     rng = random.Random(seed + 3)
     lengths = [lo, hi] + [rng.randint(lo, hi) for _ in range(batch - 2)]
     rng.shuffle(lengths)
     prompts = [random_tokens(rng, n, model.config.vocab_size) for n in lengths]
-    width = max(lengths)
-    ids, mask = left_padded(prompts, model.device)
     pool = PagedKVPool(model, num_blocks=sum(blocks_for(n + new) for n in lengths) + 4, block_size=BLOCK_SIZE)
-    machine = machine_info()
-
-    def run_cache(cache: Any) -> list[list[int]]:
-        with torch.inference_mode():
-            out = generate(model, ids, attention_mask=mask, max_new_tokens=new, do_sample=False, cache=cache)
-        return list(out[:, width:].tolist())
-
-    bar = progress_bar(3, "memory: KV bytes per cache", progress)
-    dynamic = DynamicCache(config=model.config)
-    reference = run_cache(dynamic)
-    bar.update(1)
-    paged = PagedCache(model, pool=pool)
-    paged_out = run_cache(paged)
-    stats = paged.memory_stats()
-    paged.release()
-    bar.update(1)
-    static = StaticCache(config=model.config, max_cache_len=width + new)
-    static_out = run_cache(static)
-    bar.update(1)
-    bar.close()
-    rows = [
-        MemoryRow(
-            "PagedCache",
-            stats.held_bytes,
-            f"`memory_stats().held_bytes`: {stats.blocks} blocks of {BLOCK_SIZE} tokens held ({stats.tokens} tokens "
-            f"stored, {stats.padding_tokens} padding positions not stored)",
-            paged_out == reference,
-        ),
-        MemoryRow(
-            "DynamicCache (left padding)",
-            cache_tensor_bytes(dynamic),
-            f"bytes of its key/value tensors: {batch} rows x {width + new - 1} positions",
-            True,
-        ),
-        MemoryRow(
-            "StaticCache",
-            cache_tensor_bytes(static),
-            f"bytes of its preallocated key/value tensors: {batch} rows x max_cache_len {width + new}",
-            static_out == reference,
-        ),
-    ]
+    with Runner(ctx, "memory: KV bytes per cache", 3) as runner:
+        rows = _rows(runner, model, prompts, new, pool)
     return MemoryResult(
-        quick=quick,
-        model=describe_model(model),
-        machine=machine,
+        head=runner.header(),
         prompt_lengths=lengths,
         new_tokens=new,
         bytes_per_token=kv_bytes_per_token(model),
@@ -211,6 +142,31 @@ def memory_benchmark(
     )
 
 
-def run(ctx: BenchContext) -> MemoryResult:
-    """The registry's entry point: the benchmark on the run's model."""
-    return memory_benchmark(ctx.quick, ctx.progress, model=ctx.model(), seed=ctx.options.seed)
+def _rows(
+    runner: Runner, model: PreTrainedModel, prompts: list[list[int]], new: int, pool: PagedKVPool
+) -> list[MemoryRow]:
+    """The batch through ``generate`` with each cache: the bytes each reserved, and its tokens against the
+    DynamicCache's."""
+    batch, width = len(prompts), max(len(p) for p in prompts)
+    dynamic = DYNAMIC.new_cache(model)
+    reference = DYNAMIC.batch(model, prompts, new, dynamic)
+    runner.tick()
+    with PAGED_SDPA.cache(model, pool=pool) as paged:
+        paged_out = PAGED_SDPA.batch(model, prompts, new, paged)
+        stats = paged.memory_stats()
+    runner.tick()
+    static = STATIC.new_cache(model, width + new)
+    static_out = STATIC.batch(model, prompts, new, static)
+    runner.tick()
+    held = (
+        f"`memory_stats().held_bytes`: {stats.blocks} blocks of {BLOCK_SIZE} tokens held ({stats.tokens} tokens "
+        f"stored, {stats.padding_tokens} padding positions not stored)"
+    )
+    return [
+        MemoryRow("PagedCache", stats.held_bytes, held, paged_out == reference),
+        MemoryRow(REFERENCE, cache_tensor_bytes(dynamic),
+                  f"bytes of its key/value tensors: {batch} rows x {width + new - 1} positions", True),
+        MemoryRow("StaticCache", cache_tensor_bytes(static),
+                  f"bytes of its preallocated key/value tensors: {batch} rows x max_cache_len {width + new}",
+                  static_out == reference),
+    ]  # fmt: skip

@@ -1,9 +1,8 @@
 """Line charts of how a figure grows (time per token against context length, throughput against load): the PNG files
 a result writes besides the run's bar chart.
 
-A result that is :class:`Plotted` names its files and their panels (``plots()``); the runner draws them into the
-output folder next to ``results.md``, and the result's markdown links them. matplotlib is imported only when a
-chart is drawn.
+A report section lists its :class:`LineChart` files; the suite draws them into the output folder next to
+``results.md``, and the section's markdown links them. matplotlib is imported only when a chart is drawn.
 """
 
 from __future__ import annotations
@@ -11,9 +10,8 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
 
-__all__ = ["Curve", "LinePanel", "Plotted", "write_lines"]
+__all__ = ["Curve", "LineChart", "LinePanel", "write_lines"]
 
 
 @dataclass(frozen=True)
@@ -51,20 +49,20 @@ class LinePanel:
     log_x: bool = True
 
 
-@runtime_checkable
-class Plotted(Protocol):
-    """A result that writes line charts: ``{file name: (figure title, panels)}``.
+@dataclass(frozen=True)
+class LineChart:
+    """One PNG file of line panels: its file name, figure title, panels, and the alt text of its markdown link.
 
     Example:
-        >>> class Growth:
-        ...     def plots(self) -> dict[str, tuple[str, list[LinePanel]]]:
-        ...         return {"growth.png": ("growth", [LinePanel("t", "x", "y", [Curve("c", [1], [2.0])])])}
-        >>> isinstance(Growth(), Plotted), isinstance(object(), Plotted)
-        (True, False)
+        >>> chart = LineChart("growth.png", "growth", [LinePanel("t", "x", "y", [Curve("c", [1], [2.0])])], "growth")
+        >>> chart.file, len(chart.panels)
+        ('growth.png', 1)
     """
 
-    def plots(self) -> dict[str, tuple[str, list[LinePanel]]]:
-        """The files to write, each a titled row of panels."""
+    file: str
+    title: str
+    panels: Sequence[LinePanel]
+    alt: str
 
 
 def write_lines(path: str | os.PathLike[str], panels: Sequence[LinePanel], title: str = "", columns: int = 4) -> None:

@@ -5,36 +5,27 @@ from __future__ import annotations
 import random
 import statistics
 from dataclasses import dataclass
-from typing import Any
 
-import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
 
 from pagedcore.adapters.transformers import disable, enable
 
 from .chart import Panel
-from .common import (
-    BLOCK_SIZE,
-    FirstTokenClock,
-    bench_model,
-    blocks_for,
-    clock,
-    describe_model,
-    greedy,
-    progress_bar,
-    random_tokens,
-)
+from .common import BLOCK_SIZE, blocks_for, random_tokens
 from .context import BenchContext
-from .report import aim_status, machine_info, ratio, section_header, table
+from .peers import DYNAMIC, ENABLED, CacheKind, mismatches
+from .report import RATIO_HEADERS, Aim, Header, Reported, Section, Table, ratio
+from .runner import FirstTokenClock, Runner, Timed, clock
 
-__all__ = ["PrefixResult", "prefix_benchmark"]
+__all__ = ["PrefixResult", "run"]
 
-AIM_TTFT_SPEEDUP = 5.0
-AIM_PREFIX_PREFILL_RATIO = 1.1
+AIM_TTFT_SPEEDUP = Aim(5.0, at_most=False, fmt="{:g}x")
+AIM_PREFIX_PREFILL_RATIO = Aim(1.1)
+MODES = {"plain": DYNAMIC, "enabled": ENABLED}  # plain: an explicit cache makes the enabled generate step aside
 
 
 @dataclass
-class PrefixResult:
+class PrefixResult(Reported):
     """Shared system prompt + questions: ``enable(model)``-ed generate vs plain generate (DynamicCache).
 
     Times are per question, in seconds; TTFT is from the ``generate`` call to the streamer receiving the first token.
@@ -42,7 +33,7 @@ class PrefixResult:
     Example:
         Two questions after a 512-token system prompt; the first enabled question is cold (it caches the prompt):
 
-        >>> result = PrefixResult(quick=True, model="Llama", machine="laptop", system_tokens=512,
+        >>> result = PrefixResult(Header(True, "Llama", "laptop"), system_tokens=512,
         ...     question_tokens=[30, 34], new_tokens=8, ttft_plain=[0.5, 0.5], ttft_enabled=[0.5, 0.0625],
         ...     time_plain=[1.0, 1.0], time_enabled=[1.0, 0.5], prefill_plain=1088, prefill_enabled=576,
         ...     hit_tokens=512, query_tokens=1088, mismatches=[])
@@ -54,9 +45,7 @@ class PrefixResult:
         ### 1. Prefix caching: shared system prompt (quick workload)
     """
 
-    quick: bool
-    model: str
-    machine: str
+    head: Header
     system_tokens: int
     question_tokens: list[int]
     new_tokens: int
@@ -95,8 +84,8 @@ class PrefixResult:
         """Prefill tokens computed with prefix caching / unique tokens."""
         return self.prefill_enabled / self.unique_tokens
 
-    def markdown(self) -> str:
-        """The report: workload, model, machine, figures and ratios with their aims."""
+    def section(self) -> Section:
+        """The report: workload, model, machine, figures and ratios with their aims, the chart's TTFT panel."""
         n = len(self.question_tokens)
         workload = (
             f"a {self.system_tokens}-token system prompt followed by {n} different questions of "
@@ -111,91 +100,87 @@ class PrefixResult:
             "prefix hits (pool counters `num_query_tokens - num_hit_tokens`); plain = every prompt token. The first "
             "enabled question is cold: it computes the system prompt and caches it."
         )
-        head = section_header(
-            "1. Prefix caching: shared system prompt", self.quick, workload, self.model, self.machine, measured
+        same = (
+            f"identical for all {n} questions"
+            if not self.mismatches
+            else f"**differ** for questions {self.mismatches} (of {n})"
         )
-        mean = statistics.fmean
-        figures = table(
+        suffix = " (quick workload)" if self.head.quick else ""
+        return Section(
+            "1. Prefix caching: shared system prompt", self.head, workload, measured,
+            body=[self._figures(), self._ratios(), f"Greedy outputs of the two modes: {same}."],
+            panels=self._panels(),
+            chart_title=f"a {self.system_tokens}-token system prompt + {n} questions{suffix}",
+        )  # fmt: skip
+
+    def _figures(self) -> Table:
+        mean, ms = statistics.fmean, "{:.1f} ms".format
+        plain, enabled = self.ttft_plain, self.ttft_enabled
+        return Table(
             ["", "plain generate (DynamicCache)", "generate + `enable(model)`"],
             [
-                [
-                    "mean TTFT, all questions",
-                    f"{mean(self.ttft_plain) * 1e3:.1f} ms",
-                    f"{mean(self.ttft_enabled) * 1e3:.1f} ms",
-                ],
-                ["TTFT, first question", f"{self.ttft_plain[0] * 1e3:.1f} ms", f"{self.ttft_enabled[0] * 1e3:.1f} ms"],
-                [
-                    "mean TTFT, questions 2..",
-                    f"{mean(self.ttft_plain[1:]) * 1e3:.1f} ms",
-                    f"{mean(self.ttft_enabled[1:]) * 1e3:.1f} ms",
-                ],
+                ["mean TTFT, all questions", ms(mean(plain) * 1e3), ms(mean(enabled) * 1e3)],
+                ["TTFT, first question", ms(plain[0] * 1e3), ms(enabled[0] * 1e3)],
+                ["mean TTFT, questions 2..", ms(mean(plain[1:]) * 1e3), ms(mean(enabled[1:]) * 1e3)],
                 ["total time", f"{sum(self.time_plain):.2f} s", f"{sum(self.time_enabled):.2f} s"],
                 ["prefill tokens computed", self.prefill_plain, self.prefill_enabled],
                 ["prefix hits / looked-up prompt tokens", "-", f"{self.hit_tokens} / {self.query_tokens}"],
                 ["unique tokens (system prompt + questions)", self.unique_tokens, self.unique_tokens],
             ],
         )
-        ratios = table(
-            ["ratio", "value", "aim", "status"],
+
+    def _ratios(self) -> Table:
+        return Table(
+            RATIO_HEADERS,
             [
-                ["TTFT speedup (mean plain / mean enabled)", ratio(self.ttft_speedup), f"≥ {AIM_TTFT_SPEEDUP:g}x",
-                 aim_status(self.ttft_speedup >= AIM_TTFT_SPEEDUP)],
+                AIM_TTFT_SPEEDUP.row("TTFT speedup (mean plain / mean enabled)", ratio(self.ttft_speedup),
+                                     self.ttft_speedup),
                 ["TTFT speedup, questions 2.. only", ratio(self.warm_ttft_speedup), "-", "-"],
                 ["total-time speedup", ratio(self.total_speedup), "-", "-"],
-                ["prefill tokens computed / unique tokens (enabled)", f"{self.prefill_ratio:.3f}",
-                 f"≤ {AIM_PREFIX_PREFILL_RATIO:g}", aim_status(self.prefill_ratio <= AIM_PREFIX_PREFILL_RATIO)],
+                AIM_PREFIX_PREFILL_RATIO.row("prefill tokens computed / unique tokens (enabled)",
+                                             f"{self.prefill_ratio:.3f}", self.prefill_ratio),
                 ["prefill tokens computed / unique tokens (plain)", f"{self.prefill_plain / self.unique_tokens:.3f}",
                  "-", "-"],
             ],
         )  # fmt: skip
-        same = (
-            f"identical for all {n} questions"
-            if not self.mismatches
-            else f"**differ** for questions {self.mismatches} (of {n})"
-        )
-        return f"{head}{figures}\n\n{ratios}\n\nGreedy outputs of the two modes: {same}.\n"
 
-    def chart_panels(self) -> list[Panel]:
+    def _panels(self) -> list[Panel]:
         """The chart's panel: mean TTFT of the two modes, in milliseconds."""
         values = [statistics.fmean(self.ttft_plain) * 1e3, statistics.fmean(self.ttft_enabled) * 1e3]
-        return [
-            Panel(
-                f"prefix benchmark: mean TTFT ({self.ttft_speedup:.1f}x)",
-                "ms",
-                ["plain generate", "generate +\nenable()"],
-                values,
-                "{:.0f}",
-                ("#999999", "#d9822b"),
-            )
-        ]
-
-    def chart_title(self) -> str:
-        """The chart's title when no engine benchmark ran."""
-        suffix = " (quick workload)" if self.quick else ""
-        return f"a {self.system_tokens}-token system prompt + {len(self.question_tokens)} questions{suffix}"
+        labels = ["plain generate", "generate +\nenable()"]
+        title = f"prefix benchmark: mean TTFT ({self.ttft_speedup:.1f}x)"
+        return [Panel(title, "ms", labels, values, "{:.0f}", ("#999999", "#d9822b"))]
 
 
-def prefix_benchmark(
-    quick: bool = False, progress: bool = True, *, model: PreTrainedModel | None = None, seed: int = 0
-) -> PrefixResult:
+def _ask(model: PreTrainedModel, kind: CacheKind, prompt: list[int], new: int) -> Timed:
+    """One question: the call's wall time, its tokens, and its time to the first token."""
+    stamp = FirstTokenClock()
+    with kind.cache(model, len(prompt) + new) as cache:
+        start = clock(model.device)
+        out = kind.greedy(model, prompt, new, cache, streamer=stamp)
+        end = clock(model.device)
+    assert stamp.first_token_time is not None
+    return Timed(end - start, out, stamp.first_token_time - start)
+
+
+def run(ctx: BenchContext) -> PrefixResult:
     """Shared system prompt (1024 tokens) + 16 questions of ~32 tokens, 32 new tokens each (quick: 512 / 10 / 8).
 
     Compares ``generate`` with automatic prefix caching (:func:`~pagedcore.adapters.transformers.enable`) against
     plain ``generate`` with a ``DynamicCache``; see :class:`PrefixResult`.
 
     Example:
-        >>> model = bench_model(quick=True)   # what quick=True builds when no model is given
-        >>> model.config.num_hidden_layers
-        4
-        >>> result = prefix_benchmark(quick=True, progress=False, model=model)  # doctest: +SKIP
+        >>> from pagedcore.benchmarks import BenchOptions
+        >>> ctx = BenchContext(BenchOptions(quick=True, progress=False, model_size="tiny"))
+        >>> result = run(ctx)  # doctest: +SKIP
         >>> result.system_tokens, len(result.question_tokens), result.mismatches  # doctest: +SKIP
         (512, 10, [])
         >>> print(result.markdown())  # doctest: +SKIP
         ### 1. Prefix caching: shared system prompt (quick workload)
         ...
     """
+    quick, model, seed = ctx.quick, ctx.model(), ctx.options.seed
     system_len, questions, (q_lo, q_hi), new = (512, 10, (24, 40), 8) if quick else (1024, 16, (24, 40), 32)
-    model = model if model is not None else bench_model(seed, quick=quick)
     vocab = model.config.vocab_size
     rng = random.Random(seed + 1)
     system = random_tokens(rng, system_len, vocab)
@@ -204,53 +189,27 @@ def prefix_benchmark(
     capacity = blocks_for(system_len) + sum(blocks_for(len(p) - system_len + new) + 1 for p in prompts)
     capacity += blocks_for(64 + 4) + 4
     pool = enable(model, num_blocks=capacity, block_size=BLOCK_SIZE)
-    machine = machine_info()
     try:
-        with torch.inference_mode():
-            # plain: an explicit cache makes the enabled generate step aside
-            greedy(model, warm, 4, cache=DynamicCache(config=model.config))
-            greedy(model, warm, 4)  # enabled
-        query0, hit0 = pool.num_query_tokens, pool.num_hit_tokens
-        ttft: dict[str, list[float]] = {"plain": [], "enabled": []}
-        total: dict[str, list[float]] = {"plain": [], "enabled": []}
-        outputs: dict[str, list[list[int]]] = {"plain": [], "enabled": []}
-        bar = progress_bar(2 * questions, "prefix: plain vs enable()", progress)
-        for i, prompt in enumerate(prompts):
-            for mode in ("plain", "enabled") if i % 2 == 0 else ("enabled", "plain"):
-                stamp = FirstTokenClock()
-                extra: dict[str, Any] = {"cache": DynamicCache(config=model.config)} if mode == "plain" else {}
-                with torch.inference_mode():
-                    start = clock(model.device)
-                    out = greedy(model, prompt, new, streamer=stamp, **extra)
-                    end = clock(model.device)
-                assert stamp.first_token_time is not None
-                ttft[mode].append(stamp.first_token_time - start)
-                total[mode].append(end - start)
-                outputs[mode].append(out)
-                bar.update(1)
-        bar.close()
+        with Runner(ctx, "prefix: plain vs enable()", 2 * questions + 2) as runner:
+            runner.warm_up(list(MODES), lambda mode: MODES[mode].run(model, warm, 4))
+            query0, hit0 = pool.num_query_tokens, pool.num_hit_tokens
+            trials = runner.rounds(list(MODES), questions, lambda mode, i: _ask(model, MODES[mode], prompts[i], new))
         queried, hits = pool.num_query_tokens - query0, pool.num_hit_tokens - hit0
     finally:
         disable(model)
+    plain, enabled = trials.runs["plain"], trials.runs["enabled"]
     return PrefixResult(
-        quick=quick,
-        model=describe_model(model),
-        machine=machine,
+        head=runner.header(),
         system_tokens=system_len,
         question_tokens=[len(p) - system_len for p in prompts],
         new_tokens=new,
-        ttft_plain=ttft["plain"],
-        ttft_enabled=ttft["enabled"],
-        time_plain=total["plain"],
-        time_enabled=total["enabled"],
+        ttft_plain=[t.first_token or 0.0 for t in plain],
+        ttft_enabled=[t.first_token or 0.0 for t in enabled],
+        time_plain=[t.seconds for t in plain],
+        time_enabled=[t.seconds for t in enabled],
         prefill_plain=sum(len(p) for p in prompts),
         prefill_enabled=queried - hits,
         hit_tokens=hits,
         query_tokens=queried,
-        mismatches=[i for i, (a, b) in enumerate(zip(outputs["plain"], outputs["enabled"])) if a != b],
+        mismatches=mismatches(trials.outputs("plain"), trials.outputs("enabled")),
     )
-
-
-def run(ctx: BenchContext) -> PrefixResult:
-    """The registry's entry point: the benchmark on the run's model."""
-    return prefix_benchmark(ctx.quick, ctx.progress, model=ctx.model(), seed=ctx.options.seed)

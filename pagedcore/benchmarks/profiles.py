@@ -27,21 +27,28 @@ import sys
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-import torch
-from transformers import DynamicCache, PreTrainedModel, StaticCache
+from transformers import PreTrainedModel
 
-from pagedcore.adapters.transformers import Engine, PagedCache, PagedKVPool, SamplingParams
+from pagedcore.adapters.transformers import PagedKVPool
 
-from .common import BLOCK_SIZE, attn, bench_model, blocks_for, greedy, random_tokens, torch_threads
+from . import peers
+from .common import BLOCK_SIZE, bench_model, blocks_for, random_tokens
 from .decode import narrow_model
 from .engine import shared_prefix_workload
 from .host import OWN
+from .peers import Batch, EnginePeer
+from .runner import torch_threads
 
 __all__ = ["ProfileEntry", "main", "summarize_collapsed"]
 
-CACHES = ("dynamic", "static", "paged-sdpa", "paged-attn")
+KINDS = {
+    "dynamic": peers.DYNAMIC,
+    "static": peers.STATIC,
+    "paged-sdpa": peers.PAGED_SDPA,
+    "paged-attn": peers.PAGED_ATTN,
+}
+CACHES = tuple(KINDS)
 LIBRARY = ("pagedcore/",)  # the library's folder (its own functions' table); the benchmarks are inside it too
 
 
@@ -132,21 +139,11 @@ def decode_scenario(model: PreTrainedModel, cache_name: str, context: int, new: 
     ``cache_name`` (one of :data:`CACHES`), after a short warm-up call; returns the tokens."""
     prompt = random_tokens(random.Random(seed + 6), context - new, model.config.vocab_size)
     pool = PagedKVPool(model, num_blocks=blocks_for(context) + 2, block_size=BLOCK_SIZE)
+    kind = KINDS[cache_name]
 
     def once(max_new: int, length: int) -> list[int]:
-        cache: Any
-        if cache_name == "dynamic":
-            cache = DynamicCache(config=model.config)
-        elif cache_name == "static":
-            cache = StaticCache(config=model.config, max_cache_len=length)
-        else:
-            cache = PagedCache(model, pool=pool)
-        try:
-            with attn(model, "paged" if cache_name == "paged-attn" else "sdpa"), torch.inference_mode():
-                return greedy(model, prompt[: length - max_new], max_new, cache=cache)
-        finally:
-            if isinstance(cache, PagedCache):
-                cache.release()
+        with kind.cache(model, length, pool) as cache:
+            return kind.greedy(model, prompt[: length - max_new], max_new, cache)
 
     once(4, min(context, 64))
     return once(new, context)
@@ -155,13 +152,11 @@ def decode_scenario(model: PreTrainedModel, cache_name: str, context: int, new: 
 def engine_scenario(model: PreTrainedModel, quick: bool = False, seed: int = 0) -> list[list[int]]:
     """The engine benchmark's requests sharing a prefix, served by one Engine (after a warm-up Engine)."""
     prefix_len, prompts, news, warm = shared_prefix_workload(quick, model.config.vocab_size, seed)
-    with Engine(model, num_blocks=64, block_size=BLOCK_SIZE) as engine:
-        engine.generate(warm, SamplingParams(max_new_tokens=2, ignore_eos=True), use_tqdm=False)
+    with EnginePeer(num_blocks=64).session(model) as serve:
+        serve(Batch(warm, [2] * len(warm)))
     num_blocks = sum(blocks_for(len(p) + n) for p, n in zip(prompts, news)) + 8
-    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in news]
-    with Engine(model, num_blocks=num_blocks, block_size=BLOCK_SIZE, max_num_batched_tokens=prefix_len,
-                max_num_seqs=len(prompts)) as engine:  # fmt: skip
-        return [o.token_ids for o in engine.generate(prompts, params, use_tqdm=False)]
+    with EnginePeer(num_blocks=num_blocks, budget=prefix_len, max_seqs=len(prompts)).session(model) as serve:
+        return serve(Batch(prompts, news)).tokens
 
 
 def engine_decode_scenario(model: PreTrainedModel, seqs: int, context: int, steps: int, seed: int = 0) -> int:
@@ -174,13 +169,10 @@ def engine_decode_scenario(model: PreTrainedModel, seqs: int, context: int, step
     vocab = model.config.vocab_size
     shared = random_tokens(rng, context - steps - OWN, vocab)
     room = blocks_for(context) + seqs * blocks_for(OWN + steps) + 8
-    with Engine(model, num_blocks=room, block_size=BLOCK_SIZE, max_num_seqs=seqs,
-                max_num_batched_tokens=max(512, seqs)) as engine:  # fmt: skip
-        params = SamplingParams(max_new_tokens=2, ignore_eos=True)
-        engine.generate([shared + random_tokens(rng, OWN, vocab)], params, use_tqdm=False)
+    with EnginePeer(num_blocks=room, budget=max(512, seqs), max_seqs=seqs).session(model) as serve:
+        first = serve(Batch([shared + random_tokens(rng, OWN, vocab)], [2]))
         prompts = [shared + random_tokens(rng, OWN, vocab) for _ in range(seqs)]
-        engine.generate(prompts, SamplingParams(max_new_tokens=steps, ignore_eos=True), use_tqdm=False)
-        return engine.stats().num_steps
+        return (first.steps or 0) + (serve(Batch(prompts, [steps] * seqs)).steps or 0)
 
 
 def _torch_profile(fn: Callable[[], object], top: int) -> str:

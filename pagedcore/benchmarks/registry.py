@@ -1,38 +1,22 @@
 """The benchmarks ``pagedcore bench`` knows, in report order. A new benchmark is one module plus one line here.
 
-A benchmark module has ``run(ctx: BenchContext) -> Report``: it takes the run's options and shared model from the
-:class:`~pagedcore.benchmarks.context.BenchContext` and returns a result whose ``markdown()`` is its report section.
-A result may also draw in the run's PNG chart (``chart_panels()`` and ``chart_title()``: see
-:class:`pagedcore.benchmarks.chart.Charted`). Modules are imported only when their benchmark runs, so listing them
-imports nothing heavy.
+A benchmark module has ``run(ctx: BenchContext) -> Reported``: it takes the run's options and shared model from the
+:class:`~pagedcore.benchmarks.context.BenchContext` and returns a result that describes itself as one report
+:class:`~pagedcore.benchmarks.report.Section` (its markdown, the panels it adds to the run's bar chart, its line
+charts). Modules are imported only when their benchmark runs, so listing them imports nothing heavy.
 """
 
 from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from .context import BenchContext
+    from .report import Reported
 
-__all__ = ["BENCHMARKS", "Benchmark", "Report"]
-
-
-class Report(Protocol):
-    """What a benchmark returns: its measurements, rendered as a markdown section.
-
-    Example:
-        >>> class Tally:
-        ...     def markdown(self) -> str:
-        ...         return "### 9. Tally"
-        >>> report: Report = Tally()
-        >>> report.markdown()
-        '### 9. Tally'
-    """
-
-    def markdown(self) -> str:
-        """The report section: workload, model, machine, how it was measured, the figures."""
+__all__ = ["BENCHMARKS", "Benchmark"]
 
 
 @dataclass(frozen=True)
@@ -44,7 +28,7 @@ class Benchmark:
         module: its module in ``pagedcore.benchmarks`` (imported on first run).
         summary: one line for listings.
         uses_model: whether it runs the benchmark model (so it needs torch, a device and a dtype).
-        chart_rank: where its ``chart_panels()`` go in the chart, lowest first (None: it has none).
+        chart_rank: where its section's ``panels`` go in the bar chart, lowest first (None: it has none).
 
     Example:
         >>> BENCHMARKS["core"].uses_model, BENCHMARKS["engine"].chart_rank
@@ -59,11 +43,11 @@ class Benchmark:
     uses_model: bool = True
     chart_rank: int | None = None
 
-    def run(self, ctx: BenchContext) -> Report:
+    def run(self, ctx: BenchContext) -> Reported:
         """Import the benchmark's module and run it."""
         module = importlib.import_module(f"{__package__}.{self.module}")
-        report: Report = module.run(ctx)
-        return report
+        result: Reported = module.run(ctx)
+        return result
 
 
 BENCHMARKS: dict[str, Benchmark] = {

@@ -1,7 +1,10 @@
-"""The markdown of the reports: section headers, tables, number formats, and the machine a figure was measured on.
+"""The report shape every benchmark returns (:class:`Section`) and its markdown: the section's head (workload,
+model, machine, how it was measured), its figures (:class:`Table` and paragraphs), notes, and the charts it offers;
+aims (:class:`Aim`), number formats, and the machine a figure was measured on.
 
-Plain Python: torch's version and thread count are read from torch when a model benchmark has imported it, else
-from the installed package's metadata, so the core benchmark's report imports nothing heavy.
+A benchmark's result is :class:`Reported`: it describes its figures as a :class:`Section` and writes no markdown of
+its own. Plain Python: torch's version and thread count are read from torch when a model benchmark has imported it,
+else from the installed package's metadata, so the core benchmark's report imports nothing heavy.
 """
 
 from __future__ import annotations
@@ -12,17 +15,23 @@ import math
 import os
 import platform
 import sys
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["machine_info", "section_header", "table"]
+from .chart import Panel
+from .plots import LineChart
+
+__all__ = ["Aim", "Header", "Reported", "Section", "Table", "machine_info", "table"]
 
 QUICK_NOTE = "a smaller model and fewer tokens; a smoke run, not the reference figures."
+RATIO_HEADERS = ("ratio", "value", "aim", "status")
 
 
-def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    """A markdown table.
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], align: Sequence[str] | None = None) -> str:
+    """A markdown table; ``align``: one separator cell per column (e.g. ``"---:"``), else ``" --- "`` each.
 
     Example:
         >>> print(table(["cache", "bytes"], [["paged", 10], ["dynamic", 17]]))
@@ -30,20 +39,99 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
         | --- | --- |
         | paged | 10 |
         | dynamic | 17 |
+        >>> print(table(["op", "us"], [[1, 2]], align=["---", "---:"]))
+        | op | us |
+        |---|---:|
+        | 1 | 2 |
     """
-    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join(" --- " for _ in headers) + "|"]
+    separator = "|" + "|".join(align or [" --- " for _ in headers]) + "|"
+    lines = ["| " + " | ".join(headers) + " |", separator]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
     return "\n".join(lines)
 
 
-def section_header(
-    title: str, quick: bool, workload: str, model: str, machine: str, measured: str, quick_note: str = QUICK_NOTE
-) -> str:
-    """The head of a benchmark's section: its title, then what ran, on which model and machine, and how it was
-    measured (with a warning first for quick workloads).
+@dataclass(frozen=True)
+class Table:
+    """A table of a section, with an optional caption line above it.
 
     Example:
-        >>> print(section_header("9. Demo", True, "two calls", "Llama", "laptop", "wall time"))
+        >>> print(Table(["cache", "bytes"], [["paged", 10]], caption="**KV**: bytes").markdown())
+        **KV**: bytes
+        <BLANKLINE>
+        | cache | bytes |
+        | --- | --- |
+        | paged | 10 |
+    """
+
+    headers: Sequence[str]
+    rows: Sequence[Sequence[Any]]
+    caption: str = ""
+    align: Sequence[str] | None = None
+
+    def markdown(self) -> str:
+        """The caption (if any), a blank line, the table."""
+        body = table(self.headers, self.rows, self.align)
+        return f"{self.caption}\n\n{body}" if self.caption else body
+
+
+@dataclass(frozen=True)
+class Aim:
+    """A figure's target: at most (``≤``) or at least (``≥``) ``bound``, written with ``fmt``.
+
+    Example:
+        >>> speedup = Aim(3.0, at_most=False, fmt="{:g}x")
+        >>> speedup.text, speedup.status(3.2), speedup.status(2.0), speedup.status(None)
+        ('≥ 3x', 'met', '**missed**', 'n/a')
+        >>> Aim(1.05).row("reserved / real", "1.027", 1.027)
+        ['reserved / real', '1.027', '≤ 1.05', 'met']
+    """
+
+    bound: float
+    at_most: bool = True
+    fmt: str = "{:g}"
+
+    @property
+    def text(self) -> str:
+        """``≤ 1.05`` or ``≥ 3x``."""
+        return ("≤ " if self.at_most else "≥ ") + self.fmt.format(self.bound)
+
+    def met(self, value: float) -> bool:
+        """Whether ``value`` meets the aim."""
+        return value <= self.bound if self.at_most else value >= self.bound
+
+    def status(self, value: float | None) -> str:
+        """``met``, a bold ``missed``, or ``n/a`` for no value."""
+        return "n/a" if value is None else aim_status(self.met(value))
+
+    def row(self, label: str, shown: str, value: float | None) -> list[str]:
+        """A row of a ratio table (:data:`RATIO_HEADERS`): what, the value as shown, the aim, its status."""
+        return [label, shown, self.text, self.status(value)]
+
+
+@dataclass(frozen=True)
+class Header:
+    """What a section's figures were measured on: the quick workload or not, the model, the machine.
+
+    Example:
+        >>> Header(quick=True, model="Llama", machine="laptop").quick
+        True
+    """
+
+    quick: bool
+    model: str
+    machine: str
+
+
+@dataclass
+class Section:
+    """What a benchmark reports: its head (what ran, on which model and machine, how it was measured), then its
+    figures (tables and paragraphs, in order), bulleted notes, and links to its line charts; ``panels`` (and
+    ``chart_title``) are what it draws in the run's bar chart.
+
+    Example:
+        >>> section = Section("9. Demo", Header(True, "Llama", "laptop"), "two calls", "wall time",
+        ...     body=[Table(["peer", "wall"], [["Engine", "1.0 s"]]), "Outputs identical."], notes=["one round"])
+        >>> print(section.markdown())
         ### 9. Demo (quick workload)
         <BLANKLINE>
         **Quick workload**: a smaller model and fewer tokens; a smoke run, not the reference figures.
@@ -53,14 +141,78 @@ def section_header(
         - Machine: laptop
         - Measured: wall time
         <BLANKLINE>
+        | peer | wall |
+        | --- | --- |
+        | Engine | 1.0 s |
+        <BLANKLINE>
+        Outputs identical.
+        <BLANKLINE>
+        - one round
         <BLANKLINE>
     """
-    suffix = " (quick workload)" if quick else ""
-    lines = [f"### {title}{suffix}", ""]
-    if quick:
-        lines += [f"**Quick workload**: {quick_note}", ""]
-    lines += [f"- Workload: {workload}", f"- Model: {model}", f"- Machine: {machine}", f"- Measured: {measured}", ""]
-    return "\n".join(lines) + "\n"
+
+    title: str
+    header: Header
+    workload: str
+    measured: str
+    body: list[Table | str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    panels: list[Panel] = field(default_factory=list)
+    chart_title: str = ""
+    line_charts: list[LineChart] = field(default_factory=list)
+    quick_note: str = QUICK_NOTE
+
+    @property
+    def suffix(self) -> str:
+        """`` (quick workload)`` for a quick run, else nothing: what titles of its charts end with too."""
+        return " (quick workload)" if self.header.quick else ""
+
+    def preamble(self) -> str:
+        """The title, then what ran, on which model and machine, and how (a warning first for quick workloads)."""
+        lines = [f"### {self.title}{self.suffix}", ""]
+        if self.header.quick:
+            lines += [f"**Quick workload**: {self.quick_note}", ""]
+        lines += [f"- Workload: {self.workload}", f"- Model: {self.header.model}", f"- Machine: {self.header.machine}",
+                  f"- Measured: {self.measured}", ""]  # fmt: skip
+        return "\n".join(lines) + "\n"
+
+    def markdown(self) -> str:
+        """The section: head, figures, notes, chart links, each part after a blank line."""
+        parts = [part.markdown() if isinstance(part, Table) else part for part in self.body]
+        if self.notes:
+            parts.append("\n".join(f"- {note}" for note in self.notes))
+        parts += [f"![{chart.alt}]({chart.file})" for chart in self.line_charts]
+        return self.preamble() + "\n\n".join(parts) + "\n"
+
+
+class Reported(ABC):
+    """A benchmark's result: its measurements, which it describes as a :class:`Section`.
+
+    Example:
+        >>> class Tally(Reported):
+        ...     def section(self) -> Section:
+        ...         return Section("9. Tally", Header(False, "none", "laptop"), "counting", "by hand", ["3 calls"])
+        >>> Tally().markdown().splitlines()[0]
+        '### 9. Tally'
+    """
+
+    @abstractmethod
+    def section(self) -> Section:
+        """The report section of this result."""
+
+    def markdown(self) -> str:
+        """The section's markdown."""
+        return self.section().markdown()
+
+
+def sentence(text: str) -> str:
+    """``text`` ending with a full stop.
+
+    Example:
+        >>> sentence("18 steps"), sentence("done.")
+        ('18 steps.', 'done.')
+    """
+    return text if text.endswith(".") else f"{text}."
 
 
 def ratio(value: float | None) -> str:

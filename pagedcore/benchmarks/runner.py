@@ -1,222 +1,288 @@
-"""Run benchmarks and write their report: ``results.md`` (markdown) and ``engine.png`` (the chart) in a folder.
+"""How a model benchmark is timed, in one place: the clock, the streamers that stamp tokens, torch's thread count,
+and the :class:`Runner` every benchmark times its variants with (progress bar, the machine it ran on, untimed
+warm-ups, rounds whose order rotates, medians, and a variant that cannot run keeping its row with the reason).
 
-The output folder, device and dtype are checked before anything runs, so a bad ``--out`` or a missing GPU fails in
-a second with a :class:`~pagedcore.errors.ConfigError` instead of a traceback minutes into a run.
+- :func:`clock`: ``time.perf_counter`` once the device's queued work is done, so a GPU timing ends when the work
+  does. :func:`timed` times one call with it.
+- :class:`FirstTokenClock` / :class:`TokenStamps`: streamers that stamp the first / every generated token.
+- :class:`Runner`: ``warm_up(names, fn)`` runs each variant once untimed; ``rounds(names, repeats, fn)`` runs every
+  variant once per round, the order rotating each round (:func:`rotated`) to spread drift over the variants, and
+  returns :class:`Trials` (each variant's times and outputs, medians); ``attempt(fn)`` runs a variant that may fail.
+- :func:`torch_threads`, :func:`progress_bar`, :func:`percentile`.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import os
-import sys
-import tempfile
+import math
+import statistics
 import time
-from collections.abc import Iterator
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
-from pagedcore.errors import ConfigError, PagedCoreError
+import torch
+from transformers.generation.streamers import BaseStreamer
 
-from .chart import Charted, Panel, write_chart
+from .common import describe_model
 from .context import BenchContext
-from .options import BenchOptions, add_arguments, options_from
-from .plots import Plotted, write_lines
-from .registry import BENCHMARKS, Report
-from .report import machine_info
+from .report import Header, machine_info
 
-if TYPE_CHECKING:
-    from transformers import PreTrainedModel
+__all__ = ["FirstTokenClock", "Runner", "Timed", "TokenStamps", "Trials", "clock", "rotated", "torch_threads"]
 
-__all__ = ["prepare_out_dir", "run_all", "run_benchmarks", "run_one", "script_main"]
-
-CHART = "engine.png"
+T = TypeVar("T")
 
 
-def prepare_out_dir(path: str | os.PathLike[str]) -> Path:
-    """Create the output folder ``path`` if needed and check that files can be written in it.
-
-    Raises:
-        ConfigError: ``path`` is a file, cannot be created, or is not writable.
+def clock(device: torch.device) -> float:
+    """``time.perf_counter()`` once the work queued on ``device`` is done (CUDA runs asynchronously).
 
     Example:
-        >>> out = prepare_out_dir(Path(tempfile.mkdtemp()) / "bench-out")
-        >>> out.is_dir()
+        >>> clock(torch.device("cpu")) <= time.perf_counter()
         True
-        >>> (out / "notes.txt").write_text("a file")
-        6
-        >>> prepare_out_dir(out / "notes.txt")  # doctest: +ELLIPSIS
-        Traceback (most recent call last):
-        ...
-        pagedcore.errors.ConfigError: output folder '.../notes.txt' is a file, not a folder
     """
-    out = Path(path)
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"output folder {str(out)!r} is a file, not a folder")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=out):
-            pass
-    except OSError as exc:
-        raise ConfigError(f"cannot write to output folder {str(out)!r}: {exc.strerror or exc}") from None
-    return out
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+@dataclass(frozen=True)
+class Timed:
+    """One timed call: its seconds (wall, or per token), what it computed, and its time to the first token.
+
+    Example:
+        >>> Timed(0.5, [7, 8], first_token=0.1).seconds
+        0.5
+    """
+
+    seconds: float
+    output: Any = None
+    first_token: float | None = None
+
+
+def timed(device: torch.device, fn: Callable[[], Any]) -> Timed:
+    """Wall time of ``fn()`` on ``device`` (:func:`clock` before and after), with its result as the output."""
+    start = clock(device)
+    output = fn()
+    return Timed(clock(device) - start, output)
+
+
+class FirstTokenClock(BaseStreamer):
+    """A streamer that timestamps the first generated token (``generate`` first puts the prompt, then each token).
+
+    ``generate`` hands the streamer tokens copied to the CPU, so the stamp waits for the device to compute them.
+
+    Example:
+        >>> stamp = FirstTokenClock()
+        >>> for value in ("prompt", 1, 2):
+        ...     stamp.put(value)
+        >>> stamp.first_token_time is not None
+        True
+    """
+
+    def __init__(self) -> None:
+        self.puts = 0
+        self.first_token_time: float | None = None
+
+    def put(self, value: Any) -> None:
+        """Called by ``generate`` with the prompt, then with every new token."""
+        self.puts += 1
+        if self.puts == 2:
+            self.first_token_time = time.perf_counter()
+
+    def end(self) -> None:
+        """Called by ``generate`` at the end."""
+
+
+class TokenStamps(BaseStreamer):
+    """A streamer that stamps every generated token (``generate`` puts the prompt first, then each new token, copied
+    to the CPU: a stamp waits for the device to compute its token).
+
+    Example:
+        >>> stamps = TokenStamps()
+        >>> for value in ("prompt", 1, 2, 3):
+        ...     stamps.put(value)
+        >>> len(stamps.stamps), stamps.per_decode_step() >= 0
+        (3, True)
+    """
+
+    def __init__(self) -> None:
+        self.puts = 0
+        self.stamps: list[float] = []
+
+    def put(self, value: Any) -> None:
+        """Called by ``generate`` with the prompt, then with every new token."""
+        self.puts += 1
+        if self.puts > 1:
+            self.stamps.append(time.perf_counter())
+
+    def end(self) -> None:
+        """Called by ``generate`` at the end."""
+
+    def per_decode_step(self) -> float:
+        """Seconds from the first generated token to the last, per decode step between them."""
+        if len(self.stamps) < 2:
+            raise ValueError("a decode time needs at least two generated tokens")
+        return (self.stamps[-1] - self.stamps[0]) / (len(self.stamps) - 1)
+
+
+def rotated(items: Sequence[T], shift: int) -> list[T]:
+    """``items`` rotated left by ``shift``: round ``shift``'s order (with two items: alternating).
+
+    Example:
+        >>> rotated(["a", "b", "c"], 1), rotated(["a", "b"], 3)
+        (['b', 'c', 'a'], ['b', 'a'])
+    """
+    k = shift % len(items) if items else 0
+    return [*items[k:], *items[:k]]
+
+
+def failure(exc: BaseException, width: int = 200) -> str:
+    """The cell of a variant that could not run: ``n/a (Type: first line of the message)``.
+
+    Example:
+        >>> failure(RuntimeError("no GPU kernel for this\\nmore")), failure(KeyError())
+        ('n/a (RuntimeError: no GPU kernel for this)', 'n/a (KeyError: )')
+    """
+    first = (str(exc).splitlines() or [""])[0]
+    return f"n/a ({type(exc).__name__}: {first[:width]})"
+
+
+@dataclass
+class Trials:
+    """Every variant's timed calls, round by round (see :meth:`Runner.rounds`).
+
+    Example:
+        >>> trials = Trials({"a": [Timed(1.0, [1]), Timed(3.0, [1])], "b": [Timed(2.0, [2])]})
+        >>> trials.median("a"), trials.seconds("a"), trials.outputs("b")
+        (2.0, [1.0, 3.0], [[2]])
+    """
+
+    runs: dict[str, list[Timed]] = field(default_factory=dict)
+
+    def seconds(self, name: str) -> list[float]:
+        """A variant's seconds, per round."""
+        return [run.seconds for run in self.runs[name]]
+
+    def outputs(self, name: str) -> list[Any]:
+        """What a variant computed, per round."""
+        return [run.output for run in self.runs[name]]
+
+    def median(self, name: str) -> float:
+        """A variant's median seconds."""
+        return statistics.median(self.seconds(name))
+
+
+class Runner:
+    """Times one benchmark's variants on a run's context: a progress bar of ``total`` steps (when the run shows
+    progress), the machine (read when the runner starts), untimed warm-ups and rotating rounds.
+
+    Example:
+        >>> from pagedcore.benchmarks import BenchOptions
+        >>> ctx = BenchContext(BenchOptions(quick=True, progress=False))
+        >>> with Runner(ctx, "demo", total=6) as runner:
+        ...     runner.warm_up(["a", "b"], lambda name: None)
+        ...     trials = runner.rounds(["a", "b"], 2, lambda name, r: Timed(float(r), name))
+        >>> trials.seconds("b"), [name for name in trials.outputs("a")], "cores" in runner.machine
+        ([0.0, 1.0], ['a', 'a'], True)
+        >>> runner.attempt(lambda: 1 / 0)
+        (None, 'n/a (ZeroDivisionError: division by zero)')
+        >>> runner.header("Llama").quick, runner.header("Llama").model
+        (True, 'Llama')
+    """
+
+    def __init__(self, ctx: BenchContext, desc: str, total: int) -> None:
+        self.ctx = ctx
+        self.machine = machine_info()
+        self._bar = progress_bar(total, desc, ctx.progress)
+
+    def __enter__(self) -> Runner:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the progress bar."""
+        self._bar.close()
+
+    def header(self, model: str | None = None) -> Header:
+        """The section's header: the run's quick setting, ``model`` (default: the run's model described), the
+        machine."""
+        return Header(self.ctx.quick, model if model is not None else describe_model(self.ctx.model()), self.machine)
+
+    def label(self, text: str) -> None:
+        """Show what runs now next to the bar."""
+        self._bar.set_postfix_str(text)
+
+    def tick(self, steps: int = 1) -> None:
+        """Advance the bar."""
+        self._bar.update(steps)
+
+    def warm_up(self, names: Sequence[str], fn: Callable[[str], object]) -> None:
+        """Run ``fn(name)`` once per variant, untimed."""
+        for name in names:
+            fn(name)
+            self.tick()
+
+    def rounds(self, names: Sequence[str], repeats: int, fn: Callable[[str, int], Timed]) -> Trials:
+        """``repeats`` rounds of ``fn(name, round)`` for every variant, round ``r`` in :func:`rotated` order."""
+        trials = Trials({name: [] for name in names})
+        for r in range(repeats):
+            for name in rotated(names, r):
+                trials.runs[name].append(fn(name, r))
+                self.tick()
+        return trials
+
+    def attempt(self, fn: Callable[[], T], width: int = 200) -> tuple[T | None, str | None]:
+        """``(fn(), None)``, or ``(None, why)`` when it raises: a variant that cannot run keeps its row with the
+        reason (:func:`failure`)."""
+        try:
+            return fn(), None
+        except Exception as exc:
+            return None, failure(exc, width)
 
 
 @contextlib.contextmanager
-def _threads(options: BenchOptions) -> Iterator[None]:
-    if options.threads is None or not options.needs_torch:  # the core benchmark runs no torch
-        yield
-        return
-    from .common import torch_threads
+def torch_threads(threads: int | None) -> Iterator[None]:
+    """Run the block with ``torch.set_num_threads(threads)`` (no change for None); restored afterwards.
 
-    with torch_threads(options.threads):
-        yield
-
-
-def _settings_line(ctx: BenchContext) -> str:
-    options = ctx.options
-    if not options.needs_torch:
-        return "- Device, dtype, model: none (the core benchmark is plain Python)"
-    from .device import describe_device
-
-    shape = options.model_shape
-    model = (
-        f"{options.model_size_name} (Llama, random weights: hidden {shape['hidden_size']}, "
-        f"{shape['num_hidden_layers']} layers, {shape['num_attention_heads']} heads / {shape['num_key_value_heads']} "
-        f"KV heads, vocab {shape['vocab_size']})"
-    )
-    return f"- Device: {describe_device(ctx.device)}; dtype: {options.dtype}; model size: {model}"
-
-
-def _chart(results: dict[str, Report]) -> tuple[list[Panel], str]:
-    """The panels of the results that offer some, in ``chart_rank`` order, and the first one's title."""
-    ranked = sorted((BENCHMARKS[name].chart_rank, name) for name in results if BENCHMARKS[name].chart_rank is not None)
-    shown = [chart for _, name in ranked if isinstance(chart := results[name], Charted)]
-    panels = [panel for chart in shown for panel in chart.chart_panels()]
-    return panels, shown[0].chart_title() if shown else ""
-
-
-def run_benchmarks(
-    options: BenchOptions, out_dir: str | os.PathLike[str] | None = None, *, model: PreTrainedModel | None = None
-) -> str:
-    """Run the benchmarks ``options`` name on one shared model; returns the markdown report.
-
-    With ``out_dir``, also write ``out_dir/results.md``, ``engine.png`` when a benchmark offers chart panels, and the
-    line charts of the results that are :class:`~pagedcore.benchmarks.plots.Plotted` (e.g. ``decode.png``).
-    ``model``: benchmark this model instead of building one from the options.
+    On a machine where other jobs compete for the cores, one thread gives steadier (if slower) figures than as many
+    threads as cores, whose synchronisation suffers whenever one of them is descheduled.
 
     Example:
-        >>> out = Path(tempfile.mkdtemp())
-        >>> markdown = run_benchmarks(BenchOptions(quick=True, only=("core",), progress=False), out)  # doctest: +SKIP
-        >>> markdown.splitlines()[0], sorted(p.name for p in out.iterdir())  # doctest: +SKIP
-        ('# pagedcore benchmarks (quick workload)', ['results.md'])
+        >>> before = torch.get_num_threads()
+        >>> with torch_threads(1):
+        ...     torch.get_num_threads()
+        1
+        >>> torch.get_num_threads() == before
+        True
     """
-    ctx = BenchContext(options, model)
-    ctx.check()
-    out = prepare_out_dir(out_dir) if out_dir is not None else None
-    started = time.perf_counter()
-    with _threads(options):
-        results = {name: BENCHMARKS[name].run(ctx) for name in options.names}
-        machine = machine_info()
-    elapsed = time.perf_counter() - started
-    title = "# pagedcore benchmarks" + (" (quick workload)" if options.quick else "")
-    intro = (
-        f"Run on {machine}; {elapsed:.0f} s in all. Wall-clock figures depend on what else the machine is "
-        "doing: compare figures measured on a quiet machine."
-    )
-    settings = f"{_settings_line(ctx)}\n- Benchmarks: {', '.join(options.names)}"
-    panels, chart_title = _chart(results)
-    parts = [title, intro, settings, *(result.markdown() for result in results.values())]
-    if panels:
-        parts.append(f"![]({CHART})\n")
-    markdown = "\n\n".join(parts)
-    if out is not None:
-        (out / "results.md").write_text(markdown)
-        if panels:
-            write_chart(out / CHART, panels, chart_title)
-        for result in results.values():
-            if isinstance(result, Plotted):
-                for name, (title, lines) in result.plots().items():
-                    write_lines(out / name, lines, title)
-    return markdown
-
-
-def run_all(
-    quick: bool = False,
-    out_dir: str | os.PathLike[str] = "bench-out",
-    progress: bool = True,
-    threads: int | None = None,
-    **settings: Any,
-) -> str:
-    """Run every benchmark (or ``only=(...)``) on one model; write ``out_dir/results.md`` and ``out_dir/engine.png``.
-
-    ``threads``: torch intra-op threads for the run (default: torch's, one per core); ``settings``: the other fields
-    of :class:`BenchOptions` (``device``, ``dtype``, ``model_size``, ``only``, ``seed``). Returns the markdown.
-
-    Example:
-        >>> BenchOptions(quick=True).model_shape["num_hidden_layers"]   # the model a quick run builds and shares
-        4
-        >>> markdown = run_all(quick=True, out_dir="bench-out", progress=False, threads=1)  # doctest: +SKIP
-        >>> markdown.splitlines()[0]  # doctest: +SKIP
-        '# pagedcore benchmarks (quick workload)'
-        >>> sorted(p.name for p in Path("bench-out").iterdir())  # doctest: +SKIP
-        ['engine.png', 'results.md']
-    """
-    options = BenchOptions(quick=quick, progress=progress, threads=threads, **settings)
-    return run_benchmarks(options, out_dir)
-
-
-def run_one(name: str, quick: bool = False, progress: bool = True, threads: int | None = None, **settings: Any) -> str:
-    """Run one benchmark of :data:`~pagedcore.benchmarks.registry.BENCHMARKS`; returns its markdown section.
-
-    Example:
-        >>> run_one("nonesuch")  # doctest: +ELLIPSIS
-        Traceback (most recent call last):
-        ...
-        pagedcore.errors.ConfigError: unknown benchmark 'nonesuch'; choose from prefix, cold, memory, engine, core, ...
-        >>> print(run_one("memory", quick=True, progress=False, threads=1))  # doctest: +SKIP
-        ### 3. KV memory of a mixed-length batch (quick workload)
-        ...
-    """
-    return _section(BenchOptions(quick=quick, progress=progress, threads=threads, only=(name,), **settings))
-
-
-def _section(options: BenchOptions) -> str:
-    """The markdown section of the one benchmark ``options`` name (no title, no files)."""
-    (name,) = options.names
-    ctx = BenchContext(options)
-    ctx.check()
-    with _threads(options):
-        return BENCHMARKS[name].run(ctx).markdown()
-
-
-def script_main(name: str, argv: list[str] | None = None, description: str = "") -> int:
-    """The command line of the ``examples/bench_*.py`` scripts: run benchmark ``name`` and print its markdown.
-
-    Options: those of ``pagedcore bench`` but ``--only`` (``--quick``, ``--device``, ``--dtype``, ``--model-size``,
-    ``--threads``, ``--no-progress``) and ``--out FILE`` (also write the report). Bad options exit 2 with one line.
-
-    Example:
-        >>> script_main("memory", ["--quick", "--no-progress", "--threads", "1"])  # doctest: +SKIP
-        ### 3. KV memory of a mixed-length batch (quick workload)
-        ...
-        0
-    """
-    parser = argparse.ArgumentParser(description=description.splitlines()[0] if description else None)
-    add_arguments(parser, several=False)
-    parser.add_argument("--out", type=Path, help="also write the markdown report to this file")
-    args = parser.parse_args(argv)
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
     try:
-        options = options_from(args, only=(name,))
-        if args.out is not None:
-            prepare_out_dir(args.out.parent)
-            if args.out.is_dir():
-                raise ConfigError(f"--out {str(args.out)!r} is a folder; give a file name")
-        markdown = _section(options)
-    except PagedCoreError as exc:
-        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
-        return 2
-    print(markdown)
-    if args.out is not None:
-        args.out.write_text(markdown)
-    return 0
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def progress_bar(total: int, desc: str, enabled: bool) -> Any:
+    """A tqdm bar that vanishes when done (or a disabled one)."""
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, leave=False, disable=not enabled, dynamic_ncols=True)
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear-interpolated percentile (``q`` in 0..100); NaN for no values.
+
+    Example:
+        >>> percentile([1.0, 2.0, 3.0, 4.0], 50), math.isnan(percentile([], 99))
+        (2.5, True)
+    """
+    data = sorted(values)
+    if not data:
+        return math.nan
+    k = (len(data) - 1) * q / 100
+    lo, hi = math.floor(k), math.ceil(k)
+    return data[lo] + (data[hi] - data[lo]) * (k - lo)

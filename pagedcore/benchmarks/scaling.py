@@ -7,35 +7,28 @@ shows. Each point runs only if its estimated time (floor x the previous point's 
 
 from __future__ import annotations
 
+import functools
 import random
 from dataclasses import dataclass
 
 from transformers import PreTrainedModel
 
-from pagedcore.adapters.transformers import Engine, SamplingParams
-
-from .common import (
-    BLOCK_SIZE,
-    bench_model,
-    blocks_for,
-    check_outputs,
-    clock,
-    describe_model,
-    kv_bytes_per_token,
-    progress_bar,
-    random_tokens,
-)
+from .common import BLOCK_SIZE, blocks_for, kv_bytes_per_token, random_tokens
 from .context import BenchContext
 from .floor import RATE_ROWS, ModelShape, Segment, matmul_rate, segments_flops
-from .plots import Curve, LinePanel
-from .report import machine_info, mib, section_header, table
+from .peers import Batch, EnginePeer
+from .plots import Curve, LineChart, LinePanel
+from .report import Header, Reported, Section, Table, mib
+from .runner import Runner, clock
 from .steps import logging_forwards
 
-__all__ = ["ScalePoint", "ScalingResult", "scaling_benchmark"]
+__all__ = ["ScalePoint", "ScalingResult", "run"]
 
 CHART = "scaling.png"
 REQUESTS = "requests"
 PROMPTS = "prompt length"
+HEADERS = ["sweep", "requests", "prompt tokens", "wall", "tokens/s", "compute floor", "wall / floor", "in forward",
+           "host ms/step", "steps", "KV peak", "KV peak / all requests' KV"]  # fmt: skip
 
 
 @dataclass
@@ -86,30 +79,30 @@ class ScalePoint:
 
 
 @dataclass
-class ScalingResult:
+class ScalingResult(Reported):
     """Both sweeps' points (see :class:`ScalePoint`).
 
     Example:
         >>> points = [ScalePoint(REQUESTS, 8, 128, 16, 0.5, 1.0, 0.9, 20, 2**20),
-        ...           ScalePoint(REQUESTS, 512, 128, 16, 30.0, None, skipped="skipped: ~90 s > 60 s budget")]
-        >>> result = ScalingResult(True, "Llama", "laptop", points, 8192, 1e11, 60.0, "")
-        >>> [panel.title for panel in result.plots()["scaling.png"][1]][:3]
+        ...           ScalePoint(REQUESTS, 512, 128, 16, 30.0, None, skipped="skipped: ~90 s > 60 s budget"),
+        ...           ScalePoint(PROMPTS, 8, 4096, 16, 9.0, 12.0, 11.0, 30, 2**24)]
+        >>> result = ScalingResult(Header(True, "Llama", "laptop"), points, 8192, 1e11, 60.0, "")
+        >>> [panel.title for panel in result.section().line_charts[0].panels][:3]
         ['throughput vs requests', 'KV peak vs requests', 'wall / compute floor vs requests']
+        >>> result.markdown().count("| skipped: ~90 s > 60 s budget |")
+        1
     """
 
-    quick: bool
-    model: str
-    machine: str
+    head: Header
     points: list[ScalePoint]
     kv_bytes_per_token: int
     rate: float
     point_budget: float
     engine_config: str
 
-    def markdown(self) -> str:
-        """The report: workload, model, machine, the table of both sweeps."""
-        by_sweep = {s: [p for p in self.points if p.sweep == s] for s in (REQUESTS, PROMPTS)}
-        req, prm = by_sweep[REQUESTS], by_sweep[PROMPTS]
+    def section(self) -> Section:
+        """The report: workload, model, machine, the table of both sweeps, the line chart."""
+        req, prm = ([p for p in self.points if p.sweep == s] for s in (REQUESTS, PROMPTS))
         workload = (
             f"all requests submitted at once, unique seeded prompts (no shared prefix), {self.points[0].new} new "
             f"tokens each, greedy, eos ignored; requests {'/'.join(str(p.requests) for p in req)} with "
@@ -126,77 +119,56 @@ class ScalingResult:
             "tokens (below 1 when requests finish before the last ones start). A point runs if floor x the previous "
             f"point's wall / floor is under {self.point_budget:.0f} s."
         )
-        head = section_header("9. Scaling: requests and prompt length", self.quick, workload, self.model,
-                              self.machine, measured)  # fmt: skip
-        rows = []
-        for p in self.points:
-            if p.wall is None:
-                rows.append([p.sweep, p.requests, p.prompt, p.skipped, *["n/a"] * 8])
-                continue
-            assert p.tokens_per_second is not None and p.floor_ratio is not None and p.forward_share is not None
-            stored = p.requests * (p.prompt + p.new - 1)
-            rows.append(
-                [
-                    p.sweep,
-                    p.requests,
-                    p.prompt,
-                    f"{p.wall:.2f} s",
-                    f"{p.tokens_per_second:.0f}",
-                    f"{p.floor:.3g} s",
-                    f"{p.floor_ratio:.2f}x",
-                    f"{100 * p.forward_share:.1f}%",
-                    f"{p.host_ms_per_step:.2f}",
-                    p.steps,
-                    mib(p.kv_peak),
-                    f"{p.kv_peak / (stored * self.kv_bytes_per_token):.3f}",
-                ]
-            )
-        headers = ["sweep", "requests", "prompt tokens", "wall", "tokens/s", "compute floor", "wall / floor",
-                   "in forward", "host ms/step", "steps", "KV peak", "KV peak / all requests' KV"]  # fmt: skip
-        return f"{head}{table(headers, rows)}\n\n- Engine: {self.engine_config}.\n\n![scaling]({CHART})\n"
+        return Section(
+            "9. Scaling: requests and prompt length", self.head, workload, measured,
+            body=[Table(HEADERS, [self._row(p) for p in self.points])], notes=[f"Engine: {self.engine_config}."],
+            line_charts=[self._chart()],
+        )  # fmt: skip
 
-    def plots(self) -> dict[str, tuple[str, list[LinePanel]]]:
+    def _row(self, p: ScalePoint) -> list[object]:
+        if p.wall is None:
+            return [p.sweep, p.requests, p.prompt, p.skipped, *["n/a"] * 8]
+        assert p.tokens_per_second is not None and p.floor_ratio is not None and p.forward_share is not None
+        stored = p.requests * (p.prompt + p.new - 1)
+        return [p.sweep, p.requests, p.prompt, f"{p.wall:.2f} s", f"{p.tokens_per_second:.0f}", f"{p.floor:.3g} s",
+                f"{p.floor_ratio:.2f}x", f"{100 * p.forward_share:.1f}%", f"{p.host_ms_per_step:.2f}", p.steps,
+                mib(p.kv_peak), f"{p.kv_peak / (stored * self.kv_bytes_per_token):.3f}"]  # fmt: skip
+
+    def _chart(self) -> LineChart:
         """``scaling.png``: against requests (first row) and prompt length (second row): throughput, KV peak, wall /
         compute floor, share of the wall time outside the forward."""
         panels = []
         for sweep, x_of, x_label in ((REQUESTS, "requests", "requests"), (PROMPTS, "prompt", "prompt tokens")):
             points = [p for p in self.points if p.sweep == sweep]
             xs = [getattr(p, x_of) for p in points]
-            panels.append(LinePanel(f"throughput vs {sweep}", x_label, "tokens/s (prompt + generated)",
-                                    [Curve("Engine", xs, [p.tokens_per_second for p in points])]))  # fmt: skip
             kv = [p.kv_peak / 2**20 if p.wall is not None else None for p in points]
-            panels.append(LinePanel(f"KV peak vs {sweep}", x_label, "MiB", [Curve("Engine", xs, kv)]))
-            panels.append(LinePanel(f"wall / compute floor vs {sweep}", x_label, "x (1 = compute-bound at best)",
-                                    [Curve("Engine", xs, [p.floor_ratio for p in points])]))  # fmt: skip
             host = [100 * (1 - p.forward_share) if p.forward_share is not None else None for p in points]
-            panels.append(LinePanel(f"time outside the forward vs {sweep}", x_label, "% of wall",
-                                    [Curve("Engine", xs, host)]))  # fmt: skip
-        suffix = " (quick workload)" if self.quick else ""
-        return {CHART: (f"Engine scaling{suffix}", panels)}
+            panels += [
+                LinePanel(f"throughput vs {sweep}", x_label, "tokens/s (prompt + generated)",
+                          [Curve("Engine", xs, [p.tokens_per_second for p in points])]),
+                LinePanel(f"KV peak vs {sweep}", x_label, "MiB", [Curve("Engine", xs, kv)]),
+                LinePanel(f"wall / compute floor vs {sweep}", x_label, "x (1 = compute-bound at best)",
+                          [Curve("Engine", xs, [p.floor_ratio for p in points])]),
+                LinePanel(f"time outside the forward vs {sweep}", x_label, "% of wall", [Curve("Engine", xs, host)]),
+            ]  # fmt: skip
+        suffix = " (quick workload)" if self.head.quick else ""
+        return LineChart(CHART, f"Engine scaling{suffix}", panels, "scaling")
 
 
 def _run_point(model: PreTrainedModel, point: ScalePoint, prompts: list[list[int]]) -> None:
-    """Serve ``prompts`` with a new Engine sized for them; fill in the point's figures."""
-    num_blocks = point.requests * blocks_for(point.prompt + point.new) + 8
-    params = SamplingParams(max_new_tokens=point.new, ignore_eos=True)
-    with Engine(model, num_blocks=num_blocks, block_size=BLOCK_SIZE, max_num_seqs=point.requests,
-                max_num_batched_tokens=max(512, point.requests)) as engine:  # fmt: skip
-        with logging_forwards(model) as log:
-            start = clock(model.device)
-            outputs = engine.generate(prompts, params, use_tqdm=False)
-            wall = clock(model.device) - start
-        stats = engine.stats()
-    check_outputs(outputs)
-    point.wall, point.busy, point.steps = wall, log.busy_seconds(), stats.num_steps
-    point.kv_peak = stats.kv_peak_used_bytes
+    """Serve ``prompts`` with a new Engine sized for them (made untimed); fill in the point's figures."""
+    peer = EnginePeer(num_blocks=point.requests * blocks_for(point.prompt + point.new) + 8,
+                      budget=max(512, point.requests), max_seqs=point.requests)  # fmt: skip
+    with peer.session(model) as serve, logging_forwards(model) as log:
+        start = clock(model.device)
+        served = serve(Batch(prompts, [point.new] * len(prompts)))
+    point.wall, point.busy, point.steps = served.ended - start, log.busy_seconds(), served.steps or 0
+    point.kv_peak = served.peak_kv_bytes or 0
 
 
-def scaling_benchmark(
-    quick: bool = False,
-    progress: bool = True,
+def run(
+    ctx: BenchContext,
     *,
-    model: PreTrainedModel | None = None,
-    seed: int = 0,
     point_budget: float | None = None,
     requests: tuple[int, ...] | None = None,
     prompt_lens: tuple[int, ...] | None = None,
@@ -208,10 +180,13 @@ def scaling_benchmark(
     its row with the reason.
 
     Example:
-        >>> result = scaling_benchmark(quick=True, progress=False, model=bench_model(size="tiny"))  # doctest: +SKIP
+        >>> from pagedcore.benchmarks import BenchOptions
+        >>> ctx = BenchContext(BenchOptions(quick=True, progress=False, model_size="tiny"))
+        >>> result = run(ctx)  # doctest: +SKIP
         >>> [(p.requests, p.prompt) for p in result.points][:4]  # doctest: +SKIP
         [(4, 32), (8, 32), (16, 32), (32, 32)]
     """
+    quick, model, seed = ctx.quick, ctx.model(), ctx.options.seed
     counts: tuple[int, ...]
     lengths: tuple[int, ...]
     if quick:
@@ -220,12 +195,9 @@ def scaling_benchmark(
         counts, lengths, base_prompt, base_requests, new = (8, 32, 128, 512), (128, 512, 2048, 4096), 128, 8, 16
     counts, lengths = requests or counts, prompt_lens or lengths
     budget = point_budget if point_budget is not None else (20.0 if quick else 120.0)
-    model = model if model is not None else bench_model(seed, quick=quick)
     positions = getattr(model.config, "max_position_embeddings", None) or max(lengths) + new
     lengths = tuple(min(p, int(positions) - new) for p in lengths)
-    vocab = model.config.vocab_size
     rng = random.Random(seed + 9)
-    machine = machine_info()
     shape = ModelShape.from_config(model.config)
     rate = matmul_rate(shape, model.device, model.dtype)
 
@@ -235,33 +207,12 @@ def scaling_benchmark(
 
     plan = [ScalePoint(REQUESTS, n, base_prompt, new, floor(n, base_prompt)) for n in counts]
     plan += [ScalePoint(PROMPTS, base_requests, p, new, floor(base_requests, p)) for p in lengths]
-    with Engine(model, num_blocks=64, block_size=BLOCK_SIZE) as warm:
-        warm.generate(
-            [random_tokens(rng, 24, vocab)], SamplingParams(max_new_tokens=2, ignore_eos=True), use_tqdm=False
-        )
-    bar = progress_bar(len(plan), "scaling: Engine", progress)
-    ratio_seen: dict[str, float] = {}
-    for point in plan:
-        estimate = point.floor * ratio_seen.get(point.sweep, 3.0)
-        if estimate > budget:
-            point.skipped = f"skipped: about {estimate:.0f} s > the {budget:.0f} s point budget"
-            bar.update(1)
-            continue
-        bar.set_postfix_str(f"{point.requests} x {point.prompt}")
-        try:
-            _run_point(model, point, [random_tokens(rng, point.prompt, vocab) for _ in range(point.requests)])
-        except Exception as exc:  # a point that cannot run keeps its row with the reason
-            point.wall = None
-            point.skipped = f"n/a ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})"
-        else:
-            assert point.wall is not None
-            ratio_seen[point.sweep] = point.wall / point.floor
-        bar.update(1)
-    bar.close()
+    with EnginePeer(num_blocks=64).session(model) as serve:  # warm-up
+        serve(Batch([random_tokens(rng, 24, model.config.vocab_size)], [2]))
+    with Runner(ctx, "scaling: Engine", len(plan)) as runner:
+        _run_plan(runner, model, plan, rng, budget)
     return ScalingResult(
-        quick=quick,
-        model=describe_model(model),
-        machine=machine,
+        head=runner.header(),
         points=plan,
         kv_bytes_per_token=kv_bytes_per_token(model),
         rate=rate,
@@ -273,6 +224,24 @@ def scaling_benchmark(
     )
 
 
-def run(ctx: BenchContext) -> ScalingResult:
-    """The registry's entry point: the benchmark on the run's model."""
-    return scaling_benchmark(ctx.quick, ctx.progress, model=ctx.model(), seed=ctx.options.seed)
+def _run_plan(
+    runner: Runner, model: PreTrainedModel, plan: list[ScalePoint], rng: random.Random, budget: float
+) -> None:
+    """Run each point whose estimate (its floor x the sweep's last wall / floor, 3 at first) fits ``budget``; a point
+    that cannot run keeps its row with the reason."""
+    ratio_seen: dict[str, float] = {}
+    for point in plan:
+        estimate = point.floor * ratio_seen.get(point.sweep, 3.0)
+        if estimate > budget:
+            point.skipped = f"skipped: about {estimate:.0f} s > the {budget:.0f} s point budget"
+            runner.tick()
+            continue
+        runner.label(f"{point.requests} x {point.prompt}")
+        prompts = [random_tokens(rng, point.prompt, model.config.vocab_size) for _ in range(point.requests)]
+        _, error = runner.attempt(functools.partial(_run_point, model, point, prompts), width=160)
+        if error is not None:
+            point.wall, point.skipped = None, error
+        else:
+            assert point.wall is not None
+            ratio_seen[point.sweep] = point.wall / point.floor
+        runner.tick()

@@ -11,9 +11,11 @@ Two paths:
   one Engine per worker.
 
 Modules: ``model_spec.py`` (:class:`ModelSpec`: what each process loads), ``routing.py`` (prefix hashes, the
-routers), ``replica.py`` (:class:`EngineReplica`), ``replica_loop.py`` (:class:`ReplicaLoop`, the ingress side),
-``deployment.py`` (:func:`build_app`, :func:`deploy`), ``data.py`` (:class:`GenerateBatch`), ``command.py``
-(``pagedcore serve --ray``). Names are imported lazily: ``import pagedcore.serve.ray`` does not import Ray.
+routers), ``in_flight.py`` (the router's count of the requests it assigned and has not seen complete),
+``replica.py`` (:class:`EngineReplica`), ``replica_loop.py`` (:class:`ReplicaLoop`, the ingress side),
+``replica_stats.py`` (the ingress's view of the replicas' statistics, for ``/metrics``), ``deployment.py``
+(:func:`build_app`, :func:`deploy`), ``data.py`` (:class:`GenerateBatch`), ``command.py`` (``pagedcore serve
+--ray``). Names are imported lazily: ``import pagedcore.serve.ray`` does not import Ray.
 
 Example:
     >>> from pagedcore.serve.ray import ModelSpec

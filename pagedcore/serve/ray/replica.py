@@ -2,13 +2,16 @@
 
 ``build_app`` deploys it N times behind the ingress. Each call of :meth:`EngineReplica.generate` submits one request
 to the replica's loop and streams the loop's events back (Ray Serve streams a generator's items to the caller); the
-last item is a :class:`ReplicaReport` with the replica's statistics, which the ingress merges for ``/metrics``. A
-caller that cancels the stream (the client left) aborts the request, so its blocks go back before the next step.
+last item is a :class:`ReplicaReport` with the replica's statistics, which the ingress merges for ``/metrics`` (it
+also polls :meth:`EngineReplica.stats` on every live replica). A caller that cancels the stream (the client left)
+aborts the request, so its blocks go back before the next step.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
+import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -22,17 +25,19 @@ __all__ = ["EngineReplica", "ReplicaReport"]
 
 @dataclass(frozen=True)
 class ReplicaReport:
-    """A replica's statistics, sent after each request's :class:`~pagedcore.serve.loop.Finished`.
+    """A replica's statistics, sent after each request's :class:`~pagedcore.serve.loop.Finished` and answering
+    the ingress's polls; ``sequence`` numbers one replica's reports in the order it read them (newest highest).
 
     Example:
         >>> from pagedcore.adapters.transformers import EngineStats
         >>> stats = LoopStats(EngineStats(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0.0, 0, 0, 0.0), 0, 0, 0, 8, 0, 0)
-        >>> ReplicaReport("r1", stats).replica
-        'r1'
+        >>> ReplicaReport("r1", stats, 3).sequence
+        3
     """
 
     replica: str
     stats: LoopStats
+    sequence: int = 0
 
 
 class EngineReplica:
@@ -66,6 +71,8 @@ class EngineReplica:
         self._loop = EngineLoop(self._engine, max_queue=max_queue)
         self._loop.start()
         self._name = _replica_name()
+        self._sequence = itertools.count(1)
+        self._report_lock = threading.Lock()  # a number and a reading taken together keep their order
 
     @property
     def name(self) -> str:
@@ -97,11 +104,12 @@ class EngineReplica:
         finally:
             if not finished:  # the caller cancelled the stream: give the request's blocks back
                 self._loop.abort(request_id)
-        yield ReplicaReport(self._name, self._loop.stats)
+        yield self.stats()
 
     def stats(self) -> ReplicaReport:
-        """This replica's statistics now."""
-        return ReplicaReport(self._name, self._loop.stats)
+        """This replica's statistics now: its loop's snapshot, published after its latest step."""
+        with self._report_lock:
+            return ReplicaReport(self._name, self._loop.stats, next(self._sequence))
 
     def check_health(self) -> None:
         """Ray Serve's health check: raises when the loop thread is gone (Ray Serve then replaces the replica)."""

@@ -5,7 +5,13 @@ same events, so :func:`~pagedcore.serve.app.create_app` serves OpenAI's API over
 a streaming call to the engine deployment (routed by prefix, see :mod:`pagedcore.serve.ray.routing`); the replica's
 events come back through that stream. A replica that dies before the request produced output is retried on another
 replica; after output was sent the request fails cleanly (an error event, or a 500). A stream that stays silent for
-``stall_timeout`` seconds counts as a failed replica, so no request waits forever.
+``stall_timeout`` seconds counts as a failed replica, so no request waits forever. What a client sees of a failure
+is a generic message naming its request id; the replica's error (actor id, pid, node address: cluster internals)
+goes to the server log under that id.
+
+Statistics (``stats``, the app's ``/metrics``) come from the replicas' reports (:mod:`~.replica_stats`): one at the
+end of each request's stream, and a poll of every live replica every ``stats_interval`` seconds, which drops
+replicas that died and brings the figures up to date after a replica's last step.
 """
 
 from __future__ import annotations
@@ -16,20 +22,26 @@ import functools
 import itertools
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import fields, replace
+from dataclasses import replace
 from typing import Any
 
 from ray.exceptions import ActorUnavailableError, RayActorError
+from ray.serve.exceptions import DeploymentUnavailableError
+
+from pagedcore.errors import ConfigError
 
 from ..loop import Delta, Finished, LoopClosedError, LoopStats, QueueFullError, Started, Submission
 from .replica import ReplicaReport
+from .replica_stats import ReplicaStats, zero_stats
 from .routing import MAX_ROUTED_BLOCKS, RoutedRequest, prefix_hashes
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ReplicaLoop", "merge_stats"]
+__all__ = ["ReplicaLoop"]
 
 Sink = Callable[[Any], None]
+_SEE_LOG = "the server log has the details under this request id"
+_POLL_TIMEOUT_S = 10.0  # a statistics poll that takes longer is dropped (the figures stay as they were)
 
 
 class _StreamEndedError(Exception):
@@ -37,28 +49,6 @@ class _StreamEndedError(Exception):
 
 
 _REPLICA_FAILURES = (RayActorError, ActorUnavailableError, asyncio.TimeoutError, _StreamEndedError)
-
-
-def merge_stats(reports: Sequence[LoopStats]) -> LoopStats | None:
-    """The sum of several loops' statistics (KV usage: the highest), or None without any.
-
-    Example:
-        >>> from pagedcore.adapters.transformers import EngineStats
-        >>> one = LoopStats(EngineStats(2, 2, 0, 0, 5, 0, 64, 48, 16, 8, 0.5, 0, 0, 0.1), 0, 1, 4, 32, 24, 0)
-        >>> two = LoopStats(EngineStats(1, 1, 0, 0, 3, 0, 32, 0, 32, 4, 0.25, 0, 0, 0.1), 1, 0, 2, 32, 12, 0)
-        >>> merged = merge_stats([one, two])
-        >>> merged.engine.prefix_hit_rate, merged.engine.kv_usage, merged.num_blocks
-        (0.5, 0.5, 64)
-    """
-    if not reports:
-        return None
-    engine_type = type(reports[0].engine)
-    engine = {}
-    for item in fields(engine_type):
-        values = [getattr(r.engine, item.name) for r in reports]
-        engine[item.name] = max(values) if item.name == "kv_usage" else sum(values)
-    counts = {f.name: sum(getattr(r, f.name) for r in reports) for f in fields(LoopStats) if f.name != "engine"}
-    return LoopStats(engine=engine_type(**engine), **counts)
 
 
 class ReplicaLoop:
@@ -73,12 +63,16 @@ class ReplicaLoop:
         max_queue: requests that may wait for a replica's first answer before new ones get :class:`QueueFullError`.
         attempts: tries per request when a replica fails before the request produced output.
         stall_timeout: seconds without an event from the replica after which it counts as failed.
+        stats_interval: seconds between polls of the replicas' statistics, from the first request or ``stats``
+            read on (None: only :meth:`refresh_stats` polls).
 
     Example:
         >>> loop = ReplicaLoop(handle=None, tokenizer=None, block_size=16)
         >>> loop.is_running, loop.stats.num_blocks
         (True, 0)
     """
+
+    public_errors = True  # its error messages name the request and hide cluster internals (the app sends them)
 
     def __init__(
         self,
@@ -89,7 +83,11 @@ class ReplicaLoop:
         max_queue: int = 512,
         attempts: int = 3,
         stall_timeout: float = 600.0,
+        stats_interval: float | None = 1.0,
     ) -> None:
+        number = isinstance(stats_interval, (int, float)) and not isinstance(stats_interval, bool)
+        if stats_interval is not None and not (number and stats_interval > 0):
+            raise ConfigError(f"stats_interval must be a number > 0 or None, got {stats_interval!r}")
         self._handle = handle
         self._tokenizer = tokenizer
         self._block_size = block_size
@@ -100,7 +98,9 @@ class ReplicaLoop:
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._num_waiting = 0
         self._num_running = 0
-        self._reports: dict[str, LoopStats] = {}
+        self._replicas = ReplicaStats()
+        self._stats_interval = stats_interval
+        self._poller: asyncio.Task[None] | None = None
         self._stopping = False
         self._listeners: list[Callable[[float], None]] = []
 
@@ -111,15 +111,41 @@ class ReplicaLoop:
 
     @property
     def stats(self) -> LoopStats:
-        """The replicas' statistics as of each one's last finished request, summed; waiting and running counts
-        as this ingress sees them."""
-        merged = merge_stats(list(self._reports.values()))
-        if merged is None:  # no replica has reported yet: zeros
-            from pagedcore.adapters.transformers import EngineStats
-
-            engine = EngineStats(**{f.name: 0 for f in fields(EngineStats)})
-            merged = LoopStats(engine, **{f.name: 0 for f in fields(LoopStats) if f.name != "engine"})
+        """The replicas' statistics as of their latest reports: gauges summed over the live replicas, counters
+        over every replica that reported (see :mod:`~pagedcore.serve.ray.replica_stats`); waiting and running
+        counts as this ingress sees them. The first read on an event loop (or the first request) starts the poll."""
+        self._start_polling()
+        merged = self._replicas.merged() or zero_stats()
         return replace(merged, num_waiting=self._num_waiting, num_running=self._num_running)
+
+    async def refresh_stats(self) -> None:
+        """Poll every live replica for its statistics now (Ray Serve's ``broadcast``); the replicas that answer
+        are the live ones. Runs every ``stats_interval`` seconds once this loop serves (one small call per replica:
+        the control-plane use Ray Serve's ``broadcast`` is meant for)."""
+        try:
+            response = self._handle.broadcast("stats")
+            answers = await response.results_async(timeout_s=_POLL_TIMEOUT_S, return_exceptions=True)
+        except DeploymentUnavailableError:  # no replica runs at all
+            answers = []
+        except Exception:  # e.g. the poll timed out: keep what the replicas reported before
+            logger.debug("pagedcore: polling the engine replicas' statistics failed", exc_info=True)
+            return
+        self._replicas.record_poll(answer for answer in answers if isinstance(answer, ReplicaReport))
+
+    def _start_polling(self) -> None:
+        if self._poller is not None or self._stopping or self._stats_interval is None or self._handle is None:
+            return
+        try:
+            aloop = asyncio.get_running_loop()
+        except RuntimeError:  # read outside an event loop (e.g. a test): nothing to poll from
+            return
+        self._poller = contextvars.Context().run(aloop.create_task, self._poll())  # not in a request's context
+
+    async def _poll(self) -> None:
+        assert self._stats_interval is not None
+        while True:
+            await self.refresh_stats()
+            await asyncio.sleep(self._stats_interval)
 
     def add_step_listener(self, listener: Callable[[float], None]) -> None:
         """Accepted for the app's sake; engine steps run in the replicas, so it is never called here."""
@@ -136,6 +162,7 @@ class ReplicaLoop:
                 f"{self._max_queue}: retry later"
             )
         aloop = asyncio.get_running_loop()
+        self._start_polling()
         ids = [f"req-{next(self._ids)}" for _ in submissions]
         for request_id, submission in zip(ids, submissions):
             self._num_waiting += 1
@@ -168,6 +195,8 @@ class ReplicaLoop:
     def stop(self) -> None:
         """Take no new requests; running ones end with a "shutdown" error."""
         self._stopping = True
+        if self._poller is not None:
+            self._poller.cancel()
         for task in list(self._tasks.values()):
             task.cancel()
 
@@ -192,20 +221,40 @@ class ReplicaLoop:
                     await self._stream(request, progress)
                     return
                 except _REPLICA_FAILURES as exc:
-                    if progress.delivered or attempt == self._attempts:
-                        progress.fail(f"the engine replica failed: {type(exc).__name__}: {exc}", "failed")
+                    # The error names cluster internals (actor id, pid, node address): the log gets it, the client
+                    # a message that names its request.
+                    final = progress.delivered or attempt == self._attempts
+                    what = "failing it" if final else "retrying it on another replica"
+                    logger.warning(
+                        "pagedcore: request %s: its engine replica failed (attempt %d), %s: %s: %s",
+                        request_id,
+                        attempt,
+                        what,
+                        type(exc).__name__,
+                        exc,
+                    )
+                    if final:
+                        progress.fail(self._failure_message(request_id, exc), "failed")
                         return
-                    logger.warning("pagedcore: %s failed on a replica (%s); retrying", request_id, type(exc).__name__)
         except asyncio.CancelledError:
             if self._stopping:
                 progress.fail("the server is shutting down", "shutdown")
             else:
                 progress.fail("aborted", "aborted")
-        except Exception as exc:  # a bug or an unexpected Ray error: this request fails, the ingress serves on
+        except Exception:  # a bug or an unexpected Ray error: this request fails, the ingress serves on
             logger.exception("pagedcore: request %s failed in the ingress", request_id)
-            progress.fail(f"{type(exc).__name__}: {exc}", "failed")
+            progress.fail(f"request {request_id} failed in the server ({_SEE_LOG})", "failed")
         finally:
             progress.end()
+
+    def _failure_message(self, request_id: str, exc: BaseException) -> str:
+        if isinstance(exc, asyncio.TimeoutError):
+            what = f"sent nothing for {self._stall_timeout:g} s"
+        elif isinstance(exc, _StreamEndedError):
+            what = "ended its stream before the request finished"
+        else:
+            what = "failed"
+        return f"the engine replica serving request {request_id} {what} ({_SEE_LOG})"
 
     async def _stream(self, request: RoutedRequest, progress: _Progress) -> None:
         stream = self._handle.options(stream=True).generate.remote(request)
@@ -218,7 +267,7 @@ class ReplicaLoop:
                     ended = True
                     break
                 if isinstance(item, ReplicaReport):
-                    self._reports[item.replica] = item.stats
+                    self._replicas.record(item)
                 else:
                     progress.send(item)
         except _REPLICA_FAILURES:

@@ -7,8 +7,11 @@ chain to; a request goes to the replica holding its longest remembered prefix, w
 prompt with no useful match (none, or under ``min_match_fraction`` of its blocks, such as a chat template's shared
 header) goes to the replica that holds the fewest remembered blocks, so distinct prefixes spread evenly. Under
 imbalance, a replica with more than ``imbalance_threshold`` requests over the least loaded one is not chosen for
-affinity: its requests fall back to the least-loaded replica. :class:`RandomRouter` is the baseline that ignores
-prefixes.
+affinity: its requests fall back to the least-loaded replica. A replica's load is what the router assigned to it
+and has not seen complete (:class:`~pagedcore.serve.ray.in_flight.InFlight`, counted when it decides, so a burst
+routed at once sees its own earlier decisions), or Ray Serve's queue-length figure for it where that is higher
+(requests other routers sent). So a burst of one hot prefix splits with no replica more than
+``imbalance_threshold + 1`` requests above another. :class:`RandomRouter` is the baseline that ignores prefixes.
 
 The table is the router's memory of its own decisions (bounded, least recently used first out), not the replicas'
 caches: it may remember a prefix a replica has evicted since (that request then recomputes it there). With several
@@ -32,6 +35,7 @@ from pagedcore.errors import ConfigError
 from pagedcore.prefix_trie import namespace_key
 
 from ..loop import Submission
+from .in_flight import InFlight
 
 __all__ = ["MAX_ROUTED_BLOCKS", "PrefixAffinityRouter", "RandomRouter", "RoutedRequest", "prefix_hashes"]
 
@@ -79,6 +83,12 @@ class RoutedRequest:
     prefix_hashes: tuple[int, ...] = ()
 
 
+def _request_id_of(pending_request: PendingRequest | None) -> str | None:
+    metadata = getattr(pending_request, "metadata", None)
+    request_id = getattr(metadata, "internal_request_id", None)
+    return request_id if isinstance(request_id, str) else None
+
+
 def _hashes_of(pending_request: PendingRequest | None) -> tuple[int, ...]:
     # By attribute, not isinstance: Ray Serve ships a router class to the handle's process pickled by value,
     # together with its module, so the RoutedRequest class the router sees is a copy of the one the ingress uses.
@@ -93,7 +103,8 @@ def _hashes_of(pending_request: PendingRequest | None) -> tuple[int, ...]:
 
 class PrefixAffinityRouter(RequestRouter):
     """Ray Serve request router: the replica that holds the longest routed prefix, else the one holding the fewest
-    routed blocks; never a replica loaded over ``imbalance_threshold`` requests above the least loaded one.
+    routed blocks; never a replica loaded over ``imbalance_threshold`` requests above the least loaded one (load:
+    the requests this router assigned to it and has not seen complete, or Ray's queue-length figure if higher).
 
     Configure it on the engine deployment (``build_app`` does) with ``RequestRouterConfig(request_router_class=
     PrefixAffinityRouter, request_router_kwargs={...})``; the kwargs go to :meth:`initialize_state`.
@@ -113,6 +124,7 @@ class PrefixAffinityRouter(RequestRouter):
         self.max_entries = 1 << 16
         self._owners: OrderedDict[int, ReplicaID] = OrderedDict()  # block chain hash -> replica last sent it
         self._num_owned: Counter[ReplicaID] = Counter()
+        self._in_flight = InFlight()
 
     def initialize_state(
         self,
@@ -142,7 +154,8 @@ class PrefixAffinityRouter(RequestRouter):
         """Ranks of replicas: the chosen one first, then the others from least to most loaded."""
         if not candidate_replicas:
             return []
-        loads = {r.replica_id: self.replica_queue_len_cache.get(r.replica_id) or 0 for r in candidate_replicas}
+        request_id = _request_id_of(pending_request)
+        loads = {r.replica_id: self._load(r.replica_id, request_id) for r in candidate_replicas}
         least = min(loads.values())
         eligible = [r for r in candidate_replicas if loads[r.replica_id] <= least + self.imbalance_threshold]
         hashes = _hashes_of(pending_request)
@@ -150,6 +163,8 @@ class PrefixAffinityRouter(RequestRouter):
         if chosen is None:
             chosen = min(eligible, key=lambda r: (self._num_owned[r.replica_id], loads[r.replica_id], random.random()))
         self._remember(hashes, chosen.replica_id)
+        if request_id is not None:  # counts from now: the next decision of the same burst sees it
+            self._in_flight.assign(request_id, chosen.replica_id, getattr(pending_request, "future", None))
         others = sorted((r for r in candidate_replicas if r is not chosen), key=lambda r: loads[r.replica_id])
         return [[chosen], others] if others else [[chosen]]
 
@@ -157,10 +172,16 @@ class PrefixAffinityRouter(RequestRouter):
         """Remember where the request went (a fallback rank may differ from the choice)."""
         self._remember(_hashes_of(pending_request), replica_id)
 
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        """The request ended on the replica (finished, failed or cancelled): it no longer counts as its load."""
+        super().on_request_completed(replica_id, internal_request_id)
+        self._in_flight.complete(internal_request_id, replica_id)
+
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
-        """Forget a dead replica's count; its table entries are ignored and overwritten."""
+        """Forget a dead replica's counts; its table entries are ignored and overwritten."""
         super().on_replica_actor_died(replica_id)
         self._num_owned.pop(replica_id, None)
+        self._in_flight.forget_replica(replica_id)
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         """Ray Serve's replica set update; counts of replicas that left are dropped."""
@@ -168,6 +189,12 @@ class PrefixAffinityRouter(RequestRouter):
         live = {r.replica_id for r in replicas}
         for replica_id in [r for r in self._num_owned if r not in live]:
             del self._num_owned[replica_id]
+        self._in_flight.retain_replicas(live.__contains__)
+
+    def _load(self, replica_id: ReplicaID, routing: str | None) -> int:
+        # Not counting the request being routed, when this is a re-ranking of its attempt.
+        cached = self.replica_queue_len_cache.get(replica_id) or 0
+        return max(self._in_flight.load(replica_id, excluding=routing), cached)
 
     def _owner_of(self, hashes: tuple[int, ...], eligible: list[RunningReplica]) -> RunningReplica | None:
         by_id = {r.replica_id: r for r in eligible}
