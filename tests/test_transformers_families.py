@@ -169,3 +169,19 @@ def test_unsupported_model_raises_naming_its_type(build, model_type, why):
         PagedCache(model, pool=pool)
     assert pool.kv.num_used_blocks == 0
     pool.check_invariants()
+
+
+@pytest.mark.parametrize("batch_kind", ["plain", "left_padded"])
+def test_paged_mode_of_a_model_that_attends_in_its_own_code_matches_eager(batch_kind):
+    """Bloom never calls the attention interface: it adds the mask to its scores. With ``attn_implementation="paged"``
+    it used to get sdpa's boolean mask (added as 0 / 1: every future and padding position seen), so its tokens
+    differed from eager Bloom's, with any cache; the reference of the test above shared the fault."""
+    ids, mask = batch(BATCHES[batch_kind], PROMPT_LEN, seed=1)
+    kwargs = {"input_ids": ids, "attention_mask": mask, "max_new_tokens": NEW_TOKENS, "do_sample": False}
+    eager = tiny_model("bloom", attn_implementation="eager")
+    want = generate(eager, dynamic(eager), **kwargs)
+    paged = tiny_model("bloom", attn_implementation="paged")
+    cache = PagedCache(paged, num_blocks=64, block_size=4)
+    assert_same_generation(generate(paged, dynamic(paged), **kwargs), want)
+    assert_same_generation(generate(paged, cache, **kwargs), want)
+    release_and_check(cache)

@@ -12,6 +12,7 @@ more than the padding the cache left out (``ForwardContext.mask_matches``), over
 
 from __future__ import annotations
 
+import functools
 import sys
 import weakref
 from collections.abc import Callable
@@ -21,7 +22,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 from transformers.utils import logging
 
 from pagedcore.attention import PagedAttentionMetadata, eager_attention, to_device
@@ -307,4 +308,19 @@ def register() -> None:
     """
     AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
     # The mask is only used by the dense fallback; the paged path knows each sequence's extent exactly.
-    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _paged_mask)
+
+
+def _paged_mask(*args: Any, config: Any = None, **kwargs: Any) -> Any:
+    """sdpa's boolean mask (what the dense fallback reads), except for a model that attends in its own code, never
+    through the attention interface (Bloom, Falcon, GPT-Neo): it adds the mask to its scores, as eager's float mask."""
+    if config is not None and not _uses_attention_interface(type(config)):
+        return eager_mask(*args, config=config, **kwargs)
+    return sdpa_mask(*args, config=config, **kwargs)
+
+
+@functools.cache
+def _uses_attention_interface(config_type: type) -> bool:
+    """Whether the modeling file of ``config_type``'s model calls transformers' attention interface."""
+    module = sys.modules.get(config_type.__module__.replace(".configuration_", ".modeling_"))
+    return module is None or hasattr(module, "ALL_ATTENTION_FUNCTIONS")
