@@ -314,13 +314,14 @@ def register() -> None:
 def _paged_mask(*args: Any, config: Any = None, **kwargs: Any) -> Any:
     """sdpa's boolean mask (what the dense fallback reads), except for a model that attends in its own code, never
     through the attention interface (Bloom, Falcon, GPT-Neo): it adds the mask to its scores, as eager's float mask."""
-    if config is not None and not _uses_attention_interface(type(config)):
+    if config is not None and not _uses_attention_interface(type(config).__module__):
         return eager_mask(*args, config=config, **kwargs)
     return sdpa_mask(*args, config=config, **kwargs)
 
 
 @functools.cache
-def _uses_attention_interface(config_type: type) -> bool:
-    """Whether the modeling file of ``config_type``'s model calls transformers' attention interface."""
-    module = sys.modules.get(config_type.__module__.replace(".configuration_", ".modeling_"))
+def _uses_attention_interface(config_module: str) -> bool:
+    """Whether the modeling file next to ``config_module`` (a config class's module) calls transformers' attention
+    interface."""
+    module = sys.modules.get(config_module.replace(".configuration_", ".modeling_"))
     return module is None or hasattr(module, "ALL_ATTENTION_FUNCTIONS")
