@@ -27,6 +27,7 @@ import torch
 
 from pagedcore.attention import PagedAttentionMetadata, contiguous_start, to_device
 from pagedcore.block_tables import BlockTables, append_all
+from pagedcore.capacity import Reservation
 from pagedcore.errors import InvalidBlockError, OutOfBlocksError
 
 from .attention import ATTN_IMPLEMENTATION, ForwardContext
@@ -191,6 +192,7 @@ class CacheState:
         self.namespace = namespace
         self.attention_backend = attention_backend
         self.layers: list[Any] = []  # the cache's layers (set by the cache): past recording, the dense fallback
+        self.reservation: Reservation | None = None  # what the rows' growth draws from (PagedCache.reservation)
         self.rows: list[Row] = []
         self.layer_len = [0] * num_layers
         self.cached_layers = [i for i, layer in enumerate(pool.spec.layers) if layer.has_cache]
@@ -355,7 +357,7 @@ class CacheState:
         with pool.lock:
             new_rows = not self.rows and self.length == 0
             if new_rows:
-                self.rows = [Row(BlockTables(pool.kv)) for _ in range(batch)]
+                self.rows = [Row(BlockTables(pool.kv, self.reservation)) for _ in range(batch)]
             if len(self.rows) != batch:
                 raise ValueError(
                     f"PagedCache holds {len(self.rows)} rows but the forward has batch size {batch}; use "
