@@ -12,6 +12,8 @@ more than the padding the cache left out (``ForwardContext.mask_matches``), over
 
 from __future__ import annotations
 
+import functools
+import sys
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,7 +22,8 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
+from transformers.utils import logging
 
 from pagedcore.attention import PagedAttentionMetadata, eager_attention, to_device
 from pagedcore.errors import UnsupportedModelError
@@ -28,10 +31,15 @@ from pagedcore.errors import UnsupportedModelError
 if TYPE_CHECKING:
     from .pool import PagedKVPool
 
-__all__ = ["CONTEXT_KEY", "ForwardContext", "paged_attention_forward", "register"]
+__all__ = ["CONTEXT_KEY", "WEIGHTS_KEY", "ForwardContext", "paged_attention_forward", "register"]
 
 ATTN_IMPLEMENTATION = "paged"
 CONTEXT_KEY = "pagedcore_forward"
+# Set by PagedCache.update for a forward called with output_attentions=True, for models that consume that argument
+# themselves instead of handing it on to the attention function (GPT-2).
+WEIGHTS_KEY = "pagedcore_attention_weights"
+_OWN_KEYS = (CONTEXT_KEY, WEIGHTS_KEY)
+_LOGGER = logging.get_logger(__name__)
 
 
 @dataclass
@@ -129,11 +137,13 @@ def paged_attention_forward(
     softcap: float | None = None,
     sliding_window: int | None = None,
     **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """Attention over the paged pool (see the module docstring). Returns ``(out (batch, q, heads, dim), None)``.
-
-    Registered as ``attn_implementation="paged"``; a model set to it reads its keys and values from the pool of a
-    :class:`~pagedcore.adapters.transformers.PagedCache` (or the Engine) instead of gathering them.
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Attention over the paged pool (see the module docstring). Returns ``(out (batch, q, heads, dim), None)``,
+    or with ``output_attentions=True`` the weights too: the model's own eager attention (its modeling file's
+    ``eager_attention_forward``) over the keys gathered from the pool, as ``attn_implementation="eager"`` gives them
+    (a model without one: a warning and no weights, as transformers' sdpa). Registered as
+    ``attn_implementation="paged"``: a model set to it reads the pool of a
+    :class:`~pagedcore.adapters.transformers.PagedCache` (or the Engine) instead of gathered keys.
 
     Example:
         >>> import torch
@@ -163,13 +173,30 @@ def paged_attention_forward(
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     ctx: ForwardContext | None = kwargs.get(CONTEXT_KEY)
+    if kwargs.get("output_attentions") or kwargs.get(WEIGHTS_KEY):
+        eager = _model_eager_attention(module)
+        if eager is not None:  # the weights are asked for: the model's own eager attention over the gathered keys
+            if ctx is not None and ctx.dense is not None:
+                key, value = ctx.dense(cast(int, module.layer_idx))
+            return _with_weights(eager, module, query, key, value, attention_mask, scaling, softcap, kwargs)
     if ctx is None:
         return _dense(module, query, key, value, attention_mask, scaling, softcap, kwargs)
-    layer_idx = cast(int, module.layer_idx)
     if not ctx.mask_matches(attention_mask):
         assert ctx.dense is not None
-        key, value = ctx.dense(layer_idx)
+        key, value = ctx.dense(cast(int, module.layer_idx))
         return _dense(module, query, key, value, attention_mask, scaling, softcap, kwargs)
+    return _over_pool(ctx, cast(int, module.layer_idx), query, scaling, softcap, sliding_window), None
+
+
+def _over_pool(
+    ctx: ForwardContext,
+    layer_idx: int,
+    query: torch.Tensor,
+    scaling: float,
+    softcap: float | None,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """The paged path: the real queries packed, the backend's attention over the pool, unpacked (pads get zeros)."""
     group = ctx.pool.group_of(layer_idx)
     tensors = ctx.pool.layer_tensors(layer_idx)
     if tensors is None:
@@ -190,7 +217,45 @@ def paged_attention_forward(
     if index is not None:
         full = out.new_zeros(batch * q_len, heads, out.shape[-1])
         out = full.index_copy_(0, index, out)
-    return out.view(batch, q_len, heads, -1), None
+    return out.view(batch, q_len, heads, -1)
+
+
+def _model_eager_attention(module: torch.nn.Module) -> Callable[..., Any] | None:
+    """The ``eager_attention_forward`` of the module's own modeling file (what ``attn_implementation="eager"``
+    runs), or None (with a warning, once) for a model that has none."""
+    fn = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    if callable(fn):
+        return fn
+    _LOGGER.warning_once(
+        f"{type(module).__name__} has no eager attention to return attention weights with: paged attention returns "
+        "none. Load the model with attn_implementation='eager' if you want them."
+    )
+    return None
+
+
+def _with_weights(
+    eager: Callable[..., Any],
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scaling: float,
+    softcap: float | None,
+    kwargs: dict[str, Any],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, weights)`` from the model's eager attention, as with ``attn_implementation="eager"``: the boolean
+    mask the paged mask function builds (sdpa's, None when it is plain causal) becomes eager's additive one."""
+    q_len, k_len = query.shape[-2], key.shape[-2]
+    if mask is None:  # causal, aligned to the newest key
+        mask = torch.ones(q_len, k_len, dtype=torch.bool, device=query.device).tril(k_len - q_len)[None, None]
+    if mask.dtype == torch.bool:
+        mask = torch.zeros(mask.shape, dtype=query.dtype, device=mask.device).masked_fill(
+            ~mask, torch.finfo(query.dtype).min
+        )
+    extra = {k: v for k, v in kwargs.items() if k not in _OWN_KEYS}
+    out, weights = eager(module, query, key, value, mask, scaling=scaling, dropout=0.0, softcap=softcap, **extra)
+    return out, weights
 
 
 def _hides_only_padding(mask: Any, pads: list[int], length: int) -> bool:
@@ -218,7 +283,7 @@ def _dense(
     kwargs: dict[str, Any],
 ) -> tuple[torch.Tensor, None]:
     """Ordinary attention over the (gathered) keys and values ``update`` returned, with the standard mask."""
-    extra = {k: v for k, v in kwargs.items() if k != CONTEXT_KEY}
+    extra = {k: v for k, v in kwargs.items() if k not in _OWN_KEYS}
     if softcap is None:
         out, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=scaling, dropout=0.0, **extra)
         return out, None
@@ -243,4 +308,20 @@ def register() -> None:
     """
     AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
     # The mask is only used by the dense fallback; the paged path knows each sequence's extent exactly.
-    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _paged_mask)
+
+
+def _paged_mask(*args: Any, config: Any = None, **kwargs: Any) -> Any:
+    """sdpa's boolean mask (what the dense fallback reads), except for a model that attends in its own code, never
+    through the attention interface (Bloom, Falcon, GPT-Neo): it adds the mask to its scores, as eager's float mask."""
+    if config is not None and not _uses_attention_interface(type(config).__module__):
+        return eager_mask(*args, config=config, **kwargs)
+    return sdpa_mask(*args, config=config, **kwargs)
+
+
+@functools.cache
+def _uses_attention_interface(config_module: str) -> bool:
+    """Whether the modeling file next to ``config_module`` (a config class's module) calls transformers' attention
+    interface."""
+    module = sys.modules.get(config_module.replace(".configuration_", ".modeling_"))
+    return module is None or hasattr(module, "ALL_ATTENTION_FUNCTIONS")

@@ -7,14 +7,17 @@ and position ``p >= pad[r]`` is the row's token ``p - pad[r]``. KV memory held i
 rounded up to whole blocks. Beam search permutes block tables and reference counts, forks share blocks with
 copy-on-write, ``crop`` truncates tables, and sliding-window layers give back blocks that left their window.
 
-Each layer (:class:`PagedLayer`) owns its update, as transformers' own layers do: the first layer of a forward has
-the shared state (:mod:`.cache_state`) reserve the forward once (:mod:`.forward_plan`), then every layer writes its
-keys and values and gathers what its attention reads. Padding is read from the ``position_ids`` that reach
-``update`` through the model's kwargs, or declared up front with :meth:`PagedCache.attach_prefix` (``enable`` does:
-it reads the attention mask). A model that calls ``update``
-without its kwargs (GPT-NeoX, Falcon, Bloom, GPT-Neo, CTRL) and no declared padding, or a batch whose positions do not
-look like left padding, stores every position instead, and attention falls back to the standard mask: correct, just
-less frugal. Such a cache does not vouch for what its rows store, so it registers nothing in the prefix cache.
+Each layer (:class:`PagedLayer`) owns its update, as transformers' own layers do. Before each forward of the model
+the cache was made for, the model's forward pre-hook (:mod:`.forward_hooks`) hands the cache the forward's attention
+mask and the shared state (:mod:`.cache_state`) reserves the forward once, on the host (:mod:`.forward_plan`: the
+padding is read from the mask; a row that is not left-padded stores every position and the standard mask hides what
+it hides); every layer then writes its keys and values and gathers what its attention reads, with indices built
+there (no data-dependent Python per layer: a compiled forward has no graph break). Padding declared up front with
+:meth:`PagedCache.attach_prefix` (``enable`` does) must agree with the mask. A cache made without a model (from a
+pool or a config) reserves at its first layer and, not knowing the mask, stores every position of a padded batch:
+correct, just less frugal. Such a cache does not vouch for what its rows store, so it registers nothing in the prefix
+cache. ``layers[i].keys`` / ``.values`` are what a ``DynamicCache`` layer holds after the same calls (a copy gathered
+from the blocks), and ``copy.deepcopy(cache)`` forks the rows (shared blocks, copy-on-write).
 """
 
 from __future__ import annotations
@@ -35,8 +38,9 @@ from pagedcore.capacity import Reservation
 from pagedcore.errors import ConfigError, InvalidBlockError
 from pagedcore.kv_pool import PoolMatch
 
-from .attention import CONTEXT_KEY
-from .cache_state import CacheState, Row
+from .attention import CONTEXT_KEY, WEIGHTS_KEY
+from .cache_state import CacheState, Row, Step
+from .forward_hooks import watch
 from .pool import PagedKVPool
 from .spec import text_config
 
@@ -107,7 +111,7 @@ class PagedLayer(CacheLayerMixin):
     is_croppable = True
 
     def __init__(self, state: CacheState, layer_idx: int, group: int, kind: AttentionKind) -> None:
-        super().__init__()
+        # CacheLayerMixin.__init__ is not called: it would assign ``keys`` / ``values``, which are read from the pool.
         self._state = state
         self.layer_idx = layer_idx
         self.group = group
@@ -119,6 +123,41 @@ class PagedLayer(CacheLayerMixin):
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Nothing to do: the pool creates its tensors on first write."""
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        """This layer's keys as a ``DynamicCache`` layer holds them after the same calls: ``(batch, kv_heads,
+        positions, head_dim)``, every rectangular position of every row (a sliding layer: the last ``window - 1``),
+        **a copy** gathered from the blocks at each access (writing to it changes nothing). Left padding that the
+        cache did not store reads as zeros (``DynamicCache`` holds the pad tokens' keys there, which the mask hides).
+        None before anything was stored."""
+        return self._held(0)
+
+    @keys.setter
+    def keys(self, value: Any) -> None:
+        raise AttributeError("PagedLayer.keys is gathered from the pool's blocks and cannot be assigned")
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        """This layer's values, as :attr:`keys` (a copy)."""
+        return self._held(1)
+
+    @values.setter
+    def values(self, value: Any) -> None:
+        raise AttributeError("PagedLayer.values is gathered from the pool's blocks and cannot be assigned")
+
+    def _held(self, which: int) -> torch.Tensor | None:
+        state = self._state
+        tensors = state.pool.layer_tensors(self.layer_idx)
+        length = state.layer_len[self.layer_idx]
+        if tensors is None or not state.rows or state.released:
+            return None
+        start = max(0, length - self.sliding_window + 1) if self.sliding_window else 0
+        with state.pool.lock:
+            index = state.gather_index(self.group, start, length - start)
+        flat = tensors[which].view(-1, *tensors[which].shape[2:])
+        held = flat.index_select(0, index.view(-1).to(flat.device))
+        return held.view(len(state.rows), length - start, *flat.shape[1:]).transpose(1, 2)
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
@@ -140,13 +179,17 @@ class PagedLayer(CacheLayerMixin):
         # Before any bookkeeping: raises PoolMismatchError, changing nothing, for keys the pool cannot hold.
         key_cache, value_cache = state.pool.layer_kv(self.layer_idx, keys, values)
         positions = model_kwargs.get("position_ids") if model_kwargs is not None else None
-        step = state.forward_step(self.layer_idx, batch, q_len, positions, model_kwargs is not None)
         device = key_states.device
-        real_index = step.real_index
-        if real_index is not None:
-            index = step.tensor("real", device, lambda: real_index)
+        step = state.forward_step(self.layer_idx, batch, q_len, positions, model_kwargs is not None, device)
+        # From here on tensor operations on indices the step built on the host (no data-dependent Python): a compiled
+        # forward writes through an index tensor, never a slice at an offset that changes every step.
+        index = step.real_index_on(device)
+        if index is not None:
             keys, values = keys.index_select(0, index), values.index_select(0, index)
-        write_kv(key_cache, value_cache, keys, values, step.write_slots(self.group, device))
+        slots = step.write_slots(self.group, device, as_tensor=torch.compiler.is_compiling())
+        write_kv(key_cache, value_cache, keys, values, slots)
+        if step.wants_weights and model_kwargs is not None:
+            model_kwargs[WEIGHTS_KEY] = True
         if step.context is not None and model_kwargs is not None:
             model_kwargs[CONTEXT_KEY] = step.context
             return key_states, value_states
@@ -157,33 +200,49 @@ class PagedLayer(CacheLayerMixin):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The keys and values this forward's attention reads, ``(batch, kv_heads, kv_len, head_dim)``, as
         transformers' own layers return them (the window's keys only, in a sliding layer)."""
-        state = self._state
-        step = state.step
+        step = self._state.step
         assert step is not None
-        kv_len, kv_offset = self.kind.mask_sizes(step.plan.start, step.plan.q_len)
-        group = self.group
         keys = key_cache.view(-1, *key_cache.shape[2:])
         values = value_cache.view(-1, *value_cache.shape[2:])
-        start = step.memo(("view", group, kv_offset), lambda: state.view_start(group, kv_offset, kv_len))
+        start, kv_len, index = self._read(step, device)
         if start is not None:  # one row whose slots are one contiguous run: a view, no copy
             k = keys[start : start + kv_len].unsqueeze(0)
             v = values[start : start + kv_len].unsqueeze(0)
-        else:
-            batch = step.plan.batch
-            index = step.tensor(
-                ("gather", group, kv_offset), device, lambda: state.gather_index(group, kv_offset, kv_len)
-            )
-            k = keys.index_select(0, index.view(-1)).view(batch, kv_len, *keys.shape[1:])
-            v = values.index_select(0, index.view(-1)).view(batch, kv_len, *values.shape[1:])
+        else:  # the index's shape gives every size (traced: no host integer to compare with)
+            assert index is not None
+            k = keys.index_select(0, index.view(-1)).view(*index.shape, *keys.shape[1:])
+            v = values.index_select(0, index.view(-1)).view(*index.shape, *values.shape[1:])
         return k.transpose(1, 2), v.transpose(1, 2)
+
+    def _read(self, step: Step, device: torch.device) -> tuple[int | None, int, torch.Tensor | None]:
+        """``(view start or None, kv_len, gather index or None)`` of this layer's group in this forward: built by
+        :meth:`CacheState.prepare` (a compiled forward always takes the gather index), else here, once per device
+        (another device, or a paged-attention forward that falls back to dense attention)."""
+        state, group = self._state, self.group
+        read = step.reads[group] if device == step.device else None
+        if read is not None and (read[2] is not None or read[3] is not None):
+            kv_len, _, start, index = read
+            return (None if torch.compiler.is_compiling() and index is not None else start), kv_len, index
+        kv_len, kv_offset = self.kind.mask_sizes(step.plan.start, step.plan.q_len)
+        start = step.memo(("view", group, kv_offset), lambda: state.view_start(group, kv_offset, kv_len))
+        if start is not None:
+            return start, kv_len, None
+        index = step.tensor(("gather", group, kv_offset), device, lambda: state.gather_index(group, kv_offset, kv_len))
+        return None, kv_len, index
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         """``(kv_length, kv_offset)`` of the keys :meth:`update` will return (transformers' rules, by its kind)."""
+        step = self._state.open_step()
+        if step is not None and step.reads:
+            _, kv_offset, _, index = step.reads[self.group]
+            if index is not None:  # traced: the gather index's length, as the keys update returns
+                return index.shape[-1], kv_offset
         return self.kind.mask_sizes(self._state.layer_len[self.layer_idx], query_length)
 
     def get_seq_length(self) -> int:
         """Positions stored (padding included)."""
-        return self._state.layer_len[self.layer_idx]
+        step = self._state.open_step()
+        return step.plan.start if step is not None else self._state.layer_len[self.layer_idx]
 
     def get_max_length(self) -> int:
         """-1, or the window of a sliding layer."""
@@ -271,6 +330,73 @@ class PagedCache(Cache):
         # no bookkeeping call is in progress: a collection may run in the middle of one).
         self._finalizer = weakref.finalize(self, _release_soon, self._state)
         self._owner = threading.get_ident()
+        # The model's forward pre-hook tells the cache each forward's attention mask before layer 0 (forward_hooks).
+        self._model = weakref.ref(model) if isinstance(model, torch.nn.Module) else None
+        if self._model is not None:
+            watch(model, PagedCache)
+
+    # ------------------------------------------------------------------ what the model's forward hooks call
+    def before_forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        attention_mask: Any = None,
+        position_ids: torch.Tensor | None = None,
+        output_attentions: bool = False,
+        compiled: bool = False,
+    ) -> None:
+        """Reserve the coming forward for every layer, before layer 0: the padding is read from ``attention_mask``
+        (2-D, ``(batch, past + new)``; None: no padding). With ``output_attentions`` paged attention returns the
+        attention weights (see :func:`~.attention.paged_attention_forward`); ``compiled``: the model's forward is a
+        ``torch.compile``'d function (its layers then read through gather indices built here, never a view). The
+        forward pre-hook of the model the cache was made for calls it with the forward's arguments; call it yourself
+        only for a forward that hook does not see (a submodule called directly). A forward whose mask is not left
+        padding stores every position (the standard mask then hides what it hides, exactly as with
+        ``DynamicCache``).
+
+        Example:
+            >>> import torch
+            >>> from pagedcore.adapters.transformers.testing import tiny_llama
+            >>> model = tiny_llama()
+            >>> cache = PagedCache(model, num_blocks=16, block_size=4)
+            >>> ids, mask = torch.tensor([[0, 5, 6], [7, 8, 9]]), torch.tensor([[0, 1, 1], [1, 1, 1]])
+            >>> _ = model(ids, attention_mask=mask, cache=cache)    # the hook called before_forward(...)
+            >>> cache.row_padding(), cache.row_tokens()
+            ([1, 0], [2, 3])
+            >>> right = PagedCache(model, num_blocks=16, block_size=4)   # right padding: stored densely
+            >>> _ = model(ids, attention_mask=torch.tensor([[1, 1, 0], [1, 1, 1]]), cache=right)
+            >>> right.row_padding(), right.row_tokens()
+            ([0, 0], [3, 3])
+        """
+        inputs = input_ids if input_ids is not None else inputs_embeds
+        if not isinstance(inputs, torch.Tensor) or inputs.dim() < 2:
+            return
+        known = attention_mask is None or (isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2)
+        batch, q_len = int(inputs.shape[0]), int(inputs.shape[1])
+        self._state.begin_forward(
+            batch,
+            q_len,
+            attention_mask,
+            position_ids,
+            inputs.device,
+            mask_known=known,
+            weights=bool(output_attentions),
+            compiled=compiled,
+        )
+
+    def after_forward(self) -> None:
+        """After a forward (also one that raised): give back a reservation that no layer used, so a forward that
+        failed before storing anything leaves the cache as it was. The model's forward hook calls it.
+
+        Example:
+            >>> from pagedcore.adapters.transformers.testing import tiny_llama
+            >>> cache = PagedCache(tiny_llama(), num_blocks=16, block_size=4)
+            >>> cache.before_forward(input_ids=torch.tensor([[5, 6, 7]])); cache.pool.kv.num_used_blocks
+            1
+            >>> cache.after_forward(); cache.pool.kv.num_used_blocks, cache.get_seq_length()
+            (0, 0)
+        """
+        self._state.end_forward()
 
     # ------------------------------------------------------------------ what generate and the models call
     def update(
@@ -287,7 +413,9 @@ class PagedCache(Cache):
             return 0
         if isinstance(self.layers[layer_idx], DummyLayer):
             layer_idx = self._first_cached_layer()
-        return self._state.layer_len[layer_idx]
+        layer = self.layers[layer_idx]
+        assert isinstance(layer, PagedLayer)
+        return layer.get_seq_length()
 
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
         """``(kv_length, kv_offset)`` of the keys ``update`` will return for ``layer_idx`` (transformers' rules)."""
@@ -501,10 +629,10 @@ class PagedCache(Cache):
         """Register every row's full blocks in the pool's prefix cache. ``token_ids[r]`` are row ``r``'s real
         tokens (no padding), at least as many as the row stores.
 
-        Does nothing for a cache that stored positions it could not tell from padding (a model that calls ``update``
-        without ``position_ids`` and no padding declared by :meth:`attach_prefix`, or padding in the middle of a
-        row): its blocks would not hold the keys and values of those tokens at those positions. Nor for rows filled
-        before the model's weights changed (:meth:`PagedKVPool.check_weights`, run here first).
+        Does nothing for a cache that stored positions it could not tell from padding (a row whose mask is not left
+        padding, or a padded batch whose mask the cache never saw and whose padding :meth:`attach_prefix` did not
+        declare): its blocks would not hold the keys and values of those tokens at those positions. Nor for rows
+        filled before the model's weights changed (:meth:`PagedKVPool.check_weights`, run here first).
         """
         state = self._check_live()
         if not state.exact:
@@ -513,6 +641,41 @@ class PagedCache(Cache):
             self._pool.check_weights()  # rows computed before a weight update register nothing (their epoch is old)
             for row, tokens in zip(state.rows, token_ids):
                 row.blocks.cache_full_blocks(tokens, row.blocks.num_tokens, self.namespace)
+
+    def fork(self) -> PagedCache:
+        """A new cache on the same pool whose rows share this cache's blocks (copy-on-write: the first write to a
+        shared block copies it), at the same length. ``copy.copy(cache)`` and ``copy.deepcopy(cache)`` give one,
+        so code that copies ``past_key_values`` to reuse a prompt (transformers' "re-use a cache" recipe) works
+        without copying any tensor; each copy holds its blocks until released.
+
+        Example:
+            >>> import copy, torch
+            >>> from pagedcore.adapters.transformers.testing import tiny_llama
+            >>> model = tiny_llama()
+            >>> cache = PagedCache(model, num_blocks=16, block_size=4)
+            >>> _ = model(torch.tensor([[5, 6, 7, 8, 9]]), cache=cache)
+            >>> twin = copy.deepcopy(cache)
+            >>> twin.get_seq_length(), twin.pool is cache.pool, torch.equal(twin.layers[0].keys, cache.layers[0].keys)
+            (5, True, True)
+            >>> cache.pool.kv.num_used_blocks   # 2 blocks, shared
+            2
+        """
+        state = self._check_live()
+        model = self._model() if self._model is not None else None
+        clone = PagedCache(
+            model if model is not None else state.config,
+            pool=self._pool,
+            namespace=state.namespace,
+            attention_backend=state.attention_backend,
+        )
+        clone._state.adopt(state)
+        return clone
+
+    def __copy__(self) -> PagedCache:
+        return self.fork()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> PagedCache:
+        return self.fork()
 
     def row_tokens(self) -> list[int]:
         """Real tokens stored per row."""

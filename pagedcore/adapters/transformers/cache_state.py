@@ -1,11 +1,16 @@
 """What a :class:`~pagedcore.adapters.transformers.PagedCache` and its layers share: the rows' blocks, the layers'
 lengths, and each forward's reservation.
 
-Per forward, the first layer that sees new keys has :class:`CacheState` reserve the forward once for all layers:
-:func:`~.forward_plan.plan_forward` says which rows grow by how many real tokens (the padding read from the
-positions), then the reservation gives back sliding-window blocks no query will see, grows every row or none
-(:func:`pagedcore.block_tables.append_all`) and computes the new tokens' slots in every KV group (a :class:`Step`).
-Each layer then writes its own keys and values and gathers what its attention reads (``PagedLayer.update``).
+Per forward, :class:`CacheState` reserves the forward once for all layers, on the host, before layer 0: the
+model's forward pre-hook calls :meth:`CacheState.begin_forward` with the forward's attention mask (a cache that
+knows no model, or a forward the hook did not see, reserves at its first layer instead).
+:func:`~.forward_plan.plan_forward` says which rows grow by how many real tokens (the padding read from the mask),
+then the reservation gives back sliding-window blocks no query will see, grows every row or none
+(:func:`pagedcore.block_tables.append_all`) and computes, once, every index the layers use (a :class:`Step`: the new
+tokens' slots in every KV group, what each group's attention reads). Each layer then only writes its own keys and
+values and gathers what its attention reads (``PagedLayer.update``): tensor operations on those indices, with no
+data-dependent Python, so a compiled forward has no graph break there. A forward that raised before any layer
+stored its keys is given back (:meth:`CacheState.end_forward`).
 
 The state never refers back to the cache object, so a cache dropped without ``release()`` can be garbage collected;
 its finalizer releases the state's blocks.
@@ -20,13 +25,13 @@ from typing import Any
 
 import torch
 
-from pagedcore.attention import PagedAttentionMetadata, contiguous_start
+from pagedcore.attention import PagedAttentionMetadata, contiguous_start, to_device
 from pagedcore.block_tables import BlockTables, append_all
 from pagedcore.capacity import Reservation
 from pagedcore.errors import InvalidBlockError, OutOfBlocksError
 
 from .attention import ATTN_IMPLEMENTATION, ForwardContext
-from .forward_plan import ForwardPlan, plan_forward
+from .forward_plan import ForwardPlan, MaskRows, plan_forward
 from .pool import PagedKVPool
 
 __all__ = ["CacheState", "Row", "Step"]
@@ -59,13 +64,16 @@ class Row:
 
 @dataclass
 class Step:
-    """One forward's reservation, shared by all layers.
+    """One forward's reservation, shared by all layers, with the indices every layer of a group uses.
 
     Attributes:
         plan: what the forward stores (rows, real tokens, padding).
         slots: per KV group, the slot of every stored new token (row-major).
         real_index: flat indices of the stored tokens among ``batch * q_len`` (None: all are stored).
         context: what ``attn_implementation="paged"`` reads (None: the layers return gathered keys instead).
+        device: where :meth:`CacheState.prepare` put the indices below (None: built by each layer when first
+            needed, per device).
+        hooked: reserved before the forward by the model's forward pre-hook (given back if no layer stores).
 
     Example:
         >>> plan = ForwardPlan(batch=1, q_len=2, start=0, before=(0,), pads=(0,), exact=True)
@@ -78,8 +86,28 @@ class Step:
     slots: list[list[int]]
     real_index: torch.Tensor | None
     context: ForwardContext | None = None
+    device: torch.device | None = None
+    hooked: bool = False
+    open: bool = False  # reserved by the hook for the forward now running (until the forward hook closes it)
+    compiled: bool = False  # the model's forward is a torch.compile'd function: the layers read through gather indices
+    wants_weights: bool = False  # the forward was asked for attention weights (paged attention then returns them)
+    new_rows: bool = False  # the rows were created by this forward (given back with it)
+    was_exact: bool = True  # the cache's exactness before this forward
+    # Per KV group, on ``device``: the new tokens' slots, the first of them when they are consecutive, and what
+    # the group's attention reads: (kv_len, kv_offset, first slot of a contiguous run or None, gather index or None).
+    write_index: list[torch.Tensor] = field(default_factory=list, repr=False)
+    write_run: list[int | None] = field(default_factory=list, repr=False)
+    reads: list[tuple[int, int, int | None, torch.Tensor | None]] = field(default_factory=list, repr=False)
+    real_on: torch.Tensor | None = field(default=None, repr=False)
     _on: dict[Any, torch.Tensor] = field(default_factory=dict, repr=False)
     _memo: dict[Any, Any] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        # Rectangular positions per row after this forward, computed here on the host: each layer stores it as its
+        # length, and a compiled forward must store a value it reads, not a sum it computes (inductor's generated
+        # code loses the symbols of such an int output of a graph that resumes after a graph break:
+        # ``NameError: name 's14' is not defined``, see README Limits).
+        self.end = self.plan.start + self.plan.q_len
 
     def tensor(self, key: Any, device: torch.device, build: Callable[[], torch.Tensor]) -> torch.Tensor:
         """``build()`` on ``device``, built once per forward and device (layers split over devices share it)."""
@@ -95,9 +123,19 @@ class Step:
         value = self._memo[key] = build()
         return value
 
-    def write_slots(self, group: int, device: torch.device) -> torch.Tensor | int:
+    def real_index_on(self, device: torch.device) -> torch.Tensor | None:
+        """``real_index`` on ``device`` (None when every new position is stored)."""
+        if self.real_index is None:
+            return None
+        if device == self.device:
+            return self.real_on
+        real_index = self.real_index
+        return self.tensor("real", device, lambda: real_index)
+
+    def write_slots(self, group: int, device: torch.device, *, as_tensor: bool = False) -> torch.Tensor | int:
         """Where ``write_kv`` puts the group's new tokens: their first slot when they are consecutive slots (every
-        decode step of a sequence within its blocks), else their slots as a tensor on ``device``.
+        decode step of a sequence within its blocks), else their slots as a tensor on ``device``. ``as_tensor``
+        always gives the tensor (a compiled forward writes through an index, never a slice at a changing offset).
 
         Example:
             >>> plan = ForwardPlan(batch=1, q_len=2, start=0, before=(0,), pads=(0,), exact=True)
@@ -105,9 +143,12 @@ class Step:
             ...     0, torch.device("cpu")).tolist()
             (4, [4, 9])
         """
+        if device == self.device:
+            run = self.write_run[group]
+            return self.write_index[group] if as_tensor or run is None else run
         slots = self.slots[group]
         run = self.memo(("run", group), lambda: _run_start(slots))
-        if run is not None:
+        if run is not None and not as_tensor:
             return int(run)
         return self.tensor(("slots", group), device, lambda: torch.tensor(slots, dtype=torch.long))
 
@@ -154,6 +195,7 @@ class CacheState:
         self.reservation: Reservation | None = None  # what the rows' growth draws from (PagedCache.reservation)
         self.rows: list[Row] = []
         self.layer_len = [0] * num_layers
+        self.cached_layers = [i for i, layer in enumerate(pool.spec.layers) if layer.has_cache]
         self.length = 0  # rectangular positions with a slot (or a pad) after the latest reservation
         self.step: Step | None = None
         # Unstored positions are exactly the left padding, and the rows store their real tokens at positions 0, 1, ...
@@ -179,20 +221,98 @@ class CacheState:
         return self.config is not None and getattr(self.config, "_attn_implementation", None) == ATTN_IMPLEMENTATION
 
     # ------------------------------------------------------------------ one forward
-    def forward_step(self, layer_idx: int, batch: int, q_len: int, positions: Any, has_kwargs: bool) -> Step:
-        """The reservation of the forward that gives layer ``layer_idx`` ``q_len`` new positions per row: made by
-        the first layer of a forward (its length is the cache's), shared by the others."""
-        past = self.layer_len[layer_idx]
-        if past == self.length:
-            self._begin(batch, q_len, positions, has_kwargs)
+    def begin_forward(
+        self,
+        batch: int,
+        q_len: int,
+        mask: Any,
+        positions: Any,
+        device: torch.device,
+        *,
+        mask_known: bool = True,
+        weights: bool = False,
+        compiled: bool = False,
+    ) -> None:
+        """Reserve the next forward for every layer, on the host, before layer 0 (the model's forward pre-hook calls
+        this): ``mask`` is the forward's attention mask (None: none, every position a token), ``positions`` its
+        ``position_ids``, ``device`` where its layers' indices go. ``mask_known=False`` (a 4-D or unrecognised
+        mask): the padding is not read from it. ``weights``: the forward asked for attention weights. ``compiled``:
+        the model's forward is compiled (every group's gather index is built, also where an eager layer would take a
+        view of the pool). Raises, with nothing reserved, like the reservation of a layer."""
+        self.check_live()
+        if q_len == 0:
+            return
+        rows = None
+        if mask_known:
+            width = self.length + q_len
+            rows = MaskRows.of(mask if isinstance(mask, torch.Tensor) else None, batch=batch, width=width)
+        self._begin(batch, q_len, positions, True, mask=rows, device=device, hooked=True, compiled=compiled)
         step = self.step
-        if step is None or past + q_len != self.length or batch != step.plan.batch or q_len != step.plan.q_len:
+        if step is not None:
+            step.open = True
+            step.wants_weights = weights and self.uses_paged_attention()
+
+    def end_forward(self) -> None:
+        """After the forward (also one that raised): a reservation made by :meth:`begin_forward` that no layer used
+        (the forward failed before storing anything, or never called ``update``) is given back."""
+        step = self.step
+        if step is None or not step.hooked or self.length != step.end:
+            return
+        step.open = False
+        start = step.plan.start
+        if any(self.layer_len[i] != start for i in self.cached_layers):
+            return  # layers stored their keys: the forward happened (or failed half-way, as a DynamicCache would)
+        with self.pool.lock:
+            if step.new_rows:
+                for row in self.rows:
+                    row.blocks.release()
+                self.rows = []
+            else:
+                for row, n, pad in zip(self.rows, step.plan.before, step.plan.pads):
+                    row.blocks.truncate(n)
+                    if n == 0:
+                        row.pad -= pad
+        self.length = start
+        self.exact = step.was_exact
+        self.step = None
+
+    def forward_step(
+        self, layer_idx: int, batch: int, q_len: int, positions: Any, has_kwargs: bool, device: torch.device
+    ) -> Step:
+        """The reservation of the forward that gives layer ``layer_idx`` ``q_len`` new positions per row: made before
+        the forward (:meth:`begin_forward`) or by its first layer (its length is the cache's), shared by the others.
+        Reads and writes host integers only, no tensor; traced by ``torch.compile`` in a forward the hook reserved,
+        it only stores the host's new length (see :meth:`open_step`)."""
+        step = self.open_step()
+        if step is not None:
+            self.layer_len[layer_idx] = step.end
+            return step
+        past = self.layer_len[layer_idx]
+        step = self.step
+        if step is not None and step.hooked and (batch, q_len) != (step.plan.batch, step.plan.q_len):
+            self.end_forward()  # the model changed its input's shape inside the forward: reserve what the layer sees
+        if past == self.length:
+            self._begin(batch, q_len, positions, has_kwargs, device=device)
+        step = self.step
+        if step is None or past != step.plan.start or batch != step.plan.batch or q_len != step.plan.q_len:
             raise RuntimeError(
                 f"PagedCache: layer {layer_idx} got {q_len} new tokens at length {past} but this forward reserved "
                 f"{self.length - past} (batch {batch}); every layer must see the same tokens in one forward"
             )
-        self.layer_len[layer_idx] += q_len
+        self.layer_len[layer_idx] = step.end
         return step
+
+    def open_step(self) -> Step | None:
+        """While ``torch.compile`` traces a forward the forward pre-hook reserved: that reservation, whose host
+        values (the past length, each group's mask sizes and gather index) then answer every question a layer or
+        the mask builder asks, so the trace compares no integer with another (None otherwise, and in eager).
+
+        torch 2.13's inductor loses symbols that a guard equated with others (``NameError: name 's12' is not
+        defined``, README Limits), and comparing a layer's length with the reservation's makes such guards."""
+        if not torch.compiler.is_compiling():
+            return None
+        step = self.step
+        return step if step is not None and step.open and step.device is not None else None
 
     def view_start(self, group: int, kv_offset: int, kv_len: int) -> int | None:
         """The first slot when the batch is one row whose rectangular positions ``kv_offset .. kv_offset + kv_len
@@ -221,30 +341,73 @@ class CacheState:
             gathered.append(torch.cat([torch.full((n_pad,), pad_slot, dtype=torch.long), real]))
         return torch.stack(gathered)
 
-    def _begin(self, batch: int, q_len: int, positions: Any, has_kwargs: bool) -> None:
+    def _begin(
+        self,
+        batch: int,
+        q_len: int,
+        positions: Any,
+        has_kwargs: bool,
+        *,
+        mask: MaskRows | None = None,
+        device: torch.device | None = None,
+        hooked: bool = False,
+        compiled: bool = False,
+    ) -> None:
         pool = self.pool
         with pool.lock:
-            if not self.rows and self.length == 0:
+            new_rows = not self.rows and self.length == 0
+            if new_rows:
                 self.rows = [Row(BlockTables(pool.kv, self.reservation)) for _ in range(batch)]
             if len(self.rows) != batch:
                 raise ValueError(
                     f"PagedCache holds {len(self.rows)} rows but the forward has batch size {batch}; use "
                     "batch_repeat_interleave / batch_select_indices to change the batch"
                 )
-            plan = plan_forward(
-                start=self.length,
-                before=[row.blocks.num_tokens for row in self.rows],
-                declared=[row.declared_pad for row in self.rows],
-                q_len=q_len,
-                positions=positions,
-            )
-            slots = self._reserve(plan)
+            try:
+                plan = plan_forward(
+                    start=self.length,
+                    before=[row.blocks.num_tokens for row in self.rows],
+                    row_pads=[row.pad for row in self.rows],
+                    declared=[row.declared_pad for row in self.rows],
+                    q_len=q_len,
+                    positions=positions,
+                    mask=mask,
+                )
+                slots = self._reserve(plan)
+            except Exception:
+                if new_rows:
+                    self.rows = []
+                raise
+        step = Step(
+            plan, slots, plan.real_index, hooked=hooked, compiled=compiled, new_rows=new_rows, was_exact=self.exact
+        )
         self.length += q_len
         self.exact = self.exact and plan.exact
-        step = Step(plan, slots, plan.real_index)
         if self.exact and has_kwargs and self.uses_paged_attention():
             step.context = self._context(step)
+        if device is not None:
+            self.prepare(step, device)
         self.step = step
+
+    def prepare(self, step: Step, device: torch.device) -> None:
+        """Build, once per forward, every index the layers use on ``device``: the stored tokens among the new
+        positions, each group's write slots, and (without a paged-attention context) what each group's attention
+        reads: a view of one contiguous run, or a gather index. The layers then do tensor operations only."""
+        plan = step.plan
+        step.device = device
+        step.real_on = None if step.real_index is None else to_device(step.real_index, device)
+        for group in self.pool.kv.groups:
+            g = group.index
+            slots = step.slots[g]
+            step.write_run.append(_run_start(slots))
+            step.write_index.append(to_device(torch.tensor(slots, dtype=torch.long), device))
+            kv_len, kv_offset = group.kind.mask_sizes(plan.start, plan.q_len)
+            start = index = None
+            if step.context is None:  # a view for eager layers where one fits; the gather index otherwise, or compiled
+                start = self.view_start(g, kv_offset, kv_len)
+                if start is None or step.compiled:
+                    index = to_device(self.gather_index(g, kv_offset, kv_len), device)
+            step.reads.append((kv_len, kv_offset, start, index))
 
     def _reserve(self, plan: ForwardPlan) -> list[list[int]]:
         """Give back what left the windows, grow every row by its real tokens (all rows or none), and return the new
@@ -310,7 +473,7 @@ class CacheState:
             metas,
             step.real_index,
             self.attention_backend,
-            pads=[row.pad for row in self.rows],
+            pads=None if plan.from_mask else [row.pad for row in self.rows],  # the mask hides exactly those
             length=self.length,
             dense=dense,
         )
@@ -340,6 +503,21 @@ class CacheState:
                 row.blocks.release()
         self.rows = new_rows
         self.step = None
+
+    def adopt(self, source: CacheState) -> None:
+        """Become a copy of ``source`` (an empty state of the same pool): its rows forked (shared blocks,
+        copy-on-write), its lengths, exactness and the layers' past recording."""
+        source.check_live()
+        if self.rows or source.pool is not self.pool:
+            raise InvalidBlockError("adopt: the state is not empty or uses another pool")
+        with self.pool.lock:
+            self.rows = [row.copy() for row in source.rows]
+        self.length = source.length
+        self.layer_len = list(source.layer_len)
+        self.exact = source.exact
+        for mine, theirs in zip(self.layers, source.layers):
+            if hasattr(mine, "record_past"):
+                mine.record_past = getattr(theirs, "record_past", False)
 
     def release(self) -> None:
         """Give every row's blocks back."""

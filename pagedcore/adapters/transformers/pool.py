@@ -407,7 +407,11 @@ class PagedKVPool:
         ``keys``/``values`` are ``(..., kv_heads, head_dim)`` in their last two dimensions.
         """
         tensors = self._layers[layer_idx]
-        if tensors is None:
+        if tensors is None and torch.compiler.is_compiling():
+            # Traced by torch.compile (the first forward of a compiled model): the lock cannot be traced, and the
+            # store happens when the compiled forward returns, in this thread.
+            tensors = self._layers[layer_idx] = self._create(layer_idx, keys, values)
+        elif tensors is None:
             with self.lock:
                 tensors = self._layers[layer_idx]
                 if tensors is None:

@@ -322,7 +322,7 @@ def _fresh(
             reservation = _reserve(pool, cache, tuple(input_ids.shape), pads, settings, share_prompt, kwargs)
         cache.reservation = reservation
         if share_prompt:
-            _prefill_once(model, cache, input_ids, mask, length)
+            _prefill_once(model, cache, input_ids, mask, length, kwargs)
         if settings.expand > 1:  # generate expands the batch but never the cache
             cache.batch_repeat_interleave(settings.expand)
         kwargs["cache"] = cache
@@ -577,20 +577,53 @@ def _give_back(pool: PagedKVPool, reservation: Reservation | None, cache: PagedC
         cache.reservation = None
 
 
-def _prefill_once(model: Any, cache: PagedCache, input_ids: torch.Tensor, mask: torch.Tensor, start: int) -> None:
-    """Compute prompt positions ``start .. T-2`` for the unexpanded batch, so forks share them."""
+def _prefill_once(
+    model: Any, cache: PagedCache, input_ids: torch.Tensor, mask: torch.Tensor, start: int, kwargs: dict[str, Any]
+) -> None:
+    """Compute prompt positions ``start .. T-2`` for the unexpanded batch, so forks share them: the model gets what
+    ``generate`` would give it for those positions, through the model's own ``prepare_inputs_for_generation``, with
+    every model input the call was given (``token_type_ids`` and the like, sliced to the positions)."""
     end = input_ids.shape[1] - 1
     if end <= start:
         return
-    kwargs: dict[str, Any] = {"attention_mask": mask[:, :end], "cache": cache, "use_cache": True}
+    extra = _model_inputs(model, kwargs)
+    for key in _SEQUENCE_INPUTS:
+        value = extra.get(key)
+        if isinstance(value, torch.Tensor) and value.shape[-1] == input_ids.shape[1]:
+            extra[key] = value[..., :end]
     parameters = inspect.signature(model.forward).parameters
     if "position_ids" in parameters:
         positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
-        kwargs["position_ids"] = positions[:, start:end]
+        extra["position_ids"] = positions[:, :end]
     if "logits_to_keep" in parameters:
-        kwargs["logits_to_keep"] = 1
+        extra.setdefault("logits_to_keep", 1)
+    model_inputs = model.prepare_inputs_for_generation(
+        input_ids[:, :end],
+        next_sequence_length=end - start,
+        cache=cache,
+        attention_mask=mask[:, :end],
+        is_first_iteration=True,
+        use_cache=True,
+        **extra,
+    )
     with torch.no_grad():
-        model(input_ids=input_ids[:, start:end], **kwargs)
+        model(**model_inputs)
+
+
+# Model inputs as long as the prompt, which generate slices with it.
+_SEQUENCE_INPUTS = ("token_type_ids", "mm_token_type_ids", "moe_mm_token_type_ids")
+# generate()'s own keyword arguments that are neither generation settings nor model inputs.
+_GENERATE_ARGUMENTS = frozenset({"tokenizer", "assistant_tokenizer", "trust_remote_code", "use_model_defaults"})
+_CALL_INPUTS = frozenset({"input_ids", "inputs", "attention_mask", "position_ids", "cache", "past_key_values"})
+
+
+def _model_inputs(model: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The keyword arguments of a ``generate`` call that ``generate`` hands to the model's forward (its
+    ``model_kwargs``): neither a generation setting, nor one of ``generate``'s own parameters, nor the inputs the
+    prefill sets itself."""
+    config = kwargs.get("generation_config") or model.generation_config
+    own = set(inspect.signature(type(model).generate).parameters) | _GENERATE_ARGUMENTS | _CALL_INPUTS
+    return {k: v for k, v in kwargs.items() if k not in own and not hasattr(config, k)}
 
 
 def _register(

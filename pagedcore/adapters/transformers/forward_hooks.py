@@ -1,0 +1,97 @@
+"""The model's forward hooks that tell a :class:`~pagedcore.adapters.transformers.PagedCache` about each forward
+before its first layer runs.
+
+transformers hands a cache only the keys of each layer and (for most models) the ``position_ids``; the 2-D
+attention mask, the only thing that says which positions are padding, never reaches it. So a cache made for a model
+(``PagedCache(model)``, and every cache ``enable`` makes) has :func:`watch` register a forward pre-hook on that
+model: before each forward that carries a ``PagedCache`` (as ``cache=`` or ``past_key_values=``), the hook hands the
+cache the forward's input size, attention mask and positions, and the cache reserves the forward on the host there
+(``PagedCache.before_forward``). The layers then only write and gather through indices already built, so
+``model.forward = torch.compile(model.forward, ...)`` traces them without a graph break (the hooks run outside the
+compiled function). A forward hook that always runs, also when the forward raised, gives back a reservation no
+layer used (``PagedCache.after_forward``).
+
+One pair of hooks per model, whatever the number of caches; forwards without a ``PagedCache`` pay a dictionary
+look-up.
+"""
+
+from __future__ import annotations
+
+import inspect
+import weakref
+from typing import Any
+
+import torch
+
+__all__ = ["watch", "watched"]
+
+_WATCHED: weakref.WeakKeyDictionary[torch.nn.Module, tuple[type, tuple[str, ...]]] = weakref.WeakKeyDictionary()
+
+
+def watch(model: torch.nn.Module, cache_type: type) -> None:
+    """Register (once per model) the hooks that call ``before_forward`` / ``after_forward`` on a ``cache_type``
+    instance passed to ``model``'s forward.
+
+    Example:
+        >>> from pagedcore.adapters.transformers.testing import tiny_llama
+        >>> from pagedcore.adapters.transformers import PagedCache
+        >>> model = tiny_llama()
+        >>> watch(model, PagedCache); watch(model, PagedCache)   # idempotent: one pair of hooks
+        >>> watched(model)
+        True
+    """
+    if model in _WATCHED:
+        return
+    try:
+        names = tuple(inspect.signature(model.forward).parameters)
+    except (TypeError, ValueError):
+        names = ()
+    _WATCHED[model] = (cache_type, names)
+    model.register_forward_pre_hook(_before_forward, with_kwargs=True)
+    model.register_forward_hook(_after_forward, with_kwargs=True, always_call=True)
+
+
+def watched(model: Any) -> bool:
+    """Whether :func:`watch` registered its hooks on ``model``.
+
+    Example:
+        >>> watched(torch.nn.Linear(2, 2))
+        False
+    """
+    return isinstance(model, torch.nn.Module) and model in _WATCHED
+
+
+def _cache_of(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    cache_type, names = _WATCHED.get(module, (None, ()))
+    if cache_type is None:
+        return None, kwargs
+    inputs = {**dict(zip(names, args)), **kwargs} if args else kwargs
+    cache = inputs.get("cache")
+    if cache is None:
+        cache = inputs.get("past_key_values")
+    return (cache if isinstance(cache, cache_type) else None), inputs
+
+
+def _before_forward(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    cache, inputs = _cache_of(module, args, kwargs)
+    if cache is None:
+        return
+    cache.before_forward(
+        input_ids=inputs.get("input_ids"),
+        inputs_embeds=inputs.get("inputs_embeds"),
+        attention_mask=inputs.get("attention_mask"),
+        position_ids=inputs.get("position_ids"),
+        output_attentions=bool(inputs.get("output_attentions")),
+        compiled=_compiled(module),
+    )
+
+
+def _compiled(module: torch.nn.Module) -> bool:
+    """Whether ``module.forward`` was replaced by ``torch.compile(module.forward, ...)`` (transformers' pattern)."""
+    return hasattr(module.__dict__.get("forward"), "_torchdynamo_orig_callable")
+
+
+def _after_forward(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+    cache, _ = _cache_of(module, args, kwargs)
+    if cache is not None:
+        cache.after_forward()
