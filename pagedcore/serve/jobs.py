@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 
 from .loop import (
     Delta,
@@ -50,6 +50,8 @@ class Job:
 
     Args:
         loop: the engine loop (or any :class:`~pagedcore.serve.loop.RequestLoop`).
+        on_finished: called with each request's :class:`Finished` as the loop sends it (on the loop's thread),
+            whether or not anyone still reads the job's events (the metrics count a request the client left).
 
     Call :meth:`start` (inside a running event loop), then iterate :meth:`events`; :meth:`abort` in a
     ``finally`` gives back the blocks of whatever is still running (e.g. when the client leaves).
@@ -73,8 +75,9 @@ class Job:
         'Finished'
     """
 
-    def __init__(self, loop: RequestLoop) -> None:
+    def __init__(self, loop: RequestLoop, on_finished: Callable[[Finished], None] | None = None) -> None:
         self._loop = loop
+        self._on_finished = on_finished
         self._queue: asyncio.Queue[LoopEvent] = asyncio.Queue()
         self._aloop: asyncio.AbstractEventLoop | None = None
         self._backlog: deque[LoopEvent] = deque()
@@ -130,4 +133,6 @@ class Job:
 
     def _sink(self, event: LoopEvent) -> None:  # the loop thread
         assert self._aloop is not None
+        if isinstance(event, Finished) and self._on_finished is not None:
+            self._on_finished(event)
         self._aloop.call_soon_threadsafe(self._queue.put_nowait, event)

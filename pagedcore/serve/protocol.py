@@ -1,24 +1,29 @@
 """The OpenAI request bodies this server accepts, their validation, and OpenAI-style errors.
 
-Bodies are parsed strictly (no ``"5"`` for 5, no ``true`` for 1); a field this server does not implement (e.g.
-``logprobs``, ``tools``, penalties) is refused unless it is absent or set to its no-op value; fields it does not
-know are ignored, as other OpenAI-compatible servers do. Every problem becomes an :class:`ApiError` with a 4xx
-status and OpenAI's error body.
+Bodies are parsed strictly (no ``"5"`` for 5, no ``true`` for 1). Every field OpenAI or vLLM defines is in
+:mod:`pagedcore.serve.fields`: implemented here, or refused with a 400 naming it unless it is absent or at its
+no-op value; none is accepted and ignored. Fields neither defines are ignored with a warning in the log (as vLLM
+does). Every problem becomes an :class:`ApiError` with a 4xx status and OpenAI's error body.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import reprlib
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from pagedcore.adapters.transformers import SamplingParams
 from pagedcore.errors import InvalidRequestError
 
+from .fields import CHAT, COMPLETIONS, Endpoint, rules_for
+
 __all__ = [
+    "MAX_ID_CHARS",
     "MAX_PROMPTS",
+    "MAX_SALT_CHARS",
     "MAX_STOP_STRINGS",
     "ApiError",
     "ChatMessage",
@@ -26,33 +31,19 @@ __all__ = [
     "CompletionRequest",
     "StreamOptions",
     "TextPart",
+    "check_fields",
     "parse_request",
     "sampling_params",
     "stop_strings",
 ]
 
+logger = logging.getLogger("pagedcore.serve")
+
 MAX_STOP_STRINGS = 16
 MAX_PROMPTS = 2048  # prompts in one completion request (OpenAI's bound on an array input)
-
-# Fields that OpenAI defines and this server does not implement: accepted only at these (no-op) values.
-_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "logprobs": (None, False),
-    "top_logprobs": (None,),
-    "echo": (None, False),
-    "suffix": (None,),
-    "best_of": (None, 1),
-    "logit_bias": (None, {}),
-    "presence_penalty": (None, 0),
-    "frequency_penalty": (None, 0),
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
-    "functions": (None, []),
-    "function_call": (None, "none"),
-    "response_format": (None, {"type": "text"}),
-    "audio": (None,),
-    "prediction": (None,),
-    "modalities": (None, ["text"]),
-}
+MAX_ID_CHARS = 256  # request_id
+MAX_SALT_CHARS = 1024  # cache_salt (vLLM's bound)
+_INT64 = (-(2**63), 2**63 - 1)  # vLLM's seed range
 
 # What a field holds, for messages about fields that accept several shapes.
 _EXPECTED = {
@@ -63,7 +54,7 @@ _EXPECTED = {
 
 # Engine parameter names as clients know them.
 _PARAM_NAMES = {"max_new_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k"}
-_PARAM_NAMES.update({"n": "n", "seed": "seed"})
+_PARAM_NAMES.update({"n": "n", "seed": "seed", "min_new_tokens": "min_tokens"})
 
 
 class ApiError(Exception):
@@ -100,7 +91,9 @@ class _Strict(BaseModel):
 
 
 class StreamOptions(_Strict):
-    """``stream_options``: ``include_usage`` adds a last chunk with the token counts.
+    """``stream_options``: ``include_usage`` adds a last chunk with the token counts; ``continuous_usage_stats``
+    (vLLM) puts the counts so far in every chunk; OpenAI's ``include_obfuscation`` must be false (no padding field
+    is ever added).
 
     Example:
         >>> StreamOptions.model_validate({"include_usage": True}).include_usage
@@ -108,10 +101,14 @@ class StreamOptions(_Strict):
     """
 
     include_usage: bool = False
+    continuous_usage_stats: bool = False
+    include_obfuscation: Literal[False] = False
 
 
 class _Request(_Strict):
-    model: str
+    endpoint: ClassVar[Endpoint]
+
+    model: str | None = None  # vLLM: absent means the served model
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -120,19 +117,37 @@ class _Request(_Strict):
     seed: int | None = None
     stop: str | list[str] | None = None
     include_stop_str_in_output: bool | None = None  # vLLM's extension: keep the stop string that ended the text
+    min_tokens: int | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    safety_identifier: str | None = None
+    echo: bool | None = None
+    request_id: str | None = Field(default=None, min_length=1, max_length=MAX_ID_CHARS)
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_SALT_CHARS)
+    add_special_tokens: bool | None = None
+    truncate_prompt_tokens: int | None = None
+    truncation_side: Literal["left", "right"] | None = None
+    return_token_ids: bool | None = None
+
+    @model_validator(mode="after")
+    def _check_truncation(self) -> _Request:
+        tokens = self.truncate_prompt_tokens
+        if tokens is not None and tokens != -1 and tokens < 1:
+            message = f"truncate_prompt_tokens must be -1 (the context) or >= 1, got {tokens}"
+            raise ApiError(400, message, param="truncate_prompt_tokens")
+        return self
 
 
 class CompletionRequest(_Request):
-    """``POST /v1/completions``. ``top_k`` (0 = all tokens) and ``include_stop_str_in_output`` are extensions.
+    """``POST /v1/completions``; the fields and what each does are in :mod:`pagedcore.serve.fields`.
 
     Example:
         >>> CompletionRequest.model_validate({"model": "m", "prompt": ["a", "b"], "max_tokens": 4}).prompt
         ['a', 'b']
     """
 
+    endpoint: ClassVar[Endpoint] = COMPLETIONS
     prompt: str | list[str] | list[int] | list[list[int]]
 
 
@@ -171,7 +186,8 @@ class ChatMessage(_Strict):
 
 
 class ChatRequest(_Request):
-    """``POST /v1/chat/completions``; ``max_completion_tokens`` is the newer name of ``max_tokens``.
+    """``POST /v1/chat/completions``; ``max_completion_tokens`` is the newer name of ``max_tokens``. The fields
+    and what each does are in :mod:`pagedcore.serve.fields`.
 
     Example:
         >>> body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 8}
@@ -179,8 +195,21 @@ class ChatRequest(_Request):
         8
     """
 
+    endpoint: ClassVar[Endpoint] = CHAT
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    documents: list[dict[str, str]] | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _check_generation_prompt(self) -> ChatRequest:
+        if self.add_generation_prompt and self.continue_final_message:
+            message = "continue_final_message needs add_generation_prompt set to false (vLLM's rule)"
+            raise ApiError(400, message, param="continue_final_message")
+        return self
 
     def max_new_tokens(self, default: int) -> int:
         """``max_completion_tokens``, else ``max_tokens``, else ``default``."""
@@ -214,9 +243,7 @@ def parse_request(cls: type[_Request], body: bytes, *, max_prompt_tokens: int | 
         raise ApiError(400, f"the request body is not valid JSON: {exc}") from exc
     if not isinstance(data, dict):
         raise ApiError(400, f"the request body must be a JSON object, got {type(data).__name__}")
-    for name, allowed in _UNSUPPORTED.items():
-        if name in data and not any(_same(data[name], value) for value in allowed):
-            raise ApiError(400, f"{name} is not supported by this server (got {_brief(data[name])})", param=name)
+    check_fields(cls.endpoint, data)
     _check_lengths(data, max_prompt_tokens)
     try:
         return cls.model_validate(data)
@@ -224,6 +251,29 @@ def parse_request(cls: type[_Request], body: bytes, *, max_prompt_tokens: int | 
         raise _from_validation(exc) from None
     except RecursionError:  # deeply nested values in fields the models keep as they are
         raise ApiError(400, "the request body nests too deeply") from None
+
+
+def check_fields(endpoint: Endpoint, data: dict[str, Any]) -> None:
+    """Refuse (400, naming it) every field of ``data`` that this server does not implement, unless it is at its
+    no-op value; log the fields that neither OpenAI nor vLLM define (they are ignored, as vLLM does).
+
+    Example:
+        >>> check_fields(COMPLETIONS, {"model": "m", "prompt": "x", "use_beam_search": True})
+        Traceback (most recent call last):
+        ...
+        pagedcore.serve.protocol.ApiError: use_beam_search is not supported by this server (got True): beam search ...
+    """
+    rules = rules_for(endpoint)
+    unknown = []
+    for name, value in data.items():
+        rule = rules.get(name)
+        if rule is None:
+            unknown.append(name)
+        elif not rule.accepts(value):
+            message = f"{name} is not supported by this server (got {_brief(value)}): {rule.note}"
+            raise ApiError(400, message, param=name)
+    if unknown:
+        logger.warning("pagedcore: fields neither OpenAI nor vLLM define were ignored: %s", ", ".join(sorted(unknown)))
 
 
 def _check_lengths(data: dict[str, Any], max_tokens: int | None) -> None:
@@ -269,9 +319,15 @@ def sampling_params(request: _Request, max_new_tokens: int) -> SamplingParams:
         "top_p": 1.0 if request.top_p is None else request.top_p,
         "n": 1 if request.n is None else request.n,
         "seed": request.seed,
+        "stop_strings": stop_strings(request),
+        "include_stop_str_in_output": bool(request.include_stop_str_in_output),
     }
+    if request.seed is not None and not _INT64[0] <= request.seed <= _INT64[1]:
+        raise ApiError(400, f"seed must be in vLLM's range -2**63..2**63-1, got {request.seed}", param="seed")
     if request.top_k is not None:
-        kwargs["top_k"] = request.top_k
+        kwargs["top_k"] = 0 if request.top_k == -1 else request.top_k  # vLLM's -1: every token
+    if request.min_tokens is not None:
+        kwargs["min_new_tokens"] = request.min_tokens
     try:
         return SamplingParams(**kwargs)
     except InvalidRequestError as exc:  # the engine owns the ranges; name the field as the client knows it
@@ -300,14 +356,6 @@ def stop_strings(request: _Request) -> tuple[str, ...]:
 def _brief(value: Any) -> str:
     """A short repr of a client's value for a message (never the whole of a huge or deeply nested one)."""
     return reprlib.repr(value)
-
-
-def _same(value: Any, allowed: Any) -> bool:
-    if allowed is None or isinstance(allowed, bool) or isinstance(value, bool):
-        return value is allowed
-    if isinstance(allowed, (int, float)):
-        return isinstance(value, (int, float)) and value == allowed
-    return bool(value == allowed)
 
 
 def _from_validation(exc: ValidationError) -> ApiError:
