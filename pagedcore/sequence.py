@@ -59,6 +59,9 @@ class SequenceState:
         namespace: prefix-cache namespace (cache salt); sequences in different namespaces never share blocks.
         num_samples: parallel samples (``n``); the sequence forks into that many once its prompt is computed.
         min_new_tokens: stop tokens are ignored before this many tokens were generated.
+        read_prefix_cache: whether admission may start from a cached prefix; False computes every position at every
+            admission (its blocks are still cached for others), for callers that need each prompt position's logits
+            (prompt log-probabilities; vLLM's ``skip_reading_prefix_cache``).
 
     Example:
         >>> seq = SequenceState("r1", [5, 6, 7], max_new_tokens=2, stop_token_ids=frozenset({0}))
@@ -73,6 +76,7 @@ class SequenceState:
     namespace: Hashable = None
     num_samples: int = 1
     min_new_tokens: int = 0
+    read_prefix_cache: bool = True
     # --- owned by the scheduler
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
