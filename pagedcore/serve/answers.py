@@ -11,9 +11,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedcore.adapters.transformers.outputs import TokenLogprobs
+
+from .logprob_shapes import LogprobFormat, PromptEntry
 from .loop import Delta, Finished
 
 __all__ = ["AnswerOptions", "Choice", "Shape", "Tally"]
+
+_IDS = LogprobFormat(None, True)  # no tokenizer: tokens shown as token_id:ID
 
 
 @dataclass(frozen=True)
@@ -23,10 +28,15 @@ class AnswerOptions:
     Attributes:
         echo: per prompt, text put before each of its choices' text (completions' ``echo``; chat's ``echo`` of a
             last assistant message).
-        prompt_token_ids: per prompt, its token ids (shown with ``return_token_ids``), else None.
+        prompt_token_ids: per prompt, its token ids (shown with ``return_token_ids``; the echoed prompt's
+            log-probabilities are theirs), else None.
         return_token_ids: each choice's token ids in the answer.
         include_usage: a stream ends with a usage chunk.
         continuous_usage: every chunk of a stream carries the usage so far (vLLM's ``continuous_usage_stats``).
+        logprobs: show each token's log-probabilities (the request's k; None: ``logprobs: null``).
+        echo_logprobs: completions' ``echo`` with ``logprobs``: the prompt's positions come first.
+        prompt_logprobs: show vLLM's ``prompt_logprobs`` (the request asked for them).
+        format: how tokens and log-probabilities are shown.
 
     Example:
         >>> AnswerOptions(echo=("Hi",)).prefix(0)
@@ -38,6 +48,10 @@ class AnswerOptions:
     return_token_ids: bool = False
     include_usage: bool = False
     continuous_usage: bool = False
+    logprobs: int | None = None
+    echo_logprobs: bool = False
+    prompt_logprobs: bool = False
+    format: LogprobFormat = _IDS
 
     def prefix(self, prompt: int) -> str:
         """The text before prompt ``prompt``'s choices."""
@@ -46,7 +60,8 @@ class AnswerOptions:
 
 @dataclass
 class Choice:
-    """One choice's text, tokens and end so far, and whether a stream has sent it a chunk yet.
+    """One choice's text, tokens, log-probabilities and end so far, and whether a stream has sent it a chunk yet
+    (``shown_chars``: the characters of the tokens its stream showed in ``logprobs``, for ``text_offset``).
 
     Example:
         >>> Choice(prompt=0).text
@@ -59,6 +74,9 @@ class Choice:
     reason: str | None = None
     started: bool = False
     closed: bool = False
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    shown_chars: int = 0
 
 
 class Tally:
@@ -94,6 +112,10 @@ class Tally:
             choice = self.choices[base + event.sample]
             choice.text += event.text
             choice.token_ids.extend(event.token_ids)
+            if event.logprobs is not None:
+                choice.logprobs.append(event.logprobs)
+            if event.prompt_logprobs is not None and choice.prompt_logprobs is None:
+                choice.prompt_logprobs = event.prompt_logprobs
             choice.reason = event.finish_reason or choice.reason
             return [base + event.sample]
         touched = list(range(base, base + self._n))
@@ -138,10 +160,17 @@ class Shape:
     options: AnswerOptions = AnswerOptions()
 
     def chunk(
-        self, index: int, choice: Choice, text: str, finish_reason: str | None, token_ids: Sequence[int] = ()
+        self,
+        index: int,
+        choice: Choice,
+        text: str,
+        finish_reason: str | None,
+        token_ids: Sequence[int] = (),
+        logprobs: Sequence[TokenLogprobs] = (),
     ) -> dict[str, Any]:
-        """One streamed chunk of choice ``index``: ``text`` is its new text; a choice's first chunk carries the
-        role (chat) and the prompt's token ids (with ``return_token_ids``)."""
+        """One streamed chunk of choice ``index``: ``text`` is its new text, ``token_ids`` and ``logprobs`` its new
+        tokens'; a choice's first chunk carries the role (chat), the prompt's token ids (with
+        ``return_token_ids``) and the echoed prompt's log-probabilities."""
         body: dict[str, Any] = {"index": index}
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if not choice.started else {}
@@ -150,7 +179,9 @@ class Shape:
             body["delta"] = delta
         else:
             body["text"] = text
-        body.update(logprobs=None, finish_reason=finish_reason)
+        body.update(logprobs=self._stream_logprobs(choice, token_ids, logprobs), finish_reason=finish_reason)
+        if not self.chat and not choice.started and self.options.prompt_logprobs:
+            body["prompt_logprobs"] = self.options.format.prompt(self._prompt_entries(choice))
         prompt_ids = None
         if self.options.return_token_ids:
             body["token_ids"] = list(token_ids)
@@ -161,6 +192,8 @@ class Shape:
         chunk = self._envelope("chat.completion.chunk" if self.chat else "text_completion", [body])
         if self.chat and prompt_ids is not None:
             chunk["prompt_token_ids"] = prompt_ids  # vLLM: chat has it beside the choices, in the first chunk
+        if self.chat and not choice.started and self.options.prompt_logprobs:
+            chunk["prompt_logprobs"] = self.options.format.prompt(self._prompt_entries(choice))
         return chunk
 
     def response(self, tally: Tally) -> dict[str, Any]:
@@ -173,7 +206,9 @@ class Shape:
                 body["message"] = {"role": "assistant", "content": text}
             else:
                 body["text"] = text
-            body.update(logprobs=None, finish_reason=choice.reason)
+            body.update(logprobs=self._logprobs(choice), finish_reason=choice.reason)
+            if not self.chat and self.options.prompt_logprobs:
+                body["prompt_logprobs"] = self.options.format.prompt(self._prompt_entries(choice))
             if self.options.return_token_ids:
                 body["token_ids"] = list(choice.token_ids)
                 if not self.chat and self.options.prompt_token_ids is not None:
@@ -183,7 +218,39 @@ class Shape:
         answer["usage"] = tally.usage()
         if self.chat and self.options.return_token_ids and self.options.prompt_token_ids is not None:
             answer["prompt_token_ids"] = list(self.options.prompt_token_ids[0])
+        if self.chat and self.options.prompt_logprobs and tally.choices:
+            answer["prompt_logprobs"] = self.options.format.prompt(self._prompt_entries(tally.choices[0]))
         return answer
+
+    def _logprobs(self, choice: Choice) -> dict[str, Any] | None:
+        """A whole choice's ``logprobs`` (None unless asked)."""
+        if self.options.logprobs is None:
+            return None
+        if self.chat:
+            return self.options.format.chat(choice.logprobs)
+        positions = self._prompt_entries(choice) if self.options.echo_logprobs else []
+        positions += list(zip(choice.token_ids, choice.logprobs))
+        return self.options.format.completion(positions)
+
+    def _stream_logprobs(
+        self, choice: Choice, token_ids: Sequence[int], logprobs: Sequence[TokenLogprobs]
+    ) -> dict[str, Any] | None:
+        """The ``logprobs`` of one chunk's tokens (the echoed prompt's too in a choice's first chunk)."""
+        if self.options.logprobs is None:
+            return None
+        if self.chat:
+            return self.options.format.chat(logprobs)
+        positions = self._prompt_entries(choice) if self.options.echo_logprobs and not choice.started else []
+        positions += list(zip(token_ids, logprobs))
+        shown = self.options.format.completion(positions, choice.shown_chars)
+        choice.shown_chars += sum(len(token) for token in shown["tokens"])
+        return shown
+
+    def _prompt_entries(self, choice: Choice) -> list[PromptEntry]:
+        ids = self.options.prompt_token_ids
+        if ids is None or choice.prompt_logprobs is None:
+            return []
+        return list(zip(ids[choice.prompt], choice.prompt_logprobs))
 
     def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
         """The last chunk of a stream with ``stream_options.include_usage``."""

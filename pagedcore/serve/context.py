@@ -16,6 +16,7 @@ from starlette.requests import Request
 from .admission import Admission
 from .auth import ApiKeys
 from .body import BodyLimits
+from .logprob_shapes import LogprobFormat
 from .loop import RequestLoop
 from .metrics import ServeMetrics
 from .prompts import PromptEncoder
@@ -101,6 +102,14 @@ class ServeContext:
         if self.context_length is not None:
             card["max_model_len"] = self.context_length  # vLLM's field
         return card
+
+    def logprob_format(self, as_ids: bool = False) -> LogprobFormat:
+        """How answers show tokens in log-probabilities: decoded by the tokenizer (special tokens kept), or as
+        ``token_id:ID`` (``as_ids``, or without a tokenizer)."""
+        tokenizer = self.encoder.tokenizer
+        if tokenizer is None:
+            return LogprobFormat(None, True)
+        return LogprobFormat(lambda token_id: str(tokenizer.decode([token_id])), as_ids)
 
     def max_new_tokens(self, prompt_tokens: int) -> int | None:
         """The most new tokens a request with this prompt can be given: what the context leaves, and what the KV

@@ -98,12 +98,12 @@ FIELDS: dict[str, FieldRule] = {
     "top_p": _impl("nucleus sampling, in (0, 1]"),
     "top_k": _impl("the k most likely tokens; 0 or -1 keep all (vLLM's -1)"),
     "seed": _impl("seeds the request's draws (vLLM's int64 range)"),
-    "min_p": _refused("min_p is not supported yet", 0, 0.0),
-    "presence_penalty": _refused("presence_penalty is not supported yet", 0, 0.0),
-    "frequency_penalty": _refused("frequency_penalty is not supported yet", 0, 0.0),
-    "repetition_penalty": _refused("repetition_penalty is not supported yet", 1, 1.0),
-    "logit_bias": _refused("logit_bias is not supported yet", {}),
-    "allowed_token_ids": _refused("a hard mask of allowed tokens is not supported"),
+    "min_p": _impl("drop tokens less likely than min_p times the most likely one (sampling only)"),
+    "presence_penalty": _impl("subtracted from the logit of every token generated so far, in [-2, 2]"),
+    "frequency_penalty": _impl("subtracted once per time a token was generated so far, in [-2, 2]"),
+    "repetition_penalty": _impl("divides positive (multiplies negative) logits of prompt and output tokens; > 0"),
+    "logit_bias": _impl("token id (as a string key) -> bias in [-100, 100] added to its logit"),
+    "allowed_token_ids": _impl("only these token ids may be drawn"),
     "bad_words": _refused("bad_words is not supported", []),
     "logits_processors": _refused("custom logits processors are not loaded by this server", []),
     "watermarking": _refused("watermarking is not supported", False),
@@ -111,16 +111,19 @@ FIELDS: dict[str, FieldRule] = {
     "thinking_token_budget": _refused("reasoning budgets are not supported (no reasoning parser)", -1),
     # ------------------------------------------------------------------ stopping
     "stop": _impl("up to 16 stop strings; the text ends before the first one"),
-    "stop_token_ids": _refused("stop token ids are not supported yet", []),
+    "stop_token_ids": _impl("stop after any of these token ids (besides eos)"),
     "include_stop_str_in_output": _impl("keep the stop string that ended the text"),
-    "ignore_eos": _refused("ignore_eos is not supported yet", False),
+    "ignore_eos": _impl("never stop at eos (benchmarks); stop strings and stop_token_ids still apply"),
     "min_tokens": _impl("nothing stops a sample before this many tokens"),
     # ------------------------------------------------------------------ log-probabilities
-    "logprobs": _refused("log-probabilities are not supported yet", False),
-    "top_logprobs": _refused("log-probabilities are not supported yet", 0, endpoints=_H),
-    "prompt_logprobs": _refused("prompt log-probabilities are not supported yet"),
+    "logprobs": _impl(
+        "completions: an int k, each token's log-probability and the k most likely (with echo: the prompt's "
+        "too); chat: true for choices[].logprobs.content[]; before any logits processing (vLLM's raw_logprobs)"
+    ),
+    "top_logprobs": _impl("chat: the most likely alternatives per token, 0..20 (needs logprobs)", _H),
+    "prompt_logprobs": _impl("each prompt token's log-probability and the k most likely (vLLM's prompt_logprobs)"),
     "logprob_token_ids": _refused("log-probabilities of chosen token ids are not supported"),
-    "return_tokens_as_token_ids": _refused("log-probabilities are not supported yet", False),
+    "return_tokens_as_token_ids": _impl("tokens in logprobs as 'token_id:ID' (text that is no whole character)"),
     # ------------------------------------------------------------------ prompt handling
     "add_special_tokens": _impl(
         "completions: the tokenizer's special tokens (a bos) around a text prompt (default "

@@ -7,9 +7,11 @@ the event loop with ``call_soon_threadsafe``, onto an asyncio queue that the req
 from __future__ import annotations
 
 import asyncio
+import re
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 
+from .fields import FIELDS
 from .loop import (
     Delta,
     Finished,
@@ -42,7 +44,12 @@ def error_of(finished: Finished) -> ApiError:
         400
     """
     status, type_, code = _ERRORS.get(finished.error_kind or "failed", _ERRORS["failed"])
-    return ApiError(status, finished.error or "the request failed", type=type_, code=code)
+    message = finished.error or "the request failed"
+    param = None
+    if finished.error_kind == "invalid":  # the Engine's checks name its field first ("logprobs=30 is more ...")
+        word = re.match(r"[a-z_]+", message)
+        param = word.group(0) if word is not None and word.group(0) in FIELDS else None
+    return ApiError(status, message, type=type_, code=code, param=param)
 
 
 class Job:

@@ -29,6 +29,7 @@ from pagedcore.validation import integer
 
 if TYPE_CHECKING:
     from pagedcore.adapters.transformers import Engine, EngineStats, RequestOutput, SamplingParams, TokenEvent
+    from pagedcore.adapters.transformers.outputs import TokenLogprobs
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +95,8 @@ class Started:
 class Delta:
     """One token of one sample (or the end of a sample without a token): the text it made final (``""`` while a
     character or a possible stop string is incomplete), its id, and ``finish_reason`` ("stop" or "length") on the
-    sample's last delta.
+    sample's last delta; with ``logprobs``, the token's log-probabilities; with ``prompt_logprobs``, a sample's first
+    delta carries the prompt's.
 
     Example:
         >>> Delta("r0", 0, "Hi", "stop", (42,)).finish_reason
@@ -106,6 +108,8 @@ class Delta:
     text: str
     finish_reason: str | None = None
     token_ids: tuple[int, ...] = ()
+    logprobs: TokenLogprobs | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -510,7 +514,10 @@ class EngineLoop:
             tokens = (event.token_id,)
             self._tokens.add(event.request_id, event.sample, now)
         if tokens or reason is not None:
-            _send(sink, Delta(event.request_id, event.sample, event.text or "", reason, tokens))
+            delta = Delta(
+                event.request_id, event.sample, event.text or "", reason, tokens, event.logprobs, event.prompt_logprobs
+            )
+            _send(sink, delta)
 
     def _end(
         self, sink: Sink, request_id: str, output: RequestOutput | None, error: str | None, kind: str | None

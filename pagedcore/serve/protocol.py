@@ -44,6 +44,18 @@ MAX_PROMPTS = 2048  # prompts in one completion request (OpenAI's bound on an ar
 MAX_ID_CHARS = 256  # request_id
 MAX_SALT_CHARS = 1024  # cache_salt (vLLM's bound)
 _INT64 = (-(2**63), 2**63 - 1)  # vLLM's seed range
+# Request fields that are SamplingParams fields of the same name.
+_CONTROLS = (
+    "stop_token_ids",
+    "ignore_eos",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logit_bias",
+    "allowed_token_ids",
+    "min_p",
+    "prompt_logprobs",
+)
 
 # What a field holds, for messages about fields that accept several shapes.
 _EXPECTED = {
@@ -55,6 +67,7 @@ _EXPECTED = {
 # Engine parameter names as clients know them.
 _PARAM_NAMES = {"max_new_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k"}
 _PARAM_NAMES.update({"n": "n", "seed": "seed", "min_new_tokens": "min_tokens"})
+_PARAM_NAMES.update({name: name for name in (*_CONTROLS, "logprobs")})
 
 
 class ApiError(Exception):
@@ -118,6 +131,16 @@ class _Request(_Strict):
     stop: str | list[str] | None = None
     include_stop_str_in_output: bool | None = None  # vLLM's extension: keep the stop string that ended the text
     min_tokens: int | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    min_p: float | None = None
+    prompt_logprobs: int | None = None
+    return_tokens_as_token_ids: bool | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -129,6 +152,11 @@ class _Request(_Strict):
     truncate_prompt_tokens: int | None = None
     truncation_side: Literal["left", "right"] | None = None
     return_token_ids: bool | None = None
+
+    @property
+    def top_logprobs_k(self) -> int | None:
+        """How many alternatives each token's log-probabilities list (None: no log-probabilities)."""
+        return None
 
     @model_validator(mode="after")
     def _check_truncation(self) -> _Request:
@@ -149,6 +177,12 @@ class CompletionRequest(_Request):
 
     endpoint: ClassVar[Endpoint] = COMPLETIONS
     prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+
+    @property
+    def top_logprobs_k(self) -> int | None:
+        """How many alternatives each token's log-probabilities list (None: no log-probabilities)."""
+        return self.logprobs
 
 
 class TextPart(_Strict):
@@ -198,6 +232,8 @@ class ChatRequest(_Request):
     endpoint: ClassVar[Endpoint] = CHAT
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     documents: list[dict[str, str]] | None = None
@@ -209,7 +245,14 @@ class ChatRequest(_Request):
         if self.add_generation_prompt and self.continue_final_message:
             message = "continue_final_message needs add_generation_prompt set to false (vLLM's rule)"
             raise ApiError(400, message, param="continue_final_message")
+        if self.top_logprobs and not self.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
         return self
+
+    @property
+    def top_logprobs_k(self) -> int | None:
+        """How many alternatives each token's log-probabilities list (None: no log-probabilities)."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def max_new_tokens(self, default: int) -> int:
         """``max_completion_tokens``, else ``max_tokens``, else ``default``."""
@@ -328,6 +371,7 @@ def sampling_params(request: _Request, max_new_tokens: int) -> SamplingParams:
         kwargs["top_k"] = 0 if request.top_k == -1 else request.top_k  # vLLM's -1: every token
     if request.min_tokens is not None:
         kwargs["min_new_tokens"] = request.min_tokens
+    kwargs.update(_controls(request))
     try:
         return SamplingParams(**kwargs)
     except InvalidRequestError as exc:  # the engine owns the ranges; name the field as the client knows it
@@ -335,6 +379,24 @@ def sampling_params(request: _Request, max_new_tokens: int) -> SamplingParams:
         name = _PARAM_NAMES.get(word)
         message = str(exc) if name is None or name == word else f"{name}{str(exc)[len(word) :]}"
         raise ApiError(400, message, param=name) from exc
+
+
+def _controls(request: _Request) -> dict[str, Any]:
+    """vLLM's sampling controls and log-probabilities, as :class:`SamplingParams` fields (absent ones left out)."""
+    given = {name: getattr(request, name) for name in _CONTROLS if getattr(request, name) is not None}
+    if "logit_bias" in given:
+        bias: dict[int, float] = {}
+        for key, value in given["logit_bias"].items():
+            if not key.lstrip("-").isdigit():
+                raise ApiError(400, f"logit_bias keys must be token ids, got {_brief(key)}", param="logit_bias")
+            bias[int(key)] = value
+        given["logit_bias"] = bias
+    k = request.top_logprobs_k
+    if k is not None:
+        given["logprobs"] = k
+    if request.echo and k is not None and isinstance(request, CompletionRequest):
+        given.setdefault("prompt_logprobs", k)  # the echoed prompt's tokens carry theirs (vLLM)
+    return given
 
 
 def stop_strings(request: _Request) -> tuple[str, ...]:

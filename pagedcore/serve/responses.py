@@ -100,9 +100,9 @@ async def sse_events(
 ) -> AsyncIterator[str]:
     """The ``data:`` lines of a streamed answer, ending with ``data: [DONE]``. A choice's first chunk goes out with
     its first token (a chat choice's carries the role), never before; an empty token (a character or a possible
-    stop string not yet complete) sends nothing unless token ids are asked for. An error ends the stream with
-    ``on_error(error)``'s body (the caller counts and redacts it) before ``[DONE]``; a stream that ends well calls
-    ``on_finish()``.
+    stop string not yet complete) sends nothing unless token ids or log-probabilities are asked for. An error ends
+    the stream with ``on_error(error)``'s body (the caller counts and redacts it) before ``[DONE]``; a stream that
+    ends well calls ``on_finish()``.
 
     Example:
         >>> import inspect
@@ -118,11 +118,13 @@ async def sse_events(
             payload["usage"] = None
         return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
-    def chunk(index: int, text: str, reason: str | None, token_ids: tuple[int, ...] = ()) -> str:
+    def chunk(index: int, text: str, reason: str | None, delta: Delta | None = None) -> str:
         choice = tally.choices[index]
         if not choice.started:
             text = options.prefix(choice.prompt) + text
-        payload = shape.chunk(index, choice, text, reason, token_ids)
+        token_ids = delta.token_ids if delta is not None else ()
+        logprobs = [delta.logprobs] if delta is not None and delta.logprobs is not None else []
+        payload = shape.chunk(index, choice, text, reason, token_ids, logprobs)
         choice.started = True
         choice.closed = reason is not None
         return data(payload)
@@ -136,8 +138,9 @@ async def sse_events(
         for index in tally.add(event):
             choice = tally.choices[index]
             if isinstance(event, Delta):
-                if event.text or event.finish_reason or not choice.started or options.return_token_ids:
-                    yield chunk(index, event.text, event.finish_reason, event.token_ids)
+                shows_tokens = options.return_token_ids or options.logprobs is not None
+                if event.text or event.finish_reason or not choice.started or shows_tokens:
+                    yield chunk(index, event.text, event.finish_reason, event)
             elif not choice.closed:  # a choice that ended without a token of its own (max_tokens 0)
                 yield chunk(index, "", choice.reason)
     if options.include_usage:

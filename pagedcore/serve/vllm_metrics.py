@@ -52,11 +52,66 @@ __all__ = ["FINISHED_REASONS", "VllmMetrics", "token_buckets"]
 
 FINISHED_REASONS = ("stop", "length", "abort", "error")
 _LABELS = ("model_name", "engine")
-_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0)
+_TTFT_BUCKETS: tuple[float, ...] = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+)
 _TTFT_BUCKETS += (40.0, 80.0, 160.0, 640.0, 2560.0)
-_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)
+_ITL_BUCKETS: tuple[float, ...] = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+)
 _ITL_BUCKETS += (80.0,)
-_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0)
+_LATENCY_BUCKETS: tuple[float, ...] = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+)
 _LATENCY_BUCKETS += (480.0, 960.0, 1920.0, 7680.0)
 _ERROR_KINDS = {"aborted": "abort", "shutdown": "abort", "failed": "error"}  # never ran: invalid, overloaded
 
@@ -231,6 +286,6 @@ class _VllmLoopCollector(Collector):
             ("vllm:num_preemptions", "Cumulative number of preemption from the engine.", engine.num_preemptions),
         ]
         for name, doc, value in counters:
-            family = CounterMetricFamily(name, doc, labels=_LABELS)
-            family.add_metric(self._label, value)
-            yield family
+            counter = CounterMetricFamily(name, doc, labels=_LABELS)
+            counter.add_metric(self._label, value)
+            yield counter

@@ -30,14 +30,14 @@ router = APIRouter()
 async def chat_completions(request: Request, ctx: Context) -> Response:
     """OpenAI's chat completions: ``n`` answers to the conversation, as JSON or server-sent events."""
     tenant, body = await read_request(ctx, request, ChatRequest)
-    prompt = await off_loop(ctx.encoder.chat, body.messages, _chat_options(ctx, body))
-    (prompt,) = fit_prompts(ctx, body, [prompt], 0)
+    rendered = await off_loop(ctx.encoder.chat, body.messages, _chat_options(ctx, body))
+    (truncated,) = fit_prompts(ctx, body, [rendered], 0)
     # Without a limit the answer may run to the end of what the context and the KV pool hold for it.
-    room = ctx.max_new_tokens(len(prompt))
+    room = ctx.max_new_tokens(len(truncated))
     max_tokens = body.max_new_tokens(DEFAULT_COMPLETION_MAX_TOKENS if room is None else max(1, room))
-    (prompt,) = fit_prompts(ctx, body, [prompt], max_tokens)
+    (prompt,) = fit_prompts(ctx, body, [truncated], max_tokens)
     params = sampling_params(body, max_tokens)
-    shape = shape_of(ctx, body, True, _options(body, prompt))
+    shape = shape_of(ctx, body, True, _options(ctx, body, prompt))
     generation = Generation([prompt], params, namespace_of(tenant, body.cache_salt), bool(body.stream))
     return await answer(ctx, request, generation, shape)
 
@@ -60,15 +60,18 @@ def _chat_options(ctx: ServeContext, body: ChatRequest) -> ChatOptions:
     )
 
 
-def _options(body: ChatRequest, prompt: Any) -> AnswerOptions:
+def _options(ctx: ServeContext, body: ChatRequest, prompt: Any) -> AnswerOptions:
     """``echo`` (vLLM's): the last message's text goes before the answer when it is the assistant's."""
     last = body.messages[-1]
     echo = (last.text,) if body.echo and last.role == "assistant" else ()
     usage = body.stream_options
     return AnswerOptions(
         echo=echo,
-        prompt_token_ids=(tuple(prompt),) if body.return_token_ids and not isinstance(prompt, str) else None,
+        prompt_token_ids=None if isinstance(prompt, str) else (tuple(prompt),),
         return_token_ids=bool(body.return_token_ids),
         include_usage=bool(usage and usage.include_usage),
         continuous_usage=bool(usage and usage.continuous_usage_stats),
+        logprobs=body.top_logprobs_k,
+        prompt_logprobs=body.prompt_logprobs is not None,
+        format=ctx.logprob_format(bool(body.return_tokens_as_token_ids)),
     )

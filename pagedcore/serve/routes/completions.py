@@ -42,7 +42,8 @@ async def completions(request: Request, ctx: Context) -> Response:
 
 def _options(ctx: ServeContext, body: Any, encoded: list[Any], prompts: list[Any]) -> AnswerOptions:
     """What the answer shows beside the text: the prompts' text with ``echo`` (as given, or decoded from the
-    token ids that were sent or kept), their ids with ``return_token_ids``."""
+    token ids that were sent or kept), their ids with ``return_token_ids``, log-probabilities with ``logprobs`` (the
+    echoed prompt's first) and ``prompt_logprobs``."""
     echo: tuple[str, ...] = ()
     if body.echo:
         texts = (
@@ -54,9 +55,7 @@ def _options(ctx: ServeContext, body: Any, encoded: list[Any], prompts: list[Any
             texts[i] if texts is not None and kept is original else _text(ctx, kept)
             for i, (original, kept) in enumerate(zip(encoded, prompts))
         )
-    ids = None
-    if body.return_token_ids:
-        ids = tuple(tuple(p) for p in prompts if not isinstance(p, str)) or None
+    ids = tuple(tuple(p) for p in prompts if not isinstance(p, str)) or None
     usage = body.stream_options
     return AnswerOptions(
         echo=echo,
@@ -64,6 +63,10 @@ def _options(ctx: ServeContext, body: Any, encoded: list[Any], prompts: list[Any
         return_token_ids=bool(body.return_token_ids),
         include_usage=bool(usage and usage.include_usage),
         continuous_usage=bool(usage and usage.continuous_usage_stats),
+        logprobs=body.logprobs,
+        echo_logprobs=bool(body.echo) and body.logprobs is not None,
+        prompt_logprobs=body.prompt_logprobs is not None,
+        format=ctx.logprob_format(bool(body.return_tokens_as_token_ids)),
     )
 
 
