@@ -29,9 +29,12 @@ __all__ = [
     "ChatMessage",
     "ChatRequest",
     "CompletionRequest",
+    "DetokenizeRequest",
     "StreamOptions",
     "TextPart",
+    "TokenizeRequest",
     "check_fields",
+    "parse_body",
     "parse_request",
     "sampling_params",
     "stop_strings",
@@ -262,6 +265,39 @@ class ChatRequest(_Request):
         return default
 
 
+class TokenizeRequest(BaseModel):
+    """``POST /tokenize``: a ``prompt`` (text) or chat ``messages`` (through the chat template).
+
+    Example:
+        >>> TokenizeRequest.model_validate({"prompt": "hi", "add_special_tokens": False}).add_special_tokens
+        False
+    """
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    add_special_tokens: bool | None = None  # default: true for a prompt, false for messages (vLLM's)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    """``POST /detokenize``: token ids to text.
+
+    Example:
+        >>> DetokenizeRequest.model_validate({"tokens": [1, 2]}).tokens
+        [1, 2]
+    """
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    model: str | None = None
+    tokens: list[int]
+
+
 def parse_request(cls: type[_Request], body: bytes, *, max_prompt_tokens: int | None = None) -> Any:
     """Parse and validate a JSON body as ``cls``; raises :class:`ApiError` (400) on any problem.
 
@@ -278,6 +314,26 @@ def parse_request(cls: type[_Request], body: bytes, *, max_prompt_tokens: int | 
         ...
         pagedcore.serve.protocol.ApiError: the prompt has 3 token ids, more than the model's context of 2 tokens
     """
+    data = _json_object(body)
+    check_fields(cls.endpoint, data)
+    _check_lengths(data, max_prompt_tokens)
+    return _validated(cls, data)
+
+
+def parse_body(cls: type[BaseModel], body: bytes) -> Any:
+    """Parse and validate the JSON body of a request without a field list (``/tokenize``, ``/detokenize``) as
+    ``cls``; raises :class:`ApiError` (400) on any problem.
+
+    Example:
+        >>> parse_body(StreamOptions, b'{"include_usage": 1}')
+        Traceback (most recent call last):
+        ...
+        pagedcore.serve.protocol.ApiError: include_usage: Input should be a valid boolean
+    """
+    return _validated(cls, _json_object(body))
+
+
+def _json_object(body: bytes) -> dict[str, Any]:
     try:
         data = json.loads(body)
     except RecursionError:  # the C decoder's depth guard: a 400 like any other bad JSON, not a 500
@@ -286,8 +342,10 @@ def parse_request(cls: type[_Request], body: bytes, *, max_prompt_tokens: int | 
         raise ApiError(400, f"the request body is not valid JSON: {exc}") from exc
     if not isinstance(data, dict):
         raise ApiError(400, f"the request body must be a JSON object, got {type(data).__name__}")
-    check_fields(cls.endpoint, data)
-    _check_lengths(data, max_prompt_tokens)
+    return data
+
+
+def _validated(cls: type[BaseModel], data: dict[str, Any]) -> Any:
     try:
         return cls.model_validate(data)
     except ValidationError as exc:

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from . import chat, completions, health, models
+from . import chat, completions, health, models, tokenize
 
 __all__ = ["ROUTERS"]
 
-ROUTERS: tuple[APIRouter, ...] = (health.router, models.router, completions.router, chat.router)
+ROUTERS: tuple[APIRouter, ...] = (health.router, models.router, completions.router, chat.router, tokenize.router)
