@@ -90,7 +90,7 @@ FIELDS: dict[str, FieldRule] = {
     "use_beam_search": _refused("beam search is not supported (the Engine samples or decodes greedily)", False),
     "length_penalty": _refused("only beam search uses it", 1, 1.0),
     "user": FieldRule("no effect", "an end-user id (OpenAI: for abuse monitoring); it never changes the answer"),
-    "safety_identifier": FieldRule("no effect", "OpenAI's newer name of user; it never changes the answer", (), _H),
+    "safety_identifier": FieldRule("no effect", "OpenAI's newer name of user; it never changes the answer"),
     "request_id": _impl("the response id (cmpl-/chatcmpl- + this id)"),
     "session_id": _refused("session routing is not supported"),
     # ------------------------------------------------------------------ sampling
@@ -108,6 +108,9 @@ FIELDS: dict[str, FieldRule] = {
     "logits_processors": _refused("custom logits processors are not loaded by this server", []),
     "watermarking": _refused("watermarking is not supported", False),
     "repetition_detection": _refused("repetition detection is not supported"),
+    "max_repetition_pattern_size": _refused("stopping on repeated patterns is not supported", 0),
+    "min_repetition_pattern_size": _refused("stopping on repeated patterns is not supported", 0),
+    "repetition_min_count": _refused("stopping on repeated patterns is not supported", 0),
     "thinking_token_budget": _refused("reasoning budgets are not supported (no reasoning parser)", -1),
     # ------------------------------------------------------------------ stopping
     "stop": _impl("up to 16 stop strings; the text ends before the first one"),
