@@ -362,9 +362,9 @@ BAD_INPUTS = [
     (C, {**OK_COMPLETION, "model": "gpt-4"}, 404, "model"),
     (C, {"model": MODEL}, 400, "prompt"),
     (C, {**OK_COMPLETION, "max_tokens": -1}, 400, "max_tokens"),
-    (C, {**OK_COMPLETION, "max_tokens": 10**12}, 400, None),
-    (C, {**OK_COMPLETION, "max_tokens": CONTEXT}, 400, None),
-    (C, {**OK_COMPLETION, "prompt": "x" * (CONTEXT + 1)}, 400, None),
+    (C, {**OK_COMPLETION, "max_tokens": 10**12}, 400, "max_tokens"),
+    (C, {**OK_COMPLETION, "max_tokens": CONTEXT}, 400, "max_tokens"),
+    (C, {**OK_COMPLETION, "prompt": "x" * (CONTEXT + 1)}, 400, "prompt"),
     (C, {**OK_COMPLETION, "max_tokens": "5"}, 400, "max_tokens"),
     (C, {**OK_COMPLETION, "max_tokens": 5.5}, 400, "max_tokens"),
     (C, {**OK_COMPLETION, "max_tokens": True}, 400, "max_tokens"),
@@ -389,11 +389,12 @@ BAD_INPUTS = [
     (C, {**OK_COMPLETION, "stop": 5}, 400, "stop"),
     (C, {**OK_COMPLETION, "stop": [""]}, 400, "stop"),
     (C, {**OK_COMPLETION, "stop": ["a"] * 17}, 400, "stop"),
-    (C, {**OK_COMPLETION, "logprobs": 2}, 400, "logprobs"),
+    (C, {**OK_COMPLETION, "logprobs": -1}, 400, "logprobs"),
     (C, {**OK_COMPLETION, "best_of": 3}, 400, "best_of"),
     (C, {**OK_COMPLETION, "suffix": "end"}, 400, "suffix"),
-    (C, {**OK_COMPLETION, "presence_penalty": 0.5}, 400, "presence_penalty"),
-    (C, {**OK_COMPLETION, "logit_bias": {"5": 10}}, 400, "logit_bias"),
+    (C, {**OK_COMPLETION, "presence_penalty": 2.5}, 400, "presence_penalty"),
+    (C, {**OK_COMPLETION, "logit_bias": {"5": 1000}}, 400, "logit_bias"),
+    (C, {**OK_COMPLETION, "cache_salt": ""}, 400, "cache_salt"),
     (CHAT, {**OK_CHAT, "messages": "hi"}, 400, "messages"),
     (CHAT, {**OK_CHAT, "messages": []}, 400, "messages"),
     (CHAT, {**OK_CHAT, "messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages.0.role"),
@@ -406,7 +407,7 @@ BAD_INPUTS = [
         "messages.0.content",
     ),
     (CHAT, {**OK_CHAT, "max_completion_tokens": -5}, 400, "max_tokens"),
-    (CHAT, {**OK_CHAT, "logprobs": True}, 400, "logprobs"),
+    (CHAT, {**OK_CHAT, "logprobs": 1}, 400, "logprobs"),
     (CHAT, {**OK_CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
     (CHAT, {**OK_CHAT, "response_format": {"type": "json_object"}}, 400, "response_format"),
     (CHAT, {**OK_CHAT, "model": "gpt-4"}, 404, "model"),
@@ -441,7 +442,7 @@ def test_bad_input_messages_name_the_value(served):
     error = httpx.post(served.url + C, json={**OK_COMPLETION, "temperature": -1}).json()["error"]
     assert error["message"] == "temperature must be >= 0, got -1.0"
     error = httpx.post(served.url + C, json={**OK_COMPLETION, "max_tokens": CONTEXT}).json()["error"]
-    assert "exceed the model's context" in error["message"]
+    assert "over the context of 512 tokens" in error["message"]
     error = httpx.post(served.url + C, json={**OK_COMPLETION, "n": 1000}).json()["error"]
     assert "1000 parallel samples" in error["message"]
 
@@ -456,8 +457,8 @@ def test_unknown_paths_and_methods_get_json_errors(served):
 def test_the_openai_client_raises_bad_request(served):
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
         served.client().completions.create(model=MODEL, prompt="hi", max_tokens=-3)
-    with pytest.raises(openai.BadRequestError, match="logprobs"):
-        served.client().completions.create(model=MODEL, prompt="hi", max_tokens=3, logprobs=2)
+    with pytest.raises(openai.BadRequestError, match="best_of"):
+        served.client().completions.create(model=MODEL, prompt="hi", max_tokens=3, best_of=2)
 
 
 # ---------------------------------------------------------------------- failures inside the engine
@@ -538,6 +539,7 @@ def test_api_keys_authenticate_and_tenants_do_not_share_the_prefix_cache():
         warm = s.metrics()["pagedcore_prefix_cache_hits_total"]
         # Bob sends the same prompt, even naming Alice's namespace: no hit (a client never chooses its namespace).
         assert hits_after("sk-bob", namespace="alice", pagedcore_namespace="alice", cache_salt="alice") == warm
+        assert hits_after("sk-bob") == warm  # cold: a salted request shares nothing with unsalted ones
         assert hits_after("sk-bob") > warm  # Bob's own cache now serves Bob
 
 

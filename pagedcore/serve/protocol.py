@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import reprlib
 from typing import Any, ClassVar, Literal
 
@@ -433,7 +434,7 @@ def sampling_params(request: _Request, max_new_tokens: int) -> SamplingParams:
     try:
         return SamplingParams(**kwargs)
     except InvalidRequestError as exc:  # the engine owns the ranges; name the field as the client knows it
-        word = str(exc).split(" ", 1)[0]
+        word = re.match(r"[a-z_]*", str(exc)).group(0)  # type: ignore[union-attr]  # "logit_bias[5] must be ..."
         name = _PARAM_NAMES.get(word)
         message = str(exc) if name is None or name == word else f"{name}{str(exc)[len(word) :]}"
         raise ApiError(400, message, param=name) from exc
