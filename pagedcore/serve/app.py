@@ -109,6 +109,16 @@ def create_app(
         aliases=tuple(options.aliases),
         trust_request_chat_template=options.trust_request_chat_template,
     )
+    _add_cors(app, options)
+    install_error_handlers(app)
+    for router in ROUTERS:
+        app.include_router(router)
+    install_openapi(app)
+    return app
+
+
+def _add_cors(app: FastAPI, options: AppOptions) -> None:
+    """CORS headers for the allowed origins (none: no CORS headers at all)."""
     if options.allowed_origins:
         app.add_middleware(
             CORSMiddleware,
@@ -117,8 +127,3 @@ def create_app(
             allow_headers=list(options.allowed_headers),
             allow_credentials=options.allow_credentials,
         )
-    install_error_handlers(app)
-    for router in ROUTERS:
-        app.include_router(router)
-    install_openapi(app)
-    return app

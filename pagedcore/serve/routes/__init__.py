@@ -2,8 +2,8 @@
 includes. A new group (e.g. tokenization) is a module here with a ``router`` and one line in :data:`ROUTERS`.
 
 Example:
-    >>> sorted(route.path for router in ROUTERS for route in router.routes)[:2]
-    ['/health', '/metrics']
+    >>> sorted({route.path for router in ROUTERS for route in router.routes})[:3]
+    ['/detokenize', '/health', '/metrics']
 """
 
 from __future__ import annotations

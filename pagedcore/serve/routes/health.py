@@ -27,7 +27,8 @@ _UNHEALTHY: dict[int | str, dict[str, Any]] = {
 }
 
 
-@router.api_route("/health", methods=["GET", "HEAD"], responses=_UNHEALTHY)
+@router.get("/health", responses=_UNHEALTHY)
+@router.head("/health", responses=_UNHEALTHY)
 async def health(ctx: Context) -> Response:
     """200 ``{"status": "ok"}`` while the loop runs and requests are admitted, else 503 (``stopped`` or
     ``draining``: load balancers stop sending)."""
@@ -38,7 +39,8 @@ async def health(ctx: Context) -> Response:
     return JSONResponse({"status": "ok"})
 
 
-@router.api_route("/ping", methods=["GET", "POST"], responses=_UNHEALTHY)
+@router.get("/ping", responses=_UNHEALTHY)
+@router.post("/ping", responses=_UNHEALTHY)
 async def ping(ctx: Context) -> Response:
     """As ``/health`` (vLLM's ``/ping``)."""
     return await health(ctx)
