@@ -16,6 +16,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+pytest.importorskip("fastapi")  # the optional server: the suite runs without it
+pytest.importorskip("uvicorn")
+
 from pagedcore.cli import main
 
 
@@ -102,17 +105,23 @@ BODY = {"model": "pagedcore-builtin", "prompt": "Hello", "max_tokens": 3, "tempe
 def test_serve_in_process_until_ctrl_c(one_thread, capsys):
     port = free_port()
     statuses: list[int] = []
+    serving = threading.Event()  # set while main() runs: only then does a SIGINT reach the server, not pytest
 
     def client() -> None:
         try:
-            wait_healthy(f"http://127.0.0.1:{port}", lambda: True)
+            wait_healthy(f"http://127.0.0.1:{port}", serving.is_set)
             statuses.append(httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=BODY, timeout=60).status_code)
         finally:
-            os.kill(os.getpid(), signal.SIGINT)  # what Ctrl-C sends; uvicorn shuts down, run() returns
+            if serving.is_set():  # what Ctrl-C sends; uvicorn shuts down, run() returns
+                os.kill(os.getpid(), signal.SIGINT)
 
     thread = threading.Thread(target=client)
+    serving.set()
     thread.start()
-    code = main(["serve", "--port", str(port), "--num-blocks", "64"])
+    try:
+        code = main(["serve", "--port", str(port), "--num-blocks", "64"])
+    finally:
+        serving.clear()  # main() returned (a server that never started): the client must not signal the runner
     thread.join(60)
     assert code == 0 and statuses == [200]
     assert "no --model given: serving the built-in" in capsys.readouterr().err

@@ -187,7 +187,9 @@ class SamplingParams:
         fix(self, "min_p", number("min_p", self.min_p, 0.0, 1.0))
         fix(self, "logit_bias", logit_bias_pairs(self.logit_bias))
         if self.allowed_token_ids is not None:
-            allowed = tuple(token_ids(self.allowed_token_ids, name="allowed_token_ids"))
+            allowed = tuple(token_ids(self.allowed_token_ids, name="allowed_token_ids", allow_empty=True))
+            if not allowed:  # every token masked: nothing could be drawn (vLLM refuses it too)
+                raise InvalidRequestError("allowed_token_ids must not be empty (None allows every token)")
             fix(self, "allowed_token_ids", allowed)
         processing = self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
         fix(self, "needs_processing", bool(processing or self.logit_bias or self.allowed_token_ids))
