@@ -99,6 +99,9 @@ class Engine:
         watermark: fraction of blocks kept free when admitting new requests.
         max_logprobs: the most ``logprobs`` / ``prompt_logprobs`` a request may ask for (vLLM's default, 20; -1:
             no limit, so ``-1``, the whole vocabulary, is allowed).
+        scheduling_policy: ``"fair"`` (the default: round-robin over namespaces, so one tenant's burst does not hold
+            back another's first token), ``"fcfs"``, or ``"priority"`` (lowest ``priority=`` first, as vLLM); see
+            :class:`~pagedcore.scheduler.SchedulerConfig`.
 
     Generation parameters: either a :class:`SamplingParams` (or a dict of its fields), or ``model.generate``'s
     keyword arguments (``max_new_tokens``, ``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``min_p``,
@@ -143,6 +146,7 @@ class Engine:
         attention_backend: str | None = None,
         watermark: float = 0.01,
         max_logprobs: int = 20,
+        scheduling_policy: str = "fair",
     ) -> None:
         if pool is None:
             pool = PagedKVPool(model, num_blocks=num_blocks, memory_budget=memory_budget, block_size=block_size)
@@ -160,6 +164,7 @@ class Engine:
             max_num_seqs=max_num_seqs,
             watermark=watermark,
             enable_prefix_caching=enable_prefix_caching,
+            policy=scheduling_policy,
         )
         self.scheduler = Scheduler(pool.kv, config, plugins=pool.plugins)
         self._text_config = text_config(model)
@@ -237,15 +242,17 @@ class Engine:
         *,
         request_id: str | None = None,
         namespace: Hashable = None,
+        priority: int = 0,
         **generate_kwargs: Any,
     ) -> str:
         """Queue a request; returns its id. Raises a typed error (and queues nothing) for bad input.
 
         ``params`` may be a :class:`SamplingParams` or a dict of its fields; or pass ``model.generate``'s keyword
         arguments instead (see :class:`Engine`). The request is reported by :meth:`step` / :meth:`step_events`.
+        ``priority`` (``scheduling_policy="priority"`` only): lower values are admitted first.
         """
         (spec,) = self._specs(params, generate_kwargs, 1)
-        return self._submit(self._validate(prompt, spec, namespace, request_id), owner=None).request_id
+        return self._submit(self._validate(prompt, spec, namespace, request_id, priority), owner=None).request_id
 
     def abort(self, request_id: str) -> RequestOutput:
         """Stop a request (all its samples) and return its output; it is also reported by the next :meth:`step`.
@@ -292,6 +299,7 @@ class Engine:
         *,
         use_tqdm: bool = True,
         namespace: Hashable = None,
+        priority: int = 0,
         **generate_kwargs: Any,
     ) -> list[RequestOutput]:
         """Generate for many prompts; returns one output per prompt, in order.
@@ -307,7 +315,7 @@ class Engine:
         valid: list[tuple[int, EngineRequest]] = []
         for i, (prompt, spec) in enumerate(zip(prompt_list, specs)):
             try:
-                valid.append((i, self._validate(prompt, spec, namespace)))
+                valid.append((i, self._validate(prompt, spec, namespace, priority=priority)))
             except PagedCoreError as exc:
                 outputs[i] = self._rejected(prompt, spec, exc)
         owner = object()
@@ -336,6 +344,7 @@ class Engine:
         params: Params | Sequence[Params] | None = None,
         *,
         namespace: Hashable = None,
+        priority: int = 0,
         **generate_kwargs: Any,
     ) -> Iterator[TokenEvent]:
         """Yield every token of every request as it is produced (a sample's last event has ``finish_reason``).
@@ -349,7 +358,7 @@ class Engine:
         new = []
         for i, (prompt, spec) in enumerate(zip(prompt_list, specs)):
             try:
-                new.append(self._validate(prompt, spec, namespace))
+                new.append(self._validate(prompt, spec, namespace, priority=priority))
             except InvalidRequestError as exc:
                 if len(prompt_list) == 1:
                     raise
@@ -379,6 +388,22 @@ class Engine:
                 **{f"{phase}_seconds": seconds for phase, seconds in self._phases.items()},
                 kernel_failures=self._kernel_failures(),
             )
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix of the pool now (vLLM's name; see :meth:`PagedKVPool.reset_prefix_cache`).
+        Weight updates the fingerprint sees need no call: each step checks it. Running requests finish on the keys
+        and values they computed; none of their blocks is cached afterwards. Returns the cached blocks forgotten.
+        Thread-safe with a stepping thread.
+
+        Example:
+            >>> from pagedcore.adapters.transformers.testing import tiny_llama
+            >>> with Engine(tiny_llama(), num_blocks=32, block_size=4) as engine:
+            ...     _ = engine.generate([list(range(1, 11))], max_new_tokens=2, use_tqdm=False)
+            ...     engine.reset_prefix_cache(), engine.pool.kv.num_cached_blocks
+            (2, 0)
+        """
+        with self._lock:
+            return self.pool.reset_prefix_cache()
 
     def _kernel_failures(self) -> int:
         """The attention backend's kernel calls that fell back to the torch backend (0 if it does not count)."""
@@ -431,6 +456,7 @@ class Engine:
         with self._lock:
             self._check_open()
             with self._timed("schedule"):
+                self.pool.check_weights()  # after a weight update: forget the old prefixes before admitting
                 plan = self.scheduler.schedule()
             with self._timed("prepare"):
                 self._peak_bytes = max(self._peak_bytes, self.pool.memory_stats().used_bytes)
@@ -614,7 +640,12 @@ class Engine:
         return items
 
     def _validate(
-        self, prompt: Any, spec: Params | _Generation, namespace: Hashable, request_id: str | None = None
+        self,
+        prompt: Any,
+        spec: Params | _Generation,
+        namespace: Hashable,
+        request_id: str | None = None,
+        priority: int = 0,
     ) -> EngineRequest:
         """Everything about one request that can be refused, checked before anything is queued."""
         token_ids = self._encode(prompt)
@@ -643,6 +674,7 @@ class Engine:
                 params.n,
                 params.min_new_tokens,
                 read_prefix_cache=not scoring,  # every prompt position's logits are needed
+                priority=priority,
             )
             self.scheduler.check_admissible(seq)  # also checks the namespace
         samples = [SampleOutput(k, logprobs=None if params.logprobs is None else []) for k in range(params.n)]
