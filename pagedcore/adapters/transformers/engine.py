@@ -186,8 +186,7 @@ class Engine:
         self._stepper: int | None = None  # the thread inside step()
         self._ids = itertools.count()
         self._counts = {"requests": 0, "finished": 0, "aborted": 0, "failed": 0, "generated": 0}
-        self._peak_bytes = 0
-        self._busy = 0.0
+        self._peak_bytes, self._busy = 0, 0.0  # KV bytes held at the peak, seconds inside step()
         self._phases = dict.fromkeys(_PHASES, 0.0)  # cumulative seconds per stage of the steps
         self._original_attn = getattr(self._text_config, "_attn_implementation", None)
         self._use_paged_attention()
