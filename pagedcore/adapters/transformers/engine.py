@@ -97,11 +97,11 @@ class Engine:
         enable_prefix_caching: reuse cached prompt prefixes.
         attention_backend: backend name (default: the plugins' choice for the device).
         watermark: fraction of blocks kept free when admitting new requests.
-        max_logprobs: the most ``logprobs`` / ``prompt_logprobs`` a request may ask for (vLLM's default, 20; -1:
-            no limit, so ``-1``, the whole vocabulary, is allowed).
         scheduling_policy: ``"fair"`` (the default: round-robin over namespaces, so one tenant's burst does not hold
             back another's first token), ``"fcfs"``, or ``"priority"`` (lowest ``priority=`` first, as vLLM); see
             :class:`~pagedcore.scheduler.SchedulerConfig`.
+        max_logprobs: the most ``logprobs`` / ``prompt_logprobs`` a request may ask for (vLLM's default, 20; -1:
+            no limit, so ``-1``, the whole vocabulary, is allowed).
 
     Generation parameters: either a :class:`SamplingParams` (or a dict of its fields), or ``model.generate``'s
     keyword arguments (``max_new_tokens``, ``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``min_p``,
@@ -145,15 +145,10 @@ class Engine:
         enable_prefix_caching: bool = True,
         attention_backend: str | None = None,
         watermark: float = 0.01,
-        max_logprobs: int = 20,
         scheduling_policy: str = "fair",
+        max_logprobs: int = 20,
     ) -> None:
-        if pool is None:
-            pool = PagedKVPool(model, num_blocks=num_blocks, memory_budget=memory_budget, block_size=block_size)
-        else:
-            if num_blocks is not None or memory_budget is not None:
-                raise ConfigError("num_blocks / memory_budget size a new pool: not with pool=")
-            pool.bind(model)
+        pool = _pool_for(model, pool, num_blocks, memory_budget, block_size)
         self.model = model
         self.tokenizer = tokenizer
         self.pool = pool
@@ -186,7 +181,8 @@ class Engine:
         self._stepper: int | None = None  # the thread inside step()
         self._ids = itertools.count()
         self._counts = {"requests": 0, "finished": 0, "aborted": 0, "failed": 0, "generated": 0}
-        self._peak_bytes, self._busy = 0, 0.0  # KV bytes held at the peak, seconds inside step()
+        self._peak_bytes = 0
+        self._busy = 0.0
         self._phases = dict.fromkeys(_PHASES, 0.0)  # cumulative seconds per stage of the steps
         self._original_attn = getattr(self._text_config, "_attn_implementation", None)
         self._use_paged_attention()
@@ -672,8 +668,8 @@ class Engine:
                 namespace,
                 params.n,
                 params.min_new_tokens,
+                priority,
                 read_prefix_cache=not scoring,  # every prompt position's logits are needed
-                priority=priority,
             )
             self.scheduler.check_admissible(seq)  # also checks the namespace
         samples = [SampleOutput(k, logprobs=None if params.logprobs is None else []) for k in range(params.n)]
@@ -900,6 +896,18 @@ def _added_vocab(tokenizer: Any) -> dict[str, int]:
         return dict(tokenizer.get_added_vocab()) if tokenizer is not None else {}
     except Exception:  # not a transformers tokenizer: stop strings match in the text only
         return {}
+
+
+def _pool_for(
+    model: Any, pool: PagedKVPool | None, num_blocks: int | None, memory_budget: Any, block_size: int | None
+) -> PagedKVPool:
+    """A new pool of ``num_blocks`` / ``memory_budget`` for ``model``, or ``pool`` bound to it (not both)."""
+    if pool is None:
+        return PagedKVPool(model, num_blocks=num_blocks, memory_budget=memory_budget, block_size=block_size)
+    if num_blocks is not None or memory_budget is not None:
+        raise ConfigError("num_blocks / memory_budget size a new pool: not with pool=")
+    pool.bind(model)
+    return pool
 
 
 def _eos_ids(model: Any) -> list[int]:
