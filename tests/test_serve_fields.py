@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Iterator
+from functools import partial
 
 import openai
 import pytest
@@ -171,6 +172,28 @@ def test_each_refused_chat_field_gets_a_400_naming_it(served, name):
     with pytest.raises(openai.BadRequestError) as info:
         served.client().chat.completions.create(model=MODEL, messages=messages, max_tokens=2, extra_body={name: value})
     assert info.value.body["param"] == name
+    wait_for(lambda: idle(served), "idle")
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "name", "why"),
+    [
+        (COMPLETIONS, "max_token", "neither OpenAI nor vLLM defines it"),  # a misspelt max_tokens
+        (CHAT, "temprature", "neither OpenAI nor vLLM defines it"),
+        (COMPLETIONS, "messages", "the other endpoint"),
+    ],
+)
+def test_a_field_this_endpoint_does_not_define_gets_a_400_naming_it(served, endpoint, name, why):
+    """vLLM logs an unknown field and answers with the defaults; a misspelt max_tokens would then quietly get the
+    default length. Here it is a 400 naming the field, and the server is idle afterwards."""
+    client = served.client()
+    if endpoint == COMPLETIONS:
+        send = partial(client.completions.create, prompt="Tide")
+    else:
+        send = partial(client.chat.completions.create, messages=[{"role": "user", "content": "Tide?"}])
+    with pytest.raises(openai.BadRequestError) as info:
+        send(model=MODEL, max_tokens=2, extra_body={name: 3})
+    assert info.value.body["param"] == name and why in info.value.body["message"]
     wait_for(lambda: idle(served), "idle")
 
 

@@ -12,7 +12,7 @@ A field is either
 - ``no effect``: identifiers that by their definition never change an answer (``user``, ``safety_identifier``: end-user
   ids for abuse monitoring, as OpenAI documents them).
 
-Fields that neither OpenAI nor vLLM define are ignored with a warning in the server log, as vLLM does.
+A field that neither OpenAI nor vLLM defines is refused with a 400 naming it (vLLM only logs it).
 """
 
 from __future__ import annotations

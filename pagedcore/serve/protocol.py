@@ -2,8 +2,9 @@
 
 Bodies are parsed strictly (no ``"5"`` for 5, no ``true`` for 1). Every field OpenAI or vLLM defines is in
 :mod:`pagedcore.serve.fields`: implemented here, or refused with a 400 naming it unless it is absent or at its
-no-op value; none is accepted and ignored. Fields neither defines are ignored with a warning in the log (as vLLM
-does). Every problem becomes an :class:`ApiError` with a 4xx status and OpenAI's error body.
+no-op value; none is accepted and ignored. A field neither defines is refused too (400 naming it: vLLM only logs
+it, which hides a misspelt ``max_token`` behind a default answer). Every problem becomes an :class:`ApiError` with
+a 4xx status and OpenAI's error body.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from pagedcore.adapters.transformers import SamplingParams
 from pagedcore.errors import InvalidRequestError
 
-from .fields import CHAT, COMPLETIONS, Endpoint, rules_for
+from .fields import CHAT, COMPLETIONS, FIELDS, Endpoint, rules_for
 
 __all__ = [
     "MAX_ID_CHARS",
@@ -357,7 +358,7 @@ def _validated(cls: type[BaseModel], data: dict[str, Any]) -> Any:
 
 def check_fields(endpoint: Endpoint, data: dict[str, Any]) -> None:
     """Refuse (400, naming it) every field of ``data`` that this server does not implement, unless it is at its
-    no-op value; log the fields that neither OpenAI nor vLLM define (they are ignored, as vLLM does).
+    no-op value, and every field that neither OpenAI nor vLLM defines (a misspelt name would otherwise pass unseen).
 
     Example:
         >>> check_fields(COMPLETIONS, {"model": "m", "prompt": "x", "use_beam_search": True})
@@ -366,16 +367,14 @@ def check_fields(endpoint: Endpoint, data: dict[str, Any]) -> None:
         pagedcore.serve.protocol.ApiError: use_beam_search is not supported by this server (got True): beam search ...
     """
     rules = rules_for(endpoint)
-    unknown = []
     for name, value in data.items():
         rule = rules.get(name)
         if rule is None:
-            unknown.append(name)
-        elif not rule.accepts(value):
+            why = "it is a field of the other endpoint" if name in FIELDS else "neither OpenAI nor vLLM defines it"
+            raise ApiError(400, f"{name} is not a field of {endpoint} requests ({why})", param=name)
+        if not rule.accepts(value):
             message = f"{name} is not supported by this server (got {_brief(value)}): {rule.note}"
             raise ApiError(400, message, param=name)
-    if unknown:
-        logger.warning("pagedcore: fields neither OpenAI nor vLLM define were ignored: %s", ", ".join(sorted(unknown)))
 
 
 def _check_lengths(data: dict[str, Any], max_tokens: int | None) -> None:
