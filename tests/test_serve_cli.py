@@ -44,11 +44,32 @@ def test_the_command_line_imports_no_server_or_model_library():
         (["--body-timeout", "nan"], "--body-timeout must be a number of seconds > 0"),
         (["--threads", "0"], "--threads must be >= 1"),
         (["--api-keys", "/nonexistent/keys.txt"], "cannot read the API key file"),
+        (["--tensor-parallel-size", "2"], "--tensor-parallel-size 2 is not supported: one engine holds the whole"),
+        (["--quantization", "awq"], "--quantization awq is not supported"),
+        (["--max-model-len", "0"], "--max-model-len must be >= 1"),
+        (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization must be in (0, 1]"),
+        (["--shutdown-timeout", "-1"], "--shutdown-timeout must be a number of seconds >= 0"),
+        (["a/model", "--model", "b/model"], "the model is given twice"),
+        (["--ray", "--api-key", "sk-1"], "--api-key is not supported with --ray yet"),
     ],
 )
 def test_bad_arguments_exit_with_code_2(argv, message, capsys):
     assert main(["serve", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_vllm_flags_parse_as_vllm_reads_them_and_abbreviations_are_refused(capsys):
+    from pagedcore.cli import _parser
+
+    args = _parser().parse_args(["serve", "org/model", "--api-key", "sk-test", "--served-model-name", "a", "b"])
+    assert args.model_tag == "org/model" and args.api_key == ["sk-test"] and args.api_keys is None
+    assert args.served_model_name == ["a", "b"] and args.dtype == "auto" and args.enable_prefix_caching
+    args = _parser().parse_args(["serve", "--no-enable-prefix-caching", "--allowed-origins", '["http://x"]'])
+    assert not args.enable_prefix_caching and args.allowed_origins == ["http://x"]
+    assert _parser().parse_args(["serve", "--uvicorn-log-level", "info"]).log_level == "info"
+    with pytest.raises(SystemExit) as exit_info:
+        _parser().parse_args(["serve", "--max-q", "8"])  # argparse would have read it as --max-queue
+    assert exit_info.value.code == 2 and "unrecognized arguments: --max-q" in capsys.readouterr().err
 
 
 def test_a_json_key_file_with_a_duplicated_key_exits_with_code_2_without_printing_it(tmp_path, capsys):
@@ -143,3 +164,76 @@ def test_the_load_example_reports_its_figures(one_thread, capsys):
     assert row["server"] == "pagedcore serve" and row["requests"] == 4
     assert row["requests_per_s"] > 0 and row["ttft_p50_s"] <= row["latency_p50_s"]
     assert row["prefix_hit_rate"] > 0  # the four prompts share the system prompt
+
+
+def read_port(process: subprocess.Popen, lines: list[str]) -> int:
+    """The port the server printed (it was started with --port 0)."""
+    assert process.stderr is not None
+    for line in process.stderr:
+        lines.append(line)
+        if line.startswith("pagedcore serve: model"):
+            return int(line.split("http://127.0.0.1:", 1)[1].split("/", 1)[0])
+    raise AssertionError("the server printed no address: " + "".join(lines))
+
+
+def test_sigterm_drains_running_streams_and_refuses_new_requests_with_503():
+    """vLLM's flags on the command line; SIGTERM with 8 streams running: each finishes, a request sent meanwhile
+    gets 503 with Retry-After, and the process exits 0."""
+    command = [sys.executable, "-m", "pagedcore", "serve", "pagedcore-builtin", "--port", "0", "--threads", "1"]
+    command += ["--num-blocks", "256", "--served-model-name", "first", "second", "--api-key", "sk-test"]
+    command += ["--max-model-len", "256", "--dtype", "auto", "--allowed-origins", '["*"]', "--shutdown-timeout", "60"]
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+    lines: list[str] = []
+    headers = {"Authorization": "Bearer sk-test"}
+    try:
+        port = read_port(process, lines)
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url, lambda: process.poll() is None)
+        models = httpx.get(f"{url}/v1/models", headers=headers).json()["data"]
+        assert [m["id"] for m in models] == ["first", "second"] and models[0]["max_model_len"] == 256
+        cors = httpx.options(
+            f"{url}/v1/completions",
+            headers={"Origin": "http://elsewhere", "Access-Control-Request-Method": "POST"},
+        )
+        assert cors.headers["access-control-allow-origin"] in ("*", "http://elsewhere")
+        body = {"model": "second", "prompt": "Tides", "max_tokens": 60, "ignore_eos": True, "stream": True}
+        first_chunks = threading.Semaphore(0)
+        ends: list[tuple[str | None, bool]] = []
+
+        def stream() -> None:
+            reason, done, chunks = None, False, 0
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=headers, timeout=120) as response:
+                for line in response.iter_lines():
+                    if line == "data: [DONE]":
+                        done = True
+                    elif line.startswith("data: "):
+                        chunk = json.loads(line.removeprefix("data: "))
+                        chunks += 1
+                        if chunks == 1:
+                            first_chunks.release()
+                        reason = "error" if "error" in chunk else chunk["choices"][0]["finish_reason"] or reason
+            ends.append((reason, done))
+
+        threads = [threading.Thread(target=stream) for _ in range(8)]
+        for thread in threads:
+            thread.start()
+        for _ in threads:  # every stream has its first chunk
+            assert first_chunks.acquire(timeout=120)
+        process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        while True:  # the signal is handled asynchronously: wait until admission closes
+            late = httpx.post(f"{url}/v1/completions", json={**body, "stream": False}, headers=headers, timeout=60)
+            if late.status_code != 200 or time.monotonic() > deadline:
+                break
+        assert late.status_code == 503 and late.headers["retry-after"] == "5", late.text
+        assert late.json()["error"]["code"] == "shutting_down"
+        assert httpx.get(f"{url}/health").status_code == 503
+        for thread in threads:
+            thread.join(120)
+        assert ends == [("length", True)] * 8
+        process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+    assert process.returncode == 0, "".join(lines)

@@ -76,7 +76,13 @@ def test_events_come_in_order_and_match_the_engine_alone(loop):
     assert isinstance(sink.events[0], Started)
     assert all(isinstance(e, Delta) for e in sink.events[1:-1])
     finished = sink.events[-1]
-    assert finished == Finished(finished.request_id, 3, (6,), ("length",))
+    assert replace(finished, timings=None) == Finished(finished.request_id, 3, (6,), ("length",))
+    assert [len(e.token_ids) for e in sink.events[1:-1]] == [1] * 6  # one delta per token
+    timings = finished.timings
+    assert timings is not None and len(timings.inter_token) == 5 and min(timings.inter_token) > 0
+    assert 0 <= timings.queued <= timings.first_token <= timings.total  # type: ignore[operator]
+    assert timings.prefill == pytest.approx(timings.first_token - timings.queued)  # type: ignore[operator]
+    assert timings.decode == pytest.approx(timings.total - timings.first_token)  # type: ignore[operator]
     reference = Engine(loop.engine.model, builtin_tokenizer(), num_blocks=64, block_size=8)
     with reference:
         (out,) = reference.generate(["Sea"], SamplingParams(max_new_tokens=6), use_tqdm=False)

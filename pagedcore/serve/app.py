@@ -8,9 +8,12 @@ the loop (``pipeline.py``) and read their events from an asyncio queue.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 
 from pagedcore import __version__
 from pagedcore.adapters.transformers.spec import text_config
@@ -26,7 +29,32 @@ from .prompts import PromptEncoder
 from .routes import ROUTERS
 from .routes.completions import DEFAULT_COMPLETION_MAX_TOKENS
 
-__all__ = ["DEFAULT_COMPLETION_MAX_TOKENS", "create_app"]
+__all__ = ["DEFAULT_COMPLETION_MAX_TOKENS", "AppOptions", "create_app"]
+
+
+@dataclass(frozen=True)
+class AppOptions:
+    """What ``pagedcore serve``'s vLLM-style flags change in the app.
+
+    Attributes:
+        aliases: more names the model answers to (``--served-model-name a b``: ``a`` is the model name).
+        chat_template: the server's chat template (``--chat-template``), over the tokenizer's.
+        trust_request_chat_template: run a request's own ``chat_template`` (``--trust-request-chat-template``).
+        allowed_origins: origins a browser may call the API from (``--allowed-origins``; empty: no CORS headers).
+        allowed_methods / allowed_headers / allow_credentials: the rest of the CORS policy.
+
+    Example:
+        >>> AppOptions(allowed_origins=("*",)).allowed_methods
+        ('*',)
+    """
+
+    aliases: Sequence[str] = ()
+    chat_template: str | None = None
+    trust_request_chat_template: bool = False
+    allowed_origins: Sequence[str] = ()
+    allowed_methods: Sequence[str] = ("*",)
+    allowed_headers: Sequence[str] = ("*",)
+    allow_credentials: bool = False
 
 
 def create_app(
@@ -37,6 +65,7 @@ def create_app(
     tokenizer: Any = None,
     context_length: int | None = None,
     limits: BodyLimits | None = None,
+    options: AppOptions | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app over ``loop`` (which the caller starts and stops).
 
@@ -50,6 +79,7 @@ def create_app(
         context_length: the model's context in tokens (the default length of a chat answer, and the bound on a
             prompt's length); default: the engine's model's ``max_position_embeddings``.
         limits: bounds on request bodies (default :class:`~pagedcore.serve.body.BodyLimits`: 8 MiB, 30 s).
+        options: model aliases, chat templates and CORS (:class:`AppOptions`).
 
     Example:
         >>> from pagedcore.adapters.transformers.testing import tiny_llama
@@ -60,6 +90,7 @@ def create_app(
         >>> sorted(path for path in app.openapi()["paths"] if path.startswith("/v1"))
         ['/v1/chat/completions', '/v1/completions', '/v1/models', '/v1/models/{model_id}']
     """
+    options = options or AppOptions()
     context = context_length
     if isinstance(loop, EngineLoop):
         engine = loop.engine
@@ -69,15 +100,30 @@ def create_app(
     app = FastAPI(title="pagedcore", version=__version__, docs_url=None, redoc_url=None)
     app.state.serve = ServeContext(
         loop=loop,
-        metrics=ServeMetrics(loop),
+        metrics=ServeMetrics(loop, model_name=model_name, context_length=context),
         model_name=model_name,
-        encoder=PromptEncoder(tokenizer, context),
+        encoder=PromptEncoder(tokenizer, context, options.chat_template),
         api_keys=api_keys,
         limits=limits or BodyLimits(),
         loop_errors_are_public=getattr(loop, "public_errors", False) is True,
+        aliases=tuple(options.aliases),
+        trust_request_chat_template=options.trust_request_chat_template,
     )
+    _add_cors(app, options)
     install_error_handlers(app)
     for router in ROUTERS:
         app.include_router(router)
     install_openapi(app)
     return app
+
+
+def _add_cors(app: FastAPI, options: AppOptions) -> None:
+    """CORS headers for the allowed origins (none: no CORS headers at all)."""
+    if options.allowed_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(options.allowed_origins),
+            allow_methods=list(options.allowed_methods),
+            allow_headers=list(options.allowed_headers),
+            allow_credentials=options.allow_credentials,
+        )

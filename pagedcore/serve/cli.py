@@ -10,6 +10,7 @@ import argparse
 import re
 import signal
 import sys
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -25,44 +26,106 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "m
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the ``serve`` options to ``parser`` and make :func:`run` its handler.
+    """Add the ``serve`` options (vLLM's names where vLLM has the option) to ``parser`` and make :func:`run` its
+    handler. Abbreviated options are refused (``--api-key`` is never read as ``--api-keys``).
 
     Example:
         >>> parser = argparse.ArgumentParser()
         >>> add_arguments(parser)
-        >>> args = parser.parse_args(["--port", "9000", "--max-queue", "8"])
-        >>> args.host, args.port, args.max_queue, args.handler is run
-        ('127.0.0.1', 9000, 8, True)
+        >>> args = parser.parse_args(["some/model", "--port", "9000", "--max-queue", "8", "--api-key", "sk-1"])
+        >>> args.model_tag, args.host, args.port, args.max_queue, args.api_key, args.handler is run
+        ('some/model', '127.0.0.1', 9000, 8, ['sk-1'], True)
     """
+    from .vllm_flags import add_refused, json_list
+
+    parser.allow_abbrev = False
     if parser.description is None:
         parser.description = (
             "Serve a model over HTTP with OpenAI's API (completions, chat, streaming), continuous batching and "
-            "prefix caching. Without --model: the built-in model."
+            "prefix caching, with vLLM's flags. Without a model: the built-in model."
         )
+    parser.add_argument("model_tag", nargs="?", metavar="MODEL", help="as --model (vLLM's positional form)")
     parser.add_argument("--model", help="local path or hub name of a causal LM (default: the built-in model)")
-    parser.add_argument("--served-model-name", help="the model name clients use (default: --model, or the built-in's)")
+    parser.add_argument(
+        "--served-model-name", nargs="+", metavar="NAME", help="the names clients use; answers carry the first"
+    )
     parser.add_argument("--host", default="127.0.0.1", help="interface to listen on (default: loopback only)")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed at start-up)")
+    _add_engine_flags(parser)
+    _add_limits(parser)
+    _add_access_flags(parser, json_list)
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--device", default="cpu", help="device for the model (default: cpu)")
+    parser.add_argument("--trust-remote-code", action="store_true", help="run a checkpoint's own model code")
+    parser.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template (a file, or the template)")
+    parser.add_argument(
+        "--trust-request-chat-template", action="store_true", help="let requests give their own chat_template"
+    )
+    parser.add_argument("--seed", type=int, default=None, help="seed of the draws of requests without a seed")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own choice)")
+    levels = ["critical", "error", "warning", "info", "debug", "trace"]
+    parser.add_argument("--log-level", "--uvicorn-log-level", dest="log_level", default="warning", choices=levels)
+    parser.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="on SIGTERM, seconds running requests may take to finish before they are aborted (default 30)",
+    )
+    add_refused(parser)
+    _add_ray_flags(parser)
+    parser.set_defaults(handler=run)
+
+
+def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    """The engine's sizing and scheduling."""
     sizing = parser.add_mutually_exclusive_group()
     sizing.add_argument("--num-blocks", type=int, default=None, help="KV blocks in the pool")
     sizing.add_argument("--memory-budget", default=None, help="KV memory of the pool, e.g. 2GiB (instead of blocks)")
+    sizing.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        metavar="F",
+        help="this fraction of the device's free memory (after loading the model) becomes the KV pool",
+    )
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-model-len", type=int, default=None, help="the context served (default: the model's)")
     parser.add_argument("--max-num-seqs", type=int, default=64, help="sequences running at once")
     parser.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens computed per step")
+    parser.add_argument("--max-logprobs", type=int, default=20, help="the most logprobs a request may ask for")
+    parser.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse cached prompt prefixes (default: on)",
+    )
     parser.add_argument(
         "--max-queue", type=int, default=512, help="waiting requests before new ones get 429 (>= 1, default 512)"
     )
-    _add_limits(parser)
+
+
+def _add_access_flags(parser: argparse.ArgumentParser, json_list: Callable[[str], list[str]]) -> None:
+    """API keys and CORS."""
+    parser.add_argument(
+        "--api-key",
+        action="append",
+        metavar="KEY",
+        help="an API key clients must send (repeatable; vLLM's form: all keys share one prefix-cache namespace)",
+    )
     parser.add_argument(
         "--api-keys",
         metavar="FILE",
         help="API keys: 'KEY TENANT' per line, or a JSON object {KEY: TENANT}; each tenant gets its own prefix "
         "cache namespace, requests without a known key get 401",
     )
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--device", default="cpu", help="device for the model (default: cpu)")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own choice)")
-    parser.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+    parser.add_argument("--allowed-origins", type=json_list, default=[], help="CORS origins, e.g. '[\"*\"]'")
+    parser.add_argument("--allowed-methods", type=json_list, default=["*"], help="CORS methods (default all)")
+    parser.add_argument("--allowed-headers", type=json_list, default=["*"], help="CORS headers (default all)")
+    parser.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
+
+
+def _add_ray_flags(parser: argparse.ArgumentParser) -> None:
     ray = parser.add_argument_group("more than one replica, with Ray Serve (needs the ray extra)")
     ray.add_argument("--ray", action="store_true", help="serve N engine replicas behind one ingress with Ray Serve")
     ray.add_argument("--replicas", type=int, default=None, help="engine replicas (with --ray; default 2)")
@@ -71,7 +134,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     ray.add_argument("--ray-address", default=None, help="a Ray cluster to join (default: start a local one)")
     ray.add_argument("--cpus-per-replica", type=float, default=None, help="Ray CPUs per engine replica (default 1)")
-    parser.set_defaults(handler=run)
 
 
 def _add_limits(parser: argparse.ArgumentParser) -> None:
@@ -92,8 +154,9 @@ def _add_limits(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Load the model, start the engine loop and serve until interrupted (Ctrl-C or SIGTERM); returns the exit
-    code. Bad arguments raise ``pagedcore.cli.common.UsageError`` (exit code 2).
+    """Load the model, start the engine loop and serve until interrupted (Ctrl-C, or SIGTERM: running requests get
+    ``--shutdown-timeout`` to finish, new ones 503); returns the exit code. Bad arguments raise
+    ``pagedcore.cli.common.UsageError`` (exit code 2).
 
     Example:
         >>> run(argparse.Namespace(port=70000))  # doctest: +IGNORE_EXCEPTION_DETAIL
@@ -107,6 +170,8 @@ def run(args: argparse.Namespace) -> int:
     if getattr(args, "ray", False):
         from .ray.command import run as run_with_ray
 
+        _check_ray(args, UsageError)
+
         args.replicas = 2 if args.replicas is None else args.replicas
         args.routing = args.routing or "prefix"
         args.cpus_per_replica = 1.0 if args.cpus_per_replica is None else args.cpus_per_replica
@@ -114,14 +179,14 @@ def run(args: argparse.Namespace) -> int:
     if missing_extra("pagedcore serve", "serve", ("fastapi", "prometheus_client", "uvicorn")):
         return EXIT_UNAVAILABLE
 
-    engine, loop, server = _build(args, UsageError)
+    engine, loop, server, sock = _build(args, UsageError)
     in_main = _in_main_thread()
     # uvicorn handles SIGTERM / Ctrl-C while serving, then raises the signal again once it has shut down; these
     # handlers turn that second signal into a normal return, so the engine is closed below and the exit code is 0.
     previous = signal.signal(signal.SIGTERM, _ignore) if in_main else None
     loop.start()
     try:
-        server.run()
+        server.run(sockets=[sock])
     except KeyboardInterrupt:
         pass
     finally:
@@ -129,49 +194,76 @@ def run(args: argparse.Namespace) -> int:
             signal.signal(signal.SIGTERM, previous)
         loop.stop()
         engine.close()
+        sock.close()
     return EXIT_OK
 
 
-def _build(args: argparse.Namespace, error: type[Exception]) -> tuple[Any, Any, Any]:
-    """The engine, its loop and the uvicorn server that ``args`` describe (nothing started yet)."""
+def _build(args: argparse.Namespace, error: type[Exception]) -> tuple[Any, Any, Any, Any]:
+    """The engine, its loop, the uvicorn server that ``args`` describe and its bound socket (nothing started)."""
     from pagedcore.adapters.transformers import Engine
 
     from .app import create_app
     from .body import body_limits
     from .loop import EngineLoop
-    from .server import make_server
+    from .server import bind, make_server
 
-    api_keys = load_api_keys(args.api_keys, error)
+    api_keys = _api_keys(args, error)
     model, tokenizer, name = _model(args, error)
+    context = _context(args, model, error)
     engine = Engine(
         model,
         tokenizer,
         num_blocks=args.num_blocks,
-        memory_budget=args.memory_budget,
+        memory_budget=_memory_budget(args, error),
         block_size=args.block_size,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=args.enable_prefix_caching,
+        max_logprobs=args.max_logprobs,
     )
     loop = EngineLoop(engine, max_queue=args.max_queue)
-    app = create_app(loop, model_name=args.served_model_name or name, api_keys=api_keys, limits=body_limits(args))
-    server = make_server(app, loop, host=args.host, port=args.port, log_level=args.log_level)
+    names = args.served_model_name or [name]
+    options = _app_options(args, names, error)
+    app = create_app(
+        loop, model_name=names[0], api_keys=api_keys, context_length=context, limits=body_limits(args), options=options
+    )
+    sock = bind(args.host, args.port)
+    port = sock.getsockname()[1]
+    server = make_server(
+        app, loop, host=args.host, port=port, log_level=args.log_level, shutdown_timeout=args.shutdown_timeout
+    )
+    _announce(args, engine, loop, names[0], port, api_keys, context)
+    return engine, loop, server, sock
+
+
+def _announce(
+    args: argparse.Namespace, engine: Any, loop: Any, name: str, port: int, api_keys: Any, context: int | None
+) -> None:
     host = f"[{args.host}]" if ":" in args.host else args.host
     tenants = f", {len(api_keys)} API keys" if api_keys is not None else ""
     print(
-        f"pagedcore serve: model {args.served_model_name or name!r} at http://{host}:{args.port}/v1 "
+        f"pagedcore serve: model {name!r} at http://{host}:{port}/v1 "
         f"({engine.pool.num_blocks} KV blocks of {engine.pool.block_size} tokens{tenants}); Ctrl-C stops",
         file=sys.stderr,
         flush=True,
     )
-    if api_keys is None and args.host not in ("127.0.0.1", "localhost", "::1"):
+    if context is not None and loop.max_new_tokens(1) + 1 < context:
         print(
-            f"pagedcore serve: warning: {args.host} is reachable from other machines and no --api-keys is set",
+            f"pagedcore serve: warning: the KV pool holds {loop.max_new_tokens(1) + 1} tokens for one request, less "
+            f"than the context of {context}: longer requests get 400, and chat without max_tokens is clamped to "
+            "what fits (more --num-blocks / --memory-budget, or a smaller --max-model-len)",
             file=sys.stderr,
         )
-    return engine, loop, server
+    if api_keys is None and args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(
+            f"pagedcore serve: warning: {args.host} is reachable from other machines and no --api-key is set",
+            file=sys.stderr,
+        )
 
 
 def _check(args: argparse.Namespace, error: type[Exception]) -> None:
+    from .vllm_flags import check_refused
+
     if not 0 <= args.port <= 65535:
         raise error(f"--port must be in 0..65535, got {args.port}")
     if args.max_queue < 1:  # 0 would refuse every request with 429
@@ -184,10 +276,128 @@ def _check(args: argparse.Namespace, error: type[Exception]) -> None:
         raise error(f"--body-timeout must be a number of seconds > 0, got {timeout}")
     if args.threads is not None and args.threads < 1:
         raise error(f"--threads must be >= 1, got {args.threads}")
+    _check_vllm_flags(args, error)
+    check_refused(args, error)
     if not getattr(args, "ray", False):
         for option in ("replicas", "routing", "ray_address", "cpus_per_replica"):
             if getattr(args, option, None) is not None:
                 raise error(f"--{option.replace('_', '-')} needs --ray")
+
+
+def _check_vllm_flags(args: argparse.Namespace, error: type[Exception]) -> None:
+    tag, model = getattr(args, "model_tag", None), getattr(args, "model", None)
+    if tag is not None and model is not None and tag != model:
+        raise error(f"the model is given twice: {tag!r} and --model {model!r}")
+    args.model = model or tag
+    length = getattr(args, "max_model_len", None)
+    if length is not None and length < 1:
+        raise error(f"--max-model-len must be >= 1, got {length}")
+    fraction = getattr(args, "gpu_memory_utilization", None)
+    if fraction is not None and not 0 < fraction <= 1:
+        raise error(f"--gpu-memory-utilization must be in (0, 1], got {fraction}")
+    shutdown = getattr(args, "shutdown_timeout", 30.0)
+    if not shutdown >= 0 or shutdown == float("inf"):
+        raise error(f"--shutdown-timeout must be a number of seconds >= 0, got {shutdown}")
+
+
+# Flags the Ray path (pagedcore.serve.ray.command) does not take yet: their values that ask for nothing.
+_NOT_WITH_RAY: dict[str, Any] = {
+    "api_key": None,
+    "max_model_len": None,
+    "gpu_memory_utilization": None,
+    "chat_template": None,
+    "trust_request_chat_template": False,
+    "trust_remote_code": False,
+    "allowed_origins": [],
+    "seed": None,
+    "enable_prefix_caching": True,
+    "max_logprobs": 20,
+}
+
+
+def _check_ray(args: argparse.Namespace, error: type[Exception]) -> None:
+    """Refuse the flags that the Ray path does not take; the rest in its forms (one name, an explicit dtype)."""
+    for option, no_op in _NOT_WITH_RAY.items():
+        if getattr(args, option, no_op) != no_op:
+            flag = (
+                "--no-enable-prefix-caching" if option == "enable_prefix_caching" else f"--{option.replace('_', '-')}"
+            )
+            raise error(f"{flag} is not supported with --ray yet (serve one engine without --ray)")
+    names = getattr(args, "served_model_name", None) or []
+    if len(names) > 1:
+        raise error("--served-model-name takes one name with --ray")
+    args.served_model_name = names[0] if names else None
+    if getattr(args, "dtype", "auto") == "auto":
+        args.dtype = "float32"
+
+
+def _api_keys(args: argparse.Namespace, error: type[Exception]) -> ApiKeys | None:
+    """``--api-keys FILE`` and ``--api-key KEY`` together (every ``--api-key`` is tenant ``default``)."""
+    from .auth import ApiKeys, ApiKeysError
+
+    from_file = load_api_keys(args.api_keys, error)
+    keys = getattr(args, "api_key", None) or []
+    if not keys:
+        return from_file
+    tenants = dict.fromkeys(keys, "default")
+    if from_file is not None:
+        raise error("give --api-key or --api-keys FILE, not both")
+    try:
+        return ApiKeys(tenants)
+    except ApiKeysError as exc:
+        raise error(f"--api-key: {exc}") from exc
+
+
+def _context(args: argparse.Namespace, model: Any, error: type[Exception]) -> int | None:
+    """The context served: ``--max-model-len``, at most the model's own."""
+    from pagedcore.adapters.transformers.spec import text_config
+
+    own = getattr(text_config(model.config), "max_position_embeddings", None)
+    length = args.max_model_len
+    if length is None:
+        return own
+    if own is not None and length > own:
+        raise error(f"--max-model-len {length} is more than the model's context of {own} tokens")
+    return int(length)
+
+
+def _memory_budget(args: argparse.Namespace, error: type[Exception]) -> Any:
+    """``--memory-budget``, or ``--gpu-memory-utilization`` of the device's free memory (after the model loaded)."""
+    fraction = args.gpu_memory_utilization
+    if fraction is None:
+        return args.memory_budget
+    import torch
+
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+    else:
+        import os
+
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return int(free * fraction)
+
+
+def _app_options(args: argparse.Namespace, names: list[str], error: type[Exception]) -> Any:
+    from pathlib import Path
+
+    from .app import AppOptions
+
+    template = args.chat_template
+    if template is not None and ("{" not in template or Path(template).expanduser().is_file()):
+        try:
+            template = Path(template).expanduser().read_text()
+        except OSError as exc:
+            raise error(f"--chat-template {args.chat_template!r}: cannot read it: {exc}") from exc
+    return AppOptions(
+        aliases=tuple(names[1:]),
+        chat_template=template,
+        trust_request_chat_template=args.trust_request_chat_template,
+        allowed_origins=tuple(args.allowed_origins),
+        allowed_methods=tuple(args.allowed_methods),
+        allowed_headers=tuple(args.allowed_headers),
+        allow_credentials=args.allow_credentials,
+    )
 
 
 def parse_size(value: str | int, error: type[Exception] = ValueError) -> int:
@@ -210,12 +420,17 @@ def _model(args: argparse.Namespace, error: type[Exception]) -> tuple[Any, Any, 
 
     from pagedcore.cli.common import load_model  # the `--model` loader of `pagedcore generate`
 
-    dtype = getattr(torch, args.dtype)
+    dtype = "auto" if args.dtype == "auto" else getattr(torch, args.dtype)
     model: Any
     tokenizer: Any
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    if args.model is None:
+    if args.seed is not None:  # requests without a seed draw theirs from Python's random
+        import random
+
+        random.seed(args.seed)
+        torch.manual_seed(args.seed)
+    if args.model in (None, BUILTIN_NAME):
         from pagedcore.adapters.transformers.builtin import BUILTIN_DESCRIPTION, builtin_model, builtin_tokenizer
 
         print(
@@ -225,9 +440,11 @@ def _model(args: argparse.Namespace, error: type[Exception]) -> tuple[Any, Any, 
         )
         model, tokenizer, name = builtin_model(), builtin_tokenizer(), BUILTIN_NAME
     else:
-        model, tokenizer = load_model(args.model, dtype)
+        model, tokenizer = load_model(args.model, dtype, trust_remote_code=args.trust_remote_code)
         name = args.model
-    model.to(device=args.device, dtype=dtype)
+    model.to(device=args.device)
+    if dtype != "auto":
+        model.to(dtype=dtype)
     return model, tokenizer, name
 
 

@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from .admission import RETRY_AFTER_SECONDS
 from .body import ClientGone
 from .protocol import ApiError
 
@@ -64,17 +65,22 @@ def public_error(error: ApiError, request_id: str) -> ApiError:
 
 class ErrorResponse(JSONResponse):
     """OpenAI's error body for an :class:`ApiError`, as ASCII JSON (a client's lone surrogate in a message cannot
-    break it); 408 and 413 close the connection, whose unread body is of no use.
+    break it); 408 and 413 close the connection, whose unread body is of no use; 429 and 503 say when to retry
+    (``Retry-After``).
 
     Example:
         >>> response = ErrorResponse(ApiError(413, "too large"))
         >>> response.status_code, response.headers["connection"]
         (413, 'close')
+        >>> ErrorResponse(ApiError(429, "queue full")).headers["retry-after"]
+        '1'
     """
 
     def __init__(self, error: ApiError) -> None:
-        headers = {"Connection": "close"} if error.status in (408, 413) else None
-        super().__init__(error.body(), status_code=error.status, headers=headers)
+        headers = {"Connection": "close"} if error.status in (408, 413) else {}
+        if error.status in RETRY_AFTER_SECONDS:
+            headers["Retry-After"] = str(RETRY_AFTER_SECONDS[error.status])
+        super().__init__(error.body(), status_code=error.status, headers=headers or None)
 
     def render(self, content: Any) -> bytes:
         return json.dumps(content, separators=(",", ":")).encode("ascii")

@@ -7,9 +7,11 @@ the event loop with ``call_soon_threadsafe``, onto an asyncio queue that the req
 from __future__ import annotations
 
 import asyncio
+import re
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 
+from .fields import FIELDS
 from .loop import (
     Delta,
     Finished,
@@ -42,7 +44,12 @@ def error_of(finished: Finished) -> ApiError:
         400
     """
     status, type_, code = _ERRORS.get(finished.error_kind or "failed", _ERRORS["failed"])
-    return ApiError(status, finished.error or "the request failed", type=type_, code=code)
+    message = finished.error or "the request failed"
+    param = None
+    if finished.error_kind == "invalid":  # the Engine's checks name its field first ("logprobs=30 is more ...")
+        word = re.match(r"[a-z_]+", message)
+        param = word.group(0) if word is not None and word.group(0) in FIELDS else None
+    return ApiError(status, message, type=type_, code=code, param=param)
 
 
 class Job:
@@ -50,6 +57,8 @@ class Job:
 
     Args:
         loop: the engine loop (or any :class:`~pagedcore.serve.loop.RequestLoop`).
+        on_finished: called with each request's :class:`Finished` as the loop sends it (on the loop's thread),
+            whether or not anyone still reads the job's events (the metrics count a request the client left).
 
     Call :meth:`start` (inside a running event loop), then iterate :meth:`events`; :meth:`abort` in a
     ``finally`` gives back the blocks of whatever is still running (e.g. when the client leaves).
@@ -73,8 +82,9 @@ class Job:
         'Finished'
     """
 
-    def __init__(self, loop: RequestLoop) -> None:
+    def __init__(self, loop: RequestLoop, on_finished: Callable[[Finished], None] | None = None) -> None:
         self._loop = loop
+        self._on_finished = on_finished
         self._queue: asyncio.Queue[LoopEvent] = asyncio.Queue()
         self._aloop: asyncio.AbstractEventLoop | None = None
         self._backlog: deque[LoopEvent] = deque()
@@ -130,4 +140,6 @@ class Job:
 
     def _sink(self, event: LoopEvent) -> None:  # the loop thread
         assert self._aloop is not None
+        if isinstance(event, Finished) and self._on_finished is not None:
+            self._on_finished(event)
         self._aloop.call_soon_threadsafe(self._queue.put_nowait, event)

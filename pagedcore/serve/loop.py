@@ -23,12 +23,18 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Protocol
 
 from pagedcore.errors import ConfigError, PagedCoreError
+from pagedcore.hookspecs import hookimpl
+from pagedcore.sequence import SequenceState
 from pagedcore.validation import integer
 
 if TYPE_CHECKING:
     from pagedcore.adapters.transformers import Engine, EngineStats, RequestOutput, SamplingParams, TokenEvent
+    from pagedcore.adapters.transformers.outputs import TokenLogprobs
 
 logger = logging.getLogger(__name__)
+
+_MAX_PROBE = 2**31  # max_new_tokens: no request is longer than this
+_REQUEST_IDS = itertools.count()  # one sequence for the process: every loop's ids are distinct (see _Admissions)
 
 __all__ = [
     "Delta",
@@ -39,6 +45,7 @@ __all__ = [
     "LoopStats",
     "QueueFullError",
     "RequestLoop",
+    "RequestTimings",
     "Started",
     "Submission",
 ]
@@ -86,10 +93,13 @@ class Started:
 
 @dataclass(frozen=True)
 class Delta:
-    """New text of one sample; ``finish_reason`` ("stop" or "length") is set on the sample's last delta.
+    """One token of one sample (or the end of a sample without a token): the text it made final (``""`` while a
+    character or a possible stop string is incomplete), its id, and ``finish_reason`` ("stop" or "length") on the
+    sample's last delta; with ``logprobs``, the token's log-probabilities; with ``prompt_logprobs``, a sample's first
+    delta carries the prompt's.
 
     Example:
-        >>> Delta("r0", 0, "Hi", "stop").finish_reason
+        >>> Delta("r0", 0, "Hi", "stop", (42,)).finish_reason
         'stop'
     """
 
@@ -97,6 +107,34 @@ class Delta:
     sample: int
     text: str
     finish_reason: str | None = None
+    token_ids: tuple[int, ...] = ()
+    logprobs: TokenLogprobs | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+
+
+@dataclass(frozen=True)
+class RequestTimings:
+    """When one request's phases happened, in seconds (vLLM's request metrics; None: the phase never came).
+
+    Attributes:
+        queued: from arrival in the engine to its first admission (the scheduler's WAITING phase).
+        first_token: from arrival to the first token (time to first token).
+        prefill: from the first admission to the first token.
+        decode: from the first token to the end.
+        total: from arrival to the end.
+        inter_token: the seconds between consecutive tokens of each sample.
+
+    Example:
+        >>> RequestTimings(0.1, 0.3, 0.2, 1.0, 1.3, (0.5, 0.5)).inter_token
+        (0.5, 0.5)
+    """
+
+    queued: float | None
+    first_token: float | None
+    prefill: float | None
+    decode: float | None
+    total: float | None
+    inter_token: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -113,6 +151,7 @@ class Finished:
             "aborted" (:meth:`EngineLoop.abort`), "shutdown" (:meth:`EngineLoop.stop`) or "overloaded" (a
             remote loop's queue was full); None on success.
         cached_tokens: prompt tokens served from the prefix cache (at the request's last admission).
+        timings: when its phases happened (None for a request the engine never took).
 
     Example:
         >>> Finished("r0", 3, (2,), ("length",)).error is None
@@ -126,6 +165,7 @@ class Finished:
     error: str | None = None
     error_kind: str | None = None
     cached_tokens: int = 0
+    timings: RequestTimings | None = None
 
 
 LoopEvent = Started | Delta | Finished
@@ -195,6 +235,41 @@ class _Abort:
     request_id: str
 
 
+class _Admissions:
+    """An observer plugin: when each of the loop's requests was first admitted by the scheduler (the end of its
+    queue time). Plugin managers may be shared by several pools, so it keeps only the ids its loop runs."""
+
+    def __init__(self, live: dict[str, Sink]) -> None:
+        self._live = live
+        self.times: dict[str, float] = {}
+
+    @hookimpl
+    def pagedcore_request_admitted(self, request_id: str) -> None:
+        rid = request_id.split("#", 1)[0]  # a parallel sample's sequence id is "rid#k"
+        if rid in self._live and rid not in self.times:
+            self.times[rid] = time.perf_counter()
+
+
+class _Tokens:
+    """When each sample's last token came, and the gaps between its tokens (the loop thread's view)."""
+
+    def __init__(self) -> None:
+        self._last: dict[tuple[str, int], float] = {}
+        self._gaps: dict[str, list[float]] = {}
+
+    def add(self, request_id: str, sample: int, now: float) -> None:
+        key = (request_id, sample)
+        last = self._last.get(key)
+        if last is not None:
+            self._gaps.setdefault(request_id, []).append(now - last)
+        self._last[key] = now
+
+    def pop(self, request_id: str, num_samples: int) -> tuple[float, ...]:
+        for sample in range(num_samples):
+            self._last.pop((request_id, sample), None)
+        return tuple(self._gaps.pop(request_id, ()))
+
+
 class EngineLoop:
     """Runs an Engine's step loop on a background thread and routes its events to per-request sinks.
 
@@ -232,8 +307,9 @@ class EngineLoop:
         self._num_waiting = 0  # the scheduler's waiting requests, as of the last publish
         self._stopping = False
         self._thread: threading.Thread | None = None
-        self._ids = itertools.count()
         self._live: dict[str, Sink] = {}  # the sinks of the requests the engine runs; loop thread only
+        self._admissions = _Admissions(self._live)
+        self._tokens = _Tokens()
         self._listeners: list[Callable[[float], None]] = []
         self._num_prompt_tokens = 0
         self._num_failed_steps = 0
@@ -266,6 +342,32 @@ class EngineLoop:
         """Call ``listener(seconds)`` on the loop thread after every engine step (e.g. a histogram)."""
         self._listeners.append(listener)
 
+    def max_new_tokens(self, prompt_tokens: int) -> int:
+        """The most new tokens one sequence with a prompt of this length can ever be given in this engine's pool
+        (0 when even the prompt cannot fit): what a chat request without ``max_tokens`` is clamped to. The
+        scheduler's admission rule decides (``Scheduler.check_admissible``, a query), by bisection."""
+        scheduler = self._engine.scheduler
+
+        def fits(new_tokens: int) -> bool:
+            probe = SequenceState("pagedcore-capacity-probe", [0] * prompt_tokens, max_new_tokens=new_tokens)
+            try:
+                scheduler.check_admissible(probe)
+            except PagedCoreError:
+                return False
+            return True
+
+        if prompt_tokens < 1 or not fits(1):
+            return 0
+        low, high = 1, 2
+        while high < _MAX_PROBE and fits(high):  # a sliding window may hold any length: stop somewhere
+            low, high = high, high * 2
+        if high >= _MAX_PROBE:
+            return low
+        while high - low > 1:
+            middle = (low + high) // 2
+            low, high = (middle, high) if fits(middle) else (low, middle)
+        return low
+
     def submit(self, submissions: Sequence[Submission], sink: Sink) -> list[str]:
         """Queue requests (all or none); returns their ids. Each gets :class:`Started` or a :class:`Finished`
         with an error, then its deltas and one :class:`Finished`, all through ``sink`` on the loop thread.
@@ -282,7 +384,7 @@ class EngineLoop:
                     f"{waiting} requests are waiting; {len(submissions)} more would exceed the queue bound of "
                     f"{self._max_queue}: retry later"
                 )
-            ids = [f"req-{next(self._ids)}" for _ in submissions]
+            ids = [f"req-{next(_REQUEST_IDS)}" for _ in submissions]
             self._commands.extend(_Add(rid, sub, sink) for rid, sub in zip(ids, submissions))
             self._num_pending += len(submissions)
             self._cond.notify()
@@ -302,6 +404,7 @@ class EngineLoop:
         with self._cond:
             if self._thread is not None or self._stopping:
                 raise LoopClosedError("an EngineLoop starts once")
+            self._engine.pool.plugins.register(self._admissions, name=f"pagedcore-serve-admissions-{id(self)}")
             self._thread = threading.Thread(target=self._run, name="pagedcore-engine-loop", daemon=True)
             self._thread.start()
 
@@ -385,28 +488,36 @@ class EngineLoop:
             for request_id in list(self._live):
                 self._abort(request_id, f"the engine step failed: {type(exc).__name__}: {exc}", "failed")
             return False
-        elapsed = time.perf_counter() - started
+        now = time.perf_counter()
+        elapsed = now - started
         for listener in self._listeners:
             try:
                 listener(elapsed)
             except Exception:
                 logger.exception("pagedcore: a step listener failed")
         for event in result.events:
-            self._route(event)
+            self._route(event, now)
         for output in result.finished:
             sink = self._live.pop(output.request_id, None)
             if sink is not None:
                 self._end(sink, output.request_id, output, output.error, "failed" if output.error else None)
         return True
 
-    def _route(self, event: TokenEvent) -> None:
-        """An engine token event becomes a :class:`Delta` when it made text final or ended its sample."""
+    def _route(self, event: TokenEvent, now: float) -> None:
+        """An engine token event becomes a :class:`Delta` (every token, and the end of a sample)."""
         sink = self._live.get(event.request_id)
         reason = event.finish_reason
         if sink is None or reason in ("abort", "error"):
             return  # an abort or a failure is reported by the request's Finished
-        if event.text or reason is not None:
-            _send(sink, Delta(event.request_id, event.sample, event.text or "", reason))
+        tokens: tuple[int, ...] = ()
+        if event.token_id is not None:
+            tokens = (event.token_id,)
+            self._tokens.add(event.request_id, event.sample, now)
+        if tokens or reason is not None:
+            delta = Delta(
+                event.request_id, event.sample, event.text or "", reason, tokens, event.logprobs, event.prompt_logprobs
+            )
+            _send(sink, delta)
 
     def _end(
         self, sink: Sink, request_id: str, output: RequestOutput | None, error: str | None, kind: str | None
@@ -418,7 +529,25 @@ class EngineLoop:
         prompt_tokens = len(output.prompt_token_ids) if output is not None else 0
         cached = output.metrics.num_cached_tokens if output is not None else 0
         self._num_prompt_tokens += prompt_tokens
-        _send(sink, Finished(request_id, prompt_tokens, tokens, reasons, error, kind, cached))
+        timings = self._timings(request_id, output)
+        _send(sink, Finished(request_id, prompt_tokens, tokens, reasons, error, kind, cached, timings))
+
+    def _timings(self, request_id: str, output: RequestOutput | None) -> RequestTimings | None:
+        admitted = self._admissions.times.pop(request_id, None)
+        gaps = self._tokens.pop(request_id, len(output.samples) if output is not None else 0)
+        if output is None:
+            return None
+        metrics = output.metrics
+        arrival, first = metrics.arrival_time, metrics.first_token_time
+        end = metrics.finish_time if metrics.finish_time is not None else time.perf_counter()
+        return RequestTimings(
+            queued=None if admitted is None else admitted - arrival,
+            first_token=None if first is None else first - arrival,
+            prefill=None if first is None or admitted is None else first - admitted,
+            decode=None if first is None else end - first,
+            total=end - arrival,
+            inter_token=gaps,
+        )
 
     def _publish(self) -> None:
         self._stats = self._snapshot()
@@ -450,6 +579,10 @@ class EngineLoop:
         for request_id in list(self._live):
             self._abort(request_id, "the server is shutting down", "shutdown")
         self._publish()
+        try:
+            self._engine.pool.plugins.unregister(self._admissions)
+        except PagedCoreError:  # never registered (the loop never started)
+            pass
 
 
 def _send(sink: Sink, event: LoopEvent) -> None:

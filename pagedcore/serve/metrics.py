@@ -1,7 +1,9 @@
-"""Prometheus metrics of one server, in a registry of its own (never the process-global one).
+"""Prometheus metrics of one server, in a registry of its own (never the process-global one): pagedcore's own
+series (below) and vLLM's (:mod:`~.vllm_metrics`), side by side.
 
 Engine counters and gauges are read at scrape time from the loop's last published :class:`LoopStats`; the step
-time histogram is fed by the loop thread; request outcomes are counted by the HTTP layer.
+time histogram is fed by the loop thread; request outcomes are counted by the HTTP layer; per-request timings are
+observed as each request ends.
 
 =========================================  =======  ====================================================
 metric                                     type     meaning
@@ -36,7 +38,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from .loop import RequestLoop
+from pagedcore.adapters.transformers import SamplingParams
+
+from .loop import Finished, RequestLoop
+from .vllm_metrics import VllmMetrics
 
 __all__ = ["CONTENT_TYPE", "REQUEST_STATUSES", "ServeMetrics"]
 
@@ -60,6 +65,8 @@ class ServeMetrics:
 
     Args:
         loop: the engine loop whose statistics are exported; its steps feed the step time histogram.
+        model_name: the ``model_name`` label of the ``vllm:`` series.
+        context_length: the model's context (the top of the token-count buckets).
 
     Example:
         >>> from pagedcore.adapters.transformers.testing import tiny_llama
@@ -74,7 +81,7 @@ class ServeMetrics:
         (True, True)
     """
 
-    def __init__(self, loop: RequestLoop) -> None:
+    def __init__(self, loop: RequestLoop, *, model_name: str = "model", context_length: int | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self._requests = Counter("pagedcore_requests", "HTTP requests by outcome", ["status"], registry=self.registry)
         for status in REQUEST_STATUSES:
@@ -84,6 +91,11 @@ class ServeMetrics:
         )
         self.registry.register(_LoopCollector(loop))
         loop.add_step_listener(self._step.observe)
+        self.vllm = VllmMetrics(self.registry, loop, model_name, context_length=context_length)
+
+    def observe_request(self, finished: Finished, params: SamplingParams) -> None:
+        """Observe one request that ended (its timings, tokens and parameters; any thread)."""
+        self.vllm.observe(finished, params)
 
     def count(self, status: str) -> None:
         """Count one request with this outcome (one of :data:`REQUEST_STATUSES`)."""

@@ -14,11 +14,11 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
-from .protocol import ChatRequest, CompletionRequest
+from .protocol import ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 
 __all__ = ["ERROR_RESPONSES", "REQUEST_MODELS", "install_openapi", "json_body"]
 
-REQUEST_MODELS: tuple[type[BaseModel], ...] = (CompletionRequest, ChatRequest)
+REQUEST_MODELS: tuple[type[BaseModel], ...] = (CompletionRequest, ChatRequest, TokenizeRequest, DetokenizeRequest)
 _REF = "#/components/schemas/{model}"
 
 ERROR_SCHEMA: dict[str, Any] = {

@@ -1,5 +1,5 @@
 """The request plumbing every generation endpoint shares: authorize, read the body (bounded), parse it, encode the
-prompts, submit, then stream or collect the answer.
+prompts, fit them to the context, submit, then stream or collect the answer.
 
 Parsing and tokenizing run in a worker thread (:func:`off_loop`), never on the event loop (other clients' streams
 go on meanwhile) nor on the engine's step loop (the engine receives token ids).
@@ -8,8 +8,10 @@ go on meanwhile) nor on the engine's step loop (the engine receives token ids).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+import time
+import uuid
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from starlette.concurrency import run_in_threadpool
@@ -18,15 +20,16 @@ from starlette.responses import JSONResponse, Response
 
 from pagedcore.adapters.transformers import SamplingParams
 
+from .answers import AnswerOptions, Shape, Tally
 from .body import read_body
 from .context import ServeContext
 from .errors import outcome, public_error
 from .jobs import Job
 from .loop import Submission
-from .protocol import ApiError, parse_request, stop_strings
-from .responses import JobStream, Shape, Tally, collect, sse_events
+from .protocol import ApiError, parse_request
+from .responses import JobStream, collect, sse_events
 
-__all__ = ["Generation", "answer", "off_loop", "read_request"]
+__all__ = ["Generation", "answer", "fit_prompts", "namespace_of", "off_loop", "read_request", "shape_of"]
 
 T = TypeVar("T")
 
@@ -52,10 +55,55 @@ async def read_request(ctx: ServeContext, request: Request, cls: type[Any]) -> t
         ['ctx', 'request', 'cls']
     """
     tenant = ctx.authorize(request)
+    ctx.admission.check()  # shutting down: 503 before the body is read
     raw = await read_body(request, ctx.limits)
     body = await off_loop(parse_request, cls, raw, max_prompt_tokens=ctx.context_length)
-    ctx.check_model(body.model)
+    if body.model is not None:
+        ctx.check_model(body.model)
     return tenant, body
+
+
+def namespace_of(tenant: str | None, cache_salt: str | None) -> Hashable:
+    """The prefix-cache namespace of a request: its tenant, narrowed by its ``cache_salt``. A salted request shares
+    blocks only with requests of the same tenant and the same salt, so a salt can never reach another tenant's
+    blocks (namespaces are told apart by type and value, :func:`pagedcore.prefix_trie.namespace_key`).
+
+    Example:
+        >>> namespace_of("alice", None), namespace_of("alice", "s1"), namespace_of(None, "s1")
+        ('alice', ('alice', 's1'), (None, 's1'))
+    """
+    return tenant if cache_salt is None else (tenant, cache_salt)
+
+
+def fit_prompts(
+    ctx: ServeContext, body: Any, prompts: Sequence[str | list[int]], max_new_tokens: int
+) -> list[str | list[int]]:
+    """Apply ``truncate_prompt_tokens`` (``truncation_side`` keeps the last tokens by default, as vLLM) and refuse a
+    prompt that, with ``max_new_tokens``, would not fit in the served context (``--max-model-len``).
+
+    Example:
+        >>> import inspect
+        >>> list(inspect.signature(fit_prompts).parameters)
+        ['ctx', 'body', 'prompts', 'max_new_tokens']
+    """
+    keep = body.truncate_prompt_tokens
+    context = ctx.context_length
+    if keep == -1:
+        keep = context
+    fitted: list[str | list[int]] = []
+    for index, prompt in enumerate(prompts):
+        if keep is not None and not isinstance(prompt, str) and len(prompt) > keep:
+            prompt = prompt[:keep] if body.truncation_side == "right" else prompt[len(prompt) - keep :]
+        if context is not None and not isinstance(prompt, str) and len(prompt) + max_new_tokens > context:
+            which = "the prompt" if len(prompts) == 1 else f"prompt {index}"
+            raise ApiError(
+                400,
+                f"{which} has {len(prompt)} tokens and asks for {max_new_tokens} more: that is over the "
+                f"context of {context} tokens this server serves",
+                param="max_tokens" if len(prompt) < context else "prompt",
+            )
+        fitted.append(prompt)
+    return fitted
 
 
 @dataclass(frozen=True)
@@ -65,32 +113,32 @@ class Generation:
     Attributes:
         prompts: token ids (or texts, when the server has no tokenizer), one per prompt.
         params: the sampling parameters of each prompt (stop strings included: stopping is the Engine's).
-        tenant: the prefix-cache namespace.
+        namespace: the prefix-cache namespace (:func:`namespace_of`).
         stream: answer with server-sent events.
-        include_usage: end a stream with a usage chunk.
 
     Example:
-        >>> from pagedcore.serve.protocol import CompletionRequest
-        >>> body = CompletionRequest.model_validate({"model": "m", "prompt": "x", "stop": "\\n", "stream": True})
-        >>> Generation.of(body, [[5]], SamplingParams(), None).params.stop_strings
+        >>> Generation([[5]], SamplingParams(stop_strings=["\\n"]), "tenant").params.stop_strings
         ('\\n',)
     """
 
     prompts: Sequence[str | Sequence[int]]
     params: SamplingParams
-    tenant: str | None
+    namespace: Hashable
     stream: bool = False
-    include_usage: bool = False
 
-    @classmethod
-    def of(
-        cls, body: Any, prompts: Sequence[str | Sequence[int]], params: SamplingParams, tenant: str | None
-    ) -> Generation:
-        """The generation a parsed request body asks for."""
-        usage = body.stream_options is not None and body.stream_options.include_usage
-        include = bool(body.include_stop_str_in_output)
-        params = replace(params, stop_strings=stop_strings(body), include_stop_str_in_output=include)
-        return cls(prompts, params, tenant, bool(body.stream), bool(usage))
+
+def shape_of(ctx: ServeContext, body: Any, chat: bool, options: AnswerOptions) -> Shape:
+    """The answer's :class:`~pagedcore.serve.answers.Shape`: its id (``request_id`` when the client gave one, as
+    vLLM), the served model's name and what the request asked to see.
+
+    Example:
+        >>> import inspect
+        >>> list(inspect.signature(shape_of).parameters)
+        ['ctx', 'body', 'chat', 'options']
+    """
+    prefix = "chatcmpl" if chat else "cmpl"
+    response_id = f"{prefix}-{body.request_id or uuid.uuid4().hex}"
+    return Shape(chat, response_id, int(time.time()), ctx.model_name, options)
 
 
 async def answer(ctx: ServeContext, request: Request, generation: Generation, shape: Shape) -> Response:
@@ -102,36 +150,40 @@ async def answer(ctx: ServeContext, request: Request, generation: Generation, sh
         ['ctx', 'request', 'generation', 'shape']
     """
     request.state.request_id = shape.response_id
-    job = await _start(ctx, generation)
-    tally = Tally(job.request_ids, generation.params.n)
+    leave = ctx.admission.enter()
+    try:
+        job = await _start(ctx, generation)
+    except BaseException:
+        leave()
+        raise
+    known = [len(p) for p in generation.prompts if not isinstance(p, str)]
+    tally = Tally(job.request_ids, generation.params.n, known)
     if generation.stream:
 
         def stream_error(error: ApiError) -> ApiError:
             ctx.metrics.count(outcome(error))
             return error if ctx.loop_errors_are_public else public_error(error, shape.response_id)
 
-        events = sse_events(
-            job,
-            tally,
-            shape,
-            generation.include_usage,
-            on_error=stream_error,
-            on_finish=lambda: ctx.metrics.count("finished"),
-        )
-        return JobStream(events, job, lambda: ctx.metrics.count("aborted"))
+        def finished() -> None:
+            ctx.metrics.count("finished")
+
+        events = sse_events(job, tally, shape, on_error=stream_error, on_finish=finished)
+        return JobStream(events, job, lambda: ctx.metrics.count("aborted"), on_close=leave)
     try:
         if not await collect(request, job, tally):
             return Response(status_code=499)  # the client left; its requests are aborted below
         ctx.metrics.count("finished")
-        return JSONResponse(shape.response(tally.texts, tally.reasons, tally.usage()))
+        return JSONResponse(shape.response(tally))
     finally:
+        leave()
         if job.abort():
             ctx.metrics.count("aborted")
 
 
 async def _start(ctx: ServeContext, generation: Generation) -> Job:
-    job = Job(ctx.loop)
-    submissions = [Submission(p, generation.params, generation.tenant) for p in generation.prompts]
+    params = generation.params
+    job = Job(ctx.loop, on_finished=lambda finished: ctx.metrics.observe_request(finished, params))
+    submissions = [Submission(p, generation.params, generation.namespace) for p in generation.prompts]
     try:
         await job.start(submissions)
     except BaseException:

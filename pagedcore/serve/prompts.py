@@ -16,11 +16,40 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from .protocol import ApiError, ChatMessage
 
-__all__ = ["ChatRenderer", "PromptEncoder", "completion_prompts", "plain_chat_prompt", "text_bound"]
+__all__ = [
+    "ChatOptions",
+    "ChatRenderer",
+    "PromptEncoder",
+    "completion_prompts",
+    "plain_chat_prompt",
+    "text_bound",
+]
+
+# apply_chat_template's own parameters: chat_template_kwargs may not set them (they have fields of their own).
+_RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "conversation",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+        "messages",
+    }
+)
 
 # Normalizers and pre-tokenizers (tokenizers' type names) that can drop characters: behind one of them, a text's
 # length says nothing about its number of tokens.
@@ -57,14 +86,47 @@ def completion_prompts(prompt: str | list[str] | list[int] | list[list[int]]) ->
     return list(prompt)
 
 
-def plain_chat_prompt(messages: Sequence[ChatMessage]) -> str:
+@dataclass(frozen=True)
+class ChatOptions:
+    """How a request's messages become a prompt (vLLM's chat fields).
+
+    Attributes:
+        add_generation_prompt: end where the assistant's answer starts.
+        continue_final_message: leave the last message open, for the model to continue.
+        documents: documents for a RAG chat template.
+        template: the request's own chat template (else the server's, else the tokenizer's).
+        template_kwargs: extra variables for the template.
+        add_special_tokens: add the tokenizer's special tokens on top of the template's (the plain template always
+            has them: it adds none of its own).
+
+    Example:
+        >>> ChatOptions().add_generation_prompt
+        True
+    """
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    documents: list[dict[str, str]] | None = None
+    template: str | None = None
+    template_kwargs: dict[str, Any] | None = None
+    add_special_tokens: bool = False
+
+
+def plain_chat_prompt(messages: Sequence[ChatMessage], options: ChatOptions | None = None) -> str:
     """The plain template for tokenizers without a chat template.
 
     Example:
         >>> plain_chat_prompt([ChatMessage(role="system", content="Be terse."), ChatMessage(role="user", content="Hi")])
         'system: Be terse.\\nuser: Hi\\nassistant:'
+        >>> plain_chat_prompt([ChatMessage(role="user", content="Hi"), ChatMessage(role="assistant", content="Hel")],
+        ...                   ChatOptions(add_generation_prompt=False, continue_final_message=True))
+        'user: Hi\\nassistant: Hel'
     """
-    return "".join(f"{m.role}: {m.text}\n" for m in messages) + "assistant:"
+    options = options or ChatOptions()
+    lines = [f"{m.role}: {m.text}" for m in messages]
+    if options.continue_final_message:
+        return "\n".join(lines)
+    return "".join(f"{line}\n" for line in lines) + ("assistant:" if options.add_generation_prompt else "")
 
 
 class ChatRenderer:
@@ -83,24 +145,53 @@ class ChatRenderer:
         'user: Hi<unk>assistant:'
     """
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, template: str | None = None) -> None:
         self._tokenizer = tokenizer
-        self.uses_template = bool(getattr(tokenizer, "chat_template", None))
+        self.template = template or getattr(tokenizer, "chat_template", None) or None
+        self.uses_template = self.template is not None
 
-    def render(self, messages: Sequence[ChatMessage]) -> list[int]:
-        """Prompt token ids for ``messages``, ending where the assistant's answer starts."""
+    def render(self, messages: Sequence[ChatMessage], options: ChatOptions | None = None) -> list[int]:
+        """Prompt token ids for ``messages``, ending where the assistant's answer starts (see :class:`ChatOptions`)."""
+        options = options or ChatOptions()
         tokenizer = self._tokenizer
         if tokenizer is None:
             raise ApiError(400, "this server has no tokenizer: chat needs one", param="messages")
-        if not self.uses_template:
-            return _encoded(tokenizer, plain_chat_prompt(messages))
+        template = options.template or self.template
+        if template is None:
+            for name, value in (("documents", options.documents), ("chat_template_kwargs", options.template_kwargs)):
+                if value:
+                    message = f"{name} needs a chat template: this model has none (give chat_template or serve with "
+                    raise ApiError(400, message + "--chat-template)", param=name)
+            # The plain template adds no special tokens of its own: the tokenizer's (a bos) are the prompt's start.
+            return _encoded(tokenizer, plain_chat_prompt(messages, options))
+        text = self._apply(tokenizer, template, messages, options)
+        # The rendered text holds the template's special tokens (e.g. a bos): add none again unless asked to.
+        return _encoded(tokenizer, text, add_special_tokens=options.add_special_tokens)
+
+    @staticmethod
+    def _apply(tokenizer: Any, template: str, messages: Sequence[ChatMessage], options: ChatOptions) -> str:
+        kwargs = dict(options.template_kwargs or {})
+        reserved = sorted(_RESERVED_TEMPLATE_KWARGS.intersection(kwargs))
+        if reserved:
+            message = (
+                f"chat_template_kwargs may not set {', '.join(reserved)} (they are request fields or the server's)"
+            )
+            raise ApiError(400, message, param="chat_template_kwargs")
+        if options.documents is not None:
+            kwargs["documents"] = options.documents
         conversation = [{"role": "system" if m.role == "developer" else m.role, "content": m.text} for m in messages]
         try:
-            text = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+            text = tokenizer.apply_chat_template(
+                conversation,
+                chat_template=template,
+                add_generation_prompt=options.add_generation_prompt,
+                continue_final_message=options.continue_final_message,
+                tokenize=False,
+                **kwargs,
+            )
         except Exception as exc:  # jinja2 raises TemplateError (e.g. "roles must alternate") or ValueError
             raise ApiError(400, f"the chat template refused the messages: {exc}", param="messages") from exc
-        # The rendered text already holds the template's special tokens (e.g. a bos): add none again.
-        return _encoded(tokenizer, text, add_special_tokens=False)
+        return str(text)
 
 
 def _encoded(tokenizer: Any, text: str, *, param: str = "messages", **options: Any) -> list[int]:
@@ -188,27 +279,45 @@ class PromptEncoder:
         pagedcore.serve.protocol.ApiError: the prompt has 21 characters: more than ... (at most 20 characters)
     """
 
-    def __init__(self, tokenizer: Any, context: int | None) -> None:
-        self.renderer = ChatRenderer(tokenizer)
+    def __init__(self, tokenizer: Any, context: int | None, chat_template: str | None = None) -> None:
+        self.renderer = ChatRenderer(tokenizer, chat_template)
         self.context = context
         self.max_chars = text_bound(tokenizer, context)
         self._tokenizer = tokenizer
 
-    def completion(self, prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
-        """Each prompt of a completion request as token ids (see :func:`completion_prompts` for the forms)."""
-        return [self.encode(p) if isinstance(p, str) else p for p in completion_prompts(prompt)]
+    @property
+    def tokenizer(self) -> Any:
+        """The tokenizer (None: the server has none)."""
+        return self._tokenizer
 
-    def chat(self, messages: Sequence[ChatMessage]) -> list[int]:
+    def completion(
+        self, prompt: str | list[str] | list[int] | list[list[int]], *, add_special_tokens: bool = True
+    ) -> list[str | list[int]]:
+        """Each prompt of a completion request as token ids (see :func:`completion_prompts` for the forms)."""
+        prompts = completion_prompts(prompt)
+        return [self.encode(p, add_special_tokens=add_special_tokens) if isinstance(p, str) else p for p in prompts]
+
+    def chat(self, messages: Sequence[ChatMessage], options: ChatOptions | None = None) -> list[int]:
         """The prompt token ids of chat ``messages`` (see :class:`ChatRenderer`)."""
         self._check_length(sum(len(m.text) for m in messages), "the messages have", "messages")
-        return self.renderer.render(messages)
+        return self.renderer.render(messages, options)
 
-    def encode(self, text: str) -> str | list[int]:
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> str | list[int]:
         """One completion text as token ids (or as it is, without a tokenizer)."""
         self._check_length(len(text), "the prompt has", "prompt")
         if self._tokenizer is None:
             return text
-        return _encoded(self._tokenizer, text, param="prompt")
+        return _encoded(self._tokenizer, text, param="prompt", add_special_tokens=add_special_tokens)
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """Token ids as text (special tokens kept, as a prompt's echo shows them); 400 for ids the tokenizer
+        cannot decode."""
+        if self._tokenizer is None:
+            raise ApiError(400, "this server has no tokenizer: it cannot turn token ids into text", param="prompt")
+        try:
+            return str(self._tokenizer.decode(list(token_ids)))
+        except Exception as exc:  # ids outside the vocabulary, for one
+            raise ApiError(400, f"the tokenizer cannot decode these token ids: {exc}", param="prompt") from exc
 
     def _check_length(self, chars: int, subject: str, param: str) -> None:
         if self.max_chars is not None and chars > self.max_chars:

@@ -1,58 +1,66 @@
 """The OpenAI request bodies this server accepts, their validation, and OpenAI-style errors.
 
-Bodies are parsed strictly (no ``"5"`` for 5, no ``true`` for 1); a field this server does not implement (e.g.
-``logprobs``, ``tools``, penalties) is refused unless it is absent or set to its no-op value; fields it does not
-know are ignored, as other OpenAI-compatible servers do. Every problem becomes an :class:`ApiError` with a 4xx
-status and OpenAI's error body.
+Bodies are parsed strictly (no ``"5"`` for 5, no ``true`` for 1). Every field OpenAI or vLLM defines is in
+:mod:`pagedcore.serve.fields`: implemented here, or refused with a 400 naming it unless it is absent or at its
+no-op value; none is accepted and ignored. A field neither defines is refused too (400 naming it: vLLM only logs
+it, which hides a misspelt ``max_token`` behind a default answer). Every problem becomes an :class:`ApiError` with
+a 4xx status and OpenAI's error body.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import re
 import reprlib
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from pagedcore.adapters.transformers import SamplingParams
 from pagedcore.errors import InvalidRequestError
 
+from .fields import CHAT, COMPLETIONS, FIELDS, Endpoint, rules_for
+
 __all__ = [
+    "MAX_ID_CHARS",
     "MAX_PROMPTS",
+    "MAX_SALT_CHARS",
     "MAX_STOP_STRINGS",
     "ApiError",
     "ChatMessage",
     "ChatRequest",
     "CompletionRequest",
+    "DetokenizeRequest",
     "StreamOptions",
     "TextPart",
+    "TokenizeRequest",
+    "check_fields",
+    "parse_body",
     "parse_request",
     "sampling_params",
     "stop_strings",
 ]
 
+logger = logging.getLogger("pagedcore.serve")
+
 MAX_STOP_STRINGS = 16
 MAX_PROMPTS = 2048  # prompts in one completion request (OpenAI's bound on an array input)
-
-# Fields that OpenAI defines and this server does not implement: accepted only at these (no-op) values.
-_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "logprobs": (None, False),
-    "top_logprobs": (None,),
-    "echo": (None, False),
-    "suffix": (None,),
-    "best_of": (None, 1),
-    "logit_bias": (None, {}),
-    "presence_penalty": (None, 0),
-    "frequency_penalty": (None, 0),
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
-    "functions": (None, []),
-    "function_call": (None, "none"),
-    "response_format": (None, {"type": "text"}),
-    "audio": (None,),
-    "prediction": (None,),
-    "modalities": (None, ["text"]),
-}
+MAX_ID_CHARS = 256  # request_id
+MAX_SALT_CHARS = 1024  # cache_salt (vLLM's bound)
+_INT64 = (-(2**63), 2**63 - 1)  # vLLM's seed range
+# Request fields that are SamplingParams fields of the same name.
+_CONTROLS = (
+    "stop_token_ids",
+    "ignore_eos",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logit_bias",
+    "allowed_token_ids",
+    "min_p",
+    "prompt_logprobs",
+)
 
 # What a field holds, for messages about fields that accept several shapes.
 _EXPECTED = {
@@ -63,7 +71,8 @@ _EXPECTED = {
 
 # Engine parameter names as clients know them.
 _PARAM_NAMES = {"max_new_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k"}
-_PARAM_NAMES.update({"n": "n", "seed": "seed"})
+_PARAM_NAMES.update({"n": "n", "seed": "seed", "min_new_tokens": "min_tokens"})
+_PARAM_NAMES.update({name: name for name in (*_CONTROLS, "logprobs")})
 
 
 class ApiError(Exception):
@@ -100,7 +109,9 @@ class _Strict(BaseModel):
 
 
 class StreamOptions(_Strict):
-    """``stream_options``: ``include_usage`` adds a last chunk with the token counts.
+    """``stream_options``: ``include_usage`` adds a last chunk with the token counts; ``continuous_usage_stats``
+    (vLLM) puts the counts so far in every chunk; OpenAI's ``include_obfuscation`` must be false (no padding field
+    is ever added).
 
     Example:
         >>> StreamOptions.model_validate({"include_usage": True}).include_usage
@@ -108,10 +119,14 @@ class StreamOptions(_Strict):
     """
 
     include_usage: bool = False
+    continuous_usage_stats: bool = False
+    include_obfuscation: Literal[False] = False
 
 
 class _Request(_Strict):
-    model: str
+    endpoint: ClassVar[Endpoint]
+
+    model: str | None = None  # vLLM: absent means the served model
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -120,20 +135,59 @@ class _Request(_Strict):
     seed: int | None = None
     stop: str | list[str] | None = None
     include_stop_str_in_output: bool | None = None  # vLLM's extension: keep the stop string that ended the text
+    min_tokens: int | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    min_p: float | None = None
+    prompt_logprobs: int | None = None
+    return_tokens_as_token_ids: bool | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    safety_identifier: str | None = None
+    echo: bool | None = None
+    request_id: str | None = Field(default=None, min_length=1, max_length=MAX_ID_CHARS)
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_SALT_CHARS)
+    add_special_tokens: bool | None = None
+    truncate_prompt_tokens: int | None = None
+    truncation_side: Literal["left", "right"] | None = None
+    return_token_ids: bool | None = None
+
+    @property
+    def top_logprobs_k(self) -> int | None:
+        """How many alternatives each token's log-probabilities list (None: no log-probabilities)."""
+        return None
+
+    @model_validator(mode="after")
+    def _check_truncation(self) -> _Request:
+        tokens = self.truncate_prompt_tokens
+        if tokens is not None and tokens != -1 and tokens < 1:
+            message = f"truncate_prompt_tokens must be -1 (the context) or >= 1, got {tokens}"
+            raise ApiError(400, message, param="truncate_prompt_tokens")
+        return self
 
 
 class CompletionRequest(_Request):
-    """``POST /v1/completions``. ``top_k`` (0 = all tokens) and ``include_stop_str_in_output`` are extensions.
+    """``POST /v1/completions``; the fields and what each does are in :mod:`pagedcore.serve.fields`.
 
     Example:
         >>> CompletionRequest.model_validate({"model": "m", "prompt": ["a", "b"], "max_tokens": 4}).prompt
         ['a', 'b']
     """
 
+    endpoint: ClassVar[Endpoint] = COMPLETIONS
     prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+
+    @property
+    def top_logprobs_k(self) -> int | None:
+        """How many alternatives each token's log-probabilities list (None: no log-probabilities)."""
+        return self.logprobs
 
 
 class TextPart(_Strict):
@@ -171,7 +225,8 @@ class ChatMessage(_Strict):
 
 
 class ChatRequest(_Request):
-    """``POST /v1/chat/completions``; ``max_completion_tokens`` is the newer name of ``max_tokens``.
+    """``POST /v1/chat/completions``; ``max_completion_tokens`` is the newer name of ``max_tokens``. The fields
+    and what each does are in :mod:`pagedcore.serve.fields`.
 
     Example:
         >>> body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 8}
@@ -179,8 +234,30 @@ class ChatRequest(_Request):
         8
     """
 
+    endpoint: ClassVar[Endpoint] = CHAT
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    documents: list[dict[str, str]] | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _check_generation_prompt(self) -> ChatRequest:
+        if self.add_generation_prompt and self.continue_final_message:
+            message = "continue_final_message needs add_generation_prompt set to false (vLLM's rule)"
+            raise ApiError(400, message, param="continue_final_message")
+        if self.top_logprobs and not self.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
+        return self
+
+    @property
+    def top_logprobs_k(self) -> int | None:
+        """How many alternatives each token's log-probabilities list (None: no log-probabilities)."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def max_new_tokens(self, default: int) -> int:
         """``max_completion_tokens``, else ``max_tokens``, else ``default``."""
@@ -188,6 +265,39 @@ class ChatRequest(_Request):
             if value is not None:
                 return value
         return default
+
+
+class TokenizeRequest(BaseModel):
+    """``POST /tokenize``: a ``prompt`` (text) or chat ``messages`` (through the chat template).
+
+    Example:
+        >>> TokenizeRequest.model_validate({"prompt": "hi", "add_special_tokens": False}).add_special_tokens
+        False
+    """
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    add_special_tokens: bool | None = None  # default: true for a prompt, false for messages (vLLM's)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    """``POST /detokenize``: token ids to text.
+
+    Example:
+        >>> DetokenizeRequest.model_validate({"tokens": [1, 2]}).tokens
+        [1, 2]
+    """
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    model: str | None = None
+    tokens: list[int]
 
 
 def parse_request(cls: type[_Request], body: bytes, *, max_prompt_tokens: int | None = None) -> Any:
@@ -206,6 +316,26 @@ def parse_request(cls: type[_Request], body: bytes, *, max_prompt_tokens: int | 
         ...
         pagedcore.serve.protocol.ApiError: the prompt has 3 token ids, more than the model's context of 2 tokens
     """
+    data = _json_object(body)
+    check_fields(cls.endpoint, data)
+    _check_lengths(data, max_prompt_tokens)
+    return _validated(cls, data)
+
+
+def parse_body(cls: type[BaseModel], body: bytes) -> Any:
+    """Parse and validate the JSON body of a request without a field list (``/tokenize``, ``/detokenize``) as
+    ``cls``; raises :class:`ApiError` (400) on any problem.
+
+    Example:
+        >>> parse_body(StreamOptions, b'{"include_usage": 1}')
+        Traceback (most recent call last):
+        ...
+        pagedcore.serve.protocol.ApiError: include_usage: Input should be a valid boolean
+    """
+    return _validated(cls, _json_object(body))
+
+
+def _json_object(body: bytes) -> dict[str, Any]:
     try:
         data = json.loads(body)
     except RecursionError:  # the C decoder's depth guard: a 400 like any other bad JSON, not a 500
@@ -214,16 +344,37 @@ def parse_request(cls: type[_Request], body: bytes, *, max_prompt_tokens: int | 
         raise ApiError(400, f"the request body is not valid JSON: {exc}") from exc
     if not isinstance(data, dict):
         raise ApiError(400, f"the request body must be a JSON object, got {type(data).__name__}")
-    for name, allowed in _UNSUPPORTED.items():
-        if name in data and not any(_same(data[name], value) for value in allowed):
-            raise ApiError(400, f"{name} is not supported by this server (got {_brief(data[name])})", param=name)
-    _check_lengths(data, max_prompt_tokens)
+    return data
+
+
+def _validated(cls: type[BaseModel], data: dict[str, Any]) -> Any:
     try:
         return cls.model_validate(data)
     except ValidationError as exc:
         raise _from_validation(exc) from None
     except RecursionError:  # deeply nested values in fields the models keep as they are
         raise ApiError(400, "the request body nests too deeply") from None
+
+
+def check_fields(endpoint: Endpoint, data: dict[str, Any]) -> None:
+    """Refuse (400, naming it) every field of ``data`` that this server does not implement, unless it is at its
+    no-op value, and every field that neither OpenAI nor vLLM defines (a misspelt name would otherwise pass unseen).
+
+    Example:
+        >>> check_fields(COMPLETIONS, {"model": "m", "prompt": "x", "use_beam_search": True})
+        Traceback (most recent call last):
+        ...
+        pagedcore.serve.protocol.ApiError: use_beam_search is not supported by this server (got True): beam search ...
+    """
+    rules = rules_for(endpoint)
+    for name, value in data.items():
+        rule = rules.get(name)
+        if rule is None:
+            why = "it is a field of the other endpoint" if name in FIELDS else "neither OpenAI nor vLLM defines it"
+            raise ApiError(400, f"{name} is not a field of {endpoint} requests ({why})", param=name)
+        if not rule.accepts(value):
+            message = f"{name} is not supported by this server (got {_brief(value)}): {rule.note}"
+            raise ApiError(400, message, param=name)
 
 
 def _check_lengths(data: dict[str, Any], max_tokens: int | None) -> None:
@@ -269,16 +420,41 @@ def sampling_params(request: _Request, max_new_tokens: int) -> SamplingParams:
         "top_p": 1.0 if request.top_p is None else request.top_p,
         "n": 1 if request.n is None else request.n,
         "seed": request.seed,
+        "stop_strings": stop_strings(request),
+        "include_stop_str_in_output": bool(request.include_stop_str_in_output),
     }
+    if request.seed is not None and not _INT64[0] <= request.seed <= _INT64[1]:
+        raise ApiError(400, f"seed must be in vLLM's range -2**63..2**63-1, got {request.seed}", param="seed")
     if request.top_k is not None:
-        kwargs["top_k"] = request.top_k
+        kwargs["top_k"] = 0 if request.top_k == -1 else request.top_k  # vLLM's -1: every token
+    if request.min_tokens is not None:
+        kwargs["min_new_tokens"] = request.min_tokens
+    kwargs.update(_controls(request))
     try:
         return SamplingParams(**kwargs)
     except InvalidRequestError as exc:  # the engine owns the ranges; name the field as the client knows it
-        word = str(exc).split(" ", 1)[0]
+        word = re.match(r"[a-z_]*", str(exc)).group(0)  # type: ignore[union-attr]  # "logit_bias[5] must be ..."
         name = _PARAM_NAMES.get(word)
         message = str(exc) if name is None or name == word else f"{name}{str(exc)[len(word) :]}"
         raise ApiError(400, message, param=name) from exc
+
+
+def _controls(request: _Request) -> dict[str, Any]:
+    """vLLM's sampling controls and log-probabilities, as :class:`SamplingParams` fields (absent ones left out)."""
+    given = {name: getattr(request, name) for name in _CONTROLS if getattr(request, name) is not None}
+    if "logit_bias" in given:
+        bias: dict[int, float] = {}
+        for key, value in given["logit_bias"].items():
+            if not key.lstrip("-").isdigit():
+                raise ApiError(400, f"logit_bias keys must be token ids, got {_brief(key)}", param="logit_bias")
+            bias[int(key)] = value
+        given["logit_bias"] = bias
+    k = request.top_logprobs_k
+    if k is not None:
+        given["logprobs"] = k
+    if request.echo and k is not None and isinstance(request, CompletionRequest):
+        given.setdefault("prompt_logprobs", k)  # the echoed prompt's tokens carry theirs (vLLM)
+    return given
 
 
 def stop_strings(request: _Request) -> tuple[str, ...]:
@@ -300,14 +476,6 @@ def stop_strings(request: _Request) -> tuple[str, ...]:
 def _brief(value: Any) -> str:
     """A short repr of a client's value for a message (never the whole of a huge or deeply nested one)."""
     return reprlib.repr(value)
-
-
-def _same(value: Any, allowed: Any) -> bool:
-    if allowed is None or isinstance(allowed, bool) or isinstance(value, bool):
-        return value is allowed
-    if isinstance(allowed, (int, float)):
-        return isinstance(value, (int, float)) and value == allowed
-    return bool(value == allowed)
 
 
 def _from_validation(exc: ValidationError) -> ApiError:

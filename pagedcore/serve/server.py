@@ -1,11 +1,15 @@
 """Running the app with uvicorn: in the foreground (the command line) or on a background thread (tests, benchmarks).
 
-On shutdown the engine loop is stopped *before* uvicorn waits for open connections, so requests still running
-end at once with an error (503 or an error event in the stream) instead of holding the server up.
+Shutting down (SIGTERM, Ctrl-C) with a ``shutdown_timeout`` drains first: the app stops admitting (new requests get
+503 with ``Retry-After``, ``/health`` says 503) while the listening socket stays open, and the requests being answered
+get up to ``shutdown_timeout`` seconds to finish. Then the engine loop is stopped *before* uvicorn waits for open
+connections, so requests still running end at once with an error (503 or an error event in the stream) instead of
+holding the server up.
 """
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import threading
 import time
@@ -13,23 +17,66 @@ from typing import Any
 
 import uvicorn
 
+from .admission import Admission
 from .loop import EngineLoop
 
-__all__ = ["BackgroundServer", "make_server"]
+__all__ = ["BackgroundServer", "bind", "make_server"]
 
 
 class _Server(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, loop: EngineLoop) -> None:
+    def __init__(
+        self, config: uvicorn.Config, loop: EngineLoop, admission: Admission | None, shutdown_timeout: float
+    ) -> None:
         super().__init__(config)
         self._engine_loop = loop
+        self._admission = admission
+        self._shutdown_timeout = shutdown_timeout
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-        self._engine_loop.stop(wait=False)  # pending requests get their error now
+        if self._admission is not None and self._shutdown_timeout > 0:
+            await self._drain(self._admission)
+        self._engine_loop.stop(wait=False)  # what is still running gets its error now
         await super().shutdown(sockets)
 
+    async def _drain(self, admission: Admission) -> None:
+        """Stop admitting; wait for the admitted requests (a second signal, ``force_exit``, stops waiting)."""
+        admission.close()
+        deadline = time.monotonic() + self._shutdown_timeout
+        while admission.active and time.monotonic() < deadline and not self.force_exit:
+            await asyncio.sleep(0.05)
 
-def make_server(app: Any, loop: EngineLoop, *, host: str = "127.0.0.1", port: int = 8000, **config: Any) -> Any:
-    """A ``uvicorn.Server`` for ``app`` that stops ``loop`` when it shuts down (``run()`` it in the foreground).
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port`` (port 0: a free one; ``getsockname()`` says which).
+
+    Example:
+        >>> sock = bind("127.0.0.1", 0)
+        >>> sock.getsockname()[1] > 0
+        True
+        >>> sock.close()
+    """
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def make_server(
+    app: Any,
+    loop: EngineLoop,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    shutdown_timeout: float = 0.0,
+    **config: Any,
+) -> Any:
+    """A ``uvicorn.Server`` for ``app`` that stops ``loop`` when it shuts down (``run()`` it in the foreground),
+    after draining for up to ``shutdown_timeout`` seconds (0: no drain; needs the app of
+    :func:`~pagedcore.serve.app.create_app`, whose admission it closes).
 
     ``config`` goes to ``uvicorn.Config`` (default: ``log_level="warning"``, 5 s of graceful shutdown).
 
@@ -45,7 +92,9 @@ def make_server(app: Any, loop: EngineLoop, *, host: str = "127.0.0.1", port: in
     """
     config.setdefault("log_level", "warning")
     config.setdefault("timeout_graceful_shutdown", 5)
-    return _Server(uvicorn.Config(app, host=host, port=port, **config), loop)
+    serve = getattr(getattr(app, "state", None), "serve", None)
+    admission = getattr(serve, "admission", None)
+    return _Server(uvicorn.Config(app, host=host, port=port, **config), loop, admission, shutdown_timeout)
 
 
 class BackgroundServer:
@@ -77,9 +126,7 @@ class BackgroundServer:
     ) -> None:
         self._loop = loop
         self._start_loop = start_loop
-        self._socket = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._socket.bind((host, port))
+        self._socket = bind(host, port)
         self.host = host
         self.port: int = self._socket.getsockname()[1]
         self._server = make_server(app, loop, host=host, port=self.port)

@@ -2,16 +2,16 @@
 includes. A new group (e.g. tokenization) is a module here with a ``router`` and one line in :data:`ROUTERS`.
 
 Example:
-    >>> sorted(route.path for router in ROUTERS for route in router.routes)[:2]
-    ['/health', '/metrics']
+    >>> sorted({route.path for router in ROUTERS for route in router.routes})[:3]
+    ['/detokenize', '/health', '/metrics']
 """
 
 from __future__ import annotations
 
 from fastapi import APIRouter
 
-from . import chat, completions, health, models
+from . import chat, completions, health, models, tokenize
 
 __all__ = ["ROUTERS"]
 
-ROUTERS: tuple[APIRouter, ...] = (health.router, models.router, completions.router, chat.router)
+ROUTERS: tuple[APIRouter, ...] = (health.router, models.router, completions.router, chat.router, tokenize.router)

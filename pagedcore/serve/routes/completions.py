@@ -7,17 +7,16 @@ Example:
 
 from __future__ import annotations
 
-import time
-import uuid
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from ..context import Context
+from ..answers import AnswerOptions
+from ..context import Context, ServeContext
 from ..openapi import ERROR_RESPONSES, json_body
-from ..pipeline import Generation, answer, off_loop, read_request
+from ..pipeline import Generation, answer, fit_prompts, namespace_of, off_loop, read_request, shape_of
 from ..protocol import CompletionRequest, sampling_params
-from ..responses import Shape
 
 __all__ = ["DEFAULT_COMPLETION_MAX_TOKENS", "router"]
 
@@ -32,6 +31,44 @@ async def completions(request: Request, ctx: Context) -> Response:
     tenant, body = await read_request(ctx, request, CompletionRequest)
     max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
     params = sampling_params(body, max_tokens)
-    prompts = await off_loop(ctx.encoder.completion, body.prompt)
-    shape = Shape(False, f"cmpl-{uuid.uuid4().hex}", int(time.time()), ctx.model_name)
-    return await answer(ctx, request, Generation.of(body, prompts, params, tenant), shape)
+    add_special = body.add_special_tokens is not False
+    encoded = await off_loop(ctx.encoder.completion, body.prompt, add_special_tokens=add_special)
+    prompts = fit_prompts(ctx, body, encoded, max_tokens)
+    options = await off_loop(_options, ctx, body, encoded, prompts)
+    shape = shape_of(ctx, body, False, options)
+    generation = Generation(prompts, params, namespace_of(tenant, body.cache_salt), bool(body.stream))
+    return await answer(ctx, request, generation, shape)
+
+
+def _options(ctx: ServeContext, body: Any, encoded: list[Any], prompts: list[Any]) -> AnswerOptions:
+    """What the answer shows beside the text: the prompts' text with ``echo`` (as given, or decoded from the
+    token ids that were sent or kept), their ids with ``return_token_ids``, log-probabilities with ``logprobs`` (the
+    echoed prompt's first) and ``prompt_logprobs``."""
+    echo: tuple[str, ...] = ()
+    if body.echo:
+        texts = (
+            body.prompt if isinstance(body.prompt, list) and body.prompt and isinstance(body.prompt[0], str) else None
+        )
+        if isinstance(body.prompt, str):
+            texts = [body.prompt]
+        echo = tuple(
+            texts[i] if texts is not None and kept is original else _text(ctx, kept)
+            for i, (original, kept) in enumerate(zip(encoded, prompts))
+        )
+    ids = tuple(tuple(p) for p in prompts if not isinstance(p, str)) or None
+    usage = body.stream_options
+    return AnswerOptions(
+        echo=echo,
+        prompt_token_ids=ids,
+        return_token_ids=bool(body.return_token_ids),
+        include_usage=bool(usage and usage.include_usage),
+        continuous_usage=bool(usage and usage.continuous_usage_stats),
+        logprobs=body.logprobs,
+        echo_logprobs=bool(body.echo) and body.logprobs is not None,
+        prompt_logprobs=body.prompt_logprobs is not None,
+        format=ctx.logprob_format(bool(body.return_tokens_as_token_ids)),
+    )
+
+
+def _text(ctx: ServeContext, prompt: str | list[int]) -> str:
+    return prompt if isinstance(prompt, str) else ctx.encoder.decode(prompt)

@@ -23,9 +23,9 @@ _ERRORS: dict[int | str, dict[str, Any]] = {status: ERROR_RESPONSES[status] for 
 
 @router.get("/v1/models", responses=_ERRORS)
 async def list_models(request: Request, ctx: Context) -> Response:
-    """The served model, as a list."""
+    """The served model, once per name it is served under."""
     ctx.authorize(request)
-    return JSONResponse({"object": "list", "data": [ctx.model_card()]})
+    return JSONResponse({"object": "list", "data": [ctx.model_card(name) for name in ctx.model_names]})
 
 
 @router.get("/v1/models/{model_id:path}", responses=_ERRORS)
@@ -33,4 +33,4 @@ async def retrieve_model(model_id: str, request: Request, ctx: Context) -> Respo
     """The served model, or 404 for any other name."""
     ctx.authorize(request)
     ctx.check_model(model_id)
-    return JSONResponse(ctx.model_card())
+    return JSONResponse(ctx.model_card(model_id))
