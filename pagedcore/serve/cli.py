@@ -50,6 +50,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=64, help="sequences running at once")
     parser.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens computed per step")
     parser.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="decode steps as a compiled graph (Engine(compile=True)); --no-compile: eager; default: auto (on CUDA)",
+    )
+    parser.add_argument(
         "--max-queue", type=int, default=512, help="waiting requests before new ones get 429 (>= 1, default 512)"
     )
     _add_limits(parser)
@@ -151,6 +157,7 @@ def _build(args: argparse.Namespace, error: type[Exception]) -> tuple[Any, Any, 
         block_size=args.block_size,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        compile="auto" if args.compile is None else args.compile,
     )
     loop = EngineLoop(engine, max_queue=args.max_queue)
     app = create_app(loop, model_name=args.served_model_name or name, api_keys=api_keys, limits=body_limits(args))
