@@ -160,16 +160,29 @@ def test_one_captured_graph_per_bucket(monkeypatch):
 
 
 @pytest.mark.slow
-def test_inductor_500_steps_compile_once_per_bucket_and_match_eager():
-    torch._dynamo.reset()
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_500_steps_of_varying_batch_and_growing_contexts_compile_once_per_bucket(backend, monkeypatch):
+    monkeypatch.setattr(compiled_module, "BACKEND", backend)
     model = tiny_model("llama")
-    prompts = [[5 + (i * 7 + j) % 90 for j in range(3 + (i * 5) % 20)] for i in range(12)]
-    lengths = [20 + (i * 37) % 80 for i in range(12)]  # batch shrinks as requests finish; contexts grow to ~120
+    prompts = [[5 + (i * 7 + j) % 90 for j in range(3 + (i * 5) % 20)] for i in range(20)]
+    lengths = [60 + (i * 37) % 100 for i in range(20)]  # the batch varies as requests finish and join
     params = [SamplingParams(max_new_tokens=n, return_logits=True) for n in lengths]
-    sizing = {"num_blocks": 512, "block_size": 4, "max_num_seqs": 8}
+    sizing = {"num_blocks": 512, "block_size": 16, "max_num_seqs": 4}  # contexts grow to 180 tokens: 12 blocks
     reference, _ = run(model, False, prompts=prompts, params=params, **sizing)
     outputs, stats = run(model, True, prompts=prompts, params=params, **sizing)
-    assert stats.num_steps >= 100 and stats.compiled_steps > 0.9 * stats.num_steps
+    assert stats.num_steps >= 500 and stats.compiled_steps > 0.9 * stats.num_steps
     assert stats.compile_failures == 0 and stats.recompilations == 0
-    assert stats.compiled_graphs == stats.compiled_buckets <= 4 * 6
+    assert stats.compiled_graphs == stats.compiled_buckets <= 3 * 3  # rows 1, 2, 4; widths 4, 8, 16
+    assert_same(outputs, reference)
+
+
+@pytest.mark.slow
+def test_inductor_graph_matches_eager_within_1e_4(monkeypatch):
+    monkeypatch.setattr(compiled_module, "BACKEND", "inductor")
+    model = tiny_model("llama")
+    prompts = [PROMPTS[0], PROMPTS[2]]  # one bucket, as in test_one_captured_graph_per_bucket
+    params = SamplingParams(max_new_tokens=8, return_logits=True)
+    reference, _ = run(model, False, prompts=prompts, params=params, block_size=8)
+    outputs, stats = run(model, True, prompts=prompts, params=params, block_size=8)
+    assert stats.compile_failures == 0 and stats.compiled_steps == 7 and stats.compiled_graphs == 1
     assert_same(outputs, reference)

@@ -9,7 +9,8 @@ Prefill and mixed steps stay eager.
 - :class:`DecodeInputs`: one decode step's tensors, bucketed, built from the eager :class:`~.step_batch.StepBatch`
   (:meth:`DecodeInputs.from_batch`): token ids, positions, and per KV group the block tables, the new tokens' slots
   and the position of each table's first key. Padding rows are token 0 at position 0 over the pad block; their
-  keys are written to the pad block, which is zeroed again in the same layer, and their logits are dropped.
+  keys are written to the pad block, which is zeroed again in the same op (:func:`store_kv`, one in-place custom op:
+  a write through a view of the pool would be functionalized into a copy of the whole pool), and their logits dropped.
 - :class:`DecodeAttention`: the layers' attention in that graph (``paged_attention_forward`` hands it every layer's
   call): write the new keys and values to their slots, gather each row's blocks, attend under the causal (and
   window) mask of its position: the torch backend's arithmetic on fixed shapes.
@@ -36,11 +37,43 @@ from .attention import CONTEXT_KEY, StepAttention
 from .pool import PagedKVPool
 from .step_batch import PackedCache, StepBatch
 
-__all__ = ["CompileCounts", "CompiledDecode", "DecodeAttention", "DecodeInputs", "bucket", "resolve_compile"]
+__all__ = [
+    "CompileCounts",
+    "CompiledDecode",
+    "DecodeAttention",
+    "DecodeInputs",
+    "bucket",
+    "resolve_compile",
+    "store_kv",
+]
 
 MIN_WIDTH = 4  # the narrowest table bucket, in blocks: short contexts share one graph
 BACKEND: str | None = "inductor"  # an Engine's CompiledDecode backend (tests set "eager" or None: see CompiledDecode)
 RECOMPILE_LIMIT = 256  # dynamo's per-function graph limit while a CompiledDecode compiles (its default is 8)
+
+
+@torch.library.custom_op("pagedcore::store_kv", mutates_args=("key_cache", "value_cache"))
+def store_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+             slots: torch.Tensor, pad_block: int) -> None:  # fmt: skip
+    """Write ``key``/``value`` ``(rows, kv_heads, dim)`` to their ``slots``, then zero the pad block again (padding
+    rows wrote there). One op that mutates the pool in place: a graph that wrote through views of the pool would be
+    functionalized into a copy of every layer's whole pool per step.
+
+    Example:
+        >>> kc, vc = torch.zeros(3, 2, 1, 1), torch.zeros(3, 2, 1, 1)
+        >>> store_kv(kc, vc, torch.ones(2, 1, 1), torch.ones(2, 1, 1), torch.tensor([1, 4]), pad_block=2)
+        >>> kc.flatten().tolist()   # slot 4 is in the pad block: zeroed again
+        [0.0, 1.0, 0.0, 0.0, 0.0, 0.0]
+    """
+    write_kv(key_cache, value_cache, key, value, slots)
+    key_cache[pad_block].zero_()
+    value_cache[pad_block].zero_()
+
+
+@store_kv.register_fake
+def _store_kv_shapes(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     slots: torch.Tensor, pad_block: int) -> None:  # fmt: skip
+    return None
 
 
 def bucket(n: int, minimum: int = 1) -> int:
@@ -150,10 +183,8 @@ class DecodeAttention(StepAttention):
         key_cache, value_cache = tensors
         group = self.pool.group_of(layer_idx)
         window = self.pool.kv.groups[group].sliding_window  # the group's kind, as the eager metadata says it
-        write_kv(key_cache, value_cache, key[0].transpose(0, 1), value[0].transpose(0, 1), self.slots[group])
-        pad = self.pool.pad_block  # padding rows wrote there: the always-zero block is zero again
-        key_cache[pad].zero_()
-        value_cache[pad].zero_()
+        new_keys, new_values = key[0].transpose(0, 1).contiguous(), value[0].transpose(0, 1).contiguous()
+        store_kv(key_cache, value_cache, new_keys, new_values, self.slots[group], self.pool.pad_block)
         tables, starts = self.tables[group], self.starts[group]
         k, v = gather_blocks(key_cache, tables), gather_blocks(value_cache, tables)
         key_pos = starts[:, None] + torch.arange(k.shape[2], device=k.device)[None, :]
