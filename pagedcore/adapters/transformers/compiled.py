@@ -134,9 +134,12 @@ class DecodeInputs:
 
     @staticmethod
     def is_decode(batch: StepBatch) -> bool:
-        """Whether every scheduled sequence computes exactly one token and samples it."""
+        """Whether every scheduled sequence computes exactly one token and samples it (and no prompt token's
+        logits are asked for: ``prompt_logprobs``)."""
         scheduled = batch.plan.scheduled
-        return bool(scheduled) and all(item.num_new_tokens == 1 and item.sample for item in scheduled)
+        if not scheduled or batch.prompt_rows:
+            return False
+        return all(item.num_new_tokens == 1 and item.sample for item in scheduled)
 
     @classmethod
     def from_batch(cls, batch: StepBatch, pool: PagedKVPool, device: torch.device) -> DecodeInputs:
