@@ -168,7 +168,24 @@ def rows_pad(count: int) -> Callable[[int], torch.Tensor]:
 @dataclass
 class DecodeAttention(StepAttention):
     """Every layer's attention in a compiled decode step (see the module docstring): the pool, the step's
-    positions and each KV group's tables, slots and first-key positions."""
+    positions and each KV group's tables, slots and first-key positions.
+
+    Example:
+        One row at position 0 in block 0 of a 4-block pool (block 4 is the pad block): it sees its own key alone.
+
+        >>> from pagedcore.adapters.transformers.testing import tiny_llama
+        >>> model = tiny_llama()
+        >>> pool = PagedKVPool(model, num_blocks=4, block_size=4)
+        >>> config = model.config
+        >>> kv, dim = config.num_key_value_heads, config.hidden_size // config.num_attention_heads
+        >>> new = torch.full((1, kv, 1, dim), 2.0)
+        >>> _ = pool.layer_kv(0, new[0].transpose(0, 1), new[0].transpose(0, 1))   # the layer's pool tensors
+        >>> one = torch.tensor([0])
+        >>> attention = DecodeAttention(pool, one, [torch.tensor([[0, 4, 4, 4]])], [one], [one])
+        >>> out = attention.attend(0, torch.ones(1, config.num_attention_heads, 1, dim), new, new, 1.0, None, None)
+        >>> out.shape[:3], bool((out == 2.0).all()), pool.layer_tensors(0)[0][0, 0].eq(2.0).all().item()
+        (torch.Size([1, 1, 4]), True, True)
+    """
 
     pool: PagedKVPool
     positions: torch.Tensor
