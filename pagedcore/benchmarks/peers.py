@@ -5,9 +5,10 @@
   one). The single-sequence benchmarks (prefix, cold, memory, decode) time these.
 - :class:`Peer`: a way of serving a :class:`Batch` of greedy requests: ``generate`` one request at a time
   (:class:`OneAtATime`), ``generate`` on the left-padded batch (:class:`PaddedBatch`), transformers' continuous
-  batching (:class:`ContinuousBatching`), the pagedcore Engine (:class:`EnginePeer`). A peer opens a session (a
-  server's lifetime: an Engine, a manager's thread) whose ``serve(batch)`` returns :class:`Served`: each request's
-  tokens and completion time, and the peer's own counters. A new peer is one more such class.
+  batching (:class:`ContinuousBatching`), the pagedcore Engine (:class:`EnginePeer`), CTranslate2's ``Generator`` in
+  a worker process of its own (:class:`CTranslate2Peer`, on the model converted by its converter). A peer opens a
+  session (a server's lifetime: an Engine, a manager's thread) whose ``serve(batch)`` returns :class:`Served`: each
+  request's tokens and completion time, and the peer's own counters. A new peer is one more such class.
 - :func:`measure`: a peer warmed up, then served once, timed from before its session opens (an Engine or a manager
   created inside the timed run, as a server would) to its last completion, the positions its forwards compute
   counted; :func:`compare`: the equality check, each peer's greedy tokens against the reference's, request by
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -29,10 +31,12 @@ from transformers import DynamicCache, GenerationConfig, PreTrainedModel, Static
 from pagedcore.adapters.transformers import Engine, PagedCache, PagedKVPool, SamplingParams
 
 from .common import BLOCK_SIZE, PAD, attn, cache_tensor_bytes, counting, generate, greedy, left_padded
+from .ct2 import TUNED_MALLOC, Worker
 from .runner import Runner, clock
 
 __all__ = [
     "Batch",
+    "CTranslate2Peer",
     "CacheKind",
     "ContinuousBatching",
     "EnginePeer",
@@ -158,6 +162,7 @@ class Served:
         peak_kv_bytes: KV memory at the peak, as ``kv_how`` says.
         steps: the peer's steps, where it counts them.
         note: anything the reader needs to interpret its figures.
+        first_tokens: per request, ``time.perf_counter()`` when its first token was generated (None: not stamped).
 
     Example:
         >>> Served([[1, 2]], finished=[3.0], ended=3.0, decode_positions=1).tokens
@@ -174,6 +179,7 @@ class Served:
     kv_how: str = ""
     steps: int | None = None
     note: str = ""
+    first_tokens: list[float] | None = None
 
 
 Serve = Callable[[Batch], Served]
@@ -442,6 +448,7 @@ class _EngineSession:
         return Served(
             tokens=[list(o.token_ids) for o in outputs],
             finished=[o.metrics.finish_time or ended for o in outputs],
+            first_tokens=[o.metrics.first_token_time or ended for o in outputs],
             ended=ended,
             prefill=prefill,
             decode_positions=_decodes(batch),
@@ -452,6 +459,76 @@ class _EngineSession:
                 f"{stats.num_steps} steps, {stats.num_preemptions} preemptions, prefix hits "
                 f"{stats.prefix_hit_tokens} of {stats.prefix_query_tokens} looked-up prompt tokens"
             ),
+        )
+
+
+@dataclass(frozen=True)
+class CTranslate2Peer:
+    """CTranslate2's ``Generator`` on ``model_dir`` (the model converted with its converter:
+    :func:`~pagedcore.benchmarks.ct2.convert_model`), one worker process per session
+    (:class:`~pagedcore.benchmarks.ct2.Worker`): ``compute_type`` ``"float32"`` or ``"int8"`` (weights quantized as
+    they load), ``threads`` intra-op threads, glibc's malloc tuned with ``malloc`` (None: glibc's defaults).
+
+    Each serve is one greedy ``generate_batch`` call (eos ignored, the prompts forwarded at once, each request stopped
+    at its own ``max_new_tokens``); with ``static_prompt``, a batch of several prompts that share a prefix passes it
+    as ``static_prompt``, which the Generator computes once and caches for the session, as the Engine's prefix cache
+    does. Times: the wall from sending the request to its reply, in this process; first and last tokens as the
+    worker stamped them, counted from the request's sending (the worker receives it well under a millisecond later).
+
+    Example:
+        >>> CTranslate2Peer("ct2-model").shared_prefix(Batch([[5, 6, 7, 8], [5, 6, 9]], [2, 2]))   # at most len - 1
+        2
+        >>> CTranslate2Peer("ct2-model").shared_prefix(Batch([[5, 6, 7]], [2]))   # one prompt: nothing to share
+        0
+        >>> from pagedcore.benchmarks.common import bench_model
+        >>> from pagedcore.benchmarks.ct2 import convert_model
+        >>> model = bench_model(size="tiny")
+        >>> peer = CTranslate2Peer(convert_model(model, "/tmp/ct2-tiny"), threads=1)  # doctest: +SKIP
+        >>> with peer.session(model) as serve:  # doctest: +SKIP
+        ...     [len(t) for t in serve(Batch([[5, 6, 7], [8, 9, 10]], [3, 2])).tokens]
+        [3, 2]
+    """
+
+    model_dir: str | os.PathLike[str]
+    compute_type: str = "float32"
+    threads: int = 2
+    malloc: tuple[tuple[str, str], ...] | None = tuple(TUNED_MALLOC.items())
+    static_prompt: bool = True
+    name: str = "CTranslate2"
+
+    @contextlib.contextmanager
+    def session(self, model: PreTrainedModel) -> Iterator[Serve]:
+        """A worker process for the block, serving ``model`` as converted into ``model_dir``."""
+        malloc = None if self.malloc is None else dict(self.malloc)
+        with Worker(self.model_dir, self.compute_type, self.threads, malloc) as worker:
+            yield lambda batch: self.serve(worker, batch)
+
+    def shared_prefix(self, batch: Batch) -> int:
+        """Tokens passed as ``static_prompt``: the prompts' common prefix when there are several (each keeps at
+        least one token of its own), else 0."""
+        if not self.static_prompt or batch.size < 2:
+            return 0
+        first, limit = batch.prompts[0], min(len(p) for p in batch.prompts) - 1
+        n = 0
+        while n < limit and all(p[n] == first[n] for p in batch.prompts):
+            n += 1
+        return n
+
+    def serve(self, worker: Worker, batch: Batch) -> Served:
+        """One ``generate_batch`` call on the worker."""
+        shared = self.shared_prefix(batch)
+        sent = time.perf_counter()
+        reply = worker.generate([p[shared:] for p in batch.prompts], batch.new_tokens, batch.prompts[0][:shared])
+        ended = time.perf_counter()
+        return Served(
+            tokens=reply.tokens,
+            finished=[sent + t for t in reply.last],
+            first_tokens=[sent + t for t in reply.first],
+            ended=ended,
+            decode_positions=_decodes(batch),
+            note=f"generate_batch took {reply.seconds:.3f} s of the {ended - sent:.3f} s wall"
+            + (f"; static_prompt: the {shared} shared tokens" if shared else "")
+            + f"; malloc settings in the worker: {' '.join(f'{k}={v}' for k, v in worker.malloc.items()) or 'none'}",
         )
 
 

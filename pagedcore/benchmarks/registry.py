@@ -34,7 +34,7 @@ class Benchmark:
         >>> BENCHMARKS["core"].uses_model, BENCHMARKS["engine"].chart_rank
         (False, 0)
         >>> list(BENCHMARKS)
-        ['prefix', 'cold', 'memory', 'engine', 'core', 'decode', 'chat', 'host', 'scaling']
+        ['prefix', 'cold', 'memory', 'engine', 'core', 'decode', 'chat', 'host', 'scaling', 'peers']
     """
 
     name: str
@@ -62,5 +62,6 @@ BENCHMARKS: dict[str, Benchmark] = {
         Benchmark("chat", "chat", "multi-turn chat: Engine (prefix cache across turns) vs the padded batch per turn"),
         Benchmark("host", "host", "host time per decode step outside the forward: Engine vs transformers' manager"),
         Benchmark("scaling", "scaling", "Engine throughput, host share and KV memory as requests and prompts grow"),
+        Benchmark("peers", "native", "the native CPU engine: Engine vs CTranslate2 (fp32 tuned/default malloc, int8)"),
     )
 }

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from pagedcore.attention import PagedAttentionMetadata, contiguous_start, eager_attention
 from pagedcore.hookspecs import hookimpl
 
-__all__ = ["TorchPagedAttention", "pagedcore_attention_backend"]
+__all__ = ["TorchPagedAttention", "attend_rows", "gather_blocks", "pagedcore_attention_backend"]
 
 
 @dataclass
@@ -76,17 +76,17 @@ class TorchPagedAttention:
             k = key_cache.view(-1, *key_cache.shape[2:])[start : start + length].transpose(0, 1).unsqueeze(0)
             v = value_cache.view(-1, *value_cache.shape[2:])[start : start + length].transpose(0, 1).unsqueeze(0)
             q = query.transpose(0, 1).unsqueeze(0)  # (1, q_heads, q_len, d)
-            return _attend(q, k, v, mask, scale, softcap)[0].transpose(0, 1)
+            return attend_rows(q, k, v, mask, scale, softcap)[0].transpose(0, 1)
         num_tokens, q_heads, _ = query.shape
         out = query.new_zeros(num_tokens, q_heads, value_cache.shape[-1])
         padded_query = torch.cat([query, query.new_zeros(1, *query.shape[1:])])  # row num_tokens = padding
         for bucket in self._buckets(metadata, query.device):
             q = padded_query.index_select(0, bucket.query_index.reshape(-1))
             q = q.view(*bucket.query_index.shape, *query.shape[1:]).transpose(1, 2)  # (n, q_heads, max_q, d)
-            k = _gather(key_cache, bucket.blocks)  # (n, kv_heads, keys, d)
-            v = _gather(value_cache, bucket.blocks)
+            k = gather_blocks(key_cache, bucket.blocks)  # (n, kv_heads, keys, d)
+            v = gather_blocks(value_cache, bucket.blocks)
             if bucket.shared is None:
-                o = _attend(q, k, v, bucket.mask, scale, softcap)  # (n, q_heads, max_q, dv)
+                o = attend_rows(q, k, v, bucket.mask, scale, softcap)  # (n, q_heads, max_q, dv)
                 o = o.transpose(1, 2).reshape(-1, q_heads, o.shape[-1])[bucket.valid]
             else:
                 rows = query.index_select(0, bucket.out_index)  # the real queries, unpadded
@@ -224,8 +224,8 @@ def _cascade(
         kp = key_cache.view(-1, *key_cache.shape[2:])[shared.start : shared.start + shared.length]
         vp = value_cache.view(-1, *value_cache.shape[2:])[shared.start : shared.start + shared.length]
     else:
-        kp = _gather(key_cache, shared.blocks[None]).transpose(1, 2)[0]  # (shared, kv_heads, d)
-        vp = _gather(value_cache, shared.blocks[None]).transpose(1, 2)[0]
+        kp = gather_blocks(key_cache, shared.blocks[None]).transpose(1, 2)[0]  # (shared, kv_heads, d)
+        vp = gather_blocks(value_cache, shared.blocks[None]).transpose(1, 2)[0]
 
     # Prefix part: (kv_heads, R * groups, d) @ (kv_heads, d, shared) in one matmul per KV head.
     qp = (rows.to(work) * scale).view(num_rows, kv_heads, groups, dim).transpose(0, 1)
@@ -289,9 +289,15 @@ def _contiguous_run(meta: PagedAttentionMetadata, device: torch.device) -> tuple
     return slot, length, mask
 
 
-def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     """``(n, heads, width * block_size, dim)``: the blocks ``(n, width)`` of each row, one after the other.
-    (``index_select`` over whole blocks: several times faster than advanced indexing on CPU.)"""
+    (``index_select`` over whole blocks: several times faster than advanced indexing on CPU.)
+
+    Example:
+        >>> cache = torch.arange(12.0).view(3, 2, 1, 2)   # 3 blocks of 2 slots, 1 head, dim 2
+        >>> gather_blocks(cache, torch.tensor([[2, 0]]))[0, 0].tolist()
+        [[8.0, 9.0], [10.0, 11.0], [0.0, 1.0], [2.0, 3.0]]
+    """
     n, width = blocks.shape
     num_blocks, bs, heads, dim = cache.shape
     if cache.is_contiguous():  # the slot-major pool
@@ -303,7 +309,7 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     return picked.view(heads, n, width * bs, dim).transpose(0, 1)
 
 
-def _attend(
+def attend_rows(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float, softcap: float | None
 ) -> torch.Tensor:
     """Attention with a boolean mask (True = attend); no mask means every query sees every key.
@@ -316,7 +322,7 @@ def _attend(
     Example:
         >>> q, k, v = torch.randn(2, 8, 1, 16), torch.randn(2, 2, 5, 16), torch.randn(2, 2, 5, 16)
         >>> mask = torch.tensor([[True] * 5, [False, True, True, True, True]])[:, None, None, :]
-        >>> packed = _attend(q, k, v, mask, 0.25, None)
+        >>> packed = attend_rows(q, k, v, mask, 0.25, None)
         >>> plain = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.25, enable_gqa=True)
         >>> packed.shape, torch.allclose(packed, plain, atol=1e-6)
         (torch.Size([2, 8, 1, 16]), True)

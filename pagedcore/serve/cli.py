@@ -101,6 +101,12 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
         help="reuse cached prompt prefixes (default: on)",
     )
     parser.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="decode steps as a compiled graph (Engine(compile=True)); --no-compile: eager; default: auto (on CUDA)",
+    )
+    parser.add_argument(
         "--max-queue", type=int, default=512, help="waiting requests before new ones get 429 (>= 1, default 512)"
     )
 
@@ -220,6 +226,7 @@ def _build(args: argparse.Namespace, error: type[Exception]) -> tuple[Any, Any, 
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=args.enable_prefix_caching,
         max_logprobs=args.max_logprobs,
+        compile="auto" if args.compile is None else args.compile,
     )
     loop = EngineLoop(engine, max_queue=args.max_queue)
     names = args.served_model_name or [name]

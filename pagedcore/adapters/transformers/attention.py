@@ -31,7 +31,7 @@ from pagedcore.errors import UnsupportedModelError
 if TYPE_CHECKING:
     from .pool import PagedKVPool
 
-__all__ = ["CONTEXT_KEY", "WEIGHTS_KEY", "ForwardContext", "paged_attention_forward", "register"]
+__all__ = ["CONTEXT_KEY", "WEIGHTS_KEY", "ForwardContext", "StepAttention", "paged_attention_forward", "register"]
 
 ATTN_IMPLEMENTATION = "paged"
 CONTEXT_KEY = "pagedcore_forward"
@@ -40,6 +40,30 @@ CONTEXT_KEY = "pagedcore_forward"
 WEIGHTS_KEY = "pagedcore_attention_weights"
 _OWN_KEYS = (CONTEXT_KEY, WEIGHTS_KEY)
 _LOGGER = logging.get_logger(__name__)
+
+
+class StepAttention:
+    """A forward's attention computed by the context itself (the Engine's compiled decode step,
+    :class:`~pagedcore.adapters.transformers.compiled.DecodeAttention`): ``paged_attention_forward`` hands it each
+    layer's query and new keys and values, and returns what :meth:`attend` returns.
+
+    Example:
+        >>> class Zeros(StepAttention):
+        ...     def attend(self, layer_idx, query, key, value, scale, softcap, sliding_window):
+        ...         return query.new_zeros(1, query.shape[2], query.shape[1], value.shape[-1])
+        >>> import torch
+        >>> layer = torch.nn.Module()
+        >>> layer.layer_idx = 0
+        >>> out, _ = paged_attention_forward(layer, torch.ones(1, 4, 2, 8), torch.ones(1, 2, 2, 8),
+        ...     torch.ones(1, 2, 2, 8), None, pagedcore_forward=Zeros())
+        >>> out.shape
+        torch.Size([1, 2, 4, 8])
+    """
+
+    def attend(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
+               softcap: float | None, sliding_window: int | None) -> torch.Tensor:  # fmt: skip
+        """``(1, q_len, heads, dim_v)``: the attention output of the layer's ``query (1, heads, q_len, dim)``."""
+        raise NotImplementedError
 
 
 @dataclass
@@ -172,7 +196,9 @@ def paged_attention_forward(
         raise UnsupportedModelError("paged attention is for inference: put the model in eval() mode")
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
-    ctx: ForwardContext | None = kwargs.get(CONTEXT_KEY)
+    ctx: ForwardContext | StepAttention | None = kwargs.get(CONTEXT_KEY)
+    if isinstance(ctx, StepAttention):
+        return ctx.attend(cast(int, module.layer_idx), query, key, value, scaling, softcap, sliding_window), None
     if kwargs.get("output_attentions") or kwargs.get(WEIGHTS_KEY):
         eager = _model_eager_attention(module)
         if eager is not None:  # the weights are asked for: the model's own eager attention over the gathered keys

@@ -28,6 +28,7 @@ aborted) is reported by the next ``step()`` / ``step_events()``, whatever other 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import itertools
 import logging
@@ -54,6 +55,7 @@ from pagedcore.validation import as_integer, integer
 from pagedcore.validation import token_ids as valid_token_ids
 
 from .attention import ATTN_IMPLEMENTATION, CONTEXT_KEY
+from .compiled import CompileCounts, CompiledDecode, DecodeInputs, resolve_compile
 from .detokenizer import DecodeError, IncrementalDetokenizer
 from .inputs import as_prompt_list, token_id_list
 from .locks import Locks
@@ -102,6 +104,10 @@ class Engine:
             :class:`~pagedcore.scheduler.SchedulerConfig`.
         max_logprobs: the most ``logprobs`` / ``prompt_logprobs`` a request may ask for (vLLM's default, 20; -1:
             no limit, so ``-1``, the whole vocabulary, is allowed).
+        compile: run decode-only steps as a compiled graph over power-of-two batch and context buckets
+            (:mod:`.compiled`; prefill and mixed steps stay eager): ``True``, ``False``, or ``"auto"`` (on CUDA, with
+            CUDA graphs; not on the CPU, where compiling each bucket costs seconds). ``stats()`` counts the graphs
+            compiled; a compiled step that fails (logged) turns compiling off for this Engine and runs eagerly.
 
     Generation parameters: either a :class:`SamplingParams` (or a dict of its fields), or ``model.generate``'s
     keyword arguments (``max_new_tokens``, ``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``min_p``,
@@ -147,7 +153,9 @@ class Engine:
         watermark: float = 0.01,
         scheduling_policy: str = "fair",
         max_logprobs: int = 20,
+        compile: bool | str = "auto",
     ) -> None:
+        compiling = resolve_compile(compile, model.get_input_embeddings().weight.device)
         pool = _pool_for(model, pool, num_blocks, memory_budget, block_size)
         self.model = model
         self.tokenizer = tokenizer
@@ -169,6 +177,8 @@ class Engine:
         self._added_vocab = _added_vocab(tokenizer)  # where a stop string that is a special token finds its id
         self._cache = PackedCache(pool)
         self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self._decode = CompiledDecode(model, pool) if compiling else None
+        self._decode_counts = CompileCounts()  # the counters of a compiled step turned off
         self._requests: dict[str, EngineRequest] = {}  # queued or running: not every sample has finished
         self._ready: list[tuple[object | None, RequestOutput]] = []  # (owner, output) finished, not yet reported
         self._events: list[tuple[object | None, TokenEvent]] = []  # (owner, event) not yet reported
@@ -365,6 +375,7 @@ class Engine:
         with self._lock:
             sched = self.scheduler.stats
             memory = self.pool.memory_stats()
+            counts = self._decode.counts if self._decode is not None else self._decode_counts
             return EngineStats(
                 num_requests=self._counts["requests"],
                 num_finished=self._counts["finished"],
@@ -380,8 +391,16 @@ class Engine:
                 kv_used_bytes=memory.used_bytes,
                 kv_peak_used_bytes=self._peak_bytes,
                 busy_seconds=self._busy,
-                **{f"{phase}_seconds": seconds for phase, seconds in self._phases.items()},
+                schedule_seconds=self._phases["schedule"],
+                prepare_seconds=self._phases["prepare"],
+                forward_seconds=self._phases["forward"],
+                sample_seconds=self._phases["sample"],
+                record_seconds=self._phases["record"],
                 kernel_failures=self._kernel_failures(),
+                compiled_steps=counts.steps,
+                compiled_graphs=counts.graphs,
+                compiled_buckets=counts.buckets,
+                compile_failures=counts.failures,
             )
 
     def reset_prefix_cache(self) -> int:
@@ -479,6 +498,10 @@ class Engine:
 
     def _forward(self, batch: StepBatch) -> torch.Tensor:
         device = self.model.get_input_embeddings().weight.device
+        if self._decode is not None and DecodeInputs.is_decode(batch):
+            logits = self._forward_compiled(self._decode, batch, device)
+            if logits is not None:
+                return logits
         self._cache.begin([meta.slot_mapping for meta in batch.context.metadata if meta is not None])
         kwargs: dict[str, Any] = {
             "input_ids": to_device(torch.tensor([batch.input_ids]), device),
@@ -495,6 +518,17 @@ class Engine:
         if not self._keeps_logits and keep:
             logits = logits[to_device(torch.tensor(keep), logits.device)]
         return logits.float()  # (len(batch.rows) + len(batch.prompt_rows), vocab)
+
+    def _forward_compiled(self, decode: CompiledDecode, batch: StepBatch, device: torch.device) -> torch.Tensor | None:
+        """The decode step's logits from the compiled graph; None (and compiling off from here on) if it failed: the
+        step then runs eagerly, rewriting the same slots."""
+        try:
+            return decode(DecodeInputs.from_batch(batch, self.pool, device)).float()
+        except Exception:
+            logger.exception("pagedcore: the compiled decode step failed; this Engine runs eagerly from here on")
+            self._decode_counts = dataclasses.replace(decode.counts, failures=1)  # kept for stats()
+            self._decode = None
+            return None
 
     def _sample(self, batch: StepBatch, logits: torch.Tensor | str) -> StepSamples:
         """sample, without the lock: the tokens of every row (a failed forward fails every scheduled sequence)."""

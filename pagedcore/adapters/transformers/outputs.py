@@ -255,6 +255,11 @@ class EngineStats:
             run when it returns: their tail is counted in ``sample_seconds``, which waits for the logits.
         kernel_failures: kernel calls of the attention backend that raised and fell back to the torch backend
             (the xformers backend counts them; 0 for backends that do not).
+        compiled_steps: decode steps run as the compiled graph (``Engine(compile=...)``; 0 when not compiling).
+        compiled_graphs / compiled_buckets: graphs compiled, and the distinct (batch, context) buckets the compiled
+            steps ran in: one graph per bucket, so ``compiled_graphs - compiled_buckets`` are recompilations.
+        compile_failures: compiled steps that raised (at most 1: compiling is then turned off, the step and the
+            Engine's later steps run eagerly; the error is logged).
 
     Example:
         >>> stats = EngineStats(1, 1, 0, 0, 3, 0, 100, 75, 25, 10, 0.0, 0, 4096, 0.5)
@@ -282,6 +287,15 @@ class EngineStats:
     sample_seconds: float = 0.0
     record_seconds: float = 0.0
     kernel_failures: int = 0
+    compiled_steps: int = 0
+    compiled_graphs: int = 0
+    compiled_buckets: int = 0
+    compile_failures: int = 0
+
+    @property
+    def recompilations(self) -> int:
+        """Graphs compiled beyond one per bucket (0 after warm-up: nothing recompiled)."""
+        return max(0, self.compiled_graphs - self.compiled_buckets)
 
     @property
     def host_seconds(self) -> float:

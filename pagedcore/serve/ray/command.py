@@ -48,6 +48,7 @@ def run(args: argparse.Namespace) -> int:
         "block_size": args.block_size,
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
+        "compile": "auto" if getattr(args, "compile", None) is None else args.compile,
     }
     app = build_app(
         spec,

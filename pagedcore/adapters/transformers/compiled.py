@@ -1,0 +1,320 @@
+"""The Engine's compiled decode step: a step whose every sequence decodes one token runs as a compiled graph.
+
+The eager step packs its sequences with Python-sized metadata (:mod:`.step_batch`) that changes every step, which a
+graph would have to be re-traced for. The decode step here takes only tensors whose shapes are **buckets**: the rows
+padded to a power of two (the batch bucket) and each KV group's block tables padded to a power-of-two width (the
+width bucket), so a run whose batch and contexts vary compiles once per ``(rows, width)`` bucket and never again.
+Prefill and mixed steps stay eager.
+
+- :class:`DecodeInputs`: one decode step's tensors, bucketed, built from the eager :class:`~.step_batch.StepBatch`
+  (:meth:`DecodeInputs.from_batch`): token ids, positions, and per KV group the block tables, the new tokens' slots
+  and the position of each table's first key. Padding rows are token 0 at position 0 over the pad block; their
+  keys are written to the pad block, which is zeroed again in the same op (:func:`store_kv`, one in-place custom op:
+  a write through a view of the pool would be functionalized into a copy of the whole pool), and their logits dropped.
+- :class:`DecodeAttention`: the layers' attention in that graph (``paged_attention_forward`` hands it every layer's
+  call): write the new keys and values to their slots, gather each row's blocks, attend under the causal (and
+  window) mask of its position: the torch backend's arithmetic on fixed shapes.
+- :class:`CompiledDecode`: the compiled callable over a model and pool, and its counters (graphs compiled, buckets
+  seen, steps run): ``torch.compile`` with inductor on the CPU; on CUDA inductor with CUDA graphs (what
+  ``mode="reduce-overhead"`` selects), the pool's tensors marked as static addresses so a captured graph writes
+  them in place.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pagedcore.attention import to_device, write_kv
+from pagedcore.errors import ConfigError
+from pagedcore.plugins.torch_backend import attend_rows, gather_blocks
+
+from .attention import CONTEXT_KEY, StepAttention
+from .pool import PagedKVPool
+from .step_batch import PackedCache, StepBatch
+
+__all__ = [
+    "CompileCounts",
+    "CompiledDecode",
+    "DecodeAttention",
+    "DecodeInputs",
+    "bucket",
+    "resolve_compile",
+    "store_kv",
+]
+
+MIN_WIDTH = 4  # the narrowest table bucket, in blocks: short contexts share one graph
+BACKEND: str | None = "inductor"  # an Engine's CompiledDecode backend (tests set "eager" or None: see CompiledDecode)
+RECOMPILE_LIMIT = 256  # dynamo's per-function graph limit while a CompiledDecode compiles (its default is 8)
+
+
+@torch.library.custom_op("pagedcore::store_kv", mutates_args=("key_cache", "value_cache"))
+def store_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+             slots: torch.Tensor, pad_block: int) -> None:  # fmt: skip
+    """Write ``key``/``value`` ``(rows, kv_heads, dim)`` to their ``slots``, then zero the pad block again (padding
+    rows wrote there). One op that mutates the pool in place: a graph that wrote through views of the pool would be
+    functionalized into a copy of every layer's whole pool per step.
+
+    Example:
+        >>> kc, vc = torch.zeros(3, 2, 1, 1), torch.zeros(3, 2, 1, 1)
+        >>> store_kv(kc, vc, torch.ones(2, 1, 1), torch.ones(2, 1, 1), torch.tensor([1, 4]), pad_block=2)
+        >>> kc.flatten().tolist()   # slot 4 is in the pad block: zeroed again
+        [0.0, 1.0, 0.0, 0.0, 0.0, 0.0]
+    """
+    write_kv(key_cache, value_cache, key, value, slots)
+    key_cache[pad_block].zero_()
+    value_cache[pad_block].zero_()
+
+
+@store_kv.register_fake
+def _store_kv_shapes(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     slots: torch.Tensor, pad_block: int) -> None:  # fmt: skip
+    return None
+
+
+def bucket(n: int, minimum: int = 1) -> int:
+    """The power of two ``n`` is padded to (at least ``minimum``).
+
+    Example:
+        >>> [bucket(n) for n in (1, 2, 3, 5, 16, 17)], bucket(3, minimum=4)
+        ([1, 2, 4, 8, 16, 32], 4)
+    """
+    return max(minimum, 1 << max(0, n - 1).bit_length())
+
+
+def resolve_compile(compile: bool | str, device: torch.device) -> bool:
+    """Whether an Engine with ``compile=`` on ``device`` compiles its decode steps: ``True``, ``False``, or
+    ``"auto"``: on CUDA, where a graph replay removes the per-kernel launch cost that dominates small decode
+    steps; not on the CPU, where each bucket's first step costs seconds of inductor compilation for a step of
+    milliseconds (docs/benchmarks.md, "Compiled decode").
+
+    Example:
+        >>> resolve_compile("auto", torch.device("cpu")), resolve_compile("auto", torch.device("cuda"))
+        (False, True)
+        >>> resolve_compile("yes", torch.device("cpu"))
+        Traceback (most recent call last):
+            ...
+        pagedcore.errors.ConfigError: compile must be True, False or "auto", got 'yes'
+    """
+    if compile is True or compile is False:
+        return compile
+    if compile == "auto":
+        return device.type == "cuda"
+    raise ConfigError(f'compile must be True, False or "auto", got {compile!r}')
+
+
+@dataclass(frozen=True)
+class DecodeInputs:
+    """One decode step's tensors, ``rows`` (the batch bucket) long; per KV group ``tables`` ``(rows, width)``
+    (int64, padded with the pad block), ``slots`` ``(rows,)`` and ``starts`` ``(rows,)``: the position of each
+    table's first key (its dropped blocks times the block size). ``real`` rows are the step's sequences.
+
+    Example:
+        >>> inputs = DecodeInputs(torch.tensor([7, 0]), torch.tensor([5, 0]), (torch.zeros(2, 4, dtype=torch.long),),
+        ...                       (torch.tensor([5, 0]),), (torch.tensor([0, 0]),), real=1)
+        >>> inputs.key
+        (2, 4)
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    tables: tuple[torch.Tensor, ...]
+    slots: tuple[torch.Tensor, ...]
+    starts: tuple[torch.Tensor, ...]
+    real: int
+
+    @property
+    def key(self) -> tuple[int, ...]:
+        """The bucket: the rows, then each group's table width."""
+        return (int(self.input_ids.shape[0]), *(int(t.shape[1]) for t in self.tables))
+
+    @staticmethod
+    def is_decode(batch: StepBatch) -> bool:
+        """Whether every scheduled sequence computes exactly one token and samples it (and no prompt token's
+        logits are asked for: ``prompt_logprobs``)."""
+        scheduled = batch.plan.scheduled
+        if not scheduled or batch.prompt_rows:
+            return False
+        return all(item.num_new_tokens == 1 and item.sample for item in scheduled)
+
+    @classmethod
+    def from_batch(cls, batch: StepBatch, pool: PagedKVPool, device: torch.device) -> DecodeInputs:
+        """The bucketed tensors of a decode-only ``batch`` (:meth:`is_decode`) on ``device``."""
+        n = batch.num_tokens
+        rows, pad, pad_slot = bucket(n), rows_pad(bucket(n) - n), pool.pad_block * pool.block_size
+        tables, slots, starts = [], [], []
+        for meta in (m for m in batch.context.metadata if m is not None):
+            width = bucket(int(meta.block_tables.shape[1]), MIN_WIDTH)
+            table = torch.full((rows, width), pool.pad_block, dtype=torch.long)
+            table[:n, : meta.block_tables.shape[1]] = meta.block_tables
+            tables.append(to_device(table, device))
+            slots.append(to_device(torch.cat([meta.slot_mapping, pad(pad_slot)]), device))
+            offsets = torch.tensor(meta.block_offsets, dtype=torch.long) * pool.block_size
+            starts.append(to_device(torch.cat([offsets, pad(0)]), device))
+        ids = torch.tensor(batch.input_ids + [0] * (rows - n))
+        positions = torch.tensor(batch.position_ids + [0] * (rows - n))
+        return cls(to_device(ids, device), to_device(positions, device), tuple(tables), tuple(slots), tuple(starts), n)
+
+
+def rows_pad(count: int) -> Callable[[int], torch.Tensor]:
+    """``count`` padding entries of a value, as an int64 tensor."""
+    return lambda value: torch.full((count,), value, dtype=torch.long)
+
+
+@dataclass
+class DecodeAttention(StepAttention):
+    """Every layer's attention in a compiled decode step (see the module docstring): the pool, the step's
+    positions and each KV group's tables, slots and first-key positions.
+
+    Example:
+        One row at position 0 in block 0 of a 4-block pool (block 4 is the pad block): it sees its own key alone.
+
+        >>> from pagedcore.adapters.transformers.testing import tiny_llama
+        >>> model = tiny_llama()
+        >>> pool = PagedKVPool(model, num_blocks=4, block_size=4)
+        >>> config = model.config
+        >>> kv, dim = config.num_key_value_heads, config.hidden_size // config.num_attention_heads
+        >>> new = torch.full((1, kv, 1, dim), 2.0)
+        >>> _ = pool.layer_kv(0, new[0].transpose(0, 1), new[0].transpose(0, 1))   # the layer's pool tensors
+        >>> one = torch.tensor([0])
+        >>> attention = DecodeAttention(pool, one, [torch.tensor([[0, 4, 4, 4]])], [one], [one])
+        >>> out = attention.attend(0, torch.ones(1, config.num_attention_heads, 1, dim), new, new, 1.0, None, None)
+        >>> out.shape[:3], bool((out == 2.0).all()), pool.layer_tensors(0)[0][0, 0].eq(2.0).all().item()
+        (torch.Size([1, 1, 4]), True, True)
+    """
+
+    pool: PagedKVPool
+    positions: torch.Tensor
+    tables: Sequence[torch.Tensor]
+    slots: Sequence[torch.Tensor]
+    starts: Sequence[torch.Tensor]
+
+    def attend(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
+               softcap: float | None, sliding_window: int | None) -> torch.Tensor:  # fmt: skip
+        """``query (1, heads, rows, dim)``, the new ``key``/``value`` ``(1, kv_heads, rows, dim)``: the keys stored,
+        then attention over each row's blocks; returns ``(1, rows, heads, dim_v)``."""
+        tensors = self.pool.layer_tensors(layer_idx)
+        if tensors is None:
+            raise RuntimeError(f"layer {layer_idx} has no pool tensors: its keys were never stored")
+        key_cache, value_cache = tensors
+        group = self.pool.group_of(layer_idx)
+        window = self.pool.kv.groups[group].sliding_window  # the group's kind, as the eager metadata says it
+        new_keys, new_values = key[0].transpose(0, 1).contiguous(), value[0].transpose(0, 1).contiguous()
+        store_kv(key_cache, value_cache, new_keys, new_values, self.slots[group], self.pool.pad_block)
+        tables, starts = self.tables[group], self.starts[group]
+        k, v = gather_blocks(key_cache, tables), gather_blocks(value_cache, tables)
+        key_pos = starts[:, None] + torch.arange(k.shape[2], device=k.device)[None, :]
+        query_pos = self.positions[:, None]
+        mask = key_pos <= query_pos
+        if window is not None:
+            mask = mask & (key_pos > query_pos - window)
+        q = query[0].transpose(0, 1).unsqueeze(2)  # (rows, heads, 1, dim)
+        out = attend_rows(q, k, v, mask[:, None, None, :], scale, softcap)  # (rows, heads, 1, dim_v)
+        return out.transpose(1, 2).reshape(1, q.shape[0], q.shape[1], -1)
+
+
+class _PassThroughCache(PackedCache):
+    """The compiled step's cache: ``update`` hands the new keys to the attention, which stores them."""
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return key_states, value_states
+
+
+@dataclass(frozen=True)
+class CompileCounts:
+    """A :class:`CompiledDecode`'s counters: ``graphs`` compiled (each bucket's first step compiles one; more
+    would be recompilations or graph breaks), distinct ``buckets`` seen, decode ``steps`` run compiled, and
+    ``failures`` (set by the Engine when a compiled step raised and it turned compiling off).
+
+    Example:
+        >>> CompileCounts(graphs=3, buckets=3, steps=500).recompilations
+        0
+    """
+
+    graphs: int = 0
+    buckets: int = 0
+    steps: int = 0
+    failures: int = 0
+
+    @property
+    def recompilations(self) -> int:
+        """Graphs compiled beyond one per bucket."""
+        return max(0, self.graphs - self.buckets)
+
+
+class CompiledDecode:
+    """The decode forward of ``model`` over ``pool``, compiled (see the module docstring). ``backend`` is
+    torch.compile's (``"inductor"``; ``"eager"`` / ``"aot_eager"`` capture the graph without generating code;
+    ``"default"``: :data:`BACKEND`), or None: the same bucketed decode function run as Python, uncompiled (the
+    tests check its arithmetic so).
+
+    Example:
+        >>> from pagedcore.adapters.transformers.testing import tiny_llama
+        >>> model = tiny_llama()
+        >>> compiled = CompiledDecode(model, PagedKVPool(model, num_blocks=8, block_size=4))
+        >>> compiled.counts
+        CompileCounts(graphs=0, buckets=0, steps=0, failures=0)
+    """
+
+    def __init__(self, model: Any, pool: PagedKVPool, backend: str | None = "default") -> None:
+        backend = BACKEND if backend == "default" else backend
+        self.model, self.pool, self.backend = model, pool, backend
+        self._cache = _PassThroughCache(pool)
+        self._lock = threading.Lock()
+        self._graphs = 0
+        self._buckets: set[tuple[int, ...]] = set()
+        self._steps = 0
+        self._static: set[int] = set()  # ids of pool tensors marked static (CUDA graphs)
+        self._compiled: Callable[..., torch.Tensor] = self._decode
+        if backend is not None:
+            self._compiled = torch.compile(self._decode, backend=self._compiler, dynamic=False, fullgraph=True)
+
+    @property
+    def counts(self) -> CompileCounts:
+        """The counters so far."""
+        with self._lock:
+            return CompileCounts(self._graphs, len(self._buckets), self._steps)
+
+    def _compiler(self, graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        """torch.compile's backend: count the graph, then compile it with ``backend`` (CUDA graphs on CUDA)."""
+        with self._lock:
+            self._graphs += 1
+        if self.backend != "inductor":
+            from torch._dynamo.backends.registry import lookup_backend
+
+            return lookup_backend(str(self.backend))(graph, example_inputs)
+        from torch._inductor.compile_fx import compile_fx
+
+        cuda = any(isinstance(x, torch.Tensor) and x.is_cuda for x in example_inputs)
+        return compile_fx(graph, example_inputs, config_patches={"triton.cudagraphs": cuda})
+
+    def _decode(self, input_ids: torch.Tensor, positions: torch.Tensor, tables: tuple[torch.Tensor, ...],
+                slots: tuple[torch.Tensor, ...], starts: tuple[torch.Tensor, ...]) -> torch.Tensor:  # fmt: skip
+        attention = DecodeAttention(self.pool, positions, tables, slots, starts)
+        out = self.model(input_ids=input_ids[None], position_ids=positions[None], cache=self._cache, use_cache=True,
+                         **{CONTEXT_KEY: attention})  # fmt: skip
+        return out.logits[0]
+
+    def _mark_static(self) -> None:
+        """On CUDA, the pool's tensors as static addresses: a captured graph writes into them in place."""
+        for layer in range(len(self.pool.spec.layers)):
+            for tensor in self.pool.layer_tensors(layer) or ():
+                if tensor.is_cuda and id(tensor) not in self._static:
+                    torch._dynamo.mark_static_address(tensor)  # noqa: SLF001
+                    self._static.add(id(tensor))
+
+    def __call__(self, inputs: DecodeInputs) -> torch.Tensor:
+        """The logits ``(inputs.real, vocab)`` of the step's sequences."""
+        self._mark_static()
+        with self._lock:
+            self._buckets.add(inputs.key)
+            self._steps += 1
+        with torch.inference_mode(), torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):  # noqa: SLF001
+            logits = self._compiled(inputs.input_ids, inputs.positions, inputs.tables, inputs.slots, inputs.starts)
+        return logits[: inputs.real]

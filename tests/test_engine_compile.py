@@ -1,0 +1,188 @@
+"""Engine(compile=...): decode-only steps as a compiled graph over power-of-two buckets (issue 23.1).
+
+Outputs must be the eager Engine's: greedy tokens equal and fp32 logits within 1e-4, across preemption, forks,
+prefix hits and sliding-window / softcapped models. Compiling costs seconds per bucket, so what CI runs is bounded:
+the bucketed decode function's arithmetic run uncompiled (``compiled.BACKEND = None``) on every case, one captured
+graph (dynamo's ``eager`` backend: the whole forward as one graph, no code generated) on one bucket; inductor, the
+500-step bucket count and the CUDA-graph code path are marked slow.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+from models import tiny_model
+
+from pagedcore import ConfigError
+from pagedcore.adapters.transformers import Engine, SamplingParams
+from pagedcore.adapters.transformers import compiled as compiled_module
+from pagedcore.adapters.transformers.compiled import DecodeInputs
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25], [5, 6, 7, 8, 30]]
+
+
+def run(model, compile, prompts=PROMPTS, params=None, **kwargs):
+    params = params or SamplingParams(max_new_tokens=14, return_logits=True)
+    sizing = {"num_blocks": 64, "block_size": 4, **kwargs}
+    with Engine(model, compile=compile, **sizing) as engine:
+        outputs = engine.generate(prompts, params, use_tqdm=False)
+        stats = engine.stats()
+        assert engine.pool.kv.num_used_blocks == 0 or engine.pool.kv.check_invariants() is None
+    return outputs, stats
+
+
+def assert_same(outputs, reference, atol=1e-4):
+    for out, ref in zip(outputs, reference):
+        for a, b in zip(out.samples, ref.samples):
+            assert a.token_ids == b.token_ids
+            assert a.logits is not None and b.logits is not None and len(a.logits) == len(b.logits) > 0
+            for x, y in zip(a.logits, b.logits):
+                assert torch.allclose(x, y, atol=atol, rtol=0), (x - y).abs().max()
+
+
+@pytest.fixture
+def uncompiled(monkeypatch):
+    monkeypatch.setattr(compiled_module, "BACKEND", None)
+
+
+# ---------------------------------------------------------------------------------------------------- the option
+def test_compile_option_is_checked_before_anything_changes():
+    model = tiny_model("llama")
+    with pytest.raises(ConfigError, match="compile must be True, False or \"auto\", got 'always'"):
+        Engine(model, num_blocks=16, compile="always")
+    assert model.config._attn_implementation == "sdpa"
+    with Engine(model, num_blocks=16) as engine:  # auto: eager on the CPU
+        assert engine.stats().compiled_steps == 0
+
+
+def test_serve_compile_flag_reaches_the_engine(monkeypatch):
+    from pagedcore.adapters import transformers as adapter
+    from pagedcore.cli.common import UsageError
+    from pagedcore.serve import cli
+
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def engine(*args, **kwargs):
+        seen.append(kwargs["compile"])
+        raise Stop
+
+    monkeypatch.setattr(adapter, "Engine", engine)
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    for argv in ([], ["--compile"], ["--no-compile"]):
+        with pytest.raises(Stop):
+            cli._build(parser.parse_args(["--num-blocks", "16", *argv]), UsageError)
+    assert seen == ["auto", True, False]
+
+
+# ---------------------------------------------------------------------------------------------------- buckets
+def test_decode_inputs_pad_rows_and_tables_to_buckets(uncompiled):
+    model = tiny_model("llama")
+    captured = []
+    real = DecodeInputs.from_batch
+
+    def spy(batch, pool, device):
+        inputs = real(batch, pool, device)
+        captured.append((batch.num_tokens, [m.block_tables.shape[1] for m in batch.context.metadata], inputs))
+        return inputs
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(DecodeInputs, "from_batch", staticmethod(spy))
+        _, stats = run(model, True, prompts=PROMPTS[:3])
+    assert captured and stats.compiled_steps == len(captured)
+    for n, widths, inputs in captured:
+        rows = inputs.input_ids.shape[0]
+        assert rows >= n and rows & (rows - 1) == 0 and inputs.real == n
+        for width, table in zip(widths, inputs.tables):
+            columns = table.shape[1]
+            assert columns >= max(width, compiled_module.MIN_WIDTH) and columns & (columns - 1) == 0
+            assert (table[n:] == 64).all() and (table[:n, width:] == 64).all()  # the pad block: num_blocks
+        assert inputs.input_ids[n:].eq(0).all() and inputs.positions[n:].eq(0).all()
+
+
+# ---------------------------------------------------------------------------------------------------- equality
+@pytest.mark.parametrize("family", ["llama", "qwen3", "mistral", "gemma2", "gemma3"])
+def test_bucketed_decode_equals_the_eager_engine(family, uncompiled):
+    model = tiny_model(family)
+    reference, _ = run(model, False)
+    outputs, stats = run(model, True)
+    assert stats.compiled_steps > 0 and stats.compile_failures == 0
+    assert_same(outputs, reference)
+
+
+def test_bucketed_decode_across_preemption_forks_and_prefix_hits(uncompiled):
+    model = tiny_model("llama")
+    kwargs = {"num_blocks": 14, "block_size": 4, "max_num_seqs": 4, "max_num_batched_tokens": 16}
+    greedy = SamplingParams(max_new_tokens=16, return_logits=True)
+    reference, ref_stats = run(model, False, params=greedy, **kwargs)
+    outputs, stats = run(model, True, params=greedy, **kwargs)
+    assert ref_stats.num_preemptions > 0 and stats.num_preemptions > 0
+    assert stats.prefix_hit_tokens > 0 and stats.compiled_steps > 0
+    assert_same(outputs, reference)
+    forks = SamplingParams(max_new_tokens=10, n=3, temperature=1.0, seed=3, return_logits=True)
+    reference, _ = run(model, False, prompts=PROMPTS[:2], params=forks)
+    outputs, stats = run(model, True, prompts=PROMPTS[:2], params=forks)
+    assert stats.compiled_steps > 0
+    assert_same(outputs, reference)
+
+
+def test_a_failing_compiled_step_turns_compiling_off_and_runs_eagerly(monkeypatch):
+    model = tiny_model("llama")
+    reference, _ = run(model, False)
+
+    def broken(self, inputs):
+        raise RuntimeError("inductor: no C++ compiler")
+
+    monkeypatch.setattr(compiled_module.CompiledDecode, "__call__", broken)
+    outputs, stats = run(model, True)
+    assert stats.compile_failures == 1 and stats.num_failed == 0 and stats.compiled_steps == 0
+    assert_same(outputs, reference)
+
+
+# ---------------------------------------------------------------------------------------------------- compiled
+def test_one_captured_graph_per_bucket(monkeypatch):
+    monkeypatch.setattr(compiled_module, "BACKEND", "eager")  # dynamo captures the whole forward (fullgraph=True)
+    model = tiny_model("llama")
+    prompts = [PROMPTS[0], PROMPTS[2]]  # 2 rows; contexts of 8-19 tokens: 1-3 blocks of 8, the 4-block bucket
+    params = SamplingParams(max_new_tokens=8, return_logits=True)
+    reference, _ = run(model, False, prompts=prompts, params=params, block_size=8)
+    outputs, stats = run(model, True, prompts=prompts, params=params, block_size=8)
+    assert stats.compile_failures == 0 and stats.compiled_steps == 7
+    assert stats.compiled_buckets == 1 and stats.compiled_graphs == 1 and stats.recompilations == 0
+    assert_same(outputs, reference)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_500_steps_of_varying_batch_and_growing_contexts_compile_once_per_bucket(backend, monkeypatch):
+    monkeypatch.setattr(compiled_module, "BACKEND", backend)
+    model = tiny_model("llama")
+    prompts = [[5 + (i * 7 + j) % 90 for j in range(3 + (i * 5) % 20)] for i in range(20)]
+    lengths = [60 + (i * 37) % 100 for i in range(20)]  # the batch varies as requests finish and join
+    params = [SamplingParams(max_new_tokens=n, return_logits=True) for n in lengths]
+    sizing = {"num_blocks": 512, "block_size": 16, "max_num_seqs": 4}  # contexts grow to 180 tokens: 12 blocks
+    reference, _ = run(model, False, prompts=prompts, params=params, **sizing)
+    outputs, stats = run(model, True, prompts=prompts, params=params, **sizing)
+    assert stats.num_steps >= 500 and stats.compiled_steps > 0.9 * stats.num_steps
+    assert stats.compile_failures == 0 and stats.recompilations == 0
+    assert stats.compiled_graphs == stats.compiled_buckets <= 3 * 3  # rows 1, 2, 4; widths 4, 8, 16
+    assert_same(outputs, reference)
+
+
+@pytest.mark.slow
+def test_inductor_graph_matches_eager_within_1e_4(monkeypatch):
+    monkeypatch.setattr(compiled_module, "BACKEND", "inductor")
+    model = tiny_model("llama")
+    prompts = [PROMPTS[0], PROMPTS[2]]  # one bucket, as in test_one_captured_graph_per_bucket
+    params = SamplingParams(max_new_tokens=8, return_logits=True)
+    reference, _ = run(model, False, prompts=prompts, params=params, block_size=8)
+    outputs, stats = run(model, True, prompts=prompts, params=params, block_size=8)
+    assert stats.compile_failures == 0 and stats.compiled_steps == 7 and stats.compiled_graphs == 1
+    assert_same(outputs, reference)
