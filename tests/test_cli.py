@@ -86,7 +86,7 @@ BAD_INPUT = [
     (["generate", "--num-blocks", "0", "hi"], 2, "num_blocks"),
     (["generate", "--num-blocks", "-4", "hi"], 2, "num_blocks must be a positive integer, got -4"),
     (["generate", "--block-size", "-1", "hi"], 2, "block_size must be a positive integer, got -1"),
-    (["generate", "--top-k", "-1", "hi"], 2, "top_k must be an integer >= 0, got -1"),
+    (["generate", "--top-k", "-2", "hi"], 2, "top_k must be an integer >= -1, got -2"),
     (["generate", "--temperature", "-0.5", "hi"], 2, "temperature must be >= 0, got -0.5"),
     (["generate", "--top-p", "0", "hi"], 2, "top_p must be in (0, 1], got 0.0"),
     (["generate", "--memory-budget", "lots", "hi"], 2, "memory budget 'lots' is not a size"),
