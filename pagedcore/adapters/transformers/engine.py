@@ -58,7 +58,7 @@ from .detokenizer import DecodeError, IncrementalDetokenizer
 from .inputs import as_prompt_list, token_id_list
 from .locks import Locks
 from .outputs import EngineStats, RequestMetrics, RequestOutput, SampleOutput, StepOutput, TokenEvent
-from .pool import PagedKVPool
+from .pool import KVStoreSpec, PagedKVPool
 from .request import EngineRequest
 from .sampling import SamplingParams, StepSamples, merge_generation_config, sample_rows, to_sampling_params
 from .spec import context_limit, text_config
@@ -99,6 +99,9 @@ class Engine:
         scheduling_policy: ``"fair"`` (the default: round-robin over namespaces, so one tenant's burst does not hold
             back another's first token), ``"fcfs"``, or ``"priority"`` (lowest ``priority=`` first, as vLLM); see
             :class:`~pagedcore.scheduler.SchedulerConfig`.
+        kv_store / kv_store_bytes: tiers below a new pool (a directory and its budget; see :class:`PagedKVPool`):
+            evicted prefixes are written there and loaded back before a prefill that continues them; :meth:`close`
+            writes the cached ones too, so a restarted Engine on the same model answers them from the store.
 
     Generation parameters: either a :class:`SamplingParams` (or a dict of its fields), or ``model.generate``'s
     keyword arguments (``max_new_tokens``, ``do_sample``, ``temperature``, ``top_k``, ``top_p``,
@@ -137,12 +140,24 @@ class Engine:
         attention_backend: str | None = None,
         watermark: float = 0.01,
         scheduling_policy: str = "fair",
+        kv_store: KVStoreSpec | None = None,
+        kv_store_bytes: int | float | str | None = None,
     ) -> None:
+        self._owns_pool = pool is None
         if pool is None:
-            pool = PagedKVPool(model, num_blocks=num_blocks, memory_budget=memory_budget, block_size=block_size)
+            pool = PagedKVPool(
+                model,
+                num_blocks=num_blocks,
+                memory_budget=memory_budget,
+                block_size=block_size,
+                kv_store=kv_store,
+                kv_store_bytes=kv_store_bytes,
+            )
         else:
             if num_blocks is not None or memory_budget is not None:
                 raise ConfigError("num_blocks / memory_budget size a new pool: not with pool=")
+            if kv_store is not None or kv_store_bytes is not None:
+                raise ConfigError("kv_store / kv_store_bytes belong to a new pool: give them to PagedKVPool")
             pool.bind(model)
         self.model = model
         self.tokenizer = tokenizer
@@ -216,6 +231,18 @@ class Engine:
                 self._stepping.release()
             if self._original_attn is not None and self._original_attn != ATTN_IMPLEMENTATION:
                 self.model.set_attn_implementation(self._original_attn)
+            self._close_tiers()
+
+    def _close_tiers(self) -> None:
+        tiers = self.pool.tiers
+        if tiers is None:
+            return
+        try:
+            self.pool.save_kv_store()  # the blocks still cached, so that a restart finds them
+            if self._owns_pool:
+                tiers.close()
+        except Exception:
+            logger.exception("pagedcore: writing the cached prefixes to the KV store while closing failed")
 
     def __enter__(self) -> Engine:
         return self
