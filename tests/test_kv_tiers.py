@@ -278,6 +278,7 @@ def test_disk_store_refuses_a_missing_or_read_only_directory(tmp_path, monkeypat
     ro = tmp_path / "ro"
     ro.mkdir(mode=0o500)
     if os.geteuid() == 0:  # root writes into a 0o500 directory: a read-only file system it cannot
+
         def read_only(self: Path, data: bytes) -> int:
             raise OSError(errno.EROFS, "Read-only file system")
 

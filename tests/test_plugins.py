@@ -44,9 +44,9 @@ from pagedcore import (
 from pagedcore.adapters.transformers import PagedKVPool, disable, enable
 from pagedcore.adapters.transformers.testing import tiny_llama
 from pagedcore.attention import AttentionBackend
-from pagedcore.plugins import eviction as lru_plugin
 from pagedcore.errors import ConfigError
 from pagedcore.kv_store import MemoryKVStore
+from pagedcore.plugins import eviction as lru_plugin
 from pagedcore.plugins import kv_store as kv_store_plugin
 from pagedcore.plugins import logging_observer, torch_backend, xformers_backend
 
@@ -424,7 +424,9 @@ def test_plugin_kv_store_is_a_tier_below_the_pool(pm, use, tmp_path):
         make_pool(pm, kv_store="dict://x")
     # The tier in action: the evicted block goes down to both stores, and comes back from the first.
     model = tiny_llama()
-    pool = make_pool(pm, config=model, num_blocks=3, block_size=4, kv_store=["dict://x", str(tmp_path)], kv_store_bytes=1e6)
+    pool = make_pool(
+        pm, config=model, num_blocks=3, block_size=4, kv_store=["dict://x", str(tmp_path)], kv_store_bytes=1e6
+    )
     enable(model, pool=pool)
     try:
         prompt = torch.arange(3, 12)[None]

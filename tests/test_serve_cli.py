@@ -44,11 +44,20 @@ def test_the_command_line_imports_no_server_or_model_library():
         (["--body-timeout", "nan"], "--body-timeout must be a number of seconds > 0"),
         (["--threads", "0"], "--threads must be >= 1"),
         (["--api-keys", "/nonexistent/keys.txt"], "cannot read the API key file"),
+        (["--kv-store", "/tmp"], "--kv-store and --kv-store-bytes go together"),
+        (["--kv-store-bytes", "1GiB"], "--kv-store and --kv-store-bytes go together"),
+        (["--kv-store", "/tmp", "--kv-store-bytes", "lots"], "--kv-store-bytes must be a size like 8MiB"),
     ],
 )
 def test_bad_arguments_exit_with_code_2(argv, message, capsys):
     assert main(["serve", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_missing_kv_store_directory_is_refused_at_start(tmp_path, capsys):
+    missing = tmp_path / "missing"
+    assert main(["serve", "--kv-store", str(missing), "--kv-store-bytes", "1MiB", "--num-blocks", "8"]) != 0
+    assert f"kv_store: {str(missing)!r} is not an existing directory" in capsys.readouterr().err
 
 
 def test_a_json_key_file_with_a_duplicated_key_exits_with_code_2_without_printing_it(tmp_path, capsys):

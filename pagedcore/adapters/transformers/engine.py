@@ -48,6 +48,7 @@ from pagedcore.errors import (
     RequestNotFoundError,
     UnsupportedModelError,
 )
+from pagedcore.kv_tiers import TierStats
 from pagedcore.scheduler import Scheduler, SchedulerConfig
 from pagedcore.sequence import FinishReason, SequenceState
 from pagedcore.validation import as_integer
@@ -401,9 +402,13 @@ class Engine:
                 kv_used_bytes=memory.used_bytes,
                 kv_peak_used_bytes=self._peak_bytes,
                 busy_seconds=self._busy,
-                **{f"{phase}_seconds": seconds for phase, seconds in self._phases.items()},
                 kernel_failures=self._kernel_failures(),
+                **self._phase_fields(),
+                **_store_fields(self.pool.tier_stats()),
             )
+
+    def _phase_fields(self) -> dict[str, Any]:
+        return {f"{phase}_seconds": seconds for phase, seconds in self._phases.items()}
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix of the pool now (vLLM's name; see :meth:`PagedKVPool.reset_prefix_cache`).
@@ -855,6 +860,28 @@ def _added_vocab(tokenizer: Any) -> dict[str, int]:
         return dict(tokenizer.get_added_vocab()) if tokenizer is not None else {}
     except Exception:  # not a transformers tokenizer: stop strings match in the text only
         return {}
+
+
+def _store_fields(tiers: TierStats | None) -> dict[str, Any]:
+    """The :class:`EngineStats` fields of the tiers below the pool (none without them)."""
+    if tiers is None:
+        return {}
+    return {
+        "kv_store_loaded_blocks": tiers.blocks_loaded,
+        "kv_store_loaded_tokens": tiers.tokens_loaded,
+        "kv_store_written_blocks": tiers.blocks_written,
+        "kv_store_load_seconds": tiers.load_seconds,
+        "kv_store_write_seconds": tiers.write_seconds,
+        "kv_store_writes_skipped": tiers.writes_skipped,
+        "kv_store_write_failures": tiers.write_failures,
+        "kv_store_refused": {
+            "checksum": tiers.refused_checksum,
+            "fingerprint": tiers.refused_fingerprint,
+            "foreign": tiers.refused_foreign,
+        },
+        "kv_store_hits": {name: s["hits"] for name, s in tiers.stores.items()},
+        "kv_store_bytes": {name: s["bytes"] for name, s in tiers.stores.items()},
+    }
 
 
 def _eos_ids(model: Any) -> list[int]:

@@ -180,6 +180,15 @@ class EngineStats:
             run when it returns: their tail is counted in ``sample_seconds``, which waits for the logits.
         kernel_failures: kernel calls of the attention backend that raised and fell back to the torch backend
             (the xformers backend counts them; 0 for backends that do not).
+        kv_store_loaded_blocks / kv_store_loaded_tokens: blocks (summed over KV groups) and prompt tokens loaded
+            from the tiers below the pool (``kv_store=``); ``kv_store_hits``: blocks loaded per tier name.
+        kv_store_written_blocks: blocks the writer thread wrote down (evicted, or saved at close).
+        kv_store_load_seconds / kv_store_write_seconds: time looking up, reading, checking and copying blocks in
+            (on the step loop) / encoding and writing them (in the writer thread).
+        kv_store_writes_skipped: evicted blocks not written because the writer's queue was full;
+            ``kv_store_write_failures``: puts a store refused (no room, disk full).
+        kv_store_refused: stored blocks found and refused, by reason (``checksum``, ``fingerprint``, ``foreign``).
+        kv_store_bytes: bytes each tier holds now.
 
     Example:
         >>> stats = EngineStats(1, 1, 0, 0, 3, 0, 100, 75, 25, 10, 0.0, 0, 4096, 0.5)
@@ -207,6 +216,16 @@ class EngineStats:
     sample_seconds: float = 0.0
     record_seconds: float = 0.0
     kernel_failures: int = 0
+    kv_store_loaded_blocks: int = 0
+    kv_store_loaded_tokens: int = 0
+    kv_store_written_blocks: int = 0
+    kv_store_load_seconds: float = 0.0
+    kv_store_write_seconds: float = 0.0
+    kv_store_writes_skipped: int = 0
+    kv_store_write_failures: int = 0
+    kv_store_refused: dict[str, int] = field(default_factory=dict)
+    kv_store_hits: dict[str, int] = field(default_factory=dict)
+    kv_store_bytes: dict[str, int] = field(default_factory=dict)
 
     @property
     def host_seconds(self) -> float:

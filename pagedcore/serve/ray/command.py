@@ -62,6 +62,8 @@ def run(args: argparse.Namespace) -> int:
         "block_size": args.block_size,
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
+        "kv_store": getattr(args, "kv_store", None),  # one directory shared by the replicas: each other's prefixes
+        "kv_store_bytes": getattr(args, "kv_store_bytes", None),
     }
     app = build_app(
         spec,
