@@ -54,7 +54,15 @@ def encode(key: str, fingerprint: str, group: int, tokens: Sequence[int], payloa
 
 
 def decode(data: bytes, key: str, fingerprint: str, group: int, tokens: Sequence[int]) -> bytes:
-    """The payload of a framed block, after checking it is whole and is the block asked for (see the module)."""
+    """The payload of a framed block, after checking it is whole and is the block asked for (see the module).
+
+    Example:
+        >>> data = encode("ab", "fp", 0, [1, 2], b"kv")
+        >>> decode(data, "ab", "fp", 0, [1, 3])
+        Traceback (most recent call last):
+        ...
+        pagedcore.kv_frame.FrameError: foreign: the file holds another block than its name says
+    """
     if len(data) < len(MAGIC) + _LEN.size + _DIGEST or not data.startswith(MAGIC):
         raise FrameError("checksum", f"{len(data)} bytes do not hold a framed block")
     body, digest = memoryview(data)[:-_DIGEST], data[-_DIGEST:]

@@ -50,7 +50,13 @@ _TOKENS = struct.Struct("<q")
 
 
 class BlockIO(Protocol):
-    """What the adapter does for the tiers (it owns the tensors)."""
+    """What the adapter does for the tiers (it owns the tensors): the transformers adapter's is
+    :class:`~pagedcore.adapters.transformers.kv_io.TensorBlockIO`; :class:`KVTiers` shows a fake one.
+
+    Example:
+        >>> sorted(name for name in vars(BlockIO) if not name.startswith("_"))
+        ['block_nbytes', 'fingerprint', 'read_block', 'to_bytes', 'write_block']
+    """
 
     def fingerprint(self) -> str | None:
         """The model fingerprint for keys now, or None when nothing may be stored or loaded (no model bound yet,
