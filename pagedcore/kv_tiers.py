@@ -410,15 +410,14 @@ class KVTiers:
         return None
 
     def _fit(self, pool: KVPool, matched: list[list[int]], target: int) -> int:
-        """The longest run up to ``target`` blocks whose new blocks the pool can spare (the matched chains are not
-        counted as available: they are kept while the new blocks are allocated)."""
-        while target > 0:
-            needs = [max(0, target - len(m)) for m in matched]
-            kept = [sum(1 for b in m if g.block_manager.ref_count(b) == 0) for g, m in zip(pool.groups, matched)]
-            if not pool.shortfalls([n + k if n else 0 for n, k in zip(needs, kept)]):
-                return target
-            target -= 1
-        return 0
+        """The longest run up to ``target`` blocks whose new blocks the pool can spare now, less what other holders
+        reserved (the matched chains are kept while the new blocks are allocated, so they do not count as
+        available)."""
+        for group, chain in zip(pool.groups, matched):
+            kept = sum(1 for b in chain if group.block_manager.ref_count(b) == 0)
+            spare = pool.available_blocks(group.index) - kept
+            target = min(target, len(chain) + max(0, spare))
+        return target
 
     def _install(
         self,
