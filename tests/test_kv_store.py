@@ -225,3 +225,17 @@ def test_metrics_report_the_tiers(model, tmp_path):
     assert 'pagedcore_kv_store_bytes{tier="disk"}' in text
     with Engine(model, num_blocks=8) as engine:  # without tiers: no such family
         assert "pagedcore_kv_store" not in ServeMetrics(EngineLoop(engine)).render().decode()
+
+
+def test_replicas_tier_figures_add_up_per_tier():
+    from dataclasses import replace
+
+    replica_stats = pytest.importorskip("pagedcore.serve.ray.replica_stats")
+    zero = replica_stats.zero_stats()
+    assert zero.engine.kv_store_hits == {} and zero.engine.kv_store_bytes == {}
+    one = replace(zero, engine=replace(zero.engine, kv_store_hits={"disk": 3}, kv_store_bytes={"disk": 10}))
+    two = replace(zero, engine=replace(zero.engine, kv_store_hits={"disk": 1, "redis": 2}, kv_store_bytes={"disk": 5}))
+    merged = replica_stats.merge_stats([one, two]).engine
+    assert merged.kv_store_hits == {"disk": 4, "redis": 2} and merged.kv_store_bytes == {"disk": 15}
+    gone = replica_stats.counters_only(one).engine
+    assert gone.kv_store_hits == {"disk": 3} and gone.kv_store_bytes == {}  # bytes are a gauge
