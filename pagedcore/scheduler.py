@@ -574,7 +574,8 @@ class Scheduler:
             if budget == 0 or width + _width(seq) > cfg.max_num_seqs:
                 break
             match = None
-            if cfg.enable_prefix_caching:
+            reads = cfg.enable_prefix_caching and seq.read_prefix_cache
+            if reads:
                 self._pool.load_prefix(seq.token_ids, seq.namespace)  # the tiers below the pool, if any
                 match = self._pool.match(seq.token_ids, seq.namespace)
             if match is not None and self._prefix_in_flight(seq, match.num_tokens):
@@ -597,7 +598,7 @@ class Scheduler:
             plan.append((seq, num_new))
             budget -= num_new
             self.stats.num_admitted += 1
-            if cfg.enable_prefix_caching:
+            if reads:  # a sequence that does not read the cache makes no query (vLLM's count too)
                 self._pool.record(seq.num_tokens, hit)
                 self._emit(
                     "pagedcore_prefix_hit",
