@@ -263,20 +263,7 @@ class PagedKVPool:
             if isinstance(dtype, str):
                 dtype = getattr(torch, dtype)
         self._dtype: torch.dtype = dtype
-        per_block = self.spec.bytes_per_block(block_size, dtype)
-        if num_blocks is not None and memory_budget is not None:
-            raise ConfigError("give num_blocks or memory_budget, not both")
-        if num_blocks is None:
-            if memory_budget is None:
-                num_blocks = -(-_DEFAULT_TOKENS // block_size)
-            else:
-                budget = parse_bytes(memory_budget)
-                num_blocks = budget // per_block
-                if num_blocks < 1:
-                    raise ConfigError(
-                        f"memory budget {memory_budget!r} holds no block: one block of {block_size} tokens costs "
-                        f"{per_block} bytes over all layers"
-                    )
+        num_blocks = _block_count(num_blocks, memory_budget, block_size, self.spec.bytes_per_block(block_size, dtype))
         num_blocks = integer("num_blocks", num_blocks, minimum=1, error=ConfigError, expected="a positive integer")
         self.plugins = plugins if plugins is not None else default_plugin_manager()
         policy_name = eviction_policy
@@ -689,6 +676,25 @@ class PagedKVPool:
 
     def _on_evict(self, group: int, block_ids: list[int]) -> None:
         self.plugins.emit("pagedcore_blocks_evicted", group=group, block_ids=block_ids)
+
+
+def _block_count(
+    num_blocks: int | None, memory_budget: int | float | str | None, block_size: int, per_block: int
+) -> int:
+    """The pool's blocks per group: ``num_blocks``, or what ``memory_budget`` holds, or the default's."""
+    if num_blocks is not None and memory_budget is not None:
+        raise ConfigError("give num_blocks or memory_budget, not both")
+    if num_blocks is not None:
+        return num_blocks
+    if memory_budget is None:
+        return -(-_DEFAULT_TOKENS // block_size)
+    count = parse_bytes(memory_budget) // per_block
+    if count < 1:
+        raise ConfigError(
+            f"memory budget {memory_budget!r} holds no block: one block of {block_size} tokens costs "
+            f"{per_block} bytes over all layers"
+        )
+    return count
 
 
 def _stores(plugins: PluginManager, spec: KVStoreSpec | None, budget: int | float | str | None) -> list[KVStore]:
