@@ -116,6 +116,9 @@ class BlockManager:
         eviction_policy: orders evictable blocks; LRU by default.
         on_evict: called with the ids evicted by one ``allocate`` call, after the call has finished its work.
             Exceptions it raises are logged and swallowed: an observer must never corrupt the pool.
+        before_evict: called with each victim while the prefix cache still indexes it (a tier below the pool
+            writes its content down: :mod:`pagedcore.kv_tiers`); must not change the manager. Exceptions are logged
+            and swallowed.
 
     Example:
         >>> bm = BlockManager(num_blocks=4, block_size=16)
@@ -140,6 +143,7 @@ class BlockManager:
         *,
         eviction_policy: EvictionPolicy | None = None,
         on_evict: Callable[[list[int]], None] | None = None,
+        before_evict: Callable[[int], None] | None = None,
     ) -> None:
         num_blocks = integer("num_blocks", num_blocks, minimum=1, error=ConfigError, expected="a positive integer")
         if num_blocks > self.MAX_NUM_BLOCKS:
@@ -161,6 +165,7 @@ class BlockManager:
             raise ConfigError("the eviction policy must start empty")
         self._index: CacheIndex | None = None
         self._on_evict = on_evict
+        self._before_evict = before_evict
         self._num_evicted = 0
 
     # ------------------------------------------------------------------ queries (no side effects)
@@ -517,6 +522,11 @@ class BlockManager:
 
     def _evict_one(self, evicted: list[int]) -> None:
         victim = self._policy.pop()
+        if self._before_evict is not None and self._index is not None:
+            try:
+                self._before_evict(victim)
+            except Exception:  # a tier must never corrupt or block the pool
+                logger.exception("pagedcore: before_evict listener failed; the pool is unaffected")
         self._cached[victim] = 0
         self._num_cached -= 1
         self._free.append(victim)

@@ -16,6 +16,7 @@ import pluggy
 if TYPE_CHECKING:
     from pagedcore.attention import AttentionBackend
     from pagedcore.eviction import EvictionPolicy
+    from pagedcore.kv_store import KVStore
 
 hookspec = pluggy.HookspecMarker("pagedcore")
 hookimpl = pluggy.HookimplMarker("pagedcore")
@@ -35,6 +36,15 @@ def pagedcore_eviction_policy(name: str | None, num_blocks: int) -> EvictionPoli
     """Return a new, empty eviction policy for a pool of ``num_blocks`` blocks, or None.
 
     ``name`` is the policy the user asked for ("lru", ...) or None for the default.
+    """
+
+
+@hookspec(firstresult=True)
+def pagedcore_kv_store(location: str, max_bytes: int) -> KVStore | None:
+    """Return a store below the pool for ``location`` (``kv_store=`` / ``--kv-store``), or None when the location is
+    not this plugin's (a scheme such as ``"redis://..."``). ``max_bytes`` is its budget (``kv_store_bytes``). Raise
+    :class:`~pagedcore.errors.ConfigError` for a location that is this plugin's but unusable. See
+    :mod:`pagedcore.kv_store` for the protocol; the built-in answers ``"memory://"`` and a directory path last.
     """
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from pagedcore.attention_kinds import AttentionKind, attention_kind
 from pagedcore.block_manager import BlockManager
@@ -26,6 +26,9 @@ from pagedcore.errors import ConfigError, OutOfBlocksError
 from pagedcore.eviction import EvictionPolicy
 from pagedcore.prefix_trie import PrefixTrie
 from pagedcore.validation import integer
+
+if TYPE_CHECKING:
+    from pagedcore.kv_tiers import KVTiers
 
 __all__ = ["Claimant", "KVGroup", "KVPool", "PoolMatch", "Shortfall"]
 
@@ -154,6 +157,7 @@ class KVPool:
                 block_size,
                 eviction_policy=eviction_policy() if eviction_policy is not None else None,
                 on_evict=listener,
+                before_evict=_bind_evicting(self, index),
             )
             groups.append(KVGroup(index, kind, bm, PrefixTrie(bm)))
         self._groups = tuple(groups)
@@ -162,6 +166,7 @@ class KVPool:
         self._ledger = Ledger(len(groups))
         self._claimants: list[weakref.ref[Claimant]] = []
         self._epoch = 0  # bumped by reset_prefix_cache: blocks filled before it never enter the prefix caches
+        self._tiers: KVTiers | None = None  # stores below the pool (kv_tiers): evicted blocks go down, loads come up
 
     @property
     def groups(self) -> tuple[KVGroup, ...]:
@@ -342,6 +347,25 @@ class KVPool:
         num_blocks = min(len(m.block_ids) for m in matches)
         return PoolMatch(num_blocks * self._block_size, tuple(m.block_ids[:num_blocks] for m in matches))
 
+    @property
+    def tiers(self) -> KVTiers | None:
+        """The stores below the pool (:class:`~pagedcore.kv_tiers.KVTiers`), or None."""
+        return self._tiers
+
+    def attach_tiers(self, tiers: KVTiers | None) -> None:
+        """Write the blocks this pool evicts into ``tiers`` and let :meth:`load_prefix` load from them (None:
+        detach). See :mod:`pagedcore.kv_tiers`."""
+        self._tiers = tiers
+
+    def load_prefix(self, token_ids: Sequence[int], namespace: Hashable = None) -> int:
+        """Before matching a prompt for its prefill: load the blocks that follow its pool match from the tiers
+        below the pool into free or evictable blocks (never blocks other holders reserved), cached like any other,
+        so that :meth:`match` finds them. Returns the tokens loaded (0 without tiers). Hold the lock every holder
+        takes."""
+        if self._tiers is None:
+            return 0
+        return self._tiers.load(self, token_ids, namespace)
+
     def record(self, num_query_tokens: int, num_hit_tokens: int) -> None:
         """Count a lookup that was acted on, in every group's trie (a hit is one for all groups)."""
         for group in self._groups:
@@ -395,6 +419,18 @@ class KVPool:
             f"KVPool(groups={len(self._groups)}, num_blocks={self._num_blocks}, block_size={self._block_size}, "
             f"used={self.num_used_blocks}, cached={self.num_cached_blocks}{reserved})"
         )
+
+
+def _bind_evicting(pool: KVPool, index: int) -> Callable[[int], None]:
+    ref = weakref.ref(pool)
+
+    def evicting(block_id: int) -> None:
+        target = ref()
+        tiers = None if target is None else target.tiers
+        if target is not None and tiers is not None:
+            tiers.evicting(index, block_id, target.groups[index].trie)
+
+    return evicting
 
 
 def _bind_group(on_evict: Callable[[int, list[int]], None], index: int) -> Callable[[list[int]], None]:

@@ -31,6 +31,7 @@ import pluggy
 from pagedcore import hookspecs
 from pagedcore.errors import PluginError
 from pagedcore.eviction import EvictionPolicy
+from pagedcore.kv_store import KVStore, check_store
 
 if TYPE_CHECKING:
     from pagedcore.attention import AttentionBackend
@@ -86,6 +87,7 @@ def _is_installed(module: str) -> bool:
 # backend, which answers for any device, comes last: every other backend is asked before it.
 BUILTIN_PLUGINS: tuple[BuiltinPlugin, ...] = (
     BuiltinPlugin("lru", "pagedcore.plugins.eviction"),
+    BuiltinPlugin("kv-store", "pagedcore.plugins.kv_store"),
     BuiltinPlugin("logging", "pagedcore.plugins.logging_observer"),
     BuiltinPlugin("xformers", "pagedcore.plugins.xformers_backend", ("torch", "xformers")),
     BuiltinPlugin("torch", "pagedcore.plugins.torch_backend", ("torch",)),
@@ -223,6 +225,19 @@ class PluginManager:
         if len(policy) != 0:
             raise PluginError(f"the eviction policy {name!r} returned by a plugin is not empty")
         return policy
+
+    def kv_store(self, location: str, max_bytes: int) -> KVStore:
+        """The store for ``location`` (a directory, ``"memory://"``, or a plugin's scheme); raises
+        :class:`PluginError` when no plugin answers and ConfigError for an unusable one.
+
+        Example:
+            >>> default_plugin_manager().kv_store("memory://", 1024).name
+            'memory'
+        """
+        store = self.hook.pagedcore_kv_store(location=location, max_bytes=max_bytes)
+        if store is None:
+            raise PluginError(f"no plugin offers a KV store for {location!r}")
+        return check_store(store, location)
 
     # ------------------------------------------------------------------ events
     def emit(self, hook_name: str, **kwargs: Any) -> None:

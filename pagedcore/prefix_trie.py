@@ -164,6 +164,27 @@ class PrefixTrie:
         """Whether ``block_id`` is indexed."""
         return block_id in self._by_block
 
+    def chain(self, block_id: int) -> tuple[Namespace, list[int]]:
+        """The namespace of a cached block and the tokens from its root up to and including the block (what a tier
+        below the pool keys it by: :mod:`pagedcore.kv_tiers`). O(depth).
+
+        Example:
+            >>> bm = BlockManager(num_blocks=4, block_size=2)
+            >>> trie = PrefixTrie(bm)
+            >>> trie.insert([1, 2, 3, 4], bm.allocate(2), namespace="a")
+            [0, 1]
+            >>> trie.chain(1)
+            ('a', [1, 2, 3, 4])
+        """
+        node = self._by_block.get(block_id)
+        if node is None:
+            raise InvalidBlockError(f"chain: block {block_id} is not cached")
+        parts: list[tuple[int, ...]] = []
+        while node.parent is not None:
+            parts.append(node.tokens)
+            node = node.parent
+        return node.namespace, [token for part in reversed(parts) for token in part]
+
     def match(self, token_ids: Sequence[int], namespace: Namespace = None) -> PrefixMatch:
         """Longest chain of cached full blocks that prefixes ``token_ids`` in ``namespace``. No side effects."""
         root = self._roots.get(namespace_key(namespace))

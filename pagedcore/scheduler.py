@@ -573,8 +573,11 @@ class Scheduler:
         for seq in self._admission_order():
             if budget == 0 or width + _width(seq) > cfg.max_num_seqs:
                 break
+            match = None
             reads = cfg.enable_prefix_caching and seq.read_prefix_cache
-            match = self._pool.match(seq.token_ids, seq.namespace) if reads else None
+            if reads:
+                self._pool.load_prefix(seq.token_ids, seq.namespace)  # the tiers below the pool, if any
+                match = self._pool.match(seq.token_ids, seq.namespace)
             if match is not None and self._prefix_in_flight(seq, match.num_tokens):
                 # A running sequence is computing this prompt's next blocks right now: wait a step and hit them
                 # in the cache instead of computing them twice (later requests may go ahead meanwhile).

@@ -43,6 +43,13 @@ def test_example_runs(name, argv, capsys):
     assert capsys.readouterr().out.strip()
 
 
+@pytest.mark.slow
+def test_the_kv_store_benchmark_runs_its_three_configurations_and_the_restart(capsys):
+    assert load("bench_kv_store").main(["--quick"]) == 0
+    out = capsys.readouterr().out
+    assert "replies identical to recompute and 4x pool: True" in out and "same tokens: True" in out
+
+
 def test_chat_example_hits_the_cache(capsys):
     load("chat_prefix_cache").main(["--max-new-tokens", "2", "--users", "1"])
     out = capsys.readouterr().out

@@ -71,7 +71,7 @@ def test_wheel_layout_and_builtin_plugins(tmp_path):
     )
     lines = result.stdout.splitlines()
     assert lines[0].startswith(str(target)) and lines[1].startswith(str(target))
-    builtins = [(name, "built-in") for name in ("logging", "lru", "torch", "xformers")]
+    builtins = [(name, "built-in") for name in ("kv-store", "logging", "lru", "torch", "xformers")]
     assert lines[2] == str(builtins)
     assert lines[3].startswith(str(target))  # the built-in backend came from the installed wheel
 

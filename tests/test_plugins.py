@@ -41,9 +41,13 @@ from pagedcore import (
     hookspecs,
     plugin_manager,
 )
-from pagedcore.adapters.transformers import PagedKVPool
+from pagedcore.adapters.transformers import PagedKVPool, disable, enable
+from pagedcore.adapters.transformers.testing import tiny_llama
 from pagedcore.attention import AttentionBackend
+from pagedcore.errors import ConfigError
+from pagedcore.kv_store import MemoryKVStore
 from pagedcore.plugins import eviction as lru_plugin
+from pagedcore.plugins import kv_store as kv_store_plugin
 from pagedcore.plugins import logging_observer, torch_backend, xformers_backend
 
 # ---------------------------------------------------------------- which test exercises which hook
@@ -116,7 +120,13 @@ def test_every_hook_has_a_test():
 
 # In the order the host registers them, the torch backend (the fallback for any device) last, so that pluggy asks
 # it after every other trylast backend.
-BUILTINS = {"lru": lru_plugin, "logging": logging_observer, "xformers": xformers_backend, "torch": torch_backend}
+BUILTINS = {
+    "lru": lru_plugin,
+    "kv-store": kv_store_plugin,
+    "logging": logging_observer,
+    "xformers": xformers_backend,
+    "torch": torch_backend,
+}
 
 LLAMA = LlamaConfig(
     hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2, intermediate_size=128
@@ -381,6 +391,56 @@ def test_non_empty_eviction_policy_is_refused(pm, use):
         pm.eviction_policy("dirty", num_blocks=4)
     with pytest.raises(PluginError, match="not empty"):
         make_pool(pm, eviction_policy="dirty")
+
+
+class DictStorePlugin:
+    """A third-party tier in one class: a dict behind the ``dict://`` scheme."""
+
+    def __init__(self) -> None:
+        self.stores: list[Any] = []
+        self.asked: list[tuple[str, int]] = []
+
+    @hookimpl
+    def pagedcore_kv_store(self, location: str, max_bytes: int) -> Any:
+        self.asked.append((location, max_bytes))
+        if not location.startswith("dict://"):
+            return None
+        store = MemoryKVStore(max_bytes)
+        store.name = "dict"  # type: ignore[misc]
+        self.stores.append(store)
+        return store
+
+
+@covers("pagedcore_kv_store", "pagedcore_blocks_evicted")
+def test_plugin_kv_store_is_a_tier_below_the_pool(pm, use, tmp_path):
+    plugin = use(DictStorePlugin(), "dict-store")
+    recorder = use(Recorder(), "recorder")
+    pool = make_pool(pm, num_blocks=3, block_size=4, kv_store=["dict://x", str(tmp_path)], kv_store_bytes="1MiB")
+    assert plugin.asked == [("dict://x", 1 << 20), (str(tmp_path), 1 << 20)]  # asked first; the path: built-in
+    assert [store.name for store in pool.tiers.stores] == ["dict", "disk"]
+    with pytest.raises(PluginError, match="no plugin offers a KV store for 'redis://h'"):
+        make_pool(pm, kv_store="redis://h", kv_store_bytes=1024)
+    with pytest.raises(ConfigError, match="needs kv_store_bytes"):
+        make_pool(pm, kv_store="dict://x")
+    # The tier in action: the evicted block goes down to both stores, and comes back from the first.
+    model = tiny_llama()
+    pool = make_pool(
+        pm, config=model, num_blocks=3, block_size=4, kv_store=["dict://x", str(tmp_path)], kv_store_bytes=1e6
+    )
+    enable(model, pool=pool)
+    try:
+        prompt = torch.arange(3, 12)[None]
+        expected = model.generate(prompt, max_new_tokens=2, do_sample=False)
+        model.generate(torch.arange(40, 49)[None], max_new_tokens=2, do_sample=False)  # evicts the first prompt
+        assert any(event[0] == "evicted" for event in recorder.events)
+        assert pool.tiers.flush(30)
+        assert torch.equal(model.generate(prompt, max_new_tokens=2, do_sample=False), expected)
+        stats = pool.tier_stats()
+        assert stats.stores["dict"]["hits"] == 2 and stats.stores["disk"]["hits"] == 0
+    finally:
+        disable(model)
+        pool.tiers.close()
+    pool.check_invariants()
 
 
 # ---------------------------------------------------------------- events

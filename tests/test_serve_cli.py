@@ -51,6 +51,9 @@ def test_the_command_line_imports_no_server_or_model_library():
         (["--shutdown-timeout", "-1"], "--shutdown-timeout must be a number of seconds >= 0"),
         (["a/model", "--model", "b/model"], "the model is given twice"),
         (["--ray", "--api-key", "sk-1"], "--api-key is not supported with --ray yet"),
+        (["--kv-store", "/tmp"], "--kv-store and --kv-store-bytes go together"),
+        (["--kv-store-bytes", "1GiB"], "--kv-store and --kv-store-bytes go together"),
+        (["--kv-store", "/tmp", "--kv-store-bytes", "lots"], "--kv-store-bytes must be a size like 8MiB"),
     ],
 )
 def test_bad_arguments_exit_with_code_2(argv, message, capsys):
@@ -70,6 +73,12 @@ def test_vllm_flags_parse_as_vllm_reads_them_and_abbreviations_are_refused(capsy
     with pytest.raises(SystemExit) as exit_info:
         _parser().parse_args(["serve", "--max-q", "8"])  # argparse would have read it as --max-queue
     assert exit_info.value.code == 2 and "unrecognized arguments: --max-q" in capsys.readouterr().err
+
+
+def test_a_missing_kv_store_directory_is_refused_at_start(tmp_path, capsys):
+    missing = tmp_path / "missing"
+    assert main(["serve", "--kv-store", str(missing), "--kv-store-bytes", "1MiB", "--num-blocks", "8"]) != 0
+    assert f"kv_store: {str(missing)!r} is not an existing directory" in capsys.readouterr().err
 
 
 def test_a_json_key_file_with_a_duplicated_key_exits_with_code_2_without_printing_it(tmp_path, capsys):

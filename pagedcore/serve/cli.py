@@ -22,7 +22,18 @@ BUILTIN_NAME = "pagedcore-builtin"
 # The defaults of pagedcore.serve.body.BodyLimits (not imported here: this module imports argparse alone).
 _MAX_REQUEST_BYTES = "8MiB"
 _BODY_TIMEOUT = 30.0
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -91,6 +102,16 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-model-len", type=int, default=None, help="the context served (default: the model's)")
+    parser.add_argument(
+        "--kv-store",
+        metavar="DIR",
+        default=None,
+        help="a tier below the pool: evicted prefixes are written to this existing directory and loaded back, also "
+        "after a restart (or a plugin's location, e.g. redis://...)",
+    )
+    parser.add_argument(
+        "--kv-store-bytes", metavar="SIZE", default=None, help="the --kv-store budget, e.g. 20GiB (needed with it)"
+    )
     parser.add_argument("--max-num-seqs", type=int, default=64, help="sequences running at once")
     parser.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens computed per step")
     parser.add_argument("--max-logprobs", type=int, default=20, help="the most logprobs a request may ask for")
@@ -227,6 +248,8 @@ def _build(args: argparse.Namespace, error: type[Exception]) -> tuple[Any, Any, 
         enable_prefix_caching=args.enable_prefix_caching,
         max_logprobs=args.max_logprobs,
         compile="auto" if args.compile is None else args.compile,
+        kv_store=getattr(args, "kv_store", None),
+        kv_store_bytes=getattr(args, "kv_store_bytes", None),
     )
     loop = EngineLoop(engine, max_queue=args.max_queue)
     names = args.served_model_name or [name]
@@ -281,6 +304,10 @@ def _check(args: argparse.Namespace, error: type[Exception]) -> None:
     timeout = getattr(args, "body_timeout", _BODY_TIMEOUT)
     if not timeout > 0 or timeout == float("inf"):
         raise error(f"--body-timeout must be a number of seconds > 0, got {timeout}")
+    if (getattr(args, "kv_store", None) is None) != (getattr(args, "kv_store_bytes", None) is None):
+        raise error("--kv-store and --kv-store-bytes go together (a directory and its budget, e.g. 20GiB)")
+    if getattr(args, "kv_store_bytes", None) is not None:
+        args.kv_store_bytes = parse_size(args.kv_store_bytes, error, "--kv-store-bytes")
     if args.threads is not None and args.threads < 1:
         raise error(f"--threads must be >= 1, got {args.threads}")
     _check_vllm_flags(args, error)
@@ -407,8 +434,9 @@ def _app_options(args: argparse.Namespace, names: list[str], error: type[Excepti
     )
 
 
-def parse_size(value: str | int, error: type[Exception] = ValueError) -> int:
-    """A size in bytes: an integer, or a number with a unit (KB, MB, GB, KiB, MiB, GiB); ``error`` otherwise.
+def parse_size(value: str | int, error: type[Exception] = ValueError, option: str = "--max-request-bytes") -> int:
+    """A size in bytes: an integer, or a number with a unit (KB, MB, GB, TB, KiB, MiB, GiB, TiB); ``error`` naming
+    ``option`` otherwise.
 
     Example:
         >>> parse_size("8MiB"), parse_size("1.5 kb"), parse_size(100)
@@ -418,7 +446,7 @@ def parse_size(value: str | int, error: type[Exception] = ValueError) -> int:
         return value
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(value))
     if match is None or match.group(2).lower() not in _UNITS:
-        raise error(f"--max-request-bytes must be a size like 8MiB or 1000000, got {value!r}")
+        raise error(f"{option} must be a size like 8MiB or 1000000, got {value!r}")
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 

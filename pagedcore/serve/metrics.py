@@ -27,12 +27,25 @@ metric                                     type     meaning
 ``pagedcore_requests_waiting``             gauge    requests queued, not yet running
 ``pagedcore_requests_running``             gauge    sequences running
 ``pagedcore_step_seconds``                 histo.   duration of one engine step
+``pagedcore_kv_store_hits_total{tier}``    counter  blocks loaded from each tier below the pool
+``pagedcore_kv_store_bytes{tier}``         gauge    bytes each tier below the pool holds
+``pagedcore_kv_store_loaded_tokens_total`` counter  prompt tokens loaded from the tiers (not recomputed)
+``pagedcore_kv_store_written_blocks_total`` counter blocks written down by the writer thread
+``pagedcore_kv_store_load_seconds_total``  counter  time loading blocks (on the step loop)
+``pagedcore_kv_store_write_seconds_total`` counter  time writing blocks (in the writer thread)
+``pagedcore_kv_store_skipped_total{why}``  counter  blocks not written: ``queue_full``, ``store_refused``
+                                                    (no room, disk full)
+``pagedcore_kv_store_refused_total{reason}`` counter stored blocks refused and removed: ``checksum``,
+                                                    ``fingerprint``, ``foreign``
 =========================================  =======  ====================================================
+
+The ``pagedcore_kv_store_*`` families are exported only when the engine has tiers below its pool (``--kv-store``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -42,6 +55,9 @@ from pagedcore.adapters.transformers import SamplingParams
 
 from .loop import Finished, RequestLoop
 from .vllm_metrics import VllmMetrics
+
+if TYPE_CHECKING:
+    from pagedcore.adapters.transformers import EngineStats
 
 __all__ = ["CONTENT_TYPE", "REQUEST_STATUSES", "ServeMetrics"]
 
@@ -138,3 +154,34 @@ class _LoopCollector(Collector):
         ]
         for name, doc, level in gauges:
             yield GaugeMetricFamily(name, doc, value=level)
+        if engine.kv_store_bytes:
+            yield from _store_metrics(engine)
+
+
+def _store_metrics(engine: EngineStats) -> Iterator[Metric]:
+    """The ``pagedcore_kv_store_*`` families (see the module docstring)."""
+    hits = CounterMetricFamily(
+        "pagedcore_kv_store_hits", "Blocks loaded from each tier below the pool", labels=["tier"]
+    )
+    held = GaugeMetricFamily("pagedcore_kv_store_bytes", "Bytes each tier below the pool holds", labels=["tier"])
+    for tier, count in engine.kv_store_hits.items():
+        hits.add_metric([tier], count)
+    for tier, size in engine.kv_store_bytes.items():
+        held.add_metric([tier], size)
+    yield hits
+    yield held
+    for name, doc, value in [
+        ("loaded_tokens", "Prompt tokens loaded from the tiers below the pool", engine.kv_store_loaded_tokens),
+        ("written_blocks", "Blocks written to the tiers below the pool", engine.kv_store_written_blocks),
+        ("load_seconds", "Seconds loading blocks from the tiers (step loop)", engine.kv_store_load_seconds),
+        ("write_seconds", "Seconds writing blocks to the tiers (writer thread)", engine.kv_store_write_seconds),
+    ]:
+        yield CounterMetricFamily(f"pagedcore_kv_store_{name}", doc, value=value)
+    skipped = CounterMetricFamily("pagedcore_kv_store_skipped", "Evicted blocks not written", labels=["why"])
+    skipped.add_metric(["queue_full"], engine.kv_store_writes_skipped)
+    skipped.add_metric(["store_refused"], engine.kv_store_write_failures)
+    yield skipped
+    refused = CounterMetricFamily("pagedcore_kv_store_refused", "Stored blocks refused and removed", labels=["reason"])
+    for reason, count in engine.kv_store_refused.items():
+        refused.add_metric([reason], count)
+    yield refused

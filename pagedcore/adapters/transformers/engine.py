@@ -49,6 +49,7 @@ from pagedcore.errors import (
     RequestNotFoundError,
     UnsupportedModelError,
 )
+from pagedcore.kv_tiers import TierStats
 from pagedcore.scheduler import Scheduler, SchedulerConfig
 from pagedcore.sequence import FinishReason, SequenceState
 from pagedcore.validation import as_integer, integer
@@ -61,7 +62,7 @@ from .inputs import as_prompt_list, token_id_list
 from .locks import Locks
 from .logprobs import prompt_logprobs
 from .outputs import EngineStats, RequestMetrics, RequestOutput, SampleOutput, StepOutput, TokenEvent, TokenLogprobs
-from .pool import PagedKVPool
+from .pool import KVStoreSpec, PagedKVPool
 from .request import EngineRequest
 from .sampling import SamplingParams, StepSamples, merge_generation_config, sample_rows, to_sampling_params
 from .spec import context_limit, text_config
@@ -108,6 +109,9 @@ class Engine:
             (:mod:`.compiled`; prefill and mixed steps stay eager): ``True``, ``False``, or ``"auto"`` (on CUDA, with
             CUDA graphs; not on the CPU, where compiling each bucket costs seconds). ``stats()`` counts the graphs
             compiled; a compiled step that fails (logged) turns compiling off for this Engine and runs eagerly.
+        kv_store / kv_store_bytes: tiers below a new pool (a directory and its budget; see :class:`PagedKVPool`):
+            evicted prefixes are written there and loaded back before a prefill that continues them; :meth:`close`
+            writes the cached ones too, so a restarted Engine on the same model answers them from the store.
 
     Generation parameters: either a :class:`SamplingParams` (or a dict of its fields), or ``model.generate``'s
     keyword arguments (``max_new_tokens``, ``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``min_p``,
@@ -154,9 +158,12 @@ class Engine:
         scheduling_policy: str = "fair",
         max_logprobs: int = 20,
         compile: bool | str = "auto",
+        kv_store: KVStoreSpec | None = None,
+        kv_store_bytes: int | float | str | None = None,
     ) -> None:
         compiling = resolve_compile(compile, model.get_input_embeddings().weight.device)
-        pool = _pool_for(model, pool, num_blocks, memory_budget, block_size)
+        self._owns_pool = pool is None
+        pool = _pool_for(model, pool, num_blocks, memory_budget, block_size, kv_store, kv_store_bytes)
         self.model = model
         self.tokenizer = tokenizer
         self.pool = pool
@@ -232,6 +239,18 @@ class Engine:
                 self._stepping.release()
             if self._original_attn is not None and self._original_attn != ATTN_IMPLEMENTATION:
                 self.model.set_attn_implementation(self._original_attn)
+            self._close_tiers()
+
+    def _close_tiers(self) -> None:
+        tiers = self.pool.tiers
+        if tiers is None:
+            return
+        try:
+            self.pool.save_kv_store()  # the blocks still cached, so that a restart finds them
+            if self._owns_pool:
+                tiers.close()
+        except Exception:
+            logger.exception("pagedcore: writing the cached prefixes to the KV store while closing failed")
 
     def __enter__(self) -> Engine:
         return self
@@ -391,17 +410,17 @@ class Engine:
                 kv_used_bytes=memory.used_bytes,
                 kv_peak_used_bytes=self._peak_bytes,
                 busy_seconds=self._busy,
-                schedule_seconds=self._phases["schedule"],
-                prepare_seconds=self._phases["prepare"],
-                forward_seconds=self._phases["forward"],
-                sample_seconds=self._phases["sample"],
-                record_seconds=self._phases["record"],
                 kernel_failures=self._kernel_failures(),
+                **self._phase_fields(),
                 compiled_steps=counts.steps,
                 compiled_graphs=counts.graphs,
                 compiled_buckets=counts.buckets,
                 compile_failures=counts.failures,
+                **_store_fields(self.pool.tier_stats()),
             )
+
+    def _phase_fields(self) -> dict[str, Any]:
+        return {f"{phase}_seconds": seconds for phase, seconds in self._phases.items()}
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix of the pool now (vLLM's name; see :meth:`PagedKVPool.reset_prefix_cache`).
@@ -932,14 +951,52 @@ def _added_vocab(tokenizer: Any) -> dict[str, int]:
         return {}
 
 
+def _store_fields(tiers: TierStats | None) -> dict[str, Any]:
+    """The :class:`EngineStats` fields of the tiers below the pool (none without them)."""
+    if tiers is None:
+        return {}
+    return {
+        "kv_store_loaded_blocks": tiers.blocks_loaded,
+        "kv_store_loaded_tokens": tiers.tokens_loaded,
+        "kv_store_written_blocks": tiers.blocks_written,
+        "kv_store_load_seconds": tiers.load_seconds,
+        "kv_store_write_seconds": tiers.write_seconds,
+        "kv_store_writes_skipped": tiers.writes_skipped,
+        "kv_store_write_failures": tiers.write_failures,
+        "kv_store_refused": {
+            "checksum": tiers.refused_checksum,
+            "fingerprint": tiers.refused_fingerprint,
+            "foreign": tiers.refused_foreign,
+        },
+        "kv_store_hits": {name: s["hits"] for name, s in tiers.stores.items()},
+        "kv_store_bytes": {name: s["bytes"] for name, s in tiers.stores.items()},
+    }
+
+
 def _pool_for(
-    model: Any, pool: PagedKVPool | None, num_blocks: int | None, memory_budget: Any, block_size: int | None
+    model: Any,
+    pool: PagedKVPool | None,
+    num_blocks: int | None,
+    memory_budget: Any,
+    block_size: int | None,
+    kv_store: KVStoreSpec | None,
+    kv_store_bytes: int | float | str | None,
 ) -> PagedKVPool:
-    """A new pool of ``num_blocks`` / ``memory_budget`` for ``model``, or ``pool`` bound to it (not both)."""
+    """A new pool of ``num_blocks`` / ``memory_budget`` (and its tiers below) for ``model``, or ``pool`` bound to it
+    (not both)."""
     if pool is None:
-        return PagedKVPool(model, num_blocks=num_blocks, memory_budget=memory_budget, block_size=block_size)
+        return PagedKVPool(
+            model,
+            num_blocks=num_blocks,
+            memory_budget=memory_budget,
+            block_size=block_size,
+            kv_store=kv_store,
+            kv_store_bytes=kv_store_bytes,
+        )
     if num_blocks is not None or memory_budget is not None:
         raise ConfigError("num_blocks / memory_budget size a new pool: not with pool=")
+    if kv_store is not None or kv_store_bytes is not None:
+        raise ConfigError("kv_store / kv_store_bytes belong to a new pool: give them to PagedKVPool")
     pool.bind(model)
     return pool
 

@@ -260,6 +260,15 @@ class EngineStats:
             steps ran in: one graph per bucket, so ``compiled_graphs - compiled_buckets`` are recompilations.
         compile_failures: compiled steps that raised (at most 1: compiling is then turned off, the step and the
             Engine's later steps run eagerly; the error is logged).
+        kv_store_loaded_blocks / kv_store_loaded_tokens: blocks (summed over KV groups) and prompt tokens loaded
+            from the tiers below the pool (``kv_store=``); ``kv_store_hits``: blocks loaded per tier name.
+        kv_store_written_blocks: blocks the writer thread wrote down (evicted, or saved at close).
+        kv_store_load_seconds / kv_store_write_seconds: time looking up, reading, checking and copying blocks in
+            (on the step loop) / encoding and writing them (in the writer thread).
+        kv_store_writes_skipped: evicted blocks not written because the writer's queue was full;
+            ``kv_store_write_failures``: puts a store refused (no room, disk full).
+        kv_store_refused: stored blocks found and refused, by reason (``checksum``, ``fingerprint``, ``foreign``).
+        kv_store_bytes: bytes each tier holds now.
 
     Example:
         >>> stats = EngineStats(1, 1, 0, 0, 3, 0, 100, 75, 25, 10, 0.0, 0, 4096, 0.5)
@@ -296,6 +305,17 @@ class EngineStats:
     def recompilations(self) -> int:
         """Graphs compiled beyond one per bucket (0 after warm-up: nothing recompiled)."""
         return max(0, self.compiled_graphs - self.compiled_buckets)
+
+    kv_store_loaded_blocks: int = 0
+    kv_store_loaded_tokens: int = 0
+    kv_store_written_blocks: int = 0
+    kv_store_load_seconds: float = 0.0
+    kv_store_write_seconds: float = 0.0
+    kv_store_writes_skipped: int = 0
+    kv_store_write_failures: int = 0
+    kv_store_refused: dict[str, int] = field(default_factory=dict)
+    kv_store_hits: dict[str, int] = field(default_factory=dict)
+    kv_store_bytes: dict[str, int] = field(default_factory=dict)
 
     @property
     def host_seconds(self) -> float:

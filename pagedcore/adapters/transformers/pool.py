@@ -11,12 +11,13 @@ keys and values no longer belong to that model; :meth:`PagedKVPool.rebuild` drop
 from __future__ import annotations
 
 import logging
+import os
 import re
 import threading
 import weakref
 from collections import deque
-from collections.abc import Callable, Hashable
-from dataclasses import dataclass
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
 
@@ -25,13 +26,20 @@ import torch
 from pagedcore.attention import AttentionBackend, default_block_size, to_device
 from pagedcore.errors import ConfigError, InvalidBlockError, PoolMismatchError
 from pagedcore.kv_pool import KVPool
+from pagedcore.kv_store import KVStore, check_store
+from pagedcore.kv_tiers import KVTiers, TierStats
 from pagedcore.plugin_manager import PluginManager, default_plugin_manager
 from pagedcore.validation import integer
 
+from .kv_io import TensorBlockIO
 from .spec import ModelKVSpec, text_config
 from .weights import Placement, WeightsWatch
 
-__all__ = ["KV_LAYOUTS", "MemoryStats", "PagedKVPool", "PoolLock", "parse_bytes"]
+__all__ = ["KV_LAYOUTS", "KVStoreSpec", "MemoryStats", "PagedKVPool", "PoolLock", "parse_bytes"]
+
+KVStoreSpec = str | os.PathLike[str] | KVStore | Sequence[str | os.PathLike[str] | KVStore]
+"""What ``kv_store=`` takes: a directory, ``"memory://"``, a plugin's location, a :class:`~pagedcore.kv_store.KVStore`,
+or a sequence of them (fastest first)."""
 
 # How a layer's pool tensors lie in memory (their shape is always (num_blocks + 1, block_size, kv_heads, head_dim)):
 # "slots": slot after slot, each slot's heads together (contiguous; what xformers' paged kernels read);
@@ -179,6 +187,7 @@ class MemoryStats:
         used_blocks: block references held, summed over KV groups.
         num_blocks: blocks per KV group.
         block_size: tokens per block.
+        store_bytes: per store below the pool (``kv_store=``), the bytes it holds now; empty without stores.
 
     Example:
         >>> from pagedcore.adapters.transformers.testing import tiny_llama_config
@@ -195,6 +204,7 @@ class MemoryStats:
     used_blocks: int
     num_blocks: int
     block_size: int
+    store_bytes: dict[str, int] = field(default_factory=dict)
 
 
 class PagedKVPool:
@@ -212,6 +222,11 @@ class PagedKVPool:
             batched serving and xformers), ``"heads"`` (each head's keys contiguous over consecutive blocks: faster
             single-sequence decoding, slower scattered gathers) or ``"auto"`` (``"heads"`` on the CPU, else
             ``"slots"``). The tensors' shape and indexing are the same in every layout.
+        kv_store: tiers below the pool (:data:`KVStoreSpec`; :mod:`pagedcore.kv_tiers`): blocks the pool evicts are
+            written there, and a prompt's prefix match continues into them. A directory (it must exist and be
+            writable, else :class:`~pagedcore.errors.ConfigError`) persists across restarts and can be shared by
+            processes serving the same model.
+        kv_store_bytes: the budget of each store given by location (bytes or ``"20GiB"``); required with them.
 
     Without ``num_blocks`` or ``memory_budget`` the pool holds 32,768 tokens.
 
@@ -234,6 +249,8 @@ class PagedKVPool:
         eviction_policy: str | None = None,
         plugins: PluginManager | None = None,
         kv_layout: str = "slots",
+        kv_store: KVStoreSpec | None = None,
+        kv_store_bytes: int | float | str | None = None,
     ) -> None:
         self.spec = ModelKVSpec.from_model(model)
         if kv_layout not in KV_LAYOUTS:
@@ -246,20 +263,7 @@ class PagedKVPool:
             if isinstance(dtype, str):
                 dtype = getattr(torch, dtype)
         self._dtype: torch.dtype = dtype
-        per_block = self.spec.bytes_per_block(block_size, dtype)
-        if num_blocks is not None and memory_budget is not None:
-            raise ConfigError("give num_blocks or memory_budget, not both")
-        if num_blocks is None:
-            if memory_budget is None:
-                num_blocks = -(-_DEFAULT_TOKENS // block_size)
-            else:
-                budget = parse_bytes(memory_budget)
-                num_blocks = budget // per_block
-                if num_blocks < 1:
-                    raise ConfigError(
-                        f"memory budget {memory_budget!r} holds no block: one block of {block_size} tokens costs "
-                        f"{per_block} bytes over all layers"
-                    )
+        num_blocks = _block_count(num_blocks, memory_budget, block_size, self.spec.bytes_per_block(block_size, dtype))
         num_blocks = integer("num_blocks", num_blocks, minimum=1, error=ConfigError, expected="a positive integer")
         self.plugins = plugins if plugins is not None else default_plugin_manager()
         policy_name = eviction_policy
@@ -281,6 +285,9 @@ class PagedKVPool:
             self._owner = weakref.ref(model)
         self._weights: WeightsWatch | None = None  # the owner's weights: made by the first check_weights
         self._stale_tensors = False  # the owner was converted since the tensors were made: rebuild once idle
+        stores = _stores(self.plugins, kv_store, kv_store_bytes)
+        self._tiers = KVTiers(stores, TensorBlockIO(self)) if stores else None
+        self.kv.attach_tiers(self._tiers)
 
     # ------------------------------------------------------------------ queries
     @property
@@ -332,6 +339,63 @@ class PagedKVPool:
         """Prefix-cache hit rate in tokens."""
         return self.kv.hit_rate
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the stored keys and values (of the tensors once created; else the one the pool was sized
+        with)."""
+        return self._dtype
+
+    @property
+    def has_all_tensors(self) -> bool:
+        """Whether every layer with a KV cache has its tensors."""
+        return all(t is not None or not layer.has_cache for t, layer in zip(self._layers, self.spec.layers))
+
+    def create_tensors(self, device: torch.device, dtype: torch.dtype) -> bool:
+        """Create the missing layers' tensors on ``device`` in ``dtype`` now, before any forward (to load blocks
+        from a store below the pool into them). False, creating nothing, for a model whose parameters span devices
+        (each layer's tensors must be made where its keys are computed)."""
+        owner = self._owner() if self._owner is not None else None
+        if owner is not None and len({p.device for p in owner.parameters()}) > 1:
+            return False
+        with self.lock:
+            for layer_idx, layer in enumerate(self.spec.layers):
+                if self._layers[layer_idx] is None and layer.has_cache:
+                    keys = torch.empty(0, layer.num_kv_heads, layer.head_dim, dtype=dtype, device=device)
+                    values = torch.empty(0, layer.num_kv_heads, layer.v_head_dim, dtype=dtype, device=device)
+                    self._layers[layer_idx] = self._create(layer_idx, keys, values)
+        return True
+
+    @property
+    def tiers(self) -> KVTiers | None:
+        """The stores below the pool (``kv_store=``), or None."""
+        return self._tiers
+
+    def tier_stats(self) -> TierStats | None:
+        """What the stores below the pool did (:class:`~pagedcore.kv_tiers.TierStats`), or None without them."""
+        return None if self._tiers is None else self._tiers.stats()
+
+    def save_kv_store(self, timeout: float | None = 60.0) -> bool:
+        """Write every cached block to the stores below the pool now and wait (a clean shutdown: the Engine's
+        :meth:`~pagedcore.adapters.transformers.Engine.close` does it), so that a restart finds them. True when
+        all was written (or there are no stores).
+
+        Example:
+            >>> import tempfile, torch
+            >>> from pagedcore.adapters.transformers.testing import tiny_llama
+            >>> from pagedcore.adapters.transformers import enable
+            >>> model = tiny_llama()
+            >>> pool = enable(model, num_blocks=16, block_size=4, kv_store=tempfile.mkdtemp(), kv_store_bytes="1MiB")
+            >>> _ = model.generate(torch.arange(1, 10)[None], max_new_tokens=1, do_sample=False)
+            >>> pool.save_kv_store(), pool.tier_stats().blocks_written
+            (True, 2)
+        """
+        if self._tiers is None:
+            return True
+        with self.lock:
+            self.check_weights()
+            queued = self._tiers.save(self.kv, timeout=0)
+        return queued or self._tiers.flush(timeout)
+
     def group_of(self, layer_idx: int) -> int:
         """The KV group of a layer (raises for layers without a cache)."""
         group = self.spec.layer_groups[layer_idx]
@@ -370,6 +434,7 @@ class PagedKVPool:
             used_blocks=self.kv.num_used_blocks,
             num_blocks=self.num_blocks,
             block_size=self.block_size,
+            store_bytes={} if self._tiers is None else {n: s["bytes"] for n, s in self._tiers.stats().stores.items()},
         )
 
     def block_bytes(self, group: int) -> int:
@@ -615,6 +680,46 @@ class PagedKVPool:
 
     def _on_evict(self, group: int, block_ids: list[int]) -> None:
         self.plugins.emit("pagedcore_blocks_evicted", group=group, block_ids=block_ids)
+
+
+def _block_count(
+    num_blocks: int | None, memory_budget: int | float | str | None, block_size: int, per_block: int
+) -> int:
+    """The pool's blocks per group: ``num_blocks``, or what ``memory_budget`` holds, or the default's."""
+    if num_blocks is not None and memory_budget is not None:
+        raise ConfigError("give num_blocks or memory_budget, not both")
+    if num_blocks is not None:
+        return num_blocks
+    if memory_budget is None:
+        return -(-_DEFAULT_TOKENS // block_size)
+    count = parse_bytes(memory_budget) // per_block
+    if count < 1:
+        raise ConfigError(
+            f"memory budget {memory_budget!r} holds no block: one block of {block_size} tokens costs "
+            f"{per_block} bytes over all layers"
+        )
+    return count
+
+
+def _stores(plugins: PluginManager, spec: KVStoreSpec | None, budget: int | float | str | None) -> list[KVStore]:
+    """The stores ``kv_store=`` names (ConfigError for a bad one, before anything is made)."""
+    if spec is None:
+        if budget is not None:
+            raise ConfigError("kv_store_bytes sizes the stores below the pool: give kv_store= too")
+        return []
+    items = [spec] if isinstance(spec, (str, os.PathLike, KVStore)) else list(spec)
+    stores = []
+    for item in items:
+        if isinstance(item, (str, os.PathLike)):
+            if budget is None:
+                raise ConfigError(f"kv_store={os.fspath(item)!r} needs kv_store_bytes= (its budget, e.g. '20GiB')")
+            stores.append(plugins.kv_store(os.fspath(item), parse_bytes(budget)))
+        else:
+            stores.append(check_store(item, repr(item)))
+    names = [store.name for store in stores]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"kv_store: two stores share a name ({', '.join(names)}); each tier needs its own")
+    return stores
 
 
 def _layer_tensor(shape: tuple[int, int], heads_dim: Any, like: torch.Tensor, heads_first: bool) -> torch.Tensor:

@@ -73,7 +73,7 @@ from pagedcore.validation import as_integer
 
 from .cache import PagedCache
 from .inputs import TOKEN_DTYPES, check_token_tensor
-from .pool import PagedKVPool
+from .pool import KVStoreSpec, PagedKVPool
 from .spec import context_limit, text_config
 
 __all__ = ["disable", "enable", "is_enabled", "namespace", "prefix_pool"]
@@ -106,6 +106,8 @@ def enable(
     namespace: Hashable = None,
     attention_backend: str | None = None,
     eviction_policy: str | None = None,
+    kv_store: KVStoreSpec | None = None,
+    kv_store_bytes: int | float | str | None = None,
 ) -> PagedKVPool:
     """Make plain ``model.generate(...)`` reuse cached prompt prefixes across calls.
 
@@ -116,6 +118,8 @@ def enable(
         namespace: default namespace of this model's calls (override per call or per block of code; an explicit
             ``pagedcore_namespace=None`` is the shared default namespace).
         attention_backend: backend for ``attn_implementation="paged"`` (default: the plugins' choice).
+        kv_store / kv_store_bytes: tiers below a new pool (a directory and its budget, e.g. ``"20GiB"``): evicted
+            prefixes are written there and found again, also after a restart (see :class:`PagedKVPool`).
 
     Returns:
         The pool; read ``pool.num_hit_tokens / pool.num_query_tokens`` for the hit rate.
@@ -158,10 +162,14 @@ def enable(
             memory_budget=memory_budget,
             block_size=block_size,
             eviction_policy=eviction_policy,
+            kv_store=kv_store,
+            kv_store_bytes=kv_store_bytes,
         )
     else:
         if num_blocks is not None or memory_budget is not None:
             raise ConfigError("num_blocks / memory_budget size a new pool: not with pool=")
+        if kv_store is not None or kv_store_bytes is not None:
+            raise ConfigError("kv_store / kv_store_bytes belong to a new pool: give them to PagedKVPool")
         pool.bind(model)
     had_instance = "generate" in vars(model)
     state = _Enabled(pool, namespace, attention_backend, had_instance, vars(model).get("generate"))
@@ -500,6 +508,8 @@ def _attach(
         if not lookup:
             cache.attach_prefix([None] * len(rows), pads, 0, rows)
             return 0
+        for tokens in rows:
+            pool.kv.load_prefix(tokens, ns)  # the tiers below the pool, if any
         matches = [pool.kv.match(tokens, ns) for tokens in rows]
         hits = [min(m.num_tokens, len(tokens) - 1) for m, tokens in zip(matches, rows)]
         length = min(p + h for p, h in zip(pads, hits))

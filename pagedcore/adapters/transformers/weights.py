@@ -32,12 +32,15 @@ replaced parameter alive): tens of microseconds for a model of a hundred tensors
 one of the model's modules (not on the temporary containers models build in their forward).
 
 The fingerprint is an in-process one (:class:`WeightsFingerprint`: which watch, how many moves it saw, where the
-weights are); a persisted key (a content hash of the weights, for a store shared across processes) extends it by
-hashing the tensors once per :attr:`WeightsWatch.epoch`, without changing the callers of :meth:`WeightsWatch.check`.
+weights are); a persisted key (a store below the pool, shared across processes and restarts: :mod:`pagedcore.kv_tiers`)
+extends it with :meth:`WeightsWatch.content_hash`, a hash of every parameter's and buffer's name, dtype, shape and
+bytes, computed once per :attr:`WeightsWatch.epoch` (about a second per GB on a CPU), without changing the callers of
+:meth:`WeightsWatch.check`. A model with tensors on the meta device has no content hash (its data is elsewhere).
 """
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import threading
 import weakref
@@ -175,6 +178,7 @@ class WeightsWatch:
         self._last = state
         self._steps = _steps(self._walk)
         self._placement = _placement(self._walk)
+        self._content: tuple[int, str | None] | None = None  # (epoch, hash) once content_hash computed it
 
     @property
     def epoch(self) -> int:
@@ -219,6 +223,33 @@ class WeightsWatch:
         if moved:
             self._moved(state, walk)
         return moved
+
+    def content_hash(self, *, fresh: bool = False) -> str | None:
+        """A hash of the model's tensors (names, dtypes, shapes, bytes), the same in every process that loaded the
+        same weights: computed at the first call of each :attr:`epoch` (``fresh=True``: again now, after a change
+        no check can see). None when a tensor is on the meta device or the model is gone.
+
+        Example:
+            >>> import torch
+            >>> from pagedcore.adapters.transformers.testing import tiny_llama
+            >>> model = tiny_llama()
+            >>> watch = WeightsWatch(model)
+            >>> before = watch.content_hash()
+            >>> copy = tiny_llama(); _ = copy.load_state_dict(model.state_dict())
+            >>> before == WeightsWatch(copy).content_hash()     # the same weights in another model object
+            True
+            >>> with torch.no_grad():
+            ...     _ = model.lm_head.weight.add_(1)
+            >>> watch.check(), watch.content_hash() != before
+            (True, True)
+        """
+        cached = self._content
+        if cached is not None and cached[0] == self._epoch and not fresh:
+            return cached[1]
+        model = self._model()
+        digest = None if model is None else _content_hash(model)
+        self._content = (self._epoch, digest)
+        return digest
 
     # ------------------------------------------------------------------ internals
     def _rewalk(self, model: torch.nn.Module) -> bool:
@@ -284,6 +315,17 @@ def _tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor, bool]]
         yield name, param, True
     for name, buffer in model.named_buffers():
         yield name, buffer, False
+
+
+def _content_hash(model: torch.nn.Module) -> str | None:
+    digest = hashlib.blake2b(digest_size=32)
+    for name, tensor, _ in _tensors(model):
+        if tensor.device.type == "meta":
+            return None
+        digest.update(f"{name}\0{tensor.dtype}\0{tuple(tensor.shape)}\0".encode())
+        data = tensor.detach().to("cpu").contiguous().reshape(-1)
+        digest.update(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
+    return digest.hexdigest()
 
 
 def _readable(tensor: torch.Tensor) -> bool:

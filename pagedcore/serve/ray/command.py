@@ -49,6 +49,8 @@ def run(args: argparse.Namespace) -> int:
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "compile": "auto" if getattr(args, "compile", None) is None else args.compile,
+        "kv_store": getattr(args, "kv_store", None),  # one directory shared by the replicas: each other's prefixes
+        "kv_store_bytes": getattr(args, "kv_store_bytes", None),
     }
     app = build_app(
         spec,

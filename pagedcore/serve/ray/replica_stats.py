@@ -17,7 +17,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from dataclasses import fields, replace
+from dataclasses import MISSING, fields, replace
+from typing import Any
 
 from ..loop import LoopStats
 from .replica import ReplicaReport
@@ -25,7 +26,7 @@ from .replica import ReplicaReport
 __all__ = ["MAX_DEPARTED", "ReplicaStats", "counters_only", "merge_stats", "zero_stats"]
 
 MAX_DEPARTED = 64
-_ENGINE_GAUGES = frozenset({"kv_usage", "kv_used_bytes", "kv_peak_used_bytes"})
+_ENGINE_GAUGES = frozenset({"kv_usage", "kv_used_bytes", "kv_peak_used_bytes", "kv_store_bytes"})
 _LOOP_GAUGES = frozenset({"num_waiting", "num_running", "num_used_blocks", "num_blocks"})
 
 
@@ -46,7 +47,7 @@ def merge_stats(reports: Sequence[LoopStats]) -> LoopStats | None:
     engine = {}
     for item in fields(engine_type):
         values = [getattr(r.engine, item.name) for r in reports]
-        engine[item.name] = max(values) if item.name == "kv_usage" else sum(values)
+        engine[item.name] = max(values) if item.name == "kv_usage" else _sum(values)
     counts = {f.name: sum(getattr(r, f.name) for r in reports) for f in fields(LoopStats) if f.name != "engine"}
     return LoopStats(engine=engine_type(**engine), **counts)
 
@@ -60,7 +61,8 @@ def zero_stats() -> LoopStats:
     """
     from pagedcore.adapters.transformers import EngineStats
 
-    engine = EngineStats(**{f.name: 0 for f in fields(EngineStats)})
+    zeros: dict[str, Any] = {f.name: 0 for f in fields(EngineStats) if f.default_factory is MISSING}
+    engine = EngineStats(**zeros)
     return LoopStats(engine, **{f.name: 0 for f in fields(LoopStats) if f.name != "engine"})
 
 
@@ -72,8 +74,23 @@ def counters_only(stats: LoopStats) -> LoopStats:
         >>> counters_only(stats).num_blocks, counters_only(stats).num_prompt_tokens
         (0, 9)
     """
-    engine = replace(stats.engine, **{name: 0 for name in _ENGINE_GAUGES})
+    engine = replace(stats.engine, **{name: _zero(getattr(stats.engine, name)) for name in _ENGINE_GAUGES})
     return replace(stats, engine=engine, **{name: 0 for name in _LOOP_GAUGES})
+
+
+def _sum(values: list[Any]) -> Any:
+    """Numbers add up; per-name counts (the tiers below each pool) add up name by name."""
+    if values and isinstance(values[0], dict):
+        merged: dict[str, Any] = {}
+        for value in values:
+            for name, count in value.items():
+                merged[name] = merged.get(name, 0) + count
+        return merged
+    return sum(values)
+
+
+def _zero(value: Any) -> Any:
+    return {} if isinstance(value, dict) else 0
 
 
 class ReplicaStats:

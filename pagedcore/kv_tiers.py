@@ -1,0 +1,450 @@
+"""Tiers below the pool: blocks the pool evicts are written down, and a prefix match continues into the stores.
+
+The core owns the bookkeeping (which block goes where, under which key, what may be loaded); the framework adapter
+owns the tensors through a :class:`BlockIO` (copy a block out, turn the copy into bytes, copy bytes into a block).
+
+**Keys that cannot lie.** A block's key is a SHA-256 chain: the root digest covers the model fingerprint (the
+adapter's: weights content hash, dtype, block size, stored layout, layers, KV heads), the KV group and the namespace;
+each block's digest covers its parent's and its own tokens, so a key names the whole token chain up to and including
+the block, as the trie matches it. The framed block (:mod:`pagedcore.kv_frame`) repeats the fingerprint, the group
+and the block's tokens under a checksum: a file that fails any check is a miss, counted and removed. Namespaces
+that have no stable encoding across processes (anything but None, str, bytes, int, bool, float and tuples of them)
+are never stored, so nothing is ever served to another namespace.
+
+**Writes** (:meth:`KVTiers.evicting`, called by the block manager before it forgets an evicted block, under the
+pool's lock): the adapter copies the block out (a host copy: the block is reused right after), and a bounded queue
+hands it to one writer thread, which encodes, frames and puts it into every store. A full queue skips the block
+(counted); nothing on the step loop waits for a store. :meth:`KVTiers.save` writes every cached block (a clean
+shutdown, so a restart finds them).
+
+**Loads** (:meth:`KVTiers.load`, called before the trie is matched for a request's prefill, under the pool's lock):
+after the blocks the pool matches, the following ones are looked up in the stores in order; the run found in every
+group is read and checked first, then loaded into freshly allocated blocks (never more than the pool can spare
+without touching other holders' reservations: :meth:`~pagedcore.kv_pool.KVPool.shortfalls`), registered in the
+trie and released to the prefix cache, so the ordinary match that follows attaches them like any pool hit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import queue
+import struct
+import threading
+import time
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+from pagedcore.kv_frame import FrameError, decode, encode
+from pagedcore.kv_store import KVStore
+
+if TYPE_CHECKING:
+    from pagedcore.kv_pool import KVPool
+    from pagedcore.prefix_trie import PrefixTrie
+
+__all__ = ["BlockIO", "KVTiers", "TierStats", "chain_keys", "namespace_bytes"]
+
+logger = logging.getLogger(__name__)
+_TOKENS = struct.Struct("<q")
+
+
+class BlockIO(Protocol):
+    """What the adapter does for the tiers (it owns the tensors): the transformers adapter's is
+    :class:`~pagedcore.adapters.transformers.kv_io.TensorBlockIO`; :class:`KVTiers` shows a fake one.
+
+    Example:
+        >>> sorted(name for name in vars(BlockIO) if not name.startswith("_"))
+        ['block_nbytes', 'fingerprint', 'read_block', 'to_bytes', 'write_block']
+    """
+
+    def fingerprint(self) -> str | None:
+        """The model fingerprint for keys now, or None when nothing may be stored or loaded (no model bound yet,
+        or no tensors to load into)."""
+
+    def block_nbytes(self, group: int) -> int:
+        """The payload size of one block of ``group``."""
+
+    def read_block(self, group: int, block_id: int) -> object:
+        """A copy of the block's keys and values, taken now (the block is reused right after)."""
+
+    def to_bytes(self, copy: object) -> bytes:
+        """A copy from :meth:`read_block` as the payload (in the writer thread)."""
+
+    def write_block(self, group: int, block_id: int, payload: bytes) -> None:
+        """Copy a payload of :meth:`block_nbytes` bytes into the block's keys and values."""
+
+
+def namespace_bytes(namespace: Hashable) -> bytes | None:
+    """A namespace's encoding, the same in every process (type and value), or None when it has none.
+
+    Example:
+        >>> namespace_bytes("a") != namespace_bytes(("a",)), namespace_bytes(1) != namespace_bytes(True)
+        (True, True)
+        >>> namespace_bytes(object()) is None
+        True
+    """
+    if namespace is None:
+        return b"N"
+    kind = type(namespace)
+    if kind is str:
+        raw = namespace.encode("utf-8", "surrogatepass")  # type: ignore[attr-defined]
+        return b"s" + _TOKENS.pack(len(raw)) + raw
+    if kind is bytes:
+        return b"b" + _TOKENS.pack(len(namespace)) + namespace  # type: ignore[arg-type, operator]
+    if kind is bool:
+        return b"?1" if namespace else b"?0"
+    if kind is int:
+        raw = str(namespace).encode()
+        return b"i" + _TOKENS.pack(len(raw)) + raw
+    if kind is float:
+        raw = float.hex(namespace).encode()  # type: ignore[arg-type]
+        return b"f" + _TOKENS.pack(len(raw)) + raw
+    if kind is tuple:
+        parts = [namespace_bytes(item) for item in namespace]  # type: ignore[attr-defined]
+        if any(part is None for part in parts):
+            return None
+        return b"(" + _TOKENS.pack(len(parts)) + b"".join(p for p in parts if p is not None) + b")"
+    return None
+
+
+def chain_keys(fingerprint: str, group: int, namespace: bytes, token_ids: Sequence[int], block_size: int) -> list[str]:
+    """The key of every full block of ``token_ids`` (each names the chain up to and including its block).
+
+    Example:
+        >>> a = chain_keys("fp", 0, b"N", [1, 2, 3, 4], 2)
+        >>> b = chain_keys("fp", 0, b"N", [9, 9, 3, 4], 2)
+        >>> len(a), a[1] != b[1], chain_keys("fp", 0, b"N", [1, 2], 2) == a[:1]
+        (2, True, True)
+    """
+    digest = hashlib.sha256(
+        b"pagedcore-kv/1\0" + fingerprint.encode() + b"\0" + _TOKENS.pack(group) + namespace
+    ).digest()
+    keys = []
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        block = b"".join(_TOKENS.pack(int(t)) for t in token_ids[start : start + block_size])
+        digest = hashlib.sha256(digest + block).digest()
+        keys.append(digest.hex())
+    return keys
+
+
+@dataclass
+class TierStats:
+    """What the tiers did (counters since they were made; ``stores`` holds each store's own stats and hits).
+
+    Attributes:
+        blocks_loaded / tokens_loaded: blocks (summed over KV groups) and prompt tokens served from the stores.
+        load_seconds: time spent looking up, reading, checking and copying blocks in.
+        blocks_written / write_seconds: blocks put into the stores by the writer thread, and its time doing so.
+        writes_skipped: evicted blocks not written because the writer's queue was full.
+        write_failures: puts a store refused (no room for it, disk full).
+        refused_checksum / refused_fingerprint / refused_foreign: stored blocks found and not loaded (removed).
+        pending_writes: blocks waiting in the writer's queue now.
+        stores: per store name: its ``stats()`` plus ``hits`` (blocks loaded from it).
+
+    Example:
+        >>> TierStats().blocks_loaded
+        0
+    """
+
+    blocks_loaded: int = 0
+    tokens_loaded: int = 0
+    load_seconds: float = 0.0
+    blocks_written: int = 0
+    write_seconds: float = 0.0
+    writes_skipped: int = 0
+    write_failures: int = 0
+    refused_checksum: int = 0
+    refused_fingerprint: int = 0
+    refused_foreign: int = 0
+    pending_writes: int = 0
+    stores: dict[str, dict[str, int]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class _Write:
+    key: str
+    fingerprint: str
+    group: int
+    tokens: tuple[int, ...]
+    copy: object
+
+
+class KVTiers:
+    """The stores below one pool, and the writer thread that fills them.
+
+    Args:
+        stores: the tiers, fastest first: a load takes a block from the first that holds a good copy; a write goes
+            to every one.
+        io: the adapter's tensors (:class:`BlockIO`).
+        queue_size: evicted blocks waiting to be written at most (more are skipped and counted).
+
+    Example (the core alone, with a fake adapter that keeps each block's contents in a dict):
+        >>> from pagedcore.kv_pool import KVPool
+        >>> from pagedcore.kv_store import MemoryKVStore
+        >>> class FakeIO:
+        ...     def __init__(self): self.blocks = {}
+        ...     def fingerprint(self): return "fake-model"
+        ...     def block_nbytes(self, group): return 4
+        ...     def read_block(self, group, block_id): return self.blocks[block_id]
+        ...     def to_bytes(self, copy): return copy
+        ...     def write_block(self, group, block_id, payload): self.blocks[block_id] = payload
+        >>> pool = KVPool(num_blocks=2, block_size=2)
+        >>> io = FakeIO()
+        >>> tiers = KVTiers([MemoryKVStore(1 << 20)], io)
+        >>> pool.attach_tiers(tiers)
+        >>> ids = pool.groups[0].block_manager.allocate(2)
+        >>> io.blocks.update({ids[0]: b"kv12", ids[1]: b"kv34"})
+        >>> _ = pool.groups[0].trie.insert([1, 2, 3, 4], ids)
+        >>> pool.groups[0].block_manager.release(ids[::-1])
+        >>> other = pool.groups[0].block_manager.allocate(2)      # evicts both: they are written down
+        >>> tiers.flush(), pool.num_cached_blocks
+        (True, 0)
+        >>> pool.groups[0].block_manager.release(other)
+        >>> pool.load_prefix([1, 2, 3, 4, 5]), pool.match([1, 2, 3, 4, 5]).num_tokens   # back from the store
+        (4, 4)
+        >>> tiers.close()
+    """
+
+    def __init__(self, stores: Sequence[KVStore], io: BlockIO, *, queue_size: int = 256) -> None:
+        self._stores = list(stores)
+        self._io = io
+        self._queue: queue.Queue[_Write | None] = queue.Queue(maxsize=queue_size)
+        self._pending: set[str] = set()
+        self._lock = threading.Lock()
+        self._stats = TierStats()
+        self._hits = {store.name: 0 for store in self._stores}
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    @property
+    def stores(self) -> tuple[KVStore, ...]:
+        """The stores, fastest first."""
+        return tuple(self._stores)
+
+    def stats(self) -> TierStats:
+        """A snapshot of the counters (see :class:`TierStats`)."""
+        with self._lock:
+            snap = TierStats(**{k: v for k, v in vars(self._stats).items() if k != "stores"})
+            hits = dict(self._hits)
+        snap.pending_writes = self._queue.unfinished_tasks
+        snap.stores = {store.name: {**store.stats(), "hits": hits.get(store.name, 0)} for store in self._stores}
+        return snap
+
+    # ------------------------------------------------------------------ writes
+    def evicting(self, group: int, block_id: int, trie: PrefixTrie) -> None:
+        """``block_id`` (cached in ``trie``) is about to be evicted from KV group ``group``: queue it for writing
+        unless a store holds it already. Called under the pool's lock; never raises."""
+        try:
+            self._capture(group, block_id, trie, wait=False)
+        except Exception:  # a tier must never break an allocation
+            logger.exception("pagedcore: writing an evicted block down failed; it is dropped")
+
+    def save(self, pool: KVPool, timeout: float | None = None) -> bool:
+        """Write every block cached in ``pool`` now (not only the evicted ones) and wait for the writer, so that a
+        restart finds them. Hold the pool's lock while calling. True when everything queued was written."""
+        for group in pool.groups:
+            bm = group.block_manager
+            for block_id in range(bm.num_blocks):
+                if bm.is_cached(block_id):
+                    self._capture(group.index, block_id, group.trie, wait=True)
+        return self.flush(timeout)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until the writer has written what is queued (at most ``timeout`` seconds). True when it has."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        done = self._queue.all_tasks_done
+        with done:
+            while self._queue.unfinished_tasks:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                done.wait(left)
+        return True
+
+    def close(self, timeout: float | None = 30.0) -> None:
+        """Write what is queued, then stop the writer thread. Later evictions are not written."""
+        if self._closed:
+            return
+        self.flush(timeout)
+        self._closed = True
+        thread = self._thread
+        if thread is not None:
+            self._queue.put(None)
+            thread.join(timeout)
+
+    def _capture(self, group: int, block_id: int, trie: PrefixTrie, *, wait: bool) -> None:
+        if self._closed or not self._stores:
+            return
+        fingerprint = self._io.fingerprint()
+        if fingerprint is None:
+            return
+        namespace, tokens = trie.chain(block_id)
+        encoded = namespace_bytes(namespace)
+        if encoded is None:
+            return
+        bs = trie.block_size
+        key = chain_keys(fingerprint, group, encoded, tokens, bs)[-1]
+        with self._lock:
+            if key in self._pending:
+                return
+        if all(store.contains(key) for store in self._stores):
+            return
+        item = _Write(key, fingerprint, group, tuple(tokens[-bs:]), self._io.read_block(group, block_id))
+        self._start_writer()
+        with self._lock:
+            self._pending.add(key)
+        try:
+            self._queue.put(item, block=wait)  # the writer never takes the pool's lock: waiting here is safe
+        except queue.Full:
+            with self._lock:
+                self._pending.discard(key)
+                self._stats.writes_skipped += 1
+
+    def _start_writer(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._write_loop, name="pagedcore-kv-writer", daemon=True)
+            self._thread.start()
+
+    def _write_loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                self._write(item)
+            except Exception:
+                logger.exception("pagedcore: the KV store writer failed on one block; it is dropped")
+            finally:
+                if item is not None:
+                    with self._lock:
+                        self._pending.discard(item.key)
+                self._queue.task_done()
+
+    def _write(self, item: _Write) -> None:
+        started = time.perf_counter()
+        data = encode(item.key, item.fingerprint, item.group, item.tokens, self._io.to_bytes(item.copy))
+        failures = sum(not store.put(item.key, data) for store in self._stores)
+        with self._lock:
+            self._stats.blocks_written += 1
+            self._stats.write_failures += failures
+            self._stats.write_seconds += time.perf_counter() - started
+
+    # ------------------------------------------------------------------ loads
+    def load(self, pool: KVPool, token_ids: Sequence[int], namespace: Hashable) -> int:
+        """Continue ``token_ids``' prefix match into the stores and load what they hold into the pool (see the
+        module docstring). Hold the pool's lock. Returns the prompt tokens the pool covers now beyond what it
+        matched before; never raises for a store's fault (a bad block is a miss)."""
+        if self._closed or not self._stores:
+            return 0
+        started = time.perf_counter()
+        try:
+            loaded = self._load(pool, token_ids, namespace)
+        except Exception:
+            logger.exception("pagedcore: loading blocks from the KV store failed; the prompt is computed instead")
+            loaded = 0
+        with self._lock:
+            self._stats.load_seconds += time.perf_counter() - started
+            self._stats.tokens_loaded += loaded
+        return loaded
+
+    def _load(self, pool: KVPool, token_ids: Sequence[int], namespace: Hashable) -> int:
+        encoded = namespace_bytes(namespace)
+        bs = pool.block_size
+        limit = (len(token_ids) - 1) // bs  # the prompt's last token is always computed
+        if encoded is None or limit <= 0:
+            return 0
+        matched = [g.trie.match(token_ids[: limit * bs], namespace).block_ids for g in pool.groups]
+        before = min(len(m) for m in matched)
+        if before >= limit:
+            return 0
+        fingerprint = self._io.fingerprint()
+        if fingerprint is None:
+            return 0
+        target = self._fit(pool, matched, limit)  # what the pool can spare, before reading anything
+        if target <= before:
+            return 0
+        found = [self._fetch(fingerprint, g, encoded, token_ids, len(m), target, bs) for g, m in enumerate(matched)]
+        target = min(len(m) + len(run) for m, run in zip(matched, found))
+        if target <= before:
+            return 0
+        for group, chain, run in zip(pool.groups, matched, found):
+            self._install(group.index, pool, chain, run[: max(0, target - len(chain))], token_ids, namespace)
+        return (target - before) * bs
+
+    def _fetch(
+        self, fingerprint: str, group: int, namespace: bytes, token_ids: Sequence[int], start: int, stop: int, bs: int
+    ) -> list[tuple[bytes, str]]:
+        """The checked payloads (and the store each came from) of blocks ``start, start + 1, ...`` of ``group``
+        while the stores hold them, up to ``stop``."""
+        keys = chain_keys(fingerprint, group, namespace, token_ids[: stop * bs], bs)
+        run = []
+        size = self._io.block_nbytes(group)
+        for index in range(start, stop):
+            tokens = token_ids[index * bs : (index + 1) * bs]
+            payload = self._read(keys[index], fingerprint, group, tokens, size)
+            if payload is None:
+                break
+            run.append(payload)
+        return run
+
+    def _read(
+        self, key: str, fingerprint: str, group: int, tokens: Sequence[int], size: int
+    ) -> tuple[bytes, str] | None:
+        for store in self._stores:
+            data = store.get(key)
+            if data is None:
+                continue
+            try:
+                payload = decode(data, key, fingerprint, group, tokens)
+                if len(payload) != size:
+                    raise FrameError("foreign", f"{len(payload)} payload bytes, a block holds {size}")
+            except FrameError as exc:
+                store.delete(key)
+                with self._lock:
+                    counter = f"refused_{exc.reason}"
+                    setattr(self._stats, counter, getattr(self._stats, counter) + 1)
+                logger.warning("pagedcore: a block in the %s store was refused and removed (%s)", store.name, exc)
+                continue
+            return payload, store.name
+        return None
+
+    def _fit(self, pool: KVPool, matched: list[list[int]], target: int) -> int:
+        """The longest run up to ``target`` blocks whose new blocks the pool can spare now, less what other holders
+        reserved (the matched chains are kept while the new blocks are allocated, so they do not count as
+        available)."""
+        for group, chain in zip(pool.groups, matched):
+            kept = sum(1 for b in chain if group.block_manager.ref_count(b) == 0)
+            spare = pool.available_blocks(group.index) - kept
+            target = min(target, len(chain) + max(0, spare))
+        return target
+
+    def _install(
+        self,
+        group: int,
+        pool: KVPool,
+        chain: list[int],
+        run: list[tuple[bytes, str]],
+        token_ids: Sequence[int],
+        ns: Hashable,
+    ) -> None:
+        if not run:
+            return
+        g = pool.groups[group]
+        bm, bs = g.block_manager, pool.block_size
+        bm.retain(chain)  # the matched chain must not be evicted to make room for its own continuation
+        try:
+            new = bm.allocate(len(run))
+            try:
+                for block_id, (payload, _) in zip(new, run):
+                    self._io.write_block(group, block_id, payload)
+                start = len(chain) * bs
+                g.trie.insert(token_ids[start : start + len(new) * bs], new, ns, parent=chain[-1] if chain else None)
+            finally:
+                bm.release(new[::-1])  # cached now: evictable like any released prefix (tail first)
+        finally:
+            bm.release(chain[::-1])
+        with self._lock:
+            self._stats.blocks_loaded += len(run)
+            for _, name in run:
+                self._hits[name] += 1

@@ -1,0 +1,17 @@
+"""Built-in KV stores below the pool: ``"memory://"`` (in-process) and a directory (:mod:`pagedcore.disk_store`)."""
+
+from __future__ import annotations
+
+from pagedcore.disk_store import DiskKVStore
+from pagedcore.hookspecs import hookimpl
+from pagedcore.kv_store import KVStore, MemoryKVStore
+
+
+@hookimpl(trylast=True)
+def pagedcore_kv_store(location: str, max_bytes: int) -> KVStore | None:
+    """``"memory://"``: a :class:`~pagedcore.kv_store.MemoryKVStore`; a path or ``file://`` path: a directory."""
+    if location == "memory://":
+        return MemoryKVStore(max_bytes)
+    if "://" in location and not location.startswith("file://"):
+        return None  # another plugin's scheme
+    return DiskKVStore(location.removeprefix("file://"), max_bytes)
