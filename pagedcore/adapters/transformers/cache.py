@@ -498,8 +498,10 @@ class PagedCache(Cache):
         state.layer_len = [length] * len(state.layer_len)
 
     def cache_prefixes(self, token_ids: Sequence[Sequence[int]]) -> None:
-        """Register every row's full blocks in the pool's prefix cache. ``token_ids[r]`` are row ``r``'s real
-        tokens (no padding), at least as many as the row stores.
+        """Register every row's blocks in the pool's prefix cache: its full blocks and its partly filled last one
+        (a prompt continuing the row inside that block reuses its positions; writing on in this cache then copies
+        that block first). ``token_ids[r]`` are row ``r``'s real tokens (no padding), at least as many as the row
+        stores.
 
         Does nothing for a cache that stored positions it could not tell from padding (a model that calls ``update``
         without ``position_ids`` and no padding declared by :meth:`attach_prefix`, or padding in the middle of a
@@ -512,7 +514,7 @@ class PagedCache(Cache):
         with self._pool.lock:
             self._pool.check_weights()  # rows computed before a weight update register nothing (their epoch is old)
             for row, tokens in zip(state.rows, token_ids):
-                row.blocks.cache_full_blocks(tokens, row.blocks.num_tokens, self.namespace)
+                row.blocks.cache_partial_block(tokens, row.blocks.num_tokens, self.namespace)
 
     def row_tokens(self) -> list[int]:
         """Real tokens stored per row."""
