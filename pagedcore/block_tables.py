@@ -318,8 +318,9 @@ class BlockTables:
                 head: list[int] = []
                 if first:
                     # Blocks that left a sliding window are no longer held; the chain's head must still be cached.
-                    head = group.trie.match(token_ids[: first * bs], namespace).block_ids
-                    if len(head) < first:
+                    hit = group.trie.match(token_ids[: first * bs], namespace)
+                    head = hit.block_ids
+                    if hit.num_tokens < first * bs:
                         self._uncachable[i] = True  # evicted: nothing after it can be reached from the root
                         continue
                 own = table[: num_full - first]
@@ -339,6 +340,45 @@ class BlockTables:
                 self._settle(before)
             self._num_cached_blocks[i] = num_full
         self._next_full = (num_full + 1) * bs
+
+    def cache_partial_block(self, token_ids: Sequence[int], num_computed: int, namespace: Hashable = None) -> None:
+        """Register the full blocks and then the partly filled last block (its first ``num_computed % block_size``
+        positions) in the prefix caches, so that a prompt continuing this sequence inside that block (the next chat
+        turn) reuses them too. For a sequence that stops here: it finished, was preempted, or its ``generate`` call
+        ended.
+
+        ``token_ids`` are the sequence's tokens (at least ``num_computed`` of them). The block becomes shared
+        content: a later write into it (a kept cache continued) copies it first. A group registers it only under its
+        cached chain (a sliding group whose chain was evicted, or whose blocks another holder's duplicate stands in
+        for, does not; the pool's match then stops at the full blocks), and nothing is registered for a sequence
+        filled before the pool's last :meth:`~pagedcore.kv_pool.KVPool.reset_prefix_cache`.
+
+        Example:
+            >>> pool = KVPool(num_blocks=8, block_size=4)
+            >>> seq = BlockTables(pool)
+            >>> _ = seq.append(6)
+            >>> seq.cache_partial_block([1, 2, 3, 4, 5, 6], 6)
+            >>> pool.num_cached_blocks, pool.match([1, 2, 3, 4, 5, 9]).num_tokens
+            (2, 5)
+        """
+        self.cache_full_blocks(token_ids, num_computed, namespace)
+        if self._released or self._epoch != self._pool.epoch:
+            return
+        count = min(num_computed, self._num_tokens, len(token_ids))
+        num_full, used = divmod(count, self._bs)
+        if not used:
+            return
+        tokens = token_ids[num_full * self._bs : count]
+        for i, group in enumerate(self._pool.groups):
+            first, table = self._dropped[i], self._tables[i]
+            if self._uncachable[i] or self._num_cached_blocks[i] < num_full or num_full < first:
+                continue
+            block = table[num_full - first]
+            chained, parent = self._cached_parent(i, token_ids, num_full, namespace)
+            if not chained or group.trie.contains(block):
+                continue  # no cached chain to hang it on, or attached from the cache and never written
+            group.trie.insert_partial(tokens, block, namespace, parent=parent)
+        self._last_private = False  # cached now: the next write into it copies it
 
     def fork(self) -> BlockTables:
         """A new sequence sharing every block of this one (copy-on-write on its first write into a shared block)."""
@@ -462,6 +502,22 @@ class BlockTables:
             kept = gave[i] - (group.block_manager.num_available_blocks - before[i])
             if kept > 0:
                 reservation.take(i, -min(kept, max(0, self._pool.available_blocks(i))))
+
+    def _cached_parent(
+        self, group: int, token_ids: Sequence[int], num_full: int, namespace: Hashable
+    ) -> tuple[bool, int | None]:
+        """Whether the chain of this sequence's first ``num_full`` blocks is cached in ``group``, and its last block
+        there (None for an empty chain)."""
+        if num_full == 0:
+            return True, None
+        trie, first = self._pool.groups[group].trie, self._dropped[group]
+        if num_full > first:
+            parent = self._tables[group][num_full - 1 - first]
+            return trie.contains(parent), parent
+        hit = trie.match(token_ids[: num_full * self._bs], namespace)  # it left the window: the cached chain's
+        if hit.num_tokens < num_full * self._bs:
+            return False, None
+        return True, hit.block_ids[-1]
 
     def _check_revival(self, chains: Sequence[Sequence[int]]) -> list[int]:
         """Per group, the cached blocks at reference count 0 among ``chains`` (retaining them takes them out of the

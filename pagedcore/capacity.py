@@ -49,7 +49,8 @@ class Demand:
         num_prompt_tokens: real tokens of the input (for a continued cache: the whole input row, history included).
         max_new_tokens: tokens it generates at most; the last one is sampled but never stored.
         num_held_tokens: leading positions it holds already (a prefix hit attached, or a continued cache); their
-            blocks are not allocated again, but a partly filled last one is copied on the first write.
+            blocks are not allocated again, but a partly filled last one is copied on the first write (a prefix hit
+            ends inside a block wherever it matched to the token: a cached block used in part is always copied).
         num_copies: sequences it becomes (``num_return_sequences``, beams, the Engine's ``n`` when its samples must
             run at once); they share what was computed before they forked.
         share_prompt: the input but its last token is computed once, then forked ``num_copies`` times (``enable()``'s

@@ -106,8 +106,11 @@ class PoolMatch:
     """A prefix hit usable by every group.
 
     Attributes:
-        num_tokens: tokens of the prompt covered in every group (a multiple of the block size).
-        block_ids: per group, the chain covering those tokens (not retained yet).
+        num_tokens: tokens of the prompt covered in every group, to the token (the shortest group's match): it may end
+            inside the chain's last block, whose leading positions are then reused and the block copied before a
+            write into it (see :class:`~pagedcore.prefix_trie.PrefixTrie`).
+        block_ids: per group, the chain covering those tokens (``ceil(num_tokens / block_size)`` blocks, not
+            retained yet).
 
     Example:
         >>> pool = KVPool(num_blocks=4, block_size=2)
@@ -342,10 +345,21 @@ class KVPool:
 
     # ------------------------------------------------------------------ prefix cache
     def match(self, token_ids: Sequence[int], namespace: Hashable = None) -> PoolMatch:
-        """The longest prefix of ``token_ids`` cached in every group. No side effects."""
+        """The longest prefix of ``token_ids`` cached in every group, to the token. No side effects.
+
+        Example:
+            >>> from pagedcore.block_tables import BlockTables
+            >>> pool = KVPool(num_blocks=8, block_size=4)
+            >>> turn = BlockTables(pool)
+            >>> _ = turn.append(6)                        # a finished turn: 6 positions computed
+            >>> turn.cache_partial_block([1, 2, 3, 4, 5, 6], 6); turn.release()
+            >>> pool.match([1, 2, 3, 4, 5, 6, 7, 8])     # the next turn continues it inside its second block
+            PoolMatch(num_tokens=6, block_ids=([0, 1],))
+        """
         matches = [g.trie.match(token_ids, namespace) for g in self._groups]
-        num_blocks = min(len(m.block_ids) for m in matches)
-        return PoolMatch(num_blocks * self._block_size, tuple(m.block_ids[:num_blocks] for m in matches))
+        num_tokens = min(m.num_tokens for m in matches)
+        count = -(-num_tokens // self._block_size)
+        return PoolMatch(num_tokens, tuple(m.block_ids[:count] for m in matches))
 
     @property
     def tiers(self) -> KVTiers | None:

@@ -1,9 +1,21 @@
-"""The prefix trie: chains of full token blocks -> cached KV block ids.
+"""The prefix trie: chains of token blocks -> cached KV block ids, matched to the token.
 
-Each node is one full block of ``block_size`` tokens; its path from the namespace's root is the exact token
-prefix whose keys and values the block holds. A node's children are keyed by their token tuples themselves, so a
-child is found by content: two blocks whose hashes collide are still told apart by comparing their tokens, and a
-collision can never serve another prompt's KV.
+Each node is one block; its path from the namespace's root is the exact token prefix whose keys and values the block
+holds. A node is a full block of ``block_size`` tokens, or a **partial block**: a leaf of 1 .. ``block_size - 1``
+tokens, the partly filled last block of a finished sequence (a chat turn ends inside a block), registered with
+:meth:`PrefixTrie.insert_partial`. A node's children are keyed by their token tuples themselves, so a child is found by
+content: two blocks whose hashes collide are still told apart by comparing their tokens, and a collision can never
+serve another prompt's KV.
+
+**Token granularity** (SGLang's radix tree is the prior art): :meth:`PrefixTrie.match` walks whole blocks, then takes
+the child (full or partial) sharing the longest run of leading tokens with the rest of the prompt, so a prompt that
+continues a cached sequence inside a block, or branches off inside one, reuses the cached positions of that block
+too. Only positions computed for exactly that prefix are served: the keys of a position depend on the tokens up to
+it, so the first ``n`` positions of a block hold the KV of its first ``n`` tokens whatever follows. The holder that
+attaches such a block shares it and copies it before its first write (copy-on-write, as for any cached block). A
+node's children are also kept in token order, so the longest common run is found by bisection (it lies next to the
+prompt's place in that order), not by a scan. A partial block that a later block extends (one holding its tokens and
+more) is redundant and leaves the cache when that block is registered.
 
 **Namespaces.** Every namespace (a cache salt, e.g. the tenant) has its own root: entries in different namespaces
 never match each other. The trie is the one owner of namespace identity (:func:`namespace_key`): two namespaces
@@ -21,6 +33,7 @@ longer be reached).
 
 from __future__ import annotations
 
+from bisect import bisect_left, insort
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
@@ -60,8 +73,19 @@ def _typed(value: object) -> Hashable:
     return (type(value), value)
 
 
+def _common(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    """Length of the longest common prefix of two token tuples."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    i = 0
+    while a[i] == b[i]:
+        i += 1
+    return i
+
+
 class _Node:
-    __slots__ = ("block_id", "children", "key", "namespace", "parent", "tokens")
+    __slots__ = ("block_id", "children", "is_partial", "key", "namespace", "order", "parent", "partials", "tokens")
 
     def __init__(
         self,
@@ -70,23 +94,57 @@ class _Node:
         parent: _Node | None,
         namespace: Namespace,
         key: Hashable,
+        *,
+        is_partial: bool = False,
     ) -> None:
         self.tokens = tokens
+        self.is_partial = is_partial  # a leaf holding fewer than block_size tokens
         self.block_id = block_id  # None only for a namespace root
         self.parent = parent
         self.namespace = namespace  # as first given for this namespace (what namespaces() reports)
         self.key = key  # namespace_key(namespace): the namespace's identity
-        # Keyed by content: the dict compares the tokens themselves, so equal hashes never conflate two blocks.
+        # Keyed by content: the dict compares the tokens themselves, so equal hashes never conflate two blocks. Full
+        # and partial children share it (a partial key is shorter than a block, so a full block never finds one).
         self.children: dict[tuple[int, ...], _Node] = {}
+        self.order: list[tuple[int, ...]] = []  # the children's keys, sorted: the longest common run by bisection
+        self.partials = 0  # partial children among them
+
+    def add(self, child: _Node) -> None:
+        self.children[child.tokens] = child
+        insort(self.order, child.tokens)
+        self.partials += child.is_partial
+
+    def discard(self, child: _Node) -> None:
+        del self.children[child.tokens]
+        order = self.order
+        del order[bisect_left(order, child.tokens)]
+        self.partials -= child.is_partial
+
+    def longest_run(self, window: Sequence[int]) -> tuple[_Node | None, int]:
+        """The child sharing the most leading tokens with ``window`` (at most a block's), and how many it shares."""
+        order = self.order
+        if not order or not window:
+            return None, 0
+        key = tuple(window)
+        at = bisect_left(order, key)
+        best, run = None, 0
+        for i in (at - 1, at):  # the longest common prefix in a sorted list is next to the query's place
+            if 0 <= i < len(order):
+                n = _common(order[i], key)
+                if n > run:
+                    best, run = order[i], n
+        return (self.children[best], run) if best is not None else (None, 0)
 
 
 @dataclass(frozen=True)
 class PrefixMatch:
-    """The longest cached chain for a token sequence.
+    """The longest cached prefix of a token sequence, to the token.
 
     Attributes:
         block_ids: the chain's blocks, root first. Not retained: call ``BlockManager.retain`` to use them.
-        num_tokens: tokens covered (``len(block_ids) * block_size``).
+        num_tokens: tokens covered: the full blocks' and, when it ends inside a block, the leading positions of the
+            last one (a partial block, or a full block whose first tokens match), which a holder copies before
+            writing into it.
 
     Example:
         >>> PrefixTrie(BlockManager(num_blocks=2, block_size=2)).match([1, 2, 3])
@@ -112,6 +170,8 @@ class PrefixTrie:
         >>> bm.release(blocks[::-1])                    # its holder is done; the blocks stay cached
         >>> trie.match([1, 2, 3, 4, 5]).block_ids       # a new prompt with the same prefix
         [0, 1]
+        >>> trie.match([1, 2, 3, 9])                    # to the token: block 1's first position is this prefix's too
+        PrefixMatch(block_ids=[0, 1], num_tokens=3)
         >>> trie.match([1, 2, 3, 4], namespace="tenant-b").block_ids   # other namespaces see nothing
         []
     """
@@ -186,21 +246,31 @@ class PrefixTrie:
         return node.namespace, [token for part in reversed(parts) for token in part]
 
     def match(self, token_ids: Sequence[int], namespace: Namespace = None) -> PrefixMatch:
-        """Longest chain of cached full blocks that prefixes ``token_ids`` in ``namespace``. No side effects."""
+        """Longest cached prefix of ``token_ids`` in ``namespace``, to the token: the chain of full blocks, then the
+        child sharing the most leading tokens with the rest (a partial block, or a full one used in part). No side
+        effects."""
         root = self._roots.get(namespace_key(namespace))
         ids: list[int] = []
         if root is None:
             return PrefixMatch(ids, 0)
         node = root
         bs = self._block_size
-        for start in range(0, len(token_ids) - bs + 1, bs):
+        start, end = 0, len(token_ids)
+        while start + bs <= end:
             child = node.children.get(tuple(token_ids[start : start + bs]))
             if child is None:
                 break
             assert child.block_id is not None
             ids.append(child.block_id)
             node = child
-        return PrefixMatch(ids, len(ids) * bs)
+            start += bs
+        if not node.children:
+            return PrefixMatch(ids, start)
+        partly, run = node.longest_run(token_ids[start : start + bs])
+        if partly is not None:
+            assert partly.block_id is not None
+            ids.append(partly.block_id)
+        return PrefixMatch(ids, start + run)
 
     # ------------------------------------------------------------------ commands
     def record(self, num_query_tokens: int, num_hit_tokens: int) -> None:
@@ -280,12 +350,62 @@ class PrefixTrie:
             new = to_create.get(i)
             if new is not None:
                 child = _Node(new, block_id, at, at.namespace, key)
-                at.children[new] = child
+                at.add(child)
+                self._drop_covered(at, new)  # after the add: a root losing its last partial child stays
                 by_block[block_id] = child
                 at = child
             else:
                 at = by_block[block_id]
         return canonical
+
+    def insert_partial(
+        self, token_ids: Sequence[int], block_id: int, namespace: Namespace = None, *, parent: int | None = None
+    ) -> bool:
+        """Register a partly filled block: ``block_id`` holds the KV of ``token_ids`` (1 .. ``block_size - 1``
+        tokens), which follow the cached block ``parent`` of ``namespace`` (None: the prompt's first block).
+
+        The block must be held by the caller and not cached; once registered it is shared content, so its holders
+        copy it before writing into it (the BlockManager's copy-on-write of a cached block) and its first
+        ``len(token_ids)`` positions never change. A partial block whose tokens a cached sibling already holds (with
+        more after them, or the same) is redundant: nothing changes and False is returned. Siblings that this one
+        makes redundant (partial blocks holding a prefix of its tokens) leave the cache. Atomic: on error nothing
+        changes.
+
+        Example:
+            >>> bm = BlockManager(num_blocks=4, block_size=4)
+            >>> trie = PrefixTrie(bm)
+            >>> full, last = bm.allocate(2)
+            >>> trie.insert([1, 2, 3, 4], [full]), trie.insert_partial([5, 6], last, parent=full)
+            ([0], True)
+            >>> trie.match([1, 2, 3, 4, 5, 6, 7])        # a continuation inside the block reuses its two positions
+            PrefixMatch(block_ids=[0, 1], num_tokens=6)
+        """
+        tokens = tuple(token_ids)
+        if not 0 < len(tokens) < self._block_size:
+            raise InvalidBlockError(
+                f"insert_partial: a partial block holds 1 .. {self._block_size - 1} tokens, got {len(tokens)}"
+            )
+        key = namespace_key(namespace)
+        if parent is None:
+            node = self._roots.get(key)
+        else:
+            node = self._by_block.get(parent)
+            if node is None or node.key != key or node.is_partial:
+                raise InvalidBlockError(
+                    f"insert_partial: parent block {parent} is not a full block cached in namespace {namespace!r}"
+                )
+        if block_id in self._by_block:
+            raise InvalidBlockError(f"insert_partial: block {block_id} is already cached")
+        if node is not None and node.longest_run(tokens)[1] == len(tokens):
+            return False  # a cached sibling holds these positions already
+        self._bm.mark_cached([block_id])  # validates: in use, not cached
+        if node is None:
+            node = self._roots[key] = _Node((), None, None, namespace, key)
+        child = _Node(tokens, block_id, node, node.namespace, key, is_partial=True)
+        node.add(child)
+        self._by_block[block_id] = child
+        self._drop_covered(node, tokens)  # after the add: a root losing its last partial child stays
+        return True
 
     def drop_block(self, block_id: int) -> list[int]:
         """Forget ``block_id`` and every descendant. Called by the BlockManager when it evicts ``block_id``.
@@ -334,11 +454,21 @@ class PrefixTrie:
             stack = [root]
             while stack:
                 node = stack.pop()
+                order = node.order
+                assert order == sorted(node.children), "children out of token order"
+                assert node.partials == sum(c.is_partial for c in node.children.values()), "partial count is off"
+                for i, tokens in enumerate(order[:-1]):  # a partial block no sibling holds more of
+                    assert not node.children[tokens].is_partial or order[i + 1][: len(tokens)] != tokens, (
+                        f"partial block {node.children[tokens].block_id} is redundant"
+                    )
                 for tokens, child in node.children.items():
                     assert tokens == child.tokens, "child filed under the wrong tokens"
                     assert child.parent is node, "child points to the wrong parent"
                     assert child.key == key and child.namespace is root.namespace, "child of another namespace"
-                    assert len(child.tokens) == self._block_size
+                    if child.is_partial:
+                        assert 0 < len(child.tokens) < self._block_size and not child.children, "a bad partial block"
+                    else:
+                        assert len(child.tokens) == self._block_size, "a full block of the wrong length"
                     assert child.block_id is not None and child.block_id not in seen
                     assert self._by_block.get(child.block_id) is child
                     assert self._bm.is_cached(child.block_id), f"block {child.block_id} indexed but not cached"
@@ -358,9 +488,21 @@ class PrefixTrie:
             count += len(self.remove(child.block_id))
         return count
 
+    def _drop_covered(self, node: _Node, tokens: tuple[int, ...]) -> None:
+        """Forget ``node``'s partial children holding a strict prefix of ``tokens``: a child with ``tokens`` is about
+        to hold those positions and more."""
+        if not node.partials:
+            return
+        children = node.children
+        for length in range(1, len(tokens)):
+            child = children.get(tokens[:length])
+            if child is not None and child.is_partial:
+                assert child.block_id is not None
+                self.remove(child.block_id)
+
     def _detach(self, node: _Node) -> None:
         parent = node.parent
         assert parent is not None
-        del parent.children[node.tokens]
+        parent.discard(node)
         if parent.block_id is None and not parent.children:
             del self._roots[parent.key]  # the namespace's last cached block is gone: so is its root

@@ -551,6 +551,8 @@ class Scheduler:
 
     def _preempt(self, seq: SequenceState) -> None:
         assert seq.blocks is not None
+        if self._config.enable_prefix_caching:  # it re-hits its own prefix, to the token
+            seq.blocks.cache_partial_block(seq.token_ids, seq.num_computed_tokens, seq.namespace)
         seq.blocks.release()
         seq.blocks = None
         del self._running[seq.request_id]
@@ -711,6 +713,9 @@ class Scheduler:
 
     def _finish(self, seq: SequenceState, reason: FinishReason) -> None:
         if seq.blocks is not None:
+            if self._config.enable_prefix_caching and reason in _KEEPS_KV:
+                # The next chat turn continues it inside its last block: register that block's computed positions.
+                seq.blocks.cache_partial_block(seq.token_ids, seq.num_computed_tokens, seq.namespace)
             seq.blocks.release()
             seq.blocks = None
         if seq.status is SequenceStatus.RUNNING:
@@ -738,6 +743,9 @@ class Scheduler:
 
 
 _NO_TOKEN: tuple[None] = (None,)
+# Finishes whose computed keys and values are complete: an abort may come while a forward writes the sequence's
+# blocks, and a failed step may have written some layers only.
+_KEEPS_KV = frozenset({FinishReason.STOP, FinishReason.LENGTH})
 
 
 def _priority(item: tuple[SequenceState, int]) -> int:

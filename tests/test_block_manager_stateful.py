@@ -1,10 +1,11 @@
 """Property-based test of BlockManager + PrefixTrie bookkeeping (hypothesis state machine).
 
 The test keeps its own model of who holds which block, what each block contains and which namespace cached it,
-drives random allocate / retain / release / free / insert / match / evict, and after every step checks that the
-manager agrees: free + evictable + in use == total, each ref count equals the number of holders, no block is both
-free and referenced, every prefix hit serves blocks of the asked namespace whose content equals the prompt (also
-with tokens whose tuple hashes collide), and the trie keeps a root for exactly the namespaces with a cached block.
+drives random allocate / retain / release / free / insert (of full chains, and of chains whose last block is partly
+filled) / match / evict, and after every step checks that the manager agrees: free + evictable + in use == total,
+each ref count equals the number of holders, no block is both free and referenced, every prefix hit (to the token)
+serves only registered positions of blocks of the asked namespace whose content equals the prompt (also with tokens
+whose tuple hashes collide), and the trie keeps a root for exactly the namespaces with a cached block.
 Namespaces include ``1`` and ``True``, equal in Python but distinct namespaces.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 import sys
 
 import hypothesis.strategies as st
+import pytest
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -49,6 +51,7 @@ class BlockBookkeeping(RuleBasedStateMachine):
         self.holders: dict[int, list[int]] = {}  # holder -> blocks it holds, in chain order
         self.content: dict[int, tuple[int, ...]] = {}  # block -> tokens written into it
         self.namespace_of: dict[int, object] = {}  # block -> the namespace that cached it (valid while cached)
+        self.registered: dict[int, int] = {}  # block -> positions registered, for blocks cached partly filled
         self.next_holder = 0
 
     # ---------------------------------------------------------------- helpers
@@ -70,6 +73,7 @@ class BlockBookkeeping(RuleBasedStateMachine):
         if self.bm.can_allocate(n):
             ids = self.bm.allocate(n)
             for i, block in enumerate(ids):  # "compute" KV for some tokens into each block
+                self.registered.pop(block, None)
                 self.content[block] = tuple((tokens * (n + 1))[i * BLOCK : (i + 1) * BLOCK])
             if ids:
                 self.new_holder(ids)
@@ -132,17 +136,53 @@ class BlockBookkeeping(RuleBasedStateMachine):
             assert self.content[can] == self.content[own]
             if own == can:
                 self.namespace_of[own] = namespace
+                self.registered.pop(own, None)
             else:  # switch to the cached block, give ours back
                 self.bm.retain([can])
                 self.bm.release([own])
                 blocks[i] = can
 
+    @precondition(lambda self: self.holders)
+    @rule(data=st.data(), namespace=st.sampled_from(NAMESPACES), used=st.integers(1, BLOCK - 1))
+    def insert_partial_holder(self, data, namespace, used):
+        """Register a holder's chain with its last block partly filled (a finished chat turn's last block)."""
+        holder = data.draw(st.sampled_from(sorted(self.holders)))
+        blocks = self.holders[holder]
+        *full, last = blocks
+        try:
+            canonical = self.trie.insert([t for b in full for t in self.content[b]], full, namespace)
+        except InvalidBlockError as exc:
+            if "already cached" not in str(exc):
+                raise
+            return
+        for i, (own, can) in enumerate(zip(full, canonical)):
+            if own == can:
+                self.namespace_of[own] = namespace
+            else:
+                self.bm.retain([can])
+                self.bm.release([own])
+                blocks[i] = can
+        parent = canonical[-1] if canonical else None
+        if self.bm.is_cached(last):
+            with pytest.raises(InvalidBlockError, match="already cached"):
+                self.trie.insert_partial(self.content[last][:used], last, namespace, parent=parent)
+            return
+        if self.trie.insert_partial(self.content[last][:used], last, namespace, parent=parent):
+            self.namespace_of[last] = namespace
+            self.registered[last] = used
+        else:
+            assert not self.bm.is_cached(last)
+
     @rule(data=st.data(), namespace=st.sampled_from(NAMESPACES))
     def match_and_hold(self, data, namespace):
         tokens = data.draw(self.tokens_st)
         match = self.trie.match(tokens, namespace)
+        assert len(match.block_ids) == -(-match.num_tokens // BLOCK)
         for i, block in enumerate(match.block_ids):
-            assert self.content[block] == tuple(tokens[i * BLOCK : (i + 1) * BLOCK]), "served another prompt's KV"
+            used = min(BLOCK, match.num_tokens - i * BLOCK)  # to the token: the last block may be used in part
+            served = self.content[block][:used]
+            assert served == tuple(tokens[i * BLOCK : i * BLOCK + used]), "served another prompt's KV"
+            assert used == BLOCK or self.registered.get(block, BLOCK) >= used, "served positions never registered"
             assert typed(self.namespace_of[block]) == typed(namespace), "served another namespace's KV"
         if match.block_ids:
             self.bm.retain(match.block_ids)

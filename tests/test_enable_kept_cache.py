@@ -75,11 +75,12 @@ def test_continue_from_the_returned_cache_matches_stock(enabled, family, argumen
         assert_same_generation(g, w)
     first, second = got
     assert second.cache is first.cache and isinstance(second.cache, PagedCache)
-    # The kept cache's full blocks are in the prefix trie after each call, under the rows' real tokens.
+    # The kept cache's blocks (the partly filled last one too) are in the prefix trie after each call, under the
+    # rows' real tokens.
     stored = 10 + 5 + 4 - 1
     for row, pad in enumerate([0, 3]):
         tokens = second.sequences[row, pad:].tolist()
-        assert registered_tokens(pool, tokens) == (stored - pad) // BLOCK * BLOCK
+        assert registered_tokens(pool, tokens) == stored - pad
     assert pool.kv.num_used_blocks > 0
     second.cache.release()
     assert pool.kv.num_used_blocks == 0
@@ -92,7 +93,7 @@ def test_a_kept_cache_registers_after_each_call(enabled):
     out = greedy(model, ids, None, 4)
     assert registered_tokens(pool, out.sequences[0].tolist()) == 12  # 12 of the 12 stored tokens
     out = greedy(model, out.sequences, None, 6, cache=out.cache)
-    assert registered_tokens(pool, out.sequences[0].tolist()) == 16  # 18 stored: 4 full blocks
+    assert registered_tokens(pool, out.sequences[0].tolist()) == 18  # 18 stored: 4 full blocks and 2 positions
     hits = pool.num_hit_tokens
     fresh = greedy(model, out.sequences[:, :17], None, 1)  # a call without the cache hits those blocks
     assert pool.num_hit_tokens - hits == 16
@@ -264,5 +265,5 @@ def test_nested_calls_run_in_the_namespace_of_the_call_around_them(enabled):
     criteria = StoppingCriteriaList([NestedInCriteria(nested)])
     outer = torch.randint(FIRST_TOKEN, VOCAB, (1, 6), generator=torch.Generator().manual_seed(10))
     model.generate(outer, max_new_tokens=2, stopping_criteria=criteria, pagedcore_namespace="tenant-a")
-    assert registered_tokens(pool, inner[0].tolist(), "tenant-a") == 8  # 11 stored tokens: 2 full blocks
+    assert registered_tokens(pool, inner[0].tolist(), "tenant-a") == 9  # 11 stored tokens cover its 9
     assert registered_tokens(pool, inner[0].tolist(), None) == 0

@@ -70,8 +70,8 @@ def test_padded_prefix_hit_matches_stock_generate(family, case, block_size):
     try:
         blocks0, blocks1 = HITS[case]
         for row, blocks in ((ids[0], blocks0), (ids[1, pad:], blocks1)):
-            if blocks:  # one more token than the blocks: the last prompt token is never served from the cache
-                release(greedy(model, row[None, : blocks * block_size + 1], None, max_new_tokens=1))
+            if blocks:  # exactly ``blocks`` blocks of positions computed (the one new token is never fed)
+                release(greedy(model, row[None, : blocks * block_size], None, max_new_tokens=1))
         hits_before = pool.num_hit_tokens
         got = greedy(model, ids, mask)
         release(got)

@@ -67,11 +67,12 @@ def test_prefix_hit_equals_cold_generate(enabled, attn):
             assert_same(ref, out)
             out.cache.release()  # the outputs carry their caches, which hold blocks until released or dropped
         assert pool.kv.num_used_blocks == 0
-    # Round 1: prompts 2 and 3 reuse the system prompt's 9 full blocks. Round 2: every full block of every prompt
-    # is cached (prompt and generated tokens were registered); matching is per full block of the prompt, and the
-    # last prompt token is always recomputed.
+    # Round 1: prompts 2 and 3 reuse the system prompt's 37 tokens (9 full blocks and, to the token, the first
+    # position of the first prompt's 10th block). Round 2: every position of every prompt is cached (prompt and
+    # generated tokens were registered, the partly filled last block too); the last prompt token is always
+    # recomputed.
     assert pool.num_query_tokens == 2 * sum(p.shape[1] for p in prompts)
-    assert pool.num_hit_tokens == 2 * 36 + sum(min(p.shape[1] // 4 * 4, p.shape[1] - 1) for p in prompts)
+    assert pool.num_hit_tokens == 2 * 37 + sum(p.shape[1] - 1 for p in prompts)
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "paged"])
@@ -84,9 +85,9 @@ def test_batched_left_padded_hit_uses_the_part_safe_for_all_rows(enabled, attn):
     hits_before = pool.num_hit_tokens
     out = model.generate(ids, attention_mask=mask, **GREEDY)
     assert_same(ref, out)
-    # Rows have 0, 4 and 2 pads; each has the 36 cached system tokens: the shared rectangular prefix is
-    # min(pad + 36) = 36, so the rows reuse 36, 32 and 34 tokens.
-    assert pool.num_hit_tokens - hits_before == 36 + 32 + 34
+    # Rows have 0, 4 and 2 pads; each has the 37 cached system tokens (to the token): the shared rectangular prefix
+    # is min(pad + 37) = 37, so the rows reuse 37, 33 and 35 tokens.
+    assert pool.num_hit_tokens - hits_before == 37 + 33 + 35
 
 
 def test_num_return_sequences_and_beams_share_the_prompt(enabled):
@@ -133,9 +134,9 @@ def test_namespaces_never_share(enabled):
         model.generate(prompt(5), max_new_tokens=2)
     assert pool.num_hit_tokens == 0
     model.generate(prompt(5), max_new_tokens=2, pagedcore_namespace="tenant-a")  # per-call override
-    assert pool.num_hit_tokens == 36  # the 38-token prompt's 9 full blocks
+    assert pool.num_hit_tokens == 37  # the 38-token prompt but its last token (always recomputed)
     model.generate(prompt(5), max_new_tokens=2)  # the default namespace is separate too
-    assert pool.num_hit_tokens == 36
+    assert pool.num_hit_tokens == 37
 
 
 def test_disable_restores_generate_and_keeps_the_pool(enabled):

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from pagedcore import BlockManager, ConfigError, InvalidBlockError, PrefixTrie
+from pagedcore import BlockManager, ConfigError, InvalidBlockError, PrefixMatch, PrefixTrie
 
 
 @pytest.fixture
@@ -21,12 +21,15 @@ def cached_chain(bm, trie, tokens, namespace=None):
     return ids
 
 
-def test_longest_full_block_match(bm):
+def test_longest_match_to_the_token(bm):
     trie = PrefixTrie(bm)
     ids = cached_chain(bm, trie, [1, 2, 3, 4, 5, 6])
     assert trie.match([1, 2, 3, 4, 9, 9]).block_ids == ids[:2]
     assert trie.match([1, 2, 3, 4, 5, 6, 7]).num_tokens == 6
-    assert trie.match([1, 2, 3]).block_ids == ids[:1]  # a partial last block never matches
+    # A prompt ending inside a cached block, or branching off inside one, uses that block's leading positions.
+    assert trie.match([1, 2, 3]) == PrefixMatch(ids[:2], 3)
+    assert trie.match([1, 2, 3, 9, 5]) == PrefixMatch(ids[:2], 3)
+    assert trie.match([1, 9]) == PrefixMatch(ids[:1], 1)
     assert trie.match([2, 1]).block_ids == []
     assert trie.match([]).block_ids == []
 
@@ -271,7 +274,8 @@ def test_colliding_blocks_through_the_scheduler_read_only_their_own_tokens():
     assert tables["p2"][0] == tables["p1"][0] and tables["p2"][1] != tables["p1"][1]
     assert not set(tables["p3"][:2]) & set(tables["p1"][:2] + tables["p2"][:2])
     assert tables["p4"][:2] == tables["p1"][:2]
-    assert pool.num_cached_blocks == 5 and pool.num_used_blocks == 0
+    # 5 full blocks and the partly filled last blocks of p1, p2 and p3 (p4's is p1's again: not registered twice).
+    assert pool.num_cached_blocks == 5 + 3 and pool.num_used_blocks == 0
     pool.check_invariants()
 
 

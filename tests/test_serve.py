@@ -146,7 +146,7 @@ def test_usage_reports_the_prompt_tokens_served_from_the_prefix_cache(served):
     first = served.client().completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
     second = served.client().completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
     assert first.usage.prompt_tokens_details.cached_tokens == 0
-    assert second.usage.prompt_tokens_details.cached_tokens == 56  # whole blocks; the last token is recomputed
+    assert second.usage.prompt_tokens_details.cached_tokens == 56  # all but the last token, always recomputed
 
 
 def test_completion_of_token_ids_and_batches(served, reference):

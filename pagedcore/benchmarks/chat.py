@@ -230,9 +230,9 @@ class ChatResult(Reported):
         notes = [
             f"Engine: {self.engine_config}.",
             f"Prefill beyond the unique tokens: {beyond} positions; the previous turns' last, partly filled blocks "
-            f"hold {self._partial()}. The prefix cache shares whole blocks of {self.block_size} tokens: a turn's "
-            "prompt continues the previous reply inside a block, so the positions of that block are computed again "
-            "(on average half a block per conversation and turn).",
+            f"(blocks of {self.block_size} tokens) hold {self._partial()}. A turn's prompt continues the previous "
+            "reply inside a block: the prefix cache matches to the token and reuses that block's cached positions "
+            "(copy-on-write), so only what evictions or a cache of whole blocks lose is computed again.",
         ]
         notes += [f"{run.name}: {sentence(run.note)}" for run in self.runs if run.note]
         mism = self.mismatches()

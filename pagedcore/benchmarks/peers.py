@@ -407,8 +407,8 @@ class EnginePeer:
         >>> model = bench_model(size="tiny")
         >>> with EnginePeer(num_blocks=16).session(model) as serve:
         ...     first, again = serve(Batch([[5] * 20], [2])), serve(Batch([[5] * 20 + [6]], [2]))
-        >>> first.prefill, again.prefill   # the second prompt finds the first one's block in the prefix cache
-        (20, 5)
+        >>> first.prefill, again.prefill   # the second prompt finds the first one's 20 positions in the prefix cache
+        (20, 1)
     """
 
     num_blocks: int = 64

@@ -626,8 +626,10 @@ class PagedCache(Cache):
         state.layer_len = [length] * len(state.layer_len)
 
     def cache_prefixes(self, token_ids: Sequence[Sequence[int]]) -> None:
-        """Register every row's full blocks in the pool's prefix cache. ``token_ids[r]`` are row ``r``'s real
-        tokens (no padding), at least as many as the row stores.
+        """Register every row's blocks in the pool's prefix cache: its full blocks and its partly filled last one
+        (a prompt continuing the row inside that block reuses its positions; writing on in this cache then copies
+        that block first). ``token_ids[r]`` are row ``r``'s real tokens (no padding), at least as many as the row
+        stores.
 
         Does nothing for a cache that stored positions it could not tell from padding (a row whose mask is not left
         padding, or a padded batch whose mask the cache never saw and whose padding :meth:`attach_prefix` did not
@@ -640,7 +642,7 @@ class PagedCache(Cache):
         with self._pool.lock:
             self._pool.check_weights()  # rows computed before a weight update register nothing (their epoch is old)
             for row, tokens in zip(state.rows, token_ids):
-                row.blocks.cache_full_blocks(tokens, row.blocks.num_tokens, self.namespace)
+                row.blocks.cache_partial_block(tokens, row.blocks.num_tokens, self.namespace)
 
     def fork(self) -> PagedCache:
         """A new cache on the same pool whose rows share this cache's blocks (copy-on-write: the first write to a

@@ -432,8 +432,8 @@ class Engine:
             >>> from pagedcore.adapters.transformers.testing import tiny_llama
             >>> with Engine(tiny_llama(), num_blocks=32, block_size=4) as engine:
             ...     _ = engine.generate([list(range(1, 11))], max_new_tokens=2, use_tqdm=False)
-            ...     engine.reset_prefix_cache(), engine.pool.kv.num_cached_blocks
-            (2, 0)
+            ...     engine.reset_prefix_cache(), engine.pool.kv.num_cached_blocks   # 2 full blocks, 1 partly filled
+            (3, 0)
         """
         with self._lock:
             return self.pool.reset_prefix_cache()

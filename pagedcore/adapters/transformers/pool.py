@@ -591,12 +591,12 @@ class PagedKVPool:
             >>> model = tiny_llama()
             >>> pool = enable(model, num_blocks=16, block_size=4)
             >>> _ = model.generate(torch.arange(1, 10)[None], max_new_tokens=1, do_sample=False)
-            >>> pool.check_weights(), pool.kv.num_cached_blocks     # unchanged: the prefixes stay
-            (0, 2)
+            >>> pool.check_weights(), pool.kv.num_cached_blocks     # unchanged: the prefixes stay (9 positions)
+            (0, 3)
             >>> with torch.no_grad():
             ...     _ = model.lm_head.weight.mul_(0.5)
             >>> pool.check_weights(), pool.kv.num_cached_blocks     # the next generate call would do this
-            (2, 0)
+            (3, 0)
         """
         with self.lock:
             watch = self._weights
@@ -632,7 +632,7 @@ class PagedKVPool:
             >>> _ = model.generate(torch.arange(1, 10)[None], max_new_tokens=1, do_sample=False)
             >>> _ = model.lm_head.weight.data.mul_(0.5)         # through .data: no version counter sees it
             >>> pool.reset_prefix_cache(), pool.kv.num_cached_blocks
-            (2, 0)
+            (3, 0)
         """
         with self.lock:
             return self.check_weights() + self.kv.reset_prefix_cache()
