@@ -280,6 +280,8 @@ class KVTiers:
         if fingerprint is None:
             return
         namespace, tokens = trie.chain(block_id)
+        if len(tokens) % trie.block_size:  # a partly filled last block (token-granular reuse): loads are whole blocks
+            return
         encoded = namespace_bytes(namespace)
         if encoded is None:
             return

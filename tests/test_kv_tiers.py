@@ -113,6 +113,29 @@ def test_evicted_blocks_are_written_and_loaded_back_with_their_own_contents(tmp_
     tiers.close()
 
 
+def test_a_partly_filled_block_is_never_written_down(tmp_path):
+    """Token-granular reuse caches a finished sequence's partly filled last block; the tiers key and load whole
+    blocks, so evicting it writes nothing (before the guard it was written under a key no load asks for, framed with
+    the previous block's tokens)."""
+    pool, io, tiers = make(tmp_path)
+    fill(pool, io, PROMPT)
+    group = pool.groups[0]
+    (tail,) = group.block_manager.allocate(1)
+    io.blocks[0, tail] = content(PROMPT)
+    assert group.trie.insert_partial(PROMPT[8:], tail, None, parent=group.trie.match(PROMPT).block_ids[-1])
+    group.block_manager.release([tail])
+    full = group.trie.match(PROMPT[:8]).block_ids
+    group.block_manager.retain(full)  # the full blocks used again: the partial one is evicted first
+    group.block_manager.release(full[::-1])
+    evict_all(pool)
+    assert tiers.flush(5)
+    assert tiers.stats().blocks_written == 4  # the 4 full blocks, not the partial one
+    assert pool.load_prefix(PROMPT) == 4 * BS
+    assert loaded_ok(pool, io, PROMPT) == 4  # each under its own key (the partial one was once keyed as its parent)
+    pool.check_invariants()
+    tiers.close()
+
+
 def test_a_partial_pool_match_continues_into_the_store(tmp_path):
     pool, io, tiers = make(tmp_path)
     fill(pool, io, PROMPT)
