@@ -212,14 +212,11 @@ class ChatResult(Reported):
 
     def _ratios(self) -> Table:
         speedup, reuse, mism = self.speedup(), self.prefill_ratio(), self.mismatches()
-        whole = sum(self.run(ENGINE).prefill_per_turn) / (self.workload.unique_prompt_tokens + self._partial())
         return Table(
             RATIO_HEADERS,
             [
                 AIM_CHAT_SPEEDUP.row("Engine speedup vs the padded batch (median wall)", ratio(speedup), speedup),
                 AIM_CHAT_PREFILL.row("Engine prefill positions / unique prompt tokens", f"{reuse:.3f}", reuse),
-                ["Engine prefill positions / (unique prompt tokens + the previous turns' partial last blocks)",
-                 f"{whole:.3f}", "-", "-"],
                 ["replies identical to the padded batch's", "yes" if not mism else f"no: {len(mism)} differ",
                  "all", aim_status(not mism)],
             ],

@@ -186,6 +186,13 @@ class Engine:
         self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._decode = CompiledDecode(model, pool) if compiling else None
         self._decode_counts = CompileCounts()  # the counters of a compiled step turned off
+        self._init_state(pool)
+        self._original_attn = getattr(self._text_config, "_attn_implementation", None)
+        self._use_paged_attention()
+        self._closed = False
+
+    def _init_state(self, pool: PagedKVPool) -> None:
+        """The requests, events, locks and counters of a new Engine."""
         self._requests: dict[str, EngineRequest] = {}  # queued or running: not every sample has finished
         self._ready: list[tuple[object | None, RequestOutput]] = []  # (owner, output) finished, not yet reported
         self._events: list[tuple[object | None, TokenEvent]] = []  # (owner, event) not yet reported
@@ -201,9 +208,6 @@ class Engine:
         self._peak_bytes = 0
         self._busy = 0.0
         self._phases = dict.fromkeys(_PHASES, 0.0)  # cumulative seconds per stage of the steps
-        self._original_attn = getattr(self._text_config, "_attn_implementation", None)
-        self._use_paged_attention()
-        self._closed = False
 
     def _use_paged_attention(self) -> None:
         self.model.set_attn_implementation(ATTN_IMPLEMENTATION)
