@@ -1,0 +1,34 @@
+"""Structured outputs: generation constrained by a JSON schema, a regex, a list of choices or a grammar.
+
+- :class:`StructuredOutput`: what a request asks for (plain Python, no grammar engine needed to build one).
+- :class:`GrammarCompiler`: spec -> grammar, parsed at once (bad input raises :class:`~pagedcore.errors.GrammarError`)
+  and compiled in a worker thread with a bounded time, cached by spec.
+- :class:`GrammarState`: one sample's position in its grammar, kept in step with its tokens (fork, rollback).
+- :class:`GrammarMasks`: one batched mask application per step, on the constrained rows only.
+- :class:`StructuredLogitsProcessor`: the same constraint for plain ``model.generate(logits_processor=[...])``.
+
+The grammar engine is llguidance (``pip install 'pagedcore[structured]'``), chosen by measurement against
+xgrammar and outlines-core (docs/structured.md): the only one of the three whose outputs were always valid.
+
+Example:
+    >>> from pagedcore.adapters.transformers.structured import StructuredOutput
+    >>> StructuredOutput.from_response_format({"type": "json_object"}).kind
+    'json_object'
+"""
+
+from .compiler import CompiledGrammar, CompilerStats, GrammarCompiler
+from .masks import GrammarMasks
+from .matcher import GrammarState
+from .processor import StructuredLogitsProcessor
+from .spec import KINDS, StructuredOutput
+
+__all__ = [
+    "KINDS",
+    "CompiledGrammar",
+    "CompilerStats",
+    "GrammarCompiler",
+    "GrammarMasks",
+    "GrammarState",
+    "StructuredLogitsProcessor",
+    "StructuredOutput",
+]
