@@ -1,9 +1,11 @@
 # Two commands do all the set-up on a fresh machine:
 #   make demo   - builds .venv, installs pagedcore, runs `pagedcore generate` on the built-in model
 #   make test   - builds .venv, installs pagedcore with its test extras, runs ruff, mypy and the test suite
-# On a CUDA machine (docs/gpu.md): the index's torch is a CUDA 13 build, and the `gpu` extra adds xformers 0.0.35 and
-# the CUDA 12 runtime its library needs (pagedcore loads it before importing xformers):
+# On a CUDA machine with the package index (docs/gpu.md): the index's torch is a CUDA 13 build, and the `gpu` extra
+# adds xformers 0.0.35 and the CUDA 12 runtime its library needs:
 #   make EXTRAS=all,gpu install && make gpu-check
+# An offline GPU machine: `make gpu-carry` here, then there `bash scripts/gpu_run.sh OUT`; `make gpu-rehearsal`
+# rehearses that on a CPU machine.
 # or the CUDA 12.8 build of torch that xformers 0.0.35 was compiled against, which loads that runtime itself:
 #   make TORCH=torch==2.10.0 TORCH_INDEX=https://download.pytorch.org/whl/cu128 EXTRAS=all,gpu install
 PYTHON ?= python3
@@ -15,11 +17,12 @@ TORCH_INDEX ?=
 EXTRAS ?= all
 comma := ,
 STAMP := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
-# Wheels for an offline CUDA machine (`make gpu-carry`, docs/gpu.md): its Python and platform.
+# Wheels for an offline CUDA machine (`make gpu-carry`, docs/gpu.md): what its image (scripts/gpu_image.txt) lacks.
 CARRY ?= carry
-CARRY_PYTHON ?= 3.12
+# make gpu-check installs nothing: the project venv's python where there is one, else $(PYTHON).
+GPU_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON))
 
-.PHONY: install demo test lint typecheck unit bench ray-load gpu-check gpu-carry clean
+.PHONY: install demo test lint typecheck unit bench ray-load gpu-check gpu-carry gpu-rehearsal clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -54,17 +57,21 @@ bench: install
 ray-load: install
 	$(BIN)/python examples/ray_serve_load.py
 
-# One GPU, under 8 minutes: versions and the xformers diagnosis, the GPU tests, a decode run (step times, Triton
-# compilations, syncs) and the benchmarks; writes gpu-check/report.md. Without CUDA: the CPU-visible parts only.
-gpu-check: install
-	$(BIN)/python scripts/gpu_check.py --out gpu-check
+# The GPU check on a machine that has everything installed (it installs nothing): versions and the xformers
+# diagnosis, the GPU tests, a decode run (step times, Triton compilations, syncs) and the benchmarks one at a time,
+# under 5 minutes; writes gpu-check/report.md part by part. Without CUDA: each part's CPU rehearsal, "no CUDA".
+gpu-check:
+	$(GPU_PYTHON) scripts/gpu_check.py --out gpu-check
 
+# carry/: the wheels the GPU image lacks (transformers at pyproject's floor, xformers, the CUDA 12 runtime), the pip
+# wheel (the fallback where its python has no pip) and a pagedcore wheel of this tree, with carry/MANIFEST.json.
 gpu-carry: install
-	mkdir -p $(CARRY)
-	$(BIN)/python -m pip download --quiet --no-deps --only-binary=:all: --python-version $(CARRY_PYTHON) \
-		--implementation cp --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d $(CARRY) \
-		xformers==0.0.35 nvidia-cuda-runtime-cu12==12.8.90 pytest pluggy iniconfig packaging
-	$(BIN)/python -m pip wheel --quiet --no-deps --no-build-isolation -w $(CARRY) .
+	$(BIN)/python scripts/gpu_carry.py --carry $(CARRY)
+
+# The GPU run rehearsed on this CPU machine: a venv with the image's versions (.gpu-rehearsal/), the carry installed
+# as the GPU machine installs it, scripts/gpu_run.sh from the repository root, its report checked (a few minutes).
+gpu-rehearsal: install
+	GPU_CARRY_PYTHON=$(BIN)/python bash scripts/gpu_rehearsal.sh
 
 clean:
-	rm -rf $(VENV) build bench-out gpu-check $(CARRY) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) build bench-out gpu-check $(CARRY) .gpu-rehearsal .pytest_cache .mypy_cache .ruff_cache

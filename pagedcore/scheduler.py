@@ -322,10 +322,15 @@ class Scheduler:
 
     def fail(self, request_ids: Sequence[str]) -> list[SequenceState]:
         """Finish these sequences with ``FinishReason.ERROR`` (e.g. their step raised); blocks go back at once."""
-        failed = [self._by_id[r] for r in request_ids if r in self._by_id]
-        for seq in failed:
-            self._finish(seq, FinishReason.ERROR)
-        return failed
+        return self.finish(request_ids, FinishReason.ERROR)
+
+    def finish(self, request_ids: Sequence[str], reason: FinishReason) -> list[SequenceState]:
+        """Finish these waiting or running sequences (ids of other ones are skipped) with ``reason``, e.g. STOP when
+        their text reached a stop string; their blocks go back at once, so no later step computes them."""
+        done = [self._by_id[r] for r in request_ids if r in self._by_id]
+        for seq in done:
+            self._finish(seq, reason)
+        return done
 
     def schedule(self) -> SchedulerOutput:
         """Plan the next step: which tokens of which sequences to compute, with their slots and block tables."""

@@ -53,7 +53,9 @@ class SequenceState:
         request_id: unique among waiting and running sequences.
         prompt_token_ids: the prompt (non-empty).
         max_new_tokens: tokens to generate at most (>= 1).
-        stop_token_ids: generation stops after any of these.
+        stop_token_ids: generation stops after any of these (the one place stop tokens are checked: eos, the
+            request's stop tokens, and the ids of stop strings that are special tokens; stop strings in the text are
+            the Engine's, which finishes the sequence through ``Scheduler.finish``).
         namespace: prefix-cache namespace (cache salt); sequences in different namespaces never share blocks.
         num_samples: parallel samples (``n``); the sequence forks into that many once its prompt is computed.
         min_new_tokens: stop tokens are ignored before this many tokens were generated.
@@ -79,6 +81,7 @@ class SequenceState:
     num_preemptions: int = 0
     sample_index: int = 0  # which of the parent's samples this is (0 for the parent)
     group_id: str = ""  # the request this sequence belongs to (its own id, or its parent's after a fork)
+    forks: list[SequenceState] = field(default_factory=list, repr=False)  # the parent's samples 1 .. n-1, once forked
     blocks: BlockTables | None = field(default=None, repr=False)
     _token_ids: list[int] = field(default_factory=list, repr=False)
     _num_prompt: int = 0
@@ -161,7 +164,15 @@ class SequenceState:
         return None
 
     def child(self, request_id: str, sample_index: int) -> SequenceState:
-        """A copy of this sequence for parallel sample ``sample_index``, without blocks (see ``Scheduler``)."""
+        """A copy of this sequence for parallel sample ``sample_index``, without blocks (see ``Scheduler``); the
+        parent lists it in :attr:`forks`, so whoever owns the samples finds each one's tokens.
+
+        Example:
+            >>> parent = SequenceState("r", [5, 6], max_new_tokens=4, num_samples=2)
+            >>> child = parent.child("r#1", 1)
+            >>> parent.forks == [child], child.token_ids, child.group_id
+            (True, [5, 6], 'r')
+        """
         seq = SequenceState(
             request_id,
             self.prompt_token_ids,
@@ -176,6 +187,7 @@ class SequenceState:
         seq.num_cached_tokens = self.num_cached_tokens
         seq.sample_index = sample_index
         seq.group_id = self.group_id
+        self.forks.append(seq)
         return seq
 
     def mark_forked(self) -> None:

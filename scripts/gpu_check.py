@@ -1,353 +1,413 @@
-"""gpu-check: everything a person with one GPU runs to check pagedcore's GPU path, in under 8 minutes.
+"""gpu-check: pagedcore's GPU check in parts, each writing its part of the report as it finishes (docs/gpu.md).
 
-``make gpu-check`` (or ``python scripts/gpu_check.py [--out gpu-check]``) writes ``gpu-check/report.md``:
+``bash scripts/gpu_run.sh OUT`` installs the carry and runs this; ``python scripts/gpu_check.py --out DIR`` runs it
+where everything is installed already (``make gpu-check``); ``--verify DIR`` checks a finished run's folder.
 
-1. versions (torch, CUDA, triton, xformers, flash_attn), why xformers is or is not usable, and the install plan;
-2. ``tests/test_xformers_gpu.py``: every test must pass, none skipped;
-3. a 200-step Engine decode of a random 1B Llama (bf16) with a varying batch and growing contexts, run twice with
-   the same shapes: per-step times, steps over 100 ms, Triton compilations per pass (the second pass must compile
-   nothing: shape buckets), the backend's counters (fallbacks, metadata builds);
-4. host-device synchronisations of a decode step under ``torch.cuda.set_sync_debug_mode("warn")``, by source line,
-   and those inside the first layer's attention;
-5. ``pagedcore bench --device cuda --dtype bfloat16 --model-size 1b --out gpu-check/bench`` (Engine vs
-   ``generate_batch`` vs padded ``generate``, PagedCache vs DynamicCache / StaticCache, TTFT on a cached prefix).
+Each part is a process of its own, with a cap, its output streamed unbuffered to a log under ``--out``. Before and
+after each part ``report.md`` and ``status.json`` are rewritten whole (atomically): a run cut short at any moment
+leaves every part so far, the part in flight marked "running", and the verdict "in progress". The run keeps to
+``--budget`` seconds (default 300): a part gets at most what is left; one that cannot get MIN_PART_S is "not
+reached".
 
-Without CUDA it prints and writes the parts a CPU can check (versions, the xformers diagnosis, the install plan)
-and a clear "no CUDA" verdict, and exits 0. With CUDA it exits 1 when a check fails.
+Parts (cap in seconds), in order:
+
+- ``setup`` (90): versions; which pagedcore is imported (the source tree from the repository root) and whether the
+  carry was built from this tree; the CUDA runtimes loaded; why xformers is (not) usable; ``pagedcore plugins``;
+- ``cuda-tests`` (60): tests/test_cuda_backends.py, the torch backend and the Engine on CUDA against the CPU;
+- ``xformers-tests`` (150): tests/test_xformers_gpu.py, all must pass, none skipped; both with a 60 s per-test
+  timeout;
+- ``decode`` (90): a 200-step Engine decode of a random 1B Llama in bf16, twice (step times, Triton compilations);
+- ``syncs`` (45): host-device synchronisations per decode step;
+- ``bench-NAME`` (60 each): ``pagedcore bench --only NAME --device cuda --dtype bfloat16 --model-size 1b --quick``,
+  one benchmark at a time, most telling first.
+
+Without CUDA the test modules skip themselves and the other GPU parts run a CPU rehearsal at a tiny scale; each then
+reports "no CUDA", and such a run passes when every part did that cleanly. Seven files come back (a GPU machine
+returns at most eight): report.md, status.json, install.log (from gpu_run.sh), setup.log, tests.log, engine.log,
+bench.log. Exit status 0 when every part passed, 1 otherwise.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
+import json
+import os
 import re
+import signal
 import subprocess
 import sys
+import tempfile
 import time
-import warnings
-from collections import Counter
-from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
 ROOT = Path(__file__).resolve().parent.parent
-BUDGET_S = 8 * 60
-SLOW_STEP_MS = 100.0
-POOL_MEMORY = "24GiB"  # KV pool of the decode run (a 1B model in bf16 leaves most of an H200 free)
-AIMS = [
-    "Engine >= 2x transformers' generate_batch tokens/s on the shared-prefix workload (bench)",
-    "PagedCache decode within 5% of DynamicCache (bench)",
-    "paged attention decode faster than DynamicCache at 4k context (bench)",
-    "0 Triton compilations after warm-up (section: decode run)",
-    "<= 2 host-device syncs per decode step (section: syncs)",
-]
+PARTS = ROOT / "scripts" / "gpu_parts.py"
+BUDGET_S = 300
+MIN_PART_S = 10.0
+RESERVE_S = 3.0  # kept back for the last report
+TEST_TIMEOUT_S = 60
+BENCH_ORDER = ("engine", "decode", "cold", "prefix", "host", "memory", "chat", "scaling", "core")
+MAX_FILES, MAX_FILE_BYTES = 8, 16 * 2**20  # what a GPU machine sends back
+GOOD_NAME = re.compile(r"^[A-Za-z0-9._-]+$")
+PYTEST_COUNTS = re.compile(r"(\d+) (passed|failed|skipped|errors?|deselected|xfailed|xpassed)")
 
 
-class Report:
-    """Sections of markdown, and the checks that failed."""
+@dataclass
+class Part:
+    """One part of the run and, once it ran, its outcome."""
 
-    def __init__(self) -> None:
-        self.sections: list[tuple[str, list[str]]] = []
-        self.failures: list[str] = []
+    name: str
+    title: str
+    cap_s: float
+    log: str
+    optional: bool = False  # a benchmark: the budget may leave it out without failing the run
+    status: str = "not started"
+    ok: bool | None = None  # None once the run is over: an optional part the budget left out
+    seconds: float | None = None
+    lines: list[str] = field(default_factory=list)
+
+
+def plan_parts(cap_scale: float = 1.0) -> list[Part]:
+    """Every part, in the order they run (``cap_scale`` multiplies the caps)."""
+    parts = [
+        Part("setup", "Versions, the carry, xformers, `pagedcore plugins`", 90, "setup.log"),
+        Part("cuda-tests", "GPU tests: torch backend and Engine on CUDA vs CPU", 60, "tests.log"),
+        Part("xformers-tests", "GPU tests: the xformers backend", 150, "tests.log"),
+        Part("decode", "Decode run (Engine, 200 steps, twice)", 90, "engine.log"),
+        Part("syncs", "Host-device syncs per decode step", 45, "engine.log"),
+    ]
+    parts += [Part(f"bench-{name}", f"Benchmark: {name}", 60, "bench.log", optional=True) for name in BENCH_ORDER]
+    for part in parts:
+        part.cap_s *= cap_scale
+    return parts
+
+
+class Run:
+    """The parts, the budget, and the two report files, rewritten whole after every change."""
+
+    def __init__(self, out: Path, budget: float, parts: list[Part]) -> None:
+        self.out = out
+        self.budget = budget
+        self.parts = parts
         self.started = time.monotonic()
+        self.cuda: bool | None = None
+        self.device = "unknown"
+        self.finished = False
+        self.stopped: str | None = None  # the signal that stopped the run
+        self.work = Path(tempfile.mkdtemp(prefix="pagedcore-gpu-check-"))
 
-    def add(self, title: str, lines: list[str]) -> None:
-        self.sections.append((title, lines))
-        print(f"\n== {title}")
-        for line in lines:
-            print(f"   {line}")
+    def left(self) -> float:
+        return self.budget - RESERVE_S - (time.monotonic() - self.started)
 
-    def fail(self, what: str) -> None:
-        self.failures.append(what)
-        print(f"   FAILED: {what}")
+    def verdict(self) -> str:
+        if self.stopped:
+            return f"cut short by {self.stopped}: the parts below are what it reached"
+        if not self.finished:
+            return "in progress (a run cut short stops here: the parts below are what it reached)"
+        failed = [f"{p.name} ({p.status})" for p in self.parts if p.ok is False]
+        left_out = [p.name for p in self.parts if p.ok is None]
+        note = f"; left out by the budget: {', '.join(left_out)}" if left_out else ""
+        if failed:
+            return "FAILED: " + "; ".join(failed) + note
+        return ("all checks passed" if self.cuda else "no CUDA: every part ran its CPU rehearsal cleanly") + note
 
-    def elapsed(self) -> float:
-        return time.monotonic() - self.started
+    def write(self) -> None:
+        elapsed = time.monotonic() - self.started
+        head = [
+            "# pagedcore gpu-check",
+            "",
+            f"**{self.verdict()}**",
+            "",
+            f"- {elapsed:.0f} s of a {self.budget:.0f} s budget; device: {self.device}; "
+            f"written {time.strftime('%Y-%m-%d %H:%M:%S %Z')}",
+            "",
+            "| part | status | seconds | cap | log |",
+            "|---|---|---|---|---|",
+        ]
+        for p in self.parts:
+            seconds = "" if p.seconds is None else f"{p.seconds:.0f}"
+            head.append(f"| {p.name} | {p.status} | {seconds} | {p.cap_s:.0f} | {p.log} |")
+        body = []
+        for p in self.parts:
+            if p.lines:
+                body += ["", f"## {p.name}: {p.title}", "", *p.lines]
+        status = {
+            "verdict": self.verdict(),
+            "finished": self.finished,
+            "cuda": self.cuda,
+            "device": self.device,
+            "budget_s": self.budget,
+            "elapsed_s": round(elapsed, 1),
+            "parts": [{k: v for k, v in asdict(p).items() if k != "lines"} for p in self.parts],
+        }
+        _replace(self.out / "report.md", "\n".join([*head, *body, ""]))
+        _replace(self.out / "status.json", json.dumps(status, indent=2) + "\n")
 
-    def write(self, path: Path, verdict: str) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        out = ["# pagedcore gpu-check", "", f"**{verdict}** (took {self.elapsed():.0f} s)", ""]
-        for title, lines in self.sections:
-            out += [f"## {title}", ""]
-            out += [line if line.lstrip().startswith(("|", "#", "- ")) else f"- {line}" for line in lines]
-            out.append("")
-        path.write_text("\n".join(out))
-        print(f"\nwrote {path}")
+
+def _replace(path: Path, text: str) -> None:
+    temporary = path.with_name(f".{path.name}.tmp")
+    temporary.write_text(text)
+    os.replace(temporary, path)
 
 
-# ---------------------------------------------------------------- 1. versions and the xformers diagnosis
-def check_versions(report: Report) -> None:
-    from pagedcore.plugins.xformers.runtime import preload_result
-    from pagedcore.plugins.xformers.status import environment, install_plan, xformers_status
+def execute(run: Run, part: Part, command: list[str]) -> tuple[int | None, str]:
+    """Run ``command`` for ``part`` under its cap, output appended to its log; ``(exit code or None, its output)``.
 
-    env = environment()
-    status = xformers_status()
-    preload = preload_result()
-    lines = [*env.lines(), f"python: {sys.version.split()[0]}"]
-    lines.append(f"xformers backend: {'available' if status.available else 'unavailable'}: {status.reason}")
-    if preload is not None:
-        lines.append(
-            f"CUDA runtime preload: {preload.needed or '-'}: {preload.action} {preload.path or preload.error or ''}"
+    None: it ran past its cap (or what was left of the budget) and was killed with everything it started."""
+    timeout = min(part.cap_s, run.left())
+    log = run.out / part.log
+    with log.open("a") as handle:
+        handle.write(f"\n== {part.name} (cap {timeout:.0f} s): {' '.join(command)}\n")
+        handle.flush()
+        offset = handle.tell()
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        started = time.monotonic()
+        process = subprocess.Popen(
+            command, cwd=ROOT, stdout=handle, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
-    plan = install_plan(env)
-    lines += ["install plan: nothing to install"] if not plan else ["install plan:", *[f"  - {step}" for step in plan]]
-    report.add("Versions and xformers", lines)
-    if env.cuda_devices and not status.available:
-        report.fail(f"xformers cannot run on this GPU: {status.reason}")
-
-
-# ---------------------------------------------------------------- 2. the GPU tests
-def run_gpu_tests(report: Report, timeout: float) -> None:
-    command = [sys.executable, "-m", "pytest", "tests/test_xformers_gpu.py", "-q", "-rs", "-p", "no:cacheprovider"]
-    started = time.monotonic()
-    try:
-        result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        report.add("GPU tests", [f"timed out after {timeout:.0f} s"])
-        report.fail("GPU tests timed out")
-        return
-    summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else "(no output)"
-    counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|error|errors)", summary)}
-    lines = [f"{' '.join(command[2:])}: {summary} ({time.monotonic() - started:.0f} s)"]
-    lines += [line for line in result.stdout.splitlines() if line.startswith(("FAILED", "ERROR", "SKIPPED"))][:30]
-    report.add("GPU tests", lines)
-    if result.returncode != 0 or counts.get("skipped", 0) or not counts.get("passed", 0):
-        report.fail(f"GPU tests: {summary} (exit {result.returncode}; 0 skipped and 0 failed required)")
-
-
-# ---------------------------------------------------------------- 3. the decode run
-@contextlib.contextmanager
-def triton_compiles() -> Iterator[Counter[str]]:
-    """Count Triton JIT compilations (kernel specialisations built in this process) by kernel name."""
-    counts: Counter[str] = Counter()
-
-    def hook(*args: Any, **kwargs: Any) -> bool:
-        fn = kwargs.get("fn")
-        counts[str(getattr(fn, "name", None) or getattr(fn, "__name__", "?"))] += 1
-        return False  # never claims the compile (a True from a pre-compile hook would skip it)
-
-    try:
-        import triton
-    except ImportError:  # no Triton, nothing to count
-        triton = None
-    if triton is None:
-        yield counts
-        return
-    knobs = getattr(getattr(triton, "knobs", None), "runtime", None)
-    if knobs is not None and hasattr(knobs, "jit_post_compile_hook"):
-        owner, attr = knobs, "jit_post_compile_hook"
-    else:
-        from triton.runtime.jit import JITFunction
-
-        owner, attr = JITFunction, "compiled_hook" if hasattr(JITFunction, "compiled_hook") else "cache_hook"
-    previous = getattr(owner, attr)
-    setattr(owner, attr, hook)
-    try:
-        yield counts
-    finally:
-        setattr(owner, attr, previous)
-
-
-def llama_1b(dtype: torch.dtype) -> Any:
-    """A random Llama with Llama-3.2-1B's shapes (16 layers, hidden 2048, GQA 32/8, head dim 64), on the GPU."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        hidden_size=2048,
-        intermediate_size=8192,
-        num_hidden_layers=16,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=64,
-        vocab_size=128256,
-        max_position_embeddings=8192,
-        tie_word_embeddings=True,
-    )
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device("cuda"):
-            model = LlamaForCausalLM(config)
-    finally:
-        torch.set_default_dtype(previous)
-    return model.eval()
-
-
-def schedule(steps: int, seed: int) -> list[list[tuple[int, int]]]:
-    """Per step, the requests ``(prompt length, new tokens)`` that arrive: waves that grow and shrink the batch."""
-    import random
-
-    rng = random.Random(seed)
-    arrivals: list[list[tuple[int, int]]] = [[] for _ in range(steps)]
-    for step in range(0, steps, 25):
-        for _ in range(rng.choice((1, 4, 12, 24, 40))):
-            arrivals[step + rng.randrange(5)].append((rng.randint(64, 1500), rng.randint(30, 180)))
-    return arrivals
-
-
-def decode_pass(engine: Any, arrivals: list[list[tuple[int, int]]], token_seed: int) -> list[tuple[float, int, int]]:
-    """Run the schedule; per step ``(milliseconds, running sequences, Triton compilations)``."""
-    from pagedcore.adapters.transformers import SamplingParams
-
-    generator = torch.Generator().manual_seed(token_seed)
-    rows = []
-    with triton_compiles() as compiles:
-        for wave in arrivals:
-            for prompt_len, new_tokens in wave:
-                prompt = torch.randint(10, 120000, (prompt_len,), generator=generator).tolist()
-                engine.add_request(prompt, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
-            before = sum(compiles.values())
-            start = time.perf_counter()
-            engine.step()
-            elapsed = (time.perf_counter() - start) * 1e3
-            rows.append((elapsed, engine.scheduler.num_running, sum(compiles.values()) - before))
-    while engine.has_unfinished():
-        engine.step()
-    return rows
-
-
-def check_decode(report: Report, steps: int) -> Any:
-    from pagedcore.adapters.transformers import Engine
-
-    started = time.monotonic()
-    model = llama_1b(torch.bfloat16)
-    engine = Engine(
-        model, memory_budget=POOL_MEMORY, max_num_seqs=64, max_num_batched_tokens=2048, enable_prefix_caching=False
-    )
-    backend = engine.pool.attention_backend(torch.device("cuda"), torch.bfloat16)
-    arrivals = schedule(steps, seed=0)
-    lines = [f"model: random Llama 1B shapes, bf16; pool block size {engine.pool.block_size}; backend {backend.name}"]
-    passes = {}
-    for name, token_seed in (("warm-up", 1), ("measured", 2)):
-        rows = decode_pass(engine, arrivals, token_seed)
-        passes[name] = rows
-        times = sorted(ms for ms, _, _ in rows)
-        slow = [(i, ms, n) for i, (ms, n, _) in enumerate(rows) if ms > SLOW_STEP_MS]
-        compiles = sum(c for _, _, c in rows)
-        lines.append(
-            f"{name}: {len(rows)} steps, batch {min(n for _, n, _ in rows)}-{max(n for _, n, _ in rows)}, "
-            f"median {times[len(times) // 2]:.1f} ms, p90 {times[int(len(times) * 0.9)]:.1f} ms, "
-            f"max {times[-1]:.1f} ms; "
-            f"{len(slow)} steps over {SLOW_STEP_MS:.0f} ms; {compiles} Triton compilations"
-        )
-        lines += [f"  slow step {i}: {ms:.1f} ms, {n} running" for i, ms, n in slow[:10]]
-    stats = getattr(backend, "stats", None)
-    if stats is not None:
-        lines.append(
-            f"backend stats: {stats.metadata_builds} metadata builds, {stats.support_checks} support checks, "
-            f"{stats.kernel_failures} kernel failures, {stats.torch_forwards} torch forwards, "
-            f"{len(stats.launch_shapes)} paged launch shapes"
-        )
-        if stats.kernel_failures:
-            report.fail(f"{stats.kernel_failures} xformers kernel failures fell back to torch")
-    lines.append(f"({time.monotonic() - started:.0f} s)")
-    report.add("Decode run (Engine, 1B, bf16)", lines)
-    measured_compiles = sum(c for _, _, c in passes["measured"])
-    if measured_compiles:
-        report.fail(f"{measured_compiles} Triton compilations after warm-up (aim: 0)")
-    return engine
-
-
-# ---------------------------------------------------------------- 4. host-device syncs
-def check_syncs(report: Report, engine: Any, decode_steps: int = 3) -> None:
-    from pagedcore.adapters.transformers import SamplingParams
-
-    for n in range(8):
-        engine.add_request(list(range(100 + n, 400 + n)), SamplingParams(max_new_tokens=16, ignore_eos=True))
-    for _ in range(4):  # the prompts (2400 tokens: two steps), then decode steps whose shapes are warm
-        engine.step()
-    backend = engine.pool.attention_backend(torch.device("cuda"), torch.bfloat16)
-    original = backend.forward
-    per_call: list[int] = []  # syncs during each attention call of the current step
-    first_layer: list[int] = []
-    with warnings.catch_warnings(record=True) as records:
-        warnings.simplefilter("always")
-
-        def counting_forward(*args: Any, **kwargs: Any) -> Any:
-            before = len(records)
-            out = original(*args, **kwargs)
-            per_call.append(len(records) - before)
-            return out
-
-        backend.forward = counting_forward
-        torch.cuda.set_sync_debug_mode("warn")
         try:
-            for _ in range(decode_steps):
-                per_call.clear()
-                engine.step()
-                first_layer.append(per_call[0] if per_call else -1)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-            del backend.forward
-    syncs = [w for w in records if "synchroniz" in str(w.message).lower()]
-    per_line = Counter(f"{Path(w.filename).name}:{w.lineno}" for w in syncs)
-    per_step = len(syncs) / decode_steps
-    lines = [f"{per_step:.1f} syncs per decode step ({len(syncs)} over {decode_steps} steps, 8 sequences)"]
-    lines.append(f"inside the first layer's attention, per step: {first_layer}")
-    lines += [f"  {where}: {count}" for where, count in per_line.most_common(12)]
-    report.add("Host-device syncs", lines)
-    if per_step > 2:
-        report.fail(f"{per_step:.1f} host-device syncs per decode step (aim: <= 2)")
-    while engine.has_unfinished():
-        engine.step()
+            code: int | None = process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            code = None
+            _kill(process)
+        except Stopped:  # the run itself is being stopped: the part goes with it
+            _kill(process)
+            raise
+        with contextlib.suppress(ProcessLookupError):  # what it left running (holding GPU memory) goes too
+            os.killpg(process.pid, signal.SIGKILL)
+        part.seconds = time.monotonic() - started
+    with log.open() as handle:
+        handle.seek(offset)
+        return code, handle.read()
 
 
-# ---------------------------------------------------------------- 5. the benchmarks
-def run_bench(report: Report, out: Path, timeout: float) -> None:
-    command = [sys.executable, "-m", "pagedcore", "bench", "--device", "cuda", "--dtype", "bfloat16"]
-    command += ["--model-size", "1b", "--out", str(out / "bench")]
-    started = time.monotonic()
-    try:
-        result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=max(timeout, 1))
-    except subprocess.TimeoutExpired:
-        report.add("Benchmarks", [f"{' '.join(command[2:])}: timed out after {timeout:.0f} s"])
-        report.fail("benchmarks timed out")
+class Stopped(Exception):
+    """SIGTERM or SIGINT reached the driver (the outer timeout, a person): the report says so, then it exits."""
+
+
+def _stop(signum: int, frame: Any) -> None:
+    raise Stopped(signal.Signals(signum).name)
+
+
+def _kill(process: subprocess.Popen[bytes]) -> None:
+    """SIGTERM to the part's process group, SIGKILL 5 s later to whatever of it is left."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, sig)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(timeout=5)
+
+
+def tail(text: str, count: int = 15) -> list[str]:
+    return ["```", *text.strip().splitlines()[-count:], "```"]
+
+
+def timed_out(part: Part, output: str) -> None:
+    part.ok = False
+    part.status = f"timed out after {part.seconds:.0f} s"
+    part.lines = [f"killed at its cap; the last lines of {part.log}:", *tail(output)]
+
+
+# ---------------------------------------------------------------- the parts
+def script_part(run: Run, part: Part, *extra: str) -> dict[str, Any] | None:
+    """A part that scripts/gpu_parts.py runs: it writes ``{ok, status, lines, ...}`` to a result file."""
+    result = run.work / f"{part.name}.json"
+    code, output = execute(run, part, [sys.executable, str(PARTS), part.name, "--result", str(result), *extra])
+    if code is None:
+        timed_out(part, output)
+        return None
+    if not result.exists():
+        part.ok, part.status = False, f"crashed (exit {code})"
+        part.lines = [f"no result; the last lines of {part.log}:", *tail(output)]
+        return None
+    data: dict[str, Any] = json.loads(result.read_text())
+    part.ok = bool(data["ok"]) and code == 0
+    part.status = data["status"] if code == 0 else f"{data['status']} (exit {code})"
+    part.lines = list(data["lines"])
+    return data
+
+
+def pytest_outcome(output: str, code: int, cuda: bool) -> tuple[bool, str]:
+    """``(passed, status)`` of a GPU test module's run from pytest's output and exit code. With CUDA every test must
+    pass and none be skipped; without it the module skips itself (pytest exits 5 when that leaves no test)."""
+    summaries = [line for line in output.splitlines() if PYTEST_COUNTS.search(line) and " in " in line]
+    summary = summaries[-1].strip("= ") if summaries else "(no summary line)"
+    counts = {
+        kind.rstrip("s") if kind.startswith("error") else kind: int(n) for n, kind in PYTEST_COUNTS.findall(summary)
+    }
+    broken = counts.get("failed", 0) + counts.get("error", 0)
+    if not cuda:
+        ok = code in (0, 5) and not broken and counts.get("skipped", 0) > 0
+        return ok, f"no CUDA: {summary}" if ok else f"FAILED without CUDA: {summary} (exit {code})"
+    ok = code == 0 and not broken and not counts.get("skipped") and counts.get("passed", 0) > 0
+    return ok, summary if ok else f"FAILED: {summary} (exit {code}; all must pass, none skipped)"
+
+
+def tests_part(run: Run, part: Part, module: str) -> None:
+    command = [sys.executable, "-m", "pytest", module, "-q", "-rfEs", "--color=no", "-p", "no:cacheprovider"]
+    has_timeout = importlib.util.find_spec("pytest_timeout") is not None  # else the part's cap alone bounds it
+    per_test = ["--timeout", str(TEST_TIMEOUT_S)] if has_timeout else []
+    code, output = execute(run, part, [*command, *per_test])
+    if code is None:
+        timed_out(part, output)
         return
-    lines = [f"{' '.join(command[2:])}: exit {result.returncode} ({time.monotonic() - started:.0f} s)"]
-    results = out / "bench" / "results.md"
-    if results.exists():
-        lines += [f"tables: {results}", *results.read_text().splitlines()]
+    part.ok, part.status = pytest_outcome(output, code, bool(run.cuda))
+    listed = [line for line in output.splitlines() if line.startswith(("FAILED", "ERROR", "SKIPPED"))]
+    how = " ".join(per_test) if has_timeout else "(no pytest-timeout here: no per-test timeout)"
+    part.lines = [f"`pytest {module} {how}`: {part.status} (exit {code})", *listed[:30]]
+
+
+def bench_part(run: Run, part: Part, name: str) -> None:
+    """``pagedcore bench --only NAME`` on CUDA (1b, bf16, quick). Without CUDA the same command, which refuses the
+    device with a ConfigError (exit 2); ``core`` runs no model and so runs (tests/test_benchmarks.py runs every quick
+    workload on the CPU)."""
+    folder = run.work / part.name
+    settings = ["--device", "cuda", "--dtype", "bfloat16", "--model-size", "1b", "--quick", "--no-progress"]
+    command = [sys.executable, "-m", "pagedcore", "bench", "--only", name, *settings, "--out", str(folder)]
+    code, output = execute(run, part, command)
+    if code is None:
+        timed_out(part, output)
+        return
+    results = folder / "results.md"
+    part.lines = [f"`{' '.join(['pagedcore', *command[3:-2]])}`: exit {code}", ""]
+    part.lines += results.read_text().splitlines() if results.exists() else tail(output, 5)
+    part.ok, part.status = bench_outcome(output, code, results.exists(), bool(run.cuda))
+
+
+def bench_outcome(output: str, code: int, wrote_results: bool, cuda: bool) -> tuple[bool, str]:
+    """``(passed, status)`` of one ``pagedcore bench --only`` run on the GPU's settings."""
+    if code == 0 and wrote_results:
+        return True, "ok" if cuda else "no CUDA: ran on the CPU (it runs no model)"
+    if not cuda and code == 2 and "is not available on this machine" in output:
+        return True, "no CUDA: the command refused the device cleanly (exit 2)"
+    return False, f"FAILED (exit {code})"
+
+
+def install_lines(log: Path, code: int | None) -> tuple[bool, list[str]]:
+    if code is None:
+        return True, ["not run: gpu_check.py was started directly, not by scripts/gpu_run.sh"]
+    text = log.read_text() if log.exists() else "(no install.log)"
+    return code == 0, [f"carry install: exit {code}; the end of install.log:", *tail(text, 8)]
+
+
+def probe_cuda(run: Run) -> None:
+    """Whether CUDA is there, where the setup part could not say."""
+    code = "import torch; print(int(torch.cuda.is_available()))"
+    try:
+        answer = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
+        run.cuda = answer.stdout.strip().endswith("1")
+    except subprocess.TimeoutExpired:
+        run.cuda = False
+    run.device = "CUDA (probed)" if run.cuda else "no CUDA (probed)"
+
+
+def run_part(run: Run, part: Part, args: argparse.Namespace) -> None:
+    if part.name == "setup":
+        data = script_part(run, part, "--carry", str(args.carry))
+        ok, lines = install_lines(run.out / "install.log", args.install_exit)
+        part.lines = [*lines, "", *part.lines]
+        part.ok = bool(part.ok) and ok
+        if not ok:
+            part.status = f"carry install failed; {part.status}"
+        if data is not None and "cuda" in data:
+            run.cuda, run.device = bool(data["cuda"]), str(data["device"])
+        else:
+            probe_cuda(run)
+    elif part.name.endswith("-tests"):
+        module = "tests/test_cuda_backends.py" if part.name == "cuda-tests" else "tests/test_xformers_gpu.py"
+        tests_part(run, part, module)
+    elif part.name.startswith("bench-"):
+        bench_part(run, part, part.name.removeprefix("bench-"))
     else:
-        lines += (result.stdout + result.stderr).strip().splitlines()[-25:]
-    lines += ["aims to read off the tables (one H200, 1b, bf16):", *[f"  - {aim}" for aim in AIMS]]
-    report.add("Benchmarks", lines)
-    if result.returncode != 0:
-        report.fail(f"pagedcore bench exited {result.returncode}")
+        script_part(run, part, *(["--steps", str(args.steps)] if part.name == "decode" else []))
+
+
+def run_parts(run: Run, args: argparse.Namespace) -> None:
+    for part in run.parts:
+        if run.left() < MIN_PART_S:
+            part.ok = None if part.optional else False
+            part.status = f"not reached: {run.budget:.0f} s budget spent"
+            continue
+        part.status = f"running (started at {time.monotonic() - run.started:.0f} s)"
+        run.write()
+        try:
+            run_part(run, part, args)
+        except Stopped:
+            part.ok, part.status = False, f"stopped (started at {part.status.split('at ', 1)[1]}"
+            raise
+        except Exception as exc:  # the driver's own fault: the part fails, the run goes on
+            part.ok, part.status = False, f"driver error: {type(exc).__name__}: {exc}"
+        print(f"gpu-check: {part.name}: {part.status} ({part.seconds or 0:.0f} s)", flush=True)
+        run.write()
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default="gpu-check", help="directory for report.md and the benchmark tables")
-    parser.add_argument("--steps", type=int, default=200, help="engine steps per decode pass")
-    parser.add_argument("--skip-tests", action="store_true")
-    parser.add_argument("--skip-bench", action="store_true")
+    parser.add_argument("--out", type=Path, default=ROOT / "gpu-check", help="folder for the report and the logs")
+    parser.add_argument("--budget", type=float, default=BUDGET_S, help=f"seconds for the whole run ({BUDGET_S})")
+    parser.add_argument("--steps", type=int, default=200, help="engine steps per decode pass (default 200)")
+    parser.add_argument("--parts", default=None, help="comma-separated subset of the parts (default: all)")
+    parser.add_argument("--carry", type=Path, default=ROOT / "carry", help="the carry folder (its MANIFEST.json)")
+    parser.add_argument("--cap-scale", type=float, default=1.0, help="multiply every part's cap (a slow CPU rehearsal)")
+    parser.add_argument("--install-exit", type=int, default=None, help=argparse.SUPPRESS)  # from gpu_run.sh
+    parser.add_argument("--verify", type=Path, default=None, help="check a finished run's folder instead")
     args = parser.parse_args(argv)
-    out = Path(args.out)
-    report = Report()
-    check_versions(report)
-    if not torch.cuda.is_available():
-        report.add(
-            "GPU checks", ["no CUDA: the GPU tests, the decode run, the sync count and the benchmarks did not run"]
-        )
-        report.write(out / "report.md", "no CUDA: only the CPU-visible parts ran")
-        return 0
-    if not args.skip_tests:
-        run_gpu_tests(report, timeout=240)
+    if args.verify is not None:
+        problems = verify(args.verify)
+        print("\n".join(problems) if problems else f"{args.verify}: complete, every part passed or had no CUDA")
+        return 1 if problems else 0
+    parts = plan_parts(args.cap_scale)
+    if args.parts:
+        wanted = set(args.parts.split(","))
+        parts = [p for p in parts if p.name in wanted or p.name == "setup"]
+    args.out.mkdir(parents=True, exist_ok=True)
+    run = Run(args.out, args.budget, parts)
+    run.write()
+    previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        engine = check_decode(report, args.steps)
-        check_syncs(report, engine)
-        engine.close()
-    except Exception as exc:  # report it with everything else
-        report.add("Decode run", [f"{type(exc).__name__}: {exc}"])
-        report.fail(f"the decode run raised {type(exc).__name__}")
-    torch.cuda.empty_cache()
-    if not args.skip_bench:
-        run_bench(report, out, timeout=BUDGET_S - 15 - report.elapsed())
-    verdict = "all checks passed" if not report.failures else "FAILED: " + "; ".join(report.failures)
-    report.write(out / "report.md", verdict)
-    return 0 if not report.failures else 1
+        run_parts(run, args)
+    except Stopped as exc:
+        run.stopped = f"{exc} after {time.monotonic() - run.started:.0f} s"
+        run.write()
+        print(f"gpu-check: {run.verdict()}; report: {args.out / 'report.md'}", flush=True)
+        return 1
+    finally:  # a caller's own handlers (pytest's, when a test runs main()) come back
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    run.finished = True
+    run.write()
+    print(f"gpu-check: {run.verdict()}; report: {args.out / 'report.md'}", flush=True)
+    return 1 if any(p.ok is False for p in parts) else 0
+
+
+def verify(out: Path) -> list[str]:
+    """What is wrong with a finished run's folder (empty: nothing): every part must have passed or, without CUDA,
+    run its CPU rehearsal cleanly; the report must be whole; the files must be what a GPU machine sends back."""
+    status_file = out / "status.json"
+    if not status_file.exists():
+        return [f"{status_file}: missing"]
+    status = json.loads(status_file.read_text())
+    problems = [] if status["finished"] else [f"the run did not finish (verdict: {status['verdict']})"]
+    names = [p["name"] for p in status["parts"]]
+    if names != [p.name for p in plan_parts()]:
+        problems.append(f"parts {names}, expected {[p.name for p in plan_parts()]}")
+    problems += [f"part {p['name']}: {p['status']}" for p in status["parts"] if not p["ok"]]  # all must have run
+    report = (out / "report.md").read_text() if (out / "report.md").exists() else ""
+    problems += [f"report.md has no section for {name}" for name in names if f"\n## {name}: " not in report]
+    files = [p for p in out.rglob("*") if p.is_file()]
+    if len(files) > MAX_FILES:
+        problems.append(f"{len(files)} files under {out}: a GPU machine sends back {MAX_FILES}")
+    for path in files:
+        relative = path.relative_to(out)
+        if len(relative.parts) > 3 or not all(GOOD_NAME.match(piece) for piece in relative.parts):
+            problems.append(f"{relative}: too deep, or a name a GPU machine does not send back")
+        if path.stat().st_size > MAX_FILE_BYTES:
+            problems.append(f"{relative}: over {MAX_FILE_BYTES // 2**20} MiB")
+    return problems
 
 
 if __name__ == "__main__":

@@ -88,6 +88,20 @@ def test_greedy_answers_through_the_ingress_equal_engine_generate_alone(prefix_u
     assert greedy.usage.completion_tokens == 12 * len(prompts)
 
 
+def test_stop_strings_through_the_ingress_stop_where_the_engine_stops(prefix_url):
+    (full,) = reference(["Once upon a time"], 16)
+    stop = full.text[5:7]
+    model, tokenizer = TINY.load()
+    with Engine(model, tokenizer, **ENGINE) as engine:
+        params = SamplingParams(max_new_tokens=16, stop_strings=[stop])
+        (want,) = engine.generate(["Once upon a time"], params, use_tqdm=False)
+    out = client(prefix_url).completions.create(
+        model=MODEL, prompt="Once upon a time", max_tokens=16, temperature=0, stop=[stop]
+    )
+    assert out.choices[0].text == want.text == full.text[: full.text.find(stop)]
+    assert out.choices[0].finish_reason == "stop" and out.usage.completion_tokens == len(want.token_ids)
+
+
 def test_chat_models_health_and_bad_input_through_the_ingress(prefix_url):
     api = client(prefix_url)
     assert [m.id for m in api.models.list().data] == [MODEL]

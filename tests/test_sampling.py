@@ -7,7 +7,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedcore.adapters.transformers.sampling import SampleRow, SamplingParams, greedy_tokens, sample_rows
+from pagedcore.adapters.transformers.sampling import (
+    GREEDY_BELOW,
+    SampleRow,
+    SamplingParams,
+    greedy_tokens,
+    sample_rows,
+)
 
 SPECIAL = [float("nan"), float("inf"), float("-inf"), 0.0, -0.0, 3.0]
 
@@ -42,3 +48,45 @@ def test_rows_without_a_finite_logit_fail_alone_and_nan_rows_keep_their_argmax()
     out = sample_rows(logits, rows)
     assert set(out.failed) == {"a"} and "no finite logit" in out.failed["a"]
     assert out.tokens == {"b": [200], "c": [299], "d": [0]}
+
+
+# Temperatures and top_p values that pass validation but once made the draw fail ("probability tensor contains
+# inf/nan"): a tiny temperature overflows float32 when it divides the logits, a top_p below float32's smallest
+# number reads as 0 and dropped every token.
+TINY = [1e-40, 1e-300, 5e-324, 1e-6]
+
+
+def test_temperatures_below_the_threshold_are_greedy() -> None:
+    logits = torch.tensor([[0.5, 3.0, -1.0, 2.9], [10.0, -3.0, 40.0, 39.5]])
+    for temperature in TINY:
+        params = SamplingParams(temperature=temperature, seed=1)
+        assert params.is_greedy, temperature
+        rows = [SampleRow(name, params, [torch.Generator(), torch.Generator()]) for name in "ab"]
+        out = sample_rows(logits, rows)
+        assert not out.failed and out.tokens == {"a": [1, 1], "b": [2, 2]}, temperature
+    assert not SamplingParams(temperature=GREEDY_BELOW).is_greedy  # at the threshold it samples
+
+
+def test_a_top_p_below_float32s_smallest_number_keeps_the_most_likely_token() -> None:
+    logits = torch.tensor([[0.5, 3.0, -1.0, 2.9]])
+    for top_p in (1e-320, 1e-45, 1e-30):
+        params = SamplingParams(temperature=1.0, top_p=top_p, seed=3)
+        out = sample_rows(logits, [SampleRow("a", params, params.generators())])
+        assert not out.failed and out.tokens == {"a": [1]}, top_p
+
+
+def test_the_engine_serves_tiny_temperatures_and_top_p_as_the_greedy_answer() -> None:
+    from pagedcore.adapters.transformers import Engine
+    from pagedcore.adapters.transformers.testing import tiny_llama
+
+    with Engine(tiny_llama(num_hidden_layers=1), num_blocks=32, block_size=8) as engine:
+        (greedy,) = engine.generate([[1, 2, 3, 4]], SamplingParams(max_new_tokens=6), use_tqdm=False)
+        for params in (
+            SamplingParams(max_new_tokens=6, temperature=1e-40),
+            SamplingParams(max_new_tokens=6, temperature=1e-300, n=2),
+            SamplingParams(max_new_tokens=6, temperature=0.8, top_p=1e-320, seed=5),
+        ):
+            (out,) = engine.generate([[1, 2, 3, 4]], params, use_tqdm=False)
+            assert out.error is None, params
+            assert [s.token_ids for s in out.samples] == [greedy.samples[0].token_ids] * params.n, params
+        assert engine.pool.kv.num_used_blocks == 0

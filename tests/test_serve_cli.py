@@ -16,6 +16,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+pytest.importorskip("fastapi")  # the optional server: the suite runs without it
+pytest.importorskip("uvicorn")
+
 from pagedcore.cli import main
 
 
@@ -33,7 +36,12 @@ def test_the_command_line_imports_no_server_or_model_library():
     ("argv", "message"),
     [
         (["--port", "70000"], "--port must be in 0..65535"),
-        (["--max-queue", "-1"], "--max-queue must be >= 0"),
+        (["--max-queue", "-1"], "--max-queue must be >= 1"),
+        (["--max-queue", "0"], "--max-queue must be >= 1"),  # 0 would answer every request with 429
+        (["--max-request-bytes", "0"], "--max-request-bytes must be >= 1"),
+        (["--max-request-bytes", "lots"], "--max-request-bytes must be a size like 8MiB"),
+        (["--body-timeout", "0"], "--body-timeout must be a number of seconds > 0"),
+        (["--body-timeout", "nan"], "--body-timeout must be a number of seconds > 0"),
         (["--threads", "0"], "--threads must be >= 1"),
         (["--api-keys", "/nonexistent/keys.txt"], "cannot read the API key file"),
     ],
@@ -41,6 +49,14 @@ def test_the_command_line_imports_no_server_or_model_library():
 def test_bad_arguments_exit_with_code_2(argv, message, capsys):
     assert main(["serve", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_json_key_file_with_a_duplicated_key_exits_with_code_2_without_printing_it(tmp_path, capsys):
+    keys = tmp_path / "keys.json"
+    keys.write_text('{"sk-shared-secret": "alice", "sk-shared-secret": "bob"}')
+    assert main(["serve", "--api-keys", str(keys)]) == 2
+    err = capsys.readouterr().err
+    assert f"{keys}: entry 2 repeats the key of entry 1" in err and "sk-shared-secret" not in err
 
 
 def free_port() -> int:
@@ -68,17 +84,23 @@ BODY = {"model": "pagedcore-builtin", "prompt": "Hello", "max_tokens": 3, "tempe
 def test_serve_in_process_until_ctrl_c(one_thread, capsys):
     port = free_port()
     statuses: list[int] = []
+    serving = threading.Event()  # set while main() runs: only then does a SIGINT reach the server, not pytest
 
     def client() -> None:
         try:
-            wait_healthy(f"http://127.0.0.1:{port}", lambda: True)
+            wait_healthy(f"http://127.0.0.1:{port}", serving.is_set)
             statuses.append(httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=BODY, timeout=60).status_code)
         finally:
-            os.kill(os.getpid(), signal.SIGINT)  # what Ctrl-C sends; uvicorn shuts down, run() returns
+            if serving.is_set():  # what Ctrl-C sends; uvicorn shuts down, run() returns
+                os.kill(os.getpid(), signal.SIGINT)
 
     thread = threading.Thread(target=client)
+    serving.set()
     thread.start()
-    code = main(["serve", "--port", str(port), "--num-blocks", "64"])
+    try:
+        code = main(["serve", "--port", str(port), "--num-blocks", "64"])
+    finally:
+        serving.clear()  # main() returned (a server that never started): the client must not signal the runner
     thread.join(60)
     assert code == 0 and statuses == [200]
     assert "no --model given: serving the built-in" in capsys.readouterr().err

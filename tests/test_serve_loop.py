@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 
 import pytest
 
@@ -65,7 +66,7 @@ def wait_for(condition, timeout: float = 60.0) -> None:
 
 def run(loop: EngineLoop, prompt, params: SamplingParams, stop: tuple[str, ...] = ()) -> Sink:
     sink = Sink()
-    loop.submit([Submission(prompt, params, stop=stop)], sink)
+    loop.submit([Submission(prompt, replace(params, stop_strings=stop))], sink)
     sink.wait()
     return sink
 

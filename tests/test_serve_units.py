@@ -1,4 +1,5 @@
-"""The server's pure parts: stop strings, API keys, request parsing, chat rendering."""
+"""The server's pure parts: API keys, request parsing, chat rendering (stop strings are the Engine's: see
+test_text_units.py)."""
 
 from __future__ import annotations
 
@@ -6,14 +7,13 @@ import hmac
 import json
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from pagedcore.adapters.transformers.builtin import builtin_tokenizer
 from pagedcore.serve import auth
 from pagedcore.serve.auth import ApiKeys, ApiKeysError
-from pagedcore.serve.prompts import ChatRenderer, completion_prompts, plain_chat_prompt
+from pagedcore.serve.prompts import ChatRenderer, PromptEncoder, completion_prompts, plain_chat_prompt, text_bound
 from pagedcore.serve.protocol import (
+    MAX_PROMPTS,
     ApiError,
     ChatMessage,
     ChatRequest,
@@ -22,78 +22,6 @@ from pagedcore.serve.protocol import (
     sampling_params,
     stop_strings,
 )
-from pagedcore.serve.stops import StopChecker
-
-
-# ---------------------------------------------------------------------- stop strings
-def first_stop(text: str, stops: list[str]) -> int | None:
-    """Oracle: where the text is cut: at the stop string that completes first (earliest start on a tie)."""
-    for end in range(1, len(text) + 1):
-        starts = [end - len(s) for s in stops if end >= len(s) and text[end - len(s) : end] == s]
-        if starts:
-            return min(starts)
-    return None
-
-
-@settings(max_examples=300, deadline=None)
-@given(
-    pieces=st.lists(st.text(alphabet="abc\n", max_size=4), max_size=12),
-    stops=st.lists(st.text(alphabet="abc\n", min_size=1, max_size=4), max_size=3),
-)
-def test_stop_checker_releases_exactly_the_text_before_the_first_stop(pieces, stops):
-    checker = StopChecker(stops)
-    sent, stopped = "", False
-    for piece in pieces:
-        out, stopped = checker.feed(piece)
-        sent += out
-        if stopped:
-            break
-    else:
-        sent += checker.flush()
-    text = "".join(pieces)
-    cut = first_stop(text, stops)
-    if cut is None:
-        assert not stopped and sent == text
-    else:
-        assert stopped and sent == text[:cut] == checker.text
-        for s in stops:
-            assert s not in sent
-
-
-@settings(max_examples=200, deadline=None)
-@given(
-    pieces=st.lists(st.text(alphabet="ab", max_size=3), min_size=1, max_size=10),
-    stops=st.lists(st.text(alphabet="ab", min_size=1, max_size=3), min_size=1, max_size=2),
-)
-def test_stop_checker_never_sends_a_prefix_that_becomes_a_stop(pieces, stops):
-    checker = StopChecker(stops)
-    sent = ""
-    for piece in pieces:
-        out, stopped = checker.feed(piece)
-        sent += out
-        if stopped:
-            break
-        # What was sent is final: it is a prefix of the text wherever the stop string turns up later.
-        assert checker.text.startswith(sent)
-        assert len(checker.text) - len(sent) <= max(len(s) for s in stops) - 1
-
-
-def test_a_stop_token_that_decodes_to_nothing_stops_by_id():
-    checker = StopChecker(["<|end|>"], stop_token_ids={7})
-    assert checker.feed("Hello", 5) == ("", False)
-    assert checker.feed("", 7) == ("Hello", True)  # special tokens decode to "" (skip_special_tokens)
-    assert checker.feed("more", 8) == ("", True)
-
-
-def test_without_stop_strings_text_is_sent_at_once():
-    checker = StopChecker()
-    assert checker.feed("abc") == ("abc", False)
-    assert checker.flush() == ""
-
-
-def test_empty_stop_strings_are_refused():
-    with pytest.raises(ValueError, match="non-empty"):
-        StopChecker([""])
 
 
 # ---------------------------------------------------------------------- API keys
@@ -266,6 +194,124 @@ def test_a_chat_template_that_refuses_the_messages_is_a_400():
     assert caught.value.status == 400 and caught.value.param == "messages"
 
 
-def test_stop_strings_that_are_special_tokens_match_by_id():
-    renderer = ChatRenderer(builtin_tokenizer())
-    assert renderer.stop_token_ids(["</s>", "<s>", "a", "</s>x"]) == frozenset({1, 2})
+def test_a_json_key_file_with_a_key_twice_is_refused_without_showing_the_key(tmp_path):
+    path = tmp_path / "keys.json"
+    path.write_text('{"sk-secret-1": "alice", "sk-other": "carol", "sk-secret-1": "bob"}')
+    with pytest.raises(ApiKeysError, match="entry 3 repeats the key of entry 1") as caught:
+        ApiKeys.from_file(path)
+    assert "sk-secret-1" not in str(caught.value) and str(path) in str(caught.value)
+
+
+# ---------------------------------------------------------------------- sizes before work
+def test_id_lists_and_message_lists_are_refused_by_length_before_their_elements_are_checked():
+    too_many = json.dumps({"model": "m", "prompt": [5] * 600 + ["not an id"]}).encode()
+    with pytest.raises(ApiError, match="601 token ids, more than the model's context of 512") as caught:
+        parse_request(CompletionRequest, too_many, max_prompt_tokens=512)
+    assert caught.value.param == "prompt"
+    batch = json.dumps({"model": "m", "prompt": [[5] * 3, [5] * 513]}).encode()
+    with pytest.raises(ApiError, match="prompt 1 has 513 token ids"):
+        parse_request(CompletionRequest, batch, max_prompt_tokens=512)
+    many = json.dumps({"model": "m", "prompt": ["a"] * (MAX_PROMPTS + 1)}).encode()
+    with pytest.raises(ApiError, match=f"at most {MAX_PROMPTS} prompts"):
+        parse_request(CompletionRequest, many)
+    messages = json.dumps({"model": "m", "messages": [{"role": "user"}] * 9}).encode()
+    with pytest.raises(ApiError, match="9 messages cannot fit in the model's context of 8 tokens") as caught:
+        parse_request(ChatRequest, messages, max_prompt_tokens=8)
+    assert caught.value.param == "messages"
+    fits = json.dumps({"model": "m", "prompt": [5] * 512}).encode()
+    assert len(parse_request(CompletionRequest, fits, max_prompt_tokens=512).prompt) == 512
+
+
+@pytest.mark.parametrize("depth", [10_000, 100_000])
+def test_deeply_nested_json_is_a_400(depth):
+    for body in (b"[" * depth, b'{"model": "m", "prompt": "x", "extra": ' + b"[" * depth + b"]" * depth + b"}"):
+        with pytest.raises(ApiError, match="nests too deeply"):
+            parse_request(CompletionRequest, body)
+
+
+def test_a_huge_unsupported_value_is_named_briefly():
+    body = json.dumps({"model": "m", "prompt": "x", "logit_bias": {str(i): 1 for i in range(100_000)}}).encode()
+    with pytest.raises(ApiError, match="logit_bias is not supported") as caught:
+        parse_request(CompletionRequest, body)
+    assert len(caught.value.message) < 200
+
+
+class CountingTokenizer:
+    """The built-in tokenizer, recording the length of every text it is asked to encode."""
+
+    def __init__(self):
+        self.inner = builtin_tokenizer()
+        self.lengths: list[int] = []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def __call__(self, text, **kwargs):
+        self.lengths.append(len(text))
+        return self.inner(text, **kwargs)
+
+
+def test_a_text_longer_than_the_context_can_hold_never_reaches_the_tokenizer():
+    tokenizer = CountingTokenizer()
+    encoder = PromptEncoder(tokenizer, context=512)
+    assert encoder.max_chars == 512 * len("<unk>")  # the longest vocabulary entry
+    assert encoder.completion("x" * encoder.max_chars) == [[tokenizer.inner.convert_tokens_to_ids("x")] * 2560]
+    for oversized in ("x" * (encoder.max_chars + 1), "y" * 5_000_000):
+        with pytest.raises(ApiError, match="more than the model's context of 512 tokens can hold") as caught:
+            encoder.completion(["short", oversized])
+        assert caught.value.param == "prompt"
+        with pytest.raises(ApiError, match="the messages have"):
+            encoder.chat([ChatMessage(role="user", content=oversized)])
+    assert max(tokenizer.lengths) == encoder.max_chars
+
+
+def test_the_character_bound_holds_for_real_tokenizer_kinds_and_is_off_where_characters_can_vanish():
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    def fast(normalizer=None, pre_tokenizer=None, vocab=None):
+        core = Tokenizer(models.WordLevel(vocab or {"<unk>": 0, "ab": 1, "a": 2, "b": 3}, unk_token="<unk>"))
+        if normalizer is not None:
+            core.normalizer = normalizer
+        if pre_tokenizer is not None:
+            core.pre_tokenizer = pre_tokenizer
+        return PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>")
+
+    assert text_bound(fast(), 10) == 50  # "<unk>"
+    assert text_bound(fast(normalizers.NFC()), 10) == 200  # composition may merge characters
+    assert text_bound(fast(normalizers.Sequence([normalizers.NFKC(), normalizers.Lowercase()])), 10) == 200
+    assert text_bound(fast(normalizers.Replace(" ", "\u2581")), 10) == 50
+    for dropping in (
+        dict(normalizer=normalizers.BertNormalizer()),
+        dict(normalizer=normalizers.Sequence([normalizers.NFD(), normalizers.StripAccents()])),
+        dict(normalizer=normalizers.Replace("  ", " ")),
+        dict(pre_tokenizer=pre_tokenizers.Whitespace()),
+        dict(pre_tokenizer=pre_tokenizers.Sequence([pre_tokenizers.Digits(), pre_tokenizers.WhitespaceSplit()])),
+        dict(pre_tokenizer=pre_tokenizers.Split(" ", behavior="removed")),
+        dict(normalizer=normalizers.Nmt()),
+        dict(pre_tokenizer=pre_tokenizers.CharDelimiterSplit(" ")),
+    ):
+        assert text_bound(fast(**dropping), 10) is None, dropping
+    assert text_bound(None, 10) is None and text_bound(builtin_tokenizer(), None) is None
+
+
+def test_the_character_bound_is_sound_for_a_byte_level_bpe_over_utf8_text():
+    """A byte-level BPE (GPT-2's kind) trained here: every text of at most the bound's characters may fit, and any
+    text over it needs more tokens than the context (checked on texts near the bound, multi-byte ones included)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    corpus = ["the tide comes in, the tide goes out", "潮の満ち引き", "🌊 waves 🌊", "aaaaaaaaaaaaaaaa"] * 50
+    core.train_from_iterator(
+        corpus, trainers.BpeTrainer(vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    )
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core)
+    context = 16
+    bound = text_bound(tokenizer, context)
+    assert bound is not None
+    for text in ("a" * 4000, "潮" * 4000, "🌊" * 4000, "the tide comes in, " * 300):
+        for length in (bound + 1, bound + 7):
+            assert len(tokenizer(text[:length])["input_ids"]) > context, (text[:8], length)

@@ -19,6 +19,7 @@ import hmac
 import json
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from pagedcore.errors import ConfigError
 
@@ -73,13 +74,7 @@ class ApiKeys:
         except (OSError, UnicodeDecodeError) as exc:
             raise ApiKeysError(f"cannot read the API key file {str(path)!r}: {exc}") from exc
         if text.lstrip().startswith("{"):
-            try:
-                data = json.loads(text)
-            except ValueError as exc:
-                raise ApiKeysError(f"{path}: not valid JSON: {exc}") from exc
-            if not isinstance(data, dict):
-                raise ApiKeysError(f"{path}: expected a JSON object mapping keys to tenants")
-            return cls(data)
+            return cls(_json_tenants(text, path))
         tenants: dict[str, str] = {}
         for number, line in enumerate(text.splitlines(), 1):
             line = line.strip()
@@ -106,6 +101,29 @@ class ApiKeys:
             if hmac.compare_digest(digest, presented):
                 found = tenant
         return found
+
+
+def _json_tenants(text: str, path: str | Path) -> Mapping[str, str]:
+    """The ``{KEY: TENANT}`` object of a JSON key file. A key given twice is an error naming both entries, never
+    the key (the file holds secrets), as the text format refuses it too: ``json`` would keep the last tenant."""
+
+    def unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        first: dict[str, int] = {}
+        for number, (key, _) in enumerate(pairs, 1):
+            if key in first:
+                raise ApiKeysError(
+                    f"{path}: entry {number} repeats the key of entry {first[key]} (a key names one tenant)"
+                )
+            first[key] = number
+        return dict(pairs)
+
+    try:
+        data = json.loads(text, object_pairs_hook=unique)
+    except ValueError as exc:
+        raise ApiKeysError(f"{path}: not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ApiKeysError(f"{path}: expected a JSON object mapping keys to tenants")
+    return data
 
 
 def _digest(key: str) -> bytes:

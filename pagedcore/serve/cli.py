@@ -7,6 +7,7 @@ the top: torch, transformers, FastAPI and uvicorn are imported by :func:`run`.
 from __future__ import annotations
 
 import argparse
+import re
 import signal
 import sys
 from typing import TYPE_CHECKING, Any
@@ -14,9 +15,13 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .auth import ApiKeys
 
-__all__ = ["BUILTIN_NAME", "add_arguments", "load_api_keys", "missing_extra", "run"]
+__all__ = ["BUILTIN_NAME", "add_arguments", "load_api_keys", "missing_extra", "parse_size", "run"]
 
 BUILTIN_NAME = "pagedcore-builtin"
+# The defaults of pagedcore.serve.body.BodyLimits (not imported here: this module imports argparse alone).
+_MAX_REQUEST_BYTES = "8MiB"
+_BODY_TIMEOUT = 30.0
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -45,8 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=64, help="sequences running at once")
     parser.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens computed per step")
     parser.add_argument(
-        "--max-queue", type=int, default=512, help="waiting requests before new ones get 429 (default 512)"
+        "--max-queue", type=int, default=512, help="waiting requests before new ones get 429 (>= 1, default 512)"
     )
+    _add_limits(parser)
     parser.add_argument(
         "--api-keys",
         metavar="FILE",
@@ -66,6 +72,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     ray.add_argument("--ray-address", default=None, help="a Ray cluster to join (default: start a local one)")
     ray.add_argument("--cpus-per-replica", type=float, default=None, help="Ray CPUs per engine replica (default 1)")
     parser.set_defaults(handler=run)
+
+
+def _add_limits(parser: argparse.ArgumentParser) -> None:
+    """The bounds on one request's body."""
+    parser.add_argument(
+        "--max-request-bytes",
+        default=_MAX_REQUEST_BYTES,
+        metavar="SIZE",
+        help=f"largest request body, e.g. 8MiB or 1000000; larger ones get 413 (default {_MAX_REQUEST_BYTES})",
+    )
+    parser.add_argument(
+        "--body-timeout",
+        type=float,
+        default=_BODY_TIMEOUT,
+        metavar="SECONDS",
+        help=f"seconds a request body may take to arrive; slower ones get 408 (default {_BODY_TIMEOUT:g})",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -91,39 +114,7 @@ def run(args: argparse.Namespace) -> int:
     if missing_extra("pagedcore serve", "serve", ("fastapi", "prometheus_client", "uvicorn")):
         return EXIT_UNAVAILABLE
 
-    from .app import create_app
-    from .loop import EngineLoop
-    from .server import make_server
-
-    api_keys = load_api_keys(args.api_keys, UsageError)
-    model, tokenizer, name = _model(args, UsageError)
-    from pagedcore.adapters.transformers import Engine
-
-    engine = Engine(
-        model,
-        tokenizer,
-        num_blocks=args.num_blocks,
-        memory_budget=args.memory_budget,
-        block_size=args.block_size,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-    )
-    loop = EngineLoop(engine, max_queue=args.max_queue)
-    app = create_app(loop, model_name=args.served_model_name or name, api_keys=api_keys)
-    server = make_server(app, loop, host=args.host, port=args.port, log_level=args.log_level)
-    host = f"[{args.host}]" if ":" in args.host else args.host
-    tenants = f", {len(api_keys)} API keys" if api_keys is not None else ""
-    print(
-        f"pagedcore serve: model {args.served_model_name or name!r} at http://{host}:{args.port}/v1 "
-        f"({engine.pool.num_blocks} KV blocks of {engine.pool.block_size} tokens{tenants}); Ctrl-C stops",
-        file=sys.stderr,
-        flush=True,
-    )
-    if api_keys is None and args.host not in ("127.0.0.1", "localhost", "::1"):
-        print(
-            f"pagedcore serve: warning: {args.host} is reachable from other machines and no --api-keys is set",
-            file=sys.stderr,
-        )
+    engine, loop, server = _build(args, UsageError)
     in_main = _in_main_thread()
     # uvicorn handles SIGTERM / Ctrl-C while serving, then raises the signal again once it has shut down; these
     # handlers turn that second signal into a normal return, so the engine is closed below and the exit code is 0.
@@ -141,17 +132,77 @@ def run(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _build(args: argparse.Namespace, error: type[Exception]) -> tuple[Any, Any, Any]:
+    """The engine, its loop and the uvicorn server that ``args`` describe (nothing started yet)."""
+    from pagedcore.adapters.transformers import Engine
+
+    from .app import create_app
+    from .body import body_limits
+    from .loop import EngineLoop
+    from .server import make_server
+
+    api_keys = load_api_keys(args.api_keys, error)
+    model, tokenizer, name = _model(args, error)
+    engine = Engine(
+        model,
+        tokenizer,
+        num_blocks=args.num_blocks,
+        memory_budget=args.memory_budget,
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+    )
+    loop = EngineLoop(engine, max_queue=args.max_queue)
+    app = create_app(loop, model_name=args.served_model_name or name, api_keys=api_keys, limits=body_limits(args))
+    server = make_server(app, loop, host=args.host, port=args.port, log_level=args.log_level)
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    tenants = f", {len(api_keys)} API keys" if api_keys is not None else ""
+    print(
+        f"pagedcore serve: model {args.served_model_name or name!r} at http://{host}:{args.port}/v1 "
+        f"({engine.pool.num_blocks} KV blocks of {engine.pool.block_size} tokens{tenants}); Ctrl-C stops",
+        file=sys.stderr,
+        flush=True,
+    )
+    if api_keys is None and args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(
+            f"pagedcore serve: warning: {args.host} is reachable from other machines and no --api-keys is set",
+            file=sys.stderr,
+        )
+    return engine, loop, server
+
+
 def _check(args: argparse.Namespace, error: type[Exception]) -> None:
     if not 0 <= args.port <= 65535:
         raise error(f"--port must be in 0..65535, got {args.port}")
-    if args.max_queue < 0:
-        raise error(f"--max-queue must be >= 0, got {args.max_queue}")
+    if args.max_queue < 1:  # 0 would refuse every request with 429
+        raise error(f"--max-queue must be >= 1, got {args.max_queue}")
+    args.max_request_bytes = parse_size(getattr(args, "max_request_bytes", _MAX_REQUEST_BYTES), error)
+    if args.max_request_bytes < 1:
+        raise error(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
+    timeout = getattr(args, "body_timeout", _BODY_TIMEOUT)
+    if not timeout > 0 or timeout == float("inf"):
+        raise error(f"--body-timeout must be a number of seconds > 0, got {timeout}")
     if args.threads is not None and args.threads < 1:
         raise error(f"--threads must be >= 1, got {args.threads}")
     if not getattr(args, "ray", False):
         for option in ("replicas", "routing", "ray_address", "cpus_per_replica"):
             if getattr(args, option, None) is not None:
                 raise error(f"--{option.replace('_', '-')} needs --ray")
+
+
+def parse_size(value: str | int, error: type[Exception] = ValueError) -> int:
+    """A size in bytes: an integer, or a number with a unit (KB, MB, GB, KiB, MiB, GiB); ``error`` otherwise.
+
+    Example:
+        >>> parse_size("8MiB"), parse_size("1.5 kb"), parse_size(100)
+        (8388608, 1500, 100)
+    """
+    if isinstance(value, int):
+        return value
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(value))
+    if match is None or match.group(2).lower() not in _UNITS:
+        raise error(f"--max-request-bytes must be a size like 8MiB or 1000000, got {value!r}")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
 def _model(args: argparse.Namespace, error: type[Exception]) -> tuple[Any, Any, str]:

@@ -7,9 +7,9 @@ callable given with the request, called on the loop thread: an HTTP server hands
 be wrapped by other front ends.
 
 Each request ends with exactly one :class:`Finished` event, whatever happens: finished, rejected by the engine,
-aborted, failed in a step, or cut short by :meth:`EngineLoop.stop`. Stop strings are applied here
-(:class:`~pagedcore.serve.stops.StopChecker`), so a request whose samples all stopped is aborted before the next
-step computes anything more for it.
+aborted, failed in a step, or cut short by :meth:`EngineLoop.stop`. Stopping and text are the engine's (stop
+strings travel in the request's :class:`~pagedcore.adapters.transformers.SamplingParams`): each :class:`Delta` is
+the text an engine token event made final, and :class:`Finished` reads the engine's output.
 """
 
 from __future__ import annotations
@@ -19,13 +19,11 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Protocol
 
 from pagedcore.errors import ConfigError, PagedCoreError
 from pagedcore.validation import integer
-
-from .stops import StopChecker
 
 if TYPE_CHECKING:
     from pagedcore.adapters.transformers import Engine, EngineStats, RequestOutput, SamplingParams, TokenEvent
@@ -60,22 +58,18 @@ class Submission:
 
     Args:
         prompt: text (the engine's tokenizer encodes it) or token ids.
-        params: sampling parameters (validated by the caller when it built them).
+        params: sampling parameters (validated by the caller when it built them), stop strings included.
         namespace: prefix-cache namespace (the tenant); never chosen by a client.
-        stop: stop strings; the text ends before the first one that appears.
-        stop_token_ids: token ids that stop a sample as well (the ids of stop strings that are one token).
 
     Example:
         >>> from pagedcore.adapters.transformers import SamplingParams
-        >>> Submission([5, 6, 7], SamplingParams(max_new_tokens=4), stop=("\\n",)).stop
+        >>> Submission([5, 6, 7], SamplingParams(max_new_tokens=4, stop_strings=["\\n"])).params.stop_strings
         ('\\n',)
     """
 
     prompt: str | Sequence[int]
     params: SamplingParams
     namespace: Hashable = None
-    stop: tuple[str, ...] = ()
-    stop_token_ids: frozenset[int] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -201,19 +195,6 @@ class _Abort:
     request_id: str
 
 
-@dataclass
-class _Sample:
-    checker: StopChecker
-    num_tokens: int = 0
-    reason: str | None = None
-
-
-@dataclass
-class _Live:
-    sink: Sink
-    samples: list[_Sample] = field(default_factory=list)
-
-
 class EngineLoop:
     """Runs an Engine's step loop on a background thread and routes its events to per-request sinks.
 
@@ -252,7 +233,7 @@ class EngineLoop:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._ids = itertools.count()
-        self._live: dict[str, _Live] = {}  # loop thread only
+        self._live: dict[str, Sink] = {}  # the sinks of the requests the engine runs; loop thread only
         self._listeners: list[Callable[[float], None]] = []
         self._num_prompt_tokens = 0
         self._num_failed_steps = 0
@@ -377,23 +358,22 @@ class EngineLoop:
             logger.exception("pagedcore: add_request failed")
             _send(command.sink, Finished(rid, 0, (), (), f"{type(exc).__name__}: {exc}", "failed"))
         else:
-            samples = [_Sample(StopChecker(sub.stop, sub.stop_token_ids)) for _ in range(sub.params.n)]
-            self._live[rid] = _Live(command.sink, samples)
+            self._live[rid] = command.sink
             _send(command.sink, Started(rid))
         finally:
             with self._cond:
                 self._num_pending -= 1
 
     def _abort(self, request_id: str, error: str = "aborted", kind: str = "aborted") -> None:
-        live = self._live.pop(request_id, None)
-        if live is None:
+        sink = self._live.pop(request_id, None)
+        if sink is None:
             return
         output: RequestOutput | None
         try:
             output = self._engine.abort(request_id)
         except Exception:  # already gone from the engine: nothing holds its blocks
             output = None
-        self._end(live, request_id, output, error, kind)
+        self._end(sink, request_id, output, error, kind)
 
     def _step(self) -> bool:
         started = time.perf_counter()
@@ -414,56 +394,31 @@ class EngineLoop:
         for event in result.events:
             self._route(event)
         for output in result.finished:
-            live = self._live.pop(output.request_id, None)
-            if live is not None:
-                self._end(live, output.request_id, output, output.error, "failed" if output.error else None)
+            sink = self._live.pop(output.request_id, None)
+            if sink is not None:
+                self._end(sink, output.request_id, output, output.error, "failed" if output.error else None)
         return True
 
     def _route(self, event: TokenEvent) -> None:
-        live = self._live.get(event.request_id)
-        if live is None:
-            return
-        sample = live.samples[event.sample]
-        if sample.reason is not None:
-            return  # stopped here already: the engine's later tokens of this sample are dropped
-        text, stopped = "", False
-        if event.token_id is not None:
-            sample.num_tokens += 1
-            text, stopped = sample.checker.feed(event.text or "", event.token_id)
-        reason = "stop" if stopped else event.finish_reason
-        if reason is None:
-            if text:
-                _send(live.sink, Delta(event.request_id, event.sample, text))
-            return
-        sample.reason = reason
-        if reason in ("abort", "error"):
-            return  # reported by the request's Finished
-        if not stopped:
-            text += sample.checker.flush()
-        _send(live.sink, Delta(event.request_id, event.sample, text, reason))
-        if stopped and all(s.reason is not None for s in live.samples):
-            # Every sample is done but the engine would go on generating the ones our stop strings ended.
-            try:
-                output = self._engine.abort(event.request_id)
-            except PagedCoreError:
-                return  # the engine finished it in this step too: its output comes with the step's results
-            self._live.pop(event.request_id, None)
-            self._end(live, event.request_id, output, None, None)
+        """An engine token event becomes a :class:`Delta` when it made text final or ended its sample."""
+        sink = self._live.get(event.request_id)
+        reason = event.finish_reason
+        if sink is None or reason in ("abort", "error"):
+            return  # an abort or a failure is reported by the request's Finished
+        if event.text or reason is not None:
+            _send(sink, Delta(event.request_id, event.sample, event.text or "", reason))
 
     def _end(
-        self, live: _Live, request_id: str, output: RequestOutput | None, error: str | None, kind: str | None
+        self, sink: Sink, request_id: str, output: RequestOutput | None, error: str | None, kind: str | None
     ) -> None:
-        reasons: list[str | None] = []
-        for index, sample in enumerate(live.samples):
-            reason = sample.reason
-            if reason is None and output is not None:
-                reason = output.samples[index].finish_reason  # e.g. max_tokens=0 finishes without events
-            reasons.append(reason if reason in ("stop", "length") and error is None else None)
+        samples = output.samples if output is not None else []
+        ok = ("stop", "length") if error is None else ()
+        reasons = tuple(s.finish_reason if s.finish_reason in ok else None for s in samples)
+        tokens = tuple(len(s.token_ids) for s in samples)
         prompt_tokens = len(output.prompt_token_ids) if output is not None else 0
         cached = output.metrics.num_cached_tokens if output is not None else 0
         self._num_prompt_tokens += prompt_tokens
-        tokens = tuple(s.num_tokens for s in live.samples)
-        _send(live.sink, Finished(request_id, prompt_tokens, tokens, tuple(reasons), error, kind, cached))
+        _send(sink, Finished(request_id, prompt_tokens, tokens, reasons, error, kind, cached))
 
     def _publish(self) -> None:
         self._stats = self._snapshot()

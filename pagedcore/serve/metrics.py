@@ -7,8 +7,11 @@ time histogram is fed by the loop thread; request outcomes are counted by the HT
 metric                                     type     meaning
 =========================================  =======  ====================================================
 ``pagedcore_requests_total{status}``       counter  HTTP requests by outcome: finished, aborted (the client
-                                                    left), failed (the engine failed), invalid, unauthorized,
-                                                    overloaded (429), unavailable (shutting down)
+                                                    left while its request ran), disconnected (the client
+                                                    left while sending its body), failed (the engine or
+                                                    the server failed), invalid (400, 404, 413),
+                                                    unauthorized, timed_out (408: the body came too
+                                                    slowly), overloaded (429), unavailable (shutting down)
 ``pagedcore_prompt_tokens_total``          counter  prompt tokens of the engine requests that ended
 ``pagedcore_generation_tokens_total``      counter  tokens the engine sampled
 ``pagedcore_prefix_cache_queries_total``   counter  prompt tokens looked up in the prefix cache
@@ -38,7 +41,17 @@ from .loop import RequestLoop
 __all__ = ["CONTENT_TYPE", "REQUEST_STATUSES", "ServeMetrics"]
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
-REQUEST_STATUSES = ("finished", "aborted", "failed", "invalid", "unauthorized", "overloaded", "unavailable")
+REQUEST_STATUSES = (
+    "finished",
+    "aborted",
+    "disconnected",
+    "failed",
+    "invalid",
+    "unauthorized",
+    "timed_out",
+    "overloaded",
+    "unavailable",
+)
 _STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 

@@ -1,5 +1,6 @@
-"""From request bodies to engine prompts: the completion prompt forms, chat messages through a chat template, and
-stop strings that are special tokens.
+"""From request bodies to engine prompts: the completion prompt forms and chat messages through a chat template;
+texts become token ids here (in a worker thread of the server, never on its event loop nor on the engine's step
+loop), after a bound on their length in characters. Stop strings are the Engine's (``SamplingParams.stop_strings``).
 
 Chat messages go through the tokenizer's chat template when it has one. Without one (the built-in tokenizer has
 none) they go through this plain template, documented in the README::
@@ -13,12 +14,31 @@ one ``role: content`` line per message, then ``assistant:``; the model's answer 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Any
 
 from .protocol import ApiError, ChatMessage
 
-__all__ = ["ChatRenderer", "completion_prompts", "plain_chat_prompt"]
+__all__ = ["ChatRenderer", "PromptEncoder", "completion_prompts", "plain_chat_prompt", "text_bound"]
+
+# Normalizers and pre-tokenizers (tokenizers' type names) that can drop characters: behind one of them, a text's
+# length says nothing about its number of tokens.
+_DROPPING = frozenset(
+    {
+        "BertNormalizer",
+        "StripAccents",
+        "Strip",
+        "Nmt",  # drops control characters
+        "Precompiled",  # SentencePiece's character map: may map a character to nothing
+        "BertPreTokenizer",
+        "Whitespace",
+        "WhitespaceSplit",
+        "CharDelimiterSplit",
+    }
+)
+_COMPOSING = frozenset({"NFC", "NFKC"})  # may merge a few characters into one (Hangul jamo: 3 into 1)
+_COMPOSED_AT_MOST = 4
 
 
 def completion_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
@@ -48,7 +68,7 @@ def plain_chat_prompt(messages: Sequence[ChatMessage]) -> str:
 
 
 class ChatRenderer:
-    """Turns chat messages into prompt token ids with a tokenizer, and finds stop strings that are special tokens.
+    """Turns chat messages into prompt token ids with a tokenizer.
 
     Args:
         tokenizer: a transformers tokenizer.
@@ -61,16 +81,11 @@ class ChatRenderer:
         >>> ids = renderer.render([ChatMessage(role="user", content="Hi")])
         >>> builtin_tokenizer().decode(ids)  # the built-in vocabulary has no newline: it reads as <unk>
         'user: Hi<unk>assistant:'
-        >>> renderer.stop_token_ids(["</s>", "\\n"])
-        frozenset({2})
     """
 
     def __init__(self, tokenizer: Any) -> None:
         self._tokenizer = tokenizer
         self.uses_template = bool(getattr(tokenizer, "chat_template", None))
-        # Special and added tokens decode to nothing (skip_special_tokens), so a stop string that is one of them
-        # can only match by id. Every other stop string matches in the text.
-        self._added: dict[str, int] = dict(tokenizer.get_added_vocab()) if tokenizer is not None else {}
 
     def render(self, messages: Sequence[ChatMessage]) -> list[int]:
         """Prompt token ids for ``messages``, ending where the assistant's answer starts."""
@@ -78,15 +93,128 @@ class ChatRenderer:
         if tokenizer is None:
             raise ApiError(400, "this server has no tokenizer: chat needs one", param="messages")
         if not self.uses_template:
-            return list(tokenizer(plain_chat_prompt(messages))["input_ids"])
+            return _encoded(tokenizer, plain_chat_prompt(messages))
         conversation = [{"role": "system" if m.role == "developer" else m.role, "content": m.text} for m in messages]
         try:
             text = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
         except Exception as exc:  # jinja2 raises TemplateError (e.g. "roles must alternate") or ValueError
             raise ApiError(400, f"the chat template refused the messages: {exc}", param="messages") from exc
         # The rendered text already holds the template's special tokens (e.g. a bos): add none again.
-        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        return _encoded(tokenizer, text, add_special_tokens=False)
 
-    def stop_token_ids(self, stop: Sequence[str]) -> frozenset[int]:
-        """Ids of the stop strings that are special or added tokens."""
-        return frozenset(self._added[s] for s in stop if s in self._added)
+
+def _encoded(tokenizer: Any, text: str, *, param: str = "messages", **options: Any) -> list[int]:
+    """``text``'s token ids; the tokenizer's failure (e.g. on a lone surrogate, which JSON allows) is a 400."""
+    try:
+        return list(tokenizer(text, **options)["input_ids"])
+    except Exception as exc:  # the tokenizer is user code: its failure is this request's error
+        message = f"the tokenizer failed on the {param} {text[:40]!r}: {type(exc).__name__}: {exc}"
+        raise ApiError(400, message, param=param) from exc
+
+
+def text_bound(tokenizer: Any, context: int | None) -> int | None:
+    """The most characters a text can have and still fit in ``context`` tokens, or None when the tokenizer gives
+    no such bound (no context, no tokenizer, a slow tokenizer, or a normalizer or pre-tokenizer that drops
+    characters, e.g. BERT's whitespace splitting).
+
+    Each token covers at most as many characters as its vocabulary entry is long (byte-level vocabularies spell
+    one byte per character, so they count bytes, which is more), so a text longer than ``context`` times the
+    longest entry needs more than ``context`` tokens; Unicode composition (NFC, NFKC) can merge up to four
+    characters into one and multiplies the bound by four.
+
+    Example:
+        >>> from pagedcore.adapters.transformers.builtin import builtin_tokenizer
+        >>> text_bound(builtin_tokenizer(), 512)  # its longest entry is '<unk>'
+        2560
+        >>> text_bound(builtin_tokenizer(), None) is None
+        True
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if context is None or backend is None:
+        return None
+    spec = json.loads(backend.to_str())
+    factor = _merging_factor([spec.get("normalizer"), spec.get("pre_tokenizer")])
+    if factor is None:
+        return None
+    longest = max((len(entry) for entry in tokenizer.get_vocab()), default=1)
+    return int(context * longest * factor)
+
+
+def _merging_factor(component: Any) -> int | None:
+    """How many characters of the text one character after ``component`` (a normalizer or pre-tokenizer, as
+    ``tokenizer.json`` spells it) may stand for; None when it may drop characters."""
+    if isinstance(component, list):
+        factor: int | None = 1
+        for part in component:
+            inner = _merging_factor(part)
+            factor = None if factor is None or inner is None else factor * inner
+        return factor
+    if not isinstance(component, dict):
+        return 1
+    kind = component.get("type")
+    if kind in _DROPPING:
+        return None
+    if kind == "Replace":
+        pattern, content = component.get("pattern", {}), component.get("content", "")
+        if "String" not in pattern or not content or len(pattern["String"]) > len(content):
+            return None  # a regex, or a replacement shorter than what it replaces
+    if kind == "Split" and component.get("behavior") == "Removed":
+        return None
+    factor = _COMPOSED_AT_MOST if kind in _COMPOSING else 1
+    inner = _merging_factor(component.get("normalizers") or component.get("pretokenizers") or [])
+    return None if inner is None else factor * inner
+
+
+class PromptEncoder:
+    """The prompts of a request as the engine takes them: token ids, encoded by the server's tokenizer.
+
+    Meant to run in a worker thread (tokenizing is the costly part of a request's admission). A text longer than
+    :func:`text_bound` is refused before the tokenizer sees it; a list of ids longer than the context is refused by
+    :func:`~pagedcore.serve.protocol.parse_request`. Without a tokenizer, texts go to the engine as they are (it
+    says why it cannot take them).
+
+    Args:
+        tokenizer: a transformers tokenizer (or None).
+        context: the model's context in tokens (None: unknown, no bound).
+
+    Example:
+        >>> from pagedcore.adapters.transformers.builtin import builtin_tokenizer
+        >>> encoder = PromptEncoder(builtin_tokenizer(), context=4)
+        >>> encoder.completion("Hi"), encoder.completion([5, 6])
+        ([[44, 77]], [[5, 6]])
+        >>> encoder.completion("x" * 21)
+        Traceback (most recent call last):
+        ...
+        pagedcore.serve.protocol.ApiError: the prompt has 21 characters: more than ... (at most 20 characters)
+    """
+
+    def __init__(self, tokenizer: Any, context: int | None) -> None:
+        self.renderer = ChatRenderer(tokenizer)
+        self.context = context
+        self.max_chars = text_bound(tokenizer, context)
+        self._tokenizer = tokenizer
+
+    def completion(self, prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
+        """Each prompt of a completion request as token ids (see :func:`completion_prompts` for the forms)."""
+        return [self.encode(p) if isinstance(p, str) else p for p in completion_prompts(prompt)]
+
+    def chat(self, messages: Sequence[ChatMessage]) -> list[int]:
+        """The prompt token ids of chat ``messages`` (see :class:`ChatRenderer`)."""
+        self._check_length(sum(len(m.text) for m in messages), "the messages have", "messages")
+        return self.renderer.render(messages)
+
+    def encode(self, text: str) -> str | list[int]:
+        """One completion text as token ids (or as it is, without a tokenizer)."""
+        self._check_length(len(text), "the prompt has", "prompt")
+        if self._tokenizer is None:
+            return text
+        return _encoded(self._tokenizer, text, param="prompt")
+
+    def _check_length(self, chars: int, subject: str, param: str) -> None:
+        if self.max_chars is not None and chars > self.max_chars:
+            raise ApiError(
+                400,
+                f"{subject} {chars} characters: more than the model's context of {self.context} tokens can hold "
+                f"with this tokenizer (at most {self.max_chars} characters)",
+                param=param,
+            )

@@ -9,6 +9,7 @@ status and OpenAI's error body.
 from __future__ import annotations
 
 import json
+import reprlib
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -17,6 +18,7 @@ from pagedcore.adapters.transformers import SamplingParams
 from pagedcore.errors import InvalidRequestError
 
 __all__ = [
+    "MAX_PROMPTS",
     "MAX_STOP_STRINGS",
     "ApiError",
     "ChatMessage",
@@ -30,6 +32,7 @@ __all__ = [
 ]
 
 MAX_STOP_STRINGS = 16
+MAX_PROMPTS = 2048  # prompts in one completion request (OpenAI's bound on an array input)
 
 # Fields that OpenAI defines and this server does not implement: accepted only at these (no-op) values.
 _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
@@ -116,13 +119,14 @@ class _Request(_Strict):
     n: int | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
+    include_stop_str_in_output: bool | None = None  # vLLM's extension: keep the stop string that ended the text
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
 
 
 class CompletionRequest(_Request):
-    """``POST /v1/completions``. ``top_k`` is an extension (0 = all tokens).
+    """``POST /v1/completions``. ``top_k`` (0 = all tokens) and ``include_stop_str_in_output`` are extensions.
 
     Example:
         >>> CompletionRequest.model_validate({"model": "m", "prompt": ["a", "b"], "max_tokens": 4}).prompt
@@ -186,28 +190,68 @@ class ChatRequest(_Request):
         return default
 
 
-def parse_request(cls: type[_Request], body: bytes) -> Any:
+def parse_request(cls: type[_Request], body: bytes, *, max_prompt_tokens: int | None = None) -> Any:
     """Parse and validate a JSON body as ``cls``; raises :class:`ApiError` (400) on any problem.
+
+    With ``max_prompt_tokens`` (the model's context), a list of token ids or of chat messages longer than that is
+    refused by its length alone, before any element is validated (2M ids would take seconds).
 
     Example:
         >>> parse_request(CompletionRequest, b'{"model": "m", "prompt": "hi", "max_tokens": "5"}')
         Traceback (most recent call last):
         ...
         pagedcore.serve.protocol.ApiError: max_tokens: Input should be a valid integer
+        >>> parse_request(CompletionRequest, b'{"model": "m", "prompt": [1, 2, 3]}', max_prompt_tokens=2)
+        Traceback (most recent call last):
+        ...
+        pagedcore.serve.protocol.ApiError: the prompt has 3 token ids, more than the model's context of 2 tokens
     """
     try:
         data = json.loads(body)
+    except RecursionError:  # the C decoder's depth guard: a 400 like any other bad JSON, not a 500
+        raise ApiError(400, "the request body is not valid JSON: it nests too deeply") from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise ApiError(400, f"the request body is not valid JSON: {exc}") from exc
     if not isinstance(data, dict):
         raise ApiError(400, f"the request body must be a JSON object, got {type(data).__name__}")
     for name, allowed in _UNSUPPORTED.items():
         if name in data and not any(_same(data[name], value) for value in allowed):
-            raise ApiError(400, f"{name} is not supported by this server (got {data[name]!r})", param=name)
+            raise ApiError(400, f"{name} is not supported by this server (got {_brief(data[name])})", param=name)
+    _check_lengths(data, max_prompt_tokens)
     try:
         return cls.model_validate(data)
     except ValidationError as exc:
         raise _from_validation(exc) from None
+    except RecursionError:  # deeply nested values in fields the models keep as they are
+        raise ApiError(400, "the request body nests too deeply") from None
+
+
+def _check_lengths(data: dict[str, Any], max_tokens: int | None) -> None:
+    """Refuse lists no valid request has, by their length alone (their elements are validated later)."""
+    prompt = data.get("prompt")
+    if isinstance(prompt, list) and prompt:
+        if isinstance(prompt[0], (str, list)):
+            if len(prompt) > MAX_PROMPTS:
+                raise ApiError(400, f"at most {MAX_PROMPTS} prompts per request, got {len(prompt)}", param="prompt")
+            for index, ids in enumerate(prompt):
+                if isinstance(ids, list) and max_tokens is not None and len(ids) > max_tokens:
+                    raise ApiError(
+                        400,
+                        f"prompt {index} has {len(ids)} token ids, more than the model's context of {max_tokens} "
+                        "tokens",
+                        param="prompt",
+                    )
+        elif max_tokens is not None and len(prompt) > max_tokens:
+            message = f"the prompt has {len(prompt)} token ids, more than the model's context of {max_tokens} tokens"
+            raise ApiError(400, message, param="prompt")
+    messages = data.get("messages")
+    if isinstance(messages, list) and max_tokens is not None and len(messages) > max_tokens:
+        raise ApiError(
+            400,
+            f"{len(messages)} messages cannot fit in the model's context of {max_tokens} tokens (each takes one at "
+            "least)",
+            param="messages",
+        )
 
 
 def sampling_params(request: _Request, max_new_tokens: int) -> SamplingParams:
@@ -251,6 +295,11 @@ def stop_strings(request: _Request) -> tuple[str, ...]:
     if any(not s for s in items):
         raise ApiError(400, "stop strings must not be empty", param="stop")
     return items
+
+
+def _brief(value: Any) -> str:
+    """A short repr of a client's value for a message (never the whole of a huge or deeply nested one)."""
+    return reprlib.repr(value)
 
 
 def _same(value: Any, allowed: Any) -> bool:

@@ -5,9 +5,11 @@ compute: decodes first, then chunks of prefills, within the token budget), **pre
 packs every scheduled token of every sequence into one ``(1, num_tokens)`` batch without padding), **forward** (the
 model runs once with ``attn_implementation="paged"``: the attention reads each sequence's keys and values from the
 pool through its block table), **sample** (:func:`.sampling.sample_rows` draws the next token of every sequence
-that completed its known tokens) and **record** (the tokens go back to the scheduler and become outputs and token
-events). New requests join between steps; finished ones release their blocks and leave their full blocks in the
-prefix cache for later requests.
+that completed its known tokens) and **record** (the tokens go back to the scheduler, which stops a sequence at a
+stop token or its length, and through each sample's :class:`~.stopping.SampleText`, which decodes them
+incrementally and stops a sample at a stop string in the same step; they become token events and, when a sample
+finishes, its output). New requests join between steps; finished ones release their blocks and leave their full
+blocks in the prefix cache for later requests.
 
 Thread safety: ``add_request`` / ``abort`` / ``stats`` / ``has_unfinished`` may be called from any thread while
 another thread runs ``step`` or ``step_events``; they serialize on one lock that a step holds only while it
@@ -25,6 +27,7 @@ aborted) is reported by the next ``step()`` / ``step_events()``, whatever other 
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import itertools
 import logging
@@ -45,19 +48,22 @@ from pagedcore.errors import (
     RequestNotFoundError,
     UnsupportedModelError,
 )
-from pagedcore.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from pagedcore.scheduler import Scheduler, SchedulerConfig
 from pagedcore.sequence import FinishReason, SequenceState
 from pagedcore.validation import as_integer
 from pagedcore.validation import token_ids as valid_token_ids
 
 from .attention import ATTN_IMPLEMENTATION, CONTEXT_KEY
+from .detokenizer import DecodeError, IncrementalDetokenizer
 from .inputs import as_prompt_list, token_id_list
 from .locks import Locks
 from .outputs import EngineStats, RequestMetrics, RequestOutput, SampleOutput, StepOutput, TokenEvent
 from .pool import PagedKVPool
+from .request import EngineRequest
 from .sampling import SamplingParams, StepSamples, merge_generation_config, sample_rows, to_sampling_params
 from .spec import context_limit, text_config
-from .step_batch import EngineRequest, NewRequest, PackedCache, StepBatch, pack
+from .step_batch import PackedCache, StepBatch, pack
+from .stopping import SampleText, StopStrings, stop_strings
 
 logger = logging.getLogger(__name__)
 
@@ -77,10 +83,6 @@ class _Generation:
     seed: int | None
 
 
-class _TokenizerError(Exception):
-    """The tokenizer raised or returned something that is not text."""
-
-
 class Engine:
     """Continuous batching of many requests over one transformers model.
 
@@ -97,8 +99,13 @@ class Engine:
 
     Generation parameters: either a :class:`SamplingParams` (or a dict of its fields), or ``model.generate``'s
     keyword arguments (``max_new_tokens``, ``do_sample``, ``temperature``, ``top_k``, ``top_p``,
-    ``num_return_sequences``, ``eos_token_id``, ``min_new_tokens``, ``generation_config=``, plus ``seed``), with
-    the model's ``generation_config`` as the default exactly as ``model.generate`` uses it; not both.
+    ``num_return_sequences``, ``eos_token_id``, ``stop_strings``, ``min_new_tokens``, ``generation_config=``, plus
+    ``seed``), with the model's ``generation_config`` as the default exactly as ``model.generate`` uses it; not both.
+
+    Stopping and text are the Engine's: a sample stops at a stop token (eos by default), at its length, or at a stop
+    string (``stop_strings``, matched in its text across token boundaries; needs the tokenizer), in the step that
+    produced the token that ends it; its text is decoded incrementally (:mod:`.detokenizer`), so streamed text never
+    holds half a character and the pieces joined are the final text.
 
     Example:
         >>> import torch
@@ -148,6 +155,7 @@ class Engine:
         self._vocab_size: int | None = int(getattr(self._text_config, "vocab_size", 0) or 0) or None
         self._max_positions = context_limit(model)  # the spec decides per family (None: no fixed limit)
         self._eos = _eos_ids(model)
+        self._added_vocab = _added_vocab(tokenizer)  # where a stop string that is a special token finds its id
         self._cache = PackedCache(pool)
         self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._requests: dict[str, EngineRequest] = {}  # queued or running: not every sample has finished
@@ -166,15 +174,18 @@ class Engine:
         self._busy = 0.0
         self._phases = dict.fromkeys(_PHASES, 0.0)  # cumulative seconds per stage of the steps
         self._original_attn = getattr(self._text_config, "_attn_implementation", None)
-        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        self._use_paged_attention()
+        self._closed = False
+
+    def _use_paged_attention(self) -> None:
+        self.model.set_attn_implementation(ATTN_IMPLEMENTATION)
         if getattr(self._text_config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
             # transformers leaves such a model as it was (with a warning): its attention would read only the step's
             # own keys from the Engine's cache, the cached ones never, and answer wrongly without an error.
             raise UnsupportedModelError(
-                f"{type(model).__name__} does not attend through transformers' AttentionInterface, so the Engine's "
-                "paged attention cannot serve it; use PagedCache or enable() with this model"
+                f"{type(self.model).__name__} does not attend through transformers' AttentionInterface, so the "
+                "Engine's paged attention cannot serve it; use PagedCache or enable() with this model"
             )
-        self._closed = False
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
@@ -223,8 +234,7 @@ class Engine:
         arguments instead (see :class:`Engine`). The request is reported by :meth:`step` / :meth:`step_events`.
         """
         (spec,) = self._specs(params, generate_kwargs, 1)
-        new = self._validate(prompt, spec, namespace, request_id)
-        return self._submit(new, owner=None).request_id
+        return self._submit(self._validate(prompt, spec, namespace, request_id), owner=None).request_id
 
     def abort(self, request_id: str) -> RequestOutput:
         """Stop a request (all its samples) and return its output; it is also reported by the next :meth:`step`.
@@ -283,7 +293,7 @@ class Engine:
         prompt_list = as_prompt_list(prompts)
         specs = self._specs(params, generate_kwargs, len(prompt_list))
         outputs: list[RequestOutput | None] = [None] * len(prompt_list)
-        valid: list[tuple[int, NewRequest]] = []
+        valid: list[tuple[int, EngineRequest]] = []
         for i, (prompt, spec) in enumerate(zip(prompt_list, specs)):
             try:
                 valid.append((i, self._validate(prompt, spec, namespace)))
@@ -295,9 +305,8 @@ class Engine:
         progress = _progress(len(prompt_list), use_tqdm)
         progress.update(len(prompt_list) - len(valid))
         try:
-            for i, new in valid:
-                request = self._submit(new, owner)
-                mine.append(request)
+            for i, request in valid:
+                mine.append(self._submit(request, owner))
                 outputs[i] = request.output
             while len(taken) < len(mine):
                 finished, _ = self._step(owner)
@@ -373,62 +382,68 @@ class Engine:
 
     # ------------------------------------------------------------------ the step
     def _step(self, owner: object | None) -> tuple[list[RequestOutput], list[TokenEvent]]:
-        """schedule -> prepare -> forward -> sample -> record; returns the reports that belong to ``owner`` (None:
-        the requests no ``generate``/``stream`` call reports)."""
+        """schedule -> forward -> sample -> record; returns the reports that belong to ``owner`` (None: the requests
+        no ``generate``/``stream`` call reports)."""
+        with self._stepping_now():
+            batch = self._schedule()
+            if batch is not None:
+                samples = self._sample(batch, self._forward_batch(batch))
+                self._record(batch, samples)
+            with self._lock:
+                return self._take(owner)
+
+    @contextlib.contextmanager
+    def _stepping_now(self) -> Iterator[None]:
+        """One stepping thread at a time; the step's time counts as busy."""
         if not self._stepping.acquire(blocking=False):
             raise ConcurrentUseError("Engine.step is already running in another thread; run one loop per engine")
         self._stepper = threading.get_ident()
         started = time.perf_counter()
-        phases = self._phases
         try:
-            with self._lock:
-                self._check_open()
-                plan = self.scheduler.schedule()
-                scheduled = time.perf_counter()
-                phases["schedule"] += scheduled - started
-                batch = self._prepare(plan)
-                phases["prepare"] += time.perf_counter() - scheduled
-            samples = self._forward_and_sample(batch)  # without the lock: reads only the batch
-            with self._lock:
-                recording = time.perf_counter()
-                if batch is not None and samples is not None:
-                    self._record(batch, samples)
-                phases["record"] += time.perf_counter() - recording
-                return self._take(owner)
+            yield
         finally:
             self._busy += time.perf_counter() - started
             self._stepper = None
             self._stepping.release()
 
-    def _prepare(self, plan: SchedulerOutput) -> StepBatch | None:
-        """Pack the plan (under the lock). From here until its forward ends, aborts leave the blocks alone."""
-        self._peak_bytes = max(self._peak_bytes, self.pool.memory_stats().used_bytes)
-        if plan.is_empty:
-            return None
-        self._in_flight = True
-        return pack(plan, self.pool, self._requests, self.attention_backend)
-
-    def _forward_and_sample(self, batch: StepBatch | None) -> StepSamples | None:
-        if batch is None:
-            return None
+    @contextlib.contextmanager
+    def _timed(self, phase: str) -> Iterator[None]:
         started = time.perf_counter()
         try:
-            logits = self._forward(batch)
-        except Exception as exc:  # a failing forward fails its step's requests, not the engine
+            yield
+        finally:
+            self._phases[phase] += time.perf_counter() - started
+
+    def _schedule(self) -> StepBatch | None:
+        """schedule (and prepare: pack the plan into the step's batch), under the lock; None when nothing is to be
+        computed. From here until the batch's forward ends, aborts leave its blocks alone."""
+        with self._lock:
+            self._check_open()
+            with self._timed("schedule"):
+                plan = self.scheduler.schedule()
+            with self._timed("prepare"):
+                self._peak_bytes = max(self._peak_bytes, self.pool.memory_stats().used_bytes)
+                if plan.is_empty:
+                    return None
+                batch = pack(plan, self.pool, self._requests, self.attention_backend)
+                self._in_flight = True
+                return batch
+
+    def _forward_batch(self, batch: StepBatch) -> torch.Tensor | str:
+        """forward, without the lock (it reads only the batch): the logits, or why the forward failed (which fails
+        the step's requests, not the engine)."""
+        try:
+            with self._timed("forward"):
+                return self._forward(batch)
+        except Exception as exc:
             logger.exception("pagedcore: the model forward failed; failing this step's requests")
-            reason = f"{type(exc).__name__}: {exc}"
-            return StepSamples(failed={item.request_id: reason for item in batch.plan.scheduled})
+            return f"{type(exc).__name__}: {exc}"
         finally:
             with self._lock:
                 self._in_flight = False
                 for request_id in self._aborting:  # aborted during the forward: their blocks can go back now
                     self._release(request_id)
                 self._aborting.clear()
-            sampling = time.perf_counter()
-            self._phases["forward"] += sampling - started
-        samples = sample_rows(logits, batch.rows)
-        self._phases["sample"] += time.perf_counter() - sampling
-        return samples
 
     def _forward(self, batch: StepBatch) -> torch.Tensor:
         device = self.model.get_input_embeddings().weight.device
@@ -449,53 +464,81 @@ class Engine:
             logits = logits[to_device(torch.tensor(keep), logits.device)]
         return logits.float()  # (len(batch.rows), vocab)
 
+    def _sample(self, batch: StepBatch, logits: torch.Tensor | str) -> StepSamples:
+        """sample, without the lock: the tokens of every row (a failed forward fails every scheduled sequence)."""
+        if isinstance(logits, str):
+            return StepSamples(failed=dict.fromkeys((item.request_id for item in batch.plan.scheduled), logits))
+        with self._timed("sample"):
+            return sample_rows(logits, batch.rows)
+
     def _record(self, batch: StepBatch, samples: StepSamples) -> None:
-        """Hand the step's tokens to the scheduler and turn them into outputs and events (under the lock).
+        """record, under the lock: the scheduler takes the tokens (stop tokens and lengths finish sequences there),
+        then each sample's text takes them (stop strings finish samples here), giving events and outputs.
 
         Sequences aborted or failed since the step was planned are skipped: their tokens are dropped.
         """
-        for seq in self.scheduler.fail(list(samples.failed)):
-            request = batch.owners[seq.request_id]
-            if request.output.error is None:
-                request.output.error = samples.failed[seq.request_id]
-            for index in _sample_indices(seq):
-                self._finish_sample(request, index, FinishReason.ERROR.value)
-        plan = batch.plan
-        live = [item for item in plan.scheduled if not item.sequence.is_finished]
-        finished = self.scheduler.update(SchedulerOutput(live, plan.copies, plan.preempted), samples.tokens)
-        reasons = {(seq.group_id, seq.sample_index): seq.finish_reason for seq in finished}
-        now = time.perf_counter()
-        for item in live:
-            tokens = samples.tokens.get(item.request_id)
-            request = batch.owners[item.request_id]
-            if not tokens or request.is_done:
-                continue
-            seq = item.sequence
-            metrics = request.output.metrics
-            if metrics.first_token_time is None:
-                metrics.first_token_time = now
-            metrics.num_cached_tokens = seq.num_cached_tokens
-            metrics.num_preemptions = seq.num_preemptions
-            indices = range(len(tokens)) if item.num_samples > 1 else [seq.sample_index]
-            for index, token in zip(indices, tokens):
-                sample = request.output.samples[index]
-                sample.token_ids.append(token)
-                if item.request_id in samples.logits:
-                    if sample.logits is None:
-                        sample.logits = []
-                    sample.logits.append(samples.logits[item.request_id])
-                self._counts["generated"] += 1
-                reason = reasons.get((seq.group_id, index))
-                try:
-                    delta = self._text_delta(request, index)
-                except _TokenizerError as exc:
-                    self._events.append((request.owner, TokenEvent(request.request_id, index, token)))
-                    self._fail(request, str(exc))
-                    break
-                end = reason.value if reason is not None else None
-                self._events.append((request.owner, TokenEvent(request.request_id, index, token, delta, end)))
-                if end is not None:
-                    self._finish_sample(request, index, end, event=False)
+        with self._lock, self._timed("record"):
+            for seq in self.scheduler.fail(list(samples.failed)):
+                request = batch.owners[seq.request_id]
+                request.output.error = request.output.error or samples.failed[seq.request_id]
+                indices = range(seq.num_samples) if seq.needs_fork else [seq.sample_index]
+                for index in indices:
+                    self._finish_sample(request, index, FinishReason.ERROR.value)
+            self.scheduler.update(batch.plan, samples.tokens)
+            now = time.perf_counter()
+            for row in batch.rows:
+                tokens = samples.tokens.get(row.request_id)
+                request = batch.owners[row.request_id]
+                if tokens and row.sequence is not None and not request.is_done:
+                    self._record_row(request, row.sequence, tokens, samples.logits.get(row.request_id), now)
+
+    def _record_row(
+        self, request: EngineRequest, seq: SequenceState, tokens: list[int], logits: torch.Tensor | None, now: float
+    ) -> None:
+        """One sampled row's tokens: one token, or one per sample at the step that forked the request."""
+        metrics = request.output.metrics
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
+        metrics.num_cached_tokens = seq.num_cached_tokens
+        metrics.num_preemptions = seq.num_preemptions
+        family = [seq, *seq.forks] if len(tokens) > 1 else [seq]
+        for member, token in zip(family, tokens):
+            index = member.sample_index
+            sample = request.output.samples[index]
+            if logits is not None:
+                if sample.logits is None:
+                    sample.logits = []
+                sample.logits.append(logits)
+            self._counts["generated"] += 1
+            try:
+                event = self._text_event(request, member, token)
+            except DecodeError as exc:
+                self._events.append((request.owner, TokenEvent(request.request_id, index, token)))
+                self._fail(request, str(exc))
+                return
+            self._events.append((request.owner, event))
+            if event.finish_reason is not None:
+                self._finish_sample(request, index, event.finish_reason, event.stop_reason, event=False)
+
+    def _text_event(self, request: EngineRequest, seq: SequenceState, token: int) -> TokenEvent:
+        """The event of one sample's new token: its text, and whether and why the sample finished with it (a stop
+        string finishes the sequence here, in the step that completed it)."""
+        index = seq.sample_index
+        text = request.texts[index]
+        text.add(token, seq.num_output_tokens)
+        reason: str | None = None
+        stop_reason: str | int | None = None
+        if seq.finish_reason is FinishReason.STOP:  # a stop token (SequenceState.append_token)
+            string = text.stop_by_id(token)
+            reason, stop_reason = FinishReason.STOP.value, token if string is None else string
+        elif text.stop_reason is not None:  # a stop string in the text
+            self.scheduler.finish([seq.request_id], FinishReason.STOP)
+            reason, stop_reason = FinishReason.STOP.value, text.stop_reason
+        elif seq.finish_reason is FinishReason.LENGTH:
+            reason = FinishReason.LENGTH.value
+        if reason is not None:
+            text.finish()
+        return TokenEvent(request.request_id, index, token, text.take(), reason, stop_reason)
 
     # ------------------------------------------------------------------ requests: validate -> submit -> finish
     def _specs(self, params: Any, generate_kwargs: dict[str, Any], count: int) -> list[Params | _Generation]:
@@ -519,7 +562,7 @@ class Engine:
 
     def _validate(
         self, prompt: Any, spec: Params | _Generation, namespace: Hashable, request_id: str | None = None
-    ) -> NewRequest:
+    ) -> EngineRequest:
         """Everything about one request that can be refused, checked before anything is queued."""
         token_ids = self._encode(prompt)
         params = self._params(spec, len(token_ids))
@@ -531,52 +574,80 @@ class Engine:
         if request_id is not None and (not isinstance(request_id, str) or not request_id or "#" in request_id):
             raise InvalidRequestError(f"request ids must be non-empty strings without '#', got {request_id!r}")
         stop = () if params.ignore_eos else (params.stop_token_ids if params.stop_token_ids is not None else self._eos)
-        stop_ids = frozenset(
-            valid_token_ids(stop, vocab_size=self._vocab_size, name="stop_token_ids", allow_empty=True)
-        )
-        new = NewRequest(token_ids, params, stop_ids, namespace, request_id)
+        stop_ids = valid_token_ids(stop, vocab_size=self._vocab_size, name="stop_token_ids", allow_empty=True)
+        stops = stop_strings(params.stop_strings, params.include_stop_str_in_output, self.tokenizer, self._added_vocab)
+        rid = request_id if request_id is not None else self._fresh_id()
+        seq = None
         if params.max_new_tokens:
-            self.scheduler.check_admissible(self._sequence(new, request_id or "new"))  # also checks the namespace
-        return new
+            seq = SequenceState(
+                rid,
+                token_ids,
+                params.max_new_tokens,
+                frozenset(stop_ids) | stops.by_id.keys(),  # stop strings that are special tokens stop by id
+                namespace,
+                params.n,
+                params.min_new_tokens,
+            )
+            self.scheduler.check_admissible(seq)  # also checks the namespace
+        samples = [SampleOutput(k) for k in range(params.n)]
+        output = RequestOutput(rid, token_ids, samples, RequestMetrics(time.perf_counter()))
+        texts = [self._sample_text(stops, params.min_new_tokens) for _ in range(params.n)]
+        return EngineRequest(rid, params, seq, output, texts, params.generators())
 
-    def _submit(self, new: NewRequest, owner: object | None) -> EngineRequest:
+    def _sample_text(self, stops: StopStrings, min_new_tokens: int) -> SampleText:
+        detokenizer = IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None
+        return SampleText(detokenizer, stops, min_new_tokens)
+
+    def _submit(self, request: EngineRequest, owner: object | None) -> EngineRequest:
         with self._lock:
             self._check_open()
-            rid = new.request_id if new.request_id is not None else self._fresh_id()
+            rid = request.request_id
             if rid in self._requests:
                 raise InvalidRequestError(f"request id {rid!r} is already in use")
-            params = new.params
-            samples = [SampleOutput(k) for k in range(params.n)]
-            output = RequestOutput(rid, new.token_ids, samples, RequestMetrics(time.perf_counter()))
-            request = EngineRequest(rid, params, params.generators(), output, owner, [""] * params.n)
-            if params.max_new_tokens:
-                self.scheduler.add(self._sequence(new, rid))
+            request.owner = owner
+            request.output.metrics.arrival_time = time.perf_counter()
+            if request.sequence is not None:
+                self.scheduler.add(request.sequence)
                 self._requests[rid] = request
             self._counts["requests"] += 1
-            if not params.max_new_tokens:
-                for index in range(params.n):
+            if request.sequence is None:  # max_new_tokens=0: done at once
+                for index in range(request.params.n):
                     self._finish_sample(request, index, FinishReason.LENGTH.value)
             return request
 
-    def _finish_sample(self, request: EngineRequest, index: int, reason: str, *, event: bool = True) -> None:
-        """Finish one sample (with its final text); the request is reported once its last sample finishes.
+    def _finish_sample(
+        self,
+        request: EngineRequest,
+        index: int,
+        reason: str,
+        stop_reason: str | int | None = None,
+        *,
+        event: bool = True,
+    ) -> None:
+        """Finish one sample: its tokens and final text go into its output; the request is reported once its last
+        sample finishes. Without ``event``, the caller has emitted the sample's last event.
 
         A tokenizer that fails here fails the request (unless it was being aborted or failed already)."""
         sample = request.output.samples[index]
         if sample.finish_reason is not None:
             return
-        escalate = None
+        escalate = piece = None
+        text = request.texts[index]
         try:
-            sample.text = self._decode(sample.token_ids)
-        except _TokenizerError as exc:
+            text.finish()
+            piece = text.take()
+            sample.text = text.text
+        except DecodeError as exc:
             sample.text = None
             if reason not in _ENDED:  # a sample that was ending anyway keeps its reason
                 reason = FinishReason.ERROR.value
                 escalate = str(exc)
                 request.output.error = request.output.error or escalate
-        sample.finish_reason = reason
+        seq = request.sample_sequence(index)
+        sample.token_ids = seq.output_token_ids if seq is not None else []
+        sample.finish_reason, sample.stop_reason = reason, stop_reason
         if event:
-            self._events.append((request.owner, TokenEvent(request.request_id, index, None, None, reason)))
+            self._events.append((request.owner, TokenEvent(request.request_id, index, None, piece, reason)))
         request.done += 1
         if request.is_done:
             request.output.metrics.finish_time = time.perf_counter()
@@ -593,7 +664,7 @@ class Engine:
             return
         if request.output.error is None:
             request.output.error = message
-        self.scheduler.fail([s.request_id for s in self.scheduler.sequences() if s.group_id == request.request_id])
+        self.scheduler.fail([seq.request_id for seq in request.sequences()])
         for index in range(len(request.output.samples)):
             self._finish_sample(request, index, FinishReason.ERROR.value)
 
@@ -626,7 +697,7 @@ class Engine:
                 if not request.is_done:
                     self.abort(request.request_id)
 
-    def _stream(self, new: list[NewRequest]) -> Iterator[TokenEvent]:
+    def _stream(self, new: list[EngineRequest]) -> Iterator[TokenEvent]:
         owner: object = object()
         mine: list[EngineRequest] = []
         unreported: dict[str, RequestOutput] = {}  # finished, but their last events are not yielded yet
@@ -681,38 +752,6 @@ class Engine:
             ) from exc
         return token_id_list(encoded, vocab_size=self._vocab_size)
 
-    def _decode(self, token_ids: list[int]) -> str | None:
-        if self.tokenizer is None:
-            return None
-        try:
-            text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
-        except Exception as exc:
-            logger.warning("pagedcore: tokenizer.decode failed: %s: %s", type(exc).__name__, exc)
-            raise _TokenizerError(f"tokenizer.decode failed: {type(exc).__name__}: {exc}") from exc
-        if not isinstance(text, str):
-            raise _TokenizerError(f"tokenizer.decode returned a {type(text).__name__}, not a str")
-        return text
-
-    def _text_delta(self, request: EngineRequest, index: int) -> str | None:
-        text = self._decode(request.output.samples[index].token_ids)
-        if text is None:
-            return None
-        delta = text[len(request.texts[index]) :]
-        request.texts[index] = text
-        return delta
-
-    def _sequence(self, new: NewRequest, request_id: str) -> SequenceState:
-        params = new.params
-        return SequenceState(
-            request_id,
-            new.token_ids,
-            params.max_new_tokens,
-            new.stop_token_ids,
-            new.namespace,
-            params.n,
-            params.min_new_tokens,
-        )
-
     def _fresh_id(self) -> str:
         while True:
             rid = f"req-{next(self._ids)}"
@@ -751,9 +790,12 @@ class Engine:
 _NO_OUTPUT = RequestOutput("", [], [], RequestMetrics(0.0))
 
 
-def _sample_indices(seq: SequenceState) -> range | list[int]:
-    """The samples a sequence stands for: all of them before it forked into its parallel samples."""
-    return range(seq.num_samples) if seq.needs_fork else [seq.sample_index]
+def _added_vocab(tokenizer: Any) -> dict[str, int]:
+    """The tokenizer's added tokens (special ones included) by text; empty for tokenizers without them."""
+    try:
+        return dict(tokenizer.get_added_vocab()) if tokenizer is not None else {}
+    except Exception:  # not a transformers tokenizer: stop strings match in the text only
+        return {}
 
 
 def _eos_ids(model: Any) -> list[int]:

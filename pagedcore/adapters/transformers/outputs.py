@@ -15,9 +15,13 @@ class SampleOutput:
 
     Attributes:
         index: sample number (0 .. n-1).
-        token_ids: generated token ids.
-        text: decoded text (with a tokenizer).
+        token_ids: generated token ids (the Engine fills them in when the sample finishes), up to and including
+            the token that stopped it.
+        text: decoded text (with a tokenizer): ``tokenizer.decode(token_ids, skip_special_tokens=True)``, cut before
+            the stop string that stopped it (kept with ``include_stop_str_in_output``).
         finish_reason: "stop", "length", "abort" or "error".
+        stop_reason: with ``finish_reason="stop"``, what stopped it: the stop string, or the stop token id (eos or
+            one of ``stop_token_ids``); else None (vLLM's ``stop_reason``).
         logits: with ``SamplingParams(return_logits=True)``, the float32 logits each token was drawn from.
 
     Example:
@@ -30,6 +34,7 @@ class SampleOutput:
     text: str | None = None
     finish_reason: str | None = None
     logits: list[torch.Tensor] | None = None
+    stop_reason: str | int | None = None
 
 
 @dataclass
@@ -118,8 +123,11 @@ class TokenEvent:
         request_id: the request.
         sample: which parallel sample.
         token_id: the token (None on an event that only reports a finish without a token, e.g. an abort).
-        text: the text this token adds (with a tokenizer), else None.
+        text: the text that became final with this token (with a tokenizer), else None: ``""`` while a character
+            spans several tokens or the text could still be the start of a stop string. A sample's texts joined
+            are its final ``SampleOutput.text``.
         finish_reason: set on the sample's last event.
+        stop_reason: on a last event with ``finish_reason="stop"``: the stop string or stop token id.
 
     Example:
         >>> TokenEvent("r1", 0, 42).finish_reason is None
@@ -131,6 +139,7 @@ class TokenEvent:
     token_id: int | None
     text: str | None = None
     finish_reason: str | None = None
+    stop_reason: str | int | None = None
 
 
 @dataclass(frozen=True)

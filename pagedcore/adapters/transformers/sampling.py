@@ -24,19 +24,27 @@ import torch
 from transformers import GenerationConfig
 
 from pagedcore.errors import InvalidRequestError
+from pagedcore.sequence import SequenceState
 from pagedcore.validation import integer, token_ids
 
 __all__ = [
     "GENERATE_KWARGS",
+    "GREEDY_BELOW",
     "SampleRow",
     "SamplingParams",
     "StepSamples",
     "greedy_tokens",
     "merge_generation_config",
+    "process_rows",
     "sample_rows",
     "sample_tokens",
     "to_sampling_params",
 ]
+
+
+GREEDY_BELOW = 1e-5
+"""Temperatures below this are greedy (vLLM's threshold too): dividing logits by a temperature near 0 overflows
+float32 (``1e-40``, ``1e-300``) and the draw would fail, while its limit is the argmax anyway."""
 
 
 @dataclass(frozen=True)
@@ -45,20 +53,26 @@ class SamplingParams:
 
     Args:
         max_new_tokens: tokens to generate at most (0 returns at once with no tokens).
-        temperature: 0 for greedy decoding, else the softmax temperature (> 0).
+        temperature: 0 for greedy decoding, else the softmax temperature (> 0); below :data:`GREEDY_BELOW` it is
+            greedy too.
         top_k: keep the ``top_k`` most likely tokens (0 = all).
         top_p: keep the smallest set of tokens whose probability reaches ``top_p`` (in (0, 1]).
         seed: seed of this request's random draws (None: drawn from Python's ``random``).
         stop_token_ids: stop after any of these; None means the model's eos token ids.
-        ignore_eos: never stop early (benchmarks).
-        min_new_tokens: the stop tokens cannot be drawn before this many tokens were generated (they are masked,
-            as transformers' ``min_new_tokens`` does).
+        stop_strings: stop when the text contains one of these (a string or a list; needs the Engine's tokenizer).
+            The token that completes it is the sample's last; the text ends before the stop string, and the sample
+            reports ``finish_reason="stop"`` and ``stop_reason`` (the string). A stop string that is a special
+            token's text (``"<|im_end|>"``) matches by token id, as that text is not in the decoded text.
+        include_stop_str_in_output: keep the stop string at the end of the text.
+        ignore_eos: never stop at the stop tokens (benchmarks); stop strings still apply.
+        min_new_tokens: nothing stops a sample before this many tokens were generated: the stop tokens are masked
+            (as transformers' ``min_new_tokens`` does), and stop strings are not matched (as vLLM's ``min_tokens``).
         n: parallel samples of the prompt; they share the prompt's KV blocks.
         return_logits: keep each step's float32 logits in the output, before any masking (for tests and analysis;
             memory grows with ``vocab * tokens``).
 
     Integer fields accept anything with ``__index__`` (numpy integers included) and are stored as ``int``;
-    ``stop_token_ids`` is stored as a tuple.
+    ``stop_token_ids`` and ``stop_strings`` are stored as tuples.
 
     Example:
         >>> SamplingParams(max_new_tokens=8, temperature=0.7, top_p=0.9, seed=1).is_greedy
@@ -75,6 +89,8 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     stop_token_ids: Sequence[int] | None = None
+    stop_strings: Sequence[str] = ()
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     min_new_tokens: int = 0
     n: int = 1
@@ -88,20 +104,26 @@ class SamplingParams:
             fix(self, "seed", integer("seed", self.seed))
         if self.stop_token_ids is not None:
             fix(self, "stop_token_ids", tuple(token_ids(self.stop_token_ids, name="stop_token_ids", allow_empty=True)))
+        fix(self, "stop_strings", _stop_strings(self.stop_strings))
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)):
             raise InvalidRequestError(f"temperature must be a number, got {self.temperature!r}")
         if not self.temperature >= 0 or math.isinf(self.temperature):  # also catches NaN
             raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature!r}")
         if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        for name in ("ignore_eos", "return_logits"):
+        for name in ("ignore_eos", "return_logits", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidRequestError(f"{name} must be True or False, got {getattr(self, name)!r}")
 
     @property
     def is_greedy(self) -> bool:
-        """Whether tokens are chosen by argmax."""
-        return self.temperature == 0
+        """Whether tokens are chosen by argmax (temperature 0, or below :data:`GREEDY_BELOW`).
+
+        Example:
+            >>> SamplingParams(temperature=1e-40).is_greedy, SamplingParams(temperature=0.5).is_greedy
+            (True, False)
+        """
+        return self.temperature < GREEDY_BELOW
 
     def generators(self, device: torch.device | str = "cpu") -> list[torch.Generator]:
         """One generator per sample, seeded from ``seed`` (or at random); sample 0's seed is ``seed`` itself."""
@@ -112,6 +134,19 @@ class SamplingParams:
             generator.manual_seed((seed + 0x9E3779B97F4A7C15 * k) % (2**63))
             out.append(generator)
         return out
+
+
+def _stop_strings(value: object) -> tuple[str, ...]:
+    """Stop strings as a tuple (a str is one stop string, as in transformers); refuses empty or non-str ones."""
+    if value is None:
+        return ()
+    items = (value,) if isinstance(value, str) else value
+    if isinstance(items, (bytes, Mapping)) or not isinstance(items, Sequence):
+        raise InvalidRequestError(f"stop_strings must be a string or a list of strings, got {value!r}")
+    bad = [s for s in items if not isinstance(s, str) or not s]
+    if bad:
+        raise InvalidRequestError(f"stop strings must be non-empty strings, got {bad[0]!r}")
+    return tuple(items)
 
 
 # ---------------------------------------------------------------------------------------------- transformers' words
@@ -127,6 +162,7 @@ GENERATE_KWARGS = frozenset(
         "top_p",
         "num_return_sequences",
         "eos_token_id",
+        "stop_strings",  # matched on the Engine's tokenizer's text (transformers needs generate(tokenizer=) for them)
         "pad_token_id",  # no effect: the Engine never pads
         "bos_token_id",  # no effect: the prompt is used as given
         "generation_config",
@@ -167,7 +203,6 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "exponential_decay_length_penalty": (),
     "guidance_scale": (1.0,),
     "max_time": (),
-    "stop_strings": (),
     "renormalize_logits": (False,),
     "remove_invalid_values": (False,),
     "token_healing": (False,),
@@ -257,7 +292,8 @@ def to_sampling_params(
     ``do_sample=False`` is greedy whatever the temperature says; with ``do_sample=True`` the temperature, top-k
     and top-p apply as transformers applies them. ``max_new_tokens`` wins over ``max_length`` (a total length,
     prompt included); with neither, 20 new tokens, within ``max_positions``. ``eos_token_id`` (None: none) gives
-    the stop tokens, and ``min_new_tokens`` (or ``min_length``) masks them at first.
+    the stop tokens, ``stop_strings`` the stop strings, and ``min_new_tokens`` (or ``min_length``) holds them off at
+    first.
 
     An option left None does nothing (no top-k, no top-p, temperature 1).
 
@@ -276,23 +312,7 @@ def to_sampling_params(
             f"num_return_sequences={n} needs do_sample=True: greedy decoding has one answer (transformers "
             "refuses it too)"
         )
-    if config.max_new_tokens is not None:
-        max_new_tokens = config.max_new_tokens
-    elif config.max_length is not None:
-        max_new_tokens = config.max_length - prompt_length
-        if max_new_tokens <= 0:
-            raise InvalidRequestError(
-                f"the prompt has {prompt_length} tokens but max_length={config.max_length} counts the prompt too: "
-                "set max_new_tokens instead"
-            )
-    else:
-        max_new_tokens = _DEFAULT_MAX_NEW_TOKENS
-        if max_positions is not None:
-            max_new_tokens = min(max_new_tokens, max_positions - prompt_length)
-    if config.min_new_tokens is not None:
-        min_new_tokens = config.min_new_tokens
-    else:
-        min_new_tokens = max(0, (config.min_length or 0) - prompt_length)
+    max_new_tokens, min_new_tokens = _lengths(config, prompt_length, max_positions)
     eos = config.eos_token_id
     stop: tuple[int, ...] = ()
     if eos is not None:
@@ -312,10 +332,34 @@ def to_sampling_params(
         max_new_tokens=max_new_tokens,
         min_new_tokens=min_new_tokens,
         stop_token_ids=stop,
+        stop_strings=config.stop_strings,
         n=n,
         seed=seed,
         **fields,
     )
+
+
+def _lengths(config: GenerationConfig, prompt_length: int, max_positions: int | None) -> tuple[int, int]:
+    """``max_new_tokens`` (over ``max_length``, a total; else 20 within the context) and ``min_new_tokens`` (over
+    ``min_length``) for a prompt of ``prompt_length`` tokens."""
+    if config.max_new_tokens is not None:
+        max_new_tokens = config.max_new_tokens
+    elif config.max_length is not None:
+        max_new_tokens = config.max_length - prompt_length
+        if max_new_tokens <= 0:
+            raise InvalidRequestError(
+                f"the prompt has {prompt_length} tokens but max_length={config.max_length} counts the prompt too: "
+                "set max_new_tokens instead"
+            )
+    else:
+        max_new_tokens = _DEFAULT_MAX_NEW_TOKENS
+        if max_positions is not None:
+            max_new_tokens = min(max_new_tokens, max_positions - prompt_length)
+    if config.min_new_tokens is not None:
+        min_new_tokens = config.min_new_tokens
+    else:
+        min_new_tokens = max(0, (config.min_length or 0) - prompt_length)
+    return max_new_tokens, min_new_tokens
 
 
 # ------------------------------------------------------------------------------------------------------ the sampler
@@ -331,15 +375,17 @@ def sample_tokens(logits: torch.Tensor, params: SamplingParams, generators: Sequ
     if params.is_greedy:
         token = int(torch.argmax(logits))
         return [token] * len(generators)
-    scores = logits.float() / params.temperature
+    scores = logits.float() / params.temperature  # >= GREEDY_BELOW: no real logit overflows float32 here
     if params.top_k and params.top_k < scores.shape[-1]:
         kth = torch.topk(scores, params.top_k).values[-1]
         scores = scores.masked_fill(scores < kth, float("-inf"))
     if params.top_p < 1.0:
         sorted_scores, order = torch.sort(scores, descending=True)
         probs = torch.softmax(sorted_scores, dim=-1)
-        # Drop a token when the tokens before it already reach top_p (the most likely one always stays).
+        # Drop a token when the tokens before it already reach top_p. The most likely one always stays, also when
+        # top_p is below float32's smallest number (1e-320 reads as 0 there, and 0 >= 0 would drop it).
         drop = (probs.cumsum(-1) - probs) >= params.top_p
+        drop[0] = False
         scores = scores.scatter(0, order, sorted_scores.masked_fill(drop, float("-inf")))
     probs = torch.softmax(scores, dim=-1)
     return [int(torch.multinomial(probs, 1, generator=g)) for g in generators]
@@ -354,6 +400,7 @@ class SampleRow:
         params: its request's parameters.
         generators: one per token to draw (all the samples' at the step that forks a request, else one).
         suppress: token ids that may not be drawn yet (the stop tokens, before ``min_new_tokens``).
+        sequence: the sequence itself (what a logits processor that reads the tokens so far would read).
 
     Example:
         >>> SampleRow("r1", SamplingParams(), [torch.Generator()]).suppress
@@ -364,15 +411,17 @@ class SampleRow:
     params: SamplingParams
     generators: list[torch.Generator]
     suppress: tuple[int, ...] = ()
+    sequence: SequenceState | None = None
 
 
 @dataclass
 class StepSamples:
-    """What :func:`sample_rows` drew.
+    """What :func:`sample_rows` drew: the boundary between the step's sampler (which runs without the Engine's lock)
+    and its record stage.
 
     Attributes:
         tokens: per sequence id, the tokens drawn.
-        failed: per sequence id, why no token could be drawn (e.g. no finite logit).
+        failed: per sequence id, why no token could be drawn (e.g. no finite logit, or the forward failed).
         logits: per sequence id, its float32 logits row (only for requests with ``return_logits``).
 
     Example:
@@ -388,7 +437,9 @@ class StepSamples:
 def sample_rows(logits: torch.Tensor, rows: Sequence[SampleRow]) -> StepSamples:
     """Draw the tokens of a whole step: ``logits`` is ``(len(rows), vocab)``, one row per :class:`SampleRow`.
 
-    Greedy rows share one batched argmax; a row that cannot be sampled fails alone.
+    Three stages: keep the raw logits that were asked for, process each row's logits (:func:`process_rows`: where
+    per-row logits processors go), then draw (greedy rows share one batched argmax; a row that cannot be sampled
+    fails alone).
 
     Example:
         >>> rows = [SampleRow("a", SamplingParams(), [torch.Generator()]),
@@ -400,16 +451,12 @@ def sample_rows(logits: torch.Tensor, rows: Sequence[SampleRow]) -> StepSamples:
     if not rows:
         return out
     for i in [i for i, row in enumerate(rows) if row.params.return_logits]:
-        out.logits[rows[i].request_id] = logits[i].detach().cpu().clone()  # before any masking
-    masked = [(i, row.suppress) for i, row in enumerate(rows) if row.suppress]
-    if masked:
-        logits = logits.clone()
-        for i, ids in masked:
-            logits[i, list(ids)] = float("-inf")
+        out.logits[rows[i].request_id] = logits[i].detach().cpu().clone()  # before any processing
+    logits = process_rows(logits, rows)
     greedy, finite = greedy_tokens(logits)
     tokens = out.tokens
     for i, row in enumerate(rows):
-        if row.params.temperature == 0 and finite[i]:  # greedy
+        if row.params.is_greedy and finite[i]:
             tokens[row.request_id] = [greedy[i]] * len(row.generators)
             continue
         try:
@@ -417,6 +464,24 @@ def sample_rows(logits: torch.Tensor, rows: Sequence[SampleRow]) -> StepSamples:
         except Exception as exc:  # one row's failure (e.g. no finite logit) fails that sequence only
             out.failed[row.request_id] = f"{type(exc).__name__}: {exc}"
     return out
+
+
+def process_rows(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
+    """Each row's logits as its request's processors leave them (a copy when any row changes; ``logits`` itself
+    otherwise). Today one processor: the tokens a row may not draw yet (``suppress``) get ``-inf``.
+
+    Example:
+        >>> rows = [SampleRow("a", SamplingParams(), [torch.Generator()], suppress=(0,))]
+        >>> process_rows(torch.tensor([[1.0, 0.5]]), rows).tolist()
+        [[-inf, 0.5]]
+    """
+    masked = [(i, row.suppress) for i, row in enumerate(rows) if row.suppress]
+    if not masked:
+        return logits
+    logits = logits.clone()
+    for i, ids in masked:
+        logits[i, list(ids)] = float("-inf")
+    return logits
 
 
 _BLOCK = 256  # columns per block of greedy_tokens' two-level search

@@ -1,4 +1,4 @@
-"""One Engine step as tensors: the packed batch, the cache its forward writes through, and the requests it serves.
+"""One Engine step as tensors: the packed batch and the cache its forward writes through.
 
 :func:`pack` turns the scheduler's plan into a :class:`StepBatch`: every scheduled token of every sequence in one
 ``(1, num_tokens)`` row without padding, each KV group's paged-attention metadata, and a :class:`SampleRow` per
@@ -9,68 +9,22 @@ run without the Engine's lock while other threads add and abort requests.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Hashable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DummyLayer
 
 from pagedcore.attention import PagedAttentionMetadata, to_device, write_kv
-from pagedcore.scheduler import SchedulerOutput
+from pagedcore.scheduler import ScheduledSequence, SchedulerOutput
 
 from .attention import ForwardContext
-from .outputs import RequestOutput
 from .pool import PagedKVPool
-from .sampling import SampleRow, SamplingParams
+from .request import EngineRequest
+from .sampling import SampleRow
 
-__all__ = ["EngineRequest", "NewRequest", "PackedCache", "StepBatch", "pack"]
-
-
-@dataclass(frozen=True)
-class NewRequest:
-    """A validated request, not queued yet (see ``Engine.add_request``).
-
-    Example:
-        >>> NewRequest([5, 6], SamplingParams(), frozenset({2})).request_id is None
-        True
-    """
-
-    token_ids: list[int]
-    params: SamplingParams
-    stop_token_ids: frozenset[int]
-    namespace: Hashable = None
-    request_id: str | None = None
-
-
-@dataclass
-class EngineRequest:
-    """A queued request as the Engine tracks it: its output (filled in as it runs) and who reports it.
-
-    Attributes:
-        owner: the ``generate``/``stream`` call that reports it, or None for ``step()``/``step_events()``.
-        texts: per sample, the text decoded so far (for text deltas).
-        done: samples finished.
-
-    Example:
-        >>> from pagedcore.adapters.transformers import RequestMetrics, SampleOutput
-        >>> out = RequestOutput("r", [5], [SampleOutput(0)], RequestMetrics(0.0))
-        >>> EngineRequest("r", SamplingParams(), [], out).is_done
-        False
-    """
-
-    request_id: str
-    params: SamplingParams
-    generators: list[torch.Generator]
-    output: RequestOutput
-    owner: object | None = None
-    texts: list[str] = field(default_factory=list)
-    done: int = 0
-
-    @property
-    def is_done(self) -> bool:
-        """Whether every sample has finished."""
-        return self.done == len(self.output.samples)
+__all__ = ["PackedCache", "StepBatch", "pack"]
 
 
 class _PackedLayer(CacheLayerMixin):
@@ -184,20 +138,19 @@ def pack(
     requests: Mapping[str, EngineRequest],
     attention_backend: str | None = None,
 ) -> StepBatch:
-    """Pack a non-empty plan (call it under the lock that guards ``requests``: it reads the live block tables).
-
-    Performs the plan's copy-on-write block copies first.
+    """Pack a non-empty plan (call it under the lock that guards ``requests``: it reads the live block tables), after
+    the plan's copy-on-write block copies.
 
     Example:
-        >>> from pagedcore.adapters.transformers.testing import tiny_llama
         >>> from pagedcore import Scheduler, SequenceState
-        >>> from pagedcore.adapters.transformers import RequestMetrics, SampleOutput
-        >>> model = tiny_llama()
-        >>> pool = PagedKVPool(model, num_blocks=8, block_size=4)
-        >>> sched = Scheduler(pool.kv)
-        >>> sched.add(SequenceState("r", [5, 6, 7], max_new_tokens=2))
+        >>> from pagedcore.adapters.transformers import RequestMetrics, RequestOutput, SampleOutput, SamplingParams
+        >>> from pagedcore.adapters.transformers.testing import tiny_llama
+        >>> pool = PagedKVPool(tiny_llama(), num_blocks=8, block_size=4)
+        >>> sched, seq = Scheduler(pool.kv), SequenceState("r", [5, 6, 7], max_new_tokens=2)
+        >>> sched.add(seq)
         >>> out = RequestOutput("r", [5, 6, 7], [SampleOutput(0)], RequestMetrics(0.0))
-        >>> batch = pack(sched.schedule(), pool, {"r": EngineRequest("r", SamplingParams(), [torch.Generator()], out)})
+        >>> request = EngineRequest("r", SamplingParams(), seq, out, [], [torch.Generator()])
+        >>> batch = pack(sched.schedule(), pool, {"r": request})
         >>> batch.input_ids, batch.position_ids, batch.logit_rows, [row.request_id for row in batch.rows]
         ([5, 6, 7], [0, 1, 2], [2], ['r'])
     """
@@ -228,20 +181,28 @@ def pack(
         seq_lens.append(end)
         if item.sample:
             logit_rows.append(len(tokens) - 1)
-            if item.num_samples > 1:
-                generators = request.generators[: item.num_samples]
-            else:
-                generators = [request.generators[seq.sample_index]]
-            suppress: tuple[int, ...] = ()
-            if seq.min_new_tokens and seq.num_output_tokens < seq.min_new_tokens:
-                suppress = tuple(sorted(seq.stop_token_ids))
-            rows.append(SampleRow(item.request_id, request.params, generators, suppress))
+            rows.append(_sample_row(item, request))
         blocks = item.blocks
         for g in group_ids:
             tables[g].append(blocks.table_array(g))
             offsets[g].append(blocks.num_dropped(g))
             slots[g].extend(blocks.slots(g, start, end))
-    metas: list[PagedAttentionMetadata | None] = [
+    metas = _metadata(pool, query_lens, seq_lens, offsets, tables, slots)
+    context = ForwardContext(pool, metas, None, attention_backend)
+    return StepBatch(plan, owners, tokens, positions, logit_rows, rows, context)
+
+
+def _metadata(
+    pool: PagedKVPool,
+    query_lens: list[int],
+    seq_lens: list[int],
+    offsets: list[list[int]],
+    tables: list[list[array[int]]],
+    slots: list[list[int]],
+) -> list[PagedAttentionMetadata | None]:
+    """Each KV group's paged-attention metadata for the packed sequences (per group: their dropped-block offsets,
+    block tables and the new tokens' slots)."""
+    return [
         PagedAttentionMetadata(
             block_size=pool.block_size,
             query_lens=query_lens,
@@ -254,8 +215,20 @@ def pack(
         )
         for g in pool.kv.groups
     ]
-    context = ForwardContext(pool, metas, None, attention_backend)
-    return StepBatch(plan, owners, tokens, positions, logit_rows, rows, context)
+
+
+def _sample_row(item: ScheduledSequence, request: EngineRequest) -> SampleRow:
+    """What the sampler needs for a sequence that completed its known tokens: all the samples' generators at the
+    step that forks the request, else its own; the stop tokens masked before ``min_new_tokens``."""
+    seq = item.sequence
+    if item.num_samples > 1:
+        generators = request.generators[: item.num_samples]
+    else:
+        generators = [request.generators[seq.sample_index]]
+    suppress: tuple[int, ...] = ()
+    if seq.min_new_tokens and seq.num_output_tokens < seq.min_new_tokens:
+        suppress = tuple(sorted(seq.stop_token_ids))
+    return SampleRow(item.request_id, request.params, generators, suppress, seq)
 
 
 def _stack_tables(rows: Sequence[array[int]], pad_block: int) -> torch.Tensor:

@@ -72,6 +72,8 @@ class ReplicaLoop:
         (True, 0)
     """
 
+    public_errors = True  # its error messages name the request and hide cluster internals (the app sends them)
+
     def __init__(
         self,
         handle: Any,

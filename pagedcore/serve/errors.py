@@ -1,0 +1,142 @@
+"""How the server answers what went wrong: OpenAI's error body for every error, the outcome each one is counted
+as, and no internals in a 5xx.
+
+A server error (a failed engine step, a bug) reaches the client as a generic message with a request id; what
+happened, with that id, goes to the server's log (``pagedcore.serve`` logger). 4xx messages name the client's
+mistake and are sent as they are.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from .body import ClientGone
+from .protocol import ApiError
+
+__all__ = ["ErrorResponse", "install_error_handlers", "outcome", "public_error", "request_id"]
+
+logger = logging.getLogger("pagedcore.serve")
+
+_OUTCOMES = {
+    400: "invalid",
+    401: "unauthorized",
+    404: "invalid",
+    408: "timed_out",
+    413: "invalid",
+    429: "overloaded",
+    503: "unavailable",
+}
+
+
+def outcome(error: ApiError) -> str:
+    """The ``pagedcore_requests_total`` status a request that ended with ``error`` is counted as.
+
+    Example:
+        >>> outcome(ApiError(413, "too large")), outcome(ApiError(500, "boom", type="server_error"))
+        ('invalid', 'failed')
+    """
+    return _OUTCOMES.get(error.status, "failed")
+
+
+def public_error(error: ApiError, request_id: str) -> ApiError:
+    """``error`` as the client may see it: a server error (5xx other than 503) is logged with ``request_id`` and
+    answered with a generic message naming that id; anything else is returned as it is.
+
+    Example:
+        >>> public_error(ApiError(500, "step failed: CUDA error at 0x7f..", type="server_error"), "cmpl-1").message
+        'the server failed on this request (request id cmpl-1; the server log has the details)'
+    """
+    if error.status < 500 or error.status == 503:
+        return error
+    logger.error("pagedcore: request %s failed: %s", request_id, error.message)
+    message = f"the server failed on this request (request id {request_id}; the server log has the details)"
+    return ApiError(error.status, message, type=error.type, code=error.code)
+
+
+class ErrorResponse(JSONResponse):
+    """OpenAI's error body for an :class:`ApiError`, as ASCII JSON (a client's lone surrogate in a message cannot
+    break it); 408 and 413 close the connection, whose unread body is of no use.
+
+    Example:
+        >>> response = ErrorResponse(ApiError(413, "too large"))
+        >>> response.status_code, response.headers["connection"]
+        (413, 'close')
+    """
+
+    def __init__(self, error: ApiError) -> None:
+        headers = {"Connection": "close"} if error.status in (408, 413) else None
+        super().__init__(error.body(), status_code=error.status, headers=headers)
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, separators=(",", ":")).encode("ascii")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Answer every error of ``app`` with OpenAI's error body and count it in ``app.state.serve.metrics``.
+
+    Example:
+        >>> app = FastAPI()
+        >>> install_error_handlers(app)
+        >>> ApiError in app.exception_handlers and ClientGone in app.exception_handlers
+        True
+    """
+    app.add_exception_handler(ApiError, _api_error)  # type: ignore[arg-type]
+    app.add_exception_handler(ClientGone, _client_gone)  # type: ignore[arg-type]
+    app.add_exception_handler(StarletteHTTPException, _http_error)  # type: ignore[arg-type]
+    app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
+    app.add_exception_handler(Exception, _unexpected)
+
+
+def _count(request: Request, status: str) -> None:
+    request.app.state.serve.metrics.count(status)
+
+
+def request_id(request: Request) -> str:
+    """The id of ``request`` in logs and server-error messages: its response id once it has one, else a new one.
+
+    Example:
+        >>> request = Request({"type": "http", "method": "GET", "headers": []})
+        >>> request_id(request) == request_id(request) and request_id(request).startswith("req-")
+        True
+    """
+    state = request.state
+    if getattr(state, "request_id", None) is None:
+        state.request_id = f"req-{uuid.uuid4().hex[:12]}"
+    return str(state.request_id)
+
+
+async def _api_error(request: Request, exc: ApiError) -> Response:
+    _count(request, outcome(exc))
+    public = request.app.state.serve.loop_errors_are_public
+    return ErrorResponse(exc if public else public_error(exc, request_id(request)))
+
+
+async def _client_gone(request: Request, exc: ClientGone) -> Response:
+    _count(request, "disconnected")
+    logger.info("pagedcore: %s %s: %s", request.method, request.url.path, exc)
+    return Response(status_code=499)  # nobody reads it: the connection is gone
+
+
+async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:  # unknown path, method
+    return ErrorResponse(ApiError(exc.status_code, str(exc.detail), code=str(exc.status_code)))
+
+
+async def _validation_error(request: Request, exc: RequestValidationError) -> Response:  # FastAPI's own checks
+    first = exc.errors()[0] if exc.errors() else {}
+    where = ".".join(str(part) for part in first.get("loc", ()))
+    return await _api_error(request, ApiError(400, f"{where}: {first.get('msg', 'invalid request')}"))
+
+
+async def _unexpected(request: Request, exc: Exception) -> Response:  # a bug: still OpenAI's error shape
+    _count(request, "failed")  # Starlette raises it again once answered: uvicorn logs its traceback
+    error = ApiError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error")
+    return ErrorResponse(public_error(error, request_id(request)))
