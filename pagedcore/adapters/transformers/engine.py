@@ -34,7 +34,7 @@ import logging
 import threading
 import time
 from collections.abc import Hashable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -64,6 +64,8 @@ from .sampling import SamplingParams, StepSamples, merge_generation_config, samp
 from .spec import context_limit, text_config
 from .step_batch import PackedCache, StepBatch, pack
 from .stopping import SampleText, StopStrings, stop_strings
+from .structured.requests import EngineGrammars, RequestGrammar
+from .structured.spec import StructuredOutput
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +83,7 @@ class _Generation:
 
     config: Any  # transformers.GenerationConfig
     seed: int | None
+    structured: StructuredOutput | None = None  # generate(structured=...) / generate(response_format=...)
 
 
 class Engine:
@@ -156,6 +159,7 @@ class Engine:
         self._max_positions = context_limit(model)  # the spec decides per family (None: no fixed limit)
         self._eos = _eos_ids(model)
         self._added_vocab = _added_vocab(tokenizer)  # where a stop string that is a special token finds its id
+        self._grammars: EngineGrammars | None = None  # structured outputs: built with the first constrained request
         self._cache = PackedCache(pool)
         self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._requests: dict[str, EngineRequest] = {}  # queued or running: not every sample has finished
@@ -209,6 +213,8 @@ class Engine:
         finally:
             if waited:
                 self._stepping.release()
+            if self._grammars is not None:
+                self._grammars.close()
             if self._original_attn is not None and self._original_attn != ATTN_IMPLEMENTATION:
                 self.model.set_attn_implementation(self._original_attn)
 
@@ -389,6 +395,8 @@ class Engine:
             if batch is not None:
                 samples = self._sample(batch, self._forward_batch(batch))
                 self._record(batch, samples)
+            elif self._grammars is not None and self._grammars.num_held:
+                self._grammars.wait(0.01)  # nothing to compute but grammars compiling: wait a little, not spin
             with self._lock:
                 return self._take(owner)
 
@@ -420,6 +428,7 @@ class Engine:
         with self._lock:
             self._check_open()
             with self._timed("schedule"):
+                self._admit_compiled()
                 plan = self.scheduler.schedule()
             with self._timed("prepare"):
                 self._peak_bytes = max(self._peak_bytes, self.pool.memory_stats().used_bytes)
@@ -469,7 +478,7 @@ class Engine:
         if isinstance(logits, str):
             return StepSamples(failed=dict.fromkeys((item.request_id for item in batch.plan.scheduled), logits))
         with self._timed("sample"):
-            return sample_rows(logits, batch.rows)
+            return sample_rows(logits, batch.rows, self._grammars.masks if self._grammars is not None else None)
 
     def _record(self, batch: StepBatch, samples: StepSamples) -> None:
         """record, under the lock: the scheduler takes the tokens (stop tokens and lengths finish sequences there),
@@ -510,6 +519,10 @@ class Engine:
                     sample.logits = []
                 sample.logits.append(logits)
             self._counts["generated"] += 1
+            if request.grammar is not None and not request.grammar.accept(index, token):
+                self._events.append((request.owner, TokenEvent(request.request_id, index, token)))
+                self._fail(request, f"GrammarError: token {token} is not allowed by {request.grammar.spec.describe()}")
+                return
             try:
                 event = self._text_event(request, member, token)
             except DecodeError as exc:
@@ -549,8 +562,9 @@ class Engine:
                 f"arguments, not both: got params= and {', '.join(sorted(generate_kwargs))}"
             )
         if params is None:
+            structured = _structured_kwarg(generate_kwargs)
             config, seed = merge_generation_config(getattr(self.model, "generation_config", None), generate_kwargs)
-            return [_Generation(config, seed)] * count
+            return [_Generation(config, seed, structured)] * count
         if isinstance(params, (SamplingParams, dict)):
             return [params] * count
         if isinstance(params, (str, bytes)) or not isinstance(params, Iterable):
@@ -576,6 +590,10 @@ class Engine:
         stop = () if params.ignore_eos else (params.stop_token_ids if params.stop_token_ids is not None else self._eos)
         stop_ids = valid_token_ids(stop, vocab_size=self._vocab_size, name="stop_token_ids", allow_empty=True)
         stops = stop_strings(params.stop_strings, params.include_stop_str_in_output, self.tokenizer, self._added_vocab)
+        grammar = None
+        if params.structured is not None and params.max_new_tokens:
+            grammar = self._grammar(params.structured, params.n)
+            stop_ids = [*stop_ids, *grammar.stop_token_ids]  # a finished grammar's end stops the sequence
         rid = request_id if request_id is not None else self._fresh_id()
         seq = None
         if params.max_new_tokens:
@@ -592,7 +610,35 @@ class Engine:
         samples = [SampleOutput(k) for k in range(params.n)]
         output = RequestOutput(rid, token_ids, samples, RequestMetrics(time.perf_counter()))
         texts = [self._sample_text(stops, params.min_new_tokens) for _ in range(params.n)]
-        return EngineRequest(rid, params, seq, output, texts, params.generators())
+        return EngineRequest(rid, params, seq, output, texts, params.generators(), grammar=grammar)
+
+    def _grammar(self, spec: StructuredOutput, num_samples: int) -> RequestGrammar:
+        """Start compiling a request's grammar (bad specs raise here, at admission); the compiler is built with the
+        first structured request."""
+        if self.tokenizer is None:
+            raise InvalidRequestError(
+                f"structured outputs ({spec.kind}) need the tokenizer: Engine(model, tokenizer=...)"
+            )
+        with self._lock:
+            if self._grammars is None:
+                eos = self._eos or [getattr(self.tokenizer, "eos_token_id", None)]
+                self._grammars = EngineGrammars(
+                    self.tokenizer, vocab_size=self._vocab_size, stop_token_ids=[e for e in eos if e is not None]
+                )
+            grammars = self._grammars
+        return grammars.request(spec, num_samples)
+
+    def _admit_compiled(self) -> None:
+        """Schedule the held requests whose grammar is built; fail those whose grammar failed or timed out."""
+        if self._grammars is None or not self._grammars.num_held:
+            return
+        for request, error in self._grammars.take_ready():
+            if request.is_done:  # aborted while its grammar compiled
+                continue
+            if error is None:
+                self.scheduler.add(request.sequence)
+            else:
+                self._fail(request, f"GrammarError: {error}")
 
     def _sample_text(self, stops: StopStrings, min_new_tokens: int) -> SampleText:
         detokenizer = IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None
@@ -607,7 +653,10 @@ class Engine:
             request.owner = owner
             request.output.metrics.arrival_time = time.perf_counter()
             if request.sequence is not None:
-                self.scheduler.add(request.sequence)
+                if request.grammar is not None and self._grammars is not None:
+                    self._grammars.hold(request.grammar, request)  # scheduled once its grammar is built
+                else:
+                    self.scheduler.add(request.sequence)
                 self._requests[rid] = request
             self._counts["requests"] += 1
             if request.sequence is None:  # max_new_tokens=0: done at once
@@ -727,9 +776,10 @@ class Engine:
     # ------------------------------------------------------------------ helpers
     def _params(self, spec: Params | _Generation, prompt_length: int) -> SamplingParams:
         if isinstance(spec, _Generation):
-            return to_sampling_params(
+            params = to_sampling_params(
                 spec.config, prompt_length=prompt_length, max_positions=self._max_positions, seed=spec.seed
             )
+            return params if spec.structured is None else replace(params, structured=spec.structured)
         if isinstance(spec, SamplingParams):
             return spec
         if isinstance(spec, dict):
@@ -788,6 +838,16 @@ class Engine:
 
 
 _NO_OUTPUT = RequestOutput("", [], [], RequestMetrics(0.0))
+
+
+def _structured_kwarg(kwargs: dict[str, Any]) -> StructuredOutput | None:
+    """Take ``structured=`` (a :class:`StructuredOutput` or a dict of one) or OpenAI's ``response_format=`` out of
+    ``generate``'s keyword arguments, as a spec (checked here: a bad one raises whatever the prompt)."""
+    structured, response_format = kwargs.pop("structured", None), kwargs.pop("response_format", None)
+    if structured is not None and response_format is not None:
+        raise InvalidRequestError("pass structured= or response_format=, not both")
+    value = structured if structured is not None else response_format
+    return None if value is None else SamplingParams(structured=value).structured  # type: ignore[return-value]
 
 
 def _added_vocab(tokenizer: Any) -> dict[str, int]:

@@ -18,14 +18,20 @@ import math
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import GenerationConfig
 
-from pagedcore.errors import InvalidRequestError
+from pagedcore.errors import GrammarError, InvalidRequestError
 from pagedcore.sequence import SequenceState
 from pagedcore.validation import integer, token_ids
+
+from .structured.spec import StructuredOutput
+
+if TYPE_CHECKING:
+    from .structured.masks import GrammarMasks
+    from .structured.matcher import GrammarState
 
 __all__ = [
     "GENERATE_KWARGS",
@@ -33,6 +39,7 @@ __all__ = [
     "SampleRow",
     "SamplingParams",
     "StepSamples",
+    "constrain_rows",
     "greedy_tokens",
     "merge_generation_config",
     "process_rows",
@@ -70,6 +77,12 @@ class SamplingParams:
         n: parallel samples of the prompt; they share the prompt's KV blocks.
         return_logits: keep each step's float32 logits in the output, before any masking (for tests and analysis;
             memory grows with ``vocab * tokens``).
+        structured: constrain the output to a JSON schema, any JSON object, a regex, a choice of strings or a
+            grammar: a :class:`~.structured.StructuredOutput`, a dict naming one kind (``{"json_schema": {...}}``,
+            vLLM's ``{"guided_regex": ...}``) or OpenAI's ``response_format`` (``{"type": "json_object"}``). Each
+            sample's output is complete and valid when it finishes with ``finish_reason="stop"``; cut by
+            ``max_new_tokens`` it finishes as ``"length"``. Needs the Engine's tokenizer; not with ``ignore_eos``
+            or ``min_new_tokens`` (the output ends where the grammar does).
 
     Integer fields accept anything with ``__index__`` (numpy integers included) and are stored as ``int``;
     ``stop_token_ids`` and ``stop_strings`` are stored as tuples.
@@ -95,6 +108,7 @@ class SamplingParams:
     min_new_tokens: int = 0
     n: int = 1
     return_logits: bool = False
+    structured: StructuredOutput | Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
         fix = object.__setattr__  # frozen: normalize once, here
@@ -114,6 +128,8 @@ class SamplingParams:
         for name in ("ignore_eos", "return_logits", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidRequestError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.structured is not None:
+            fix(self, "structured", _structured(self.structured, self.ignore_eos, self.min_new_tokens))
 
     @property
     def is_greedy(self) -> bool:
@@ -134,6 +150,18 @@ class SamplingParams:
             generator.manual_seed((seed + 0x9E3779B97F4A7C15 * k) % (2**63))
             out.append(generator)
         return out
+
+
+def _structured(value: object, ignore_eos: bool, min_new_tokens: int) -> StructuredOutput | None:
+    """A structured-output spec (None for OpenAI's ``{"type": "text"}``); refuses what cannot end where it ends."""
+    if isinstance(value, Mapping) and "type" in value:  # OpenAI's response_format
+        spec = StructuredOutput.from_response_format(value)
+    else:
+        spec = StructuredOutput.from_value(value)  # type: ignore[arg-type]
+    if spec is not None and (ignore_eos or min_new_tokens):
+        what = "ignore_eos=True" if ignore_eos else f"min_new_tokens={min_new_tokens}"
+        raise GrammarError(f"structured outputs end where their grammar ends: {what} cannot be combined with them")
+    return spec
 
 
 def _stop_strings(value: object) -> tuple[str, ...]:
@@ -401,6 +429,7 @@ class SampleRow:
         generators: one per token to draw (all the samples' at the step that forks a request, else one).
         suppress: token ids that may not be drawn yet (the stop tokens, before ``min_new_tokens``).
         sequence: the sequence itself (what a logits processor that reads the tokens so far would read).
+        grammar: the grammar state the row's next token must follow (structured outputs), or None.
 
     Example:
         >>> SampleRow("r1", SamplingParams(), [torch.Generator()]).suppress
@@ -412,6 +441,7 @@ class SampleRow:
     generators: list[torch.Generator]
     suppress: tuple[int, ...] = ()
     sequence: SequenceState | None = None
+    grammar: GrammarState | None = None
 
 
 @dataclass
@@ -434,12 +464,16 @@ class StepSamples:
     logits: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
-def sample_rows(logits: torch.Tensor, rows: Sequence[SampleRow]) -> StepSamples:
+def sample_rows(
+    logits: torch.Tensor, rows: Sequence[SampleRow], masks: GrammarMasks | None = None
+) -> StepSamples:
     """Draw the tokens of a whole step: ``logits`` is ``(len(rows), vocab)``, one row per :class:`SampleRow`.
 
     Three stages: keep the raw logits that were asked for, process each row's logits (:func:`process_rows`: where
-    per-row logits processors go), then draw (greedy rows share one batched argmax; a row that cannot be sampled
-    fails alone).
+    per-row logits processors go; then :func:`constrain_rows`, the grammars of structured outputs, with ``masks``),
+    then draw (greedy rows share one batched argmax; a row that cannot be sampled fails alone). Whatever is drawn
+    or reported from the logits after that (log-probabilities included) sees the masks: a token a grammar forbids
+    has probability 0.
 
     Example:
         >>> rows = [SampleRow("a", SamplingParams(), [torch.Generator()]),
@@ -453,9 +487,13 @@ def sample_rows(logits: torch.Tensor, rows: Sequence[SampleRow]) -> StepSamples:
     for i in [i for i, row in enumerate(rows) if row.params.return_logits]:
         out.logits[rows[i].request_id] = logits[i].detach().cpu().clone()  # before any processing
     logits = process_rows(logits, rows)
+    if masks is not None:
+        out.failed.update(constrain_rows(logits, rows, masks))
     greedy, finite = greedy_tokens(logits)
     tokens = out.tokens
     for i, row in enumerate(rows):
+        if row.request_id in out.failed:
+            continue
         if row.params.is_greedy and finite[i]:
             tokens[row.request_id] = [greedy[i]] * len(row.generators)
             continue
@@ -482,6 +520,24 @@ def process_rows(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tenso
     for i, ids in masked:
         logits[i, list(ids)] = float("-inf")
     return logits
+
+
+def constrain_rows(logits: torch.Tensor, rows: Sequence[SampleRow], masks: GrammarMasks) -> dict[str, str]:
+    """Mask, in place, the rows that follow a grammar (``row.grammar``): one batched fill and one apply for all of
+    them (:class:`~.structured.GrammarMasks`); the other rows are not touched. Returns the rows whose grammar failed
+    (a limit of the grammar engine exceeded), by sequence id, with why.
+
+    Example:
+        >>> constrain_rows(torch.zeros(1, 3), [SampleRow("a", SamplingParams(), [torch.Generator()])], None)
+        {}
+    """
+    constrained = [i for i, row in enumerate(rows) if row.grammar is not None]
+    if not constrained:
+        return {}
+    states = [rows[i].grammar for i in constrained]
+    with torch.inference_mode():  # the forward's logits are inference tensors: changed in place only in this mode
+        masks.apply(logits, constrained, states)  # type: ignore[arg-type]
+    return {rows[i].request_id: f"GrammarError: {state.error}" for i, state in zip(constrained, states) if state.error}
 
 
 _BLOCK = 256  # columns per block of greedy_tokens' two-level search

@@ -5,6 +5,7 @@
   and compiled in a worker thread with a bounded time, cached by spec.
 - :class:`GrammarState`: one sample's position in its grammar, kept in step with its tokens (fork, rollback).
 - :class:`GrammarMasks`: one batched mask application per step, on the constrained rows only.
+- :class:`EngineGrammars` / :class:`RequestGrammar`: the Engine's side (its requests' grammars, those waiting).
 - :class:`StructuredLogitsProcessor`: the same constraint for plain ``model.generate(logits_processor=[...])``.
 
 The grammar engine is llguidance (``pip install 'pagedcore[structured]'``), chosen by measurement against
@@ -20,15 +21,18 @@ from .compiler import CompiledGrammar, CompilerStats, GrammarCompiler
 from .masks import GrammarMasks
 from .matcher import GrammarState
 from .processor import StructuredLogitsProcessor
+from .requests import EngineGrammars, RequestGrammar
 from .spec import KINDS, StructuredOutput
 
 __all__ = [
     "KINDS",
     "CompiledGrammar",
     "CompilerStats",
+    "EngineGrammars",
     "GrammarCompiler",
     "GrammarMasks",
     "GrammarState",
+    "RequestGrammar",
     "StructuredLogitsProcessor",
     "StructuredOutput",
 ]

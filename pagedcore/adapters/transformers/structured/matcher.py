@@ -58,6 +58,11 @@ class GrammarState:
         return len(self._tokens)
 
     @property
+    def last_token(self) -> int | None:
+        """The last token consumed (None before the first)."""
+        return self._tokens[-1] if self._tokens else None
+
+    @property
     def is_complete(self) -> bool:
         """Whether the tokens so far form a whole output of the grammar (it may still go on)."""
         return bool(self._matcher.is_accepting())
