@@ -99,6 +99,8 @@ class Engine:
         enable_prefix_caching: reuse cached prompt prefixes.
         attention_backend: backend name (default: the plugins' choice for the device).
         watermark: fraction of blocks kept free when admitting new requests.
+        compile_timeout: seconds a structured-output request may wait for its grammar to compile (in a worker,
+            off the step loop) before it fails with :class:`~pagedcore.errors.GrammarTimeoutError`.
 
     Generation parameters: either a :class:`SamplingParams` (or a dict of its fields), or ``model.generate``'s
     keyword arguments (``max_new_tokens``, ``do_sample``, ``temperature``, ``top_k``, ``top_p``,
@@ -109,6 +111,11 @@ class Engine:
     string (``stop_strings``, matched in its text across token boundaries; needs the tokenizer), in the step that
     produced the token that ends it; its text is decoded incrementally (:mod:`.detokenizer`), so streamed text never
     holds half a character and the pieces joined are the final text.
+
+    Structured outputs (``SamplingParams(structured=...)``, or ``generate(..., structured=...)`` /
+    ``response_format=...``; needs the tokenizer): a bad spec is refused at admission; the grammar compiles in a
+    worker while the request waits outside the scheduler (the other requests keep stepping); each step masks the
+    constrained rows in one batched operation and the unconstrained rows are not touched.
 
     Example:
         >>> import torch
@@ -136,6 +143,7 @@ class Engine:
         enable_prefix_caching: bool = True,
         attention_backend: str | None = None,
         watermark: float = 0.01,
+        compile_timeout: float = 30.0,
     ) -> None:
         if pool is None:
             pool = PagedKVPool(model, num_blocks=num_blocks, memory_budget=memory_budget, block_size=block_size)
@@ -160,6 +168,9 @@ class Engine:
         self._eos = _eos_ids(model)
         self._added_vocab = _added_vocab(tokenizer)  # where a stop string that is a special token finds its id
         self._grammars: EngineGrammars | None = None  # structured outputs: built with the first constrained request
+        if not (isinstance(compile_timeout, (int, float)) and compile_timeout > 0):
+            raise ConfigError(f"compile_timeout must be > 0 seconds, got {compile_timeout!r}")
+        self._compile_timeout = float(compile_timeout)
         self._cache = PackedCache(pool)
         self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._requests: dict[str, EngineRequest] = {}  # queued or running: not every sample has finished
@@ -623,7 +634,10 @@ class Engine:
             if self._grammars is None:
                 eos = self._eos or [getattr(self.tokenizer, "eos_token_id", None)]
                 self._grammars = EngineGrammars(
-                    self.tokenizer, vocab_size=self._vocab_size, stop_token_ids=[e for e in eos if e is not None]
+                    self.tokenizer,
+                    vocab_size=self._vocab_size,
+                    stop_token_ids=[e for e in eos if e is not None],
+                    compile_timeout=self._compile_timeout,
                 )
             grammars = self._grammars
         return grammars.request(spec, num_samples)
