@@ -87,20 +87,49 @@ class ChatRenderer:
         self._tokenizer = tokenizer
         self.uses_template = bool(getattr(tokenizer, "chat_template", None))
 
-    def render(self, messages: Sequence[ChatMessage]) -> list[int]:
-        """Prompt token ids for ``messages``, ending where the assistant's answer starts."""
+    def render(self, messages: Sequence[ChatMessage], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """Prompt token ids for ``messages``, ending where the assistant's answer starts; ``tools`` (OpenAI's
+        function definitions) go to the chat template (``apply_chat_template(tools=...)``), or, with the plain
+        template, into a first ``tools:`` line."""
         tokenizer = self._tokenizer
         if tokenizer is None:
             raise ApiError(400, "this server has no tokenizer: chat needs one", param="messages")
         if not self.uses_template:
-            return _encoded(tokenizer, plain_chat_prompt(messages))
-        conversation = [{"role": "system" if m.role == "developer" else m.role, "content": m.text} for m in messages]
+            head = f"tools: {json.dumps(tools, ensure_ascii=False)}\n" if tools else ""
+            return _encoded(tokenizer, head + plain_chat_prompt(messages))
+        conversation = [_template_message(m) for m in messages]
         try:
-            text = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+            text = tokenizer.apply_chat_template(
+                conversation, tools=tools or None, add_generation_prompt=True, tokenize=False
+            )
         except Exception as exc:  # jinja2 raises TemplateError (e.g. "roles must alternate") or ValueError
             raise ApiError(400, f"the chat template refused the messages: {exc}", param="messages") from exc
         # The rendered text already holds the template's special tokens (e.g. a bos): add none again.
         return _encoded(tokenizer, text, add_special_tokens=False)
+
+
+def _template_message(message: ChatMessage) -> dict[str, Any]:
+    """A message as chat templates read it: an assistant's tool calls with their arguments as objects (templates
+    write them with ``tojson``), a tool result with the id of the call it answers."""
+    out: dict[str, Any] = {"role": "system" if message.role == "developer" else message.role, "content": message.text}
+    if message.tool_calls:
+        out["tool_calls"] = [_template_call(call) for call in message.tool_calls]
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+    if message.name is not None:
+        out["name"] = message.name
+    return out
+
+
+def _template_call(call: dict[str, Any]) -> dict[str, Any]:
+    function = dict(call.get("function") or {})
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            function["arguments"] = json.loads(arguments)
+        except ValueError:
+            pass  # the template gets the text as it is
+    return {**call, "function": function}
 
 
 def _encoded(tokenizer: Any, text: str, *, param: str = "messages", **options: Any) -> list[int]:
@@ -198,10 +227,10 @@ class PromptEncoder:
         """Each prompt of a completion request as token ids (see :func:`completion_prompts` for the forms)."""
         return [self.encode(p) if isinstance(p, str) else p for p in completion_prompts(prompt)]
 
-    def chat(self, messages: Sequence[ChatMessage]) -> list[int]:
-        """The prompt token ids of chat ``messages`` (see :class:`ChatRenderer`)."""
+    def chat(self, messages: Sequence[ChatMessage], tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """The prompt token ids of chat ``messages`` (and ``tools``; see :class:`ChatRenderer`)."""
         self._check_length(sum(len(m.text) for m in messages), "the messages have", "messages")
-        return self.renderer.render(messages)
+        return self.renderer.render(messages, tools)
 
     def encode(self, text: str) -> str | list[int]:
         """One completion text as token ids (or as it is, without a tokenizer)."""

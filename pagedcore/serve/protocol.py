@@ -1,7 +1,7 @@
 """The OpenAI request bodies this server accepts, their validation, and OpenAI-style errors.
 
 Bodies are parsed strictly (no ``"5"`` for 5, no ``true`` for 1); a field this server does not implement (e.g.
-``logprobs``, ``tools``, penalties) is refused unless it is absent or set to its no-op value; fields it does not
+``logprobs``, penalties) is refused unless it is absent or set to its no-op value; fields it does not
 know are ignored, as other OpenAI-compatible servers do. Every problem becomes an :class:`ApiError` with a 4xx
 status and OpenAI's error body.
 """
@@ -44,11 +44,8 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "logit_bias": (None, {}),
     "presence_penalty": (None, 0),
     "frequency_penalty": (None, 0),
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
-    "response_format": (None, {"type": "text"}),
     "audio": (None,),
     "prediction": (None,),
     "modalities": (None, ["text"]),
@@ -123,6 +120,13 @@ class _Request(_Strict):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # Structured outputs (pagedcore.serve.structured): OpenAI's response_format, vLLM's fields.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(_Request):
@@ -156,9 +160,11 @@ class ChatMessage(_Strict):
         'hi'
     """
 
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     @property
     def text(self) -> str:
@@ -181,6 +187,9 @@ class ChatRequest(_Request):
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
+    tools: list[dict[str, Any]] | None = None  # pagedcore.serve.tool_calls
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
     def max_new_tokens(self, default: int) -> int:
         """``max_completion_tokens``, else ``max_tokens``, else ``default``."""

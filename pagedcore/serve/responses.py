@@ -20,6 +20,7 @@ from starlette.types import Receive, Scope, Send
 from .jobs import Job, error_of
 from .loop import Delta, Finished
 from .protocol import ApiError
+from .tool_calls import ToolCalls
 
 __all__ = ["JobStream", "Shape", "Tally", "collect", "sse_events"]
 
@@ -37,6 +38,7 @@ class Shape:
     response_id: str
     created: int
     model: str
+    tools: ToolCalls | None = None  # a chat with tools: answers that call them carry ``tool_calls``
 
     def chunk(self, index: int, text: str | None, finish_reason: str | None, role: bool = False) -> dict[str, Any]:
         """One streamed chunk of choice ``index``."""
@@ -57,7 +59,7 @@ class Shape:
         for index, (text, reason) in enumerate(zip(texts, reasons)):
             choice: dict[str, Any] = {"index": index}
             if self.chat:
-                choice["message"] = {"role": "assistant", "content": text}
+                choice["message"], reason = self.message(text, reason)
             else:
                 choice["text"] = text
             choice.update(logprobs=None, finish_reason=reason)
@@ -65,6 +67,24 @@ class Shape:
         body = self._envelope("chat.completion" if self.chat else "text_completion", choices)
         body["usage"] = usage
         return body
+
+    def message(self, text: str, reason: str | None) -> tuple[dict[str, Any], str | None]:
+        """A chat answer's message and finish reason: with tools, a finished answer that called them has
+        ``tool_calls`` and the reason ``"tool_calls"`` (an answer cut by its length is left as text)."""
+        if self.tools is None or reason != "stop":
+            return {"role": "assistant", "content": text}, reason
+        message = self.tools.message(text)
+        return message, "tool_calls" if "tool_calls" in message else reason
+
+    def tool_chunk(self, index: int, text: str, finish_reason: str | None) -> dict[str, Any]:
+        """The last chunk of a streamed chat answer with tools: its whole content or ``tool_calls`` in one delta
+        (the text is held until the answer ends, to know which it is)."""
+        message, reason = self.message(text, finish_reason)
+        message.pop("role")
+        if message.get("content") is None:
+            message.pop("content")
+        choice = {"index": index, "delta": message, "logprobs": None, "finish_reason": reason}
+        return self._envelope("chat.completion.chunk", [choice])
 
     def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
         """The last chunk of a stream with ``stream_options.include_usage``."""
@@ -223,7 +243,11 @@ async def sse_events(
             yield "data: [DONE]\n\n"
             return
         tally.add(event)
-        if isinstance(event, Delta):
+        if isinstance(event, Delta) and shape.tools is not None:
+            if event.finish_reason is not None:  # a chat with tools: the answer goes out whole, as text or calls
+                index = tally.choice(event)
+                yield data(shape.tool_chunk(index, tally.texts[index], event.finish_reason))
+        elif isinstance(event, Delta):
             yield data(shape.chunk(tally.choice(event), event.text, event.finish_reason))
     if include_usage:
         yield data(shape.usage_chunk(tally.usage()))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from dataclasses import replace
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
@@ -18,6 +19,7 @@ from ..openapi import ERROR_RESPONSES, json_body
 from ..pipeline import Generation, answer, off_loop, read_request
 from ..protocol import ChatRequest, sampling_params
 from ..responses import Shape
+from ..structured import constraint
 from .completions import DEFAULT_COMPLETION_MAX_TOKENS
 
 __all__ = ["router"]
@@ -29,10 +31,11 @@ router = APIRouter()
 async def chat_completions(request: Request, ctx: Context) -> Response:
     """OpenAI's chat completions: ``n`` answers to the conversation, as JSON or server-sent events."""
     tenant, body = await read_request(ctx, request, ChatRequest)
-    prompt = await off_loop(ctx.encoder.chat, body.messages)
+    spec, calls = await off_loop(constraint, body)  # a bad schema or tool_choice: a 400 naming the field
+    prompt = await off_loop(ctx.encoder.chat, body.messages, body.tools)
     context = ctx.context_length
     # Without a limit, the answer may run to the end of the model's context (as OpenAI's chat does).
     rest = max(1, context - len(prompt)) if context else DEFAULT_COMPLETION_MAX_TOKENS
-    params = sampling_params(body, body.max_new_tokens(rest))
-    shape = Shape(True, f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), ctx.model_name)
+    params = replace(sampling_params(body, body.max_new_tokens(rest)), structured=spec)
+    shape = Shape(True, f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), ctx.model_name, tools=calls)
     return await answer(ctx, request, Generation.of(body, [prompt], params, tenant), shape)

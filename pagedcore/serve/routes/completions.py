@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from dataclasses import replace
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
@@ -18,6 +19,7 @@ from ..openapi import ERROR_RESPONSES, json_body
 from ..pipeline import Generation, answer, off_loop, read_request
 from ..protocol import CompletionRequest, sampling_params
 from ..responses import Shape
+from ..structured import constraint
 
 __all__ = ["DEFAULT_COMPLETION_MAX_TOKENS", "router"]
 
@@ -31,7 +33,8 @@ async def completions(request: Request, ctx: Context) -> Response:
     """OpenAI's completions: one choice per prompt and sample, as JSON or server-sent events."""
     tenant, body = await read_request(ctx, request, CompletionRequest)
     max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
-    params = sampling_params(body, max_tokens)
+    spec, _ = await off_loop(constraint, body)  # a bad schema: a 400 naming the field
+    params = replace(sampling_params(body, max_tokens), structured=spec)
     prompts = await off_loop(ctx.encoder.completion, body.prompt)
     shape = Shape(False, f"cmpl-{uuid.uuid4().hex}", int(time.time()), ctx.model_name)
     return await answer(ctx, request, Generation.of(body, prompts, params, tenant), shape)
