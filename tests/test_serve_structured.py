@@ -33,6 +33,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 MODEL = "tiny"
 TOKENIZER = bpe_tokenizer()
 USER = [{"role": "user", "content": "What is the weather in Paris?"}]
+UNIQUE = {"type": "array", "uniqueItems": True}
+NO_SUCH_TOOL = {"type": "function", "function": {"name": "nope"}}
+CALL = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c", "days": 2}}'
 
 
 @pytest.fixture(scope="module")
@@ -103,19 +106,21 @@ def test_completions_and_vllm_guided_fields(served):
     answers = chat(client, extra_body={"guided_choice": ["sunny", "rainy"]}, n=3)
     assert {a["content"] for a in answers} <= {"sunny", "rainy"}
     answers = chat(client, extra_body={"structured_outputs": {"json": {"type": "integer", "maximum": 9}}})
-    assert 0 <= abs(json.loads(answers[0]["content"])) and json.loads(answers[0]["content"]) <= 9
+    assert json.loads(answers[0]["content"]) <= 9
 
 
 @pytest.mark.parametrize(
     ("extra", "param", "message"),
     [
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "array",
-          "uniqueItems": True}}}}, "response_format", "uniqueItems"),  # fmt: skip
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": UNIQUE}}},
+            "response_format",
+            "uniqueItems",
+        ),
         ({"response_format": {"type": "xml"}}, "response_format", "json_schema"),
         ({"guided_regex": "(("}, "guided_regex", "invalid regex"),
         ({"guided_json": {"type": "object"}, "guided_regex": "a"}, "guided_regex", "one structured-output field"),
-        ({"tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
-         "not one of the tools"),  # fmt: skip
+        ({"tools": [WEATHER_TOOL], "tool_choice": NO_SUCH_TOOL}, "tool_choice", "not one of the tools"),
         ({"tool_choice": "required"}, "tool_choice", "needs tools"),
         ({"tools": [{"type": "function"}]}, "tools", "tools.0"),
     ],
@@ -167,7 +172,7 @@ def test_auto_renders_the_tools_and_parses_what_the_model_wrote(served):
     assert auto.usage.prompt_tokens > plain.usage.prompt_tokens + 20  # the template wrote the tools in
     # The random model writes no call: the answer is its text. What a model that calls a tool writes is parsed:
     shape = Shape(True, "id", 0, MODEL, tools=ToolCalls("auto"))
-    text = 'Let me look. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c", "days": 2}}\n</tool_call>'
+    text = f"Let me look. <tool_call>\n{CALL}\n</tool_call>"
     message, reason = shape.message(text, "stop")
     assert reason == "tool_calls" and message["content"] == "Let me look."
     assert json.loads(message["tool_calls"][0]["function"]["arguments"])["city"] == "Paris"

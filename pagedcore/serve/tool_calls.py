@@ -2,9 +2,10 @@
 ``tool_calls``.
 
 - ``tool_choice="required"`` and a named function are enforced by a grammar (vLLM's way): the output is constrained
-  to a compact JSON list of ``{"name": ..., "parameters": {...}}`` calls (one of the tools each, its parameters valid against
-  the tool's schema; exactly one call without ``parallel_tool_calls``), or, for a named function, to that function's
-  arguments. Either way the answer's ``tool_calls`` come from that JSON, so they always parse and validate.
+  to a compact JSON list of ``{"name": ..., "parameters": {...}}`` calls (one of the tools each, its parameters
+  valid against the tool's schema; exactly one call without ``parallel_tool_calls``), or, for a named function, to
+  that function's arguments. Either way the answer's ``tool_calls`` come from that JSON, so they always parse
+  and validate.
 - ``"auto"`` (the default with tools) leaves the output free and reads the calls the model wrote in its chat
   template's format with a parser from :data:`TOOL_PARSERS` (Hermes / Qwen ``<tool_call>{json}</tool_call>``, and
   Llama 3's bare JSON); a new model's format is one function added there.
@@ -188,7 +189,8 @@ def _tools(value: Any) -> dict[str, dict[str, Any]]:
         function = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
         name = function.get("name") if isinstance(function, dict) else None
         if not isinstance(name, str) or not name:
-            raise ApiError(400, f"tools.{i}: expected {{'type': 'function', 'function': {{'name': ...}}}}", param="tools")
+            expected = "{'type': 'function', 'function': {'name': ...}}"
+            raise ApiError(400, f"tools.{i}: expected {expected}", param="tools")
         parameters = function.get("parameters") or {"type": "object", "properties": {}}  # type: ignore[union-attr]
         if not isinstance(parameters, dict):
             raise ApiError(400, f"tools.{i}.function.parameters must be a JSON schema object", param="tools")

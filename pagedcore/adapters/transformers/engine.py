@@ -603,7 +603,7 @@ class Engine:
         stops = stop_strings(params.stop_strings, params.include_stop_str_in_output, self.tokenizer, self._added_vocab)
         grammar = None
         if params.structured is not None and params.max_new_tokens:
-            grammar = self._grammar(params.structured, params.n)
+            grammar = self._grammar(StructuredOutput.from_value(params.structured), params.n)
             stop_ids = [*stop_ids, *grammar.stop_token_ids]  # a finished grammar's end stops the sequence
         rid = request_id if request_id is not None else self._fresh_id()
         seq = None
@@ -632,11 +632,12 @@ class Engine:
             )
         with self._lock:
             if self._grammars is None:
-                eos = self._eos or [getattr(self.tokenizer, "eos_token_id", None)]
+                fallback = getattr(self.tokenizer, "eos_token_id", None)
+                eos = self._eos or ([] if fallback is None else [int(fallback)])
                 self._grammars = EngineGrammars(
                     self.tokenizer,
                     vocab_size=self._vocab_size,
-                    stop_token_ids=[e for e in eos if e is not None],
+                    stop_token_ids=eos,
                     compile_timeout=self._compile_timeout,
                 )
             grammars = self._grammars

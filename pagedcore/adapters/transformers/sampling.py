@@ -464,9 +464,7 @@ class StepSamples:
     logits: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
-def sample_rows(
-    logits: torch.Tensor, rows: Sequence[SampleRow], masks: GrammarMasks | None = None
-) -> StepSamples:
+def sample_rows(logits: torch.Tensor, rows: Sequence[SampleRow], masks: GrammarMasks | None = None) -> StepSamples:
     """Draw the tokens of a whole step: ``logits`` is ``(len(rows), vocab)``, one row per :class:`SampleRow`.
 
     Three stages: keep the raw logits that were asked for, process each row's logits (:func:`process_rows`: where
@@ -522,7 +520,7 @@ def process_rows(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tenso
     return logits
 
 
-def constrain_rows(logits: torch.Tensor, rows: Sequence[SampleRow], masks: GrammarMasks) -> dict[str, str]:
+def constrain_rows(logits: torch.Tensor, rows: Sequence[SampleRow], masks: GrammarMasks | None) -> dict[str, str]:
     """Mask, in place, the rows that follow a grammar (``row.grammar``): one batched fill and one apply for all of
     them (:class:`~.structured.GrammarMasks`); the other rows are not touched. Returns the rows whose grammar failed
     (a limit of the grammar engine exceeded), by sequence id, with why.
@@ -532,11 +530,11 @@ def constrain_rows(logits: torch.Tensor, rows: Sequence[SampleRow], masks: Gramm
         {}
     """
     constrained = [i for i, row in enumerate(rows) if row.grammar is not None]
-    if not constrained:
+    states = [state for state in (row.grammar for row in rows) if state is not None]
+    if not constrained or masks is None:
         return {}
-    states = [rows[i].grammar for i in constrained]
     with torch.inference_mode():  # the forward's logits are inference tensors: changed in place only in this mode
-        masks.apply(logits, constrained, states)  # type: ignore[arg-type]
+        masks.apply(logits, constrained, states)
     return {rows[i].request_id: f"GrammarError: {state.error}" for i, state in zip(constrained, states) if state.error}
 
 

@@ -79,7 +79,8 @@ class StructuredLogitsProcessor(LogitsProcessor):
             self._states = {}
         assert self._prompt is not None
         histories = [tuple(row) for row in input_ids[:, self._prompt.shape[1] :].tolist()]
-        previous, current = self._states, {}
+        previous = self._states
+        current: dict[tuple[int, ...], GrammarState | None] = {}
         children = Counter(h[:-1] for h in set(histories) if h)  # rows continuing each previous row
         rows, states = [], []
         for i, history in enumerate(histories):

@@ -34,7 +34,8 @@ class RequestGrammar:
         >>> from pagedcore.adapters.transformers.builtin import builtin_tokenizer
         >>> grammars = EngineGrammars(builtin_tokenizer(), vocab_size=99, stop_token_ids=[2])
         >>> grammar = grammars.request(StructuredOutput.choice(["yes", "no"]), num_samples=2)
-        >>> _ = grammar.wait(30); grammar.start(); grammar.accept(0, 82), grammar.accept(0, 2)   # 'n', then eos before 'no' ends
+        >>> _ = grammar.wait(30); grammar.start()
+        >>> grammar.accept(0, 82), grammar.accept(0, 2)   # 'n', then eos before 'no' ends
         (True, False)
         >>> grammars.close()
     """
