@@ -14,6 +14,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+
+pytest.importorskip("schemathesis")  # a test extra and the server: the GPU image has neither
+pytest.importorskip("fastapi")
+
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
