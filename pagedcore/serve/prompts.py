@@ -122,7 +122,10 @@ def _template_message(message: ChatMessage) -> dict[str, Any]:
 
 
 def _template_call(call: dict[str, Any]) -> dict[str, Any]:
-    function = dict(call.get("function") or {})
+    function = call.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise ApiError(400, f"a tool call needs a function with a name, got {str(call)[:80]}", param="messages")
+    function = dict(function)
     arguments = function.get("arguments")
     if isinstance(arguments, str):
         try:

@@ -115,10 +115,9 @@ class ToolCalls:
             return None, [{"name": self.function, "arguments": arguments}]
         if self.mode == "required":
             try:
-                calls = json.loads(text)
-            except ValueError:
+                return None, [{"name": c["name"], "arguments": c["parameters"]} for c in json.loads(text)]
+            except (ValueError, TypeError, KeyError):  # not the grammar's whole output (e.g. cut by a stop string)
                 return text, []
-            return None, [{"name": c["name"], "arguments": c["parameters"]} for c in calls]
         return TOOL_PARSERS[self.parser](text)
 
     def message(self, text: str) -> dict[str, Any]:
@@ -165,7 +164,8 @@ def tool_calls_of(data: dict[str, Any], parser: str = "hermes") -> tuple[ToolCal
         parallel = data.get("parallel_tool_calls")
         schema = _calls_schema(tools, parallel is not False)
         return ToolCalls("required"), StructuredOutput.json_schema(schema, max_whitespace=0)
-    name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+    function = choice.get("function") if isinstance(choice, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
     if not isinstance(choice, dict) or choice.get("type") != "function" or not isinstance(name, str):
         raise ApiError(
             400,
