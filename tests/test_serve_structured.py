@@ -179,6 +179,24 @@ def test_auto_renders_the_tools_and_parses_what_the_model_wrote(served):
     assert shape.message("no call here", "stop") == ({"role": "assistant", "content": "no call here"}, "stop")
 
 
+def test_the_cli_offers_every_tool_call_parser():
+    import argparse
+
+    from pagedcore.serve.cli import add_arguments
+    from pagedcore.serve.tool_calls import TOOL_PARSERS, llama3_json_tool_calls
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    choices = next(a.choices for a in parser._actions if a.dest == "tool_call_parser")
+    assert sorted(choices) == sorted(TOOL_PARSERS)
+    assert parser.parse_args(["--tool-call-parser", "llama3_json"]).tool_call_parser == "llama3_json"
+    assert (
+        llama3_json_tool_calls(f"<|python_tag|>{CALL.replace('arguments', 'parameters')}")[1][0]["name"]
+        == "get_weather"
+    )
+    assert llama3_json_tool_calls("just text") == ("just text", [])
+
+
 def test_a_tool_result_continues_the_conversation(served):
     client, _ = served
     first = client.chat.completions.create(

@@ -14,6 +14,7 @@ from fastapi import FastAPI
 
 from pagedcore import __version__
 from pagedcore.adapters.transformers.spec import text_config
+from pagedcore.errors import ConfigError
 
 from .auth import ApiKeys
 from .body import BodyLimits
@@ -25,6 +26,7 @@ from .openapi import install_openapi
 from .prompts import PromptEncoder
 from .routes import ROUTERS
 from .routes.completions import DEFAULT_COMPLETION_MAX_TOKENS
+from .tool_calls import TOOL_PARSERS
 
 __all__ = ["DEFAULT_COMPLETION_MAX_TOKENS", "create_app"]
 
@@ -37,6 +39,7 @@ def create_app(
     tokenizer: Any = None,
     context_length: int | None = None,
     limits: BodyLimits | None = None,
+    tool_call_parser: str = "hermes",
 ) -> FastAPI:
     """The OpenAI-compatible app over ``loop`` (which the caller starts and stops).
 
@@ -50,6 +53,8 @@ def create_app(
         context_length: the model's context in tokens (the default length of a chat answer, and the bound on a
             prompt's length); default: the engine's model's ``max_position_embeddings``.
         limits: bounds on request bodies (default :class:`~pagedcore.serve.body.BodyLimits`: 8 MiB, 30 s).
+        tool_call_parser: the format ``tool_choice="auto"`` reads tool calls in (a key of
+            :data:`~pagedcore.serve.tool_calls.TOOL_PARSERS`).
 
     Example:
         >>> from pagedcore.adapters.transformers.testing import tiny_llama
@@ -60,6 +65,8 @@ def create_app(
         >>> sorted(path for path in app.openapi()["paths"] if path.startswith("/v1"))
         ['/v1/chat/completions', '/v1/completions', '/v1/models', '/v1/models/{model_id}']
     """
+    if tool_call_parser not in TOOL_PARSERS:
+        raise ConfigError(f"unknown tool-call parser {tool_call_parser!r}: use one of {', '.join(TOOL_PARSERS)}")
     context = context_length
     if isinstance(loop, EngineLoop):
         engine = loop.engine
@@ -75,6 +82,7 @@ def create_app(
         api_keys=api_keys,
         limits=limits or BodyLimits(),
         loop_errors_are_public=getattr(loop, "public_errors", False) is True,
+        tool_call_parser=tool_call_parser,
     )
     install_error_handlers(app)
     for router in ROUTERS:

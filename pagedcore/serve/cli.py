@@ -62,6 +62,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--device", default="cpu", help="device for the model (default: cpu)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own choice)")
+    parser.add_argument(
+        "--tool-call-parser",
+        default="hermes",
+        choices=["hermes", "llama3_json"],
+        help="the format tool_choice=auto reads the model's tool calls in (default: hermes, <tool_call>{json}...)",
+    )
     parser.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     ray = parser.add_argument_group("more than one replica, with Ray Serve (needs the ray extra)")
     ray.add_argument("--ray", action="store_true", help="serve N engine replicas behind one ingress with Ray Serve")
@@ -153,7 +159,13 @@ def _build(args: argparse.Namespace, error: type[Exception]) -> tuple[Any, Any, 
         max_num_batched_tokens=args.max_num_batched_tokens,
     )
     loop = EngineLoop(engine, max_queue=args.max_queue)
-    app = create_app(loop, model_name=args.served_model_name or name, api_keys=api_keys, limits=body_limits(args))
+    app = create_app(
+        loop,
+        model_name=args.served_model_name or name,
+        api_keys=api_keys,
+        limits=body_limits(args),
+        tool_call_parser=args.tool_call_parser,
+    )
     server = make_server(app, loop, host=args.host, port=args.port, log_level=args.log_level)
     host = f"[{args.host}]" if ":" in args.host else args.host
     tenants = f", {len(api_keys)} API keys" if api_keys is not None else ""

@@ -36,6 +36,7 @@ class ServeContext:
         loop_errors_are_public: whether the loop's error messages are fit for clients already (a loop that says
             so with a ``public_errors = True`` attribute, as Ray's ``ReplicaLoop`` does); else a server error's
             message is replaced by a generic one naming the request id (:func:`~pagedcore.serve.errors.public_error`).
+        tool_call_parser: the tool-call format ``tool_choice="auto"`` reads (:mod:`pagedcore.serve.tool_calls`).
 
     Example:
         >>> ctx = ServeContext(loop=None, metrics=None, model_name="tiny", encoder=PromptEncoder(None, None))
@@ -54,6 +55,7 @@ class ServeContext:
     api_keys: ApiKeys | None = None
     limits: BodyLimits = field(default_factory=BodyLimits)
     loop_errors_are_public: bool = False
+    tool_call_parser: str = "hermes"
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property

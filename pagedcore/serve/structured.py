@@ -24,7 +24,7 @@ STRUCTURED_FIELDS = ("response_format", "structured_outputs", "guided_json", "gu
                      "guided_grammar")  # fmt: skip
 
 
-def constraint(body: Any) -> tuple[StructuredOutput | None, ToolCalls | None]:
+def constraint(body: Any, tool_call_parser: str = "hermes") -> tuple[StructuredOutput | None, ToolCalls | None]:
     """A parsed request body's constraint (its structured-output field, or the grammar that enforces its
     ``tool_choice``) and, for a chat with tools, how its answers become ``tool_calls``. Run it off the event loop.
 
@@ -38,7 +38,7 @@ def constraint(body: Any) -> tuple[StructuredOutput | None, ToolCalls | None]:
     """
     spec, field = structured_output({name: getattr(body, name, None) for name in STRUCTURED_FIELDS})
     tools = {name: getattr(body, name, None) for name in ("tools", "tool_choice", "parallel_tool_calls")}
-    calls, forced = tool_calls_of(tools)
+    calls, forced = tool_calls_of(tools, tool_call_parser)
     if forced is not None:
         if spec is not None:
             raise ApiError(400, f"tool_choice {tools['tool_choice']!r} cannot be combined with {field}", param=field)

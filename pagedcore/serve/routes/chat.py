@@ -31,7 +31,9 @@ router = APIRouter()
 async def chat_completions(request: Request, ctx: Context) -> Response:
     """OpenAI's chat completions: ``n`` answers to the conversation, as JSON or server-sent events."""
     tenant, body = await read_request(ctx, request, ChatRequest)
-    spec, calls = await off_loop(constraint, body)  # a bad schema or tool_choice: a 400 naming the field
+    spec, calls = await off_loop(
+        constraint, body, ctx.tool_call_parser
+    )  # a bad schema or tool_choice: a 400 naming the field
     prompt = await off_loop(ctx.encoder.chat, body.messages, body.tools)
     context = ctx.context_length
     # Without a limit, the answer may run to the end of the model's context (as OpenAI's chat does).
