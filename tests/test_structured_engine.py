@@ -14,7 +14,7 @@ from structured_helpers import SCHEMA, bpe_tokenizer, random_model
 
 from pagedcore.adapters.transformers import Engine, SamplingParams
 from pagedcore.adapters.transformers.structured import GrammarCompiler, StructuredOutput
-from pagedcore.errors import GrammarError, InvalidRequestError
+from pagedcore.errors import ConfigError, GrammarError, InvalidRequestError
 
 pytest.importorskip("llguidance")
 
@@ -236,3 +236,10 @@ def test_spec_objects_are_accepted_as_is(model, tok):
     with engine(model, tok) as eng:
         out = eng.generate(["Hello"], SamplingParams(max_new_tokens=10, structured=spec), use_tqdm=False)[0]
     assert out.samples[0].text in ("yes", "no")
+
+
+@pytest.mark.parametrize("value", [0, -1.0, True, "30"])
+def test_compile_timeout_must_be_positive_seconds(model, tok, value):
+    with pytest.raises(ConfigError, match="compile_timeout"):
+        Engine(model, tok, num_blocks=8, block_size=8, compile_timeout=value)
+    assert model.config._attn_implementation != "paged"  # nothing was switched before the refusal

@@ -168,9 +168,7 @@ class Engine:
         self._eos = _eos_ids(model)
         self._added_vocab = _added_vocab(tokenizer)  # where a stop string that is a special token finds its id
         self._grammars: EngineGrammars | None = None  # structured outputs: built with the first constrained request
-        if not (isinstance(compile_timeout, (int, float)) and compile_timeout > 0):
-            raise ConfigError(f"compile_timeout must be > 0 seconds, got {compile_timeout!r}")
-        self._compile_timeout = float(compile_timeout)
+        self._compile_timeout = _seconds("compile_timeout", compile_timeout)
         self._cache = PackedCache(pool)
         self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._requests: dict[str, EngineRequest] = {}  # queued or running: not every sample has finished
@@ -853,6 +851,13 @@ class Engine:
 
 
 _NO_OUTPUT = RequestOutput("", [], [], RequestMetrics(0.0))
+
+
+def _seconds(name: str, value: object) -> float:
+    """A positive number of seconds, or :class:`~pagedcore.errors.ConfigError` naming it."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ConfigError(f"{name} must be > 0 seconds, got {value!r}")
+    return float(value)
 
 
 def _structured_kwarg(kwargs: dict[str, Any]) -> StructuredOutput | None:

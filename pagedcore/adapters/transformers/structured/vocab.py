@@ -23,7 +23,12 @@ _CHECKED_SEQUENCES = 64
 
 
 def import_llguidance() -> Any:
-    """The ``llguidance`` module, or :class:`~pagedcore.errors.ConfigError` saying which extra to install."""
+    """The ``llguidance`` module, or :class:`~pagedcore.errors.ConfigError` saying which extra to install.
+
+    Example:
+        >>> import_llguidance().__name__
+        'llguidance'
+    """
     try:
         import llguidance
         import llguidance.hf
