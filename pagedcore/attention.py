@@ -21,6 +21,7 @@ The block size is chosen by :func:`default_block_size` when a pool is created wi
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -37,6 +38,7 @@ __all__ = [
     "contiguous_start",
     "default_block_size",
     "eager_attention",
+    "stack_block_tables",
     "to_device",
     "write_kv",
 ]
@@ -83,6 +85,28 @@ def to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     if device.type != "cuda" or tensor.device.type != "cpu":
         return tensor.to(device)
     return tensor.pin_memory().to(device, non_blocking=True)
+
+
+def stack_block_tables(tables: Sequence[Sequence[int]], pad_block: int) -> torch.Tensor:
+    """Block tables of several sequences as one ``int32 (len(tables), width)`` tensor, each row padded with
+    ``pad_block`` to the longest (width at least 1): how every forward's metadata pads its tables (the Engine's packed
+    steps and a ``PagedCache``'s forwards alike). Rows may be lists or ``array('i')`` buffers
+    (:meth:`~pagedcore.block_tables.BlockTables.table_array`), copied without a per-block Python loop.
+
+    Example:
+        >>> stack_block_tables([array("i", [3, 5]), [1]], pad_block=8).tolist()
+        [[3, 5], [1, 8]]
+    """
+    width = max((len(row) for row in tables), default=0) or 1
+    pad = array("i", [pad_block]) * width
+    buffer = array("i")
+    for row in tables:
+        buffer.extend(row)
+        if len(row) < width:
+            buffer += pad[: width - len(row)]
+    if not buffer:
+        return torch.full((len(tables), width), pad_block, dtype=torch.int32)
+    return torch.frombuffer(buffer, dtype=torch.int32).clone().view(len(tables), width)
 
 
 @dataclass
@@ -135,16 +159,14 @@ class PagedAttentionMetadata:
         pad_block: int,
         device: torch.device | str = "cpu",
     ) -> PagedAttentionMetadata:
-        """Metadata from plain lists (one entry per sequence)."""
-        width = max((len(t) for t in tables), default=0) or 1
-        padded = [t + [pad_block] * (width - len(t)) for t in tables]
+        """Metadata from plain lists (one entry per sequence); the tables are padded by :func:`stack_block_tables`."""
         flat_slots = [s for row in slots for s in row]
         return cls(
             block_size=block_size,
             query_lens=list(query_lens),
             seq_lens=list(seq_lens),
             block_offsets=list(block_offsets),
-            block_tables=torch.tensor(padded, dtype=torch.int32, device=device).reshape(len(tables), width),
+            block_tables=stack_block_tables(tables, pad_block).to(device),
             slot_mapping=torch.tensor(flat_slots, dtype=torch.int64, device=device),
             sliding_window=sliding_window,
             pad_block=pad_block,

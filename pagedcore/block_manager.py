@@ -44,7 +44,7 @@ from pagedcore.validation import as_integer, integer
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BlockManager", "CacheIndex", "SlotAppend"]
+__all__ = ["BlockManager", "CacheIndex", "SlotAppend", "blocks_to_grow"]
 
 
 @runtime_checkable
@@ -89,6 +89,22 @@ class SlotAppend:
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def blocks_to_grow(num_tokens: int, num_new_tokens: int, block_size: int, *, copy: bool) -> int:
+    """Blocks a table holding ``num_tokens`` positions allocates for ``num_new_tokens`` more: the blocks after its
+    last one, plus a private copy of its partly filled last block when ``copy`` (that block is shared or cached, so
+    writing into it would change what another holder reads: copy-on-write).
+
+    The one rule of how a table grows: :meth:`BlockManager.append_slot` applies it with ``copy`` decided from the
+    block's reference count, the worst case of a request (:mod:`pagedcore.capacity`) with ``copy`` assumed.
+
+    Example:
+        >>> blocks_to_grow(6, 3, 4, copy=False), blocks_to_grow(6, 3, 4, copy=True), blocks_to_grow(8, 3, 4, copy=True)
+        (1, 2, 1)
+    """
+    grow = _cdiv(num_tokens + num_new_tokens, block_size) - _cdiv(num_tokens, block_size)
+    return grow + int(copy and num_new_tokens > 0 and num_tokens % block_size != 0)
 
 
 class BlockManager:
@@ -215,7 +231,7 @@ class BlockManager:
     def blocks_needed(self, block_ids: Sequence[int], num_tokens: int, num_new_tokens: int) -> int:
         """Blocks :meth:`append_slot` would allocate for these arguments (copy-on-write included)."""
         last = self._check_table(block_ids, num_tokens, num_new_tokens, "blocks_needed")
-        return self._blocks_needed(len(block_ids), last, num_tokens, num_new_tokens)
+        return self._blocks_needed(last, num_tokens, num_new_tokens)
 
     # ------------------------------------------------------------------ commands for holders
     def allocate(self, num_blocks: int) -> list[int]:
@@ -345,7 +361,7 @@ class BlockManager:
         """
         last = self._check_table(block_ids, num_tokens, num_new_tokens, "append_slot")
         table = list(block_ids)
-        needed = self._blocks_needed(len(table), last, num_tokens, num_new_tokens)
+        needed = self._blocks_needed(last, num_tokens, num_new_tokens)
         if needed == 0:
             return SlotAppend(block_ids=table)
         new_ids = self.allocate(needed)  # raises (changing nothing) when short
@@ -469,13 +485,15 @@ class BlockManager:
         return last
 
     def _needs_copy(self, last: int | None, num_tokens: int, num_new_tokens: int) -> bool:
+        """Whether writing after ``num_tokens`` copies the last block first: it is partly filled and shared/cached."""
         if last is None or num_new_tokens == 0 or num_tokens % self._block_size == 0:
             return False
         return self._ref[last] > 1 or bool(self._cached[last])
 
-    def _blocks_needed(self, num_table: int, last: int | None, num_tokens: int, num_new_tokens: int) -> int:
-        grow = _cdiv(num_tokens + num_new_tokens, self._block_size) - num_table
-        return grow + int(self._needs_copy(last, num_tokens, num_new_tokens))
+    def _blocks_needed(self, last: int | None, num_tokens: int, num_new_tokens: int) -> int:
+        # The table holds ceil(num_tokens / block_size) blocks (checked by _check_table): blocks_to_grow's rule.
+        copy = self._needs_copy(last, num_tokens, num_new_tokens)
+        return blocks_to_grow(num_tokens, num_new_tokens, self._block_size, copy=copy)
 
     def _drop_refs(self, ids: list[int]) -> None:
         ref, cached, policy, free = self._ref, self._cached, self._policy, self._free

@@ -2,7 +2,10 @@
 
 It is the only holder-side code: it attaches prefix hits, grows tables (with copy-on-write), drops blocks that fell
 out of a sliding window, registers full blocks in the prefix caches, forks, truncates and releases — always
-through the BlockManager's public interface.
+through the BlockManager's public interface. A sequence whose holder reserved blocks
+(:meth:`KVPool.reserve <pagedcore.kv_pool.KVPool.reserve>`) draws from that reservation: every change to the blocks
+it holds is accounted to it (see :class:`~pagedcore.capacity.Reservation`), and nothing it does takes blocks other
+holders reserved.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 from array import array
 from collections.abc import Callable, Hashable, Sequence
 
+from pagedcore.capacity import Reservation
 from pagedcore.errors import InvalidBlockError, OutOfBlocksError
 from pagedcore.kv_pool import KVPool, PoolMatch
 from pagedcore.validation import as_integer
@@ -26,6 +30,11 @@ class BlockTables:
     Positions ``0 .. num_tokens - 1`` have slots. In a sliding group the blocks that fell wholly out of the window
     have been released: ``num_dropped(g)`` leading logical blocks are gone and ``table(g)`` starts after them.
 
+    Args:
+        pool: the pool the blocks come from.
+        reservation: the holder's :class:`~pagedcore.capacity.Reservation`, drawn from as the tables grow (forks
+            draw from it too); None for a holder without one, which never gets blocks other holders reserved.
+
     Example:
         >>> pool = KVPool(num_blocks=8, block_size=4)
         >>> seq = BlockTables(pool)
@@ -38,8 +47,9 @@ class BlockTables:
         8
     """
 
-    def __init__(self, pool: KVPool) -> None:
+    def __init__(self, pool: KVPool, reservation: Reservation | None = None) -> None:
         self._pool = pool
+        self._reservation = reservation
         self._tables: list[list[int]] = [[] for _ in pool.groups]
         self._arrays: list[array[int] | None] = [None] * len(pool.groups)  # table_array's copies (None: stale)
         self._dropped = [0] * len(pool.groups)
@@ -54,6 +64,7 @@ class BlockTables:
         self._bs = pool.block_size
         self._sliding = [g.index for g in pool.groups if g.kind.is_sliding]
         self._next_drop = 0  # drop_out_of_window has nothing to release before this position
+        self._epoch = pool.epoch  # the pool's epoch when this table started filling (see cache_full_blocks)
 
     # ------------------------------------------------------------------ queries
     @property
@@ -65,6 +76,15 @@ class BlockTables:
     def num_tokens(self) -> int:
         """Token positions that have a slot."""
         return self._num_tokens
+
+    @property
+    def reservation(self) -> Reservation | None:
+        """The reservation its growth draws from (None: none)."""
+        return self._reservation
+
+    @reservation.setter
+    def reservation(self, value: Reservation | None) -> None:
+        self._reservation = value
 
     def table(self, group: int) -> list[int]:
         """Live blocks of ``group`` (a copy), starting at logical block ``num_dropped(group)``."""
@@ -119,10 +139,24 @@ class BlockTables:
 
     def can_append(self, num_new_tokens: int, *, reserve: int = 0) -> bool:
         """Whether ``append(num_new_tokens)`` would succeed, leaving ``reserve`` blocks free in every group that
-        allocates (the pool decides: :meth:`KVPool.shortfalls`)."""
+        allocates (the pool decides: :meth:`KVPool.shortfalls`, with this sequence's reservation)."""
         if self._fits_in_private_block(num_new_tokens):
             return True
-        return not self._pool.shortfalls(self.blocks_needed(num_new_tokens), reserve=reserve)
+        needs = self.blocks_needed(num_new_tokens)
+        return not self._pool.shortfalls(needs, reserve=reserve, reservation=self._reservation)
+
+    def blocks_to_peak(self, peaks: Sequence[int]) -> list[int]:
+        """Per group, the blocks still to allocate before its table holds ``peaks[g]`` blocks (a copy of a shared,
+        partly filled last block included): what a sequence whose worst case is ``peaks`` may still take.
+
+        Example:
+            >>> seq = BlockTables(KVPool(num_blocks=8, block_size=4))
+            >>> _ = seq.append(6)
+            >>> seq.blocks_to_peak([5])
+            [3]
+        """
+        copy = int(not self._last_private and self._num_tokens % self._bs != 0)
+        return [max(0, peak - len(table)) + copy for peak, table in zip(peaks, self._tables)]
 
     def can_truncate(self, num_tokens: int) -> bool:
         """Whether :meth:`truncate` to ``num_tokens`` positions is possible: in a sliding group, the query at
@@ -146,6 +180,7 @@ class BlockTables:
             raise InvalidBlockError(f"attach: num_tokens {num_tokens} outside the match [0, {match.num_tokens}]")
         bs = self._pool.block_size
         count = -(-num_tokens // bs)
+        revived = self._check_revival([ids[:count] for ids in match.block_ids])
         held: list[tuple[int, list[int]]] = []
         try:
             for i, group in enumerate(self._pool.groups):
@@ -156,7 +191,11 @@ class BlockTables:
             for i, ids in held:
                 self._pool.groups[i].block_manager.release(ids[::-1])
             raise
+        if self._reservation is not None:
+            for i, n in enumerate(revived):
+                self._reservation.take(i, n)
         self._stale()
+        self._epoch = self._pool.epoch  # an empty table starts over with the current cache's blocks
         for i, ids in held:
             self._tables[i] = list(ids)
             self._num_cached_blocks[i] = num_tokens // bs
@@ -175,7 +214,7 @@ class BlockTables:
             self._num_tokens += num_new_tokens
             return []
         groups = self._pool.groups
-        short = self._pool.shortfalls(self.blocks_needed(num_new_tokens))
+        short = self._pool.shortfalls(self.blocks_needed(num_new_tokens), reservation=self._reservation)
         if short:
             detail = ", ".join(f"group {s.group}: need {s.needed}, have {s.available}" for s in short)
             raise OutOfBlocksError(
@@ -185,10 +224,12 @@ class BlockTables:
             )
         copies: list[Copy] = []
         self._stale()
+        before = self._available()
         for i, group in enumerate(groups):
             out = group.block_manager.append_slot(self._tables[i], self._held_tokens(i), num_new_tokens)
             self._tables[i] = out.block_ids
             copies.extend((i, src, dst) for src, dst in out.copies)
+        self._settle(before)
         self._num_tokens += num_new_tokens
         # Every group's last block is now private: fresh, a copy, or checked by the manager (ref 1, uncached).
         self._last_private = num_new_tokens > 0
@@ -219,6 +260,8 @@ class BlockTables:
         bs = self._bs
         released = 0
         next_drop = None
+        before = self._available()
+        gave = [0] * len(self._tables)
         for i in self._sliding:
             group = self._pool.groups[i]
             kind = group.kind
@@ -230,11 +273,15 @@ class BlockTables:
                 self._arrays[i] = None
                 self._dropped[i] += count
                 released += count
+                gave[i] = count
             # The first query that no longer sees the last key of the group's first live block.
             last = kind.last_query_seeing((self._dropped[i] + 1) * bs - 1)
             if last is not None and (next_drop is None or last + 1 < next_drop):
                 next_drop = last + 1
         self._next_drop = next_drop if next_drop is not None else 0
+        self._settle(before)
+        if before is not None and released:
+            self._replace_kept(before, gave)
         return released
 
     def cache_full_blocks(self, token_ids: Sequence[int], num_computed: int, namespace: Hashable = None) -> None:
@@ -242,11 +289,15 @@ class BlockTables:
 
         ``token_ids`` are the sequence's tokens (at least ``num_computed`` of them). Where another sequence cached
         the same content first, this sequence switches to that block and gives its duplicate back. A growing
-        sequence registers each new block under its last registered one, in O(1).
+        sequence registers each new block under its last registered one, in O(1). A sequence that started before
+        the pool's last :meth:`~pagedcore.kv_pool.KVPool.reset_prefix_cache` registers nothing: its keys and values
+        were computed by the model as it was.
         """
         if num_computed < self._next_full:
             return  # the common decode step: no block filled up since the last call
         self._check_live()
+        if self._epoch != self._pool.epoch:
+            return
         bs = self._bs
         num_full = min(num_computed, self._num_tokens, len(token_ids)) // bs
         if num_full <= min(self._num_cached_blocks):
@@ -275,20 +326,24 @@ class BlockTables:
                 canonical = group.trie.insert(token_ids[: num_full * bs], head + own, namespace)[first:]
                 offset = 0
             swaps = [(offset + j, can) for j, (mine, can) in enumerate(zip(own, canonical)) if mine != can]
+            if swaps and not self._can_swap(i, [table[j] for j, _ in swaps], [can for _, can in swaps]):
+                swaps = []  # keep our own copies: sharing would revive cached blocks that other holders reserved
             if swaps:
+                before = self._available()
                 # Same content was cached by another sequence first: share its block, give ours back.
                 group.block_manager.retain([can for _, can in swaps])
                 group.block_manager.release([table[j] for j, _ in reversed(swaps)])
                 for j, can in swaps:
                     table[j] = can
                 self._arrays[i] = None
+                self._settle(before)
             self._num_cached_blocks[i] = num_full
         self._next_full = (num_full + 1) * bs
 
     def fork(self) -> BlockTables:
         """A new sequence sharing every block of this one (copy-on-write on its first write into a shared block)."""
         self._check_live()
-        child = BlockTables(self._pool)
+        child = BlockTables(self._pool, self._reservation)
         for i, group in enumerate(self._pool.groups):
             group.block_manager.retain(self._tables[i])
             child._tables[i] = list(self._tables[i])
@@ -297,6 +352,7 @@ class BlockTables:
         child._num_tokens = self._num_tokens
         child._num_cached_blocks = list(self._num_cached_blocks)
         child._uncachable = list(self._uncachable)
+        child._epoch = self._epoch  # the same keys and values
         self._last_private = False  # shared now: the first write copies
         return child
 
@@ -315,6 +371,7 @@ class BlockTables:
                 f"(positions before {first} were released)"
             )
         keep_blocks = -(-num_tokens // bs)
+        before = self._available()
         for i, group in enumerate(self._pool.groups):
             keep = max(0, keep_blocks - self._dropped[i])
             gone = self._tables[i][keep:]
@@ -323,6 +380,7 @@ class BlockTables:
                 del self._tables[i][keep:]
                 self._arrays[i] = None
             self._num_cached_blocks[i] = min(self._num_cached_blocks[i], num_tokens // bs)
+        self._settle(before)
         self._num_tokens = num_tokens
         self._last_private = False  # a cached full block may now be partly filled
         self._next_full = 0
@@ -331,11 +389,13 @@ class BlockTables:
         """Give every block back (tail first, so chains are evicted from their leaves). Idempotent."""
         if self._released:
             return
+        before = self._available()
         for i, group in enumerate(self._pool.groups):
             table = self._tables[i]
             if table:
                 group.block_manager.release(table[::-1])
             self._tables[i] = []
+        self._settle(before)
         self._stale()
         self._released = True
         self._num_tokens = 0
@@ -355,6 +415,7 @@ class BlockTables:
         self._uncachable = [False] * len(self._pool.groups)
         self._last_private = False
         self._next_full = 0
+        self._epoch = self._pool.epoch
 
     def _stale(self) -> None:
         """Forget every :meth:`table_array` copy (the tables are about to change)."""
@@ -375,6 +436,64 @@ class BlockTables:
     def _check_live(self) -> None:
         if self._released:
             raise InvalidBlockError("this sequence's blocks were released; reset() it to use it again")
+
+    def _available(self) -> list[int] | None:
+        """Each group's available blocks before a change, when the change must be accounted to a reservation."""
+        reservation = self._reservation
+        if reservation is None or not reservation.active:
+            return None
+        return [g.block_manager.num_available_blocks for g in self._pool.groups]
+
+    def _settle(self, before: list[int] | None) -> None:
+        """Account a change to the reservation: blocks taken draw from it, blocks that became free return to it."""
+        if before is None:
+            return
+        assert self._reservation is not None
+        for i, group in enumerate(self._pool.groups):
+            self._reservation.take(i, before[i] - group.block_manager.num_available_blocks)
+
+    def _replace_kept(self, before: list[int], gave: list[int]) -> None:
+        """The window gave back blocks that another holder keeps in use (it attached them as a prefix hit): they did
+        not become free, so the reservation, which counts on the window's blocks coming back, takes as many
+        unreserved blocks instead, as far as there are any."""
+        reservation = self._reservation
+        assert reservation is not None
+        for i, group in enumerate(self._pool.groups):
+            kept = gave[i] - (group.block_manager.num_available_blocks - before[i])
+            if kept > 0:
+                reservation.take(i, -min(kept, max(0, self._pool.available_blocks(i))))
+
+    def _check_revival(self, chains: Sequence[Sequence[int]]) -> list[int]:
+        """Per group, the cached blocks at reference count 0 among ``chains`` (retaining them takes them out of the
+        evictable pool). Raises :class:`OutOfBlocksError`, changing nothing, when that would take blocks other
+        holders reserved."""
+        pool = self._pool
+        if not pool.has_reservations():
+            return [0] * len(chains)
+        revived = []
+        for group, ids in zip(pool.groups, chains):
+            bm = group.block_manager
+            count = sum(1 for b in ids if bm.ref_count(b) == 0)
+            available = pool.available_blocks(group.index, self._reservation)
+            if count > available:
+                raise OutOfBlocksError(
+                    f"attach: the prefix hit would take {count} cached blocks out of group {group.index}'s evictable "
+                    f"pool, but only {max(available, 0)} are not reserved by other holders",
+                    requested=count,
+                    available=max(available, 0),
+                )
+            revived.append(count)
+        return revived
+
+    def _can_swap(self, group: int, own: list[int], canonical: list[int]) -> bool:
+        """Whether switching ``own`` blocks for the ``canonical`` cached ones takes no block other holders reserved."""
+        pool = self._pool
+        if not pool.has_reservations():
+            return True
+        bm = pool.groups[group].block_manager
+        revived = sum(1 for b in canonical if bm.ref_count(b) == 0)
+        freed = sum(1 for b in own if bm.ref_count(b) == 1)
+        return revived - freed <= pool.available_blocks(group, self._reservation)
 
 
 def append_all(tables: Sequence[BlockTables], counts: Sequence[int], perform: Callable[[list[Copy]], None]) -> None:

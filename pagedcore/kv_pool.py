@@ -6,23 +6,50 @@ window (Gemma2/3, Mistral with a window). Each group has its own :class:`~pagedc
 the full-attention group keeps them; its :class:`~pagedcore.attention_kinds.AttentionKind` owns the rules.
 
 The pool is also the one place that answers whether blocks can be had (vLLM's ``KVCacheManager`` plays this part):
-:meth:`KVPool.max_blocks` (how many one sequence needs at worst), :meth:`KVPool.shortfalls` (can they be had now)
-and :meth:`KVPool.capacity_shortfalls` (could they ever be). The scheduler, ``enable()`` and ``PagedCache`` ask it.
-Tensors live in the framework adapter; this module is plain Python.
+:meth:`KVPool.worst_case` (how many a request needs at worst: :mod:`pagedcore.capacity`), :meth:`KVPool.shortfalls`
+(can they be had now), :meth:`KVPool.capacity_shortfalls` (could they ever be), and :meth:`KVPool.reserve`, which holds
+them back for one holder (a :class:`~pagedcore.capacity.Reservation`) so that nobody else can take them. The
+scheduler, ``enable()`` and ``PagedCache`` ask it. Tensors live in the framework adapter; this module is plain Python.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from pagedcore.attention_kinds import AttentionKind, attention_kind
 from pagedcore.block_manager import BlockManager
-from pagedcore.errors import ConfigError
+from pagedcore.capacity import Demand, Ledger, Reservation, blocks_to_allocate
+from pagedcore.errors import ConfigError, OutOfBlocksError
 from pagedcore.eviction import EvictionPolicy
 from pagedcore.prefix_trie import PrefixTrie
+from pagedcore.validation import integer
 
-__all__ = ["KVGroup", "KVPool", "PoolMatch", "Shortfall"]
+__all__ = ["Claimant", "KVGroup", "KVPool", "PoolMatch", "Shortfall"]
+
+
+class Claimant(Protocol):
+    """A holder whose needs change as it runs (the scheduler): before the pool grants a reservation to someone else
+    it asks each claimant to bring its own reservation up to date (see :meth:`KVPool.add_claimant`).
+
+    Example:
+        >>> class Growing:
+        ...     def __init__(self, pool):
+        ...         self.reservation, self.needs = pool.reserve([0]), [0]
+        ...     def refresh_reservation(self):
+        ...         self.reservation.resize(self.needs)
+        >>> pool = KVPool(num_blocks=8, block_size=4)
+        >>> holder = Growing(pool)
+        >>> pool.add_claimant(holder)
+        >>> holder.needs = [6]                  # it needs more now; the pool asks before granting others
+        >>> pool.reserve([2]).remaining, holder.reservation.remaining
+        ((2,), (6,))
+    """
+
+    def refresh_reservation(self) -> None:
+        """Resize the claimant's reservation to what it needs now."""
 
 
 @dataclass(frozen=True)
@@ -132,6 +159,9 @@ class KVPool:
         self._groups = tuple(groups)
         self._block_size = block_size
         self._num_blocks = num_blocks
+        self._ledger = Ledger(len(groups))
+        self._claimants: list[weakref.ref[Claimant]] = []
+        self._epoch = 0  # bumped by reset_prefix_cache: blocks filled before it never enter the prefix caches
 
     @property
     def groups(self) -> tuple[KVGroup, ...]:
@@ -159,6 +189,12 @@ class KVPool:
         return sum(g.trie.num_cached_blocks for g in self._groups)
 
     @property
+    def epoch(self) -> int:
+        """How many times :meth:`reset_prefix_cache` declared the cached keys and values stale. A
+        :class:`~pagedcore.block_tables.BlockTables` filled in an earlier epoch never registers its blocks."""
+        return self._epoch
+
+    @property
     def usage(self) -> float:
         """Highest fraction of blocks in use over the groups."""
         return max(g.block_manager.usage for g in self._groups)
@@ -179,30 +215,107 @@ class KVPool:
         return self._groups[0].trie.hit_rate
 
     # ------------------------------------------------------------------ capacity and admission
-    def max_blocks(self, num_tokens: int, *, chunk: int | None = None, start: int = 0) -> tuple[int, ...]:
-        """Per group, the most blocks one sequence holds at once while its positions ``start .. num_tokens - 1``
-        get slots in steps of at most ``chunk`` positions (see :meth:`AttentionKind.max_blocks`).
+    def worst_case(self, *demands: Demand) -> tuple[int, ...]:
+        """Per group, the most blocks these requests (or batch rows) allocate before they end, over all of them:
+        the one answer to "how many blocks does this need" (:func:`~pagedcore.capacity.blocks_to_allocate`).
 
         Example:
-            >>> KVPool(num_blocks=64, block_size=4, sliding_windows=(None, 8)).max_blocks(100, chunk=6)
+            >>> pool = KVPool(num_blocks=64, block_size=4, sliding_windows=(None, 8))
+            >>> pool.worst_case(Demand(num_prompt_tokens=90, max_new_tokens=11, chunk=6))   # 100 stored positions
             (25, 4)
+            >>> pool.worst_case(Demand(5, 4), Demand(5, 4, num_copies=3, share_prompt=True))   # 2 + (1 + 3 * 1)
+            (6, 6)
         """
         bs = self._block_size
-        return tuple(g.kind.max_blocks(num_tokens, bs, chunk=chunk, start=start) for g in self._groups)
+        return tuple(sum(blocks_to_allocate(g.kind, d, bs) for d in demands) for g in self._groups)
 
-    def shortfalls(self, needs: Sequence[int], *, reserve: int = 0) -> list[Shortfall]:
-        """The groups that cannot hand out ``needs[g]`` more blocks now while keeping ``reserve`` blocks free (a
-        group that needs none is never short). Empty: the blocks can be had. No side effects.
+    def available_blocks(self, group: int, reservation: Reservation | None = None) -> int:
+        """Blocks of ``group`` the holder of ``reservation`` (None: a holder without one) can have now: free and
+        evictable ones, less what other holders reserved (its own reservation counts as its own). May be negative
+        for a holder without a reservation only inside a bookkeeping call that is about to undo itself.
+
+        Example:
+            >>> pool = KVPool(num_blocks=8, block_size=4)
+            >>> mine = pool.reserve([3])
+            >>> pool.available_blocks(0), pool.available_blocks(0, mine)
+            (5, 8)
+        """
+        available = self._groups[group].block_manager.num_available_blocks
+        if len(self._ledger):
+            available -= self._ledger.reserved(group, reservation)
+        return available
+
+    @property
+    def num_reserved_blocks(self) -> int:
+        """Blocks held back by live reservations and not drawn yet, summed over groups."""
+        return sum(self._ledger.reserved(g.index) for g in self._groups)
+
+    def has_reservations(self, excluding: Reservation | None = None) -> bool:
+        """Whether a live reservation other than ``excluding`` holds blocks."""
+        return self._ledger.others(excluding)
+
+    def reserve(self, needs: Sequence[int]) -> Reservation:
+        """Hold back ``needs[g]`` blocks in every group for one holder (see :class:`~pagedcore.capacity.Reservation`).
+
+        The claimants (:meth:`add_claimant`) first bring their own reservations up to date, so a new reservation
+        never takes what they need. All or nothing: raises :class:`~pagedcore.errors.OutOfBlocksError` naming the
+        group, and changes nothing, when some group cannot spare its share.
+
+        Example:
+            >>> pool = KVPool(num_blocks=8, block_size=4)
+            >>> first = pool.reserve([6])
+            >>> pool.reserve([3])
+            Traceback (most recent call last):
+            ...
+            pagedcore.errors.OutOfBlocksError: reserve: KV group 0 cannot spare 3 blocks: 2 of its 8 are available ...
+            >>> first.release(); pool.reserve([3]).remaining
+            (3,)
+        """
+        if len(needs) != len(self._groups):
+            raise ConfigError(f"reserve: {len(needs)} counts for {len(self._groups)} KV groups")
+        wanted = [integer("reserve: blocks", n, minimum=0, error=ConfigError) for n in needs]
+        self._refresh_claimants()
+        for short in self.shortfalls(wanted):
+            bm = self._groups[short.group].block_manager
+            raise OutOfBlocksError(
+                f"reserve: KV group {short.group} cannot spare {short.needed} blocks: {max(short.available, 0)} of "
+                f"its {self._num_blocks} are available ({bm.num_used_blocks} in use, "
+                f"{self._ledger.reserved(short.group)} reserved by other holders)",
+                requested=short.needed,
+                available=max(short.available, 0),
+            )
+        return Reservation(self, self._ledger, wanted)
+
+    def add_claimant(self, claimant: Claimant) -> None:
+        """Ask ``claimant.refresh_reservation()`` before every reservation granted to another holder (held weakly).
+
+        The scheduler is one: its running sequences keep what they may still need before an ``enable()``d call can
+        reserve blocks."""
+        self._claimants = [ref for ref in self._claimants if ref() is not None]
+        self._claimants.append(weakref.ref(claimant))
+
+    def shortfalls(
+        self, needs: Sequence[int], *, reserve: int = 0, reservation: Reservation | None = None
+    ) -> list[Shortfall]:
+        """The groups that cannot hand out ``needs[g]`` more blocks now to the holder of ``reservation`` (None: a
+        holder without one) while keeping ``reserve`` blocks free (a group that needs none is never short). Blocks
+        other holders reserved are not available. Empty: the blocks can be had. No side effects.
 
         Example:
             >>> pool = KVPool(num_blocks=4, block_size=2)
             >>> pool.shortfalls([4]), pool.shortfalls([4], reserve=1)
             ([], [Shortfall(group=0, needed=5, available=4)])
+            >>> held = pool.reserve([1])
+            >>> pool.shortfalls([4]), pool.shortfalls([4], reservation=held)
+            ([Shortfall(group=0, needed=4, available=3)], [])
         """
         short = []
+        reserved = len(self._ledger)
         for group, need in zip(self._groups, needs):
             if need:
                 available = group.block_manager.num_available_blocks
+                if reserved:
+                    available -= self._ledger.reserved(group.index, reservation)
                 if need + reserve > available:
                     short.append(Shortfall(group.index, need + reserve, available))
         return short
@@ -215,6 +328,12 @@ class KVPool:
             []
         """
         return [Shortfall(g.index, n, self._num_blocks) for g, n in zip(self._groups, needs) if n > self._num_blocks]
+
+    def _refresh_claimants(self) -> None:
+        for ref in list(self._claimants):
+            claimant = ref()
+            if claimant is not None:
+                claimant.refresh_reservation()
 
     # ------------------------------------------------------------------ prefix cache
     def match(self, token_ids: Sequence[int], namespace: Hashable = None) -> PoolMatch:
@@ -237,16 +356,44 @@ class KVPool:
             return sum(g.trie.clear() for g in self._groups)
         return sum(g.trie.clear_namespace(ns) for g in self._groups for ns in namespaces)
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix because the keys and values were computed by a model that has changed since
+        (its weights were updated): unlike :meth:`clear_prefix_cache`, blocks held now stay their holders' but are
+        never registered later, as no prefix computed before the reset may be served after it. Returns how many
+        blocks were forgotten.
+
+        Example:
+            >>> from pagedcore.block_tables import BlockTables
+            >>> pool = KVPool(num_blocks=4, block_size=2)
+            >>> seq = BlockTables(pool)
+            >>> _ = seq.append(4)
+            >>> seq.cache_full_blocks([5, 6, 7, 8], 4)
+            >>> pool.reset_prefix_cache(), pool.epoch
+            (2, 1)
+            >>> seq.cache_full_blocks([5, 6, 7, 8], 4)   # filled before the reset: not registered again
+            >>> pool.num_cached_blocks
+            0
+        """
+        self._epoch += 1
+        return self.clear_prefix_cache()
+
     def check_invariants(self) -> None:
-        """Raise ``AssertionError`` on inconsistent bookkeeping in any group."""
+        """Raise ``AssertionError`` on inconsistent bookkeeping in any group, or reservations the pool cannot back."""
         for group in self._groups:
             group.block_manager.check_invariants()
             group.trie.check_invariants()
+            reserved, available = self._ledger.reserved(group.index), group.block_manager.num_available_blocks
+            assert reserved <= available, f"group {group.index}: {reserved} blocks reserved, {available} available"
+        for reservation in self._ledger:
+            assert not reservation.released and all(
+                0 <= left <= size for left, size in zip(reservation.remaining, reservation.size)
+            ), f"{reservation} is not consistent"
 
     def __repr__(self) -> str:
+        reserved = f", reserved={self.num_reserved_blocks}" if len(self._ledger) else ""
         return (
             f"KVPool(groups={len(self._groups)}, num_blocks={self._num_blocks}, block_size={self._block_size}, "
-            f"used={self.num_used_blocks}, cached={self.num_cached_blocks})"
+            f"used={self.num_used_blocks}, cached={self.num_cached_blocks}{reserved})"
         )
 
 

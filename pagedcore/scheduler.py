@@ -4,12 +4,25 @@ One mechanism covers prefill, chunked prefill, prefix hits and decode: every seq
 tokens that catches up with its number of tokens, within a per-step token budget. Each step:
 
 1. running sequences, decodes first, then unfinished prefills, oldest first; a sequence that cannot get its blocks
-   preempts the newest running sequence not yet scheduled (by recompute: its blocks go back, it is re-queued at the
-   front and later re-hits its own cached prefix), possibly itself;
-2. waiting sequences in FIFO order (none after a preemption in this step), each starting from its longest cached
-   prefix, admitted only when its blocks can be had with a small watermark left free. A request whose next
-   prompt block another running sequence is computing right now waits a step (later requests may go ahead), so
-   requests that arrive together with a common prefix compute it once and share it.
+   preempts a running sequence not yet scheduled (by recompute: its blocks go back, it is re-queued at the front and
+   later re-hits its own cached prefix), possibly itself, chosen by the policy;
+2. waiting sequences in the policy's order (none after a preemption in this step), each starting from its longest
+   cached prefix, admitted only when its blocks can be had with a small watermark left free; one that cannot is not
+   overtaken. A request whose next prompt block another running sequence is computing right now waits a step (later
+   requests may go ahead), so requests that arrive together with a common prefix compute it once and share it.
+
+**Policies** (:attr:`SchedulerConfig.policy`): ``"fair"`` (the default) admits round-robin over namespaces (tenants),
+the namespace with the fewest running sequences first and first come first served within one, and under memory
+pressure preempts the newest sequence of the namespace running the most, so one tenant's burst cannot delay another
+tenant's first token by more than a slot's wait; with one namespace it is ``"fcfs"``. ``"fcfs"``: first come first
+served, the newest preempted. ``"priority"``: the lowest :attr:`SequenceState.priority` first (vLLM's convention),
+first come first served among equals, the highest value (the newest among equals) preempted first.
+
+**Capacity.** A request is refused when its worst case (:meth:`KVPool.worst_case
+<pagedcore.kv_pool.KVPool.worst_case>`) could never fit. Admission is optimistic (its first step must fit, later
+growth preempts), and it never takes blocks other holders reserved. The scheduler holds a reservation of its own for
+what its running sequences may still allocate, brought up to date whenever another holder reserves (and every step
+while another holder has a reservation): an ``enable()``d call sharing the pool cannot reserve those blocks.
 
 The model is not the scheduler's concern: :meth:`Scheduler.schedule` says what to compute, the caller computes it
 and hands the sampled tokens to :meth:`Scheduler.update`.
@@ -17,15 +30,18 @@ and hands the sampled tokens to :meth:`Scheduler.update`.
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from pagedcore.block_tables import BlockTables, Copy
+from pagedcore.capacity import Demand
 from pagedcore.errors import (
     ConfigError,
     DuplicateRequestError,
     InvalidRequestError,
+    OutOfBlocksError,
     RequestNotFoundError,
 )
 from pagedcore.kv_pool import KVPool, PoolMatch
@@ -34,7 +50,10 @@ from pagedcore.prefix_trie import namespace_key
 from pagedcore.sequence import FinishReason, SequenceState, SequenceStatus
 from pagedcore.validation import integer
 
-__all__ = ["ScheduledSequence", "Scheduler", "SchedulerConfig", "SchedulerOutput", "SchedulerStats"]
+__all__ = ["POLICIES", "ScheduledSequence", "Scheduler", "SchedulerConfig", "SchedulerOutput", "SchedulerStats"]
+
+POLICIES = ("fair", "fcfs", "priority")
+"""The scheduling policies (see the module docstring); ``"fair"`` is the default."""
 
 
 @dataclass(frozen=True)
@@ -47,24 +66,31 @@ class SchedulerConfig:
         watermark: fraction of each group's blocks kept free when admitting a new sequence, so running sequences
             can grow without preempting at once.
         enable_prefix_caching: look prompts up in the prefix cache and register computed blocks in it.
+        policy: the order of admission and preemption: ``"fair"`` (round-robin over namespaces), ``"fcfs"`` or
+            ``"priority"`` (lowest :attr:`SequenceState.priority` first); see the module docstring.
 
     Example:
         >>> SchedulerConfig(max_num_batched_tokens=0)
         Traceback (most recent call last):
         ...
         pagedcore.errors.ConfigError: max_num_batched_tokens must be an integer >= 1, got 0
+        >>> SchedulerConfig().policy, SchedulerConfig(policy="priority").policy
+        ('fair', 'priority')
     """
 
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 64
     watermark: float = 0.01
     enable_prefix_caching: bool = True
+    policy: str = "fair"
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs"):
             object.__setattr__(self, name, integer(name, getattr(self, name), minimum=1, error=ConfigError))
         if not 0.0 <= self.watermark < 1.0:
             raise ConfigError(f"watermark must be in [0, 1), got {self.watermark!r}")
+        if self.policy not in POLICIES:
+            raise ConfigError(f"policy must be one of {', '.join(map(repr, POLICIES))}, got {self.policy!r}")
 
 
 @dataclass(slots=True)
@@ -222,13 +248,19 @@ class Scheduler:
         self._waiting: OrderedDict[str, SequenceState] = OrderedDict()
         self._running: dict[str, SequenceState] = {}
         self._by_id: dict[str, SequenceState] = {}
-        self._arrival: dict[str, int] = {}
-        self._clock = 0
+        self._peaks: dict[str, tuple[int, ...]] = {}  # per waiting or running id: its worst case per group
+        self._keys: dict[str, Hashable] = {}  # per waiting or running id: its namespace's identity (namespace_key)
+        self._running_per_key: dict[Hashable, int] = {}  # running sequences per namespace (none: absent)
         self.stats = SchedulerStats()
         bs = pool.block_size
         self._watermark_blocks = int(self._config.watermark * pool.num_blocks)  # every group has num_blocks blocks
         self._bs = bs
         self._has_sliding = any(g.kind.is_sliding for g in pool.groups)
+        self._none = [0] * len(pool.groups)
+        # What the running sequences may still allocate, held back from other holders of the pool (resized lazily:
+        # before another holder reserves, and every step while one holds a reservation).
+        self._reservation = pool.reserve(self._none)
+        pool.add_claimant(self)
 
     # ------------------------------------------------------------------ queries
     @property
@@ -266,10 +298,17 @@ class Scheduler:
         """Waiting then running sequences."""
         return [*self._waiting.values(), *self._running.values()]
 
-    def blocks_needed(self, num_tokens: int) -> list[int]:
-        """Blocks each group needs at most for one sequence that grows to ``num_tokens`` stored positions, a step
-        of at most ``max_num_batched_tokens`` at a time (the pool's :meth:`~pagedcore.kv_pool.KVPool.max_blocks`)."""
-        return list(self._pool.max_blocks(num_tokens, chunk=self._config.max_num_batched_tokens))
+    def worst_case(self, seq: SequenceState) -> tuple[int, ...]:
+        """Per group, the most blocks ``seq`` holds while it runs here alone: its prompt and new tokens, a step of
+        at most ``max_num_batched_tokens`` at a time (the pool's :meth:`~pagedcore.kv_pool.KVPool.worst_case`).
+        Parallel samples are not multiplied: they can run one at a time, preempting each other.
+
+        Example:
+            >>> Scheduler(KVPool(num_blocks=8, block_size=4)).worst_case(SequenceState("a", [1] * 10, max_new_tokens=7))
+            (4,)
+        """
+        demand = Demand(seq.num_prompt_tokens, seq.max_new_tokens, chunk=self._config.max_num_batched_tokens)
+        return self._pool.worst_case(demand)
 
     # ------------------------------------------------------------------ commands
     def add(self, seq: SequenceState) -> None:
@@ -280,7 +319,9 @@ class Scheduler:
             raise DuplicateRequestError(f"request id {seq.request_id!r} is already waiting or running")
         if seq.status is not SequenceStatus.WAITING or seq.blocks is not None or seq.num_computed_tokens:
             raise InvalidRequestError(f"request {seq.request_id!r} was already scheduled once; add a new SequenceState")
-        self.check_admissible(seq)
+        peaks = self._check(seq)
+        self._peaks[seq.request_id] = peaks
+        self._keys[seq.request_id] = namespace_key(seq.namespace)
         self._enqueue(seq)
 
     def check_admissible(self, seq: SequenceState) -> None:
@@ -296,19 +337,28 @@ class Scheduler:
             ...
             pagedcore.errors.InvalidRequestError: request 'a' can never fit: 3 prompt tokens + 3 new tokens need 3 ...
         """
+        self._check(seq)
+
+    def _check(self, seq: SequenceState) -> tuple[int, ...]:
+        cfg = self._config
+        if seq.priority and cfg.policy != "priority":
+            raise InvalidRequestError(
+                f"request {seq.request_id!r} has priority {seq.priority} but the scheduling policy is "
+                f"{cfg.policy!r}: priorities need policy='priority'"
+            )
         if seq.num_samples > self._config.max_num_seqs:
             raise InvalidRequestError(
                 f"request {seq.request_id!r} asks for {seq.num_samples} parallel samples but at most "
                 f"{self._config.max_num_seqs} sequences run at once (max_num_seqs)"
             )
-        # The last token is sampled but never computed: its position needs no slot.
-        stored = seq.num_tokens + seq.max_new_tokens - seq.num_output_tokens - 1
-        for short in self._pool.capacity_shortfalls(self.blocks_needed(stored)):
+        peaks = self.worst_case(seq)
+        for short in self._pool.capacity_shortfalls(peaks):
             raise InvalidRequestError(
                 f"request {seq.request_id!r} can never fit: {seq.num_prompt_tokens} prompt tokens + "
                 f"{seq.max_new_tokens} new tokens need {short.needed} blocks of {self._bs} tokens in KV group "
                 f"{short.group}, but the pool has {short.available}"
             )
+        return peaks
 
     def abort(self, request_id: str) -> list[SequenceState]:
         """Stop a request and its parallel samples; their blocks go back at once. Returns the aborted sequences."""
@@ -318,6 +368,7 @@ class Scheduler:
         for seq in victims:
             self._finish(seq, FinishReason.ABORT)
         self.stats.num_aborted += len(victims)
+        self._settle_reservation()
         return victims
 
     def fail(self, request_ids: Sequence[str]) -> list[SequenceState]:
@@ -330,6 +381,7 @@ class Scheduler:
         done = [self._by_id[r] for r in request_ids if r in self._by_id]
         for seq in done:
             self._finish(seq, reason)
+        self._settle_reservation()
         return done
 
     def schedule(self) -> SchedulerOutput:
@@ -345,6 +397,9 @@ class Scheduler:
         for seq in self._running.values():
             uncomputed = seq.num_uncomputed_tokens
             (decodes if uncomputed == 1 and seq.num_computed_tokens else prefills).append((seq, uncomputed))
+        if self._config.policy == "priority":  # the most urgent first: they get the budget, the others are preempted
+            decodes.sort(key=_priority)
+            prefills.sort(key=_priority)
         running = SequenceStatus.RUNNING
         for seq, uncomputed in decodes + prefills:
             if budget == 0:
@@ -356,7 +411,7 @@ class Scheduler:
             assert blocks is not None
             grown = blocks.try_append(num_new)
             while grown is None:
-                victim = self._newest_unplanned(planned)
+                victim = self._victim(planned)
                 assert victim is not None  # ``seq`` itself is unplanned
                 self._preempt(victim)
                 preempted.append(victim.request_id)
@@ -430,7 +485,31 @@ class Scheduler:
                     member.blocks.drop_out_of_window(end)
         self.stats.num_computed_tokens += computed
         self.stats.num_prompt_tokens_computed += prompt_computed
+        self._settle_reservation()
         return finished
+
+    def refresh_reservation(self) -> None:
+        """Hold back, for the running sequences, the blocks they may still allocate before they finish (each one's
+        worst case less what its tables hold), as far as other holders leave room. The pool calls it before it grants
+        a reservation to another holder (this scheduler is a :class:`~pagedcore.kv_pool.Claimant`), so an
+        ``enable()``d call sharing the pool cannot reserve what the running requests need to grow.
+
+        Example:
+            >>> pool = KVPool(num_blocks=16, block_size=4)
+            >>> sched = Scheduler(pool)
+            >>> sched.add(SequenceState("a", [1] * 6, max_new_tokens=20))   # 25 positions at most: 7 blocks
+            >>> _ = sched.schedule()                                        # the prompt holds 2
+            >>> pool.reserve([12])
+            Traceback (most recent call last):
+            ...
+            pagedcore.errors.OutOfBlocksError: reserve: KV group 0 cannot spare 12 blocks: 9 of its 16 are ...
+        """
+        needs = list(self._none)
+        for seq in self._running.values():
+            assert seq.blocks is not None
+            for g, count in enumerate(seq.blocks.blocks_to_peak(self._peaks[seq.request_id])):
+                needs[g] += count
+        self._reservation.resize(needs)
 
     def check_invariants(self) -> None:
         """Raise ``AssertionError`` on inconsistent state (tests and debugging)."""
@@ -445,6 +524,9 @@ class Scheduler:
             assert seq.blocks.num_tokens >= seq.num_computed_tokens
             for g in range(len(self._pool.groups)):
                 assert seq.blocks.table_array(g).tolist() == seq.blocks.table(g), "a stale BlockTables.table_array"
+        running = [self._keys[s.request_id] for s in self._running.values()]
+        assert {k: running.count(k) for k in set(running)} == self._running_per_key, "running counts per namespace"
+        assert set(self._peaks) == set(self._keys) == set(self._by_id), "per-request state of unknown requests"
         held = sum(s.blocks.num_held_blocks() for s in self._running.values() if s.blocks is not None)
         refs = sum(g.block_manager.ref_count(b) for g in self._pool.groups for b in range(g.block_manager.num_blocks))
         assert held == refs, f"sequences hold {held} block references, the pool counts {refs}"
@@ -452,24 +534,27 @@ class Scheduler:
     # ------------------------------------------------------------------ internals
     def _enqueue(self, seq: SequenceState, *, front: bool = False) -> None:
         self._by_id[seq.request_id] = seq
-        if seq.request_id not in self._arrival:
-            self._arrival[seq.request_id] = self._clock
-            self._clock += 1
         self._waiting[seq.request_id] = seq
         if front:
             self._waiting.move_to_end(seq.request_id, last=False)
 
-    def _newest_unplanned(self, planned: set[int]) -> SequenceState | None:
-        for seq in reversed(self._running.values()):
-            if id(seq) not in planned:
-                return seq
-        return None
+    def _victim(self, planned: set[int]) -> SequenceState | None:
+        """The running sequence not yet planned in this step that the policy preempts first."""
+        policy = self._config.policy
+        newest_first = (seq for seq in reversed(self._running.values()) if id(seq) not in planned)
+        if policy == "fcfs":
+            return next(newest_first, None)
+        if policy == "priority":  # max keeps the first of equals: the newest of the least urgent
+            return max(newest_first, key=lambda seq: seq.priority, default=None)
+        counts, keys = self._running_per_key, self._keys  # fair: the newest of the namespace running the most
+        return max(newest_first, key=lambda seq: counts[keys[seq.request_id]], default=None)
 
     def _preempt(self, seq: SequenceState) -> None:
         assert seq.blocks is not None
         seq.blocks.release()
         seq.blocks = None
         del self._running[seq.request_id]
+        self._count_running(seq, -1)
         seq.status = SequenceStatus.WAITING
         computed = seq.num_computed_tokens
         seq.num_computed_tokens = 0
@@ -483,7 +568,9 @@ class Scheduler:
         cfg = self._config
         # Count the samples running sequences will still fork into, so a fork never exceeds max_num_seqs.
         width = sum(_width(s) for s in self._running.values())
-        for seq in list(self._waiting.values()):
+        if budget == 0 or width >= cfg.max_num_seqs or not self._waiting:
+            return budget
+        for seq in self._admission_order():
             if budget == 0 or width + _width(seq) > cfg.max_num_seqs:
                 break
             match = self._pool.match(seq.token_ids, seq.namespace) if cfg.enable_prefix_caching else None
@@ -493,7 +580,7 @@ class Scheduler:
                 continue
             blocks = self._start_blocks(seq, budget, match)
             if blocks is None:
-                break  # FIFO: a request that cannot get its blocks is not overtaken
+                break  # a request that cannot get its blocks is not overtaken
             hit, num_new = blocks.num_tokens, min(seq.num_tokens - blocks.num_tokens, budget)
             copies.extend(blocks.append(num_new))
             del self._waiting[seq.request_id]
@@ -502,6 +589,7 @@ class Scheduler:
             seq.num_cached_tokens = hit
             seq.status = SequenceStatus.RUNNING
             self._running[seq.request_id] = seq
+            self._count_running(seq, 1)
             width += _width(seq)
             plan.append((seq, num_new))
             budget -= num_new
@@ -522,6 +610,39 @@ class Scheduler:
                 num_cached_tokens=hit,
             )
         return budget
+
+    def _admission_order(self) -> list[SequenceState]:
+        """The waiting sequences in the order the policy admits them."""
+        waiting = list(self._waiting.values())  # first come first served, preempted ones at the front
+        policy = self._config.policy
+        if policy == "priority":
+            waiting.sort(key=lambda seq: seq.priority)  # stable: first come first served among equals
+        elif policy == "fair" and len(waiting) > 1:
+            queues: dict[Hashable, list[SequenceState]] = {}
+            for seq in waiting:
+                queues.setdefault(self._keys[seq.request_id], []).append(seq)
+            if len(queues) > 1:
+                # The namespace running the fewest sequences first (the oldest first among equals), then turn by turn.
+                counts = self._running_per_key
+                order = sorted(queues.values(), key=lambda queue: counts.get(self._keys[queue[0].request_id], 0))
+                turns = itertools.zip_longest(*order)
+                waiting = [seq for turn in turns for seq in turn if seq is not None]
+        return waiting
+
+    def _count_running(self, seq: SequenceState, change: int) -> None:
+        key = self._keys[seq.request_id]
+        count = self._running_per_key.get(key, 0) + change
+        if count:
+            self._running_per_key[key] = count
+        else:
+            del self._running_per_key[key]
+
+    def _settle_reservation(self) -> None:
+        """Keep the scheduler's reservation current while another holder has one; give it back when none has."""
+        if self._pool.has_reservations(excluding=self._reservation):
+            self.refresh_reservation()
+        elif self._reservation.active:
+            self._reservation.resize(self._none)
 
     def _prefix_in_flight(self, seq: SequenceState, num_cached: int) -> bool:
         """Whether a running sequence of the same namespace has the same tokens as ``seq`` up to the end of the
@@ -548,9 +669,12 @@ class Scheduler:
             hit = min(match.num_tokens, seq.num_tokens - 1)  # the last token is always computed (for its logits)
         candidates = [hit] if hit % self._bs == 0 else [hit, hit - hit % self._bs]  # partial hit needs a copy
         for num_hit in candidates:
-            blocks = BlockTables(self._pool)
+            blocks = BlockTables(self._pool, self._reservation)
             if match is not None and num_hit:
-                blocks.attach(match, num_hit)
+                try:
+                    blocks.attach(match, num_hit)
+                except OutOfBlocksError:  # reviving its cached blocks would take blocks other holders reserved
+                    continue
                 blocks.drop_out_of_window(num_hit)
             if blocks.can_append(min(seq.num_tokens - num_hit, budget), reserve=reserve):
                 return blocks
@@ -573,9 +697,10 @@ class Scheduler:
             child.blocks = parent.blocks.fork()
             child.status = SequenceStatus.RUNNING
             self._by_id[child.request_id] = child
-            self._arrival[child.request_id] = self._clock
-            self._clock += 1
+            self._peaks[child.request_id] = self._peaks[parent.request_id]
+            self._keys[child.request_id] = self._keys[parent.request_id]
             self._running[child.request_id] = child
+            self._count_running(child, 1)
             children.append(child)
         parent.mark_forked()
         return children
@@ -586,12 +711,14 @@ class Scheduler:
             seq.blocks = None
         if seq.status is SequenceStatus.RUNNING:
             del self._running[seq.request_id]
+            self._count_running(seq, -1)
         elif seq.status is SequenceStatus.WAITING:
             del self._waiting[seq.request_id]
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         self._by_id.pop(seq.request_id, None)
-        self._arrival.pop(seq.request_id, None)
+        self._peaks.pop(seq.request_id, None)
+        self._keys.pop(seq.request_id, None)
         if reason is not FinishReason.ABORT:
             self.stats.num_finished += 1
         self._emit(
@@ -607,6 +734,10 @@ class Scheduler:
 
 
 _NO_TOKEN: tuple[None] = (None,)
+
+
+def _priority(item: tuple[SequenceState, int]) -> int:
+    return item[0].priority
 
 
 def _width(seq: SequenceState) -> int:

@@ -59,6 +59,8 @@ class SequenceState:
         namespace: prefix-cache namespace (cache salt); sequences in different namespaces never share blocks.
         num_samples: parallel samples (``n``); the sequence forks into that many once its prompt is computed.
         min_new_tokens: stop tokens are ignored before this many tokens were generated.
+        priority: scheduling priority under ``SchedulerConfig(policy="priority")``: lower values run first (vLLM's
+            convention); any integer, 0 by default (other policies refuse a non-zero one).
 
     Example:
         >>> seq = SequenceState("r1", [5, 6, 7], max_new_tokens=2, stop_token_ids=frozenset({0}))
@@ -73,6 +75,7 @@ class SequenceState:
     namespace: Hashable = None
     num_samples: int = 1
     min_new_tokens: int = 0
+    priority: int = 0
     # --- owned by the scheduler
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
@@ -98,6 +101,7 @@ class SequenceState:
         self.max_new_tokens = integer(where + "max_new_tokens", self.max_new_tokens, minimum=1)
         self.num_samples = integer(where + "num_samples", self.num_samples, minimum=1)
         self.min_new_tokens = integer(where + "min_new_tokens", self.min_new_tokens, minimum=0)
+        self.priority = integer(where + "priority", self.priority)
         try:
             hash(self.namespace)
         except TypeError:
@@ -181,6 +185,7 @@ class SequenceState:
             self.namespace,
             1,
             self.min_new_tokens,
+            self.priority,
         )
         seq._token_ids = list(self._token_ids)
         seq.num_computed_tokens = self.num_computed_tokens

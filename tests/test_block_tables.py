@@ -146,6 +146,39 @@ def test_truncate_refuses_positions_that_left_the_window():
     assert seq.num_tokens == 8
 
 
+def test_a_reset_prefix_cache_keeps_what_holders_filled_before_it_out_of_the_cache():
+    """After ``KVPool.reset_prefix_cache`` (the model's weights changed) a table filled before it registers nothing,
+    nor do its forks; one that starts over (``reset``) or from a hit of the new cache registers again."""
+    pool = KVPool(16, 4, sliding_windows=(None, 8))
+    old = BlockTables(pool)
+    old.append(8)
+    old.cache_full_blocks(list(range(8)), 4)
+    assert pool.num_cached_blocks == 2  # one block per group
+    child = old.fork()
+    assert pool.reset_prefix_cache() == 2 and pool.epoch == 1
+    old.append(4)
+    old.cache_full_blocks(list(range(12)), 12)
+    child.cache_full_blocks(list(range(8)), 8)
+    assert pool.num_cached_blocks == 0 and pool.match(list(range(12))).num_tokens == 0
+    fresh = BlockTables(pool)
+    fresh.append(8)
+    fresh.cache_full_blocks(list(range(100, 108)), 8)
+    assert pool.match(list(range(100, 108))).num_tokens == 8
+    hit = BlockTables(pool)
+    hit.attach(pool.match(list(range(100, 108))), 8)
+    hit.append(4)
+    hit.cache_full_blocks(list(range(100, 112)), 12)
+    assert pool.match(list(range(100, 112))).num_tokens == 12
+    old.reset()
+    old.append(4)
+    old.cache_full_blocks(list(range(200, 204)), 4)
+    assert pool.match(list(range(200, 204))).num_tokens == 4
+    for seq in (old, child, fresh, hit):
+        seq.release()
+    assert pool.num_used_blocks == 0
+    pool.check_invariants()
+
+
 def test_attach_checks():
     pool = KVPool(8, 4)
     finished_sequence(pool, list(range(8)))

@@ -1,7 +1,7 @@
 """Capacity at the boundary: a request whose worst case is exactly the pool runs, one block less is refused up front.
 
-The worst case per KV group comes from its attention kind (``AttentionKind.max_blocks``), and the pool says whether
-it fits (``KVPool.shortfalls`` / ``capacity_shortfalls``) for the scheduler, the Engine and ``enable()``. Each test
+The worst case per KV group has one owner (``KVPool.worst_case``, from each group's attention kind), and the pool says
+whether it fits (``KVPool.reserve`` / ``capacity_shortfalls``) for the scheduler, the Engine and ``enable()``. Each test
 also shows the bound is tight: the run reaches it (so a pool one block smaller could not have held it), where the
 formulas it replaced asked for up to 6 blocks more (the scheduler's window + chunk + 2, enable's window + prompt + 2)
 or one block more (the scheduler counted the last sampled token, which is never stored).
@@ -19,6 +19,7 @@ from transformers import DynamicCache
 from pagedcore import InvalidRequestError, KVPool, OutOfBlocksError, Scheduler, SchedulerConfig, SequenceState
 from pagedcore.adapters import transformers as pc
 from pagedcore.adapters.transformers import Engine, PagedCache, SamplingParams
+from pagedcore.capacity import Demand
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -52,7 +53,7 @@ def run_alone(num_blocks: int, windows, prompt: list[int], max_new: int, chunk: 
 )
 def test_scheduler_runs_at_its_bound_and_refuses_one_block_less(windows, prompt_len, max_new, chunk, blocks):
     prompt = list(range(FIRST_TOKEN, FIRST_TOKEN + prompt_len))
-    assert KVPool(blocks, BLOCK, windows).max_blocks(prompt_len + max_new - 1, chunk=chunk) == (blocks,)
+    assert KVPool(blocks, BLOCK, windows).worst_case(Demand(prompt_len, max_new, chunk=chunk)) == (blocks,)
     output, peak = run_alone(blocks, windows, prompt, max_new, chunk)
     assert output == reference_output(prompt, max_new)
     assert peak == blocks  # tight: the run needed every block of the bound
@@ -70,7 +71,7 @@ def test_scheduler_bound_holds_under_preemption_and_budget_sharing():
     prompts = {f"r{i}": list(range(FIRST_TOKEN + i, FIRST_TOKEN + i + 9 + 3 * i)) for i in range(6)}
     for rid, prompt in prompts.items():
         sched.add(SequenceState(rid, prompt, max_new_tokens=14))
-    bound = pool.max_blocks(max(len(p) for p in prompts.values()) + 13, chunk=7)[1]
+    bound = pool.worst_case(Demand(max(len(p) for p in prompts.values()), 14, chunk=7))[1]
     model = FakeModel(sched)
     done = {}
     while sched.has_unfinished():
@@ -90,7 +91,7 @@ def test_engine_at_its_bound_and_one_block_less():
     prompt = list(range(FIRST_TOKEN, FIRST_TOKEN + 24))
     want = model.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False, cache=dynamic(model))
     with Engine(model, num_blocks=4, block_size=BLOCK, max_num_batched_tokens=6) as engine:
-        assert engine.pool.kv.max_blocks(24 + 20 - 1, chunk=6) == (4,)
+        assert engine.pool.kv.worst_case(Demand(24, 20, chunk=6)) == (4,)
         (out,) = engine.generate([prompt], SamplingParams(max_new_tokens=20), use_tqdm=False)
         assert out.error is None and out.token_ids == want[0, 24:].tolist()
         assert engine.stats().num_preemptions == 0 and engine.pool.kv.num_used_blocks == 0

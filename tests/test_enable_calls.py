@@ -149,20 +149,6 @@ def test_a_paged_cache_on_the_pool_of_a_converted_model_raises_then_rebuild_serv
     pool.check_invariants()
 
 
-def test_an_engine_on_the_pool_of_a_converted_model_fails_its_requests_until_rebuild():
-    model = tiny_model("llama")
-    prompt = tokens(9, seed=6)[0].tolist()
-    with pc.Engine(model, num_blocks=64, block_size=BLOCK) as engine:
-        engine.generate([prompt], pc.SamplingParams(max_new_tokens=3), use_tqdm=False)
-        model.to(torch.bfloat16)
-        failed = engine.generate([prompt], pc.SamplingParams(max_new_tokens=3), use_tqdm=False)[0]
-        assert failed.error is not None and failed.error.startswith("PoolMismatchError")
-        assert engine.pool.kv.num_used_blocks == 0
-        engine.pool.rebuild()
-        served = engine.generate([prompt], pc.SamplingParams(max_new_tokens=3), use_tqdm=False)[0]
-        assert served.error is None and len(served.token_ids) == 3
-
-
 # ----------------------------------------------------------------------------------------------- the model's context
 @pytest.mark.parametrize("family", ["llama", "gpt2", "opt", "gpt_neox"])
 def test_prompt_and_new_tokens_over_the_context_raise(enabled, family):

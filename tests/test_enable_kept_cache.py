@@ -112,6 +112,20 @@ def test_a_kept_cache_continued_in_another_namespace_registers_nothing_there(ena
     more.cache.release()
 
 
+def test_namespaces_that_compare_equal_are_still_two_namespaces_for_a_kept_cache(enabled):
+    # ("t", 1) == ("t", True) in Python, but the trie keeps them apart (namespace_key): continuing a ("t", 1) cache in
+    # ("t", True) used to register its new blocks in ("t", 1) (prefix_caching had its own, looser identity).
+    model = model_for("llama")
+    pool = enabled(model)
+    ids = torch.randint(FIRST_TOKEN, VOCAB, (1, 9), generator=torch.Generator().manual_seed(4))
+    out = greedy(model, ids, None, 4, pagedcore_namespace=("t", 1))
+    more = greedy(model, out.sequences, None, 8, cache=out.cache, pagedcore_namespace=("t", True))
+    tokens = more.sequences[0].tolist()
+    assert registered_tokens(pool, tokens, ("t", True)) == 0
+    assert registered_tokens(pool, tokens, ("t", 1)) == 12  # only what the ("t", 1) call registered
+    more.cache.release()
+
+
 # -------------------------------------------------------------------------------------------- lifetime of a cache
 def test_a_kept_cache_holds_its_blocks_until_released_or_dropped(enabled):
     model = model_for("llama")

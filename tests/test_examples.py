@@ -34,6 +34,7 @@ def load(name: str):
         ("plugin_observer", ["--max-new-tokens", "2"]),
         ("bench_core", ["--quick"]),
         ("structured_throughput", ["--quick", "--builtin"]),
+        ("weights_check_cost", ["--quick"]),
         ("host_memory", ["namespaces", "--count", "200"]),
         ("host_memory", ["blocks", "--sizes", "1000", "--touch"]),
     ],

@@ -31,6 +31,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DummyLayer
 from pagedcore.attention import write_kv
 from pagedcore.attention_kinds import AttentionKind
 from pagedcore.block_tables import BlockTables
+from pagedcore.capacity import Reservation
 from pagedcore.errors import ConfigError, InvalidBlockError
 from pagedcore.kv_pool import PoolMatch
 
@@ -207,6 +208,9 @@ class PagedCache(Cache):
             contiguous on the CPU, where single-sequence attention then reads them as fast as ``DynamicCache``'s.
         namespace: prefix-cache namespace used by :meth:`attach_prefix` and :meth:`cache_prefixes`.
         attention_backend: attention backend name for ``attn_implementation="paged"`` (default: the plugins').
+        reservation: blocks reserved for this cache on a shared pool (:meth:`KVPool.reserve
+            <pagedcore.kv_pool.KVPool.reserve>`, sized by :meth:`~pagedcore.kv_pool.KVPool.worst_case`): its rows draw
+            from it, so a ``generate`` within it cannot run out half-way (see :attr:`reservation`).
 
     Example:
         >>> import torch
@@ -230,6 +234,7 @@ class PagedCache(Cache):
         namespace: Hashable = None,
         attention_backend: str | None = None,
         kv_layout: str | None = None,
+        reservation: Reservation | None = None,
     ) -> None:
         if pool is None:
             if model is None:
@@ -246,11 +251,13 @@ class PagedCache(Cache):
                 raise ConfigError("num_blocks / memory_budget / kv_layout shape a private pool: not with pool=")
             if model is not None:
                 pool.bind(model)
+            pool.check_weights()  # a shared pool forgets prefixes computed before a weight update
         self._pool = pool
         config = text_config(model) if model is not None else None
         self._state = CacheState(
             pool, pool.spec.num_layers, config=config, namespace=namespace, attention_backend=attention_backend
         )
+        self._state.reservation = reservation
         layers: list[Any] = []
         for i, spec in enumerate(pool.spec.layers):
             if not spec.has_cache:
@@ -378,6 +385,39 @@ class PagedCache(Cache):
         self._state.namespace = value
 
     @property
+    def reservation(self) -> Reservation | None:
+        """The reservation the rows' growth draws from (None: the cache takes unreserved blocks as it grows, and
+        can run out in the middle of ``generate`` when other holders fill the pool). ``enable()`` sets one for each
+        call. Never blocks other holders reserved, with or without one.
+
+        Example:
+            >>> import torch
+            >>> from pagedcore.adapters.transformers import PagedKVPool
+            >>> from pagedcore.adapters.transformers.testing import tiny_llama
+            >>> from pagedcore.capacity import Demand
+            >>> model = tiny_llama()
+            >>> pool = PagedKVPool(model, num_blocks=16, block_size=4)
+            >>> with pool.lock:   # the pool's bookkeeping lock guards reservations too
+            ...     reservation = pool.kv.reserve(pool.kv.worst_case(Demand(3, 6)))   # 8 positions: 2 blocks
+            >>> cache = PagedCache(model, pool=pool, reservation=reservation)
+            >>> _ = model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=6, do_sample=False, cache=cache)
+            >>> reservation.remaining, pool.kv.num_used_blocks                       # both drawn
+            ((0,), 2)
+            >>> with pool.lock:
+            ...     reservation.release()
+            >>> cache.release(); pool.kv.num_used_blocks, pool.kv.num_reserved_blocks
+            (0, 0)
+        """
+        return self._state.reservation
+
+    @reservation.setter
+    def reservation(self, value: Reservation | None) -> None:
+        with self._pool.lock:
+            self._state.reservation = value
+            for row in self._state.rows:
+                row.blocks.reservation = value
+
+    @property
     def attention_backend(self) -> str | None:
         """The attention backend name for ``attn_implementation="paged"`` (None: the plugins' choice)."""
         return self._state.attention_backend
@@ -441,7 +481,7 @@ class PagedCache(Cache):
             try:
                 for r, (match, pad) in enumerate(zip(matches, pads)):
                     used_pad = min(pad, length)
-                    blocks = BlockTables(self._pool.kv)
+                    blocks = BlockTables(self._pool.kv, state.reservation)
                     rows.append(Row(blocks, used_pad, pad, list(prompts[r]) if prompts is not None else None))
                     if length > used_pad:
                         if match is None:
@@ -463,12 +503,14 @@ class PagedCache(Cache):
 
         Does nothing for a cache that stored positions it could not tell from padding (a model that calls ``update``
         without ``position_ids`` and no padding declared by :meth:`attach_prefix`, or padding in the middle of a
-        row): its blocks would not hold the keys and values of those tokens at those positions.
+        row): its blocks would not hold the keys and values of those tokens at those positions. Nor for rows filled
+        before the model's weights changed (:meth:`PagedKVPool.check_weights`, run here first).
         """
         state = self._check_live()
         if not state.exact:
             return
         with self._pool.lock:
+            self._pool.check_weights()  # rows computed before a weight update register nothing (their epoch is old)
             for row, tokens in zip(state.rows, token_ids):
                 row.blocks.cache_full_blocks(tokens, row.blocks.num_tokens, self.namespace)
 

@@ -22,6 +22,7 @@ import torch
 
 from pagedcore.attention import PagedAttentionMetadata, contiguous_start
 from pagedcore.block_tables import BlockTables, append_all
+from pagedcore.capacity import Reservation
 from pagedcore.errors import InvalidBlockError, OutOfBlocksError
 
 from .attention import ATTN_IMPLEMENTATION, ForwardContext
@@ -150,6 +151,7 @@ class CacheState:
         self.namespace = namespace
         self.attention_backend = attention_backend
         self.layers: list[Any] = []  # the cache's layers (set by the cache): past recording, the dense fallback
+        self.reservation: Reservation | None = None  # what the rows' growth draws from (PagedCache.reservation)
         self.rows: list[Row] = []
         self.layer_len = [0] * num_layers
         self.length = 0  # rectangular positions with a slot (or a pad) after the latest reservation
@@ -223,7 +225,7 @@ class CacheState:
         pool = self.pool
         with pool.lock:
             if not self.rows and self.length == 0:
-                self.rows = [Row(BlockTables(pool.kv)) for _ in range(batch)]
+                self.rows = [Row(BlockTables(pool.kv, self.reservation)) for _ in range(batch)]
             if len(self.rows) != batch:
                 raise ValueError(
                     f"PagedCache holds {len(self.rows)} rows but the forward has batch size {batch}; use "

@@ -99,6 +99,9 @@ class Engine:
         enable_prefix_caching: reuse cached prompt prefixes.
         attention_backend: backend name (default: the plugins' choice for the device).
         watermark: fraction of blocks kept free when admitting new requests.
+        scheduling_policy: ``"fair"`` (the default: round-robin over namespaces, so one tenant's burst does not hold
+            back another's first token), ``"fcfs"``, or ``"priority"`` (lowest ``priority=`` first, as vLLM); see
+            :class:`~pagedcore.scheduler.SchedulerConfig`.
         compile_timeout: seconds a structured-output request may wait for its grammar to compile (in a worker,
             off the step loop) before it fails with :class:`~pagedcore.errors.GrammarTimeoutError`.
 
@@ -143,6 +146,7 @@ class Engine:
         enable_prefix_caching: bool = True,
         attention_backend: str | None = None,
         watermark: float = 0.01,
+        scheduling_policy: str = "fair",
         compile_timeout: float = 30.0,
     ) -> None:
         if pool is None:
@@ -160,6 +164,7 @@ class Engine:
             max_num_seqs=max_num_seqs,
             watermark=watermark,
             enable_prefix_caching=enable_prefix_caching,
+            policy=scheduling_policy,
         )
         self.scheduler = Scheduler(pool.kv, config, plugins=pool.plugins)
         self._text_config = text_config(model)
@@ -241,15 +246,17 @@ class Engine:
         *,
         request_id: str | None = None,
         namespace: Hashable = None,
+        priority: int = 0,
         **generate_kwargs: Any,
     ) -> str:
         """Queue a request; returns its id. Raises a typed error (and queues nothing) for bad input.
 
         ``params`` may be a :class:`SamplingParams` or a dict of its fields; or pass ``model.generate``'s keyword
         arguments instead (see :class:`Engine`). The request is reported by :meth:`step` / :meth:`step_events`.
+        ``priority`` (``scheduling_policy="priority"`` only): lower values are admitted first.
         """
         (spec,) = self._specs(params, generate_kwargs, 1)
-        return self._submit(self._validate(prompt, spec, namespace, request_id), owner=None).request_id
+        return self._submit(self._validate(prompt, spec, namespace, request_id, priority), owner=None).request_id
 
     def abort(self, request_id: str) -> RequestOutput:
         """Stop a request (all its samples) and return its output; it is also reported by the next :meth:`step`.
@@ -296,6 +303,7 @@ class Engine:
         *,
         use_tqdm: bool = True,
         namespace: Hashable = None,
+        priority: int = 0,
         **generate_kwargs: Any,
     ) -> list[RequestOutput]:
         """Generate for many prompts; returns one output per prompt, in order.
@@ -311,7 +319,7 @@ class Engine:
         valid: list[tuple[int, EngineRequest]] = []
         for i, (prompt, spec) in enumerate(zip(prompt_list, specs)):
             try:
-                valid.append((i, self._validate(prompt, spec, namespace)))
+                valid.append((i, self._validate(prompt, spec, namespace, priority=priority)))
             except PagedCoreError as exc:
                 outputs[i] = self._rejected(prompt, spec, exc)
         owner = object()
@@ -340,6 +348,7 @@ class Engine:
         params: Params | Sequence[Params] | None = None,
         *,
         namespace: Hashable = None,
+        priority: int = 0,
         **generate_kwargs: Any,
     ) -> Iterator[TokenEvent]:
         """Yield every token of every request as it is produced (a sample's last event has ``finish_reason``).
@@ -353,7 +362,7 @@ class Engine:
         new = []
         for i, (prompt, spec) in enumerate(zip(prompt_list, specs)):
             try:
-                new.append(self._validate(prompt, spec, namespace))
+                new.append(self._validate(prompt, spec, namespace, priority=priority))
             except InvalidRequestError as exc:
                 if len(prompt_list) == 1:
                     raise
@@ -383,6 +392,22 @@ class Engine:
                 **{f"{phase}_seconds": seconds for phase, seconds in self._phases.items()},
                 kernel_failures=self._kernel_failures(),
             )
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix of the pool now (vLLM's name; see :meth:`PagedKVPool.reset_prefix_cache`).
+        Weight updates the fingerprint sees need no call: each step checks it. Running requests finish on the keys
+        and values they computed; none of their blocks is cached afterwards. Returns the cached blocks forgotten.
+        Thread-safe with a stepping thread.
+
+        Example:
+            >>> from pagedcore.adapters.transformers.testing import tiny_llama
+            >>> with Engine(tiny_llama(), num_blocks=32, block_size=4) as engine:
+            ...     _ = engine.generate([list(range(1, 11))], max_new_tokens=2, use_tqdm=False)
+            ...     engine.reset_prefix_cache(), engine.pool.kv.num_cached_blocks
+            (2, 0)
+        """
+        with self._lock:
+            return self.pool.reset_prefix_cache()
 
     def _kernel_failures(self) -> int:
         """The attention backend's kernel calls that fell back to the torch backend (0 if it does not count)."""
@@ -437,6 +462,7 @@ class Engine:
         with self._lock:
             self._check_open()
             with self._timed("schedule"):
+                self.pool.check_weights()  # after a weight update: forget the old prefixes before admitting
                 self._admit_compiled()
                 plan = self.scheduler.schedule()
             with self._timed("prepare"):
@@ -584,7 +610,12 @@ class Engine:
         return items
 
     def _validate(
-        self, prompt: Any, spec: Params | _Generation, namespace: Hashable, request_id: str | None = None
+        self,
+        prompt: Any,
+        spec: Params | _Generation,
+        namespace: Hashable,
+        request_id: str | None = None,
+        priority: int = 0,
     ) -> EngineRequest:
         """Everything about one request that can be refused, checked before anything is queued."""
         token_ids = self._encode(prompt)
@@ -614,6 +645,7 @@ class Engine:
                 namespace,
                 params.n,
                 params.min_new_tokens,
+                priority,
             )
             self.scheduler.check_admissible(seq)  # also checks the namespace
         samples = [SampleOutput(k) for k in range(params.n)]
@@ -649,7 +681,10 @@ class Engine:
             if request.is_done:  # aborted while its grammar compiled
                 continue
             if error is None:
-                self.scheduler.add(request.sequence)
+                try:
+                    self.scheduler.add(request.sequence)
+                except PagedCoreError as exc:  # e.g. the pool was rebuilt smaller while the grammar compiled
+                    self._fail(request, f"{type(exc).__name__}: {exc}")
             else:
                 self._fail(request, f"GrammarError: {error}")
 

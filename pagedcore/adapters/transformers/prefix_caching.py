@@ -37,6 +37,13 @@ takes no prefix hit (and no shared prefill for ``num_return_sequences`` / beams)
 position exactly as without ``enable``. So does assisted or prompt-lookup decoding, which transformers 5.24 gets
 wrong after a pre-filled cache (also a ``DynamicCache``). Their blocks are still registered.
 
+**Weights that change.** Every call first has the pool compare the model's weights fingerprint with the last one
+(:meth:`PagedKVPool.check_weights`: parameters' identities and version counters, optimizer steps, PEFT adapter
+state, module structure; see :mod:`.weights`). After an optimizer step, ``load_state_dict``, a replaced parameter or
+an adapter loaded, switched, merged or disabled, the cached prefixes are forgotten, so the call computes its prompt
+with the new weights as stock ``generate`` would. A kept cache holds what it computed (continuing it goes on from
+those keys and values, as a kept ``DynamicCache`` would), and its blocks are never cached afterwards.
+
 **A converted model.** After ``model.to(dtype or device)`` the cached keys and values belong to the model as it was.
 The next call rebuilds the pool (drops its tensors and cached prefixes) when no cache holds blocks, and raises
 :class:`~pagedcore.errors.PoolMismatchError` saying what to release otherwise.
@@ -59,8 +66,9 @@ from typing import Any
 
 import torch
 
-from pagedcore.attention_kinds import FullAttention
+from pagedcore.capacity import Demand, Reservation
 from pagedcore.errors import ConfigError, InvalidRequestError, OutOfBlocksError, PoolMismatchError
+from pagedcore.prefix_trie import namespace_key
 from pagedcore.validation import as_integer
 
 from .cache import PagedCache
@@ -83,7 +91,6 @@ class _Enabled:
     attention_backend: str | None
     had_instance_generate: bool
     instance_generate: Any
-    placement: tuple[Any, Any]  # the model's (dtype, device) when the pool last served it
 
 
 _ENABLED: weakref.WeakKeyDictionary[Any, _Enabled] = weakref.WeakKeyDictionary()
@@ -119,8 +126,9 @@ def enable(
     holds nothing afterwards. Requests for ``output_attentions`` / ``output_hidden_states`` compute the whole
     prompt (no prefix hit). Prompt + ``max_new_tokens`` over the model's context raises
     :class:`~pagedcore.errors.InvalidRequestError` (see :func:`~pagedcore.adapters.transformers.spec.context_limit`).
-    After ``model.to(...)`` the next call rebuilds the pool if no cache holds blocks, else raises
-    :class:`~pagedcore.errors.PoolMismatchError`.
+    After a weight update (optimizer step, ``load_state_dict``, PEFT adapters) the next call forgets the cached
+    prefixes (:meth:`PagedKVPool.check_weights`). After ``model.to(...)`` the next call rebuilds the pool if no cache
+    holds blocks, else raises :class:`~pagedcore.errors.PoolMismatchError`.
 
     Example:
         >>> import torch
@@ -156,7 +164,7 @@ def enable(
             raise ConfigError("num_blocks / memory_budget size a new pool: not with pool=")
         pool.bind(model)
     had_instance = "generate" in vars(model)
-    state = _Enabled(pool, namespace, attention_backend, had_instance, vars(model).get("generate"), _placement(model))
+    state = _Enabled(pool, namespace, attention_backend, had_instance, vars(model).get("generate"))
     original = state.instance_generate if had_instance else type(model).generate
     model_ref = weakref.ref(model)
 
@@ -277,12 +285,12 @@ def _run(
         passed = kwargs.get("past_key_values")
     if passed is not None:
         if isinstance(passed, PagedCache) and passed.pool is state.pool:
-            _check_placement(model, state)
+            _check_placement(state)
             return _continue(call, state, passed, args, kwargs, input_ids, mask, settings, ns)
         return call(*args, **kwargs)  # the caller's own cache
     if not settings.use_cache:
         return call(*args, **kwargs)
-    _check_placement(model, state)
+    _check_placement(state)
     return _fresh(model, call, state, args, kwargs, input_ids, mask, settings, ns)
 
 
@@ -297,18 +305,22 @@ def _fresh(
     settings: _Settings,
     ns: Hashable,
 ) -> Any:
-    """A call without a cache of its own: attach the prefix hit to a new cache, generate, register, release."""
+    """A call without a cache of its own: attach the prefix hit to a new cache, reserve the call's worst case,
+    generate, register, release."""
     pads = _left_pads(mask)
     pool = state.pool
     cache = PagedCache(model, pool=pool, namespace=ns, attention_backend=state.attention_backend)
     keep = False
+    reservation = None
     try:
         rows = [input_ids[r, p:].tolist() for r, p in enumerate(pads)] if pads is not None else None
         length = 0
-        if rows is not None and pads is not None:
-            length = _attach(cache, pool, rows, pads, ns, lookup=settings.reuse)
         share_prompt = settings.expand > 1 and settings.reuse
-        _check_capacity(pool, cache, input_ids.shape[1], pads, settings, share_prompt)
+        with pool.lock:  # the hit and the reservation in one hold: no other holder takes blocks in between
+            if rows is not None and pads is not None:
+                length = _attach(cache, pool, rows, pads, ns, lookup=settings.reuse)
+            reservation = _reserve(pool, cache, tuple(input_ids.shape), pads, settings, share_prompt, kwargs)
+        cache.reservation = reservation
         if share_prompt:
             _prefill_once(model, cache, input_ids, mask, length)
         if settings.expand > 1:  # generate expands the batch but never the cache
@@ -320,6 +332,7 @@ def _fresh(
         keep = _carries(result, cache)
         return result
     finally:
+        _give_back(pool, reservation, cache)
         if not keep:
             cache.release()
 
@@ -339,17 +352,25 @@ def _continue(
 
     Its blocks are registered only when they hold exactly the rows' tokens: the mask is left padding equal to the
     padding the cache left out, one row per sequence (no beams or expansion), and the call runs in the namespace
-    the cache was made in. The caller owns the cache: it is never released here.
+    the cache was made in. The caller owns the cache: it is never released here. The call reserves its worst case
+    for its own length (one row per sequence), unless the cache holds a reservation of its own, which it draws from.
     """
     pads = _left_pads(mask)
-    if settings.expand == 1 and cache.batch_size == input_ids.shape[0]:
-        _check_capacity(state.pool, cache, input_ids.shape[1], cache.row_padding(), settings, False)
-    result = call(*args, **kwargs)
+    pool = state.pool
+    reservation, own = None, cache.reservation  # a cache that holds a reservation of its own draws from that one
+    if own is None and settings.expand == 1 and cache.batch_size == input_ids.shape[0]:
+        with pool.lock:
+            reservation = _reserve(pool, cache, tuple(input_ids.shape), cache.row_padding(), settings, False, kwargs)
+        cache.reservation = reservation
+    try:
+        result = call(*args, **kwargs)
+    finally:
+        _give_back(pool, reservation, cache)
     if (
         pads is not None
         and pads == cache.row_padding()
         and settings.expand == 1
-        and _same_namespace(cache.namespace, ns)
+        and namespace_key(cache.namespace) == namespace_key(ns)  # the trie's identity: ("t", 1) is not ("t", True)
     ):
         _register(cache, result, pads, settings, None)
     return result
@@ -358,10 +379,6 @@ def _continue(
 def _carries(result: Any, cache: PagedCache) -> bool:
     """Whether ``generate`` returned the cache to the caller (``return_dict_in_generate=True``)."""
     return isinstance(result, Mapping) and any(value is cache for value in result.values())
-
-
-def _same_namespace(a: Hashable, b: Hashable) -> bool:
-    return type(a) is type(b) and a == b  # 1, 1.0 and True are different namespaces
 
 
 # ---------------------------------------------------------------------- checks (typed errors, nothing changed)
@@ -389,29 +406,23 @@ def _check_context(model: Any, mask: torch.Tensor, settings: _Settings) -> None:
         )
 
 
-def _placement(model: Any) -> tuple[Any, Any]:
-    param = next(iter(model.parameters()), None) if hasattr(model, "parameters") else None
-    return (None, None) if param is None else (param.dtype, param.device)
-
-
-def _check_placement(model: Any, state: _Enabled) -> None:
-    """After ``model.to(...)``: rebuild the pool (its keys belong to the model as it was), or say what holds it."""
-    now = _placement(model)
-    if now == state.placement:
-        return
+def _check_placement(state: _Enabled) -> None:
+    """Have the pool notice a weight update (it forgets the old prefixes) or a conversion (it rebuilds when idle),
+    and say what holds the pool of a converted model that cannot rebuild yet."""
     pool = state.pool
     with pool.lock:
-        if pool.has_tensors or pool.kv.num_cached_blocks:
-            held = pool.kv.num_used_blocks
-            if held:
-                raise PoolMismatchError(
-                    f"the model is now {now[0]} on {now[1]} but this pool holds keys and values computed as "
-                    f"{state.placement[0]} on {state.placement[1]}, and {held} of its blocks are held (caches "
-                    "returned by earlier calls with return_dict_in_generate=True, or an Engine's requests). Release "
-                    "them (out.cache.release()) or drop them; the next call then rebuilds the pool"
-                )
-            pool.rebuild()
-        state.placement = now
+        pool.check_weights()
+        stored = pool.stale_placement
+        if stored is None:
+            return
+        now = pool.weights.placement if pool.weights is not None else None
+        dtype, device = now if now is not None else (None, None)
+        raise PoolMismatchError(
+            f"the model is now {dtype} on {device} but this pool holds keys and values computed as {stored[0]} on "
+            f"{stored[1]}, and {pool.kv.num_used_blocks} of its blocks are held "
+            "(caches returned by earlier calls with return_dict_in_generate=True, or an Engine's requests). Release "
+            "them (out.cache.release()) or drop them; the next call then rebuilds the pool"
+        )
 
 
 # ---------------------------------------------------------------------- one call's plan
@@ -507,56 +518,63 @@ def _attach(
     return length
 
 
-def _check_capacity(
-    pool: PagedKVPool, cache: PagedCache, width: int, pads: list[int] | None, settings: _Settings, share_prompt: bool
-) -> None:
-    """Raise OutOfBlocksError before generation when the call cannot fit, so nothing runs half-way.
+def _reserve(
+    pool: PagedKVPool,
+    cache: PagedCache,
+    shape: tuple[int, ...],
+    pads: list[int] | None,
+    settings: _Settings,
+    share_prompt: bool,
+    kwargs: dict[str, Any],
+) -> Reservation:
+    """Reserve the call's worst case (under the pool's lock), so it can never run out half-way; else raise
+    OutOfBlocksError before generation, ending the call's streamer so that its consumer does not wait for ever.
 
-    ``width`` is the rectangular prompt length, ``pads`` each row's unstored padding; rows already hold what the
-    cache holds. With ``share_prompt`` the prompt is stored once per row, then forked ``settings.expand`` times.
-    Per row and KV group: the blocks its positions need (all of them, as for full attention), and for a sliding
-    window at most ``expand`` times what one copy of the row holds at once (its kind's
-    :meth:`~pagedcore.attention_kinds.AttentionKind.max_blocks`: the prompt's forward, then a token per step). The
-    pool says whether that many can be had (:meth:`~pagedcore.kv_pool.KVPool.shortfalls`).
+    ``shape`` is the input's ``(batch, width)``, ``pads`` each row's unstored padding (None: the mask is not left
+    padding, so every row stores every position); rows already hold what the cache holds. Each row is a
+    :class:`~pagedcore.capacity.Demand` (``settings.expand`` copies; with ``share_prompt`` the prompt is computed once
+    and forked); the pool's :meth:`~pagedcore.kv_pool.KVPool.worst_case` says how many blocks they need, and
+    :meth:`~pagedcore.kv_pool.KVPool.reserve` holds them back from every other holder (other calls, an Engine) until
+    the call ends. An Engine's running requests keep what they may still need: those blocks cannot be reserved.
     """
-    bs = pool.block_size
+    batch, width = shape
     held = cache.row_tokens()
-    rows = len(pads) if pads is not None else len(held) or 1
-    pads = pads if pads is not None else [0] * rows
-    expand = settings.expand
+    pads = pads if pads is not None else [0] * batch
+    demands = [
+        Demand(
+            num_prompt_tokens=width - pad,
+            max_new_tokens=settings.max_new_tokens,
+            num_held_tokens=held[r] if r < len(held) else 0,
+            num_copies=settings.expand,
+            share_prompt=share_prompt,
+            keeps_window=settings.records_past,
+        )
+        for r, pad in enumerate(pads)
+    ]
+    needs = pool.kv.worst_case(*demands)
+    try:
+        return pool.kv.reserve(needs)
+    except OutOfBlocksError as exc:
+        streamer = kwargs.get("streamer")
+        if streamer is not None:
+            streamer.end()
+        raise OutOfBlocksError(
+            f"this generate call needs up to {exc.requested} blocks of {pool.block_size} tokens but only "
+            f"{exc.available} can be had now ({exc}): use a larger pool (enable(model, num_blocks=... / "
+            "memory_budget=...)), smaller batches, or release caches returned by earlier calls; calls sharing the "
+            "pool (other threads, an Engine's running requests) hold back what they may still need",
+            requested=exc.requested,
+            available=exc.available,
+        ) from exc
+
+
+def _give_back(pool: PagedKVPool, reservation: Reservation | None, cache: PagedCache) -> None:
+    """End a call's reservation: what it did not use goes back to the pool (a kept cache holds what it stored)."""
+    if reservation is None:
+        return
     with pool.lock:
-        needs = []
-        for group in pool.kv.groups:
-            kind = FullAttention() if settings.records_past else group.kind
-            need = 0
-            for r, pad in enumerate(pads):
-                prompt = width - pad
-                final = prompt + settings.max_new_tokens - 1  # the last sampled token is never stored
-                stored = held[r] if r < len(held) else 0
-                attached = -(-stored // bs)
-                partial = 1 if stored % bs else 0  # a partly used cached block is copied on write
-                if not share_prompt:
-                    row_need = expand * (-(-final // bs)) - attached + partial
-                else:  # the prompt once, then per fork its own tail (a copy of the shared last block + new ones)
-                    row_need = max(-(-(prompt - 1) // bs) - attached, 0) + partial
-                    row_need += expand * (-(-final // bs) - (prompt - 1) // bs)
-                if kind.is_sliding:
-                    computed = prompt - 1 if share_prompt else prompt  # what the prompt's forward stores
-                    peak = max(
-                        kind.max_blocks(computed, bs, start=stored), kind.max_blocks(final, bs, chunk=1, start=computed)
-                    )
-                    row_need = min(row_need, expand * peak - kind.blocks_held(stored, 0, bs) + partial)
-                need += row_need
-            needs.append(need)
-        for short in pool.kv.shortfalls(needs):
-            raise OutOfBlocksError(
-                f"this generate call needs up to {short.needed} blocks of {bs} tokens (KV group {short.group}) but "
-                f"the pool has {short.available} available of {pool.num_blocks}: use a larger pool "
-                "(enable(model, num_blocks=... / memory_budget=...)), smaller batches, or release caches "
-                "returned by earlier calls",
-                requested=short.needed,
-                available=short.available,
-            )
+        reservation.release()
+        cache.reservation = None
 
 
 def _prefill_once(model: Any, cache: PagedCache, input_ids: torch.Tensor, mask: torch.Tensor, start: int) -> None:

@@ -9,14 +9,14 @@ run without the Engine's lock while other threads add and abort requests.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DummyLayer
 
-from pagedcore.attention import PagedAttentionMetadata, to_device, write_kv
+from pagedcore.attention import PagedAttentionMetadata, stack_block_tables, to_device, write_kv
 from pagedcore.scheduler import ScheduledSequence, SchedulerOutput
 
 from .attention import ForwardContext
@@ -208,7 +208,7 @@ def _metadata(
             query_lens=query_lens,
             seq_lens=seq_lens,
             block_offsets=offsets[g.index],
-            block_tables=_stack_tables(tables[g.index], pool.pad_block),
+            block_tables=stack_block_tables(tables[g.index], pool.pad_block),
             slot_mapping=torch.tensor(slots[g.index], dtype=torch.int64),
             sliding_window=g.sliding_window,
             pad_block=pool.pad_block,
@@ -231,23 +231,3 @@ def _sample_row(item: ScheduledSequence, request: EngineRequest) -> SampleRow:
         suppress = tuple(sorted(seq.stop_token_ids))
     grammar = request.grammar.row_state(seq, item.num_samples) if request.grammar is not None else None
     return SampleRow(item.request_id, request.params, generators, suppress, seq, grammar)
-
-
-def _stack_tables(rows: Sequence[array[int]], pad_block: int) -> torch.Tensor:
-    """Block tables of several sequences (e.g. :meth:`BlockTables.table_array`) as one ``int32 (len(rows), width)``
-    tensor, each row padded with ``pad_block`` to the longest (width at least 1): buffer copies, no per-block loop.
-
-    Example:
-        >>> _stack_tables([array("i", [3, 5]), array("i", [1])], pad_block=8).tolist()
-        [[3, 5], [1, 8]]
-    """
-    width = max((len(row) for row in rows), default=0) or 1
-    pad = array("i", [pad_block]) * width
-    buffer = array("i")
-    for row in rows:
-        buffer += row
-        if len(row) < width:
-            buffer += pad[: width - len(row)]
-    if not buffer:
-        return torch.full((len(rows), width), pad_block, dtype=torch.int32)
-    return torch.frombuffer(buffer, dtype=torch.int32).clone().view(len(rows), width)

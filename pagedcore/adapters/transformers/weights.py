@@ -1,0 +1,339 @@
+"""The weights a pool's keys and values were computed with: a cheap fingerprint and a watch that notices it move.
+
+A prefix cache serves keys and values computed earlier, which are right only while the model would compute the same
+ones. :class:`WeightsWatch` follows one model and says when that may no longer hold (:meth:`WeightsWatch.check`);
+the pool (:meth:`~pagedcore.adapters.transformers.PagedKVPool.check_weights`) then forgets its cached prefixes.
+
+What the fingerprint covers:
+
+- every parameter and buffer (rotary ``inv_freq`` included): which tensor object it is, its in-place version counter
+  (``tensor._version``, which every in-place op bumps: optimizer steps, ``load_state_dict``'s ``copy_``,
+  ``with torch.no_grad(): p.add_(...)``) and its data pointer (``p.data = ...``, ``model.to(...)``);
+- steps of ``torch.optim`` optimizers over those tensors (fused kernels, ``AdamW(fused=True)``, bump no version
+  counter): a global optimizer step post-hook counts them per tensor;
+- the module structure: a submodule, parameter or buffer added or replaced (PEFT adapters injected or unloaded,
+  ``merge_and_unload``, ``model.lm_head.weight = nn.Parameter(...)``, ``load_state_dict(assign=True)``): torch's
+  global registration hooks count registrations on the model's modules, and the watch walks the module tree again
+  after one;
+- the state of PEFT tuner layers (any module with ``active_adapters``, ``merged_adapters`` and
+  ``disable_adapters``): which adapters are active, merged (``merge_adapter`` writes through ``.data``, which no
+  version counter sees), disabled (``disable_adapter()``), and their scaling;
+- the model's ``training`` flag (dropout changes what a forward computes).
+
+Not covered (call ``reset_prefix_cache()`` after them): writes through ``.data`` outside PEFT (``p.data.copy_(w)``),
+direct writes into a module's ``_parameters`` (accelerate's ``set_module_tensor_to_device``), parameters created as
+inference tensors (they have no version counter), forward hooks that change activations. Tensors on the ``meta``
+device (accelerate's offloaded weights between forwards, which it replaces at every forward) count by name, dtype
+and shape only: their data is elsewhere, and the watch never calls ``data_ptr`` on them.
+
+The check reads each tensor's version counter and data pointer through weak references (the watch never keeps a
+replaced parameter alive): tens of microseconds for a model of a hundred tensors, about a thousandth of a forward
+(README, Limits; ``examples/weights_check_cost.py``). The module tree is walked again only after a registration on
+one of the model's modules (not on the temporary containers models build in their forward).
+
+The fingerprint is an in-process one (:class:`WeightsFingerprint`: which watch, how many moves it saw, where the
+weights are); a persisted key (a content hash of the weights, for a store shared across processes) extends it by
+hashing the tensors once per :attr:`WeightsWatch.epoch`, without changing the callers of :meth:`WeightsWatch.check`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.nn.modules import module as torch_module
+from torch.optim import optimizer as torch_optimizer
+from torch.utils.weak import WeakIdKeyDictionary
+
+__all__ = ["WeightsFingerprint", "WeightsWatch"]
+
+Placement = tuple[torch.dtype, torch.device] | None
+"""The ``(dtype, device)`` of a model's first parameter not on the meta device (what its keys are computed in)."""
+
+
+@dataclass
+class _Events:
+    """Process-wide counters that torch's global hooks bump (installed once, by the first watch): the hooks are
+    global, so what they count is too; each watch compares the counters with what they were at its last check."""
+
+    registrations: int = 0  # modules, parameters and buffers registered on a module of a watched model
+    optimizer_steps: int = 0  # steps of any torch.optim optimizer
+    installed: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    stepped: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary)  # tensor -> optimizer steps over it
+    # Every module of every watched model, as of its last walk. Registrations elsewhere do not count: models build
+    # temporary containers in their forward (Llama's ``self.layers[:n]`` makes a ModuleList at every call).
+    watched: weakref.WeakSet[torch.nn.Module] = field(default_factory=weakref.WeakSet)
+
+
+_EVENTS = _Events()
+
+
+def _on_registration(module: Any, name: str, value: Any) -> None:
+    if module in _EVENTS.watched:
+        _EVENTS.registrations += 1  # returns None: torch registers the value unchanged
+
+
+def _on_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+    _EVENTS.optimizer_steps += 1
+    stepped = _EVENTS.stepped
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            stepped[param] = stepped.get(param, 0) + 1
+
+
+def _install_hooks() -> None:
+    with _EVENTS.lock:
+        if _EVENTS.installed:
+            return
+        torch_module.register_module_module_registration_hook(_on_registration)
+        torch_module.register_module_parameter_registration_hook(_on_registration)
+        torch_module.register_module_buffer_registration_hook(_on_registration)
+        torch_optimizer.register_optimizer_step_post_hook(_on_optimizer_step)
+        _EVENTS.installed = True
+
+
+@dataclass(frozen=True)
+class WeightsFingerprint:
+    """Which weights a pool's keys and values were computed with, within this process.
+
+    Two fingerprints are equal when they come from the same watch and no move was seen between them.
+
+    Attributes:
+        watch: the watch's serial number (one per model a pool watched, unique in the process).
+        epoch: moves the watch had seen (:attr:`WeightsWatch.epoch`).
+        placement: ``(dtype, device)`` of the model's first parameter off the meta device, or None.
+
+    Example:
+        >>> from pagedcore.adapters.transformers.testing import tiny_llama
+        >>> watch = WeightsWatch(tiny_llama())
+        >>> fp = watch.fingerprint()
+        >>> fp.epoch, fp.placement, fp == watch.fingerprint()
+        (0, (torch.float32, device(type='cpu')), True)
+    """
+
+    watch: int
+    epoch: int
+    placement: Placement
+
+
+@dataclass
+class _Walk:
+    """What one walk of the module tree found: the structure and the references the quick check reads."""
+
+    names: tuple[str, ...]  # "p:name" / "b:name" of every parameter and buffer, in order
+    refs: list[weakref.ref[torch.Tensor]]  # the same tensors
+    meta: tuple[Any, ...]  # per tensor: (dtype, shape) when on the meta device (identity-free), else None
+    plain: list[weakref.ref[torch.Tensor]]  # tensors whose version counter and data pointer can be read
+    others: list[weakref.ref[torch.Tensor]]  # the rest: they count by identity (a dead one means a new walk)
+    tuners: list[tuple[str, weakref.ref[Any]]]  # PEFT tuner layers
+    first: weakref.ref[torch.Tensor] | None  # the first parameter off the meta device (placement)
+
+
+_serials = itertools.count()
+_TUNER_TYPES: dict[type, bool] = {}
+
+
+class WeightsWatch:
+    """Follows one model's weights and says when they moved (see the module docstring for what counts).
+
+    Args:
+        model: a ``torch.nn.Module`` (held weakly: the watch never keeps it alive).
+
+    Example:
+        >>> import torch
+        >>> from pagedcore.adapters.transformers.testing import tiny_llama
+        >>> model = tiny_llama()
+        >>> watch = WeightsWatch(model)
+        >>> watch.check()                                  # nothing changed since the watch was made
+        False
+        >>> with torch.no_grad():
+        ...     _ = model.lm_head.weight.mul_(2)           # an in-place update
+        >>> watch.check(), watch.check(), watch.epoch      # seen once
+        (True, False, 1)
+        >>> _ = model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2, do_sample=False)
+        >>> watch.check()                                  # generate changes nothing
+        False
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        _install_hooks()
+        self._model = weakref.ref(model)
+        self._serial = next(_serials)
+        self._epoch = 0
+        self._registrations = _EVENTS.registrations
+        self._optimizer_steps = _EVENTS.optimizer_steps
+        self._walk = _walk(model)
+        self._num_walks = 1
+        state = self._state(model, self._walk)
+        assert state is not None  # the tensors were just walked
+        self._last = state
+        self._steps = _steps(self._walk)
+        self._placement = _placement(self._walk)
+
+    @property
+    def epoch(self) -> int:
+        """How many moves :meth:`check` has seen."""
+        return self._epoch
+
+    @property
+    def num_walks(self) -> int:
+        """How many times the watch walked the module tree (once when made, then after each registration on the
+        model or a tensor gone); every other check reads only the tensors it holds."""
+        return self._num_walks
+
+    @property
+    def placement(self) -> Placement:
+        """``(dtype, device)`` of the model's first parameter off the meta device, as of the last check."""
+        return self._placement
+
+    def fingerprint(self) -> WeightsFingerprint:
+        """The fingerprint as of the last :meth:`check`."""
+        return WeightsFingerprint(self._serial, self._epoch, self._placement)
+
+    def check(self) -> bool:
+        """Whether the weights moved since the last check (or since the watch was made); records what it saw.
+
+        False once the model was garbage collected (nothing computes with it any more).
+        """
+        model = self._model()
+        if model is None:
+            return False
+        walk = self._walk
+        if _EVENTS.registrations != self._registrations:
+            return self._rewalk(model)
+        state = self._state(model, walk)
+        if state is None:  # a tensor is gone (replaced without a registration, e.g. by accelerate's offload hooks)
+            return self._rewalk(model)
+        moved = state != self._last
+        if _EVENTS.optimizer_steps != self._optimizer_steps:
+            self._optimizer_steps = _EVENTS.optimizer_steps
+            steps = _steps(walk)
+            moved = moved or steps != self._steps
+            self._steps = steps
+        if moved:
+            self._moved(state, walk)
+        return moved
+
+    # ------------------------------------------------------------------ internals
+    def _rewalk(self, model: torch.nn.Module) -> bool:
+        self._registrations = _EVENTS.registrations
+        self._optimizer_steps = _EVENTS.optimizer_steps
+        old, new = self._walk, _walk(model)
+        self._num_walks += 1
+        state = self._state(model, new)
+        assert state is not None
+        steps = _steps(new)
+        moved = not _same_structure(old, new) or state != self._last or steps != self._steps
+        self._walk, self._steps = new, steps
+        if moved:
+            self._moved(state, new)
+        return moved
+
+    def _moved(self, state: tuple[Any, ...], walk: _Walk) -> None:
+        self._last = state
+        self._epoch += 1
+        self._placement = _placement(walk)
+
+    @staticmethod
+    def _state(model: torch.nn.Module, walk: _Walk) -> tuple[Any, ...] | None:
+        """The quick part: version counters, data pointers, adapter states, the training flag (None: a tensor died)."""
+        refs = walk.plain
+        tensors = [t for ref in refs if (t := ref()) is not None]
+        if len(tensors) != len(refs) or any(ref() is None for ref in walk.others):
+            return None
+        # The version counter is torch's record of in-place writes; it has no public accessor.
+        versions = tuple([t._version for t in tensors])  # noqa: SLF001
+        pointers = tuple([t.data_ptr() for t in tensors])
+        adapters = tuple(_tuner_state(ref()) for _, ref in walk.tuners)
+        return (model.training, versions, pointers, adapters)
+
+
+def _walk(model: torch.nn.Module) -> _Walk:
+    names: list[str] = []
+    refs: list[weakref.ref[torch.Tensor]] = []
+    meta: list[Any] = []
+    plain: list[weakref.ref[torch.Tensor]] = []
+    others: list[weakref.ref[torch.Tensor]] = []
+    first: weakref.ref[torch.Tensor] | None = None
+    for name, tensor, is_param in _tensors(model):
+        ref = weakref.ref(tensor)
+        names.append(("p:" if is_param else "b:") + name)
+        refs.append(ref)
+        on_meta = tensor.device.type == "meta"
+        meta.append((tensor.dtype, tuple(tensor.shape)) if on_meta else None)
+        (plain if not on_meta and _readable(tensor) else others).append(ref)
+        if is_param and first is None and not on_meta:
+            first = ref
+    tuners: list[tuple[str, weakref.ref[Any]]] = []
+    watched = _EVENTS.watched
+    for module_name, module in model.named_modules():
+        watched.add(module)
+        if _is_tuner(module):
+            tuners.append((module_name, weakref.ref(module)))
+    return _Walk(tuple(names), refs, tuple(meta), plain, others, tuners, first)
+
+
+def _tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor, bool]]:
+    for name, param in model.named_parameters():
+        yield name, param, True
+    for name, buffer in model.named_buffers():
+        yield name, buffer, False
+
+
+def _readable(tensor: torch.Tensor) -> bool:
+    """Whether the tensor has a version counter and a data pointer (inference tensors and storage-less wrapper
+    subclasses have not: they count by identity only)."""
+    try:
+        tensor.data_ptr()
+        _ = tensor._version  # noqa: SLF001
+    except (RuntimeError, NotImplementedError, AttributeError):
+        return False
+    return True
+
+
+def _same_structure(old: _Walk, new: _Walk) -> bool:
+    if old.names != new.names or old.meta != new.meta or len(old.tuners) != len(new.tuners):
+        return False
+    for o, n, meta in zip(old.refs, new.refs, old.meta):
+        if meta is None and o() is not n():  # the same tensor objects (meta tensors are replaced at every forward)
+            return False
+    return all(a == b and ra() is rb() for (a, ra), (b, rb) in zip(old.tuners, new.tuners))
+
+
+def _steps(walk: _Walk) -> tuple[int, ...]:
+    stepped = _EVENTS.stepped
+    return tuple([stepped.get(t, 0) if (t := ref()) is not None else -1 for ref in walk.refs])
+
+
+def _placement(walk: _Walk) -> Placement:
+    tensor = walk.first() if walk.first is not None else None
+    return None if tensor is None else (tensor.dtype, tensor.device)
+
+
+def _is_tuner(module: torch.nn.Module) -> bool:
+    """A PEFT tuner layer (``peft.tuners.tuners_utils.BaseTunerLayer``), recognised by its interface."""
+    kind = type(module)
+    known = _TUNER_TYPES.get(kind)
+    if known is None:
+        known = _TUNER_TYPES[kind] = all(
+            hasattr(kind, name) for name in ("active_adapters", "merged_adapters", "disable_adapters")
+        )
+    return known
+
+
+def _tuner_state(module: Any) -> tuple[Any, ...]:
+    if module is None:
+        return ()
+    scaling = vars(module).get("scaling")
+    return (
+        tuple(module.active_adapters),
+        tuple(module.merged_adapters),
+        bool(module.disable_adapters),
+        tuple(scaling.items()) if isinstance(scaling, dict) else None,
+    )

@@ -1,0 +1,347 @@
+"""The prefix cache after the model's weights change (issue 17.1): ``enable()``d ``generate`` and a ``PagedCache`` on
+a shared pool forget the prefixes computed with the old weights, so every call gives stock ``generate``'s tokens and
+fp32 logits on the weights as they are now; and nothing that leaves the weights alone (``generate`` itself, other
+models, accelerate's offload hooks) makes them forget.
+
+Each "after" call is compared with stock ``generate`` on a ``DynamicCache`` on the new weights; the hit counters say
+whether the pool served the old prefix (which today's main did: the outputs differed)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from models import FIRST_TOKEN, VOCAB, tiny_model
+from paged_checks import assert_same_generation, dynamic, generate
+from peft import LoraConfig, get_peft_model
+
+from pagedcore import PoolMismatchError
+from pagedcore.adapters import transformers as pc
+from pagedcore.adapters.transformers import PagedCache, PagedKVPool
+from pagedcore.adapters.transformers.weights import WeightsWatch
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+BLOCK = 4
+ENABLE_DEFAULTS = {"num_blocks": 256, "block_size": BLOCK}
+NEW = {"max_new_tokens": 8, "do_sample": False}
+
+
+def tokens(length: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(FIRST_TOKEN, VOCAB, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+def sgd_step(model: torch.nn.Module, ids: torch.Tensor, lr: float = 0.5) -> None:
+    """One optimizer step of language-model training on ``ids`` (the eval-while-fine-tuning pattern)."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def warm(model: torch.nn.Module, pool: PagedKVPool, ids: torch.Tensor) -> None:
+    """Two calls: the second one hits every full block of the prompt but the last token's."""
+    model.generate(ids, **NEW)
+    before = pool.num_hit_tokens
+    model.generate(ids, **NEW)
+    assert pool.num_hit_tokens - before == (ids.shape[1] - 1) // BLOCK * BLOCK
+
+
+def assert_like_stock(model: torch.nn.Module, pool: PagedKVPool, ids: torch.Tensor, *, hit: bool = False) -> None:
+    """The enabled call gives stock generate's tokens and fp32 logits on the weights as they are now, and takes no
+    prefix hit (``hit=False``: the old prefixes are gone), then a hit on the new prefixes with the same output."""
+    want = generate(model, dynamic(model), input_ids=ids, **NEW)
+    before = pool.num_hit_tokens
+    assert_same_generation(generate(model, None, input_ids=ids, **NEW), want)
+    assert (pool.num_hit_tokens > before) == hit
+    assert_same_generation(generate(model, None, input_ids=ids, **NEW), want)  # the new prefixes are served
+    assert pool.num_hit_tokens > before
+
+
+# --------------------------------------------------------------------------------------------- enable(): updates
+@pytest.mark.parametrize("family", ["llama", "gpt2", "gemma2"])
+def test_an_optimizer_step_between_calls_gives_stock_generate_on_the_new_weights(enabled, family):
+    model = tiny_model(family)
+    ids = tokens(14, seed=1)
+    pool = enabled(model)
+    warm(model, pool, ids)
+    sgd_step(model, ids)
+    assert_like_stock(model, pool, ids)
+    pool.check_invariants()
+
+
+def test_load_state_dict_between_calls(enabled):
+    model = tiny_model("llama")
+    other = tiny_model("llama", seed=7).state_dict()
+    ids = tokens(13, seed=2)
+    pool = enabled(model)
+    warm(model, pool, ids)
+    model.load_state_dict(other)  # copies into the same tensors
+    assert_like_stock(model, pool, ids)
+    warm(model, pool, ids)
+    model.load_state_dict(tiny_model("llama", seed=8).state_dict(), assign=True)  # new tensors
+    assert_like_stock(model, pool, ids)
+
+
+def test_a_replaced_parameter(enabled):
+    model = tiny_model("llama")
+    ids = tokens(13, seed=3)
+    pool = enabled(model)
+    warm(model, pool, ids)
+    model.model.layers[0].self_attn.k_proj.weight = torch.nn.Parameter(torch.randn_like(model.lm_head.weight[:32]))
+    assert_like_stock(model, pool, ids)
+
+
+def test_an_in_place_update_under_no_grad(enabled):
+    model = tiny_model("llama")
+    ids = tokens(13, seed=4)
+    pool = enabled(model)
+    warm(model, pool, ids)
+    with torch.no_grad():
+        model.model.layers[1].self_attn.v_proj.weight.add_(0.3)
+    assert_like_stock(model, pool, ids)
+
+
+def test_a_fused_optimizer_that_bumps_no_version_counter(enabled):
+    """``AdamW(fused=True)``'s kernel writes the parameters without bumping their version counters; the optimizer
+    step hook sees it."""
+    model = tiny_model("llama")
+    ids = tokens(13, seed=5)
+    pool = enabled(model)
+    warm(model, pool, ids)
+    versions = [p._version for p in model.parameters()]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05, fused=True)
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    assert [p._version for p in model.parameters()] == versions  # torch's counters saw nothing
+    assert_like_stock(model, pool, ids)
+
+
+def test_training_mode_and_back(enabled):
+    """Generation in training mode works and hits its own prefixes; switching mode forgets them (dropout would
+    make them differ; these tiny models have none, so the outputs agree either way)."""
+    model = tiny_model("llama")
+    ids = tokens(13, seed=6)
+    pool = enabled(model)
+    warm(model, pool, ids)
+    model.train()
+    assert_like_stock(model, pool, ids)
+    model.eval()
+    assert_like_stock(model, pool, ids)
+
+
+def test_a_kept_cache_continues_on_what_it_computed_and_is_never_cached_after_the_update(enabled):
+    """A cache returned before the update holds keys and values of the old weights: continuing it goes on from them
+    exactly as a kept DynamicCache does, and none of its blocks reaches the prefix cache afterwards."""
+    model = tiny_model("llama")
+    ids = tokens(11, seed=7)
+    pool = enabled(model)
+    kept = model.generate(ids, **NEW, return_dict_in_generate=True)
+    reference = dynamic(model)
+    first = model.generate(ids, **NEW, cache=reference, return_dict_in_generate=True)
+    assert kept.sequences.tolist() == first.sequences.tolist()
+    sgd_step(model, ids)
+    longer = kept.sequences
+    want = generate(model, reference, input_ids=longer, **NEW)
+    got = generate(model, kept.cache, input_ids=longer, **NEW)
+    assert_same_generation(got, want)
+    kept.cache.release()
+    before = pool.num_hit_tokens
+    assert_same_generation(
+        generate(model, None, input_ids=longer, **NEW), generate(model, dynamic(model), input_ids=longer, **NEW)
+    )
+    assert pool.num_hit_tokens == before  # neither the kept cache's nor the old call's blocks were served
+
+
+def test_a_conversion_while_a_cache_is_kept_still_raises_and_a_weight_update_does_not(enabled):
+    model = tiny_model("llama")
+    ids = tokens(13, seed=8)
+    pool = enabled(model)
+    kept = model.generate(ids, **NEW, return_dict_in_generate=True)
+    sgd_step(model, ids)
+    assert_like_stock(model, pool, ids)  # a weight update leaves the kept cache alone and serves the call
+    model.to(torch.bfloat16)
+    with pytest.raises(PoolMismatchError, match=r"torch.bfloat16.*release"):
+        model.generate(ids, **NEW)
+    kept.cache.release()
+    want = model.generate(ids, **NEW, cache=dynamic(model))
+    assert torch.equal(model.generate(ids, **NEW), want)
+    assert pool.layer_tensors(0)[0].dtype == torch.bfloat16
+
+
+# ------------------------------------------------------------------------------------------- enable(): PEFT LoRA
+def lora(**overrides) -> LoraConfig:
+    config = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
+    return LoraConfig(**{**config, "init_lora_weights": False, **overrides})  # random B: the adapter changes outputs
+
+
+def test_peft_lora_adapters_added_switched_merged_disabled_and_unloaded(enabled):
+    model = tiny_model("llama")
+    ids = tokens(14, seed=9)
+    pool = enabled(model)
+    warm(model, pool, ids)
+    torch.manual_seed(1)
+    peft_model = get_peft_model(model, lora())  # injected into the enabled model itself
+    assert_like_stock(model, pool, ids)
+    torch.manual_seed(2)
+    peft_model.add_adapter("other", lora())
+    peft_model.set_adapter("other")
+    assert_like_stock(model, pool, ids)
+    peft_model.set_adapter("default")
+    assert_like_stock(model, pool, ids)
+    peft_model.merge_adapter()  # writes the base weights through .data: only the tuner state says so
+    assert_like_stock(model, pool, ids)
+    peft_model.unmerge_adapter()
+    assert_like_stock(model, pool, ids)
+    with peft_model.disable_adapter():
+        assert_like_stock(model, pool, ids)
+        want = model.generate(ids, **NEW, cache=dynamic(model))
+    assert_like_stock(model, pool, ids)  # the adapter is back
+    assert not torch.equal(model.generate(ids, **NEW, cache=dynamic(model)), want)
+    unloaded = peft_model.merge_and_unload(adapter_names=["other"])  # the base now carries "other", not "default"
+    assert unloaded is model
+    assert_like_stock(model, pool, ids)
+
+
+def test_peft_models_own_generate_on_an_enabled_model(enabled):
+    """``PeftModel.generate`` calls the enabled model's ``generate``: the same check applies."""
+    model = tiny_model("llama")
+    ids = tokens(13, seed=10)
+    pool = enabled(model)
+    warm(model, pool, ids)
+    torch.manual_seed(3)
+    peft_model = get_peft_model(model, lora())
+    want = generate(model, dynamic(model), input_ids=ids, **NEW)
+    before = pool.num_hit_tokens
+    assert_same_generation(generate(peft_model, None, input_ids=ids, **NEW), want)
+    assert pool.num_hit_tokens == before
+
+
+# --------------------------------------------------------------------------------- no spurious invalidation
+@pytest.mark.parametrize("family", ["llama", "mistral", "gemma3", "gpt2", "gpt_neox", "falcon", "phi3", "qwen3_moe"])
+def test_generate_itself_never_moves_the_fingerprint(enabled, family):
+    model = tiny_model(family)
+    ids = tokens(14, seed=11)
+    pool = enabled(model)
+    model.generate(ids, **NEW)
+    watch = pool.weights
+    assert watch is not None
+    epoch, walks = watch.epoch, watch.num_walks
+    for kwargs in ({}, {"num_return_sequences": 2, "do_sample": True}, {"num_beams": 2}):
+        model.generate(ids, **{**NEW, **kwargs})
+    assert not watch.check() and watch.epoch == epoch
+    assert watch.num_walks == walks  # every check read the tensors only (no registration on the model)
+    before = pool.num_hit_tokens
+    model.generate(ids, **NEW)
+    assert pool.num_hit_tokens - before == 12
+
+
+def test_other_models_built_and_trained_meanwhile_change_nothing(enabled):
+    """Registrations and optimizer steps anywhere in the process only make the watch look again."""
+    model = tiny_model("llama")
+    ids = tokens(13, seed=12)
+    pool = enabled(model)
+    warm(model, pool, ids)
+    other = tiny_model("llama", seed=3)  # registers modules and parameters
+    sgd_step(other, ids)  # steps an optimizer
+    before = pool.num_hit_tokens
+    assert_same_generation(
+        generate(model, None, input_ids=ids, **NEW), generate(model, dynamic(model), input_ids=ids, **NEW)
+    )
+    assert pool.num_hit_tokens - before == 12
+
+
+def test_offloaded_weights_on_the_meta_device_count_by_name_and_shape(enabled, tmp_path):
+    """accelerate's offload hooks put new meta tensors in place of the offloaded weights at every forward: that is
+    no weight change (the pool keeps its hits, and data_ptr is never asked of a meta tensor); an update of the
+    weights on a device still is one."""
+    from accelerate import dispatch_model
+
+    model = tiny_model("llama")
+    ids = tokens(13, seed=13)
+    device_map = {"model.embed_tokens": "cpu", "model.layers": "cpu", "model.norm": "cpu"}
+    device_map |= {"model.rotary_emb": "cpu", "lm_head": "disk"}
+    model = dispatch_model(model, device_map=device_map, main_device="cpu", offload_dir=str(tmp_path))
+    assert model.lm_head.weight.device.type == "meta"
+    pool = enabled(model)
+    warm(model, pool, ids)
+    warm(model, pool, ids)
+    with torch.no_grad():
+        model.model.layers[0].mlp.up_proj.weight.mul_(1.5)
+    assert_like_stock(model, pool, ids)
+
+
+# ------------------------------------------------------------------------- pools shared, namespaces, explicit reset
+def test_a_paged_cache_on_a_shared_pool_forgets_the_old_prefixes():
+    model = tiny_model("llama")
+    pool = PagedKVPool(model, num_blocks=64, block_size=BLOCK)
+    ids = tokens(13, seed=14)
+    cache = PagedCache(model, pool=pool)
+    out = model.generate(ids, **NEW, cache=cache)
+    cache.cache_prefixes([out[0].tolist()])
+    cache.release()
+    assert pool.kv.match(ids[0].tolist()).num_tokens == 12
+    sgd_step(model, ids)
+    late = PagedCache(model, pool=pool)  # made after the update: the pool forgets first
+    assert pool.kv.match(ids[0].tolist()).num_tokens == 0
+    late.release()
+    assert pool.kv.num_used_blocks == 0
+
+
+def test_rows_filled_before_an_update_are_not_registered_after_it():
+    model = tiny_model("llama")
+    pool = PagedKVPool(model, num_blocks=64, block_size=BLOCK)
+    ids = tokens(13, seed=15)
+    cache = PagedCache(model, pool=pool)
+    out = model.generate(ids, **NEW, cache=cache)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(2)
+    cache.cache_prefixes([out[0].tolist()])  # computed with the old weights
+    assert pool.kv.num_cached_blocks == 0
+    cache.release()
+    pool.check_invariants()
+
+
+def test_namespaces_stay_isolated_across_an_update(enabled):
+    model = tiny_model("llama")
+    ids = tokens(13, seed=16)
+    pool = enabled(model)
+    for ns in ("a", "b"):
+        model.generate(ids, **NEW, pagedcore_namespace=ns)
+    sgd_step(model, ids)
+    with pc.namespace("a"):
+        assert_like_stock(model, pool, ids)
+    before = pool.num_hit_tokens
+    want = generate(model, dynamic(model), input_ids=ids, **NEW)
+    assert_same_generation(generate(model, None, input_ids=ids, **NEW, pagedcore_namespace="b"), want)
+    assert pool.num_hit_tokens == before  # "a"'s new prefixes are not "b"'s, and "b"'s old ones are gone
+
+
+def test_reset_prefix_cache_for_what_the_fingerprint_cannot_see(enabled):
+    model = tiny_model("llama")
+    ids = tokens(13, seed=17)
+    pool = enabled(model)
+    warm(model, pool, ids)
+    model.lm_head.weight.data.mul_(2)  # through .data: no version counter, no new tensor
+    assert pool.check_weights() == 0
+    cached = pool.kv.num_cached_blocks
+    assert cached == 5  # 13 prompt + 7 stored new tokens
+    assert pool.reset_prefix_cache() == cached
+    assert pool.reset_prefix_cache() == 0
+    assert_like_stock(model, pool, ids)
+
+
+# ------------------------------------------------------------------------------------------------ the watch itself
+def test_the_watch_holds_no_replaced_tensor_and_tolerates_a_dead_model():
+    import gc
+    import weakref
+
+    model = tiny_model("llama")
+    watch = WeightsWatch(model)
+    old = weakref.ref(model.lm_head.weight)
+    model.lm_head.weight = torch.nn.Parameter(torch.zeros_like(model.lm_head.weight))
+    gc.collect()
+    assert old() is None  # the watch only holds weak references
+    assert watch.check() and watch.fingerprint().epoch == 1
+    del model
+    gc.collect()
+    assert not watch.check()
