@@ -149,12 +149,7 @@ class Engine:
         scheduling_policy: str = "fair",
         compile_timeout: float = 30.0,
     ) -> None:
-        if pool is None:
-            pool = PagedKVPool(model, num_blocks=num_blocks, memory_budget=memory_budget, block_size=block_size)
-        else:
-            if num_blocks is not None or memory_budget is not None:
-                raise ConfigError("num_blocks / memory_budget size a new pool: not with pool=")
-            pool.bind(model)
+        pool = _engine_pool(model, pool, num_blocks, memory_budget, block_size)
         self.model = model
         self.tokenizer = tokenizer
         self.pool = pool
@@ -886,6 +881,18 @@ class Engine:
 
 
 _NO_OUTPUT = RequestOutput("", [], [], RequestMetrics(0.0))
+
+
+def _engine_pool(
+    model: Any, pool: PagedKVPool | None, num_blocks: int | None, memory_budget: Any, block_size: int | None
+) -> PagedKVPool:
+    """The Engine's pool: ``pool`` bound to ``model``, or a new one of the given size (not both)."""
+    if pool is None:
+        return PagedKVPool(model, num_blocks=num_blocks, memory_budget=memory_budget, block_size=block_size)
+    if num_blocks is not None or memory_budget is not None:
+        raise ConfigError("num_blocks / memory_budget size a new pool: not with pool=")
+    pool.bind(model)
+    return pool
 
 
 def _seconds(name: str, value: object) -> float:
