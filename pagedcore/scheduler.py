@@ -573,7 +573,8 @@ class Scheduler:
         for seq in self._admission_order():
             if budget == 0 or width + _width(seq) > cfg.max_num_seqs:
                 break
-            match = self._pool.match(seq.token_ids, seq.namespace) if cfg.enable_prefix_caching else None
+            reads = cfg.enable_prefix_caching and seq.read_prefix_cache
+            match = self._pool.match(seq.token_ids, seq.namespace) if reads else None
             if match is not None and self._prefix_in_flight(seq, match.num_tokens):
                 # A running sequence is computing this prompt's next blocks right now: wait a step and hit them
                 # in the cache instead of computing them twice (later requests may go ahead meanwhile).
@@ -594,7 +595,7 @@ class Scheduler:
             plan.append((seq, num_new))
             budget -= num_new
             self.stats.num_admitted += 1
-            if cfg.enable_prefix_caching:
+            if reads:  # a sequence that does not read the cache makes no query (vLLM's count too)
                 self._pool.record(seq.num_tokens, hit)
                 self._emit(
                     "pagedcore_prefix_hit",

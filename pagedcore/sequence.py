@@ -61,6 +61,9 @@ class SequenceState:
         min_new_tokens: stop tokens are ignored before this many tokens were generated.
         priority: scheduling priority under ``SchedulerConfig(policy="priority")``: lower values run first (vLLM's
             convention); any integer, 0 by default (other policies refuse a non-zero one).
+        read_prefix_cache: whether admission may start from a cached prefix; False computes every position at every
+            admission (its blocks are still cached for others), for callers that need each prompt position's logits
+            (prompt log-probabilities; vLLM's ``skip_reading_prefix_cache``).
 
     Example:
         >>> seq = SequenceState("r1", [5, 6, 7], max_new_tokens=2, stop_token_ids=frozenset({0}))
@@ -76,6 +79,7 @@ class SequenceState:
     num_samples: int = 1
     min_new_tokens: int = 0
     priority: int = 0
+    read_prefix_cache: bool = True
     # --- owned by the scheduler
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None

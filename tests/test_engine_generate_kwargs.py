@@ -117,7 +117,10 @@ def test_generation_config_object_and_num_return_sequences(model):
     ("kwargs", "match"),
     [
         ({"num_beams": 4}, "num_beams"),
-        ({"repetition_penalty": 1.2}, "repetition_penalty"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),  # supported now, but > 0
+        ({"no_repeat_ngram_size": 2}, "no_repeat_ngram_size"),
+        ({"sequence_bias": {(5, 6): 1.0}}, "sequence_bias"),  # one-token sequences only
+        ({"output_scores": True}, "output_scores"),
         ({"streamer": object()}, "streamer"),
         ({"no_such_argument": 1}, "no_such_argument"),
         ({"generation_config": GenerationConfig(num_beams=2)}, "num_beams"),
@@ -165,8 +168,9 @@ def test_a_prompt_longer_than_max_length_fails_alone(model):
 
 def test_translation_unit():
     model_config = GenerationConfig(do_sample=True, temperature=0.7, top_p=0.9, eos_token_id=[2, 9])
-    config, seed = merge_generation_config(model_config, {"max_new_tokens": 4, "seed": 3})
-    params = to_sampling_params(config, prompt_length=10, seed=seed)
+    config, extras = merge_generation_config(model_config, {"max_new_tokens": 4, "seed": 3})
+    assert extras == {"seed": 3}
+    params = to_sampling_params(config, prompt_length=10, **extras)
     assert params == SamplingParams(
         max_new_tokens=4, temperature=0.7, top_k=50, top_p=0.9, seed=3, stop_token_ids=(2, 9)
     )

@@ -22,11 +22,7 @@ MAX_LINES = 60
 LONG_FUNCTIONS: dict[str, frozenset[str]] = {
     "pagedcore.adapters.transformers.attention": frozenset({"paged_attention_forward"}),
     "pagedcore.adapters.transformers.prefix_caching": frozenset({"enable"}),
-    "pagedcore.cli": frozenset({"_cmd_generate", "_parser"}),
-    "pagedcore.plugins.xformers.biases": frozenset({"build_attn_bias"}),
     "pagedcore.prefix_trie": frozenset({"PrefixTrie.insert"}),
-    "pagedcore.serve.ray.command": frozenset({"run"}),
-    "pagedcore.serve.ray.deployment": frozenset({"build_app"}),
 }
 
 

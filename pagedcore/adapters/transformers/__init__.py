@@ -21,7 +21,16 @@ Example:
 from .attention import ForwardContext, paged_attention_forward, register
 from .cache import CacheMemoryStats, PagedCache
 from .engine import Engine
-from .outputs import EngineStats, RequestMetrics, RequestOutput, SampleOutput, StepOutput, TokenEvent
+from .outputs import (
+    EngineStats,
+    Logprob,
+    RequestMetrics,
+    RequestOutput,
+    SampleOutput,
+    StepOutput,
+    TokenEvent,
+    TokenLogprobs,
+)
 from .pool import MemoryStats, PagedKVPool
 from .prefix_caching import disable, enable, is_enabled, namespace, prefix_pool
 from .sampling import SamplingParams
@@ -35,6 +44,7 @@ __all__ = [
     "EngineStats",
     "ForwardContext",
     "LayerSpec",
+    "Logprob",
     "MemoryStats",
     "ModelKVSpec",
     "PagedCache",
@@ -45,6 +55,7 @@ __all__ = [
     "SamplingParams",
     "StepOutput",
     "TokenEvent",
+    "TokenLogprobs",
     "disable",
     "enable",
     "is_enabled",

@@ -50,14 +50,15 @@ from pagedcore.errors import (
 )
 from pagedcore.scheduler import Scheduler, SchedulerConfig
 from pagedcore.sequence import FinishReason, SequenceState
-from pagedcore.validation import as_integer
+from pagedcore.validation import as_integer, integer
 from pagedcore.validation import token_ids as valid_token_ids
 
 from .attention import ATTN_IMPLEMENTATION, CONTEXT_KEY
 from .detokenizer import DecodeError, IncrementalDetokenizer
 from .inputs import as_prompt_list, token_id_list
 from .locks import Locks
-from .outputs import EngineStats, RequestMetrics, RequestOutput, SampleOutput, StepOutput, TokenEvent
+from .logprobs import prompt_logprobs
+from .outputs import EngineStats, RequestMetrics, RequestOutput, SampleOutput, StepOutput, TokenEvent, TokenLogprobs
 from .pool import PagedKVPool
 from .request import EngineRequest
 from .sampling import SamplingParams, StepSamples, merge_generation_config, sample_rows, to_sampling_params
@@ -82,7 +83,7 @@ class _Generation:
     """Parameters given in transformers' words, merged with the model's generation_config (per call)."""
 
     config: Any  # transformers.GenerationConfig
-    seed: int | None
+    extras: dict[str, Any]  # sampling.GENERATE_EXTENSIONS given (seed, logprobs, ...)
     structured: StructuredOutput | None = None  # generate(structured=...) / generate(response_format=...)
 
 
@@ -102,13 +103,21 @@ class Engine:
         scheduling_policy: ``"fair"`` (the default: round-robin over namespaces, so one tenant's burst does not hold
             back another's first token), ``"fcfs"``, or ``"priority"`` (lowest ``priority=`` first, as vLLM); see
             :class:`~pagedcore.scheduler.SchedulerConfig`.
+        max_logprobs: the most ``logprobs`` / ``prompt_logprobs`` a request may ask for (vLLM's default, 20; -1:
+            no limit, so ``-1``, the whole vocabulary, is allowed).
         compile_timeout: seconds a structured-output request may wait for its grammar to compile (in a worker,
             off the step loop) before it fails with :class:`~pagedcore.errors.GrammarTimeoutError`.
 
     Generation parameters: either a :class:`SamplingParams` (or a dict of its fields), or ``model.generate``'s
-    keyword arguments (``max_new_tokens``, ``do_sample``, ``temperature``, ``top_k``, ``top_p``,
-    ``num_return_sequences``, ``eos_token_id``, ``stop_strings``, ``min_new_tokens``, ``generation_config=``, plus
-    ``seed``), with the model's ``generation_config`` as the default exactly as ``model.generate`` uses it; not both.
+    keyword arguments (``max_new_tokens``, ``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``min_p``,
+    ``repetition_penalty``, ``sequence_bias``, ``num_return_sequences``, ``eos_token_id``, ``stop_strings``,
+    ``min_new_tokens``, ``output_logits``, ``generation_config=``, plus ``seed``, ``logprobs``, ``prompt_logprobs``,
+    ``presence_penalty`` and ``frequency_penalty``), with the model's ``generation_config`` as the default exactly
+    as ``model.generate`` uses it; not both.
+
+    Log-probabilities: ``logprobs=k`` gives each generated token's :class:`~.outputs.TokenLogprobs` (in
+    ``SampleOutput.logprobs`` and ``TokenEvent.logprobs``), ``prompt_logprobs=k`` each prompt token's (in
+    ``RequestOutput.prompt_logprobs``), from the model's logits before any processing (vLLM's ``raw_logprobs``).
 
     Stopping and text are the Engine's: a sample stops at a stop token (eos by default), at its length, or at a stop
     string (``stop_strings``, matched in its text across token boundaries; needs the tokenizer), in the step that
@@ -147,13 +156,15 @@ class Engine:
         attention_backend: str | None = None,
         watermark: float = 0.01,
         scheduling_policy: str = "fair",
+        max_logprobs: int = 20,
         compile_timeout: float = 30.0,
     ) -> None:
-        pool = _engine_pool(model, pool, num_blocks, memory_budget, block_size)
+        pool = _pool_for(model, pool, num_blocks, memory_budget, block_size)
         self.model = model
         self.tokenizer = tokenizer
         self.pool = pool
         self.attention_backend = attention_backend
+        self.max_logprobs = integer("max_logprobs", max_logprobs, minimum=-1, error=ConfigError)
         config = SchedulerConfig(
             max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs,
@@ -494,21 +505,37 @@ class Engine:
             "use_cache": True,
             CONTEXT_KEY: batch.context,
         }
-        keep = batch.logit_rows
+        keep = batch.logit_rows + batch.prompt_rows if batch.prompt_rows else batch.logit_rows
         if self._keeps_logits:
             kwargs["logits_to_keep"] = to_device(torch.tensor(keep), device) if keep else 1
         with torch.inference_mode():
             logits = self.model(**kwargs).logits[0]
         if not self._keeps_logits and keep:
             logits = logits[to_device(torch.tensor(keep), logits.device)]
-        return logits.float()  # (len(batch.rows), vocab)
+        return logits.float()  # (len(batch.rows) + len(batch.prompt_rows), vocab)
 
     def _sample(self, batch: StepBatch, logits: torch.Tensor | str) -> StepSamples:
         """sample, without the lock: the tokens of every row (a failed forward fails every scheduled sequence)."""
         if isinstance(logits, str):
             return StepSamples(failed=dict.fromkeys((item.request_id for item in batch.plan.scheduled), logits))
         with self._timed("sample"):
-            return sample_rows(logits, batch.rows, self._grammars.masks if self._grammars is not None else None)
+            rows = len(batch.rows)
+            masks = self._grammars.masks if self._grammars is not None else None
+            samples = sample_rows(logits[:rows] if batch.prompt_rows else logits, batch.rows, masks)
+            if batch.prompt_spans:
+                self._score_prompts(batch, logits[rows:], samples)
+            return samples
+
+    def _score_prompts(self, batch: StepBatch, logits: torch.Tensor, samples: StepSamples) -> None:
+        """The prompt log-probabilities of the step's prompt positions (``logits``: theirs, in span order)."""
+        vocab = logits.shape[-1]
+        targets = [token for span in batch.prompt_spans for token in span.targets]
+        ks = [vocab if span.k == -1 else min(span.k, vocab) for span in batch.prompt_spans for _ in span.targets]
+        entries = prompt_logprobs(logits, targets, ks)
+        start = 0
+        for span in batch.prompt_spans:
+            samples.prompt_logprobs[span.request_id] = (span.first, entries[start : start + len(span.targets)])
+            start += len(span.targets)
 
     def _record(self, batch: StepBatch, samples: StepSamples) -> None:
         """record, under the lock: the scheduler takes the tokens (stop tokens and lengths finish sequences there),
@@ -524,15 +551,25 @@ class Engine:
                 for index in indices:
                     self._finish_sample(request, index, FinishReason.ERROR.value)
             self.scheduler.update(batch.plan, samples.tokens)
+            if samples.prompt_logprobs:
+                self._record_prompts(samples)
             now = time.perf_counter()
             for row in batch.rows:
                 tokens = samples.tokens.get(row.request_id)
                 request = batch.owners[row.request_id]
                 if tokens and row.sequence is not None and not request.is_done:
-                    self._record_row(request, row.sequence, tokens, samples.logits.get(row.request_id), now)
+                    self._record_row(request, row.sequence, tokens, samples, now)
+
+    def _record_prompts(self, samples: StepSamples) -> None:
+        """Each request's new prompt log-probabilities (positions recomputed after a preemption are not added twice)."""
+        for request_id, (first, entries) in samples.prompt_logprobs.items():
+            request = self._requests.get(request_id)
+            scored = request.output.prompt_logprobs if request is not None and not request.is_done else None
+            if scored is not None and first <= len(scored) < first + len(entries):
+                scored.extend(entries[len(scored) - first :])
 
     def _record_row(
-        self, request: EngineRequest, seq: SequenceState, tokens: list[int], logits: torch.Tensor | None, now: float
+        self, request: EngineRequest, seq: SequenceState, tokens: list[int], samples: StepSamples, now: float
     ) -> None:
         """One sampled row's tokens: one token, or one per sample at the step that forked the request."""
         metrics = request.output.metrics
@@ -541,31 +578,47 @@ class Engine:
         metrics.num_cached_tokens = seq.num_cached_tokens
         metrics.num_preemptions = seq.num_preemptions
         family = [seq, *seq.forks] if len(tokens) > 1 else [seq]
-        for member, token in zip(family, tokens):
+        logits, logprobs = samples.logits.get(seq.request_id), samples.logprobs.get(seq.request_id)
+        for k, (member, token) in enumerate(zip(family, tokens)):
             index = member.sample_index
+            if not request.params.max_new_tokens:  # prompt_logprobs alone: the prompt was scored, the token is not
+                self._events.append((request.owner, self._scored_event(request, index)))
+                self._finish_sample(request, index, FinishReason.LENGTH.value, event=False)
+                continue
             sample = request.output.samples[index]
             if logits is not None:
                 if sample.logits is None:
                     sample.logits = []
                 sample.logits.append(logits)
+            lp = logprobs[k] if logprobs is not None else None
+            if lp is not None and sample.logprobs is not None:
+                sample.logprobs.append(lp)
             self._counts["generated"] += 1
             if request.grammar is not None and not request.grammar.accept(index, token):
                 self._events.append((request.owner, TokenEvent(request.request_id, index, token)))
                 self._fail(request, f"GrammarError: token {token} is not allowed by {request.grammar.spec.describe()}")
                 return
             try:
-                event = self._text_event(request, member, token)
+                event = self._text_event(request, member, token, lp)
             except DecodeError as exc:
-                self._events.append((request.owner, TokenEvent(request.request_id, index, token)))
+                self._events.append((request.owner, TokenEvent(request.request_id, index, token, logprobs=lp)))
                 self._fail(request, str(exc))
                 return
             self._events.append((request.owner, event))
             if event.finish_reason is not None:
                 self._finish_sample(request, index, event.finish_reason, event.stop_reason, event=False)
 
-    def _text_event(self, request: EngineRequest, seq: SequenceState, token: int) -> TokenEvent:
-        """The event of one sample's new token: its text, and whether and why the sample finished with it (a stop
-        string finishes the sequence here, in the step that completed it)."""
+    def _scored_event(self, request: EngineRequest, index: int) -> TokenEvent:
+        """The one event of a sample of a ``max_new_tokens=0`` request (it only scores its prompt): its finish,
+        with the prompt log-probabilities."""
+        return TokenEvent(request.request_id, index, None, "", "length", prompt_logprobs=request.output.prompt_logprobs)
+
+    def _text_event(
+        self, request: EngineRequest, seq: SequenceState, token: int, logprobs: TokenLogprobs | None = None
+    ) -> TokenEvent:
+        """The event of one sample's new token: its text, its log-probabilities, and whether and why the sample
+        finished with it (a stop string finishes the sequence here, in the step that completed it). A sample's
+        first event carries the request's prompt log-probabilities (with ``prompt_logprobs``)."""
         index = seq.sample_index
         text = request.texts[index]
         text.add(token, seq.num_output_tokens)
@@ -581,7 +634,8 @@ class Engine:
             reason = FinishReason.LENGTH.value
         if reason is not None:
             text.finish()
-        return TokenEvent(request.request_id, index, token, text.take(), reason, stop_reason)
+        prompt = request.output.prompt_logprobs if seq.num_output_tokens == 1 else None
+        return TokenEvent(request.request_id, index, token, text.take(), reason, stop_reason, logprobs, prompt)
 
     # ------------------------------------------------------------------ requests: validate -> submit -> finish
     def _specs(self, params: Any, generate_kwargs: dict[str, Any], count: int) -> list[Params | _Generation]:
@@ -593,8 +647,8 @@ class Engine:
             )
         if params is None:
             structured = _structured_kwarg(generate_kwargs)
-            config, seed = merge_generation_config(getattr(self.model, "generation_config", None), generate_kwargs)
-            return [_Generation(config, seed, structured)] * count
+            config, extras = merge_generation_config(getattr(self.model, "generation_config", None), generate_kwargs)
+            return [_Generation(config, extras, structured)] * count
         if isinstance(params, (SamplingParams, dict)):
             return [params] * count
         if isinstance(params, (str, bytes)) or not isinstance(params, Iterable):
@@ -624,6 +678,7 @@ class Engine:
             raise InvalidRequestError(f"request ids must be non-empty strings without '#', got {request_id!r}")
         stop = () if params.ignore_eos else (params.stop_token_ids if params.stop_token_ids is not None else self._eos)
         stop_ids = valid_token_ids(stop, vocab_size=self._vocab_size, name="stop_token_ids", allow_empty=True)
+        self._check_model_fields(params)
         stops = stop_strings(params.stop_strings, params.include_stop_str_in_output, self.tokenizer, self._added_vocab)
         grammar = None
         if params.structured is not None and params.max_new_tokens:
@@ -631,22 +686,26 @@ class Engine:
             stop_ids = [*stop_ids, *grammar.stop_token_ids]  # a finished grammar's end stops the sequence
         rid = request_id if request_id is not None else self._fresh_id()
         seq = None
-        if params.max_new_tokens:
+        scoring = params.prompt_logprobs is not None
+        if params.max_new_tokens or scoring:  # max_new_tokens=0 with prompt_logprobs: the prompt runs, one draw dropped
             seq = SequenceState(
                 rid,
                 token_ids,
-                params.max_new_tokens,
+                params.max_new_tokens or 1,
                 frozenset(stop_ids) | stops.by_id.keys(),  # stop strings that are special tokens stop by id
                 namespace,
                 params.n,
                 params.min_new_tokens,
                 priority,
+                read_prefix_cache=not scoring,  # every prompt position's logits are needed
             )
             self.scheduler.check_admissible(seq)  # also checks the namespace
-        samples = [SampleOutput(k) for k in range(params.n)]
+        samples = [SampleOutput(k, logprobs=None if params.logprobs is None else []) for k in range(params.n)]
         output = RequestOutput(rid, token_ids, samples, RequestMetrics(time.perf_counter()))
+        output.prompt_logprobs = [None] if scoring else None
         texts = [self._sample_text(stops, params.min_new_tokens) for _ in range(params.n)]
-        return EngineRequest(rid, params, seq, output, texts, params.generators(), grammar=grammar)
+        device = self.model.get_input_embeddings().weight.device  # draws happen where the logits are
+        return EngineRequest(rid, params, seq, output, texts, params.generators(device), grammar=grammar)
 
     def _grammar(self, spec: StructuredOutput, num_samples: int) -> RequestGrammar:
         """Start compiling a request's grammar (bad specs raise here, at admission); the compiler is built with the
@@ -682,6 +741,24 @@ class Engine:
                     self._fail(request, f"{type(exc).__name__}: {exc}")
             else:
                 self._fail(request, f"GrammarError: {error}")
+
+    def _check_model_fields(self, params: SamplingParams) -> None:
+        """What :class:`SamplingParams` cannot check alone: token ids in this model's vocabulary, ``logprobs`` and
+        ``prompt_logprobs`` within ``max_logprobs``."""
+        vocab = self._vocab_size
+        if params.logit_bias:
+            valid_token_ids([t for t, _ in params.bias_items], vocab_size=vocab, name="logit_bias token ids")
+        if params.allowed_token_ids:
+            valid_token_ids(params.allowed_token_ids, vocab_size=vocab, name="allowed_token_ids")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is None or self.max_logprobs == -1:
+                continue
+            if (k == -1 and (vocab is None or vocab > self.max_logprobs)) or k > self.max_logprobs:
+                raise InvalidRequestError(
+                    f"{name}={k} is more than this Engine allows: at most max_logprobs={self.max_logprobs} "
+                    "(Engine(max_logprobs=...); -1 asks for the whole vocabulary)"
+                )
 
     def _sample_text(self, stops: StopStrings, min_new_tokens: int) -> SampleText:
         detokenizer = IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None
@@ -736,7 +813,7 @@ class Engine:
                 escalate = str(exc)
                 request.output.error = request.output.error or escalate
         seq = request.sample_sequence(index)
-        sample.token_ids = seq.output_token_ids if seq is not None else []
+        sample.token_ids = seq.output_token_ids if seq is not None and request.params.max_new_tokens else []
         sample.finish_reason, sample.stop_reason = reason, stop_reason
         if event:
             self._events.append((request.owner, TokenEvent(request.request_id, index, None, piece, reason)))
@@ -820,16 +897,13 @@ class Engine:
     def _params(self, spec: Params | _Generation, prompt_length: int) -> SamplingParams:
         if isinstance(spec, _Generation):
             params = to_sampling_params(
-                spec.config, prompt_length=prompt_length, max_positions=self._max_positions, seed=spec.seed
+                spec.config, prompt_length=prompt_length, max_positions=self._max_positions, **spec.extras
             )
             return params if spec.structured is None else replace(params, structured=spec.structured)
         if isinstance(spec, SamplingParams):
             return spec
         if isinstance(spec, dict):
-            try:
-                return SamplingParams(**spec)
-            except TypeError as exc:  # unknown field
-                raise InvalidRequestError(f"bad sampling parameters: {exc}") from exc
+            return SamplingParams.from_fields(spec)  # this class's names or vLLM's (max_tokens, min_tokens, stop)
         raise InvalidRequestError(f"params must be SamplingParams or a dict, got {type(spec).__name__}")
 
     def _encode(self, prompt: Any) -> list[int]:
@@ -883,18 +957,6 @@ class Engine:
 _NO_OUTPUT = RequestOutput("", [], [], RequestMetrics(0.0))
 
 
-def _engine_pool(
-    model: Any, pool: PagedKVPool | None, num_blocks: int | None, memory_budget: Any, block_size: int | None
-) -> PagedKVPool:
-    """The Engine's pool: ``pool`` bound to ``model``, or a new one of the given size (not both)."""
-    if pool is None:
-        return PagedKVPool(model, num_blocks=num_blocks, memory_budget=memory_budget, block_size=block_size)
-    if num_blocks is not None or memory_budget is not None:
-        raise ConfigError("num_blocks / memory_budget size a new pool: not with pool=")
-    pool.bind(model)
-    return pool
-
-
 def _seconds(name: str, value: object) -> float:
     """A positive number of seconds, or :class:`~pagedcore.errors.ConfigError` naming it."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
@@ -918,6 +980,18 @@ def _added_vocab(tokenizer: Any) -> dict[str, int]:
         return dict(tokenizer.get_added_vocab()) if tokenizer is not None else {}
     except Exception:  # not a transformers tokenizer: stop strings match in the text only
         return {}
+
+
+def _pool_for(
+    model: Any, pool: PagedKVPool | None, num_blocks: int | None, memory_budget: Any, block_size: int | None
+) -> PagedKVPool:
+    """A new pool of ``num_blocks`` / ``memory_budget`` for ``model``, or ``pool`` bound to it (not both)."""
+    if pool is None:
+        return PagedKVPool(model, num_blocks=num_blocks, memory_budget=memory_budget, block_size=block_size)
+    if num_blocks is not None or memory_budget is not None:
+        raise ConfigError("num_blocks / memory_budget size a new pool: not with pool=")
+    pool.bind(model)
+    return pool
 
 
 def _eos_ids(model: Any) -> list[int]:

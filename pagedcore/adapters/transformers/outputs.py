@@ -1,4 +1,4 @@
-"""What the Engine returns: per-request outputs, streamed token events and engine statistics."""
+"""What the Engine returns: per-request outputs, streamed token events, log-probabilities and engine statistics."""
 
 from __future__ import annotations
 
@@ -6,7 +6,63 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["EngineStats", "RequestMetrics", "RequestOutput", "SampleOutput", "StepOutput", "TokenEvent"]
+__all__ = [
+    "EngineStats",
+    "Logprob",
+    "RequestMetrics",
+    "RequestOutput",
+    "SampleOutput",
+    "StepOutput",
+    "TokenEvent",
+    "TokenLogprobs",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Logprob:
+    """One token's log-probability at one position.
+
+    Attributes:
+        token_id: the token.
+        logprob: its natural-log probability under the model's distribution at that position (float32
+            ``log_softmax`` of the model's logits, before any logits processing: see :mod:`.sampling`).
+        rank: 1 for the most likely token; a token's rank is the number of tokens at least as likely as it (vLLM's
+            rule: ties share the worse rank).
+
+    Example:
+        >>> Logprob(42, -0.25, 1).rank
+        1
+    """
+
+    token_id: int
+    logprob: float
+    rank: int
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """The log-probabilities at one position: the token that was chosen there and the most likely alternatives.
+
+    Attributes:
+        token: the chosen token (the sampled one for generated tokens, the prompt's next token for prompt positions).
+        top: the ``k`` most likely tokens, most likely first (ranks 1 .. k); the chosen token is among them when its
+            rank is at most ``k``. Empty for ``logprobs=0``.
+
+    Example:
+        >>> lp = TokenLogprobs(Logprob(7, -1.5, 2), (Logprob(3, -0.5, 1), Logprob(7, -1.5, 2)))
+        >>> lp.token.logprob, [t.token_id for t in lp.top], lp.as_dict()
+        (-1.5, [3, 7], {3: -0.5, 7: -1.5})
+    """
+
+    token: Logprob
+    top: tuple[Logprob, ...] = ()
+
+    def as_dict(self) -> dict[int, float]:
+        """Token id -> log-probability for the top tokens and the chosen one (vLLM's and OpenAI's
+        ``top_logprobs`` shape, most likely first, up to ``k + 1`` entries)."""
+        out = {t.token_id: t.logprob for t in self.top}
+        out.setdefault(self.token.token_id, self.token.logprob)
+        return out
 
 
 @dataclass
@@ -23,10 +79,14 @@ class SampleOutput:
         stop_reason: with ``finish_reason="stop"``, what stopped it: the stop string, or the stop token id (eos or
             one of ``stop_token_ids``); else None (vLLM's ``stop_reason``).
         logits: with ``SamplingParams(return_logits=True)``, the float32 logits each token was drawn from.
+        logprobs: with ``SamplingParams(logprobs=k)``, one :class:`TokenLogprobs` per generated token (in order;
+            as many as ``token_ids``), else None.
 
     Example:
         >>> SampleOutput(0, [5, 6], finish_reason="length").token_ids
         [5, 6]
+        >>> SampleOutput(0, [5], logprobs=[TokenLogprobs(Logprob(5, -0.5, 1))]).cumulative_logprob
+        -0.5
     """
 
     index: int
@@ -35,6 +95,12 @@ class SampleOutput:
     finish_reason: str | None = None
     logits: list[torch.Tensor] | None = None
     stop_reason: str | int | None = None
+    logprobs: list[TokenLogprobs] | None = None
+
+    @property
+    def cumulative_logprob(self) -> float | None:
+        """The sum of the generated tokens' log-probabilities (with ``logprobs``), else None."""
+        return None if self.logprobs is None else sum(lp.token.logprob for lp in self.logprobs)
 
 
 @dataclass
@@ -81,6 +147,9 @@ class RequestOutput:
         samples: one entry per parallel sample (``n``).
         metrics: timings.
         error: why the request failed (``finish_reason == "error"``), else None.
+        prompt_logprobs: with ``SamplingParams(prompt_logprobs=k)``, one entry per prompt token: None for the first
+            (nothing predicts it), then the :class:`TokenLogprobs` of each prompt token given the tokens before it;
+            else None.
 
     Example:
         >>> out = RequestOutput("r1", [1, 2], [SampleOutput(0, [7], finish_reason="stop")], RequestMetrics(0.0))
@@ -93,6 +162,7 @@ class RequestOutput:
     samples: list[SampleOutput]
     metrics: RequestMetrics
     error: str | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @property
     def token_ids(self) -> list[int]:
@@ -128,6 +198,9 @@ class TokenEvent:
             are its final ``SampleOutput.text``.
         finish_reason: set on the sample's last event.
         stop_reason: on a last event with ``finish_reason="stop"``: the stop string or stop token id.
+        logprobs: with ``SamplingParams(logprobs=k)``, the token's :class:`TokenLogprobs`.
+        prompt_logprobs: with ``SamplingParams(prompt_logprobs=k)``, on each sample's first event: the request's
+            prompt log-probabilities (as :attr:`RequestOutput.prompt_logprobs`), for streams that echo the prompt.
 
     Example:
         >>> TokenEvent("r1", 0, 42).finish_reason is None
@@ -140,6 +213,8 @@ class TokenEvent:
     text: str | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    logprobs: TokenLogprobs | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @dataclass(frozen=True)

@@ -3,12 +3,26 @@
 Each sample of each request owns a ``torch.Generator`` seeded from its request's seed, so a seeded request draws
 the same tokens whatever else is in the batch, and a recomputed (preempted) request does not draw again. Sample 0
 of a request seeded with ``s`` draws exactly what ``torch.manual_seed(s); model.generate(...)`` draws for that
-prompt alone.
+prompt alone (any Python int: see :func:`torch_seed`).
 
 Callers who think in transformers' terms pass ``generate``'s keyword arguments (``max_new_tokens``, ``do_sample``,
-``temperature``, ``top_k``, ``top_p``, ``num_return_sequences``, ``eos_token_id``, ``min_new_tokens``,
-``generation_config=``); :func:`merge_generation_config` combines them with the model's ``generation_config`` the
-way ``model.generate`` does, and :func:`to_sampling_params` turns the result into :class:`SamplingParams`.
+``temperature``, ``top_k``, ``top_p``, ``min_p``, ``repetition_penalty``, ``sequence_bias``, ``num_return_sequences``,
+``eos_token_id``, ``min_new_tokens``, ``output_logits``, ``generation_config=``); :func:`merge_generation_config`
+combines them with the model's ``generation_config`` the way ``model.generate`` does, and
+:func:`to_sampling_params` turns the result into :class:`SamplingParams`.
+
+The sampler (:func:`sample_rows`) draws a whole step's tokens in stages, each batched over the rows that need it:
+
+1. the raw logits that were asked for: ``return_logits`` rows keep a copy, ``logprobs`` rows their ``log_softmax``
+   (log-probabilities are the model's own distribution, before any processing: vLLM's default ``raw_logprobs``);
+2. per-row logits processing (:func:`~.logits_processors.process_rows`): allowed tokens, the stop tokens before
+   ``min_new_tokens``, ``logit_bias``, then the repetition, frequency and presence penalties; a grammar's mask for
+   constrained rows (structured outputs) joins this stage after them;
+3. greedy rows: the argmax of the processed logits; random rows: temperature, ``min_p``, ``top_k``, ``top_p``
+   (:func:`~.logits_processors.warp_rows`), then each row draws from its own generator;
+4. the log-probabilities of the drawn tokens and the top ``k`` (:mod:`.logprobs`), from stage 1's.
+
+The order and what each control means are in :mod:`.logits_processors`.
 """
 
 from __future__ import annotations
@@ -18,7 +32,7 @@ import math
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from transformers import GenerationConfig
@@ -27,6 +41,9 @@ from pagedcore.errors import GrammarError, InvalidRequestError
 from pagedcore.sequence import SequenceState
 from pagedcore.validation import integer, token_ids
 
+from .logits_processors import logit_bias_pairs, number, process_rows, warp_rows
+from .logprobs import sample_logprobs
+from .outputs import TokenLogprobs
 from .structured.spec import StructuredOutput
 
 if TYPE_CHECKING:
@@ -34,8 +51,10 @@ if TYPE_CHECKING:
     from .structured.matcher import GrammarState
 
 __all__ = [
+    "GENERATE_EXTENSIONS",
     "GENERATE_KWARGS",
     "GREEDY_BELOW",
+    "VLLM_NAMES",
     "SampleRow",
     "SamplingParams",
     "StepSamples",
@@ -46,7 +65,15 @@ __all__ = [
     "sample_rows",
     "sample_tokens",
     "to_sampling_params",
+    "torch_seed",
 ]
+
+VLLM_NAMES = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens", "stop": "stop_strings"}
+"""vLLM's names for :class:`SamplingParams` fields that this class names in transformers' words; a dict of fields
+(:meth:`SamplingParams.from_fields`, ``Engine.generate(prompts, {...})``) may use either name."""
+
+_TORCH_SEEDS = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes (negatives map to 2**64 - 1 + seed)
+_GOLDEN = 0x9E3779B97F4A7C15  # spreads the seeds of a request's parallel samples
 
 
 GREEDY_BELOW = 1e-5
@@ -62,9 +89,10 @@ class SamplingParams:
         max_new_tokens: tokens to generate at most (0 returns at once with no tokens).
         temperature: 0 for greedy decoding, else the softmax temperature (> 0); below :data:`GREEDY_BELOW` it is
             greedy too.
-        top_k: keep the ``top_k`` most likely tokens (0 = all).
+        top_k: keep the ``top_k`` most likely tokens (0 or -1, vLLM's spelling: all; -1 is stored as 0).
         top_p: keep the smallest set of tokens whose probability reaches ``top_p`` (in (0, 1]).
-        seed: seed of this request's random draws (None: drawn from Python's ``random``).
+        seed: seed of this request's random draws, any Python int (None: drawn from Python's ``random``); see
+            :func:`torch_seed` for how it reaches ``torch.Generator.manual_seed``.
         stop_token_ids: stop after any of these; None means the model's eos token ids.
         stop_strings: stop when the text contains one of these (a string or a list; needs the Engine's tokenizer).
             The token that completes it is the sample's last; the text ends before the stop string, and the sample
@@ -73,10 +101,25 @@ class SamplingParams:
         include_stop_str_in_output: keep the stop string at the end of the text.
         ignore_eos: never stop at the stop tokens (benchmarks); stop strings still apply.
         min_new_tokens: nothing stops a sample before this many tokens were generated: the stop tokens are masked
-            (as transformers' ``min_new_tokens`` does), and stop strings are not matched (as vLLM's ``min_tokens``).
+            (as transformers' ``min_new_tokens`` does), and stop strings are not matched (vLLM calls it
+            ``min_tokens``: :meth:`from_fields` takes either name).
         n: parallel samples of the prompt; they share the prompt's KV blocks.
         return_logits: keep each step's float32 logits in the output, before any masking (for tests and analysis;
-            memory grows with ``vocab * tokens``).
+            memory grows with ``vocab * tokens``; transformers' ``output_logits``).
+        presence_penalty: subtracted from the logit of every token generated so far (OpenAI's; in [-2, 2]).
+        frequency_penalty: subtracted once per time a token was generated so far (OpenAI's; in [-2, 2]).
+        repetition_penalty: every token of the prompt and the generated text has a positive logit divided by it and
+            a negative one multiplied (transformers' and vLLM's; > 0, 1 = none).
+        logit_bias: token id -> bias added to its logit at every step (OpenAI's; biases in [-100, 100], ids in the
+            vocabulary); stored as ``(id, bias)`` pairs sorted by id.
+        allowed_token_ids: only these tokens may be drawn (vLLM's); None: all.
+        min_p: drop tokens less likely than ``min_p`` times the most likely one (in [0, 1]; 0 = none; sampling only).
+        logprobs: with ``k``, each generated token carries its log-probability, its rank and the ``k`` most likely
+            tokens' (``k`` = 0: the token alone; -1: the whole vocabulary), up to the Engine's ``max_logprobs``; the
+            log-probabilities are the model's distribution before any processing (see :mod:`.logits_processors`).
+        prompt_logprobs: with ``k``, the output carries each prompt token's log-probability given the tokens before
+            it, and the ``k`` most likely there. Such a request computes its whole prompt (no prefix-cache hit: those
+            positions would have no logits), as vLLM does.
         structured: constrain the output to a JSON schema, any JSON object, a regex, a choice of strings or a
             grammar: a :class:`~.structured.StructuredOutput`, a dict naming one kind (``{"json_schema": {...}}``,
             vLLM's ``{"guided_regex": ...}``) or OpenAI's ``response_format`` (``{"type": "json_object"}``). Each
@@ -85,7 +128,9 @@ class SamplingParams:
             or ``min_new_tokens`` (the output ends where the grammar does).
 
     Integer fields accept anything with ``__index__`` (numpy integers included) and are stored as ``int``;
-    ``stop_token_ids`` and ``stop_strings`` are stored as tuples.
+    ``stop_token_ids``, ``allowed_token_ids`` and ``stop_strings`` are stored as tuples. Every field is checked
+    here; what depends on the model (token ids in its vocabulary, ``logprobs`` within ``max_logprobs``) is checked
+    when the Engine takes the request.
 
     Example:
         >>> SamplingParams(max_new_tokens=8, temperature=0.7, top_p=0.9, seed=1).is_greedy
@@ -108,17 +153,30 @@ class SamplingParams:
     min_new_tokens: int = 0
     n: int = 1
     return_logits: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: Mapping[int, float] | Sequence[tuple[int, float]] | None = None
+    allowed_token_ids: Sequence[int] | None = None
+    min_p: float = 0.0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    needs_processing: bool = field(default=False, init=False, repr=False, compare=False)
+    """Whether any per-row logits processor applies (set from the fields: the step checks this one flag)."""
     structured: StructuredOutput | Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
         fix = object.__setattr__  # frozen: normalize once, here
-        for name, minimum in (("max_new_tokens", 0), ("top_k", 0), ("min_new_tokens", 0), ("n", 1)):
+        for name, minimum in (("max_new_tokens", 0), ("top_k", -1), ("min_new_tokens", 0), ("n", 1)):
             fix(self, name, integer(name, getattr(self, name), minimum=minimum))
-        if self.seed is not None:
-            fix(self, "seed", integer("seed", self.seed))
+        fix(self, "top_k", max(self.top_k, 0))  # -1 is vLLM's "all", as 0 is
+        for name in ("seed", "logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                fix(self, name, integer(name, getattr(self, name), minimum=None if name == "seed" else -1))
         if self.stop_token_ids is not None:
             fix(self, "stop_token_ids", tuple(token_ids(self.stop_token_ids, name="stop_token_ids", allow_empty=True)))
         fix(self, "stop_strings", _stop_strings(self.stop_strings))
+        self._check_processors()
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)):
             raise InvalidRequestError(f"temperature must be a number, got {self.temperature!r}")
         if not self.temperature >= 0 or math.isinf(self.temperature):  # also catches NaN
@@ -131,6 +189,62 @@ class SamplingParams:
         if self.structured is not None:
             fix(self, "structured", _structured(self.structured, self.ignore_eos, self.min_new_tokens))
 
+    def _check_processors(self) -> None:
+        """The logits processors' fields: their ranges, normalized forms and the ``needs_processing`` flag."""
+        fix = object.__setattr__
+        fix(self, "presence_penalty", number("presence_penalty", self.presence_penalty, -2.0, 2.0))
+        fix(self, "frequency_penalty", number("frequency_penalty", self.frequency_penalty, -2.0, 2.0))
+        fix(
+            self,
+            "repetition_penalty",
+            number("repetition_penalty", self.repetition_penalty, 0.0, math.inf, low_open=True),
+        )
+        fix(self, "min_p", number("min_p", self.min_p, 0.0, 1.0))
+        fix(self, "logit_bias", logit_bias_pairs(self.logit_bias))
+        if self.allowed_token_ids is not None:
+            allowed = tuple(token_ids(self.allowed_token_ids, name="allowed_token_ids", allow_empty=True))
+            if not allowed:  # every token masked: nothing could be drawn (vLLM refuses it too)
+                raise InvalidRequestError("allowed_token_ids must not be empty (None allows every token)")
+            fix(self, "allowed_token_ids", allowed)
+        processing = self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+        fix(self, "needs_processing", bool(processing or self.logit_bias or self.allowed_token_ids))
+
+    @classmethod
+    def from_fields(cls, fields: Mapping[str, Any]) -> SamplingParams:
+        """Parameters from a dict of fields, by this class's names or vLLM's (:data:`VLLM_NAMES`: ``max_tokens``,
+        ``min_tokens``, ``stop``); refuses a field given under both names, and unknown fields, by name.
+
+        Example:
+            >>> SamplingParams.from_fields({"max_tokens": 5, "min_tokens": 2}).min_new_tokens
+            2
+            >>> SamplingParams.from_fields({"min_tokens": 2, "min_new_tokens": 3})
+            Traceback (most recent call last):
+            ...
+            pagedcore.errors.InvalidRequestError: min_tokens and min_new_tokens are the same field: give one
+        """
+        renamed: dict[str, Any] = {}
+        given: dict[str, str] = {}  # our name -> the name it came as
+        for name, value in fields.items():
+            ours = VLLM_NAMES.get(name, name)
+            if ours in renamed:
+                first, second = sorted((given[ours], name), key=lambda n: n in VLLM_NAMES, reverse=True)
+                raise InvalidRequestError(f"{first} and {second} are the same field: give one")
+            renamed[ours], given[ours] = value, name
+        try:
+            return cls(**renamed)
+        except TypeError as exc:  # an unknown field
+            raise InvalidRequestError(f"bad sampling parameters: {exc}") from exc
+
+    @property
+    def bias_items(self) -> tuple[tuple[int, float], ...]:
+        """``logit_bias`` as stored: ``(token id, bias)`` pairs sorted by id (empty: none).
+
+        Example:
+            >>> SamplingParams(logit_bias={9: 1, 2: -3.5}).bias_items
+            ((2, -3.5), (9, 1.0))
+        """
+        return cast(tuple[tuple[int, float], ...], self.logit_bias)
+
     @property
     def is_greedy(self) -> bool:
         """Whether tokens are chosen by argmax (temperature 0, or below :data:`GREEDY_BELOW`).
@@ -142,12 +256,16 @@ class SamplingParams:
         return self.temperature < GREEDY_BELOW
 
     def generators(self, device: torch.device | str = "cpu") -> list[torch.Generator]:
-        """One generator per sample, seeded from ``seed`` (or at random); sample 0's seed is ``seed`` itself."""
-        seed = self.seed if self.seed is not None else random.getrandbits(63)
-        out = []
-        for k in range(self.n):
+        """One generator per sample, seeded from ``seed`` (or at random): sample 0's is seeded with
+        :func:`torch_seed` of it, as ``torch.manual_seed(seed)`` seeds torch's own; the others from that one's."""
+        seed = torch_seed(self.seed) if self.seed is not None else random.getrandbits(63)
+        first = torch.Generator(device=device)
+        first.manual_seed(seed)
+        out = [first]
+        base = first.initial_seed()  # in [0, 2**64): what torch made of a negative seed
+        for k in range(1, self.n):
             generator = torch.Generator(device=device)
-            generator.manual_seed((seed + 0x9E3779B97F4A7C15 * k) % (2**63))
+            generator.manual_seed((base + _GOLDEN * k) % (2**63))
             out.append(generator)
         return out
 
@@ -162,6 +280,20 @@ def _structured(value: object, ignore_eos: bool, min_new_tokens: int) -> Structu
         what = "ignore_eos=True" if ignore_eos else f"min_new_tokens={min_new_tokens}"
         raise GrammarError(f"structured outputs end where their grammar ends: {what} cannot be combined with them")
     return spec
+
+
+def torch_seed(seed: int) -> int:
+    """What a request's ``seed`` (any Python int) gives ``torch.Generator.manual_seed``: the seed itself when torch
+    takes it (``[-2**63, 2**64 - 1]``: vLLM's range, ``[-2**63, 2**63 - 1]``, and more; torch maps a negative seed to
+    ``2**64 - 1 + seed``), else ``seed mod 2**64``, so every int seeds deterministically and a seed torch takes
+    draws what ``torch.manual_seed(seed)`` draws.
+
+    Example:
+        >>> torch_seed(7), torch_seed(-1), torch_seed(2**64 + 7)
+        (7, -1, 7)
+    """
+    low, high = _TORCH_SEEDS
+    return seed if low <= seed <= high else seed % 2**64
 
 
 def _stop_strings(value: object) -> tuple[str, ...]:
@@ -193,12 +325,20 @@ GENERATE_KWARGS = frozenset(
         "stop_strings",  # matched on the Engine's tokenizer's text (transformers needs generate(tokenizer=) for them)
         "pad_token_id",  # no effect: the Engine never pads
         "bos_token_id",  # no effect: the prompt is used as given
+        "min_p",
+        "repetition_penalty",
+        "sequence_bias",  # one-token sequences only: the logit_bias of those tokens
+        "output_logits",  # the raw logits of each token, in SampleOutput.logits (return_logits)
+        "return_dict_in_generate",  # no effect: the Engine's outputs are always RequestOutput objects
         "generation_config",
-        "seed",  # not a transformers argument: the seed of the request's draws (transformers uses the global RNG)
     }
 )
 """``generate`` keyword arguments the Engine accepts (and the options it does not implement, at their neutral value,
 e.g. ``num_beams=1``)."""
+
+GENERATE_EXTENSIONS = ("seed", "logprobs", "prompt_logprobs", "presence_penalty", "frequency_penalty")
+"""Keyword arguments beside transformers' words for what ``generate`` has no argument for: the :class:`SamplingParams`
+fields of the same names (``seed``: transformers uses the global RNG; log-probabilities; OpenAI's penalties)."""
 
 # transformers' defaults for what is still unset after the model's generation_config (5.x:
 # ``GenerationConfig._get_default_generation_params``); only the fields the translation reads.
@@ -211,7 +351,6 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "num_beam_groups": (1,),
     "penalty_alpha": (),
     "diversity_penalty": (0.0,),
-    "repetition_penalty": (1.0,),
     "encoder_repetition_penalty": (1.0,),
     "no_repeat_ngram_size": (0,),
     "encoder_no_repeat_ngram_size": (0,),
@@ -222,8 +361,6 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "begin_suppress_tokens": (),
     "forced_bos_token_id": (),
     "forced_eos_token_id": (),
-    "sequence_bias": (),
-    "min_p": (),
     "top_h": (),
     "typical_p": (1.0,),
     "epsilon_cutoff": (0.0,),
@@ -240,39 +377,37 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "use_mtp": (False,),
     "use_cache": (True,),
     "output_scores": (False,),
-    "output_logits": (False,),
     "output_attentions": (False,),
     "output_hidden_states": (False,),
-    "return_dict_in_generate": (False,),
     "low_memory": (False,),
 }
 
 
 def merge_generation_config(
     model_config: GenerationConfig | None, kwargs: Mapping[str, Any]
-) -> tuple[GenerationConfig, int | None]:
+) -> tuple[GenerationConfig, dict[str, Any]]:
     """Combine ``generate`` keyword arguments with the model's ``generation_config`` as ``model.generate`` does.
 
     Priority: the keyword arguments, then ``generation_config=`` (a ``GenerationConfig``), then the model's
     ``generation_config``, then transformers' defaults. Returns the merged config (a copy: nothing passed in is
-    modified) and the ``seed`` argument. Raises :class:`~pagedcore.errors.InvalidRequestError` naming any unknown
+    modified) and the :data:`GENERATE_EXTENSIONS` given (``seed``, ``logprobs``, ...), for
+    :func:`to_sampling_params`. Raises :class:`~pagedcore.errors.InvalidRequestError` naming any unknown
     argument, any option the Engine does not implement set to a value that would change the output (e.g.
     ``num_beams=4``, also when it comes from the model's config), and any value that cannot give a request
     whatever the prompt (e.g. ``max_new_tokens=0``, ``do_sample=True`` with ``temperature=0``).
 
     Example:
-        >>> config, seed = merge_generation_config(GenerationConfig(temperature=0.7), {"do_sample": True, "seed": 3})
-        >>> config.do_sample, config.temperature, config.top_k, seed
-        (True, 0.7, 50, 3)
+        >>> config, extras = merge_generation_config(GenerationConfig(temperature=0.7), {"do_sample": True, "seed": 3})
+        >>> config.do_sample, config.temperature, config.top_k, extras
+        (True, 0.7, 50, {'seed': 3})
         >>> merge_generation_config(None, {"num_beams": 4})
         Traceback (most recent call last):
         ...
         pagedcore.errors.InvalidRequestError: num_beams=4 (an argument) is not supported by the Engine: ...
     """
     kwargs = dict(kwargs)
-    seed = kwargs.pop("seed", None)
-    if seed is not None:
-        seed = integer("seed", seed)
+    extras = {name: kwargs.pop(name) for name in GENERATE_EXTENSIONS if kwargs.get(name) is not None}
+    kwargs = {name: value for name, value in kwargs.items() if name not in GENERATE_EXTENSIONS}
     user_config = kwargs.pop("generation_config", None)
     if user_config is not None and not isinstance(user_config, GenerationConfig):
         raise InvalidRequestError(f"generation_config must be a transformers GenerationConfig, got {user_config!r}")
@@ -280,7 +415,7 @@ def merge_generation_config(
     if unknown:
         raise InvalidRequestError(
             f"unknown or unsupported generate() arguments for the Engine: {', '.join(unknown)} (it accepts "
-            f"{', '.join(sorted(GENERATE_KWARGS))}, or SamplingParams)"
+            f"{', '.join(sorted(GENERATE_KWARGS | set(GENERATE_EXTENSIONS)))}, or SamplingParams)"
         )
     config = copy.deepcopy(user_config) if user_config is not None else GenerationConfig()
     try:
@@ -304,8 +439,8 @@ def merge_generation_config(
                 f"{name}={value!r} ({where}) is not supported by the Engine: "
                 f"use {' or '.join(repr(v) for v in (*neutral, None)[:2])}, or model.generate"
             )
-    to_sampling_params(config, prompt_length=0, seed=seed)  # everything that does not depend on the prompt
-    return config, seed
+    to_sampling_params(config, prompt_length=0, **extras)  # everything that does not depend on the prompt
+    return config, extras
 
 
 def _is_neutral(value: object, neutral: tuple[Any, ...]) -> bool:
@@ -313,15 +448,17 @@ def _is_neutral(value: object, neutral: tuple[Any, ...]) -> bool:
 
 
 def to_sampling_params(
-    config: GenerationConfig, *, prompt_length: int, max_positions: int | None = None, seed: int | None = None
+    config: GenerationConfig, *, prompt_length: int, max_positions: int | None = None, **extras: Any
 ) -> SamplingParams:
     """Translate a (merged, see :func:`merge_generation_config`) ``GenerationConfig`` for one prompt.
 
-    ``do_sample=False`` is greedy whatever the temperature says; with ``do_sample=True`` the temperature, top-k
-    and top-p apply as transformers applies them. ``max_new_tokens`` wins over ``max_length`` (a total length,
+    ``do_sample=False`` is greedy whatever the temperature says; with ``do_sample=True`` the temperature, top-k,
+    top-p and min-p apply as transformers applies them. ``repetition_penalty`` and one-token ``sequence_bias``
+    entries (``logit_bias``) apply in both modes, as transformers' logits processors do; ``output_logits=True``
+    keeps each token's raw logits (``return_logits``). ``max_new_tokens`` wins over ``max_length`` (a total length,
     prompt included); with neither, 20 new tokens, within ``max_positions``. ``eos_token_id`` (None: none) gives
     the stop tokens, ``stop_strings`` the stop strings, and ``min_new_tokens`` (or ``min_length``) holds them off at
-    first.
+    first. ``extras`` are :data:`GENERATE_EXTENSIONS` fields (``seed``, ``logprobs``, ...), passed as they are.
 
     An option left None does nothing (no top-k, no top-p, temperature 1).
 
@@ -329,6 +466,8 @@ def to_sampling_params(
         >>> params = to_sampling_params(GenerationConfig(max_length=12, eos_token_id=2), prompt_length=5)
         >>> params.max_new_tokens, params.is_greedy, params.stop_token_ids
         (7, True, (2,))
+        >>> to_sampling_params(GenerationConfig(sequence_bias={(5,): -2.0}), prompt_length=5).logit_bias
+        ((5, -2.0),)
     """
     do_sample = bool(config.do_sample) if config.do_sample in (None, True, False) else config.do_sample
     if not isinstance(do_sample, bool):
@@ -345,26 +484,63 @@ def to_sampling_params(
     stop: tuple[int, ...] = ()
     if eos is not None:
         stop = tuple(token_ids([eos] if isinstance(eos, int) else eos, name="eos_token_id", allow_empty=True))
-    fields: dict[str, Any] = {}
-    if do_sample:
-        temperature = config.temperature if config.temperature is not None else 1.0
-        if isinstance(temperature, (int, float)) and not isinstance(temperature, bool) and temperature <= 0:
-            raise InvalidRequestError(
-                f"temperature={temperature!r} with do_sample=True: it must be > 0 (for greedy decoding, "
-                "do_sample=False)"
-            )
-        top_k = config.top_k if config.top_k is not None else 0
-        top_p = config.top_p if config.top_p is not None else 1.0
-        fields = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
     return SamplingParams(
         max_new_tokens=max_new_tokens,
         min_new_tokens=min_new_tokens,
         stop_token_ids=stop,
         stop_strings=config.stop_strings,
         n=n,
-        seed=seed,
-        **fields,
+        **_sampling_fields(config) if do_sample else {},
+        **_processor_fields(config),
+        **extras,
     )
+
+
+def _sampling_fields(config: GenerationConfig) -> dict[str, Any]:
+    """The warpers transformers applies when sampling: temperature, top-k, top-p, min-p (None: not applied)."""
+    temperature = config.temperature if config.temperature is not None else 1.0
+    if isinstance(temperature, (int, float)) and not isinstance(temperature, bool) and temperature <= 0:
+        raise InvalidRequestError(
+            f"temperature={temperature!r} with do_sample=True: it must be > 0 (for greedy decoding, do_sample=False)"
+        )
+    top_k = config.top_k if config.top_k is not None else 0
+    top_p = config.top_p if config.top_p is not None else 1.0
+    min_p = config.min_p if config.min_p is not None else 0.0
+    return {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p}
+
+
+def _processor_fields(config: GenerationConfig) -> dict[str, Any]:
+    """The logits processors transformers applies in every mode, and ``output_logits``."""
+    penalty = config.repetition_penalty
+    output_logits = getattr(config, "output_logits", None)
+    return {
+        "repetition_penalty": 1.0 if penalty is None else penalty,
+        "logit_bias": _sequence_bias(config.sequence_bias),
+        "return_logits": False if output_logits is None else output_logits,
+    }
+
+
+def _sequence_bias(value: object) -> dict[Any, Any] | None:
+    """transformers' ``sequence_bias`` (``{(ids...): bias}`` or ``[[[ids...], bias], ...]``) as a ``logit_bias``;
+    a sequence of more than one token is refused (it biases a token only after the others)."""
+    if value is None:
+        return None
+    try:
+        items = list(value.items()) if isinstance(value, Mapping) else [(tuple(k), b) for k, b in value]  # type: ignore[attr-defined]
+        bias = {}
+        for key, amount in items:
+            ids = (key,) if not isinstance(key, (tuple, list)) else tuple(key)
+            if len(ids) != 1:
+                raise InvalidRequestError(
+                    f"sequence_bias for the sequence {list(ids)!r} is not supported by the Engine: only one-token "
+                    "sequences (a logit_bias); use model.generate for longer ones"
+                )
+            bias[ids[0]] = amount
+    except (TypeError, ValueError) as exc:
+        if isinstance(exc, InvalidRequestError):
+            raise
+        raise InvalidRequestError(f"sequence_bias must map token-id tuples to biases, got {value!r}") from exc
+    return bias
 
 
 def _lengths(config: GenerationConfig, prompt_length: int, max_positions: int | None) -> tuple[int, int]:
@@ -392,31 +568,17 @@ def _lengths(config: GenerationConfig, prompt_length: int, max_positions: int | 
 
 # ------------------------------------------------------------------------------------------------------ the sampler
 def sample_tokens(logits: torch.Tensor, params: SamplingParams, generators: Sequence[torch.Generator]) -> list[int]:
-    """Draw ``len(generators)`` tokens from one row of logits ``(vocab,)`` (float32 recommended).
+    """Draw ``len(generators)`` tokens from one row of logits ``(vocab,)`` (float32 recommended), processed as
+    :func:`sample_rows` processes a row (without a sequence: no penalties).
 
     Example:
         >>> sample_tokens(torch.tensor([0.1, 3.0, 0.2]), SamplingParams(), [torch.Generator()])
         [1]
     """
-    if not bool(torch.isfinite(logits).any()):
-        raise FloatingPointError("the model produced no finite logit for this sequence")
-    if params.is_greedy:
-        token = int(torch.argmax(logits))
-        return [token] * len(generators)
-    scores = logits.float() / params.temperature  # >= GREEDY_BELOW: no real logit overflows float32 here
-    if params.top_k and params.top_k < scores.shape[-1]:
-        kth = torch.topk(scores, params.top_k).values[-1]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_scores, order = torch.sort(scores, descending=True)
-        probs = torch.softmax(sorted_scores, dim=-1)
-        # Drop a token when the tokens before it already reach top_p. The most likely one always stays, also when
-        # top_p is below float32's smallest number (1e-320 reads as 0 there, and 0 >= 0 would drop it).
-        drop = (probs.cumsum(-1) - probs) >= params.top_p
-        drop[0] = False
-        scores = scores.scatter(0, order, sorted_scores.masked_fill(drop, float("-inf")))
-    probs = torch.softmax(scores, dim=-1)
-    return [int(torch.multinomial(probs, 1, generator=g)) for g in generators]
+    out = sample_rows(logits.float()[None, :].clone(), [SampleRow("row", params, list(generators))])
+    if "row" in out.failed:
+        raise FloatingPointError(out.failed["row"])
+    return out.tokens["row"]
 
 
 @dataclass(slots=True)
@@ -428,7 +590,7 @@ class SampleRow:
         params: its request's parameters.
         generators: one per token to draw (all the samples' at the step that forks a request, else one).
         suppress: token ids that may not be drawn yet (the stop tokens, before ``min_new_tokens``).
-        sequence: the sequence itself (what a logits processor that reads the tokens so far would read).
+        sequence: the sequence itself (its tokens so far: what the penalties read).
         grammar: the grammar state the row's next token must follow (structured outputs), or None.
 
     Example:
@@ -453,6 +615,10 @@ class StepSamples:
         tokens: per sequence id, the tokens drawn.
         failed: per sequence id, why no token could be drawn (e.g. no finite logit, or the forward failed).
         logits: per sequence id, its float32 logits row (only for requests with ``return_logits``).
+        logprobs: per sequence id, one :class:`~.outputs.TokenLogprobs` per token drawn (requests with
+            ``logprobs``).
+        prompt_logprobs: per request id, the index of the first prompt token computed in this step and the
+            :class:`~.outputs.TokenLogprobs` of that token and the ones after it (requests with ``prompt_logprobs``).
 
     Example:
         >>> StepSamples().tokens
@@ -462,62 +628,80 @@ class StepSamples:
     tokens: dict[str, list[int]] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)
     logits: dict[str, torch.Tensor] = field(default_factory=dict)
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
 
 
 def sample_rows(logits: torch.Tensor, rows: Sequence[SampleRow], masks: GrammarMasks | None = None) -> StepSamples:
-    """Draw the tokens of a whole step: ``logits`` is ``(len(rows), vocab)``, one row per :class:`SampleRow`.
+    """Draw the tokens of a whole step: ``logits`` is ``(len(rows), vocab)``, one row per :class:`SampleRow` (the
+    step's own tensor: it is processed in place).
 
-    Three stages: keep the raw logits that were asked for, process each row's logits (:func:`process_rows`: where
-    per-row logits processors go; then :func:`constrain_rows`, the grammars of structured outputs, with ``masks``),
-    then draw (greedy rows share one batched argmax; a row that cannot be sampled fails alone). Whatever is drawn
-    or reported from the logits after that (log-probabilities included) sees the masks: a token a grammar forbids
-    has probability 0.
+    The stages of the module docstring: the raw logits and log-probabilities that were asked for, per-row
+    processing (:func:`~.logits_processors.process_rows`), then greedy rows share one batched argmax and random
+    rows one batched warp before each draws from its own generator; a row that cannot be sampled (no finite logit)
+    fails alone. Between the processing and the draws, :func:`constrain_rows` masks the rows that follow a grammar
+    (structured outputs) with ``masks``: every draw sees the masks (the raw log-probabilities do not).
 
     Example:
         >>> rows = [SampleRow("a", SamplingParams(), [torch.Generator()]),
-        ...         SampleRow("b", SamplingParams(), [torch.Generator()], suppress=(1,))]
-        >>> sample_rows(torch.tensor([[0.0, 2.0, 1.0], [0.0, 2.0, 1.0]]), rows).tokens
-        {'a': [1], 'b': [2]}
+        ...         SampleRow("b", SamplingParams(logprobs=1), [torch.Generator()], suppress=(1,))]
+        >>> out = sample_rows(torch.tensor([[0.0, 2.0, 1.0], [0.0, 2.0, 1.0]]), rows)
+        >>> out.tokens, out.logprobs["b"][0].token.rank, [t.token_id for t in out.logprobs["b"][0].top]
+        ({'a': [1], 'b': [2]}, 2, [1])
     """
     out = StepSamples()
     if not rows:
         return out
     for i in [i for i, row in enumerate(rows) if row.params.return_logits]:
         out.logits[rows[i].request_id] = logits[i].detach().cpu().clone()  # before any processing
-    logits = process_rows(logits, rows)
-    if masks is not None:
-        out.failed.update(constrain_rows(logits, rows, masks))
-    greedy, finite = greedy_tokens(logits)
-    tokens = out.tokens
-    for i, row in enumerate(rows):
-        if row.request_id in out.failed:
-            continue
-        if row.params.is_greedy and finite[i]:
-            tokens[row.request_id] = [greedy[i]] * len(row.generators)
-            continue
-        try:
-            tokens[row.request_id] = sample_tokens(logits[i], row.params, row.generators)
-        except Exception as exc:  # one row's failure (e.g. no finite logit) fails that sequence only
-            out.failed[row.request_id] = f"{type(exc).__name__}: {exc}"
+    asking = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+    with torch.inference_mode():  # the forward's logits are inference tensors: processed in place in this mode
+        raw = torch.log_softmax(logits[asking], dim=-1) if asking else None  # vLLM's raw_logprobs
+        logits = process_rows(logits, rows)
+        if masks is not None:
+            out.failed.update(constrain_rows(logits, rows, masks))
+        greedy, finite = greedy_tokens(logits)
+        tokens = out.tokens
+        drawing: list[int] = []
+        for i, row in enumerate(rows):
+            if row.request_id in out.failed:
+                continue
+            if not finite[i]:
+                out.failed[row.request_id] = "FloatingPointError: the model produced no finite logit for this sequence"
+            elif row.params.is_greedy:
+                tokens[row.request_id] = [greedy[i]] * len(row.generators)
+            else:
+                drawing.append(i)
+        if drawing:
+            _draw(logits, rows, drawing, out)
+        if raw is not None:
+            _logprobs(raw, [rows[i] for i in asking], out)
     return out
 
 
-def process_rows(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
-    """Each row's logits as its request's processors leave them (a copy when any row changes; ``logits`` itself
-    otherwise). Today one processor: the tokens a row may not draw yet (``suppress``) get ``-inf``.
+def _draw(logits: torch.Tensor, rows: Sequence[SampleRow], drawing: list[int], out: StepSamples) -> None:
+    """The random rows' draws: one batched warp, then each row's generators (a row whose draw fails fails alone)."""
+    index = torch.tensor(drawing, device=logits.device)
+    probs = warp_rows(logits.index_select(0, index), [rows[i].params for i in drawing])
+    for j, i in enumerate(drawing):
+        row = rows[i]
+        try:
+            out.tokens[row.request_id] = [int(torch.multinomial(probs[j], 1, generator=g)) for g in row.generators]
+        except RuntimeError as exc:  # e.g. NaN logits: "probability tensor contains inf, nan or element < 0"
+            out.failed[row.request_id] = f"{type(exc).__name__}: {exc}"
 
-    Example:
-        >>> rows = [SampleRow("a", SamplingParams(), [torch.Generator()], suppress=(0,))]
-        >>> process_rows(torch.tensor([[1.0, 0.5]]), rows).tolist()
-        [[-inf, 0.5]]
-    """
-    masked = [(i, row.suppress) for i, row in enumerate(rows) if row.suppress]
-    if not masked:
-        return logits
-    logits = logits.clone()
-    for i, ids in masked:
-        logits[i, list(ids)] = float("-inf")
-    return logits
+
+def _logprobs(raw: torch.Tensor, rows: Sequence[SampleRow], out: StepSamples) -> None:
+    """The drawn tokens' log-probabilities, for the rows that asked (``raw``: their ``log_softmax``, in order)."""
+    vocab = raw.shape[-1]
+    drawn = [(j, row) for j, row in enumerate(rows) if row.request_id in out.tokens]
+    if not drawn:
+        return
+    picked = raw if len(drawn) == len(rows) else raw[[j for j, _ in drawn]]
+    ks = [vocab if row.params.logprobs == -1 else min(row.params.logprobs or 0, vocab) for _, row in drawn]
+    found = sample_logprobs(picked, ks, [out.tokens[row.request_id] for _, row in drawn])
+    for (_, row), entries in zip(drawn, found):
+        out.logprobs[row.request_id] = entries
 
 
 def constrain_rows(logits: torch.Tensor, rows: Sequence[SampleRow], masks: GrammarMasks | None) -> dict[str, str]:

@@ -1,16 +1,17 @@
 """One Engine step as tensors: the packed batch and the cache its forward writes through.
 
 :func:`pack` turns the scheduler's plan into a :class:`StepBatch`: every scheduled token of every sequence in one
-``(1, num_tokens)`` row without padding, each KV group's paged-attention metadata, and a :class:`SampleRow` per
-sequence that completed its known tokens. The batch holds everything the forward and the sampler read, so they
-run without the Engine's lock while other threads add and abort requests.
+``(1, num_tokens)`` row without padding, each KV group's paged-attention metadata, a :class:`SampleRow` per
+sequence that completed its known tokens, and a :class:`PromptSpan` per request with ``prompt_logprobs`` whose
+prompt positions this step computes (their logits are kept too; nobody else's are). The batch holds everything the
+forward and the sampler read, so they run without the Engine's lock while other threads add and abort requests.
 """
 
 from __future__ import annotations
 
 from array import array
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -24,7 +25,7 @@ from .pool import PagedKVPool
 from .request import EngineRequest
 from .sampling import SampleRow
 
-__all__ = ["PackedCache", "StepBatch", "pack"]
+__all__ = ["PackedCache", "PromptSpan", "StepBatch", "pack"]
 
 
 class _PackedLayer(CacheLayerMixin):
@@ -101,6 +102,27 @@ class PackedCache(Cache):
         return False
 
 
+@dataclass(frozen=True, slots=True)
+class PromptSpan:
+    """Prompt positions of one request whose logits a step keeps, for its ``prompt_logprobs``.
+
+    Attributes:
+        request_id: the request.
+        first: the index of the first prompt token these positions predict (position ``first - 1`` predicts it).
+        targets: the prompt tokens they predict, in order (``prompt[first : first + len(targets)]``).
+        k: how many top tokens each entry carries.
+
+    Example:
+        >>> PromptSpan("r", 1, [6, 7], 2).targets
+        [6, 7]
+    """
+
+    request_id: str
+    first: int
+    targets: list[int]
+    k: int
+
+
 @dataclass(frozen=True)
 class StepBatch:
     """Everything one step's forward and sampler read, taken under the Engine's lock.
@@ -112,6 +134,9 @@ class StepBatch:
         logit_rows: per :class:`SampleRow`, the index of its last token in the packed batch.
         rows: the sequences to sample for, in the order of ``logit_rows``.
         context: each KV group's paged-attention metadata and the backend choice.
+        prompt_rows: the packed indices of the prompt positions whose logits are kept for ``prompt_logprobs``
+            (after ``logit_rows`` in the forward's logits), in the order of ``prompt_spans``.
+        prompt_spans: what those positions are, one span per request.
 
     Example:
         >>> StepBatch(SchedulerOutput([]), {}, [], [], [], [], ForwardContext(None, [], None, None)).num_tokens
@@ -125,6 +150,8 @@ class StepBatch:
     logit_rows: list[int]
     rows: list[SampleRow]
     context: ForwardContext
+    prompt_rows: list[int] = field(default_factory=list)
+    prompt_spans: list[PromptSpan] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -166,11 +193,13 @@ def pack(
     logit_rows: list[int] = []
     rows: list[SampleRow] = []
     owners: dict[str, EngineRequest] = {}
+    scored = _Scored()
     for item in plan.scheduled:  # one pass; a decode step of hundreds of sequences spends its host time here
         seq = item.sequence
         request = owners[item.request_id] = requests[seq.group_id]
-        start, count = item.start, item.num_new_tokens
-        end = start + count
+        start, count, end = item.start, item.num_new_tokens, item.end
+        if request.params.prompt_logprobs is not None:
+            scored.keep(item, request, len(tokens))
         if count == 1:
             tokens.append(seq.token_ids[start])
             positions.append(start)
@@ -189,7 +218,28 @@ def pack(
             slots[g].extend(blocks.slots(g, start, end))
     metas = _metadata(pool, query_lens, seq_lens, offsets, tables, slots)
     context = ForwardContext(pool, metas, None, attention_backend)
-    return StepBatch(plan, owners, tokens, positions, logit_rows, rows, context)
+    return StepBatch(plan, owners, tokens, positions, logit_rows, rows, context, scored.rows, scored.spans)
+
+
+@dataclass
+class _Scored:
+    """The prompt positions a step keeps the logits of (requests with ``prompt_logprobs``)."""
+
+    rows: list[int] = field(default_factory=list)
+    spans: list[PromptSpan] = field(default_factory=list)
+
+    def keep(self, item: ScheduledSequence, request: EngineRequest, base: int) -> None:
+        """The prompt positions of ``item`` (packed from index ``base``) whose next prompt token has no
+        log-probability yet: a prompt recomputed after a preemption is not scored twice."""
+        seq = item.sequence
+        done = len(request.output.prompt_logprobs or (None,))  # prompt tokens with an entry (the first has None)
+        first = max(item.start, done - 1)  # the first position to keep: it predicts token first + 1
+        last = min(item.end, seq.num_prompt_tokens - 1)  # the positions before it
+        if first >= last:
+            return
+        self.rows.extend(range(base + first - item.start, base + last - item.start))
+        k = request.params.prompt_logprobs or 0
+        self.spans.append(PromptSpan(request.request_id, first + 1, seq.prompt_token_ids[first + 1 : last + 1], k))
 
 
 def _metadata(

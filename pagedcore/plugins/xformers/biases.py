@@ -24,7 +24,18 @@ import torch
 
 from pagedcore.attention import PagedAttentionMetadata, to_device
 
-from .plan import MIN_ROWS, MIN_WIDTH, Step, bucket, first_key, is_gappy, num_live_blocks, pieces, rows_with_queries
+from .plan import (
+    MIN_ROWS,
+    MIN_WIDTH,
+    Piece,
+    Step,
+    bucket,
+    first_key,
+    is_gappy,
+    num_live_blocks,
+    pieces,
+    rows_with_queries,
+)
 from .runtime import import_xformers
 
 __all__ = ["GatheredKeys", "PreparedStep", "build_attn_bias", "build_gathered_keys", "prepare_steps"]
@@ -83,35 +94,67 @@ def build_attn_bias(
     num_rows = num_real
     if pad:
         num_rows, width = bucket(num_real, MIN_ROWS), bucket(width, MIN_WIDTH)
-    pad_queries = parts[0].num_queries  # a padded launch has pieces of one query length (see plan_steps)
+    spans = _Spans.of(parts, num_rows, width * metadata.block_size)
+    block_tables = to_device(_bias_tables(metadata, [p.row for p in parts], num_rows, width), device)
+    if per_query or is_gappy(metadata, rows):
+        return _gappy_bias(xb, spans, block_tables, metadata.block_size, per_query, device)
+    bias_cls = xb.PagedBlockDiagonalCausalWithOffsetPaddedKeysMask
+    return bias_cls.from_seqlens(spans.q_lens, spans.ends, block_tables, metadata.block_size, device=device)
+
+
+def _bias_tables(metadata: PagedAttentionMetadata, rows: list[int], num_rows: int, width: int) -> torch.Tensor:
+    """The bias's block tables on the host: ``rows``' host tables cut or padded to ``width`` pages, then padding
+    rows (``num_rows`` in all) of the pad block."""
     host = metadata.host_tables
     columns = min(width, host.shape[1])
     tables = torch.full((num_rows, width), metadata.pad_block, dtype=torch.int32)  # (bias rows, pages)
-    tables[:num_real, :columns] = host.index_select(0, torch.tensor([p.row for p in parts]))[:, :columns]
-    q_lens = [p.num_queries for p in parts] + [pad_queries] * (num_rows - num_real)
-    starts = [p.key_start for p in parts] + [0] * (num_rows - num_real)
-    ends = [p.key_end for p in parts] + [pad_queries] * (num_rows - num_real)
-    block_tables = to_device(tables, device)
-    if per_query or is_gappy(metadata, rows):
-        # xformers 0.0.35's Paged*GappyKeysMask.from_seqlens rejects every input (it wants as many key starts as
-        # lengths, then one more), so the gappy bias is built unpaged, each piece in its own notional row of
-        # width * page_size keys, and made paged by make_paged, which subtracts the notional row starts again.
-        if per_query:
-            unpaged_cls, paged_cls = xb.BlockDiagonalGappyKeysMask, xb.PagedBlockDiagonalGappyKeysMask
-        else:
-            unpaged_cls = xb.BlockDiagonalCausalWithOffsetGappyKeysMask
-            paged_cls = xb.PagedBlockDiagonalCausalWithOffsetGappyKeysMask
-        row_width = width * metadata.block_size
-        unpaged = unpaged_cls.from_seqlens(
-            q_seqlen=q_lens,
-            kv_seqstarts=[n * row_width + s for n, s in enumerate(starts)] + [num_rows * row_width],
-            kv_seqlen=[e - s for s, e in zip(starts, ends)],
-            device=device,
+    tables[: len(rows), :columns] = host.index_select(0, torch.tensor(rows))[:, :columns]
+    return tables
+
+
+@dataclass(frozen=True)
+class _Spans:
+    """Each bias row's query count and key range, and the width of a notional unpaged row in keys."""
+
+    q_lens: list[int]
+    starts: list[int]
+    ends: list[int]
+    row_width: int
+
+    @staticmethod
+    def of(parts: list[Piece], num_rows: int, row_width: int) -> _Spans:
+        """The real pieces' spans, then padding rows up to ``num_rows``: each holds as many queries as a real
+        piece (a padded launch has pieces of one query length, see ``plan_steps``) and sees the zero pad block."""
+        pad, extra = parts[0].num_queries, num_rows - len(parts)
+        return _Spans(
+            q_lens=[p.num_queries for p in parts] + [pad] * extra,
+            starts=[p.key_start for p in parts] + [0] * extra,
+            ends=[p.key_end for p in parts] + [pad] * extra,
+            row_width=row_width,
         )
-        return unpaged.make_paged(block_tables, metadata.block_size, row_width, paged_cls)
-    return xb.PagedBlockDiagonalCausalWithOffsetPaddedKeysMask.from_seqlens(
-        q_seqlen=q_lens, kv_seqlen=ends, block_tables=block_tables, page_size=metadata.block_size, device=device
+
+
+def _gappy_bias(
+    xb: Any, spans: _Spans, block_tables: torch.Tensor, block_size: int, per_query: bool, device: torch.device
+) -> Any:
+    """A paged gappy bias (per-query pieces, or causal rows whose keys start inside the table row).
+
+    xformers 0.0.35's ``Paged*GappyKeysMask.from_seqlens`` rejects every input (it wants as many key starts as
+    lengths, then one more), so the bias is built unpaged, each piece in its own notional row of ``row_width``
+    keys, and made paged by ``make_paged``, which subtracts the notional row starts again."""
+    if per_query:
+        unpaged_cls, paged_cls = xb.BlockDiagonalGappyKeysMask, xb.PagedBlockDiagonalGappyKeysMask
+    else:
+        unpaged_cls = xb.BlockDiagonalCausalWithOffsetGappyKeysMask
+        paged_cls = xb.PagedBlockDiagonalCausalWithOffsetGappyKeysMask
+    num_rows = len(spans.q_lens)
+    unpaged = unpaged_cls.from_seqlens(
+        q_seqlen=spans.q_lens,
+        kv_seqstarts=[n * spans.row_width + s for n, s in enumerate(spans.starts)] + [num_rows * spans.row_width],
+        kv_seqlen=[e - s for s, e in zip(spans.starts, spans.ends)],
+        device=device,
     )
+    return unpaged.make_paged(block_tables, block_size, spans.row_width, paged_cls)
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,10 @@ import argparse
 import signal
 import sys
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .model_spec import ModelSpec
 
 __all__ = ["run"]
 
@@ -35,27 +38,10 @@ def run(args: argparse.Namespace) -> int:
 
     if missing_extra("pagedcore serve --ray", "ray", ("ray", "ray.serve")):
         return EXIT_UNAVAILABLE
-    import ray
-    from ray import serve
-
-    from .deployment import build_app, deploy
-    from .model_spec import ModelSpec
+    from .deployment import build_app
 
     api_keys = load_api_keys(args.api_keys, UsageError)
-    spec = ModelSpec(path=args.model, dtype=args.dtype, device=args.device, threads=args.threads)
-    if args.model is None:
-        from pagedcore.adapters.transformers.builtin import BUILTIN_DESCRIPTION
-
-        print(
-            f"note: no --model given: serving the {BUILTIN_DESCRIPTION} as {spec.name!r}; its text is gibberish. "
-            "Pass --model PATH for a real checkpoint.",
-            file=sys.stderr,
-        )
-    try:  # fail here, in one line, rather than in every replica
-        spec.load_tokenizer()
-        spec.context_length()
-    except (OSError, ValueError) as exc:
-        raise UsageError(f"cannot load model {spec.name!r}: {str(exc).strip().splitlines()[0]}") from exc
+    spec = _model_spec(args)
     engine_kwargs: dict[str, Any] = {
         "num_blocks": args.num_blocks,
         "memory_budget": args.memory_budget,
@@ -73,6 +59,42 @@ def run(args: argparse.Namespace) -> int:
         api_keys=api_keys,
         num_cpus_per_replica=args.cpus_per_replica,
     )
+    _serve_until_stopped(app, args, args.served_model_name or spec.name)
+    return EXIT_OK
+
+
+def _model_spec(args: argparse.Namespace) -> ModelSpec:
+    """The model the replicas load, its tokenizer and context length checked here, in one line, rather than in every
+    replica."""
+    from pagedcore.cli.common import UsageError
+
+    from .model_spec import ModelSpec
+
+    spec = ModelSpec(path=args.model, dtype=args.dtype, device=args.device, threads=args.threads)
+    if args.model is None:
+        from pagedcore.adapters.transformers.builtin import BUILTIN_DESCRIPTION
+
+        print(
+            f"note: no --model given: serving the {BUILTIN_DESCRIPTION} as {spec.name!r}; its text is gibberish. "
+            "Pass --model PATH for a real checkpoint.",
+            file=sys.stderr,
+        )
+    try:
+        spec.load_tokenizer()
+        spec.context_length()
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"cannot load model {spec.name!r}: {str(exc).strip().splitlines()[0]}") from exc
+    return spec
+
+
+def _serve_until_stopped(app: Any, args: argparse.Namespace, name: str) -> None:
+    """Deploy ``app`` (starting Ray unless it runs), serve until SIGINT/SIGTERM, then shut Serve (and a Ray this
+    started) down."""
+    import ray
+    from ray import serve
+
+    from .deployment import deploy
+
     started_ray = not ray.is_initialized()
     if started_ray:
         ray.init(address=args.ray_address, logging_level=args.log_level.upper(), log_to_driver=False)
@@ -83,7 +105,6 @@ def run(args: argparse.Namespace) -> int:
     )
     try:
         url = deploy(app, host=args.host, port=args.port)
-        name = args.served_model_name or spec.name
         print(
             f"pagedcore serve: model {name!r} at {url}/v1 on {args.replicas} Ray Serve replicas "
             f"({args.routing} routing); Ctrl-C stops",
@@ -98,4 +119,3 @@ def run(args: argparse.Namespace) -> int:
         serve.shutdown()
         if started_ray:
             ray.shutdown()
-    return EXIT_OK

@@ -64,49 +64,75 @@ def build_app(
         >>> type(app).__name__
         'Application'
     """
-    from pagedcore.attention import default_block_size
-
     model = model or ModelSpec()
+    _check_options(routing, replicas, max_queue)
+    engine_kwargs = _with_block_size(model, engine_kwargs)
+    block_size = int(engine_kwargs["block_size"])
+    # The engine batches whatever it holds: Ray Serve must not cap a replica below what its loop queues.
+    max_ongoing = int(engine_kwargs.get("max_num_seqs", 64)) + max_queue
+    engine = _engine_deployment(replicas, routing, router_kwargs, max_ongoing, num_cpus_per_replica)
+    ingress = _ingress_deployment(
+        _ingress_builder(
+            model,
+            served_model_name or model.name,
+            api_keys,
+            block_size=block_size,
+            max_queue=max_queue * replicas,
+            attempts=attempts,
+            stall_timeout=stall_timeout,
+        ),
+        max_queue * replicas,
+    )
+    # The engine deployment is bound as an argument so that it is part of the application; the ingress reaches it
+    # by name (its app builder takes no arguments).
+    return ingress.bind(engine.bind(model, engine_kwargs, max_queue))
+
+
+def _engine_deployment(
+    replicas: int, routing: str, router_kwargs: dict[str, Any] | None, max_ongoing: int, num_cpus: float
+) -> Any:
+    """The engine replicas' deployment behind the ``routing`` request router."""
+    options: dict[str, Any] = {  # Ray's type hints say a dict where a class is accepted
+        "request_router_class": ROUTERS[routing],
+        "request_router_kwargs": dict(router_kwargs or {}) if routing == "prefix" else {},
+    }
+    router = RequestRouterConfig(**options)
+    return serve.deployment(
+        name=ENGINE_DEPLOYMENT,
+        num_replicas=replicas,
+        max_ongoing_requests=max_ongoing,
+        request_router_config=router,
+        ray_actor_options={"num_cpus": num_cpus},
+    )(EngineReplica)
+
+
+def _ingress_deployment(builder: Any, max_queue: int) -> Any:
+    """The ingress deployment of the FastAPI app ``builder`` builds: no CPUs reserved, and a cap on ongoing requests
+    above what its queue holds (the queue answers 429 first)."""
+    return serve.deployment(
+        name=INGRESS_DEPLOYMENT, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=max_queue + 64
+    )(serve.ingress(builder)())
+
+
+def _check_options(routing: str, replicas: object, max_queue: object) -> None:
+    """Raise :class:`~pagedcore.errors.ConfigError` naming the first bad option of :func:`build_app`."""
     if routing not in ROUTERS:
         raise ConfigError(f"routing must be one of {sorted(ROUTERS)}, got {routing!r}")
     if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
         raise ConfigError(f"replicas must be an integer >= 1, got {replicas!r}")
     if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 0:
         raise ConfigError(f"max_queue must be an integer >= 0, got {max_queue!r}")
-    engine_kwargs = dict(engine_kwargs or {})
-    # The ingress routes by whole blocks: every replica and the ingress use one block size, named here.
-    if engine_kwargs.get("block_size") is None:
-        engine_kwargs["block_size"] = default_block_size(model.device, engine_kwargs.get("attention_backend"))
-    block_size = int(engine_kwargs["block_size"])
-    max_num_seqs = int(engine_kwargs.get("max_num_seqs", 64))
-    router_options: dict[str, Any] = {
-        "request_router_class": ROUTERS[routing],
-        "request_router_kwargs": dict(router_kwargs or {}) if routing == "prefix" else {},
-    }
-    router = RequestRouterConfig(**router_options)
-    engine = serve.deployment(
-        name=ENGINE_DEPLOYMENT,
-        num_replicas=replicas,
-        # The engine batches whatever it holds: Ray Serve must not cap a replica below what its loop queues.
-        max_ongoing_requests=max_num_seqs + max_queue,
-        request_router_config=router,
-        ray_actor_options={"num_cpus": num_cpus_per_replica},
-    )(EngineReplica)
-    builder = _ingress_builder(
-        model,
-        served_model_name or model.name,
-        api_keys,
-        block_size=block_size,
-        max_queue=max_queue * replicas,
-        attempts=attempts,
-        stall_timeout=stall_timeout,
-    )
-    ingress = serve.deployment(
-        name=INGRESS_DEPLOYMENT, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=max_queue * replicas + 64
-    )(serve.ingress(builder)())
-    # The engine deployment is bound as an argument so that it is part of the application; the ingress reaches it
-    # by name (its app builder takes no arguments).
-    return ingress.bind(engine.bind(model, engine_kwargs, max_queue))
+
+
+def _with_block_size(model: ModelSpec, engine_kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """A copy of ``engine_kwargs`` that names the block size: the ingress routes by whole blocks, so every replica
+    and the ingress use one block size (the device's and backend's default unless given)."""
+    from pagedcore.attention import default_block_size
+
+    kwargs = dict(engine_kwargs or {})
+    if kwargs.get("block_size") is None:
+        kwargs["block_size"] = default_block_size(model.device, kwargs.get("attention_backend"))
+    return kwargs
 
 
 def deploy(
