@@ -413,8 +413,10 @@ BAD_INPUTS = [
     ),
     (CHAT, {**OK_CHAT, "max_completion_tokens": -5}, 400, "max_tokens"),
     (CHAT, {**OK_CHAT, "logprobs": 1}, 400, "logprobs"),
-    (CHAT, {**OK_CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
-    (CHAT, {**OK_CHAT, "response_format": {"type": "json_object"}}, 400, "response_format"),
+    (CHAT, {**OK_CHAT, "tools": [{"type": "function", "function": {"parameters": {}}}]}, 400, "tools"),
+    (CHAT, {**OK_CHAT, "functions": [{"name": "f"}]}, 400, "functions"),
+    (CHAT, {**OK_CHAT, "response_format": {"type": "xml"}}, 400, "response_format"),
+    (C, {**OK_COMPLETION, "guided_regex": "(("}, 400, "guided_regex"),
     (CHAT, {**OK_CHAT, "model": "gpt-4"}, 404, "model"),
     # A lone surrogate is valid JSON but no tokenizer's input: the tokenizer's failure is a 400, not a 500.
     (C, b'{"model": "tiny", "prompt": "a\\ud800b", "max_tokens": 2}', 400, "prompt"),

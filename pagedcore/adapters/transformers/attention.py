@@ -188,12 +188,7 @@ def paged_attention_forward(
         >>> out.shape, weights
         (torch.Size([1, 3, 4, 16]), None)
     """
-    if kwargs.get("s_aux") is not None:
-        raise UnsupportedModelError(
-            f"{type(module).__name__} uses attention sinks (s_aux), which pagedcore's attention does not implement"
-        )
-    if module.training and dropout:
-        raise UnsupportedModelError("paged attention is for inference: put the model in eval() mode")
+    _check_served(module, dropout, kwargs)
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     ctx: ForwardContext | StepAttention | None = kwargs.get(CONTEXT_KEY)
@@ -212,6 +207,16 @@ def paged_attention_forward(
         key, value = ctx.dense(cast(int, module.layer_idx))
         return _dense(module, query, key, value, attention_mask, scaling, softcap, kwargs)
     return _over_pool(ctx, cast(int, module.layer_idx), query, scaling, softcap, sliding_window), None
+
+
+def _check_served(module: torch.nn.Module, dropout: float, kwargs: dict[str, Any]) -> None:
+    """Refuse what paged attention does not implement: attention sinks, dropout in training."""
+    if kwargs.get("s_aux") is not None:
+        raise UnsupportedModelError(
+            f"{type(module).__name__} uses attention sinks (s_aux), which pagedcore's attention does not implement"
+        )
+    if module.training and dropout:
+        raise UnsupportedModelError("paged attention is for inference: put the model in eval() mode")
 
 
 def _over_pool(
