@@ -544,8 +544,14 @@ def test_api_keys_authenticate_and_tenants_do_not_share_the_prefix_cache():
         assert hits_after("sk-alice") == 0  # cold
         assert hits_after("sk-alice-2") > 0  # same tenant, another key: hits
         warm = s.metrics()["pagedcore_prefix_cache_hits_total"]
-        # Bob sends the same prompt, even naming Alice's namespace: no hit (a client never chooses its namespace).
-        assert hits_after("sk-bob", namespace="alice", pagedcore_namespace="alice", cache_salt="alice") == warm
+        # Bob sends the same prompt, even naming Alice's namespace: no hit (a client never chooses its namespace:
+        # a namespace field is no field of the API, so a 400 naming it, and Alice's name as cache_salt narrows
+        # sharing within Bob's tenant).
+        for field in ("namespace", "pagedcore_namespace"):
+            with pytest.raises(openai.BadRequestError) as info:
+                hits_after("sk-bob", **{field: "alice"})
+            assert info.value.body["param"] == field
+        assert hits_after("sk-bob", cache_salt="alice") == warm
         assert hits_after("sk-bob") == warm  # cold: a salted request shares nothing with unsalted ones
         assert hits_after("sk-bob") > warm  # Bob's own cache now serves Bob
 

@@ -51,6 +51,8 @@ def test_the_command_line_imports_no_server_or_model_library():
         (["--shutdown-timeout", "-1"], "--shutdown-timeout must be a number of seconds >= 0"),
         (["a/model", "--model", "b/model"], "the model is given twice"),
         (["--ray", "--api-key", "sk-1"], "--api-key is not supported with --ray yet"),
+        # The Ray deployment's app reads tool calls in the default format: another one is refused, not ignored.
+        (["--ray", "--tool-call-parser", "llama3_json"], "--tool-call-parser is not supported with --ray yet"),
     ],
 )
 def test_bad_arguments_exit_with_code_2(argv, message, capsys):

@@ -22,9 +22,9 @@ import openai
 from structured_helpers import SCHEMA, TIME_TOOL, WEATHER_TOOL, bpe_tokenizer, random_model
 
 from pagedcore.adapters.transformers import Engine
+from pagedcore.serve.answers import Shape
 from pagedcore.serve.app import create_app
 from pagedcore.serve.loop import EngineLoop
-from pagedcore.serve.responses import Shape
 from pagedcore.serve.server import BackgroundServer
 from pagedcore.serve.tool_calls import ToolCalls
 
@@ -163,6 +163,22 @@ def test_a_named_function_is_called(served, stream):
         (call,) = answer["tool_calls"]
         assert call.function.name == "get_time"
         _arguments(call)
+
+
+def test_a_streamed_tool_answer_is_one_chunk_with_its_tokens(served):
+    """With tools a stream's answer is held to its end and goes out in one chunk: the role, the calls, and what the
+    request asked to see beside them (token ids, log-probabilities), as the same request answers unstreamed."""
+    client, _ = served
+    args = {"model": MODEL, "messages": USER, "max_tokens": 200, "temperature": 1.0, "seed": 3, "logprobs": True}
+    args.update(tools=[WEATHER_TOOL], tool_choice="required", extra_body={"return_token_ids": True})
+    whole = client.chat.completions.create(**args).choices[0]
+    (chunk,) = [c for c in client.chat.completions.create(**args, stream=True) if c.choices]
+    choice = chunk.choices[0]
+    assert choice.delta.role == "assistant" and choice.finish_reason == whole.finish_reason == "tool_calls"
+    streamed, answered = choice.delta.tool_calls[0].function, whole.message.tool_calls[0].function
+    assert (streamed.name, streamed.arguments) == (answered.name, answered.arguments)
+    token_ids = choice.model_dump()["token_ids"]
+    assert token_ids == whole.model_dump()["token_ids"] and len(choice.logprobs.content) == len(token_ids) > 0
 
 
 def test_auto_renders_the_tools_and_parses_what_the_model_wrote(served):

@@ -331,6 +331,7 @@ _NOT_WITH_RAY: dict[str, Any] = {
     "seed": None,
     "enable_prefix_caching": True,
     "max_logprobs": 20,
+    "tool_call_parser": "hermes",
 }
 
 
