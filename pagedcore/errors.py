@@ -69,3 +69,13 @@ class PoolMismatchError(PagedCoreError, ValueError):
 
 class ConcurrentUseError(PagedCoreError, RuntimeError):
     """An object that is not thread-safe was entered from a second thread while in use."""
+
+
+class GrammarError(InvalidRequestError):
+    """A structured-output request's schema, regex, choice list or grammar is invalid (or cannot be used with the
+    request's other parameters); the message names the kind and what is wrong."""
+
+
+class GrammarTimeoutError(GrammarError):
+    """A grammar did not compile within the bound (``compile_timeout``): the request is refused, the message says
+    how long it ran. The compilation goes on in the background and is cached, so the same spec may succeed later."""

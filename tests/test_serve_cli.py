@@ -54,6 +54,8 @@ def test_the_command_line_imports_no_server_or_model_library():
         (["--kv-store", "/tmp"], "--kv-store and --kv-store-bytes go together"),
         (["--kv-store-bytes", "1GiB"], "--kv-store and --kv-store-bytes go together"),
         (["--kv-store", "/tmp", "--kv-store-bytes", "lots"], "--kv-store-bytes must be a size like 8MiB"),
+        # The Ray deployment's app reads tool calls in the default format: another one is refused, not ignored.
+        (["--ray", "--tool-call-parser", "llama3_json"], "--tool-call-parser is not supported with --ray yet"),
     ],
 )
 def test_bad_arguments_exit_with_code_2(argv, message, capsys):

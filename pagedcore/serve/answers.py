@@ -15,6 +15,7 @@ from pagedcore.adapters.transformers.outputs import TokenLogprobs
 
 from .logprob_shapes import LogprobFormat, PromptEntry
 from .loop import Delta, Finished
+from .tool_calls import ToolCalls
 
 __all__ = ["AnswerOptions", "Choice", "Shape", "Tally"]
 
@@ -158,6 +159,7 @@ class Shape:
     created: int
     model: str
     options: AnswerOptions = AnswerOptions()
+    tools: ToolCalls | None = None  # a chat with tools: answers that call them carry ``tool_calls``
 
     def chunk(
         self,
@@ -202,11 +204,12 @@ class Shape:
         for index, choice in enumerate(tally.choices):
             text = self.options.prefix(choice.prompt) + choice.text
             body: dict[str, Any] = {"index": index}
+            reason = choice.reason
             if self.chat:
-                body["message"] = {"role": "assistant", "content": text}
+                body["message"], reason = self.message(text, reason)
             else:
                 body["text"] = text
-            body.update(logprobs=self._logprobs(choice), finish_reason=choice.reason)
+            body.update(logprobs=self._logprobs(choice), finish_reason=reason)
             if not self.chat and self.options.prompt_logprobs:
                 body["prompt_logprobs"] = self.options.format.prompt(self._prompt_entries(choice))
             if self.options.return_token_ids:
@@ -221,6 +224,39 @@ class Shape:
         if self.chat and self.options.prompt_logprobs and tally.choices:
             answer["prompt_logprobs"] = self.options.format.prompt(self._prompt_entries(tally.choices[0]))
         return answer
+
+    def message(self, text: str, reason: str | None) -> tuple[dict[str, Any], str | None]:
+        """A chat answer's message and finish reason: with tools, a finished answer that called them has
+        ``tool_calls`` and the reason ``"tool_calls"`` (an answer cut by its length is left as text).
+
+        Example:
+            >>> Shape(True, "chatcmpl-1", 0, "m").message("Hi", "stop")
+            ({'role': 'assistant', 'content': 'Hi'}, 'stop')
+        """
+        if self.tools is None or reason != "stop":
+            return {"role": "assistant", "content": text}, reason
+        message = self.tools.message(text)
+        return message, "tool_calls" if "tool_calls" in message else reason
+
+    def tool_chunk(self, index: int, choice: Choice, finish_reason: str | None) -> dict[str, Any]:
+        """The one chunk of a streamed chat answer with tools, once it has ended: its whole content or its
+        ``tool_calls`` in one delta (the text is held until the end, to know which it is), with its tokens' ids
+        and log-probabilities when asked for.
+
+        Example:
+            >>> from pagedcore.serve.tool_calls import ToolCalls
+            >>> shape = Shape(True, "chatcmpl-1", 0, "m", tools=ToolCalls("named", "f"))
+            >>> chunk = shape.tool_chunk(0, Choice(prompt=0, text='{"x": 1}'), "stop")["choices"][0]
+            >>> chunk["delta"]["tool_calls"][0]["function"], chunk["finish_reason"]
+            ({'name': 'f', 'arguments': '{"x": 1}'}, 'tool_calls')
+        """
+        message, reason = self.message(self.options.prefix(choice.prompt) + choice.text, finish_reason)
+        chunk = self.chunk(index, choice, "", reason, choice.token_ids, choice.logprobs)
+        delta = chunk["choices"][0]["delta"]
+        delta.update((key, value) for key, value in message.items() if key != "role")
+        if delta.get("content") is None:
+            delta.pop("content", None)
+        return chunk
 
     def _logprobs(self, choice: Choice) -> dict[str, Any] | None:
         """A whole choice's ``logprobs`` (None unless asked)."""

@@ -17,6 +17,7 @@ from fastapi.middleware.cors import CORSMiddleware
 
 from pagedcore import __version__
 from pagedcore.adapters.transformers.spec import text_config
+from pagedcore.errors import ConfigError
 
 from .auth import ApiKeys
 from .body import BodyLimits
@@ -28,6 +29,7 @@ from .openapi import install_openapi
 from .prompts import PromptEncoder
 from .routes import ROUTERS
 from .routes.completions import DEFAULT_COMPLETION_MAX_TOKENS
+from .tool_calls import TOOL_PARSERS
 
 __all__ = ["DEFAULT_COMPLETION_MAX_TOKENS", "AppOptions", "create_app"]
 
@@ -66,6 +68,7 @@ def create_app(
     context_length: int | None = None,
     limits: BodyLimits | None = None,
     options: AppOptions | None = None,
+    tool_call_parser: str = "hermes",
 ) -> FastAPI:
     """The OpenAI-compatible app over ``loop`` (which the caller starts and stops).
 
@@ -80,6 +83,8 @@ def create_app(
             prompt's length); default: the engine's model's ``max_position_embeddings``.
         limits: bounds on request bodies (default :class:`~pagedcore.serve.body.BodyLimits`: 8 MiB, 30 s).
         options: model aliases, chat templates and CORS (:class:`AppOptions`).
+        tool_call_parser: the format ``tool_choice="auto"`` reads tool calls in (a key of
+            :data:`~pagedcore.serve.tool_calls.TOOL_PARSERS`).
 
     Example:
         >>> from pagedcore.adapters.transformers.testing import tiny_llama
@@ -91,12 +96,9 @@ def create_app(
         ['/v1/chat/completions', '/v1/completions', '/v1/models', '/v1/models/{model_id}']
     """
     options = options or AppOptions()
-    context = context_length
-    if isinstance(loop, EngineLoop):
-        engine = loop.engine
-        tokenizer = engine.tokenizer if tokenizer is None else tokenizer
-        if context is None:
-            context = getattr(text_config(engine.model), "max_position_embeddings", None)
+    if tool_call_parser not in TOOL_PARSERS:
+        raise ConfigError(f"unknown tool-call parser {tool_call_parser!r}: use one of {', '.join(TOOL_PARSERS)}")
+    tokenizer, context = _engine_defaults(loop, tokenizer, context_length)
     app = FastAPI(title="pagedcore", version=__version__, docs_url=None, redoc_url=None)
     app.state.serve = ServeContext(
         loop=loop,
@@ -108,6 +110,7 @@ def create_app(
         loop_errors_are_public=getattr(loop, "public_errors", False) is True,
         aliases=tuple(options.aliases),
         trust_request_chat_template=options.trust_request_chat_template,
+        tool_call_parser=tool_call_parser,
     )
     _add_cors(app, options)
     install_error_handlers(app)
@@ -115,6 +118,16 @@ def create_app(
         app.include_router(router)
     install_openapi(app)
     return app
+
+
+def _engine_defaults(loop: RequestLoop, tokenizer: Any, context: int | None) -> tuple[Any, int | None]:
+    """The tokenizer and context length, defaulting to an :class:`EngineLoop`'s engine's."""
+    if isinstance(loop, EngineLoop):
+        engine = loop.engine
+        tokenizer = engine.tokenizer if tokenizer is None else tokenizer
+        if context is None:
+            context = getattr(text_config(engine.model), "max_position_embeddings", None)
+    return tokenizer, context
 
 
 def _add_cors(app: FastAPI, options: AppOptions) -> None:

@@ -72,6 +72,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--trust-request-chat-template", action="store_true", help="let requests give their own chat_template"
     )
+    parser.add_argument(
+        "--tool-call-parser",
+        default="hermes",
+        choices=["hermes", "llama3_json"],
+        help="the format tool_choice=auto reads the model's tool calls in (default: hermes, <tool_call>{json}...)",
+    )
     parser.add_argument("--seed", type=int, default=None, help="seed of the draws of requests without a seed")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own choice)")
     levels = ["critical", "error", "warning", "info", "debug", "trace"]
@@ -255,7 +261,13 @@ def _build(args: argparse.Namespace, error: type[Exception]) -> tuple[Any, Any, 
     names = args.served_model_name or [name]
     options = _app_options(args, names, error)
     app = create_app(
-        loop, model_name=names[0], api_keys=api_keys, context_length=context, limits=body_limits(args), options=options
+        loop,
+        model_name=names[0],
+        api_keys=api_keys,
+        context_length=context,
+        limits=body_limits(args),
+        options=options,
+        tool_call_parser=args.tool_call_parser,
     )
     sock = bind(args.host, args.port)
     port = sock.getsockname()[1]
@@ -346,6 +358,7 @@ _NOT_WITH_RAY: dict[str, Any] = {
     "seed": None,
     "enable_prefix_caching": True,
     "max_logprobs": 20,
+    "tool_call_parser": "hermes",
 }
 
 

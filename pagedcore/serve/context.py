@@ -43,6 +43,7 @@ class ServeContext:
         trust_request_chat_template: whether a request's own ``chat_template`` is used (else it gets a 400, as vLLM
             without ``--trust-request-chat-template``).
         admission: open, or closed while the server drains for a shutdown.
+        tool_call_parser: the tool-call format ``tool_choice="auto"`` reads (:mod:`pagedcore.serve.tool_calls`).
 
     Example:
         >>> ctx = ServeContext(loop=None, metrics=None, model_name="tiny", encoder=PromptEncoder(None, None))
@@ -64,6 +65,7 @@ class ServeContext:
     aliases: tuple[str, ...] = ()
     trust_request_chat_template: bool = False
     admission: Admission = field(default_factory=Admission)
+    tool_call_parser: str = "hermes"
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property

@@ -7,8 +7,6 @@ A field is either
 - ``implemented``: parsed by the request models and honoured (a test shows its effect);
 - ``refused``: accepted only at the values listed in ``no_op`` (absent, null, or a value that asks for what happens
   anyway), else a 400 naming the field;
-- ``grammar``: structured outputs and tools (``response_format``, ``tools``, ``guided_*``...), owned by the
-  structured-output front end; until a handler for them is installed they are refused like ``refused`` fields;
 - ``no effect``: identifiers that by their definition never change an answer (``user``, ``safety_identifier``: end-user
   ids for abuse monitoring, as OpenAI documents them).
 
@@ -22,7 +20,7 @@ from typing import Any, Literal
 
 __all__ = ["CHAT", "COMPLETIONS", "FIELDS", "FieldRule", "Status", "rules_for"]
 
-Status = Literal["implemented", "refused", "grammar", "no effect"]
+Status = Literal["implemented", "refused", "no effect"]
 Endpoint = Literal["completions", "chat"]
 COMPLETIONS: Endpoint = "completions"
 CHAT: Endpoint = "chat"
@@ -36,7 +34,7 @@ class FieldRule:
     Args:
         status: see the module docstring.
         note: what it does here (implemented) or why it is refused and what to use instead.
-        no_op: the values a refused (or grammar) field is accepted at; None is always one.
+        no_op: the values a refused field is accepted at; None is always one.
         endpoints: the endpoints whose requests have this field.
 
     Example:
@@ -62,10 +60,6 @@ def _impl(note: str, endpoints: tuple[Endpoint, ...] = _BOTH) -> FieldRule:
 
 def _refused(note: str, *no_op: Any, endpoints: tuple[Endpoint, ...] = _BOTH) -> FieldRule:
     return FieldRule("refused", note, tuple(no_op), endpoints)
-
-
-def _grammar(note: str, *no_op: Any, endpoints: tuple[Endpoint, ...] = _BOTH) -> FieldRule:
-    return FieldRule("grammar", note, tuple(no_op), endpoints)
 
 
 _C = (COMPLETIONS,)
@@ -174,20 +168,24 @@ FIELDS: dict[str, FieldRule] = {
     "ec_transfer_params": _refused("no disaggregated serving"),
     "vllm_xargs": _refused("no custom extensions", {}),
     # ------------------------------------------------------------------ structured outputs and tools
-    "response_format": _grammar("structured outputs", {"type": "text"}),
-    "structured_outputs": _grammar("structured outputs"),
-    "guided_json": _grammar("structured outputs (vLLM's older field)"),
-    "guided_regex": _grammar("structured outputs (vLLM's older field)"),
-    "guided_choice": _grammar("structured outputs (vLLM's older field)"),
-    "guided_grammar": _grammar("structured outputs (vLLM's older field)"),
-    "guided_decoding_backend": _grammar("structured outputs (vLLM's older field)"),
-    "guided_whitespace_pattern": _grammar("structured outputs (vLLM's older field)"),
-    "structural_tag": _grammar("structured outputs (vLLM's older field)", endpoints=_H),
-    "tools": _grammar("tool calls", [], endpoints=_H),
-    "tool_choice": _grammar("tool calls", "none", endpoints=_H),
-    "parallel_tool_calls": _grammar("tool calls", True, False, endpoints=_H),
-    "functions": _grammar("tool calls (OpenAI's older field)", [], endpoints=_H),
-    "function_call": _grammar("tool calls (OpenAI's older field)", "none", endpoints=_H),
+    "response_format": _impl("OpenAI's: text, json_object, or json_schema (a grammar constrains every token)"),
+    "structured_outputs": _impl("vLLM's: one of json, regex, choice, grammar (Lark or GBNF), json_object"),
+    "guided_json": _impl("vLLM's older field: a JSON schema the answer follows"),
+    "guided_regex": _impl("vLLM's older field: a regex the answer matches"),
+    "guided_choice": _impl("vLLM's older field: the answer is one of these strings"),
+    "guided_grammar": _impl("vLLM's older field: a Lark or GBNF grammar the answer follows"),
+    "guided_decoding_backend": _refused("one grammar engine (llguidance) serves every structured output"),
+    "guided_whitespace_pattern": _refused("JSON answers have at most 8 whitespace characters between tokens"),
+    "structural_tag": _refused("structural tags are not supported (use tools or structured_outputs)", endpoints=_H),
+    "tools": _impl("function tools: rendered by the chat template, answered as tool_calls", _H),
+    "tool_choice": _impl(
+        "none, auto (calls parsed in the --tool-call-parser format), required or a named function (both enforced "
+        "by a grammar)",
+        _H,
+    ),
+    "parallel_tool_calls": _impl("false: tool_choice=required makes exactly one call", _H),
+    "functions": _refused("OpenAI's older field: use tools", [], endpoints=_H),
+    "function_call": _refused("OpenAI's older field: use tool_choice", "none", endpoints=_H),
 }
 """Every known request field, by name (see the module docstring)."""
 

@@ -28,6 +28,7 @@ from .jobs import Job
 from .loop import Submission
 from .protocol import ApiError, parse_request
 from .responses import JobStream, collect, sse_events
+from .tool_calls import ToolCalls
 
 __all__ = ["Generation", "answer", "fit_prompts", "namespace_of", "off_loop", "read_request", "shape_of"]
 
@@ -127,18 +128,18 @@ class Generation:
     stream: bool = False
 
 
-def shape_of(ctx: ServeContext, body: Any, chat: bool, options: AnswerOptions) -> Shape:
+def shape_of(ctx: ServeContext, body: Any, chat: bool, options: AnswerOptions, tools: ToolCalls | None = None) -> Shape:
     """The answer's :class:`~pagedcore.serve.answers.Shape`: its id (``request_id`` when the client gave one, as
-    vLLM), the served model's name and what the request asked to see.
+    vLLM), the served model's name, what the request asked to see and how its answers become ``tool_calls``.
 
     Example:
         >>> import inspect
         >>> list(inspect.signature(shape_of).parameters)
-        ['ctx', 'body', 'chat', 'options']
+        ['ctx', 'body', 'chat', 'options', 'tools']
     """
     prefix = "chatcmpl" if chat else "cmpl"
     response_id = f"{prefix}-{body.request_id or uuid.uuid4().hex}"
-    return Shape(chat, response_id, int(time.time()), ctx.model_name, options)
+    return Shape(chat, response_id, int(time.time()), ctx.model_name, options, tools)
 
 
 async def answer(ctx: ServeContext, request: Request, generation: Generation, shape: Shape) -> Response:

@@ -98,6 +98,8 @@ class ChatOptions:
         template_kwargs: extra variables for the template.
         add_special_tokens: add the tokenizer's special tokens on top of the template's (the plain template always
             has them: it adds none of its own).
+        tools: OpenAI's function definitions, for the chat template (``apply_chat_template(tools=...)``); the plain
+            template writes them on a first ``tools:`` line.
 
     Example:
         >>> ChatOptions().add_generation_prompt
@@ -110,6 +112,7 @@ class ChatOptions:
     template: str | None = None
     template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool = False
+    tools: list[dict[str, Any]] | None = None
 
 
 def plain_chat_prompt(messages: Sequence[ChatMessage], options: ChatOptions | None = None) -> str:
@@ -163,7 +166,8 @@ class ChatRenderer:
                     message = f"{name} needs a chat template: this model has none (give chat_template or serve with "
                     raise ApiError(400, message + "--chat-template)", param=name)
             # The plain template adds no special tokens of its own: the tokenizer's (a bos) are the prompt's start.
-            return _encoded(tokenizer, plain_chat_prompt(messages, options))
+            head = f"tools: {json.dumps(options.tools, ensure_ascii=False)}\n" if options.tools else ""
+            return _encoded(tokenizer, head + plain_chat_prompt(messages, options))
         text = self._apply(tokenizer, template, messages, options)
         # The rendered text holds the template's special tokens (e.g. a bos): add none again unless asked to.
         return _encoded(tokenizer, text, add_special_tokens=options.add_special_tokens)
@@ -179,11 +183,12 @@ class ChatRenderer:
             raise ApiError(400, message, param="chat_template_kwargs")
         if options.documents is not None:
             kwargs["documents"] = options.documents
-        conversation = [{"role": "system" if m.role == "developer" else m.role, "content": m.text} for m in messages]
+        conversation = [_template_message(m) for m in messages]
         try:
             text = tokenizer.apply_chat_template(
                 conversation,
                 chat_template=template,
+                tools=options.tools or None,
                 add_generation_prompt=options.add_generation_prompt,
                 continue_final_message=options.continue_final_message,
                 tokenize=False,
@@ -192,6 +197,33 @@ class ChatRenderer:
         except Exception as exc:  # jinja2 raises TemplateError (e.g. "roles must alternate") or ValueError
             raise ApiError(400, f"the chat template refused the messages: {exc}", param="messages") from exc
         return str(text)
+
+
+def _template_message(message: ChatMessage) -> dict[str, Any]:
+    """A message as chat templates read it: an assistant's tool calls with their arguments as objects (templates
+    write them with ``tojson``), a tool result with the id of the call it answers."""
+    out: dict[str, Any] = {"role": "system" if message.role == "developer" else message.role, "content": message.text}
+    if message.tool_calls:
+        out["tool_calls"] = [_template_call(call) for call in message.tool_calls]
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+    if message.name is not None:
+        out["name"] = message.name
+    return out
+
+
+def _template_call(call: dict[str, Any]) -> dict[str, Any]:
+    function = call.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise ApiError(400, f"a tool call needs a function with a name, got {str(call)[:80]}", param="messages")
+    function = dict(function)
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            function["arguments"] = json.loads(arguments)
+        except ValueError:
+            pass  # the template gets the text as it is
+    return {**call, "function": function}
 
 
 def _encoded(tokenizer: Any, text: str, *, param: str = "messages", **options: Any) -> list[int]:

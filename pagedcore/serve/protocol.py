@@ -157,6 +157,13 @@ class _Request(_Strict):
     truncate_prompt_tokens: int | None = None
     truncation_side: Literal["left", "right"] | None = None
     return_token_ids: bool | None = None
+    # Structured outputs (pagedcore.serve.structured): OpenAI's response_format, vLLM's fields.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @property
     def top_logprobs_k(self) -> int | None:
@@ -210,9 +217,11 @@ class ChatMessage(_Strict):
         'hi'
     """
 
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     @property
     def text(self) -> str:
@@ -244,6 +253,9 @@ class ChatRequest(_Request):
     documents: list[dict[str, str]] | None = None
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None  # pagedcore.serve.tool_calls
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
     @model_validator(mode="after")
     def _check_generation_prompt(self) -> ChatRequest:

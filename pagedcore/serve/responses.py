@@ -17,7 +17,7 @@ from fastapi.responses import StreamingResponse
 from starlette.requests import Request
 from starlette.types import Receive, Scope, Send
 
-from .answers import Shape, Tally
+from .answers import Choice, Shape, Tally
 from .jobs import Job, error_of
 from .loop import Delta, Finished
 from .protocol import ApiError
@@ -118,15 +118,19 @@ async def sse_events(
             payload["usage"] = None
         return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
-    def chunk(index: int, text: str, reason: str | None, delta: Delta | None = None) -> str:
+    def chunk(index: int, delta: Delta | None) -> str:
         choice = tally.choices[index]
-        if not choice.started:
-            text = options.prefix(choice.prompt) + text
-        token_ids = delta.token_ids if delta is not None else ()
-        logprobs = [delta.logprobs] if delta is not None and delta.logprobs is not None else []
-        payload = shape.chunk(index, choice, text, reason, token_ids, logprobs)
+        if shape.tools is not None:
+            payload = shape.tool_chunk(index, choice, choice.reason)
+        else:
+            text = "" if delta is None else delta.text
+            if not choice.started:
+                text = options.prefix(choice.prompt) + text
+            reason = choice.reason if delta is None else delta.finish_reason
+            logprobs = [delta.logprobs] if delta is not None and delta.logprobs is not None else []
+            payload = shape.chunk(index, choice, text, reason, () if delta is None else delta.token_ids, logprobs)
         choice.started = True
-        choice.closed = reason is not None
+        choice.closed = payload["choices"][0]["finish_reason"] is not None
         return data(payload)
 
     async for event in job.events():
@@ -136,17 +140,24 @@ async def sse_events(
             yield "data: [DONE]\n\n"
             return
         for index in tally.add(event):
-            choice = tally.choices[index]
-            if isinstance(event, Delta):
-                shows_tokens = options.return_token_ids or options.logprobs is not None
-                if event.text or event.finish_reason or not choice.started or shows_tokens:
-                    yield chunk(index, event.text, event.finish_reason, event)
-            elif not choice.closed:  # a choice that ended without a token of its own (max_tokens 0)
-                yield chunk(index, "", choice.reason)
+            if _due(shape, event, tally.choices[index]):
+                yield chunk(index, event if isinstance(event, Delta) else None)
     if options.include_usage:
         yield data(shape.usage_chunk(tally.usage()))
     yield "data: [DONE]\n\n"
     on_finish()
+
+
+def _due(shape: Shape, event: Delta | Finished, choice: Choice) -> bool:
+    """Whether ``event`` sends ``choice`` a chunk: with tools only its end (the answer goes out whole, as text or
+    calls); else a token that shows something, and the end of a choice that ended without a token of its own
+    (``max_tokens`` 0)."""
+    if shape.tools is not None:
+        return not choice.closed and choice.reason is not None
+    if isinstance(event, Delta):
+        shows_tokens = shape.options.return_token_ids or shape.options.logprobs is not None
+        return bool(event.text or event.finish_reason or not choice.started or shows_tokens)
+    return not choice.closed
 
 
 async def _disconnected(request: Request) -> None:

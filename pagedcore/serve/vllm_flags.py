@@ -27,7 +27,6 @@ REFUSED: dict[str, tuple[Callable[[str], object], object, str]] = {
     "--enable-lora": (str, None, "LoRA adapters are not supported"),
     "--tokenizer-mode": (str, "auto", "the checkpoint's own (fast) tokenizer is always used"),
     "--load-format": (str, "auto", "checkpoints load with transformers' from_pretrained"),
-    "--tool-call-parser": (str, None, "tool calls are not supported"),
     "--reasoning-parser": (str, None, "reasoning parsers are not supported"),
 }
 """vLLM flags that do not apply here: flag -> (type, the value that asks for nothing, what to use instead)."""

@@ -35,7 +35,7 @@ import logging
 import threading
 import time
 from collections.abc import Hashable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -68,6 +68,8 @@ from .sampling import SamplingParams, StepSamples, merge_generation_config, samp
 from .spec import context_limit, text_config
 from .step_batch import PackedCache, StepBatch, pack
 from .stopping import SampleText, StopStrings, stop_strings
+from .structured.requests import EngineGrammars, RequestGrammar
+from .structured.spec import StructuredOutput
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +87,7 @@ class _Generation:
 
     config: Any  # transformers.GenerationConfig
     extras: dict[str, Any]  # sampling.GENERATE_EXTENSIONS given (seed, logprobs, ...)
+    structured: StructuredOutput | None = None  # generate(structured=...) / generate(response_format=...)
 
 
 class Engine:
@@ -112,6 +115,8 @@ class Engine:
         kv_store / kv_store_bytes: tiers below a new pool (a directory and its budget; see :class:`PagedKVPool`):
             evicted prefixes are written there and loaded back before a prefill that continues them; :meth:`close`
             writes the cached ones too, so a restarted Engine on the same model answers them from the store.
+        compile_timeout: seconds a structured-output request may wait for its grammar to compile (in a worker,
+            off the step loop) before it fails with :class:`~pagedcore.errors.GrammarTimeoutError`.
 
     Generation parameters: either a :class:`SamplingParams` (or a dict of its fields), or ``model.generate``'s
     keyword arguments (``max_new_tokens``, ``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``min_p``,
@@ -128,6 +133,11 @@ class Engine:
     string (``stop_strings``, matched in its text across token boundaries; needs the tokenizer), in the step that
     produced the token that ends it; its text is decoded incrementally (:mod:`.detokenizer`), so streamed text never
     holds half a character and the pieces joined are the final text.
+
+    Structured outputs (``SamplingParams(structured=...)``, or ``generate(..., structured=...)`` /
+    ``response_format=...``; needs the tokenizer): a bad spec is refused at admission; the grammar compiles in a
+    worker while the request waits outside the scheduler (the other requests keep stepping); each step masks the
+    constrained rows in one batched operation and the unconstrained rows are not touched.
 
     Example:
         >>> import torch
@@ -160,6 +170,7 @@ class Engine:
         compile: bool | str = "auto",
         kv_store: KVStoreSpec | None = None,
         kv_store_bytes: int | float | str | None = None,
+        compile_timeout: float = 30.0,
     ) -> None:
         compiling = resolve_compile(compile, model.get_input_embeddings().weight.device)
         self._owns_pool = pool is None
@@ -169,19 +180,16 @@ class Engine:
         self.pool = pool
         self.attention_backend = attention_backend
         self.max_logprobs = integer("max_logprobs", max_logprobs, minimum=-1, error=ConfigError)
-        config = SchedulerConfig(
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_num_seqs=max_num_seqs,
-            watermark=watermark,
-            enable_prefix_caching=enable_prefix_caching,
-            policy=scheduling_policy,
+        self.scheduler = _scheduler(
+            pool, max_num_batched_tokens, max_num_seqs, watermark, enable_prefix_caching, scheduling_policy
         )
-        self.scheduler = Scheduler(pool.kv, config, plugins=pool.plugins)
         self._text_config = text_config(model)
         self._vocab_size: int | None = int(getattr(self._text_config, "vocab_size", 0) or 0) or None
         self._max_positions = context_limit(model)  # the spec decides per family (None: no fixed limit)
         self._eos = _eos_ids(model)
         self._added_vocab = _added_vocab(tokenizer)  # where a stop string that is a special token finds its id
+        self._grammars: EngineGrammars | None = None  # structured outputs: built with the first constrained request
+        self._compile_timeout = _seconds("compile_timeout", compile_timeout)
         self._cache = PackedCache(pool)
         self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._decode = CompiledDecode(model, pool) if compiling else None
@@ -241,6 +249,8 @@ class Engine:
         finally:
             if waited:
                 self._stepping.release()
+            if self._grammars is not None:
+                self._grammars.close()
             if self._original_attn is not None and self._original_attn != ATTN_IMPLEMENTATION:
                 self.model.set_attn_implementation(self._original_attn)
             self._close_tiers()
@@ -462,6 +472,8 @@ class Engine:
             if batch is not None:
                 samples = self._sample(batch, self._forward_batch(batch))
                 self._record(batch, samples)
+            elif self._grammars is not None and self._grammars.num_held:
+                self._grammars.wait(0.01)  # nothing to compute but grammars compiling: wait a little, not spin
             with self._lock:
                 return self._take(owner)
 
@@ -494,6 +506,7 @@ class Engine:
             self._check_open()
             with self._timed("schedule"):
                 self.pool.check_weights()  # after a weight update: forget the old prefixes before admitting
+                self._admit_compiled()
                 plan = self.scheduler.schedule()
             with self._timed("prepare"):
                 self._peak_bytes = max(self._peak_bytes, self.pool.memory_stats().used_bytes)
@@ -559,7 +572,8 @@ class Engine:
             return StepSamples(failed=dict.fromkeys((item.request_id for item in batch.plan.scheduled), logits))
         with self._timed("sample"):
             rows = len(batch.rows)
-            samples = sample_rows(logits[:rows] if batch.prompt_rows else logits, batch.rows)
+            masks = self._grammars.masks if self._grammars is not None else None
+            samples = sample_rows(logits[:rows] if batch.prompt_rows else logits, batch.rows, masks)
             if batch.prompt_spans:
                 self._score_prompts(batch, logits[rows:], samples)
             return samples
@@ -632,6 +646,10 @@ class Engine:
             if lp is not None and sample.logprobs is not None:
                 sample.logprobs.append(lp)
             self._counts["generated"] += 1
+            if request.grammar is not None and not request.grammar.accept(index, token):
+                self._events.append((request.owner, TokenEvent(request.request_id, index, token)))
+                self._fail(request, f"GrammarError: token {token} is not allowed by {request.grammar.spec.describe()}")
+                return
             try:
                 event = self._text_event(request, member, token, lp)
             except DecodeError as exc:
@@ -680,8 +698,9 @@ class Engine:
                 f"arguments, not both: got params= and {', '.join(sorted(generate_kwargs))}"
             )
         if params is None:
+            structured = _structured_kwarg(generate_kwargs)
             config, extras = merge_generation_config(getattr(self.model, "generation_config", None), generate_kwargs)
-            return [_Generation(config, extras)] * count
+            return [_Generation(config, extras, structured)] * count
         if isinstance(params, (SamplingParams, dict)):
             return [params] * count
         if isinstance(params, (str, bytes)) or not isinstance(params, Iterable):
@@ -713,6 +732,10 @@ class Engine:
         stop_ids = valid_token_ids(stop, vocab_size=self._vocab_size, name="stop_token_ids", allow_empty=True)
         self._check_model_fields(params)
         stops = stop_strings(params.stop_strings, params.include_stop_str_in_output, self.tokenizer, self._added_vocab)
+        grammar = None
+        if params.structured is not None and params.max_new_tokens:
+            grammar = self._grammar(StructuredOutput.from_value(params.structured), params.n)
+            stop_ids = [*stop_ids, *grammar.stop_token_ids]  # a finished grammar's end stops the sequence
         rid = request_id if request_id is not None else self._fresh_id()
         seq = None
         scoring = params.prompt_logprobs is not None
@@ -734,7 +757,42 @@ class Engine:
         output.prompt_logprobs = [None] if scoring else None
         texts = [self._sample_text(stops, params.min_new_tokens) for _ in range(params.n)]
         device = self.model.get_input_embeddings().weight.device  # draws happen where the logits are
-        return EngineRequest(rid, params, seq, output, texts, params.generators(device))
+        return EngineRequest(rid, params, seq, output, texts, params.generators(device), grammar=grammar)
+
+    def _grammar(self, spec: StructuredOutput, num_samples: int) -> RequestGrammar:
+        """Start compiling a request's grammar (bad specs raise here, at admission); the compiler is built with the
+        first structured request."""
+        if self.tokenizer is None:
+            raise InvalidRequestError(
+                f"structured outputs ({spec.kind}) need the tokenizer: Engine(model, tokenizer=...)"
+            )
+        with self._lock:
+            if self._grammars is None:
+                fallback = getattr(self.tokenizer, "eos_token_id", None)
+                eos = self._eos or ([] if fallback is None else [int(fallback)])
+                self._grammars = EngineGrammars(
+                    self.tokenizer,
+                    vocab_size=self._vocab_size,
+                    stop_token_ids=eos,
+                    compile_timeout=self._compile_timeout,
+                )
+            grammars = self._grammars
+        return grammars.request(spec, num_samples)
+
+    def _admit_compiled(self) -> None:
+        """Schedule the held requests whose grammar is built; fail those whose grammar failed or timed out."""
+        if self._grammars is None or not self._grammars.num_held:
+            return
+        for request, error in self._grammars.take_ready():
+            if request.is_done:  # aborted while its grammar compiled
+                continue
+            if error is None:
+                try:
+                    self.scheduler.add(request.sequence)
+                except PagedCoreError as exc:  # e.g. the pool was rebuilt smaller while the grammar compiled
+                    self._fail(request, f"{type(exc).__name__}: {exc}")
+            else:
+                self._fail(request, f"GrammarError: {error}")
 
     def _check_model_fields(self, params: SamplingParams) -> None:
         """What :class:`SamplingParams` cannot check alone: token ids in this model's vocabulary, ``logprobs`` and
@@ -767,7 +825,10 @@ class Engine:
             request.owner = owner
             request.output.metrics.arrival_time = time.perf_counter()
             if request.sequence is not None:
-                self.scheduler.add(request.sequence)
+                if request.grammar is not None and self._grammars is not None:
+                    self._grammars.hold(request.grammar, request)  # scheduled once its grammar is built
+                else:
+                    self.scheduler.add(request.sequence)
                 self._requests[rid] = request
             self._counts["requests"] += 1
             if request.sequence is None:  # max_new_tokens=0: done at once
@@ -887,9 +948,10 @@ class Engine:
     # ------------------------------------------------------------------ helpers
     def _params(self, spec: Params | _Generation, prompt_length: int) -> SamplingParams:
         if isinstance(spec, _Generation):
-            return to_sampling_params(
+            params = to_sampling_params(
                 spec.config, prompt_length=prompt_length, max_positions=self._max_positions, **spec.extras
             )
+            return params if spec.structured is None else replace(params, structured=spec.structured)
         if isinstance(spec, SamplingParams):
             return spec
         if isinstance(spec, dict):
@@ -947,6 +1009,23 @@ class Engine:
 _NO_OUTPUT = RequestOutput("", [], [], RequestMetrics(0.0))
 
 
+def _seconds(name: str, value: object) -> float:
+    """A positive number of seconds, or :class:`~pagedcore.errors.ConfigError` naming it."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ConfigError(f"{name} must be > 0 seconds, got {value!r}")
+    return float(value)
+
+
+def _structured_kwarg(kwargs: dict[str, Any]) -> StructuredOutput | None:
+    """Take ``structured=`` (a :class:`StructuredOutput` or a dict of one) or OpenAI's ``response_format=`` out of
+    ``generate``'s keyword arguments, as a spec (checked here: a bad one raises whatever the prompt)."""
+    structured, response_format = kwargs.pop("structured", None), kwargs.pop("response_format", None)
+    if structured is not None and response_format is not None:
+        raise InvalidRequestError("pass structured= or response_format=, not both")
+    value = structured if structured is not None else response_format
+    return None if value is None else SamplingParams(structured=value).structured  # type: ignore[return-value]
+
+
 def _added_vocab(tokenizer: Any) -> dict[str, int]:
     """The tokenizer's added tokens (special ones included) by text; empty for tokenizers without them."""
     try:
@@ -975,6 +1054,20 @@ def _store_fields(tiers: TierStats | None) -> dict[str, Any]:
         "kv_store_hits": {name: s["hits"] for name, s in tiers.stores.items()},
         "kv_store_bytes": {name: s["bytes"] for name, s in tiers.stores.items()},
     }
+
+
+def _scheduler(
+    pool: PagedKVPool, tokens: int, seqs: int, watermark: float, prefix_caching: bool, policy: str
+) -> Scheduler:
+    """The Engine's scheduler over ``pool``'s blocks (its limits checked by :class:`SchedulerConfig`)."""
+    config = SchedulerConfig(
+        max_num_batched_tokens=tokens,
+        max_num_seqs=seqs,
+        watermark=watermark,
+        enable_prefix_caching=prefix_caching,
+        policy=policy,
+    )
+    return Scheduler(pool.kv, config, plugins=pool.plugins)
 
 
 def _pool_for(

@@ -17,6 +17,7 @@ from pagedcore.sequence import SequenceState
 from .outputs import RequestOutput
 from .sampling import SamplingParams
 from .stopping import SampleText
+from .structured.requests import RequestGrammar
 
 __all__ = ["EngineRequest"]
 
@@ -35,6 +36,7 @@ class EngineRequest:
         generators: per sample, its random generator.
         owner: the ``generate``/``stream`` call that reports it, or None for ``step()``/``step_events()``.
         done: samples finished.
+        grammar: its structured output's grammar and each sample's state in it, or None.
 
     Example:
         >>> from pagedcore.adapters.transformers import RequestMetrics, SampleOutput
@@ -54,6 +56,7 @@ class EngineRequest:
     generators: list[torch.Generator]
     owner: object | None = None
     done: int = 0
+    grammar: RequestGrammar | None = None
 
     @property
     def is_done(self) -> bool:

@@ -32,18 +32,23 @@ import math
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from transformers import GenerationConfig
 
-from pagedcore.errors import InvalidRequestError
+from pagedcore.errors import GrammarError, InvalidRequestError
 from pagedcore.sequence import SequenceState
 from pagedcore.validation import integer, token_ids
 
 from .logits_processors import logit_bias_pairs, number, process_rows, warp_rows
 from .logprobs import sample_logprobs
 from .outputs import TokenLogprobs
+from .structured.spec import StructuredOutput
+
+if TYPE_CHECKING:
+    from .structured.masks import GrammarMasks
+    from .structured.matcher import GrammarState
 
 __all__ = [
     "GENERATE_EXTENSIONS",
@@ -53,6 +58,7 @@ __all__ = [
     "SampleRow",
     "SamplingParams",
     "StepSamples",
+    "constrain_rows",
     "greedy_tokens",
     "merge_generation_config",
     "process_rows",
@@ -114,6 +120,12 @@ class SamplingParams:
         prompt_logprobs: with ``k``, the output carries each prompt token's log-probability given the tokens before
             it, and the ``k`` most likely there. Such a request computes its whole prompt (no prefix-cache hit: those
             positions would have no logits), as vLLM does.
+        structured: constrain the output to a JSON schema, any JSON object, a regex, a choice of strings or a
+            grammar: a :class:`~.structured.StructuredOutput`, a dict naming one kind (``{"json_schema": {...}}``,
+            vLLM's ``{"guided_regex": ...}``) or OpenAI's ``response_format`` (``{"type": "json_object"}``). Each
+            sample's output is complete and valid when it finishes with ``finish_reason="stop"``; cut by
+            ``max_new_tokens`` it finishes as ``"length"``. Needs the Engine's tokenizer; not with ``ignore_eos``
+            or ``min_new_tokens`` (the output ends where the grammar does).
 
     Integer fields accept anything with ``__index__`` (numpy integers included) and are stored as ``int``;
     ``stop_token_ids``, ``allowed_token_ids`` and ``stop_strings`` are stored as tuples. Every field is checked
@@ -151,6 +163,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     needs_processing: bool = field(default=False, init=False, repr=False, compare=False)
     """Whether any per-row logits processor applies (set from the fields: the step checks this one flag)."""
+    structured: StructuredOutput | Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
         fix = object.__setattr__  # frozen: normalize once, here
@@ -173,6 +186,8 @@ class SamplingParams:
         for name in ("ignore_eos", "return_logits", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidRequestError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.structured is not None:
+            fix(self, "structured", _structured(self.structured, self.ignore_eos, self.min_new_tokens))
 
     def _check_processors(self) -> None:
         """The logits processors' fields: their ranges, normalized forms and the ``needs_processing`` flag."""
@@ -253,6 +268,18 @@ class SamplingParams:
             generator.manual_seed((base + _GOLDEN * k) % (2**63))
             out.append(generator)
         return out
+
+
+def _structured(value: object, ignore_eos: bool, min_new_tokens: int) -> StructuredOutput | None:
+    """A structured-output spec (None for OpenAI's ``{"type": "text"}``); refuses what cannot end where it ends."""
+    if isinstance(value, Mapping) and "type" in value:  # OpenAI's response_format
+        spec = StructuredOutput.from_response_format(value)
+    else:
+        spec = StructuredOutput.from_value(value)  # type: ignore[arg-type]
+    if spec is not None and (ignore_eos or min_new_tokens):
+        what = "ignore_eos=True" if ignore_eos else f"min_new_tokens={min_new_tokens}"
+        raise GrammarError(f"structured outputs end where their grammar ends: {what} cannot be combined with them")
+    return spec
 
 
 def torch_seed(seed: int) -> int:
@@ -564,6 +591,7 @@ class SampleRow:
         generators: one per token to draw (all the samples' at the step that forks a request, else one).
         suppress: token ids that may not be drawn yet (the stop tokens, before ``min_new_tokens``).
         sequence: the sequence itself (its tokens so far: what the penalties read).
+        grammar: the grammar state the row's next token must follow (structured outputs), or None.
 
     Example:
         >>> SampleRow("r1", SamplingParams(), [torch.Generator()]).suppress
@@ -575,6 +603,7 @@ class SampleRow:
     generators: list[torch.Generator]
     suppress: tuple[int, ...] = ()
     sequence: SequenceState | None = None
+    grammar: GrammarState | None = None
 
 
 @dataclass
@@ -603,14 +632,15 @@ class StepSamples:
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
 
 
-def sample_rows(logits: torch.Tensor, rows: Sequence[SampleRow]) -> StepSamples:
+def sample_rows(logits: torch.Tensor, rows: Sequence[SampleRow], masks: GrammarMasks | None = None) -> StepSamples:
     """Draw the tokens of a whole step: ``logits`` is ``(len(rows), vocab)``, one row per :class:`SampleRow` (the
     step's own tensor: it is processed in place).
 
     The stages of the module docstring: the raw logits and log-probabilities that were asked for, per-row
     processing (:func:`~.logits_processors.process_rows`), then greedy rows share one batched argmax and random
     rows one batched warp before each draws from its own generator; a row that cannot be sampled (no finite logit)
-    fails alone.
+    fails alone. Between the processing and the draws, :func:`constrain_rows` masks the rows that follow a grammar
+    (structured outputs) with ``masks``: every draw sees the masks (the raw log-probabilities do not).
 
     Example:
         >>> rows = [SampleRow("a", SamplingParams(), [torch.Generator()]),
@@ -628,10 +658,14 @@ def sample_rows(logits: torch.Tensor, rows: Sequence[SampleRow]) -> StepSamples:
     with torch.inference_mode():  # the forward's logits are inference tensors: processed in place in this mode
         raw = torch.log_softmax(logits[asking], dim=-1) if asking else None  # vLLM's raw_logprobs
         logits = process_rows(logits, rows)
+        if masks is not None:
+            out.failed.update(constrain_rows(logits, rows, masks))
         greedy, finite = greedy_tokens(logits)
         tokens = out.tokens
         drawing: list[int] = []
         for i, row in enumerate(rows):
+            if row.request_id in out.failed:
+                continue
             if not finite[i]:
                 out.failed[row.request_id] = "FloatingPointError: the model produced no finite logit for this sequence"
             elif row.params.is_greedy:
@@ -668,6 +702,24 @@ def _logprobs(raw: torch.Tensor, rows: Sequence[SampleRow], out: StepSamples) ->
     found = sample_logprobs(picked, ks, [out.tokens[row.request_id] for _, row in drawn])
     for (_, row), entries in zip(drawn, found):
         out.logprobs[row.request_id] = entries
+
+
+def constrain_rows(logits: torch.Tensor, rows: Sequence[SampleRow], masks: GrammarMasks | None) -> dict[str, str]:
+    """Mask, in place, the rows that follow a grammar (``row.grammar``): one batched fill and one apply for all of
+    them (:class:`~.structured.GrammarMasks`); the other rows are not touched. Returns the rows whose grammar failed
+    (a limit of the grammar engine exceeded), by sequence id, with why.
+
+    Example:
+        >>> constrain_rows(torch.zeros(1, 3), [SampleRow("a", SamplingParams(), [torch.Generator()])], None)
+        {}
+    """
+    constrained = [i for i, row in enumerate(rows) if row.grammar is not None]
+    states = [state for state in (row.grammar for row in rows) if state is not None]
+    if not constrained or masks is None:
+        return {}
+    with torch.inference_mode():  # the forward's logits are inference tensors: changed in place only in this mode
+        masks.apply(logits, constrained, states)
+    return {rows[i].request_id: f"GrammarError: {state.error}" for i, state in zip(constrained, states) if state.error}
 
 
 _BLOCK = 256  # columns per block of greedy_tokens' two-level search

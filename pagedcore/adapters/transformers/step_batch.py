@@ -269,7 +269,8 @@ def _metadata(
 
 def _sample_row(item: ScheduledSequence, request: EngineRequest) -> SampleRow:
     """What the sampler needs for a sequence that completed its known tokens: all the samples' generators at the
-    step that forks the request, else its own; the stop tokens masked before ``min_new_tokens``."""
+    step that forks the request, else its own; the stop tokens masked before ``min_new_tokens``; the grammar state
+    its next token follows (a structured output), in step with its tokens."""
     seq = item.sequence
     if item.num_samples > 1:
         generators = request.generators[: item.num_samples]
@@ -278,4 +279,5 @@ def _sample_row(item: ScheduledSequence, request: EngineRequest) -> SampleRow:
     suppress: tuple[int, ...] = ()
     if seq.min_new_tokens and seq.num_output_tokens < seq.min_new_tokens:
         suppress = tuple(sorted(seq.stop_token_ids))
-    return SampleRow(item.request_id, request.params, generators, suppress, seq)
+    grammar = request.grammar.row_state(seq, item.num_samples) if request.grammar is not None else None
+    return SampleRow(item.request_id, request.params, generators, suppress, seq, grammar)

@@ -8,6 +8,7 @@ Example:
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -19,6 +20,7 @@ from ..openapi import ERROR_RESPONSES, json_body
 from ..pipeline import Generation, answer, fit_prompts, namespace_of, off_loop, read_request, shape_of
 from ..prompts import ChatOptions
 from ..protocol import ApiError, ChatRequest, sampling_params
+from ..structured import constraint
 from .completions import DEFAULT_COMPLETION_MAX_TOKENS
 
 __all__ = ["router"]
@@ -30,14 +32,16 @@ router = APIRouter()
 async def chat_completions(request: Request, ctx: Context) -> Response:
     """OpenAI's chat completions: ``n`` answers to the conversation, as JSON or server-sent events."""
     tenant, body = await read_request(ctx, request, ChatRequest)
+    # A bad schema or tool_choice: a 400 naming the field, before the prompt is rendered.
+    spec, calls = await off_loop(constraint, body, ctx.tool_call_parser)
     rendered = await off_loop(ctx.encoder.chat, body.messages, _chat_options(ctx, body))
     (truncated,) = fit_prompts(ctx, body, [rendered], 0)
     # Without a limit the answer may run to the end of what the context and the KV pool hold for it.
     room = ctx.max_new_tokens(len(truncated))
     max_tokens = body.max_new_tokens(DEFAULT_COMPLETION_MAX_TOKENS if room is None else max(1, room))
     (prompt,) = fit_prompts(ctx, body, [truncated], max_tokens)
-    params = sampling_params(body, max_tokens)
-    shape = shape_of(ctx, body, True, _options(ctx, body, prompt))
+    params = replace(sampling_params(body, max_tokens), structured=spec)
+    shape = shape_of(ctx, body, True, _options(ctx, body, prompt), calls)
     generation = Generation([prompt], params, namespace_of(tenant, body.cache_salt), bool(body.stream))
     return await answer(ctx, request, generation, shape)
 
@@ -57,6 +61,7 @@ def _chat_options(ctx: ServeContext, body: ChatRequest) -> ChatOptions:
         template=body.chat_template,
         template_kwargs=body.chat_template_kwargs,
         add_special_tokens=bool(body.add_special_tokens),
+        tools=body.tools,
     )
 
 

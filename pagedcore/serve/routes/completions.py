@@ -7,6 +7,7 @@ Example:
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -17,6 +18,7 @@ from ..context import Context, ServeContext
 from ..openapi import ERROR_RESPONSES, json_body
 from ..pipeline import Generation, answer, fit_prompts, namespace_of, off_loop, read_request, shape_of
 from ..protocol import CompletionRequest, sampling_params
+from ..structured import constraint
 
 __all__ = ["DEFAULT_COMPLETION_MAX_TOKENS", "router"]
 
@@ -30,7 +32,8 @@ async def completions(request: Request, ctx: Context) -> Response:
     """OpenAI's completions: one choice per prompt and sample, as JSON or server-sent events."""
     tenant, body = await read_request(ctx, request, CompletionRequest)
     max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
-    params = sampling_params(body, max_tokens)
+    spec, _ = await off_loop(constraint, body)  # a bad schema: a 400 naming the field
+    params = replace(sampling_params(body, max_tokens), structured=spec)
     add_special = body.add_special_tokens is not False
     encoded = await off_loop(ctx.encoder.completion, body.prompt, add_special_tokens=add_special)
     prompts = fit_prompts(ctx, body, encoded, max_tokens)

@@ -1,0 +1,109 @@
+"""GrammarMasks: the token masks of a step's constrained rows, filled together and applied in one operation.
+
+Per step: every constrained row's allowed tokens go into one int32 bitmask (one bit per token, bit ``t % 32`` of
+word ``t // 32``; several rows are filled by llguidance's parallel call, which releases the GIL), then one gather
+turns the bitmask's bytes into ``0`` / ``-inf`` per token and one ``index_add_`` adds that to those rows of the
+logits, on the logits' device. Unconstrained rows are not read or written. (``masked_fill`` would be the obvious
+apply, but on CPU it is a scalar loop, about 8 ns per element; the lookup-table add is vectorized:
+docs/structured.md has the figures.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from .matcher import GrammarState
+from .vocab import import_llguidance
+
+__all__ = ["GrammarMasks"]
+
+# (256, 8): a bitmask byte -> per bit (token), 0.0 where allowed and -inf where not (bit 0 is the lowest token).
+_BITS = (torch.arange(256)[:, None] >> torch.arange(8)[None, :]) & 1
+_PENALTY = torch.where(_BITS.bool(), 0.0, float("-inf"))
+
+
+class GrammarMasks:
+    """Applies the grammars of constrained rows to a step's logits.
+
+    Args:
+        threads: threads of llguidance's parallel fill (None: up to 8, half the CPUs).
+
+    Example:
+        >>> from pagedcore.adapters.transformers.builtin import builtin_tokenizer
+        >>> from pagedcore.adapters.transformers.structured import GrammarCompiler, GrammarState, StructuredOutput
+        >>> tok = builtin_tokenizer()
+        >>> compiler = GrammarCompiler(tok, vocab_size=99)
+        >>> state = GrammarState(compiler.compile(StructuredOutput.choice(["yes", "no"])))
+        >>> logits = torch.zeros(2, 99)
+        >>> GrammarMasks().apply(logits, [1], [state])    # row 1 is constrained, row 0 is not
+        >>> allowed = torch.isfinite(logits[1]).nonzero().flatten().tolist()
+        >>> tok.convert_ids_to_tokens(allowed), bool(logits[0].eq(0).all())
+        (['n', 'y'], True)
+        >>> compiler.close()
+    """
+
+    def __init__(self, threads: int | None = None) -> None:
+        import os
+
+        self._threads = threads or max(1, min(8, (os.cpu_count() or 2) // 2))
+        self._executor: Any = None
+        self._bitmask = torch.empty(0, 0, dtype=torch.int32)
+        self._penalty: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+    def apply(self, logits: torch.Tensor, rows: Sequence[int], states: Sequence[GrammarState]) -> None:
+        """Mask ``logits (batch, vocab)`` in place: row ``rows[i]`` may only draw what ``states[i]`` allows."""
+        if not rows:
+            return
+        self.apply_bitmask(logits, rows, self.fill(states))
+
+    def fill(self, states: Sequence[GrammarState]) -> torch.Tensor:
+        """The bitmask ``(len(states), ceil(vocab_size / 32))`` of the states' allowed next tokens, over their
+        grammars' vocabulary (one for all: one compiler's), in a reused buffer valid until the next call."""
+        sizes = {state.vocab_size for state in states}
+        if len(sizes) != 1:
+            raise ValueError(f"one step's grammars must share one vocabulary, got sizes {sorted(sizes)}")
+        words = (sizes.pop() + 31) // 32
+        count = len(states)
+        if self._bitmask.shape[0] < count or self._bitmask.shape[1] != words:
+            self._bitmask = torch.empty(max(count, 2 * self._bitmask.shape[0]), words, dtype=torch.int32)
+        bitmask = self._bitmask[:count]
+        if count == 1:
+            states[0].fill(bitmask, 0)
+        else:
+            llg = import_llguidance()
+            if self._executor is None:
+                self._executor = llg.LLExecutor(num_threads=self._threads)
+            llg.torch.fill_next_token_bitmask_par(
+                self._executor, [(s.matcher, i) for i, s in enumerate(states)], bitmask
+            )
+        return bitmask
+
+    def apply_bitmask(self, logits: torch.Tensor, rows: Sequence[int], bitmask: torch.Tensor) -> None:
+        """Add ``0`` / ``-inf`` from ``bitmask (len(rows), words)`` to those rows of ``logits`` (in place); columns
+        past the bitmask's tokens (a model wider than its grammar's vocabulary) are never allowed."""
+        vocab = logits.shape[1]
+        table = self._table(logits.device, logits.dtype)
+        index = bitmask.view(torch.uint8).reshape(-1).to(logits.device, non_blocking=True).long()
+        penalty = table.index_select(0, index).view(len(rows), -1)  # (rows, words * 32)
+        covered = min(vocab, penalty.shape[1])
+        first = rows[0]
+        if list(rows) == list(range(first, first + len(rows))):  # contiguous rows: a view, no scatter
+            logits[first : first + len(rows), :covered].add_(penalty[:, :covered])
+            if covered < vocab:
+                logits[first : first + len(rows), covered:] = float("-inf")
+            return
+        where = torch.tensor(list(rows), device=logits.device)
+        if covered < vocab:
+            penalty = torch.cat(
+                [penalty[:, :covered], penalty.new_full((len(rows), vocab - covered), float("-inf"))], 1
+            )
+        logits.index_add_(0, where, penalty[:, :vocab])
+
+    def _table(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        table = self._penalty.get((device, dtype))
+        if table is None:
+            table = self._penalty[(device, dtype)] = _PENALTY.to(device=device, dtype=dtype).reshape(256, 8)
+        return table
