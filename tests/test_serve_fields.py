@@ -9,8 +9,12 @@ import inspect
 from collections.abc import Iterator
 from functools import partial
 
-import openai
 import pytest
+
+pytest.importorskip("openai")  # the optional client and server: the GPU image has neither
+pytest.importorskip("fastapi")
+
+import openai
 from openai.resources.chat.completions import Completions as ChatResource
 from openai.resources.completions import Completions as CompletionsResource
 from test_serve import MODEL, Served, idle, serving, wait_for

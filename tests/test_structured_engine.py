@@ -8,8 +8,11 @@ import json
 import re
 import threading
 
-import jsonschema
 import pytest
+
+pytest.importorskip("jsonschema")  # a test extra: the GPU image has none
+
+import jsonschema
 from structured_helpers import SCHEMA, bpe_tokenizer, random_model
 
 from pagedcore.adapters.transformers import Engine, SamplingParams
