@@ -312,12 +312,32 @@ class PrefixTrie:
             )
         key = namespace_key(namespace)
         # Plan first (no changes), so that a bad block anywhere leaves the trie and the manager untouched.
+        root = self._insert_root(key, namespace, parent)
+        canonical, to_create = self._plan_insert(root, token_ids, blocks)
+        if to_create:
+            self._bm.mark_cached([blocks[i] for i in to_create])  # validates: in use, not cached, no duplicates
+        if root is None:
+            if not canonical:
+                return canonical  # nothing to cache: no root for an empty namespace
+            root = self._roots[key] = _Node((), None, None, namespace, key)
+        self._apply_insert(root, key, canonical, to_create)
+        return canonical
+
+    def _insert_root(self, key: Hashable, namespace: Namespace, parent: int | None) -> _Node | None:
+        """The node an insert starts from: the namespace's root (None while it has none) or the block ``parent``."""
         if parent is None:
-            root = self._roots.get(key)
-        else:
-            root = self._by_block.get(parent)
-            if root is None or root.key != key:
-                raise InvalidBlockError(f"insert: parent block {parent} is not cached in namespace {namespace!r}")
+            return self._roots.get(key)
+        root = self._by_block.get(parent)
+        if root is None or root.key != key:
+            raise InvalidBlockError(f"insert: parent block {parent} is not cached in namespace {namespace!r}")
+        return root
+
+    def _plan_insert(
+        self, root: _Node | None, token_ids: Sequence[int], blocks: list[int]
+    ) -> tuple[list[int], dict[int, tuple[int, ...]]]:
+        """Walk ``blocks`` down from ``root`` without changing anything: the cached block for each position, and
+        the positions (with their tokens) that are new. A new block already cached elsewhere is an error."""
+        bs = self._block_size
         node: _Node | None = root
         canonical: list[int] = []
         to_create: dict[int, tuple[int, ...]] = {}
@@ -338,13 +358,12 @@ class PrefixTrie:
             canonical.append(block_id)
             to_create[i] = tokens
             node = None  # every later block is new as well
-        if to_create:
-            self._bm.mark_cached([blocks[i] for i in to_create])  # validates: in use, not cached, no duplicates
-        # Apply.
-        if root is None:
-            if not canonical:
-                return canonical  # nothing to cache: no root for an empty namespace
-            root = self._roots[key] = _Node((), None, None, namespace, key)
+        return canonical, to_create
+
+    def _apply_insert(
+        self, root: _Node, key: Hashable, canonical: list[int], to_create: dict[int, tuple[int, ...]]
+    ) -> None:
+        """Create the planned nodes under ``root``, walking the positions already cached."""
         at = root
         for i, block_id in enumerate(canonical):
             new = to_create.get(i)
@@ -352,11 +371,10 @@ class PrefixTrie:
                 child = _Node(new, block_id, at, at.namespace, key)
                 at.add(child)
                 self._drop_covered(at, new)  # after the add: a root losing its last partial child stays
-                by_block[block_id] = child
+                self._by_block[block_id] = child
                 at = child
             else:
-                at = by_block[block_id]
-        return canonical
+                at = self._by_block[block_id]
 
     def insert_partial(
         self, token_ids: Sequence[int], block_id: int, namespace: Namespace = None, *, parent: int | None = None

@@ -235,3 +235,16 @@ def test_a_pool_serves_one_model_only():
     pc.PagedCache(first, pool=from_config)  # the first model to use it owns it
     with pytest.raises(PoolMismatchError):
         pc.PagedCache(second, pool=from_config)
+
+
+@pytest.mark.parametrize(
+    "sizing",
+    [{"num_blocks": 8}, {"memory_budget": "1MiB"}, {"block_size": 8}, {"eviction_policy": "lru"}, {"kv_store": "x"}],
+)
+def test_a_new_pools_arguments_with_pool_are_refused_and_enable_nothing(sizing):
+    """Each sizes or configures a new pool; with ``pool=`` it used to be ignored (block_size, eviction_policy)."""
+    model = llama()
+    pool = pc.PagedKVPool(model, num_blocks=16)
+    with pytest.raises(ConfigError, match="pool"):
+        pc.enable(model, pool=pool, **sizing)
+    assert not pc.is_enabled(model) and "generate" not in vars(model)

@@ -4,25 +4,16 @@ A function's length is its ``def`` line to its last line, docstring included (``
 ``end_lineno``); nested functions are counted on their own and as part of the function around them. Modules are
 every file of the ``pagedcore/`` tree (tests/repo.py).
 
-:data:`LONG_FUNCTIONS` names the functions still over the limit, outside ``pagedcore/benchmarks/`` (which has none):
-they are being shrunk. A function leaves the list when it is shrunk (the second test fails until it does); none
-joins it.
+There is no allowlist: the last two long functions (``prefix_caching.enable``, ``PrefixTrie.insert``) were split.
 """
 
 from __future__ import annotations
 
 import ast
 
-import pytest
 from repo import source_modules
 
 MAX_LINES = 60
-
-# module -> qualified names of the functions over MAX_LINES today; to be emptied.
-LONG_FUNCTIONS: dict[str, frozenset[str]] = {
-    "pagedcore.adapters.transformers.prefix_caching": frozenset({"enable"}),
-    "pagedcore.prefix_trie": frozenset({"PrefixTrie.insert"}),
-}
 
 
 def function_lengths(source: str) -> dict[str, int]:
@@ -65,24 +56,10 @@ def test_the_lengths_are_read():
 
 
 def test_no_function_over_the_limit():
-    new = {
-        f"{module}.{name} ({n} lines)"
-        for module, over in LONG.items()
-        for name, n in over.items()
-        if name not in LONG_FUNCTIONS.get(module, frozenset())
-    }
-    assert not new, f"functions over {MAX_LINES} lines: {sorted(new)}"
+    over = {f"{module}.{name} ({n} lines)" for module, names in LONG.items() for name, n in names.items()}
+    assert not over, f"functions over {MAX_LINES} lines: {sorted(over)}"
 
 
-@pytest.mark.parametrize(
-    "qualname", sorted(f"{module}:{name}" for module, names in LONG_FUNCTIONS.items() for name in names)
-)
-def test_every_allowed_long_function_is_still_long(qualname):
-    """An allowed function that is now short leaves :data:`LONG_FUNCTIONS`, so the list only shrinks."""
-    module, name = qualname.split(":")
-    assert name in LONG.get(module, {}), f"{qualname} is {MAX_LINES} lines or fewer now: remove it from LONG_FUNCTIONS"
-
-
-def test_benchmarks_have_no_long_function():
-    assert not any(module.startswith("pagedcore.benchmarks") for module in LONG_FUNCTIONS)
-    assert not any(module.startswith("pagedcore.benchmarks") for module in LONG)
+def test_a_long_function_is_found():
+    body = "".join(f"    x{i} = {i}\n" for i in range(MAX_LINES))
+    assert function_lengths(f"def f():\n{body}") == {"f": MAX_LINES + 1}

@@ -124,15 +124,9 @@ def enable(
     Returns:
         The pool; read ``pool.num_hit_tokens / pool.num_query_tokens`` for the hit rate.
 
-    Memory held by a result: with ``return_dict_in_generate=True`` the output carries the call's cache, which stays
-    valid (pass it back with ``cache=`` to continue) and holds its rows' blocks (prompt + generated tokens, whole
-    blocks) until ``out.cache.release()`` or until the output is garbage collected. A call that returns a tensor
-    holds nothing afterwards. Requests for ``output_attentions`` / ``output_hidden_states`` compute the whole
-    prompt (no prefix hit). Prompt + ``max_new_tokens`` over the model's context raises
-    :class:`~pagedcore.errors.InvalidRequestError` (see :func:`~pagedcore.adapters.transformers.spec.context_limit`).
-    After a weight update (optimizer step, ``load_state_dict``, PEFT adapters) the next call forgets the cached
-    prefixes (:meth:`PagedKVPool.check_weights`). After ``model.to(...)`` the next call rebuilds the pool if no cache
-    holds blocks, else raises :class:`~pagedcore.errors.PoolMismatchError`.
+    What a kept result holds, weight updates and ``model.to(...)``: the module docstring (*Kept caches*, *Weights
+    that change*, *A converted model*). Prompt + ``max_new_tokens`` over the model's context raises
+    :class:`~pagedcore.errors.InvalidRequestError` (:func:`~pagedcore.adapters.transformers.spec.context_limit`).
 
     Example:
         >>> import torch
@@ -155,6 +149,25 @@ def enable(
     """
     if model in _ENABLED:
         raise ConfigError("prefix caching is already enabled on this model; call disable(model) first")
+    pool = _enable_pool(model, pool, num_blocks, memory_budget, block_size, eviction_policy, kv_store, kv_store_bytes)
+    had_instance = "generate" in vars(model)
+    state = _Enabled(pool, namespace, attention_backend, had_instance, vars(model).get("generate"))
+    model.generate = _wrapped_generate(model, state)
+    _ENABLED[model] = state
+    return pool
+
+
+def _enable_pool(
+    model: Any,
+    pool: PagedKVPool | None,
+    num_blocks: int | None,
+    memory_budget: int | float | str | None,
+    block_size: int | None,
+    eviction_policy: str | None,
+    kv_store: KVStoreSpec | None,
+    kv_store_bytes: int | float | str | None,
+) -> PagedKVPool:
+    """The pool :func:`enable` uses: ``pool`` bound to ``model`` (no sizing arguments with it), else a new one."""
     if pool is None:
         pool = PagedKVPool(
             model,
@@ -166,13 +179,20 @@ def enable(
             kv_store_bytes=kv_store_bytes,
         )
     else:
-        if num_blocks is not None or memory_budget is not None:
-            raise ConfigError("num_blocks / memory_budget size a new pool: not with pool=")
+        if any(arg is not None for arg in (num_blocks, memory_budget, block_size, eviction_policy)):
+            raise ConfigError(
+                "num_blocks / memory_budget / block_size / eviction_policy make a new pool: not with pool="
+            )
         if kv_store is not None or kv_store_bytes is not None:
             raise ConfigError("kv_store / kv_store_bytes belong to a new pool: give them to PagedKVPool")
         pool.bind(model)
-    had_instance = "generate" in vars(model)
-    state = _Enabled(pool, namespace, attention_backend, had_instance, vars(model).get("generate"))
+    return pool
+
+
+def _wrapped_generate(model: Any, state: _Enabled) -> Callable[..., Any]:
+    """The ``generate`` :func:`enable` installs: the model's own (instance or class), run through :func:`_generate`.
+    It holds the model weakly, so an enabled model is still garbage collected."""
+    had_instance = state.had_instance_generate
     original = state.instance_generate if had_instance else type(model).generate
     model_ref = weakref.ref(model)
 
@@ -184,9 +204,7 @@ def enable(
         call = original if had_instance else functools.partial(original, target)
         return _generate(target, call, state, args, kwargs)
 
-    model.generate = generate
-    _ENABLED[model] = state
-    return pool
+    return generate
 
 
 def disable(model: Any) -> PagedKVPool:
