@@ -186,3 +186,29 @@ def test_inductor_graph_matches_eager_within_1e_4(monkeypatch):
     outputs, stats = run(model, True, prompts=prompts, params=params, block_size=8)
     assert stats.compile_failures == 0 and stats.compiled_steps == 7 and stats.compiled_graphs == 1
     assert_same(outputs, reference)
+
+
+def test_the_compiled_decode_does_not_guard_on_the_weights_watch(monkeypatch):
+    """Llama's forward slices its ``ModuleList`` (``self.layers[:n]``), which registers modules: the weights watch's
+    registration hook ran inside the trace and dynamo guarded on the watched-modules WeakSet, whose entries die with
+    their models ("Error while creating guard" on ``_EVENTS.watched.data``: a compile failure, the step ran eager;
+    seen when this module ran after others). The hook ignores registrations while tracing: no guard names it."""
+    import logging
+
+    messages: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            messages.append(record.getMessage())
+
+    monkeypatch.setattr(compiled_module, "BACKEND", "eager")
+    handler, logger = Keep(), logging.getLogger("torch._dynamo")
+    torch._logging.set_logs(guards=True)
+    logger.addHandler(handler)
+    try:
+        _, stats = run(tiny_model("llama"), True, prompts=PROMPTS[:2], params=SamplingParams(max_new_tokens=6))
+    finally:
+        logger.removeHandler(handler)
+        torch._logging.set_logs()
+    assert stats.compile_failures == 0 and stats.compiled_steps > 0
+    assert messages and not [m for m in messages if "_EVENTS" in m]

@@ -78,6 +78,10 @@ _EVENTS = _Events()
 
 
 def _on_registration(module: Any, name: str, value: Any) -> None:
+    if torch.compiler.is_compiling():
+        # Traced (a module registered inside a compiled function): not a change of the model's weights, and dynamo
+        # would guard on the WeakSet's contents, which fails once a watched model is collected (a compile failure).
+        return
     if module in _EVENTS.watched:
         _EVENTS.registrations += 1  # returns None: torch registers the value unchanged
 
