@@ -282,6 +282,12 @@ def write_kv(
         [0.0, 0.0, 0.0, 1.0, 2.0, 2.0]
     """
     for cache, new in ((key_cache, key), (value_cache, value)):
+        if torch.compiler.is_compiling() and not isinstance(slot_mapping, int) and cache.dim() == 4:
+            # Traced: index the pool tensor itself. Inductor functionalizes a write through a flattened view of it
+            # into a copy of the layer's whole pool, twice, every step (6x slower at a 2k context).
+            block_size = cache.shape[1]
+            cache.index_put_((slot_mapping // block_size, slot_mapping % block_size), new.to(cache.dtype))
+            continue
         flat = cache.view(-1, *cache.shape[-2:])
         if isinstance(slot_mapping, int):
             flat[slot_mapping : slot_mapping + new.shape[0]] = new

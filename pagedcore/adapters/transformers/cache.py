@@ -205,9 +205,9 @@ class PagedLayer(CacheLayerMixin):
         keys = key_cache.view(-1, *key_cache.shape[2:])
         values = value_cache.view(-1, *value_cache.shape[2:])
         start, kv_len, index = self._read(step, device)
-        if start is not None:  # one row whose slots are one contiguous run: a view, no copy
-            k = keys[start : start + kv_len].unsqueeze(0)
-            v = values[start : start + kv_len].unsqueeze(0)
+        if start is not None:  # one row whose slots are one contiguous run: a view, no copy (traced: symbolic ints)
+            k = keys.narrow(0, start, kv_len).unsqueeze(0)
+            v = values.narrow(0, start, kv_len).unsqueeze(0)
         else:  # the index's shape gives every size (traced: no host integer to compare with)
             assert index is not None
             k = keys.index_select(0, index.view(-1)).view(*index.shape, *keys.shape[1:])
@@ -222,7 +222,7 @@ class PagedLayer(CacheLayerMixin):
         read = step.reads[group] if device == step.device else None
         if read is not None and (read[2] is not None or read[3] is not None):
             kv_len, _, start, index = read
-            return (None if torch.compiler.is_compiling() and index is not None else start), kv_len, index
+            return start, kv_len, index
         kv_len, kv_offset = self.kind.mask_sizes(step.plan.start, step.plan.q_len)
         start = step.memo(("view", group, kv_offset), lambda: state.view_start(group, kv_offset, kv_len))
         if start is not None:
@@ -234,9 +234,9 @@ class PagedLayer(CacheLayerMixin):
         """``(kv_length, kv_offset)`` of the keys :meth:`update` will return (transformers' rules, by its kind)."""
         step = self._state.open_step()
         if step is not None and step.reads:
-            _, kv_offset, _, index = step.reads[self.group]
-            if index is not None:  # traced: the gather index's length, as the keys update returns
-                return index.shape[-1], kv_offset
+            kv_len, kv_offset, _, index = step.reads[self.group]
+            # traced: the gather index's length, as the keys update returns, or the view's (the step's own ints)
+            return (kv_len if index is None else index.shape[-1]), kv_offset
         return self.kind.mask_sizes(self._state.layer_len[self.layer_idx], query_length)
 
     def get_seq_length(self) -> int:

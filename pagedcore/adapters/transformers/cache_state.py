@@ -405,7 +405,7 @@ class CacheState:
             start = index = None
             if step.context is None:  # a view for eager layers where one fits; the gather index otherwise, or compiled
                 start = self.view_start(g, kv_offset, kv_len)
-                if start is None or step.compiled:
+                if start is None:
                     index = to_device(self.gather_index(g, kv_offset, kv_len), device)
             step.reads.append((kv_len, kv_offset, start, index))
 
