@@ -216,8 +216,8 @@ class PagedLayer(CacheLayerMixin):
 
     def _read(self, step: Step, device: torch.device) -> tuple[int | None, int, torch.Tensor | None]:
         """``(view start or None, kv_len, gather index or None)`` of this layer's group in this forward: built by
-        :meth:`CacheState.prepare` (a compiled forward always takes the gather index), else here, once per device
-        (another device, or a paged-attention forward that falls back to dense attention)."""
+        :meth:`CacheState.prepare` (a view of one contiguous run or a gather index, eager and compiled alike), else
+        here, once per device (another device, or a paged-attention forward that falls back to dense attention)."""
         state, group = self._state, self.group
         read = step.reads[group] if device == step.device else None
         if read is not None and (read[2] is not None or read[3] is not None):
@@ -343,16 +343,14 @@ class PagedCache(Cache):
         attention_mask: Any = None,
         position_ids: torch.Tensor | None = None,
         output_attentions: bool = False,
-        compiled: bool = False,
     ) -> None:
-        """Reserve the coming forward for every layer, before layer 0: the padding is read from ``attention_mask``
-        (2-D, ``(batch, past + new)``; None: no padding). With ``output_attentions`` paged attention returns the
-        attention weights (see :func:`~.attention.paged_attention_forward`); ``compiled``: the model's forward is a
-        ``torch.compile``'d function (its layers then read through gather indices built here, never a view). The
-        forward pre-hook of the model the cache was made for calls it with the forward's arguments; call it yourself
-        only for a forward that hook does not see (a submodule called directly). A forward whose mask is not left
-        padding stores every position (the standard mask then hides what it hides, exactly as with
-        ``DynamicCache``).
+        """Reserve the coming forward for every layer, before layer 0: the padding is read from ``attention_mask`` (2-D,
+        ``(batch, past + new)``; None: no padding). With ``output_attentions`` paged attention returns the attention
+        weights (see :func:`~.attention.paged_attention_forward`). The indices every layer reads through are built here,
+        so a ``torch.compile``'d forward only indexes with tensors. The forward pre-hook of the model the cache was made
+        for calls it with the forward's arguments; call it yourself only for a forward that hook does not see (a
+        submodule called directly). A forward whose mask is not left padding stores every position (the standard mask
+        then hides what it hides, exactly as with ``DynamicCache``).
 
         Example:
             >>> import torch
@@ -381,7 +379,6 @@ class PagedCache(Cache):
             inputs.device,
             mask_known=known,
             weights=bool(output_attentions),
-            compiled=compiled,
         )
 
     def after_forward(self) -> None:

@@ -89,7 +89,6 @@ class Step:
     device: torch.device | None = None
     hooked: bool = False
     open: bool = False  # reserved by the hook for the forward now running (until the forward hook closes it)
-    compiled: bool = False  # the model's forward is a torch.compile'd function: the layers read through gather indices
     wants_weights: bool = False  # the forward was asked for attention weights (paged attention then returns them)
     new_rows: bool = False  # the rows were created by this forward (given back with it)
     was_exact: bool = True  # the cache's exactness before this forward
@@ -231,14 +230,12 @@ class CacheState:
         *,
         mask_known: bool = True,
         weights: bool = False,
-        compiled: bool = False,
     ) -> None:
         """Reserve the next forward for every layer, on the host, before layer 0 (the model's forward pre-hook calls
         this): ``mask`` is the forward's attention mask (None: none, every position a token), ``positions`` its
-        ``position_ids``, ``device`` where its layers' indices go. ``mask_known=False`` (a 4-D or unrecognised
-        mask): the padding is not read from it. ``weights``: the forward asked for attention weights. ``compiled``:
-        the model's forward is compiled (every group's gather index is built, also where an eager layer would take a
-        view of the pool). Raises, with nothing reserved, like the reservation of a layer."""
+        ``position_ids``, ``device`` where its layers' indices go. ``mask_known=False`` (a 4-D or unrecognised mask):
+        the padding is not read from it. ``weights``: the forward asked for attention weights. Raises, with nothing
+        reserved, like the reservation of a layer."""
         self.check_live()
         if q_len == 0:
             return
@@ -246,7 +243,7 @@ class CacheState:
         if mask_known:
             width = self.length + q_len
             rows = MaskRows.of(mask if isinstance(mask, torch.Tensor) else None, batch=batch, width=width)
-        self._begin(batch, q_len, positions, True, mask=rows, device=device, hooked=True, compiled=compiled)
+        self._begin(batch, q_len, positions, True, mask=rows, device=device, hooked=True)
         step = self.step
         if step is not None:
             step.open = True
@@ -351,7 +348,6 @@ class CacheState:
         mask: MaskRows | None = None,
         device: torch.device | None = None,
         hooked: bool = False,
-        compiled: bool = False,
     ) -> None:
         pool = self.pool
         with pool.lock:
@@ -378,9 +374,7 @@ class CacheState:
                 if new_rows:
                     self.rows = []
                 raise
-        step = Step(
-            plan, slots, plan.real_index, hooked=hooked, compiled=compiled, new_rows=new_rows, was_exact=self.exact
-        )
+        step = Step(plan, slots, plan.real_index, hooked=hooked, new_rows=new_rows, was_exact=self.exact)
         self.length += q_len
         self.exact = self.exact and plan.exact
         if self.exact and has_kwargs and self.uses_paged_attention():
@@ -403,7 +397,7 @@ class CacheState:
             step.write_index.append(to_device(torch.tensor(slots, dtype=torch.long), device))
             kv_len, kv_offset = group.kind.mask_sizes(plan.start, plan.q_len)
             start = index = None
-            if step.context is None:  # a view for eager layers where one fits; the gather index otherwise, or compiled
+            if step.context is None:  # a view where one fits (eager or compiled); the gather index otherwise
                 start = self.view_start(g, kv_offset, kv_len)
                 if start is None:
                     index = to_device(self.gather_index(g, kv_offset, kv_len), device)

@@ -82,13 +82,7 @@ def _before_forward(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict
         attention_mask=inputs.get("attention_mask"),
         position_ids=inputs.get("position_ids"),
         output_attentions=bool(inputs.get("output_attentions")),
-        compiled=_compiled(module),
     )
-
-
-def _compiled(module: torch.nn.Module) -> bool:
-    """Whether ``module.forward`` was replaced by ``torch.compile(module.forward, ...)`` (transformers' pattern)."""
-    return hasattr(module.__dict__.get("forward"), "_torchdynamo_orig_callable")
 
 
 def _after_forward(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
