@@ -207,7 +207,9 @@ def test_sigterm_drains_running_streams_and_refuses_new_requests_with_503():
             headers={"Origin": "http://elsewhere", "Access-Control-Request-Method": "POST"},
         )
         assert cors.headers["access-control-allow-origin"] in ("*", "http://elsewhere")
-        body = {"model": "second", "prompt": "Tides", "max_tokens": 60, "ignore_eos": True, "stream": True}
+        # Streams long enough to outlive the late requests below (a late request answered 200 before admission
+        # closed is one token): once every stream ends the server exits and a late request is refused instead.
+        body = {"model": "second", "prompt": "Tides", "max_tokens": 200, "ignore_eos": True, "stream": True}
         first_chunks = threading.Semaphore(0)
         ends: list[tuple[str | None, bool]] = []
 
@@ -233,7 +235,8 @@ def test_sigterm_drains_running_streams_and_refuses_new_requests_with_503():
         process.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + 30
         while True:  # the signal is handled asynchronously: wait until admission closes
-            late = httpx.post(f"{url}/v1/completions", json={**body, "stream": False}, headers=headers, timeout=60)
+            late_body = {**body, "stream": False, "max_tokens": 1}
+            late = httpx.post(f"{url}/v1/completions", json=late_body, headers=headers, timeout=60)
             if late.status_code != 200 or time.monotonic() > deadline:
                 break
         assert late.status_code == 503 and late.headers["retry-after"] == "5", late.text
