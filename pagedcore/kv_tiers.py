@@ -356,7 +356,9 @@ class KVTiers:
         limit = (len(token_ids) - 1) // bs  # the prompt's last token is always computed
         if encoded is None or limit <= 0:
             return 0
-        matched = [g.trie.match(token_ids[: limit * bs], namespace).block_ids for g in pool.groups]
+        # Whole blocks only: a match that ends inside a block (to the token) still computes, or loads, that block.
+        matches = [g.trie.match(token_ids[: limit * bs], namespace) for g in pool.groups]
+        matched = [m.block_ids[: m.num_tokens // bs] for m in matches]
         before = min(len(m) for m in matched)
         if before >= limit:
             return 0

@@ -312,7 +312,7 @@ class PrefixTrie:
             )
         key = namespace_key(namespace)
         # Plan first (no changes), so that a bad block anywhere leaves the trie and the manager untouched.
-        root = self._insert_root(key, namespace, parent)
+        root = self._insert_root(key, namespace, parent, "insert")
         canonical, to_create = self._plan_insert(root, token_ids, blocks)
         if to_create:
             self._bm.mark_cached([blocks[i] for i in to_create])  # validates: in use, not cached, no duplicates
@@ -323,13 +323,16 @@ class PrefixTrie:
         self._apply_insert(root, key, canonical, to_create)
         return canonical
 
-    def _insert_root(self, key: Hashable, namespace: Namespace, parent: int | None) -> _Node | None:
-        """The node an insert starts from: the namespace's root (None while it has none) or the block ``parent``."""
+    def _insert_root(self, key: Hashable, namespace: Namespace, parent: int | None, caller: str) -> _Node | None:
+        """The node an insert starts from: the namespace's root (None while it has none) or the block ``parent``,
+        which must be a full block (a partial block has no children)."""
         if parent is None:
             return self._roots.get(key)
         root = self._by_block.get(parent)
-        if root is None or root.key != key:
-            raise InvalidBlockError(f"insert: parent block {parent} is not cached in namespace {namespace!r}")
+        if root is None or root.key != key or root.is_partial:
+            raise InvalidBlockError(
+                f"{caller}: parent block {parent} is not a full block cached in namespace {namespace!r}"
+            )
         return root
 
     def _plan_insert(
@@ -404,14 +407,7 @@ class PrefixTrie:
                 f"insert_partial: a partial block holds 1 .. {self._block_size - 1} tokens, got {len(tokens)}"
             )
         key = namespace_key(namespace)
-        if parent is None:
-            node = self._roots.get(key)
-        else:
-            node = self._by_block.get(parent)
-            if node is None or node.key != key or node.is_partial:
-                raise InvalidBlockError(
-                    f"insert_partial: parent block {parent} is not a full block cached in namespace {namespace!r}"
-                )
+        node = self._insert_root(key, namespace, parent, "insert_partial")
         if block_id in self._by_block:
             raise InvalidBlockError(f"insert_partial: block {block_id} is already cached")
         if node is not None and node.longest_run(tokens)[1] == len(tokens):

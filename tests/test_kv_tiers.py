@@ -148,6 +148,23 @@ def test_a_partial_pool_match_continues_into_the_store(tmp_path):
     tiers.close()
 
 
+def test_a_match_that_ends_inside_a_block_loads_from_that_block_on(tmp_path):
+    """The trie matches to the token: [5, 6, 7, 99, ...] matches A=(5, 6) and the first token of its child B=(7, 8).
+    The load counted B as matched, fetched from the block after it and filed (9, 10)'s KV under B, where the prompt
+    [5, 6, 7, 8, 9, 10] then found it: another chain's keys and values."""
+    pool, io, tiers = make(tmp_path)
+    other = [5, 6, 7, 99, 9, 10, 11]
+    fill(pool, io, other[:6])
+    evict_all(pool)
+    assert tiers.flush(5)
+    fill(pool, io, [5, 6, 7, 8])  # A and B in the pool
+    assert pool.load_prefix(other) == 2 * BS  # (7, 99) and (9, 10), after A
+    assert loaded_ok(pool, io, other) == 3
+    assert loaded_ok(pool, io, [5, 6, 7, 8, 9, 10, 11]) == 2  # A and B only
+    pool.check_invariants()
+    tiers.close()
+
+
 def test_another_namespace_and_another_model_get_nothing(tmp_path):
     pool, io, tiers = make(tmp_path)
     fill(pool, io, PROMPT, namespace="tenant-a")

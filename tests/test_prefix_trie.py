@@ -295,3 +295,21 @@ def test_the_scheduler_does_not_hold_a_request_back_for_another_namespace_prefil
         sched.abort(item.request_id)
     sched.abort("int again")
     assert sched.pool.num_used_blocks == 0
+
+
+def test_a_partial_block_is_no_parent_and_a_refused_insert_changes_nothing():
+    """A partial block has no children: ``insert(..., parent=partial)`` is refused like ``insert_partial`` is (it used
+    to hang full blocks under it, which the tiered store's load did once it counted a partial match as whole)."""
+    bm = BlockManager(num_blocks=4, block_size=2)
+    trie = PrefixTrie(bm)
+    full, partial, child = bm.allocate(3)
+    trie.insert([1, 2], [full])
+    assert trie.insert_partial([3], partial, parent=full)
+    for refused in (
+        lambda: trie.insert([3, 4], [child], parent=partial),
+        lambda: trie.insert_partial([5], child, parent=partial),
+    ):
+        with pytest.raises(InvalidBlockError, match="not a full block"):
+            refused()
+    assert trie.match([1, 2, 3, 4]) == PrefixMatch([full, partial], 3) and not bm.is_cached(child)
+    trie.check_invariants()
