@@ -35,6 +35,7 @@ __all__ = [
     "CUDA_BLOCK_SIZE",
     "AttentionBackend",
     "PagedAttentionMetadata",
+    "bucket",
     "contiguous_start",
     "default_block_size",
     "eager_attention",
@@ -45,6 +46,17 @@ __all__ = [
 
 CPU_BLOCK_SIZE = 16  # the torch backend gathers whole blocks: small blocks waste less and give finer prefix hits
 CUDA_BLOCK_SIZE = 64  # xformers' triton_splitk reads the pool in place only for pages of a multiple of 64 tokens
+
+
+def bucket(n: int, minimum: int = 1) -> int:
+    """The launch size ``n`` is padded to: the next power of two, at least ``minimum`` (compiled decode graphs and
+    xformers' paged launches, one graph or bias per bucket).
+
+    Example:
+        >>> [bucket(n) for n in (1, 2, 3, 5, 16, 17)], bucket(3, minimum=4)
+        ([1, 2, 4, 8, 16, 32], 4)
+    """
+    return max(minimum, 1 << max(0, n - 1).bit_length())
 
 
 def default_block_size(device: torch.device | str, backend: str | None = None) -> int:

@@ -277,9 +277,8 @@ def _with_weights(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, weights)`` from the model's eager attention, as with ``attn_implementation="eager"``: the boolean
     mask the paged mask function builds (sdpa's, None when it is plain causal) becomes eager's additive one."""
-    q_len, k_len = query.shape[-2], key.shape[-2]
-    if mask is None:  # causal, aligned to the newest key
-        mask = torch.ones(q_len, k_len, dtype=torch.bool, device=query.device).tril(k_len - q_len)[None, None]
+    if mask is None:
+        mask = _causal(query, key)[None, None]
     if mask.dtype == torch.bool:
         mask = torch.zeros(mask.shape, dtype=query.dtype, device=mask.device).masked_fill(
             ~mask, torch.finfo(query.dtype).min
@@ -287,6 +286,12 @@ def _with_weights(
     extra = {k: v for k, v in kwargs.items() if k not in _OWN_KEYS}
     out, weights = eager(module, query, key, value, mask, scaling=scaling, dropout=0.0, softcap=softcap, **extra)
     return out, weights
+
+
+def _causal(query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """The causal mask ``(q_len, k_len)`` aligned to the newest key: what a None mask means here."""
+    q_len, k_len = query.shape[-2], key.shape[-2]
+    return torch.ones(q_len, k_len, dtype=torch.bool, device=query.device).tril(k_len - q_len)
 
 
 def _hides_only_padding(mask: Any, pads: list[int], length: int) -> bool:
@@ -318,9 +323,8 @@ def _dense(
     if softcap is None:
         out, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=scaling, dropout=0.0, **extra)
         return out, None
-    if mask is None:  # causal, aligned to the newest key
-        q_len, k_len = query.shape[-2], key.shape[-2]
-        mask = torch.ones(q_len, k_len, dtype=torch.bool, device=query.device).tril(k_len - q_len)
+    if mask is None:
+        mask = _causal(query, key)
     out = eager_attention(query, key, value, mask, scale=scaling, softcap=softcap)
     return out.transpose(1, 2).contiguous(), None
 

@@ -152,7 +152,7 @@ class PagedLayer(CacheLayerMixin):
         length = state.layer_len[self.layer_idx]
         if tensors is None or not state.rows or state.released:
             return None
-        start = max(0, length - self.sliding_window + 1) if self.sliding_window else 0
+        start = self.kind.first_visible(length)
         with state.pool.lock:
             index = state.gather_index(self.group, start, length - start)
         flat = tensors[which].view(-1, *tensors[which].shape[2:])

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from pagedcore.attention import to_device, write_kv
+from pagedcore.attention import bucket, to_device, write_kv
 from pagedcore.errors import ConfigError
 from pagedcore.plugins.torch_backend import attend_rows, gather_blocks
 
@@ -74,16 +74,6 @@ def store_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tens
 def _store_kv_shapes(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      slots: torch.Tensor, pad_block: int) -> None:  # fmt: skip
     return None
-
-
-def bucket(n: int, minimum: int = 1) -> int:
-    """The power of two ``n`` is padded to (at least ``minimum``).
-
-    Example:
-        >>> [bucket(n) for n in (1, 2, 3, 5, 16, 17)], bucket(3, minimum=4)
-        ([1, 2, 4, 8, 16, 32], 4)
-    """
-    return max(minimum, 1 << max(0, n - 1).bit_length())
 
 
 def resolve_compile(compile: bool | str, device: torch.device) -> bool:
@@ -202,16 +192,12 @@ class DecodeAttention(StepAttention):
             raise RuntimeError(f"layer {layer_idx} has no pool tensors: its keys were never stored")
         key_cache, value_cache = tensors
         group = self.pool.group_of(layer_idx)
-        window = self.pool.kv.groups[group].sliding_window  # the group's kind, as the eager metadata says it
         new_keys, new_values = key[0].transpose(0, 1).contiguous(), value[0].transpose(0, 1).contiguous()
         store_kv(key_cache, value_cache, new_keys, new_values, self.slots[group], self.pool.pad_block)
         tables, starts = self.tables[group], self.starts[group]
         k, v = gather_blocks(key_cache, tables), gather_blocks(value_cache, tables)
         key_pos = starts[:, None] + torch.arange(k.shape[2], device=k.device)[None, :]
-        query_pos = self.positions[:, None]
-        mask = key_pos <= query_pos
-        if window is not None:
-            mask = mask & (key_pos > query_pos - window)
+        mask = self.pool.kv.groups[group].kind.sees(self.positions[:, None], key_pos)  # causal, and in the window
         q = query[0].transpose(0, 1).unsqueeze(2)  # (rows, heads, 1, dim)
         out = attend_rows(q, k, v, mask[:, None, None, :], scale, softcap)  # (rows, heads, 1, dim_v)
         return out.transpose(1, 2).reshape(1, q.shape[0], q.shape[1], -1)

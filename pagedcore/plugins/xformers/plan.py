@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagedcore.attention import PagedAttentionMetadata
+from pagedcore.attention import PagedAttentionMetadata, bucket
 
 __all__ = [
     "FLASH_PAGE_MULTIPLE",
@@ -45,19 +45,6 @@ SPLITK_MAX_CAUSAL_QUERIES = 16  # triton_splitk's causal mode: equal query lengt
 FLASH_PAGE_MULTIPLE = 256  # FA2 with a block table needs pages of a multiple of 256 (not checked by xformers)
 MIN_ROWS = 8  # smallest row bucket of a paged launch
 MIN_WIDTH = 4  # smallest block-table width bucket of a paged launch, in pages
-
-
-def bucket(n: int, minimum: int) -> int:
-    """The launch size ``n`` is padded to: the next power of two, at least ``minimum``.
-
-    Example:
-        >>> [bucket(n, MIN_ROWS) for n in (1, 8, 9, 33)], bucket(5, MIN_WIDTH)
-        ([8, 8, 16, 64], 8)
-    """
-    size = max(1, minimum)
-    while size < n:
-        size *= 2
-    return size
 
 
 @dataclass(frozen=True)

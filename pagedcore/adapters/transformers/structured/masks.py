@@ -105,5 +105,5 @@ class GrammarMasks:
     def _table(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         table = self._penalty.get((device, dtype))
         if table is None:
-            table = self._penalty[(device, dtype)] = _PENALTY.to(device=device, dtype=dtype).reshape(256, 8)
+            table = self._penalty[(device, dtype)] = _PENALTY.to(device=device, dtype=dtype)
         return table
