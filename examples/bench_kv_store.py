@@ -116,13 +116,13 @@ def restart_ttft(model: Any, args: argparse.Namespace, directory: str) -> tuple[
     store = {"kv_store": directory, "kv_store_bytes": "64GiB"}
     with Engine(model, num_blocks=blocks, block_size=BLOCK, max_num_batched_tokens=4096, **store) as engine:
         first = engine.generate([prompt], max_new_tokens=2, do_sample=False, use_tqdm=False)[0].token_ids
-    ttft = {}
+    ttft, same = {}, True
     for label, kw in (("cold", {}), ("store", store)):
         with Engine(model, num_blocks=blocks, block_size=BLOCK, max_num_batched_tokens=4096, **kw) as engine:
             out = engine.generate([prompt], max_new_tokens=2, do_sample=False, use_tqdm=False)[0]
             assert out.metrics.time_to_first_token is not None
             ttft[label] = out.metrics.time_to_first_token
-            same = out.token_ids == first
+            same = same and out.token_ids == first  # the cold run's tokens and the loaded run's
     return ttft["store"], ttft["cold"], same
 
 

@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 
+from pagedcore.benchmarks.report import package_version
+
 VOCAB = 32000
 TYPICAL = {
     "type": "object",
@@ -239,7 +241,7 @@ def _xgrammar(threads: int) -> EngineAdapter:
             state["batch"].batch_fill_next_token_bitmask(matchers, bitmask)
 
     return EngineAdapter(
-        "xgrammar 0.2.9",
+        f"xgrammar {package_version('xgrammar')}",
         setup,
         compile,
         lambda compiled: xgr.GrammarMatcher(compiled),
@@ -343,7 +345,7 @@ def _outlines_core() -> EngineAdapter:
         _apply_token_bitmask_inplace_kernel(logits, bitmask)  # its torch.compile'd kernel (as outlines uses it)
 
     return EngineAdapter(
-        "outlines-core 0.2.14",
+        f"outlines-core {package_version('outlines_core')}",
         setup,
         compile,
         lambda index: outlines_core.Guide(index),
