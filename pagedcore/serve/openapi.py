@@ -18,7 +18,12 @@ from .protocol import ChatRequest, CompletionRequest, DetokenizeRequest, Tokeniz
 
 __all__ = ["ERROR_RESPONSES", "REQUEST_MODELS", "install_openapi", "json_body"]
 
-REQUEST_MODELS: tuple[type[BaseModel], ...] = (CompletionRequest, ChatRequest, TokenizeRequest, DetokenizeRequest)
+REQUEST_MODELS: tuple[type[BaseModel], ...] = (
+    CompletionRequest,
+    ChatRequest,
+    TokenizeRequest,
+    DetokenizeRequest,
+)
 _REF = "#/components/schemas/{model}"
 
 ERROR_SCHEMA: dict[str, Any] = {
