@@ -29,6 +29,7 @@ from .openapi import install_openapi
 from .prompts import PromptEncoder
 from .reasoning import Reasoning
 from .request_ids import RequestIdHeaders
+from .responses_api.store import DEFAULT_STORE_BYTES, ResponseStore
 from .routes import ROUTERS
 from .routes.completions import DEFAULT_COMPLETION_MAX_TOKENS
 from .server_logs import RequestLog
@@ -61,6 +62,8 @@ class AppOptions:
         openapi: serve ``/openapi.json`` (``--disable-fastapi-docs`` turns it off).
         request_id_headers: answers carry ``X-Request-Id`` (``--enable-request-id-headers``).
         request_log: log each request (``--enable-log-requests``; None: no).
+        responses_store_bytes: the Responses API keeps responses (for ``previous_response_id``) within this many
+            bytes per tenant.
 
     Example:
         >>> AppOptions(allowed_origins=("*",)).allowed_methods
@@ -85,6 +88,7 @@ class AppOptions:
     openapi: bool = True
     request_id_headers: bool = False
     request_log: RequestLog | None = None
+    responses_store_bytes: int = DEFAULT_STORE_BYTES
 
 
 def create_app(
@@ -121,7 +125,8 @@ def create_app(
         >>> with Engine(model, num_blocks=16, block_size=8) as engine:
         ...     app = create_app(EngineLoop(engine), model_name="tiny")
         >>> sorted(path for path in app.openapi()["paths"] if path.startswith("/v1"))
-        ['/v1/chat/completions', '/v1/completions', '/v1/models', '/v1/models/{model_id}']
+        ['/v1/chat/completions', '/v1/completions', '/v1/models', '/v1/models/{model_id}', '/v1/responses', \
+'/v1/responses/{response_id}']
     """
     options = options or AppOptions()
     if tool_call_parser not in TOOL_PARSERS:
@@ -170,6 +175,7 @@ def _context(
         trust_request_chat_template=options.trust_request_chat_template,
         tool_call_parser=tool_call_parser,
         settings=_settings(options, reasoning, model_name),
+        responses=ResponseStore(options.responses_store_bytes),
     )
 
 

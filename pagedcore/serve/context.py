@@ -21,6 +21,7 @@ from .loop import RequestLoop
 from .metrics import ServeMetrics
 from .prompts import PromptEncoder
 from .protocol import ApiError
+from .responses_api.store import ResponseStore
 
 __all__ = ["Context", "ServeContext", "ServeSettings", "serve_context"]
 
@@ -75,6 +76,7 @@ class ServeContext:
         admission: open, or closed while the server drains for a shutdown.
         tool_call_parser: the tool-call format ``tool_choice="auto"`` reads (:mod:`pagedcore.serve.tool_calls`).
         settings: what the vLLM flags set for every request (:class:`ServeSettings`).
+        responses: the responses kept for ``previous_response_id`` (the Responses API).
 
     Example:
         >>> ctx = ServeContext(loop=None, metrics=None, model_name="tiny", encoder=PromptEncoder(None, None))
@@ -98,6 +100,7 @@ class ServeContext:
     admission: Admission = field(default_factory=Admission)
     tool_call_parser: str = "hermes"
     settings: ServeSettings = field(default_factory=ServeSettings)
+    responses: ResponseStore = field(default_factory=ResponseStore)
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from . import cache, chat, completions, health, models, tokenize
+from . import cache, chat, completions, health, models, responses, tokenize
 
 __all__ = ["ROUTERS"]
 
@@ -19,6 +19,7 @@ ROUTERS: tuple[APIRouter, ...] = (
     models.router,
     completions.router,
     chat.router,
+    responses.router,
     tokenize.router,
     cache.router,
 )
