@@ -216,13 +216,15 @@ def run(args: argparse.Namespace) -> int:
     if missing_extra("pagedcore serve", "serve", ("fastapi", "prometheus_client", "uvicorn")):
         return EXIT_UNAVAILABLE
 
+    from .startup import stats_logger
+
     engine, loop, server, sock = _build(args, UsageError)
     in_main = _in_main_thread()
     # uvicorn handles SIGTERM / Ctrl-C while serving, then raises the signal again once it has shut down; these
     # handlers turn that second signal into a normal return, so the engine is closed below and the exit code is 0.
     previous = signal.signal(signal.SIGTERM, _ignore) if in_main else None
     loop.start()
-    stats = _stats_logger(args, loop)
+    stats = stats_logger(args, loop)
     try:
         server.run(sockets=[sock])
     except KeyboardInterrupt:
@@ -238,17 +240,6 @@ def run(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _stats_logger(args: argparse.Namespace, loop: Any) -> Any:
-    """vLLM's periodic stats lines (INFO), unless ``--disable-log-stats``."""
-    from .server_logs import StatsLogger, stats_interval
-
-    if getattr(args, "disable_log_stats", False):
-        return None
-    stats = StatsLogger(loop, stats_interval())
-    stats.start()
-    return stats
-
-
 def _build(args: argparse.Namespace, error: type[Exception]) -> tuple[Any, Any, Any, Any]:
     """The engine, its loop, the uvicorn server that ``args`` describe and its bound socket (nothing started)."""
     from pagedcore.adapters.transformers import Engine
@@ -258,6 +249,7 @@ def _build(args: argparse.Namespace, error: type[Exception]) -> tuple[Any, Any, 
     from .loop import EngineLoop
     from .server import bind, make_server
     from .server_logs import configure_logging
+    from .startup import compile_mode, print_notes
 
     configure_logging(args.log_level)
     api_keys = _api_keys(args, error)
@@ -273,7 +265,7 @@ def _build(args: argparse.Namespace, error: type[Exception]) -> tuple[Any, Any, 
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=args.enable_prefix_caching,
         max_logprobs=args.max_logprobs,
-        compile=_compile(args),
+        compile=compile_mode(args),
         kv_store=getattr(args, "kv_store", None),
         kv_store_bytes=getattr(args, "kv_store_bytes", None),
     )
@@ -301,35 +293,8 @@ def _build(args: argparse.Namespace, error: type[Exception]) -> tuple[Any, Any, 
         access_log=not getattr(args, "disable_uvicorn_access_log", False),
     )
     _announce(args, engine, loop, names[0], port, api_keys, context)
-    _notes(args, model, options)
+    print_notes(args, model, options)
     return engine, loop, server, sock
-
-
-def _compile(args: argparse.Namespace) -> bool | str:
-    """``Engine(compile=...)``: ``--enforce-eager`` is ``--no-compile``; default: auto (on CUDA)."""
-    if getattr(args, "enforce_eager", False):
-        return False
-    return "auto" if args.compile is None else bool(args.compile)
-
-
-def _notes(args: argparse.Namespace, model: Any, options: Any) -> None:
-    """Start-up lines: the dtype and decode mode, the request defaults taken from the generation config, and why
-    each no-op vLLM flag given changes nothing here."""
-    from .vllm_flags import no_op_notes
-
-    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-    decode = "eager" if _compile(args) is False else "compiled" if _compile(args) is True else "auto"
-    print(f"pagedcore serve: weights in {dtype}, decode steps {decode}", file=sys.stderr)
-    if options.sampling_defaults:
-        shown = ", ".join(f"{k}={v}" for k, v in options.sampling_defaults.items())
-        print(
-            f"pagedcore serve: requests that leave them unset get the generation config's {shown} "
-            "(--generation-config vllm: none)",
-            file=sys.stderr,
-        )
-    for note in no_op_notes(args):
-        print(f"pagedcore serve: {note}", file=sys.stderr)
-    sys.stderr.flush()
 
 
 def _announce(
@@ -514,6 +479,7 @@ def _app_options(args: argparse.Namespace, names: list[str], error: type[Excepti
 
     from .app import AppOptions
     from .server_logs import RequestLog
+    from .startup import sampling_defaults
 
     template = args.chat_template
     if template is not None and ("{" not in template or Path(template).expanduser().is_file()):
@@ -535,25 +501,12 @@ def _app_options(args: argparse.Namespace, names: list[str], error: type[Excepti
         auto_tool_choice=args.enable_auto_tool_choice is not False,
         reasoning_parser=args.reasoning_parser,
         default_chat_template_kwargs=args.default_chat_template_kwargs,
-        sampling_defaults=_sampling_defaults(args, error),
+        sampling_defaults=sampling_defaults(args, error, None if args.model in (None, BUILTIN_NAME) else args.model),
         root_path=args.root_path,
         openapi=not args.disable_fastapi_docs,
         request_id_headers=args.enable_request_id_headers,
         request_log=RequestLog(args.max_log_len) if args.enable_log_requests else None,
     )
-
-
-def _sampling_defaults(args: argparse.Namespace, error: type[Exception]) -> dict[str, Any]:
-    """``--generation-config`` and ``--override-generation-config``: the requests' default sampling values."""
-    from .sampling_defaults import generation_defaults
-    from .vllm_flags import generation_config_source
-
-    model = None if args.model in (None, BUILTIN_NAME) else args.model
-    try:
-        source = generation_config_source(args.generation_config)
-        return generation_defaults(source, model, args.override_generation_config, **_hub(args))
-    except ValueError as exc:
-        raise error(str(exc)) from exc
 
 
 def parse_size(value: str | int, error: type[Exception] = ValueError, option: str = "--max-request-bytes") -> int:
@@ -575,6 +528,7 @@ def parse_size(value: str | int, error: type[Exception] = ValueError, option: st
 def _model(args: argparse.Namespace, error: type[Exception]) -> tuple[Any, Any, str]:
     import torch
 
+    from .startup import hub_options, load_tokenizer
     from .vllm_flags import DTYPES
 
     dtype_name = DTYPES[args.dtype]
@@ -600,39 +554,15 @@ def _model(args: argparse.Namespace, error: type[Exception]) -> tuple[Any, Any, 
     else:
         from pagedcore.cli.common import load_model  # the `--model` loader of `pagedcore generate`
 
-        hub = _hub(args)
+        hub = hub_options(args)
         model, tokenizer = load_model(args.model, dtype, trust_remote_code=args.trust_remote_code, **hub)
         name = args.model
     if args.tokenizer is not None or args.tokenizer_revision is not None:
-        tokenizer = _tokenizer(args, error)
+        tokenizer = load_tokenizer(args, error, None if args.model in (None, BUILTIN_NAME) else args.model)
     model.to(device=args.device)
     if dtype != "auto":
         model.to(dtype=dtype)
     return model, tokenizer, name
-
-
-def _hub(args: argparse.Namespace) -> dict[str, Any]:
-    """``from_pretrained``'s hub options: ``--revision`` and ``--download-dir`` (the cache)."""
-    hub = {"revision": getattr(args, "revision", None), "cache_dir": getattr(args, "download_dir", None)}
-    return {key: value for key, value in hub.items() if value is not None}
-
-
-def _tokenizer(args: argparse.Namespace, error: type[Exception]) -> Any:
-    """``--tokenizer`` (at ``--tokenizer-revision``): a tokenizer other than the model's own."""
-    from transformers import AutoTokenizer
-
-    from pagedcore.cli.common import first_line
-
-    name = args.tokenizer or args.model
-    if name in (None, BUILTIN_NAME):
-        raise error("--tokenizer-revision needs --tokenizer or a --model from the hub")
-    options: dict[str, Any] = {"trust_remote_code": args.trust_remote_code, "revision": args.tokenizer_revision}
-    if args.download_dir is not None:
-        options["cache_dir"] = args.download_dir
-    try:
-        return AutoTokenizer.from_pretrained(name, **options)
-    except (OSError, ValueError) as exc:
-        raise error(f"cannot load the tokenizer {name!r}: {first_line(exc)}") from exc
 
 
 def _in_main_thread() -> bool:

@@ -144,7 +144,13 @@ def shape_of(ctx: ServeContext, body: Any, chat: bool, options: AnswerOptions, t
 
 
 class Renderer(Protocol):
-    """How an endpoint other than completions and chat (the Responses API) shapes its answers."""
+    """How an endpoint other than completions and chat (the Responses API) shapes its answers.
+
+    Example:
+        >>> from pagedcore.serve.responses_api.render import ResponsesRenderer
+        >>> callable(ResponsesRenderer.response) and callable(ResponsesRenderer.events)
+        True
+    """
 
     def response(self, tally: Tally) -> dict[str, Any]:
         """The whole answer."""

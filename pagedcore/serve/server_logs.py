@@ -26,18 +26,21 @@ def configure_logging(level: str) -> None:
 
     Example:
         >>> configure_logging("warning")
-        >>> logging.getLogger("pagedcore").level == logging.WARNING
+        >>> logging.getLogger("pagedcore").getEffectiveLevel() <= logging.WARNING
         True
     """
     root = logging.getLogger("pagedcore")
     numeric = logging.getLevelName("DEBUG" if level.lower() == "trace" else level.upper())
-    root.setLevel(numeric if isinstance(numeric, int) else logging.WARNING)
-    if not any(getattr(handler, "pagedcore_serve", False) for handler in root.handlers):
+    numeric = numeric if isinstance(numeric, int) else logging.WARNING
+    if numeric < root.getEffectiveLevel():  # only ever lowered: a caller (a test's caplog) may want more
+        root.setLevel(numeric)
+    handler = next((h for h in root.handlers if getattr(h, "pagedcore_serve", False)), None)
+    if handler is None:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
         handler.pagedcore_serve = True  # type: ignore[attr-defined]
         root.addHandler(handler)
-        root.propagate = False
+    handler.setLevel(numeric)
 
 
 @dataclass(frozen=True)

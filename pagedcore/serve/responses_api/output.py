@@ -37,20 +37,38 @@ def new_id(prefix: str) -> str:
 
 
 def reasoning_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
-    """A ``reasoning`` output item holding the model's reasoning text."""
+    """A ``reasoning`` output item holding the model's reasoning text.
+
+    Example:
+        >>> reasoning_item("rs_1", "Let me see.")["content"]
+        [{'type': 'reasoning_text', 'text': 'Let me see.'}]
+    """
     content = [{"type": "reasoning_text", "text": text}] if text or status == "completed" else []
     return {"type": "reasoning", "id": item_id, "summary": [], "content": content, "encrypted_content": None,
             "status": status}  # fmt: skip
 
 
 def message_item(item_id: str, text: str | None, logprobs: list[Any], status: str = "completed") -> dict[str, Any]:
-    """A ``message`` output item (one ``output_text`` part unless ``text`` is None, as an item just opened)."""
+    """A ``message`` output item (one ``output_text`` part unless ``text`` is None, as an item just opened).
+
+    Example:
+        >>> opened, done = message_item("msg_1", None, [], "in_progress"), message_item("msg_1", "Hi", [])
+        >>> opened["content"], done["content"][0]["text"]
+        ([], 'Hi')
+    """
     content = [] if text is None else [{"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}]
     return {"type": "message", "id": item_id, "role": "assistant", "status": status, "content": content}
 
 
 def function_call_item(item_id: str, call: dict[str, Any], arguments: str | None = None) -> dict[str, Any]:
-    """A ``function_call`` output item of one of the answer's ``tool_calls`` (``arguments``: as streamed so far)."""
+    """A ``function_call`` output item of one of the answer's ``tool_calls`` (``arguments``: as streamed so far).
+
+    Example:
+        >>> call = {"id": "call_1", "function": {"name": "f", "arguments": "{}"}}
+        >>> item = function_call_item("fc_1", call)
+        >>> item["call_id"], item["name"], item["arguments"], item["status"]
+        ('call_1', 'f', '{}', 'completed')
+    """
     function = call["function"]
     return {
         "type": "function_call",
@@ -167,5 +185,10 @@ def output_items(
 
 
 def choice_texts(choice: Choice, decode: Callable[[int], str] | None) -> list[str]:
-    """Each token's text of a choice (empty without a tokenizer)."""
+    """Each token's text of a choice (empty without a tokenizer).
+
+    Example:
+        >>> choice_texts(Choice(prompt=0, token_ids=[1, 2]), lambda token: "ab"[token - 1])
+        ['a', 'b']
+    """
     return [decode(token) for token in choice.token_ids] if decode is not None else []

@@ -47,9 +47,8 @@ class ResponsesRenderer:
         on_done: called once the response finished well.
 
     Example:
-        >>> import inspect
         >>> sorted(name for name in vars(ResponsesRenderer) if not name.startswith("_"))
-        ['events', 'response']
+        ['events', 'logprobs', 'reasoning_tokens', 'response']
     """
 
     def __init__(self, frame: ResponseFrame, shape: Shape, decode: Callable[[int], str] | None, on_done: Done) -> None:
