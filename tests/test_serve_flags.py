@@ -80,6 +80,17 @@ def test_human_ints_read_as_vllm_reads_them():
     assert [human_int(t) for t in ("1k", "1K", "25.6k", "2M", "4096")] == [1000, 1024, 25600, 2 * 2**20, 4096]
 
 
+def test_each_no_op_flag_says_why_it_changes_nothing():
+    from pagedcore.cli import _parser
+    from pagedcore.serve.vllm_flags import NO_OPS, no_op_notes
+
+    argv = ["--enable-chunked-prefill", "--swap-space", "0", "--enable-tokenizer-info-endpoint"]
+    args = _parser().parse_args(["serve", *argv, "--enable-prompt-tokens-details"])
+    notes = no_op_notes(args)
+    assert [note.split(" has no effect here: ")[0] for note in notes] == list(NO_OPS)
+    assert no_op_notes(_parser().parse_args(["serve"])) == []
+
+
 def test_a_config_file_goes_before_the_command_line(tmp_path):
     config = tmp_path / "c.yaml"
     config.write_text("max_model_len: 512\nserved-model-name: [a, b]\nenforce_eager: true\ncompile: false\n")
@@ -233,6 +244,21 @@ def test_the_generation_configs_sources(tmp_path):
     assert generation_defaults(str(folder), None, {"temperature": 0.5}) == {"max_tokens": 5, "temperature": 0.5}
     with pytest.raises(ValueError, match="do_sample cannot be a request default"):
         generation_defaults("vllm", None, {"do_sample": True})
+
+
+def test_the_openapi_document_names_the_root_path(one_thread):
+    from pagedcore.adapters.transformers import Engine
+    from pagedcore.adapters.transformers.testing import tiny_llama
+    from pagedcore.serve.app import AppOptions, create_app
+    from pagedcore.serve.loop import EngineLoop
+    from pagedcore.serve.server import BackgroundServer
+
+    with Engine(tiny_llama(num_hidden_layers=1), num_blocks=16, block_size=8) as engine:
+        loop = EngineLoop(engine)
+        with BackgroundServer(create_app(loop, model_name="m", options=AppOptions(root_path="/api")), loop) as server:
+            document = httpx.get(f"{server.url}/api/openapi.json").json()
+            assert document["servers"] == [{"url": "/api"}]
+            assert "/v1/responses" in document["paths"] and "/reset_prefix_cache" in document["paths"]
 
 
 def test_the_yaml_config_file_refuses_what_it_cannot_read(tmp_path, capsys):

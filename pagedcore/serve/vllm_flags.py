@@ -56,6 +56,8 @@ NO_OPS: dict[str, str] = {
         "preempted requests are recomputed here (their prompt's blocks stay in the prefix cache while the pool has "
         "room): no CPU swap space is reserved"
     ),
+    "--enable-tokenizer-info-endpoint": "/tokenizer_info is always served here (behind the API key when there is one)",
+    "--enable-prompt-tokens-details": "usage always has prompt_tokens_details.cached_tokens here",
 }
 """vLLM flags accepted with no effect, and why: the start-up log prints the reason of each one given."""
 
@@ -129,6 +131,8 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("vLLM flags with no effect here (the start-up log says why)")
     group.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None)
     group.add_argument("--swap-space", type=float, default=None, metavar="GIB")
+    group.add_argument("--enable-tokenizer-info-endpoint", action="store_const", const=True, default=None)
+    group.add_argument("--enable-prompt-tokens-details", action="store_const", const=True, default=None)
 
 
 def _add_loading_flags(parser: argparse.ArgumentParser) -> None:
