@@ -25,10 +25,10 @@ from .context import ServeContext, ServeSettings
 from .errors import install_error_handlers
 from .loop import EngineLoop, RequestLoop
 from .metrics import ServeMetrics
+from .middleware import RequestIdHeaders, RootPath
 from .openapi import install_openapi
 from .prompts import PromptEncoder
 from .reasoning import Reasoning
-from .request_ids import RequestIdHeaders
 from .responses_api.store import DEFAULT_STORE_BYTES, ResponseStore
 from .routes import ROUTERS
 from .routes.completions import DEFAULT_COMPLETION_MAX_TOKENS
@@ -138,12 +138,13 @@ def create_app(
         docs_url=None,
         redoc_url=None,
         openapi_url="/openapi.json" if options.openapi else None,
-        root_path=options.root_path or "",
     )
     app.state.serve = _context(loop, model_name, api_keys, tokenizer, context, limits, options, tool_call_parser)
     _add_cors(app, options)
     if options.request_id_headers:
         app.add_middleware(RequestIdHeaders)
+    if options.root_path:
+        app.add_middleware(RootPath, root_path=options.root_path)
     install_error_handlers(app)
     for router in ROUTERS:
         app.include_router(router)

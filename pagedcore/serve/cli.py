@@ -420,11 +420,6 @@ def _check_ray(args: argparse.Namespace, error: type[Exception]) -> None:
         args.compile = False
     if getattr(args, "generation_config", "auto") != "auto":
         raise error("--generation-config is not supported with --ray yet (serve one engine without --ray)")
-    print(
-        "pagedcore serve: with --ray the model's generation config is not applied yet: requests get OpenAI's "
-        "default sampling values (as --generation-config vllm)",
-        file=sys.stderr,
-    )
 
 
 def _api_keys(args: argparse.Namespace, error: type[Exception]) -> ApiKeys | None:

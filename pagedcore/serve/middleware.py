@@ -1,5 +1,6 @@
-"""``--enable-request-id-headers`` (vLLM's): every answer carries ``X-Request-Id``, the client's own when its request
-had one (a proxy's trace id goes through), else a new one. A pure ASGI middleware, so streamed answers carry it too.
+"""Two pure ASGI middlewares of vLLM's flags (streamed answers go through them too): ``--enable-request-id-headers``
+(every answer carries ``X-Request-Id``, the client's own when its request had one, a proxy's trace id, else a new
+one) and ``--root-path`` (the prefix a path-routing proxy serves the app under).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-__all__ = ["RequestIdHeaders"]
+__all__ = ["RequestIdHeaders", "RootPath"]
 
 _HEADER = b"x-request-id"
 _VALID = re.compile(rb"[\x21-\x7e]{1,256}")  # printable ASCII without spaces: never a header injection
@@ -48,3 +49,23 @@ class RequestIdHeaders:
             await send(message)
 
         await self.app(scope, receive, send_with_id)
+
+
+class RootPath:
+    """``--root-path``: the app is served under this prefix by a path-routing proxy. Each request's ``root_path``
+    says so (what FastAPI's deprecated ``root_path`` parameter did), so routes answer under the prefix and without
+    it, and the OpenAPI document names it in ``servers``.
+
+    Example:
+        >>> RootPath(app=None, root_path="/api").root_path
+        '/api'
+    """
+
+    def __init__(self, app: ASGIApp, root_path: str) -> None:
+        self.app = app
+        self.root_path = root_path
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] in ("http", "websocket"):
+            scope = {**scope, "root_path": self.root_path}
+        await self.app(scope, receive, send)
