@@ -191,6 +191,14 @@ def test_unsupported_fields_are_refused_by_name(url, field, value):
         ({"input": "x", "text": {"format": {"type": "json_schema", "schema": {"type": "array", "uniqueItems": True}}}},
          "text.format"),
         ({"input": "x", "max_output_tokens": -1}, "max_output_tokens"),
+        ({"input": [{"type": "reasoning", "content": 5}, {"role": "user", "content": "x"}]}, "input.0"),
+        ({"input": [{"type": "function_call", "name": "f"}]}, "input.0"),
+        ({"input": [{"role": "robot", "content": "x"}]}, "input.0.role"),
+        ({"input": "x", "tool_choice": {"type": "web_search"}}, "tool_choice"),
+        ({"input": "x", "text": {"format": {"type": "json_schema"}}}, "text.format"),
+        ({"input": "x", "text": {"verbosity": "high"}}, "text.verbosity"),
+        ({"input": "x", "truncation": "sometimes"}, "truncation"),
+        ({"input": []}, "input"),
     ],
 )  # fmt: skip
 def test_bad_input_is_a_400_naming_the_responses_field(url, body, param):

@@ -113,7 +113,10 @@ def _output(item: dict[str, Any], where: str) -> dict[str, Any]:
 
 
 def _reasoning_text(item: dict[str, Any], where: str) -> str:
-    parts = [*(item.get("content") or []), *(item.get("summary") or [])]
+    content, summary = item.get("content") or [], item.get("summary") or []
+    if not isinstance(content, list) or not isinstance(summary, list):
+        raise ApiError(400, f"{where}: reasoning content and summary are lists of parts", param=where)
+    parts = [*content, *summary]
     texts = [part.get("text") for part in parts if isinstance(part, dict)]
     strings = [text for text in texts if isinstance(text, str)]
     if len(strings) != len(parts):
