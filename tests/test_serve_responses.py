@@ -199,6 +199,7 @@ def test_unsupported_fields_are_refused_by_name(url, field, value):
         ({"input": "x", "text": {"verbosity": "high"}}, "text.verbosity"),
         ({"input": "x", "truncation": "sometimes"}, "truncation"),
         ({"input": []}, "input"),
+        ({"input": "x", "stream_options": {"include_usage": True}}, "stream_options.include_usage"),
     ],
 )  # fmt: skip
 def test_bad_input_is_a_400_naming_the_responses_field(url, body, param):

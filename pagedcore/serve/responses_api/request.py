@@ -6,15 +6,23 @@ asks for (:func:`to_chat`), which the chat path then serves (template, reasoning
 from __future__ import annotations
 
 import reprlib
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..fields import FieldRule
-from ..protocol import MAX_ID_CHARS, MAX_SALT_CHARS, ApiError, StreamOptions
+from ..protocol import MAX_ID_CHARS, MAX_SALT_CHARS, ApiError
 from .items import chat_messages
 
-__all__ = ["FIELDS", "LOGPROBS_INCLUDE", "MAX_INPUT_ITEMS", "ResponsesRequest", "check_fields", "to_chat"]
+__all__ = [
+    "FIELDS",
+    "LOGPROBS_INCLUDE",
+    "MAX_INPUT_ITEMS",
+    "ResponseStreamOptions",
+    "ResponsesRequest",
+    "check_fields",
+    "to_chat",
+]
 
 MAX_INPUT_ITEMS = 4096
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
@@ -92,6 +100,20 @@ FIELDS: dict[str, FieldRule] = {
 """Every field of a Responses request this server knows (OpenAI's and vLLM's)."""
 
 
+class ResponseStreamOptions(BaseModel):
+    """A Responses request's ``stream_options``: OpenAI's ``include_obfuscation`` only, false (no padding field is
+    ever added to events).
+
+    Example:
+        >>> ResponseStreamOptions.model_validate({"include_obfuscation": False}).include_obfuscation
+        False
+    """
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    include_obfuscation: Literal[False] = False
+
+
 class ResponsesRequest(BaseModel):
     """``POST /v1/responses`` (see :data:`FIELDS`).
 
@@ -109,7 +131,7 @@ class ResponsesRequest(BaseModel):
     store: bool | None = None
     metadata: dict[str, str] | None = None
     stream: bool | None = False
-    stream_options: StreamOptions | None = None
+    stream_options: ResponseStreamOptions | None = None
     max_output_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -161,7 +183,7 @@ def check_fields(data: dict[str, Any]) -> None:
 
 _SAMPLING = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "repetition_penalty", "presence_penalty",
              "frequency_penalty", "logit_bias", "ignore_eos", "include_stop_str_in_output", "cache_salt", "user",
-             "safety_identifier", "stream_options")  # fmt: skip
+             "safety_identifier")  # fmt: skip
 
 
 def to_chat(body: ResponsesRequest, history: list[dict[str, Any]], context: int | None) -> dict[str, Any]:
