@@ -200,12 +200,16 @@ def test_the_cli_offers_every_tool_call_parser():
 
     from pagedcore.serve.cli import add_arguments
     from pagedcore.serve.tool_calls import TOOL_PARSERS, llama3_json_tool_calls
+    from pagedcore.serve.vllm_flags import TOOL_CALL_PARSERS, check_vllm_flags
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    choices = next(a.choices for a in parser._actions if a.dest == "tool_call_parser")
-    assert sorted(choices) == sorted(TOOL_PARSERS)
+    assert sorted(TOOL_CALL_PARSERS) == sorted(TOOL_PARSERS)  # the names the command line checks
     assert parser.parse_args(["--tool-call-parser", "llama3_json"]).tool_call_parser == "llama3_json"
+    for name in TOOL_PARSERS:
+        check_vllm_flags(parser.parse_args(["--tool-call-parser", name]), ValueError)
+    with pytest.raises(ValueError, match="--tool-call-parser granite is not supported here"):
+        check_vllm_flags(parser.parse_args(["--tool-call-parser", "granite"]), ValueError)
     assert (
         llama3_json_tool_calls(f"<|python_tag|>{CALL.replace('arguments', 'parameters')}")[1][0]["name"]
         == "get_weather"

@@ -41,6 +41,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         0
     """
     parser = _parser()
+    from pagedcore.serve.vllm_flags import expand_config  # argparse only
+
+    try:
+        argv = expand_config(sys.argv[1:] if argv is None else argv)  # `serve --config FILE.yaml` (vLLM's)
+    except ValueError as exc:
+        print(f"pagedcore serve: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()

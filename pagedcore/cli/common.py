@@ -18,8 +18,9 @@ class UsageError(Exception):
     """Bad command-line input (exit code 2)."""
 
 
-def load_model(name: str, dtype: Any, *, trust_remote_code: bool = False) -> tuple[Any, Any]:
-    """``(model, tokenizer)`` of a checkpoint folder or hub name, for the subcommands' ``--model``.
+def load_model(name: str, dtype: Any, *, trust_remote_code: bool = False, **hub: Any) -> tuple[Any, Any]:
+    """``(model, tokenizer)`` of a checkpoint folder or hub name, for the subcommands' ``--model``; ``hub`` goes to
+    both ``from_pretrained`` calls (``revision``, ``cache_dir``).
 
     Raises :class:`UsageError` (exit code 2, one line) for a path that holds no model or a checkpoint that cannot
     be loaded.
@@ -40,11 +41,11 @@ def load_model(name: str, dtype: Any, *, trust_remote_code: bool = False) -> tup
     if path.is_dir() and not (path / "config.json").is_file():
         raise UsageError(f"--model {name!r}: the folder holds no model (no config.json)")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code, **hub)
     except (OSError, ValueError) as exc:
         raise UsageError(f"cannot load model {name!r} (its tokenizer): {first_line(exc)}") from exc
     try:
-        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, trust_remote_code=trust_remote_code, **hub)
     except (OSError, ValueError) as exc:
         raise UsageError(f"cannot load model {name!r}: {first_line(exc)}") from exc
     return model.eval(), tokenizer

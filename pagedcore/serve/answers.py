@@ -15,6 +15,7 @@ from pagedcore.adapters.transformers.outputs import TokenLogprobs
 
 from .logprob_shapes import LogprobFormat, PromptEntry
 from .loop import Delta, Finished
+from .reasoning import AnswerReasoning
 from .tool_calls import ToolCalls
 
 __all__ = ["AnswerOptions", "Choice", "Shape", "Tally"]
@@ -78,6 +79,7 @@ class Choice:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     shown_chars: int = 0
+    splitter: Any = None  # a streamed answer with a reasoning parser: its ThinkSplitter
 
 
 class Tally:
@@ -160,6 +162,8 @@ class Shape:
     model: str
     options: AnswerOptions = AnswerOptions()
     tools: ToolCalls | None = None  # a chat with tools: answers that call them carry ``tool_calls``
+    role: str = "assistant"  # chat answers' role (--response-role)
+    reasoning: AnswerReasoning | None = None  # a chat with a reasoning parser: reasoning split off the content
 
     def chunk(
         self,
@@ -175,10 +179,7 @@ class Shape:
         ``return_token_ids``) and the echoed prompt's log-probabilities."""
         body: dict[str, Any] = {"index": index}
         if self.chat:
-            delta: dict[str, Any] = {"role": "assistant", "content": ""} if not choice.started else {}
-            if text:
-                delta["content"] = text
-            body["delta"] = delta
+            body["delta"] = self._delta(choice, text, finish_reason)
         else:
             body["text"] = text
         body.update(logprobs=self._stream_logprobs(choice, token_ids, logprobs), finish_reason=finish_reason)
@@ -197,6 +198,23 @@ class Shape:
         if self.chat and not choice.started and self.options.prompt_logprobs:
             chunk["prompt_logprobs"] = self.options.format.prompt(self._prompt_entries(choice))
         return chunk
+
+    def _delta(self, choice: Choice, text: str, finish_reason: str | None) -> dict[str, Any]:
+        """A chat chunk's delta: the role in a choice's first, its new content (and reasoning, split as it streams)."""
+        delta: dict[str, Any] = {"role": self.role, "content": ""} if not choice.started else {}
+        if self.reasoning is None:
+            if text:
+                delta["content"] = text
+            return delta
+        if choice.splitter is None:
+            choice.splitter = self.reasoning.splitter()
+        thought, content = choice.splitter.feed(text)
+        if finish_reason is not None:
+            more_thought, more_content = choice.splitter.flush()
+            thought, content = thought + more_thought, content + more_content
+        fields = self.reasoning.fields(thought or None, content or None)
+        delta.update((key, value) for key, value in fields.items() if value is not None)
+        return delta
 
     def response(self, tally: Tally) -> dict[str, Any]:
         """The whole (not streamed) answer."""
@@ -233,10 +251,22 @@ class Shape:
             >>> Shape(True, "chatcmpl-1", 0, "m").message("Hi", "stop")
             ({'role': 'assistant', 'content': 'Hi'}, 'stop')
         """
-        if self.tools is None or reason != "stop":
-            return {"role": "assistant", "content": text}, reason
-        message = self.tools.message(text)
+        thought: str | None = None
+        content: str | None = text
+        if self.reasoning is not None:
+            thought, content = self.reasoning.split(text)
+        if self.tools is None or reason != "stop" or content is None:
+            message = {"role": self.role, **self._reasoned(thought, content)}
+            return message, reason
+        message = {**self.tools.message(content), "role": self.role}
+        message.update((k, v) for k, v in self._reasoned(thought, message["content"]).items() if k != "content")
         return message, "tool_calls" if "tool_calls" in message else reason
+
+    def _reasoned(self, thought: str | None, content: str | None) -> dict[str, Any]:
+        """A message's content (and reasoning, with a reasoning parser)."""
+        if self.reasoning is None:
+            return {"content": content}
+        return self.reasoning.fields(thought, content)
 
     def tool_chunk(self, index: int, choice: Choice, finish_reason: str | None) -> dict[str, Any]:
         """The one chunk of a streamed chat answer with tools, once it has ended: its whole content or its

@@ -8,8 +8,8 @@ the loop (``pipeline.py``) and read their events from an asyncio queue.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI
@@ -21,14 +21,18 @@ from pagedcore.errors import ConfigError
 
 from .auth import ApiKeys
 from .body import BodyLimits
-from .context import ServeContext
+from .context import ServeContext, ServeSettings
 from .errors import install_error_handlers
 from .loop import EngineLoop, RequestLoop
 from .metrics import ServeMetrics
+from .middleware import RequestIdHeaders, RootPath
 from .openapi import install_openapi
 from .prompts import PromptEncoder
+from .reasoning import Reasoning
+from .responses_api.store import DEFAULT_STORE_BYTES, ResponseStore
 from .routes import ROUTERS
 from .routes.completions import DEFAULT_COMPLETION_MAX_TOKENS
+from .server_logs import RequestLog
 from .tool_calls import TOOL_PARSERS
 
 __all__ = ["DEFAULT_COMPLETION_MAX_TOKENS", "AppOptions", "create_app"]
@@ -44,6 +48,22 @@ class AppOptions:
         trust_request_chat_template: run a request's own ``chat_template`` (``--trust-request-chat-template``).
         allowed_origins: origins a browser may call the API from (``--allowed-origins``; empty: no CORS headers).
         allowed_methods / allowed_headers / allow_credentials: the rest of the CORS policy.
+        model_root: the model's path or hub name (``/v1/models``' ``root``; default: the model name).
+        response_role: the role of chat answers (``--response-role``; vLLM's: when the prompt ends with the
+            generation prompt).
+        return_tokens_as_token_ids: every request's logprobs show tokens as ``token_id:ID``.
+        auto_tool_choice: read tool calls from free answers (``tool_choice="auto"``); False refuses it (vLLM without
+            ``--enable-auto-tool-choice``).
+        reasoning_parser: split reasoning off answers (a key of :data:`~pagedcore.serve.reasoning.FORMATS`).
+        default_chat_template_kwargs: chat template variables every request gets (its own win).
+        sampling_defaults: request field -> default value (``--generation-config``, see
+            :mod:`~pagedcore.serve.sampling_defaults`).
+        root_path: the path prefix a proxy serves the app under (``--root-path``).
+        openapi: serve ``/openapi.json`` (``--disable-fastapi-docs`` turns it off).
+        request_id_headers: answers carry ``X-Request-Id`` (``--enable-request-id-headers``).
+        request_log: log each request (``--enable-log-requests``; None: no).
+        responses_store_bytes: the Responses API keeps responses (for ``previous_response_id``) within this many
+            bytes per tenant.
 
     Example:
         >>> AppOptions(allowed_origins=("*",)).allowed_methods
@@ -57,6 +77,18 @@ class AppOptions:
     allowed_methods: Sequence[str] = ("*",)
     allowed_headers: Sequence[str] = ("*",)
     allow_credentials: bool = False
+    model_root: str | None = None
+    response_role: str = "assistant"
+    return_tokens_as_token_ids: bool = False
+    auto_tool_choice: bool = True
+    reasoning_parser: str | None = None
+    default_chat_template_kwargs: Mapping[str, Any] | None = None
+    sampling_defaults: Mapping[str, Any] = field(default_factory=dict)
+    root_path: str | None = None
+    openapi: bool = True
+    request_id_headers: bool = False
+    request_log: RequestLog | None = None
+    responses_store_bytes: int = DEFAULT_STORE_BYTES
 
 
 def create_app(
@@ -93,31 +125,72 @@ def create_app(
         >>> with Engine(model, num_blocks=16, block_size=8) as engine:
         ...     app = create_app(EngineLoop(engine), model_name="tiny")
         >>> sorted(path for path in app.openapi()["paths"] if path.startswith("/v1"))
-        ['/v1/chat/completions', '/v1/completions', '/v1/models', '/v1/models/{model_id}']
+        ['/v1/chat/completions', '/v1/completions', '/v1/models', '/v1/models/{model_id}', '/v1/responses', \
+'/v1/responses/{response_id}']
     """
     options = options or AppOptions()
     if tool_call_parser not in TOOL_PARSERS:
         raise ConfigError(f"unknown tool-call parser {tool_call_parser!r}: use one of {', '.join(TOOL_PARSERS)}")
     tokenizer, context = _engine_defaults(loop, tokenizer, context_length)
-    app = FastAPI(title="pagedcore", version=__version__, docs_url=None, redoc_url=None)
-    app.state.serve = ServeContext(
+    app = FastAPI(
+        title="pagedcore",
+        version=__version__,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url="/openapi.json" if options.openapi else None,
+    )
+    app.state.serve = _context(loop, model_name, api_keys, tokenizer, context, limits, options, tool_call_parser)
+    _add_cors(app, options)
+    if options.request_id_headers:
+        app.add_middleware(RequestIdHeaders)
+    if options.root_path:
+        app.add_middleware(RootPath, root_path=options.root_path)
+    install_error_handlers(app)
+    for router in ROUTERS:
+        app.include_router(router)
+    install_openapi(app)
+    return app
+
+
+def _context(
+    loop: RequestLoop,
+    model_name: str,
+    api_keys: ApiKeys | None,
+    tokenizer: Any,
+    context: int | None,
+    limits: BodyLimits | None,
+    options: AppOptions,
+    tool_call_parser: str,
+) -> ServeContext:
+    """The app's shared state (:class:`~pagedcore.serve.context.ServeContext`)."""
+    reasoning = None if options.reasoning_parser is None else Reasoning(options.reasoning_parser, tokenizer)
+    return ServeContext(
         loop=loop,
         metrics=ServeMetrics(loop, model_name=model_name, context_length=context),
         model_name=model_name,
-        encoder=PromptEncoder(tokenizer, context, options.chat_template),
+        encoder=PromptEncoder(tokenizer, context, options.chat_template, reasoning),
         api_keys=api_keys,
         limits=limits or BodyLimits(),
         loop_errors_are_public=getattr(loop, "public_errors", False) is True,
         aliases=tuple(options.aliases),
         trust_request_chat_template=options.trust_request_chat_template,
         tool_call_parser=tool_call_parser,
+        settings=_settings(options, reasoning, model_name),
+        responses=ResponseStore(options.responses_store_bytes),
     )
-    _add_cors(app, options)
-    install_error_handlers(app)
-    for router in ROUTERS:
-        app.include_router(router)
-    install_openapi(app)
-    return app
+
+
+def _settings(options: AppOptions, reasoning: Reasoning | None, model_name: str) -> ServeSettings:
+    return ServeSettings(
+        model_root=options.model_root or model_name,
+        response_role=options.response_role,
+        return_tokens_as_token_ids=options.return_tokens_as_token_ids,
+        auto_tool_choice=options.auto_tool_choice,
+        reasoning=reasoning,
+        default_chat_template_kwargs=dict(options.default_chat_template_kwargs or {}),
+        sampling_defaults=dict(options.sampling_defaults),
+        request_log=options.request_log,
+    )
 
 
 def _engine_defaults(loop: RequestLoop, tokenizer: Any, context: int | None) -> tuple[Any, int | None]:

@@ -47,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         >>> args.model_tag, args.host, args.port, args.max_queue, args.api_key, args.handler is run
         ('some/model', '127.0.0.1', 9000, 8, ['sk-1'], True)
     """
-    from .vllm_flags import add_refused, json_list
+    from .vllm_flags import DTYPES, add_refused, add_vllm_flags, human_int, json_list
 
     parser.allow_abbrev = False
     if parser.description is None:
@@ -62,10 +62,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--host", default="127.0.0.1", help="interface to listen on (default: loopback only)")
     parser.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed at start-up)")
-    _add_engine_flags(parser)
+    _add_engine_flags(parser, human_int)
     _add_limits(parser)
     _add_access_flags(parser, json_list)
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--dtype", default="auto", choices=list(DTYPES), help="half is float16, float float32")
     parser.add_argument("--device", default="cpu", help="device for the model (default: cpu)")
     parser.add_argument("--trust-remote-code", action="store_true", help="run a checkpoint's own model code")
     parser.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template (a file, or the template)")
@@ -75,8 +75,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--tool-call-parser",
         default="hermes",
-        choices=["hermes", "llama3_json"],
-        help="the format tool_choice=auto reads the model's tool calls in (default: hermes, <tool_call>{json}...)",
+        metavar="NAME",
+        help="the format tool_choice=auto reads the model's tool calls in: hermes (the default, <tool_call>{json}"
+        "...), llama3_json, mistral, qwen3_coder, pythonic or deepseek_v3",
     )
     parser.add_argument("--seed", type=int, default=None, help="seed of the draws of requests without a seed")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own choice)")
@@ -89,12 +90,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="on SIGTERM, seconds running requests may take to finish before they are aborted (default 30)",
     )
+    add_vllm_flags(parser)
     add_refused(parser)
     _add_ray_flags(parser)
     parser.set_defaults(handler=run)
 
 
-def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
+def _add_engine_flags(parser: argparse.ArgumentParser, human_int: Callable[[str], int]) -> None:
     """The engine's sizing and scheduling."""
     sizing = parser.add_mutually_exclusive_group()
     sizing.add_argument("--num-blocks", type=int, default=None, help="KV blocks in the pool")
@@ -107,7 +109,9 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
         help="this fraction of the device's free memory (after loading the model) becomes the KV pool",
     )
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--max-model-len", type=int, default=None, help="the context served (default: the model's)")
+    parser.add_argument(
+        "--max-model-len", type=human_int, default=None, help="the context served, e.g. 4096 or 4k (default: model's)"
+    )
     parser.add_argument(
         "--kv-store",
         metavar="DIR",
@@ -212,12 +216,15 @@ def run(args: argparse.Namespace) -> int:
     if missing_extra("pagedcore serve", "serve", ("fastapi", "prometheus_client", "uvicorn")):
         return EXIT_UNAVAILABLE
 
+    from .startup import stats_logger
+
     engine, loop, server, sock = _build(args, UsageError)
     in_main = _in_main_thread()
     # uvicorn handles SIGTERM / Ctrl-C while serving, then raises the signal again once it has shut down; these
     # handlers turn that second signal into a normal return, so the engine is closed below and the exit code is 0.
     previous = signal.signal(signal.SIGTERM, _ignore) if in_main else None
     loop.start()
+    stats = stats_logger(args, loop)
     try:
         server.run(sockets=[sock])
     except KeyboardInterrupt:
@@ -225,6 +232,8 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if in_main:
             signal.signal(signal.SIGTERM, previous)
+        if stats is not None:
+            stats.stop()
         loop.stop()
         engine.close()
         sock.close()
@@ -239,7 +248,10 @@ def _build(args: argparse.Namespace, error: type[Exception]) -> tuple[Any, Any, 
     from .body import body_limits
     from .loop import EngineLoop
     from .server import bind, make_server
+    from .server_logs import configure_logging
+    from .startup import compile_mode, print_notes
 
+    configure_logging(args.log_level)
     api_keys = _api_keys(args, error)
     model, tokenizer, name = _model(args, error)
     context = _context(args, model, error)
@@ -253,13 +265,13 @@ def _build(args: argparse.Namespace, error: type[Exception]) -> tuple[Any, Any, 
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=args.enable_prefix_caching,
         max_logprobs=args.max_logprobs,
-        compile="auto" if args.compile is None else args.compile,
+        compile=compile_mode(args),
         kv_store=getattr(args, "kv_store", None),
         kv_store_bytes=getattr(args, "kv_store_bytes", None),
     )
     loop = EngineLoop(engine, max_queue=args.max_queue)
     names = args.served_model_name or [name]
-    options = _app_options(args, names, error)
+    options = _app_options(args, names, error, tokenizer)
     app = create_app(
         loop,
         model_name=names[0],
@@ -272,9 +284,16 @@ def _build(args: argparse.Namespace, error: type[Exception]) -> tuple[Any, Any, 
     sock = bind(args.host, args.port)
     port = sock.getsockname()[1]
     server = make_server(
-        app, loop, host=args.host, port=port, log_level=args.log_level, shutdown_timeout=args.shutdown_timeout
+        app,
+        loop,
+        host=args.host,
+        port=port,
+        log_level=args.log_level,
+        shutdown_timeout=args.shutdown_timeout,
+        access_log=not getattr(args, "disable_uvicorn_access_log", False),
     )
     _announce(args, engine, loop, names[0], port, api_keys, context)
+    print_notes(args, model, options)
     return engine, loop, server, sock
 
 
@@ -304,7 +323,7 @@ def _announce(
 
 
 def _check(args: argparse.Namespace, error: type[Exception]) -> None:
-    from .vllm_flags import check_refused
+    from .vllm_flags import check_refused, check_vllm_flags
 
     if not 0 <= args.port <= 65535:
         raise error(f"--port must be in 0..65535, got {args.port}")
@@ -323,7 +342,10 @@ def _check(args: argparse.Namespace, error: type[Exception]) -> None:
     if args.threads is not None and args.threads < 1:
         raise error(f"--threads must be >= 1, got {args.threads}")
     _check_vllm_flags(args, error)
+    check_vllm_flags(args, error)
     check_refused(args, error)
+    if getattr(args, "config", None) is not None:
+        raise error("--config is read by the pagedcore command (pagedcore serve --config FILE.yaml)")
     if not getattr(args, "ray", False):
         for option in ("replicas", "routing", "ray_address", "cpus_per_replica"):
             if getattr(args, option, None) is not None:
@@ -359,6 +381,21 @@ _NOT_WITH_RAY: dict[str, Any] = {
     "enable_prefix_caching": True,
     "max_logprobs": 20,
     "tool_call_parser": "hermes",
+    "tokenizer": None,
+    "tokenizer_revision": None,
+    "revision": None,
+    "download_dir": None,
+    "override_generation_config": None,
+    "enable_auto_tool_choice": None,
+    "reasoning_parser": None,
+    "default_chat_template_kwargs": None,
+    "return_tokens_as_token_ids": False,
+    "response_role": "assistant",
+    "root_path": None,
+    "disable_fastapi_docs": False,
+    "enable_request_id_headers": False,
+    "enable_log_requests": False,
+    "disable_uvicorn_access_log": False,
 }
 
 
@@ -374,8 +411,15 @@ def _check_ray(args: argparse.Namespace, error: type[Exception]) -> None:
     if len(names) > 1:
         raise error("--served-model-name takes one name with --ray")
     args.served_model_name = names[0] if names else None
-    if getattr(args, "dtype", "auto") == "auto":
+    from .vllm_flags import DTYPES
+
+    args.dtype = DTYPES.get(getattr(args, "dtype", "auto"), "auto")
+    if args.dtype == "auto":
         args.dtype = "float32"
+    if getattr(args, "enforce_eager", False):
+        args.compile = False
+    if getattr(args, "generation_config", "auto") != "auto":
+        raise error("--generation-config is not supported with --ray yet (serve one engine without --ray)")
 
 
 def _api_keys(args: argparse.Namespace, error: type[Exception]) -> ApiKeys | None:
@@ -425,10 +469,12 @@ def _memory_budget(args: argparse.Namespace, error: type[Exception]) -> Any:
     return int(free * fraction)
 
 
-def _app_options(args: argparse.Namespace, names: list[str], error: type[Exception]) -> Any:
+def _app_options(args: argparse.Namespace, names: list[str], error: type[Exception], tokenizer: Any) -> Any:
     from pathlib import Path
 
     from .app import AppOptions
+    from .server_logs import RequestLog
+    from .startup import sampling_defaults
 
     template = args.chat_template
     if template is not None and ("{" not in template or Path(template).expanduser().is_file()):
@@ -444,6 +490,17 @@ def _app_options(args: argparse.Namespace, names: list[str], error: type[Excepti
         allowed_methods=tuple(args.allowed_methods),
         allowed_headers=tuple(args.allowed_headers),
         allow_credentials=args.allow_credentials,
+        model_root=args.model or BUILTIN_NAME,
+        response_role=args.response_role,
+        return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+        auto_tool_choice=args.enable_auto_tool_choice is not False,
+        reasoning_parser=args.reasoning_parser,
+        default_chat_template_kwargs=args.default_chat_template_kwargs,
+        sampling_defaults=sampling_defaults(args, error, None if args.model in (None, BUILTIN_NAME) else args.model),
+        root_path=args.root_path,
+        openapi=not args.disable_fastapi_docs,
+        request_id_headers=args.enable_request_id_headers,
+        request_log=RequestLog(args.max_log_len) if args.enable_log_requests else None,
     )
 
 
@@ -466,9 +523,11 @@ def parse_size(value: str | int, error: type[Exception] = ValueError, option: st
 def _model(args: argparse.Namespace, error: type[Exception]) -> tuple[Any, Any, str]:
     import torch
 
-    from pagedcore.cli.common import load_model  # the `--model` loader of `pagedcore generate`
+    from .startup import hub_options, load_tokenizer
+    from .vllm_flags import DTYPES
 
-    dtype = "auto" if args.dtype == "auto" else getattr(torch, args.dtype)
+    dtype_name = DTYPES[args.dtype]
+    dtype = "auto" if dtype_name == "auto" else getattr(torch, dtype_name)
     model: Any
     tokenizer: Any
     if args.threads is not None:
@@ -488,8 +547,13 @@ def _model(args: argparse.Namespace, error: type[Exception]) -> tuple[Any, Any, 
         )
         model, tokenizer, name = builtin_model(), builtin_tokenizer(), BUILTIN_NAME
     else:
-        model, tokenizer = load_model(args.model, dtype, trust_remote_code=args.trust_remote_code)
+        from pagedcore.cli.common import load_model  # the `--model` loader of `pagedcore generate`
+
+        hub = hub_options(args)
+        model, tokenizer = load_model(args.model, dtype, trust_remote_code=args.trust_remote_code, **hub)
         name = args.model
+    if args.tokenizer is not None or args.tokenizer_revision is not None:
+        tokenizer = load_tokenizer(args, error, None if args.model in (None, BUILTIN_NAME) else args.model)
     model.to(device=args.device)
     if dtype != "auto":
         model.to(dtype=dtype)

@@ -21,8 +21,39 @@ from .loop import RequestLoop
 from .metrics import ServeMetrics
 from .prompts import PromptEncoder
 from .protocol import ApiError
+from .responses_api.store import ResponseStore
 
-__all__ = ["Context", "ServeContext", "serve_context"]
+__all__ = ["Context", "ServeContext", "ServeSettings", "serve_context"]
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    """What ``pagedcore serve``'s vLLM flags set for every request (see :class:`~pagedcore.serve.app.AppOptions`).
+
+    Attributes:
+        model_root: the model's path or hub name (``/v1/models``' ``root``).
+        response_role: the role of chat answers.
+        return_tokens_as_token_ids: logprobs show tokens as ``token_id:ID`` for every request.
+        auto_tool_choice: ``tool_choice="auto"`` is served (False: refused, as vLLM without
+            ``--enable-auto-tool-choice``).
+        reasoning: the reasoning parser (:class:`~pagedcore.serve.reasoning.Reasoning`), or None.
+        default_chat_template_kwargs: chat template variables under each request's own.
+        sampling_defaults: request field -> default (the generation config's).
+        request_log: logs each request (None: no).
+
+    Example:
+        >>> ServeSettings().response_role
+        'assistant'
+    """
+
+    model_root: str | None = None
+    response_role: str = "assistant"
+    return_tokens_as_token_ids: bool = False
+    auto_tool_choice: bool = True
+    reasoning: Any = None
+    default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    request_log: Any = None
 
 
 @dataclass
@@ -44,6 +75,8 @@ class ServeContext:
             without ``--trust-request-chat-template``).
         admission: open, or closed while the server drains for a shutdown.
         tool_call_parser: the tool-call format ``tool_choice="auto"`` reads (:mod:`pagedcore.serve.tool_calls`).
+        settings: what the vLLM flags set for every request (:class:`ServeSettings`).
+        responses: the responses kept for ``previous_response_id`` (the Responses API).
 
     Example:
         >>> ctx = ServeContext(loop=None, metrics=None, model_name="tiny", encoder=PromptEncoder(None, None))
@@ -66,6 +99,8 @@ class ServeContext:
     trust_request_chat_template: bool = False
     admission: Admission = field(default_factory=Admission)
     tool_call_parser: str = "hermes"
+    settings: ServeSettings = field(default_factory=ServeSettings)
+    responses: ResponseStore = field(default_factory=ResponseStore)
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -99,18 +134,29 @@ class ServeContext:
             )
 
     def model_card(self, name: str | None = None) -> dict[str, Any]:
-        """The served model as ``/v1/models`` lists it (under ``name``, default its first name)."""
-        card = {"id": name or self.model_name, "object": "model", "created": self.created, "owned_by": "pagedcore"}
+        """The served model as ``/v1/models`` lists it (under ``name``, default its first name), with vLLM's fields:
+        ``root`` (the model's path), ``parent`` (None: a base model), ``max_model_len`` and ``permission``."""
+        card: dict[str, Any] = {
+            "id": name or self.model_name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "pagedcore",
+            "root": self.settings.model_root or self.model_name,
+            "parent": None,
+        }
         if self.context_length is not None:
-            card["max_model_len"] = self.context_length  # vLLM's field
+            card["max_model_len"] = self.context_length
+        card["permission"] = [_permission(self.created)]
         return card
 
-    def logprob_format(self, as_ids: bool = False) -> LogprobFormat:
+    def logprob_format(self, as_ids: bool = False, *, server_default: bool = True) -> LogprobFormat:
         """How answers show tokens in log-probabilities: decoded by the tokenizer (special tokens kept), or as
-        ``token_id:ID`` (``as_ids``, or without a tokenizer)."""
+        ``token_id:ID`` (``as_ids``, the server's ``--return-tokens-as-token-ids`` unless not ``server_default``,
+        or without a tokenizer)."""
         tokenizer = self.encoder.tokenizer
         if tokenizer is None:
             return LogprobFormat(None, True)
+        as_ids = as_ids or (server_default and self.settings.return_tokens_as_token_ids)
         return LogprobFormat(lambda token_id: str(tokenizer.decode([token_id])), as_ids)
 
     def max_new_tokens(self, prompt_tokens: int) -> int | None:
@@ -125,6 +171,24 @@ class ServeContext:
             if room is not None:
                 rooms.append(room)
         return max(0, min(rooms)) if rooms else None
+
+
+def _permission(created: int) -> dict[str, Any]:
+    """vLLM's ``permission`` entry of a model card (what any client may do with the model)."""
+    return {
+        "id": f"modelperm-{created}",
+        "object": "model_permission",
+        "created": created,
+        "allow_create_engine": False,
+        "allow_sampling": True,
+        "allow_logprobs": True,
+        "allow_search_indices": False,
+        "allow_view": True,
+        "allow_fine_tuning": False,
+        "organization": "*",
+        "group": None,
+        "is_blocking": False,
+    }
 
 
 def serve_context(request: Request) -> ServeContext:

@@ -105,7 +105,7 @@ FIELDS: dict[str, FieldRule] = {
     "max_repetition_pattern_size": _refused("stopping on repeated patterns is not supported", 0),
     "min_repetition_pattern_size": _refused("stopping on repeated patterns is not supported", 0),
     "repetition_min_count": _refused("stopping on repeated patterns is not supported", 0),
-    "thinking_token_budget": _refused("reasoning budgets are not supported (no reasoning parser)", -1),
+    "thinking_token_budget": _refused("reasoning budgets are not supported (use max_tokens)", -1),
     # ------------------------------------------------------------------ stopping
     "stop": _impl("up to 16 stop strings; the text ends before the first one"),
     "stop_token_ids": _impl("stop after any of these token ids (besides eos)"),
@@ -139,7 +139,9 @@ FIELDS: dict[str, FieldRule] = {
     "documents": _impl("documents for the chat template (RAG templates)", _H),
     "chat_template": _impl("a request's own Jinja chat template (needs --trust-request-chat-template)", _H),
     "chat_template_kwargs": _impl("extra variables for the chat template", _H),
-    "include_reasoning": _refused("reasoning is never split from the answer (no reasoning parser)", True, endpoints=_H),
+    "include_reasoning": _impl(
+        "with --reasoning-parser: false leaves reasoning_content out (the content never holds the reasoning)", _H
+    ),
     "reasoning_effort": _refused("reasoning models' effort is not supported", endpoints=_H),
     "media_io_kwargs": _refused("no multimodal input", {}, endpoints=_H),
     "mm_processor_kwargs": _refused("no multimodal input", {}, endpoints=_H),

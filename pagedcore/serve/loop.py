@@ -368,6 +368,12 @@ class EngineLoop:
             low, high = (middle, high) if fits(middle) else (low, middle)
         return low
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix now (:meth:`Engine.reset_prefix_cache`, safe while the loop steps): a later
+        request computes its prompt again. Running requests finish on their own blocks. Returns the cached blocks
+        forgotten."""
+        return int(self._engine.reset_prefix_cache())
+
     def submit(self, submissions: Sequence[Submission], sink: Sink) -> list[str]:
         """Queue requests (all or none); returns their ids. Each gets :class:`Started` or a :class:`Finished`
         with an error, then its deltas and one :class:`Finished`, all through ``sink`` on the loop thread.

@@ -15,10 +15,17 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
 from .protocol import ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from .responses_api.request import ResponsesRequest
 
 __all__ = ["ERROR_RESPONSES", "REQUEST_MODELS", "install_openapi", "json_body"]
 
-REQUEST_MODELS: tuple[type[BaseModel], ...] = (CompletionRequest, ChatRequest, TokenizeRequest, DetokenizeRequest)
+REQUEST_MODELS: tuple[type[BaseModel], ...] = (
+    CompletionRequest,
+    ChatRequest,
+    ResponsesRequest,
+    TokenizeRequest,
+    DetokenizeRequest,
+)
 _REF = "#/components/schemas/{model}"
 
 ERROR_SCHEMA: dict[str, Any] = {

@@ -10,9 +10,9 @@ from __future__ import annotations
 import functools
 import time
 import uuid
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import AsyncIterator, Callable, Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
@@ -28,9 +28,10 @@ from .jobs import Job
 from .loop import Submission
 from .protocol import ApiError, parse_request
 from .responses import JobStream, collect, sse_events
+from .sampling_defaults import apply_defaults
 from .tool_calls import ToolCalls
 
-__all__ = ["Generation", "answer", "fit_prompts", "namespace_of", "off_loop", "read_request", "shape_of"]
+__all__ = ["Generation", "Renderer", "answer", "fit_prompts", "namespace_of", "off_loop", "read_request", "shape_of"]
 
 T = TypeVar("T")
 
@@ -61,7 +62,7 @@ async def read_request(ctx: ServeContext, request: Request, cls: type[Any]) -> t
     body = await off_loop(parse_request, cls, raw, max_prompt_tokens=ctx.context_length)
     if body.model is not None:
         ctx.check_model(body.model)
-    return tenant, body
+    return tenant, apply_defaults(body, ctx.settings.sampling_defaults)
 
 
 def namespace_of(tenant: str | None, cache_salt: str | None) -> Hashable:
@@ -142,15 +143,39 @@ def shape_of(ctx: ServeContext, body: Any, chat: bool, options: AnswerOptions, t
     return Shape(chat, response_id, int(time.time()), ctx.model_name, options, tools)
 
 
-async def answer(ctx: ServeContext, request: Request, generation: Generation, shape: Shape) -> Response:
-    """Submit ``generation`` and answer it: a stream of events, or one JSON body once every choice has ended.
+class Renderer(Protocol):
+    """How an endpoint other than completions and chat (the Responses API) shapes its answers.
+
+    Example:
+        >>> from pagedcore.serve.responses_api.render import ResponsesRenderer
+        >>> callable(ResponsesRenderer.response) and callable(ResponsesRenderer.events)
+        True
+    """
+
+    def response(self, tally: Tally) -> dict[str, Any]:
+        """The whole answer."""
+
+    def events(
+        self, job: Job, tally: Tally, *, on_error: Callable[[ApiError], ApiError], on_finish: Callable[[], None]
+    ) -> AsyncIterator[str]:
+        """The server-sent events of a streamed answer."""
+
+
+async def answer(
+    ctx: ServeContext, request: Request, generation: Generation, shape: Shape, renderer: Renderer | None = None
+) -> Response:
+    """Submit ``generation`` and answer it: a stream of events, or one JSON body once every choice has ended
+    (in ``shape``'s form, or ``renderer``'s).
 
     Example:
         >>> import inspect
         >>> list(inspect.signature(answer).parameters)
-        ['ctx', 'request', 'generation', 'shape']
+        ['ctx', 'request', 'generation', 'shape', 'renderer']
     """
     request.state.request_id = shape.response_id
+    if ctx.settings.request_log is not None:
+        client = request.client.host if request.client is not None else None
+        ctx.settings.request_log.log(shape.response_id, client, generation.prompts, generation.params)
     leave = ctx.admission.enter()
     try:
         job = await _start(ctx, generation)
@@ -168,13 +193,16 @@ async def answer(ctx: ServeContext, request: Request, generation: Generation, sh
         def finished() -> None:
             ctx.metrics.count("finished")
 
-        events = sse_events(job, tally, shape, on_error=stream_error, on_finish=finished)
+        if renderer is not None:
+            events = renderer.events(job, tally, on_error=stream_error, on_finish=finished)
+        else:
+            events = sse_events(job, tally, shape, on_error=stream_error, on_finish=finished)
         return JobStream(events, job, lambda: ctx.metrics.count("aborted"), on_close=leave)
     try:
         if not await collect(request, job, tally):
             return Response(status_code=499)  # the client left; its requests are aborted below
         ctx.metrics.count("finished")
-        return JSONResponse(shape.response(tally))
+        return JSONResponse(shape.response(tally) if renderer is None else renderer.response(tally))
     finally:
         leave()
         if job.abort():

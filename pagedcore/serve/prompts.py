@@ -148,10 +148,11 @@ class ChatRenderer:
         'user: Hi<unk>assistant:'
     """
 
-    def __init__(self, tokenizer: Any, template: str | None = None) -> None:
+    def __init__(self, tokenizer: Any, template: str | None = None, thinking_off: str | None = None) -> None:
         self._tokenizer = tokenizer
         self.template = template or getattr(tokenizer, "chat_template", None) or None
         self.uses_template = self.template is not None
+        self._thinking_off = thinking_off  # the plain template's closed reasoning block (with a reasoning parser)
 
     def render(self, messages: Sequence[ChatMessage], options: ChatOptions | None = None) -> list[int]:
         """Prompt token ids for ``messages``, ending where the assistant's answer starts (see :class:`ChatOptions`)."""
@@ -161,16 +162,30 @@ class ChatRenderer:
             raise ApiError(400, "this server has no tokenizer: chat needs one", param="messages")
         template = options.template or self.template
         if template is None:
-            for name, value in (("documents", options.documents), ("chat_template_kwargs", options.template_kwargs)):
-                if value:
-                    message = f"{name} needs a chat template: this model has none (give chat_template or serve with "
-                    raise ApiError(400, message + "--chat-template)", param=name)
             # The plain template adds no special tokens of its own: the tokenizer's (a bos) are the prompt's start.
             head = f"tools: {json.dumps(options.tools, ensure_ascii=False)}\n" if options.tools else ""
-            return _encoded(tokenizer, head + plain_chat_prompt(messages, options))
+            return _encoded(tokenizer, head + plain_chat_prompt(messages, options) + self._plain_thinking(options))
         text = self._apply(tokenizer, template, messages, options)
         # The rendered text holds the template's special tokens (e.g. a bos): add none again unless asked to.
         return _encoded(tokenizer, text, add_special_tokens=options.add_special_tokens)
+
+    def _plain_thinking(self, options: ChatOptions) -> str:
+        """What the plain template writes for the request's template variables: with a reasoning parser,
+        ``enable_thinking: false`` closes an empty reasoning block after ``assistant:`` (as Qwen3's template does);
+        any other variable (and ``documents``) needs a chat template (400 naming the field)."""
+        kwargs = dict(options.template_kwargs or {})
+        thinking = kwargs.pop("enable_thinking", None) if self._thinking_off is not None else None
+        for name, value in (("documents", options.documents), ("chat_template_kwargs", kwargs)):
+            if value:
+                message = f"{name} needs a chat template: this model has none (give chat_template or serve with "
+                more = "; enable_thinking alone works with --reasoning-parser" if name == "chat_template_kwargs" else ""
+                raise ApiError(400, message + f"--chat-template{more})", param=name)
+        if thinking is not None and not isinstance(thinking, bool):
+            message = f"enable_thinking must be true or false, got {thinking!r}"
+            raise ApiError(400, message, param="chat_template_kwargs")
+        if thinking is False and options.add_generation_prompt and self._thinking_off is not None:
+            return self._thinking_off
+        return ""
 
     @staticmethod
     def _apply(tokenizer: Any, template: str, messages: Sequence[ChatMessage], options: ChatOptions) -> str:
@@ -209,6 +224,9 @@ def _template_message(message: ChatMessage) -> dict[str, Any]:
         out["tool_call_id"] = message.tool_call_id
     if message.name is not None:
         out["name"] = message.name
+    thought = message.reasoning_content if message.reasoning_content is not None else message.reasoning
+    if thought is not None:
+        out["reasoning_content"] = thought
     return out
 
 
@@ -299,6 +317,9 @@ class PromptEncoder:
     Args:
         tokenizer: a transformers tokenizer (or None).
         context: the model's context in tokens (None: unknown, no bound).
+        chat_template: the server's chat template (over the tokenizer's).
+        reasoning: the server's reasoning parser (:class:`~pagedcore.serve.reasoning.Reasoning`): the plain template
+            then honours ``enable_thinking``.
 
     Example:
         >>> from pagedcore.adapters.transformers.builtin import builtin_tokenizer
@@ -311,8 +332,11 @@ class PromptEncoder:
         pagedcore.serve.protocol.ApiError: the prompt has 21 characters: more than ... (at most 20 characters)
     """
 
-    def __init__(self, tokenizer: Any, context: int | None, chat_template: str | None = None) -> None:
-        self.renderer = ChatRenderer(tokenizer, chat_template)
+    def __init__(
+        self, tokenizer: Any, context: int | None, chat_template: str | None = None, reasoning: Any = None
+    ) -> None:
+        thinking_off = None if reasoning is None else reasoning.format.disabled
+        self.renderer = ChatRenderer(tokenizer, chat_template, thinking_off)
         self.context = context
         self.max_chars = text_bound(tokenizer, context)
         self._tokenizer = tokenizer

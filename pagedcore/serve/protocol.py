@@ -222,6 +222,8 @@ class ChatMessage(_Strict):
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool message: the call it answers
+    reasoning_content: str | None = None  # an assistant's earlier reasoning (templates that keep it render it)
+    reasoning: str | None = None  # vLLM's newer name of reasoning_content
 
     @property
     def text(self) -> str:
@@ -256,6 +258,7 @@ class ChatRequest(_Request):
     tools: list[dict[str, Any]] | None = None  # pagedcore.serve.tool_calls
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    include_reasoning: bool | None = None  # with --reasoning-parser: false leaves the reasoning out of the answer
 
     @model_validator(mode="after")
     def _check_generation_prompt(self) -> ChatRequest:

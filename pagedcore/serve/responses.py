@@ -129,6 +129,8 @@ async def sse_events(
             reason = choice.reason if delta is None else delta.finish_reason
             logprobs = [delta.logprobs] if delta is not None and delta.logprobs is not None else []
             payload = shape.chunk(index, choice, text, reason, () if delta is None else delta.token_ids, logprobs)
+            if not _shows(payload["choices"][0]):
+                return ""  # e.g. a reasoning marker's first characters, held until it is complete
         choice.started = True
         choice.closed = payload["choices"][0]["finish_reason"] is not None
         return data(payload)
@@ -141,7 +143,9 @@ async def sse_events(
             return
         for index in tally.add(event):
             if _due(shape, event, tally.choices[index]):
-                yield chunk(index, event if isinstance(event, Delta) else None)
+                line = chunk(index, event if isinstance(event, Delta) else None)
+                if line:
+                    yield line
     if options.include_usage:
         yield data(shape.usage_chunk(tally.usage()))
     yield "data: [DONE]\n\n"
@@ -158,6 +162,12 @@ def _due(shape: Shape, event: Delta | Finished, choice: Choice) -> bool:
         shows_tokens = shape.options.return_token_ids or shape.options.logprobs is not None
         return bool(event.text or event.finish_reason or not choice.started or shows_tokens)
     return not choice.closed
+
+
+def _shows(choice: dict[str, Any]) -> bool:
+    """Whether a chat chunk's choice shows anything (a delta, an end, tokens or log-probabilities)."""
+    shown = (choice.get("delta", True), choice["finish_reason"], choice.get("logprobs"), choice.get("token_ids"))
+    return any(shown)
 
 
 async def _disconnected(request: Request) -> None:

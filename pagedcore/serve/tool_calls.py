@@ -18,12 +18,13 @@ import json
 import re
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pagedcore.adapters.transformers.structured import StructuredOutput
 
 from .protocol import ApiError
+from .tool_formats import deepseek_v3_tool_calls, mistral_tool_calls, pythonic_tool_calls, qwen3_coder_tool_calls
 
 __all__ = ["TOOL_PARSERS", "ToolCalls", "hermes_tool_calls", "llama3_json_tool_calls", "tool_calls_of"]
 
@@ -67,9 +68,13 @@ def llama3_json_tool_calls(text: str) -> tuple[str | None, list[Call]]:
     return None, [call for call in calls if call is not None]
 
 
-TOOL_PARSERS: dict[str, Callable[[str], tuple[str | None, list[Call]]]] = {
+TOOL_PARSERS: dict[str, Callable[..., tuple[str | None, list[Call]]]] = {
     "hermes": hermes_tool_calls,
     "llama3_json": llama3_json_tool_calls,
+    "mistral": mistral_tool_calls,  # these four: pagedcore.serve.tool_formats (they take the tools' schemas too)
+    "qwen3_coder": qwen3_coder_tool_calls,
+    "pythonic": pythonic_tool_calls,
+    "deepseek_v3": deepseek_v3_tool_calls,
 }
 """The tool-call formats ``tool_choice="auto"`` reads, by name; each takes the answer's text and returns its content
 (None when it is only calls) and its calls."""
@@ -104,6 +109,7 @@ class ToolCalls:
     mode: str
     function: str | None = None
     parser: str = "hermes"
+    schemas: dict[str, Any] | None = field(default=None, compare=False)  # each tool's parameters, by name
 
     def parse(self, text: str) -> tuple[str | None, list[Call]]:
         """The content and calls of one answer (no calls when it is not what the mode expects)."""
@@ -118,7 +124,9 @@ class ToolCalls:
                 return None, [{"name": c["name"], "arguments": c["parameters"]} for c in json.loads(text)]
             except (ValueError, TypeError, KeyError):  # not the grammar's whole output (e.g. cut by a stop string)
                 return text, []
-        return TOOL_PARSERS[self.parser](text)
+        if self.parser in ("hermes", "llama3_json"):
+            return TOOL_PARSERS[self.parser](text)
+        return TOOL_PARSERS[self.parser](text, self.schemas)
 
     def message(self, text: str) -> dict[str, Any]:
         """The ``message`` (or a stream's last ``delta``) of one answer: ``content`` and, when it called tools,
@@ -159,7 +167,7 @@ def tool_calls_of(data: dict[str, Any], parser: str = "hermes") -> tuple[ToolCal
     if choice == "none":
         return None, None
     if choice == "auto":
-        return ToolCalls("auto", parser=parser), None
+        return ToolCalls("auto", parser=parser, schemas=tools), None
     if choice == "required":
         parallel = data.get("parallel_tool_calls")
         schema = _calls_schema(tools, parallel is not False)

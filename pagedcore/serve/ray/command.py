@@ -42,6 +42,11 @@ def run(args: argparse.Namespace) -> int:
 
     api_keys = load_api_keys(args.api_keys, UsageError)
     spec = _model_spec(args)
+    print(
+        "pagedcore serve: with --ray the model's generation config is not applied yet: requests get OpenAI's "
+        "default sampling values (as --generation-config vllm)",
+        file=sys.stderr,
+    )
     engine_kwargs: dict[str, Any] = {
         "num_blocks": args.num_blocks,
         "memory_budget": args.memory_budget,

@@ -10,8 +10,16 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from . import chat, completions, health, models, tokenize
+from . import cache, chat, completions, health, models, responses, tokenize
 
 __all__ = ["ROUTERS"]
 
-ROUTERS: tuple[APIRouter, ...] = (health.router, models.router, completions.router, chat.router, tokenize.router)
+ROUTERS: tuple[APIRouter, ...] = (
+    health.router,
+    models.router,
+    completions.router,
+    chat.router,
+    responses.router,
+    tokenize.router,
+    cache.router,
+)

@@ -1,5 +1,6 @@
 """``POST /v1/chat/completions``: chat messages through the chat template (the request's, the server's
-``--chat-template``, the tokenizer's, or the plain one), answered.
+``--chat-template``, the tokenizer's, or the plain one), answered. With ``--reasoning-parser`` the reasoning is split
+off the answers and a constraint applies after it (:mod:`pagedcore.serve.reasoning`).
 
 Example:
     >>> [route.path for route in router.routes]
@@ -14,16 +15,21 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from ..answers import AnswerOptions
+from pagedcore.adapters.transformers.structured import StructuredOutput
+from pagedcore.errors import PagedCoreError
+
+from ..answers import AnswerOptions, Shape
 from ..context import Context, ServeContext
 from ..openapi import ERROR_RESPONSES, json_body
 from ..pipeline import Generation, answer, fit_prompts, namespace_of, off_loop, read_request, shape_of
 from ..prompts import ChatOptions
 from ..protocol import ApiError, ChatRequest, sampling_params
-from ..structured import constraint
+from ..reasoning import AnswerReasoning, generation_prompt
+from ..structured import check_spec, constraint
+from ..tool_calls import ToolCalls
 from .completions import DEFAULT_COMPLETION_MAX_TOKENS
 
-__all__ = ["router"]
+__all__ = ["chat_generation", "router"]
 
 router = APIRouter()
 
@@ -32,9 +38,32 @@ router = APIRouter()
 async def chat_completions(request: Request, ctx: Context) -> Response:
     """OpenAI's chat completions: ``n`` answers to the conversation, as JSON or server-sent events."""
     tenant, body = await read_request(ctx, request, ChatRequest)
+    generation, shape = await chat_generation(ctx, body, tenant)
+    return await answer(ctx, request, generation, shape)
+
+
+async def chat_generation(ctx: ServeContext, body: ChatRequest, tenant: str | None) -> tuple[Generation, Shape]:
+    """What a parsed chat request asks of the engine, and the shape of its answer (the Responses API's requests
+    become chat requests and go through here too).
+
+    Example:
+        >>> import inspect
+        >>> list(inspect.signature(chat_generation).parameters)
+        ['ctx', 'body', 'tenant']
+    """
     # A bad schema or tool_choice: a 400 naming the field, before the prompt is rendered.
     spec, calls = await off_loop(constraint, body, ctx.tool_call_parser)
-    rendered = await off_loop(ctx.encoder.chat, body.messages, _chat_options(ctx, body))
+    _check_auto_tool_choice(ctx, calls)
+    if body.include_reasoning is False and ctx.settings.reasoning is None:
+        message = "include_reasoning false needs a server started with --reasoning-parser (none splits the reasoning)"
+        raise ApiError(400, message, param="include_reasoning")
+    options = _chat_options(ctx, body)
+    rendered = await off_loop(ctx.encoder.chat, body.messages, options)
+    reasoning = None
+    if ctx.settings.reasoning is not None:
+        reasoning = await off_loop(_reasoning, ctx, body, options, rendered)
+        if spec is not None:
+            spec = await off_loop(_after_reasoning, reasoning, spec)
     (truncated,) = fit_prompts(ctx, body, [rendered], 0)
     # Without a limit the answer may run to the end of what the context and the KV pool hold for it.
     room = ctx.max_new_tokens(len(truncated))
@@ -42,8 +71,20 @@ async def chat_completions(request: Request, ctx: Context) -> Response:
     (prompt,) = fit_prompts(ctx, body, [truncated], max_tokens)
     params = replace(sampling_params(body, max_tokens), structured=spec)
     shape = shape_of(ctx, body, True, _options(ctx, body, prompt), calls)
-    generation = Generation([prompt], params, namespace_of(tenant, body.cache_salt), bool(body.stream))
-    return await answer(ctx, request, generation, shape)
+    role = ctx.settings.response_role if body.add_generation_prompt else body.messages[-1].role
+    shape = replace(shape, role=role, reasoning=reasoning)
+    return Generation([prompt], params, namespace_of(tenant, body.cache_salt), bool(body.stream)), shape
+
+
+def _check_auto_tool_choice(ctx: ServeContext, calls: ToolCalls | None) -> None:
+    """``tool_choice="auto"`` on a server that does not read tool calls is refused."""
+    if calls is not None and calls.mode == "auto" and not ctx.settings.auto_tool_choice:
+        raise ApiError(
+            400,
+            'tool_choice "auto" (the default with tools) needs a server started with --enable-auto-tool-choice '
+            '(this one has --no-enable-auto-tool-choice): give tool_choice "none", "required" or a named function',
+            param="tool_choice",
+        )
 
 
 def _chat_options(ctx: ServeContext, body: ChatRequest) -> ChatOptions:
@@ -54,15 +95,42 @@ def _chat_options(ctx: ServeContext, body: ChatRequest) -> ChatOptions:
             "--trust-request-chat-template to allow it)",
             param="chat_template",
         )
+    kwargs = {**ctx.settings.default_chat_template_kwargs, **(body.chat_template_kwargs or {})}
     return ChatOptions(
         add_generation_prompt=body.add_generation_prompt,
         continue_final_message=body.continue_final_message,
         documents=body.documents,
         template=body.chat_template,
-        template_kwargs=body.chat_template_kwargs,
+        template_kwargs=kwargs or None,
         add_special_tokens=bool(body.add_special_tokens),
         tools=body.tools,
     )
+
+
+def _reasoning(ctx: ServeContext, body: ChatRequest, options: ChatOptions, rendered: list[int]) -> AnswerReasoning:
+    """Where this request's answers start (inside a reasoning block, after one, or free to open one): read from the
+    generation prompt the template wrote (or the last message, continued)."""
+    reasoning = ctx.settings.reasoning
+    if options.continue_final_message:
+        state = reasoning.state(body.messages[-1].text)
+    else:
+        bare = replace(options, add_generation_prompt=False)
+
+        def render(add: bool) -> list[int]:
+            return rendered if add else ctx.encoder.renderer.render(body.messages, bare)
+
+        state = reasoning.state(generation_prompt(render, ctx.encoder.decode) if options.add_generation_prompt else "")
+    return AnswerReasoning(reasoning, state, include=body.include_reasoning is not False)
+
+
+def _after_reasoning(reasoning: AnswerReasoning, spec: StructuredOutput) -> StructuredOutput:
+    """The request's constraint applied after the reasoning (checked here: a 400 rather than a failed request)."""
+    try:
+        wrapped = reasoning.reasoning.constrain(spec, reasoning.state)
+    except PagedCoreError as exc:
+        raise ApiError(400, f"the constraint cannot follow the reasoning: {exc}") from exc
+    check_spec(wrapped, "response_format")
+    return wrapped
 
 
 def _options(ctx: ServeContext, body: ChatRequest, prompt: Any) -> AnswerOptions:

@@ -34,7 +34,7 @@ async def tokenize(request: Request, ctx: Context) -> Response:
     if (body.prompt is None) == (body.messages is None):
         raise ApiError(400, "give either prompt or messages", param="prompt")
     tokens = await off_loop(_tokens, ctx, body)
-    strs = [ctx.logprob_format().token(t) for t in tokens] if body.return_token_strs else None
+    strs = [ctx.logprob_format(server_default=False).token(t) for t in tokens] if body.return_token_strs else None
     answer = {"count": len(tokens), "max_model_len": ctx.context_length, "tokens": tokens, "token_strs": strs}
     return JSONResponse(answer)
 

@@ -1,0 +1,271 @@
+"""vLLM's ``serve`` flags as real ``pagedcore serve`` processes: each implemented flag's effect is seen from outside
+(the HTTP answers, the log), each no-op flag says why in the start-up log, ``--config FILE.yaml`` is read as vLLM
+reads it (the command line wins), and models load from the hub cache at a ``--revision`` (offline, from a cache
+built here) with their generation config's defaults. ``POST /reset_prefix_cache`` makes the next request miss."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+pytest.importorskip("yaml")
+
+from pagedcore.cli import main
+from pagedcore.serve.vllm_flags import expand_config, human_int
+
+BUILTIN = "pagedcore-builtin"
+
+
+class Server:
+    """A ``pagedcore serve`` process: its URL, and its log so far."""
+
+    def __init__(self, process: subprocess.Popen, log: Path) -> None:
+        self.process = process
+        self.log_path = log
+        self.url = ""
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+
+@contextlib.contextmanager
+def serve(tmp_path: Path, *argv: str, env: dict[str, str] | None = None) -> Iterator[Server]:
+    log = tmp_path / f"serve-{time.monotonic_ns()}.log"
+    command = [sys.executable, "-m", "pagedcore", "serve", *argv]
+    with log.open("w") as sink:
+        process = subprocess.Popen(command, stderr=sink, stdout=sink, env={**os.environ, **(env or {})})
+    server = Server(process, log)
+    try:
+        deadline = time.monotonic() + 180
+        while "/v1 (" not in server.log():
+            assert process.poll() is None, f"the server exited: {server.log()}"
+            assert time.monotonic() < deadline, server.log()
+            time.sleep(0.1)
+        line = next(line for line in server.log().splitlines() if "/v1 (" in line)
+        server.url = line.split(" at ", 1)[1].split("/v1", 1)[0]
+        while not _healthy(server.url):
+            assert process.poll() is None and time.monotonic() < deadline, server.log()
+            time.sleep(0.1)
+        yield server
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=5).status_code == 200
+    except httpx.TransportError:  # bound, not yet listening
+        return False
+
+
+def test_human_ints_read_as_vllm_reads_them():
+    assert [human_int(t) for t in ("1k", "1K", "25.6k", "2M", "4096")] == [1000, 1024, 25600, 2 * 2**20, 4096]
+
+
+def test_each_no_op_flag_says_why_it_changes_nothing():
+    from pagedcore.cli import _parser
+    from pagedcore.serve.vllm_flags import NO_OPS, no_op_notes
+
+    argv = ["--enable-chunked-prefill", "--swap-space", "0", "--enable-tokenizer-info-endpoint"]
+    args = _parser().parse_args(["serve", *argv, "--enable-prompt-tokens-details"])
+    notes = no_op_notes(args)
+    assert [note.split(" has no effect here: ")[0] for note in notes] == list(NO_OPS)
+    assert no_op_notes(_parser().parse_args(["serve"])) == []
+
+
+def test_a_config_file_goes_before_the_command_line(tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text("max_model_len: 512\nserved-model-name: [a, b]\nenforce_eager: true\ncompile: false\n")
+    argv = expand_config(["serve", "m", "--config", str(config), "--max-model-len", "1k"])
+    assert argv == ["serve", "--max-model-len", "512", "--served-model-name", "a", "b", "--enforce-eager",
+                    "--no-compile", "m", "--max-model-len", "1k"]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--tool-call-parser", "granite"], "--tool-call-parser granite is not supported here"),
+        (["--tool-call-parser", "nonsense"], "no vLLM parser has this name"),
+        (["--reasoning-parser", "gpt_oss"], "--reasoning-parser gpt_oss is not supported here"),
+        (["--guided-decoding-backend", "xgrammar"], "--guided-decoding-backend xgrammar (vLLM's backend)"),
+        (["--no-enable-chunked-prefill"], "--no-enable-chunked-prefill is not supported"),
+        (["--enforce-eager", "--compile"], "--enforce-eager and --compile contradict"),
+        (["--swap-space", "-1"], "--swap-space must be a number of GiB >= 0"),
+        (["--root-path", "api/"], "--root-path must start with /"),
+        (["--generation-config", "/nonexistent"], "--generation-config '/nonexistent': expected auto, vllm"),
+        (["--ray", "--reasoning-parser", "qwen3"], "--reasoning-parser is not supported with --ray yet"),
+        (["--config", "/nonexistent.yaml"], "--config '/nonexistent.yaml': cannot read it"),
+    ],
+)
+def test_bad_flags_exit_with_code_2_naming_them(argv, message, capsys):
+    assert main(["serve", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_vllms_flags_as_a_process(tmp_path):
+    """Every flag is given (some through --config), and each one's effect is checked from outside."""
+    config = tmp_path / "serve.yaml"
+    config.write_text(
+        "port: 0\nthreads: 1\nnum-blocks: 128\nserved_model_name: [first, second]\nmax_model_len: 512\n"
+        "enable-request-id-headers: true\nresponse_role: helper\nreturn-tokens-as-token-ids: true\n"
+    )
+    argv = [BUILTIN, "--config", str(config), "--max-model-len", "1k", "--root-path", "/api", "--disable-fastapi-docs",
+            "--enable-log-requests", "--max-log-len", "5", "--log-level", "info", "--disable-uvicorn-access-log",
+            "--dtype", "half", "--enforce-eager", "--swap-space", "4", "--enable-chunked-prefill",
+            "--guided-decoding-backend", "guidance", "--disable-log-stats", "--no-enable-auto-tool-choice",
+            "--tool-call-parser", "mistral", "--override-generation-config", '{"max_new_tokens": 2}']  # fmt: skip
+    with serve(tmp_path, *argv, env={"VLLM_LOG_STATS_INTERVAL": "0.3"}) as server:
+        url = server.url
+        (card, _) = httpx.get(f"{url}/api/v1/models").json()["data"]  # behind a proxy's prefix, and without it
+        assert httpx.get(f"{url}/v1/models").json()["data"][0] == card
+        assert card["id"] == "first" and card["max_model_len"] == 1000  # the command line's 1k over the file's 512
+        assert card["root"] == BUILTIN and card["parent"] is None and card["permission"][0]["allow_sampling"]
+        assert httpx.get(f"{url}/openapi.json").status_code == 404
+        body = {"model": "second", "messages": [{"role": "user", "content": "Hi"}], "logprobs": True,
+                "temperature": 0, "ignore_eos": True}  # fmt: skip
+        answer = httpx.post(f"{url}/v1/chat/completions", json=body, headers={"X-Request-Id": "trace-7"})
+        assert answer.headers["x-request-id"] == "trace-7"
+        choice = answer.json()["choices"][0]
+        assert choice["message"]["role"] == "helper"
+        assert answer.json()["usage"]["completion_tokens"] == 2  # --override-generation-config's max_new_tokens
+        assert all(entry["token"].startswith("token_id:") for entry in choice["logprobs"]["content"])
+        assert len(httpx.get(f"{url}/health").headers["x-request-id"]) == 32  # a new one
+        tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+        refused = httpx.post(f"{url}/v1/chat/completions", json={**body, "tools": tools})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "tool_choice"
+        time.sleep(1.0)  # stats lines would come every 0.3 s
+        log = server.log()
+    assert "weights in float16, decode steps eager" in log
+    assert "requests that leave them unset get the generation config's max_tokens=2" in log
+    assert "--enable-chunked-prefill has no effect here: prefills are always chunked" in log
+    assert "--swap-space has no effect here: preempted requests are recomputed" in log
+    assert re.search(r"request chatcmpl-\S+ from 127\.0\.0\.1: prompt \[\d+(, \d+){4}\] \(\d+ token ids\)", log)
+    assert "HTTP/1.1" not in log and "Avg prompt throughput" not in log, log
+
+
+def test_the_logs_vllm_users_read_as_a_process(tmp_path):
+    """Without the --disable flags, at --log-level info: the access log and the periodic stats lines; requests are
+    not logged (--disable-log-requests, the default). And POST /reset_prefix_cache."""
+    argv = [BUILTIN, "--port", "0", "--threads", "1", "--num-blocks", "64", "--log-level", "info",
+            "--disable-log-requests", "--api-key", "sk-1"]  # fmt: skip
+    with serve(tmp_path, *argv, env={"VLLM_LOG_STATS_INTERVAL": "0.3"}) as server:
+        headers = {"Authorization": "Bearer sk-1"}
+        body = {"model": BUILTIN, "prompt": "The tides come and go twice a day.", "max_tokens": 20}
+
+        def cached() -> int:
+            answer = httpx.post(f"{server.url}/v1/completions", json=body, headers=headers, timeout=60).json()
+            return int(answer["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+        # POST /reset_prefix_cache: the request after it misses (and caches its prompt again).
+        assert cached() == 0 and cached() > 0
+        assert httpx.post(f"{server.url}/reset_prefix_cache").status_code == 401
+        reset = httpx.post(f"{server.url}/reset_prefix_cache", headers=headers)
+        assert reset.status_code == 200 and reset.json()["forgotten_blocks"] > 0
+        assert cached() == 0 and cached() > 0
+        assert httpx.get(f"{server.url}/openapi.json").status_code == 200
+        deadline = time.monotonic() + 30
+        while "Avg generation throughput" not in server.log() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        log = server.log()
+    assert '"POST /v1/completions HTTP/1.1" 200' in log
+    assert "Avg generation throughput" in log and "Prefix cache hit rate" in log
+    assert "request cmpl-" not in log
+
+
+def _hub_cache(root: Path) -> tuple[Path, str, str]:
+    """A Hugging Face cache holding ``pc/tiny`` at two revisions whose generation configs differ."""
+    from transformers import GenerationConfig
+
+    from pagedcore.adapters.transformers.builtin import builtin_model, builtin_tokenizer
+
+    repo = root / "models--pc--tiny"
+    revisions = {"a" * 40: 3, "b" * 40: 5}
+    for revision, max_new_tokens in revisions.items():
+        context = 128 * max_new_tokens  # the revisions differ in their context too: 384 and 640
+        model = builtin_model(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=1, max_position_embeddings=context
+        )
+        model.generation_config = GenerationConfig(max_new_tokens=max_new_tokens)
+        model.save_pretrained(repo / "snapshots" / revision)
+        builtin_tokenizer().save_pretrained(repo / "snapshots" / revision)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("a" * 40)
+    return root, "a" * 40, "b" * 40
+
+
+def test_hub_loading_flags_as_a_process(tmp_path):
+    """--download-dir (the cache), --revision, --tokenizer and the generation config's defaults, offline."""
+    cache, _, second = _hub_cache(tmp_path / "cache")
+    tokenizer_dir = tmp_path / "tokenizer"
+    from pagedcore.adapters.transformers.builtin import builtin_tokenizer
+
+    other = builtin_tokenizer()
+    other.chat_template = "{% for m in messages %}{{ m.content }}{% endfor %} ->"
+    other.save_pretrained(tokenizer_dir)
+    argv = ["pc/tiny", "--port", "0", "--threads", "1", "--num-blocks", "64", "--download-dir", str(cache),
+            "--revision", second, "--tokenizer", str(tokenizer_dir)]  # fmt: skip
+    env = {"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "empty-home")}
+    with serve(tmp_path, *argv, env=env) as server:
+        assert httpx.get(f"{server.url}/tokenizer_info").json()["chat_template"] == other.chat_template
+        assert httpx.get(f"{server.url}/v1/models").json()["data"][0]["max_model_len"] == 640  # revision b
+        chat = {"model": "pc/tiny", "messages": [{"role": "user", "content": "Hi"}], "ignore_eos": True}
+        usage = httpx.post(f"{server.url}/v1/chat/completions", json=chat, timeout=60).json()["usage"]
+        assert usage["completion_tokens"] == 5  # revision b's generation config: max_new_tokens 5
+        log = server.log()
+    assert "requests that leave them unset get the generation config's max_tokens=5" in log
+
+
+def test_the_generation_configs_sources(tmp_path):
+    from pagedcore.serve.sampling_defaults import generation_defaults
+
+    cache, first, second = _hub_cache(tmp_path)
+    folder = cache / "models--pc--tiny" / "snapshots" / second
+    assert generation_defaults("auto", str(folder)) == {"max_tokens": 5}
+    assert generation_defaults("auto", "pc/tiny", cache_dir=str(cache), revision=first) == {"max_tokens": 3}
+    assert generation_defaults("vllm", str(folder)) == {}
+    assert generation_defaults(str(folder), None, {"temperature": 0.5}) == {"max_tokens": 5, "temperature": 0.5}
+    with pytest.raises(ValueError, match="do_sample cannot be a request default"):
+        generation_defaults("vllm", None, {"do_sample": True})
+
+
+def test_the_openapi_document_names_the_root_path(one_thread):
+    from pagedcore.adapters.transformers import Engine
+    from pagedcore.adapters.transformers.testing import tiny_llama
+    from pagedcore.serve.app import AppOptions, create_app
+    from pagedcore.serve.loop import EngineLoop
+    from pagedcore.serve.server import BackgroundServer
+
+    with Engine(tiny_llama(num_hidden_layers=1), num_blocks=16, block_size=8) as engine:
+        loop = EngineLoop(engine)
+        with BackgroundServer(create_app(loop, model_name="m", options=AppOptions(root_path="/api")), loop) as server:
+            document = httpx.get(f"{server.url}/api/openapi.json").json()
+            assert document["servers"] == [{"url": "/api"}]
+            assert "/v1/responses" in document["paths"] and "/reset_prefix_cache" in document["paths"]
+
+
+def test_the_yaml_config_file_refuses_what_it_cannot_read(tmp_path, capsys):
+    config = tmp_path / "bad.yaml"
+    config.write_text("- a list\n- not options\n")
+    assert main(["serve", "--config", str(config)]) == 2
+    assert "expected a mapping of options" in capsys.readouterr().err
+    config.write_text(json.dumps({"config": "other.yaml"}))
+    assert main(["serve", "--config", str(config)]) == 2
+    assert "cannot name another one" in capsys.readouterr().err
