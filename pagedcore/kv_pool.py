@@ -61,7 +61,8 @@ class KVGroup:
 
     Attributes:
         index: position in ``KVPool.groups``.
-        kind: how its layers attend (:class:`~pagedcore.attention_kinds.FullAttention` or ``SlidingWindow``).
+        kind: how its layers attend (:class:`~pagedcore.attention_kinds.FullAttention`, ``SlidingWindow`` or
+            ``ChunkedAttention``).
         block_manager: the group's blocks.
         trie: the group's prefix cache.
 
@@ -128,7 +129,8 @@ class KVPool:
     Args:
         num_blocks: blocks per group.
         block_size: tokens per block, the same in every group.
-        sliding_windows: one entry per group: None for full attention, else the window in tokens.
+        sliding_windows: one entry per group: None for full attention, the window in tokens, or the group's
+            :class:`~pagedcore.attention_kinds.AttentionKind` (``ChunkedAttention(8192)``, say).
         eviction_policy: builds a policy per group (called once per group); LRU by default.
         on_evict: ``on_evict(group_index, block_ids)`` after blocks were evicted from a group's cache.
 
@@ -144,12 +146,12 @@ class KVPool:
         self,
         num_blocks: int,
         block_size: int,
-        sliding_windows: Sequence[int | None] = (None,),
+        sliding_windows: Sequence[int | AttentionKind | None] = (None,),
         *,
         eviction_policy: Callable[[], EvictionPolicy] | None = None,
         on_evict: Callable[[int, list[int]], None] | None = None,
     ) -> None:
-        kinds = [attention_kind(window) for window in sliding_windows]  # ConfigError for a bad window
+        kinds = [attention_kind(window) for window in sliding_windows]  # ConfigError for a bad window or chunk
         if not kinds:
             raise ConfigError("sliding_windows: a pool needs at least one group")
         groups = []
