@@ -29,17 +29,37 @@ from pagedcore.adapters.transformers import ModelKVSpec, PagedCache
 _TINY: dict[str, tuple[str, dict[str, Any]]] = {
     "deepseek_v3 (MLA)": (
         "deepseek_v3",
-        {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4, "kv_lora_rank": 16,
-         "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16, "n_routed_experts": 4,
-         "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1,
-         "moe_intermediate_size": 32},
-    ),  # fmt: skip
+        {
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 4,
+            "kv_lora_rank": 16,
+            "q_lora_rank": 32,
+            "qk_rope_head_dim": 8,
+            "qk_nope_head_dim": 16,
+            "v_head_dim": 16,
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "n_group": 1,
+            "topk_group": 1,
+            "first_k_dense_replace": 1,
+            "moe_intermediate_size": 32,
+        },
+    ),
     "gemma4 (KV sharing)": (
         "gemma4_text",
-        {"num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-         "global_head_dim": 32, "num_kv_shared_layers": 3, "layer_types": ["full_attention"] * 6,
-         "hidden_size_per_layer_input": 16, "vocab_size_per_layer_input": 256},
-    ),  # fmt: skip
+        {
+            "num_hidden_layers": 6,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "global_head_dim": 32,
+            "num_kv_shared_layers": 3,
+            "layer_types": ["full_attention"] * 6,
+            "hidden_size_per_layer_input": 16,
+            "vocab_size_per_layer_input": 256,
+        },
+    ),
 }
 _COMMON = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "max_position_embeddings": 1024}
 _REAL = {"deepseek_v3": "DeepSeek-V3", "deepseek_v2": "DeepSeek-V2", "gemma3n_text": "Gemma 3n E4B"}
