@@ -192,6 +192,12 @@ class ModelKVSpec:
                 f"model type {model_type!r} is an encoder-decoder model: its cross-attention cache is not a paged "
                 "self-attention cache, so pagedcore cannot serve it (decoder-only models only)"
             )
+        if getattr(config, "use_bidirectional_attention", None) in (True, "all"):
+            raise UnsupportedModelError(
+                f"model type {model_type!r} attends bidirectionally (use_bidirectional_attention="
+                f"{config.use_bidirectional_attention!r}): its queries see later positions, so no cache of earlier "
+                "keys and values can serve it (an encoder, e.g. an embedding model)"
+            )
         layers = tuple(_read_layers(config, model_type))
         return cls.from_layers(model_type, layers)
 
