@@ -224,3 +224,17 @@ def test_a_restarted_engine_loads_the_variants_blocks_from_the_store(family, tmp
     assert run(model)[0] == expected
     tokens, stats = run(variant_model(family))  # a restart: the same weights, an empty pool
     assert tokens == expected and stats.kv_store_loaded_tokens > 0 and stats.prefix_hit_tokens > 0
+
+
+def test_a_kv_sharing_models_cache_without_its_forward_hook_gathers_for_the_shared_layers():
+    """A cache made from the config has no forward pre-hook to hand the shared layers the paged context: their
+    source's ``update`` then returns its gathered keys, which they attend over (it once returned the new tokens'
+    only, and the shared layers attended over those)."""
+    ids, mask = batch([0, 0], 9, seed=4)  # no padding: such a cache then attends over the pool
+    kwargs = {"input_ids": ids, "attention_mask": mask, "max_new_tokens": 6, "do_sample": False}
+    eager = variant_model("gemma4_shared")
+    want = generate(eager, dynamic(eager), **kwargs)
+    model = variant_model("gemma4_shared", attn_implementation="paged")
+    cache = PagedCache(model.config, num_blocks=64, block_size=4)
+    assert_same_generation(generate(model, cache, **kwargs), want)
+    release_and_check(cache)

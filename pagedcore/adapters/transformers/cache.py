@@ -343,6 +343,7 @@ class PagedCache(Cache):
         attention_mask: Any = None,
         position_ids: torch.Tensor | None = None,
         output_attentions: bool = False,
+        kwargs_reach: bool = True,
     ) -> dict[str, Any] | None:
         """Reserve the coming forward for every layer, before layer 0: the padding is read from ``attention_mask`` (2-D,
         ``(batch, past + new)``; None: no padding). With ``output_attentions`` paged attention returns the attention
@@ -352,7 +353,7 @@ class PagedCache(Cache):
         submodule called directly). A forward whose mask is not left padding stores every position (the standard mask
         then hides what it hides, exactly as with ``DynamicCache``). Returns keyword arguments the hook adds to the
         forward (the paged-attention context, for a model with KV-shared layers: they call no ``update`` that could
-        hand it to them), or None.
+        hand it to them), or None; ``kwargs_reach=False`` says the forward cannot take them.
 
         Example:
             >>> import torch
@@ -381,6 +382,7 @@ class PagedCache(Cache):
             inputs.device,
             mask_known=known,
             weights=bool(output_attentions),
+            kwargs_reach=kwargs_reach,
         )
         return self._state.shared_kwargs()
 

@@ -230,12 +230,14 @@ class CacheState:
         *,
         mask_known: bool = True,
         weights: bool = False,
+        kwargs_reach: bool = True,
     ) -> None:
         """Reserve the next forward for every layer, on the host, before layer 0 (the model's forward pre-hook calls
         this): ``mask`` is the forward's attention mask (None: none, every position a token), ``positions`` its
         ``position_ids``, ``device`` where its layers' indices go. ``mask_known=False`` (a 4-D or unrecognised mask):
-        the padding is not read from it. ``weights``: the forward asked for attention weights. Raises, with nothing
-        reserved, like the reservation of a layer."""
+        the padding is not read from it. ``weights``: the forward asked for attention weights. ``kwargs_reach``: the
+        forward takes keyword arguments the hook may add (:meth:`shared_kwargs`). Raises, with nothing reserved, like
+        the reservation of a layer."""
         self.check_live()
         if q_len == 0:
             return
@@ -243,7 +245,7 @@ class CacheState:
         if mask_known:
             width = self.length + q_len
             rows = MaskRows.of(mask if isinstance(mask, torch.Tensor) else None, batch=batch, width=width)
-        self._begin(batch, q_len, positions, True, mask=rows, device=device, hooked=True)
+        self._begin(batch, q_len, positions, True, mask=rows, device=device, hooked=True, kwargs_reach=kwargs_reach)
         step = self.step
         if step is not None:
             step.open = True
@@ -358,6 +360,7 @@ class CacheState:
         mask: MaskRows | None = None,
         device: torch.device | None = None,
         hooked: bool = False,
+        kwargs_reach: bool = False,
     ) -> None:
         pool = self.pool
         with pool.lock:
@@ -387,7 +390,11 @@ class CacheState:
         step = Step(plan, slots, plan.real_index, hooked=hooked, new_rows=new_rows, was_exact=self.exact)
         self.length += q_len
         self.exact = self.exact and plan.exact
-        if self.exact and has_kwargs and self.uses_paged_attention():
+        # KV-shared layers call no update: the context reaches them only through the forward's keyword arguments,
+        # which the forward pre-hook adds (shared_kwargs). Without it they attend over what their source's update
+        # returns, which must then be its gathered keys: no context.
+        shared = any(layer.keeps == "shared" for layer in pool.spec.layers)
+        if self.exact and has_kwargs and self.uses_paged_attention() and (kwargs_reach or not shared):
             step.context = self._context(step)
         if device is not None:
             self.prepare(step, device)

@@ -81,14 +81,16 @@ def _before_forward(
     cache, inputs = _cache_of(module, args, kwargs)
     if cache is None:
         return None
+    open_kwargs = _WATCHED[module][2]
     extra = cache.before_forward(
         input_ids=inputs.get("input_ids"),
         inputs_embeds=inputs.get("inputs_embeds"),
         attention_mask=inputs.get("attention_mask"),
         position_ids=inputs.get("position_ids"),
         output_attentions=bool(inputs.get("output_attentions")),
+        kwargs_reach=open_kwargs,
     )
-    if extra and _WATCHED[module][2]:  # keyword arguments the cache adds to a forward that takes any
+    if extra and open_kwargs:  # keyword arguments the cache adds to a forward that takes any
         return args, {**kwargs, **extra}
     return None
 
