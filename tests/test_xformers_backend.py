@@ -419,6 +419,23 @@ def test_chunked_attention_biases_and_gathers_match_torch_backend(bs: int, name:
     assert "torch" not in backend.last_ops and "flash_paged" not in backend.last_ops  # FA2 paged has no key starts
 
 
+@pytest.mark.parametrize(("bs", "name"), [(4, "mixed"), (64, "decode"), (64, "mixed")])
+def test_an_mla_latent_pool_matches_torch_backend(bs: int, name: str) -> None:
+    """An MLA layer's pool as paged attention hands it over: one KV head whose keys are the latent rows (latent +
+    rotary key) and whose values are a view of their latent part (strided, narrower than the keys)."""
+    rows = scenario(name, bs)
+    case = make_case(bs + 17, bs, rows)
+    latent = torch.randn(case.key_cache.shape[0], bs, 1, 24, generator=torch.Generator().manual_seed(bs))
+    latent[case.meta.pad_block] = 0
+    keys, values = latent, latent[..., :16]
+    query = torch.randn(case.meta.num_tokens, Q_HEADS, 24)
+    backend = XFormersPagedAttention(DenseKernels(), flash_paged=False)
+    out = backend.forward(query, keys, values, case.meta, scale=24**-0.5)
+    want = TorchPagedAttention().forward(query, keys, values, fresh(case.meta), scale=24**-0.5)
+    assert out.shape == (case.meta.num_tokens, Q_HEADS, 16) and "torch" not in backend.last_ops
+    torch.testing.assert_close(out, want, atol=TOL, rtol=TOL)
+
+
 def test_sinks_delegate_to_torch() -> None:
     """xformers' kernels have no sink logit: a gpt-oss layer's forward runs on the torch backend, counted."""
     case = make_case(6, 64, scenario("decode", 64))
