@@ -1,9 +1,11 @@
 """KVPool: the block bookkeeping of a whole model, one group per attention kind.
 
-Layers that attend the same way share block ids: one group for full-attention layers and one per distinct sliding
-window (Gemma2/3, Mistral with a window). Each group has its own :class:`~pagedcore.block_manager.BlockManager` and
-:class:`~pagedcore.prefix_trie.PrefixTrie`, so a sliding group can release blocks that fell out of its window while
-the full-attention group keeps them; its :class:`~pagedcore.attention_kinds.AttentionKind` owns the rules.
+Layers that attend the same way share block ids: one group for full-attention layers, one per distinct sliding
+window (Gemma2/3, Mistral with a window), one per attention chunk (Llama 4); the framework adapter also gives layers
+of other head sizes their own group (Gemma 4's global layers). Each group has its own
+:class:`~pagedcore.block_manager.BlockManager` and :class:`~pagedcore.prefix_trie.PrefixTrie`, so a sliding group can
+release blocks that fell out of its window while the full-attention group keeps them; its
+:class:`~pagedcore.attention_kinds.AttentionKind` owns the rules.
 
 The pool is also the one place that answers whether blocks can be had (vLLM's ``KVCacheManager`` plays this part):
 :meth:`KVPool.worst_case` (how many a request needs at worst: :mod:`pagedcore.capacity`), :meth:`KVPool.shortfalls`
