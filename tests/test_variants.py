@@ -119,3 +119,33 @@ def test_engine_with_chunked_prefill_matches_stock_generate(family):
         assert out.token_ids == want.sequences[0, len(prompt) :].tolist()
         for got, expected in zip(out.samples[0].logits, want.logits):
             torch.testing.assert_close(got, expected[0].float(), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["gemma4_shared", "deepseek_v3", "gpt_oss", "llama4"])
+def test_engine_preemption_recomputes_exactly(family):
+    """A pool of 24 blocks for 8 requests: some are preempted and recomputed (their chunks and latents again)."""
+    model = reference_model(family)
+    rng = random.Random(1)
+    prefix = [rng.randrange(FIRST_TOKEN, VOCAB) for _ in range(12)]
+    prompts = [prefix * (i % 2) + [rng.randrange(FIRST_TOKEN, VOCAB) for _ in range(3 + 2 * i)] for i in range(8)]
+    with Engine(model, num_blocks=24, block_size=4, max_num_batched_tokens=64, max_num_seqs=8) as engine:
+        outputs = engine.generate(prompts, SamplingParams(max_new_tokens=12), use_tqdm=False)
+        assert engine.stats().num_preemptions > 0
+        assert engine.pool.kv.num_used_blocks == 0
+    for prompt, out in zip(prompts, outputs):
+        assert out.token_ids == reference_one(family, prompt, 12).sequences[0, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize("family", ["gemma4_shared", "deepseek_v3", "gpt_oss", "llama4"])
+@pytest.mark.parametrize("options", [{"prompt_lookup_num_tokens": 2}, {"num_beams": 3, "num_return_sequences": 2}])
+def test_beams_and_prompt_lookup_with_paged_attention(family, options):
+    """Beam search (rows reordered, forked: shared blocks) and prompt-lookup decoding (draft tokens cropped)."""
+    rng = random.Random(2)
+    prompt = [rng.randrange(FIRST_TOKEN, VOCAB) for _ in range(12)]
+    ids = torch.tensor([prompt + prompt[:5]])  # a repeat for prompt lookup to find
+    model = reference_model(family)
+    want = model.generate(ids, max_new_tokens=10, do_sample=False, cache=dynamic(model), **options)
+    cache = PagedCache(paged_model(family), num_blocks=128, block_size=4)
+    got = paged_model(family).generate(ids, max_new_tokens=10, do_sample=False, cache=cache, **options)
+    assert got.tolist() == want.tolist()
+    release_and_check(cache)
