@@ -238,3 +238,34 @@ def test_a_kv_sharing_models_cache_without_its_forward_hook_gathers_for_the_shar
     cache = PagedCache(model.config, num_blocks=64, block_size=4)
     assert_same_generation(generate(model, cache, **kwargs), want)
     release_and_check(cache)
+
+
+class _Wrapped(torch.nn.Module):
+    """A kv_b_proj behind another module, as PEFT's or a quantizer's wrappers put it."""
+
+    def __init__(self, inner: torch.nn.Linear, bias: bool = False) -> None:
+        super().__init__()
+        self.inner = inner
+        self.extra = torch.nn.Parameter(torch.full((inner.out_features,), 0.5)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.inner(x)
+        return out if self.extra is None else out + self.extra
+
+
+def test_a_wrapped_up_projection_is_absorbed_exactly_and_a_biased_one_refused():
+    eager = variant_model("deepseek_v3")
+    ids, mask = batch([0, 2], 9, seed=5)
+    kwargs = {"input_ids": ids, "attention_mask": mask, "max_new_tokens": 6, "do_sample": False}
+    want = generate(eager, dynamic(eager), **kwargs)
+    model = variant_model("deepseek_v3", attn_implementation="paged")
+    for layer in model.model.layers:
+        layer.self_attn.kv_b_proj = _Wrapped(layer.self_attn.kv_b_proj)
+    cache = PagedCache(model, num_blocks=64, block_size=4)
+    assert_same_generation(generate(model, cache, **kwargs), want)  # the map probed once per weights version
+    release_and_check(cache)
+    biased = variant_model("deepseek_v3")
+    biased.model.layers[1].self_attn.kv_b_proj = _Wrapped(biased.model.layers[1].self_attn.kv_b_proj, bias=True)
+    with pytest.raises(UnsupportedModelError, match=r"layer 1 .*bias"):
+        Engine(biased, num_blocks=16, block_size=4)
+    assert biased.config._attn_implementation == "eager"  # refused before anything changed

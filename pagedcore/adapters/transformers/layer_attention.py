@@ -30,7 +30,15 @@ from .spec import LatentLayout, LayerSpec
 if TYPE_CHECKING:
     from .pool import PagedKVPool
 
-__all__ = ["LatentProjection", "model_space", "pool_read", "retemper", "sinks_of", "temperature"]
+__all__ = [
+    "LatentProjection",
+    "check_paged_attention",
+    "model_space",
+    "pool_read",
+    "retemper",
+    "sinks_of",
+    "temperature",
+]
 
 _PROJECTIONS: weakref.WeakKeyDictionary[torch.nn.Module, tuple[Any, torch.Tensor]] = weakref.WeakKeyDictionary()
 
@@ -93,6 +101,15 @@ class LatentProjection:
         return torch.einsum("...hr,hvr->...hv", out, self.w_uv.to(out.dtype))
 
 
+def _has_bias(linear: torch.nn.Module, rank: int) -> bool:
+    """Whether ``linear`` maps the zero latent to anything but zero (a bias, wherever a wrapper keeps it)."""
+    like = next(linear.parameters(), None)
+    dtype = like.dtype if like is not None and like.is_floating_point() else torch.float32
+    device = like.device if like is not None else torch.device("cpu")
+    with torch.no_grad():
+        return bool(linear(torch.zeros(1, rank, dtype=dtype, device=device)).abs().max() != 0)
+
+
 def _up_projection(module: torch.nn.Module, latent: LatentLayout) -> torch.Tensor:
     """``kv_b_proj``'s matrix ``(heads * (nope + v), rank)``: a plain ``nn.Linear``'s weight, else (a PEFT or
     quantized wrapper) the map probed once per change of its parameters. A projection with a bias is refused."""
@@ -111,15 +128,46 @@ def _up_projection(module: torch.nn.Module, latent: LatentLayout) -> torch.Tenso
         return cached[1]
     like = params[0] if params else torch.empty(0)
     dtype = like.dtype if like.is_floating_point() else torch.float32
+    if _has_bias(linear, latent.kv_lora_rank):
+        raise UnsupportedModelError(
+            f"{type(module).__name__}'s kv_b_proj has a bias: paged attention cannot absorb it into the latent"
+        )
     with torch.no_grad():
         eye = torch.eye(latent.kv_lora_rank, dtype=dtype, device=like.device)
-        if linear(eye[:1] * 0).abs().max() != 0:
-            raise UnsupportedModelError(
-                f"{type(module).__name__}'s kv_b_proj has a bias: paged attention cannot absorb it into the latent"
-            )
         matrix = linear(eye).transpose(0, 1).contiguous()
     _PROJECTIONS[linear] = (fingerprint, matrix)
     return matrix
+
+
+def check_paged_attention(model: torch.nn.Module, layers: tuple[LayerSpec, ...]) -> None:
+    """Raise :class:`~pagedcore.errors.UnsupportedModelError`, before any request, for a layer whose module paged
+    attention cannot serve as its description says: an MLA layer without ``kv_b_proj`` / ``expand_kv``, or whose
+    ``kv_b_proj`` has a bias (it cannot be absorbed into the latent). The Engine asks when it is built.
+
+    Example:
+        >>> from pagedcore.adapters.transformers.testing import tiny_llama
+        >>> from pagedcore.adapters.transformers.spec import ModelKVSpec
+        >>> model = tiny_llama()
+        >>> check_paged_attention(model, ModelKVSpec.from_model(model).layers)   # nothing to refuse
+    """
+    for module in model.modules():
+        index = getattr(module, "layer_idx", None)
+        latent = layers[index].latent if isinstance(index, int) and 0 <= index < len(layers) else None
+        if latent is None:
+            continue
+        linear = getattr(module, "kv_b_proj", None)
+        if not hasattr(module, "expand_kv") and not isinstance(linear, torch.nn.Module):
+            continue  # the decoder layer, not its attention
+        if not hasattr(module, "expand_kv") or not isinstance(linear, torch.nn.Module):
+            raise UnsupportedModelError(
+                f"layer {index} ({type(module).__name__}) caches MLA latents but has no kv_b_proj and expand_kv: "
+                "paged attention cannot attend in its latent space"
+            )
+        if _has_bias(linear, latent.kv_lora_rank):
+            raise UnsupportedModelError(
+                f"layer {index} ({type(module).__name__}): its kv_b_proj has a bias, which paged attention cannot "
+                "absorb into the latent; use PagedCache with the model's own attention"
+            )
 
 
 def sinks_of(layer: LayerSpec, kwargs: dict[str, Any]) -> torch.Tensor | None:
