@@ -264,6 +264,13 @@ def test_a_wrapped_up_projection_is_absorbed_exactly_and_a_biased_one_refused():
     cache = PagedCache(model, num_blocks=64, block_size=4)
     assert_same_generation(generate(model, cache, **kwargs), want)  # the map probed once per weights version
     release_and_check(cache)
+    with torch.no_grad():  # an update of the wrapped weights: probed again
+        for a, b in zip(eager.model.layers, model.model.layers):
+            a.self_attn.kv_b_proj.weight.mul_(1.5)
+            b.self_attn.kv_b_proj.inner.weight.mul_(1.5)
+    cache = PagedCache(model, num_blocks=64, block_size=4)
+    assert_same_generation(generate(model, cache, **kwargs), generate(eager, dynamic(eager), **kwargs))
+    release_and_check(cache)
     biased = variant_model("deepseek_v3")
     biased.model.layers[1].self_attn.kv_b_proj = _Wrapped(biased.model.layers[1].self_attn.kv_b_proj, bias=True)
     with pytest.raises(UnsupportedModelError, match=r"layer 1 .*bias"):

@@ -26,6 +26,7 @@ import torch
 from pagedcore.errors import UnsupportedModelError
 
 from .spec import LatentLayout, LayerSpec
+from .weights import WeightsWatch
 
 if TYPE_CHECKING:
     from .pool import PagedKVPool
@@ -40,7 +41,11 @@ __all__ = [
     "temperature",
 ]
 
-_PROJECTIONS: weakref.WeakKeyDictionary[torch.nn.Module, tuple[Any, torch.Tensor]] = weakref.WeakKeyDictionary()
+# A wrapped kv_b_proj's probed matrix, with the watch over its weights (PEFT adapters switched or merged included)
+# and the watch's epoch it was probed in.
+_PROJECTIONS: weakref.WeakKeyDictionary[torch.nn.Module, tuple[WeightsWatch, int, torch.Tensor]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def pool_read(pool: PagedKVPool, layer_idx: int) -> tuple[int, torch.Tensor, torch.Tensor]:
@@ -112,7 +117,8 @@ def _has_bias(linear: torch.nn.Module, rank: int) -> bool:
 
 def _up_projection(module: torch.nn.Module, latent: LatentLayout) -> torch.Tensor:
     """``kv_b_proj``'s matrix ``(heads * (nope + v), rank)``: a plain ``nn.Linear``'s weight, else (a PEFT or
-    quantized wrapper) the map probed once per change of its parameters. A projection with a bias is refused."""
+    quantized wrapper) the map probed again whenever its weights moved (:class:`~.weights.WeightsWatch`: versions,
+    replaced tensors, PEFT adapters switched, merged or disabled). A projection with a bias is refused."""
     linear = getattr(module, "kv_b_proj", None)
     if not isinstance(linear, torch.nn.Module):
         raise UnsupportedModelError(
@@ -121,12 +127,15 @@ def _up_projection(module: torch.nn.Module, latent: LatentLayout) -> torch.Tenso
         )
     if type(linear) is torch.nn.Linear and linear.bias is None:
         return linear.weight
-    params = list(linear.parameters())
-    fingerprint = tuple((p.data_ptr(), p._version) for p in params)  # noqa: SLF001
     cached = _PROJECTIONS.get(linear)
-    if cached is not None and cached[0] == fingerprint:
-        return cached[1]
-    like = params[0] if params else torch.empty(0)
+    if cached is not None:
+        watch, epoch, matrix = cached
+        watch.check()
+        if watch.epoch == epoch:
+            return matrix
+    else:
+        watch = WeightsWatch(linear)
+    like = next(linear.parameters(), torch.empty(0))
     dtype = like.dtype if like.is_floating_point() else torch.float32
     if _has_bias(linear, latent.kv_lora_rank):
         raise UnsupportedModelError(
@@ -135,7 +144,7 @@ def _up_projection(module: torch.nn.Module, latent: LatentLayout) -> torch.Tenso
     with torch.no_grad():
         eye = torch.eye(latent.kv_lora_rank, dtype=dtype, device=like.device)
         matrix = linear(eye).transpose(0, 1).contiguous()
-    _PROJECTIONS[linear] = (fingerprint, matrix)
+    _PROJECTIONS[linear] = (watch, watch.epoch, matrix)
     return matrix
 
 
