@@ -325,8 +325,9 @@ def _over_pool(
             f"layer {layer_idx} attends with a window of {sliding_window} tokens but its KV group was built for "
             f"{meta.sliding_window}"
         )
-    projection = None if layer.latent is None else LatentProjection(module, layer.latent)  # a shared layer's = its
-    # source's: it is described with its own sizes, which KV sharing requires to be the source's
+    # An MLA layer attends in its latent space (a KV-shared one would read its source's latents with its own
+    # up-projection, described with the sizes KV sharing requires to be the source's).
+    projection = None if layer.latent is None else LatentProjection(module, layer.latent)
     if projection is not None:
         query = projection.query(query)
     query = retemper(query, layer, ctx.positions)
