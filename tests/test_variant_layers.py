@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from paged_checks import ATOL, assert_same_generation, batch, dynamic, generate, release_and_check
-from transformers import AutoConfig
+from transformers import AutoConfig, AutoModelForCausalLM
 from variant_models import CHUNK, WINDOW, variant_config, variant_model
 
 from pagedcore import UnsupportedModelError
@@ -276,3 +276,52 @@ def test_a_wrapped_up_projection_is_absorbed_exactly_and_a_biased_one_refused():
     with pytest.raises(UnsupportedModelError, match=r"layer 1 .*bias"):
         Engine(biased, num_blocks=16, block_size=4)
     assert biased.config._attn_implementation == "eager"  # refused before anything changed
+
+
+_MLA_FAMILIES = {
+    "minicpm3": {},
+    "glm4_moe_lite": {"moe_intermediate_size": 32, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 1,
+                      "topk_group": 1, "first_k_dense_replace": 1},
+    "youtu": {},
+    "axk1": {"moe_intermediate_size": 32, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 1,
+             "topk_group": 1, "first_k_dense_replace": 1},
+    "sarvam_mla": {"moe_intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2, "n_group": 1,
+                   "topk_group": 1, "first_k_dense_replace": 1},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "model_type",
+    [t if t in ("minicpm3", "glm4_moe_lite") else pytest.param(t, marks=pytest.mark.slow) for t in _MLA_FAMILIES],
+)
+def test_other_mla_families_are_exact_with_paged_attention(model_type):
+    """The latent attention is checked against each module's own expand_kv (verify_latent), so MLA families beyond
+    DeepSeek's are served exactly too."""
+    fields = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 4, "kv_lora_rank": 16, "q_lora_rank": 32,
+              "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16, "initializer_range": 0.3,
+              "max_position_embeddings": 512, "tie_word_embeddings": False, **_MLA_FAMILIES[model_type]}  # fmt: skip
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **fields), attn_implementation="eager")
+    model.eval()
+    model.generation_config.eos_token_id = None
+    ids, mask = batch([0, 3], 12, seed=6)
+    kwargs = {"input_ids": ids, "attention_mask": mask, "max_new_tokens": 8, "do_sample": False, "pad_token_id": 0}
+    want = generate(model, dynamic(model), **kwargs)
+    model.set_attn_implementation("paged")
+    cache = PagedCache(model, num_blocks=64, block_size=4)
+    assert_same_generation(generate(model, cache, **kwargs), want)
+    release_and_check(cache)
+    model.set_attn_implementation("eager")
+    with Engine(model, num_blocks=64, block_size=4, max_num_batched_tokens=8) as engine:
+        out = engine.generate([ids[0].tolist()], SamplingParams(max_new_tokens=8), use_tqdm=False)[0]
+    assert out.token_ids == want.sequences[0, 12:].tolist()
+
+
+def test_an_mla_module_whose_expansion_differs_is_refused():
+    model = variant_model("deepseek_v3")
+    attention = model.model.layers[0].self_attn
+    original = attention.expand_kv
+    attention.expand_kv = lambda latent, rope: original(latent * 2, rope)  # not what its kv_b_proj stands for
+    with pytest.raises(UnsupportedModelError, match="expand_kv does not compute"):
+        Engine(model, num_blocks=16, block_size=4)

@@ -29,7 +29,7 @@ from pagedcore.attention import PagedAttentionMetadata, eager_attention, to_devi
 from pagedcore.attention_kinds import AttentionKind
 from pagedcore.errors import UnsupportedModelError
 
-from .layer_attention import LatentProjection, model_space, pool_read, retemper, sinks_of
+from .layer_attention import LatentProjection, model_space, pool_read, retemper, sinks_of, verify_latent
 
 if TYPE_CHECKING:
     from .pool import PagedKVPool
@@ -327,7 +327,10 @@ def _over_pool(
         )
     # An MLA layer attends in its latent space (a KV-shared one would read its source's latents with its own
     # up-projection, described with the sizes KV sharing requires to be the source's).
-    projection = None if layer.latent is None else LatentProjection(module, layer.latent)
+    projection = None
+    if layer.latent is not None:
+        verify_latent(module, layer.latent)  # once per module: its expand_kv is what the latent attention stands for
+        projection = LatentProjection(module, layer.latent)
     if projection is not None:
         query = projection.query(query)
     query = retemper(query, layer, ctx.positions)

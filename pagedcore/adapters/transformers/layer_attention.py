@@ -39,6 +39,7 @@ __all__ = [
     "retemper",
     "sinks_of",
     "temperature",
+    "verify_latent",
 ]
 
 # A wrapped kv_b_proj's probed matrix, with the watch over its weights (PEFT adapters switched or merged included)
@@ -95,6 +96,14 @@ class LatentProjection:
         self.w_uk = weight[:, : latent.nope_dim]  # (heads, nope, rank)
         self.w_uv = weight[:, latent.nope_dim :]  # (heads, v, rank)
 
+    def expand(self, latent: torch.Tensor, rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The per-head keys ``[c @ W_UK^T | k_rope]`` and values ``c @ W_UV^T`` of latents ``(batch, 1, tokens,
+        rank)`` and rotary keys ``(batch, 1, tokens, rope)``: what this projection takes a module's ``expand_kv``
+        to compute (:func:`verify_latent` checks that it does)."""
+        nope = torch.einsum("bxtr,hnr->bhtn", latent, self.w_uk.to(latent.dtype))
+        keys = torch.cat([nope, rope.expand(-1, nope.shape[1], -1, -1)], dim=-1)
+        return keys, torch.einsum("bxtr,hvr->bhtv", latent, self.w_uv.to(latent.dtype))
+
     def query(self, query: torch.Tensor) -> torch.Tensor:
         """``(batch, heads, q, nope + rope)`` -> ``(batch, heads, q, rank + rope)``: ``[q_nope @ W_UK | q_rope]``."""
         nope = self.latent.nope_dim
@@ -148,10 +157,56 @@ def _up_projection(module: torch.nn.Module, latent: LatentLayout) -> torch.Tenso
     return matrix
 
 
+_VERIFIED: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+
+
+def verify_latent(module: torch.nn.Module, latent: LatentLayout) -> None:
+    """Check, once per module, that its ``expand_kv`` computes the per-head keys and values attention in the latent
+    space stands for (:meth:`LatentProjection.expand`) on random latents: then the absorbed attention is the model's
+    own, whatever MLA family the module is (DeepSeek, Kimi, GLM, LongCat, MiniCPM3, Mistral 4...). Raises
+    :class:`~pagedcore.errors.UnsupportedModelError` naming the module when it does not.
+
+    Example:
+        >>> from pagedcore.adapters.transformers.spec import LatentLayout
+        >>> layout = LatentLayout(kv_lora_rank=4, rope_dim=2, num_heads=2, nope_dim=3, v_head_dim=5)
+        >>> module = torch.nn.Module()
+        >>> module.kv_b_proj = torch.nn.Linear(4, 2 * (3 + 5), bias=False)
+        >>> module.expand_kv = lambda c, rope: LatentProjection(module, layout).expand(c, rope)
+        >>> verify_latent(module, layout)   # its own expansion: nothing to refuse
+        >>> module.expand_kv = lambda c, rope: LatentProjection(module, layout).expand(2 * c, rope)
+        >>> verify_latent(module, layout)
+        Traceback (most recent call last):
+        ...
+        pagedcore.errors.UnsupportedModelError: Module's expand_kv does not compute the keys and values of its ...
+    """
+    if module in _VERIFIED:
+        return
+    expand = getattr(module, "expand_kv", None)
+    if expand is None:
+        raise UnsupportedModelError(f"{type(module).__name__} caches MLA latents but has no expand_kv")
+    projection = LatentProjection(module, latent)
+    like = projection.w_uk
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    c = torch.randn(1, 1, 3, latent.kv_lora_rank, generator=generator).to(like.device, like.dtype)
+    rope = torch.randn(1, 1, 3, latent.rope_dim, generator=generator).to(like.device, like.dtype)
+    with torch.no_grad():
+        got = expand(c, rope)
+        want = projection.expand(c, rope)
+    if not all(g.shape == w.shape and torch.allclose(g.float(), w.float(), rtol=1e-2, atol=1e-3 * float(w.abs().max()))
+               for g, w in zip(got, want)):  # fmt: skip
+        raise UnsupportedModelError(
+            f"{type(module).__name__}'s expand_kv does not compute the keys and values of its kv_b_proj as "
+            "DeepSeek's MLA does ([c @ W_UK | k_rope], c @ W_UV per head): paged attention cannot attend in its "
+            "latent space; use PagedCache with the model's own attention"
+        )
+    _VERIFIED.add(module)
+
+
 def check_paged_attention(model: torch.nn.Module, layers: tuple[LayerSpec, ...]) -> None:
     """Raise :class:`~pagedcore.errors.UnsupportedModelError`, before any request, for a layer whose module paged
-    attention cannot serve as its description says: an MLA layer without ``kv_b_proj`` / ``expand_kv``, or whose
-    ``kv_b_proj`` has a bias (it cannot be absorbed into the latent). The Engine asks when it is built.
+    attention cannot serve as its description says: an MLA layer without ``kv_b_proj`` / ``expand_kv``, whose
+    ``kv_b_proj`` has a bias (it cannot be absorbed into the latent), or whose ``expand_kv`` is not the expansion
+    the latent attention stands for (:func:`verify_latent`). The Engine asks when it is built.
 
     Example:
         >>> from pagedcore.adapters.transformers.testing import tiny_llama
@@ -177,6 +232,7 @@ def check_paged_attention(model: torch.nn.Module, layers: tuple[LayerSpec, ...])
                 f"layer {index} ({type(module).__name__}): its kv_b_proj has a bias, which paged attention cannot "
                 "absorb into the latent; use PagedCache with the model's own attention"
             )
+        verify_latent(module, latent)
 
 
 def sinks_of(layer: LayerSpec, kwargs: dict[str, Any]) -> torch.Tensor | None:
