@@ -173,8 +173,10 @@ def verify_latent(module: torch.nn.Module, latent: LatentLayout) -> None:
         >>> module.kv_b_proj = torch.nn.Linear(4, 2 * (3 + 5), bias=False)
         >>> module.expand_kv = lambda c, rope: LatentProjection(module, layout).expand(c, rope)
         >>> verify_latent(module, layout)   # its own expansion: nothing to refuse
-        >>> module.expand_kv = lambda c, rope: LatentProjection(module, layout).expand(2 * c, rope)
-        >>> verify_latent(module, layout)
+        >>> other = torch.nn.Module()
+        >>> other.kv_b_proj = module.kv_b_proj
+        >>> other.expand_kv = lambda c, rope: LatentProjection(other, layout).expand(2 * c, rope)
+        >>> verify_latent(other, layout)
         Traceback (most recent call last):
         ...
         pagedcore.errors.UnsupportedModelError: Module's expand_kv does not compute the keys and values of its ...
