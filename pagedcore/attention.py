@@ -133,10 +133,12 @@ class PagedAttentionMetadata:
         block_tables: ``int32 (num_seqs, max_blocks)``: physical block of logical block ``block_offsets[i] + j``,
             padded with ``pad_block``.
         slot_mapping: ``int64 (num_tokens,)``: the slot each new token's key and value are written to.
-        sliding_window: the group's window, or None for full attention.
+        sliding_window: the group's window, or None for full (or chunked) attention.
         pad_block: the zero block used for padding.
         host_block_tables: the CPU copy of ``block_tables`` when they live on another device (set by :meth:`to`), so
             that backends derive per-step tensors on the host; None when ``block_tables`` are on the CPU.
+        group_kind: the group's attention kind when it is not given by the window alone (chunked attention); see
+            :attr:`kind`.
 
     Example:
         >>> meta = PagedAttentionMetadata.build(
@@ -156,6 +158,7 @@ class PagedAttentionMetadata:
     pad_block: int
     backend_state: dict[Any, Any] = field(default_factory=dict, repr=False)
     host_block_tables: torch.Tensor | None = field(default=None, repr=False)
+    group_kind: AttentionKind | None = None
 
     @classmethod
     def build(
@@ -170,8 +173,10 @@ class PagedAttentionMetadata:
         sliding_window: int | None,
         pad_block: int,
         device: torch.device | str = "cpu",
+        kind: AttentionKind | None = None,
     ) -> PagedAttentionMetadata:
-        """Metadata from plain lists (one entry per sequence); the tables are padded by :func:`stack_block_tables`."""
+        """Metadata from plain lists (one entry per sequence); the tables are padded by :func:`stack_block_tables`.
+        ``kind``: the group's attention kind when the window alone does not say it (chunked attention)."""
         flat_slots = [s for row in slots for s in row]
         return cls(
             block_size=block_size,
@@ -182,6 +187,7 @@ class PagedAttentionMetadata:
             slot_mapping=torch.tensor(flat_slots, dtype=torch.int64, device=device),
             sliding_window=sliding_window,
             pad_block=pad_block,
+            group_kind=kind,
         )
 
     @property
@@ -194,7 +200,7 @@ class PagedAttentionMetadata:
             >>> meta.kind.first_visible(8)
             5
         """
-        return attention_kind(self.sliding_window)
+        return self.group_kind if self.group_kind is not None else attention_kind(self.sliding_window)
 
     @property
     def num_seqs(self) -> int:
@@ -241,6 +247,7 @@ class PagedAttentionMetadata:
                 self.sliding_window,
                 self.pad_block,
                 host_block_tables=self.host_tables,
+                group_kind=self.group_kind,
             )
             self.backend_state[key] = moved
         return moved
@@ -268,9 +275,12 @@ class AttentionBackend(Protocol):
         *,
         scale: float,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attention of packed ``query (num_tokens, q_heads, head_dim)`` over the pool; returns
-        ``(num_tokens, q_heads, v_head_dim)``. The new tokens' keys and values are already written."""
+        ``(num_tokens, q_heads, v_head_dim)``. The new tokens' keys and values are already written. ``sinks``
+        ``(q_heads,)``: a learned logit per head in every query's softmax denominator (gpt-oss), or None. A
+        backend written before sinks existed is called without the keyword when a layer has none."""
         ...
 
 
@@ -335,17 +345,23 @@ def eager_attention(
     *,
     scale: float,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention computed step by step (for what SDPA cannot do: logit softcapping, as Gemma2 needs).
+    """Attention computed step by step (for what SDPA cannot do: logit softcapping, as Gemma2 needs; attention
+    sinks, as gpt-oss has).
 
     ``query (..., q_heads, q_len, d)``, ``key``/``value (..., kv_heads, k_len, d)`` (GQA expanded here); ``mask``
-    broadcasts to the scores: boolean (True = attend) or additive, None = every query sees every key. Returns
-    ``(..., q_heads, q_len, dv)``.
+    broadcasts to the scores: boolean (True = attend) or additive, None = every query sees every key. ``sinks``
+    ``(q_heads,)``: a logit per head that joins every query's softmax with a zero value (the weights then sum to
+    less than one). Returns ``(..., q_heads, q_len, dv)``.
 
     Example:
         >>> q, k, v = torch.randn(1, 4, 2, 8), torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8)
         >>> eager_attention(q, k, v, None, scale=8 ** -0.5, softcap=30.0).shape
         torch.Size([1, 4, 2, 8])
+        >>> quiet = eager_attention(q, k, v, None, scale=8 ** -0.5, sinks=torch.full((4,), 50.0))
+        >>> bool(quiet.abs().max() < 1e-6)   # a sink far above every score takes all the weight
+        True
     """
     groups = query.shape[-3] // key.shape[-3]
     if groups > 1:
@@ -358,5 +374,11 @@ def eager_attention(
         scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
     elif mask is not None:
         scores = scores + mask
+    if sinks is not None:
+        column = sinks.to(scores.dtype).reshape(-1, 1, 1).expand(*scores.shape[:-1], 1)
+        scores = torch.cat([scores, column], dim=-1)
+        scores = scores - scores.amax(dim=-1, keepdim=True)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32)[..., :-1].to(query.dtype)
+        return torch.matmul(probs, value)
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
     return torch.matmul(probs, value)

@@ -3,13 +3,17 @@
 A KV group (:class:`~pagedcore.kv_pool.KVGroup`) holds the kind of its layers, and everything that needs a rule of
 that kind asks it: which keys a query sees (the attention backends), which blocks may be given back (the block
 tables), how many blocks a request can need at worst (admission), whether a sequence can be cut back (``crop``), and
-the mask sizes transformers expects (the cache). Two kinds exist:
+the mask sizes transformers expects (the cache). Three kinds exist:
 
 - :class:`FullAttention`: a query at position ``p`` sees every key at ``0 .. p``;
 - :class:`SlidingWindow`: a query at ``p`` sees the keys at ``p - window + 1 .. p`` (transformers' convention: the
-  window counts the query's own key), so blocks wholly before the window of every later query can be released.
+  window counts the query's own key), so blocks wholly before the window of every later query can be released;
+- :class:`ChunkedAttention` (Llama 4's local layers): the positions are cut into chunks of ``chunk`` tokens and a
+  query sees only the keys of its own chunk up to itself, so a finished chunk's blocks are given back as soon as the
+  next chunk starts.
 
-A new kind (chunked attention, say) is one more subclass of :class:`AttentionKind` here, plus its backend masks.
+A new kind is one more subclass of :class:`AttentionKind` here (the backends' masks come from its
+:meth:`~AttentionKind.sees`).
 
 Example:
     >>> window = SlidingWindow(4)
@@ -19,6 +23,8 @@ Example:
     (True, False)
     >>> attention_kind(None), attention_kind(4)
     (FullAttention(), SlidingWindow(window=4))
+    >>> ChunkedAttention(8).first_visible(10), ChunkedAttention(8).sees(10, 7)
+    (8, False)
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ from typing import Any, TypeVar
 from pagedcore.errors import ConfigError
 from pagedcore.validation import integer
 
-__all__ = ["AttentionKind", "FullAttention", "SlidingWindow", "attention_kind"]
+__all__ = ["AttentionKind", "ChunkedAttention", "FullAttention", "SlidingWindow", "attention_kind"]
 
 _P = TypeVar("_P")
 
@@ -55,8 +61,16 @@ class AttentionKind(ABC):
 
     @property
     def is_sliding(self) -> bool:
-        """Whether queries see only a window of the keys before them."""
+        """Whether queries see only a bounded span of the keys before them (a window, a chunk), so that blocks no
+        later query sees are given back (transformers' ``is_sliding`` of such a cache layer)."""
         return self.sliding_window is not None
+
+    @property
+    def is_relative(self) -> bool:
+        """Whether which keys a query sees depends only on their distance to it (full attention, a window), not on
+        where the sequence's first position is (chunks): a sequence stored with leading padding then needs no
+        care."""
+        return True
 
     @abstractmethod
     def first_visible(self, position: int) -> int:
@@ -218,14 +232,103 @@ class SlidingWindow(AttentionKind):
         return key_position + self.window - 1
 
 
+@dataclass(frozen=True)
+class ChunkedAttention(AttentionKind):
+    """Positions are cut into chunks of ``chunk`` tokens (``0 .. chunk - 1``, ``chunk .. 2 * chunk - 1``, ...) and a
+    query sees the keys of its own chunk up to itself (Llama 4's chunked layers, transformers' ``chunked_attention``).
+    Positions count from the sequence's first token (its left padding excluded, as transformers' chunked mask does).
+
+    The blocks before a query's chunk are given back when the chunk starts. The mask sizes are those of
+    transformers' cache layer for these layers (a sliding window of ``chunk`` tokens: the keys any query of any
+    chunk alignment may need); positions of it that were given back read as zeros, which the chunked mask hides.
+
+    Args:
+        chunk: the chunk size in tokens, a positive integer.
+
+    Example:
+        >>> kind = ChunkedAttention(4)
+        >>> kind.first_visible(9), kind.last_query_seeing(9), kind.sees(9, 8), kind.sees(9, 7)
+        (8, 11, True, False)
+        >>> kind.mask_sizes(10, 1), kind.first_needed_block(9, block_size=2), kind.is_sliding
+        ((4, 7), 4, True)
+    """
+
+    chunk: int
+
+    def __post_init__(self) -> None:
+        checked = integer(
+            "attention chunk size", self.chunk, minimum=1, error=ConfigError, expected="a positive integer"
+        )
+        object.__setattr__(self, "chunk", checked)
+
+    @property
+    def sliding_window(self) -> None:
+        """None: not a sliding window (see :attr:`is_sliding`)."""
+        return None
+
+    @property
+    def is_sliding(self) -> bool:
+        """True: a finished chunk's blocks are given back."""
+        return True
+
+    @property
+    def is_relative(self) -> bool:
+        """False: chunks are counted from the sequence's first position."""
+        return False
+
+    @property
+    def max_cache_length(self) -> int:
+        """``chunk``, as transformers' cache layer for these layers reports."""
+        return self.chunk
+
+    def first_visible(self, position: int) -> int:
+        """The first position of the query's chunk."""
+        return position - position % self.chunk
+
+    def sees(self, query_position: Any, key_position: Any) -> Any:
+        """Causal and in the same chunk."""
+        return (key_position <= query_position) & (key_position // self.chunk == query_position // self.chunk)
+
+    def last_query_seeing(self, key_position: int) -> int:
+        """The last position of the key's chunk."""
+        return key_position - key_position % self.chunk + self.chunk - 1
+
+    def mask_sizes(self, past: int, query_length: int) -> tuple[int, int]:
+        """A sliding window of ``chunk`` tokens' sizes (transformers' ``DynamicSlidingWindowLayer``)."""
+        offset = max(0, past - self.chunk + 1)
+        return past - offset + query_length, offset
+
+    def max_blocks(self, num_tokens: int, block_size: int, *, chunk: int | None = None, start: int = 0) -> int:
+        """As :meth:`AttentionKind.max_blocks`; within one attention chunk a later step holds more, so besides the
+        last full-size steps the candidates are each chunk's last start (for the chunk boundaries whose alignment to
+        the blocks differs: at most ``block_size`` of them)."""
+        if num_tokens <= start:
+            return 0
+        span = num_tokens - start if chunk is None else min(chunk, num_tokens - start)
+        full_end = num_tokens - span
+        starts = set(range(max(start, full_end - block_size + 1), full_end + 1))
+        if full_end + 1 <= num_tokens - 1:
+            starts.add(full_end + 1)
+        boundary = full_end - full_end % self.chunk
+        for _ in range(block_size):
+            if boundary - 1 < start:
+                break
+            starts.add(boundary - 1)
+            boundary -= self.chunk
+        return max(self.blocks_held(c, min(span, num_tokens - c), block_size) for c in starts)
+
+
 _FULL = FullAttention()
 
 
-def attention_kind(sliding_window: int | None) -> AttentionKind:
-    """The kind of layers with this window (None: full attention). Raises ``ConfigError`` for a bad window.
+def attention_kind(sliding_window: int | AttentionKind | None) -> AttentionKind:
+    """The kind of layers with this window (None: full attention), or the kind itself when given one. Raises
+    ``ConfigError`` for a bad window.
 
     Example:
-        >>> attention_kind(4096).sliding_window, attention_kind(None).is_sliding
-        (4096, False)
+        >>> attention_kind(4096).sliding_window, attention_kind(None).is_sliding, attention_kind(ChunkedAttention(8))
+        (4096, False, ChunkedAttention(chunk=8))
     """
+    if isinstance(sliding_window, AttentionKind):
+        return sliding_window
     return _FULL if sliding_window is None else SlidingWindow(sliding_window)

@@ -1,9 +1,11 @@
 """KVPool: the block bookkeeping of a whole model, one group per attention kind.
 
-Layers that attend the same way share block ids: one group for full-attention layers and one per distinct sliding
-window (Gemma2/3, Mistral with a window). Each group has its own :class:`~pagedcore.block_manager.BlockManager` and
-:class:`~pagedcore.prefix_trie.PrefixTrie`, so a sliding group can release blocks that fell out of its window while
-the full-attention group keeps them; its :class:`~pagedcore.attention_kinds.AttentionKind` owns the rules.
+Layers that attend the same way share block ids: one group for full-attention layers, one per distinct sliding
+window (Gemma2/3, Mistral with a window), one per attention chunk (Llama 4); the framework adapter also gives layers
+of other head sizes their own group (Gemma 4's global layers). Each group has its own
+:class:`~pagedcore.block_manager.BlockManager` and :class:`~pagedcore.prefix_trie.PrefixTrie`, so a sliding group can
+release blocks that fell out of its window while the full-attention group keeps them; its
+:class:`~pagedcore.attention_kinds.AttentionKind` owns the rules.
 
 The pool is also the one place that answers whether blocks can be had (vLLM's ``KVCacheManager`` plays this part):
 :meth:`KVPool.worst_case` (how many a request needs at worst: :mod:`pagedcore.capacity`), :meth:`KVPool.shortfalls`
@@ -61,7 +63,8 @@ class KVGroup:
 
     Attributes:
         index: position in ``KVPool.groups``.
-        kind: how its layers attend (:class:`~pagedcore.attention_kinds.FullAttention` or ``SlidingWindow``).
+        kind: how its layers attend (:class:`~pagedcore.attention_kinds.FullAttention`, ``SlidingWindow`` or
+            ``ChunkedAttention``).
         block_manager: the group's blocks.
         trie: the group's prefix cache.
 
@@ -128,7 +131,8 @@ class KVPool:
     Args:
         num_blocks: blocks per group.
         block_size: tokens per block, the same in every group.
-        sliding_windows: one entry per group: None for full attention, else the window in tokens.
+        sliding_windows: one entry per group: None for full attention, the window in tokens, or the group's
+            :class:`~pagedcore.attention_kinds.AttentionKind` (``ChunkedAttention(8192)``, say).
         eviction_policy: builds a policy per group (called once per group); LRU by default.
         on_evict: ``on_evict(group_index, block_ids)`` after blocks were evicted from a group's cache.
 
@@ -144,12 +148,12 @@ class KVPool:
         self,
         num_blocks: int,
         block_size: int,
-        sliding_windows: Sequence[int | None] = (None,),
+        sliding_windows: Sequence[int | AttentionKind | None] = (None,),
         *,
         eviction_policy: Callable[[], EvictionPolicy] | None = None,
         on_evict: Callable[[int, list[int]], None] | None = None,
     ) -> None:
-        kinds = [attention_kind(window) for window in sliding_windows]  # ConfigError for a bad window
+        kinds = [attention_kind(window) for window in sliding_windows]  # ConfigError for a bad window or chunk
         if not kinds:
             raise ConfigError("sliding_windows: a pool needs at least one group")
         groups = []

@@ -7,9 +7,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pagedcore import ConfigError
-from pagedcore.attention_kinds import FullAttention, SlidingWindow, attention_kind
+from pagedcore.attention_kinds import ChunkedAttention, FullAttention, SlidingWindow, attention_kind
 
-KINDS = st.one_of(st.just(FullAttention()), st.integers(1, 12).map(SlidingWindow))
+KINDS = st.one_of(
+    st.just(FullAttention()), st.integers(1, 12).map(SlidingWindow), st.integers(1, 12).map(ChunkedAttention)
+)
 
 
 @given(kind=KINDS, query=st.integers(0, 40), key=st.integers(0, 40))
@@ -23,7 +25,10 @@ def test_sees_first_visible_and_last_query_seeing_agree(kind, query, key):
 @given(kind=KINDS, past=st.integers(0, 40), query_length=st.integers(1, 8))
 def test_mask_sizes_cover_exactly_the_keys_the_first_query_sees_on(kind, past, query_length):
     kv_length, kv_offset = kind.mask_sizes(past, query_length)
-    assert kv_offset == kind.first_visible(past)  # the first new query's first key
+    if isinstance(kind, ChunkedAttention):  # transformers' sizes for it: a window of `chunk`, whatever the alignment
+        assert kv_offset == max(0, past - kind.chunk + 1) <= kind.first_visible(past)
+    else:
+        assert kv_offset == kind.first_visible(past)  # the first new query's first key
     assert kv_offset + kv_length == past + query_length  # up to the last new key
 
 
@@ -74,3 +79,25 @@ def test_full_attention_keeps_everything():
 def test_a_bad_window_is_a_config_error(window):
     with pytest.raises(ConfigError, match="sliding window"):
         SlidingWindow(window)
+
+
+@given(chunk=st.integers(1, 12), query=st.integers(0, 60), key=st.integers(0, 60))
+def test_a_chunked_query_sees_its_own_chunk_only(chunk, query, key):
+    kind = ChunkedAttention(chunk)
+    assert bool(kind.sees(query, key)) == (key <= query and key // chunk == query // chunk)
+    # the keys any query may see are within transformers' window of `chunk` tokens: the mask sizes cover them
+    assert kind.first_visible(query) >= query - chunk + 1
+
+
+def test_chunked_attention_gives_finished_chunks_back():
+    kind = ChunkedAttention(8)
+    assert kind.is_sliding and kind.sliding_window is None and kind.max_cache_length == 8
+    assert kind.first_needed_block(16, 4) == 4  # a query at 16 starts chunk 2: blocks 0-3 (positions 0-15) go
+    assert kind.first_needed_block(15, 4) == 2
+    assert kind.max_blocks(1000, 4, chunk=1) == 2 and attention_kind(kind) is kind
+
+
+@pytest.mark.parametrize("chunk", [0, -1, 1.5, None])
+def test_a_bad_chunk_size_is_a_config_error(chunk):
+    with pytest.raises(ConfigError, match="chunk size"):
+        ChunkedAttention(chunk)

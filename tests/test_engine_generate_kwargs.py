@@ -151,6 +151,18 @@ def test_neutral_values_of_unsupported_options_are_accepted(model):
     assert out.error is None and len(out.token_ids) == 2
 
 
+@pytest.mark.parametrize("name", ["suppress_tokens", "begin_suppress_tokens", "bad_words_ids"])
+def test_an_empty_token_list_is_neutral_and_a_full_one_refused(model, name):
+    """``suppress_tokens=[]`` suppresses nothing (Whisper-style generation configs carry empty lists)."""
+    with Engine(model, num_blocks=32, block_size=4) as engine:
+        out = engine.generate([[5, 6, 7]], max_new_tokens=2, use_tqdm=False, **{name: []})[0]
+        assert out.error is None and len(out.token_ids) == 2
+        config = GenerationConfig(**{name: []})
+        assert engine.generate([[5, 6, 7]], max_new_tokens=2, generation_config=config, use_tqdm=False)[0].error is None
+        with pytest.raises(InvalidRequestError, match=name):
+            engine.generate([[5, 6, 7]], max_new_tokens=2, use_tqdm=False, **{name: [[5]] if "words" in name else [5]})
+
+
 def test_mixing_sampling_params_and_kwargs_is_refused(model):
     with Engine(model, num_blocks=32, block_size=4) as engine:
         with pytest.raises(InvalidRequestError, match="not both"):

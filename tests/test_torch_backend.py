@@ -8,11 +8,13 @@ import pytest
 import torch
 
 from pagedcore.attention import PagedAttentionMetadata, write_kv
+from pagedcore.attention_kinds import ChunkedAttention
 from pagedcore.plugins.torch_backend import TorchPagedAttention
 
 
-def naive(query, keys_per_seq, values_per_seq, query_lens, seq_lens, window, scale, softcap):
-    """Per query: softmax over the keys it may see (positions <= its own, inside the window)."""
+def naive(query, keys_per_seq, values_per_seq, query_lens, seq_lens, window, scale, softcap, sinks=None, chunk=None):
+    """Per query: softmax over the keys it may see (positions <= its own, inside the window or its chunk), with a
+    sink logit per head (``sinks``) that takes its share of the softmax and adds no value."""
     out = []
     cursor = 0
     for keys, values, q_len, seq_len in zip(keys_per_seq, values_per_seq, query_lens, seq_lens):
@@ -22,16 +24,21 @@ def naive(query, keys_per_seq, values_per_seq, query_lens, seq_lens, window, sca
         for t in range(q_len):
             pos = seq_len - q_len + t
             lo = 0 if window is None else max(0, pos - window + 1)
+            lo = lo if chunk is None else pos - pos % chunk
             q = query[cursor + t]  # (q_heads, d)
             scores = torch.einsum("hd,khd->hk", q, k[lo : pos + 1]) * scale
             if softcap is not None:
                 scores = torch.tanh(scores / softcap) * softcap
-            out.append(torch.einsum("hk,khd->hd", scores.softmax(-1), v[lo : pos + 1]))
+            if sinks is not None:
+                weights = torch.cat([scores, sinks[:, None]], dim=-1).softmax(-1)[:, :-1]
+            else:
+                weights = scores.softmax(-1)
+            out.append(torch.einsum("hk,khd->hd", weights, v[lo : pos + 1]))
         cursor += q_len
     return torch.stack(out)
 
 
-def build(seed, query_lens, seq_lens, block_size, window, kv_heads=2, q_heads=8, dim=16, contiguous=False):
+def build(seed, query_lens, seq_lens, block_size, window, kv_heads=2, q_heads=8, dim=16, contiguous=False, chunk=None):
     rng = random.Random(seed)
     torch.manual_seed(seed)
     blocks_per_seq = [-(-n // block_size) for n in seq_lens]
@@ -51,6 +58,8 @@ def build(seed, query_lens, seq_lens, block_size, window, kv_heads=2, q_heads=8,
         write_kv(key_cache, value_cache, k, v, slot)
         # In a sliding group, blocks before the window of the first query may have been released.
         dropped = 0 if window is None else max(0, n - q_len - window + 1) // block_size
+        if chunk is not None:  # a chunked group: the blocks before the first query's chunk were given back
+            dropped = (n - q_len) // chunk * chunk // block_size
         keys.append(k)
         values.append(v)
         tables.append(table[dropped:])
@@ -65,6 +74,7 @@ def build(seed, query_lens, seq_lens, block_size, window, kv_heads=2, q_heads=8,
         slots=slots,
         sliding_window=window,
         pad_block=num_blocks,
+        kind=None if chunk is None else ChunkedAttention(chunk),
     )
     query = torch.randn(sum(query_lens), q_heads, dim)
     return query, key_cache, value_cache, meta, keys, values
@@ -91,6 +101,32 @@ def test_matches_naive_attention(case, block_size, window, softcap, contiguous):
     scale = 16**-0.5
     got = TorchPagedAttention().forward(query, kc, vc, meta, scale=scale, softcap=softcap)
     want = naive(query, keys, values, query_lens, seq_lens, window, scale, softcap)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("window", [None, 5])
+def test_sinks_take_their_share_of_every_softmax(case, block_size, window):
+    """gpt-oss's sink logit per head: in the single-run view, the decode and prefill buckets alike."""
+    query_lens, seq_lens = CASES[case]
+    query, kc, vc, meta, keys, values = build(8, query_lens, seq_lens, block_size, window)
+    sinks = torch.randn(8) * 2
+    got = TorchPagedAttention().forward(query, kc, vc, meta, scale=0.25, sinks=sinks)
+    want = naive(query, keys, values, query_lens, seq_lens, window, 0.25, None, sinks)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(got, naive(query, keys, values, query_lens, seq_lens, window, 0.25, None), atol=1e-3)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("chunk", [4, 8, 12])
+def test_chunked_queries_see_their_own_chunk(case, block_size, chunk):
+    """Llama 4's chunked layers, the finished chunks' blocks given back (aligned or not with the blocks)."""
+    query_lens, seq_lens = CASES[case]
+    query, kc, vc, meta, keys, values = build(9, query_lens, seq_lens, block_size, None, chunk=chunk)
+    got = TorchPagedAttention().forward(query, kc, vc, meta, scale=0.25)
+    want = naive(query, keys, values, query_lens, seq_lens, None, 0.25, None, chunk=chunk)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
@@ -151,15 +187,16 @@ def build_shared(seed, query_lens, seq_lens, block_size, shared_tokens, consecut
 )
 @pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize("consecutive", [True, False])
-@pytest.mark.parametrize("softcap", [None, 30.0])
-def test_shared_prefix_is_read_once_and_matches(query_lens, seq_lens, block_size, consecutive, softcap):
+@pytest.mark.parametrize(("softcap", "sinks"), [(None, False), (30.0, False), (None, True)])
+def test_shared_prefix_is_read_once_and_matches(query_lens, seq_lens, block_size, consecutive, softcap, sinks):
     query, kc, vc, meta, keys, values = build_shared(5, query_lens, seq_lens, block_size, 64, consecutive)
     backend = TorchPagedAttention()
-    got = backend.forward(query, kc, vc, meta, scale=0.25, softcap=softcap)
+    logits = torch.randn(8) * 2 if sinks else None  # the sink joins the merge of the two partial softmaxes
+    got = backend.forward(query, kc, vc, meta, scale=0.25, softcap=softcap, sinks=logits)
     buckets = [b for b in meta.backend_state[("torch", query.device)] if len(b.blocks) > 1]
     assert buckets and all(b.shared is not None and b.shared.length == 64 for b in buckets)  # the cascade ran
     assert all((b.shared.start is not None) == consecutive for b in buckets)
-    want = naive(query, keys, values, query_lens, seq_lens, None, 0.25, softcap)
+    want = naive(query, keys, values, query_lens, seq_lens, None, 0.25, softcap, logits)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 

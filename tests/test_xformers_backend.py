@@ -37,6 +37,7 @@ from pagedcore import PluginError, PluginManager, default_plugin_manager
 from pagedcore.adapters.transformers import Engine, PagedCache, PagedKVPool, enable
 from pagedcore.adapters.transformers import disable as disable_prefix_caching
 from pagedcore.attention import CPU_BLOCK_SIZE, CUDA_BLOCK_SIZE, PagedAttentionMetadata, default_block_size
+from pagedcore.attention_kinds import ChunkedAttention
 from pagedcore.hookspecs import hookimpl
 from pagedcore.plugins import xformers_backend
 from pagedcore.plugins.torch_backend import TorchPagedAttention
@@ -79,6 +80,7 @@ def make_case(
     *,
     lag: bool = False,
     share_prefix: bool = False,
+    chunk: int | None = None,
 ) -> Case:
     """A random pool and metadata for ``rows`` of ``(query_len, seq_len)``.
 
@@ -91,6 +93,8 @@ def make_case(
     offsets = []
     for q_len, seq_len in rows:
         offset = 0 if window is None else max(0, seq_len - q_len - window + 1) // block_size
+        if chunk is not None:  # the blocks before the first query's chunk were given back
+            offset = (seq_len - q_len) // chunk * chunk // block_size
         offsets.append(max(0, offset - 1) if lag else offset)
     live = [-(-seq_len // block_size) - off for (_, seq_len), off in zip(rows, offsets)]
     num_blocks = sum(live) + 3  # a few blocks no table holds
@@ -113,6 +117,7 @@ def make_case(
         slots=slots,
         sliding_window=window,
         pad_block=num_blocks,
+        kind=None if chunk is None else ChunkedAttention(chunk),
     )
     shape = (num_blocks + 1, block_size, KV_HEADS, HEAD_DIM)
     key_cache = torch.randn(shape, generator=gen)
@@ -387,6 +392,63 @@ def test_softcap_delegates_to_torch() -> None:
     out = backend.forward(case.query, case.key_cache, case.value_cache, case.meta, scale=HEAD_DIM**-0.5, softcap=5.0)
     assert backend.last_ops == ("torch",) and kernels.calls == []
     torch.testing.assert_close(out, reference(case, softcap=5.0), atol=TOL, rtol=TOL)
+
+
+CHUNK_CASES = [(bs, name, chunk) for bs in (4, 16, 64) for name in ("decode", "prefill", "mixed") for chunk in (8, 24)]
+
+
+@pytest.mark.parametrize(("bs", "name", "chunk"), CHUNK_CASES)
+def test_chunked_attention_biases_and_gathers_match_torch_backend(bs: int, name: str, chunk: int) -> None:
+    """Llama 4's chunks: the paged biases' per-sequence key starts, and a gather step's queries cut at their chunk
+    boundaries (chunks aligned with the pages or not)."""
+    chunk = chunk if bs < chunk else bs * 2
+    case = make_case(bs * 3 + chunk, bs, scenario(name, bs), chunk=chunk)
+    want = reference(case)
+    for per_query in (False, True):
+        out = attend_with_bias(case, build_attn_bias(case.meta, "cpu", per_query=per_query))
+        torch.testing.assert_close(out, want, atol=TOL, rtol=TOL)
+    gathered = build_gathered_keys(case.meta, "cpu")
+    mask = materialize(gathered.bias, len(gathered.slots))
+    keys, values = flat(case.key_cache)[gathered.slots], flat(case.value_cache)[gathered.slots]
+    torch.testing.assert_close(
+        dense_attention(case.query, keys, values, mask, HEAD_DIM**-0.5), want, atol=TOL, rtol=TOL
+    )
+    backend = XFormersPagedAttention(DenseKernels(), flash_paged=True)
+    out = backend.forward(case.query, case.key_cache, case.value_cache, case.meta, scale=HEAD_DIM**-0.5)
+    torch.testing.assert_close(out, want, atol=TOL, rtol=TOL)
+    assert "torch" not in backend.last_ops and "flash_paged" not in backend.last_ops  # FA2 paged has no key starts
+
+
+@pytest.mark.parametrize(("bs", "name"), [(4, "mixed"), (64, "decode"), (64, "mixed")])
+def test_an_mla_latent_pool_matches_torch_backend(bs: int, name: str) -> None:
+    """An MLA layer's pool as paged attention hands it over: one KV head whose keys are the latent rows (latent +
+    rotary key) and whose values are a view of their latent part (strided, narrower than the keys)."""
+    rows = scenario(name, bs)
+    case = make_case(bs + 17, bs, rows)
+    latent = torch.randn(case.key_cache.shape[0], bs, 1, 24, generator=torch.Generator().manual_seed(bs))
+    latent[case.meta.pad_block] = 0
+    keys, values = latent, latent[..., :16]
+    query = torch.randn(case.meta.num_tokens, Q_HEADS, 24)
+    backend = XFormersPagedAttention(DenseKernels(), flash_paged=False)
+    out = backend.forward(query, keys, values, case.meta, scale=24**-0.5)
+    want = TorchPagedAttention().forward(query, keys, values, fresh(case.meta), scale=24**-0.5)
+    assert out.shape == (case.meta.num_tokens, Q_HEADS, 16) and "torch" not in backend.last_ops
+    torch.testing.assert_close(out, want, atol=TOL, rtol=TOL)
+
+
+def test_sinks_delegate_to_torch() -> None:
+    """xformers' kernels have no sink logit: a gpt-oss layer's forward runs on the torch backend, counted."""
+    case = make_case(6, 64, scenario("decode", 64))
+    kernels = DenseKernels()
+    backend = XFormersPagedAttention(kernels, flash_paged=False)
+    sinks = torch.randn(Q_HEADS)
+    out = backend.forward(case.query, case.key_cache, case.value_cache, case.meta, scale=HEAD_DIM**-0.5, sinks=sinks)
+    assert backend.last_ops == ("torch",) and kernels.calls == [] and backend.stats.torch_forwards == 1
+    want = TorchPagedAttention().forward(
+        case.query, case.key_cache, case.value_cache, fresh(case.meta), scale=HEAD_DIM**-0.5, sinks=sinks
+    )
+    torch.testing.assert_close(out, want, atol=TOL, rtol=TOL)
+    assert not torch.allclose(out, reference(case), atol=1e-3)
 
 
 def test_forward_checks_the_token_count() -> None:

@@ -69,6 +69,7 @@ class TorchPagedAttention:
         *,
         scale: float,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         run = self._single_run(metadata, query.device)
         if run is not None:  # one sequence whose visible keys sit in consecutive blocks: attend to a view
@@ -76,7 +77,7 @@ class TorchPagedAttention:
             k = key_cache.view(-1, *key_cache.shape[2:])[start : start + length].transpose(0, 1).unsqueeze(0)
             v = value_cache.view(-1, *value_cache.shape[2:])[start : start + length].transpose(0, 1).unsqueeze(0)
             q = query.transpose(0, 1).unsqueeze(0)  # (1, q_heads, q_len, d)
-            return attend_rows(q, k, v, mask, scale, softcap)[0].transpose(0, 1)
+            return attend_rows(q, k, v, mask, scale, softcap, sinks)[0].transpose(0, 1)
         num_tokens, q_heads, _ = query.shape
         out = query.new_zeros(num_tokens, q_heads, value_cache.shape[-1])
         padded_query = torch.cat([query, query.new_zeros(1, *query.shape[1:])])  # row num_tokens = padding
@@ -86,11 +87,11 @@ class TorchPagedAttention:
             k = gather_blocks(key_cache, bucket.blocks)  # (n, kv_heads, keys, d)
             v = gather_blocks(value_cache, bucket.blocks)
             if bucket.shared is None:
-                o = attend_rows(q, k, v, bucket.mask, scale, softcap)  # (n, q_heads, max_q, dv)
+                o = attend_rows(q, k, v, bucket.mask, scale, softcap, sinks)  # (n, q_heads, max_q, dv)
                 o = o.transpose(1, 2).reshape(-1, q_heads, o.shape[-1])[bucket.valid]
             else:
                 rows = query.index_select(0, bucket.out_index)  # the real queries, unpadded
-                o = _cascade(q, rows, k, v, bucket, key_cache, value_cache, scale, softcap)
+                o = _cascade(q, rows, k, v, bucket, key_cache, value_cache, scale, softcap, sinks)
             out.index_copy_(0, bucket.out_index, o)
         return out
 
@@ -122,7 +123,7 @@ _CASCADE_MAX_QUERIES = 16  # queries per sequence up to which a shared prefix is
 
 def _shared_blocks(meta: PagedAttentionMetadata, rows: list[int]) -> int:
     """Leading blocks every row of a bucket holds in common and all of their queries see whole (0 if not worth it)."""
-    if len(rows) < 2 or meta.sliding_window is not None or any(meta.block_offsets[i] for i in rows):
+    if len(rows) < 2 or meta.kind.is_sliding or any(meta.block_offsets[i] for i in rows):
         return 0
     bs = meta.block_size
     host = meta.host_tables  # the CPU copy when the tables live on a GPU: no device sync
@@ -203,11 +204,12 @@ def _cascade(
     value_cache: torch.Tensor,
     scale: float,
     softcap: float | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention over (shared prefix + own tail) keys, the prefix computed once for all sequences; merged exactly
-    through the two parts' log-sum-exp. ``q (n, q_heads, max_q, d)`` the bucket's padded queries, ``rows (R,
-    q_heads, d)`` its real query rows in the order of ``bucket.valid``, ``k``/``v`` the gathered tails. Returns
-    ``(R, q_heads, dv)``.
+    through the two parts' log-sum-exp (and the sink's, ``sinks (q_heads,)``, a third part with no value). ``q (n,
+    q_heads, max_q, d)`` the bucket's padded queries, ``rows (R, q_heads, d)`` its real query rows in the order of
+    ``bucket.valid``, ``k``/``v`` the gathered tails. Returns ``(R, q_heads, dv)``.
 
     Every real query sees every shared key, so the prefix part runs on the real rows only (no padding: a prefill
     bucket's queries are padded to its longest); the tail part runs padded, with its mask. Scores are scaled
@@ -247,12 +249,28 @@ def _cascade(
         x = x.view(n, kv_heads, groups, max_q, x.shape[-1]).permute(0, 3, 1, 2, 4)
         return x.reshape(n * max_q, kv_heads, groups, x.shape[-1])[bucket.valid]
 
-    mp, lp, op = prefix_rows(mp), prefix_rows(lp), prefix_rows(op)
-    mt, lt, ot = tail_rows(mt), tail_rows(lt), tail_rows(ot)
-    m = torch.maximum(mp, mt)
-    wp, wt = torch.exp(mp - m), torch.exp(mt - m)
-    out = (op * wp + ot * wt) / (lp * wp + lt * wt)
+    prefix = (prefix_rows(mp), prefix_rows(lp), prefix_rows(op))
+    out = _merge(prefix, (tail_rows(mt), tail_rows(lt), tail_rows(ot)), sinks)
     return out.reshape(num_rows, q_heads, -1).to(q.dtype)
+
+
+_Part = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (max, sum of exponentials, weighted values) of a softmax
+
+
+def _merge(prefix: _Part, tail: _Part, sinks: torch.Tensor | None) -> torch.Tensor:
+    """The attention output of two partial softmaxes ``(R, kv_heads, groups, ...)``, and of the sink logits
+    ``(q_heads,)`` (a third part with no value) when given."""
+    (mp, lp, op), (mt, lt, ot) = prefix, tail
+    m = torch.maximum(mp, mt)
+    sink = None
+    if sinks is not None:  # the sink: a logit of its own in every row's denominator
+        sink = sinks.to(m.dtype).view(1, *mp.shape[1:3], 1)
+        m = torch.maximum(m, sink)
+    wp, wt = torch.exp(mp - m), torch.exp(mt - m)
+    denominator = lp * wp + lt * wt
+    if sink is not None:
+        denominator = denominator + torch.exp(sink - m)
+    return (op * wp + ot * wt) / denominator
 
 
 def _partial_softmax(
@@ -310,9 +328,16 @@ def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
 
 
 def attend_rows(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float, softcap: float | None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    softcap: float | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention with a boolean mask (True = attend); no mask means every query sees every key.
+    """Attention with a boolean mask (True = attend); no mask means every query sees every key; ``sinks`` (a logit
+    per query head in the softmax, gpt-oss) and ``softcap`` run the step-by-step :func:`eager_attention`.
 
     One query per sequence (decode) with grouped KV heads: the ``groups`` query heads of a KV head become that head's
     ``groups`` query rows (``(n, kv_heads, groups, d)``), so each KV head's keys are read once for all of its query
@@ -330,13 +355,13 @@ def attend_rows(
     n, q_heads, q_len, _ = q.shape
     kv_heads = k.shape[1]
     groups = q_heads // kv_heads
-    if softcap is None:
+    if softcap is None and sinks is None:
         if groups > 1 and q_len == 1 and (mask is None or (mask.dim() == 4 and mask.shape[1:3] == (1, 1))):
             packed = q.reshape(n, kv_heads, groups, q.shape[-1])
             out = F.scaled_dot_product_attention(packed, k, v, attn_mask=mask, scale=scale)
             return out.reshape(n, q_heads, 1, out.shape[-1])
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=groups > 1)
-    return eager_attention(q, k, v, mask, scale=scale, softcap=softcap)
+    return eager_attention(q, k, v, mask, scale=scale, softcap=softcap, sinks=sinks)
 
 
 _BACKEND = TorchPagedAttention()

@@ -26,7 +26,10 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_
 from transformers.utils import logging
 
 from pagedcore.attention import PagedAttentionMetadata, eager_attention, to_device
+from pagedcore.attention_kinds import AttentionKind
 from pagedcore.errors import UnsupportedModelError
+
+from .layer_attention import LatentProjection, model_space, pool_read, retemper, sinks_of, verify_latent
 
 if TYPE_CHECKING:
     from .pool import PagedKVPool
@@ -49,7 +52,7 @@ class StepAttention:
 
     Example:
         >>> class Zeros(StepAttention):
-        ...     def attend(self, layer_idx, query, key, value, scale, softcap, sliding_window):
+        ...     def attend(self, layer_idx, query, key, value, scale, softcap, sliding_window, **extra):
         ...         return query.new_zeros(1, query.shape[2], query.shape[1], value.shape[-1])
         >>> import torch
         >>> layer = torch.nn.Module()
@@ -61,8 +64,10 @@ class StepAttention:
     """
 
     def attend(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
-               softcap: float | None, sliding_window: int | None) -> torch.Tensor:  # fmt: skip
-        """``(1, q_len, heads, dim_v)``: the attention output of the layer's ``query (1, heads, q_len, dim)``."""
+               softcap: float | None, sliding_window: int | None, *, module: torch.nn.Module | None = None,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        """``(1, q_len, heads, dim_v)``: the attention output of the layer's ``query (1, heads, q_len, dim)``;
+        ``module`` is the layer's attention module, ``sinks`` its sink logits (``s_aux``) or None."""
         raise NotImplementedError
 
 
@@ -81,6 +86,10 @@ class ForwardContext:
         length: rectangular positions per row after this forward (with ``pads``).
         dense: ``dense(layer_idx) -> (keys, values)``: the layer's keys and values gathered as ``update`` returns
             them without a context, for a forward whose mask the paged path cannot honour (see :meth:`mask_matches`).
+        positions: the packed tokens' positions (the Engine), for what a model computes from a cache length a
+            packed forward does not have (Llama 4's query temperature: :func:`~.layer_attention.retemper`).
+        query_len: rectangular positions per row in this forward (PagedCache); 0 for packed queries (the Engine).
+        new_tokens: per batch row, the real (stored) tokens among them (PagedCache); None for packed queries.
 
     Example:
         A PagedCache builds one per forward; here, by hand, for a left-padded batch of two rows of 3 positions whose
@@ -113,8 +122,58 @@ class ForwardContext:
     pads: list[int] | None = None
     length: int = 0
     dense: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None = None
+    positions: torch.Tensor | None = None
+    query_len: int = 0
+    new_tokens: list[int] | None = None
     _index_on: dict[torch.device, torch.Tensor] = field(default_factory=dict, repr=False)
-    _mask_checks: dict[int, tuple[Any, bool]] = field(default_factory=dict, repr=False)
+    _mask_checks: dict[tuple[int, AttentionKind | None], tuple[Any, bool]] = field(default_factory=dict, repr=False)
+    _trailing: dict[int, ForwardContext] = field(default_factory=dict, repr=False)
+
+    def for_queries(self, count: int) -> ForwardContext:
+        """The context of a layer that gets only the last ``count`` of the forward's queries: of each row
+        (rectangular), or of the packed tokens (the Engine). Gemma 4 runs its KV-shared layers on the positions
+        whose logits are kept (``logits_to_keep``) only. Itself when ``count`` is all of them; derived once per
+        count, for all such layers.
+
+        Example:
+            >>> import torch
+            >>> from pagedcore.adapters.transformers.testing import tiny_llama_config
+            >>> from pagedcore.adapters.transformers import PagedKVPool
+            >>> pool = PagedKVPool(tiny_llama_config(), num_blocks=8, block_size=4)
+            >>> meta = PagedAttentionMetadata.build(block_size=4, query_lens=[2, 3], seq_lens=[2, 3],
+            ...     block_offsets=[0, 0], tables=[[0], [1]], slots=[[0, 1], [4, 5, 6]], sliding_window=None,
+            ...     pad_block=pool.pad_block)
+            >>> ctx = ForwardContext(pool, [meta], torch.tensor([1, 2, 3, 4, 5]), query_len=3, new_tokens=[2, 3])
+            >>> last = ctx.for_queries(1)
+            >>> last.metadata[0].query_lens, last.metadata[0].seq_lens, last.real_index
+            ([1, 1], [2, 3], None)
+        """
+        total = self.query_len if self.new_tokens is not None else sum(_first(self.metadata).query_lens)
+        if count == total:
+            return self
+        cached = self._trailing.get(count)
+        if cached is None:
+            cached = self._trailing[count] = self._derive(count)
+        return cached
+
+    def _derive(self, count: int) -> ForwardContext:
+        if self.new_tokens is None:  # packed: the last `count` tokens, from the last sequence backwards
+            lens, left = [], count
+            for n in reversed(_first(self.metadata).query_lens):
+                lens.append(min(n, left))
+                left -= lens[-1]
+            lens.reverse()
+            real_index = None
+            positions = None if self.positions is None else self.positions[-count:]
+        else:  # rectangular: each row's last `count` positions, of which its real tokens are the last
+            per_row = [min(count, n) for n in self.new_tokens]
+            lens = [k for k, n in zip(per_row, self.new_tokens) if n > 0]
+            flat = [r * count + t for r, k in enumerate(per_row) for t in range(count - k, count)]
+            real_index = None if len(flat) == count * len(per_row) else torch.tensor(flat, dtype=torch.long)
+            positions = None
+        metas = [None if m is None else _with_queries(m, lens) for m in self.metadata]
+        return ForwardContext(self.pool, metas, real_index, self.backend, self.pads, self.length, self.dense,
+                              positions, count if self.new_tokens is not None else 0, self.new_tokens)  # fmt: skip
 
     def group_metadata(self, group: int, device: torch.device) -> PagedAttentionMetadata:
         """The group's metadata with tensors on ``device``."""
@@ -132,22 +191,38 @@ class ForwardContext:
             moved = self._index_on[device] = to_device(self.real_index, device)  # pinned, non-blocking
         return moved
 
-    def mask_matches(self, mask: Any) -> bool:
-        """Whether ``mask`` hides exactly the unstored padding, the only thing the paged path leaves out.
+    def mask_matches(self, mask: Any, kind: AttentionKind | None = None) -> bool:
+        """Whether ``mask`` hides exactly the unstored padding (and, given the layer's ``kind``, the keys no query
+        of the forward sees under it: a chunked layer's earlier chunks), the only things the paged path leaves out.
 
         The cache reads padding from ``position_ids``; a padded ``attention_mask`` whose padding the positions do
         not show (``model(ids, attention_mask=mask, cache=cache)`` without ``position_ids``: the model then makes
         ``arange`` positions) hides keys that are stored, and the paged path would attend to them. Checked once
-        per mask object (all layers of a kind share it).
+        per mask object and kind (all layers of a kind share it).
         """
         if self.pads is None or self.dense is None:
             return True
         if mask is None:
             return not any(self.pads)
-        entry = self._mask_checks.get(id(mask))
+        key = (id(mask), kind)
+        entry = self._mask_checks.get(key)
         if entry is None or entry[0]() is not mask:  # a weak reference: a dead mask's id may be reused
-            entry = self._mask_checks[id(mask)] = (weakref.ref(mask), _hides_only_padding(mask, self.pads, self.length))
+            matches = _hides_only_padding(mask, self.pads, self.length, kind)
+            entry = self._mask_checks[key] = (weakref.ref(mask), matches)
         return entry[1]
+
+
+def _first(metadata: list[PagedAttentionMetadata | None]) -> PagedAttentionMetadata:
+    return next(m for m in metadata if m is not None)
+
+
+def _with_queries(meta: PagedAttentionMetadata, query_lens: list[int]) -> PagedAttentionMetadata:
+    """``meta`` whose sequences' queries are their last ``query_lens[i]`` positions (no writes: no slots)."""
+    return PagedAttentionMetadata(
+        meta.block_size, query_lens, meta.seq_lens, meta.block_offsets, meta.block_tables,
+        meta.slot_mapping[:0], meta.sliding_window, meta.pad_block, host_block_tables=meta.host_block_tables,
+        group_kind=meta.group_kind,
+    )  # fmt: skip
 
 
 def paged_attention_forward(
@@ -193,58 +268,82 @@ def paged_attention_forward(
         scaling = query.shape[-1] ** -0.5
     ctx: ForwardContext | StepAttention | None = kwargs.get(CONTEXT_KEY)
     if isinstance(ctx, StepAttention):
-        return ctx.attend(cast(int, module.layer_idx), query, key, value, scaling, softcap, sliding_window), None
+        layer_idx, sinks = cast(int, module.layer_idx), kwargs.get("s_aux")
+        return ctx.attend(
+            layer_idx, query, key, value, scaling, softcap, sliding_window, module=module, sinks=sinks
+        ), None
+    layer_idx = cast(int, module.layer_idx)
     if kwargs.get("output_attentions") or kwargs.get(WEIGHTS_KEY):
         eager = _model_eager_attention(module)
         if eager is not None:  # the weights are asked for: the model's own eager attention over the gathered keys
             if ctx is not None and ctx.dense is not None:
-                key, value = ctx.dense(cast(int, module.layer_idx))
+                key, value = _dense_kv(ctx, module, layer_idx)
             return _with_weights(eager, module, query, key, value, attention_mask, scaling, softcap, kwargs)
     if ctx is None:
         return _dense(module, query, key, value, attention_mask, scaling, softcap, kwargs)
-    if not ctx.mask_matches(attention_mask):
-        assert ctx.dense is not None
-        key, value = ctx.dense(cast(int, module.layer_idx))
+    if not ctx.mask_matches(attention_mask, ctx.pool.spec.layers[layer_idx].kind):
+        key, value = _dense_kv(ctx, module, layer_idx)
         return _dense(module, query, key, value, attention_mask, scaling, softcap, kwargs)
-    return _over_pool(ctx, cast(int, module.layer_idx), query, scaling, softcap, sliding_window), None
+    return _over_pool(ctx, module, query, scaling, softcap, sliding_window, kwargs), None
 
 
 def _check_supported(module: torch.nn.Module, dropout: float, kwargs: dict[str, Any]) -> None:
-    """Refuse what paged attention does not implement: attention sinks, dropout in training."""
-    if kwargs.get("s_aux") is not None:
-        raise UnsupportedModelError(
-            f"{type(module).__name__} uses attention sinks (s_aux), which pagedcore's attention does not implement"
-        )
+    """Refuse what paged attention does not implement: dropout in training."""
     if module.training and dropout:
         raise UnsupportedModelError("paged attention is for inference: put the model in eval() mode")
 
 
+def _dense_kv(ctx: ForwardContext, module: torch.nn.Module, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys and values the layer's attention function takes, gathered from the pool (its KV source's for a
+    KV-shared layer; an MLA layer's latents expanded)."""
+    spec = ctx.pool.spec
+    source = spec.source(layer_idx)
+    if ctx.dense is None or source is None:
+        raise RuntimeError(f"layer {layer_idx}: no keys and values to gather for the dense fallback")
+    keys, values = ctx.dense(source)
+    return model_space(module, spec.layers[source], keys, values)
+
+
 def _over_pool(
     ctx: ForwardContext,
-    layer_idx: int,
+    module: torch.nn.Module,
     query: torch.Tensor,
     scaling: float,
     softcap: float | None,
     sliding_window: int | None,
+    kwargs: dict[str, Any],
 ) -> torch.Tensor:
-    """The paged path: the real queries packed, the backend's attention over the pool, unpacked (pads get zeros)."""
-    group = ctx.pool.group_of(layer_idx)
-    tensors = ctx.pool.layer_tensors(layer_idx)
-    if tensors is None:
-        raise RuntimeError(f"layer {layer_idx} has no pool tensors: its keys were never stored")
-    key_cache, value_cache = tensors
+    """The paged path: the real queries packed, the backend's attention over the pool, unpacked (pads get zeros).
+    The layer's description says what it reads and asks (:mod:`.layer_attention`)."""
+    layer_idx = cast(int, module.layer_idx)
+    layer = ctx.pool.spec.layers[layer_idx]
+    ctx = ctx.for_queries(query.shape[2] if ctx.new_tokens is not None else query.shape[0] * query.shape[2])
+    group, key_cache, value_cache = pool_read(ctx.pool, layer_idx)
     meta = ctx.group_metadata(group, query.device)
     if sliding_window is not None and meta.sliding_window != sliding_window:
         raise UnsupportedModelError(
             f"layer {layer_idx} attends with a window of {sliding_window} tokens but its KV group was built for "
             f"{meta.sliding_window}"
         )
+    # An MLA layer attends in its latent space (a KV-shared one would read its source's latents with its own
+    # up-projection, described with the sizes KV sharing requires to be the source's).
+    projection = None
+    if layer.latent is not None:
+        verify_latent(module, layer.latent)  # once per module: its expand_kv is what the latent attention stands for
+        projection = LatentProjection(module, layer.latent)
+    if projection is not None:
+        query = projection.query(query)
+    query = retemper(query, layer, ctx.positions)
     batch, heads, q_len, dim = query.shape
     flat = query.transpose(1, 2).reshape(batch * q_len, heads, dim)
     index = ctx.index_on(query.device)
     packed = flat if index is None else flat.index_select(0, index)
     backend = ctx.pool.attention_backend(query.device, query.dtype, ctx.backend)
-    out = backend.forward(packed, key_cache, value_cache, meta, scale=scaling, softcap=softcap)
+    sinks = sinks_of(layer, kwargs)
+    extra = {} if sinks is None else {"sinks": sinks}
+    out = backend.forward(packed, key_cache, value_cache, meta, scale=scaling, softcap=softcap, **extra)
+    if projection is not None:
+        out = projection.output(out)
     if index is not None:
         full = out.new_zeros(batch * q_len, heads, out.shape[-1])
         out = full.index_copy_(0, index, out)
@@ -294,18 +393,25 @@ def _causal(query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
     return torch.ones(q_len, k_len, dtype=torch.bool, device=query.device).tril(k_len - q_len)
 
 
-def _hides_only_padding(mask: Any, pads: list[int], length: int) -> bool:
-    """Whether the keys no query of a row may see are exactly that row's first ``pads[row]`` positions.
+def _hides_only_padding(mask: Any, pads: list[int], length: int, kind: AttentionKind | None = None) -> bool:
+    """Whether the keys no query of a row may see are exactly that row's first ``pads[row]`` positions, and, given
+    the layer's ``kind``, the keys none of the row's queries sees under it (counted from the row's first token).
 
     Causal and sliding masks built by transformers let some query of a row see every other key of the row (the
-    last query sees every earlier key, the first query its whole window), so only padding is hidden from all.
+    last query sees every earlier key, the first query its whole window), so only padding is hidden from all; a
+    chunked mask also hides the chunks before the forward's queries.
     """
     if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[0] != len(pads):
         return False
-    kv_len = mask.shape[-1]
-    positions = torch.arange(length - kv_len, length, device=mask.device)
-    expected = positions[None, :] >= torch.tensor(pads, device=mask.device)[:, None]
-    return torch.equal(mask.any(dim=2).any(dim=1), expected)
+    kv_len, q_len = mask.shape[-1], mask.shape[-2]
+    device = mask.device
+    pad = torch.tensor(pads, device=device)[:, None, None]
+    keys = torch.arange(length - kv_len, length, device=device)[None, None, :] - pad  # (rows, 1, kv) from the 1st
+    queries = torch.arange(length - q_len, length, device=device)[None, :, None] - pad  # (rows, q, 1)
+    seen = (keys >= 0) & (queries >= 0) & (keys <= queries)
+    if kind is not None:
+        seen &= kind.sees(queries, keys)
+    return torch.equal(mask.any(dim=2).any(dim=1), seen.any(dim=1))
 
 
 def _dense(
@@ -320,12 +426,13 @@ def _dense(
 ) -> tuple[torch.Tensor, None]:
     """Ordinary attention over the (gathered) keys and values ``update`` returned, with the standard mask."""
     extra = {k: v for k, v in kwargs.items() if k not in _OWN_KEYS}
-    if softcap is None:
+    sinks = extra.pop("s_aux", None)  # sdpa has no sinks: a layer with them (gpt-oss) attends step by step
+    if softcap is None and sinks is None:
         out, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=scaling, dropout=0.0, **extra)
         return out, None
     if mask is None:
         mask = _causal(query, key)
-    out = eager_attention(query, key, value, mask, scale=scaling, softcap=softcap)
+    out = eager_attention(query, key, value, mask, scale=scaling, softcap=softcap, sinks=sinks)
     return out.transpose(1, 2).contiguous(), None
 
 

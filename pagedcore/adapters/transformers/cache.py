@@ -116,7 +116,7 @@ class PagedLayer(CacheLayerMixin):
         self.layer_idx = layer_idx
         self.group = group
         self.kind = kind
-        self.sliding_window = kind.sliding_window
+        self.sliding_window = kind.max_cache_length if kind.is_sliding else None  # a chunked layer's: its chunk
         self.is_sliding = kind.is_sliding
         self.record_past = False
         self.is_initialized = True
@@ -152,7 +152,7 @@ class PagedLayer(CacheLayerMixin):
         length = state.layer_len[self.layer_idx]
         if tensors is None or not state.rows or state.released:
             return None
-        start = self.kind.first_visible(length)
+        start = self.kind.mask_sizes(length, 0)[1]  # what transformers' layer of this kind keeps
         with state.pool.lock:
             index = state.gather_index(self.group, start, length - start)
         flat = tensors[which].view(-1, *tensors[which].shape[2:])
@@ -343,14 +343,17 @@ class PagedCache(Cache):
         attention_mask: Any = None,
         position_ids: torch.Tensor | None = None,
         output_attentions: bool = False,
-    ) -> None:
+        kwargs_reach: bool = True,
+    ) -> dict[str, Any] | None:
         """Reserve the coming forward for every layer, before layer 0: the padding is read from ``attention_mask`` (2-D,
         ``(batch, past + new)``; None: no padding). With ``output_attentions`` paged attention returns the attention
         weights (see :func:`~.attention.paged_attention_forward`). The indices every layer reads through are built here,
         so a ``torch.compile``'d forward only indexes with tensors. The forward pre-hook of the model the cache was made
         for calls it with the forward's arguments; call it yourself only for a forward that hook does not see (a
         submodule called directly). A forward whose mask is not left padding stores every position (the standard mask
-        then hides what it hides, exactly as with ``DynamicCache``).
+        then hides what it hides, exactly as with ``DynamicCache``). Returns keyword arguments the hook adds to the
+        forward (the paged-attention context, for a model with KV-shared layers: they call no ``update`` that could
+        hand it to them), or None; ``kwargs_reach=False`` says the forward cannot take them.
 
         Example:
             >>> import torch
@@ -368,7 +371,7 @@ class PagedCache(Cache):
         """
         inputs = input_ids if input_ids is not None else inputs_embeds
         if not isinstance(inputs, torch.Tensor) or inputs.dim() < 2:
-            return
+            return None
         known = attention_mask is None or (isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2)
         batch, q_len = int(inputs.shape[0]), int(inputs.shape[1])
         self._state.begin_forward(
@@ -379,7 +382,9 @@ class PagedCache(Cache):
             inputs.device,
             mask_known=known,
             weights=bool(output_attentions),
+            kwargs_reach=kwargs_reach,
         )
+        return self._state.shared_kwargs()
 
     def after_forward(self) -> None:
         """After a forward (also one that raised): give back a reservation that no layer used, so a forward that

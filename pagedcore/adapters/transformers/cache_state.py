@@ -30,7 +30,7 @@ from pagedcore.block_tables import BlockTables, append_all
 from pagedcore.capacity import Reservation
 from pagedcore.errors import InvalidBlockError, OutOfBlocksError
 
-from .attention import ATTN_IMPLEMENTATION, ForwardContext
+from .attention import ATTN_IMPLEMENTATION, CONTEXT_KEY, ForwardContext
 from .forward_plan import ForwardPlan, MaskRows, plan_forward
 from .pool import PagedKVPool
 
@@ -230,12 +230,14 @@ class CacheState:
         *,
         mask_known: bool = True,
         weights: bool = False,
+        kwargs_reach: bool = True,
     ) -> None:
         """Reserve the next forward for every layer, on the host, before layer 0 (the model's forward pre-hook calls
         this): ``mask`` is the forward's attention mask (None: none, every position a token), ``positions`` its
         ``position_ids``, ``device`` where its layers' indices go. ``mask_known=False`` (a 4-D or unrecognised mask):
-        the padding is not read from it. ``weights``: the forward asked for attention weights. Raises, with nothing
-        reserved, like the reservation of a layer."""
+        the padding is not read from it. ``weights``: the forward asked for attention weights. ``kwargs_reach``: the
+        forward takes keyword arguments the hook may add (:meth:`shared_kwargs`). Raises, with nothing reserved, like
+        the reservation of a layer."""
         self.check_live()
         if q_len == 0:
             return
@@ -243,11 +245,20 @@ class CacheState:
         if mask_known:
             width = self.length + q_len
             rows = MaskRows.of(mask if isinstance(mask, torch.Tensor) else None, batch=batch, width=width)
-        self._begin(batch, q_len, positions, True, mask=rows, device=device, hooked=True)
+        self._begin(batch, q_len, positions, True, mask=rows, device=device, hooked=True, kwargs_reach=kwargs_reach)
         step = self.step
         if step is not None:
             step.open = True
             step.wants_weights = weights and self.uses_paged_attention()
+
+    def shared_kwargs(self) -> dict[str, Any] | None:
+        """Keyword arguments for the forward :meth:`begin_forward` reserved: its paged-attention context, when the
+        model has KV-shared layers (which call no ``update``, so only the forward's own keyword arguments reach
+        their attention). None otherwise."""
+        step = self.step
+        if step is None or step.context is None or not any(x.keeps == "shared" for x in self.pool.spec.layers):
+            return None
+        return {CONTEXT_KEY: step.context}
 
     def end_forward(self) -> None:
         """After the forward (also one that raised): a reservation made by :meth:`begin_forward` that no layer used
@@ -322,8 +333,9 @@ class CacheState:
         return contiguous_start(table, kv_offset - row.pad, kv_len, self.pool.block_size, dropped)
 
     def gather_index(self, group: int, kv_offset: int, kv_len: int) -> torch.Tensor:
-        """Slot of every rectangular position ``kv_offset .. kv_offset + kv_len - 1`` of every row (pads -> the
-        zero block), ``(rows, kv_len)``."""
+        """Slot of every rectangular position ``kv_offset .. kv_offset + kv_len - 1`` of every row (pads, and
+        positions whose blocks were given back, -> the zero block: a chunked layer's mask sizes reach into the
+        previous chunk, which its mask hides), ``(rows, kv_len)``."""
         bs = self.pool.block_size
         pad_slot = self.pool.pad_block * bs
         rows = self.rows
@@ -334,7 +346,7 @@ class CacheState:
             count = kv_len - n_pad
             blocks = torch.tensor(row.blocks.table(group), dtype=torch.long)
             j = torch.arange(first_real, first_real + count) - row.blocks.num_dropped(group) * bs
-            real = blocks[j // bs] * bs + j % bs
+            real = torch.where(j >= 0, blocks[j.clamp(min=0) // bs] * bs + j.clamp(min=0) % bs, pad_slot)
             gathered.append(torch.cat([torch.full((n_pad,), pad_slot, dtype=torch.long), real]))
         return torch.stack(gathered)
 
@@ -348,6 +360,7 @@ class CacheState:
         mask: MaskRows | None = None,
         device: torch.device | None = None,
         hooked: bool = False,
+        kwargs_reach: bool = False,
     ) -> None:
         pool = self.pool
         with pool.lock:
@@ -377,7 +390,11 @@ class CacheState:
         step = Step(plan, slots, plan.real_index, hooked=hooked, new_rows=new_rows, was_exact=self.exact)
         self.length += q_len
         self.exact = self.exact and plan.exact
-        if self.exact and has_kwargs and self.uses_paged_attention():
+        # KV-shared layers call no update: the context reaches them only through the forward's keyword arguments,
+        # which the forward pre-hook adds (shared_kwargs). Without it they attend over what their source's update
+        # returns, which must then be its gathered keys: no context.
+        shared = any(layer.keeps == "shared" for layer in pool.spec.layers)
+        if self.exact and has_kwargs and self.uses_paged_attention() and (kwargs_reach or not shared):
             step.context = self._context(step)
         if device is not None:
             self.prepare(step, device)
@@ -451,6 +468,7 @@ class CacheState:
                     slots=[per_row_slots[r] for r in rows],
                     sliding_window=g.sliding_window,
                     pad_block=pool.pad_block,
+                    kind=g.kind,
                 )
             )
         layers = self.layers  # the dense fallback's gather (ForwardContext.mask_matches) is the layer's own
@@ -470,6 +488,8 @@ class CacheState:
             pads=None if plan.from_mask else [row.pad for row in self.rows],  # the mask hides exactly those
             length=self.length,
             dense=dense,
+            query_len=plan.q_len,
+            new_tokens=real_new,
         )
 
     # ------------------------------------------------------------------ commands between forwards
@@ -479,6 +499,8 @@ class CacheState:
         and a prefix hit needs the chain from the first block in every group."""
         if not row.blocks.has_sliding_groups:
             return
+        if not self.exact and not all(g.kind.is_relative for g in self.pool.kv.groups):
+            return  # rows storing what they cannot tell from padding: their chunks' starts are not known, keep all
         if row.prompt is not None and self.exact:
             row.blocks.cache_full_blocks(row.prompt, row.blocks.num_tokens, self.namespace)
         row.blocks.drop_out_of_window(next_position)

@@ -13,7 +13,9 @@ Prefill and mixed steps stay eager.
   a write through a view of the pool would be functionalized into a copy of the whole pool), and their logits dropped.
 - :class:`DecodeAttention`: the layers' attention in that graph (``paged_attention_forward`` hands it every layer's
   call): write the new keys and values to their slots, gather each row's blocks, attend under the causal (and
-  window) mask of its position: the torch backend's arithmetic on fixed shapes.
+  window, or chunk) mask of its position: the torch backend's arithmetic on fixed shapes. Each layer as its
+  description says: a KV-shared layer reads its source's blocks, an MLA layer attends in its latent space, sinks
+  join the softmax, Llama 4's query temperature is put right from the positions (:mod:`.layer_attention`).
 - :class:`CompiledDecode`: the compiled callable over a model and pool, and its counters (graphs compiled, buckets
   seen, steps run): ``torch.compile`` with inductor on the CPU; on CUDA inductor with CUDA graphs (what
   ``mode="reduce-overhead"`` selects), the pool's tensors marked as static addresses so a captured graph writes
@@ -34,6 +36,7 @@ from pagedcore.errors import ConfigError
 from pagedcore.plugins.torch_backend import attend_rows, gather_blocks
 
 from .attention import CONTEXT_KEY, StepAttention
+from .layer_attention import LatentProjection, pool_read, retemper
 from .pool import PagedKVPool
 from .step_batch import PackedCache, StepBatch
 
@@ -73,6 +76,26 @@ def store_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tens
 @store_kv.register_fake
 def _store_kv_shapes(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      slots: torch.Tensor, pad_block: int) -> None:  # fmt: skip
+    return None
+
+
+@torch.library.custom_op("pagedcore::store_rows", mutates_args=("cache",))
+def store_rows(cache: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, pad_block: int) -> None:
+    """Write ``rows (n, heads, dim)`` of one pool tensor (an MLA layer's latent rows: one tensor holds its "keys"
+    and "values") to their ``slots``, then zero the pad block again, as :func:`store_kv` does for a key/value pair.
+
+    Example:
+        >>> cache = torch.zeros(3, 2, 1, 2)
+        >>> store_rows(cache, torch.ones(2, 1, 2), torch.tensor([1, 4]), pad_block=2)
+        >>> cache.sum().item()   # slot 1 written, slot 4 (the pad block) zeroed again
+        2.0
+    """
+    cache.view(-1, *cache.shape[-2:]).index_copy_(0, slots, rows.to(cache.dtype))
+    cache[pad_block].zero_()
+
+
+@store_rows.register_fake
+def _store_rows_shapes(cache: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, pad_block: int) -> None:
     return None
 
 
@@ -184,31 +207,52 @@ class DecodeAttention(StepAttention):
     starts: Sequence[torch.Tensor]
 
     def attend(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
-               softcap: float | None, sliding_window: int | None) -> torch.Tensor:  # fmt: skip
-        """``query (1, heads, rows, dim)``, the new ``key``/``value`` ``(1, kv_heads, rows, dim)``: the keys stored,
-        then attention over each row's blocks; returns ``(1, rows, heads, dim_v)``."""
-        tensors = self.pool.layer_tensors(layer_idx)
-        if tensors is None:
-            raise RuntimeError(f"layer {layer_idx} has no pool tensors: its keys were never stored")
-        key_cache, value_cache = tensors
-        group = self.pool.group_of(layer_idx)
-        new_keys, new_values = key[0].transpose(0, 1).contiguous(), value[0].transpose(0, 1).contiguous()
-        store_kv(key_cache, value_cache, new_keys, new_values, self.slots[group], self.pool.pad_block)
+               softcap: float | None, sliding_window: int | None, *, module: torch.nn.Module | None = None,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        """``query (1, heads, rows, dim)``, the new ``key``/``value`` ``(1, kv_heads, rows, dim)``: the keys stored
+        (by a layer with a cache of its own; a KV-shared layer's source stored them), then attention over each
+        row's blocks, as the layer's description says (:mod:`.layer_attention`); returns ``(1, rows, heads,
+        dim_v)``."""
+        layer = self.pool.spec.layers[layer_idx]
+        group, key_cache, value_cache = pool_read(self.pool, layer_idx)
+        if layer.has_cache and layer.latent is None:  # an MLA layer's latents were stored by update (store_latent)
+            new_keys, new_values = key[0].transpose(0, 1).contiguous(), value[0].transpose(0, 1).contiguous()
+            store_kv(key_cache, value_cache, new_keys, new_values, self.slots[group], self.pool.pad_block)
+        projection = None
+        if layer.latent is not None:
+            assert module is not None, "an MLA layer's attention needs its module (kv_b_proj)"
+            projection = LatentProjection(module, layer.latent)
+            query = projection.query(query)
+        query = retemper(query, layer, self.positions)
         tables, starts = self.tables[group], self.starts[group]
         k, v = gather_blocks(key_cache, tables), gather_blocks(value_cache, tables)
         key_pos = starts[:, None] + torch.arange(k.shape[2], device=k.device)[None, :]
-        mask = self.pool.kv.groups[group].kind.sees(self.positions[:, None], key_pos)  # causal, and in the window
+        mask = self.pool.kv.groups[group].kind.sees(self.positions[:, None], key_pos)  # causal, window or chunk
         q = query[0].transpose(0, 1).unsqueeze(2)  # (rows, heads, 1, dim)
-        out = attend_rows(q, k, v, mask[:, None, None, :], scale, softcap)  # (rows, heads, 1, dim_v)
+        out = attend_rows(q, k, v, mask[:, None, None, :], scale, softcap, sinks)  # (rows, heads, 1, dim_v)
+        if projection is not None:
+            out = projection.output(out.transpose(1, 2)).transpose(1, 2)
         return out.transpose(1, 2).reshape(1, q.shape[0], q.shape[1], -1)
+
+    def store_latent(self, layer_idx: int, latent: torch.Tensor, rope: torch.Tensor) -> None:
+        """Write an MLA layer's new latents ``(1, 1, rows, rank)`` and rotary keys ``(1, 1, rows, rope)`` to their
+        slots, as one row each: its attention function gets them expanded, so its cache's ``update`` stores them."""
+        group, pool_latent, _ = pool_read(self.pool, layer_idx)
+        rows = torch.cat([latent[0], rope[0]], dim=-1).transpose(0, 1).contiguous()  # (rows, 1, rank + rope)
+        store_rows(pool_latent, rows, self.slots[group], self.pool.pad_block)
 
 
 class _PassThroughCache(PackedCache):
-    """The compiled step's cache: ``update`` hands the new keys to the attention, which stores them."""
+    """The compiled step's cache: ``update`` hands the new keys to the attention, which stores them (an MLA
+    layer's latents it stores itself: its attention gets them expanded)."""
+
+    attention: DecodeAttention | None = None  # the running step's (set by CompiledDecode._decode)
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.attention is not None and self.attention.pool.spec.layers[layer_idx].latent is not None:
+            self.attention.store_latent(layer_idx, key_states, value_states)
         return key_states, value_states
 
 
@@ -282,15 +326,17 @@ class CompiledDecode:
 
     def _decode(self, input_ids: torch.Tensor, positions: torch.Tensor, tables: tuple[torch.Tensor, ...],
                 slots: tuple[torch.Tensor, ...], starts: tuple[torch.Tensor, ...]) -> torch.Tensor:  # fmt: skip
-        attention = DecodeAttention(self.pool, positions, tables, slots, starts)
+        attention = self._cache.attention = DecodeAttention(self.pool, positions, tables, slots, starts)
         out = self.model(input_ids=input_ids[None], position_ids=positions[None], cache=self._cache, use_cache=True,
                          **{CONTEXT_KEY: attention})  # fmt: skip
         return out.logits[0]
 
     def _mark_static(self) -> None:
-        """On CUDA, the pool's tensors as static addresses: a captured graph writes into them in place."""
+        """On CUDA, the pool's tensors as static addresses: a captured graph writes into them in place (an MLA
+        layer's latent tensor itself, not its two views)."""
         for layer in range(len(self.pool.spec.layers)):
-            for tensor in self.pool.layer_tensors(layer) or ():
+            tensors = self.pool.attention_tensors(layer) if self.pool.spec.layers[layer].latent is not None else None
+            for tensor in tensors[:1] if tensors is not None else self.pool.layer_tensors(layer) or ():
                 if tensor.is_cuda and id(tensor) not in self._static:
                     torch._dynamo.mark_static_address(tensor)  # noqa: SLF001
                     self._static.add(id(tensor))

@@ -59,6 +59,7 @@ from .attention import ATTN_IMPLEMENTATION, CONTEXT_KEY
 from .compiled import CompileCounts, CompiledDecode, DecodeInputs, resolve_compile
 from .detokenizer import DecodeError, IncrementalDetokenizer
 from .inputs import as_prompt_list, token_id_list
+from .layer_attention import check_paged_attention
 from .locks import Locks
 from .logprobs import prompt_logprobs
 from .outputs import EngineStats, RequestMetrics, RequestOutput, SampleOutput, StepOutput, TokenEvent, TokenLogprobs
@@ -196,6 +197,7 @@ class Engine:
         self._decode_counts = CompileCounts()  # the counters of a compiled step turned off
         self._init_state(pool)
         self._original_attn = getattr(self._text_config, "_attn_implementation", None)
+        check_paged_attention(model, pool.spec.layers)  # what the paged attention cannot serve, refused now
         self._use_paged_attention()
         self._closed = False
 

@@ -6,10 +6,11 @@ attention mask, the only thing that says which positions are padding, never reac
 (``PagedCache(model)``, and every cache ``enable`` makes) has :func:`watch` register a forward pre-hook on that
 model: before each forward that carries a ``PagedCache`` (as ``cache=`` or ``past_key_values=``), the hook hands the
 cache the forward's input size, attention mask and positions, and the cache reserves the forward on the host there
-(``PagedCache.before_forward``). The layers then only write and gather through indices already built, so
-``model.forward = torch.compile(model.forward, ...)`` traces them without a graph break (the hooks run outside the
-compiled function). A forward hook that always runs, also when the forward raised, gives back a reservation no
-layer used (``PagedCache.after_forward``).
+(``PagedCache.before_forward``); keyword arguments the cache asks for (the paged-attention context of a model with
+KV-shared layers, which call no ``update``) are added to the forward's. The layers then only write and gather through
+indices already built, so ``model.forward = torch.compile(model.forward, ...)`` traces them without a graph break
+(the hooks run outside the compiled function). A forward hook that always runs, also when the forward raised, gives
+back a reservation no layer used (``PagedCache.after_forward``).
 
 One pair of hooks per model, whatever the number of caches; forwards without a ``PagedCache`` pay a dictionary
 look-up.
@@ -25,7 +26,7 @@ import torch
 
 __all__ = ["watch", "watched"]
 
-_WATCHED: weakref.WeakKeyDictionary[torch.nn.Module, tuple[type, tuple[str, ...]]] = weakref.WeakKeyDictionary()
+_WATCHED: weakref.WeakKeyDictionary[torch.nn.Module, tuple[type, tuple[str, ...], bool]] = weakref.WeakKeyDictionary()
 
 
 def watch(model: torch.nn.Module, cache_type: type) -> None:
@@ -43,10 +44,12 @@ def watch(model: torch.nn.Module, cache_type: type) -> None:
     if model in _WATCHED:
         return
     try:
-        names = tuple(inspect.signature(model.forward).parameters)
+        parameters = inspect.signature(model.forward).parameters
     except (TypeError, ValueError):
-        names = ()
-    _WATCHED[model] = (cache_type, names)
+        parameters = {}  # type: ignore[assignment]
+    names = tuple(parameters)
+    open_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+    _WATCHED[model] = (cache_type, names, open_kwargs)
     model.register_forward_pre_hook(_before_forward, with_kwargs=True)
     model.register_forward_hook(_after_forward, with_kwargs=True, always_call=True)
 
@@ -62,7 +65,7 @@ def watched(model: Any) -> bool:
 
 
 def _cache_of(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
-    cache_type, names = _WATCHED.get(module, (None, ()))
+    cache_type, names, _ = _WATCHED.get(module, (None, (), False))
     if cache_type is None:
         return None, kwargs
     inputs = {**dict(zip(names, args)), **kwargs} if args else kwargs
@@ -72,17 +75,24 @@ def _cache_of(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, 
     return (cache if isinstance(cache, cache_type) else None), inputs
 
 
-def _before_forward(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+def _before_forward(
+    module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
     cache, inputs = _cache_of(module, args, kwargs)
     if cache is None:
-        return
-    cache.before_forward(
+        return None
+    open_kwargs = _WATCHED[module][2]
+    extra = cache.before_forward(
         input_ids=inputs.get("input_ids"),
         inputs_embeds=inputs.get("inputs_embeds"),
         attention_mask=inputs.get("attention_mask"),
         position_ids=inputs.get("position_ids"),
         output_attentions=bool(inputs.get("output_attentions")),
+        kwargs_reach=open_kwargs,
     )
+    if extra and open_kwargs:  # keyword arguments the cache adds to a forward that takes any
+        return args, {**kwargs, **extra}
+    return None
 
 
 def _after_forward(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:

@@ -3,11 +3,13 @@ model fingerprint a stored block is keyed by.
 
 A block's payload is, for each layer of its KV group in layer order, its keys then its values as
 ``(block_size, kv_heads, head_dim)`` in the pool's dtype, C-contiguous: the same bytes whatever the pool's own
-layout (``"slots"`` or ``"heads"``), so the fingerprint names this stored layout, not the pool's.
+layout (``"slots"`` or ``"heads"``), so the fingerprint names this stored layout, not the pool's. An MLA layer's
+"keys" and "values" are its latent and its rotary key; a KV-shared layer has none (its source's blocks are its).
 
 The fingerprint covers the weights (:meth:`~pagedcore.adapters.transformers.weights.WeightsWatch.content_hash`,
 once per weight epoch and again after every :meth:`~pagedcore.kv_pool.KVPool.reset_prefix_cache`), the stored dtype,
-the block size, the stored layout, the model type and every layer's group, KV heads and head sizes.
+the block size, the stored layout, the model type and every layer's group, what it keeps, KV heads, head sizes, kind
+and MLA latent width (:meth:`~.spec.ModelKVSpec.describe`).
 """
 
 from __future__ import annotations
@@ -97,10 +99,7 @@ class TensorBlockIO:
     def _describe(self, weights: str) -> str:
         pool = self._pool
         spec = pool.spec
-        layers = [
-            [group, layer.num_kv_heads, layer.head_dim, layer.v_head_dim]
-            for layer, group in zip(spec.layers, spec.layer_groups)
-        ]
+        layers = spec.describe()
         described = {
             "weights": weights,
             "dtype": str(pool.dtype),

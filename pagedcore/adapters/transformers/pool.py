@@ -188,6 +188,10 @@ class MemoryStats:
         num_blocks: blocks per KV group.
         block_size: tokens per block.
         store_bytes: per store below the pool (``kv_store=``), the bytes it holds now; empty without stores.
+        bytes_per_token: what one token's keys and values (or MLA latents) take over all layers that store their own.
+        expanded_bytes_per_token: what one token would take if every attention layer stored its own per-head keys
+            and values: MLA's latents and KV-shared layers (which store none) are the difference (see
+            :attr:`savings`).
 
     Example:
         >>> from pagedcore.adapters.transformers.testing import tiny_llama_config
@@ -205,6 +209,21 @@ class MemoryStats:
     num_blocks: int
     block_size: int
     store_bytes: dict[str, int] = field(default_factory=dict)
+    bytes_per_token: int = 0
+    expanded_bytes_per_token: int = 0
+
+    @property
+    def savings(self) -> float:
+        """The fraction of per-token KV memory MLA's latents and KV sharing save against every attention layer
+        storing its own per-head keys and values (0.0 for a model without either).
+
+        Example:
+            >>> MemoryStats(0, 0, 0, 0, 0, 8, 16, bytes_per_token=576, expanded_bytes_per_token=40960).savings
+            0.9859375
+        """
+        if not self.expanded_bytes_per_token:
+            return 0.0
+        return 1.0 - self.bytes_per_token / self.expanded_bytes_per_token
 
 
 class PagedKVPool:
@@ -271,11 +290,12 @@ class PagedKVPool:
         self.kv = KVPool(
             num_blocks,
             block_size,
-            self.spec.windows,
+            self.spec.kinds,
             eviction_policy=lambda: self.plugins.eviction_policy(policy_name, num_blocks),
             on_evict=self._on_evict,
         )
         self._layers: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * self.spec.num_layers
+        self._latents: dict[int, torch.Tensor] = {}  # MLA layers: the one tensor their two views above share
         # Bookkeeping lock: caches and engines of several threads may share one pool. Tensor reads and writes need no
         # lock: each sequence writes only blocks it holds alone (copy-on-write), and cached blocks are never written.
         self.lock = PoolLock()
@@ -397,17 +417,38 @@ class PagedKVPool:
         return queued or self._tiers.flush(timeout)
 
     def group_of(self, layer_idx: int) -> int:
-        """The KV group of a layer (raises for layers without a cache)."""
+        """The KV group a layer stores into (raises for layers without a cache of their own)."""
         group = self.spec.layer_groups[layer_idx]
         if group is None:
             raise ConfigError(f"layer {layer_idx} has no KV cache of its own")
         return group
 
+    def read_group(self, layer_idx: int) -> int:
+        """The KV group whose blocks a layer attends over: its own, or its KV source's (a KV-shared layer)."""
+        group = self.spec.read_group(layer_idx)
+        if group is None:
+            raise ConfigError(f"layer {layer_idx} attends over no cached keys and values")
+        return group
+
     def layer_tensors(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """A layer's ``(keys, values)`` pool, each ``(num_blocks + 1, block_size, kv_heads, head_dim)``, or None
         before the layer stored anything. In the ``"heads"`` layout they are permuted views (not contiguous): index
-        them, ``view`` the first two dimensions together, but do not assume a contiguous tensor."""
+        them, ``view`` the first two dimensions together, but do not assume a contiguous tensor. An MLA layer's
+        are the latent and the rotary key, two views of one tensor (:meth:`attention_tensors`)."""
         return self._layers[layer_idx]
+
+    def attention_tensors(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """What a layer's paged attention reads as ``(key_cache, value_cache)``: its KV source's tensors (a KV-shared
+        layer), and for an MLA layer the whole latent row ``(..., 1, kv_lora_rank + rope_dim)`` as keys and its
+        first ``kv_lora_rank`` values as values (a view: attention in the latent space). None before they exist."""
+        source = self.spec.source(layer_idx)
+        if source is None:
+            return None
+        latent = self._latents.get(source)
+        if latent is not None:
+            rank = self.spec.layers[source].head_dim
+            return latent, latent[..., :rank]
+        return self._layers[source]
 
     def attention_backend(self, device: torch.device, dtype: torch.dtype, name: str | None = None) -> AttentionBackend:
         """The attention backend the plugins choose for a device type and dtype (looked up once, then cached)."""
@@ -428,6 +469,8 @@ class PagedKVPool:
         )
         return MemoryStats(
             capacity_bytes=self.spec.bytes_per_block(self.block_size, self._dtype) * self.num_blocks,
+            bytes_per_token=self.spec.bytes_per_token(self._dtype),
+            expanded_bytes_per_token=self.spec.expanded_bytes_per_token(self._dtype),
             allocated_bytes=allocated,
             used_bytes=used,
             cached_bytes=cached,
@@ -540,6 +583,7 @@ class PagedKVPool:
                 )
             forgotten = self.kv.clear_prefix_cache()
             self._layers = [None] * self.spec.num_layers
+            self._latents.clear()
             self._backends.clear()
             self._stale_tensors = False
             return forgotten
@@ -666,7 +710,12 @@ class PagedKVPool:
         # Never inference tensors, even when the first write happens under torch.inference_mode(): the pool
         # outlives that forward and is updated in place outside it (copy-on-write copies).
         with torch.inference_mode(False):
-            k, v = (_layer_tensor(shape, like.shape[-2:], like, heads_first) for like in (keys, values))
+            if layer.latent is not None:  # the latent and the rotary key side by side: one row per token
+                latent = torch.zeros(*shape, 1, layer.latent.width, dtype=keys.dtype, device=keys.device)
+                self._latents[layer_idx] = latent
+                k, v = latent[..., : layer.head_dim], latent[..., layer.head_dim :]
+            else:
+                k, v = (_layer_tensor(shape, like.shape[-2:], like, heads_first) for like in (keys, values))
         self._dtype = keys.dtype  # what the memory statistics count from now on
         return k, v
 
@@ -675,7 +724,7 @@ class PagedKVPool:
         out = [0] * len(self.kv.groups)
         for layer, group in zip(self.spec.layers, self.spec.layer_groups):
             if group is not None:
-                out[group] += self.block_size * layer.num_kv_heads * (layer.head_dim + layer.v_head_dim) * item
+                out[group] += self.block_size * layer.token_elements * item
         return out
 
     def _on_evict(self, group: int, block_ids: list[int]) -> None:

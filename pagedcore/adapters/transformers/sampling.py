@@ -427,7 +427,7 @@ def merge_generation_config(
         raise InvalidRequestError(f"bad generation arguments: {exc}") from exc
     for name, neutral in _NEUTRAL.items():
         value = getattr(config, name, None)
-        if not _is_neutral(value, neutral):
+        if not _is_neutral(value, neutral, name):
             where = (
                 "an argument"
                 if name in kwargs
@@ -443,7 +443,15 @@ def merge_generation_config(
     return config, extras
 
 
-def _is_neutral(value: object, neutral: tuple[Any, ...]) -> bool:
+# Token lists at which these options do nothing when empty (``suppress_tokens=[]``: no token is suppressed).
+_EMPTY_IS_NEUTRAL = frozenset(
+    {"suppress_tokens", "begin_suppress_tokens", "bad_words_ids", "force_words_ids", "constraints"}
+)
+
+
+def _is_neutral(value: object, neutral: tuple[Any, ...], name: str = "") -> bool:
+    if name in _EMPTY_IS_NEUTRAL and isinstance(value, (list, tuple)) and not value:
+        return True
     return value is None or any(value == v and isinstance(value, bool) == isinstance(v, bool) for v in neutral)
 
 

@@ -1,27 +1,43 @@
-"""What a transformers model needs from a paged KV cache: per layer, its attention kind, KV heads and head size.
+"""What a transformers model needs from a paged KV cache: one description of each layer's attention.
 
-Built from the model's config with transformers' own layer-type inference, so the layer kinds (full, sliding) are
-exactly those :class:`transformers.DynamicCache` would use. Models the paged cache cannot serve get an
-:class:`~pagedcore.errors.UnsupportedModelError` naming the model type instead of silently wrong output.
+:class:`LayerSpec` says, for one decoder layer, everything the cache, the pool, the attention backends and the
+Engine ask about it: its attention kind (full, sliding window, chunked), its query and KV heads, its key and value
+head sizes (per layer: Gemma 4's global layers have their own), what it keeps (its own keys and values, another
+layer's: KV sharing, or nothing), its attention sinks, Llama 4's position-dependent query scale, and for multi-head
+latent attention (DeepSeek V2/V3, Kimi) the latent it caches instead of per-head keys and values
+(:class:`LatentLayout`). :class:`ModelKVSpec` holds them all and forms the KV groups: layers that attend the same
+way and store the same shapes share block ids.
+
+It is read here and nowhere else, from the model's config (transformers' own layer-type inference, so the layer
+kinds are exactly those :class:`transformers.DynamicCache` would use; per-layer sizes from ``config.per_layer_config``)
+and, given a model, from its attention modules (sinks). A new variant is one change here plus what its kind or
+layout asks of the attention. Models the paged cache cannot serve get an
+:class:`~pagedcore.errors.UnsupportedModelError` naming the model type and the reason instead of silently wrong
+output.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from transformers import PretrainedConfig, PreTrainedModel
 from transformers.cache_utils import get_layer_types_and_kwargs
 
+from pagedcore.attention_kinds import AttentionKind, ChunkedAttention, attention_kind
 from pagedcore.errors import PoolMismatchError, UnsupportedModelError
 from pagedcore.validation import as_integer
 
-__all__ = ["LayerSpec", "ModelKVSpec", "context_limit", "text_config"]
+__all__ = ["KEEPS", "LatentLayout", "LayerSpec", "ModelKVSpec", "context_limit", "text_config"]
 
-_SUPPORTED = {"full_attention", "sliding_attention", "dummy"}
+KEEPS = ("kv", "shared", "none")
+"""What a layer keeps between forwards: ``"kv"`` its own per-token keys and values (or MLA latents), ``"shared"`` none
+of its own (it attends over the blocks of its ``kv_source`` layer), ``"none"`` nothing (an attention-free layer)."""
+
+_ATTENTION = {"full_attention", "sliding_attention", "chunked_attention"}
 _WHY = {
-    "chunked_attention": "chunked attention (e.g. Llama 4) keeps per-chunk state the paged cache does not model",
     "linear_attention": "linear-attention / state-space layers keep a recurrent state, not per-token keys and values",
     "conv": "convolutional layers keep a recurrent state, not per-token keys and values",
     "hybrid": "hybrid linear-attention layers keep a recurrent state besides their keys and values",
@@ -31,12 +47,62 @@ _WHY = {
 
 
 @dataclass(frozen=True)
-class LayerSpec:
-    """One decoder layer: its kind, window, KV heads and head sizes.
+class LatentLayout:
+    """What a multi-head latent attention layer caches per token: the compressed latent ``c_kv`` (``kv_lora_rank``
+    values, after its norm) and the one rotary key shared by all heads (``rope_dim``), as transformers' MLA layers
+    hand them to ``cache.update`` (keys and values of one "head"). The pool keeps them side by side in one tensor of
+    ``width`` values per token; paged attention attends in that latent space (the query absorbed into it through
+    the up-projection ``kv_b_proj``), so the per-head keys and values (``expanded_width`` values per token) are never
+    stored.
 
     Example:
-        >>> LayerSpec("sliding_attention", 4096, 8, 128, 128).has_cache
-        True
+        >>> v3 = LatentLayout(kv_lora_rank=512, rope_dim=64, num_heads=128, nope_dim=128, v_head_dim=128)
+        >>> v3.width, v3.expanded_width, round(v3.width / v3.expanded_width, 4)
+        (576, 40960, 0.0141)
+    """
+
+    kv_lora_rank: int
+    rope_dim: int
+    num_heads: int
+    nope_dim: int
+    v_head_dim: int
+
+    @property
+    def width(self) -> int:
+        """Values cached per token: the latent, then the rotary key."""
+        return self.kv_lora_rank + self.rope_dim
+
+    @property
+    def expanded_width(self) -> int:
+        """Values per token of the per-head keys and values the latent stands for: ``heads * (nope + rope + v)``."""
+        return self.num_heads * (self.nope_dim + self.rope_dim + self.v_head_dim)
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """One decoder layer's attention, as the cache and the attention see it.
+
+    Attributes:
+        layer_type: transformers' layer type (``"full_attention"``, ``"sliding_attention"``, ``"chunked_attention"``,
+            ``"dummy"`` for an attention-free layer).
+        sliding_window: the window of a sliding layer, else None.
+        num_kv_heads: KV heads as the layer hands them to ``cache.update`` (1 for a latent).
+        head_dim: key head size as stored (the latent's ``kv_lora_rank`` for MLA).
+        v_head_dim: value head size as stored (the rotary key's size for MLA).
+        num_heads: query heads (0: not read).
+        chunk_size: the chunk of a chunked-attention layer, else None.
+        kv_source: for a KV-shared layer, the layer whose keys and values it attends over (it stores none).
+        sinks: whether the layer's softmax has a learned sink logit per head (gpt-oss; read from the model's modules).
+        latent: the MLA latent it caches instead of per-head keys and values, or None.
+        keeps: what it keeps (:data:`KEEPS`).
+        query_temperature: Llama 4's position-dependent query scale of its NoPE layers, ``(attn_scale,
+            floor_scale)``: the query at position ``p`` is multiplied by ``log1p(floor((p + 1) / floor_scale)) *
+            attn_scale + 1``; None for other layers.
+
+    Example:
+        >>> layer = LayerSpec("sliding_attention", 4096, 8, 128, 128)
+        >>> layer.has_cache, layer.kind, layer.token_elements
+        (True, SlidingWindow(window=4096), 2048)
     """
 
     layer_type: str
@@ -44,16 +110,58 @@ class LayerSpec:
     num_kv_heads: int
     head_dim: int
     v_head_dim: int
+    num_heads: int = 0
+    chunk_size: int | None = None
+    kv_source: int | None = None
+    sinks: bool = field(default=False, compare=False)  # no part of the storage: pools compare layers without it
+    latent: LatentLayout | None = None
+    keeps: str = "kv"
+    query_temperature: tuple[float, float] | None = field(default=None, compare=False)
 
     @property
     def has_cache(self) -> bool:
-        """Whether the layer stores keys and values (KV-sharing and attention-free layers do not)."""
-        return self.layer_type != "dummy"
+        """Whether the layer stores keys and values of its own (KV-sharing and attention-free layers do not)."""
+        return self.keeps == "kv"
+
+    @property
+    def attends(self) -> bool:
+        """Whether the layer attends over cached keys and values (its own or its source's)."""
+        return self.keeps in ("kv", "shared")
+
+    @property
+    def kind(self) -> AttentionKind | None:
+        """How its queries see the keys (None for a layer that does not attend)."""
+        if not self.attends:
+            return None
+        if self.chunk_size is not None:
+            return ChunkedAttention(self.chunk_size)
+        return attention_kind(self.sliding_window)
+
+    @property
+    def token_elements(self) -> int:
+        """Values it stores per token (keys and values, or the latent): 0 for a layer without a cache of its own."""
+        return self.num_kv_heads * (self.head_dim + self.v_head_dim) if self.has_cache else 0
+
+    @property
+    def expanded_elements(self) -> int:
+        """Values per token its attention reads as per-head keys and values: what a cache that expanded latents
+        and gave every layer its own keys would store for it."""
+        if not self.attends:
+            return 0
+        if self.latent is not None:
+            return self.latent.expanded_width
+        return self.num_kv_heads * (self.head_dim + self.v_head_dim)
+
+    @property
+    def storage(self) -> tuple[Any, ...]:
+        """What decides its pool tensors and KV group: kind, KV heads, head sizes, latent (layers with the same
+        storage share a group)."""
+        return (self.kind, self.num_kv_heads, self.head_dim, self.v_head_dim, self.latent)
 
 
 @dataclass(frozen=True)
 class ModelKVSpec:
-    """The KV layout of a model, and how its layers map onto KV groups.
+    """The attention of every layer of a model, and how its layers map onto KV groups.
 
     Example:
         >>> from pagedcore.adapters.transformers.testing import tiny_llama_config
@@ -64,13 +172,16 @@ class ModelKVSpec:
 
     model_type: str
     layers: tuple[LayerSpec, ...]
-    windows: tuple[int | None, ...]  # one entry per KV group
-    layer_groups: tuple[int | None, ...]  # per layer, its group (None: no cache)
+    kinds: tuple[AttentionKind, ...]  # one entry per KV group
+    layer_groups: tuple[int | None, ...]  # per layer, the group it stores into (None: no cache of its own)
 
     @classmethod
     def from_model(cls, model: PreTrainedModel | PretrainedConfig) -> ModelKVSpec:
-        """The spec of a model (or of a config)."""
-        return cls.from_config(text_config(model))
+        """The spec of a model (or of a config). Given a model, its attention modules are read too (sinks)."""
+        spec = cls.from_config(text_config(model))
+        if isinstance(model, torch.nn.Module):
+            spec = spec.with_sinks(_layers_with_sinks(model))
+        return spec
 
     @classmethod
     def from_config(cls, config: PretrainedConfig) -> ModelKVSpec:
@@ -81,56 +192,88 @@ class ModelKVSpec:
                 f"model type {model_type!r} is an encoder-decoder model: its cross-attention cache is not a paged "
                 "self-attention cache, so pagedcore cannot serve it (decoder-only models only)"
             )
-        if getattr(config, "kv_lora_rank", None) is not None:
+        if getattr(config, "use_bidirectional_attention", None) in (True, "all"):
             raise UnsupportedModelError(
-                f"model type {model_type!r} uses multi-head latent attention (kv_lora_rank="
-                f"{config.kv_lora_rank}); its cached latents are not per-head keys and values, which pagedcore "
-                "pages: use transformers' DynamicCache for this model"
+                f"model type {model_type!r} attends bidirectionally (use_bidirectional_attention="
+                f"{config.use_bidirectional_attention!r}): its queries see later positions, so no cache of earlier "
+                "keys and values can serve it (an encoder, e.g. an embedding model)"
             )
-        try:
-            layer_types, layer_kwargs = get_layer_types_and_kwargs(config)
-        except Exception as exc:  # configs without the usual fields
-            raise UnsupportedModelError(f"model type {model_type!r}: cannot read its layer types ({exc})") from exc
-        for i, kind in enumerate(layer_types):
-            if kind not in _SUPPORTED:
-                why = _WHY.get(kind, "pagedcore only pages full and sliding-window attention layers")
-                raise UnsupportedModelError(f"model type {model_type!r}, layer {i} is {kind!r}: {why}")
-        heads = getattr(config, "num_attention_heads", None)
-        hidden = getattr(config, "hidden_size", None)
-        if not heads or not hidden:
-            raise UnsupportedModelError(f"model type {model_type!r}: the config names no attention heads")
-        kv_heads = _num_kv_heads(config, heads)
-        head_dim = getattr(config, "head_dim", None) or hidden // heads
-        v_head_dim = getattr(config, "v_head_dim", None) or head_dim
-        windows: list[int | None] = []
+        layers = tuple(_read_layers(config, model_type))
+        return cls.from_layers(model_type, layers)
+
+    @classmethod
+    def from_layers(cls, model_type: str, layers: Sequence[LayerSpec]) -> ModelKVSpec:
+        """The spec of these layers: groups formed by storage (:attr:`LayerSpec.storage`), in order of first use.
+
+        Example:
+            >>> spec = ModelKVSpec.from_layers("x", [LayerSpec("sliding_attention", 8, 2, 16, 16),
+            ...     LayerSpec("full_attention", None, 2, 32, 32), LayerSpec("sliding_attention", 8, 2, 16, 16,
+            ...     kv_source=0, keeps="shared")])
+            >>> spec.kinds, spec.layer_groups, spec.source(2), spec.read_group(2)
+            ((SlidingWindow(window=8), FullAttention()), (0, 1, None), 0, 0)
+        """
+        storages: list[tuple[Any, ...]] = []
         groups: list[int | None] = []
-        layers = []
-        for kind, kwargs in zip(layer_types, layer_kwargs):
-            window = kwargs.get("sliding_window") if kind == "sliding_attention" else None
-            layers.append(LayerSpec(kind, window, kv_heads, head_dim, v_head_dim))
-            if kind == "dummy":
+        for layer in layers:
+            if not layer.has_cache:
                 groups.append(None)
                 continue
-            if window not in windows:
-                windows.append(window)
-            groups.append(windows.index(window))
-        if not windows:
+            if layer.storage not in storages:
+                storages.append(layer.storage)
+            groups.append(storages.index(layer.storage))
+        if not storages:
             raise UnsupportedModelError(f"model type {model_type!r} has no layer with a KV cache")
-        return cls(model_type, tuple(layers), tuple(windows), tuple(groups))
+        return cls(model_type, tuple(layers), tuple(s[0] for s in storages), tuple(groups))
+
+    def with_sinks(self, layers: set[int]) -> ModelKVSpec:
+        """The same spec with attention sinks on ``layers``."""
+        if not layers:
+            return self
+        marked = tuple(LayerSpec(**{**layer.__dict__, "sinks": i in layers}) for i, layer in enumerate(self.layers))
+        return ModelKVSpec(self.model_type, marked, self.kinds, self.layer_groups)
 
     @property
     def num_layers(self) -> int:
         """Decoder layers (with or without a cache)."""
         return len(self.layers)
 
+    @property
+    def windows(self) -> tuple[int | None, ...]:
+        """Per KV group, its sliding window (None: full or chunked attention)."""
+        return tuple(kind.sliding_window for kind in self.kinds)
+
+    def source(self, layer_idx: int) -> int | None:
+        """The layer whose keys and values ``layer_idx`` attends over: itself, its KV source (a shared layer), or
+        None (a layer that does not attend)."""
+        layer = self.layers[layer_idx]
+        if layer.keeps == "shared":
+            return layer.kv_source
+        return layer_idx if layer.has_cache else None
+
+    def read_group(self, layer_idx: int) -> int | None:
+        """The KV group whose blocks ``layer_idx`` attends over (its source's), or None."""
+        source = self.source(layer_idx)
+        return None if source is None else self.layer_groups[source]
+
     def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
-        """Bytes one block id costs over all layers (keys and values)."""
+        """Bytes one block id costs over all layers (keys and values, or latents)."""
+        return block_size * self.bytes_per_token(dtype)
+
+    def bytes_per_token(self, dtype: torch.dtype) -> int:
+        """Bytes one token's keys and values (or latents) take over all layers that store their own."""
         item = torch.empty((), dtype=dtype).element_size()
-        return sum(
-            block_size * layer.num_kv_heads * (layer.head_dim + layer.v_head_dim) * item
-            for layer in self.layers
-            if layer.has_cache
-        )
+        return sum(layer.token_elements for layer in self.layers) * item
+
+    def expanded_bytes_per_token(self, dtype: torch.dtype) -> int:
+        """Bytes one token would take if every attention layer stored its own per-head keys and values (no latent,
+        no KV sharing): :meth:`bytes_per_token` against this is what MLA and KV sharing save."""
+        item = torch.empty((), dtype=dtype).element_size()
+        return sum(layer.expanded_elements for layer in self.layers) * item
+
+    def describe(self) -> list[list[Any]]:
+        """Per layer, what its stored blocks hold (for fingerprints of stored blocks): group, what it keeps, heads,
+        head sizes, kind and latent."""
+        return [_described(layer, group) for layer, group in zip(self.layers, self.layer_groups)]
 
     def check_compatible(self, other: ModelKVSpec) -> None:
         """Raise :class:`PoolMismatchError` unless a pool built for ``other`` can serve this model."""
@@ -143,7 +286,100 @@ class ModelKVSpec:
             )
 
 
-def _num_kv_heads(config: PretrainedConfig, heads: int) -> int:
+def _described(layer: LayerSpec, group: int | None) -> list[Any]:
+    latent = None if layer.latent is None else layer.latent.width
+    return [group, layer.keeps, layer.num_kv_heads, layer.head_dim, layer.v_head_dim, repr(layer.kind), latent]
+
+
+# ---------------------------------------------------------------------------------------------- reading a config
+def _read_layers(config: PretrainedConfig, model_type: str) -> list[LayerSpec]:
+    """Every layer's description, from the config (see the module docstring)."""
+    try:
+        cache_types, layer_kwargs = get_layer_types_and_kwargs(config)
+        per_layer = list(getattr(config, "per_layer_config", None) or [config] * len(cache_types))
+    except Exception as exc:  # configs without the usual fields
+        raise UnsupportedModelError(f"model type {model_type!r}: cannot read its layer types ({exc})") from exc
+    declared = list(getattr(config, "layer_types", None) or cache_types)
+    sharing = list(getattr(config, "kv_sharing_modes", None) or [None] * len(cache_types))
+    layers = []
+    for i, (kind, kwargs, layer_config) in enumerate(zip(cache_types, layer_kwargs, per_layer)):
+        if kind == "dummy" and sharing[i] == "reuse":
+            source = _kv_source(i, declared, sharing, model_type)
+            own = _read_attention(declared[i], layer_kwargs[source], layer_config, config, model_type, i)
+            layers.append(LayerSpec(**{**own.__dict__, "kv_source": source, "keeps": "shared"}))
+        elif kind == "dummy":
+            layers.append(LayerSpec("dummy", None, 0, 0, 0, keeps="none"))
+        elif kind in _ATTENTION:
+            layers.append(_read_attention(kind, kwargs, layer_config, config, model_type, i))
+        else:
+            why = _WHY.get(kind, "pagedcore pages full, sliding-window and chunked attention layers only")
+            raise UnsupportedModelError(f"model type {model_type!r}, layer {i} is {kind!r}: {why}")
+    return layers
+
+
+def _read_attention(
+    kind: str, kwargs: dict[str, Any], layer: Any, config: Any, model_type: str, index: int
+) -> LayerSpec:
+    """One attention layer's description from its per-layer config (``layer``) and the model's (``config``)."""
+    heads = as_integer(_field(layer, "num_attention_heads"))
+    hidden = as_integer(_field(layer, "hidden_size"))
+    if not heads or not hidden:
+        raise UnsupportedModelError(f"model type {model_type!r}: the config names no attention heads")
+    window = kwargs.get("sliding_window") if kind == "sliding_attention" else None
+    chunk = kwargs.get("sliding_window") if kind == "chunked_attention" else None
+    temperature = _query_temperature(config, index)
+    latent = _latent(layer, heads)
+    if latent is not None:  # MLA: one "head" of the latent (keys) and the rotary key (values), as update gets them
+        return LayerSpec(kind, window, 1, latent.kv_lora_rank, latent.rope_dim, heads, chunk, latent=latent,
+                         query_temperature=temperature)  # fmt: skip
+    head_dim = as_integer(_field(layer, "head_dim")) or hidden // heads
+    v_head_dim = as_integer(_field(layer, "v_head_dim")) or head_dim
+    kv_heads = _num_kv_heads(layer, heads)
+    return LayerSpec(kind, window, kv_heads, head_dim, v_head_dim, heads, chunk, query_temperature=temperature)
+
+
+def _field(layer: Any, name: str) -> Any:
+    """A per-layer config's field (None when it has none)."""
+    try:
+        return getattr(layer, name, None)
+    except Exception:  # a heterogeneous config's global view of a per-layer field (AmbiguousGlobalPerLayer...)
+        return None
+
+
+def _latent(layer: Any, heads: int) -> LatentLayout | None:
+    """The MLA latent layout, for a config with ``kv_lora_rank``."""
+    rank = as_integer(_field(layer, "kv_lora_rank"))
+    if rank is None:
+        return None
+    rope = as_integer(_field(layer, "qk_rope_head_dim")) or 0
+    nope = as_integer(_field(layer, "qk_nope_head_dim")) or 0
+    v_dim = as_integer(_field(layer, "v_head_dim")) or 0
+    return LatentLayout(rank, rope, heads, nope, v_dim)
+
+
+def _kv_source(index: int, declared: list[str], sharing: list[str | None], model_type: str) -> int:
+    """The layer whose keys and values the KV-sharing layer ``index`` reuses: the ``"store"`` layer of its type
+    (Gemma 3n / Gemma 4's ``kv_sharing_modes``)."""
+    for j, (kind, mode) in enumerate(zip(declared, sharing)):
+        if mode == "store" and kind == declared[index]:
+            return j
+    raise UnsupportedModelError(
+        f"model type {model_type!r}: layer {index} reuses the keys and values of a {declared[index]!r} layer, "
+        "but no layer of that type stores them"
+    )
+
+
+def _query_temperature(config: Any, index: int) -> tuple[float, float] | None:
+    """Llama 4's temperature tuning of its NoPE layers (``no_rope_layers[i] == 0``), or None."""
+    if not getattr(config, "attn_temperature_tuning", False):
+        return None
+    no_rope = getattr(config, "no_rope_layers", None)
+    if not no_rope or index >= len(no_rope) or no_rope[index]:
+        return None
+    return float(config.attn_scale), float(config.floor_scale)
+
+
+def _num_kv_heads(config: Any, heads: int) -> int:
     """KV heads per layer as the model caches them."""
     if getattr(config, "model_type", None) == "falcon":
         # Falcon caches every head with its new decoder architecture (it expands its KV groups before the cache),
@@ -151,12 +387,23 @@ def _num_kv_heads(config: PretrainedConfig, heads: int) -> int:
         if getattr(config, "new_decoder_architecture", False):
             return heads
         return 1 if getattr(config, "multi_query", False) else int(getattr(config, "num_kv_heads", None) or heads)
-    return int(getattr(config, "num_key_value_heads", None) or heads)
+    return int(_field(config, "num_key_value_heads") or heads)
+
+
+def _layers_with_sinks(model: torch.nn.Module) -> set[int]:
+    """The layers whose attention module has a learned sink logit per head (a ``sinks`` tensor: gpt-oss, Granite
+    SWA, Flint): their ``s_aux`` reaches the attention function."""
+    found = set()
+    for module in model.modules():
+        index = getattr(module, "layer_idx", None)
+        if isinstance(index, int) and isinstance(getattr(module, "sinks", None), torch.Tensor):
+            found.add(index)
+    return found
 
 
 def _summary(spec: ModelKVSpec) -> str:
     first = next(layer for layer in spec.layers if layer.has_cache)
-    return f"{spec.num_layers} layers, {first.num_kv_heads} KV heads of {first.head_dim}, windows {list(spec.windows)}"
+    return f"{spec.num_layers} layers, {first.num_kv_heads} KV heads of {first.head_dim}, kinds {list(spec.kinds)}"
 
 
 def context_limit(model: Any) -> int | None:

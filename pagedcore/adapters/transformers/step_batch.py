@@ -33,9 +33,9 @@ class _PackedLayer(CacheLayerMixin):
 
     is_compileable = False
 
-    def __init__(self, sliding_window: int | None) -> None:
+    def __init__(self, is_sliding: bool) -> None:
         super().__init__()
-        self.is_sliding = sliding_window is not None
+        self.is_sliding = is_sliding
         self.is_initialized = True
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -66,7 +66,8 @@ class PackedCache(Cache):
 
     def __init__(self, pool: PagedKVPool) -> None:
         layers: list[Any] = [
-            _PackedLayer(spec.sliding_window) if spec.has_cache else DummyLayer() for spec in pool.spec.layers
+            _PackedLayer(spec.kind is not None and spec.kind.is_sliding) if spec.has_cache else DummyLayer()
+            for spec in pool.spec.layers
         ]
         super().__init__(layers=layers)
         self._pool = pool
@@ -217,7 +218,7 @@ def pack(
             offsets[g].append(blocks.num_dropped(g))
             slots[g].extend(blocks.slots(g, start, end))
     metas = _metadata(pool, query_lens, seq_lens, offsets, tables, slots)
-    context = ForwardContext(pool, metas, None, attention_backend)
+    context = ForwardContext(pool, metas, None, attention_backend, positions=_packed_positions(pool, positions))
     return StepBatch(plan, owners, tokens, positions, logit_rows, rows, context, scored.rows, scored.spans)
 
 
@@ -262,9 +263,18 @@ def _metadata(
             slot_mapping=torch.tensor(slots[g.index], dtype=torch.int64),
             sliding_window=g.sliding_window,
             pad_block=pool.pad_block,
+            group_kind=g.kind,
         )
         for g in pool.kv.groups
     ]
+
+
+def _packed_positions(pool: PagedKVPool, positions: list[int]) -> torch.Tensor | None:
+    """The packed tokens' positions, for a model whose attention needs them beyond ``position_ids`` (Llama 4's
+    query temperature: :func:`~.layer_attention.retemper`); None for every other model."""
+    if not any(layer.query_temperature is not None for layer in pool.spec.layers):
+        return None
+    return torch.tensor(positions, dtype=torch.long)
 
 
 def _sample_row(item: ScheduledSequence, request: EngineRequest) -> SampleRow:

@@ -6,6 +6,13 @@ Per forward and KV group, the first layer plans the steps (:func:`~.plan.plan_st
 bucket (:attr:`XFormersStats.support_checks`): a paged step no kernel accepts (head dim, GPU generation) runs as a
 gather step, and a gather step no kernel accepts runs on the torch backend.
 
+What xformers' kernels cannot compute runs on the torch backend, whole forwards at a time (counted in
+:attr:`XFormersStats.torch_forwards`): logit softcapping (Gemma 2) and attention sinks (gpt-oss: xformers has no sink
+logit). Chunked attention (Llama 4) is planned like a sliding window (per-sequence key starts; a gather step cuts each
+sequence's queries at its chunk boundaries, see :func:`~.biases.build_gathered_keys`). An MLA layer's latent (keys of
+``kv_lora_rank + rope`` values, values the first ``kv_lora_rank`` of them, one KV head) goes to the ops whose support
+check accepts those head sizes, else to the torch backend like any step no kernel takes.
+
 A kernel that raises (a Triton compile or launch failure, say) does not fail the forward: the failing layer and the
 KV group's later layers of that forward run on the torch backend, the failure is logged once and counted
 (:attr:`XFormersStats.kernel_failures`, which an Engine's stats can report), and the op is not used again for inputs
@@ -128,11 +135,13 @@ class XFormersPagedAttention:
         *,
         scale: float,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if query.shape[0] != metadata.num_tokens:
             raise ValueError(f"query has {query.shape[0]} tokens but the metadata has {metadata.num_tokens}")
-        if softcap is not None or metadata.backend_state.get(_FAILED):  # xformers has no softcapping
-            return self._torch_forward(query, key_cache, value_cache, metadata, scale, softcap)
+        # xformers' kernels have no softcapping and no sink logit: those layers run on the torch backend.
+        if softcap is not None or sinks is not None or metadata.backend_state.get(_FAILED):
+            return self._torch_forward(query, key_cache, value_cache, metadata, scale, softcap, sinks)
         try:
             return self._forward(query, key_cache, value_cache, metadata, scale)
         except torch.cuda.OutOfMemoryError:
@@ -160,10 +169,11 @@ class XFormersPagedAttention:
         meta: PagedAttentionMetadata,
         scale: float,
         softcap: float | None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         self.stats.torch_forwards += 1
         self.last_ops = ("torch",)
-        return self._torch.forward(query, key_cache, value_cache, meta, scale=scale, softcap=softcap)
+        return self._torch.forward(query, key_cache, value_cache, meta, scale=scale, softcap=softcap, sinks=sinks)
 
     def _prepare(self, meta: PagedAttentionMetadata, device: torch.device) -> list[PreparedStep]:
         key = (_STEPS, device, self.flash_paged)

@@ -11,8 +11,8 @@ heads-per-group dim expanded at stride 0, so no key or value is copied. xformers
 
 - full attention uses ``PagedBlockDiagonalCausalWithOffsetPaddedKeysMask`` (bottom-right causal: a sequence's
   queries are its last positions, so decode rows and prefill rows over a cached prefix mix in one bias);
-- a sliding-window group (or a row whose leading blocks were released) uses the gappy paged biases, whose
-  per-sequence key start expresses both the window and the released blocks (see :func:`~.plan.pieces`).
+- a sliding-window or chunked group (or a row whose leading blocks were released) uses the gappy paged biases,
+  whose per-sequence key start expresses the window, the chunk and the released blocks (see :func:`~.plan.pieces`).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from .plan import (
     num_live_blocks,
     pieces,
     rows_with_queries,
+    segments,
 )
 from .runtime import import_xformers
 
@@ -163,7 +164,8 @@ class GatheredKeys:
 
     Attributes:
         slots: ``int64 (num_keys,)``: the pool slot of each gathered key, sequence after sequence; each sequence's
-            keys are the contiguous positions from the first one any of its queries sees to ``seq_len - 1``.
+            keys are the contiguous positions from the first one any of its queries sees to ``seq_len - 1`` (in a
+            chunked group, once per chunk its queries fall in: that chunk's keys up to its last query).
         bias: ``BlockDiagonalCausalFromBottomRightMask`` over the packed queries and gathered keys, or
             ``BlockDiagonalCausalLocalAttentionFromBottomRightMask`` (the window) in a sliding group.
 
@@ -196,15 +198,17 @@ def build_gathered_keys(
     if not rows:
         raise ValueError("build_gathered_keys: no sequence in the metadata has queries")
     bs = metadata.block_size
-    firsts = [first_key(metadata, i, metadata.seq_lens[i] - metadata.query_lens[i]) for i in rows]
-    kv_lens = [metadata.seq_lens[i] - first for i, first in zip(rows, firsts)]
+    # One run of keys per query segment (a row; a chunk of a row in a chunked group): its first key to its last query.
+    runs = [(i, first_key(metadata, i, start), start + count, count) for i in rows for start, count in segments(
+        metadata, i)]  # fmt: skip
+    kv_lens = [end - first for _, first, end, _ in runs]
     # Each gathered key's position, and the block-table cell that holds it (looked up in the host tables).
-    position = torch.cat([torch.arange(first, metadata.seq_lens[i]) for i, first in zip(rows, firsts)])
-    row_of = torch.repeat_interleave(torch.tensor(rows), torch.tensor(kv_lens))  # (num_keys,)
+    position = torch.cat([torch.arange(first, end) for _, first, end, _ in runs])
+    row_of = torch.repeat_interleave(torch.tensor([i for i, *_ in runs]), torch.tensor(kv_lens))  # (num_keys,)
     column = position // bs - torch.tensor(metadata.block_offsets)[row_of]
     blocks = metadata.host_tables[row_of, column].to(torch.int64)
     slots = to_device(blocks * bs + position % bs, device)
-    mask = xb.BlockDiagonalMask.from_seqlens([metadata.query_lens[i] for i in rows], kv_lens, device=device)
+    mask = xb.BlockDiagonalMask.from_seqlens([count for *_, count in runs], kv_lens, device=device)
     if metadata.sliding_window is None:
         bias = mask.make_causal_from_bottomright()
     else:

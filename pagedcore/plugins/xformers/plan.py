@@ -169,8 +169,33 @@ def rows_with_queries(meta: PagedAttentionMetadata) -> list[int]:
 
 
 def is_gappy(meta: PagedAttentionMetadata, rows: list[int]) -> bool:
-    """Whether some row's keys do not start at position 0 (a window, or released leading blocks)."""
-    return meta.sliding_window is not None or any(meta.block_offsets[i] > 0 for i in rows)
+    """Whether some row's keys do not start at position 0 (a window, a chunk, or released leading blocks)."""
+    return meta.kind.is_sliding or any(meta.block_offsets[i] > 0 for i in rows)
+
+
+def segments(meta: PagedAttentionMetadata, i: int) -> list[tuple[int, int]]:
+    """Row ``i``'s queries as ``(first query position, query count)`` runs whose keys start at the same position:
+    the whole row, or, where that start depends on the query's absolute position (chunked attention), one run per
+    chunk. Each run then sees ``first_key .. its last query``, bottom-right causal (a window's own rule aside).
+
+    Example:
+        >>> from pagedcore.attention_kinds import ChunkedAttention
+        >>> meta = PagedAttentionMetadata.build(block_size=4, query_lens=[6], seq_lens=[10], block_offsets=[0],
+        ...     tables=[[0, 1, 2]], slots=[[4, 5, 6, 7, 8, 9]], sliding_window=None, pad_block=3,
+        ...     kind=ChunkedAttention(8))
+        >>> segments(meta, 0)
+        [(4, 4), (8, 2)]
+    """
+    first, end = meta.seq_lens[i] - meta.query_lens[i], meta.seq_lens[i]
+    if meta.kind.is_relative:
+        return [(first, end - first)]
+    out = []
+    while first < end:
+        last = meta.kind.last_query_seeing(first)  # the last query whose keys start where this one's do
+        count = min(end, (end if last is None else last + 1)) - first
+        out.append((first, count))
+        first += count
+    return out
 
 
 def num_live_blocks(meta: PagedAttentionMetadata, i: int) -> int:
