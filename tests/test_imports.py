@@ -43,7 +43,7 @@ def discover() -> dict[str, Module]:
 
 
 MODULES = discover()
-SUBPACKAGES = ("pagedcore.adapters", "pagedcore.plugins", *FRONT_ENDS)
+SUBPACKAGES = ("pagedcore.engine", "pagedcore.adapters", "pagedcore.plugins", *FRONT_ENDS)
 CORE = sorted(
     name
     for name in MODULES

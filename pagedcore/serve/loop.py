@@ -29,7 +29,7 @@ from pagedcore.validation import integer
 
 if TYPE_CHECKING:
     from pagedcore.adapters.transformers import Engine, EngineStats, RequestOutput, SamplingParams, TokenEvent
-    from pagedcore.adapters.transformers.outputs import TokenLogprobs
+    from pagedcore.engine.outputs import TokenLogprobs
 
 logger = logging.getLogger(__name__)
 

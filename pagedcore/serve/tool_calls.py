@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pagedcore.adapters.transformers.structured import StructuredOutput
+from pagedcore.engine.structured import StructuredOutput
 
 from .protocol import ApiError
 

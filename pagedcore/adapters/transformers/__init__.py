@@ -18,10 +18,9 @@ Example:
     torch.Size([1, 7])
 """
 
-from .attention import ForwardContext, paged_attention_forward, register
-from .cache import CacheMemoryStats, PagedCache
-from .engine import Engine
-from .outputs import (
+from typing import TYPE_CHECKING
+
+from pagedcore.engine.outputs import (
     EngineStats,
     Logprob,
     RequestMetrics,
@@ -31,12 +30,38 @@ from .outputs import (
     TokenEvent,
     TokenLogprobs,
 )
+from pagedcore.engine.sampling import SamplingParams
+from pagedcore.lazy_names import keep_old_paths
+
+from .attention import ForwardContext, paged_attention_forward, register
+from .cache import CacheMemoryStats, PagedCache
 from .pool import MemoryStats, PagedKVPool
 from .prefix_caching import disable, enable, is_enabled, namespace, prefix_pool
-from .sampling import SamplingParams
 from .spec import LayerSpec, ModelKVSpec
 
+if TYPE_CHECKING:
+    from pagedcore.engine.engine import Engine
+
 register()
+
+# The Engine and its framework-neutral modules moved to pagedcore.engine: their old paths keep working.
+keep_old_paths(
+    __name__,
+    {
+        name: f"pagedcore.engine.{name}"
+        for name in (
+            "detokenizer",
+            "inputs",
+            "locks",
+            "logits_processors",
+            "logprobs",
+            "outputs",
+            "request",
+            "sampling",
+            "stopping",
+        )
+    },
+)
 
 __all__ = [
     "CacheMemoryStats",
@@ -64,3 +89,12 @@ __all__ = [
     "prefix_pool",
     "register",
 ]
+
+
+def __getattr__(name: str) -> object:
+    # The Engine still drives the model through this package's modules: imported on first use, once they are loaded.
+    if name in ("Engine", "engine"):
+        from pagedcore.engine import engine
+
+        return engine.Engine if name == "Engine" else engine
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

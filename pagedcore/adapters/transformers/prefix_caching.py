@@ -67,12 +67,12 @@ from typing import Any
 import torch
 
 from pagedcore.capacity import Demand, Reservation
+from pagedcore.engine.inputs import TOKEN_DTYPES, check_token_tensor
 from pagedcore.errors import ConfigError, InvalidRequestError, OutOfBlocksError, PoolMismatchError
 from pagedcore.prefix_trie import namespace_key
 from pagedcore.validation import as_integer
 
 from .cache import PagedCache
-from .inputs import TOKEN_DTYPES, check_token_tensor
 from .pool import KVStoreSpec, PagedKVPool
 from .spec import context_limit, text_config
 

@@ -18,12 +18,12 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DummyLayer
 
 from pagedcore.attention import PagedAttentionMetadata, stack_block_tables, to_device, write_kv
+from pagedcore.engine.request import EngineRequest
+from pagedcore.engine.sampling import SampleRow
 from pagedcore.scheduler import ScheduledSequence, SchedulerOutput
 
 from .attention import ForwardContext
 from .pool import PagedKVPool
-from .request import EngineRequest
-from .sampling import SampleRow
 
 __all__ = ["PackedCache", "PromptSpan", "StepBatch", "pack"]
 

@@ -40,6 +40,11 @@ from typing import Any
 
 import torch
 
+from pagedcore.adapters.transformers.attention import ATTN_IMPLEMENTATION, CONTEXT_KEY
+from pagedcore.adapters.transformers.compiled import CompileCounts, CompiledDecode, DecodeInputs, resolve_compile
+from pagedcore.adapters.transformers.pool import KVStoreSpec, PagedKVPool
+from pagedcore.adapters.transformers.spec import context_limit, text_config
+from pagedcore.adapters.transformers.step_batch import PackedCache, StepBatch, pack
 from pagedcore.attention import to_device
 from pagedcore.errors import (
     ConcurrentUseError,
@@ -55,18 +60,13 @@ from pagedcore.sequence import FinishReason, SequenceState
 from pagedcore.validation import as_integer, integer
 from pagedcore.validation import token_ids as valid_token_ids
 
-from .attention import ATTN_IMPLEMENTATION, CONTEXT_KEY
-from .compiled import CompileCounts, CompiledDecode, DecodeInputs, resolve_compile
 from .detokenizer import DecodeError, IncrementalDetokenizer
 from .inputs import as_prompt_list, token_id_list
 from .locks import Locks
 from .logprobs import prompt_logprobs
 from .outputs import EngineStats, RequestMetrics, RequestOutput, SampleOutput, StepOutput, TokenEvent, TokenLogprobs
-from .pool import KVStoreSpec, PagedKVPool
 from .request import EngineRequest
 from .sampling import SamplingParams, StepSamples, merge_generation_config, sample_rows, to_sampling_params
-from .spec import context_limit, text_config
-from .step_batch import PackedCache, StepBatch, pack
 from .stopping import SampleText, StopStrings, stop_strings
 from .structured.requests import EngineGrammars, RequestGrammar
 from .structured.spec import StructuredOutput

@@ -40,7 +40,7 @@ class EngineRequest:
 
     Example:
         >>> from pagedcore.adapters.transformers import RequestMetrics, SampleOutput
-        >>> from pagedcore.adapters.transformers.stopping import StopStrings
+        >>> from pagedcore.engine.stopping import StopStrings
         >>> out = RequestOutput("r", [5], [SampleOutput(0)], RequestMetrics(0.0))
         >>> texts = [SampleText(None, StopStrings())]
         >>> request = EngineRequest("r", SamplingParams(), SequenceState("r", [5], 4), out, texts, [])

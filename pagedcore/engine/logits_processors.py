@@ -31,7 +31,7 @@ Log-probabilities (``logprobs``) are taken before step 1, from the model's logit
 Example:
     >>> import torch
     >>> from pagedcore.adapters.transformers import SamplingParams
-    >>> from pagedcore.adapters.transformers.sampling import SampleRow
+    >>> from pagedcore.engine.sampling import SampleRow
     >>> rows = [SampleRow("a", SamplingParams(logit_bias={1: 2.0}), [torch.Generator()])]
     >>> process_rows(torch.tensor([[1.0, 0.5, 0.0]]), rows).tolist()
     [[1.0, 2.5, 0.0]]
@@ -151,7 +151,7 @@ def process_rows(
 
     Example:
         >>> from pagedcore.adapters.transformers import SamplingParams
-        >>> from pagedcore.adapters.transformers.sampling import SampleRow
+        >>> from pagedcore.engine.sampling import SampleRow
         >>> rows = [SampleRow("a", SamplingParams(), [torch.Generator()], suppress=(0,)),
         ...         SampleRow("b", SamplingParams(), [torch.Generator()])]
         >>> process_rows(torch.tensor([[1.0, 0.5], [1.0, 0.5]]), rows).tolist()
@@ -192,7 +192,7 @@ def apply_masks_and_bias(logits: torch.Tensor, rows: Sequence[SampleRow]) -> tor
 
     Example:
         >>> from pagedcore.adapters.transformers import SamplingParams
-        >>> from pagedcore.adapters.transformers.sampling import SampleRow
+        >>> from pagedcore.engine.sampling import SampleRow
         >>> row = SampleRow("a", SamplingParams(allowed_token_ids=[0, 2], logit_bias={2: 1.0}), [], suppress=(0,))
         >>> apply_masks_and_bias(torch.zeros(1, 3), [row]).tolist()
         [[-inf, -inf, 1.0]]
@@ -228,7 +228,7 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Te
     Example:
         >>> from pagedcore import SequenceState
         >>> from pagedcore.adapters.transformers import SamplingParams
-        >>> from pagedcore.adapters.transformers.sampling import SampleRow
+        >>> from pagedcore.engine.sampling import SampleRow
         >>> seq = SequenceState("a", [0], max_new_tokens=4)
         >>> for token in (1, 1, 2):
         ...     _ = seq.append_token(token)
