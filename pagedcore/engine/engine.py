@@ -42,6 +42,7 @@ import torch
 
 from pagedcore.adapters.transformers.attention import ATTN_IMPLEMENTATION, CONTEXT_KEY
 from pagedcore.adapters.transformers.compiled import CompileCounts, CompiledDecode, DecodeInputs, resolve_compile
+from pagedcore.adapters.transformers.generate_kwargs import merge_generation_config, to_sampling_params
 from pagedcore.adapters.transformers.pool import KVStoreSpec, PagedKVPool
 from pagedcore.adapters.transformers.spec import context_limit, text_config
 from pagedcore.adapters.transformers.step_batch import PackedCache, StepBatch, pack
@@ -66,7 +67,7 @@ from .locks import Locks
 from .logprobs import prompt_logprobs
 from .outputs import EngineStats, RequestMetrics, RequestOutput, SampleOutput, StepOutput, TokenEvent, TokenLogprobs
 from .request import EngineRequest
-from .sampling import SamplingParams, StepSamples, merge_generation_config, sample_rows, to_sampling_params
+from .sampling import SamplingParams, StepSamples, sample_rows
 from .stopping import SampleText, StopStrings, stop_strings
 from .structured.requests import EngineGrammars, RequestGrammar
 from .structured.spec import StructuredOutput
