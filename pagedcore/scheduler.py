@@ -335,28 +335,33 @@ class Scheduler:
             >>> sched.check_admissible(SequenceState("a", [1, 2, 3], max_new_tokens=3))
             Traceback (most recent call last):
             ...
-            pagedcore.errors.InvalidRequestError: request 'a' can never fit: 3 prompt tokens + 3 new tokens need 3 ...
+            pagedcore.errors.InvalidRequestError: the request can never fit: 3 prompt tokens + 3 new tokens need 3 ...
         """
         self._check(seq)
 
     def _check(self, seq: SequenceState) -> tuple[int, ...]:
+        # The messages name no request id: a server hands them to its client, who knows its own request.
         cfg = self._config
         if seq.priority and cfg.policy != "priority":
             raise InvalidRequestError(
-                f"request {seq.request_id!r} has priority {seq.priority} but the scheduling policy is "
-                f"{cfg.policy!r}: priorities need policy='priority'"
+                f"priority {seq.priority} needs the scheduling policy 'priority' (this one is {cfg.policy!r})",
+                param="priority",
             )
         if seq.num_samples > self._config.max_num_seqs:
             raise InvalidRequestError(
-                f"request {seq.request_id!r} asks for {seq.num_samples} parallel samples but at most "
-                f"{self._config.max_num_seqs} sequences run at once (max_num_seqs)"
+                f"n={seq.num_samples} parallel samples are more than the {self._config.max_num_seqs} sequences that "
+                "run at once (max_num_seqs)",
+                param="n",
             )
         peaks = self.worst_case(seq)
         for short in self._pool.capacity_shortfalls(peaks):
+            prompt_alone = Demand(seq.num_prompt_tokens, 1, chunk=self._config.max_num_batched_tokens)
+            too_long = bool(self._pool.capacity_shortfalls(self._pool.worst_case(prompt_alone)))
             raise InvalidRequestError(
-                f"request {seq.request_id!r} can never fit: {seq.num_prompt_tokens} prompt tokens + "
-                f"{seq.max_new_tokens} new tokens need {short.needed} blocks of {self._bs} tokens in KV group "
-                f"{short.group}, but the pool has {short.available}"
+                f"the request can never fit: {seq.num_prompt_tokens} prompt tokens + {seq.max_new_tokens} new tokens "
+                f"need {short.needed} blocks of {self._bs} tokens in KV group {short.group}, but the pool has "
+                f"{short.available}",
+                param="prompt" if too_long else "max_new_tokens",
             )
         return peaks
 

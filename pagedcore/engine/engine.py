@@ -43,7 +43,7 @@ import torch
 from pagedcore.adapters.transformers.attention import ATTN_IMPLEMENTATION, CONTEXT_KEY
 from pagedcore.adapters.transformers.compiled import CompileCounts, CompiledDecode, DecodeInputs, resolve_compile
 from pagedcore.adapters.transformers.generate_kwargs import merge_generation_config, to_sampling_params
-from pagedcore.adapters.transformers.pool import KVStoreSpec, PagedKVPool
+from pagedcore.adapters.transformers.pool import KVStoreSpec, PagedKVPool, PoolConfig
 from pagedcore.adapters.transformers.spec import context_limit, text_config
 from pagedcore.adapters.transformers.step_batch import PackedCache, StepBatch, pack
 from pagedcore.attention import to_device
@@ -725,12 +725,17 @@ class Engine:
         if self._max_positions and len(token_ids) + params.max_new_tokens > self._max_positions:
             raise InvalidRequestError(
                 f"{len(token_ids)} prompt tokens + {params.max_new_tokens} new tokens exceed the model's context "
-                f"of {self._max_positions} positions"
+                f"of {self._max_positions} positions",
+                param="prompt" if len(token_ids) >= self._max_positions else "max_new_tokens",
             )
         if request_id is not None and (not isinstance(request_id, str) or not request_id or "#" in request_id):
-            raise InvalidRequestError(f"request ids must be non-empty strings without '#', got {request_id!r}")
+            raise InvalidRequestError(
+                f"request ids must be non-empty strings without '#', got {request_id!r}", param="request_id"
+            )
         stop = () if params.ignore_eos else (params.stop_token_ids if params.stop_token_ids is not None else self._eos)
-        stop_ids = valid_token_ids(stop, vocab_size=self._vocab_size, name="stop_token_ids", allow_empty=True)
+        stop_ids = valid_token_ids(
+            stop, vocab_size=self._vocab_size, name="stop_token_ids", allow_empty=True, param="stop_token_ids"
+        )
         self._check_model_fields(params)
         stops = stop_strings(params.stop_strings, params.include_stop_str_in_output, self.tokenizer, self._added_vocab)
         grammar = None
@@ -765,7 +770,7 @@ class Engine:
         first structured request."""
         if self.tokenizer is None:
             raise InvalidRequestError(
-                f"structured outputs ({spec.kind}) need the tokenizer: Engine(model, tokenizer=...)"
+                f"structured outputs ({spec.kind}) need the tokenizer: Engine(model, tokenizer=...)", param="structured"
             )
         with self._lock:
             if self._grammars is None:
@@ -800,9 +805,12 @@ class Engine:
         ``prompt_logprobs`` within ``max_logprobs``."""
         vocab = self._vocab_size
         if params.logit_bias:
-            valid_token_ids([t for t, _ in params.bias_items], vocab_size=vocab, name="logit_bias token ids")
+            ids = [t for t, _ in params.bias_items]
+            valid_token_ids(ids, vocab_size=vocab, name="logit_bias token ids", param="logit_bias")
         if params.allowed_token_ids:
-            valid_token_ids(params.allowed_token_ids, vocab_size=vocab, name="allowed_token_ids")
+            valid_token_ids(
+                params.allowed_token_ids, vocab_size=vocab, name="allowed_token_ids", param="allowed_token_ids"
+            )
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(params, name)
             if k is None or self.max_logprobs == -1:
@@ -810,7 +818,8 @@ class Engine:
             if (k == -1 and (vocab is None or vocab > self.max_logprobs)) or k > self.max_logprobs:
                 raise InvalidRequestError(
                     f"{name}={k} is more than this Engine allows: at most max_logprobs={self.max_logprobs} "
-                    "(Engine(max_logprobs=...); -1 asks for the whole vocabulary)"
+                    "(Engine(max_logprobs=...); -1 asks for the whole vocabulary)",
+                    param=name,
                 )
 
     def _sample_text(self, stops: StopStrings, min_new_tokens: int) -> SampleText:
@@ -963,12 +972,12 @@ class Engine:
         if not isinstance(prompt, str):
             return token_id_list(prompt, vocab_size=self._vocab_size)
         if self.tokenizer is None:
-            raise InvalidRequestError("a string prompt needs a tokenizer: Engine(model, tokenizer=...)")
+            raise InvalidRequestError("a string prompt needs a tokenizer: Engine(model, tokenizer=...)", param="prompt")
         try:
             encoded = self.tokenizer(prompt)["input_ids"]
         except Exception as exc:  # the tokenizer is user code: its failure is this request's error
             raise InvalidRequestError(
-                f"the tokenizer failed on the prompt {prompt[:40]!r}: {type(exc).__name__}: {exc}"
+                f"the tokenizer failed on the prompt {prompt[:40]!r}: {type(exc).__name__}: {exc}", param="prompt"
             ) from exc
         return token_id_list(encoded, vocab_size=self._vocab_size)
 
@@ -1082,21 +1091,14 @@ def _pool_for(
 ) -> PagedKVPool:
     """A new pool of ``num_blocks`` / ``memory_budget`` (and its tiers below) for ``model``, or ``pool`` bound to it
     (not both)."""
-    if pool is None:
-        return PagedKVPool(
-            model,
-            num_blocks=num_blocks,
-            memory_budget=memory_budget,
-            block_size=block_size,
-            kv_store=kv_store,
-            kv_store_bytes=kv_store_bytes,
-        )
-    if num_blocks is not None or memory_budget is not None:
-        raise ConfigError("num_blocks / memory_budget size a new pool: not with pool=")
-    if kv_store is not None or kv_store_bytes is not None:
-        raise ConfigError("kv_store / kv_store_bytes belong to a new pool: give them to PagedKVPool")
-    pool.bind(model)
-    return pool
+    config = PoolConfig.of(
+        num_blocks=num_blocks,
+        memory_budget=memory_budget,
+        block_size=block_size,
+        kv_store=kv_store,
+        kv_store_bytes=kv_store_bytes,
+    )
+    return PagedKVPool.resolve(model, pool, config)
 
 
 def _eos_ids(model: Any) -> list[int]:

@@ -70,7 +70,9 @@ MAX_LOGIT_BIAS = 100.0
 
 
 # ----------------------------------------------------------------------------------------------- what is accepted
-def number(name: str, value: object, low: float, high: float, *, low_open: bool = False) -> float:
+def number(
+    name: str, value: object, low: float, high: float, *, low_open: bool = False, param: str | None = None
+) -> float:
     """``value`` as a finite ``float`` in ``[low, high]`` (``(low, high]`` with ``low_open``); refuses bools,
     strings, NaN and infinities with an :class:`~pagedcore.errors.InvalidRequestError` naming ``name``.
 
@@ -87,7 +89,7 @@ def number(name: str, value: object, low: float, high: float, *, low_open: bool 
     if ok:
         ok = (low < value if low_open else low <= value) and value <= high  # type: ignore[operator]
     if not ok:
-        raise InvalidRequestError(f"{name} must be a number in {interval}, got {value!r}")
+        raise InvalidRequestError(f"{name} must be a number in {interval}, got {value!r}", param=param or name)
     return float(value)  # type: ignore[arg-type]
 
 
@@ -111,11 +113,13 @@ def logit_bias_pairs(value: object) -> tuple[tuple[int, float], ...]:
     elif isinstance(value, (tuple, list)) and all(isinstance(p, tuple) and len(p) == 2 for p in value):
         items = list(value)
     else:
-        raise InvalidRequestError(f"logit_bias must map token ids to biases, got {value!r}")
+        raise InvalidRequestError(f"logit_bias must map token ids to biases, got {value!r}", param="logit_bias")
     pairs: dict[int, float] = {}
     for token, bias in items:
-        token_id = integer("logit_bias token ids", token, minimum=0, expected="token ids (integers >= 0)")
-        pairs[token_id] = number(f"logit_bias[{token_id}]", bias, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
+        token_id = integer(
+            "logit_bias token ids", token, minimum=0, expected="token ids (integers >= 0)", param="logit_bias"
+        )
+        pairs[token_id] = number(f"logit_bias[{token_id}]", bias, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS, param="logit_bias")
     return tuple(sorted(pairs.items()))
 
 

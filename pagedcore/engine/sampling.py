@@ -165,18 +165,19 @@ class SamplingParams:
             if getattr(self, name) is not None:
                 fix(self, name, integer(name, getattr(self, name), minimum=None if name == "seed" else -1))
         if self.stop_token_ids is not None:
-            fix(self, "stop_token_ids", tuple(token_ids(self.stop_token_ids, name="stop_token_ids", allow_empty=True)))
+            stop = token_ids(self.stop_token_ids, name="stop_token_ids", allow_empty=True, param="stop_token_ids")
+            fix(self, "stop_token_ids", tuple(stop))
         fix(self, "stop_strings", _stop_strings(self.stop_strings))
         self._check_processors()
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)):
-            raise InvalidRequestError(f"temperature must be a number, got {self.temperature!r}")
+            raise InvalidRequestError(f"temperature must be a number, got {self.temperature!r}", param="temperature")
         if not self.temperature >= 0 or math.isinf(self.temperature):  # also catches NaN
-            raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature!r}")
+            raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature!r}", param="temperature")
         if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
-            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}", param="top_p")
         for name in ("ignore_eos", "return_logits", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
-                raise InvalidRequestError(f"{name} must be True or False, got {getattr(self, name)!r}")
+                raise InvalidRequestError(f"{name} must be True or False, got {getattr(self, name)!r}", param=name)
         if self.structured is not None:
             fix(self, "structured", _structured(self.structured, self.ignore_eos, self.min_new_tokens))
 
@@ -193,9 +194,13 @@ class SamplingParams:
         fix(self, "min_p", number("min_p", self.min_p, 0.0, 1.0))
         fix(self, "logit_bias", logit_bias_pairs(self.logit_bias))
         if self.allowed_token_ids is not None:
-            allowed = tuple(token_ids(self.allowed_token_ids, name="allowed_token_ids", allow_empty=True))
+            allowed = tuple(
+                token_ids(self.allowed_token_ids, name="allowed_token_ids", allow_empty=True, param="allowed_token_ids")
+            )
             if not allowed:  # every token masked: nothing could be drawn (vLLM refuses it too)
-                raise InvalidRequestError("allowed_token_ids must not be empty (None allows every token)")
+                raise InvalidRequestError(
+                    "allowed_token_ids must not be empty (None allows every token)", param="allowed_token_ids"
+                )
             fix(self, "allowed_token_ids", allowed)
         processing = self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
         fix(self, "needs_processing", bool(processing or self.logit_bias or self.allowed_token_ids))
@@ -219,7 +224,7 @@ class SamplingParams:
             ours = VLLM_NAMES.get(name, name)
             if ours in renamed:
                 first, second = sorted((given[ours], name), key=lambda n: n in VLLM_NAMES, reverse=True)
-                raise InvalidRequestError(f"{first} and {second} are the same field: give one")
+                raise InvalidRequestError(f"{first} and {second} are the same field: give one", param=second)
             renamed[ours], given[ours] = value, name
         try:
             return cls(**renamed)
@@ -263,13 +268,20 @@ class SamplingParams:
 
 def _structured(value: object, ignore_eos: bool, min_new_tokens: int) -> StructuredOutput | None:
     """A structured-output spec (None for OpenAI's ``{"type": "text"}``); refuses what cannot end where it ends."""
-    if isinstance(value, Mapping) and "type" in value:  # OpenAI's response_format
-        spec = StructuredOutput.from_response_format(value)
-    else:
-        spec = StructuredOutput.from_value(value)  # type: ignore[arg-type]
+    try:
+        if isinstance(value, Mapping) and "type" in value:  # OpenAI's response_format
+            spec = StructuredOutput.from_response_format(value)
+        else:
+            spec = StructuredOutput.from_value(value)  # type: ignore[arg-type]
+    except GrammarError as exc:
+        exc.param = exc.param or "structured"
+        raise
     if spec is not None and (ignore_eos or min_new_tokens):
         what = "ignore_eos=True" if ignore_eos else f"min_new_tokens={min_new_tokens}"
-        raise GrammarError(f"structured outputs end where their grammar ends: {what} cannot be combined with them")
+        raise GrammarError(
+            f"structured outputs end where their grammar ends: {what} cannot be combined with them",
+            param="ignore_eos" if ignore_eos else "min_new_tokens",
+        )
     return spec
 
 
@@ -293,10 +305,12 @@ def _stop_strings(value: object) -> tuple[str, ...]:
         return ()
     items = (value,) if isinstance(value, str) else value
     if isinstance(items, (bytes, Mapping)) or not isinstance(items, Sequence):
-        raise InvalidRequestError(f"stop_strings must be a string or a list of strings, got {value!r}")
+        raise InvalidRequestError(
+            f"stop_strings must be a string or a list of strings, got {value!r}", param="stop_strings"
+        )
     bad = [s for s in items if not isinstance(s, str) or not s]
     if bad:
-        raise InvalidRequestError(f"stop strings must be non-empty strings, got {bad[0]!r}")
+        raise InvalidRequestError(f"stop strings must be non-empty strings, got {bad[0]!r}", param="stop_strings")
     return tuple(items)
 
 

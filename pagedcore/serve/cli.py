@@ -7,7 +7,6 @@ the top: torch, transformers, FastAPI and uvicorn are imported by :func:`run`.
 from __future__ import annotations
 
 import argparse
-import re
 import signal
 import sys
 from collections.abc import Callable
@@ -16,24 +15,12 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .auth import ApiKeys
 
-__all__ = ["BUILTIN_NAME", "add_arguments", "load_api_keys", "missing_extra", "parse_size", "run"]
+__all__ = ["BUILTIN_NAME", "add_arguments", "flag_error", "load_api_keys", "missing_extra", "run"]
 
 BUILTIN_NAME = "pagedcore-builtin"
 # The defaults of pagedcore.serve.body.BodyLimits (not imported here: this module imports argparse alone).
 _MAX_REQUEST_BYTES = "8MiB"
 _BODY_TIMEOUT = 30.0
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -310,16 +297,21 @@ def _check(args: argparse.Namespace, error: type[Exception]) -> None:
         raise error(f"--port must be in 0..65535, got {args.port}")
     if args.max_queue < 1:  # 0 would refuse every request with 429
         raise error(f"--max-queue must be >= 1, got {args.max_queue}")
-    args.max_request_bytes = parse_size(getattr(args, "max_request_bytes", _MAX_REQUEST_BYTES), error)
+    from pagedcore.config import PoolConfig, parse_size
+    from pagedcore.errors import ConfigError
+
+    try:
+        args.max_request_bytes = parse_size(
+            getattr(args, "max_request_bytes", _MAX_REQUEST_BYTES), name="--max-request-bytes"
+        )
+        PoolConfig(kv_store=getattr(args, "kv_store", None), kv_store_bytes=getattr(args, "kv_store_bytes", None))
+    except ConfigError as exc:
+        raise flag_error(exc, error) from exc
     if args.max_request_bytes < 1:
         raise error(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
     timeout = getattr(args, "body_timeout", _BODY_TIMEOUT)
     if not timeout > 0 or timeout == float("inf"):
         raise error(f"--body-timeout must be a number of seconds > 0, got {timeout}")
-    if (getattr(args, "kv_store", None) is None) != (getattr(args, "kv_store_bytes", None) is None):
-        raise error("--kv-store and --kv-store-bytes go together (a directory and its budget, e.g. 20GiB)")
-    if getattr(args, "kv_store_bytes", None) is not None:
-        args.kv_store_bytes = parse_size(args.kv_store_bytes, error, "--kv-store-bytes")
     if args.threads is not None and args.threads < 1:
         raise error(f"--threads must be >= 1, got {args.threads}")
     _check_vllm_flags(args, error)
@@ -447,20 +439,26 @@ def _app_options(args: argparse.Namespace, names: list[str], error: type[Excepti
     )
 
 
-def parse_size(value: str | int, error: type[Exception] = ValueError, option: str = "--max-request-bytes") -> int:
-    """A size in bytes: an integer, or a number with a unit (KB, MB, GB, TB, KiB, MiB, GiB, TiB); ``error`` naming
-    ``option`` otherwise.
+def flag_error(exc: Exception, error: type[Exception]) -> Exception:
+    """``error`` (the usage error) for a :class:`~pagedcore.errors.ConfigError` of a setting a flag gives: the
+    setting (its ``param``) named as the flag.
 
     Example:
-        >>> parse_size("8MiB"), parse_size("1.5 kb"), parse_size(100)
-        (8388608, 1500, 100)
+        >>> from pagedcore.config import PoolConfig
+        >>> from pagedcore.errors import ConfigError
+        >>> try:
+        ...     PoolConfig(kv_store_bytes="lots")
+        ... except ConfigError as exc:
+        ...     print(flag_error(exc, ValueError))
+        --kv-store-bytes must be a size like 8MiB, 2GiB or 1000000, got 'lots'
     """
-    if isinstance(value, int):
-        return value
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(value))
-    if match is None or match.group(2).lower() not in _UNITS:
-        raise error(f"{option} must be a size like 8MiB or 1000000, got {value!r}")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    param, message = getattr(exc, "param", None), str(exc)
+    if param is None:
+        return error(message)
+    flag = param if param.startswith("--") else "--" + param.replace("_", "-")
+    if message.startswith(param + " "):
+        return error(flag + message[len(param) :])
+    return error(f"{flag}: {message}")
 
 
 def _model(args: argparse.Namespace, error: type[Exception]) -> tuple[Any, Any, str]:

@@ -7,11 +7,9 @@ the event loop with ``call_soon_threadsafe``, onto an asyncio queue that the req
 from __future__ import annotations
 
 import asyncio
-import re
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 
-from .fields import FIELDS
 from .loop import (
     Delta,
     Finished,
@@ -22,7 +20,7 @@ from .loop import (
     Started,
     Submission,
 )
-from .protocol import ApiError
+from .protocol import ApiError, engine_error
 
 __all__ = ["Job", "error_of"]
 
@@ -40,16 +38,15 @@ def error_of(finished: Finished) -> ApiError:
     """The :class:`ApiError` that answers a request that ended with an error.
 
     Example:
-        >>> error_of(Finished("r0", 0, (), (), "the prompt is empty", "invalid")).status
-        400
+        >>> error = error_of(Finished("r0", 0, (), (), "the prompt is empty", "invalid", error_param="prompt"))
+        >>> error.status, error.param
+        (400, 'prompt')
     """
     status, type_, code = _ERRORS.get(finished.error_kind or "failed", _ERRORS["failed"])
     message = finished.error or "the request failed"
-    param = None
-    if finished.error_kind == "invalid":  # the Engine's checks name its field first ("logprobs=30 is more ...")
-        word = re.match(r"[a-z_]+", message)
-        param = word.group(0) if word is not None and word.group(0) in FIELDS else None
-    return ApiError(status, message, type=type_, code=code, param=param)
+    if finished.error_kind == "invalid":  # the engine refused it: its error names the field
+        return engine_error(message, finished.error_param, status, type=type_, code=code)
+    return ApiError(status, message, type=type_, code=code)
 
 
 class Job:

@@ -152,6 +152,8 @@ class Finished:
             remote loop's queue was full); None on success.
         cached_tokens: prompt tokens served from the prefix cache (at the request's last admission).
         timings: when its phases happened (None for a request the engine never took).
+        error_param: with ``error_kind="invalid"``, the field the engine's error concerns (its
+            :attr:`~pagedcore.errors.PagedCoreError.param`, in the engine's names), or None.
 
     Example:
         >>> Finished("r0", 3, (2,), ("length",)).error is None
@@ -166,6 +168,7 @@ class Finished:
     error_kind: str | None = None
     cached_tokens: int = 0
     timings: RequestTimings | None = None
+    error_param: str | None = None
 
 
 LoopEvent = Started | Delta | Finished
@@ -456,7 +459,7 @@ class EngineLoop:
         try:
             self._engine.add_request(sub.prompt, sub.params, request_id=rid, namespace=sub.namespace)
         except PagedCoreError as exc:
-            _send(command.sink, Finished(rid, 0, (), (), str(exc), "invalid"))
+            _send(command.sink, Finished(rid, 0, (), (), str(exc), "invalid", error_param=exc.param))
         except Exception as exc:  # a broken tokenizer or engine: this request fails, the loop goes on
             logger.exception("pagedcore: add_request failed")
             _send(command.sink, Finished(rid, 0, (), (), f"{type(exc).__name__}: {exc}", "failed"))

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import reprlib
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from pagedcore.adapters.transformers import SamplingParams
-from pagedcore.errors import InvalidRequestError
+from pagedcore.errors import InvalidRequestError, PagedCoreError
 
 from .fields import CHAT, COMPLETIONS, FIELDS, Endpoint, rules_for
 
@@ -36,6 +35,7 @@ __all__ = [
     "TextPart",
     "TokenizeRequest",
     "check_fields",
+    "engine_error",
     "parse_body",
     "parse_request",
     "sampling_params",
@@ -69,10 +69,8 @@ _EXPECTED = {
     "content": "a string or a list of text parts",
 }
 
-# Engine parameter names as clients know them.
-_PARAM_NAMES = {"max_new_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k"}
-_PARAM_NAMES.update({"n": "n", "seed": "seed", "min_new_tokens": "min_tokens"})
-_PARAM_NAMES.update({name: name for name in (*_CONTROLS, "logprobs")})
+# The Engine's names of request fields (an error's ``param``) as clients know them; the others are the same.
+_CLIENT_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "stop_strings": "stop"}
 
 
 class ApiError(Exception):
@@ -444,11 +442,34 @@ def sampling_params(request: _Request, max_new_tokens: int) -> SamplingParams:
     kwargs.update(_controls(request))
     try:
         return SamplingParams(**kwargs)
-    except InvalidRequestError as exc:  # the engine owns the ranges; name the field as the client knows it
-        word = re.match(r"[a-z_]*", str(exc)).group(0)  # type: ignore[union-attr]  # "logit_bias[5] must be ..."
-        name = _PARAM_NAMES.get(word)
-        message = str(exc) if name is None or name == word else f"{name}{str(exc)[len(word) :]}"
-        raise ApiError(400, message, param=name) from exc
+    except InvalidRequestError as exc:  # the engine owns the ranges; the error names its field
+        raise engine_error(exc) from exc
+
+
+def engine_error(error: PagedCoreError | str, param: str | None = None, status: int = 400, **kwargs: Any) -> ApiError:
+    """An :class:`ApiError` for an error the engine raised (or its message and ``param``, as a loop reports it):
+    its ``param`` (the engine's name of the field, :attr:`~pagedcore.errors.PagedCoreError.param`) as the client's
+    field, and the message naming that field as the client knows it. A ``param`` that is no request field (an
+    engine setting) is not shown.
+
+    Example:
+        >>> from pagedcore.validation import integer
+        >>> try:
+        ...     integer("max_new_tokens", -1, minimum=0)
+        ... except InvalidRequestError as exc:
+        ...     error = engine_error(exc)
+        >>> error.param, error.message
+        ('max_tokens', 'max_tokens must be an integer >= 0, got -1')
+    """
+    message = str(error)
+    if isinstance(error, PagedCoreError):
+        param = error.param
+    field = _CLIENT_NAMES.get(param, param) if param is not None else None
+    if field is not None and field not in FIELDS:
+        field = None
+    if field is not None and param is not None and field != param and message.startswith(param):
+        message = field + message[len(param) :]
+    return ApiError(status, message, param=field, **kwargs)
 
 
 def _controls(request: _Request) -> dict[str, Any]:
