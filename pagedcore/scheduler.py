@@ -298,6 +298,18 @@ class Scheduler:
         """Waiting then running sequences."""
         return [*self._waiting.values(), *self._running.values()]
 
+    def max_new_tokens(self, num_prompt_tokens: int) -> int | None:
+        """The most new tokens one sequence with a prompt of this length can ever be given here: the largest
+        ``max_new_tokens`` :meth:`check_admissible` accepts for it (0: none; None: any), in one exact query of the
+        pool (:meth:`~pagedcore.kv_pool.KVPool.max_new_tokens`) with this scheduler's token budget.
+
+        Example:
+            >>> sched = Scheduler(KVPool(num_blocks=2, block_size=2))
+            >>> sched.max_new_tokens(3)   # 3 + 2 new tokens store 4 positions: 2 blocks
+            2
+        """
+        return self._pool.max_new_tokens(num_prompt_tokens, chunk=self._config.max_num_batched_tokens)
+
     def worst_case(self, seq: SequenceState) -> tuple[int, ...]:
         """Per group, the most blocks ``seq`` holds while it runs here alone: its prompt and new tokens, a step of
         at most ``max_num_batched_tokens`` at a time (the pool's :meth:`~pagedcore.kv_pool.KVPool.worst_case`).

@@ -1,15 +1,17 @@
-"""Engine: continuous batching over a transformers model, driven by pagedcore's scheduler and prefix trie.
+"""Engine: continuous batching over a model, driven by pagedcore's scheduler and prefix trie through a model runner.
 
 Each :meth:`Engine.step` runs five stages: **schedule** (the :class:`~pagedcore.scheduler.Scheduler` says what to
-compute: decodes first, then chunks of prefills, within the token budget), **prepare** (:func:`.step_batch.pack`
-packs every scheduled token of every sequence into one ``(1, num_tokens)`` batch without padding), **forward** (the
-model runs once with ``attn_implementation="paged"``: the attention reads each sequence's keys and values from the
-pool through its block table), **sample** (:func:`.sampling.sample_rows` draws the next token of every sequence
-that completed its known tokens) and **record** (the tokens go back to the scheduler, which stops a sequence at a
-stop token or its length, and through each sample's :class:`~.stopping.SampleText`, which decodes them
-incrementally and stops a sample at a stop string in the same step; they become token events and, when a sample
-finishes, its output). New requests join between steps; finished ones release their blocks and leave their full
-blocks in the prefix cache for later requests.
+compute: decodes first, then chunks of prefills, within the token budget), **prepare** (:func:`.batch.plan_step`
+picks the rows to sample and the prompt positions to score; the runner's ``prepare`` packs every scheduled token of
+every sequence into its forward's inputs), **forward** (the runner runs the model once: its attention reads each
+sequence's keys and values from the pool through its block table), **sample** (:func:`.sampling.sample_rows` draws
+the next token of every sequence that completed its known tokens) and **record** (the tokens go back to the
+scheduler, which stops a sequence at a stop token or its length, and through each sample's
+:class:`~.stopping.SampleText`, which decodes them incrementally and stops a sample at a stop string in the same
+step; they become token events and, when a sample finishes, its output). New requests join between steps; finished
+ones release their blocks and leave their full blocks in the prefix cache for later requests.
+
+The model is the runner's (:class:`~.runner.ModelRunner`); the Engine knows only that protocol.
 
 Thread safety: ``add_request`` / ``abort`` / ``stats`` / ``has_unfinished`` may be called from any thread while
 another thread runs ``step`` or ``step_events``; they serialize on one lock that a step holds only while it
@@ -28,103 +30,56 @@ aborted) is reported by the next ``step()`` / ``step_events()``, whatever other 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import inspect
 import itertools
 import logging
 import threading
 import time
 from collections.abc import Hashable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
-from pagedcore.adapters.transformers.attention import ATTN_IMPLEMENTATION, CONTEXT_KEY
-from pagedcore.adapters.transformers.compiled import CompileCounts, CompiledDecode, DecodeInputs, resolve_compile
-from pagedcore.adapters.transformers.generate_kwargs import merge_generation_config, to_sampling_params
-from pagedcore.adapters.transformers.pool import KVStoreSpec, PagedKVPool, PoolConfig
-from pagedcore.adapters.transformers.spec import context_limit, text_config
-from pagedcore.adapters.transformers.step_batch import PackedCache, StepBatch, pack
-from pagedcore.attention import to_device
-from pagedcore.errors import (
-    ConcurrentUseError,
-    ConfigError,
-    InvalidRequestError,
-    PagedCoreError,
-    RequestNotFoundError,
-    UnsupportedModelError,
-)
+from pagedcore.errors import ConcurrentUseError, ConfigError, InvalidRequestError, PagedCoreError, RequestNotFoundError
 from pagedcore.kv_tiers import TierStats
-from pagedcore.scheduler import Scheduler, SchedulerConfig
+from pagedcore.scheduler import Scheduler
 from pagedcore.sequence import FinishReason, SequenceState
-from pagedcore.validation import as_integer, integer
-from pagedcore.validation import token_ids as valid_token_ids
 
-from .detokenizer import DecodeError, IncrementalDetokenizer
-from .inputs import as_prompt_list, token_id_list
+from .admission import Admission, GenerateArguments, Params, Spec
+from .batch import StepBatch, plan_step
+from .config import EngineConfig
+from .context import ContextWindow
+from .detokenizer import DecodeError
+from .inputs import as_prompt_list
 from .locks import Locks
 from .logprobs import prompt_logprobs
-from .outputs import EngineStats, RequestMetrics, RequestOutput, SampleOutput, StepOutput, TokenEvent, TokenLogprobs
-from .request import EngineRequest
-from .sampling import SamplingParams, StepSamples, sample_rows
-from .stopping import SampleText, StopStrings, stop_strings
-from .structured.requests import EngineGrammars, RequestGrammar
-from .structured.spec import StructuredOutput
+from .outputs import EngineStats, RequestMetrics, RequestOutput, StepOutput, TokenEvent, TokenLogprobs
+from .request import Request, RequestState
+from .runner import ModelRunner
+from .sampling import StepSamples, sample_rows
+from .stats import EngineCounters
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["Engine"]
 
 Prompt = str | Sequence[int] | torch.Tensor
-Params = SamplingParams | dict[str, Any]
+_Self = TypeVar("_Self", bound="Engine")
 _ENDED = (FinishReason.ABORT.value, FinishReason.ERROR.value)
-_PHASES = ("schedule", "prepare", "forward", "sample", "record")  # the stages of a step, timed in stats()
-
-
-@dataclass(frozen=True)
-class _Generation:
-    """Parameters given in transformers' words, merged with the model's generation_config (per call)."""
-
-    config: Any  # transformers.GenerationConfig
-    extras: dict[str, Any]  # sampling.GENERATE_EXTENSIONS given (seed, logprobs, ...)
-    structured: StructuredOutput | None = None  # generate(structured=...) / generate(response_format=...)
 
 
 class Engine:
-    """Continuous batching of many requests over one transformers model.
+    """Continuous batching of many requests over one model, through its runner.
 
     Args:
-        model: a causal LM (its attention implementation is switched to ``"paged"`` until :meth:`close`).
+        runner: the model's runner (:class:`~.runner.ModelRunner`): it owns the model, the pool and the forward.
         tokenizer: optional; lets prompts be strings and outputs carry text.
-        pool: a :class:`PagedKVPool` to use (e.g. shared with ``enable``); else one is built from the sizing args.
-        num_blocks / memory_budget / block_size: sizing of a new pool.
-        max_num_batched_tokens: tokens computed per step (the token budget; long prompts are chunked).
-        max_num_seqs: sequences running at once.
-        enable_prefix_caching: reuse cached prompt prefixes.
-        attention_backend: backend name (default: the plugins' choice for the device).
-        watermark: fraction of blocks kept free when admitting new requests.
-        scheduling_policy: ``"fair"`` (the default: round-robin over namespaces, so one tenant's burst does not hold
-            back another's first token), ``"fcfs"``, or ``"priority"`` (lowest ``priority=`` first, as vLLM); see
-            :class:`~pagedcore.scheduler.SchedulerConfig`.
-        max_logprobs: the most ``logprobs`` / ``prompt_logprobs`` a request may ask for (vLLM's default, 20; -1:
-            no limit, so ``-1``, the whole vocabulary, is allowed).
-        compile: run decode-only steps as a compiled graph over power-of-two batch and context buckets
-            (:mod:`.compiled`; prefill and mixed steps stay eager): ``True``, ``False``, or ``"auto"`` (on CUDA, with
-            CUDA graphs; not on the CPU, where compiling each bucket costs seconds). ``stats()`` counts the graphs
-            compiled; a compiled step that fails (logged) turns compiling off for this Engine and runs eagerly.
-        kv_store / kv_store_bytes: tiers below a new pool (a directory and its budget; see :class:`PagedKVPool`):
-            evicted prefixes are written there and loaded back before a prefill that continues them; :meth:`close`
-            writes the cached ones too, so a restarted Engine on the same model answers them from the store.
-        compile_timeout: seconds a structured-output request may wait for its grammar to compile (in a worker,
-            off the step loop) before it fails with :class:`~pagedcore.errors.GrammarTimeoutError`.
-
-    Generation parameters: either a :class:`SamplingParams` (or a dict of its fields), or ``model.generate``'s
-    keyword arguments (``max_new_tokens``, ``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``min_p``,
-    ``repetition_penalty``, ``sequence_bias``, ``num_return_sequences``, ``eos_token_id``, ``stop_strings``,
-    ``min_new_tokens``, ``output_logits``, ``generation_config=``, plus ``seed``, ``logprobs``, ``prompt_logprobs``,
-    ``presence_penalty`` and ``frequency_penalty``), with the model's ``generation_config`` as the default exactly
-    as ``model.generate`` uses it; not both.
+        config: the Engine's settings (:class:`~.config.EngineConfig`: the scheduler's limits and policy,
+            ``max_logprobs``, ``max_model_len``, ``compile_timeout``); or give them as keyword arguments
+            (``max_num_seqs=8``, ``scheduling_policy="fcfs"``, ...), not both. Pool settings belong to the runner,
+            which built its pool already.
+        arguments: a front end's own parameter words (:class:`~.admission.GenerateArguments`; the transformers
+            adapter's: ``model.generate``'s keyword arguments); without them, parameters are a
+            :class:`~.sampling.SamplingParams` or a dict of its fields.
 
     Log-probabilities: ``logprobs=k`` gives each generated token's :class:`~.outputs.TokenLogprobs` (in
     ``SampleOutput.logprobs`` and ``TokenEvent.logprobs``), ``prompt_logprobs=k`` each prompt token's (in
@@ -141,97 +96,69 @@ class Engine:
     constrained rows in one batched operation and the unconstrained rows are not touched.
 
     Example:
-        >>> import torch
-        >>> from pagedcore.adapters.transformers.testing import tiny_llama
-        >>> from pagedcore.adapters.transformers import Engine, SamplingParams
-        >>> model = tiny_llama()
-        >>> with Engine(model, num_blocks=64, block_size=8) as engine:
+        >>> from pagedcore.adapters.torch_reference import TorchLlama, TorchRunner
+        >>> from pagedcore.engine import SamplingParams
+        >>> model = TorchLlama.tiny()
+        >>> with Engine(TorchRunner(model, num_blocks=64, block_size=8)) as engine:
         ...     outs = engine.generate([[1, 2, 3], [4, 5, 6, 7]], SamplingParams(max_new_tokens=4), use_tqdm=False)
-        ...     same = engine.generate([[1, 2, 3], [4, 5, 6, 7]], max_new_tokens=4, do_sample=False, use_tqdm=False)
-        >>> [len(o.token_ids) for o in outs], [o.token_ids for o in outs] == [o.token_ids for o in same]
-        ([4, 4], True)
+        >>> [len(o.token_ids) for o in outs]
+        [4, 4]
     """
 
     def __init__(
         self,
-        model: Any,
+        runner: ModelRunner,
         tokenizer: Any = None,
         *,
-        pool: PagedKVPool | None = None,
-        num_blocks: int | None = None,
-        memory_budget: int | float | str | None = None,
-        block_size: int | None = None,
-        max_num_batched_tokens: int = 512,
-        max_num_seqs: int = 64,
-        enable_prefix_caching: bool = True,
-        attention_backend: str | None = None,
-        watermark: float = 0.01,
-        scheduling_policy: str = "fair",
-        max_logprobs: int = 20,
-        compile: bool | str = "auto",
-        kv_store: KVStoreSpec | None = None,
-        kv_store_bytes: int | float | str | None = None,
-        compile_timeout: float = 30.0,
+        config: EngineConfig | None = None,
+        arguments: GenerateArguments | None = None,
+        **settings: Any,
     ) -> None:
-        compiling = resolve_compile(compile, model.get_input_embeddings().weight.device)
-        self._owns_pool = pool is None
-        pool = _pool_for(model, pool, num_blocks, memory_budget, block_size, kv_store, kv_store_bytes)
-        self.model = model
+        config = EngineConfig.of(config, **settings)
+        if not config.pool.is_default:
+            raise ConfigError("pool settings go to the runner, which builds the pool: not to an Engine given one")
+        self.runner = runner
         self.tokenizer = tokenizer
-        self.pool = pool
-        self.attention_backend = attention_backend
-        self.max_logprobs = integer("max_logprobs", max_logprobs, minimum=-1, error=ConfigError)
-        self.scheduler = _scheduler(
-            pool, max_num_batched_tokens, max_num_seqs, watermark, enable_prefix_caching, scheduling_policy
+        self.config = config
+        self.scheduler = Scheduler(runner.kv, config.scheduler, plugins=runner.plugins)
+        self.context = ContextWindow.served(runner.info.max_positions, config.max_model_len)
+        self._admission = Admission(
+            runner.info,
+            tokenizer,
+            self.scheduler,
+            self.context,
+            max_logprobs=config.max_logprobs,
+            compile_timeout=config.compile_timeout,
+            arguments=arguments,
         )
-        self._text_config = text_config(model)
-        self._vocab_size: int | None = int(getattr(self._text_config, "vocab_size", 0) or 0) or None
-        self._max_positions = context_limit(model)  # the spec decides per family (None: no fixed limit)
-        self._eos = _eos_ids(model)
-        self._added_vocab = _added_vocab(tokenizer)  # where a stop string that is a special token finds its id
-        self._grammars: EngineGrammars | None = None  # structured outputs: built with the first constrained request
-        self._compile_timeout = _seconds("compile_timeout", compile_timeout)
-        self._cache = PackedCache(pool)
-        self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
-        self._decode = CompiledDecode(model, pool) if compiling else None
-        self._decode_counts = CompileCounts()  # the counters of a compiled step turned off
-        self._init_state(pool)
-        self._original_attn = getattr(self._text_config, "_attn_implementation", None)
-        self._use_paged_attention()
+        self._init_state()
         self._closed = False
 
-    def _init_state(self, pool: PagedKVPool) -> None:
+    def _init_state(self) -> None:
         """The requests, events, locks and counters of a new Engine."""
-        self._requests: dict[str, EngineRequest] = {}  # queued or running: not every sample has finished
+        self._requests: dict[str, RequestState] = {}  # queued or running: not every sample has finished
         self._ready: list[tuple[object | None, RequestOutput]] = []  # (owner, output) finished, not yet reported
         self._events: list[tuple[object | None, TokenEvent]] = []  # (owner, event) not yet reported
         self._aborting: set[str] = set()  # aborted during a forward: their sequences are released after it
         self._in_flight = False  # a step's forward is running on the batch it took
         # The Engine's requests and the pool's blocks, in that order: the pool's lock guards its block state for every
         # holder (enable()d calls and caches on the same pool), so the Engine takes it whenever it books blocks.
-        self._lock = Locks(threading.RLock(), pool.lock)
+        self._lock = Locks(threading.RLock(), self.runner.lock)
         self._stepping = threading.Lock()
         self._stepper: int | None = None  # the thread inside step()
         self._ids = itertools.count()
-        self._counts = {"requests": 0, "finished": 0, "aborted": 0, "failed": 0, "generated": 0}
-        self._peak_bytes = 0
-        self._busy = 0.0
-        self._phases = dict.fromkeys(_PHASES, 0.0)  # cumulative seconds per stage of the steps
+        self._counters = EngineCounters()
 
-    def _use_paged_attention(self) -> None:
-        self.model.set_attn_implementation(ATTN_IMPLEMENTATION)
-        if getattr(self._text_config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
-            # transformers leaves such a model as it was (with a warning): its attention would read only the step's
-            # own keys from the Engine's cache, the cached ones never, and answer wrongly without an error.
-            raise UnsupportedModelError(
-                f"{type(self.model).__name__} does not attend through transformers' AttentionInterface, so the "
-                "Engine's paged attention cannot serve it; use PagedCache or enable() with this model"
-            )
+    @property
+    def max_logprobs(self) -> int:
+        """The most log-probabilities a request may ask for (-1: no limit)."""
+        return self.config.max_logprobs
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
-        """Abort what is still running, drop what is not reported yet, and give the model its attention
-        implementation back (always, even if aborting fails). Waits for a step running in another thread."""
+        """Abort what is still running, drop what is not reported yet, and close the runner (it gives the model
+        back as it was and writes the cached prefixes to the tiers below the pool; always, even if aborting
+        fails). Waits for a step running in another thread."""
         with self._lock:
             if self._closed:
                 return
@@ -250,33 +177,25 @@ class Engine:
         finally:
             if waited:
                 self._stepping.release()
-            if self._grammars is not None:
-                self._grammars.close()
-            if self._original_attn is not None and self._original_attn != ATTN_IMPLEMENTATION:
-                self.model.set_attn_implementation(self._original_attn)
-            self._close_tiers()
+            grammars = self._admission.grammars
+            if grammars is not None:
+                grammars.close()
+            try:
+                self.runner.close()
+            except Exception:
+                logger.exception("pagedcore: closing the Engine's model runner failed")
 
-    def _close_tiers(self) -> None:
-        tiers = self.pool.tiers
-        if tiers is None:
-            return
-        try:
-            self.pool.save_kv_store()  # the blocks still cached, so that a restart finds them
-            if self._owns_pool:
-                tiers.close()
-        except Exception:
-            logger.exception("pagedcore: writing the cached prefixes to the KV store while closing failed")
-
-    def __enter__(self) -> Engine:
+    def __enter__(self: _Self) -> _Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
     # ------------------------------------------------------------------ low-level API
+    # ------------------------------------------------------------------ low-level API
     def add_request(
         self,
-        prompt: Prompt,
+        prompt: Prompt | Request,
         params: Params | None = None,
         *,
         request_id: str | None = None,
@@ -286,12 +205,18 @@ class Engine:
     ) -> str:
         """Queue a request; returns its id. Raises a typed error (and queues nothing) for bad input.
 
-        ``params`` may be a :class:`SamplingParams` or a dict of its fields; or pass ``model.generate``'s keyword
-        arguments instead (see :class:`Engine`). The request is reported by :meth:`step` / :meth:`step_events`.
+        ``prompt`` may be a :class:`~.request.Request` (then nothing else is given), or a prompt with ``params``: a
+        :class:`SamplingParams` or a dict of its fields; or pass the front end's keyword arguments instead (see
+        :class:`Engine`). The request is reported by :meth:`step` / :meth:`step_events`.
         ``priority`` (``scheduling_policy="priority"`` only): lower values are admitted first.
         """
-        (spec,) = self._specs(params, generate_kwargs, 1)
-        return self._submit(self._validate(prompt, spec, namespace, request_id, priority), owner=None).request_id
+        if isinstance(prompt, Request):
+            if params is not None or generate_kwargs or request_id is not None or namespace is not None or priority:
+                raise InvalidRequestError("a Request carries its own parameters, id, namespace and priority")
+            return self._submit(self._validate(prompt), owner=None).request_id
+        (spec,) = self._admission.specs(params, generate_kwargs, 1)
+        request = Request(prompt, request_id=request_id, namespace=namespace, priority=priority)
+        return self._submit(self._validate(request, spec), owner=None).request_id
 
     def abort(self, request_id: str) -> RequestOutput:
         """Stop a request (all its samples) and return its output; it is also reported by the next :meth:`step`.
@@ -331,6 +256,7 @@ class Engine:
         return StepOutput(finished, events)
 
     # ------------------------------------------------------------------ high-level API
+    # ------------------------------------------------------------------ high-level API
     def generate(
         self,
         prompts: Prompt | Iterable[Prompt],
@@ -349,16 +275,16 @@ class Engine:
         whatever the prompt (e.g. ``num_beams=4``) raise :class:`~pagedcore.errors.InvalidRequestError`.
         """
         prompt_list = as_prompt_list(prompts)
-        specs = self._specs(params, generate_kwargs, len(prompt_list))
+        specs = self._admission.specs(params, generate_kwargs, len(prompt_list))
         outputs: list[RequestOutput | None] = [None] * len(prompt_list)
-        valid: list[tuple[int, EngineRequest]] = []
+        valid: list[tuple[int, RequestState]] = []
         for i, (prompt, spec) in enumerate(zip(prompt_list, specs)):
             try:
-                valid.append((i, self._validate(prompt, spec, namespace, priority=priority)))
+                valid.append((i, self._validate(Request(prompt, namespace=namespace, priority=priority), spec)))
             except PagedCoreError as exc:
                 outputs[i] = self._rejected(prompt, spec, exc)
         owner = object()
-        mine: list[EngineRequest] = []
+        mine: list[RequestState] = []
         taken: list[RequestOutput] = []
         progress = _progress(len(prompt_list), use_tqdm)
         progress.update(len(prompt_list) - len(valid))
@@ -393,11 +319,11 @@ class Engine:
         closing the iterator early aborts the unfinished ones (the next :meth:`step` reports them).
         """
         prompt_list = as_prompt_list(prompts)
-        specs = self._specs(params, generate_kwargs, len(prompt_list))
+        specs = self._admission.specs(params, generate_kwargs, len(prompt_list))
         new = []
         for i, (prompt, spec) in enumerate(zip(prompt_list, specs)):
             try:
-                new.append(self._validate(prompt, spec, namespace, priority=priority))
+                new.append(self._validate(Request(prompt, namespace=namespace, priority=priority), spec))
             except InvalidRequestError as exc:
                 if len(prompt_list) == 1:
                     raise
@@ -407,62 +333,71 @@ class Engine:
     def stats(self) -> EngineStats:
         """Counters and gauges (see :class:`EngineStats`)."""
         with self._lock:
-            sched = self.scheduler.stats
-            memory = self.pool.memory_stats()
-            counts = self._decode.counts if self._decode is not None else self._decode_counts
+            sched, kv, runner, counters = self.scheduler.stats, self.runner.kv, self.runner.stats(), self._counters
+            counts = runner.compile
             return EngineStats(
-                num_requests=self._counts["requests"],
-                num_finished=self._counts["finished"],
-                num_aborted=self._counts["aborted"],
-                num_failed=self._counts["failed"],
+                num_requests=counters.requests,
+                num_finished=counters.outcomes["finished"],
+                num_aborted=counters.outcomes["aborted"],
+                num_failed=counters.outcomes["failed"],
                 num_steps=sched.num_steps,
                 num_preemptions=sched.num_preemptions,
-                prefix_query_tokens=self.pool.num_query_tokens,
-                prefix_hit_tokens=self.pool.num_hit_tokens,
+                prefix_query_tokens=kv.num_query_tokens,
+                prefix_hit_tokens=kv.num_hit_tokens,
                 prompt_tokens_computed=sched.num_prompt_tokens_computed,
-                generated_tokens=self._counts["generated"],
-                kv_usage=self.pool.kv.usage,
-                kv_used_bytes=memory.used_bytes,
-                kv_peak_used_bytes=self._peak_bytes,
-                busy_seconds=self._busy,
-                kernel_failures=self._kernel_failures(),
+                generated_tokens=counters.generated,
+                kv_usage=kv.usage,
+                kv_used_bytes=runner.used_bytes,
+                kv_peak_used_bytes=counters.peak_bytes,
+                busy_seconds=counters.busy,
+                kernel_failures=runner.kernel_failures,
                 **self._phase_fields(),
                 compiled_steps=counts.steps,
                 compiled_graphs=counts.graphs,
                 compiled_buckets=counts.buckets,
                 compile_failures=counts.failures,
-                **_store_fields(self.pool.tier_stats()),
+                **_store_fields(None if kv.tiers is None else kv.tiers.stats()),
             )
 
     def _phase_fields(self) -> dict[str, Any]:
-        return {f"{phase}_seconds": seconds for phase, seconds in self._phases.items()}
+        return {f"{phase}_seconds": seconds for phase, seconds in self._counters.phases.items()}
+
+    def max_new_tokens(self, prompt_tokens: int) -> int | None:
+        """The most new tokens one request with a prompt of ``prompt_tokens`` tokens can be given: what the context
+        leaves (:class:`~.context.ContextWindow`) and what the pool can ever hold for one sequence (the scheduler's
+        exact answer, :meth:`~pagedcore.scheduler.Scheduler.max_new_tokens`); 0 when even the prompt cannot fit,
+        None when neither bounds it. A query, safe from any thread.
+
+        Example:
+            >>> from pagedcore.adapters.torch_reference import TorchLlama, TorchRunner
+            >>> with Engine(TorchRunner(TorchLlama.tiny(), num_blocks=8, block_size=4)) as engine:
+            ...     engine.max_new_tokens(10), engine.max_new_tokens(40)
+            (23, 0)
+        """
+        rooms = [room for room in (self.context.room(prompt_tokens), self.scheduler.max_new_tokens(prompt_tokens))]
+        bounded = [room for room in rooms if room is not None]
+        return min(bounded) if bounded else None
 
     def reset_prefix_cache(self) -> int:
-        """Forget every cached prefix of the pool now (vLLM's name; see :meth:`PagedKVPool.reset_prefix_cache`).
+        """Forget every cached prefix of the pool now (vLLM's name; the runner's ``reset_prefix_cache``).
         Weight updates the fingerprint sees need no call: each step checks it. Running requests finish on the keys
         and values they computed; none of their blocks is cached afterwards. Returns the cached blocks forgotten.
         Thread-safe with a stepping thread.
 
         Example:
-            >>> from pagedcore.adapters.transformers.testing import tiny_llama
-            >>> with Engine(tiny_llama(), num_blocks=32, block_size=4) as engine:
-            ...     _ = engine.generate([list(range(1, 11))], max_new_tokens=2, use_tqdm=False)
-            ...     engine.reset_prefix_cache(), engine.pool.kv.num_cached_blocks   # 2 full blocks, 1 partly filled
+            >>> from pagedcore.adapters.torch_reference import TorchLlama, TorchRunner
+            >>> with Engine(TorchRunner(TorchLlama.tiny(), num_blocks=32, block_size=4)) as engine:
+            ...     _ = engine.generate([list(range(1, 11))], {"max_new_tokens": 2}, use_tqdm=False)
+            ...     engine.reset_prefix_cache(), engine.runner.kv.num_cached_blocks   # 2 full blocks, 1 partly filled
             (3, 0)
         """
         with self._lock:
-            return self.pool.reset_prefix_cache()
-
-    def _kernel_failures(self) -> int:
-        """The attention backend's kernel calls that fell back to the torch backend (0 if it does not count)."""
-        weight = self.model.get_input_embeddings().weight
-        backend = self.pool.attention_backend(weight.device, weight.dtype, self.attention_backend)
-        return int(getattr(getattr(backend, "stats", None), "kernel_failures", 0))
+            return self.runner.reset_prefix_cache()
 
     def stage_seconds(self) -> dict[str, float]:
         """The ``*_seconds`` stage fields of :meth:`stats` by stage name, cheap enough to read around every step."""
         with self._lock:
-            return dict(self._phases)
+            return dict(self._counters.phases)
 
     # ------------------------------------------------------------------ the step
     def _step(self, owner: object | None) -> tuple[list[RequestOutput], list[TokenEvent]]:
@@ -471,10 +406,10 @@ class Engine:
         with self._stepping_now():
             batch = self._schedule()
             if batch is not None:
-                samples = self._sample(batch, self._forward_batch(batch))
+                samples = self._sample(batch, self._forward(batch))
                 self._record(batch, samples)
-            elif self._grammars is not None and self._grammars.num_held:
-                self._grammars.wait(0.01)  # nothing to compute but grammars compiling: wait a little, not spin
+            elif (grammars := self._admission.grammars) is not None and grammars.num_held:
+                grammars.wait(0.01)  # nothing to compute but grammars compiling: wait a little, not spin
             with self._lock:
                 return self._take(owner)
 
@@ -488,41 +423,35 @@ class Engine:
         try:
             yield
         finally:
-            self._busy += time.perf_counter() - started
+            self._counters.busy += time.perf_counter() - started
             self._stepper = None
             self._stepping.release()
 
-    @contextlib.contextmanager
-    def _timed(self, phase: str) -> Iterator[None]:
-        started = time.perf_counter()
-        try:
-            yield
-        finally:
-            self._phases[phase] += time.perf_counter() - started
-
     def _schedule(self) -> StepBatch | None:
-        """schedule (and prepare: pack the plan into the step's batch), under the lock; None when nothing is to be
-        computed. From here until the batch's forward ends, aborts leave its blocks alone."""
+        """schedule (and prepare: plan the step's rows, the runner packs its inputs), under the lock; None when
+        nothing is to be computed. From here until the batch's forward ends, aborts leave its blocks alone."""
+        timed = self._counters.timed
         with self._lock:
             self._check_open()
-            with self._timed("schedule"):
-                self.pool.check_weights()  # after a weight update: forget the old prefixes before admitting
+            with timed("schedule"):
+                self.runner.check_weights()  # after a weight update: forget the old prefixes before admitting
                 self._admit_compiled()
                 plan = self.scheduler.schedule()
-            with self._timed("prepare"):
-                self._peak_bytes = max(self._peak_bytes, self.pool.memory_stats().used_bytes)
+            with timed("prepare"):
+                self._counters.peak_bytes = max(self._counters.peak_bytes, self.runner.used_bytes())
                 if plan.is_empty:
                     return None
-                batch = pack(plan, self.pool, self._requests, self.attention_backend)
+                batch = plan_step(plan, self._requests)
+                batch.prepared = self.runner.prepare(batch.forward)
                 self._in_flight = True
                 return batch
 
-    def _forward_batch(self, batch: StepBatch) -> torch.Tensor | str:
+    def _forward(self, batch: StepBatch) -> torch.Tensor | str:
         """forward, without the lock (it reads only the batch): the logits, or why the forward failed (which fails
         the step's requests, not the engine)."""
         try:
-            with self._timed("forward"):
-                return self._forward(batch)
+            with self._counters.timed("forward"):
+                return self.runner.execute(batch.prepared)
         except Exception as exc:
             logger.exception("pagedcore: the model forward failed; failing this step's requests")
             return f"{type(exc).__name__}: {exc}"
@@ -533,48 +462,15 @@ class Engine:
                     self._release(request_id)
                 self._aborting.clear()
 
-    def _forward(self, batch: StepBatch) -> torch.Tensor:
-        device = self.model.get_input_embeddings().weight.device
-        if self._decode is not None and DecodeInputs.is_decode(batch):
-            logits = self._forward_compiled(self._decode, batch, device)
-            if logits is not None:
-                return logits
-        self._cache.begin([meta.slot_mapping for meta in batch.context.metadata if meta is not None])
-        kwargs: dict[str, Any] = {
-            "input_ids": to_device(torch.tensor([batch.input_ids]), device),
-            "position_ids": to_device(torch.tensor([batch.position_ids]), device),
-            "cache": self._cache,
-            "use_cache": True,
-            CONTEXT_KEY: batch.context,
-        }
-        keep = batch.logit_rows + batch.prompt_rows if batch.prompt_rows else batch.logit_rows
-        if self._keeps_logits:
-            kwargs["logits_to_keep"] = to_device(torch.tensor(keep), device) if keep else 1
-        with torch.inference_mode():
-            logits = self.model(**kwargs).logits[0]
-        if not self._keeps_logits and keep:
-            logits = logits[to_device(torch.tensor(keep), logits.device)]
-        return logits.float()  # (len(batch.rows) + len(batch.prompt_rows), vocab)
-
-    def _forward_compiled(self, decode: CompiledDecode, batch: StepBatch, device: torch.device) -> torch.Tensor | None:
-        """The decode step's logits from the compiled graph; None (and compiling off from here on) if it failed: the
-        step then runs eagerly, rewriting the same slots."""
-        try:
-            return decode(DecodeInputs.from_batch(batch, self.pool, device)).float()
-        except Exception:
-            logger.exception("pagedcore: the compiled decode step failed; this Engine runs eagerly from here on")
-            self._decode_counts = dataclasses.replace(decode.counts, failures=1)  # kept for stats()
-            self._decode = None
-            return None
-
     def _sample(self, batch: StepBatch, logits: torch.Tensor | str) -> StepSamples:
         """sample, without the lock: the tokens of every row (a failed forward fails every scheduled sequence)."""
         if isinstance(logits, str):
             return StepSamples(failed=dict.fromkeys((item.request_id for item in batch.plan.scheduled), logits))
-        with self._timed("sample"):
+        with self._counters.timed("sample"):
             rows = len(batch.rows)
-            masks = self._grammars.masks if self._grammars is not None else None
-            samples = sample_rows(logits[:rows] if batch.prompt_rows else logits, batch.rows, masks)
+            grammars = self._admission.grammars
+            masks = grammars.masks if grammars is not None else None
+            samples = sample_rows(logits[:rows] if batch.prompt_spans else logits, batch.rows, masks)
             if batch.prompt_spans:
                 self._score_prompts(batch, logits[rows:], samples)
             return samples
@@ -596,7 +492,7 @@ class Engine:
 
         Sequences aborted or failed since the step was planned are skipped: their tokens are dropped.
         """
-        with self._lock, self._timed("record"):
+        with self._lock, self._counters.timed("record"):
             for seq in self.scheduler.fail(list(samples.failed)):
                 request = batch.owners[seq.request_id]
                 request.output.error = request.output.error or samples.failed[seq.request_id]
@@ -622,7 +518,7 @@ class Engine:
                 scored.extend(entries[len(scored) - first :])
 
     def _record_row(
-        self, request: EngineRequest, seq: SequenceState, tokens: list[int], samples: StepSamples, now: float
+        self, request: RequestState, seq: SequenceState, tokens: list[int], samples: StepSamples, now: float
     ) -> None:
         """One sampled row's tokens: one token, or one per sample at the step that forked the request."""
         metrics = request.output.metrics
@@ -646,7 +542,7 @@ class Engine:
             lp = logprobs[k] if logprobs is not None else None
             if lp is not None and sample.logprobs is not None:
                 sample.logprobs.append(lp)
-            self._counts["generated"] += 1
+            self._counters.generated += 1
             if request.grammar is not None and not request.grammar.accept(index, token):
                 self._events.append((request.owner, TokenEvent(request.request_id, index, token)))
                 self._fail(request, f"GrammarError: token {token} is not allowed by {request.grammar.spec.describe()}")
@@ -661,13 +557,13 @@ class Engine:
             if event.finish_reason is not None:
                 self._finish_sample(request, index, event.finish_reason, event.stop_reason, event=False)
 
-    def _scored_event(self, request: EngineRequest, index: int) -> TokenEvent:
+    def _scored_event(self, request: RequestState, index: int) -> TokenEvent:
         """The one event of a sample of a ``max_new_tokens=0`` request (it only scores its prompt): its finish,
         with the prompt log-probabilities."""
         return TokenEvent(request.request_id, index, None, "", "length", prompt_logprobs=request.output.prompt_logprobs)
 
     def _text_event(
-        self, request: EngineRequest, seq: SequenceState, token: int, logprobs: TokenLogprobs | None = None
+        self, request: RequestState, seq: SequenceState, token: int, logprobs: TokenLogprobs | None = None
     ) -> TokenEvent:
         """The event of one sample's new token: its text, its log-probabilities, and whether and why the sample
         finished with it (a stop string finishes the sequence here, in the step that completed it). A sample's
@@ -691,105 +587,17 @@ class Engine:
         return TokenEvent(request.request_id, index, token, text.take(), reason, stop_reason, logprobs, prompt)
 
     # ------------------------------------------------------------------ requests: validate -> submit -> finish
-    def _specs(self, params: Any, generate_kwargs: dict[str, Any], count: int) -> list[Params | _Generation]:
-        """One parameter spec per prompt; raises for what is wrong whatever the prompt."""
-        if generate_kwargs and params is not None:
-            raise InvalidRequestError(
-                "pass either params= (SamplingParams, or a dict of its fields) or model.generate's keyword "
-                f"arguments, not both: got params= and {', '.join(sorted(generate_kwargs))}"
-            )
-        if params is None:
-            structured = _structured_kwarg(generate_kwargs)
-            config, extras = merge_generation_config(getattr(self.model, "generation_config", None), generate_kwargs)
-            return [_Generation(config, extras, structured)] * count
-        if isinstance(params, (SamplingParams, dict)):
-            return [params] * count
-        if isinstance(params, (str, bytes)) or not isinstance(params, Iterable):
-            raise InvalidRequestError(f"params must be SamplingParams, a dict or a list of them, got {params!r}")
-        items = list(params)
-        if len(items) != count:
-            raise InvalidRequestError(f"{len(items)} SamplingParams for {count} prompts")
-        return items
-
-    def _validate(
-        self,
-        prompt: Any,
-        spec: Params | _Generation,
-        namespace: Hashable,
-        request_id: str | None = None,
-        priority: int = 0,
-    ) -> EngineRequest:
+    # ------------------------------------------------------------------ requests: validate -> submit -> finish
+    def _validate(self, request: Request, spec: Spec | None = None) -> RequestState:
         """Everything about one request that can be refused, checked before anything is queued."""
-        token_ids = self._encode(prompt)
-        params = self._params(spec, len(token_ids))
-        if self._max_positions and len(token_ids) + params.max_new_tokens > self._max_positions:
-            raise InvalidRequestError(
-                f"{len(token_ids)} prompt tokens + {params.max_new_tokens} new tokens exceed the model's context "
-                f"of {self._max_positions} positions",
-                param="prompt" if len(token_ids) >= self._max_positions else "max_new_tokens",
-            )
-        if request_id is not None and (not isinstance(request_id, str) or not request_id or "#" in request_id):
-            raise InvalidRequestError(
-                f"request ids must be non-empty strings without '#', got {request_id!r}", param="request_id"
-            )
-        stop = () if params.ignore_eos else (params.stop_token_ids if params.stop_token_ids is not None else self._eos)
-        stop_ids = valid_token_ids(
-            stop, vocab_size=self._vocab_size, name="stop_token_ids", allow_empty=True, param="stop_token_ids"
-        )
-        self._check_model_fields(params)
-        stops = stop_strings(params.stop_strings, params.include_stop_str_in_output, self.tokenizer, self._added_vocab)
-        grammar = None
-        if params.structured is not None and params.max_new_tokens:
-            grammar = self._grammar(StructuredOutput.from_value(params.structured), params.n)
-            stop_ids = [*stop_ids, *grammar.stop_token_ids]  # a finished grammar's end stops the sequence
-        rid = request_id if request_id is not None else self._fresh_id()
-        seq = None
-        scoring = params.prompt_logprobs is not None
-        if params.max_new_tokens or scoring:  # max_new_tokens=0 with prompt_logprobs: the prompt runs, one draw dropped
-            seq = SequenceState(
-                rid,
-                token_ids,
-                params.max_new_tokens or 1,
-                frozenset(stop_ids) | stops.by_id.keys(),  # stop strings that are special tokens stop by id
-                namespace,
-                params.n,
-                params.min_new_tokens,
-                priority,
-                read_prefix_cache=not scoring,  # every prompt position's logits are needed
-            )
-            self.scheduler.check_admissible(seq)  # also checks the namespace
-        samples = [SampleOutput(k, logprobs=None if params.logprobs is None else []) for k in range(params.n)]
-        output = RequestOutput(rid, token_ids, samples, RequestMetrics(time.perf_counter()))
-        output.prompt_logprobs = [None] if scoring else None
-        texts = [self._sample_text(stops, params.min_new_tokens) for _ in range(params.n)]
-        device = self.model.get_input_embeddings().weight.device  # draws happen where the logits are
-        return EngineRequest(rid, params, seq, output, texts, params.generators(device), grammar=grammar)
-
-    def _grammar(self, spec: StructuredOutput, num_samples: int) -> RequestGrammar:
-        """Start compiling a request's grammar (bad specs raise here, at admission); the compiler is built with the
-        first structured request."""
-        if self.tokenizer is None:
-            raise InvalidRequestError(
-                f"structured outputs ({spec.kind}) need the tokenizer: Engine(model, tokenizer=...)", param="structured"
-            )
-        with self._lock:
-            if self._grammars is None:
-                fallback = getattr(self.tokenizer, "eos_token_id", None)
-                eos = self._eos or ([] if fallback is None else [int(fallback)])
-                self._grammars = EngineGrammars(
-                    self.tokenizer,
-                    vocab_size=self._vocab_size,
-                    stop_token_ids=eos,
-                    compile_timeout=self._compile_timeout,
-                )
-            grammars = self._grammars
-        return grammars.request(spec, num_samples)
+        return self._admission.validate(request, spec, fresh_id=self._fresh_id)
 
     def _admit_compiled(self) -> None:
         """Schedule the held requests whose grammar is built; fail those whose grammar failed or timed out."""
-        if self._grammars is None or not self._grammars.num_held:
+        grammars = self._admission.grammars
+        if grammars is None or not grammars.num_held:
             return
-        for request, error in self._grammars.take_ready():
+        for request, error in grammars.take_ready():
             if request.is_done:  # aborted while its grammar compiled
                 continue
             if error is None:
@@ -800,47 +608,22 @@ class Engine:
             else:
                 self._fail(request, f"GrammarError: {error}")
 
-    def _check_model_fields(self, params: SamplingParams) -> None:
-        """What :class:`SamplingParams` cannot check alone: token ids in this model's vocabulary, ``logprobs`` and
-        ``prompt_logprobs`` within ``max_logprobs``."""
-        vocab = self._vocab_size
-        if params.logit_bias:
-            ids = [t for t, _ in params.bias_items]
-            valid_token_ids(ids, vocab_size=vocab, name="logit_bias token ids", param="logit_bias")
-        if params.allowed_token_ids:
-            valid_token_ids(
-                params.allowed_token_ids, vocab_size=vocab, name="allowed_token_ids", param="allowed_token_ids"
-            )
-        for name in ("logprobs", "prompt_logprobs"):
-            k = getattr(params, name)
-            if k is None or self.max_logprobs == -1:
-                continue
-            if (k == -1 and (vocab is None or vocab > self.max_logprobs)) or k > self.max_logprobs:
-                raise InvalidRequestError(
-                    f"{name}={k} is more than this Engine allows: at most max_logprobs={self.max_logprobs} "
-                    "(Engine(max_logprobs=...); -1 asks for the whole vocabulary)",
-                    param=name,
-                )
-
-    def _sample_text(self, stops: StopStrings, min_new_tokens: int) -> SampleText:
-        detokenizer = IncrementalDetokenizer(self.tokenizer) if self.tokenizer is not None else None
-        return SampleText(detokenizer, stops, min_new_tokens)
-
-    def _submit(self, request: EngineRequest, owner: object | None) -> EngineRequest:
+    def _submit(self, request: RequestState, owner: object | None) -> RequestState:
         with self._lock:
             self._check_open()
             rid = request.request_id
             if rid in self._requests:
-                raise InvalidRequestError(f"request id {rid!r} is already in use")
+                raise InvalidRequestError(f"request id {rid!r} is already in use", param="request_id")
             request.owner = owner
             request.output.metrics.arrival_time = time.perf_counter()
             if request.sequence is not None:
-                if request.grammar is not None and self._grammars is not None:
-                    self._grammars.hold(request.grammar, request)  # scheduled once its grammar is built
+                grammars = self._admission.grammars
+                if request.grammar is not None and grammars is not None:
+                    grammars.hold(request.grammar, request)  # scheduled once its grammar is built
                 else:
                     self.scheduler.add(request.sequence)
                 self._requests[rid] = request
-            self._counts["requests"] += 1
+            self._counters.requests += 1
             if request.sequence is None:  # max_new_tokens=0: done at once
                 for index in range(request.params.n):
                     self._finish_sample(request, index, FinishReason.LENGTH.value)
@@ -848,7 +631,7 @@ class Engine:
 
     def _finish_sample(
         self,
-        request: EngineRequest,
+        request: RequestState,
         index: int,
         reason: str,
         stop_reason: str | int | None = None,
@@ -885,11 +668,11 @@ class Engine:
             self._requests.pop(request.request_id, None)
             self._ready.append((request.owner, request.output))
             outcome = "failed" if request.output.error else "aborted" if reason == FinishReason.ABORT.value else ""
-            self._counts[outcome or "finished"] += 1
+            self._counters.count(outcome or "finished")
         elif escalate is not None:
             self._fail(request, escalate)
 
-    def _fail(self, request: EngineRequest, message: str) -> None:
+    def _fail(self, request: RequestState, message: str) -> None:
         """Fail every unfinished sample of a request (e.g. its tokenizer raised); its blocks go back."""
         if request.is_done:
             return
@@ -914,7 +697,7 @@ class Engine:
         self._events = [(who, event) for who, event in self._events if who is not owner]
         return finished, events
 
-    def _give_up(self, owner: object, mine: list[EngineRequest], unreported: Iterable[RequestOutput]) -> None:
+    def _give_up(self, owner: object, mine: list[RequestState], unreported: Iterable[RequestOutput]) -> None:
         """A generate/stream call stops early: its requests are aborted and reported by the next ``step()``."""
         with self._lock:
             if self._closed:
@@ -928,9 +711,9 @@ class Engine:
                 if not request.is_done:
                     self.abort(request.request_id)
 
-    def _stream(self, new: list[EngineRequest]) -> Iterator[TokenEvent]:
+    def _stream(self, new: list[RequestState]) -> Iterator[TokenEvent]:
         owner: object = object()
-        mine: list[EngineRequest] = []
+        mine: list[RequestState] = []
         unreported: dict[str, RequestOutput] = {}  # finished, but their last events are not yielded yet
         finals: dict[str, int] = {}
         try:
@@ -956,60 +739,20 @@ class Engine:
             self._give_up(owner, mine, unreported.values())
 
     # ------------------------------------------------------------------ helpers
-    def _params(self, spec: Params | _Generation, prompt_length: int) -> SamplingParams:
-        if isinstance(spec, _Generation):
-            params = to_sampling_params(
-                spec.config, prompt_length=prompt_length, max_positions=self._max_positions, **spec.extras
-            )
-            return params if spec.structured is None else replace(params, structured=spec.structured)
-        if isinstance(spec, SamplingParams):
-            return spec
-        if isinstance(spec, dict):
-            return SamplingParams.from_fields(spec)  # this class's names or vLLM's (max_tokens, min_tokens, stop)
-        raise InvalidRequestError(f"params must be SamplingParams or a dict, got {type(spec).__name__}")
-
-    def _encode(self, prompt: Any) -> list[int]:
-        if not isinstance(prompt, str):
-            return token_id_list(prompt, vocab_size=self._vocab_size)
-        if self.tokenizer is None:
-            raise InvalidRequestError("a string prompt needs a tokenizer: Engine(model, tokenizer=...)", param="prompt")
-        try:
-            encoded = self.tokenizer(prompt)["input_ids"]
-        except Exception as exc:  # the tokenizer is user code: its failure is this request's error
-            raise InvalidRequestError(
-                f"the tokenizer failed on the prompt {prompt[:40]!r}: {type(exc).__name__}: {exc}", param="prompt"
-            ) from exc
-        return token_id_list(encoded, vocab_size=self._vocab_size)
-
+    # ------------------------------------------------------------------ helpers
     def _fresh_id(self) -> str:
         while True:
             rid = f"req-{next(self._ids)}"
             if rid not in self._requests and rid not in self._aborting:
                 return rid
 
-    def _rejected(self, prompt: Any, spec: Params | _Generation, exc: Exception) -> RequestOutput:
+    def _rejected(self, prompt: Any, spec: Spec, exc: PagedCoreError) -> RequestOutput:
         """The output of a request refused by ``generate`` (counted as a failed request)."""
-        n = 1
-        if isinstance(spec, SamplingParams):
-            n = spec.n
-        elif isinstance(spec, dict) and isinstance(spec.get("n"), int) and spec["n"] >= 1:
-            n = spec["n"]
-        elif isinstance(spec, _Generation):
-            n = spec.config.num_return_sequences or 1
-        samples = [SampleOutput(k, finish_reason=FinishReason.ERROR.value) for k in range(n)]
-        tokens = prompt.tolist() if isinstance(prompt, torch.Tensor) else prompt if isinstance(prompt, list) else []
-        now = time.perf_counter()
         with self._lock:
-            self._counts["requests"] += 1
-            self._counts["failed"] += 1
+            self._counters.requests += 1
+            self._counters.count("failed")
             rid = f"rejected-{next(self._ids)}"
-        return RequestOutput(
-            rid,
-            [n for n in map(as_integer, tokens) if n is not None],
-            samples,
-            RequestMetrics(now, None, now),
-            error=f"{type(exc).__name__}: {exc}",
-        )
+        return self._admission.rejected(prompt, spec, exc, rid)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -1017,31 +760,6 @@ class Engine:
 
 
 _NO_OUTPUT = RequestOutput("", [], [], RequestMetrics(0.0))
-
-
-def _seconds(name: str, value: object) -> float:
-    """A positive number of seconds, or :class:`~pagedcore.errors.ConfigError` naming it."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ConfigError(f"{name} must be > 0 seconds, got {value!r}")
-    return float(value)
-
-
-def _structured_kwarg(kwargs: dict[str, Any]) -> StructuredOutput | None:
-    """Take ``structured=`` (a :class:`StructuredOutput` or a dict of one) or OpenAI's ``response_format=`` out of
-    ``generate``'s keyword arguments, as a spec (checked here: a bad one raises whatever the prompt)."""
-    structured, response_format = kwargs.pop("structured", None), kwargs.pop("response_format", None)
-    if structured is not None and response_format is not None:
-        raise InvalidRequestError("pass structured= or response_format=, not both")
-    value = structured if structured is not None else response_format
-    return None if value is None else SamplingParams(structured=value).structured  # type: ignore[return-value]
-
-
-def _added_vocab(tokenizer: Any) -> dict[str, int]:
-    """The tokenizer's added tokens (special ones included) by text; empty for tokenizers without them."""
-    try:
-        return dict(tokenizer.get_added_vocab()) if tokenizer is not None else {}
-    except Exception:  # not a transformers tokenizer: stop strings match in the text only
-        return {}
 
 
 def _store_fields(tiers: TierStats | None) -> dict[str, Any]:
@@ -1064,50 +782,6 @@ def _store_fields(tiers: TierStats | None) -> dict[str, Any]:
         "kv_store_hits": {name: s["hits"] for name, s in tiers.stores.items()},
         "kv_store_bytes": {name: s["bytes"] for name, s in tiers.stores.items()},
     }
-
-
-def _scheduler(
-    pool: PagedKVPool, tokens: int, seqs: int, watermark: float, prefix_caching: bool, policy: str
-) -> Scheduler:
-    """The Engine's scheduler over ``pool``'s blocks (its limits checked by :class:`SchedulerConfig`)."""
-    config = SchedulerConfig(
-        max_num_batched_tokens=tokens,
-        max_num_seqs=seqs,
-        watermark=watermark,
-        enable_prefix_caching=prefix_caching,
-        policy=policy,
-    )
-    return Scheduler(pool.kv, config, plugins=pool.plugins)
-
-
-def _pool_for(
-    model: Any,
-    pool: PagedKVPool | None,
-    num_blocks: int | None,
-    memory_budget: Any,
-    block_size: int | None,
-    kv_store: KVStoreSpec | None,
-    kv_store_bytes: int | float | str | None,
-) -> PagedKVPool:
-    """A new pool of ``num_blocks`` / ``memory_budget`` (and its tiers below) for ``model``, or ``pool`` bound to it
-    (not both)."""
-    config = PoolConfig.of(
-        num_blocks=num_blocks,
-        memory_budget=memory_budget,
-        block_size=block_size,
-        kv_store=kv_store,
-        kv_store_bytes=kv_store_bytes,
-    )
-    return PagedKVPool.resolve(model, pool, config)
-
-
-def _eos_ids(model: Any) -> list[int]:
-    """The stop tokens ``model.generate`` would use: the generation config's eos (the model config's if none)."""
-    config = getattr(model, "generation_config", None)
-    eos = config.eos_token_id if config is not None else getattr(text_config(model), "eos_token_id", None)
-    if eos is None:
-        return []
-    return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
 
 
 class _NoProgress:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .auth import ApiKeys
 
-__all__ = ["BUILTIN_NAME", "add_arguments", "flag_error", "load_api_keys", "missing_extra", "run"]
+__all__ = ["BUILTIN_NAME", "add_arguments", "engine_config", "flag_error", "run"]
 
 BUILTIN_NAME = "pagedcore-builtin"
 # The defaults of pagedcore.serve.body.BodyLimits (not imported here: this module imports argparse alone).
@@ -184,7 +184,7 @@ def run(args: argparse.Namespace) -> int:
         ...
         pagedcore.cli.common.UsageError: --port must be in 0..65535, got 70000
     """
-    from pagedcore.cli.common import EXIT_OK, EXIT_UNAVAILABLE, UsageError
+    from pagedcore.cli.common import EXIT_OK, EXIT_UNAVAILABLE, UsageError, missing_extra
 
     _check(args, UsageError)
     if getattr(args, "ray", False):
@@ -221,6 +221,7 @@ def run(args: argparse.Namespace) -> int:
 def _build(args: argparse.Namespace, error: type[Exception]) -> tuple[Any, Any, Any, Any]:
     """The engine, its loop, the uvicorn server that ``args`` describe and its bound socket (nothing started)."""
     from pagedcore.adapters.transformers import Engine
+    from pagedcore.errors import ConfigError
 
     from .app import create_app
     from .body import body_limits
@@ -229,21 +230,11 @@ def _build(args: argparse.Namespace, error: type[Exception]) -> tuple[Any, Any, 
 
     api_keys = _api_keys(args, error)
     model, tokenizer, name = _model(args, error)
-    context = _context(args, model, error)
-    engine = Engine(
-        model,
-        tokenizer,
-        num_blocks=args.num_blocks,
-        memory_budget=_memory_budget(args, error),
-        block_size=args.block_size,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        enable_prefix_caching=args.enable_prefix_caching,
-        max_logprobs=args.max_logprobs,
-        compile="auto" if args.compile is None else args.compile,
-        kv_store=getattr(args, "kv_store", None),
-        kv_store_bytes=getattr(args, "kv_store_bytes", None),
-    )
+    try:
+        engine = Engine(model, tokenizer, config=engine_config(args, _memory_budget(args, error)))
+    except ConfigError as exc:  # e.g. --max-model-len over the model's context
+        raise flag_error(exc, error) from exc
+    context = engine.context.limit
     loop = EngineLoop(engine, max_queue=args.max_queue)
     names = args.served_model_name or [name]
     options = _app_options(args, names, error)
@@ -276,9 +267,10 @@ def _announce(
         file=sys.stderr,
         flush=True,
     )
-    if context is not None and loop.max_new_tokens(1) + 1 < context:
+    room = engine.scheduler.max_new_tokens(1)  # the pool's bound on one request (None: none)
+    if context is not None and room is not None and room + 1 < context:
         print(
-            f"pagedcore serve: warning: the KV pool holds {loop.max_new_tokens(1) + 1} tokens for one request, less "
+            f"pagedcore serve: warning: the KV pool holds {room + 1} tokens for one request, less "
             f"than the context of {context}: longer requests get 400, and chat without max_tokens is clamped to "
             "what fits (more --num-blocks / --memory-budget, or a smaller --max-model-len)",
             file=sys.stderr,
@@ -372,7 +364,7 @@ def _check_ray(args: argparse.Namespace, error: type[Exception]) -> None:
 
 def _api_keys(args: argparse.Namespace, error: type[Exception]) -> ApiKeys | None:
     """``--api-keys FILE`` and ``--api-key KEY`` together (every ``--api-key`` is tenant ``default``)."""
-    from .auth import ApiKeys, ApiKeysError
+    from .auth import ApiKeys, ApiKeysError, load_api_keys
 
     from_file = load_api_keys(args.api_keys, error)
     keys = getattr(args, "api_key", None) or []
@@ -387,17 +379,38 @@ def _api_keys(args: argparse.Namespace, error: type[Exception]) -> ApiKeys | Non
         raise error(f"--api-key: {exc}") from exc
 
 
-def _context(args: argparse.Namespace, model: Any, error: type[Exception]) -> int | None:
-    """The context served: ``--max-model-len``, at most the model's own."""
-    from pagedcore.adapters.transformers.spec import text_config
+def engine_config(args: argparse.Namespace, memory_budget: Any = None) -> Any:
+    """The :class:`~pagedcore.engine.config.EngineConfig` ``pagedcore serve``'s flags describe (the pool's sizes and
+    tiers, the scheduler's limits, the Engine's own); raises :class:`~pagedcore.errors.ConfigError` naming the
+    setting (:func:`flag_error` names its flag).
 
-    own = getattr(text_config(model.config), "max_position_embeddings", None)
-    length = args.max_model_len
-    if length is None:
-        return own
-    if own is not None and length > own:
-        raise error(f"--max-model-len {length} is more than the model's context of {own} tokens")
-    return int(length)
+    Example:
+        >>> parser = argparse.ArgumentParser()
+        >>> add_arguments(parser)
+        >>> config = engine_config(parser.parse_args(["--num-blocks", "64", "--max-num-seqs", "8", "--no-compile"]))
+        >>> config.pool.num_blocks, config.scheduler.max_num_seqs, config.compile
+        (64, 8, False)
+    """
+    from pagedcore.config import PoolConfig
+    from pagedcore.engine.config import EngineConfig
+    from pagedcore.scheduler import SchedulerConfig
+
+    pool = PoolConfig(
+        num_blocks=args.num_blocks,
+        memory_budget=args.memory_budget if memory_budget is None else memory_budget,
+        block_size=args.block_size,
+        kv_store=getattr(args, "kv_store", None),
+        kv_store_bytes=getattr(args, "kv_store_bytes", None),
+    )
+    scheduler = SchedulerConfig(
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        enable_prefix_caching=args.enable_prefix_caching,
+    )
+    compile_mode = "auto" if args.compile is None else args.compile
+    return EngineConfig(
+        pool, scheduler, max_logprobs=args.max_logprobs, max_model_len=args.max_model_len, compile=compile_mode
+    )
 
 
 def _memory_budget(args: argparse.Namespace, error: type[Exception]) -> Any:
@@ -502,39 +515,3 @@ def _in_main_thread() -> bool:
 
 def _ignore(signum: int, frame: Any) -> None:
     """SIGTERM after uvicorn's own shutdown: nothing left to do but return."""
-
-
-def missing_extra(command: str, extra: str, modules: tuple[str, ...]) -> bool:
-    """Whether one of ``modules`` cannot be imported; if so, say in one line which extra ``command`` needs.
-
-    Example:
-        >>> missing_extra("pagedcore serve", "serve", ("json",))
-        False
-    """
-    import importlib
-
-    try:
-        for module in modules:
-            importlib.import_module(module)
-    except ImportError as exc:
-        print(f"{command}: needs the {extra} extra: pip install 'pagedcore[{extra}]' ({exc})", file=sys.stderr)
-        return True
-    return False
-
-
-def load_api_keys(path: str | None, usage_error: type[Exception]) -> ApiKeys | None:
-    """The :class:`~pagedcore.serve.auth.ApiKeys` of ``--api-keys FILE`` (None without one); a bad file raises
-    ``usage_error`` with the file's problem in one line.
-
-    Example:
-        >>> load_api_keys(None, ValueError) is None
-        True
-    """
-    if not path:
-        return None
-    from .auth import ApiKeys, ApiKeysError
-
-    try:
-        return ApiKeys.from_file(path)
-    except ApiKeysError as exc:
-        raise usage_error(str(exc)) from exc

@@ -16,9 +16,9 @@ from .loop import (
     LoopClosedError,
     LoopEvent,
     QueueFullError,
+    Request,
     RequestLoop,
     Started,
-    Submission,
 )
 from .protocol import ApiError, engine_error
 
@@ -68,7 +68,7 @@ class Job:
         >>> model = tiny_llama(num_hidden_layers=1)
         >>> async def run(loop):
         ...     job = Job(loop)
-        ...     await job.start([Submission([1, 2, 3], SamplingParams(max_new_tokens=2))])
+        ...     await job.start([Request([1, 2, 3], SamplingParams(max_new_tokens=2))])
         ...     return [type(event).__name__ async for event in job.events()]
         >>> with Engine(model, num_blocks=16, block_size=8) as engine:
         ...     loop = EngineLoop(engine)
@@ -93,13 +93,13 @@ class Job:
         """Whether some of its engine requests have not ended yet."""
         return bool(self._open)
 
-    async def start(self, submissions: Sequence[Submission]) -> None:
+    async def start(self, requests: Sequence[Request]) -> None:
         """Queue the requests and wait until the engine accepted every one of them. Raises :class:`ApiError`:
         429 when the queue is full, 503 when the server is stopping, and the error of the first request the
         engine refused (the others are aborted)."""
         self._aloop = asyncio.get_running_loop()
         try:
-            self.request_ids = self._loop.submit(submissions, self._sink)
+            self.request_ids = self._loop.submit(requests, self._sink)
         except QueueFullError as exc:
             raise ApiError(429, str(exc), type="rate_limit_error", code="queue_full") from exc
         except LoopClosedError as exc:

@@ -16,7 +16,8 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from pagedcore.adapters.transformers import SamplingParams
+from pagedcore.engine.context import ContextWindow
+from pagedcore.engine.sampling import SamplingParams
 from pagedcore.errors import InvalidRequestError, PagedCoreError
 
 from .fields import CHAT, COMPLETIONS, FIELDS, Endpoint, rules_for
@@ -389,30 +390,23 @@ def check_fields(endpoint: Endpoint, data: dict[str, Any]) -> None:
 
 def _check_lengths(data: dict[str, Any], max_tokens: int | None) -> None:
     """Refuse lists no valid request has, by their length alone (their elements are validated later)."""
+    window = ContextWindow(max_tokens)
     prompt = data.get("prompt")
-    if isinstance(prompt, list) and prompt:
-        if isinstance(prompt[0], (str, list)):
-            if len(prompt) > MAX_PROMPTS:
-                raise ApiError(400, f"at most {MAX_PROMPTS} prompts per request, got {len(prompt)}", param="prompt")
-            for index, ids in enumerate(prompt):
-                if isinstance(ids, list) and max_tokens is not None and len(ids) > max_tokens:
-                    raise ApiError(
-                        400,
-                        f"prompt {index} has {len(ids)} token ids, more than the model's context of {max_tokens} "
-                        "tokens",
-                        param="prompt",
-                    )
-        elif max_tokens is not None and len(prompt) > max_tokens:
-            message = f"the prompt has {len(prompt)} token ids, more than the model's context of {max_tokens} tokens"
-            raise ApiError(400, message, param="prompt")
-    messages = data.get("messages")
-    if isinstance(messages, list) and max_tokens is not None and len(messages) > max_tokens:
-        raise ApiError(
-            400,
-            f"{len(messages)} messages cannot fit in the model's context of {max_tokens} tokens (each takes one at "
-            "least)",
-            param="messages",
-        )
+    try:
+        if isinstance(prompt, list) and prompt:
+            if isinstance(prompt[0], (str, list)):
+                if len(prompt) > MAX_PROMPTS:
+                    raise ApiError(400, f"at most {MAX_PROMPTS} prompts per request, got {len(prompt)}", param="prompt")
+                for index, ids in enumerate(prompt):
+                    if isinstance(ids, list):
+                        window.check_length(len(ids), f"prompt {index}")
+            else:
+                window.check_length(len(prompt), "the prompt")
+        messages = data.get("messages")
+        if isinstance(messages, list):
+            window.check_length(len(messages), f"{len(messages)} messages", param="messages", ids=False)
+    except InvalidRequestError as exc:
+        raise engine_error(exc) from exc
 
 
 def sampling_params(request: _Request, max_new_tokens: int) -> SamplingParams:

@@ -11,15 +11,25 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from typing import Any
 
 from transformers import GenerationConfig
 
+from pagedcore.engine.admission import structured_kwarg
 from pagedcore.engine.sampling import SamplingParams
+from pagedcore.engine.structured.spec import StructuredOutput
 from pagedcore.errors import InvalidRequestError
 from pagedcore.validation import integer, token_ids
 
-__all__ = ["GENERATE_EXTENSIONS", "GENERATE_KWARGS", "merge_generation_config", "to_sampling_params"]
+__all__ = [
+    "GENERATE_EXTENSIONS",
+    "GENERATE_KWARGS",
+    "GenerateCall",
+    "GenerateKwargs",
+    "merge_generation_config",
+    "to_sampling_params",
+]
 
 GENERATE_KWARGS = frozenset(
     {
@@ -275,3 +285,54 @@ def _lengths(config: GenerationConfig, prompt_length: int, max_positions: int | 
     else:
         min_new_tokens = max(0, (config.min_length or 0) - prompt_length)
     return max_new_tokens, min_new_tokens
+
+
+@dataclass(frozen=True)
+class GenerateCall:
+    """One call's ``generate`` keyword arguments, merged with the model's ``generation_config`` (per call), resolved
+    per prompt (``max_length`` counts the prompt).
+
+    Example:
+        >>> call = GenerateKwargs(None).parse({"max_length": 12, "eos_token_id": 2})
+        >>> call.for_prompt(5, None).max_new_tokens, call.n
+        (7, 1)
+    """
+
+    config: GenerationConfig
+    extras: dict[str, Any]  # GENERATE_EXTENSIONS given (seed, logprobs, ...)
+    structured: StructuredOutput | None = None  # generate(structured=...) / generate(response_format=...)
+
+    @property
+    def n(self) -> int:
+        """Parallel samples (``num_return_sequences``)."""
+        return self.config.num_return_sequences or 1
+
+    def for_prompt(self, prompt_length: int, max_positions: int | None) -> SamplingParams:
+        """The parameters of a prompt of ``prompt_length`` tokens in a context of ``max_positions``."""
+        params = to_sampling_params(
+            self.config, prompt_length=prompt_length, max_positions=max_positions, **self.extras
+        )
+        return params if self.structured is None else replace(params, structured=self.structured)
+
+
+class GenerateKwargs:
+    """``model.generate``'s keyword arguments for an Engine over ``model``, with its ``generation_config`` as the
+    default exactly as ``model.generate`` uses it (:func:`merge_generation_config`); ``structured=`` and OpenAI's
+    ``response_format=`` too.
+
+    Example:
+        >>> GenerateKwargs(None).parse({"num_beams": 4})
+        Traceback (most recent call last):
+        ...
+        pagedcore.errors.InvalidRequestError: num_beams=4 (an argument) is not supported by the Engine: ...
+    """
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+
+    def parse(self, kwargs: dict[str, Any]) -> GenerateCall:
+        """The call's parameters; raises :class:`~pagedcore.errors.InvalidRequestError` for what is wrong whatever
+        the prompt."""
+        structured = structured_kwarg(kwargs)
+        config, extras = merge_generation_config(getattr(self.model, "generation_config", None), kwargs)
+        return GenerateCall(config, extras, structured)

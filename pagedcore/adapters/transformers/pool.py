@@ -421,10 +421,15 @@ class PagedKVPool:
             backend = self._backends[key] = self.plugins.attention_backend(device.type, dtype, name)
         return backend
 
+    def used_bytes(self) -> int:
+        """KV bytes of the blocks held now (whole blocks): ``memory_stats().used_bytes``, without the rest."""
+        per_group = self._group_block_bytes()
+        return sum(per_group[g.index] * g.block_manager.num_used_blocks for g in self.kv.groups)
+
     def memory_stats(self) -> MemoryStats:
         """KV memory: capacity, what is allocated, used by holders and kept by the prefix cache."""
         per_group = self._group_block_bytes()
-        used = sum(per_group[g.index] * g.block_manager.num_used_blocks for g in self.kv.groups)
+        used = self.used_bytes()
         cached = sum(per_group[g.index] * g.block_manager.num_evictable_blocks for g in self.kv.groups)
         allocated = sum(
             k.numel() * k.element_size() + v.numel() * v.element_size()

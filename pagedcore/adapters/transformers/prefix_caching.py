@@ -68,6 +68,7 @@ import torch
 
 from pagedcore.capacity import Demand, Reservation
 from pagedcore.config import PoolConfig
+from pagedcore.engine.context import ContextWindow
 from pagedcore.engine.inputs import TOKEN_DTYPES, check_token_tensor
 from pagedcore.errors import ConfigError, InvalidRequestError, OutOfBlocksError, PoolMismatchError
 from pagedcore.prefix_trie import namespace_key
@@ -390,16 +391,12 @@ def _check_input_ids(model: Any, input_ids: torch.Tensor) -> None:
 
 
 def _check_context(model: Any, mask: torch.Tensor, settings: _Settings) -> None:
-    """Prompt + new tokens must fit the model's context (positions count real tokens: padding takes none)."""
-    limit = context_limit(model)
-    if limit is None or mask.numel() == 0:
+    """Prompt + new tokens must fit the model's context (positions count real tokens: padding takes none); the rule
+    is :class:`~pagedcore.engine.context.ContextWindow`'s."""
+    window = ContextWindow(context_limit(model))
+    if window.limit is None or mask.numel() == 0:
         return
-    longest = int(mask.ne(0).sum(dim=1).max())
-    if longest + settings.max_new_tokens > limit:
-        raise InvalidRequestError(
-            f"{longest} prompt tokens + {settings.max_new_tokens} new tokens exceed the model's context of {limit} "
-            "positions: shorten the prompt or lower max_new_tokens"
-        )
+    window.check(int(mask.ne(0).sum(dim=1).max()), settings.max_new_tokens, which="the longest prompt")
 
 
 def _check_placement(state: _Enabled) -> None:

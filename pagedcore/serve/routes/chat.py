@@ -17,7 +17,7 @@ from fastapi.responses import Response
 from ..answers import AnswerOptions
 from ..context import Context, ServeContext
 from ..openapi import ERROR_RESPONSES, json_body
-from ..pipeline import Generation, answer, fit_prompts, namespace_of, off_loop, read_request, shape_of
+from ..pipeline import answer, fit_prompts, namespace_of, off_loop, read_request, requests_of, shape_of
 from ..prompts import ChatOptions
 from ..protocol import ApiError, ChatRequest, sampling_params
 from ..structured import constraint
@@ -42,8 +42,8 @@ async def chat_completions(request: Request, ctx: Context) -> Response:
     (prompt,) = fit_prompts(ctx, body, [truncated], max_tokens)
     params = replace(sampling_params(body, max_tokens), structured=spec)
     shape = shape_of(ctx, body, True, _options(ctx, body, prompt), calls)
-    generation = Generation([prompt], params, namespace_of(tenant, body.cache_salt), bool(body.stream))
-    return await answer(ctx, request, generation, shape)
+    requests = requests_of([prompt], params, namespace_of(tenant, body.cache_salt))
+    return await answer(ctx, request, requests, shape, stream=bool(body.stream))
 
 
 def _chat_options(ctx: ServeContext, body: ChatRequest) -> ChatOptions:
