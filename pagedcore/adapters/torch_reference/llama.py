@@ -63,8 +63,9 @@ class LlamaShape:
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> LlamaShape:
         """The shape of a Llama ``config.json`` (a dict); refuses what this model does not compute."""
-        if config.get("model_type", "llama") != "llama" or config.get("hidden_act", "silu") != "silu":
-            raise UnsupportedModelError(f"TorchLlama computes Llama with SiLU, not {config.get('model_type')!r}")
+        kind = (config.get("model_type", "llama"), config.get("hidden_act", "silu"))
+        if kind != ("llama", "silu"):
+            raise UnsupportedModelError(f"TorchLlama computes Llama with SiLU, not {kind[0]!r} with {kind[1]!r}")
         rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
         if rope.get("rope_type", rope.get("type", "default")) != "default":
             raise UnsupportedModelError(f"TorchLlama computes default rotary positions, not {rope!r}")
@@ -200,10 +201,15 @@ class TorchLlama(nn.Module):
 
     @classmethod
     def from_pretrained(cls, folder: str | Path, dtype: torch.dtype | None = None) -> TorchLlama:
-        """A checkpoint folder's model: its ``config.json`` and its weights (``model.safetensors``, sharded or
-        not, or ``pytorch_model.bin``), as transformers saves them."""
+        """A checkpoint folder's model: its ``config.json`` (the stop tokens of its ``generation_config.json`` when
+        there is one) and its weights (``model.safetensors``, sharded or not, or ``pytorch_model.bin``), as
+        transformers saves them."""
         folder = Path(folder)
-        shape = LlamaShape.from_config(json.loads((folder / "config.json").read_text()))
+        config = json.loads((folder / "config.json").read_text())
+        generation = folder / "generation_config.json"  # its eos wins, as in transformers' generate
+        if generation.is_file():
+            config = {**config, "eos_token_id": json.loads(generation.read_text()).get("eos_token_id")}
+        shape = LlamaShape.from_config(config)
         model = cls(shape)
         model.load_state_dict(_weights(folder), strict=not shape.tie_word_embeddings)
         return model.to(dtype=dtype).eval() if dtype is not None else model.eval()
