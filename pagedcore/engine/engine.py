@@ -363,20 +363,14 @@ class Engine:
         return {f"{phase}_seconds": seconds for phase, seconds in self._counters.phases.items()}
 
     def max_new_tokens(self, prompt_tokens: int) -> int | None:
-        """The most new tokens one request with a prompt of ``prompt_tokens`` tokens can be given: what the context
-        leaves (:class:`~.context.ContextWindow`) and what the pool can ever hold for one sequence (the scheduler's
-        exact answer, :meth:`~pagedcore.scheduler.Scheduler.max_new_tokens`); 0 when even the prompt cannot fit,
-        None when neither bounds it. A query, safe from any thread.
-
-        Example:
-            >>> from pagedcore.adapters.torch_reference import TorchLlama, TorchRunner
-            >>> with Engine(TorchRunner(TorchLlama.tiny(), num_blocks=8, block_size=4)) as engine:
-            ...     engine.max_new_tokens(10), engine.max_new_tokens(40)
-            (23, 0)
-        """
-        rooms = [room for room in (self.context.room(prompt_tokens), self.scheduler.max_new_tokens(prompt_tokens))]
-        bounded = [room for room in rooms if room is not None]
-        return min(bounded) if bounded else None
+        """The most new tokens a request with a prompt of ``prompt_tokens`` tokens can be given: the least of what the
+        context leaves (:class:`~.context.ContextWindow`) and what the pool can ever hold for one sequence
+        (:meth:`Scheduler.max_new_tokens <pagedcore.scheduler.Scheduler.max_new_tokens>`, exact); 0: not even one,
+        None: no bound. A query, safe from any thread (tests/test_capacity.py has examples)."""
+        rooms = [
+            r for r in (self.context.room(prompt_tokens), self.scheduler.max_new_tokens(prompt_tokens)) if r is not None
+        ]
+        return min(rooms) if rooms else None
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix of the pool now (vLLM's name; the runner's ``reset_prefix_cache``).
