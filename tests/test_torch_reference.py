@@ -121,8 +121,10 @@ def test_what_it_cannot_do_is_refused():
         LlamaShape.from_config({"rope_parameters": {"rope_type": "yarn", "factor": 2.0}})
     with pytest.raises(UnsupportedModelError, match="gelu"):
         LlamaShape.from_config({"hidden_act": "gelu"})
-    with pytest.raises(ConfigError, match="pool settings go to the runner"):
-        Engine(TorchRunner(TorchLlama.tiny(), num_blocks=8), config=EngineConfig.of(num_blocks=8))
+    with pytest.raises(ConfigError, match="pool, compile: the runner's settings"):
+        Engine(TorchRunner(TorchLlama.tiny(), num_blocks=8), config=EngineConfig.of(num_blocks=8, compile=True))
+    with pytest.raises(ConfigError, match="attention_backend: the runner's settings"):
+        Engine(TorchRunner(TorchLlama.tiny(), num_blocks=8), attention_backend="torch")
     with (
         Engine(TorchRunner(TorchLlama.tiny(), num_blocks=8, block_size=4)) as engine,
         pytest.raises(InvalidRequestError, match="keyword arguments") as caught,

@@ -75,8 +75,8 @@ class Engine:
         tokenizer: optional; lets prompts be strings and outputs carry text.
         config: the Engine's settings (:class:`~.config.EngineConfig`: the scheduler's limits and policy,
             ``max_logprobs``, ``max_model_len``, ``compile_timeout``); or give them as keyword arguments
-            (``max_num_seqs=8``, ``scheduling_policy="fcfs"``, ...), not both. Pool settings belong to the runner,
-            which built its pool already.
+            (``max_num_seqs=8``, ``scheduling_policy="fcfs"``, ...), not both. The pool's settings, ``compile`` and
+            ``attention_backend`` belong to the runner, which was built with them.
         arguments: a front end's own parameter words (:class:`~.admission.GenerateArguments`; the transformers
             adapter's: ``model.generate``'s keyword arguments); without them, parameters are a
             :class:`~.sampling.SamplingParams` or a dict of its fields.
@@ -115,8 +115,13 @@ class Engine:
         **settings: Any,
     ) -> None:
         config = EngineConfig.of(config, **settings)
-        if not config.pool.is_default:
-            raise ConfigError("pool settings go to the runner, which builds the pool: not to an Engine given one")
+        runners = {"pool": not config.pool.is_default, "compile": config.compile != "auto"}
+        runners["attention_backend"] = config.attention_backend is not None
+        if any(runners.values()):  # the runner was built with its own: these would be ignored here
+            given = ", ".join(name for name, set_ in runners.items() if set_)
+            raise ConfigError(
+                f"{given}: the runner's settings (it builds the pool and runs the model), not the Engine's"
+            )
         self.runner = runner
         self.tokenizer = tokenizer
         self.config = config
@@ -192,7 +197,6 @@ class Engine:
         self.close()
 
     # ------------------------------------------------------------------ low-level API
-    # ------------------------------------------------------------------ low-level API
     def add_request(
         self,
         prompt: Prompt | Request,
@@ -255,7 +259,6 @@ class Engine:
         finished, events = self._step(None)
         return StepOutput(finished, events)
 
-    # ------------------------------------------------------------------ high-level API
     # ------------------------------------------------------------------ high-level API
     def generate(
         self,
@@ -581,7 +584,6 @@ class Engine:
         return TokenEvent(request.request_id, index, token, text.take(), reason, stop_reason, logprobs, prompt)
 
     # ------------------------------------------------------------------ requests: validate -> submit -> finish
-    # ------------------------------------------------------------------ requests: validate -> submit -> finish
     def _validate(self, request: Request, spec: Spec | None = None) -> RequestState:
         """Everything about one request that can be refused, checked before anything is queued."""
         return self._admission.validate(request, spec, fresh_id=self._fresh_id)
@@ -732,7 +734,6 @@ class Engine:
         finally:
             self._give_up(owner, mine, unreported.values())
 
-    # ------------------------------------------------------------------ helpers
     # ------------------------------------------------------------------ helpers
     def _fresh_id(self) -> str:
         while True:

@@ -104,9 +104,8 @@ class Engine(BaseEngine):
             model, pool=pool, config=config.pool, compile=config.compile, attention_backend=config.attention_backend
         )
         try:
-            super().__init__(
-                runner, tokenizer, config=replace(config, pool=PoolConfig()), arguments=GenerateKwargs(model)
-            )
+            own = replace(config, pool=PoolConfig(), compile="auto", attention_backend=None)  # the runner has these
+            super().__init__(runner, tokenizer, config=own, arguments=GenerateKwargs(model))
         except BaseException:
             runner.close()
             raise
