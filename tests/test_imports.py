@@ -293,3 +293,30 @@ def test_the_source_root_imports_as_installed(command):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
     assert result.returncode == 0, result.stderr
+
+
+def test_the_old_import_paths_of_the_moved_modules_keep_working():
+    """The Engine's modules moved from pagedcore.adapters.transformers to pagedcore.engine (issue 27): users' imports
+    of the old paths name the same objects."""
+    import importlib
+
+    import pagedcore.engine as engine
+    from pagedcore.adapters import transformers as adapter
+
+    assert adapter.SamplingParams is engine.SamplingParams and adapter.RequestOutput is engine.RequestOutput
+    assert issubclass(adapter.Engine, engine.Engine)
+    for old, new in [
+        ("sampling", "pagedcore.engine.sampling"),
+        ("outputs", "pagedcore.engine.outputs"),
+        ("stopping", "pagedcore.engine.stopping"),
+        ("detokenizer", "pagedcore.engine.detokenizer"),
+        ("logits_processors", "pagedcore.engine.logits_processors"),
+        ("structured.spec", "pagedcore.engine.structured.spec"),
+        ("engine", "pagedcore.adapters.transformers.model_engine"),
+    ]:
+        assert importlib.import_module(f"pagedcore.adapters.transformers.{old}") is importlib.import_module(new), old
+    from pagedcore.adapters.transformers.engine import Engine
+    from pagedcore.adapters.transformers.structured import GrammarCompiler, StructuredLogitsProcessor
+
+    assert Engine is adapter.Engine and GrammarCompiler.__module__ == "pagedcore.engine.structured.compiler"
+    assert StructuredLogitsProcessor.__module__ == "pagedcore.adapters.transformers.structured.processor"
