@@ -22,17 +22,14 @@ import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from pagedcore.attention_kinds import AttentionKind, FullAttention
 from pagedcore.block_manager import blocks_to_grow
 from pagedcore.errors import ConfigError
 from pagedcore.validation import integer
 
-if TYPE_CHECKING:
-    from pagedcore.kv_pool import KVPool
-
-__all__ = ["Demand", "Ledger", "Reservation", "blocks_to_allocate"]
+__all__ = ["Demand", "Ledger", "Reservation", "blocks_to_allocate", "max_new_tokens"]
 
 _FULL = FullAttention()
 
@@ -130,6 +127,54 @@ def _window_peak(kind: AttentionKind, demand: Demand, bs: int) -> int:
     return max(kind.max_blocks(computed, bs, start=held), kind.max_blocks(final, bs, chunk=1, start=computed))
 
 
+def max_new_tokens(
+    kind: AttentionKind, num_prompt_tokens: int, block_size: int, num_blocks: int, *, chunk: int | None = None
+) -> int | None:
+    """The most new tokens one sequence with a prompt of ``num_prompt_tokens`` tokens can ever be given in a KV group
+    of ``kind`` holding ``num_blocks`` blocks: the largest ``n`` whose worst case (:func:`blocks_to_allocate` of
+    ``Demand(num_prompt_tokens, n, chunk=chunk)``, the rule admission applies) fits; 0 when not even one new token
+    fits; None when every ``n`` fits (a sliding window holds a bounded number of blocks however long it runs).
+
+    Exact, not a probe: full attention keeps every block, so ``ceil((prompt + n - 1) / block_size) <= num_blocks``
+    solves for ``n``; a window's worst case grows with ``n`` until its bound, so past the point where it is
+    constant the answer is None or found by bisection on the rule itself.
+
+    Example:
+        >>> from pagedcore.attention_kinds import SlidingWindow
+        >>> max_new_tokens(FullAttention(), 10, 4, 8), max_new_tokens(FullAttention(), 40, 4, 8)
+        (23, 0)
+        >>> max_new_tokens(SlidingWindow(8), 10, 4, 8, chunk=16) is None   # a window of 8 never needs 8 blocks
+        True
+    """
+
+    def need(n: int) -> int:
+        return blocks_to_allocate(kind, Demand(num_prompt_tokens, n, chunk=chunk), block_size)
+
+    if num_prompt_tokens < 1 or need(1) > num_blocks:
+        return 0
+    if not kind.is_sliding:  # need(n) = ceil((prompt + n - 1) / block_size)
+        return num_blocks * block_size - num_prompt_tokens + 1
+    # From here the window's worst case no longer grows: every step it can take lies past the window's start.
+    window = kind.sliding_window or 0
+    constant = num_prompt_tokens + window + (chunk or num_prompt_tokens) + 2 * block_size + 1
+    if need(constant) <= num_blocks:
+        return None
+    low, high = 1, constant  # need(low) fits, need(high) does not; need is non-decreasing in n
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if need(middle) <= num_blocks else (low, middle)
+    return low
+
+
+class BlockSource(Protocol):
+    """What a reservation asks of its pool (:class:`~pagedcore.kv_pool.KVPool`): how many blocks of a group its
+    holder can have now, its own reservation counted as its own."""
+
+    def available_blocks(self, group: int, reservation: Reservation | None = None) -> int:
+        """Free and evictable blocks of ``group`` less what other holders reserved."""
+        ...
+
+
 class Ledger:
     """The live reservations of one pool (a :class:`~pagedcore.kv_pool.KVPool` owns one), tracked weakly: a
     reservation counts while it holds blocks and is alive.
@@ -187,7 +232,7 @@ class Reservation:
         (8, True)
     """
 
-    def __init__(self, pool: KVPool, ledger: Ledger, needs: Sequence[int]) -> None:
+    def __init__(self, pool: BlockSource, ledger: Ledger, needs: Sequence[int]) -> None:
         self._pool = pool
         self._ledger = ledger
         self._size = list(needs)

@@ -1,13 +1,31 @@
 """Typed errors. Every error pagedcore raises on bad input derives from :class:`PagedCoreError`.
 
-A call that raises one of these leaves the object it was called on unchanged.
+A call that raises one of these leaves the object it was called on unchanged. An error about one field of a request
+or one option names it in ``param`` (as the raiser calls it: a :class:`~pagedcore.engine.sampling.SamplingParams`
+field, ``"prompt"``, ``"num_blocks"``), so a front end can say which field failed without reading the message.
+
+Example:
+    >>> from pagedcore.validation import integer
+    >>> try:
+    ...     integer("max_new_tokens", -1, minimum=0)
+    ... except InvalidRequestError as exc:
+    ...     print(exc.param, "|", exc)
+    max_new_tokens | max_new_tokens must be an integer >= 0, got -1
 """
 
 from __future__ import annotations
 
 
 class PagedCoreError(Exception):
-    """Base class of every error raised by pagedcore."""
+    """Base class of every error raised by pagedcore.
+
+    Attributes:
+        param: the request field or option the error concerns, or None (see the module docstring).
+    """
+
+    def __init__(self, *args: object, param: str | None = None) -> None:
+        super().__init__(*args)
+        self.param = param
 
 
 class ConfigError(PagedCoreError, ValueError):
@@ -22,8 +40,8 @@ class OutOfBlocksError(PagedCoreError):
         available: blocks that could have been had (free + evictable).
     """
 
-    def __init__(self, message: str, *, requested: int = 0, available: int = 0) -> None:
-        super().__init__(message)
+    def __init__(self, message: str, *, requested: int = 0, available: int = 0, param: str | None = None) -> None:
+        super().__init__(message, param=param)
         self.requested = requested
         self.available = available
 

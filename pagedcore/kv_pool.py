@@ -19,20 +19,39 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Any, Protocol
 
 from pagedcore.attention_kinds import AttentionKind, attention_kind
 from pagedcore.block_manager import BlockManager
-from pagedcore.capacity import Demand, Ledger, Reservation, blocks_to_allocate
+from pagedcore.capacity import Demand, Ledger, Reservation, blocks_to_allocate, max_new_tokens
 from pagedcore.errors import ConfigError, OutOfBlocksError
 from pagedcore.eviction import EvictionPolicy
 from pagedcore.prefix_trie import PrefixTrie
 from pagedcore.validation import integer
 
-if TYPE_CHECKING:
-    from pagedcore.kv_tiers import KVTiers
+__all__ = ["Claimant", "KVGroup", "KVPool", "PoolMatch", "Shortfall", "Tiers"]
 
-__all__ = ["Claimant", "KVGroup", "KVPool", "PoolMatch", "Shortfall"]
+
+class Tiers(Protocol):
+    """What the pool asks of the tiers below it (:class:`~pagedcore.kv_tiers.KVTiers` answers; the pool knows no
+    more of them, so the core's modules import each other one way only).
+
+    Example:
+        >>> sorted(name for name in vars(Tiers) if not name.startswith("_"))
+        ['evicting', 'load', 'stats']
+    """
+
+    def evicting(self, group: int, block_id: int, trie: PrefixTrie) -> None:
+        """``block_id`` of ``group``, cached in ``trie``, is about to be evicted (write its content down)."""
+        ...
+
+    def load(self, pool: KVPool, token_ids: Sequence[int], namespace: Hashable) -> int:
+        """Continue ``token_ids``' match into the stores; returns the prompt tokens loaded."""
+        ...
+
+    def stats(self) -> Any:
+        """The tiers' counters (:class:`~pagedcore.kv_tiers.TierStats`)."""
+        ...
 
 
 class Claimant(Protocol):
@@ -173,7 +192,7 @@ class KVPool:
         self._ledger = Ledger(len(groups))
         self._claimants: list[weakref.ref[Claimant]] = []
         self._epoch = 0  # bumped by reset_prefix_cache: blocks filled before it never enter the prefix caches
-        self._tiers: KVTiers | None = None  # stores below the pool (kv_tiers): evicted blocks go down, loads come up
+        self._tiers: Tiers | None = None  # stores below the pool (kv_tiers): evicted blocks go down, loads come up
 
     @property
     def groups(self) -> tuple[KVGroup, ...]:
@@ -332,6 +351,23 @@ class KVPool:
                     short.append(Shortfall(group.index, need + reserve, available))
         return short
 
+    def max_new_tokens(self, num_prompt_tokens: int, *, chunk: int | None = None) -> int | None:
+        """The most new tokens one sequence with a prompt of ``num_prompt_tokens`` tokens can ever be given in this
+        pool (its worst case within every group's blocks; :func:`~pagedcore.capacity.max_new_tokens`): 0 when not
+        even one fits, None when any number does. A query, one exact answer.
+
+        Example:
+            >>> pool = KVPool(num_blocks=8, block_size=4, sliding_windows=(None, 8))
+            >>> pool.max_new_tokens(10, chunk=16), pool.capacity_shortfalls(pool.worst_case(Demand(10, 23, chunk=16)))
+            (23, [])
+        """
+        rooms = [
+            max_new_tokens(g.kind, num_prompt_tokens, self._block_size, self._num_blocks, chunk=chunk)
+            for g in self._groups
+        ]
+        bounded = [room for room in rooms if room is not None]
+        return min(bounded) if bounded else None
+
     def capacity_shortfalls(self, needs: Sequence[int]) -> list[Shortfall]:
         """The groups with fewer than ``needs[g]`` blocks in all: what could never be had, however many are freed.
 
@@ -366,11 +402,11 @@ class KVPool:
         return PoolMatch(num_tokens, tuple(m.block_ids[:count] for m in matches))
 
     @property
-    def tiers(self) -> KVTiers | None:
+    def tiers(self) -> Tiers | None:
         """The stores below the pool (:class:`~pagedcore.kv_tiers.KVTiers`), or None."""
         return self._tiers
 
-    def attach_tiers(self, tiers: KVTiers | None) -> None:
+    def attach_tiers(self, tiers: Tiers | None) -> None:
         """Write the blocks this pool evicts into ``tiers`` and let :meth:`load_prefix` load from them (None:
         detach). See :mod:`pagedcore.kv_tiers`."""
         self._tiers = tiers

@@ -298,6 +298,18 @@ class Scheduler:
         """Waiting then running sequences."""
         return [*self._waiting.values(), *self._running.values()]
 
+    def max_new_tokens(self, num_prompt_tokens: int) -> int | None:
+        """The most new tokens one sequence with a prompt of this length can ever be given here: the largest
+        ``max_new_tokens`` :meth:`check_admissible` accepts for it (0: none; None: any), in one exact query of the
+        pool (:meth:`~pagedcore.kv_pool.KVPool.max_new_tokens`) with this scheduler's token budget.
+
+        Example:
+            >>> sched = Scheduler(KVPool(num_blocks=2, block_size=2))
+            >>> sched.max_new_tokens(3)   # 3 + 2 new tokens store 4 positions: 2 blocks
+            2
+        """
+        return self._pool.max_new_tokens(num_prompt_tokens, chunk=self._config.max_num_batched_tokens)
+
     def worst_case(self, seq: SequenceState) -> tuple[int, ...]:
         """Per group, the most blocks ``seq`` holds while it runs here alone: its prompt and new tokens, a step of
         at most ``max_num_batched_tokens`` at a time (the pool's :meth:`~pagedcore.kv_pool.KVPool.worst_case`).
@@ -335,28 +347,33 @@ class Scheduler:
             >>> sched.check_admissible(SequenceState("a", [1, 2, 3], max_new_tokens=3))
             Traceback (most recent call last):
             ...
-            pagedcore.errors.InvalidRequestError: request 'a' can never fit: 3 prompt tokens + 3 new tokens need 3 ...
+            pagedcore.errors.InvalidRequestError: the request can never fit: 3 prompt tokens + 3 new tokens need 3 ...
         """
         self._check(seq)
 
     def _check(self, seq: SequenceState) -> tuple[int, ...]:
+        # The messages name no request id: a server hands them to its client, who knows its own request.
         cfg = self._config
         if seq.priority and cfg.policy != "priority":
             raise InvalidRequestError(
-                f"request {seq.request_id!r} has priority {seq.priority} but the scheduling policy is "
-                f"{cfg.policy!r}: priorities need policy='priority'"
+                f"priority {seq.priority} needs the scheduling policy 'priority' (this one is {cfg.policy!r})",
+                param="priority",
             )
         if seq.num_samples > self._config.max_num_seqs:
             raise InvalidRequestError(
-                f"request {seq.request_id!r} asks for {seq.num_samples} parallel samples but at most "
-                f"{self._config.max_num_seqs} sequences run at once (max_num_seqs)"
+                f"n={seq.num_samples} parallel samples are more than the {self._config.max_num_seqs} sequences that "
+                "run at once (max_num_seqs)",
+                param="n",
             )
         peaks = self.worst_case(seq)
         for short in self._pool.capacity_shortfalls(peaks):
+            prompt_alone = Demand(seq.num_prompt_tokens, 1, chunk=self._config.max_num_batched_tokens)
+            too_long = bool(self._pool.capacity_shortfalls(self._pool.worst_case(prompt_alone)))
             raise InvalidRequestError(
-                f"request {seq.request_id!r} can never fit: {seq.num_prompt_tokens} prompt tokens + "
-                f"{seq.max_new_tokens} new tokens need {short.needed} blocks of {self._bs} tokens in KV group "
-                f"{short.group}, but the pool has {short.available}"
+                f"the request can never fit: {seq.num_prompt_tokens} prompt tokens + {seq.max_new_tokens} new tokens "
+                f"need {short.needed} blocks of {self._bs} tokens in KV group {short.group}, but the pool has "
+                f"{short.available}",
+                param="prompt" if too_long else "max_new_tokens",
             )
         return peaks
 

@@ -35,12 +35,14 @@ def integer(
     maximum: int | None = None,
     error: type[PagedCoreError] = InvalidRequestError,
     expected: str | None = None,
+    param: str | None = None,
 ) -> int:
     """``value`` as an ``int`` (anything with ``__index__`` except ``bool``) in ``[minimum, maximum]``.
 
     Raises ``error`` (:class:`~pagedcore.errors.InvalidRequestError` by default; constructors pass
-    :class:`~pagedcore.errors.ConfigError`) naming ``name`` and the value otherwise. ``expected`` words what is
-    expected (default: "an integer", with its bounds).
+    :class:`~pagedcore.errors.ConfigError`) naming ``name`` and the value otherwise, with ``param`` (default:
+    ``name``) as its :attr:`~pagedcore.errors.PagedCoreError.param`. ``expected`` words what is expected (default:
+    "an integer", with its bounds).
 
     Hot paths keep a fast path in front of it (``if type(x) is not int or x < 1: x = integer(...)``): the rule stays
     here, and a plain valid ``int`` costs one comparison.
@@ -64,7 +66,7 @@ def integer(
             bounds = [f">= {minimum}"] if minimum is not None else []
             bounds += [f"<= {maximum}"] if maximum is not None else []
             expected = " ".join(["an integer", " and ".join(bounds)]).strip()
-        raise error(f"{name} must be {expected}, got {value!r}")
+        raise error(f"{name} must be {expected}, got {value!r}", param=name if param is None else param)
     return number
 
 
@@ -89,6 +91,7 @@ def token_ids(
     vocab_size: int | None = None,
     name: str = "token ids",
     allow_empty: bool = False,
+    param: str | None = None,
 ) -> list[int]:
     """``values`` as a list of token ids: integers (see :func:`integer`) in ``[0, vocab_size)``.
 
@@ -96,7 +99,8 @@ def token_ids(
     not iterable, any element that is not an integer (floats, numeric strings, bools, nested lists), ids outside
     the vocabulary, and an empty sequence (a prompt) unless ``allow_empty`` (e.g. stop ids). Tensors are the
     adapter's business: check their dtype first (a float tensor's elements would be refused here one by one),
-    then pass ``tensor.tolist()``.
+    then pass ``tensor.tolist()``. ``param`` is the errors' :attr:`~pagedcore.errors.PagedCoreError.param` (e.g.
+    ``"prompt"``).
 
     Example:
         >>> token_ids((3, 4), vocab_size=10, name="stop_token_ids")
@@ -115,7 +119,7 @@ def token_ids(
         pagedcore.errors.InvalidRequestError: the prompt is empty
     """
     if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
-        raise InvalidRequestError(f"{name} must be a sequence of integers, got {_show(values)}")
+        raise InvalidRequestError(f"{name} must be a sequence of integers, got {_show(values)}", param=param)
     out: list[int] = []
     bad: list[object] = []
     for value in values:
@@ -128,13 +132,13 @@ def token_ids(
         shown = ", ".join(_show(v) for v in bad[:_SHOWN]) + (
             f" (and {len(bad) - _SHOWN} more)" if len(bad) > _SHOWN else ""
         )
-        raise InvalidRequestError(f"{name} must be integers, got {shown}")
+        raise InvalidRequestError(f"{name} must be integers, got {shown}", param=param)
     if not out and not allow_empty:
-        raise InvalidRequestError("the prompt is empty")
+        raise InvalidRequestError("the prompt is empty", param=param)
     outside = [t for t in out if t < 0 or (vocab_size is not None and t >= vocab_size)]
     if outside:
         where = f"the model's vocabulary [0, {vocab_size})" if vocab_size is not None else "the ids >= 0"
-        raise InvalidRequestError(f"{name} {outside[:_SHOWN]} are outside {where}")
+        raise InvalidRequestError(f"{name} {outside[:_SHOWN]} are outside {where}", param=param)
     return out
 
 

@@ -206,7 +206,7 @@ def cache_cases(model) -> list[Case]:
             "PagedKVPool: memory budget not a size",
             lambda: PagedKVPool(model, memory_budget="lots"),
             ConfigError,
-            "not a size",
+            "must be a size",
         ),
         Case(
             "PagedKVPool: both num_blocks and memory_budget",

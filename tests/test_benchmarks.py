@@ -21,9 +21,9 @@ from transformers import AutoModelForCausalLM
 
 from pagedcore.benchmarks import BENCHMARKS, BenchOptions, cold, common, engine, memory, peers, prefix, run_benchmarks
 from pagedcore.benchmarks.context import BenchContext
-from pagedcore.benchmarks.device import resolve_device, resolve_dtype
 from pagedcore.benchmarks.peers import ENGINE, HF_CONTINUOUS, ONE_AT_A_TIME, PADDED_BATCH
 from pagedcore.benchmarks.suite import prepare_out_dir
+from pagedcore.cli.devices import resolve_device, resolve_dtype
 from pagedcore.errors import ConfigError
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"

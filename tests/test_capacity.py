@@ -148,3 +148,57 @@ def test_assisted_decoding_is_checked_as_full_attention():
     finally:
         pc.disable(model)
     assert pool.kv.num_used_blocks == 0 and WINDOW == 8
+
+
+# --------------------------------------------------------------------- the most new tokens that fit (issue 27)
+def _largest_fitting(kind, prompt: int, block_size: int, num_blocks: int, chunk: int, limit: int = 400) -> int | None:
+    """Oracle: the largest n whose worst case fits, by trying every n (None: every n up to ``limit`` fits)."""
+    from pagedcore.capacity import blocks_to_allocate
+
+    fits = [
+        n for n in range(1, limit) if blocks_to_allocate(kind, Demand(prompt, n, chunk=chunk), block_size) <= num_blocks
+    ]
+    assert fits == list(range(1, len(fits) + 1)), "the worst case grows with n"
+    return None if len(fits) == limit - 1 else len(fits)
+
+
+@pytest.mark.parametrize("window", [None, 3, 8, 17])
+@pytest.mark.parametrize("block_size", [1, 4, 5])
+def test_max_new_tokens_is_the_exact_inverse_of_the_worst_case(window, block_size):
+    from pagedcore.attention_kinds import attention_kind
+    from pagedcore.capacity import max_new_tokens
+
+    kind = attention_kind(window)
+    for num_blocks in (1, 2, 3, 5, 8):
+        for prompt in (1, 2, 5, 9, 20):
+            for chunk in (1, 3, 8, 64):
+                expected = _largest_fitting(kind, prompt, block_size, num_blocks, chunk)
+                assert max_new_tokens(kind, prompt, block_size, num_blocks, chunk=chunk) == expected
+
+
+def test_the_scheduler_admits_exactly_up_to_max_new_tokens():
+    pool = KVPool(num_blocks=6, block_size=BLOCK, sliding_windows=(None, 8))
+    sched = Scheduler(pool, SchedulerConfig(max_num_batched_tokens=16))
+    for prompt in (1, 7, 20, 24, 25):
+        room = sched.max_new_tokens(prompt)
+        assert room == max(0, 6 * BLOCK - prompt + 1)  # the full-attention group bounds it
+        if room:
+            sched.check_admissible(SequenceState("a", [5] * prompt, max_new_tokens=room))
+        with pytest.raises(InvalidRequestError, match="can never fit"):
+            sched.check_admissible(SequenceState("a", [5] * prompt, max_new_tokens=room + 1))
+    window_only = Scheduler(KVPool(num_blocks=8, block_size=BLOCK, sliding_windows=(8,)), SchedulerConfig(4))
+    assert window_only.max_new_tokens(100) is None  # a window of 8 in steps of 4 never holds 8 blocks
+    window_only.check_admissible(SequenceState("a", [5] * 100, max_new_tokens=10**6))
+
+
+def test_the_engine_answers_the_room_of_its_context_and_its_pool():
+    model = tiny_model("llama", max_position_embeddings=64)
+    with Engine(model, num_blocks=8, block_size=BLOCK) as engine:  # 8 blocks: 32 positions, under the context
+        assert engine.max_new_tokens(10) == 8 * BLOCK - 10 + 1
+        assert engine.max_new_tokens(40) == 0
+        engine.add_request([5] * 10, SamplingParams(max_new_tokens=engine.max_new_tokens(10)))
+        with pytest.raises(InvalidRequestError, match="can never fit") as caught:
+            engine.add_request([5] * 10, SamplingParams(max_new_tokens=engine.max_new_tokens(10) + 1))
+        assert caught.value.param == "max_new_tokens"
+    with Engine(model, num_blocks=64, block_size=BLOCK) as engine:  # 256 positions: the context (64) bounds it
+        assert engine.max_new_tokens(10) == 54

@@ -90,7 +90,7 @@ BAD_INPUT = [
     (["generate", "--top-k", "-2", "hi"], 2, "top_k must be an integer >= -1, got -2"),
     (["generate", "--temperature", "-0.5", "hi"], 2, "temperature must be >= 0, got -0.5"),
     (["generate", "--top-p", "0", "hi"], 2, "top_p must be in (0, 1], got 0.0"),
-    (["generate", "--memory-budget", "lots", "hi"], 2, "memory budget 'lots' is not a size"),
+    (["generate", "--memory-budget", "lots", "hi"], 2, "memory_budget must be a size like 8MiB"),
     (["generate", "-f", "/no/such/file"], 2, "cannot read prompts"),
     (["generate", "-f", "{tmp}/empty"], 2, "cannot read prompts from"),
     (["generate", "--repeat", "0"], 2, "--repeat must be >= 1, got 0"),

@@ -377,7 +377,7 @@ def test_the_context_limit_is_the_specs():
     assert out.error is None and out.token_ids == reference(twin, prompt, 4)[0]
     # Learned positions: GPT-2's n_positions is a hard limit.
     with Engine(tiny_model("gpt2", n_positions=32), num_blocks=64, block_size=4) as engine:
-        with pytest.raises(InvalidRequestError, match="context of 32 positions"):
+        with pytest.raises(InvalidRequestError, match="over the context of 32 tokens"):
             engine.add_request(prompt[:30], SamplingParams(max_new_tokens=4))
         engine.add_request(prompt[:28], SamplingParams(max_new_tokens=4))  # 32 positions: fits
 
@@ -397,13 +397,13 @@ def test_the_step_moves_its_host_tensors_with_to_device(monkeypatch):
     # On CUDA a plain .to()/torch.tensor(device=) of a CPU tensor waits for the GPU every step; to_device copies
     # from pinned memory without waiting. On the CPU it returns its input: here we check that every per-step copy
     # of the Engine (inputs, slots, copy-on-write pairs) goes through it.
-    from pagedcore.adapters.transformers import engine as engine_module
     from pagedcore.adapters.transformers import pool as pool_module
+    from pagedcore.adapters.transformers import runner as runner_module
     from pagedcore.adapters.transformers import step_batch
     from pagedcore.attention import to_device
 
     calls: list[str] = []
-    for module in (engine_module, pool_module, step_batch):
+    for module in (runner_module, pool_module, step_batch):
         name = module.__name__.rsplit(".", 1)[-1]
         monkeypatch.setattr(module, "to_device", lambda t, d, name=name: calls.append(name) or to_device(t, d))
     model = tiny_model("llama")
@@ -412,4 +412,4 @@ def test_the_step_moves_its_host_tensors_with_to_device(monkeypatch):
         engine.generate([[5, 6, 7, 8, 9, 10]], SamplingParams(max_new_tokens=3, n=2, temperature=1.0, seed=0),
                         use_tqdm=False)  # fmt: skip
         settle(engine)
-    assert {"engine", "pool", "step_batch"} <= set(calls), calls
+    assert {"runner", "pool", "step_batch"} <= set(calls), calls

@@ -70,7 +70,7 @@ def test_serve_compile_flag_reaches_the_engine(monkeypatch):
         pass
 
     def engine(*args, **kwargs):
-        seen.append(kwargs["compile"])
+        seen.append(kwargs["config"].compile)
         raise Stop
 
     monkeypatch.setattr(adapter, "Engine", engine)
@@ -90,7 +90,7 @@ def test_decode_inputs_pad_rows_and_tables_to_buckets(uncompiled):
 
     def spy(batch, pool, device):
         inputs = real(batch, pool, device)
-        captured.append((batch.num_tokens, [m.block_tables.shape[1] for m in batch.context.metadata], inputs))
+        captured.append((batch.num_tokens, [m.block_tables.shape[1] for m in batch.metadata], inputs))
         return inputs
 
     with pytest.MonkeyPatch.context() as patch:

@@ -11,7 +11,7 @@ from transformers import DynamicCache, GenerationConfig
 
 from pagedcore import InvalidRequestError
 from pagedcore.adapters.transformers import Engine, SamplingParams
-from pagedcore.adapters.transformers.sampling import merge_generation_config, to_sampling_params
+from pagedcore.adapters.transformers.generate_kwargs import merge_generation_config, to_sampling_params
 
 
 @pytest.fixture

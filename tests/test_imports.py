@@ -1,13 +1,15 @@
-"""Import structure: no module takes part in an import cycle; each layer imports only the layers above it; the core
-imports neither the adapters nor torch, transformers or xformers when it is imported.
+"""Import structure: no module takes part in an import cycle, not even through a lazy or type-checking import; each
+layer imports only the layers above it; the core imports neither the adapters nor torch, transformers or xformers
+when it is imported; the engine imports neither transformers nor an adapter nor a front end.
 
 Modules are every file of the ``pagedcore/`` tree, named by their path, which is the name they install under
-(``tests/repo.py``; tests/test_packaging.py checks that it matches the wheel). Import-time imports are read with
-``ast``: a module's top level, class bodies and ``if``/``try`` blocks count; function bodies (lazy imports) and
-``if TYPE_CHECKING:`` blocks do not. The layers (docs/architecture.md): the core is the top-level modules of
-``pagedcore/`` less :data:`TENSOR_SIDE` and the entry script; the adapters and plugins sit below it; the front ends
+(``tests/repo.py``; tests/test_packaging.py checks that it matches the wheel). Imports are read with ``ast``: a
+module's top level, class bodies and ``if``/``try`` blocks are its import-time imports; function bodies (lazy
+imports) and ``if TYPE_CHECKING:`` blocks are read too where a rule says so (the cycle rule reads everything). The
+layers (docs/architecture.md): the core is the top-level modules of ``pagedcore/`` less :data:`TENSOR_SIDE` and the
+entry script; the engine (``pagedcore.engine``) below it; the adapters and plugins below the engine; the front ends
 (:data:`FRONT_ENDS`) at the bottom. Nothing but a front end imports a front end, lazily or not: that rule reads
-function bodies too. The core is also imported for real, each module alone in a fresh interpreter.
+function bodies too. The core and the engine are also imported for real, in a fresh interpreter.
 """
 
 from __future__ import annotations
@@ -23,7 +25,17 @@ import pytest
 from repo import ROOT, source_modules
 
 FRONT_ENDS = ("pagedcore.cli", "pagedcore.serve", "pagedcore.benchmarks")
-FORBIDDEN_IN_CORE = ("torch", "transformers", "xformers", "pagedcore.adapters", "pagedcore.plugins", *FRONT_ENDS)
+FORBIDDEN_IN_CORE = (
+    "torch",
+    "transformers",
+    "xformers",
+    "pagedcore.engine",
+    "pagedcore.adapters",
+    "pagedcore.plugins",
+    *FRONT_ENDS,
+)
+ENGINE = "pagedcore.engine"
+FORBIDDEN_IN_ENGINE = ("transformers", "xformers", "pagedcore.adapters", "pagedcore.plugins", *FRONT_ENDS)
 # pagedcore.attention holds the tensor-side interface (PagedAttentionMetadata builds torch tensors): it imports torch
 # by design and is reached only from the adapters and plugins, or under TYPE_CHECKING.
 TENSOR_SIDE = frozenset({"pagedcore.attention"})
@@ -43,7 +55,7 @@ def discover() -> dict[str, Module]:
 
 
 MODULES = discover()
-SUBPACKAGES = ("pagedcore.adapters", "pagedcore.plugins", *FRONT_ENDS)
+SUBPACKAGES = ("pagedcore.engine", "pagedcore.adapters", "pagedcore.plugins", *FRONT_ENDS)
 CORE = sorted(
     name
     for name in MODULES
@@ -64,9 +76,10 @@ def _is_type_checking(test: ast.expr) -> bool:
     )
 
 
-def import_time_imports(module: Module, *, lazy: bool = False) -> list[str]:
+def import_time_imports(module: Module, *, lazy: bool = False, type_checking: bool = False) -> list[str]:
     """Absolute names of what ``module`` imports when it is imported (``from X import n`` -> ``X.n`` if a module);
-    with ``lazy``, also what its functions import when they run."""
+    with ``lazy``, also what its functions import when they run; with ``type_checking``, also what its
+    ``if TYPE_CHECKING:`` blocks import (the type checker's graph)."""
     tree = ast.parse(module.path.read_text(), str(module.path))
     package = module.name if module.is_package else module.name.rpartition(".")[0]
     found: list[str] = []
@@ -75,7 +88,7 @@ def import_time_imports(module: Module, *, lazy: bool = False) -> list[str]:
         for node in nodes:
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not lazy:
                 continue  # runs later, if ever
-            if isinstance(node, ast.If) and _is_type_checking(node.test):
+            if isinstance(node, ast.If) and _is_type_checking(node.test) and not type_checking:
                 visit(node.orelse)
                 continue
             if isinstance(node, ast.Import):
@@ -106,8 +119,23 @@ def internal(name: str) -> str | None:
     return None
 
 
+def packages_run(importer: str, target: str) -> list[str]:
+    """``target`` and the packages whose ``__init__`` importing it runs first (Python imports a module's parent
+    packages before it), less the importer's own packages (already being imported)."""
+    parts = target.split(".")
+    chain = [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
+    return [p for p in chain if p in MODULES and p != importer and not importer.startswith(p + ".")]
+
+
 GRAPH: dict[str, list[str]] = {
-    name: sorted({target for imp in import_time_imports(module) if (target := internal(imp)) and target != name})
+    name: sorted(
+        {
+            run
+            for imp in import_time_imports(module)
+            if (target := internal(imp)) and target != name
+            for run in packages_run(name, target)
+        }
+    )
     for name, module in MODULES.items()
 }
 
@@ -157,6 +185,50 @@ def test_finding_a_cycle():
 def test_no_import_cycle():
     cycle = find_cycle(GRAPH)
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def whole_graph() -> dict[str, list[str]]:
+    """Every module's imports, import-time, lazy and type-checking alike, resolved through the modules' paths."""
+    return {
+        name: sorted(
+            {
+                target
+                for imp in import_time_imports(module, lazy=True, type_checking=True)
+                if (target := internal(imp)) and target != name
+            }
+        )
+        for name, module in MODULES.items()
+    }
+
+
+def test_no_import_cycle_even_through_lazy_or_type_checking_imports():
+    # Issue 27: kv_io <-> pool, sampling <-> logits_processors, capacity <-> kv_pool <-> kv_tiers, serve.cli <->
+    # serve.ray.command and benchmarks' options -> registry -> context -> options were cycles of this graph.
+    graph = whole_graph()
+    assert "pagedcore.kv_tiers" in graph["pagedcore.kv_pool"] or "pagedcore.kv_pool" in graph["pagedcore.kv_tiers"]
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_the_engine_imports_no_framework_adapter_or_front_end_even_lazily():
+    engine = [name for name in MODULES if name == ENGINE or name.startswith(ENGINE + ".")]
+    assert {"pagedcore.engine.engine", "pagedcore.engine.runner", "pagedcore.engine.structured.compiler"} <= set(engine)
+    for name in engine:
+        imports = import_time_imports(MODULES[name], lazy=True, type_checking=True)
+        bad = sorted({imp for imp in imports if _in(imp, FORBIDDEN_IN_ENGINE)})
+        assert not bad, f"{name} imports {bad}"
+
+
+def test_the_engine_imports_for_real_without_transformers_or_front_ends():
+    engine = sorted(name for name in MODULES if name == ENGINE or name.startswith(ENGINE + "."))
+    code = (
+        f"import sys\nfor name in {engine!r}:\n    __import__(name)\n"
+        f"bad = {{f for f in {FORBIDDEN_IN_ENGINE!r} for m in sys.modules if m == f or m.startswith(f + '.')}}\n"
+        "print(sorted(bad))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
 
 
 def test_the_core_reaches_no_adapter_plugin_or_tensor_module_when_imported():
@@ -221,3 +293,30 @@ def test_the_source_root_imports_as_installed(command):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
     assert result.returncode == 0, result.stderr
+
+
+def test_the_old_import_paths_of_the_moved_modules_keep_working():
+    """The Engine's modules moved from pagedcore.adapters.transformers to pagedcore.engine (issue 27): users' imports
+    of the old paths name the same objects."""
+    import importlib
+
+    import pagedcore.engine as engine
+    from pagedcore.adapters import transformers as adapter
+
+    assert adapter.SamplingParams is engine.SamplingParams and adapter.RequestOutput is engine.RequestOutput
+    assert issubclass(adapter.Engine, engine.Engine)
+    for old, new in [
+        ("sampling", "pagedcore.engine.sampling"),
+        ("outputs", "pagedcore.engine.outputs"),
+        ("stopping", "pagedcore.engine.stopping"),
+        ("detokenizer", "pagedcore.engine.detokenizer"),
+        ("logits_processors", "pagedcore.engine.logits_processors"),
+        ("structured.spec", "pagedcore.engine.structured.spec"),
+        ("engine", "pagedcore.adapters.transformers.model_engine"),
+    ]:
+        assert importlib.import_module(f"pagedcore.adapters.transformers.{old}") is importlib.import_module(new), old
+    from pagedcore.adapters.transformers.engine import Engine
+    from pagedcore.adapters.transformers.structured import GrammarCompiler, StructuredLogitsProcessor
+
+    assert Engine is adapter.Engine and GrammarCompiler.__module__ == "pagedcore.engine.structured.compiler"
+    assert StructuredLogitsProcessor.__module__ == "pagedcore.adapters.transformers.structured.processor"

@@ -199,10 +199,10 @@ def test_store_arguments_are_checked_first(model, tmp_path):
         enable(model, num_blocks=8, kv_store=tmp_path)
     with pytest.raises(ConfigError, match="give kv_store= too"):
         PagedKVPool(model, num_blocks=8, kv_store_bytes="1MiB")
-    with pytest.raises(ConfigError, match="is not a size"):
+    with pytest.raises(ConfigError, match="kv_store_bytes must be a size"):
         PagedKVPool(model, num_blocks=8, kv_store=tmp_path, kv_store_bytes="lots")
     pool = PagedKVPool(model, num_blocks=8)
-    with pytest.raises(ConfigError, match="belong to a new pool"):
+    with pytest.raises(ConfigError, match="make a new pool: not with pool="):
         Engine(model, pool=pool, kv_store=tmp_path, kv_store_bytes="1MiB")
     assert not is_enabled(model)  # enable() raised before wrapping
 

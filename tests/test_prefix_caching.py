@@ -239,7 +239,13 @@ def test_a_pool_serves_one_model_only():
 
 @pytest.mark.parametrize(
     "sizing",
-    [{"num_blocks": 8}, {"memory_budget": "1MiB"}, {"block_size": 8}, {"eviction_policy": "lru"}, {"kv_store": "x"}],
+    [
+        {"num_blocks": 8},
+        {"memory_budget": "1MiB"},
+        {"block_size": 8},
+        {"eviction_policy": "lru"},
+        {"kv_store": "x", "kv_store_bytes": "1MiB"},
+    ],
 )
 def test_a_new_pools_arguments_with_pool_are_refused_and_enable_nothing(sizing):
     """Each sizes or configures a new pool; with ``pool=`` it used to be ignored (block_size, eviction_policy)."""

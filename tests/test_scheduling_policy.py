@@ -147,9 +147,9 @@ def test_through_the_server_one_tenants_burst_does_not_hold_back_another_tenant(
     b_ids: list[str] = []
     add_request, step_events = engine.add_request, engine.step_events
 
-    def add(*args, **kwargs):  # the server's loop adds requests and steps through these: count B's steps
-        rid = add_request(*args, **kwargs)
-        if kwargs.get("namespace") == "tenant-b":
+    def add(request, *args, **kwargs):  # the server's loop adds requests and steps through these: count B's steps
+        rid = add_request(request, *args, **kwargs)
+        if request.namespace == "tenant-b":  # the loop hands the engine its Request
             b_ids.append(rid)
             marks["added"] = engine.scheduler.stats.num_steps
         return rid

@@ -379,16 +379,16 @@ BAD_INPUTS = [
     (C, {**OK_COMPLETION, "top_p": 1.5}, 400, "top_p"),
     (C, {**OK_COMPLETION, "top_k": -2}, 400, "top_k"),
     (C, {**OK_COMPLETION, "n": 0}, 400, "n"),
-    (C, {**OK_COMPLETION, "n": 1000}, 400, None),
+    (C, {**OK_COMPLETION, "n": 1000}, 400, "n"),  # more than --max-num-seqs: the engine refuses it
     (C, {**OK_COMPLETION, "n": "2"}, 400, "n"),
     (C, {**OK_COMPLETION, "seed": "1"}, 400, "seed"),
-    (C, {**OK_COMPLETION, "prompt": ""}, 400, None),
+    (C, {**OK_COMPLETION, "prompt": ""}, 400, "prompt"),
     (C, {**OK_COMPLETION, "prompt": []}, 400, "prompt"),
-    (C, {**OK_COMPLETION, "prompt": [[]]}, 400, None),
+    (C, {**OK_COMPLETION, "prompt": [[]]}, 400, "prompt"),
     (C, {**OK_COMPLETION, "prompt": 123}, 400, "prompt"),
     (C, {**OK_COMPLETION, "prompt": [1, "a"]}, 400, "prompt"),
-    (C, {**OK_COMPLETION, "prompt": [100000]}, 400, None),
-    (C, {**OK_COMPLETION, "prompt": ["ok", ""]}, 400, None),
+    (C, {**OK_COMPLETION, "prompt": [100000]}, 400, "prompt"),  # out of the vocabulary
+    (C, {**OK_COMPLETION, "prompt": ["ok", ""]}, 400, "prompt"),
     (C, {**OK_COMPLETION, "stream": "yes"}, 400, "stream"),
     (C, {**OK_COMPLETION, "stream_options": {"include_usage": "yes"}}, 400, "stream_options.include_usage"),
     (C, {**OK_COMPLETION, "stop": 5}, 400, "stop"),
@@ -452,6 +452,7 @@ def test_bad_input_messages_name_the_value(served):
     assert "over the context of 512 tokens" in error["message"]
     error = httpx.post(served.url + C, json={**OK_COMPLETION, "n": 1000}).json()["error"]
     assert "1000 parallel samples" in error["message"]
+    assert "req-" not in error["message"]  # the engine's request id is the server's business, not the client's
 
 
 def test_unknown_paths_and_methods_get_json_errors(served):

@@ -51,8 +51,8 @@ def test_the_command_line_imports_no_server_or_model_library():
         (["--shutdown-timeout", "-1"], "--shutdown-timeout must be a number of seconds >= 0"),
         (["a/model", "--model", "b/model"], "the model is given twice"),
         (["--ray", "--api-key", "sk-1"], "--api-key is not supported with --ray yet"),
-        (["--kv-store", "/tmp"], "--kv-store and --kv-store-bytes go together"),
-        (["--kv-store-bytes", "1GiB"], "--kv-store and --kv-store-bytes go together"),
+        (["--kv-store", "/tmp"], "--kv-store: kv_store='/tmp' needs kv_store_bytes= (its budget"),
+        (["--kv-store-bytes", "1GiB"], "--kv-store-bytes sizes the stores below the pool: give kv_store= too"),
         (["--kv-store", "/tmp", "--kv-store-bytes", "lots"], "--kv-store-bytes must be a size like 8MiB"),
         # The Ray deployment's app reads tool calls in the default format: another one is refused, not ignored.
         (["--ray", "--tool-call-parser", "llama3_json"], "--tool-call-parser is not supported with --ray yet"),

@@ -129,9 +129,9 @@ def test_a_huge_list_of_token_ids_is_refused_by_its_length_and_never_reaches_the
     added: list[int] = []
     original = s.engine.add_request
 
-    def add_request(prompt, *args, **kwargs):
-        added.append(len(prompt))
-        return original(prompt, *args, **kwargs)
+    def add_request(request, *args, **kwargs):
+        added.append(len(request.prompt))  # the loop hands the engine its Request
+        return original(request, *args, **kwargs)
 
     monkeypatch.setattr(s.engine, "add_request", add_request)
     error = assert_openai_error(post(s.url, json.dumps({**OK_COMPLETION, "prompt": [5] * 2_000_000}).encode()), 400)

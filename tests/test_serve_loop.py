@@ -116,9 +116,11 @@ def test_parallel_samples_stop_on_their_own(loop):
 
 def test_rejected_requests_end_with_an_invalid_error_and_no_start(loop):
     sink = run(loop, "", SamplingParams(max_new_tokens=3))
-    assert sink.events == [Finished(sink.events[0].request_id, 0, (), (), "the prompt is empty", "invalid")]
+    empty = Finished(sink.events[0].request_id, 0, (), (), "the prompt is empty", "invalid", error_param="prompt")
+    assert sink.events == [empty]  # the field the engine's error concerns travels with it
     sink = run(loop, "x" * 300, SamplingParams(max_new_tokens=3))
     assert sink.events[-1].error_kind == "invalid" and "context" in (sink.events[-1].error or "")
+    assert sink.events[-1].error_param == "prompt"
 
 
 def test_zero_max_tokens_finishes_without_tokens(loop):

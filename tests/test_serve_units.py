@@ -67,7 +67,7 @@ def test_a_missing_key_file_is_a_clear_error(tmp_path):
 
 def test_the_command_line_turns_a_bad_key_file_into_a_usage_error(tmp_path):
     from pagedcore.cli.common import UsageError
-    from pagedcore.serve.cli import load_api_keys
+    from pagedcore.serve.auth import load_api_keys
 
     path = tmp_path / "keys"
     path.write_text("sk-1 team-a\n")
@@ -77,7 +77,7 @@ def test_the_command_line_turns_a_bad_key_file_into_a_usage_error(tmp_path):
 
 
 def test_a_missing_extra_is_named_in_one_line(capsys):
-    from pagedcore.serve.cli import missing_extra
+    from pagedcore.cli.common import missing_extra
 
     assert missing_extra("pagedcore serve --ray", "ray", ("json", "pagedcore_no_such_module"))
     err = capsys.readouterr().err

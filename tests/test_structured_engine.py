@@ -230,7 +230,7 @@ def test_abort_while_compiling(model, tok, monkeypatch):
 def test_compiled_grammars_are_shared_across_requests(model, tok):
     with engine(model, tok) as eng:
         eng.generate(["Hello", "Hi", "Hey"], [constrained(i, 1, 40, {"json": SMALL}) for i in range(3)], use_tqdm=False)
-        stats = eng._grammars.compiler.stats
+        stats = eng._admission.grammars.compiler.stats
     assert stats.num_compiled == 1 and stats.num_hits == 2
 
 

@@ -26,7 +26,7 @@ rounds, medians, threads, progress), :mod:`~pagedcore.benchmarks.peers` (every p
 adapter: ``generate`` with each cache, one at a time, the padded batch, transformers' continuous batching, the
 Engine; and the equality check of their outputs), :mod:`~pagedcore.benchmarks.report` (the report shape:
 ``Section``, tables, aims, the machine), :mod:`~pagedcore.benchmarks.options` (what a run is asked for),
-:mod:`~pagedcore.benchmarks.context` (its device, dtype and shared model), :mod:`~pagedcore.benchmarks.device`,
+:mod:`~pagedcore.benchmarks.context` (its device, dtype and shared model), :mod:`~pagedcore.cli.devices`,
 :mod:`~pagedcore.benchmarks.common` (model, workloads, ``generate``), :mod:`~pagedcore.benchmarks.floor` (the
 compute floor: FLOPs at the measured matmul rate), :mod:`~pagedcore.benchmarks.steps` (forward and host time of a
 serving loop's steps, from model hooks), :mod:`~pagedcore.benchmarks.chart` (the bar chart) and

@@ -62,7 +62,7 @@ class BenchContext:
 
     def _resolve(self) -> tuple[torch.device, torch.dtype]:
         if self._device is None or self._dtype is None:
-            from .device import resolve_device, resolve_dtype
+            from pagedcore.cli.devices import resolve_device, resolve_dtype
 
             device = resolve_device(self.options.device)
             self._dtype = resolve_dtype(self.options.dtype, device)

@@ -2,7 +2,7 @@
 
 Plain Python (no torch import), so that ``pagedcore --help`` and the command line's parser stay light. The values are
 checked here, once, when a :class:`BenchOptions` is made; whether the device and dtype actually work on this machine
-is checked when a run starts (:mod:`pagedcore.benchmarks.device`).
+is checked when a run starts (:mod:`pagedcore.cli.devices`).
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import argparse
 from dataclasses import dataclass
 from typing import Any
 
+from pagedcore.cli.devices import DTYPES
 from pagedcore.errors import ConfigError
 from pagedcore.validation import integer
 
@@ -19,7 +20,6 @@ from .registry import BENCHMARKS
 __all__ = ["DEVICES", "DTYPES", "MODEL_SIZES", "QUICK_MODEL", "BenchOptions", "add_arguments", "options_from"]
 
 DEVICES = ("cpu", "cuda", "auto")
-DTYPES = ("float32", "float16", "bfloat16")
 
 # The Llama shapes of --model-size (random weights; nothing is downloaded).
 MODEL_SIZES: dict[str, dict[str, int]] = {

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .context import BenchContext
     from .report import Reported
 
 __all__ = ["BENCHMARKS", "Benchmark"]
@@ -43,8 +42,9 @@ class Benchmark:
     uses_model: bool = True
     chart_rank: int | None = None
 
-    def run(self, ctx: BenchContext) -> Reported:
-        """Import the benchmark's module and run it."""
+    def run(self, ctx: object) -> Reported:
+        """Import the benchmark's module and run it with ``ctx`` (the run's
+        :class:`~pagedcore.benchmarks.context.BenchContext`, handed on as it is)."""
         module = importlib.import_module(f"{__package__}.{self.module}")
         result: Reported = module.run(ctx)
         return result

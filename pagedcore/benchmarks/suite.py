@@ -78,7 +78,7 @@ def _settings_line(ctx: BenchContext) -> str:
     options = ctx.options
     if not options.needs_torch:
         return "- Device, dtype, model: none (the core benchmark is plain Python)"
-    from .device import describe_device
+    from pagedcore.cli.devices import describe_device
 
     shape = options.model_shape
     model = (

@@ -21,9 +21,6 @@ import sys
 from collections.abc import Sequence
 
 from pagedcore import __version__
-from pagedcore.benchmarks.options import add_arguments as add_bench_arguments
-from pagedcore.benchmarks.options import options_from as bench_options
-from pagedcore.benchmarks.registry import BENCHMARKS
 from pagedcore.errors import PagedCoreError, PluginError
 
 from . import generate
@@ -70,6 +67,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
+    # The benchmarks' options are plain Python; imported here, so that importing pagedcore.cli's leaf modules (common,
+    # devices) from the benchmarks never runs this package's imports of them.
+    from pagedcore.benchmarks.options import add_arguments as add_bench_arguments
+    from pagedcore.benchmarks.registry import BENCHMARKS
+
     parser = argparse.ArgumentParser(
         prog="pagedcore",
         description="Paged KV-cache memory with prefix caching for Hugging Face transformers.",
@@ -107,8 +109,9 @@ def _parser() -> argparse.ArgumentParser:
 # ---------------------------------------------------------------------- bench
 def _cmd_bench(args: argparse.Namespace) -> int:
     from pagedcore.benchmarks import run_benchmarks
+    from pagedcore.benchmarks.options import options_from
 
-    print(run_benchmarks(bench_options(args), args.out))
+    print(run_benchmarks(options_from(args), args.out))
     return EXIT_OK
 
 

@@ -6,10 +6,20 @@ A leaf module: ``pagedcore.cli`` and the front ends' own commands (``pagedcore.s
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
-__all__ = ["EXIT_FAILURE", "EXIT_OK", "EXIT_UNAVAILABLE", "EXIT_USAGE", "UsageError", "first_line", "load_model"]
+__all__ = [
+    "EXIT_FAILURE",
+    "EXIT_OK",
+    "EXIT_UNAVAILABLE",
+    "EXIT_USAGE",
+    "UsageError",
+    "first_line",
+    "load_model",
+    "missing_extra",
+]
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_UNAVAILABLE = 0, 1, 2, 3
 
@@ -60,3 +70,21 @@ def first_line(exc: BaseException) -> str:
     """
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
+
+
+def missing_extra(command: str, extra: str, modules: tuple[str, ...]) -> bool:
+    """Whether one of ``modules`` cannot be imported; if so, say in one line which extra ``command`` needs.
+
+    Example:
+        >>> missing_extra("pagedcore serve", "serve", ("json",))
+        False
+    """
+    import importlib
+
+    try:
+        for module in modules:
+            importlib.import_module(module)
+    except ImportError as exc:
+        print(f"{command}: needs the {extra} extra: pip install 'pagedcore[{extra}]' ({exc})", file=sys.stderr)
+        return True
+    return False

@@ -127,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
 def _setup(args: argparse.Namespace) -> _Setup:
     from pagedcore.adapters.transformers import PagedKVPool, SamplingParams
     from pagedcore.adapters.transformers.builtin import BUILTIN_DESCRIPTION, builtin_model, builtin_tokenizer
-    from pagedcore.benchmarks.device import resolve_device, resolve_dtype
+    from pagedcore.cli.devices import resolve_device, resolve_dtype
 
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)

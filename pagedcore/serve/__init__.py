@@ -25,15 +25,16 @@ from pagedcore.lazy_names import lazy_getattr
 if TYPE_CHECKING:
     from .app import create_app
     from .auth import ApiKeys
-    from .loop import EngineLoop, Submission
+    from .loop import EngineLoop, Request, Submission
     from .server import BackgroundServer, make_server
 
-__all__ = ["ApiKeys", "BackgroundServer", "EngineLoop", "Submission", "create_app", "make_server"]
+__all__ = ["ApiKeys", "BackgroundServer", "EngineLoop", "Request", "Submission", "create_app", "make_server"]
 
 _HOMES = {
     "ApiKeys": "auth",
     "BackgroundServer": "server",
     "EngineLoop": "loop",
+    "Request": "loop",
     "Submission": "loop",
     "create_app": "app",
     "make_server": "server",

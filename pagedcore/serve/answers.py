@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedcore.adapters.transformers.outputs import TokenLogprobs
+from pagedcore.engine.outputs import TokenLogprobs
 
 from .logprob_shapes import LogprobFormat, PromptEntry
 from .loop import Delta, Finished

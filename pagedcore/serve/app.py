@@ -16,7 +16,6 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 from pagedcore import __version__
-from pagedcore.adapters.transformers.spec import text_config
 from pagedcore.errors import ConfigError
 
 from .auth import ApiKeys
@@ -199,7 +198,7 @@ def _engine_defaults(loop: RequestLoop, tokenizer: Any, context: int | None) -> 
         engine = loop.engine
         tokenizer = engine.tokenizer if tokenizer is None else tokenizer
         if context is None:
-            context = getattr(text_config(engine.model), "max_position_embeddings", None)
+            context = engine.context.limit
     return tokenizer, context
 
 

@@ -23,7 +23,7 @@ from typing import Any
 
 from pagedcore.errors import ConfigError
 
-__all__ = ["ApiKeys", "ApiKeysError"]
+__all__ = ["ApiKeys", "ApiKeysError", "load_api_keys"]
 
 
 class ApiKeysError(ConfigError):
@@ -128,3 +128,19 @@ def _json_tenants(text: str, path: str | Path) -> Mapping[str, str]:
 
 def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode("utf-8")).digest()
+
+
+def load_api_keys(path: str | None, usage_error: type[Exception]) -> ApiKeys | None:
+    """The :class:`ApiKeys` of ``--api-keys FILE`` (None without one); a bad file raises ``usage_error`` with the
+    file's problem in one line (the commands that take the flag: ``pagedcore serve``, with or without Ray).
+
+    Example:
+        >>> load_api_keys(None, ValueError) is None
+        True
+    """
+    if not path:
+        return None
+    try:
+        return ApiKeys.from_file(path)
+    except ApiKeysError as exc:
+        raise usage_error(str(exc)) from exc

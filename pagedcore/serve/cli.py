@@ -7,7 +7,6 @@ the top: torch, transformers, FastAPI and uvicorn are imported by :func:`run`.
 from __future__ import annotations
 
 import argparse
-import re
 import signal
 import sys
 from collections.abc import Callable
@@ -16,24 +15,12 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .auth import ApiKeys
 
-__all__ = ["BUILTIN_NAME", "add_arguments", "load_api_keys", "missing_extra", "parse_size", "run"]
+__all__ = ["BUILTIN_NAME", "add_arguments", "engine_config", "flag_error", "run"]
 
 BUILTIN_NAME = "pagedcore-builtin"
 # The defaults of pagedcore.serve.body.BodyLimits (not imported here: this module imports argparse alone).
 _MAX_REQUEST_BYTES = "8MiB"
 _BODY_TIMEOUT = 30.0
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -201,7 +188,7 @@ def run(args: argparse.Namespace) -> int:
         ...
         pagedcore.cli.common.UsageError: --port must be in 0..65535, got 70000
     """
-    from pagedcore.cli.common import EXIT_OK, EXIT_UNAVAILABLE, UsageError
+    from pagedcore.cli.common import EXIT_OK, EXIT_UNAVAILABLE, UsageError, missing_extra
 
     _check(args, UsageError)
     if getattr(args, "ray", False):
@@ -243,32 +230,23 @@ def run(args: argparse.Namespace) -> int:
 def _build(args: argparse.Namespace, error: type[Exception]) -> tuple[Any, Any, Any, Any]:
     """The engine, its loop, the uvicorn server that ``args`` describe and its bound socket (nothing started)."""
     from pagedcore.adapters.transformers import Engine
+    from pagedcore.errors import ConfigError
 
     from .app import create_app
     from .body import body_limits
     from .loop import EngineLoop
     from .server import bind, make_server
     from .server_logs import configure_logging
-    from .startup import compile_mode, print_notes
+    from .startup import print_notes
 
     configure_logging(args.log_level)
     api_keys = _api_keys(args, error)
     model, tokenizer, name = _model(args, error)
-    context = _context(args, model, error)
-    engine = Engine(
-        model,
-        tokenizer,
-        num_blocks=args.num_blocks,
-        memory_budget=_memory_budget(args, error),
-        block_size=args.block_size,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        enable_prefix_caching=args.enable_prefix_caching,
-        max_logprobs=args.max_logprobs,
-        compile=compile_mode(args),
-        kv_store=getattr(args, "kv_store", None),
-        kv_store_bytes=getattr(args, "kv_store_bytes", None),
-    )
+    try:
+        engine = Engine(model, tokenizer, config=engine_config(args, _memory_budget(args, error)))
+    except ConfigError as exc:  # e.g. --max-model-len over the model's context
+        raise flag_error(exc, error) from exc
+    context = engine.context.limit
     loop = EngineLoop(engine, max_queue=args.max_queue)
     names = args.served_model_name or [name]
     options = _app_options(args, names, error, tokenizer)
@@ -308,9 +286,10 @@ def _announce(
         file=sys.stderr,
         flush=True,
     )
-    if context is not None and loop.max_new_tokens(1) + 1 < context:
+    room = engine.scheduler.max_new_tokens(1)  # the pool's bound on one request (None: none)
+    if context is not None and room is not None and room + 1 < context:
         print(
-            f"pagedcore serve: warning: the KV pool holds {loop.max_new_tokens(1) + 1} tokens for one request, less "
+            f"pagedcore serve: warning: the KV pool holds {room + 1} tokens for one request, less "
             f"than the context of {context}: longer requests get 400, and chat without max_tokens is clamped to "
             "what fits (more --num-blocks / --memory-budget, or a smaller --max-model-len)",
             file=sys.stderr,
@@ -329,16 +308,21 @@ def _check(args: argparse.Namespace, error: type[Exception]) -> None:
         raise error(f"--port must be in 0..65535, got {args.port}")
     if args.max_queue < 1:  # 0 would refuse every request with 429
         raise error(f"--max-queue must be >= 1, got {args.max_queue}")
-    args.max_request_bytes = parse_size(getattr(args, "max_request_bytes", _MAX_REQUEST_BYTES), error)
+    from pagedcore.config import PoolConfig, parse_size
+    from pagedcore.errors import ConfigError
+
+    try:
+        args.max_request_bytes = parse_size(
+            getattr(args, "max_request_bytes", _MAX_REQUEST_BYTES), name="--max-request-bytes"
+        )
+        PoolConfig(kv_store=getattr(args, "kv_store", None), kv_store_bytes=getattr(args, "kv_store_bytes", None))
+    except ConfigError as exc:
+        raise flag_error(exc, error) from exc
     if args.max_request_bytes < 1:
         raise error(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
     timeout = getattr(args, "body_timeout", _BODY_TIMEOUT)
     if not timeout > 0 or timeout == float("inf"):
         raise error(f"--body-timeout must be a number of seconds > 0, got {timeout}")
-    if (getattr(args, "kv_store", None) is None) != (getattr(args, "kv_store_bytes", None) is None):
-        raise error("--kv-store and --kv-store-bytes go together (a directory and its budget, e.g. 20GiB)")
-    if getattr(args, "kv_store_bytes", None) is not None:
-        args.kv_store_bytes = parse_size(args.kv_store_bytes, error, "--kv-store-bytes")
     if args.threads is not None and args.threads < 1:
         raise error(f"--threads must be >= 1, got {args.threads}")
     _check_vllm_flags(args, error)
@@ -424,7 +408,7 @@ def _check_ray(args: argparse.Namespace, error: type[Exception]) -> None:
 
 def _api_keys(args: argparse.Namespace, error: type[Exception]) -> ApiKeys | None:
     """``--api-keys FILE`` and ``--api-key KEY`` together (every ``--api-key`` is tenant ``default``)."""
-    from .auth import ApiKeys, ApiKeysError
+    from .auth import ApiKeys, ApiKeysError, load_api_keys
 
     from_file = load_api_keys(args.api_keys, error)
     keys = getattr(args, "api_key", None) or []
@@ -439,17 +423,39 @@ def _api_keys(args: argparse.Namespace, error: type[Exception]) -> ApiKeys | Non
         raise error(f"--api-key: {exc}") from exc
 
 
-def _context(args: argparse.Namespace, model: Any, error: type[Exception]) -> int | None:
-    """The context served: ``--max-model-len``, at most the model's own."""
-    from pagedcore.adapters.transformers.spec import text_config
+def engine_config(args: argparse.Namespace, memory_budget: Any = None) -> Any:
+    """The :class:`~pagedcore.engine.config.EngineConfig` ``pagedcore serve``'s flags describe (the pool's sizes and
+    tiers, the scheduler's limits, the Engine's own); raises :class:`~pagedcore.errors.ConfigError` naming the
+    setting (:func:`flag_error` names its flag).
 
-    own = getattr(text_config(model.config), "max_position_embeddings", None)
-    length = args.max_model_len
-    if length is None:
-        return own
-    if own is not None and length > own:
-        raise error(f"--max-model-len {length} is more than the model's context of {own} tokens")
-    return int(length)
+    Example:
+        >>> parser = argparse.ArgumentParser()
+        >>> add_arguments(parser)
+        >>> config = engine_config(parser.parse_args(["--num-blocks", "64", "--max-num-seqs", "8", "--no-compile"]))
+        >>> config.pool.num_blocks, config.scheduler.max_num_seqs, config.compile
+        (64, 8, False)
+    """
+    from pagedcore.config import PoolConfig
+    from pagedcore.engine.config import EngineConfig
+    from pagedcore.scheduler import SchedulerConfig
+
+    from .startup import compile_mode
+
+    pool = PoolConfig(
+        num_blocks=args.num_blocks,
+        memory_budget=args.memory_budget if memory_budget is None else memory_budget,
+        block_size=args.block_size,
+        kv_store=getattr(args, "kv_store", None),
+        kv_store_bytes=getattr(args, "kv_store_bytes", None),
+    )
+    scheduler = SchedulerConfig(
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        enable_prefix_caching=args.enable_prefix_caching,
+    )
+    return EngineConfig(
+        pool, scheduler, max_logprobs=args.max_logprobs, max_model_len=args.max_model_len, compile=compile_mode(args)
+    )
 
 
 def _memory_budget(args: argparse.Namespace, error: type[Exception]) -> Any:
@@ -504,20 +510,26 @@ def _app_options(args: argparse.Namespace, names: list[str], error: type[Excepti
     )
 
 
-def parse_size(value: str | int, error: type[Exception] = ValueError, option: str = "--max-request-bytes") -> int:
-    """A size in bytes: an integer, or a number with a unit (KB, MB, GB, TB, KiB, MiB, GiB, TiB); ``error`` naming
-    ``option`` otherwise.
+def flag_error(exc: Exception, error: type[Exception]) -> Exception:
+    """``error`` (the usage error) for a :class:`~pagedcore.errors.ConfigError` of a setting a flag gives: the
+    setting (its ``param``) named as the flag.
 
     Example:
-        >>> parse_size("8MiB"), parse_size("1.5 kb"), parse_size(100)
-        (8388608, 1500, 100)
+        >>> from pagedcore.config import PoolConfig
+        >>> from pagedcore.errors import ConfigError
+        >>> try:
+        ...     PoolConfig(kv_store_bytes="lots")
+        ... except ConfigError as exc:
+        ...     print(flag_error(exc, ValueError))
+        --kv-store-bytes must be a size like 8MiB, 2GiB or 1000000, got 'lots'
     """
-    if isinstance(value, int):
-        return value
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(value))
-    if match is None or match.group(2).lower() not in _UNITS:
-        raise error(f"{option} must be a size like 8MiB or 1000000, got {value!r}")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    param, message = getattr(exc, "param", None), str(exc)
+    if param is None:
+        return error(message)
+    flag = param if param.startswith("--") else "--" + param.replace("_", "-")
+    if message.startswith(param + " "):
+        return error(flag + message[len(param) :])
+    return error(f"{flag}: {message}")
 
 
 def _model(args: argparse.Namespace, error: type[Exception]) -> tuple[Any, Any, str]:
@@ -568,39 +580,3 @@ def _in_main_thread() -> bool:
 
 def _ignore(signum: int, frame: Any) -> None:
     """SIGTERM after uvicorn's own shutdown: nothing left to do but return."""
-
-
-def missing_extra(command: str, extra: str, modules: tuple[str, ...]) -> bool:
-    """Whether one of ``modules`` cannot be imported; if so, say in one line which extra ``command`` needs.
-
-    Example:
-        >>> missing_extra("pagedcore serve", "serve", ("json",))
-        False
-    """
-    import importlib
-
-    try:
-        for module in modules:
-            importlib.import_module(module)
-    except ImportError as exc:
-        print(f"{command}: needs the {extra} extra: pip install 'pagedcore[{extra}]' ({exc})", file=sys.stderr)
-        return True
-    return False
-
-
-def load_api_keys(path: str | None, usage_error: type[Exception]) -> ApiKeys | None:
-    """The :class:`~pagedcore.serve.auth.ApiKeys` of ``--api-keys FILE`` (None without one); a bad file raises
-    ``usage_error`` with the file's problem in one line.
-
-    Example:
-        >>> load_api_keys(None, ValueError) is None
-        True
-    """
-    if not path:
-        return None
-    from .auth import ApiKeys, ApiKeysError
-
-    try:
-        return ApiKeys.from_file(path)
-    except ApiKeysError as exc:
-        raise usage_error(str(exc)) from exc

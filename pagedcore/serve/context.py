@@ -13,6 +13,8 @@ from typing import Annotated, Any
 from fastapi import Depends
 from starlette.requests import Request
 
+from pagedcore.engine.context import ContextWindow
+
 from .admission import Admission
 from .auth import ApiKeys
 from .body import BodyLimits
@@ -113,6 +115,11 @@ class ServeContext:
         """The model's context in tokens (None: unknown)."""
         return self.encoder.context
 
+    @property
+    def context(self) -> ContextWindow:
+        """The context served, and its rule (:class:`~pagedcore.engine.context.ContextWindow`)."""
+        return ContextWindow(self.encoder.context)
+
     def authorize(self, request: Request) -> str | None:
         """The tenant of the request's API key (None without keys); raises :class:`ApiError` 401."""
         if self.api_keys is None:
@@ -160,17 +167,11 @@ class ServeContext:
         return LogprobFormat(lambda token_id: str(tokenizer.decode([token_id])), as_ids)
 
     def max_new_tokens(self, prompt_tokens: int) -> int | None:
-        """The most new tokens a request with this prompt can be given: what the context leaves, and what the KV
-        pool can hold for one sequence (when the loop can say); None when neither is known."""
-        rooms = []
-        if self.context_length is not None:
-            rooms.append(self.context_length - prompt_tokens)
-        pool_room = getattr(self.loop, "max_new_tokens", None)
-        if callable(pool_room):
-            room = pool_room(prompt_tokens)
-            if room is not None:
-                rooms.append(room)
-        return max(0, min(rooms)) if rooms else None
+        """The most new tokens a request with this prompt can be given: what the context leaves, and what the loop
+        says its engine can hold for one sequence; None when neither is known."""
+        rooms = [self.context.room(prompt_tokens), self.loop.max_new_tokens(prompt_tokens)]
+        bounded = [room for room in rooms if room is not None]
+        return max(0, min(bounded)) if bounded else None
 
 
 def _permission(created: int) -> dict[str, Any]:

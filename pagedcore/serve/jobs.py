@@ -7,22 +7,20 @@ the event loop with ``call_soon_threadsafe``, onto an asyncio queue that the req
 from __future__ import annotations
 
 import asyncio
-import re
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 
-from .fields import FIELDS
 from .loop import (
     Delta,
     Finished,
     LoopClosedError,
     LoopEvent,
     QueueFullError,
+    Request,
     RequestLoop,
     Started,
-    Submission,
 )
-from .protocol import ApiError
+from .protocol import ApiError, engine_error
 
 __all__ = ["Job", "error_of"]
 
@@ -40,16 +38,15 @@ def error_of(finished: Finished) -> ApiError:
     """The :class:`ApiError` that answers a request that ended with an error.
 
     Example:
-        >>> error_of(Finished("r0", 0, (), (), "the prompt is empty", "invalid")).status
-        400
+        >>> error = error_of(Finished("r0", 0, (), (), "the prompt is empty", "invalid", error_param="prompt"))
+        >>> error.status, error.param
+        (400, 'prompt')
     """
     status, type_, code = _ERRORS.get(finished.error_kind or "failed", _ERRORS["failed"])
     message = finished.error or "the request failed"
-    param = None
-    if finished.error_kind == "invalid":  # the Engine's checks name its field first ("logprobs=30 is more ...")
-        word = re.match(r"[a-z_]+", message)
-        param = word.group(0) if word is not None and word.group(0) in FIELDS else None
-    return ApiError(status, message, type=type_, code=code, param=param)
+    if finished.error_kind == "invalid":  # the engine refused it: its error names the field
+        return engine_error(message, finished.error_param, status, type=type_, code=code)
+    return ApiError(status, message, type=type_, code=code)
 
 
 class Job:
@@ -71,7 +68,7 @@ class Job:
         >>> model = tiny_llama(num_hidden_layers=1)
         >>> async def run(loop):
         ...     job = Job(loop)
-        ...     await job.start([Submission([1, 2, 3], SamplingParams(max_new_tokens=2))])
+        ...     await job.start([Request([1, 2, 3], SamplingParams(max_new_tokens=2))])
         ...     return [type(event).__name__ async for event in job.events()]
         >>> with Engine(model, num_blocks=16, block_size=8) as engine:
         ...     loop = EngineLoop(engine)
@@ -96,13 +93,13 @@ class Job:
         """Whether some of its engine requests have not ended yet."""
         return bool(self._open)
 
-    async def start(self, submissions: Sequence[Submission]) -> None:
+    async def start(self, requests: Sequence[Request]) -> None:
         """Queue the requests and wait until the engine accepted every one of them. Raises :class:`ApiError`:
         429 when the queue is full, 503 when the server is stopping, and the error of the first request the
         engine refused (the others are aborted)."""
         self._aloop = asyncio.get_running_loop()
         try:
-            self.request_ids = self._loop.submit(submissions, self._sink)
+            self.request_ids = self._loop.submit(requests, self._sink)
         except QueueFullError as exc:
             raise ApiError(429, str(exc), type="rate_limit_error", code="queue_full") from exc
         except LoopClosedError as exc:

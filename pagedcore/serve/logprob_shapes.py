@@ -1,4 +1,4 @@
-"""OpenAI's and vLLM's shapes for log-probabilities: the Engine's :class:`~pagedcore.adapters.transformers.outputs.
+"""OpenAI's and vLLM's shapes for log-probabilities: the Engine's :class:`~pagedcore.engine.outputs.
 TokenLogprobs` as completions' ``logprobs`` (``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset``),
 chat's ``logprobs.content[]`` and vLLM's ``prompt_logprobs``.
 
@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pagedcore.adapters.transformers.outputs import Logprob, TokenLogprobs
+from pagedcore.engine.outputs import Logprob, TokenLogprobs
 
 __all__ = ["LogprobFormat", "PromptEntry"]
 

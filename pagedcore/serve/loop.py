@@ -1,4 +1,4 @@
-"""EngineLoop: the one thread that owns an :class:`~pagedcore.adapters.transformers.Engine`.
+"""EngineLoop: the one thread that owns an :class:`~pagedcore.engine.Engine`.
 
 Every engine mutation happens on this thread: requests and aborts from other threads are queued as commands and
 applied between steps, then :meth:`Engine.step_events` runs and each token event goes to its request's *sink* (a
@@ -8,8 +8,9 @@ be wrapped by other front ends.
 
 Each request ends with exactly one :class:`Finished` event, whatever happens: finished, rejected by the engine,
 aborted, failed in a step, or cut short by :meth:`EngineLoop.stop`. Stopping and text are the engine's (stop
-strings travel in the request's :class:`~pagedcore.adapters.transformers.SamplingParams`): each :class:`Delta` is
-the text an engine token event made final, and :class:`Finished` reads the engine's output.
+strings travel in the request's :class:`~pagedcore.engine.SamplingParams`): each :class:`Delta` is the text an engine
+token event made final, and :class:`Finished` reads the engine's output. Requests are the engine's own
+:class:`~pagedcore.engine.Request` (a front end converts what it received once, at its edge).
 """
 
 from __future__ import annotations
@@ -18,22 +19,21 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Protocol
 
+from pagedcore.engine.request import Request
 from pagedcore.errors import ConfigError, PagedCoreError
 from pagedcore.hookspecs import hookimpl
-from pagedcore.sequence import SequenceState
 from pagedcore.validation import integer
 
 if TYPE_CHECKING:
-    from pagedcore.adapters.transformers import Engine, EngineStats, RequestOutput, SamplingParams, TokenEvent
-    from pagedcore.adapters.transformers.outputs import TokenLogprobs
+    from pagedcore.engine import Engine, EngineStats, RequestOutput, TokenEvent
+    from pagedcore.engine.outputs import TokenLogprobs
 
 logger = logging.getLogger(__name__)
 
-_MAX_PROBE = 2**31  # max_new_tokens: no request is longer than this
 _REQUEST_IDS = itertools.count()  # one sequence for the process: every loop's ids are distinct (see _Admissions)
 
 __all__ = [
@@ -44,6 +44,7 @@ __all__ = [
     "LoopEvent",
     "LoopStats",
     "QueueFullError",
+    "Request",
     "RequestLoop",
     "RequestTimings",
     "Started",
@@ -59,24 +60,9 @@ class LoopClosedError(PagedCoreError):
     """The loop was stopped: it takes no new requests."""
 
 
-@dataclass(frozen=True)
-class Submission:
-    """One request for the loop.
-
-    Args:
-        prompt: text (the engine's tokenizer encodes it) or token ids.
-        params: sampling parameters (validated by the caller when it built them), stop strings included.
-        namespace: prefix-cache namespace (the tenant); never chosen by a client.
-
-    Example:
-        >>> from pagedcore.adapters.transformers import SamplingParams
-        >>> Submission([5, 6, 7], SamplingParams(max_new_tokens=4, stop_strings=["\\n"])).params.stop_strings
-        ('\\n',)
-    """
-
-    prompt: str | Sequence[int]
-    params: SamplingParams
-    namespace: Hashable = None
+Submission = Request
+"""The old name of a loop's request: the engine's :class:`~pagedcore.engine.Request` (one request type from the edge
+of a front end to the engine's report)."""
 
 
 @dataclass(frozen=True)
@@ -152,6 +138,8 @@ class Finished:
             remote loop's queue was full); None on success.
         cached_tokens: prompt tokens served from the prefix cache (at the request's last admission).
         timings: when its phases happened (None for a request the engine never took).
+        error_param: with ``error_kind="invalid"``, the field the engine's error concerns (its
+            :attr:`~pagedcore.errors.PagedCoreError.param`, in the engine's names), or None.
 
     Example:
         >>> Finished("r0", 3, (2,), ("length",)).error is None
@@ -166,6 +154,7 @@ class Finished:
     error_kind: str | None = None
     cached_tokens: int = 0
     timings: RequestTimings | None = None
+    error_param: str | None = None
 
 
 LoopEvent = Started | Delta | Finished
@@ -177,7 +166,7 @@ class LoopStats:
     """A snapshot the loop publishes after each step (safe to read from any thread).
 
     Attributes:
-        engine: the engine's counters (:class:`~pagedcore.adapters.transformers.EngineStats`).
+        engine: the engine's counters (:class:`~pagedcore.engine.EngineStats`).
         num_waiting: requests not yet running (queued in the loop or waiting in the scheduler).
         num_running: sequences running in the scheduler.
         num_used_blocks / num_blocks: KV blocks held by sequences / in the pool (summed over KV groups).
@@ -207,7 +196,7 @@ class RequestLoop(Protocol):
 
     Example:
         >>> sorted(name for name in vars(RequestLoop) if not name.startswith("_"))
-        ['abort', 'add_step_listener', 'is_running', 'stats', 'submit']
+        ['abort', 'add_step_listener', 'is_running', 'max_new_tokens', 'stats', 'submit']
     """
 
     @property
@@ -216,23 +205,23 @@ class RequestLoop(Protocol):
     @property
     def is_running(self) -> bool: ...
 
-    def submit(self, submissions: Sequence[Submission], sink: Sink) -> list[str]: ...
+    def submit(self, requests: Sequence[Request], sink: Sink) -> list[str]: ...
 
     def abort(self, request_id: str) -> None: ...
 
     def add_step_listener(self, listener: Callable[[float], None]) -> None: ...
 
-
-@dataclass(frozen=True)
-class _Add:
-    request_id: str
-    submission: Submission
-    sink: Sink
+    def max_new_tokens(self, prompt_tokens: int) -> int | None:
+        """The most new tokens a request with a prompt of this length can be given (None: the loop cannot say)."""
+        ...
 
 
 @dataclass(frozen=True)
 class _Abort:
     request_id: str
+
+
+_Add = tuple[Request, Sink]  # a request (with the id the loop gave it) and where its events go
 
 
 class _Admissions:
@@ -290,7 +279,7 @@ class EngineLoop:
         >>> with Engine(model, num_blocks=16, block_size=8) as engine:
         ...     loop = EngineLoop(engine)
         ...     loop.start()
-        ...     ids = loop.submit([Submission([1, 2, 3], SamplingParams(max_new_tokens=3))], sink)
+        ...     ids = loop.submit([Request([1, 2, 3], SamplingParams(max_new_tokens=3))], sink)
         ...     _ = done.wait(60)
         ...     loop.stop()
         >>> events[-1].completion_tokens, events[-1].finish_reasons
@@ -342,31 +331,12 @@ class EngineLoop:
         """Call ``listener(seconds)`` on the loop thread after every engine step (e.g. a histogram)."""
         self._listeners.append(listener)
 
-    def max_new_tokens(self, prompt_tokens: int) -> int:
-        """The most new tokens one sequence with a prompt of this length can ever be given in this engine's pool
-        (0 when even the prompt cannot fit): what a chat request without ``max_tokens`` is clamped to. The
-        scheduler's admission rule decides (``Scheduler.check_admissible``, a query), by bisection."""
-        scheduler = self._engine.scheduler
-
-        def fits(new_tokens: int) -> bool:
-            probe = SequenceState("pagedcore-capacity-probe", [0] * prompt_tokens, max_new_tokens=new_tokens)
-            try:
-                scheduler.check_admissible(probe)
-            except PagedCoreError:
-                return False
-            return True
-
-        if prompt_tokens < 1 or not fits(1):
-            return 0
-        low, high = 1, 2
-        while high < _MAX_PROBE and fits(high):  # a sliding window may hold any length: stop somewhere
-            low, high = high, high * 2
-        if high >= _MAX_PROBE:
-            return low
-        while high - low > 1:
-            middle = (low + high) // 2
-            low, high = (middle, high) if fits(middle) else (low, middle)
-        return low
+    def max_new_tokens(self, prompt_tokens: int) -> int | None:
+        """The most new tokens a request with a prompt of this length can be given: what the engine's context leaves
+        and its pool can ever hold for one sequence (:meth:`Engine.max_new_tokens
+        <pagedcore.engine.Engine.max_new_tokens>`, one exact query); what a chat request without ``max_tokens``
+        is clamped to. Safe from any thread (it reads what does not change)."""
+        return self._engine.max_new_tokens(prompt_tokens)
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix now (:meth:`Engine.reset_prefix_cache`, safe while the loop steps): a later
@@ -374,8 +344,9 @@ class EngineLoop:
         forgotten."""
         return int(self._engine.reset_prefix_cache())
 
-    def submit(self, submissions: Sequence[Submission], sink: Sink) -> list[str]:
-        """Queue requests (all or none); returns their ids. Each gets :class:`Started` or a :class:`Finished`
+    def submit(self, requests: Sequence[Request], sink: Sink) -> list[str]:
+        """Queue requests (all or none); returns the ids the loop gave them (a request's own ``request_id`` is not
+        used: ids are unique per process). Each gets :class:`Started` or a :class:`Finished`
         with an error, then its deltas and one :class:`Finished`, all through ``sink`` on the loop thread.
 
         Raises :class:`QueueFullError` when they would take the waiting requests over ``max_queue``, and
@@ -385,14 +356,14 @@ class EngineLoop:
             if self._stopping:
                 raise LoopClosedError("the server is shutting down")
             waiting = self._num_pending + self._num_waiting
-            if waiting + len(submissions) > self._max_queue:
+            if waiting + len(requests) > self._max_queue:
                 raise QueueFullError(
-                    f"{waiting} requests are waiting; {len(submissions)} more would exceed the queue bound of "
+                    f"{waiting} requests are waiting; {len(requests)} more would exceed the queue bound of "
                     f"{self._max_queue}: retry later"
                 )
-            ids = [f"req-{next(_REQUEST_IDS)}" for _ in submissions]
-            self._commands.extend(_Add(rid, sub, sink) for rid, sub in zip(ids, submissions))
-            self._num_pending += len(submissions)
+            ids = [f"req-{next(_REQUEST_IDS)}" for _ in requests]
+            self._commands.extend((replace(request, request_id=rid), sink) for rid, request in zip(ids, requests))
+            self._num_pending += len(requests)
             self._cond.notify()
         return ids
 
@@ -410,7 +381,7 @@ class EngineLoop:
         with self._cond:
             if self._thread is not None or self._stopping:
                 raise LoopClosedError("an EngineLoop starts once")
-            self._engine.pool.plugins.register(self._admissions, name=f"pagedcore-serve-admissions-{id(self)}")
+            self._engine.runner.plugins.register(self._admissions, name=f"pagedcore-serve-admissions-{id(self)}")
             self._thread = threading.Thread(target=self._run, name="pagedcore-engine-loop", daemon=True)
             self._thread.start()
 
@@ -452,23 +423,23 @@ class EngineLoop:
 
     def _apply(self, commands: list[_Add | _Abort]) -> None:
         for command in commands:
-            if isinstance(command, _Add):
-                self._add(command)
-            else:
+            if isinstance(command, _Abort):
                 self._abort(command.request_id)
+            else:
+                self._add(*command)
 
-    def _add(self, command: _Add) -> None:
-        rid, sub = command.request_id, command.submission
+    def _add(self, request: Request, sink: Sink) -> None:
+        rid = str(request.request_id)
         try:
-            self._engine.add_request(sub.prompt, sub.params, request_id=rid, namespace=sub.namespace)
+            self._engine.add_request(request)
         except PagedCoreError as exc:
-            _send(command.sink, Finished(rid, 0, (), (), str(exc), "invalid"))
+            _send(sink, Finished(rid, 0, (), (), str(exc), "invalid", error_param=exc.param))
         except Exception as exc:  # a broken tokenizer or engine: this request fails, the loop goes on
             logger.exception("pagedcore: add_request failed")
-            _send(command.sink, Finished(rid, 0, (), (), f"{type(exc).__name__}: {exc}", "failed"))
+            _send(sink, Finished(rid, 0, (), (), f"{type(exc).__name__}: {exc}", "failed"))
         else:
-            self._live[rid] = command.sink
-            _send(command.sink, Started(rid))
+            self._live[rid] = sink
+            _send(sink, Started(rid))
         finally:
             with self._cond:
                 self._num_pending -= 1
@@ -568,8 +539,8 @@ class EngineLoop:
             engine=engine.stats(),
             num_waiting=pending + waiting,
             num_running=engine.scheduler.num_running,
-            num_used_blocks=engine.pool.kv.num_used_blocks,
-            num_blocks=engine.pool.kv.num_blocks * len(engine.pool.kv.groups),
+            num_used_blocks=engine.runner.kv.num_used_blocks,
+            num_blocks=engine.runner.kv.num_blocks * len(engine.runner.kv.groups),
             num_prompt_tokens=self._num_prompt_tokens,
             num_failed_steps=self._num_failed_steps,
         )
@@ -578,15 +549,16 @@ class EngineLoop:
         with self._cond:
             commands, self._commands = self._commands, []
         for command in commands:
-            if isinstance(command, _Add):
-                _send(command.sink, Finished(command.request_id, 0, (), (), "the server is shutting down", "shutdown"))
+            if not isinstance(command, _Abort):
+                request, sink = command
+                _send(sink, Finished(str(request.request_id), 0, (), (), "the server is shutting down", "shutdown"))
                 with self._cond:
                     self._num_pending -= 1
         for request_id in list(self._live):
             self._abort(request_id, "the server is shutting down", "shutdown")
         self._publish()
         try:
-            self._engine.pool.plugins.unregister(self._admissions)
+            self._engine.runner.plugins.unregister(self._admissions)
         except PagedCoreError:  # never registered (the loop never started)
             pass
 

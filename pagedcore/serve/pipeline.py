@@ -11,27 +11,27 @@ import functools
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Hashable, Sequence
-from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from pagedcore.adapters.transformers import SamplingParams
+from pagedcore.engine import request as engine_request
+from pagedcore.engine.sampling import SamplingParams
+from pagedcore.errors import InvalidRequestError
 
 from .answers import AnswerOptions, Shape, Tally
 from .body import read_body
 from .context import ServeContext
 from .errors import outcome, public_error
 from .jobs import Job
-from .loop import Submission
-from .protocol import ApiError, parse_request
+from .protocol import ApiError, engine_error, parse_request
 from .responses import JobStream, collect, sse_events
 from .sampling_defaults import apply_defaults
 from .tool_calls import ToolCalls
 
-__all__ = ["Generation", "Renderer", "answer", "fit_prompts", "namespace_of", "off_loop", "read_request", "shape_of"]
+__all__ = ["Renderer", "answer", "fit_prompts", "namespace_of", "off_loop", "read_request", "requests_of", "shape_of"]
 
 T = TypeVar("T")
 
@@ -81,7 +81,8 @@ def fit_prompts(
     ctx: ServeContext, body: Any, prompts: Sequence[str | list[int]], max_new_tokens: int
 ) -> list[str | list[int]]:
     """Apply ``truncate_prompt_tokens`` (``truncation_side`` keeps the last tokens by default, as vLLM) and refuse a
-    prompt that, with ``max_new_tokens``, would not fit in the served context (``--max-model-len``).
+    prompt that, with ``max_new_tokens``, would not fit in the served context (``--max-model-len``; the rule is
+    :class:`~pagedcore.engine.context.ContextWindow`'s, which the engine applies too).
 
     Example:
         >>> import inspect
@@ -89,44 +90,34 @@ def fit_prompts(
         ['ctx', 'body', 'prompts', 'max_new_tokens']
     """
     keep = body.truncate_prompt_tokens
-    context = ctx.context_length
     if keep == -1:
-        keep = context
+        keep = ctx.context_length
     fitted: list[str | list[int]] = []
     for index, prompt in enumerate(prompts):
         if keep is not None and not isinstance(prompt, str) and len(prompt) > keep:
             prompt = prompt[:keep] if body.truncation_side == "right" else prompt[len(prompt) - keep :]
-        if context is not None and not isinstance(prompt, str) and len(prompt) + max_new_tokens > context:
+        if not isinstance(prompt, str):
             which = "the prompt" if len(prompts) == 1 else f"prompt {index}"
-            raise ApiError(
-                400,
-                f"{which} has {len(prompt)} tokens and asks for {max_new_tokens} more: that is over the "
-                f"context of {context} tokens this server serves",
-                param="max_tokens" if len(prompt) < context else "prompt",
-            )
+            try:
+                ctx.context.check(len(prompt), max_new_tokens, which=which)
+            except InvalidRequestError as exc:
+                raise engine_error(exc) from exc
         fitted.append(prompt)
     return fitted
 
 
-@dataclass(frozen=True)
-class Generation:
-    """What one generation request asks of the engine.
-
-    Attributes:
-        prompts: token ids (or texts, when the server has no tokenizer), one per prompt.
-        params: the sampling parameters of each prompt (stop strings included: stopping is the Engine's).
-        namespace: the prefix-cache namespace (:func:`namespace_of`).
-        stream: answer with server-sent events.
+def requests_of(
+    prompts: Sequence[str | Sequence[int]], params: SamplingParams, namespace: Hashable
+) -> list[engine_request.Request]:
+    """A generation request's engine requests, one per prompt: the one conversion of a request body at the edge
+    (prompts token ids, or texts when the server has no tokenizer; the sampling parameters, stop strings included:
+    stopping is the Engine's; the prefix-cache namespace, :func:`namespace_of`).
 
     Example:
-        >>> Generation([[5]], SamplingParams(stop_strings=["\\n"]), "tenant").params.stop_strings
-        ('\\n',)
+        >>> requests_of([[5], [6, 7]], SamplingParams(stop_strings=["\\n"]), "tenant")[1].prompt
+        [6, 7]
     """
-
-    prompts: Sequence[str | Sequence[int]]
-    params: SamplingParams
-    namespace: Hashable
-    stream: bool = False
+    return [engine_request.Request(prompt, params, namespace=namespace) for prompt in prompts]
 
 
 def shape_of(ctx: ServeContext, body: Any, chat: bool, options: AnswerOptions, tools: ToolCalls | None = None) -> Shape:
@@ -162,29 +153,35 @@ class Renderer(Protocol):
 
 
 async def answer(
-    ctx: ServeContext, request: Request, generation: Generation, shape: Shape, renderer: Renderer | None = None
+    ctx: ServeContext,
+    request: Request,
+    requests: Sequence[engine_request.Request],
+    shape: Shape,
+    *,
+    stream: bool,
+    renderer: Renderer | None = None,
 ) -> Response:
-    """Submit ``generation`` and answer it: a stream of events, or one JSON body once every choice has ended
-    (in ``shape``'s form, or ``renderer``'s).
+    """Submit ``requests`` (one per prompt, :func:`requests_of`) and answer them: a stream of events (``stream``),
+    or one JSON body once every choice has ended (in ``shape``'s form, or ``renderer``'s).
 
     Example:
         >>> import inspect
         >>> list(inspect.signature(answer).parameters)
-        ['ctx', 'request', 'generation', 'shape', 'renderer']
+        ['ctx', 'request', 'requests', 'shape', 'stream', 'renderer']
     """
     request.state.request_id = shape.response_id
     if ctx.settings.request_log is not None:
         client = request.client.host if request.client is not None else None
-        ctx.settings.request_log.log(shape.response_id, client, generation.prompts, generation.params)
+        ctx.settings.request_log.log(shape.response_id, client, [r.prompt for r in requests], requests[0].params)
     leave = ctx.admission.enter()
     try:
-        job = await _start(ctx, generation)
+        job = await _start(ctx, requests)
     except BaseException:
         leave()
         raise
-    known = [len(p) for p in generation.prompts if not isinstance(p, str)]
-    tally = Tally(job.request_ids, generation.params.n, known)
-    if generation.stream:
+    known = [len(r.prompt) for r in requests if not isinstance(r.prompt, str)]
+    tally = Tally(job.request_ids, requests[0].params.n, known)
+    if stream:
 
         def stream_error(error: ApiError) -> ApiError:
             ctx.metrics.count(outcome(error))
@@ -209,12 +206,11 @@ async def answer(
             ctx.metrics.count("aborted")
 
 
-async def _start(ctx: ServeContext, generation: Generation) -> Job:
-    params = generation.params
+async def _start(ctx: ServeContext, requests: Sequence[engine_request.Request]) -> Job:
+    params = requests[0].params
     job = Job(ctx.loop, on_finished=lambda finished: ctx.metrics.observe_request(finished, params))
-    submissions = [Submission(p, generation.params, generation.namespace) for p in generation.prompts]
     try:
-        await job.start(submissions)
+        await job.start(requests)
     except BaseException:
         job.abort()  # e.g. the client left while waiting: nothing may keep running for it
         raise

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import reprlib
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from pagedcore.adapters.transformers import SamplingParams
-from pagedcore.errors import InvalidRequestError
+from pagedcore.engine.context import ContextWindow
+from pagedcore.engine.sampling import SamplingParams
+from pagedcore.errors import InvalidRequestError, PagedCoreError
 
 from .fields import CHAT, COMPLETIONS, FIELDS, Endpoint, rules_for
 
@@ -36,6 +36,7 @@ __all__ = [
     "TextPart",
     "TokenizeRequest",
     "check_fields",
+    "engine_error",
     "parse_body",
     "parse_request",
     "sampling_params",
@@ -69,10 +70,8 @@ _EXPECTED = {
     "content": "a string or a list of text parts",
 }
 
-# Engine parameter names as clients know them.
-_PARAM_NAMES = {"max_new_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k"}
-_PARAM_NAMES.update({"n": "n", "seed": "seed", "min_new_tokens": "min_tokens"})
-_PARAM_NAMES.update({name: name for name in (*_CONTROLS, "logprobs")})
+# The Engine's names of request fields (an error's ``param``) as clients know them; the others are the same.
+_CLIENT_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "stop_strings": "stop"}
 
 
 class ApiError(Exception):
@@ -394,30 +393,23 @@ def check_fields(endpoint: Endpoint, data: dict[str, Any]) -> None:
 
 def _check_lengths(data: dict[str, Any], max_tokens: int | None) -> None:
     """Refuse lists no valid request has, by their length alone (their elements are validated later)."""
+    window = ContextWindow(max_tokens)
     prompt = data.get("prompt")
-    if isinstance(prompt, list) and prompt:
-        if isinstance(prompt[0], (str, list)):
-            if len(prompt) > MAX_PROMPTS:
-                raise ApiError(400, f"at most {MAX_PROMPTS} prompts per request, got {len(prompt)}", param="prompt")
-            for index, ids in enumerate(prompt):
-                if isinstance(ids, list) and max_tokens is not None and len(ids) > max_tokens:
-                    raise ApiError(
-                        400,
-                        f"prompt {index} has {len(ids)} token ids, more than the model's context of {max_tokens} "
-                        "tokens",
-                        param="prompt",
-                    )
-        elif max_tokens is not None and len(prompt) > max_tokens:
-            message = f"the prompt has {len(prompt)} token ids, more than the model's context of {max_tokens} tokens"
-            raise ApiError(400, message, param="prompt")
-    messages = data.get("messages")
-    if isinstance(messages, list) and max_tokens is not None and len(messages) > max_tokens:
-        raise ApiError(
-            400,
-            f"{len(messages)} messages cannot fit in the model's context of {max_tokens} tokens (each takes one at "
-            "least)",
-            param="messages",
-        )
+    try:
+        if isinstance(prompt, list) and prompt:
+            if isinstance(prompt[0], (str, list)):
+                if len(prompt) > MAX_PROMPTS:
+                    raise ApiError(400, f"at most {MAX_PROMPTS} prompts per request, got {len(prompt)}", param="prompt")
+                for index, ids in enumerate(prompt):
+                    if isinstance(ids, list):
+                        window.check_length(len(ids), f"prompt {index}")
+            else:
+                window.check_length(len(prompt), "the prompt")
+        messages = data.get("messages")
+        if isinstance(messages, list):
+            window.check_length(len(messages), f"{len(messages)} messages", param="messages", ids=False)
+    except InvalidRequestError as exc:
+        raise engine_error(exc) from exc
 
 
 def sampling_params(request: _Request, max_new_tokens: int) -> SamplingParams:
@@ -447,11 +439,34 @@ def sampling_params(request: _Request, max_new_tokens: int) -> SamplingParams:
     kwargs.update(_controls(request))
     try:
         return SamplingParams(**kwargs)
-    except InvalidRequestError as exc:  # the engine owns the ranges; name the field as the client knows it
-        word = re.match(r"[a-z_]*", str(exc)).group(0)  # type: ignore[union-attr]  # "logit_bias[5] must be ..."
-        name = _PARAM_NAMES.get(word)
-        message = str(exc) if name is None or name == word else f"{name}{str(exc)[len(word) :]}"
-        raise ApiError(400, message, param=name) from exc
+    except InvalidRequestError as exc:  # the engine owns the ranges; the error names its field
+        raise engine_error(exc) from exc
+
+
+def engine_error(error: PagedCoreError | str, param: str | None = None, status: int = 400, **kwargs: Any) -> ApiError:
+    """An :class:`ApiError` for an error the engine raised (or its message and ``param``, as a loop reports it):
+    its ``param`` (the engine's name of the field, :attr:`~pagedcore.errors.PagedCoreError.param`) as the client's
+    field, and the message naming that field as the client knows it. A ``param`` that is no request field (an
+    engine setting) is not shown.
+
+    Example:
+        >>> from pagedcore.validation import integer
+        >>> try:
+        ...     integer("max_new_tokens", -1, minimum=0)
+        ... except InvalidRequestError as exc:
+        ...     error = engine_error(exc)
+        >>> error.param, error.message
+        ('max_tokens', 'max_tokens must be an integer >= 0, got -1')
+    """
+    message = str(error)
+    if isinstance(error, PagedCoreError):
+        param = error.param
+    field = _CLIENT_NAMES.get(param, param) if param is not None else None
+    if field is not None and field not in FIELDS:
+        field = None
+    if field is not None and param is not None and field != param and message.startswith(param):
+        message = field + message[len(param) :]
+    return ApiError(status, message, param=field, **kwargs)
 
 
 def _controls(request: _Request) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """A request's structured-output fields as the engine's spec: OpenAI's ``response_format`` and vLLM's ``guided_*`` /
 ``structured_outputs``, validated here (off the event loop) so a bad schema is a 400 naming the field.
 
-The engine owns the constraint (:class:`~pagedcore.adapters.transformers.structured.StructuredOutput` in
+The engine owns the constraint (:class:`~pagedcore.engine.structured.StructuredOutput` in
 ``SamplingParams.structured``); this module only reads the request's fields and checks the spec with the grammar
 engine's parser (no vocabulary needed: about a millisecond), so the error names the field the client wrote.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from pagedcore.adapters.transformers.structured import GrammarCompiler, StructuredOutput
+from pagedcore.engine.structured import GrammarCompiler, StructuredOutput
 from pagedcore.errors import PagedCoreError
 
 from .protocol import ApiError

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedcore.adapters.transformers.structured import StructuredOutput
+from pagedcore.engine.structured import StructuredOutput
 
 from .protocol import ApiError
 from .tool_formats import deepseek_v3_tool_calls, mistral_tool_calls, pythonic_tool_calls, qwen3_coder_tool_calls

@@ -4,8 +4,12 @@
 - :class:`PagedKVPool`: the paged KV memory of a model, shareable between caches, with a prefix cache.
 - :func:`enable` / :func:`disable`: automatic prefix caching for plain ``model.generate`` (:func:`namespace` to
   isolate tenants).
-- :class:`Engine`: continuous batching over the model (``generate``, ``stream``, ``add_request``/``step``/``abort``).
+- :class:`Engine`: continuous batching over the model (``generate``, ``stream``, ``add_request``/``step``/``abort``):
+  :class:`pagedcore.engine.Engine` driving the model through its :class:`~.runner.TransformersRunner`.
 - ``attn_implementation="paged"``: attention that reads straight from the pool (registered on import).
+
+The Engine's types (:class:`SamplingParams`, :class:`RequestOutput`, ...) live in :mod:`pagedcore.engine` and are
+re-exported here, with the old submodule paths of the modules that moved there.
 
 Example:
     >>> import torch
@@ -18,10 +22,9 @@ Example:
     torch.Size([1, 7])
 """
 
-from .attention import ForwardContext, paged_attention_forward, register
-from .cache import CacheMemoryStats, PagedCache
-from .engine import Engine
-from .outputs import (
+from pagedcore.config import PoolConfig
+from pagedcore.engine.config import EngineConfig
+from pagedcore.engine.outputs import (
     EngineStats,
     Logprob,
     RequestMetrics,
@@ -31,16 +34,47 @@ from .outputs import (
     TokenEvent,
     TokenLogprobs,
 )
+from pagedcore.engine.request import Request
+from pagedcore.engine.sampling import SamplingParams
+from pagedcore.lazy_names import keep_old_paths
+
+from .attention import ForwardContext, paged_attention_forward, register
+from .cache import CacheMemoryStats, PagedCache
+from .model_engine import Engine
 from .pool import MemoryStats, PagedKVPool
 from .prefix_caching import disable, enable, is_enabled, namespace, prefix_pool
-from .sampling import SamplingParams
+from .runner import TransformersRunner
 from .spec import LayerSpec, ModelKVSpec
 
 register()
 
+# The Engine and its framework-neutral modules moved to pagedcore.engine: their old paths keep working (the old
+# engine module is the transformers Engine's).
+keep_old_paths(
+    __name__,
+    {
+        "engine": f"{__name__}.model_engine",
+        **{
+            name: f"pagedcore.engine.{name}"
+            for name in (
+                "detokenizer",
+                "inputs",
+                "locks",
+                "logits_processors",
+                "logprobs",
+                "outputs",
+                "request",
+                "sampling",
+                "stopping",
+            )
+        },
+    },
+)
+
 __all__ = [
     "CacheMemoryStats",
     "Engine",
+    "EngineConfig",
     "EngineStats",
     "ForwardContext",
     "LayerSpec",
@@ -49,6 +83,8 @@ __all__ = [
     "ModelKVSpec",
     "PagedCache",
     "PagedKVPool",
+    "PoolConfig",
+    "Request",
     "RequestMetrics",
     "RequestOutput",
     "SampleOutput",
@@ -56,6 +92,7 @@ __all__ = [
     "StepOutput",
     "TokenEvent",
     "TokenLogprobs",
+    "TransformersRunner",
     "disable",
     "enable",
     "is_enabled",

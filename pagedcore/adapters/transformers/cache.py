@@ -35,6 +35,7 @@ from pagedcore.attention import write_kv
 from pagedcore.attention_kinds import AttentionKind
 from pagedcore.block_tables import BlockTables
 from pagedcore.capacity import Reservation
+from pagedcore.config import PoolConfig
 from pagedcore.errors import ConfigError, InvalidBlockError
 from pagedcore.kv_pool import PoolMatch
 
@@ -259,7 +260,9 @@ class PagedCache(Cache):
     Args:
         model: the model (or its config) the cache serves.
         pool: a :class:`PagedKVPool` to take blocks from (e.g. one shared with other caches); a private pool is
-            created when omitted, sized by ``num_blocks`` / ``memory_budget`` / ``block_size``.
+            created when omitted, with ``config`` (a :class:`~pagedcore.config.PoolConfig`) or the keyword
+            arguments that build one (``num_blocks`` / ``memory_budget`` / ``block_size`` / ``kv_layout``).
+        config: the private pool's settings.
         num_blocks: blocks of the private pool.
         memory_budget: bytes (or ``"2GiB"``) of the private pool.
         block_size: tokens per block of the private pool.
@@ -287,6 +290,7 @@ class PagedCache(Cache):
         model: Any = None,
         *,
         pool: PagedKVPool | None = None,
+        config: PoolConfig | None = None,
         num_blocks: int | None = None,
         memory_budget: int | float | str | None = None,
         block_size: int | None = None,
@@ -295,26 +299,19 @@ class PagedCache(Cache):
         kv_layout: str | None = None,
         reservation: Reservation | None = None,
     ) -> None:
-        if pool is None:
-            if model is None:
-                raise ConfigError("PagedCache needs a model (or config) or a pool")
-            pool = PagedKVPool(
-                model,
-                num_blocks=num_blocks,
-                memory_budget=memory_budget,
-                block_size=block_size,
-                kv_layout="auto" if kv_layout is None else kv_layout,
-            )
-        else:
-            if num_blocks is not None or memory_budget is not None or kv_layout is not None:
-                raise ConfigError("num_blocks / memory_budget / kv_layout shape a private pool: not with pool=")
-            if model is not None:
-                pool.bind(model)
+        settings = PoolConfig.of(
+            config, num_blocks=num_blocks, memory_budget=memory_budget, block_size=block_size, kv_layout=kv_layout
+        )
+        if pool is None and model is None:
+            raise ConfigError("PagedCache needs a model (or config) or a pool")
+        shared = pool is not None
+        pool = PagedKVPool.resolve(model, pool, settings, kv_layout="auto")
+        if shared:
             pool.check_weights()  # a shared pool forgets prefixes computed before a weight update
         self._pool = pool
-        config = text_config(model) if model is not None else None
+        model_config = text_config(model) if model is not None else None
         self._state = CacheState(
-            pool, pool.spec.num_layers, config=config, namespace=namespace, attention_backend=attention_backend
+            pool, pool.spec.num_layers, config=model_config, namespace=namespace, attention_backend=attention_backend
         )
         self._state.reservation = reservation
         layers: list[Any] = []

@@ -6,7 +6,7 @@ padded to a power of two (the batch bucket) and each KV group's block tables pad
 width bucket), so a run whose batch and contexts vary compiles once per ``(rows, width)`` bucket and never again.
 Prefill and mixed steps stay eager.
 
-- :class:`DecodeInputs`: one decode step's tensors, bucketed, built from the eager :class:`~.step_batch.StepBatch`
+- :class:`DecodeInputs`: one decode step's tensors, bucketed, built from the step's packed inputs
   (:meth:`DecodeInputs.from_batch`): token ids, positions, and per KV group the block tables, the new tokens' slots
   and the position of each table's first key. Padding rows are token 0 at position 0 over the pad block; their
   keys are written to the pad block, which is zeroed again in the same op (:func:`store_kv`, one in-place custom op:
@@ -32,13 +32,15 @@ from typing import Any
 import torch
 
 from pagedcore.attention import bucket, to_device, write_kv
+from pagedcore.engine.packing import PackedTokens
+from pagedcore.engine.runner import CompileCounts
 from pagedcore.errors import ConfigError
 from pagedcore.plugins.torch_backend import attend_rows, gather_blocks
 
 from .attention import CONTEXT_KEY, StepAttention
 from .layer_attention import LatentProjection, pool_read, retemper
 from .pool import PagedKVPool
-from .step_batch import PackedCache, StepBatch
+from .step_batch import PackedCache
 
 __all__ = [
     "CompileCounts",
@@ -145,22 +147,14 @@ class DecodeInputs:
         """The bucket: the rows, then each group's table width."""
         return (int(self.input_ids.shape[0]), *(int(t.shape[1]) for t in self.tables))
 
-    @staticmethod
-    def is_decode(batch: StepBatch) -> bool:
-        """Whether every scheduled sequence computes exactly one token and samples it (and no prompt token's
-        logits are asked for: ``prompt_logprobs``)."""
-        scheduled = batch.plan.scheduled
-        if not scheduled or batch.prompt_rows:
-            return False
-        return all(item.num_new_tokens == 1 and item.sample for item in scheduled)
-
     @classmethod
-    def from_batch(cls, batch: StepBatch, pool: PagedKVPool, device: torch.device) -> DecodeInputs:
-        """The bucketed tensors of a decode-only ``batch`` (:meth:`is_decode`) on ``device``."""
+    def from_batch(cls, batch: PackedTokens, pool: PagedKVPool, device: torch.device) -> DecodeInputs:
+        """The bucketed tensors of a decode-only step's packed inputs (every sequence decodes one token:
+        :attr:`~pagedcore.engine.runner.ForwardBatch.is_decode`) on ``device``."""
         n = batch.num_tokens
         rows, pad, pad_slot = bucket(n), rows_pad(bucket(n) - n), pool.pad_block * pool.block_size
         tables, slots, starts = [], [], []
-        for meta in (m for m in batch.context.metadata if m is not None):
+        for meta in batch.metadata:
             width = bucket(int(meta.block_tables.shape[1]), MIN_WIDTH)
             table = torch.full((rows, width), pool.pad_block, dtype=torch.long)
             table[:n, : meta.block_tables.shape[1]] = meta.block_tables
@@ -254,28 +248,6 @@ class _PassThroughCache(PackedCache):
         if self.attention is not None and self.attention.pool.spec.layers[layer_idx].latent is not None:
             self.attention.store_latent(layer_idx, key_states, value_states)
         return key_states, value_states
-
-
-@dataclass(frozen=True)
-class CompileCounts:
-    """A :class:`CompiledDecode`'s counters: ``graphs`` compiled (each bucket's first step compiles one; more
-    would be recompilations or graph breaks), distinct ``buckets`` seen, decode ``steps`` run compiled, and
-    ``failures`` (set by the Engine when a compiled step raised and it turned compiling off).
-
-    Example:
-        >>> CompileCounts(graphs=3, buckets=3, steps=500).recompilations
-        0
-    """
-
-    graphs: int = 0
-    buckets: int = 0
-    steps: int = 0
-    failures: int = 0
-
-    @property
-    def recompilations(self) -> int:
-        """Graphs compiled beyond one per bucket."""
-        return max(0, self.graphs - self.buckets)
 
 
 class CompiledDecode:

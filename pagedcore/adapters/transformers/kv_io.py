@@ -16,14 +16,48 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from .pool import PagedKVPool
+from pagedcore.kv_pool import KVPool
 
-__all__ = ["STORED_LAYOUT", "TensorBlockIO"]
+from .spec import ModelKVSpec
+from .weights import Placement, WeightsWatch
+
+__all__ = ["STORED_LAYOUT", "TensorBlockIO", "TensorPool"]
+
+
+class TensorPool(Protocol):
+    """What the tiers' tensor side reads of its pool (:class:`~.pool.PagedKVPool` is one; the pool makes its
+    :class:`TensorBlockIO`, so this module names what it needs instead of importing the pool).
+
+    Example:
+        >>> from pagedcore.adapters.transformers import PagedKVPool
+        >>> from pagedcore.adapters.transformers.testing import tiny_llama_config
+        >>> pool: TensorPool = PagedKVPool(tiny_llama_config(), num_blocks=4, block_size=2)
+        >>> pool.block_bytes(0)   # 2 layers x 2 KV heads x (16 + 16) x 2 tokens x 4 bytes
+        1024
+    """
+
+    @property
+    def spec(self) -> ModelKVSpec: ...
+    @property
+    def kv(self) -> KVPool: ...
+    @property
+    def weights(self) -> WeightsWatch | None: ...
+    @property
+    def stale_placement(self) -> Placement: ...
+    @property
+    def has_all_tensors(self) -> bool: ...
+    @property
+    def dtype(self) -> torch.dtype: ...
+    @property
+    def block_size(self) -> int: ...
+    def create_tensors(self, device: torch.device, dtype: torch.dtype) -> bool: ...
+    def block_bytes(self, group: int) -> int: ...
+    def layer_tensors(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor] | None: ...
+
 
 STORED_LAYOUT = "layer,kv,slot,head,dim"
 
@@ -43,7 +77,7 @@ class TensorBlockIO:
         64
     """
 
-    def __init__(self, pool: PagedKVPool) -> None:
+    def __init__(self, pool: TensorPool) -> None:
         self._pool = pool
         self._cached: tuple[tuple[int, int, int], str | None] | None = None
 

@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import threading
 import weakref
 from collections import deque
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
@@ -24,22 +23,18 @@ from typing import Any
 import torch
 
 from pagedcore.attention import AttentionBackend, default_block_size, to_device
+from pagedcore.config import KV_LAYOUTS, KVStoreSpec, PoolConfig, parse_size
 from pagedcore.errors import ConfigError, InvalidBlockError, PoolMismatchError
 from pagedcore.kv_pool import KVPool
 from pagedcore.kv_store import KVStore, check_store
 from pagedcore.kv_tiers import KVTiers, TierStats
 from pagedcore.plugin_manager import PluginManager, default_plugin_manager
-from pagedcore.validation import integer
 
 from .kv_io import TensorBlockIO
 from .spec import ModelKVSpec, text_config
 from .weights import Placement, WeightsWatch
 
-__all__ = ["KV_LAYOUTS", "KVStoreSpec", "MemoryStats", "PagedKVPool", "PoolLock", "parse_bytes"]
-
-KVStoreSpec = str | os.PathLike[str] | KVStore | Sequence[str | os.PathLike[str] | KVStore]
-"""What ``kv_store=`` takes: a directory, ``"memory://"``, a plugin's location, a :class:`~pagedcore.kv_store.KVStore`,
-or a sequence of them (fastest first)."""
+__all__ = ["KV_LAYOUTS", "KVStoreSpec", "MemoryStats", "PagedKVPool", "PoolConfig", "PoolLock", "parse_bytes"]
 
 # How a layer's pool tensors lie in memory (their shape is always (num_blocks + 1, block_size, kv_heads, head_dim)):
 # "slots": slot after slot, each slot's heads together (contiguous; what xformers' paged kernels read);
@@ -47,43 +42,12 @@ or a sequence of them (fastest first)."""
 # so the keys of one head over consecutive blocks are contiguous memory, as DynamicCache's are: attention of a single
 # sequence reads them as a view at full speed. Gathers of scattered blocks copy half-size pieces, so batched serving
 # (the Engine) keeps "slots". "auto": "heads" on the CPU, "slots" on other devices (decided at the first write).
-KV_LAYOUTS = ("slots", "heads", "auto")
+# The names are pagedcore.config.KV_LAYOUTS (a PoolConfig checks them).
 
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 10**3,
-    "kb": 10**3,
-    "kib": 2**10,
-    "m": 10**6,
-    "mb": 10**6,
-    "mib": 2**20,
-    "g": 10**9,
-    "gb": 10**9,
-    "gib": 2**30,
-    "t": 10**12,
-    "tb": 10**12,
-    "tib": 2**40,
-}
 _DEFAULT_TOKENS = 32_768  # default capacity when neither num_blocks nor memory_budget is given
 _log = logging.getLogger(__name__)
 
-
-def parse_bytes(value: int | float | str) -> int:
-    """``"2GiB"``, ``"512 MB"``, ``1_000_000`` -> bytes.
-
-    Example:
-        >>> parse_bytes("1.5 GiB"), parse_bytes(4096)
-        (1610612736, 4096)
-    """
-    if isinstance(value, bool):
-        raise ConfigError(f"memory budget must be a number of bytes or a string like '2GiB', got {value!r}")
-    if isinstance(value, (int, float)):
-        return int(value)
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
-    if match is None or match.group(2).lower() not in _UNITS:
-        raise ConfigError(f"memory budget {value!r} is not a size like '2GiB' or '512MB'")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+parse_bytes = parse_size  # its old name here: sizes have one parser, pagedcore.config.parse_size
 
 
 class PoolLock:
@@ -231,21 +195,23 @@ class PagedKVPool:
 
     Args:
         model: the model (or its config) the pool serves.
+        config: the pool's settings (:class:`~pagedcore.config.PoolConfig`); or give them as keyword arguments
+            (``num_blocks=``, ``memory_budget=``, ...: each is the field of that name), not both:
         num_blocks: blocks per KV group. Give this or ``memory_budget``.
         memory_budget: bytes (or a string like ``"2GiB"``) for all layers' keys and values together.
         block_size: tokens per block (default: ``default_block_size`` of the model's device, 16 on CPU, 64 on CUDA).
-        dtype: dtype of the stored keys and values, to size a memory budget (default: the model's dtype).
         eviction_policy: name of the eviction policy plugin to use ("lru" by default).
-        plugins: plugin manager for policies, hashing and events (the default one when omitted).
-        kv_layout: how each layer's keys and values lie in memory (:data:`KV_LAYOUTS`): ``"slots"`` (default, for
-            batched serving and xformers), ``"heads"`` (each head's keys contiguous over consecutive blocks: faster
-            single-sequence decoding, slower scattered gathers) or ``"auto"`` (``"heads"`` on the CPU, else
-            ``"slots"``). The tensors' shape and indexing are the same in every layout.
-        kv_store: tiers below the pool (:data:`KVStoreSpec`; :mod:`pagedcore.kv_tiers`): blocks the pool evicts are
-            written there, and a prompt's prefix match continues into them. A directory (it must exist and be
-            writable, else :class:`~pagedcore.errors.ConfigError`) persists across restarts and can be shared by
-            processes serving the same model.
+        kv_layout: how each layer's keys and values lie in memory (:data:`~pagedcore.config.KV_LAYOUTS`):
+            ``"slots"`` (default, for batched serving and xformers), ``"heads"`` (each head's keys contiguous over
+            consecutive blocks: faster single-sequence decoding, slower scattered gathers) or ``"auto"``
+            (``"heads"`` on the CPU, else ``"slots"``). The tensors' shape and indexing are the same in every layout.
+        kv_store: tiers below the pool (:data:`~pagedcore.config.KVStoreSpec`; :mod:`pagedcore.kv_tiers`): blocks
+            the pool evicts are written there, and a prompt's prefix match continues into them. A directory (it must
+            exist and be writable, else :class:`~pagedcore.errors.ConfigError`) persists across restarts and can be
+            shared by processes serving the same model.
         kv_store_bytes: the budget of each store given by location (bytes or ``"20GiB"``); required with them.
+        dtype: dtype of the stored keys and values, to size a memory budget (default: the model's dtype).
+        plugins: plugin manager for policies, hashing and events (the default one when omitted).
 
     Without ``num_blocks`` or ``memory_budget`` the pool holds 32,768 tokens.
 
@@ -255,37 +221,49 @@ class PagedKVPool:
         >>> pool = PagedKVPool(config, memory_budget="1MiB", block_size=16, dtype=torch.float32)
         >>> pool.num_blocks, pool.block_size
         (128, 16)
+        >>> PagedKVPool(config, PoolConfig(num_blocks=8), dtype=torch.float32).num_blocks
+        8
     """
 
     def __init__(
         self,
         model: Any,
+        config: PoolConfig | None = None,
         *,
         num_blocks: int | None = None,
         memory_budget: int | float | str | None = None,
         block_size: int | None = None,
-        dtype: torch.dtype | None = None,
         eviction_policy: str | None = None,
-        plugins: PluginManager | None = None,
-        kv_layout: str = "slots",
+        kv_layout: str | None = None,
         kv_store: KVStoreSpec | None = None,
         kv_store_bytes: int | float | str | None = None,
+        dtype: torch.dtype | None = None,
+        plugins: PluginManager | None = None,
     ) -> None:
+        config = PoolConfig.of(
+            config,
+            num_blocks=num_blocks,
+            memory_budget=memory_budget,
+            block_size=block_size,
+            eviction_policy=eviction_policy,
+            kv_layout=kv_layout,
+            kv_store=kv_store,
+            kv_store_bytes=kv_store_bytes,
+        ).with_defaults(kv_layout="slots")
+        self.config = config
         self.spec = ModelKVSpec.from_model(model)
-        if kv_layout not in KV_LAYOUTS:
-            raise ConfigError(f"kv_layout must be one of {', '.join(map(repr, KV_LAYOUTS))}, got {kv_layout!r}")
-        self._kv_layout = kv_layout
-        block_size = default_block_size(getattr(model, "device", "cpu")) if block_size is None else block_size
-        block_size = integer("block_size", block_size, minimum=1, error=ConfigError, expected="a positive integer")
+        self._kv_layout = str(config.kv_layout)
+        block_size = (
+            default_block_size(getattr(model, "device", "cpu")) if config.block_size is None else config.block_size
+        )
         if dtype is None:
             dtype = getattr(model, "dtype", None) or getattr(text_config(model), "dtype", None) or torch.float32
             if isinstance(dtype, str):
                 dtype = getattr(torch, dtype)
         self._dtype: torch.dtype = dtype
-        num_blocks = _block_count(num_blocks, memory_budget, block_size, self.spec.bytes_per_block(block_size, dtype))
-        num_blocks = integer("num_blocks", num_blocks, minimum=1, error=ConfigError, expected="a positive integer")
+        num_blocks = _block_count(config, block_size, self.spec.bytes_per_block(block_size, dtype))
         self.plugins = plugins if plugins is not None else default_plugin_manager()
-        policy_name = eviction_policy
+        policy_name = config.eviction_policy
         self.plugins.eviction_policy(policy_name, num_blocks)  # fail now on an unknown policy name
         self.kv = KVPool(
             num_blocks,
@@ -305,9 +283,35 @@ class PagedKVPool:
             self._owner = weakref.ref(model)
         self._weights: WeightsWatch | None = None  # the owner's weights: made by the first check_weights
         self._stale_tensors = False  # the owner was converted since the tensors were made: rebuild once idle
-        stores = _stores(self.plugins, kv_store, kv_store_bytes)
+        stores = _stores(self.plugins, config)
         self._tiers = KVTiers(stores, TensorBlockIO(self)) if stores else None
         self.kv.attach_tiers(self._tiers)
+
+    @classmethod
+    def resolve(cls, model: Any, pool: PagedKVPool | None, config: PoolConfig, **defaults: Any) -> PagedKVPool:
+        """The pool a holder of ``model`` uses (an Engine, ``enable()``, a ``PagedCache``): a new one with
+        ``config`` (``defaults`` for the settings it leaves None), or ``pool`` bound to ``model`` (when not None)
+        when given, with no settings (they describe a new pool).
+
+        Example:
+            >>> from pagedcore.adapters.transformers.testing import tiny_llama
+            >>> model = tiny_llama()
+            >>> pool = PagedKVPool.resolve(model, None, PoolConfig(num_blocks=8))
+            >>> PagedKVPool.resolve(model, pool, PoolConfig()) is pool
+            True
+            >>> PagedKVPool.resolve(model, pool, PoolConfig(num_blocks=8))
+            Traceback (most recent call last):
+            ...
+            pagedcore.errors.ConfigError: pool settings (num_blocks=8) make a new pool: not with pool=
+        """
+        if pool is None:
+            return cls(model, config.with_defaults(**defaults))
+        if not config.is_default:
+            given = ", ".join(f"{name}={value!r}" for name, value in vars(config).items() if value is not None)
+            raise ConfigError(f"pool settings ({given}) make a new pool: not with pool=")
+        if model is not None:
+            pool.bind(model)
+        return pool
 
     # ------------------------------------------------------------------ queries
     @property
@@ -458,10 +462,15 @@ class PagedKVPool:
             backend = self._backends[key] = self.plugins.attention_backend(device.type, dtype, name)
         return backend
 
+    def used_bytes(self) -> int:
+        """KV bytes of the blocks held now (whole blocks): ``memory_stats().used_bytes``, without the rest."""
+        per_group = self._group_block_bytes()
+        return sum(per_group[g.index] * g.block_manager.num_used_blocks for g in self.kv.groups)
+
     def memory_stats(self) -> MemoryStats:
         """KV memory: capacity, what is allocated, used by holders and kept by the prefix cache."""
         per_group = self._group_block_bytes()
-        used = sum(per_group[g.index] * g.block_manager.num_used_blocks for g in self.kv.groups)
+        used = self.used_bytes()
         cached = sum(per_group[g.index] * g.block_manager.num_evictable_blocks for g in self.kv.groups)
         allocated = sum(
             k.numel() * k.element_size() + v.numel() * v.element_size()
@@ -731,38 +740,29 @@ class PagedKVPool:
         self.plugins.emit("pagedcore_blocks_evicted", group=group, block_ids=block_ids)
 
 
-def _block_count(
-    num_blocks: int | None, memory_budget: int | float | str | None, block_size: int, per_block: int
-) -> int:
+def _block_count(config: PoolConfig, block_size: int, per_block: int) -> int:
     """The pool's blocks per group: ``num_blocks``, or what ``memory_budget`` holds, or the default's."""
-    if num_blocks is not None and memory_budget is not None:
-        raise ConfigError("give num_blocks or memory_budget, not both")
-    if num_blocks is not None:
-        return num_blocks
-    if memory_budget is None:
+    if config.num_blocks is not None:
+        return config.num_blocks
+    if config.memory_budget is None:
         return -(-_DEFAULT_TOKENS // block_size)
-    count = parse_bytes(memory_budget) // per_block
+    count = config.memory_budget // per_block
     if count < 1:
         raise ConfigError(
-            f"memory budget {memory_budget!r} holds no block: one block of {block_size} tokens costs "
-            f"{per_block} bytes over all layers"
+            f"memory budget {config.memory_budget} bytes holds no block: one block of {block_size} tokens costs "
+            f"{per_block} bytes over all layers",
+            param="memory_budget",
         )
     return count
 
 
-def _stores(plugins: PluginManager, spec: KVStoreSpec | None, budget: int | float | str | None) -> list[KVStore]:
-    """The stores ``kv_store=`` names (ConfigError for a bad one, before anything is made)."""
-    if spec is None:
-        if budget is not None:
-            raise ConfigError("kv_store_bytes sizes the stores below the pool: give kv_store= too")
-        return []
-    items = [spec] if isinstance(spec, (str, os.PathLike, KVStore)) else list(spec)
+def _stores(plugins: PluginManager, config: PoolConfig) -> list[KVStore]:
+    """The stores ``config.kv_store`` names (ConfigError for a bad one, before anything is made)."""
     stores = []
-    for item in items:
+    for item in config.store_items:
         if isinstance(item, (str, os.PathLike)):
-            if budget is None:
-                raise ConfigError(f"kv_store={os.fspath(item)!r} needs kv_store_bytes= (its budget, e.g. '20GiB')")
-            stores.append(plugins.kv_store(os.fspath(item), parse_bytes(budget)))
+            assert config.kv_store_bytes is not None  # PoolConfig checked the pair
+            stores.append(plugins.kv_store(os.fspath(item), config.kv_store_bytes))
         else:
             stores.append(check_store(item, repr(item)))
     names = [store.name for store in stores]

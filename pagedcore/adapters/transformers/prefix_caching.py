@@ -67,12 +67,14 @@ from typing import Any
 import torch
 
 from pagedcore.capacity import Demand, Reservation
+from pagedcore.config import PoolConfig
+from pagedcore.engine.context import ContextWindow
+from pagedcore.engine.inputs import TOKEN_DTYPES, check_token_tensor
 from pagedcore.errors import ConfigError, InvalidRequestError, OutOfBlocksError, PoolMismatchError
 from pagedcore.prefix_trie import namespace_key
 from pagedcore.validation import as_integer
 
 from .cache import PagedCache
-from .inputs import TOKEN_DTYPES, check_token_tensor
 from .pool import KVStoreSpec, PagedKVPool
 from .spec import context_limit, text_config
 
@@ -100,6 +102,7 @@ def enable(
     model: Any,
     *,
     pool: PagedKVPool | None = None,
+    config: PoolConfig | None = None,
     num_blocks: int | None = None,
     memory_budget: int | float | str | None = None,
     block_size: int | None = None,
@@ -113,7 +116,8 @@ def enable(
 
     Args:
         model: a transformers causal LM.
-        pool: a pool to use (e.g. shared with an Engine); else one is created with the sizing arguments.
+        pool: a pool to use (e.g. shared with an Engine); else one is created with ``config`` (a
+            :class:`~pagedcore.config.PoolConfig`) or the keyword arguments that build one:
         num_blocks / memory_budget / block_size / eviction_policy: sizing of a new pool (see PagedKVPool).
         namespace: default namespace of this model's calls (override per call or per block of code; an explicit
             ``pagedcore_namespace=None`` is the shared default namespace).
@@ -121,9 +125,7 @@ def enable(
         kv_store / kv_store_bytes: tiers below a new pool (a directory and its budget, e.g. ``"20GiB"``): evicted
             prefixes are written there and found again, also after a restart (see :class:`PagedKVPool`).
 
-    Returns:
-        The pool; read ``pool.num_hit_tokens / pool.num_query_tokens`` for the hit rate.
-
+    Returns the pool; read ``pool.num_hit_tokens / pool.num_query_tokens`` for the hit rate.
     What a kept result holds, weight updates and ``model.to(...)``: the module docstring (*Kept caches*, *Weights
     that change*, *A converted model*). Prompt + ``max_new_tokens`` over the model's context raises
     :class:`~pagedcore.errors.InvalidRequestError` (:func:`~pagedcore.adapters.transformers.spec.context_limit`).
@@ -142,50 +144,19 @@ def enable(
         >>> out = model.generate(prompt, max_new_tokens=2, do_sample=False, return_dict_in_generate=True)
         >>> pool.kv.num_used_blocks      # the kept cache holds 14 stored tokens: 4 blocks
         4
-        >>> more = model.generate(out.sequences, max_new_tokens=2, do_sample=False, cache=out.cache)
         >>> out.cache.release(); pool.kv.num_used_blocks
         0
         >>> _ = pc.disable(model)
     """
     if model in _ENABLED:
         raise ConfigError("prefix caching is already enabled on this model; call disable(model) first")
-    pool = _enable_pool(model, pool, num_blocks, memory_budget, block_size, eviction_policy, kv_store, kv_store_bytes)
+    sizes = {"num_blocks": num_blocks, "memory_budget": memory_budget, "block_size": block_size}
+    more = {"eviction_policy": eviction_policy, "kv_store": kv_store, "kv_store_bytes": kv_store_bytes}
+    pool = PagedKVPool.resolve(model, pool, PoolConfig.of(config, **sizes, **more))
     had_instance = "generate" in vars(model)
     state = _Enabled(pool, namespace, attention_backend, had_instance, vars(model).get("generate"))
     model.generate = _wrapped_generate(model, state)
     _ENABLED[model] = state
-    return pool
-
-
-def _enable_pool(
-    model: Any,
-    pool: PagedKVPool | None,
-    num_blocks: int | None,
-    memory_budget: int | float | str | None,
-    block_size: int | None,
-    eviction_policy: str | None,
-    kv_store: KVStoreSpec | None,
-    kv_store_bytes: int | float | str | None,
-) -> PagedKVPool:
-    """The pool :func:`enable` uses: ``pool`` bound to ``model`` (no sizing arguments with it), else a new one."""
-    if pool is None:
-        pool = PagedKVPool(
-            model,
-            num_blocks=num_blocks,
-            memory_budget=memory_budget,
-            block_size=block_size,
-            eviction_policy=eviction_policy,
-            kv_store=kv_store,
-            kv_store_bytes=kv_store_bytes,
-        )
-    else:
-        if any(arg is not None for arg in (num_blocks, memory_budget, block_size, eviction_policy)):
-            raise ConfigError(
-                "num_blocks / memory_budget / block_size / eviction_policy make a new pool: not with pool="
-            )
-        if kv_store is not None or kv_store_bytes is not None:
-            raise ConfigError("kv_store / kv_store_bytes belong to a new pool: give them to PagedKVPool")
-        pool.bind(model)
     return pool
 
 
@@ -420,16 +391,12 @@ def _check_input_ids(model: Any, input_ids: torch.Tensor) -> None:
 
 
 def _check_context(model: Any, mask: torch.Tensor, settings: _Settings) -> None:
-    """Prompt + new tokens must fit the model's context (positions count real tokens: padding takes none)."""
-    limit = context_limit(model)
-    if limit is None or mask.numel() == 0:
+    """Prompt + new tokens must fit the model's context (positions count real tokens: padding takes none); the rule
+    is :class:`~pagedcore.engine.context.ContextWindow`'s."""
+    window = ContextWindow(context_limit(model))
+    if window.limit is None or mask.numel() == 0:
         return
-    longest = int(mask.ne(0).sum(dim=1).max())
-    if longest + settings.max_new_tokens > limit:
-        raise InvalidRequestError(
-            f"{longest} prompt tokens + {settings.max_new_tokens} new tokens exceed the model's context of {limit} "
-            "positions: shorten the prompt or lower max_new_tokens"
-        )
+    window.check(int(mask.ne(0).sum(dim=1).max()), settings.max_new_tokens, which="the longest prompt")
 
 
 def _check_placement(state: _Enabled) -> None:

@@ -1,31 +1,27 @@
-"""One Engine step as tensors: the packed batch and the cache its forward writes through.
+"""One Engine step as the transformers runner runs it: the cache its forward writes through, and what it prepared.
 
-:func:`pack` turns the scheduler's plan into a :class:`StepBatch`: every scheduled token of every sequence in one
-``(1, num_tokens)`` row without padding, each KV group's paged-attention metadata, a :class:`SampleRow` per
-sequence that completed its known tokens, and a :class:`PromptSpan` per request with ``prompt_logprobs`` whose
-prompt positions this step computes (their logits are kept too; nobody else's are). The batch holds everything the
-forward and the sampler read, so they run without the Engine's lock while other threads add and abort requests.
+The Engine plans a step (:mod:`pagedcore.engine.batch`); the runner's ``prepare``
+(:meth:`~.runner.TransformersRunner.prepare`) packs it (:func:`pagedcore.engine.packing.pack_tokens`: every scheduled
+token of every sequence in one ``(1, num_tokens)`` row without padding, each KV group's paged-attention metadata) into
+a :class:`PreparedStep`, which holds everything the forward reads, so it runs without the Engine's lock while other
+threads add and abort requests. The forward writes each layer's new keys and values through :class:`PackedCache`.
 """
 
 from __future__ import annotations
 
-from array import array
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DummyLayer
 
-from pagedcore.attention import PagedAttentionMetadata, stack_block_tables, to_device, write_kv
-from pagedcore.scheduler import ScheduledSequence, SchedulerOutput
+from pagedcore.attention import to_device, write_kv
+from pagedcore.engine.packing import PackedTokens
 
 from .attention import ForwardContext
 from .pool import PagedKVPool
-from .request import EngineRequest
-from .sampling import SampleRow
 
-__all__ = ["PackedCache", "PromptSpan", "StepBatch", "pack"]
+__all__ = ["PackedCache", "PreparedStep"]
 
 
 class _PackedLayer(CacheLayerMixin):
@@ -103,191 +99,27 @@ class PackedCache(Cache):
         return False
 
 
-@dataclass(frozen=True, slots=True)
-class PromptSpan:
-    """Prompt positions of one request whose logits a step keeps, for its ``prompt_logprobs``.
-
-    Attributes:
-        request_id: the request.
-        first: the index of the first prompt token these positions predict (position ``first - 1`` predicts it).
-        targets: the prompt tokens they predict, in order (``prompt[first : first + len(targets)]``).
-        k: how many top tokens each entry carries.
-
-    Example:
-        >>> PromptSpan("r", 1, [6, 7], 2).targets
-        [6, 7]
-    """
-
-    request_id: str
-    first: int
-    targets: list[int]
-    k: int
-
-
 @dataclass(frozen=True)
-class StepBatch:
-    """Everything one step's forward and sampler read, taken under the Engine's lock.
+class PreparedStep:
+    """What one step's forward reads, taken under the Engine's lock.
 
     Attributes:
-        plan: the scheduler's plan for this step.
-        owners: per scheduled sequence id, the request it belongs to.
-        input_ids / position_ids: the packed tokens and their positions.
-        logit_rows: per :class:`SampleRow`, the index of its last token in the packed batch.
-        rows: the sequences to sample for, in the order of ``logit_rows``.
-        context: each KV group's paged-attention metadata and the backend choice.
-        prompt_rows: the packed indices of the prompt positions whose logits are kept for ``prompt_logprobs``
-            (after ``logit_rows`` in the forward's logits), in the order of ``prompt_spans``.
-        prompt_spans: what those positions are, one span per request.
+        packed: the packed tokens, positions and per-group metadata (:class:`~pagedcore.engine.packing.PackedTokens`).
+        context: the paged-attention context every layer's attention receives.
+        keep: the packed indices whose logits the forward returns, in order.
+        is_decode: every sequence decodes one token (a compiled decode step can run it).
 
     Example:
-        >>> StepBatch(SchedulerOutput([]), {}, [], [], [], [], ForwardContext(None, [], None, None)).num_tokens
+        >>> PreparedStep(PackedTokens([], [], []), ForwardContext(None, [], None, None), [], False).num_tokens
         0
     """
 
-    plan: SchedulerOutput
-    owners: dict[str, EngineRequest]
-    input_ids: list[int]
-    position_ids: list[int]
-    logit_rows: list[int]
-    rows: list[SampleRow]
+    packed: PackedTokens
     context: ForwardContext
-    prompt_rows: list[int] = field(default_factory=list)
-    prompt_spans: list[PromptSpan] = field(default_factory=list)
+    keep: list[int]
+    is_decode: bool
 
     @property
     def num_tokens(self) -> int:
         """Tokens computed in this step."""
-        return len(self.input_ids)
-
-
-def pack(
-    plan: SchedulerOutput,
-    pool: PagedKVPool,
-    requests: Mapping[str, EngineRequest],
-    attention_backend: str | None = None,
-) -> StepBatch:
-    """Pack a non-empty plan (call it under the lock that guards ``requests``: it reads the live block tables), after
-    the plan's copy-on-write block copies.
-
-    Example:
-        >>> from pagedcore import Scheduler, SequenceState
-        >>> from pagedcore.adapters.transformers import RequestMetrics, RequestOutput, SampleOutput, SamplingParams
-        >>> from pagedcore.adapters.transformers.testing import tiny_llama
-        >>> pool = PagedKVPool(tiny_llama(), num_blocks=8, block_size=4)
-        >>> sched, seq = Scheduler(pool.kv), SequenceState("r", [5, 6, 7], max_new_tokens=2)
-        >>> sched.add(seq)
-        >>> out = RequestOutput("r", [5, 6, 7], [SampleOutput(0)], RequestMetrics(0.0))
-        >>> request = EngineRequest("r", SamplingParams(), seq, out, [], [torch.Generator()])
-        >>> batch = pack(sched.schedule(), pool, {"r": request})
-        >>> batch.input_ids, batch.position_ids, batch.logit_rows, [row.request_id for row in batch.rows]
-        ([5, 6, 7], [0, 1, 2], [2], ['r'])
-    """
-    pool.copy_blocks(plan.copies)
-    group_ids = range(len(pool.kv.groups))
-    tokens: list[int] = []
-    positions: list[int] = []
-    tables: list[list[array[int]]] = [[] for _ in group_ids]
-    offsets: list[list[int]] = [[] for _ in group_ids]
-    slots: list[list[int]] = [[] for _ in group_ids]
-    query_lens: list[int] = []
-    seq_lens: list[int] = []
-    logit_rows: list[int] = []
-    rows: list[SampleRow] = []
-    owners: dict[str, EngineRequest] = {}
-    scored = _Scored()
-    for item in plan.scheduled:  # one pass; a decode step of hundreds of sequences spends its host time here
-        seq = item.sequence
-        request = owners[item.request_id] = requests[seq.group_id]
-        start, count, end = item.start, item.num_new_tokens, item.end
-        if request.params.prompt_logprobs is not None:
-            scored.keep(item, request, len(tokens))
-        if count == 1:
-            tokens.append(seq.token_ids[start])
-            positions.append(start)
-        else:
-            tokens.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
-        query_lens.append(count)
-        seq_lens.append(end)
-        if item.sample:
-            logit_rows.append(len(tokens) - 1)
-            rows.append(_sample_row(item, request))
-        blocks = item.blocks
-        for g in group_ids:
-            tables[g].append(blocks.table_array(g))
-            offsets[g].append(blocks.num_dropped(g))
-            slots[g].extend(blocks.slots(g, start, end))
-    metas = _metadata(pool, query_lens, seq_lens, offsets, tables, slots)
-    context = ForwardContext(pool, metas, None, attention_backend, positions=_packed_positions(pool, positions))
-    return StepBatch(plan, owners, tokens, positions, logit_rows, rows, context, scored.rows, scored.spans)
-
-
-@dataclass
-class _Scored:
-    """The prompt positions a step keeps the logits of (requests with ``prompt_logprobs``)."""
-
-    rows: list[int] = field(default_factory=list)
-    spans: list[PromptSpan] = field(default_factory=list)
-
-    def keep(self, item: ScheduledSequence, request: EngineRequest, base: int) -> None:
-        """The prompt positions of ``item`` (packed from index ``base``) whose next prompt token has no
-        log-probability yet: a prompt recomputed after a preemption is not scored twice."""
-        seq = item.sequence
-        done = len(request.output.prompt_logprobs or (None,))  # prompt tokens with an entry (the first has None)
-        first = max(item.start, done - 1)  # the first position to keep: it predicts token first + 1
-        last = min(item.end, seq.num_prompt_tokens - 1)  # the positions before it
-        if first >= last:
-            return
-        self.rows.extend(range(base + first - item.start, base + last - item.start))
-        k = request.params.prompt_logprobs or 0
-        self.spans.append(PromptSpan(request.request_id, first + 1, seq.prompt_token_ids[first + 1 : last + 1], k))
-
-
-def _metadata(
-    pool: PagedKVPool,
-    query_lens: list[int],
-    seq_lens: list[int],
-    offsets: list[list[int]],
-    tables: list[list[array[int]]],
-    slots: list[list[int]],
-) -> list[PagedAttentionMetadata | None]:
-    """Each KV group's paged-attention metadata for the packed sequences (per group: their dropped-block offsets,
-    block tables and the new tokens' slots)."""
-    return [
-        PagedAttentionMetadata(
-            block_size=pool.block_size,
-            query_lens=query_lens,
-            seq_lens=seq_lens,
-            block_offsets=offsets[g.index],
-            block_tables=stack_block_tables(tables[g.index], pool.pad_block),
-            slot_mapping=torch.tensor(slots[g.index], dtype=torch.int64),
-            sliding_window=g.sliding_window,
-            pad_block=pool.pad_block,
-            group_kind=g.kind,
-        )
-        for g in pool.kv.groups
-    ]
-
-
-def _packed_positions(pool: PagedKVPool, positions: list[int]) -> torch.Tensor | None:
-    """The packed tokens' positions, for a model whose attention needs them beyond ``position_ids`` (Llama 4's
-    query temperature: :func:`~.layer_attention.retemper`); None for every other model."""
-    if not any(layer.query_temperature is not None for layer in pool.spec.layers):
-        return None
-    return torch.tensor(positions, dtype=torch.long)
-
-
-def _sample_row(item: ScheduledSequence, request: EngineRequest) -> SampleRow:
-    """What the sampler needs for a sequence that completed its known tokens: all the samples' generators at the
-    step that forks the request, else its own; the stop tokens masked before ``min_new_tokens``; the grammar state
-    its next token follows (a structured output), in step with its tokens."""
-    seq = item.sequence
-    if item.num_samples > 1:
-        generators = request.generators[: item.num_samples]
-    else:
-        generators = [request.generators[seq.sample_index]]
-    suppress: tuple[int, ...] = ()
-    if seq.min_new_tokens and seq.num_output_tokens < seq.min_new_tokens:
-        suppress = tuple(sorted(seq.stop_token_ids))
-    grammar = request.grammar.row_state(seq, item.num_samples) if request.grammar is not None else None
-    return SampleRow(item.request_id, request.params, generators, suppress, seq, grammar)
+        return self.packed.num_tokens

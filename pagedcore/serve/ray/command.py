@@ -28,13 +28,13 @@ def run(args: argparse.Namespace) -> int:
         ...
         pagedcore.cli.common.UsageError: --replicas must be >= 1, got 0
     """
-    from pagedcore.cli.common import EXIT_OK, EXIT_UNAVAILABLE, UsageError
+    from pagedcore.cli.common import EXIT_OK, EXIT_UNAVAILABLE, UsageError, missing_extra
 
     if args.replicas < 1:
         raise UsageError(f"--replicas must be >= 1, got {args.replicas}")
     if args.cpus_per_replica <= 0:
         raise UsageError(f"--cpus-per-replica must be > 0, got {args.cpus_per_replica}")
-    from ..cli import load_api_keys, missing_extra
+    from ..auth import load_api_keys
 
     if missing_extra("pagedcore serve --ray", "ray", ("ray", "ray.serve")):
         return EXIT_UNAVAILABLE

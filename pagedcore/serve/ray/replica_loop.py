@@ -30,7 +30,7 @@ from ray.serve.exceptions import DeploymentUnavailableError
 
 from pagedcore.errors import ConfigError
 
-from ..loop import Delta, Finished, LoopClosedError, LoopStats, QueueFullError, Started, Submission
+from ..loop import Delta, Finished, LoopClosedError, LoopStats, QueueFullError, Request, Started
 from .replica import ReplicaReport
 from .replica_stats import ReplicaStats, zero_stats
 from .routing import MAX_ROUTED_BLOCKS, RoutedRequest, prefix_hashes
@@ -151,20 +151,25 @@ class ReplicaLoop:
         """Accepted for the app's sake; engine steps run in the replicas, so it is never called here."""
         self._listeners.append(listener)
 
-    def submit(self, submissions: Sequence[Submission], sink: Sink) -> list[str]:
+    def max_new_tokens(self, prompt_tokens: int) -> int | None:
+        """None: the ingress cannot say what the replicas' pools hold (a replica refuses a request that can never
+        fit in its pool with a 400 naming the field)."""
+        return None
+
+    def submit(self, requests: Sequence[Request], sink: Sink) -> list[str]:
         """Start the requests (all or none); events reach ``sink`` on this event loop. Raises
         :class:`QueueFullError` over ``max_queue`` waiting requests, :class:`LoopClosedError` after :meth:`stop`."""
         if self._stopping:
             raise LoopClosedError("the server is shutting down")
-        if self._num_waiting + len(submissions) > self._max_queue:
+        if self._num_waiting + len(requests) > self._max_queue:
             raise QueueFullError(
-                f"{self._num_waiting} requests are waiting; {len(submissions)} more would exceed the queue bound of "
+                f"{self._num_waiting} requests are waiting; {len(requests)} more would exceed the queue bound of "
                 f"{self._max_queue}: retry later"
             )
         aloop = asyncio.get_running_loop()
         self._start_polling()
-        ids = [f"req-{next(self._ids)}" for _ in submissions]
-        for request_id, submission in zip(ids, submissions):
+        ids = [f"req-{next(self._ids)}" for _ in requests]
+        for request_id, submission in zip(ids, requests):
             self._num_waiting += 1
             # Each engine call runs in a context of its own: Ray Serve then gives it a request id of its own. In
             # the HTTP request's context every call of a batch would share that request's id, and Ray's router
@@ -200,7 +205,7 @@ class ReplicaLoop:
         for task in list(self._tasks.values()):
             task.cancel()
 
-    def _routed(self, submission: Submission) -> RoutedRequest:
+    def _routed(self, submission: Request) -> RoutedRequest:
         prompt = submission.prompt
         if isinstance(prompt, str):
             if self._tokenizer is None:
@@ -210,7 +215,7 @@ class ReplicaLoop:
             except Exception:  # the replica's engine reports it as this request's error
                 return RoutedRequest(submission)
             submission = replace(submission, prompt=prompt)
-        hashes = prefix_hashes(prompt, self._block_size, submission.namespace, max_blocks=MAX_ROUTED_BLOCKS)
+        hashes = prefix_hashes(list(prompt), self._block_size, submission.namespace, max_blocks=MAX_ROUTED_BLOCKS)
         return RoutedRequest(submission, hashes)
 
     async def _run(self, request_id: str, request: RoutedRequest, sink: Sink) -> None:

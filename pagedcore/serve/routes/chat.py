@@ -15,13 +15,14 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from pagedcore.adapters.transformers.structured import StructuredOutput
+from pagedcore.engine.request import Request as EngineRequest
+from pagedcore.engine.structured import StructuredOutput
 from pagedcore.errors import PagedCoreError
 
 from ..answers import AnswerOptions, Shape
 from ..context import Context, ServeContext
 from ..openapi import ERROR_RESPONSES, json_body
-from ..pipeline import Generation, answer, fit_prompts, namespace_of, off_loop, read_request, shape_of
+from ..pipeline import answer, fit_prompts, namespace_of, off_loop, read_request, requests_of, shape_of
 from ..prompts import ChatOptions
 from ..protocol import ApiError, ChatRequest, sampling_params
 from ..reasoning import AnswerReasoning, generation_prompt
@@ -38,11 +39,13 @@ router = APIRouter()
 async def chat_completions(request: Request, ctx: Context) -> Response:
     """OpenAI's chat completions: ``n`` answers to the conversation, as JSON or server-sent events."""
     tenant, body = await read_request(ctx, request, ChatRequest)
-    generation, shape = await chat_generation(ctx, body, tenant)
-    return await answer(ctx, request, generation, shape)
+    requests, shape = await chat_generation(ctx, body, tenant)
+    return await answer(ctx, request, requests, shape, stream=bool(body.stream))
 
 
-async def chat_generation(ctx: ServeContext, body: ChatRequest, tenant: str | None) -> tuple[Generation, Shape]:
+async def chat_generation(
+    ctx: ServeContext, body: ChatRequest, tenant: str | None
+) -> tuple[list[EngineRequest], Shape]:
     """What a parsed chat request asks of the engine, and the shape of its answer (the Responses API's requests
     become chat requests and go through here too).
 
@@ -73,7 +76,7 @@ async def chat_generation(ctx: ServeContext, body: ChatRequest, tenant: str | No
     shape = shape_of(ctx, body, True, _options(ctx, body, prompt), calls)
     role = ctx.settings.response_role if body.add_generation_prompt else body.messages[-1].role
     shape = replace(shape, role=role, reasoning=reasoning)
-    return Generation([prompt], params, namespace_of(tenant, body.cache_salt), bool(body.stream)), shape
+    return requests_of([prompt], params, namespace_of(tenant, body.cache_salt)), shape
 
 
 def _check_auto_tool_choice(ctx: ServeContext, calls: ToolCalls | None) -> None:

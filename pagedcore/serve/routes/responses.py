@@ -74,7 +74,7 @@ async def create_response(request: Request, ctx: Context) -> Response:
         history = kept.conversation
     try:
         chat = await off_loop(_chat_request, body, history, ctx)
-        generation, shape = await chat_generation(ctx, chat, tenant)
+        requests, shape = await chat_generation(ctx, chat, tenant)
     except ApiError as exc:
         raise _renamed(exc) from exc
     response_id = f"resp_{body.request_id or uuid.uuid4().hex}"
@@ -88,7 +88,8 @@ async def create_response(request: Request, ctx: Context) -> Response:
             ctx.responses.put(tenant, response, [*conversation, assistant_turn(message)])
 
     decode = ctx.encoder.tokenizer.decode if ctx.encoder.tokenizer is not None else None
-    return await answer(ctx, request, generation, shape, ResponsesRenderer(frame, shape, decode, done))
+    renderer = ResponsesRenderer(frame, shape, decode, done)
+    return await answer(ctx, request, requests, shape, stream=bool(chat.stream), renderer=renderer)
 
 
 @router.get("/v1/responses/{response_id}", responses=_FOUND_ERRORS)

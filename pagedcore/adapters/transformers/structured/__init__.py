@@ -1,17 +1,6 @@
-"""Structured outputs: generation constrained by a JSON schema, a regex, a list of choices or a grammar.
-
-- :class:`StructuredOutput`: what a request asks for (plain Python, no grammar engine needed to build one).
-- :class:`GrammarCompiler`: spec -> grammar, parsed at once (bad input raises :class:`~pagedcore.errors.GrammarError`)
-  and compiled in a worker thread with a bounded time, cached by spec.
-- :class:`GrammarState`: one sample's position in its grammar, kept in step with its tokens (fork, rollback).
-- :class:`GrammarMasks`: one batched mask application per step, on the constrained rows only.
-- :class:`EngineGrammars` / :class:`RequestGrammar`: the Engine's side (its requests' grammars, those waiting).
-- :class:`StructuredLogitsProcessor`: the same constraint for plain ``model.generate(logits_processor=[...])``.
-
-The grammar engine is llguidance (``pip install 'pagedcore[structured]'``), chosen by measurement against
-xgrammar and outlines-core (docs/structured.md): valid outputs on every schema feature tested, a typical schema
-compiled in milliseconds (xgrammar ~9x and outlines-core ~270x slower there), JSON Schema keywords it does not
-implement refused with a message (``uniqueItems``), and Lark grammars that embed JSON schemas.
+"""Structured outputs for transformers: :class:`StructuredLogitsProcessor` constrains plain
+``model.generate(logits_processor=[...])``; everything else is :mod:`pagedcore.engine.structured`, re-exported here
+(its old home) with its old submodule paths.
 
 Example:
     >>> from pagedcore.adapters.transformers.structured import StructuredOutput
@@ -19,12 +8,28 @@ Example:
     'json_object'
 """
 
-from .compiler import CompiledGrammar, CompilerStats, GrammarCompiler
-from .masks import GrammarMasks
-from .matcher import GrammarState
+from pagedcore.engine.structured import (
+    KINDS,
+    CompiledGrammar,
+    CompilerStats,
+    EngineGrammars,
+    GrammarCompiler,
+    GrammarMasks,
+    GrammarState,
+    RequestGrammar,
+    StructuredOutput,
+)
+from pagedcore.lazy_names import keep_old_paths
+
 from .processor import StructuredLogitsProcessor
-from .requests import EngineGrammars, RequestGrammar
-from .spec import KINDS, StructuredOutput
+
+keep_old_paths(
+    __name__,
+    {
+        name: f"pagedcore.engine.structured.{name}"
+        for name in ("compiler", "masks", "matcher", "requests", "spec", "vocab")
+    },
+)
 
 __all__ = [
     "KINDS",

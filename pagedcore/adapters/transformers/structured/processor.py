@@ -16,10 +16,10 @@ from typing import Any
 import torch
 from transformers import LogitsProcessor
 
-from .compiler import GrammarCompiler
-from .masks import GrammarMasks
-from .matcher import GrammarState
-from .spec import StructuredOutput
+from pagedcore.engine.structured.compiler import GrammarCompiler
+from pagedcore.engine.structured.masks import GrammarMasks
+from pagedcore.engine.structured.matcher import GrammarState
+from pagedcore.engine.structured.spec import StructuredOutput
 
 __all__ = ["StructuredLogitsProcessor"]
 

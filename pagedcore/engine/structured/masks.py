@@ -33,7 +33,7 @@ class GrammarMasks:
 
     Example:
         >>> from pagedcore.adapters.transformers.builtin import builtin_tokenizer
-        >>> from pagedcore.adapters.transformers.structured import GrammarCompiler, GrammarState, StructuredOutput
+        >>> from pagedcore.engine.structured import GrammarCompiler, GrammarState, StructuredOutput
         >>> tok = builtin_tokenizer()
         >>> compiler = GrammarCompiler(tok, vocab_size=99)
         >>> state = GrammarState(compiler.compile(StructuredOutput.choice(["yes", "no"])))

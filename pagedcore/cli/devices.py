@@ -1,18 +1,24 @@
 """Turn ``--device`` and ``--dtype`` into a torch device and dtype that work here, or a one-line ``ConfigError``.
 
-Checked before anything is built, so that ``--device cuda`` on a machine without CUDA, or a dtype the device cannot
-compute in, fails at once with the reason instead of a traceback minutes into a run.
+A leaf module the commands share (``pagedcore generate``, ``pagedcore bench``): its functions import torch when they
+run, so the parsers that read :data:`DTYPES` stay light. Checked before anything is built, so that ``--device
+cuda`` on a machine without CUDA, or a dtype the device cannot compute in, fails at once with the reason instead of
+a traceback minutes into a run.
 """
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
 from pagedcore.errors import ConfigError
 
-from .options import DTYPES
+if TYPE_CHECKING:
+    import torch
 
-__all__ = ["describe_device", "resolve_device", "resolve_dtype"]
+__all__ = ["DTYPES", "describe_device", "resolve_device", "resolve_dtype"]
+
+DTYPES = ("float32", "float16", "bfloat16")
+"""What ``--dtype`` takes."""
 
 
 def resolve_device(name: str) -> torch.device:
@@ -31,6 +37,8 @@ def resolve_device(name: str) -> torch.device:
         ...
         pagedcore.errors.ConfigError: device 'gpu0' is not a torch device (e.g. cpu, cuda, cuda:1)
     """
+    import torch
+
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -58,6 +66,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
         ConfigError: not one of those dtypes, or the device cannot compute in it.
 
     Example:
+        >>> import torch
         >>> resolve_dtype("float32", torch.device("cpu"))
         torch.float32
         >>> resolve_dtype("int8", torch.device("cpu"))
@@ -65,6 +74,8 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
         ...
         pagedcore.errors.ConfigError: dtype 'int8' is not one of float32, float16, bfloat16
     """
+    import torch
+
     if name not in DTYPES:
         raise ConfigError(f"dtype {name!r} is not one of {', '.join(DTYPES)}")
     dtype: torch.dtype = getattr(torch, name)
@@ -85,9 +96,12 @@ def describe_device(device: torch.device) -> str:
     """One line: the device, and for a GPU its name, memory and CUDA version.
 
     Example:
+        >>> import torch
         >>> describe_device(torch.device("cpu"))
         'cpu'
     """
+    import torch
+
     if device.type != "cuda":
         return str(device)
     props = torch.cuda.get_device_properties(device)

@@ -1,14 +1,18 @@
-"""EngineRequest: one request as the Engine tracks it, from the moment it was validated to its report.
+"""A request: what a caller asks (:class:`Request`), and the Engine's state of it from admission to its report
+(:class:`RequestState`).
 
-The request's tokens live in its :class:`~pagedcore.sequence.SequenceState` (and, once it forked, in its samples'
-sequences: ``sequence.forks``), its text in one :class:`~.stopping.SampleText` per sample; its
-:class:`~.outputs.RequestOutput` gets each sample's tokens and text when that sample finishes. Nothing is stored
-twice while it runs.
+A front end converts what it received once, at its edge (the server's request bodies, ``generate``'s arguments),
+into :class:`Request` objects; the Engine validates one in :meth:`~pagedcore.engine.engine.Engine.add_request` and
+tracks it as a :class:`RequestState` until it reports it. The request's tokens live in its
+:class:`~pagedcore.sequence.SequenceState` (and, once it forked, in its samples' sequences: ``sequence.forks``), its
+text in one :class:`~.stopping.SampleText` per sample; its :class:`~.outputs.RequestOutput` gets each sample's tokens
+and text when that sample finishes. Nothing is stored twice while it runs.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
@@ -19,11 +23,34 @@ from .sampling import SamplingParams
 from .stopping import SampleText
 from .structured.requests import RequestGrammar
 
-__all__ = ["EngineRequest"]
+__all__ = ["EngineRequest", "Request", "RequestState"]
+
+
+@dataclass(frozen=True)
+class Request:
+    """One request as a caller hands it to the Engine (or to a loop that runs one).
+
+    Args:
+        prompt: token ids, or a text the Engine's tokenizer encodes (a 1-D tensor of ids too).
+        params: its sampling parameters (stop strings, structured output and log-probabilities included).
+        request_id: its id (None: the Engine picks one); no ``#``, which marks a parallel sample's sequence.
+        namespace: its prefix-cache namespace (the tenant): it shares cached blocks only within it.
+        priority: with the ``"priority"`` scheduling policy, lower values are admitted first.
+
+    Example:
+        >>> Request([5, 6, 7], SamplingParams(max_new_tokens=4), namespace="tenant-a").params.max_new_tokens
+        4
+    """
+
+    prompt: str | Sequence[int] | torch.Tensor
+    params: SamplingParams = field(default_factory=SamplingParams)
+    request_id: str | None = None
+    namespace: Hashable = None
+    priority: int = 0
 
 
 @dataclass(eq=False)
-class EngineRequest:
+class RequestState:
     """A validated request: what the scheduler computes for it, each sample's text, its output, who reports it.
 
     Attributes:
@@ -39,11 +66,11 @@ class EngineRequest:
         grammar: its structured output's grammar and each sample's state in it, or None.
 
     Example:
-        >>> from pagedcore.adapters.transformers import RequestMetrics, SampleOutput
-        >>> from pagedcore.adapters.transformers.stopping import StopStrings
+        >>> from pagedcore.engine.outputs import RequestMetrics, SampleOutput
+        >>> from pagedcore.engine.stopping import StopStrings
         >>> out = RequestOutput("r", [5], [SampleOutput(0)], RequestMetrics(0.0))
         >>> texts = [SampleText(None, StopStrings())]
-        >>> request = EngineRequest("r", SamplingParams(), SequenceState("r", [5], 4), out, texts, [])
+        >>> request = RequestState("r", SamplingParams(), SequenceState("r", [5], 4), out, texts, [])
         >>> request.is_done, request.sample_sequence(0) is request.sequence
         (False, True)
     """
@@ -73,3 +100,6 @@ class EngineRequest:
     def sequences(self) -> list[SequenceState]:
         """Every sequence of the request so far (sample 0's, then its forks)."""
         return [] if self.sequence is None else [self.sequence, *self.sequence.forks]
+
+
+EngineRequest = RequestState  # its old name

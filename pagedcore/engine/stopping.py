@@ -82,7 +82,8 @@ def stop_strings(strings: Sequence[str], include: bool, tokenizer: Any, added: M
     if tokenizer is None:
         raise InvalidRequestError(
             f"stop strings {list(strings)!r} are matched in the text, so they need a tokenizer: "
-            "Engine(model, tokenizer=...) (transformers' generate needs one for stop_strings too)"
+            "Engine(model, tokenizer=...) (transformers' generate needs one for stop_strings too)",
+            param="stop_strings",
         )
     by_id: dict[int, str] = {}
     for s in strings:

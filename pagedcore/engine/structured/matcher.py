@@ -27,7 +27,7 @@ class GrammarState:
 
     Example:
         >>> from pagedcore.adapters.transformers.builtin import builtin_tokenizer
-        >>> from pagedcore.adapters.transformers.structured import GrammarCompiler, StructuredOutput
+        >>> from pagedcore.engine.structured import GrammarCompiler, StructuredOutput
         >>> tok = builtin_tokenizer()
         >>> compiler = GrammarCompiler(tok, vocab_size=99)
         >>> state = GrammarState(compiler.compile(StructuredOutput.choice(["yes", "no"])))

@@ -30,8 +30,8 @@ Log-probabilities (``logprobs``) are taken before step 1, from the model's logit
 
 Example:
     >>> import torch
-    >>> from pagedcore.adapters.transformers import SamplingParams
-    >>> from pagedcore.adapters.transformers.sampling import SampleRow
+    >>> from pagedcore.engine.sampling import SamplingParams
+    >>> from pagedcore.engine.sampling import SampleRow
     >>> rows = [SampleRow("a", SamplingParams(logit_bias={1: 2.0}), [torch.Generator()])]
     >>> process_rows(torch.tensor([[1.0, 0.5, 0.0]]), rows).tolist()
     [[1.0, 2.5, 0.0]]
@@ -43,15 +43,51 @@ import math
 from array import array
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from pagedcore.errors import InvalidRequestError
+from pagedcore.sequence import SequenceState
 from pagedcore.validation import integer
 
-if TYPE_CHECKING:
-    from .sampling import SampleRow, SamplingParams
+
+class RowParams(Protocol):
+    """What the processors read of a row's parameters (:class:`~.sampling.SamplingParams` has them all)."""
+
+    @property
+    def temperature(self) -> float: ...
+    @property
+    def top_k(self) -> int: ...
+    @property
+    def top_p(self) -> float: ...
+    @property
+    def min_p(self) -> float: ...
+    @property
+    def presence_penalty(self) -> float: ...
+    @property
+    def frequency_penalty(self) -> float: ...
+    @property
+    def repetition_penalty(self) -> float: ...
+    @property
+    def allowed_token_ids(self) -> Sequence[int] | None: ...
+    @property
+    def needs_processing(self) -> bool: ...
+    @property
+    def bias_items(self) -> tuple[tuple[int, float], ...]: ...
+
+
+class Row(Protocol):
+    """What the processors read of a row (:class:`~.sampling.SampleRow` is one): its parameters, the tokens it may
+    not draw yet, its sequence (the penalties read its tokens)."""
+
+    @property
+    def params(self) -> RowParams: ...
+    @property
+    def suppress(self) -> tuple[int, ...]: ...
+    @property
+    def sequence(self) -> SequenceState | None: ...
+
 
 __all__ = [
     "MAX_LOGIT_BIAS",
@@ -70,7 +106,9 @@ MAX_LOGIT_BIAS = 100.0
 
 
 # ----------------------------------------------------------------------------------------------- what is accepted
-def number(name: str, value: object, low: float, high: float, *, low_open: bool = False) -> float:
+def number(
+    name: str, value: object, low: float, high: float, *, low_open: bool = False, param: str | None = None
+) -> float:
     """``value`` as a finite ``float`` in ``[low, high]`` (``(low, high]`` with ``low_open``); refuses bools,
     strings, NaN and infinities with an :class:`~pagedcore.errors.InvalidRequestError` naming ``name``.
 
@@ -87,7 +125,7 @@ def number(name: str, value: object, low: float, high: float, *, low_open: bool 
     if ok:
         ok = (low < value if low_open else low <= value) and value <= high  # type: ignore[operator]
     if not ok:
-        raise InvalidRequestError(f"{name} must be a number in {interval}, got {value!r}")
+        raise InvalidRequestError(f"{name} must be a number in {interval}, got {value!r}", param=param or name)
     return float(value)  # type: ignore[arg-type]
 
 
@@ -111,11 +149,13 @@ def logit_bias_pairs(value: object) -> tuple[tuple[int, float], ...]:
     elif isinstance(value, (tuple, list)) and all(isinstance(p, tuple) and len(p) == 2 for p in value):
         items = list(value)
     else:
-        raise InvalidRequestError(f"logit_bias must map token ids to biases, got {value!r}")
+        raise InvalidRequestError(f"logit_bias must map token ids to biases, got {value!r}", param="logit_bias")
     pairs: dict[int, float] = {}
     for token, bias in items:
-        token_id = integer("logit_bias token ids", token, minimum=0, expected="token ids (integers >= 0)")
-        pairs[token_id] = number(f"logit_bias[{token_id}]", bias, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
+        token_id = integer(
+            "logit_bias token ids", token, minimum=0, expected="token ids (integers >= 0)", param="logit_bias"
+        )
+        pairs[token_id] = number(f"logit_bias[{token_id}]", bias, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS, param="logit_bias")
     return tuple(sorted(pairs.items()))
 
 
@@ -136,12 +176,12 @@ class RowProcessor:
     """
 
     name: str
-    applies: Callable[[SampleRow], bool]
-    apply: Callable[[torch.Tensor, Sequence[SampleRow]], torch.Tensor]
+    applies: Callable[[Row], bool]
+    apply: Callable[[torch.Tensor, Sequence[Row]], torch.Tensor]
 
 
 def process_rows(
-    logits: torch.Tensor, rows: Sequence[SampleRow], processors: Sequence[RowProcessor] | None = None
+    logits: torch.Tensor, rows: Sequence[Row], processors: Sequence[RowProcessor] | None = None
 ) -> torch.Tensor:
     """Each row's logits ``(len(rows), vocab)`` as its request's processors leave them, :data:`PROCESSORS` in order.
 
@@ -150,8 +190,8 @@ def process_rows(
     nothing are neither read nor written.
 
     Example:
-        >>> from pagedcore.adapters.transformers import SamplingParams
-        >>> from pagedcore.adapters.transformers.sampling import SampleRow
+        >>> from pagedcore.engine.sampling import SamplingParams
+        >>> from pagedcore.engine.sampling import SampleRow
         >>> rows = [SampleRow("a", SamplingParams(), [torch.Generator()], suppress=(0,)),
         ...         SampleRow("b", SamplingParams(), [torch.Generator()])]
         >>> process_rows(torch.tensor([[1.0, 0.5], [1.0, 0.5]]), rows).tolist()
@@ -182,17 +222,17 @@ def _flat(rows: Sequence[Any], ids_of: Callable[[Any], Sequence[int]]) -> tuple[
     return torch.frombuffer(where, dtype=torch.int64), torch.frombuffer(ids, dtype=torch.int64)
 
 
-def _wants_masks_or_bias(row: SampleRow) -> bool:
+def _wants_masks_or_bias(row: Row) -> bool:
     return bool(row.suppress or row.params.bias_items or row.params.allowed_token_ids)
 
 
-def apply_masks_and_bias(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
+def apply_masks_and_bias(logits: torch.Tensor, rows: Sequence[Row]) -> torch.Tensor:
     """``allowed_token_ids`` (the rest ``-inf``), the tokens a row may not draw yet (``suppress``: ``-inf``), then
     ``logit_bias`` added, on ``logits (len(rows), vocab)`` in place.
 
     Example:
-        >>> from pagedcore.adapters.transformers import SamplingParams
-        >>> from pagedcore.adapters.transformers.sampling import SampleRow
+        >>> from pagedcore.engine.sampling import SamplingParams
+        >>> from pagedcore.engine.sampling import SampleRow
         >>> row = SampleRow("a", SamplingParams(allowed_token_ids=[0, 2], logit_bias={2: 1.0}), [], suppress=(0,))
         >>> apply_masks_and_bias(torch.zeros(1, 3), [row]).tolist()
         [[-inf, -inf, 1.0]]
@@ -215,20 +255,20 @@ def apply_masks_and_bias(logits: torch.Tensor, rows: Sequence[SampleRow]) -> tor
     return logits
 
 
-def _wants_penalties(row: SampleRow) -> bool:
+def _wants_penalties(row: Row) -> bool:
     params = row.params
     return params.repetition_penalty != 1.0 or bool(params.presence_penalty or params.frequency_penalty)
 
 
-def apply_penalties(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Tensor:
+def apply_penalties(logits: torch.Tensor, rows: Sequence[Row]) -> torch.Tensor:
     """vLLM's penalties on ``logits (len(rows), vocab)``: ``repetition_penalty`` over every token of the sequence
     (prompt and generated: a positive logit is divided by it, any other multiplied), then ``frequency_penalty`` times
     each generated token's count and ``presence_penalty`` once per generated token present, subtracted.
 
     Example:
         >>> from pagedcore import SequenceState
-        >>> from pagedcore.adapters.transformers import SamplingParams
-        >>> from pagedcore.adapters.transformers.sampling import SampleRow
+        >>> from pagedcore.engine.sampling import SamplingParams
+        >>> from pagedcore.engine.sampling import SampleRow
         >>> seq = SequenceState("a", [0], max_new_tokens=4)
         >>> for token in (1, 1, 2):
         ...     _ = seq.append_token(token)
@@ -255,11 +295,11 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SampleRow]) -> torch.Te
     return logits
 
 
-def _all_tokens(row: SampleRow) -> Sequence[int]:
+def _all_tokens(row: Row) -> Sequence[int]:
     return row.sequence.token_ids if row.sequence is not None else ()
 
 
-def _output_tokens(row: SampleRow) -> Sequence[int]:
+def _output_tokens(row: Row) -> Sequence[int]:
     return row.sequence.output_token_ids if row.sequence is not None else ()
 
 
@@ -272,12 +312,12 @@ PROCESSORS: tuple[RowProcessor, ...] = (
 
 
 # ------------------------------------------------------------------------------------------------- the warpers
-def warp_rows(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+def warp_rows(logits: torch.Tensor, params: Sequence[RowParams]) -> torch.Tensor:
     """The probabilities random rows draw from: ``logits (len(params), vocab)`` (processed, float32) divided by each
     row's temperature, then min_p, top_k and top_p (each only on the rows that set it), then the softmax.
 
     Example:
-        >>> from pagedcore.adapters.transformers import SamplingParams
+        >>> from pagedcore.engine.sampling import SamplingParams
         >>> probs = warp_rows(torch.tensor([[2.0, 1.0, 0.0]]), [SamplingParams(temperature=1.0, top_k=2)])
         >>> [round(p, 4) for p in probs[0].tolist()]
         [0.7311, 0.2689, 0.0]
@@ -306,7 +346,7 @@ def _sub_batch(
     return scores
 
 
-def _min_p(scores: torch.Tensor, params: Sequence[SamplingParams], picked: list[int]) -> torch.Tensor:
+def _min_p(scores: torch.Tensor, params: Sequence[RowParams], picked: list[int]) -> torch.Tensor:
     """Drop tokens less likely than ``min_p`` times the most likely one (``MinPLogitsWarper``)."""
     probs = torch.softmax(scores, dim=-1)
     min_p = torch.tensor([[params[i].min_p] for i in picked], dtype=scores.dtype, device=scores.device)

@@ -27,13 +27,14 @@ def check_token_tensor(
     name: str = "token ids",
     dtypes: tuple[torch.dtype, ...] | None = None,
     hint: str = "",
+    param: str | None = None,
 ) -> None:
     """Raise :class:`~pagedcore.errors.InvalidRequestError` unless ``value`` holds token ids: an integer dtype (one
     of ``dtypes`` when given), at least one id, every id in ``[0, vocab_size)``.
 
     The dtype is checked before any value is read (a float tensor is refused as such, never truncated); the range
     with tensor operations, the ids outside it named by :func:`pagedcore.validation.token_ids`, whose rules these
-    are. ``hint`` is appended to the dtype error.
+    are. ``hint`` is appended to the dtype error; ``param`` is the errors' ``param`` (e.g. ``"prompt"``).
 
     Example:
         >>> check_token_tensor(torch.tensor([[5, 6], [7, 8]]), vocab_size=10)
@@ -47,22 +48,27 @@ def check_token_tensor(
         pagedcore.errors.InvalidRequestError: token ids must be integers (torch.int64 or torch.int32), got a ...
     """
     if value.numel() == 0:
-        token_ids([], name=name)  # raises: the prompt is empty (whatever the dtype of no values)
+        token_ids([], name=name, param=param)  # raises: the prompt is empty (whatever the dtype of no values)
     refused = value.is_floating_point() or value.is_complex() or value.dtype == torch.bool
     if refused or (dtypes is not None and value.dtype not in dtypes):
         shown = [round(v, 4) if isinstance(v, float) else v for v in value.flatten()[:5].tolist()]
         allowed = "" if dtypes is None else f" ({' or '.join(str(d) for d in dtypes)})"
-        raise InvalidRequestError(f"{name} must be integers{allowed}, got a {value.dtype} tensor {shown}{hint}")
+        raise InvalidRequestError(
+            f"{name} must be integers{allowed}, got a {value.dtype} tensor {shown}{hint}", param=param
+        )
     outside = value < 0 if vocab_size is None else (value < 0) | (value >= vocab_size)
     if bool(outside.any()):
-        token_ids(value[outside].unique().tolist(), vocab_size=vocab_size, name=name)  # raises, naming them
+        token_ids(value[outside].unique().tolist(), vocab_size=vocab_size, name=name, param=param)  # raises
 
 
-def token_id_list(value: object, *, vocab_size: int | None = None, name: str = "token ids") -> list[int]:
+def token_id_list(
+    value: object, *, vocab_size: int | None = None, name: str = "token ids", param: str | None = "prompt"
+) -> list[int]:
     """One prompt's token ids: a sequence of integers, a 1-D (or ``1 x n``) integer tensor, or a numpy array.
 
     Raises :class:`~pagedcore.errors.InvalidRequestError` naming the values for anything else (floats, bools,
-    numeric strings, float or bool tensors) and for ids outside ``[0, vocab_size)``.
+    numeric strings, float or bool tensors) and for ids outside ``[0, vocab_size)``, with ``param`` (a prompt's,
+    by default).
 
     Example:
         >>> token_id_list(torch.tensor([[5, 6, 7]]), vocab_size=10)
@@ -73,13 +79,15 @@ def token_id_list(value: object, *, vocab_size: int | None = None, name: str = "
         pagedcore.errors.InvalidRequestError: token ids must be integers, got a torch.float32 tensor [5.9, 6.1]
     """
     if isinstance(value, torch.Tensor):
-        check_token_tensor(value, vocab_size=vocab_size, name=name)
+        check_token_tensor(value, vocab_size=vocab_size, name=name, param=param)
         if value.dim() == 2 and value.shape[0] == 1:
             value = value[0]
         if value.dim() != 1:
-            raise InvalidRequestError(f"{name}: expected a 1-D tensor (or 1 x n), got shape {tuple(value.shape)}")
+            raise InvalidRequestError(
+                f"{name}: expected a 1-D tensor (or 1 x n), got shape {tuple(value.shape)}", param=param
+            )
         value = value.tolist()
-    return token_ids(value, vocab_size=vocab_size, name=name)
+    return token_ids(value, vocab_size=vocab_size, name=name, param=param)
 
 
 def as_prompt_list(prompts: Any) -> list[Any]:

@@ -1,0 +1,795 @@
+"""Engine: continuous batching over a model, driven by pagedcore's scheduler and prefix trie through a model runner.
+
+Each :meth:`Engine.step` runs five stages: **schedule** (the :class:`~pagedcore.scheduler.Scheduler` says what to
+compute: decodes first, then chunks of prefills, within the token budget), **prepare** (:func:`.batch.plan_step`
+picks the rows to sample and the prompt positions to score; the runner's ``prepare`` packs every scheduled token of
+every sequence into its forward's inputs), **forward** (the runner runs the model once: its attention reads each
+sequence's keys and values from the pool through its block table), **sample** (:func:`.sampling.sample_rows` draws
+the next token of every sequence that completed its known tokens) and **record** (the tokens go back to the
+scheduler, which stops a sequence at a stop token or its length, and through each sample's
+:class:`~.stopping.SampleText`, which decodes them incrementally and stops a sample at a stop string in the same
+step; they become token events and, when a sample finishes, its output). New requests join between steps; finished
+ones release their blocks and leave their full blocks in the prefix cache for later requests.
+
+The model is the runner's (:class:`~.runner.ModelRunner`); the Engine knows only that protocol.
+
+Thread safety: ``add_request`` / ``abort`` / ``stats`` / ``has_unfinished`` may be called from any thread while
+another thread runs ``step`` or ``step_events``; they serialize on one lock that a step holds only while it
+schedules, prepares and records (not during the forward and sampling, which read only the step's own batch). That
+lock includes the pool's bookkeeping lock (``pool.lock``), which guards the pool's blocks for every holder, so an
+Engine and ``enable()``d ``generate`` calls (or caches) can share one pool from different threads. An
+abort during a forward finishes the request at once; its blocks go back when the forward ends (it is still
+writing into them) and the token sampled for it is dropped. Only one thread may step at a time.
+
+Reporting: every request is reported exactly once, by whoever is waiting for it. ``generate`` returns its own
+requests' outputs and ``stream`` yields its own requests' events; everything else (requests queued with
+``add_request``, and the requests of a ``generate``/``stream`` that was interrupted or closed early, which are
+aborted) is reported by the next ``step()`` / ``step_events()``, whatever other call ran the steps meanwhile.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Hashable, Iterable, Iterator, Sequence
+from typing import Any, TypeVar
+
+import torch
+
+from pagedcore.errors import ConcurrentUseError, ConfigError, InvalidRequestError, PagedCoreError, RequestNotFoundError
+from pagedcore.kv_tiers import TierStats
+from pagedcore.scheduler import Scheduler
+from pagedcore.sequence import FinishReason, SequenceState
+
+from .admission import Admission, GenerateArguments, Params, Spec
+from .batch import StepBatch, plan_step
+from .config import EngineConfig
+from .context import ContextWindow
+from .detokenizer import DecodeError
+from .inputs import as_prompt_list
+from .locks import Locks
+from .logprobs import prompt_logprobs
+from .outputs import EngineStats, RequestMetrics, RequestOutput, StepOutput, TokenEvent, TokenLogprobs
+from .request import Request, RequestState
+from .runner import ModelRunner
+from .sampling import StepSamples, sample_rows
+from .stats import EngineCounters
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Engine"]
+
+Prompt = str | Sequence[int] | torch.Tensor
+_Self = TypeVar("_Self", bound="Engine")
+_ENDED = (FinishReason.ABORT.value, FinishReason.ERROR.value)
+
+
+class Engine:
+    """Continuous batching of many requests over one model, through its runner.
+
+    Args:
+        runner: the model's runner (:class:`~.runner.ModelRunner`): it owns the model, the pool and the forward.
+        tokenizer: optional; lets prompts be strings and outputs carry text.
+        config: the Engine's settings (:class:`~.config.EngineConfig`: the scheduler's limits and policy,
+            ``max_logprobs``, ``max_model_len``, ``compile_timeout``); or give them as keyword arguments
+            (``max_num_seqs=8``, ``scheduling_policy="fcfs"``, ...), not both. The pool's settings, ``compile`` and
+            ``attention_backend`` belong to the runner, which was built with them.
+        arguments: a front end's own parameter words (:class:`~.admission.GenerateArguments`; the transformers
+            adapter's: ``model.generate``'s keyword arguments); without them, parameters are a
+            :class:`~.sampling.SamplingParams` or a dict of its fields.
+
+    Log-probabilities: ``logprobs=k`` gives each generated token's :class:`~.outputs.TokenLogprobs` (in
+    ``SampleOutput.logprobs`` and ``TokenEvent.logprobs``), ``prompt_logprobs=k`` each prompt token's (in
+    ``RequestOutput.prompt_logprobs``), from the model's logits before any processing (vLLM's ``raw_logprobs``).
+
+    Stopping and text are the Engine's: a sample stops at a stop token (eos by default), at its length, or at a stop
+    string (``stop_strings``, matched in its text across token boundaries; needs the tokenizer), in the step that
+    produced the token that ends it; its text is decoded incrementally (:mod:`.detokenizer`), so streamed text never
+    holds half a character and the pieces joined are the final text.
+
+    Structured outputs (``SamplingParams(structured=...)``, or ``generate(..., structured=...)`` /
+    ``response_format=...``; needs the tokenizer): a bad spec is refused at admission; the grammar compiles in a
+    worker while the request waits outside the scheduler (the other requests keep stepping); each step masks the
+    constrained rows in one batched operation and the unconstrained rows are not touched.
+
+    Example:
+        >>> from pagedcore.adapters.torch_reference import TorchLlama, TorchRunner
+        >>> from pagedcore.engine import SamplingParams
+        >>> model = TorchLlama.tiny()
+        >>> with Engine(TorchRunner(model, num_blocks=64, block_size=8)) as engine:
+        ...     outs = engine.generate([[1, 2, 3], [4, 5, 6, 7]], SamplingParams(max_new_tokens=4), use_tqdm=False)
+        >>> [len(o.token_ids) for o in outs]
+        [4, 4]
+    """
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        tokenizer: Any = None,
+        *,
+        config: EngineConfig | None = None,
+        arguments: GenerateArguments | None = None,
+        **settings: Any,
+    ) -> None:
+        config = EngineConfig.of(config, **settings)
+        runners = {"pool": not config.pool.is_default, "compile": config.compile != "auto"}
+        runners["attention_backend"] = config.attention_backend is not None
+        if any(runners.values()):  # the runner was built with its own: these would be ignored here
+            given = ", ".join(name for name, set_ in runners.items() if set_)
+            raise ConfigError(
+                f"{given}: the runner's settings (it builds the pool and runs the model), not the Engine's"
+            )
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.config = config
+        self.scheduler = Scheduler(runner.kv, config.scheduler, plugins=runner.plugins)
+        self.context = ContextWindow.served(runner.info.max_positions, config.max_model_len)
+        self._admission = Admission(
+            runner.info,
+            tokenizer,
+            self.scheduler,
+            self.context,
+            max_logprobs=config.max_logprobs,
+            compile_timeout=config.compile_timeout,
+            arguments=arguments,
+        )
+        self._init_state()
+        self._closed = False
+
+    def _init_state(self) -> None:
+        """The requests, events, locks and counters of a new Engine."""
+        self._requests: dict[str, RequestState] = {}  # queued or running: not every sample has finished
+        self._ready: list[tuple[object | None, RequestOutput]] = []  # (owner, output) finished, not yet reported
+        self._events: list[tuple[object | None, TokenEvent]] = []  # (owner, event) not yet reported
+        self._aborting: set[str] = set()  # aborted during a forward: their sequences are released after it
+        self._in_flight = False  # a step's forward is running on the batch it took
+        # The Engine's requests and the pool's blocks, in that order: the pool's lock guards its block state for every
+        # holder (enable()d calls and caches on the same pool), so the Engine takes it whenever it books blocks.
+        self._lock = Locks(threading.RLock(), self.runner.lock)
+        self._stepping = threading.Lock()
+        self._stepper: int | None = None  # the thread inside step()
+        self._ids = itertools.count()
+        self._counters = EngineCounters()
+
+    @property
+    def max_logprobs(self) -> int:
+        """The most log-probabilities a request may ask for (-1: no limit)."""
+        return self.config.max_logprobs
+
+    # ------------------------------------------------------------------ lifecycle
+    def close(self) -> None:
+        """Abort what is still running, drop what is not reported yet, and close the runner (it gives the model
+        back as it was and writes the cached prefixes to the tiers below the pool; always, even if aborting
+        fails). Waits for a step running in another thread."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True  # no new request or step from here on
+        waited = self._stepper != threading.get_ident() and self._stepping.acquire()
+        try:
+            with self._lock:
+                for request_id in list(self._requests):
+                    try:
+                        self.abort(request_id)
+                    except Exception:
+                        logger.exception("pagedcore: aborting request %r while closing the Engine failed", request_id)
+                self._requests.clear()
+                self._ready.clear()
+                self._events.clear()
+        finally:
+            if waited:
+                self._stepping.release()
+            grammars = self._admission.grammars
+            if grammars is not None:
+                grammars.close()
+            try:
+                self.runner.close()
+            except Exception:
+                logger.exception("pagedcore: closing the Engine's model runner failed")
+
+    def __enter__(self: _Self) -> _Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ low-level API
+    def add_request(
+        self,
+        prompt: Prompt | Request,
+        params: Params | None = None,
+        *,
+        request_id: str | None = None,
+        namespace: Hashable = None,
+        priority: int = 0,
+        **generate_kwargs: Any,
+    ) -> str:
+        """Queue a request; returns its id. Raises a typed error (and queues nothing) for bad input.
+
+        ``prompt`` may be a :class:`~.request.Request` (then nothing else is given), or a prompt with ``params``: a
+        :class:`SamplingParams` or a dict of its fields; or pass the front end's keyword arguments instead (see
+        :class:`Engine`). The request is reported by :meth:`step` / :meth:`step_events`.
+        ``priority`` (``scheduling_policy="priority"`` only): lower values are admitted first.
+        """
+        if isinstance(prompt, Request):
+            if params is not None or generate_kwargs or request_id is not None or namespace is not None or priority:
+                raise InvalidRequestError("a Request carries its own parameters, id, namespace and priority")
+            return self._submit(self._validate(prompt), owner=None).request_id
+        (spec,) = self._admission.specs(params, generate_kwargs, 1)
+        request = Request(prompt, request_id=request_id, namespace=namespace, priority=priority)
+        return self._submit(self._validate(request, spec), owner=None).request_id
+
+    def abort(self, request_id: str) -> RequestOutput:
+        """Stop a request (all its samples) and return its output; it is also reported by the next :meth:`step`.
+
+        Its blocks go back at once, or, when a step's forward is running in another thread, as soon as it ends
+        (the token sampled for it in that step is dropped).
+        """
+        with self._lock:
+            request = self._requests.get(request_id)
+            if request is None:
+                raise InvalidRequestError(f"no running request {request_id!r}")
+            if self._in_flight:
+                self._aborting.add(request_id)
+            else:
+                self._release(request_id)
+            for index in range(len(request.output.samples)):
+                self._finish_sample(request, index, FinishReason.ABORT.value)
+            return request.output
+
+    def has_unfinished(self) -> bool:
+        """Whether any request is queued or running, or finished and not yet reported by :meth:`step` (the requests
+        of a ``generate``/``stream`` call that is still waiting are reported by that call, not counted here)."""
+        with self._lock:
+            return bool(self._requests) or any(owner is None for owner, _ in self._ready)
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduling step and forward pass. Returns the requests that finished (and are not reported by a
+        ``generate``/``stream`` call)."""
+        finished, _ = self._step(None)
+        return finished
+
+    def step_events(self) -> StepOutput:
+        """:meth:`step`, also returning the step's token events (for callers that run their own loop and stream,
+        e.g. a server: one thread steps, and hands each event to the request it belongs to). Thread-safe with
+        :meth:`add_request` / :meth:`abort` from other threads, like :meth:`step`."""
+        finished, events = self._step(None)
+        return StepOutput(finished, events)
+
+    # ------------------------------------------------------------------ high-level API
+    def generate(
+        self,
+        prompts: Prompt | Iterable[Prompt],
+        params: Params | Sequence[Params] | None = None,
+        *,
+        use_tqdm: bool = True,
+        namespace: Hashable = None,
+        priority: int = 0,
+        **generate_kwargs: Any,
+    ) -> list[RequestOutput]:
+        """Generate for many prompts; returns one output per prompt, in order.
+
+        ``params``: one :class:`SamplingParams` (or dict of its fields) for all prompts, or one per prompt; or
+        ``model.generate``'s keyword arguments (see :class:`Engine`). A prompt with bad input or bad parameters
+        gets an output with ``error`` set (finish reason "error"); the others finish. Arguments that are wrong
+        whatever the prompt (e.g. ``num_beams=4``) raise :class:`~pagedcore.errors.InvalidRequestError`.
+        """
+        prompt_list = as_prompt_list(prompts)
+        specs = self._admission.specs(params, generate_kwargs, len(prompt_list))
+        outputs: list[RequestOutput | None] = [None] * len(prompt_list)
+        valid: list[tuple[int, RequestState]] = []
+        for i, (prompt, spec) in enumerate(zip(prompt_list, specs)):
+            try:
+                valid.append((i, self._validate(Request(prompt, namespace=namespace, priority=priority), spec)))
+            except PagedCoreError as exc:
+                outputs[i] = self._rejected(prompt, spec, exc)
+        owner = object()
+        mine: list[RequestState] = []
+        taken: list[RequestOutput] = []
+        progress = _progress(len(prompt_list), use_tqdm)
+        progress.update(len(prompt_list) - len(valid))
+        try:
+            for i, request in valid:
+                mine.append(self._submit(request, owner))
+                outputs[i] = request.output
+            while len(taken) < len(mine):
+                finished, _ = self._step(owner)
+                taken.extend(finished)
+                progress.update(len(finished))
+        except BaseException:  # e.g. KeyboardInterrupt: the next step() reports these requests
+            self._give_up(owner, mine, taken)
+            raise
+        finally:
+            progress.close()
+        return [o for o in outputs if o is not None]
+
+    def stream(
+        self,
+        prompts: Prompt | Iterable[Prompt],
+        params: Params | Sequence[Params] | None = None,
+        *,
+        namespace: Hashable = None,
+        priority: int = 0,
+        **generate_kwargs: Any,
+    ) -> Iterator[TokenEvent]:
+        """Yield every token of every request as it is produced (a sample's last event has ``finish_reason``).
+
+        Every prompt and parameter is checked here, before anything is queued: a bad one raises
+        :class:`~pagedcore.errors.InvalidRequestError` naming it. The requests are queued when iteration starts;
+        closing the iterator early aborts the unfinished ones (the next :meth:`step` reports them).
+        """
+        prompt_list = as_prompt_list(prompts)
+        specs = self._admission.specs(params, generate_kwargs, len(prompt_list))
+        new = []
+        for i, (prompt, spec) in enumerate(zip(prompt_list, specs)):
+            try:
+                new.append(self._validate(Request(prompt, namespace=namespace, priority=priority), spec))
+            except InvalidRequestError as exc:
+                if len(prompt_list) == 1:
+                    raise
+                raise InvalidRequestError(f"prompt {i}: {exc}") from exc
+        return self._stream(new)
+
+    def stats(self) -> EngineStats:
+        """Counters and gauges (see :class:`EngineStats`)."""
+        with self._lock:
+            sched, kv, runner, counters = self.scheduler.stats, self.runner.kv, self.runner.stats(), self._counters
+            counts = runner.compile
+            return EngineStats(
+                num_requests=counters.requests,
+                num_finished=counters.outcomes["finished"],
+                num_aborted=counters.outcomes["aborted"],
+                num_failed=counters.outcomes["failed"],
+                num_steps=sched.num_steps,
+                num_preemptions=sched.num_preemptions,
+                prefix_query_tokens=kv.num_query_tokens,
+                prefix_hit_tokens=kv.num_hit_tokens,
+                prompt_tokens_computed=sched.num_prompt_tokens_computed,
+                generated_tokens=counters.generated,
+                kv_usage=kv.usage,
+                kv_used_bytes=runner.used_bytes,
+                kv_peak_used_bytes=counters.peak_bytes,
+                busy_seconds=counters.busy,
+                kernel_failures=runner.kernel_failures,
+                **self._phase_fields(),
+                compiled_steps=counts.steps,
+                compiled_graphs=counts.graphs,
+                compiled_buckets=counts.buckets,
+                compile_failures=counts.failures,
+                **_store_fields(None if kv.tiers is None else kv.tiers.stats()),
+            )
+
+    def _phase_fields(self) -> dict[str, Any]:
+        return {f"{phase}_seconds": seconds for phase, seconds in self._counters.phases.items()}
+
+    def max_new_tokens(self, prompt_tokens: int) -> int | None:
+        """The most new tokens a request with a prompt of ``prompt_tokens`` tokens can be given: the least of what the
+        context leaves (:class:`~.context.ContextWindow`) and what the pool can ever hold for one sequence
+        (:meth:`Scheduler.max_new_tokens <pagedcore.scheduler.Scheduler.max_new_tokens>`, exact); 0: not even one,
+        None: no bound. A query, safe from any thread (tests/test_capacity.py has examples)."""
+        rooms = [
+            r for r in (self.context.room(prompt_tokens), self.scheduler.max_new_tokens(prompt_tokens)) if r is not None
+        ]
+        return min(rooms) if rooms else None
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix of the pool now (vLLM's name; the runner's ``reset_prefix_cache``).
+        Weight updates the fingerprint sees need no call: each step checks it. Running requests finish on the keys
+        and values they computed; none of their blocks is cached afterwards. Returns the cached blocks forgotten.
+        Thread-safe with a stepping thread.
+
+        Example:
+            >>> from pagedcore.adapters.torch_reference import TorchLlama, TorchRunner
+            >>> with Engine(TorchRunner(TorchLlama.tiny(), num_blocks=32, block_size=4)) as engine:
+            ...     _ = engine.generate([list(range(1, 11))], {"max_new_tokens": 2}, use_tqdm=False)
+            ...     engine.reset_prefix_cache(), engine.runner.kv.num_cached_blocks   # 2 full blocks, 1 partly filled
+            (3, 0)
+        """
+        with self._lock:
+            return self.runner.reset_prefix_cache()
+
+    def stage_seconds(self) -> dict[str, float]:
+        """The ``*_seconds`` stage fields of :meth:`stats` by stage name, cheap enough to read around every step."""
+        with self._lock:
+            return dict(self._counters.phases)
+
+    # ------------------------------------------------------------------ the step
+    def _step(self, owner: object | None) -> tuple[list[RequestOutput], list[TokenEvent]]:
+        """schedule -> forward -> sample -> record; returns the reports that belong to ``owner`` (None: the requests
+        no ``generate``/``stream`` call reports)."""
+        with self._stepping_now():
+            batch = self._schedule()
+            if batch is not None:
+                samples = self._sample(batch, self._forward(batch))
+                self._record(batch, samples)
+            elif (grammars := self._admission.grammars) is not None and grammars.num_held:
+                grammars.wait(0.01)  # nothing to compute but grammars compiling: wait a little, not spin
+            with self._lock:
+                return self._take(owner)
+
+    @contextlib.contextmanager
+    def _stepping_now(self) -> Iterator[None]:
+        """One stepping thread at a time; the step's time counts as busy."""
+        if not self._stepping.acquire(blocking=False):
+            raise ConcurrentUseError("Engine.step is already running in another thread; run one loop per engine")
+        self._stepper = threading.get_ident()
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._counters.busy += time.perf_counter() - started
+            self._stepper = None
+            self._stepping.release()
+
+    def _schedule(self) -> StepBatch | None:
+        """schedule (and prepare: plan the step's rows, the runner packs its inputs), under the lock; None when
+        nothing is to be computed. From here until the batch's forward ends, aborts leave its blocks alone."""
+        timed = self._counters.timed
+        with self._lock:
+            self._check_open()
+            with timed("schedule"):
+                self.runner.check_weights()  # after a weight update: forget the old prefixes before admitting
+                self._admit_compiled()
+                plan = self.scheduler.schedule()
+            with timed("prepare"):
+                self._counters.peak_bytes = max(self._counters.peak_bytes, self.runner.used_bytes())
+                if plan.is_empty:
+                    return None
+                batch = plan_step(plan, self._requests)
+                batch.prepared = self.runner.prepare(batch.forward)
+                self._in_flight = True
+                return batch
+
+    def _forward(self, batch: StepBatch) -> torch.Tensor | str:
+        """forward, without the lock (it reads only the batch): the logits, or why the forward failed (which fails
+        the step's requests, not the engine)."""
+        try:
+            with self._counters.timed("forward"):
+                return self.runner.execute(batch.prepared)
+        except Exception as exc:
+            logger.exception("pagedcore: the model forward failed; failing this step's requests")
+            return f"{type(exc).__name__}: {exc}"
+        finally:
+            with self._lock:
+                self._in_flight = False
+                for request_id in self._aborting:  # aborted during the forward: their blocks can go back now
+                    self._release(request_id)
+                self._aborting.clear()
+
+    def _sample(self, batch: StepBatch, logits: torch.Tensor | str) -> StepSamples:
+        """sample, without the lock: the tokens of every row (a failed forward fails every scheduled sequence)."""
+        if isinstance(logits, str):
+            return StepSamples(failed=dict.fromkeys((item.request_id for item in batch.plan.scheduled), logits))
+        with self._counters.timed("sample"):
+            rows = len(batch.rows)
+            grammars = self._admission.grammars
+            masks = grammars.masks if grammars is not None else None
+            samples = sample_rows(logits[:rows] if batch.prompt_spans else logits, batch.rows, masks)
+            if batch.prompt_spans:
+                self._score_prompts(batch, logits[rows:], samples)
+            return samples
+
+    def _score_prompts(self, batch: StepBatch, logits: torch.Tensor, samples: StepSamples) -> None:
+        """The prompt log-probabilities of the step's prompt positions (``logits``: theirs, in span order)."""
+        vocab = logits.shape[-1]
+        targets = [token for span in batch.prompt_spans for token in span.targets]
+        ks = [vocab if span.k == -1 else min(span.k, vocab) for span in batch.prompt_spans for _ in span.targets]
+        entries = prompt_logprobs(logits, targets, ks)
+        start = 0
+        for span in batch.prompt_spans:
+            samples.prompt_logprobs[span.request_id] = (span.first, entries[start : start + len(span.targets)])
+            start += len(span.targets)
+
+    def _record(self, batch: StepBatch, samples: StepSamples) -> None:
+        """record, under the lock: the scheduler takes the tokens (stop tokens and lengths finish sequences there),
+        then each sample's text takes them (stop strings finish samples here), giving events and outputs.
+
+        Sequences aborted or failed since the step was planned are skipped: their tokens are dropped.
+        """
+        with self._lock, self._counters.timed("record"):
+            for seq in self.scheduler.fail(list(samples.failed)):
+                request = batch.owners[seq.request_id]
+                request.output.error = request.output.error or samples.failed[seq.request_id]
+                indices = range(seq.num_samples) if seq.needs_fork else [seq.sample_index]
+                for index in indices:
+                    self._finish_sample(request, index, FinishReason.ERROR.value)
+            self.scheduler.update(batch.plan, samples.tokens)
+            if samples.prompt_logprobs:
+                self._record_prompts(samples)
+            now = time.perf_counter()
+            for row in batch.rows:
+                tokens = samples.tokens.get(row.request_id)
+                request = batch.owners[row.request_id]
+                if tokens and row.sequence is not None and not request.is_done:
+                    self._record_row(request, row.sequence, tokens, samples, now)
+
+    def _record_prompts(self, samples: StepSamples) -> None:
+        """Each request's new prompt log-probabilities (positions recomputed after a preemption are not added twice)."""
+        for request_id, (first, entries) in samples.prompt_logprobs.items():
+            request = self._requests.get(request_id)
+            scored = request.output.prompt_logprobs if request is not None and not request.is_done else None
+            if scored is not None and first <= len(scored) < first + len(entries):
+                scored.extend(entries[len(scored) - first :])
+
+    def _record_row(
+        self, request: RequestState, seq: SequenceState, tokens: list[int], samples: StepSamples, now: float
+    ) -> None:
+        """One sampled row's tokens: one token, or one per sample at the step that forked the request."""
+        metrics = request.output.metrics
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
+        metrics.num_cached_tokens = seq.num_cached_tokens
+        metrics.num_preemptions = seq.num_preemptions
+        family = [seq, *seq.forks] if len(tokens) > 1 else [seq]
+        logits, logprobs = samples.logits.get(seq.request_id), samples.logprobs.get(seq.request_id)
+        for k, (member, token) in enumerate(zip(family, tokens)):
+            index = member.sample_index
+            if not request.params.max_new_tokens:  # prompt_logprobs alone: the prompt was scored, the token is not
+                self._events.append((request.owner, self._scored_event(request, index)))
+                self._finish_sample(request, index, FinishReason.LENGTH.value, event=False)
+                continue
+            sample = request.output.samples[index]
+            if logits is not None:
+                if sample.logits is None:
+                    sample.logits = []
+                sample.logits.append(logits)
+            lp = logprobs[k] if logprobs is not None else None
+            if lp is not None and sample.logprobs is not None:
+                sample.logprobs.append(lp)
+            self._counters.generated += 1
+            if request.grammar is not None and not request.grammar.accept(index, token):
+                self._events.append((request.owner, TokenEvent(request.request_id, index, token)))
+                self._fail(request, f"GrammarError: token {token} is not allowed by {request.grammar.spec.describe()}")
+                return
+            try:
+                event = self._text_event(request, member, token, lp)
+            except DecodeError as exc:
+                self._events.append((request.owner, TokenEvent(request.request_id, index, token, logprobs=lp)))
+                self._fail(request, str(exc))
+                return
+            self._events.append((request.owner, event))
+            if event.finish_reason is not None:
+                self._finish_sample(request, index, event.finish_reason, event.stop_reason, event=False)
+
+    def _scored_event(self, request: RequestState, index: int) -> TokenEvent:
+        """The one event of a sample of a ``max_new_tokens=0`` request (it only scores its prompt): its finish,
+        with the prompt log-probabilities."""
+        return TokenEvent(request.request_id, index, None, "", "length", prompt_logprobs=request.output.prompt_logprobs)
+
+    def _text_event(
+        self, request: RequestState, seq: SequenceState, token: int, logprobs: TokenLogprobs | None = None
+    ) -> TokenEvent:
+        """The event of one sample's new token: its text, its log-probabilities, and whether and why the sample
+        finished with it (a stop string finishes the sequence here, in the step that completed it). A sample's
+        first event carries the request's prompt log-probabilities (with ``prompt_logprobs``)."""
+        index = seq.sample_index
+        text = request.texts[index]
+        text.add(token, seq.num_output_tokens)
+        reason: str | None = None
+        stop_reason: str | int | None = None
+        if seq.finish_reason is FinishReason.STOP:  # a stop token (SequenceState.append_token)
+            string = text.stop_by_id(token)
+            reason, stop_reason = FinishReason.STOP.value, token if string is None else string
+        elif text.stop_reason is not None:  # a stop string in the text
+            self.scheduler.finish([seq.request_id], FinishReason.STOP)
+            reason, stop_reason = FinishReason.STOP.value, text.stop_reason
+        elif seq.finish_reason is FinishReason.LENGTH:
+            reason = FinishReason.LENGTH.value
+        if reason is not None:
+            text.finish()
+        prompt = request.output.prompt_logprobs if seq.num_output_tokens == 1 else None
+        return TokenEvent(request.request_id, index, token, text.take(), reason, stop_reason, logprobs, prompt)
+
+    # ------------------------------------------------------------------ requests: validate -> submit -> finish
+    def _validate(self, request: Request, spec: Spec | None = None) -> RequestState:
+        """Everything about one request that can be refused, checked before anything is queued."""
+        return self._admission.validate(request, spec, fresh_id=self._fresh_id)
+
+    def _admit_compiled(self) -> None:
+        """Schedule the held requests whose grammar is built; fail those whose grammar failed or timed out."""
+        grammars = self._admission.grammars
+        if grammars is None or not grammars.num_held:
+            return
+        for request, error in grammars.take_ready():
+            if request.is_done:  # aborted while its grammar compiled
+                continue
+            if error is None:
+                try:
+                    self.scheduler.add(request.sequence)
+                except PagedCoreError as exc:  # e.g. the pool was rebuilt smaller while the grammar compiled
+                    self._fail(request, f"{type(exc).__name__}: {exc}")
+            else:
+                self._fail(request, f"GrammarError: {error}")
+
+    def _submit(self, request: RequestState, owner: object | None) -> RequestState:
+        with self._lock:
+            self._check_open()
+            rid = request.request_id
+            if rid in self._requests:
+                raise InvalidRequestError(f"request id {rid!r} is already in use", param="request_id")
+            request.owner = owner
+            request.output.metrics.arrival_time = time.perf_counter()
+            if request.sequence is not None:
+                grammars = self._admission.grammars
+                if request.grammar is not None and grammars is not None:
+                    grammars.hold(request.grammar, request)  # scheduled once its grammar is built
+                else:
+                    self.scheduler.add(request.sequence)
+                self._requests[rid] = request
+            self._counters.requests += 1
+            if request.sequence is None:  # max_new_tokens=0: done at once
+                for index in range(request.params.n):
+                    self._finish_sample(request, index, FinishReason.LENGTH.value)
+            return request
+
+    def _finish_sample(
+        self,
+        request: RequestState,
+        index: int,
+        reason: str,
+        stop_reason: str | int | None = None,
+        *,
+        event: bool = True,
+    ) -> None:
+        """Finish one sample: its tokens and final text go into its output; the request is reported once its last
+        sample finishes. Without ``event``, the caller has emitted the sample's last event.
+
+        A tokenizer that fails here fails the request (unless it was being aborted or failed already)."""
+        sample = request.output.samples[index]
+        if sample.finish_reason is not None:
+            return
+        escalate = piece = None
+        text = request.texts[index]
+        try:
+            text.finish()
+            piece = text.take()
+            sample.text = text.text
+        except DecodeError as exc:
+            sample.text = None
+            if reason not in _ENDED:  # a sample that was ending anyway keeps its reason
+                reason = FinishReason.ERROR.value
+                escalate = str(exc)
+                request.output.error = request.output.error or escalate
+        seq = request.sample_sequence(index)
+        sample.token_ids = seq.output_token_ids if seq is not None and request.params.max_new_tokens else []
+        sample.finish_reason, sample.stop_reason = reason, stop_reason
+        if event:
+            self._events.append((request.owner, TokenEvent(request.request_id, index, None, piece, reason)))
+        request.done += 1
+        if request.is_done:
+            request.output.metrics.finish_time = time.perf_counter()
+            self._requests.pop(request.request_id, None)
+            self._ready.append((request.owner, request.output))
+            outcome = "failed" if request.output.error else "aborted" if reason == FinishReason.ABORT.value else ""
+            self._counters.count(outcome or "finished")
+        elif escalate is not None:
+            self._fail(request, escalate)
+
+    def _fail(self, request: RequestState, message: str) -> None:
+        """Fail every unfinished sample of a request (e.g. its tokenizer raised); its blocks go back."""
+        if request.is_done:
+            return
+        if request.output.error is None:
+            request.output.error = message
+        self.scheduler.fail([seq.request_id for seq in request.sequences()])
+        for index in range(len(request.output.samples)):
+            self._finish_sample(request, index, FinishReason.ERROR.value)
+
+    def _release(self, request_id: str) -> None:
+        """Give an aborted request's sequences and blocks back to the scheduler."""
+        try:
+            self.scheduler.abort(request_id)
+        except RequestNotFoundError:
+            pass  # every sample had already finished in the scheduler
+
+    def _take(self, owner: object | None) -> tuple[list[RequestOutput], list[TokenEvent]]:
+        """Remove and return the finished outputs and events that ``owner`` reports (under the lock)."""
+        finished = [out for who, out in self._ready if who is owner]
+        events = [event for who, event in self._events if who is owner]
+        self._ready = [(who, out) for who, out in self._ready if who is not owner]
+        self._events = [(who, event) for who, event in self._events if who is not owner]
+        return finished, events
+
+    def _give_up(self, owner: object, mine: list[RequestState], unreported: Iterable[RequestOutput]) -> None:
+        """A generate/stream call stops early: its requests are aborted and reported by the next ``step()``."""
+        with self._lock:
+            if self._closed:
+                return
+            for request in mine:
+                request.owner = None
+            self._ready = [(None if who is owner else who, out) for who, out in self._ready]
+            self._ready.extend((None, out) for out in unreported)
+            self._events = [(who, event) for who, event in self._events if who is not owner]
+            for request in mine:
+                if not request.is_done:
+                    self.abort(request.request_id)
+
+    def _stream(self, new: list[RequestState]) -> Iterator[TokenEvent]:
+        owner: object = object()
+        mine: list[RequestState] = []
+        unreported: dict[str, RequestOutput] = {}  # finished, but their last events are not yielded yet
+        finals: dict[str, int] = {}
+        try:
+            for request in new:
+                mine.append(self._submit(request, owner))
+            while True:
+                done = all(request.is_done for request in mine)
+                if done:  # e.g. a generate() call ran them to the end: only their reports are left
+                    with self._lock:
+                        finished, events = self._take(owner)
+                else:
+                    finished, events = self._step(owner)
+                unreported.update((out.request_id, out) for out in finished)
+                for event in events:
+                    if event.finish_reason is not None:
+                        finals[event.request_id] = finals.get(event.request_id, 0) + 1
+                        if finals[event.request_id] == len(unreported.get(event.request_id, _NO_OUTPUT).samples):
+                            unreported.pop(event.request_id)  # its consumer receives its last event now
+                    yield event
+                if done:
+                    return
+        finally:
+            self._give_up(owner, mine, unreported.values())
+
+    # ------------------------------------------------------------------ helpers
+    def _fresh_id(self) -> str:
+        while True:
+            rid = f"req-{next(self._ids)}"
+            if rid not in self._requests and rid not in self._aborting:
+                return rid
+
+    def _rejected(self, prompt: Any, spec: Spec, exc: PagedCoreError) -> RequestOutput:
+        """The output of a request refused by ``generate`` (counted as a failed request)."""
+        with self._lock:
+            self._counters.requests += 1
+            self._counters.count("failed")
+            rid = f"rejected-{next(self._ids)}"
+        return self._admission.rejected(prompt, spec, exc, rid)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ConfigError("this Engine was closed")
+
+
+_NO_OUTPUT = RequestOutput("", [], [], RequestMetrics(0.0))
+
+
+def _store_fields(tiers: TierStats | None) -> dict[str, Any]:
+    """The :class:`EngineStats` fields of the tiers below the pool (none without them)."""
+    if tiers is None:
+        return {}
+    return {
+        "kv_store_loaded_blocks": tiers.blocks_loaded,
+        "kv_store_loaded_tokens": tiers.tokens_loaded,
+        "kv_store_written_blocks": tiers.blocks_written,
+        "kv_store_load_seconds": tiers.load_seconds,
+        "kv_store_write_seconds": tiers.write_seconds,
+        "kv_store_writes_skipped": tiers.writes_skipped,
+        "kv_store_write_failures": tiers.write_failures,
+        "kv_store_refused": {
+            "checksum": tiers.refused_checksum,
+            "fingerprint": tiers.refused_fingerprint,
+            "foreign": tiers.refused_foreign,
+        },
+        "kv_store_hits": {name: s["hits"] for name, s in tiers.stores.items()},
+        "kv_store_bytes": {name: s["bytes"] for name, s in tiers.stores.items()},
+    }
+
+
+class _NoProgress:
+    def update(self, n: int = 1) -> None:
+        """Nothing to show."""
+
+    def close(self) -> None:
+        """Nothing to close."""
+
+
+def _progress(total: int, enabled: bool) -> Any:
+    if not enabled:
+        return _NoProgress()
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="pagedcore", unit="req", dynamic_ncols=True)
