@@ -256,12 +256,8 @@ class PagedKVPool:
         block_size = (
             default_block_size(getattr(model, "device", "cpu")) if config.block_size is None else config.block_size
         )
-        if dtype is None:
-            dtype = getattr(model, "dtype", None) or getattr(text_config(model), "dtype", None) or torch.float32
-            if isinstance(dtype, str):
-                dtype = getattr(torch, dtype)
-        self._dtype: torch.dtype = dtype
-        num_blocks = _block_count(config, block_size, self.spec.bytes_per_block(block_size, dtype))
+        self._dtype: torch.dtype = _model_dtype(model) if dtype is None else dtype
+        num_blocks = _block_count(config, block_size, self.spec.bytes_per_block(block_size, self._dtype))
         self.plugins = plugins if plugins is not None else default_plugin_manager()
         policy_name = config.eviction_policy
         self.plugins.eviction_policy(policy_name, num_blocks)  # fail now on an unknown policy name
@@ -777,3 +773,9 @@ def _layer_tensor(shape: tuple[int, int], heads_dim: Any, like: torch.Tensor, he
     if heads_first:
         return torch.zeros(heads, *shape, dim, dtype=like.dtype, device=like.device).permute(1, 2, 0, 3)
     return torch.zeros(*shape, heads, dim, dtype=like.dtype, device=like.device)
+
+
+def _model_dtype(model: Any) -> torch.dtype:
+    """The dtype a pool for ``model`` stores keys and values in: the model's (or its config's), else fp32."""
+    dtype = getattr(model, "dtype", None) or getattr(text_config(model), "dtype", None) or torch.float32
+    return getattr(torch, dtype) if isinstance(dtype, str) else dtype
