@@ -148,7 +148,7 @@ def test_inductor_with_graph_breaks_in_paged_attention():
 
 def test_what_a_layer_stores_under_inductor_is_computed_on_the_host():
     """torch 2.13's inductor loses a symbol when a graph returns an int it computed from one a guard equated with
-    another (README Limits: ``lengths[0] = lengths[0] + a`` after ``a == b``). A layer's bookkeeping compares its
+    another (docs/limits.md: ``lengths[0] = lengths[0] + a`` after ``a == b``). A layer's bookkeeping compares its
     length with the reservation's and stores the new length: it must store the host's value, not a sum."""
     cache = PagedCache(tiny_model("llama"), num_blocks=16, block_size=4)
     state = cache._state
