@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import importlib.util
 import os
 import sys
 import tempfile
@@ -140,9 +141,13 @@ def run_benchmarks(
     markdown = "\n\n".join(parts)
     if out is not None:
         (out / "results.md").write_text(markdown)
+        charts = [chart for section in sections.values() for chart in section.line_charts]
+        if (panels or charts) and importlib.util.find_spec("matplotlib") is None:
+            print("pagedcore bench: no charts written: they need matplotlib (the bench extra)", file=sys.stderr)
+            return markdown
         if panels:
             write_chart(out / CHART, panels, chart_title)
-        for chart in (chart for section in sections.values() for chart in section.line_charts):
+        for chart in charts:
             write_lines(out / chart.file, chart.panels, chart.title)
     return markdown
 
