@@ -1,6 +1,10 @@
 # Two commands do all the set-up on a fresh machine:
-#   make demo   - builds .venv, installs pagedcore, runs `pagedcore generate` on the built-in model
-#   make test   - builds .venv, installs pagedcore with its test extras, runs ruff, mypy and the test suite
+#   make demo   - builds .venv, installs what the demo needs (torch's CPU build, transformers, pagedcore: the
+#                 `transformers` extra, whatever EXTRAS says), runs `pagedcore generate` on the built-in model
+#   make test   - builds .venv, installs pagedcore with every extra (EXTRAS=all), runs ruff, mypy and the test suite
+# Both work in either order in one checkout: each set of extras has its own stamp in .venv, so `make test` after
+# `make demo` installs the rest, and `make demo` after `make test` finds its packages already there.
+#   make install EXTRAS=serve,structured   - the venv with only those extras (see pyproject.toml)
 # On a CUDA machine with the package index (docs/gpu.md): the index's torch is a CUDA 13 build, and the `gpu` extra
 # adds xformers 0.0.35 and the CUDA 12 runtime its library needs:
 #   make EXTRAS=all,gpu install && make gpu-check
@@ -15,8 +19,11 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 TORCH_INDEX ?=
 EXTRAS ?= all
+DEMO_EXTRAS := transformers
 comma := ,
-STAMP := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
+# One stamp per set of extras: .venv/.installed-serve-structured for EXTRAS=serve,structured.
+stamp = $(VENV)/.installed-$(subst $(comma),-,$(1))
+STAMP := $(call stamp,$(EXTRAS))
 # Wheels for an offline CUDA machine (`make gpu-carry`, docs/gpu.md): what its image (scripts/gpu_image.txt) lacks.
 CARRY ?= carry
 # make gpu-check installs nothing: the project venv's python where there is one, else $(PYTHON).
@@ -28,14 +35,14 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
-$(STAMP): pyproject.toml | $(BIN)/python
+$(VENV)/.installed-%: pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install --quiet "$(TORCH)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
-	$(BIN)/python -m pip install --quiet -e ".[$(EXTRAS)]"
+	$(BIN)/python -m pip install --quiet -e ".[$(subst -,$(comma),$*)]"
 	touch $@
 
 install: $(STAMP)
 
-demo: install
+demo: $(call stamp,$(DEMO_EXTRAS))
 	$(BIN)/pagedcore generate
 
 lint: install

@@ -1,5 +1,8 @@
 """Every benchmark on one model: prefix caching, cold generation, KV memory, Engine, bookkeeping core.
 
+Needs: the `transformers` extra (`make demo` installs it); the `bench` extra for the charts (matplotlib) and the
+peers section (CTranslate2).
+
 The same as ``pagedcore bench`` (a thin wrapper over ``pagedcore.benchmarks``): prints the markdown and writes
 ``OUT/results.md`` and the chart ``OUT/engine.png``.
 

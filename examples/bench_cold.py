@@ -1,5 +1,7 @@
 """Cold generation of one sequence: PagedCache vs DynamicCache (wall time, slowdown ratio).
 
+Needs: the `transformers` extra (`make demo` installs it).
+
 PagedCache in compatible mode (sdpa) and with attn_implementation="paged", against DynamicCache; 512-token
 prompt, 256 new tokens, greedy; median of several rounds with the order rotating.
 

@@ -1,5 +1,7 @@
 """Compiled decode step on a ``PagedCache`` vs on transformers' ``StaticCache`` (issue 23 item 2), side by side.
 
+Needs: the `transformers` extra (`make demo` installs it); inductor compiles with the system's C compiler.
+
 transformers' fastest single-sequence path is a ``StaticCache`` with ``model.forward = torch.compile(model.forward)``.
 This script compiles two copies of the same random-weight Llama that way, one decoding with a ``StaticCache`` sized
 for the context, the other with a ``PagedCache``, prefills both eagerly to each context length, checks that their
@@ -106,7 +108,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--backend", default="inductor")
+    parser.add_argument("--quick", action="store_true", help="one 512-token context, a 2-layer model, 3 short rounds")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.contexts, args.hidden, args.layers, args.steps, args.rounds = [512], 128, 2, 8, 3
     torch.set_num_threads(args.threads)
     print(f"Llama hidden {args.hidden}, {args.layers} layers, fp32, batch 1, {args.threads} thread(s), {args.backend}")
     print("| context | PagedCache ms/step | StaticCache ms/step | ratio paged/static |\n|---|---|---|---|")

@@ -1,5 +1,7 @@
 """Benchmark of the plain-Python bookkeeping core: block operations, prefix trie, eviction, one scheduler step.
 
+Needs: pagedcore alone (the core is plain Python).
+
 Prints a markdown table with the measured cost next to its aim (2 us per block operation, 1 ms per scheduler step)
 and the machine it ran on. Every figure is the median over several runs; a run times many repetitions with
 ``time.perf_counter_ns`` around the operation alone (setup and clean-up stay outside the timed region), with the

@@ -1,5 +1,7 @@
 """Continuous batching of requests sharing a prefix: the pagedcore Engine and its peers.
 
+Needs: the `transformers` extra (`make demo` installs it).
+
 The Engine against generate one request at a time, generate on the left-padded batch and transformers' own
 continuous batching: wall time, tokens/s, p50/p99 latency, prefill tokens computed, peak KV memory.
 

@@ -1,5 +1,7 @@
 """A prefix cache larger than the pool (issue 22): multi-turn chat whose working set is 4x the pool, and a restart.
 
+Needs: the `transformers` extra (`make demo` installs it).
+
 Chat: ``--conversations`` conversations, each with its own ``--prefix``-token context (a document, few-shot
 examples), take ``--turns`` turns round-robin (turn 1 of every conversation, then turn 2, ...); each turn's prompt is
 the whole conversation so far plus a new ``--message``, answered with ``--reply`` greedy tokens, one request at a

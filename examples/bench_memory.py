@@ -1,5 +1,7 @@
 """KV memory of a mixed-length, left-padded batch: bytes reserved per byte of real tokens.
 
+Needs: the `transformers` extra (`make demo` installs it).
+
 PagedCache (blocks held) against DynamicCache (padded tensors) and StaticCache (preallocated tensors).
 
 A thin wrapper over ``pagedcore.benchmarks`` (``pagedcore bench --only memory`` runs the same); prints the

@@ -1,5 +1,7 @@
 """Prefix caching for plain generate: a shared system prompt followed by many questions.
 
+Needs: the `transformers` extra (`make demo` installs it).
+
 generate with enable(model) against plain generate with a DynamicCache: time to first token, total time,
 prefill tokens computed against the unique tokens, and whether the greedy outputs are identical.
 

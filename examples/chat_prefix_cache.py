@@ -1,5 +1,7 @@
 """Prefix caching for a chat with a shared system prompt: one line turns it on for plain ``model.generate``.
 
+Needs: the `transformers` extra (`make demo` installs it).
+
 Every turn re-sends the whole conversation (as chat front-ends do); the enabled model serves the part it has
 seen before from the pool's prefix cache and computes only the new tokens.
 
@@ -28,7 +30,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", help="local path or hub name (default: the built-in model)")
     parser.add_argument("--max-new-tokens", type=int, default=24)
     parser.add_argument("--users", type=int, default=2, help="independent chats sharing the system prompt")
+    parser.add_argument("--quick", action="store_true", help="3 new tokens per turn")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.max_new_tokens = 3
     if args.model:
         tokenizer = AutoTokenizer.from_pretrained(args.model)
         model = AutoModelForCausalLM.from_pretrained(args.model).eval()

@@ -1,5 +1,7 @@
 """A model split across devices with accelerate's ``device_map``, generating through a PagedCache.
 
+Needs: the `transformers` extra (`make demo` installs it: accelerate is in it).
+
 Each layer's pool is created on the device and dtype of that layer's first keys, so the cache follows the split.
 The script saves the built-in model, reloads it with ``from_pretrained(..., device_map=...)`` spreading its layers
 over every device it finds (all on the CPU on a machine without GPUs: the same code path, dispatch hooks
@@ -33,7 +35,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="local path or hub name of a Llama-like checkpoint (default: built-in)")
     parser.add_argument("--max-new-tokens", type=int, default=16)
+    parser.add_argument("--quick", action="store_true", help="4 new tokens")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.max_new_tokens = 4
     devices = [f"cuda:{i}" for i in range(torch.cuda.device_count())] or ["cpu"]
     with tempfile.TemporaryDirectory() as tmp:
         path = args.model

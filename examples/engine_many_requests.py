@@ -1,5 +1,7 @@
 """The continuous-batching Engine on many requests: a progress bar, per-request timings, stats, and streaming.
 
+Needs: the `transformers` extra (`make demo` installs it).
+
 python examples/engine_many_requests.py [--model PATH_OR_NAME] [--requests 32]
 """
 
@@ -21,7 +23,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="6 requests of 4 new tokens")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.requests, args.max_new_tokens = 6, 4
     if args.model:
         tokenizer = AutoTokenizer.from_pretrained(args.model)
         model = AutoModelForCausalLM.from_pretrained(args.model).eval()

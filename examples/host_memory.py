@@ -1,5 +1,7 @@
 """Host memory of the bookkeeping core: what a pool costs before it is used, and what a long run leaves behind.
 
+Needs: pagedcore alone; `--generate` the `transformers` extra.
+
 Two measurements, each in a fresh interpreter so that one does not inherit the other's freed-but-kept memory:
 
 - ``blocks``: resident memory (RSS) and time of ``BlockManager(num_blocks=N)``, and optionally after every block
@@ -123,13 +125,20 @@ def child(argv: list[str]) -> dict[str, float | str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("what", choices=["blocks", "namespaces"])
+    parser.add_argument("what", nargs="?", choices=["blocks", "namespaces"], help="default with --quick: both")
     parser.add_argument("--sizes", type=int, nargs="+", default=[1_000_000], help="num_blocks values (blocks)")
     parser.add_argument("--touch", action="store_true", help="also allocate and free every block once (blocks)")
     parser.add_argument("--count", type=int, default=50_000, help="namespaces to serve (namespaces)")
     parser.add_argument("--generate", action="store_true", help="serve them through enable()d generate")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--quick", action="store_true", help="small sizes: 1000 blocks (touched), 200 namespaces")
     args = parser.parse_args(argv)
+    if args.quick and args.what is None:
+        return max(main(["blocks", "--quick"]), main(["namespaces", "--quick"]))
+    if args.what is None:
+        parser.error("say what to measure: blocks or namespaces (or --quick for both, small)")
+    if args.quick:
+        args.sizes, args.touch, args.count = [1000], True, 200
     if args.child:
         blocks = args.what == "blocks"
         figures = measure_blocks(args.sizes[0], args.touch) if blocks else measure_namespaces(args.count, args.generate)

@@ -1,5 +1,7 @@
 """Writing a third-party plugin: an observer that logs prefix hits, loaded through its entry point.
 
+Needs: the `transformers` extra (`make demo` installs it).
+
 The plugin lives in ``examples/prefix_logger_plugin`` (a module with one ``@hookimpl`` and a pyproject that declares
 the ``pagedcore`` entry point). Install it once, then any pagedcore application loads it:
 
@@ -26,7 +28,10 @@ PLUGIN_DIR = Path(__file__).resolve().parent / "prefix_logger_plugin"
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--max-new-tokens", type=int, default=8)
+    parser.add_argument("--quick", action="store_true", help="2 new tokens per question")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.max_new_tokens = 2
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     pm = default_plugin_manager()
     loaded = {info.name: info for info in pm.plugins()}

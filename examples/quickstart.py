@@ -1,5 +1,7 @@
 """Quickstart: generate with a paged KV cache, and check it gives what DynamicCache gives.
 
+Needs: the `transformers` extra (`make demo` installs it).
+
 python examples/quickstart.py                      # the built-in model (random weights, nothing downloaded)
 python examples/quickstart.py --model PATH_OR_NAME # your own checkpoint
 """
@@ -20,7 +22,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", help="local path or hub name (default: the built-in model)")
     parser.add_argument("--max-new-tokens", type=int, default=24)
     parser.add_argument("--attn", default="sdpa", choices=["sdpa", "eager", "paged"])
+    parser.add_argument("--quick", action="store_true", help="4 new tokens")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.max_new_tokens = 4
 
     if args.model:
         tokenizer = AutoTokenizer.from_pretrained(args.model)

@@ -1,5 +1,7 @@
 """Offline batch generation with Ray Data: a few thousand prompts, one Engine per worker.
 
+Needs: the `ray` extra (`pip install 'pagedcore[ray]'`, in `all`).
+
     python examples/ray_batch.py                       # 2000 prompts, 2 workers, the built-in model
     python examples/ray_batch.py --prompts 5000 --workers 4 --model path/to/model --max-new-tokens 64
 
@@ -33,7 +35,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--model", default=None, help="checkpoint folder or hub name (default: the built-in model)")
     parser.add_argument("--cpus-per-worker", type=float, default=1.0)
+    parser.add_argument("--quick", action="store_true", help="100 prompts of 4 new tokens on one worker")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.prompts, args.workers, args.max_new_tokens = 100, 1, 4
 
     import ray
 

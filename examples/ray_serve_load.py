@@ -1,5 +1,7 @@
 """A bounded load run through the Ray Serve ingress: prefix routing against random routing, loopback only.
 
+Needs: the `ray` extra and httpx (`pip install 'pagedcore[ray]' httpx`; both in `all`).
+
 Starts a local Ray cluster (or uses the one ``ray.init`` connected to, and leaves it running), deploys
 ``--replicas`` engine replicas of the built-in model behind the OpenAI ingress (``pagedcore.serve.ray``), and sends
 a workload of ``--systems`` system prompts x ``--questions`` questions (streaming, greedy) from ``--concurrency``
@@ -65,7 +67,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cpus-per-replica", type=float, default=1.0)
     parser.add_argument("--routing", choices=["prefix", "random", "both"], default="both")
     parser.add_argument("--port", type=int, default=None, help="Ray Serve's HTTP port (default: a free one)")
+    parser.add_argument("--quick", action="store_true", help="4 system prompts x 4 questions, 4 new tokens")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.systems, args.questions, args.concurrency, args.max_tokens = 4, 4, 4, 4
     if min(args.replicas, args.systems, args.questions, args.concurrency, args.max_tokens) < 1:
         parser.error("counts must be >= 1")
 

@@ -1,5 +1,7 @@
 """A bounded load run of `pagedcore serve` on the built-in model: loopback only, stops by itself.
 
+Needs: the `serve` extra and httpx (`pip install 'pagedcore[serve]' httpx`; both in `all`).
+
 N concurrent clients share a fixed number of streaming /v1/completions requests (one system prompt, a different
 question each, greedy, a fixed number of new tokens); the report gives requests/s, generated tokens/s, p50/p99
 latency and time to first token. With --against-transformers the same workload runs against `transformers serve`
@@ -174,7 +176,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--against-transformers", action="store_true", help="also run `transformers serve`")
     parser.add_argument("--threads", type=int, default=None, help="torch threads of every server (default: torch's)")
     parser.add_argument("--json", action="store_true", help="one JSON object per server")
+    parser.add_argument("--quick", action="store_true", help="8 requests, 4 clients, 4 new tokens")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.requests, args.concurrency, args.max_tokens = 8, 4, 4
     if args.requests < 1 or args.concurrency < 1 or args.max_tokens < 1:
         parser.error("--requests, --concurrency and --max-tokens must be >= 1")
     if args.threads is not None:

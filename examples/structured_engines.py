@@ -1,5 +1,8 @@
 """Choose the grammar engine of structured outputs by measurement: xgrammar, llguidance and outlines-core.
 
+Needs: ``pip install 'pagedcore[structured-engines]'`` (llguidance, xgrammar and outlines-core; xgrammar pulls in
+triton). With only the ``structured`` extra it measures llguidance alone and names the engines it could not import.
+
 For each engine, on one 32k-token byte-level BPE vocabulary (trained here on transformers' own source text, since
 nothing is downloaded), the script measures:
 
@@ -554,7 +557,17 @@ def main(argv: list[str] | None = None) -> int:
         "llguidance": lambda: _llguidance(args.threads),
         "outlines-core": _outlines_core,
     }
-    engines = [makers[name]() for name in args.engines.split(",")]
+    engines, missing = [], []
+    for name in args.engines.split(","):
+        try:
+            engines.append(makers[name]())
+        except ImportError as exc:
+            missing.append(f"{name} ({exc})")
+    if missing:
+        print(f"not installed, not measured: {'; '.join(missing)}. pip install 'pagedcore[structured-engines]'")
+    if not engines:
+        print("no grammar engine to measure: pip install 'pagedcore[structured]' (llguidance)", file=sys.stderr)
+        return 3
     load = os.getloadavg()
     print(
         f"machine: {os.cpu_count()} cores, load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}; "

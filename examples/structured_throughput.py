@@ -1,5 +1,7 @@
 """Engine throughput with 0%, 50% and 100% of the requests constrained by a JSON schema (structured outputs).
 
+Needs: the `structured` extra (`pip install 'pagedcore[structured]'`, in `all`).
+
 Same model, prompts and lengths for each share; the shares run in rotation (``--rounds`` times each) and the median
 is reported, so a slower machine moment does not land on one share only. The model is a tiny Llama with random
 weights over a 32k byte-level BPE vocabulary (``structured_engines.build_tokenizer``; ``--builtin`` for the built-in

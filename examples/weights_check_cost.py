@@ -1,5 +1,7 @@
 """What the weights check costs next to the forward it guards (issue 17.1).
 
+Needs: the `transformers` extra (`make demo` installs it); peft for the LoRA rows (in `test`).
+
 Every ``enable()``d ``generate`` call and every Engine step asks the pool whether the model's weights moved
 (``PagedKVPool.check_weights``: version counters, data pointers, optimizer steps, PEFT adapter state, module
 structure). This script times that check on the benchmark model (``pagedcore.benchmarks.common.bench_model``: Llama,

@@ -2,6 +2,6 @@
 
 import sys
 
-from pagedcore.cli import main
+from pagedcore.cli import entry
 
-sys.exit(main())
+sys.exit(entry())

@@ -200,6 +200,12 @@ class BlockManager:
         return self._hwm - len(self._free) - len(self._policy)
 
     @property
+    def num_touched_blocks(self) -> int:
+        """Blocks ever handed out: ids ``0 .. n-1`` (the high-water mark). ``allocate`` reuses freed blocks first, so
+        the memory behind a pool's blocks is written only this far from its start."""
+        return self._hwm
+
+    @property
     def num_cached_blocks(self) -> int:
         """Blocks the prefix cache indexes (in use or evictable)."""
         return self._num_cached

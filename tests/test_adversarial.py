@@ -1,6 +1,6 @@
 """Adversarial and edge-case inputs: each gets a clear, typed error or correct output, and leaves no block held.
 
-The table in README.md ("Bad input") lists these cases; keep the two in step. ``pytest tests/test_adversarial.py
+The table in docs/limits.md ("Bad input") lists these cases; keep the two in step. ``pytest tests/test_adversarial.py
 -s`` prints the table as measured.
 """
 

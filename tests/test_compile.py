@@ -148,7 +148,7 @@ def test_inductor_with_graph_breaks_in_paged_attention():
 
 def test_what_a_layer_stores_under_inductor_is_computed_on_the_host():
     """torch 2.13's inductor loses a symbol when a graph returns an int it computed from one a guard equated with
-    another (README Limits: ``lengths[0] = lengths[0] + a`` after ``a == b``). A layer's bookkeeping compares its
+    another (docs/limits.md: ``lengths[0] = lengths[0] + a`` after ``a == b``). A layer's bookkeeping compares its
     length with the reservation's and stores the new length: it must store the host's value, not a sum."""
     cache = PagedCache(tiny_model("llama"), num_blocks=16, block_size=4)
     state = cache._state
@@ -211,3 +211,21 @@ def test_a_compiled_write_indexes_the_pool_and_copies_none_of_it():
         assert all(torch.equal(c, e) for c, e in zip(caches, expected))
         buffers = [line for line in code.splitlines() if "= empty_strided_cpu(" in line]
         assert buffers and not [b for b in buffers if "148" in b or "37, 4" in b or "3, 37" in b], buffers
+
+
+def test_a_traced_paged_mask_traces_no_lru_cache(monkeypatch):
+    """Dynamo warned in every suite run: "a call to a `functools.lru_cache`-wrapped function at 'attention.py'"
+    (the paged mask asks whether a model uses the attention interface, a cached answer). The answer is now a
+    constant to a trace (``torch.compiler.assume_constant_result``) and no cache wrapper is traced."""
+    import warnings
+
+    monkeypatch.setattr(torch._dynamo.utils, "warn_once_cache", set())  # dynamo warns once per process
+    model = tiny_model("llama", attn_implementation="paged")
+    model.forward = torch.compile(model.forward, backend="eager")
+    ids, mask = batch([0], 6)
+    cache = PagedCache(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, do_sample=False, cache=cache)
+    assert not [str(w.message) for w in caught if "lru_cache" in str(w.message)]
+    release_and_check(cache)

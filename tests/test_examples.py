@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import ast
 import importlib.util
+import os
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -90,3 +94,41 @@ def test_third_party_plugin_installs_and_loads_from_its_entry_point(tmp_path, mo
         assert pagedcore_prefix_logger.TALLY == {"lookups": 1, "query_tokens": 10, "hit_tokens": 8}
     finally:
         sys.modules.pop("pagedcore_prefix_logger", None)
+
+
+SCRIPTS = sorted(path.stem for path in EXAMPLES.glob("*.py"))
+_OPTIONAL = (EXAMPLES.parent / "pyproject.toml").read_text().split("[project.optional-dependencies]")[1].split("\n[")[0]
+EXTRAS = set(re.findall(r"^([\w-]+) = \[", _OPTIONAL, re.M))  # pyproject's extras (no tomllib on Python 3.10)
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_every_example_says_what_it_needs_and_has_a_quick_run(name):
+    """Its first lines say which extras it needs (a newcomer ran one that needed a package no extra installed), and
+    ``--quick`` is a short run of it (``test_every_example_runs_quick`` runs them all)."""
+    source = (EXAMPLES / f"{name}.py").read_text()
+    head = "\n".join((ast.get_docstring(ast.parse(source)) or "").splitlines()[:6])
+    assert "Needs:" in head, f"examples/{name}.py: its docstring's first lines do not say what it needs"
+    named = set(re.findall(r"`([\w-]+)` extra|pagedcore\[([\w,-]+)\]", head))
+    extras = {extra for pair in named for group in pair for extra in group.split(",") if extra}
+    assert extras <= EXTRAS, f"examples/{name}.py names extras pyproject.toml lacks: {extras - EXTRAS}"
+    assert '"--quick"' in source or re.search(r"script_main\(|\[\"bench\", ", source)  # pagedcore bench's own --quick
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_every_example_runs_quick(name, tmp_path):
+    """``python examples/NAME.py --quick`` finishes, within 2 minutes on a quiet 2-core machine (the cap here is
+    twice that, for a busy one)."""
+    env = {**os.environ, "PYTHONPATH": str(EXAMPLES.parent)}
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLES / f"{name}.py"), "--quick"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip(), "it printed nothing"
+    print(f"examples/{name}.py --quick: {time.monotonic() - started:.0f} s")

@@ -49,7 +49,7 @@ def test_wheel_layout_and_builtin_plugins(tmp_path):
     (entry_points,) = [n for n in names if n.endswith("entry_points.txt")]
     text = zipfile.ZipFile(wheel).read(entry_points).decode()
     assert "[pagedcore]" not in text  # the host registers its built-ins itself
-    assert "pagedcore = pagedcore.cli:main" in text
+    assert "pagedcore = pagedcore.cli:entry" in text
     # A regular (non-editable) install of the wheel imports the mapped packages and loads the built-in plugins.
     target = tmp_path / "site"
     subprocess.run(

@@ -151,7 +151,12 @@ def add_arguments(parser: argparse.ArgumentParser, *, several: bool = True) -> N
     """
     parser.add_argument("--quick", action="store_true", help="smaller workloads and model: a smoke run")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, one per core)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads (default: the CPUs this process may use that other work leaves free, stated at start)",
+    )
     parser.add_argument("--device", default="cpu", choices=DEVICES, help="where the models run (default: cpu)")
     parser.add_argument("--dtype", default="float32", choices=DTYPES, help="model and KV dtype (default: float32)")
     parser.add_argument(

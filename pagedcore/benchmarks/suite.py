@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
+import importlib.util
 import os
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -97,13 +99,18 @@ def _chart(sections: dict[str, Section]) -> tuple[list[Panel], str]:
 
 
 def run_benchmarks(
-    options: BenchOptions, out_dir: str | os.PathLike[str] | None = None, *, model: PreTrainedModel | None = None
+    options: BenchOptions,
+    out_dir: str | os.PathLike[str] | None = None,
+    *,
+    model: PreTrainedModel | None = None,
+    on_start: Callable[[], None] | None = None,
 ) -> str:
     """Run the benchmarks ``options`` name on one shared model; returns the markdown report.
 
     With ``out_dir``, also write ``out_dir/results.md``, ``engine.png`` when a section offers chart panels, and the
     sections' line charts (:class:`~pagedcore.benchmarks.plots.LineChart`, e.g. ``decode.png``).
-    ``model``: benchmark this model instead of building one from the options.
+    ``model``: benchmark this model instead of building one from the options. ``on_start``: called once the options,
+    device and output folder are checked, before the first benchmark (the command line's start-up line).
 
     Example:
         >>> out = Path(tempfile.mkdtemp())
@@ -114,6 +121,8 @@ def run_benchmarks(
     ctx = BenchContext(options, model)
     ctx.check()
     out = prepare_out_dir(out_dir) if out_dir is not None else None
+    if on_start is not None:
+        on_start()
     started = time.perf_counter()
     with _threads(options):
         sections = {name: BENCHMARKS[name].run(ctx).section() for name in options.names}
@@ -132,9 +141,13 @@ def run_benchmarks(
     markdown = "\n\n".join(parts)
     if out is not None:
         (out / "results.md").write_text(markdown)
+        charts = [chart for section in sections.values() for chart in section.line_charts]
+        if (panels or charts) and importlib.util.find_spec("matplotlib") is None:
+            print("pagedcore bench: no charts written: they need matplotlib (the bench extra)", file=sys.stderr)
+            return markdown
         if panels:
             write_chart(out / CHART, panels, chart_title)
-        for chart in (chart for section in sections.values() for chart in section.line_charts):
+        for chart in charts:
             write_lines(out / chart.file, chart.panels, chart.title)
     return markdown
 
@@ -206,6 +219,13 @@ def script_main(name: str, argv: list[str] | None = None, description: str = "")
     args = parser.parse_args(argv)
     try:
         options = options_from(args, only=(name,))
+        if args.threads is None and options.needs_torch:
+            from pagedcore.cli.threads import choose_threads
+
+            choice = choose_threads()  # stated on stderr once the run is under way
+            options = dataclasses.replace(options, threads=choice.threads)
+            BenchContext(options).check()
+            print(f"{parser.prog}: {choice.describe()}", file=sys.stderr)
         if args.out is not None:
             prepare_out_dir(args.out.parent)
             if args.out.is_dir():

@@ -1,4 +1,5 @@
-"""What every command of the ``pagedcore`` command line shares: exit codes, the usage error, the ``--model`` loader.
+"""What every command of the ``pagedcore`` command line shares: exit codes, the usage error, the ``--model`` loader,
+and the checks of ``--model`` and ``--device`` that run before torch and transformers are imported.
 
 A leaf module: ``pagedcore.cli`` and the front ends' own commands (``pagedcore.serve.cli``,
 ``pagedcore.serve.ray``) import it, and it imports none of them.
@@ -6,9 +7,14 @@ A leaf module: ``pagedcore.cli`` and the front ends' own commands (``pagedcore.s
 
 from __future__ import annotations
 
+import ast
+import importlib.util
+import re
 import sys
 from pathlib import Path
 from typing import Any
+
+from pagedcore.errors import ConfigError
 
 __all__ = [
     "EXIT_FAILURE",
@@ -16,9 +22,12 @@ __all__ = [
     "EXIT_UNAVAILABLE",
     "EXIT_USAGE",
     "UsageError",
+    "check_device",
+    "check_model_path",
     "first_line",
     "load_model",
     "missing_extra",
+    "torch_build",
 ]
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_UNAVAILABLE = 0, 1, 2, 3
@@ -41,15 +50,9 @@ def load_model(name: str, dtype: Any, *, trust_remote_code: bool = False, **hub:
         ...
         pagedcore.cli.common.UsageError: --model './no-such-model': no such folder
     """
+    check_model_path(name)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = Path(name).expanduser()
-    if not path.exists() and (path.is_absolute() or name.startswith((".", "~"))):
-        raise UsageError(f"--model {name!r}: no such folder")
-    if path.is_file():
-        raise UsageError(f"--model {name!r} is a file: give a model folder (with config.json) or a hub name")
-    if path.is_dir() and not (path / "config.json").is_file():
-        raise UsageError(f"--model {name!r}: the folder holds no model (no config.json)")
     try:
         tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code, **hub)
     except (OSError, ValueError) as exc:
@@ -59,6 +62,111 @@ def load_model(name: str, dtype: Any, *, trust_remote_code: bool = False, **hub:
     except (OSError, ValueError) as exc:
         raise UsageError(f"cannot load model {name!r}: {first_line(exc)}") from exc
     return model.eval(), tokenizer
+
+
+def check_model_path(name: str) -> None:
+    """Refuse a ``--model`` that is a path but no model folder (:class:`UsageError`), without importing anything:
+    a name that starts with ``.``, ``~`` or ``/`` and does not exist, a file, a folder without ``config.json``.
+    Anything else may be a hub name.
+
+    Example:
+        >>> check_model_path("meta-llama/Llama-3.2-1B")   # a hub name: left to transformers
+        >>> check_model_path("./no-such-model")
+        Traceback (most recent call last):
+        ...
+        pagedcore.cli.common.UsageError: --model './no-such-model': no such folder
+    """
+    path = Path(name).expanduser()
+    if not path.exists() and (path.is_absolute() or name.startswith((".", "~"))):
+        raise UsageError(f"--model {name!r}: no such folder")
+    if path.is_file():
+        raise UsageError(f"--model {name!r} is a file: give a model folder (with config.json) or a hub name")
+    if path.is_dir() and not (path / "config.json").is_file():
+        raise UsageError(f"--model {name!r}: the folder holds no model (no config.json)")
+
+
+# The device types torch.device() parses (c10's DeviceType names); "auto" is the commands' own.
+_DEVICE_TYPES = [
+    "cpu",
+    "cuda",
+    "ipu",
+    "xpu",
+    "mkldnn",
+    "opengl",
+    "opencl",
+    "ideep",
+    "hip",
+    "ve",
+    "fpga",
+    "maia",
+    "xla",
+    "lazy",
+    "vulkan",
+    "mps",
+    "meta",
+    "hpu",
+    "mtia",
+    "privateuseone",
+]
+
+
+def check_device(name: str) -> None:
+    """Refuse a ``--device`` this machine cannot have, before torch is imported (:class:`~pagedcore.errors.ConfigError`,
+    as :func:`pagedcore.cli.devices.resolve_device` words it): a name that is no torch device, or CUDA where the
+    installed torch was built without it (:func:`torch_build`). What needs torch loaded (a CUDA build on a machine
+    without a GPU, an index past the last device) is checked when the device is resolved.
+
+    Example:
+        >>> check_device("cpu"), check_device("auto")
+        (None, None)
+        >>> check_device("gpu0")
+        Traceback (most recent call last):
+        ...
+        pagedcore.errors.ConfigError: device 'gpu0' is not a torch device (e.g. cpu, cuda, cuda:1)
+    """
+    if name == "auto":
+        return
+    match = re.fullmatch(r"([a-z_]+)(?::(\d+))?", name)
+    if match is None or match.group(1) not in _DEVICE_TYPES:
+        raise ConfigError(f"device {name!r} is not a torch device (e.g. cpu, cuda, cuda:1)")
+    build = torch_build()
+    if match.group(1) == "cuda" and build is not None and build["cuda"] is None and build["hip"] is None:
+        raise ConfigError(
+            f"device {name!r} is not available on this machine (torch {build['version']}, built without CUDA)"
+        )
+
+
+def torch_build() -> dict[str, Any] | None:
+    """The installed torch's ``version``, ``cuda`` and ``hip`` (None where it was built without them), read from its
+    ``torch/version.py`` without importing torch; None where torch is not installed.
+
+    Example:
+        >>> sorted(torch_build())
+        ['cuda', 'hip', 'version']
+    """
+    spec = importlib.util.find_spec("torch")
+    if spec is None or spec.origin is None:
+        return None
+    try:
+        tree = ast.parse((Path(spec.origin).parent / "version.py").read_text())
+    except (OSError, SyntaxError):
+        return None
+    values: dict[str, Any] = {"version": None, "cuda": None, "hip": None}
+    for node in tree.body:
+        if isinstance(node, ast.Assign):
+            target, value = node.targets[0], node.value
+        elif isinstance(node, ast.AnnAssign) and node.value is not None:
+            target, value = node.target, node.value
+        else:
+            continue
+        name = getattr(target, "id", "")
+        name = "version" if name == "__version__" else name
+        if name in values:
+            try:
+                values[name] = ast.literal_eval(value)
+            except ValueError:
+                pass
+    return values
 
 
 def first_line(exc: BaseException) -> str:

@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from .common import EXIT_OK, UsageError, load_model
+from .common import EXIT_OK, UsageError, check_device, check_model_path, load_model
 
 __all__ = ["DEFAULT_QUESTIONS", "DEFAULT_SYSTEM", "add_parser", "run"]
 
@@ -73,6 +73,20 @@ def _add_sampling_and_pool(gen: argparse.ArgumentParser) -> None:
     gen.add_argument("--backend", default=None, help="attention backend plugin for --attn paged (default: auto)")
     gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     gen.add_argument("--device", default="cpu", help="device for the model: cpu, cuda, cuda:N, auto (default: cpu)")
+    gen.add_argument(
+        "--threads",
+        type=_positive,
+        default=None,
+        help="torch threads (default: the CPUs this process may use that other work leaves free; see the start-up "
+        "line)",
+    )
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
 
 
 def _positive_or_zero(text: str) -> int:
@@ -117,6 +131,7 @@ def run(args: argparse.Namespace) -> int:
     if args.repeat < 1:
         raise UsageError(f"--repeat must be >= 1, got {args.repeat}")
     prompts = _read_prompts(args)
+    _check_before_imports(args)
     setup = _setup(args)
     started = time.perf_counter()
     results = _run_engine(args, setup, prompts) if args.engine else _run_enabled(args, setup, prompts)
@@ -124,11 +139,28 @@ def run(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _check_before_imports(args: argparse.Namespace) -> None:
+    """What can be refused before torch and transformers load (seconds): the model's path, the device, the pool's
+    counts (their rule: :func:`pagedcore.validation.integer`, as the pool asks it)."""
+    from pagedcore.errors import ConfigError
+    from pagedcore.validation import integer
+
+    if args.model is not None:
+        check_model_path(args.model)
+    check_device(args.device)
+    for name in ("num_blocks", "block_size"):
+        if getattr(args, name, None) is not None:
+            integer(name, getattr(args, name), minimum=1, error=ConfigError, expected="a positive integer")
+
+
 def _setup(args: argparse.Namespace) -> _Setup:
     from pagedcore.adapters.transformers import PagedKVPool, SamplingParams
     from pagedcore.adapters.transformers.builtin import BUILTIN_DESCRIPTION, builtin_model, builtin_tokenizer
     from pagedcore.cli.devices import resolve_device, resolve_dtype
 
+    from .threads import apply_threads
+
+    threads = apply_threads(getattr(args, "threads", None))
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     model: Any
@@ -157,6 +189,7 @@ def _setup(args: argparse.Namespace) -> _Setup:
         top_p=args.top_p,
         seed=args.seed,
     )
+    print(f"pagedcore generate: {threads.describe()}", file=sys.stderr)  # every argument checked: under way
     return _Setup(model, tokenizer, device, pool, params)
 
 

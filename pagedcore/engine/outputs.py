@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -40,8 +41,11 @@ class Logprob:
 
 
 @dataclass(frozen=True, slots=True)
-class TokenLogprobs:
+class TokenLogprobs(Mapping[int, Logprob]):
     """The log-probabilities at one position: the token that was chosen there and the most likely alternatives.
+
+    It is also what vLLM gives for a position, a mapping of token id to :class:`Logprob` over the top tokens and
+    the chosen one (``out.outputs[0].logprobs[i][token_id].logprob``), most likely first.
 
     Attributes:
         token: the chosen token (the sampled one for generated tokens, the prompt's next token for prompt positions).
@@ -52,10 +56,31 @@ class TokenLogprobs:
         >>> lp = TokenLogprobs(Logprob(7, -1.5, 2), (Logprob(3, -0.5, 1), Logprob(7, -1.5, 2)))
         >>> lp.token.logprob, [t.token_id for t in lp.top], lp.as_dict()
         (-1.5, [3, 7], {3: -0.5, 7: -1.5})
+        >>> list(lp), lp[3].rank, 7 in lp, 9 in lp
+        ([3, 7], 1, True, False)
     """
 
     token: Logprob
     top: tuple[Logprob, ...] = ()
+
+    def __getitem__(self, token_id: int) -> Logprob:
+        for entry in self.top:
+            if entry.token_id == token_id:
+                return entry
+        if self.token.token_id == token_id:
+            return self.token
+        raise KeyError(token_id)
+
+    def __iter__(self) -> Iterator[int]:
+        seen = False
+        for entry in self.top:
+            seen = seen or entry.token_id == self.token.token_id
+            yield entry.token_id
+        if not seen:
+            yield self.token.token_id
+
+    def __len__(self) -> int:
+        return len(self.top) + (not any(entry.token_id == self.token.token_id for entry in self.top))
 
     def as_dict(self) -> dict[int, float]:
         """Token id -> log-probability for the top tokens and the chosen one (vLLM's and OpenAI's
@@ -67,7 +92,7 @@ class TokenLogprobs:
 
 @dataclass
 class SampleOutput:
-    """One parallel sample of a request.
+    """One parallel sample of a request (vLLM's ``CompletionOutput``: ``request_output.outputs[i]``).
 
     Attributes:
         index: sample number (0 .. n-1).
@@ -139,12 +164,14 @@ class RequestMetrics:
 
 @dataclass
 class RequestOutput:
-    """The result of one request.
+    """The result of one request, read as vLLM's is: ``out.outputs[0].text``, ``.token_ids``, ``.finish_reason``,
+    ``.logprobs`` (one mapping of token id to :class:`Logprob` per token), ``out.prompt_token_ids``,
+    ``out.finished``, ``out.num_cached_tokens``.
 
     Attributes:
         request_id: the request's id.
         prompt_token_ids: the prompt.
-        samples: one entry per parallel sample (``n``).
+        samples: one entry per parallel sample (``n``); :attr:`outputs` is the same list, vLLM's name.
         metrics: timings.
         error: why the request failed (``finish_reason == "error"``), else None.
         prompt_logprobs: with ``SamplingParams(prompt_logprobs=k)``, one entry per prompt token: None for the first
@@ -153,8 +180,8 @@ class RequestOutput:
 
     Example:
         >>> out = RequestOutput("r1", [1, 2], [SampleOutput(0, [7], finish_reason="stop")], RequestMetrics(0.0))
-        >>> out.token_ids, out.finish_reason, out.finished
-        ([7], 'stop', True)
+        >>> out.token_ids, out.finish_reason, out.finished, out.outputs[0].token_ids, out.outputs is out.samples
+        ([7], 'stop', True, [7], True)
     """
 
     request_id: str
@@ -163,6 +190,16 @@ class RequestOutput:
     metrics: RequestMetrics
     error: str | None = None
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+
+    @property
+    def outputs(self) -> list[SampleOutput]:
+        """The samples, under vLLM's name (``RequestOutput.outputs``): the same list as :attr:`samples`."""
+        return self.samples
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens served from the prefix cache (vLLM's name; ``metrics.num_cached_tokens``)."""
+        return self.metrics.num_cached_tokens
 
     @property
     def token_ids(self) -> list[int]:

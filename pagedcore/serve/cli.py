@@ -21,6 +21,7 @@ BUILTIN_NAME = "pagedcore-builtin"
 # The defaults of pagedcore.serve.body.BodyLimits (not imported here: this module imports argparse alone).
 _MAX_REQUEST_BYTES = "8MiB"
 _BODY_TIMEOUT = 30.0
+_THREADS_HELP = "torch threads (default: the CPUs this process may use that other work leaves free; see start-up)"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -67,7 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "...), llama3_json, mistral, qwen3_coder, pythonic or deepseek_v3",
     )
     parser.add_argument("--seed", type=int, default=None, help="seed of the draws of requests without a seed")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own choice)")
+    parser.add_argument("--threads", type=int, default=None, help=_THREADS_HELP)
     levels = ["critical", "error", "warning", "info", "debug", "trace"]
     parser.add_argument("--log-level", "--uvicorn-log-level", dest="log_level", default="warning", choices=levels)
     parser.add_argument(
@@ -282,7 +283,8 @@ def _announce(
     tenants = f", {len(api_keys)} API keys" if api_keys is not None else ""
     print(
         f"pagedcore serve: model {name!r} at http://{host}:{port}/v1 "
-        f"({engine.pool.num_blocks} KV blocks of {engine.pool.block_size} tokens{tenants}); Ctrl-C stops",
+        f"({engine.pool.num_blocks} KV blocks of {engine.pool.block_size} tokens{tenants}; "
+        f"{getattr(args, 'threads_note', 'torch threads as set')}); Ctrl-C stops",
         file=sys.stderr,
         flush=True,
     )
@@ -330,6 +332,11 @@ def _check(args: argparse.Namespace, error: type[Exception]) -> None:
     check_refused(args, error)
     if getattr(args, "config", None) is not None:
         raise error("--config is read by the pagedcore command (pagedcore serve --config FILE.yaml)")
+    from pagedcore.cli.common import check_device, check_model_path  # before torch loads: seconds sooner
+
+    if args.model not in (None, BUILTIN_NAME):
+        check_model_path(args.model)
+    check_device(getattr(args, "device", "cpu"))
     if not getattr(args, "ray", False):
         for option in ("replicas", "routing", "ray_address", "cpus_per_replica"):
             if getattr(args, option, None) is not None:
@@ -535,15 +542,19 @@ def flag_error(exc: Exception, error: type[Exception]) -> Exception:
 def _model(args: argparse.Namespace, error: type[Exception]) -> tuple[Any, Any, str]:
     import torch
 
+    from pagedcore.cli.devices import resolve_device
+
     from .startup import hub_options, load_tokenizer
     from .vllm_flags import DTYPES
 
+    resolve_device(args.device)  # a CUDA build without a GPU: one line, not a traceback at model.to()
     dtype_name = DTYPES[args.dtype]
     dtype = "auto" if dtype_name == "auto" else getattr(torch, dtype_name)
     model: Any
     tokenizer: Any
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    from pagedcore.cli.threads import apply_threads
+
+    args.threads_note = apply_threads(args.threads).describe()  # stated in the start-up line
     if args.seed is not None:  # requests without a seed draw theirs from Python's random
         import random
 

@@ -1,6 +1,6 @@
 """Every request field this server knows, and what it does with each: the one list behind the strict parsing of
-:mod:`pagedcore.serve.protocol`, the README's field table and ``tests/test_serve_fields.py`` (which checks it against
-vLLM's request models and the official ``openai`` client's parameters).
+:mod:`pagedcore.serve.protocol`, docs/serving.md's field table and ``tests/test_serve_fields.py`` (which checks it
+against vLLM's request models and the official ``openai`` client's parameters).
 
 A field is either
 

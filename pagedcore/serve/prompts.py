@@ -3,7 +3,7 @@ texts become token ids here (in a worker thread of the server, never on its even
 loop), after a bound on their length in characters. Stop strings are the Engine's (``SamplingParams.stop_strings``).
 
 Chat messages go through the tokenizer's chat template when it has one. Without one (the built-in tokenizer has
-none) they go through this plain template, documented in the README::
+none) they go through this plain template, documented in docs/serving.md::
 
     system: You are terse.
     user: Hello

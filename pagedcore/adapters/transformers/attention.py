@@ -12,7 +12,6 @@ more than the padding the cache left out (``ForwardContext.mask_matches``), over
 
 from __future__ import annotations
 
-import functools
 import sys
 import weakref
 from collections.abc import Callable
@@ -461,9 +460,15 @@ def _paged_mask(*args: Any, config: Any = None, **kwargs: Any) -> Any:
     return sdpa_mask(*args, config=config, **kwargs)
 
 
-@functools.cache
+_USES_INTERFACE: dict[str, bool] = {}  # config module -> the answer of _uses_attention_interface
+
+
+@torch.compiler.assume_constant_result  # traced: called once, its answer a constant (no lru_cache for dynamo to trace)
 def _uses_attention_interface(config_module: str) -> bool:
     """Whether the modeling file next to ``config_module`` (a config class's module) calls transformers' attention
-    interface."""
-    module = sys.modules.get(config_module.replace(".configuration_", ".modeling_"))
-    return module is None or hasattr(module, "ALL_ATTENTION_FUNCTIONS")
+    interface (remembered per module)."""
+    known = _USES_INTERFACE.get(config_module)
+    if known is None:
+        module = sys.modules.get(config_module.replace(".configuration_", ".modeling_"))
+        known = _USES_INTERFACE[config_module] = module is None or hasattr(module, "ALL_ATTENTION_FUNCTIONS")
+    return known

@@ -105,7 +105,7 @@ class Step:
         # Rectangular positions per row after this forward, computed here on the host: each layer stores it as its
         # length, and a compiled forward must store a value it reads, not a sum it computes (inductor's generated
         # code loses the symbols of such an int output of a graph that resumes after a graph break:
-        # ``NameError: name 's14' is not defined``, see README Limits).
+        # ``NameError: name 's14' is not defined``, see docs/limits.md).
         self.end = self.plan.start + self.plan.q_len
 
     def tensor(self, key: Any, device: torch.device, build: Callable[[], torch.Tensor]) -> torch.Tensor:
@@ -316,7 +316,7 @@ class CacheState:
         the mask builder asks, so the trace compares no integer with another (None otherwise, and in eager).
 
         torch 2.13's inductor loses symbols that a guard equated with others (``NameError: name 's12' is not
-        defined``, README Limits), and comparing a layer's length with the reservation's makes such guards."""
+        defined``, docs/limits.md), and comparing a layer's length with the reservation's makes such guards."""
         if not torch.compiler.is_compiling():
             return None
         step = self.step

@@ -11,6 +11,7 @@ keys and values no longer belong to that model; :meth:`PagedKVPool.rebuild` drop
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 import threading
 import weakref
@@ -144,8 +145,9 @@ class MemoryStats:
     """KV memory of a pool, in bytes.
 
     Attributes:
-        capacity_bytes: what the pool can hold (all blocks of all layers).
-        allocated_bytes: layer tensors created so far (they are created lazily, at their layer's first keys).
+        capacity_bytes: what the pool can hold (all blocks of all layers): the ceiling its memory grows to.
+        allocated_bytes: layer tensors created so far (they are created lazily, at their layer's first keys). On the
+            CPU this is address space, not memory: see ``reserved_bytes``.
         used_bytes: blocks held by running sequences or caches (real tokens rounded up to whole blocks).
         cached_bytes: blocks kept only by the prefix cache (reusable, evicted when room is needed).
         used_blocks: block references held, summed over KV groups.
@@ -156,13 +158,19 @@ class MemoryStats:
         expanded_bytes_per_token: what one token would take if every attention layer stored its own per-head keys
             and values: MLA's latents and KV-shared layers (which store none) are the difference (see
             :attr:`savings`).
+        reserved_bytes: memory the pool has taken so far. On the CPU the layer tensors are backed by memory that the
+            operating system commits page by page as blocks are first written, so this is the blocks written so far
+            (every block ever handed out: they are handed out from the start of the pool, freed ones first); it
+            grows with the tokens stored, up to ``capacity_bytes``, and stays there (blocks freed or cached keep
+            their pages). On other devices each layer's tensors are allocated whole at its first keys
+            (``allocated_bytes``).
 
     Example:
         >>> from pagedcore.adapters.transformers.testing import tiny_llama_config
         >>> config = tiny_llama_config()
         >>> stats = PagedKVPool(config, num_blocks=8, block_size=4, dtype=torch.float32).memory_stats()
-        >>> stats.capacity_bytes, stats.used_bytes
-        (16384, 0)
+        >>> stats.capacity_bytes, stats.used_bytes, stats.reserved_bytes
+        (16384, 0, 0)
     """
 
     capacity_bytes: int
@@ -175,6 +183,7 @@ class MemoryStats:
     store_bytes: dict[str, int] = field(default_factory=dict)
     bytes_per_token: int = 0
     expanded_bytes_per_token: int = 0
+    reserved_bytes: int = 0
 
     @property
     def savings(self) -> float:
@@ -198,7 +207,9 @@ class PagedKVPool:
         config: the pool's settings (:class:`~pagedcore.config.PoolConfig`); or give them as keyword arguments
             (``num_blocks=``, ``memory_budget=``, ...: each is the field of that name), not both:
         num_blocks: blocks per KV group. Give this or ``memory_budget``.
-        memory_budget: bytes (or a string like ``"2GiB"``) for all layers' keys and values together.
+        memory_budget: bytes (or a string like ``"2GiB"``) for all layers' keys and values together: a ceiling. On
+            the CPU the pool takes memory as blocks are first written (``memory_stats().reserved_bytes``); on other
+            devices each layer's tensors are allocated whole when the layer first stores keys (as vLLM does).
         block_size: tokens per block (default: ``default_block_size`` of the model's device, 16 on CPU, 64 on CUDA).
         eviction_policy: name of the eviction policy plugin to use ("lru" by default).
         kv_layout: how each layer's keys and values lie in memory (:data:`~pagedcore.config.KV_LAYOUTS`):
@@ -464,14 +475,21 @@ class PagedKVPool:
         return sum(per_group[g.index] * g.block_manager.num_used_blocks for g in self.kv.groups)
 
     def memory_stats(self) -> MemoryStats:
-        """KV memory: capacity, what is allocated, used by holders and kept by the prefix cache."""
+        """KV memory: capacity, what is allocated and taken, used by holders and kept by the prefix cache."""
         per_group = self._group_block_bytes()
         used = self.used_bytes()
         cached = sum(per_group[g.index] * g.block_manager.num_evictable_blocks for g in self.kv.groups)
-        allocated = sum(
-            k.numel() * k.element_size() + v.numel() * v.element_size()
-            for k, v in (t for t in self._layers if t is not None)
-        )
+        allocated = reserved = 0
+        for layer_idx, tensors in enumerate(self._layers):
+            if tensors is None:
+                continue
+            size = sum(t.numel() * t.element_size() for t in tensors)
+            allocated += size
+            if tensors[0].device.type != "cpu":
+                reserved += size
+                continue
+            touched = self.kv.groups[self.group_of(layer_idx)].block_manager.num_touched_blocks
+            reserved += size * touched // (self.num_blocks + 1)  # rows of blocks written so far (+ the pad block)
         return MemoryStats(
             capacity_bytes=self.spec.bytes_per_block(self.block_size, self._dtype) * self.num_blocks,
             bytes_per_token=self.spec.bytes_per_token(self._dtype),
@@ -483,6 +501,7 @@ class PagedKVPool:
             num_blocks=self.num_blocks,
             block_size=self.block_size,
             store_bytes={} if self._tiers is None else {n: s["bytes"] for n, s in self._tiers.stats().stores.items()},
+            reserved_bytes=reserved,
         )
 
     def block_bytes(self, group: int) -> int:
@@ -771,8 +790,28 @@ def _layer_tensor(shape: tuple[int, int], heads_dim: Any, like: torch.Tensor, he
     """A zero ``(*shape, heads, dim)`` tensor; with ``heads_first`` stored head after head (a permuted view)."""
     heads, dim = heads_dim
     if heads_first:
-        return torch.zeros(heads, *shape, dim, dtype=like.dtype, device=like.device).permute(1, 2, 0, 3)
-    return torch.zeros(*shape, heads, dim, dtype=like.dtype, device=like.device)
+        return _zeros((heads, *shape, dim), like).permute(1, 2, 0, 3)
+    return _zeros((*shape, heads, dim), like)
+
+
+def _zeros(shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    """A zero tensor of ``shape`` in ``like``'s dtype and device. On the CPU it lies in anonymous memory from
+    ``mmap``: the operating system hands out zero pages and commits each page when it is first written, so a pool
+    takes memory as its blocks are written instead of all of its budget at once (``torch.zeros`` writes every
+    page). Elsewhere ``torch.zeros``.
+
+    Example:
+        >>> t = _zeros((3, 2), torch.empty(0, dtype=torch.float16))
+        >>> t.shape, t.dtype, bool(t.eq(0).all())
+        (torch.Size([3, 2]), torch.float16, True)
+    """
+    count = 1
+    for size in shape:
+        count *= size
+    if like.device.type != "cpu" or count == 0 or torch.compiler.is_compiling():  # a traced forward: traceable zeros
+        return torch.zeros(shape, dtype=like.dtype, device=like.device)
+    buffer = mmap.mmap(-1, count * like.element_size())  # the tensor keeps the mapping alive
+    return torch.frombuffer(buffer, dtype=like.dtype, count=count).view(shape)
 
 
 def _model_dtype(model: Any) -> torch.dtype:

@@ -28,7 +28,7 @@ and shape only: their data is elsewhere, and the watch never calls ``data_ptr`` 
 
 The check reads each tensor's version counter and data pointer through weak references (the watch never keeps a
 replaced parameter alive): tens of microseconds for a model of a hundred tensors, about a thousandth of a forward
-(README, Limits; ``examples/weights_check_cost.py``). The module tree is walked again only after a registration on
+(docs/limits.md; ``examples/weights_check_cost.py``). The module tree is walked again only after a registration on
 one of the model's modules (not on the temporary containers models build in their forward).
 
 The fingerprint is an in-process one (:class:`WeightsFingerprint`: which watch, how many moves it saw, where the
