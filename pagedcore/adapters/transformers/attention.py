@@ -31,14 +31,25 @@ from pagedcore.errors import UnsupportedModelError
 if TYPE_CHECKING:
     from .pool import PagedKVPool
 
-__all__ = ["CONTEXT_KEY", "WEIGHTS_KEY", "ForwardContext", "StepAttention", "paged_attention_forward", "register"]
+__all__ = [
+    "CONTEXT_KEY",
+    "LAYER_KEY",
+    "WEIGHTS_KEY",
+    "ForwardContext",
+    "StepAttention",
+    "paged_attention_forward",
+    "register",
+]
 
 ATTN_IMPLEMENTATION = "paged"
 CONTEXT_KEY = "pagedcore_forward"
 # Set by PagedCache.update for a forward called with output_attentions=True, for models that consume that argument
 # themselves instead of handing it on to the attention function (GPT-2).
 WEIGHTS_KEY = "pagedcore_attention_weights"
-_OWN_KEYS = (CONTEXT_KEY, WEIGHTS_KEY)
+# The cache layer a PagedCache layer's update stored (Zamba2's shared attention blocks have no layer index of their
+# own: they pass the hybrid layer's index to the cache).
+LAYER_KEY = "pagedcore_layer"
+_OWN_KEYS = (CONTEXT_KEY, WEIGHTS_KEY, LAYER_KEY)
 _LOGGER = logging.get_logger(__name__)
 
 
@@ -192,21 +203,22 @@ def paged_attention_forward(
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     ctx: ForwardContext | StepAttention | None = kwargs.get(CONTEXT_KEY)
+    layer_idx = cast(int, kwargs.get(LAYER_KEY, module.layer_idx))
     if isinstance(ctx, StepAttention):
-        return ctx.attend(cast(int, module.layer_idx), query, key, value, scaling, softcap, sliding_window), None
+        return ctx.attend(layer_idx, query, key, value, scaling, softcap, sliding_window), None
     if kwargs.get("output_attentions") or kwargs.get(WEIGHTS_KEY):
         eager = _model_eager_attention(module)
         if eager is not None:  # the weights are asked for: the model's own eager attention over the gathered keys
             if ctx is not None and ctx.dense is not None:
-                key, value = ctx.dense(cast(int, module.layer_idx))
+                key, value = ctx.dense(layer_idx)
             return _with_weights(eager, module, query, key, value, attention_mask, scaling, softcap, kwargs)
     if ctx is None:
         return _dense(module, query, key, value, attention_mask, scaling, softcap, kwargs)
     if not ctx.mask_matches(attention_mask):
         assert ctx.dense is not None
-        key, value = ctx.dense(cast(int, module.layer_idx))
+        key, value = ctx.dense(layer_idx)
         return _dense(module, query, key, value, attention_mask, scaling, softcap, kwargs)
-    return _over_pool(ctx, cast(int, module.layer_idx), query, scaling, softcap, sliding_window), None
+    return _over_pool(ctx, layer_idx, query, scaling, softcap, sliding_window), None
 
 
 def _check_supported(module: torch.nn.Module, dropout: float, kwargs: dict[str, Any]) -> None:

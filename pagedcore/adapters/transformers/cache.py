@@ -22,10 +22,10 @@ from the blocks), and ``copy.deepcopy(cache)`` forks the rows (shared blocks, co
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -38,50 +38,16 @@ from pagedcore.capacity import Reservation
 from pagedcore.errors import ConfigError, InvalidBlockError
 from pagedcore.kv_pool import PoolMatch
 
-from .attention import CONTEXT_KEY, WEIGHTS_KEY
+from .attention import CONTEXT_KEY, LAYER_KEY, WEIGHTS_KEY
 from .cache_state import CacheState, Row, Step
+from .cache_stats import CacheMemoryStats
 from .forward_hooks import watch
 from .pool import PagedKVPool
 from .spec import text_config
+from .state_cache import PagedStateLayer, StateCacheMixin
+from .state_spec import StateSpec
 
-__all__ = ["CacheMemoryStats", "PagedCache", "PagedLayer"]
-
-
-@dataclass(frozen=True)
-class CacheMemoryStats:
-    """KV memory held by one cache.
-
-    Attributes:
-        rows: batch rows.
-        tokens: real tokens stored, summed over rows (padding excluded).
-        padding_tokens: left-padding positions that are not stored.
-        blocks: block references held, summed over rows and KV groups.
-        held_bytes: bytes of the blocks held (what the cache keeps from other users of the pool).
-        token_bytes: bytes the stored tokens themselves need (``held_bytes`` minus partly filled blocks).
-
-    Example:
-        A left-padded batch of a 3-token and a 5-token prompt, 2 new tokens each: the padding is not stored.
-
-        >>> import torch
-        >>> from pagedcore.adapters.transformers.testing import tiny_llama
-        >>> model = tiny_llama()
-        >>> ids = torch.tensor([[0, 0, 5, 6, 7], [5, 6, 7, 8, 9]])
-        >>> mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
-        >>> cache = PagedCache(model, num_blocks=16, block_size=4)
-        >>> _ = model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False, pad_token_id=0, cache=cache)
-        >>> stats = cache.memory_stats()
-        >>> stats.rows, stats.tokens, stats.padding_tokens, stats.blocks   # rows of 4 and 6 tokens: 1 + 2 blocks
-        (2, 10, 2, 3)
-        >>> stats.held_bytes, stats.token_bytes
-        (6144, 5120)
-    """
-
-    rows: int
-    tokens: int
-    padding_tokens: int
-    blocks: int
-    held_bytes: int
-    token_bytes: int
+__all__ = ["CacheMemoryStats", "PagedCache", "PagedHybridLayer", "PagedLayer"]
 
 
 def _release_soon(state: CacheState) -> None:
@@ -192,6 +158,7 @@ class PagedLayer(CacheLayerMixin):
             model_kwargs[WEIGHTS_KEY] = True
         if step.context is not None and model_kwargs is not None:
             model_kwargs[CONTEXT_KEY] = step.context
+            model_kwargs[LAYER_KEY] = self.layer_idx
             return key_states, value_states
         return self.gather(key_cache, value_cache, device)
 
@@ -253,7 +220,24 @@ class PagedLayer(CacheLayerMixin):
         self.record_past = True
 
 
-class PagedCache(Cache):
+class PagedHybridLayer(PagedStateLayer, PagedLayer):  # type: ignore[override]
+    """A layer that keeps recurrent states and keys and values (Falcon-H1, Zamba2's hybrid layers: transformers'
+    ``LinearAttentionAndFullAttentionLayer``): its states in the pool's state slots, its keys and values in its KV
+    group's blocks."""
+
+    def __init__(
+        self, state: CacheState, layer_idx: int, group: int, kind: AttentionKind, number_of_states: int
+    ) -> None:
+        PagedLayer.__init__(self, state, layer_idx, group, kind)
+        assert state.states is not None
+        PagedStateLayer.__init__(self, state.states, lambda: state.rows, layer_idx, number_of_states)
+
+    def get_max_length(self) -> int:
+        """-1, or the window of a sliding layer."""
+        return PagedLayer.get_max_length(self)
+
+
+class PagedCache(StateCacheMixin, Cache):
     """A drop-in ``Cache`` for ``model.generate`` backed by a paged pool.
 
     Args:
@@ -281,6 +265,15 @@ class PagedCache(Cache):
         >>> cache.get_seq_length(), cache.memory_stats().tokens
         (6, 6)
     """
+
+    def __new__(cls, model: Any = None, *args: Any, pool: PagedKVPool | None = None, **kwargs: Any) -> PagedCache:
+        # A model that requires a cache class of its own (MiniMax) gets a PagedCache that is one.
+        spec = pool.state_spec if pool is not None else None
+        if spec is None and model is not None:
+            spec = StateSpec.from_config(text_config(model))
+        if cls is PagedCache and spec is not None and spec.custom_cache:
+            return super().__new__(_custom_cache_class(spec.model_type))
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -317,14 +310,7 @@ class PagedCache(Cache):
             pool, pool.spec.num_layers, config=config, namespace=namespace, attention_backend=attention_backend
         )
         self._state.reservation = reservation
-        layers: list[Any] = []
-        for i, spec in enumerate(pool.spec.layers):
-            if not spec.has_cache:
-                layers.append(DummyLayer())
-                continue
-            group = pool.group_of(i)
-            layers.append(PagedLayer(self._state, i, group, pool.kv.groups[group].kind))
-        super().__init__(layers=layers)
+        Cache.__init__(self, layers=self._make_layers(pool))  # not super(): MiniMax's cache class comes next
         self._state.layers = self.layers
         # A cache dropped without release() gives its blocks back when garbage collected (deferred to a moment when
         # no bookkeeping call is in progress: a collection may run in the middle of one).
@@ -334,6 +320,23 @@ class PagedCache(Cache):
         self._model = weakref.ref(model) if isinstance(model, torch.nn.Module) else None
         if self._model is not None:
             watch(model, PagedCache)
+
+    def _make_layers(self, pool: PagedKVPool) -> list[Any]:
+        state, states = self._state, self._state.states
+        layers: list[Any] = []
+        for i, spec in enumerate(pool.spec.layers):
+            count = pool.state_spec.layers.get(i)
+            if count is not None and states is not None and not spec.has_cache:
+                layers.append(PagedStateLayer(states, lambda: state.rows, i, count))
+            elif not spec.has_cache:
+                layers.append(DummyLayer())
+            elif count is not None:
+                group = pool.group_of(i)
+                layers.append(PagedHybridLayer(state, i, group, pool.kv.groups[group].kind, count))
+            else:
+                group = pool.group_of(i)
+                layers.append(PagedLayer(state, i, group, pool.kv.groups[group].kind))
+        return layers
 
     # ------------------------------------------------------------------ what the model's forward hooks call
     def before_forward(
@@ -408,16 +411,22 @@ class PagedCache(Cache):
         """Positions stored (padding included) for a layer (the first cached layer for layers without one)."""
         if layer_idx >= len(self.layers):
             return 0
-        if isinstance(self.layers[layer_idx], DummyLayer):
-            layer_idx = self._first_cached_layer()
+        if not isinstance(self.layers[layer_idx], PagedLayer):
+            first = self._first_kv_layer()
+            if first is None:  # no attention layer (Mamba-2): the cache's own count
+                return self._state.positions_before()
+            layer_idx = first
         layer = self.layers[layer_idx]
         assert isinstance(layer, PagedLayer)
         return layer.get_seq_length()
 
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
         """``(kv_length, kv_offset)`` of the keys ``update`` will return for ``layer_idx`` (transformers' rules)."""
-        if isinstance(self.layers[layer_idx], DummyLayer):
-            layer_idx = self._first_cached_layer()
+        if not isinstance(self.layers[layer_idx], PagedLayer):
+            first = self._first_kv_layer()
+            if first is None:
+                return query_length + self._state.positions_before(), 0
+            layer_idx = first
         layer = self.layers[layer_idx]
         assert isinstance(layer, PagedLayer)
         return layer.get_mask_sizes(query_length)
@@ -452,6 +461,8 @@ class PagedCache(Cache):
                 "Please use a negative integer to remove that number of tokens from the cache instead."
             )
         new_length = max(0, state.length + tokens_to_remove)
+        if state.states is not None:  # conv states put back from the recorded inputs (or refused, as transformers does)
+            state.states.crop(state.rows, tokens_to_remove)
         with self._pool.lock:
             if tokens_to_remove < 0:
                 # Check every row before truncating any: a row whose kept positions need sliding-window blocks that
@@ -484,6 +495,9 @@ class PagedCache(Cache):
         state.layer_len = [0] * len(state.layer_len)
         state.exact = True
         state.released = False
+        for layer in self.layers:
+            if hasattr(layer, "record_past"):
+                layer.record_past = False
 
     def release(self) -> None:
         """Give every block back to the pool for good; using the cache afterwards raises."""
@@ -569,6 +583,7 @@ class PagedCache(Cache):
                 blocks += count
                 held += count * pool.block_bytes(g.index)
             token_bytes += row.blocks.num_tokens * sum(pool.block_bytes(g.index) for g in pool.kv.groups)
+        slots = sum(row.blocks.num_held_slots() for row in state.rows)
         return CacheMemoryStats(
             rows=len(state.rows),
             tokens=sum(row.blocks.num_tokens for row in state.rows),
@@ -576,6 +591,8 @@ class PagedCache(Cache):
             blocks=blocks,
             held_bytes=held,
             token_bytes=token_bytes // pool.block_size,
+            state_slots=slots,
+            state_bytes=0 if pool.states is None else slots * pool.states.slot_nbytes(),
         )
 
     def attach_prefix(
@@ -621,6 +638,7 @@ class PagedCache(Cache):
         state.rows = rows
         state.length = length
         state.layer_len = [length] * len(state.layer_len)
+        state.attached = length > 0
 
     def cache_prefixes(self, token_ids: Sequence[Sequence[int]]) -> None:
         """Register every row's blocks in the pool's prefix cache: its full blocks and its partly filled last one
@@ -696,5 +714,17 @@ class PagedCache(Cache):
         self._state.check_live()
         return self._state
 
-    def _first_cached_layer(self) -> int:
-        return next(i for i, layer in enumerate(self.layers) if not isinstance(layer, DummyLayer))
+    def _first_kv_layer(self) -> int | None:
+        return next((i for i, layer in enumerate(self.layers) if isinstance(layer, PagedLayer)), None)
+
+
+@functools.cache
+def _custom_cache_class(model_type: str) -> type[PagedCache]:
+    """A :class:`PagedCache` that is also the cache class ``model_type`` requires (MiniMax: ``MiniMaxCache``, its
+    linear-attention states served by :class:`~.state_cache.StateCacheMixin`)."""
+    from transformers.models.minimax.modeling_minimax import MiniMaxCache
+
+    def length(self: PagedCache) -> int:
+        return len(self.layers)
+
+    return type("PagedMiniMaxCache", (PagedCache, MiniMaxCache), {"__len__": length, "__module__": __name__})

@@ -64,6 +64,20 @@ class TensorBlockIO:
     def block_nbytes(self, group: int) -> int:
         return self._pool.block_bytes(group)
 
+    def state_nbytes(self) -> int:
+        states = self._pool.states
+        return 0 if states is None or not states.complete() else states.slot_nbytes()
+
+    def read_state(self, slot: int) -> object:
+        states = self._pool.states
+        assert states is not None
+        return states.read(slot)
+
+    def write_state(self, slot: int, payload: bytes) -> None:
+        states = self._pool.states
+        assert states is not None
+        states.write(slot, payload)
+
     def read_block(self, group: int, block_id: int) -> object:
         out: list[torch.Tensor] = []
         for layer in self._layers(group):
@@ -109,4 +123,7 @@ class TensorBlockIO:
             "model_type": spec.model_type,
             "layers": layers,
         }
+        shapes = None if pool.states is None else pool.states.shapes
+        if shapes:  # recurrent states: their snapshots are stored too, in this layout
+            described["states"] = [[s.layer, s.kind, s.index, list(s.shape), str(s.dtype)] for s in shapes]
         return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()

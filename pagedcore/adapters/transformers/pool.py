@@ -33,6 +33,8 @@ from pagedcore.validation import integer
 
 from .kv_io import TensorBlockIO
 from .spec import ModelKVSpec, text_config
+from .state_pool import StatePlan, StatePool, plan_states, state_stats
+from .state_spec import StateSpec, probe_states
 from .weights import Placement, WeightsWatch
 
 __all__ = ["KV_LAYOUTS", "KVStoreSpec", "MemoryStats", "PagedKVPool", "PoolLock", "parse_bytes"]
@@ -188,6 +190,10 @@ class MemoryStats:
         num_blocks: blocks per KV group.
         block_size: tokens per block.
         store_bytes: per store below the pool (``kv_store=``), the bytes it holds now; empty without stores.
+        state_slots / snapshots: a model with recurrent-state layers: its state slots, and how many of them hold
+            snapshots filed in the prefix cache (0 for a model of attention layers only).
+        state_capacity_bytes / state_used_bytes / state_cached_bytes: the states' bytes: all slots, the slots held
+            (live states and snapshots in use), the snapshots only the prefix cache keeps (0 while unknown).
 
     Example:
         >>> from pagedcore.adapters.transformers.testing import tiny_llama_config
@@ -205,6 +211,11 @@ class MemoryStats:
     num_blocks: int
     block_size: int
     store_bytes: dict[str, int] = field(default_factory=dict)
+    state_slots: int = 0
+    snapshots: int = 0
+    state_capacity_bytes: int = 0
+    state_used_bytes: int = 0
+    state_cached_bytes: int = 0
 
 
 class PagedKVPool:
@@ -227,6 +238,11 @@ class PagedKVPool:
             writable, else :class:`~pagedcore.errors.ConfigError`) persists across restarts and can be shared by
             processes serving the same model.
         kv_store_bytes: the budget of each store given by location (bytes or ``"20GiB"``); required with them.
+        state_slots: for a model with recurrent-state layers (Qwen3.5, Mamba-2...; :mod:`.state_pool`), the state
+            slots: live sequences' states and snapshots together. Default: half of ``memory_budget`` (all of it in a
+            model without attention layers), else :data:`~.state_pool.DEFAULT_STATE_SLOTS`.
+        snapshot_interval: such a model's prompts keep a snapshot of their state every this many blocks (each costs
+            a slot; see :mod:`pagedcore.state_slots`), so that later prompts sharing a prefix resume there.
 
     Without ``num_blocks`` or ``memory_budget`` the pool holds 32,768 tokens.
 
@@ -251,6 +267,8 @@ class PagedKVPool:
         kv_layout: str = "slots",
         kv_store: KVStoreSpec | None = None,
         kv_store_bytes: int | float | str | None = None,
+        state_slots: int | None = None,
+        snapshot_interval: int = 1,
     ) -> None:
         self.spec = ModelKVSpec.from_model(model)
         if kv_layout not in KV_LAYOUTS:
@@ -263,8 +281,10 @@ class PagedKVPool:
             if isinstance(dtype, str):
                 dtype = getattr(torch, dtype)
         self._dtype: torch.dtype = dtype
-        num_blocks = _block_count(num_blocks, memory_budget, block_size, self.spec.bytes_per_block(block_size, dtype))
-        num_blocks = integer("num_blocks", num_blocks, minimum=1, error=ConfigError, expected="a positive integer")
+        self._config = text_config(model)  # to read a config-only model's state shapes (state_spec.probe_states)
+        self.state_spec = StateSpec.from_config(self._config)
+        num_blocks, plan = self._sizing(model, num_blocks, memory_budget, block_size, state_slots)
+        self.states = StatePool(self.state_spec, plan.num_slots, plan.shapes) if plan.num_slots else None
         self.plugins = plugins if plugins is not None else default_plugin_manager()
         policy_name = eviction_policy
         self.plugins.eviction_policy(policy_name, num_blocks)  # fail now on an unknown policy name
@@ -274,6 +294,8 @@ class PagedKVPool:
             self.spec.windows,
             eviction_policy=lambda: self.plugins.eviction_policy(policy_name, num_blocks),
             on_evict=self._on_evict,
+            state_slots=plan.num_slots,
+            snapshot_interval=snapshot_interval,
         )
         self._layers: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * self.spec.num_layers
         # Bookkeeping lock: caches and engines of several threads may share one pool. Tensor reads and writes need no
@@ -288,6 +310,23 @@ class PagedKVPool:
         stores = _stores(self.plugins, kv_store, kv_store_bytes)
         self._tiers = KVTiers(stores, TensorBlockIO(self)) if stores else None
         self.kv.attach_tiers(self._tiers)
+
+    def _sizing(
+        self, model: Any, num_blocks: int | None, budget: Any, block_size: int, state_slots: int | None
+    ) -> tuple[int, StatePlan]:
+        """Blocks per group, and the recurrent-state slots (what ``memory_budget`` leaves them, or given)."""
+        per_block = self.spec.bytes_per_block(block_size, self._dtype)
+        parsed = None if budget is None else parse_bytes(budget)
+        plan = plan_states(
+            self.state_spec,
+            model,
+            state_slots=state_slots,
+            memory_budget=parsed,
+            kv_bytes_per_block=per_block,
+            dtype=self._dtype,
+        )
+        count = _block_count(num_blocks, plan.kv_budget, block_size, per_block)
+        return integer("num_blocks", count, minimum=1, error=ConfigError, expected="a positive integer"), plan
 
     # ------------------------------------------------------------------ queries
     @property
@@ -347,8 +386,9 @@ class PagedKVPool:
 
     @property
     def has_all_tensors(self) -> bool:
-        """Whether every layer with a KV cache has its tensors."""
-        return all(t is not None or not layer.has_cache for t, layer in zip(self._layers, self.spec.layers))
+        """Whether every layer with a KV cache (and every recurrent state) has its tensors."""
+        states = self.states is None or self.states.complete()
+        return states and all(t is not None or not layer.has_cache for t, layer in zip(self._layers, self.spec.layers))
 
     def create_tensors(self, device: torch.device, dtype: torch.dtype) -> bool:
         """Create the missing layers' tensors on ``device`` in ``dtype`` now, before any forward (to load blocks
@@ -363,6 +403,9 @@ class PagedKVPool:
                     keys = torch.empty(0, layer.num_kv_heads, layer.head_dim, dtype=dtype, device=device)
                     values = torch.empty(0, layer.num_kv_heads, layer.v_head_dim, dtype=dtype, device=device)
                     self._layers[layer_idx] = self._create(layer_idx, keys, values)
+            if self.states is not None:
+                source = owner if owner is not None else self._config
+                return self.states.create(device, lambda: probe_states(source, self.state_spec, dtype))
         return True
 
     @property
@@ -435,6 +478,7 @@ class PagedKVPool:
             num_blocks=self.num_blocks,
             block_size=self.block_size,
             store_bytes={} if self._tiers is None else {n: s["bytes"] for n, s in self._tiers.stats().stores.items()},
+            **state_stats(self.kv.states, self.states),
         )
 
     def block_bytes(self, group: int) -> int:
@@ -540,14 +584,18 @@ class PagedKVPool:
                 )
             forgotten = self.kv.clear_prefix_cache()
             self._layers = [None] * self.spec.num_layers
+            if self.states is not None:
+                self.states.drop()
             self._backends.clear()
             self._stale_tensors = False
             return forgotten
 
     @property
     def has_tensors(self) -> bool:
-        """Whether any layer's keys and values were stored since the pool was created or rebuilt."""
-        return any(t is not None for t in self._layers)
+        """Whether any layer's keys and values (or recurrent states) were stored since the pool was created or
+        rebuilt."""
+        states = self.states is not None and self.states.placement() is not None
+        return states or any(t is not None for t in self._layers)
 
     def clear_prefix_cache(self, *namespaces: Hashable) -> int:
         """Forget cached prefixes (of the given namespaces, or all). Returns blocks forgotten."""
@@ -568,7 +616,9 @@ class PagedKVPool:
         if not self._stale_tensors:
             return None
         first = next((t for t in self._layers if t is not None), None)
-        return None if first is None else (first[0].dtype, first[0].device)
+        if first is None:  # a model without attention layers: its states' placement
+            return None if self.states is None else self.states.placement()
+        return (first[0].dtype, first[0].device)
 
     def check_weights(self) -> int:
         """Notice a change of the model's weights since the last check, and forget what was computed before it.
@@ -690,7 +740,7 @@ def _block_count(
         raise ConfigError("give num_blocks or memory_budget, not both")
     if num_blocks is not None:
         return num_blocks
-    if memory_budget is None:
+    if memory_budget is None or per_block == 0:  # no budget, or no attention layer: the blocks index tokens only
         return -(-_DEFAULT_TOKENS // block_size)
     count = parse_bytes(memory_budget) // per_block
     if count < 1:

@@ -17,15 +17,13 @@ from transformers.cache_utils import get_layer_types_and_kwargs
 from pagedcore.errors import PoolMismatchError, UnsupportedModelError
 from pagedcore.validation import as_integer
 
+from .state_spec import STATE_LAYER_TYPES, kv_layer_type
+
 __all__ = ["LayerSpec", "ModelKVSpec", "context_limit", "text_config"]
 
 _SUPPORTED = {"full_attention", "sliding_attention", "dummy"}
 _WHY = {
     "chunked_attention": "chunked attention (e.g. Llama 4) keeps per-chunk state the paged cache does not model",
-    "linear_attention": "linear-attention / state-space layers keep a recurrent state, not per-token keys and values",
-    "conv": "convolutional layers keep a recurrent state, not per-token keys and values",
-    "hybrid": "hybrid linear-attention layers keep a recurrent state besides their keys and values",
-    "hybrid_sliding": "hybrid linear-attention layers keep a recurrent state besides their keys and values",
     "indexed_attention": "sparse indexed attention keeps an extra indexer cache",
 }
 
@@ -92,11 +90,16 @@ class ModelKVSpec:
         except Exception as exc:  # configs without the usual fields
             raise UnsupportedModelError(f"model type {model_type!r}: cannot read its layer types ({exc})") from exc
         for i, kind in enumerate(layer_types):
-            if kind not in _SUPPORTED:
-                why = _WHY.get(kind, "pagedcore only pages full and sliding-window attention layers")
+            if kind not in _SUPPORTED and kind not in STATE_LAYER_TYPES:
+                why = _WHY.get(kind, "pagedcore pages full and sliding-window attention and keeps recurrent states")
                 raise UnsupportedModelError(f"model type {model_type!r}, layer {i} is {kind!r}: {why}")
+        stateful = any(kind in STATE_LAYER_TYPES for kind in layer_types)
+        layer_types = [kv_layer_type(kind) for kind in layer_types]  # a recurrent state is state_spec's business
         heads = getattr(config, "num_attention_heads", None)
         hidden = getattr(config, "hidden_size", None)
+        attention_free = stateful and all(kind == "dummy" for kind in layer_types)
+        if attention_free:  # a pure state-space model (Mamba-2): one KV group of no layers indexes its tokens
+            heads, hidden = heads or 1, hidden or 1
         if not heads or not hidden:
             raise UnsupportedModelError(f"model type {model_type!r}: the config names no attention heads")
         kv_heads = _num_kv_heads(config, heads)
@@ -114,6 +117,8 @@ class ModelKVSpec:
             if window not in windows:
                 windows.append(window)
             groups.append(windows.index(window))
+        if not windows and attention_free:
+            windows.append(None)
         if not windows:
             raise UnsupportedModelError(f"model type {model_type!r} has no layer with a KV cache")
         return cls(model_type, tuple(layers), tuple(windows), tuple(groups))
