@@ -449,15 +449,14 @@ class KVPool:
         return PoolMatch(num_tokens, tuple(m.block_ids[:count] for m in matches), slot)
 
     def _deepest_snapshot(self, chain: Sequence[int], num_tokens: int) -> tuple[int, int | None]:
-        """The deepest node of the anchor group's ``chain`` that ends within ``num_tokens`` and has a snapshot:
-        ``(its end position, the snapshot)``, or ``(0, None)``."""
+        """The deepest snapshot filed along the anchor group's ``chain`` within its first ``num_tokens`` tokens:
+        ``(its position, the snapshot)``, or ``(0, None)``."""
         assert self._states is not None
         trie, bs = self._groups[self._anchor].trie, self._block_size
         for i in range(min(len(chain), -(-num_tokens // bs)) - 1, -1, -1):
-            end = i * bs + trie.block_tokens(chain[i])
-            slot = self._states.snapshot_of(chain[i])
-            if slot is not None and end <= num_tokens:
-                return end, slot
+            found = self._states.deepest(chain[i], min(num_tokens - i * bs, trie.block_tokens(chain[i])))
+            if found is not None:
+                return i * bs + found[0], found[1]
         return 0, None
 
     @property
@@ -523,8 +522,8 @@ class KVPool:
         if self._states is not None:
             self._states.check_invariants()
             trie = self._groups[self._anchor].trie
-            for block, slot in self._states.snapshots():
-                assert trie.contains(block), f"snapshot {slot} is filed under block {block}, which is not cached"
+            for block, offset, slot in self._states.snapshots():
+                assert offset <= trie.block_tokens(block), f"snapshot {slot} filed past block {block}'s cached tokens"
         for index in range(self.num_resources):
             reserved, available = self._ledger.reserved(index), self._supply(index)
             assert reserved <= available, f"resource {index}: {reserved} reserved, {available} available"
@@ -551,21 +550,21 @@ def _bind_evicting(pool: KVPool, index: int) -> Callable[[int], None]:
             trie = target.groups[index].trie
             tiers.evicting(index, block_id, trie)
             states = target.states
-            slot = None if states is None or index != target.anchor else states.snapshot_of(block_id)
-            if slot is not None:  # the block's snapshot leaves with it: down it goes too
-                tiers.evicting_snapshot(slot, block_id, trie)
+            slot = None if states is None or index != target.anchor else states.snapshot_of(block_id, trie.block_size)
+            if slot is not None:  # the snapshot at the block's end leaves with it: down it goes too
+                tiers.evicting_snapshot(slot, block_id, trie.block_size, trie)
 
     return evicting
 
 
-def _bind_state_evicting(pool: KVPool) -> Callable[[int, int], None]:
+def _bind_state_evicting(pool: KVPool) -> Callable[[int, int, int], None]:
     ref = weakref.ref(pool)
 
-    def evicting(slot: int, block_id: int) -> None:
+    def evicting(slot: int, block_id: int, offset: int) -> None:
         target = ref()
         tiers = None if target is None else target.tiers
         if target is not None and tiers is not None:
-            tiers.evicting_snapshot(slot, block_id, target.groups[target.anchor].trie)
+            tiers.evicting_snapshot(slot, block_id, offset, target.groups[target.anchor].trie)
 
     return evicting
 

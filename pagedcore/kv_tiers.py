@@ -271,10 +271,12 @@ class KVTiers:
         except Exception:  # a tier must never break an allocation
             logger.exception("pagedcore: writing an evicted block down failed; it is dropped")
 
-    def evicting_snapshot(self, slot: int, block_id: int, trie: PrefixTrie) -> None:
-        """The state snapshot in ``slot``, filed beside ``block_id`` of the anchor group's ``trie``, is about to be
-        evicted (or its block is): queue it for writing unless a store holds it. Under the pool's lock; never
-        raises."""
+    def evicting_snapshot(self, slot: int, block_id: int, offset: int, trie: PrefixTrie) -> None:
+        """The state snapshot in ``slot``, filed in ``block_id`` of the anchor group's ``trie`` after ``offset`` of its
+        tokens, is about to be evicted (or its block is): queue it for writing unless a store holds it (only
+        snapshots at a whole block's end go down). Under the pool's lock; never raises."""
+        if offset != trie.block_size:
+            return
         try:
             self._capture_snapshot(slot, block_id, trie, wait=False)
         except Exception:
@@ -291,8 +293,9 @@ class KVTiers:
                     self._capture(group.index, block_id, group.trie, wait=True)
         if pool.states is not None:
             trie = pool.groups[pool.anchor].trie
-            for block_id, slot in pool.states.snapshots():
-                self._capture_snapshot(slot, block_id, trie, wait=True)
+            for block_id, offset, slot in pool.states.snapshots():
+                if offset == trie.block_size:
+                    self._capture_snapshot(slot, block_id, trie, wait=True)
         return self.flush(timeout)
 
     def flush(self, timeout: float | None = None) -> bool:
@@ -461,7 +464,7 @@ class KVTiers:
         matches = [g.trie.match(token_ids[: limit * bs], namespace) for g in pool.groups]
         depth = min(m.num_tokens for m in matches) // bs
         chain = matches[pool.anchor].block_ids[:depth]
-        held = next((i + 1 for i in range(depth - 1, -1, -1) if states.snapshot_of(chain[i]) is not None), 0)
+        held = next((i + 1 for i in range(depth - 1, -1, -1) if states.snapshot_of(chain[i], bs) is not None), 0)
         fingerprint = io.fingerprint() if depth > held else None
         resource = pool.state_resource
         if fingerprint is None or resource is None or pool.available_blocks(resource) < 1 or not io.state_nbytes():
@@ -475,7 +478,7 @@ class KVTiers:
             slot = states.allocate()
             try:
                 io.write_state(slot, found[0])
-                states.register(chain[index], slot)
+                states.register(chain[index], bs, slot)
             finally:
                 states.release(slot)  # filed now: evictable like any unheld snapshot
             with self._lock:

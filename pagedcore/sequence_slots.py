@@ -5,8 +5,8 @@ The rules of a sequence's state: the slot holds the state after exactly the sequ
 it, a slot that is shared (a fork) or filed as a snapshot is copied (:meth:`SequenceSlots.write`); a prefix hit
 restores the snapshot filed where the hit ends, never anywhere else (:meth:`SequenceSlots.restore`); a snapshot taken
 while the sequence grows (:meth:`SequenceSlots.snapshot`) is held until the sequence registers the block it ends in,
-then filed beside that block (:meth:`SequenceSlots.file_pending`), and where the sequence stops its own state is filed
-(:meth:`SequenceSlots.file`). Every slot taken or given back is accounted to the holder's reservation.
+then filed in that block at its position (:meth:`SequenceSlots.file_pending`), and where the sequence stops its own
+state is filed (:meth:`SequenceSlots.file`). Every slot taken or given back is accounted to the holder's reservation.
 """
 
 from __future__ import annotations
@@ -171,18 +171,20 @@ class SequenceSlots:
         self._account(reservation, lambda: self._release_all([slot for _, slot in ready]))
 
     def file(self, position: int, slot: int, table: Sequence[int], dropped: int) -> bool:
-        """File ``slot`` as the snapshot of the anchor group's trie node that ends at ``position`` (a full block
-        ending there, or a partly filled block of exactly those tokens), when ``table`` holds that node cached.
-        The slot stays its holders'; a write into it copies it from now on."""
+        """File ``slot`` as the snapshot after ``position`` tokens, in the anchor group's trie block holding token
+        ``position - 1`` (``table``'s, when it is cached with that token). The slot stays its holders'; a write into
+        it copies it from now on."""
         bs = self._pool.block_size
-        full, used = divmod(position, bs)
-        index = (full - 1 if used == 0 else full) - dropped
-        if position <= 0 or not 0 <= index < len(table):
+        if position <= 0:
+            return False
+        logical = (position - 1) // bs
+        index, offset = logical - dropped, position - logical * bs
+        if not 0 <= index < len(table):
             return False
         block = table[index]
-        if self._pool.groups[self._pool.anchor].trie.block_tokens(block) != (used or bs):
+        if self._pool.groups[self._pool.anchor].trie.block_tokens(block) < offset:
             return False
-        return self._states.register(block, slot)
+        return self._states.register(block, offset, slot)
 
     # ------------------------------------------------------------------ internals
     def _account(self, reservation: Reservation | None, change: Callable[[], object]) -> None:

@@ -19,12 +19,14 @@ writes: a forward that updates a slot held by someone else, or registered as a s
 slot (:meth:`StateSlots.must_copy`; :meth:`~pagedcore.block_tables.BlockTables.write_state` applies it).
 
 **Snapshots.** A recurrent state cannot be cut at an arbitrary token, so a prefix hit needs the state *at* the hit's
-last position. A snapshot is the state of a sequence after the tokens of one node of the prefix trie (a full block,
-or the partly filled last block of a finished sequence): :meth:`StateSlots.register` files the slot under the block id
-of that node in the pool's anchor KV group. The trie's node is the snapshot's identity: when the trie drops the block
-(evicted, cleared, made redundant), :meth:`StateSlots.forget_blocks` drops its snapshot with it; when slots run short,
-the least recently used unheld snapshot is evicted on its own (its block stays: a later hit uses a shallower
-snapshot). A hit uses the deepest node of its match that has a snapshot (:meth:`pagedcore.kv_pool.KVPool.match`).
+last position. A snapshot is the state of a sequence after the tokens up to a position inside one node of the prefix
+trie (the end of a full block, or any of its tokens: the node's tokens are the prompt's there):
+:meth:`StateSlots.register` files the slot under the block id of that node in the pool's anchor KV group and the
+number of the block's tokens before it (``offset``, 1 .. ``block_size``). The trie's node is the snapshot's identity:
+when the trie drops the block (evicted, cleared, made redundant), :meth:`StateSlots.forget_blocks` drops its snapshots
+with it; when slots run short, the least recently used unheld snapshot is evicted on its own (its block stays: a later
+hit uses a shallower snapshot). A hit uses the deepest position of its match that has a snapshot
+(:meth:`pagedcore.kv_pool.KVPool.match`).
 
 How often a growing sequence takes a snapshot is :attr:`StateSlots.interval` (every ``interval`` blocks of its
 prompt); what that costs is one slot per snapshot (the state of every recurrent layer, typically tens to hundreds of
@@ -44,15 +46,18 @@ __all__ = ["StateSlots"]
 
 
 class _SnapshotIndex:
-    """The manager's cache index: which trie block each snapshot slot belongs to (both directions)."""
+    """The manager's cache index: where each snapshot slot is filed (a trie block and a position in it) and back."""
 
     def __init__(self) -> None:
-        self.slot_of: dict[int, int] = {}  # anchor block id -> snapshot slot
-        self.block_of: dict[int, int] = {}  # snapshot slot -> anchor block id
+        self.at: dict[int, dict[int, int]] = {}  # anchor block id -> {tokens of the block before it: slot}
+        self.where: dict[int, tuple[int, int]] = {}  # snapshot slot -> (block id, offset)
 
     def drop_block(self, block_id: int) -> list[int]:  # the manager evicts snapshot slot ``block_id``
-        block = self.block_of.pop(block_id)
-        del self.slot_of[block]
+        block, offset = self.where.pop(block_id)
+        filed = self.at[block]
+        del filed[offset]
+        if not filed:
+            del self.at[block]
         return [block_id]
 
 
@@ -63,19 +68,20 @@ class StateSlots:
         num_slots: slots in all (live states and snapshots together).
         interval: a growing sequence snapshots its state every ``interval`` blocks of its prompt (>= 1).
         eviction_policy: orders unheld snapshots for eviction (LRU by default).
-        before_evict: ``before_evict(slot, block_id)`` just before an unheld snapshot is evicted to free its slot (a
-            tier below the pool writes it down); must not change the slots. Exceptions are logged and swallowed.
+        before_evict: ``before_evict(slot, block_id, offset)`` just before an unheld snapshot is evicted to free its
+            slot (a tier below the pool writes it down); must not change the slots. Exceptions are logged and
+            swallowed.
 
     Example:
         >>> slots = StateSlots(num_slots=4)
         >>> live = slots.allocate()              # a sequence's state
-        >>> slots.register(block_id=7, slot=live)  # its state after the tokens of trie block 7: a snapshot
+        >>> slots.register(block_id=7, offset=16, slot=live)  # its state after trie block 7's 16 tokens: a snapshot
         True
         >>> slots.must_copy(live)                # writing on would change the snapshot: copy first
         True
-        >>> slots.release(live); slots.snapshot_of(7), slots.num_snapshots, slots.num_available
-        (0, 1, 4)
-        >>> slots.forget_blocks([7]), slots.snapshot_of(7), slots.num_free
+        >>> slots.release(live); slots.snapshot_of(7, 16), slots.deepest(7, 12), slots.num_available
+        (0, None, 4)
+        >>> slots.forget_blocks([7]), slots.snapshot_of(7, 16), slots.num_free
         (1, None, 4)
     """
 
@@ -85,7 +91,7 @@ class StateSlots:
         *,
         interval: int = 1,
         eviction_policy: EvictionPolicy | None = None,
-        before_evict: Callable[[int, int], None] | None = None,
+        before_evict: Callable[[int, int, int], None] | None = None,
     ) -> None:
         num_slots = integer("num_slots", num_slots, minimum=1, error=ConfigError, expected="a positive integer")
         self._interval = integer(
@@ -149,17 +155,28 @@ class StateSlots:
         """Whether writing into ``slot`` would change what another holder or the snapshot cache reads."""
         return self._bm.ref_count(slot) > 1 or self._bm.is_cached(slot)
 
-    def snapshot_of(self, block_id: int) -> int | None:
-        """The snapshot filed under trie block ``block_id`` (the state after that node's tokens), or None."""
-        return self._index.slot_of.get(block_id)
+    def snapshot_of(self, block_id: int, offset: int) -> int | None:
+        """The snapshot filed in trie block ``block_id`` after ``offset`` of its tokens, or None."""
+        return self._index.at.get(block_id, {}).get(offset)
 
-    def block_of(self, slot: int) -> int | None:
-        """The trie block a snapshot slot is filed under, or None."""
-        return self._index.block_of.get(slot)
+    def deepest(self, block_id: int, limit: int) -> tuple[int, int] | None:
+        """``(offset, slot)`` of the snapshot filed deepest in block ``block_id`` within its first ``limit`` tokens."""
+        filed = self._index.at.get(block_id)
+        if not filed:
+            return None
+        offsets = [offset for offset in filed if offset <= limit]
+        if not offsets:
+            return None
+        best = max(offsets)
+        return best, filed[best]
 
-    def snapshots(self) -> list[tuple[int, int]]:
-        """Every ``(block id, slot)`` snapshot."""
-        return list(self._index.slot_of.items())
+    def where(self, slot: int) -> tuple[int, int] | None:
+        """``(block id, offset)`` a snapshot slot is filed at, or None."""
+        return self._index.where.get(slot)
+
+    def snapshots(self) -> list[tuple[int, int, int]]:
+        """Every ``(block id, offset, slot)`` snapshot."""
+        return [(block, offset, slot) for slot, (block, offset) in self._index.where.items()]
 
     # ------------------------------------------------------------------ commands
     def allocate(self) -> int:
@@ -182,38 +199,46 @@ class StateSlots:
         """Drop a holder; an unheld snapshot stays cached (evictable), any other slot becomes free."""
         self._bm.release([slot])
 
-    def register(self, block_id: int, slot: int) -> bool:
-        """File ``slot`` (held by the caller) as the snapshot of trie block ``block_id``. False, changing nothing,
-        when that block has one already (the caller keeps its slot) or the slot is a snapshot of another block."""
-        if block_id in self._index.slot_of or self._bm.is_cached(slot):
+    def register(self, block_id: int, offset: int, slot: int) -> bool:
+        """File ``slot`` (held by the caller) as the snapshot after the first ``offset`` tokens of trie block
+        ``block_id``. False, changing nothing, when one is filed there already (the caller keeps its slot) or the
+        slot is a snapshot filed elsewhere."""
+        if offset < 1 or offset in self._index.at.get(block_id, {}) or self._bm.is_cached(slot):
             return False
         self._bm.mark_cached([slot])  # validates: held, not cached
-        self._index.slot_of[block_id] = slot
-        self._index.block_of[slot] = block_id
+        self._index.at.setdefault(block_id, {})[offset] = slot
+        self._index.where[slot] = (block_id, offset)
         return True
 
     def forget_blocks(self, block_ids: Iterable[int]) -> int:
         """The trie dropped these blocks: their snapshots leave the cache (an unheld one becomes free). Returns how
         many snapshots were dropped."""
-        slots = [self._index.slot_of.pop(b) for b in block_ids if b in self._index.slot_of]
+        slots: list[int] = []
+        for block in block_ids:
+            filed = self._index.at.pop(block, None)
+            if filed:
+                slots.extend(filed.values())
         for slot in slots:
-            del self._index.block_of[slot]
+            del self._index.where[slot]
         if slots:
             self._bm.uncache(slots)
         return len(slots)
 
     def clear(self) -> int:
         """Forget every snapshot (held ones stay their holders'). Returns how many."""
-        return self.forget_blocks(list(self._index.slot_of))
+        return self.forget_blocks(list(self._index.at))
 
     def check_invariants(self) -> None:
         """Raise ``AssertionError`` on inconsistent bookkeeping."""
         self._bm.check_invariants()
         index = self._index
-        assert len(index.slot_of) == len(index.block_of) == self._bm.num_cached_blocks, "snapshot index is off"
-        for block, slot in index.slot_of.items():
-            assert index.block_of.get(slot) == block, f"snapshot {slot} filed under two blocks"
-            assert self._bm.is_cached(slot), f"snapshot slot {slot} is not marked cached"
+        filed = sum(len(offsets) for offsets in index.at.values())
+        assert filed == len(index.where) == self._bm.num_cached_blocks, "snapshot index is off"
+        for block, offsets in index.at.items():
+            assert offsets, f"block {block} keeps an empty snapshot index"
+            for offset, slot in offsets.items():
+                assert index.where.get(slot) == (block, offset), f"snapshot {slot} filed at two places"
+                assert self._bm.is_cached(slot), f"snapshot slot {slot} is not marked cached"
 
     def __repr__(self) -> str:
         return (
@@ -223,6 +248,6 @@ class StateSlots:
 
     # ------------------------------------------------------------------ internals
     def _evicting(self, slot: int) -> None:
-        block = self._index.block_of.get(slot)
-        if self._before_evict is not None and block is not None:
-            self._before_evict(slot, block)
+        filed = self._index.where.get(slot)
+        if self._before_evict is not None and filed is not None:
+            self._before_evict(slot, *filed)

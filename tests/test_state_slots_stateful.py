@@ -194,9 +194,11 @@ class StateSlotBookkeeping(RuleBasedStateMachine):
         for slot in range(NUM_SLOTS):
             assert self.states.ref_count(slot) == holders.get(slot, 0), f"slot {slot}: ref count is not its holders"
         trie = self.pool.groups[self.pool.anchor].trie
-        for block, slot in self.states.snapshots():
+        bs = trie.block_size
+        for block, offset, slot in self.states.snapshots():
             _, tokens = trie.chain(block)
-            assert self.content[slot] == tuple(tokens), f"snapshot {slot} of block {block} holds another state"
+            depth = (len(tokens) - 1) // bs * bs  # the tokens before the block
+            assert self.content[slot] == tuple(tokens[: depth + offset]), f"snapshot {slot} holds another state"
         resource = self.pool.state_resource
         reserved = sum(r.remaining[resource] for r in self.reservations if not r.released)
         assert reserved == self.pool.num_reserved_slots <= self.states.num_available

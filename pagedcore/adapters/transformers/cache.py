@@ -251,6 +251,8 @@ class PagedCache(StateCacheMixin, Cache):
             contiguous on the CPU, where single-sequence attention then reads them as fast as ``DynamicCache``'s.
         namespace: prefix-cache namespace used by :meth:`attach_prefix` and :meth:`cache_prefixes`.
         attention_backend: attention backend name for ``attn_implementation="paged"`` (default: the plugins').
+        state_slots: recurrent-state slots of the private pool (a model with recurrent-state layers: one per row,
+            more for the snapshots its rows keep; see :class:`PagedKVPool`).
         reservation: blocks reserved for this cache on a shared pool (:meth:`KVPool.reserve
             <pagedcore.kv_pool.KVPool.reserve>`, sized by :meth:`~pagedcore.kv_pool.KVPool.worst_case`): its rows draw
             from it, so a ``generate`` within it cannot run out half-way (see :attr:`reservation`).
@@ -287,6 +289,7 @@ class PagedCache(StateCacheMixin, Cache):
         attention_backend: str | None = None,
         kv_layout: str | None = None,
         reservation: Reservation | None = None,
+        state_slots: int | None = None,
     ) -> None:
         if pool is None:
             if model is None:
@@ -297,10 +300,13 @@ class PagedCache(StateCacheMixin, Cache):
                 memory_budget=memory_budget,
                 block_size=block_size,
                 kv_layout="auto" if kv_layout is None else kv_layout,
+                state_slots=state_slots,
             )
         else:
-            if num_blocks is not None or memory_budget is not None or kv_layout is not None:
-                raise ConfigError("num_blocks / memory_budget / kv_layout shape a private pool: not with pool=")
+            if any(arg is not None for arg in (num_blocks, memory_budget, kv_layout, state_slots)):
+                raise ConfigError(
+                    "num_blocks / memory_budget / kv_layout / state_slots shape a private pool: not with pool="
+                )
             if model is not None:
                 pool.bind(model)
             pool.check_weights()  # a shared pool forgets prefixes computed before a weight update
@@ -639,6 +645,35 @@ class PagedCache(StateCacheMixin, Cache):
         state.length = length
         state.layer_len = [length] * len(state.layer_len)
         state.attached = length > 0
+
+    def take_rows(self, sources: Sequence[PagedCache], pads: Sequence[int], prompts: Sequence[Sequence[int]]) -> None:
+        """Start an empty cache from the rows of one-row caches of the same pool, which are left empty: row ``r`` is
+        ``pads[r]`` positions of left padding (never stored), then ``sources[r]``'s tokens, the first of
+        ``prompts[r]``; every row must end at the same rectangular position. ``enable()``'s prefill of a model with
+        recurrent-state layers computes each row alone, then hands the rows to the call's cache this way."""
+        state = self._check_live()
+        lengths = {pad + tokens for pad, tokens in zip(pads, (s.row_tokens()[0] for s in sources))}
+        if state.rows or state.length or len(sources) != len(pads) or len(lengths) != 1:
+            raise InvalidBlockError(
+                f"take_rows: rows of {sorted(lengths)} positions into a cache holding {state.length}"
+            )
+        length = lengths.pop()
+        rows = [source.give_row() for source in sources]
+        state.rows = [Row(row.blocks, min(pad, length), pad, list(p)) for row, pad, p in zip(rows, pads, prompts)]
+        state.length = length
+        state.layer_len = [length] * len(state.layer_len)
+        state.attached = length > 0
+        self.reservation = self.reservation  # the rows draw from this cache's reservation
+
+    def give_row(self) -> Row:
+        """Hand the one row of a one-row cache to another cache (:meth:`take_rows`); this cache is left empty."""
+        state = self._check_live()
+        if len(state.rows) != 1:
+            raise InvalidBlockError(f"give_row: the cache holds {len(state.rows)} rows, not one")
+        row = state.rows[0]
+        state.rows, state.length, state.step = [], 0, None
+        state.layer_len = [0] * len(state.layer_len)
+        return row
 
     def cache_prefixes(self, token_ids: Sequence[Sequence[int]]) -> None:
         """Register every row's blocks in the pool's prefix cache: its full blocks and its partly filled last one
