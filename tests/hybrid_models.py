@@ -196,7 +196,7 @@ _CONFIGS: dict[str, tuple[str, dict[str, Any], float]] = {
 
 HYBRID_FAMILIES = tuple(_CONFIGS)
 NO_ATTENTION = frozenset({"mamba2"})  # no attention layer: nothing to attend with "paged"
-TOKEN_BY_TOKEN = frozenset({"jamba", "minimax"})  # several tokens on a cached state do not continue it
+TOKEN_BY_TOKEN = frozenset({"jamba"})  # several tokens on a cached state do not continue it
 
 
 def hybrid_config(family: str, **overrides: Any) -> Any:

@@ -13,7 +13,7 @@ Each row of a call is computed alone (one row per forward, no padding: a recurre
 whose layers zero the padding's inputs), from its own hit to its prompt's last-but-one token, then the call's cache
 takes the rows (:meth:`~pagedcore.adapters.transformers.PagedCache.take_rows`) and ``generate`` computes the last token
 of every row together. Families whose forward of several tokens does not continue a cached state
-(:attr:`~.state_spec.StateSpec.resumes_chunks` false: Jamba, MiniMax) resume a hit one token per forward, and only when
+(:attr:`~.state_spec.StateSpec.resumes_chunks` false: Jamba) resume a hit one token per forward, and only when
 that is at most :data:`TOKEN_BY_TOKEN_LIMIT` tokens (else the row is computed from the start, in one forward, as
 ``generate`` would); their prompts keep one snapshot, at their end.
 """

@@ -12,8 +12,7 @@ Two facts about a family's modeling code decide how a prefix hit can resume its 
 checked against the code by the test suite on every family):
 
 - ``resumes_chunks``: a forward of several tokens on a cached state continues from it. Jamba's Mamba layers drop the
-  state in their full-sequence scan, MiniMax's lightning attention treats several tokens on a state differently from
-  one forward: their cached states are only continued one token at a time.
+  state in their full-sequence scan: its cached states are only continued one token at a time.
 - ``custom_cache``: MiniMax keeps its linear-attention states in a cache class of its own (``MiniMaxCache``, which
   its model requires); the paged cache then is one too (:mod:`.state_cache`).
 """
@@ -41,7 +40,7 @@ _KV_OF_STATE = {
     "hybrid_sliding": "sliding_attention",
 }
 # Families whose multi-token forward on a cached state does not continue from it (see the module docstring).
-_TOKEN_BY_TOKEN = frozenset({"jamba", "minimax"})
+_TOKEN_BY_TOKEN = frozenset({"jamba"})
 _CUSTOM_CACHE = frozenset({"minimax"})
 
 
