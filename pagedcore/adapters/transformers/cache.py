@@ -223,7 +223,21 @@ class PagedLayer(CacheLayerMixin):
 class PagedHybridLayer(PagedStateLayer, PagedLayer):  # type: ignore[override]
     """A layer that keeps recurrent states and keys and values (Falcon-H1, Zamba2's hybrid layers: transformers'
     ``LinearAttentionAndFullAttentionLayer``): its states in the pool's state slots, its keys and values in its KV
-    group's blocks."""
+    group's blocks.
+
+    Example:
+        >>> import torch
+        >>> from transformers import AutoConfig, AutoModelForCausalLM
+        >>> config = AutoConfig.for_model("falcon_h1", hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+        ...     num_attention_heads=4, num_key_value_heads=2, vocab_size=100, mamba_n_heads=8, mamba_d_head=16,
+        ...     mamba_d_ssm=128, mamba_d_state=16, mamba_chunk_size=8)
+        >>> model = AutoModelForCausalLM.from_config(config).eval()
+        >>> cache = PagedCache(model, num_blocks=8, block_size=4)
+        >>> _ = model(torch.tensor([[5, 6, 7]]), cache=cache)
+        >>> layer = cache.layers[0]
+        >>> type(layer).__name__, layer.keys.shape, layer.recurrent_states[0].shape
+        ('PagedHybridLayer', torch.Size([1, 2, 3, 16]), torch.Size([1, 8, 16, 16]))
+    """
 
     def __init__(
         self, state: CacheState, layer_idx: int, group: int, kind: AttentionKind, number_of_states: int

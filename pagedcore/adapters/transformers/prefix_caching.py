@@ -117,21 +117,18 @@ def enable(
     Args:
         model: a transformers causal LM.
         pool: a pool to use (e.g. shared with an Engine); else one is created with the sizing arguments.
-        num_blocks / memory_budget / block_size / eviction_policy: sizing of a new pool (see PagedKVPool).
+        num_blocks / memory_budget / block_size / eviction_policy / state_slots / snapshot_interval: sizing of a new
+            pool (see PagedKVPool; the last two for recurrent-state layers, :mod:`.state_prefill`).
         namespace: default namespace of this model's calls (override per call or per block of code; an explicit
             ``pagedcore_namespace=None`` is the shared default namespace).
         attention_backend: backend for ``attn_implementation="paged"`` (default: the plugins' choice).
-        kv_store / kv_store_bytes: tiers below a new pool (a directory and its budget, e.g. ``"20GiB"``): evicted
-            prefixes are written there and found again, also after a restart (see :class:`PagedKVPool`).
-        state_slots / snapshot_interval: a new pool's recurrent-state slots and snapshot spacing, for a model with
-            recurrent-state layers (Qwen3.5, Mamba-2...; see :class:`PagedKVPool` and :mod:`.state_prefill`).
+        kv_store / kv_store_bytes: tiers below a new pool (a directory, a budget): evicted prefixes outlive restarts.
 
     Returns:
         The pool; read ``pool.num_hit_tokens / pool.num_query_tokens`` for the hit rate.
 
-    What a kept result holds, weight updates and ``model.to(...)``: the module docstring (*Kept caches*, *Weights
-    that change*, *A converted model*). Prompt + ``max_new_tokens`` over the model's context raises
-    :class:`~pagedcore.errors.InvalidRequestError` (:func:`~pagedcore.adapters.transformers.spec.context_limit`).
+    Kept results, weight updates and ``model.to(...)``: the module docstring. Prompt + ``max_new_tokens`` over the
+    model's context raises :class:`~pagedcore.errors.InvalidRequestError` (:func:`.spec.context_limit`).
 
     Example:
         >>> import torch
@@ -152,14 +149,11 @@ def enable(
         0
         >>> _ = pc.disable(model)
     """
-    if model in _ENABLED:
-        raise ConfigError("prefix caching is already enabled on this model; call disable(model) first")
-    sizing = {"state_slots": state_slots, "snapshot_interval": snapshot_interval}
+    states = {"state_slots": state_slots, "snapshot_interval": snapshot_interval}
     pool = _enable_pool(
-        model, pool, num_blocks, memory_budget, block_size, eviction_policy, kv_store, kv_store_bytes, sizing
+        model, pool, num_blocks, memory_budget, block_size, eviction_policy, kv_store, kv_store_bytes, states
     )
-    had_instance = "generate" in vars(model)
-    state = _Enabled(pool, namespace, attention_backend, had_instance, vars(model).get("generate"))
+    state = _Enabled(pool, namespace, attention_backend, "generate" in vars(model), vars(model).get("generate"))
     model.generate = _wrapped_generate(model, state)
     _ENABLED[model] = state
     return pool
@@ -177,6 +171,8 @@ def _enable_pool(
     states: dict[str, int | None],
 ) -> PagedKVPool:
     """The pool :func:`enable` uses: ``pool`` bound to ``model`` (no sizing arguments with it), else a new one."""
+    if model in _ENABLED:
+        raise ConfigError("prefix caching is already enabled on this model; call disable(model) first")
     if pool is None:
         pool = PagedKVPool(
             model,

@@ -64,7 +64,20 @@ class CacheStates:
     Args:
         pool: the pool's state tensors.
         lock: the pool's bookkeeping lock.
-        copy: performs a copy-on-write copy of a slot (the pool's tensors, :meth:`StatePool.apply`).
+
+    Example:
+        >>> import torch
+        >>> from pagedcore.adapters.transformers import PagedCache
+        >>> from pagedcore.adapters.transformers.testing import tiny_hybrid
+        >>> model = tiny_hybrid()
+        >>> cache = PagedCache(model, num_blocks=8, block_size=4)
+        >>> cache.before_forward(input_ids=torch.tensor([[5, 6]]))   # the forward hook does this: slots, index
+        >>> cache.get_conv_state(0) is None        # the row's first forward: no state yet, as transformers says
+        True
+        >>> _ = cache.update_recurrent_state(torch.ones(1, 4, 16, 16), 0)   # what layer 0 computed
+        >>> cache.after_forward()                  # written back to the row's slot (here a view of it already)
+        >>> cache.layers[0].recurrent_states[0].sum().item(), cache.memory_stats().state_slots
+        (1024.0, 1)
     """
 
     def __init__(self, pool: StatePool, lock: Any) -> None:
@@ -230,6 +243,19 @@ class PagedStateLayer(LinearAttentionCacheLayerMixin):
     linear-attention, state-space or short-convolution layer): its states live in the pool's state slots, one per row.
     ``conv_states`` / ``recurrent_states`` are what a ``LinearAttentionLayer`` holds after the same calls (copies
     gathered from the slots); ``has_previous_state`` whether the rows have states.
+
+    Example:
+        >>> import torch
+        >>> from transformers import DynamicCache
+        >>> from pagedcore.adapters.transformers import PagedCache
+        >>> from pagedcore.adapters.transformers.testing import tiny_hybrid
+        >>> model = tiny_hybrid()
+        >>> paged, stock = PagedCache(model, num_blocks=8, block_size=4), DynamicCache(config=model.config)
+        >>> for cache in (paged, stock):
+        ...     _ = model(torch.tensor([[5, 6, 7]]), cache=cache)
+        >>> layer = paged.layers[0]
+        >>> type(layer).__name__, torch.equal(layer.recurrent_states[0], stock.layers[0].recurrent_states[0])
+        ('PagedStateLayer', True)
     """
 
     is_compileable = False

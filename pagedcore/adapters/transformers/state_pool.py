@@ -59,6 +59,15 @@ def plan_states(
     ``state_slots`` given: that many (the rest of a budget goes to the blocks). A budget alone: half of it to the
     slots (the whole budget in a model of state layers only), sized by the states the model keeps
     (:func:`~.state_spec.probe_states`). Neither: :data:`DEFAULT_STATE_SLOTS`.
+
+    Example:
+        >>> from pagedcore.adapters.transformers.testing import tiny_hybrid
+        >>> model = tiny_hybrid()
+        >>> spec = StateSpec.from_config(model.config)
+        >>> plan = plan_states(spec, model, state_slots=None, memory_budget=1 << 20, kv_bytes_per_block=2048,
+        ...     dtype=torch.float32)
+        >>> plan.num_slots, plan.kv_budget + plan.num_slots * state_bytes(plan.shapes) == 1 << 20
+        (28, True)
     """
     if not spec.has_states:
         return StatePlan(memory_budget, 0, [])
@@ -206,7 +215,12 @@ class StatePool:
 
 
 def state_stats(slots: StateSlots | None, states: StatePool | None) -> dict[str, int]:
-    """The state fields of a pool's :class:`~.pool.MemoryStats` (none for a pool without state slots)."""
+    """The state fields of a pool's :class:`~.pool.MemoryStats` (none for a pool without state slots).
+
+    Example:
+        >>> state_stats(None, None)
+        {}
+    """
     if slots is None or states is None:
         return {}
     each = states.slot_nbytes()

@@ -77,6 +77,23 @@ class StatePrefill:
         pool: its pool (with state slots).
         namespace: the call's prefix-cache namespace.
         attention_backend: the caches' backend for ``attn_implementation="paged"``.
+
+    Example:
+        >>> import torch
+        >>> from pagedcore.adapters.transformers import PagedKVPool
+        >>> from pagedcore.adapters.transformers.testing import tiny_hybrid
+        >>> model = tiny_hybrid()
+        >>> pool = PagedKVPool(model, num_blocks=16, block_size=4, state_slots=8)
+        >>> prefill = StatePrefill(model, pool, None, None)
+        >>> with pool.lock:
+        ...     prefill.plan([[5, 6, 7, 8, 9, 10, 11]]), prefill.rows[0].points   # no hit; stops at 4 and 6
+        ...     prefill.attach(pool.kv.reserve(pool.kv.worst_case()))
+        ([0], [4, 6])
+        >>> cache = PagedCache(model, pool=pool)
+        >>> prefill.run(cache, [0], {}), cache.memory_stats().state_slots   # its state and two snapshots
+        (6, 3)
+        >>> cache.release(); pool.kv.states.num_used
+        0
     """
 
     def __init__(self, model: Any, pool: PagedKVPool, namespace: Hashable, attention_backend: str | None) -> None:

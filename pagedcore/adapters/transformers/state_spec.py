@@ -65,6 +65,10 @@ class StateShape:
         index: the state's index within the layer (``state_idx``).
         shape: its shape for one sequence (the batch dimension left out).
         dtype: its dtype (many families keep recurrent states in float32 whatever the model's dtype).
+
+    Example:
+        >>> StateShape(0, "recurrent", 0, (4, 16, 16), torch.float32).nbytes
+        4096
     """
 
     layer: int
