@@ -660,18 +660,19 @@ class PagedCache(StateCacheMixin, Cache):
         state.layer_len = [length] * len(state.layer_len)
         state.attached = length > 0
 
-    def take_rows(self, sources: Sequence[PagedCache], pads: Sequence[int], prompts: Sequence[Sequence[int]]) -> None:
-        """Start an empty cache from the rows of one-row caches of the same pool, which are left empty: row ``r`` is
-        ``pads[r]`` positions of left padding (never stored), then ``sources[r]``'s tokens, the first of
-        ``prompts[r]``; every row must end at the same rectangular position. ``enable()``'s prefill of a model with
-        recurrent-state layers computes each row alone, then hands the rows to the call's cache this way."""
+    def take_rows(
+        self, sources: Sequence[PagedCache], pads: Sequence[int], prompts: Sequence[Sequence[int]], length: int
+    ) -> None:
+        """Start an empty cache at rectangular position ``length`` from the rows of one-row caches of the same pool,
+        which are left empty: row ``r`` is ``min(pads[r], length)`` positions of left padding (never stored), then
+        ``sources[r]``'s tokens, the first of ``prompts[r]``. ``enable()``'s prefill of a model with recurrent-state
+        layers computes each row alone, then hands the rows to the call's cache this way."""
         state = self._check_live()
-        lengths = {pad + tokens for pad, tokens in zip(pads, (s.row_tokens()[0] for s in sources))}
-        if state.rows or state.length or len(sources) != len(pads) or len(lengths) != 1:
-            raise InvalidBlockError(
-                f"take_rows: rows of {sorted(lengths)} positions into a cache holding {state.length}"
-            )
-        length = lengths.pop()
+        tokens = [source.row_tokens()[0] if source.row_tokens() else 0 for source in sources]
+        if state.rows or state.length or len(sources) != len(pads) or length < 0:
+            raise InvalidBlockError(f"take_rows: {len(sources)} rows into a cache holding {state.length} positions")
+        if any(min(pad, length) + n != length for pad, n in zip(pads, tokens)):
+            raise InvalidBlockError(f"take_rows: rows of {tokens} tokens after {list(pads)} do not end at {length}")
         rows = [source.give_row() for source in sources]
         state.rows = [Row(row.blocks, min(pad, length), pad, list(p)) for row, pad, p in zip(rows, pads, prompts)]
         state.length = length
@@ -685,7 +686,7 @@ class PagedCache(StateCacheMixin, Cache):
         if len(state.rows) != 1:
             raise InvalidBlockError(f"give_row: the cache holds {len(state.rows)} rows, not one")
         row = state.rows[0]
-        state.rows, state.length, state.step = [], 0, None
+        state.rows, state.length, state.step = [], 0, None  # (a row of no token yet is handed over empty)
         state.layer_len = [0] * len(state.layer_len)
         return row
 

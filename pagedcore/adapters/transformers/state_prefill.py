@@ -2,20 +2,23 @@
 a state, and the snapshots that later prompts resume from.
 
 A recurrent state cannot be cut at an arbitrary token, so a prompt is computed in pieces that end at **snapshot
-points** (every ``snapshot_interval`` blocks of the prompt, and its last computed position) and the state is kept at
-each of them (:meth:`~pagedcore.adapters.transformers.PagedCache.snapshot`); when the call registers its blocks, each
-snapshot is filed beside the block it ends (:mod:`pagedcore.state_slots`), as the state where the sequence stops is. A
+points** (every ``snapshot_interval`` blocks of the prompt) and the state is kept at each of them
+(:meth:`~pagedcore.adapters.transformers.PagedCache.snapshot`); when the call registers its blocks, each snapshot is
+filed in the block holding its last token (:mod:`pagedcore.state_slots`), as the state where the sequence stops is. A
 later prompt then takes the deepest point of its prefix match where every layer kind has what it needs (keys and
 values before it, a snapshot at it: :meth:`~pagedcore.kv_pool.KVPool.match`), restores that state and computes from
 there.
 
 Each row of a call is computed alone (one row per forward, no padding: a recurrent state sees none, as in transformers,
-whose layers zero the padding's inputs), from its own hit to its prompt's last-but-one token, then the call's cache
-takes the rows (:meth:`~pagedcore.adapters.transformers.PagedCache.take_rows`) and ``generate`` computes the last token
-of every row together. Families whose forward of several tokens does not continue a cached state
-(:attr:`~.state_spec.StateSpec.resumes_chunks` false: Jamba) resume a hit one token per forward, and only when
-that is at most :data:`TOKEN_BY_TOKEN_LIMIT` tokens (else the row is computed from the start, in one forward, as
-``generate`` would); their prompts keep one snapshot, at their end.
+whose layers zero the padding's inputs), from its hit to its last snapshot point, then the call's cache takes the rows
+(:meth:`~pagedcore.adapters.transformers.PagedCache.take_rows`) and ``generate`` computes the rest of every row in its
+own forward (a forward costs about the same for a few tokens or a block's: the tail is not a forward of its own). The
+rows of a batch must stop at one rectangular position: where their last snapshot points are, when that is one
+position (a single row), else at the prompt's last-but-one token (where each row keeps a snapshot too). Families whose forward of several tokens does not continue a cached state
+(:attr:`~.state_spec.StateSpec.resumes_chunks` false: Jamba) resume a hit one token per forward up to the last-but-one
+token, and only when that is at most :data:`TOKEN_BY_TOKEN_LIMIT` tokens (else the row is computed from the start,
+in one forward, as stock does); they keep a snapshot at that token (a repeated prompt resumes there), not at block
+boundaries.
 """
 
 from __future__ import annotations
@@ -39,24 +42,15 @@ TOKEN_BY_TOKEN_LIMIT = 32
 """The most tokens a family that resumes a state one token at a time computes that way after a hit."""
 
 
-def snapshot_points(start: int, end: int, spacing: int, *, resumes_chunks: bool = True) -> list[int]:
-    """Where the forwards of a row computed from position ``start`` to ``end`` stop: every multiple of ``spacing``
-    after ``start`` (a snapshot point), and ``end``; a family that does not resume chunks: every position after
-    ``start`` when it resumes a hit (one token per forward), else ``end`` only. A row keeps its state at the
-    multiples of ``spacing`` and at ``end``.
+def snapshot_points(start: int, end: int, spacing: int) -> list[int]:
+    """The snapshot points of a row that resumes at position ``start`` and whose prompt ends before ``end``: every
+    multiple of ``spacing`` after ``start``, up to ``end``.
 
     Example:
-        >>> snapshot_points(0, 10, 4), snapshot_points(4, 9, 4), snapshot_points(6, 6, 4)
-        ([4, 8, 10], [8, 9], [])
-        >>> snapshot_points(5, 8, 4, resumes_chunks=False), snapshot_points(0, 8, 4, resumes_chunks=False)
-        ([6, 7, 8], [8])
+        >>> snapshot_points(0, 10, 4), snapshot_points(4, 9, 4), snapshot_points(6, 7, 4)
+        ([4, 8], [8], [])
     """
-    if end <= start:
-        return []
-    if not resumes_chunks:
-        return list(range(start + 1, end + 1)) if start else [end]
-    first = (start // spacing + 1) * spacing
-    return [*range(first, end, spacing), end]
+    return list(range((start // spacing + 1) * spacing, end + 1, spacing))
 
 
 @dataclass
@@ -65,7 +59,11 @@ class _Row:
     match: PoolMatch
     hit: int
     cache: PagedCache | None = None
-    points: list[int] = field(default_factory=list)
+    points: list[int] = field(default_factory=list)  # snapshot points up to the last-but-one token
+
+    @property
+    def end(self) -> int:
+        return len(self.tokens) - 1
 
 
 class StatePrefill:
@@ -86,12 +84,12 @@ class StatePrefill:
         >>> pool = PagedKVPool(model, num_blocks=16, block_size=4, state_slots=8)
         >>> prefill = StatePrefill(model, pool, None, None)
         >>> with pool.lock:
-        ...     prefill.plan([[5, 6, 7, 8, 9, 10, 11]]), prefill.rows[0].points   # no hit; stops at 4 and 6
+        ...     prefill.plan([[5, 6, 7, 8, 9, 10, 11]]), prefill.rows[0].points   # no hit; a snapshot at 4
         ...     prefill.attach(pool.kv.reserve(pool.kv.worst_case()))
-        ([0], [4, 6])
+        ([0], [4])
         >>> cache = PagedCache(model, pool=pool)
-        >>> prefill.run(cache, [0], {}), cache.memory_stats().state_slots   # its state and two snapshots
-        (6, 3)
+        >>> prefill.run(cache, [0], {}), cache.memory_stats().state_slots   # 4 computed: its state and a snapshot
+        (4, 2)
         >>> cache.release(); pool.kv.states.num_used
         0
     """
@@ -117,12 +115,10 @@ class StatePrefill:
             hit = match.num_tokens
             if not self.resumes_chunks and len(tokens) - 1 - hit > TOKEN_BY_TOKEN_LIMIT:
                 hit = 0  # resuming one token at a time would cost more than computing the row in one forward
-            end = len(tokens) - 1
-            self.rows.append(_Row(list(tokens), match, hit, points=self._points(hit, end)))
+            row = _Row(list(tokens), match, hit)
+            row.points = snapshot_points(hit, row.end, self.spacing) if self.resumes_chunks else []
+            self.rows.append(row)
         return [row.hit for row in self.rows]
-
-    def _points(self, hit: int, end: int) -> list[int]:
-        return snapshot_points(hit, end, self.spacing, resumes_chunks=self.resumes_chunks)
 
     def attach(self, reservation: Reservation) -> None:
         """Give each row a one-row cache drawing from ``reservation``, its hit attached."""
@@ -137,22 +133,42 @@ class StatePrefill:
             row.cache.attach_prefix([row.match if row.hit else None], [0], row.hit, [row.tokens])
 
     # ------------------------------------------------------------------ the forwards
+    def stops(self, pads: Sequence[int], width: int) -> tuple[int, list[int]]:
+        """The rectangular position every row's prefill stops at, and each row's tokens there (see the module
+        docstring); ``width`` is the input's."""
+        rows = self.rows
+        if not self.resumes_chunks:  # to the last-but-one token, where the state is kept for a repeated prompt
+            return width - 1, [row.end for row in rows]
+        ends = {pad + (row.points[-1] if row.points else row.hit) for pad, row in zip(pads, rows)}
+        if len(ends) == 1:  # every row's last snapshot point (or hit) at one position: generate computes the rest
+            length = ends.pop()
+            return length, [max(0, length - pad) for pad in pads]
+        return width - 1, [row.end for row in rows]  # else every row to its last-but-one token
+
     def run(self, cache: PagedCache, pads: Sequence[int], extra: dict[str, Any]) -> int:
-        """Compute every row from its hit to its last-but-one token, keeping a snapshot at each point, then hand the
-        rows to ``cache`` (``pads[r]`` positions of left padding before row ``r``). ``extra`` are the call's other
-        model inputs (sequence-long ones sliced per row). Returns the rectangular length the cache holds."""
+        """Compute every row from its hit to where it stops (:meth:`stops`), keeping a snapshot at each snapshot
+        point (and at the last-but-one token when it stops there), then hand the rows to ``cache`` (``pads[r]``
+        positions of left padding before row ``r``). ``extra`` are the call's other model inputs (sequence-long ones
+        sliced per row). Returns the rectangular length the cache holds."""
         width = len(self.rows[0].tokens) + pads[0]
-        for index, row in enumerate(self.rows):
+        length, stops = self.stops(pads, width)
+        for index, (row, stop) in enumerate(zip(self.rows, stops)):
             assert row.cache is not None
+            inputs = _row_inputs(extra, index, pads[index], width)
             start = row.hit
-            end = len(row.tokens) - 1
-            for point in row.points:
-                self._forward(row.cache, row.tokens, start, point, _row_inputs(extra, index, pads[index], width))
-                if point % self.spacing == 0 or point == end:
+            one_by_one = not self.resumes_chunks and row.hit > 0
+            ends = range(start + 1, stop + 1) if one_by_one else [p for p in row.points if p <= stop]
+            for point in [*ends, *([stop] if stop > max([start, *ends]) else [])]:
+                self._forward(row.cache, row.tokens, start, point, inputs)
+                if point % self.spacing == 0 or point == row.end:
                     row.cache.snapshot()
                 start = point
-        cache.take_rows([row.cache for row in self.rows if row.cache is not None], pads, [r.tokens for r in self.rows])
-        return width - 1
+        prompts = [row.tokens for row in self.rows]
+        if not length:
+            cache.attach_prefix([None] * len(self.rows), pads, 0, prompts)  # only the padding: generate computes all
+            return 0
+        cache.take_rows([row.cache for row in self.rows if row.cache is not None], pads, prompts, length)
+        return length
 
     def _forward(self, cache: PagedCache, tokens: list[int], start: int, end: int, extra: dict[str, Any]) -> None:
         model = self.model
