@@ -14,11 +14,12 @@ whose layers zero the padding's inputs), from its hit to its last snapshot point
 (:meth:`~pagedcore.adapters.transformers.PagedCache.take_rows`) and ``generate`` computes the rest of every row in its
 own forward (a forward costs about the same for a few tokens or a block's: the tail is not a forward of its own). The
 rows of a batch must stop at one rectangular position: where their last snapshot points are, when that is one
-position (a single row), else at the prompt's last-but-one token (where each row keeps a snapshot too). Families whose forward of several tokens does not continue a cached state
-(:attr:`~.state_spec.StateSpec.resumes_chunks` false: Jamba) resume a hit one token per forward up to the last-but-one
-token, and only when that is at most :data:`TOKEN_BY_TOKEN_LIMIT` tokens (else the row is computed from the start,
-in one forward, as stock does); they keep a snapshot at that token (a repeated prompt resumes there), not at block
-boundaries.
+position (a single row), else at the prompt's last-but-one token (where each row keeps a snapshot too).
+
+Families whose forward of several tokens does not continue a cached state (:attr:`~.state_spec.StateSpec.resumes_chunks`
+false: Jamba) resume a hit one token per forward up to the last-but-one token, and only when that is at most
+:data:`TOKEN_BY_TOKEN_LIMIT` tokens (else the row is computed from the start, in one forward, as stock does); they keep
+a snapshot at that token (a repeated prompt resumes there), not at block boundaries.
 """
 
 from __future__ import annotations
