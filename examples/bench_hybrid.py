@@ -91,10 +91,10 @@ def timed(fn: Any) -> tuple[float, float]:
     return time.perf_counter() - wall, time.thread_time() - cpu
 
 
-def system_prompt(args: argparse.Namespace) -> dict[str, Any]:
+def system_prompt(args: argparse.Namespace, interval: int) -> dict[str, Any]:
     plain = build(args.model_size)
     cached = copy.deepcopy(plain)
-    pool = enable(cached, block_size=BLOCK, num_blocks=4096, state_slots=args.state_slots)
+    pool = enable(cached, block_size=BLOCK, num_blocks=4096, state_slots=args.state_slots, snapshot_interval=interval)
     counter = TokenCounter(cached)
     gen = torch.Generator().manual_seed(1)
     vocab = plain.config.vocab_size
@@ -120,6 +120,7 @@ def system_prompt(args: argparse.Namespace) -> dict[str, Any]:
     stats = pool.memory_stats()
     disable(cached)
     return {
+        "interval": interval,
         "rows": rows,
         "unique": unique,
         "computed": sum(r["computed"] for r in rows),
@@ -215,28 +216,34 @@ def published() -> list[tuple[str, int | None]]:
 
 
 def report(
-    args: argparse.Namespace, sp: dict[str, Any], mem: dict[str, Any], snaps: list[tuple[str, dict[str, Any]]]
+    args: argparse.Namespace, sps: list[dict[str, Any]], mem: dict[str, Any], snaps: list[tuple[str, dict[str, Any]]]
 ) -> None:
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     threads = torch.get_num_threads()
     print(f"# hybrid models: {args.model_size} Qwen3.5-like model, CPU, {threads} threads, load {load:.1f}")
-    print(f"\n## system prompt ({args.system} tokens) + {args.questions} questions of {args.question} tokens")
-    print(f"prefill tokens computed: {sp['computed']} / unique {sp['unique']} = {sp['computed'] / sp['unique']:.3f}x")
-    print(f"hits per question after the first: {sorted({r['hit'] for r in sp['rows'][1:]})} tokens")
-    for clock, name in ((0, "wall"), (1, "CPU")):
-        plain, cached = sp["ttft_plain"][clock], sp["ttft_enable"][clock]
+    for sp in sps:
+        spacing = sp["interval"] * BLOCK
         print(
-            f"time to first token ({name}), questions 2-{args.questions} (median): plain {plain * 1e3:.1f} ms, "
-            f"enable {cached * 1e3:.1f} ms: {plain / cached:.1f}x faster"
+            f"\n## system prompt ({args.system} tokens) + {args.questions} questions of {args.question} tokens, "
+            f"a snapshot every {sp['interval']} block(s) ({spacing} tokens)"
         )
-    first_plain, first_enable = sp["first"]
-    print(
-        f"first question (CPU): plain {first_plain[1] * 1e3:.1f} ms, enable {first_enable[1] * 1e3:.1f} ms "
-        "(its snapshots taken)"
-    )
-    print(f"answers identical to plain generate: {sp['same']}")
-    kept, kv = sp["snapshot_bytes"] / 2**20, sp["kv_cached_bytes"] / 2**20
-    print(f"snapshots kept: {sp['snapshots']} ({kept:.1f} MiB); cached keys and values {kv:.2f} MiB")
+        ratio = sp["computed"] / sp["unique"]
+        print(f"prefill tokens computed: {sp['computed']} / unique {sp['unique']} = {ratio:.3f}x")
+        print(f"hits per question after the first: {sorted({r['hit'] for r in sp['rows'][1:]})} tokens")
+        for clock, name in ((0, "wall"), (1, "CPU")):
+            plain, cached = sp["ttft_plain"][clock], sp["ttft_enable"][clock]
+            print(
+                f"time to first token ({name}), questions 2-{args.questions} (median): plain {plain * 1e3:.1f} ms, "
+                f"enable {cached * 1e3:.1f} ms: {plain / cached:.1f}x faster"
+            )
+        first_plain, first_enable = sp["first"]
+        print(
+            f"first question (CPU): plain {first_plain[1] * 1e3:.1f} ms, enable {first_enable[1] * 1e3:.1f} ms "
+            "(its snapshots taken)"
+        )
+        print(f"answers identical to plain generate: {sp['same']}")
+        kept, kv = sp["snapshot_bytes"] / 2**20, sp["kv_cached_bytes"] / 2**20
+        print(f"snapshots kept: {sp['snapshots']} ({kept:.1f} MiB); cached keys and values {kv:.2f} MiB")
     print(f"\n## memory: {len(mem['lengths'])} rows of {mem['lengths'][0]}..{mem['lengths'][-1]} tokens, left-padded")
     print(f"needed (real tokens' KV + one state per row): {mem['need'] / 2**20:.2f} MiB")
     print(f"PagedCache: {mem['paged'] / 2**20:.2f} MiB = {mem['paged'] / mem['need']:.3f}x")
@@ -262,6 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--answer", type=int, default=8)
     parser.add_argument("--check", type=int, default=4, help="questions whose answers are compared")
     parser.add_argument("--state-slots", type=int, default=256)
+    parser.add_argument("--intervals", type=int, nargs="+", default=[1, 2], help="snapshot intervals (blocks)")
     parser.add_argument("--rows", type=int, default=8)
     parser.add_argument("--memory-shortest", type=int, default=64)
     parser.add_argument("--memory-longest", type=int, default=512)
@@ -275,11 +283,11 @@ def main(argv: list[str] | None = None) -> int:
         args.model_size, args.system, args.questions, args.question, args.check = "tiny", 48, 3, 8, 2
         args.rows, args.memory_shortest, args.memory_longest, args.memory_new, args.repeats = 3, 8, 40, 4, 3
     torch.set_num_threads(args.threads)
-    sp = system_prompt(args)
+    sps = [system_prompt(args, interval) for interval in args.intervals]
     mem = memory(args)
     snaps = snapshots(args)
-    report(args, sp, mem, snaps)
-    return 0 if sp["same"] and mem["same"] else 1
+    report(args, sps, mem, snaps)
+    return 0 if all(sp["same"] for sp in sps) and mem["same"] else 1
 
 
 if __name__ == "__main__":

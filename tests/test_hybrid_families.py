@@ -28,7 +28,7 @@ from transformers.cache_utils import Cache
 from transformers.generation.streamers import BaseStreamer
 from transformers.models.minimax.modeling_minimax import MiniMaxCache
 
-from pagedcore import UnsupportedModelError
+from pagedcore import ConfigError, UnsupportedModelError
 from pagedcore.adapters.transformers import Engine, PagedCache, PagedKVPool
 from pagedcore.adapters.transformers.state_spec import StateSpec
 
@@ -236,6 +236,14 @@ def test_an_unknown_layer_type_is_refused_naming_it():
     config.layer_types = ["linear_attention", "mystery_mixer", "linear_attention", "full_attention"]
     with pytest.raises(UnsupportedModelError, match=r"'qwen3_5_text', layer 1 is 'mystery_mixer'"):
         PagedKVPool(config, num_blocks=8)
+
+
+def test_a_cache_for_state_layers_needs_the_model_itself():
+    pool = PagedKVPool(hybrid_config("qwen3_5"), num_blocks=8, state_slots=2)
+    with pytest.raises(ConfigError, match="needs the model itself"):
+        PagedCache(pool=pool)
+    with pytest.raises(ConfigError, match="needs the model itself"):
+        PagedCache(hybrid_config("qwen3_5"), num_blocks=8)
 
 
 def test_the_engine_refuses_recurrent_state_layers_for_now():
