@@ -326,8 +326,8 @@ class PagedCache(StateCacheMixin, Cache):
             pool.check_weights()  # a shared pool forgets prefixes computed before a weight update
         if pool.states is not None and not isinstance(model, torch.nn.Module):
             raise ConfigError(
-                f"a PagedCache for {pool.spec.model_type!r}, whose layers keep recurrent states, needs the model itself "
-                "(PagedCache(model, ...)): its forward hook prepares each forward's state slots"
+                f"a PagedCache for {pool.spec.model_type!r}, whose layers keep recurrent states, needs the model "
+                "itself (PagedCache(model, ...)): its forward hook prepares each forward's state slots"
             )
         self._pool = pool
         config = text_config(model) if model is not None else None
