@@ -119,6 +119,21 @@ def test_beams_samples_streamer_and_stopping(family):
     check_released(cache)
 
 
+@pytest.mark.parametrize("family", ["qwen3_5", "falcon_h1", "zamba2"])
+def test_paged_attention_with_beams_and_samples(family, monkeypatch):
+    model = model_for(family, "paged")
+    ids, mask = batch(BATCHES["left_padded"], 9, seed=7)
+    base = {"input_ids": ids, "attention_mask": mask, "max_new_tokens": 5}
+    calls = spy_paged_attention(monkeypatch)
+    for extra in ({"num_beams": 2, "do_sample": False}, {"num_return_sequences": 2, "do_sample": True, "top_p": 0.9}):
+        cache = PagedCache(model, num_blocks=64, block_size=4)
+        assert_same_generation(
+            generate(model, cache, seed=3, **base, **extra), reference(family, seed=3, **base, **extra)
+        )
+        check_released(cache)
+    assert calls[0] > 0
+
+
 @pytest.mark.parametrize("family", HYBRID_FAMILIES)
 def test_continuing_with_the_returned_cache(family):
     model = model_for(family, "stock")
