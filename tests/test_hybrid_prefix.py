@@ -118,11 +118,28 @@ def test_every_snapshot_spacing_resumes_exactly(interval, enabled):
 def test_a_left_padded_batch_resumes_each_row_at_its_own_snapshot(family, enabled):
     model = hybrid_model(family)
     pool = enabled(model, num_blocks=256, block_size=4, state_slots=128)
+    forwards = []
+    model.register_forward_pre_hook(lambda module, args: forwards.append(1))
     ids, mask = batch([0, 3, 6], 20, seed=9)
     same_as_cold(model, family, input_ids=ids, attention_mask=mask, max_new_tokens=4)
+    assert len(forwards) == 4  # a batch without a hit: one padded prefill, as stock (no snapshot points)
+    for row, pad in enumerate((0, 3, 6)):  # each row alone: its snapshot points
+        same_as_cold(model, family, input_ids=ids[row : row + 1, pad:], max_new_tokens=2)
     ids[:, -2:] = torch.tensor([[7, 8], [9, 10], [11, 12]])  # the same rows, other endings
     hit = hits(pool, lambda: same_as_cold(model, family, input_ids=ids, attention_mask=mask, max_new_tokens=4))
     assert hit == sum((20 - pad - 2) // 4 * 4 for pad in (0, 3, 6))
+    settled(pool)
+
+
+@pytest.mark.parametrize("family", ["mamba2", "qwen3_5"])
+@pytest.mark.parametrize("extra", [{"num_return_sequences": 2, "do_sample": True, "seed": 4}, {"num_beams": 2}])
+def test_a_batch_without_a_hit_computes_its_prompt_once_and_forks(family, extra, enabled):
+    """Its prompt is computed once for the unexpanded batch (one padded forward, as stock), then forked; a model
+    without attention layers must then be fed only the tokens after it (stock never slices such a model's input)."""
+    model = hybrid_model(family)
+    pool = enabled(model, num_blocks=256, block_size=4, state_slots=64)
+    ids, mask = batch([0, 3], 14, seed=5)
+    same_as_cold(model, family, input_ids=ids, attention_mask=mask, max_new_tokens=4, **extra)
     settled(pool)
 
 

@@ -663,7 +663,7 @@ class PagedCache(StateCacheMixin, Cache):
         state.rows = rows
         state.length = length
         state.layer_len = [length] * len(state.layer_len)
-        state.attached = length > 0
+        state.attached = True
 
     def take_rows(
         self, sources: Sequence[PagedCache], pads: Sequence[int], prompts: Sequence[Sequence[int]], length: int
@@ -682,7 +682,7 @@ class PagedCache(StateCacheMixin, Cache):
         state.rows = [Row(row.blocks, min(pad, length), pad, list(p)) for row, pad, p in zip(rows, pads, prompts)]
         state.length = length
         state.layer_len = [length] * len(state.layer_len)
-        state.attached = length > 0
+        state.attached = True
         self.reservation = self.reservation  # the rows draw from this cache's reservation
 
     def give_row(self) -> Row:

@@ -202,7 +202,7 @@ class CacheState:
         # The paged path may then skip the mask, and the rows' full blocks may be registered in the prefix cache.
         self.exact = True
         self.released = False
-        self.attached = False  # attach_prefix took a prefix: generate is to feed only the tokens after it
+        self.attached = False  # made by enable() (attach_prefix, take_rows): generate is given the whole prompt
         # The rows' recurrent states, for a model with state layers (their slots are the rows' BlockTables').
         self.states = CacheStates(pool.states, pool.lock) if pool.states is not None else None
 

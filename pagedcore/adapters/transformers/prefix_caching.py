@@ -364,10 +364,10 @@ def _fresh(
                 held = cache.row_tokens()
             shape = tuple(input_ids.shape)
             reservation = _reserve(pool, held, shape, pads, settings, share_prompt, kwargs, states is not None)
-            if states is not None:
-                states.attach(reservation)
+            if states is not None and pads is not None:
+                states.attach(reservation, cache, pads)
         cache.reservation = reservation
-        if states is not None and pads is not None:
+        if states is not None and pads is not None and states.active:
             length = states.run(cache, pads, _model_inputs(model, kwargs))
         elif share_prompt:
             _prefill_once(model, cache, input_ids, mask, length, kwargs)

@@ -384,8 +384,10 @@ class StateCacheMixin:
     @property
     def is_linear(self) -> list[bool]:
         """Per layer, whether it keeps a recurrent state only (transformers' rule). For a model without attention
-        layers after :meth:`attach_prefix` attached a prefix (``enable()``), none: ``generate`` then feeds only
-        the uncached tokens, as it does for models with attention layers."""
+        layers in a cache ``enable()`` made (:meth:`attach_prefix`, :meth:`take_rows`), none: ``generate`` is then
+        given the whole prompt (or conversation) and feeds only the tokens after what the cache holds, as it does for
+        models with attention layers (stock ``generate`` never slices such a model's input: pass it only the new
+        tokens to continue a cache of your own)."""
         linear = [
             isinstance(layer, PagedStateLayer) and not isinstance(layer, CacheLayerMixin) for layer in self.layers
         ]

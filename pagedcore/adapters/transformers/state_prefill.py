@@ -14,7 +14,9 @@ whose layers zero the padding's inputs), from its hit to its last snapshot point
 (:meth:`~pagedcore.adapters.transformers.PagedCache.take_rows`) and ``generate`` computes the rest of every row in its
 own forward (a forward costs about the same for a few tokens or a block's: the tail is not a forward of its own). The
 rows of a batch must stop at one rectangular position: where their last snapshot points are, when that is one
-position (a single row), else at the prompt's last-but-one token (where each row keeps a snapshot too).
+position (a single row), else at the prompt's last-but-one token (where each row keeps a snapshot too). A batch none
+of whose rows hits is computed as stock ``generate`` computes it, in one padded forward (computing each row alone to
+its snapshot points would cost a forward per point and row), keeping snapshots only where its rows stop.
 
 Families whose forward of several tokens does not continue a cached state (:attr:`~.state_spec.StateSpec.resumes_chunks`
 false: Jamba) resume a hit one token per forward up to the last-but-one token, and only when that is at most
@@ -86,7 +88,7 @@ class StatePrefill:
         >>> prefill = StatePrefill(model, pool, None, None)
         >>> with pool.lock:
         ...     prefill.plan([[5, 6, 7, 8, 9, 10, 11]]), prefill.rows[0].points   # no hit; a snapshot at 4
-        ...     prefill.attach(pool.kv.reserve(pool.kv.worst_case()))
+        ...     prefill.attach(pool.kv.reserve(pool.kv.worst_case()), PagedCache(model, pool=pool), [0])
         ([0], [4])
         >>> cache = PagedCache(model, pool=pool)
         >>> prefill.run(cache, [0], {}), cache.memory_stats().state_slots   # 4 computed: its state and a snapshot
@@ -121,8 +123,19 @@ class StatePrefill:
             self.rows.append(row)
         return [row.hit for row in self.rows]
 
-    def attach(self, reservation: Reservation) -> None:
-        """Give each row a one-row cache drawing from ``reservation``, its hit attached."""
+    @property
+    def active(self) -> bool:
+        """Whether the rows are computed alone: one row, or a batch with a hit. A batch without any is computed as
+        stock ``generate`` computes it, in one padded forward (computing each row to its snapshot points alone would
+        cost a forward per point and row); its rows keep a snapshot where they stop."""
+        return len(self.rows) == 1 or any(row.hit for row in self.rows)
+
+    def attach(self, reservation: Reservation, cache: PagedCache, pads: Sequence[int]) -> None:
+        """Give each row a one-row cache drawing from ``reservation``, its hit attached; when not :attr:`active`,
+        declare the rows' padding and prompts to the call's ``cache`` instead."""
+        if not self.active:
+            cache.attach_prefix([None] * len(self.rows), pads, 0, [row.tokens for row in self.rows])
+            return
         for row in self.rows:
             row.cache = PagedCache(
                 self.model,
