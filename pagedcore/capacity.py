@@ -257,6 +257,7 @@ class Reservation:
         if self._released:
             raise ConfigError("resize: this reservation was released")
         pool = self._pool  # available_blocks(g, self): what the others leave, this one's own blocks included
+        needs = [*needs, *[0] * (len(self._size) - len(needs))]  # the groups' counts only: no state slots
         granted = [min(n, max(0, pool.available_blocks(g, self))) for g, n in enumerate(needs)]
         self._size, self._remaining = list(needs), granted
         self._track()

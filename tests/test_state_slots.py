@@ -242,3 +242,12 @@ def test_snapshots_go_down_to_the_tiers_with_their_blocks_and_come_back():
     assert STATE_GROUP < 0  # a key of its own, never a KV group's
     pool.check_invariants()
     tiers.close()
+
+
+def test_resizing_with_the_groups_counts_only_holds_no_slot():
+    pool = KVPool(64, BS, state_slots=4)
+    held = pool.reserve([2, 2])
+    assert held.resize([3]) and held.remaining == (3, 0)
+    held.take(1, 1)  # a slot drawn from the pool, not from the reservation: no error, nothing below zero
+    assert held.remaining == (3, 0)
+    held.release()
