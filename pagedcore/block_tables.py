@@ -2,7 +2,10 @@
 
 It is the only holder-side code: it attaches prefix hits, grows tables (with copy-on-write), drops blocks that fell
 out of a sliding window, registers full blocks in the prefix caches, forks, truncates and releases — always
-through the BlockManager's public interface. A sequence whose holder reserved blocks
+through the BlockManager's public interface. In a pool with recurrent-state slots (:mod:`pagedcore.state_slots`) it
+also holds the sequence's state slot (copied before a write when shared: :meth:`BlockTables.write_state`) and the
+snapshots it took (:meth:`BlockTables.snapshot`), filed beside their blocks when it registers them
+(:mod:`pagedcore.sequence_slots`). A sequence whose holder reserved blocks
 (:meth:`KVPool.reserve <pagedcore.kv_pool.KVPool.reserve>`) draws from that reservation: every change to the blocks
 it holds is accounted to it (see :class:`~pagedcore.capacity.Reservation`), and nothing it does takes blocks other
 holders reserved.
@@ -16,9 +19,10 @@ from collections.abc import Callable, Hashable, Sequence
 from pagedcore.capacity import Reservation
 from pagedcore.errors import InvalidBlockError, OutOfBlocksError
 from pagedcore.kv_pool import KVPool, PoolMatch
+from pagedcore.sequence_slots import SequenceSlots, StateCopy
 from pagedcore.validation import as_integer
 
-__all__ = ["BlockTables", "Copy", "append_all"]
+__all__ = ["BlockTables", "Copy", "StateCopy", "append_all"]
 
 Copy = tuple[int, int, int]
 """A copy-on-write copy to perform before writing: ``(group index, source block, destination block)``."""
@@ -65,6 +69,8 @@ class BlockTables:
         self._sliding = [g.index for g in pool.groups if g.kind.is_sliding]
         self._next_drop = 0  # drop_out_of_window has nothing to release before this position
         self._epoch = pool.epoch  # the pool's epoch when this table started filling (see cache_full_blocks)
+        # The recurrent state and its snapshots, in a pool with state slots.
+        self._slots = SequenceSlots(pool) if pool.states is not None else None
 
     # ------------------------------------------------------------------ queries
     @property
@@ -105,6 +111,21 @@ class BlockTables:
         if cached is None:
             cached = self._arrays[group] = array("i", self._tables[group])
         return cached
+
+    @property
+    def state_slot(self) -> int | None:
+        """The slot holding the sequence's recurrent state after its ``num_tokens`` tokens (None: no state yet, or a
+        pool without state slots)."""
+        return None if self._slots is None else self._slots.slot
+
+    @property
+    def pending_snapshots(self) -> list[tuple[int, int]]:
+        """``(position, slot)`` of the snapshots taken and not filed in the prefix cache yet (held by this table)."""
+        return [] if self._slots is None else self._slots.pending
+
+    def num_held_slots(self) -> int:
+        """State slots this sequence holds (its state and its pending snapshots)."""
+        return 0 if self._slots is None else self._slots.num_held()
 
     def num_dropped(self, group: int) -> int:
         """Leading logical blocks of ``group`` released because they left the sliding window."""
@@ -180,6 +201,7 @@ class BlockTables:
             raise InvalidBlockError(f"attach: num_tokens {num_tokens} outside the match [0, {match.num_tokens}]")
         bs = self._pool.block_size
         count = -(-num_tokens // bs)
+        state = None if self._slots is None else self._slots.check_restore(match, num_tokens, self._reservation)
         revived = self._check_revival([ids[:count] for ids in match.block_ids])
         held: list[tuple[int, list[int]]] = []
         try:
@@ -194,6 +216,8 @@ class BlockTables:
         if self._reservation is not None:
             for i, n in enumerate(revived):
                 self._reservation.take(i, n)
+        if self._slots is not None:
+            self._slots.restore(state, self._reservation)
         self._stale()
         self._epoch = self._pool.epoch  # an empty table starts over with the current cache's blocks
         for i, ids in held:
@@ -302,6 +326,7 @@ class BlockTables:
         num_full = min(num_computed, self._num_tokens, len(token_ids)) // bs
         if num_full <= min(self._num_cached_blocks):
             self._next_full = (num_full + 1) * bs
+            self._file_pending(num_full * bs)
             return
         for i, group in enumerate(self._pool.groups):
             done = self._num_cached_blocks[i]
@@ -340,6 +365,7 @@ class BlockTables:
                 self._settle(before)
             self._num_cached_blocks[i] = num_full
         self._next_full = (num_full + 1) * bs
+        self._file_pending(num_full * bs)
 
     def cache_partial_block(self, token_ids: Sequence[int], num_computed: int, namespace: Hashable = None) -> None:
         """Register the full blocks and then the partly filled last block (its first ``num_computed % block_size``
@@ -367,6 +393,7 @@ class BlockTables:
         count = min(num_computed, self._num_tokens, len(token_ids))
         num_full, used = divmod(count, self._bs)
         if not used:
+            self._file_live(count)
             return
         tokens = token_ids[num_full * self._bs : count]
         for i, group in enumerate(self._pool.groups):
@@ -379,6 +406,34 @@ class BlockTables:
                 continue  # no cached chain to hang it on, or attached from the cache and never written
             group.trie.insert_partial(tokens, block, namespace, parent=parent)
         self._last_private = False  # cached now: the next write into it copies it
+        self._file_pending(count)
+        self._file_live(count)
+
+    def write_state(self, perform: Callable[[StateCopy], None]) -> None:
+        """Before a forward writes the sequence's recurrent state: make its slot its own. A sequence without one
+        gets a fresh slot (``perform((None, slot))``: start it empty); one sharing its slot with a fork, or whose slot
+        is a snapshot, gets a copy (``perform((old, new))``, before the old slot can be reused). Raises
+        :class:`OutOfBlocksError`, changing nothing, when no slot can be had.
+
+        Example:
+            >>> pool = KVPool(num_blocks=4, block_size=2, state_slots=4)
+            >>> seq = BlockTables(pool)
+            >>> seq.write_state(print)              # the first forward: an empty state in a fresh slot
+            (None, 0)
+            >>> twin = seq.fork()
+            >>> twin.write_state(print)             # the fork writes: its own copy
+            (0, 1)
+        """
+        if self._slots is None:
+            raise InvalidBlockError("write_state: the pool has no recurrent-state slots")
+        self._check_live()
+        self._slots.write(perform, self._reservation)
+
+    def snapshot(self) -> bool:
+        """Keep the recurrent state after the sequence's ``num_tokens`` tokens as a snapshot, filed beside its block
+        when the sequence registers that block (:meth:`cache_full_blocks`, :meth:`cache_partial_block`); the next
+        write copies the state first. False, changing nothing, without a state or when one was taken there."""
+        return self._slots is not None and self._slots.snapshot(self._num_tokens)
 
     def fork(self) -> BlockTables:
         """A new sequence sharing every block of this one (copy-on-write on its first write into a shared block)."""
@@ -393,6 +448,8 @@ class BlockTables:
         child._num_cached_blocks = list(self._num_cached_blocks)
         child._uncachable = list(self._uncachable)
         child._epoch = self._epoch  # the same keys and values
+        if self._slots is not None:
+            child._slots = self._slots.fork(self._reservation)
         self._last_private = False  # shared now: the first write copies
         return child
 
@@ -424,6 +481,8 @@ class BlockTables:
         self._num_tokens = num_tokens
         self._last_private = False  # a cached full block may now be partly filled
         self._next_full = 0
+        if self._slots is not None:  # snapshots of positions no longer held (the state is its holder's to put back)
+            self._slots.truncate(num_tokens, self._reservation)
 
     def release(self) -> None:
         """Give every block back (tail first, so chains are evicted from their leaves). Idempotent."""
@@ -436,6 +495,8 @@ class BlockTables:
                 group.block_manager.release(table[::-1])
             self._tables[i] = []
         self._settle(before)
+        if self._slots is not None:
+            self._slots.release(self._reservation)
         self._stale()
         self._released = True
         self._num_tokens = 0
@@ -550,6 +611,19 @@ class BlockTables:
         revived = sum(1 for b in canonical if bm.ref_count(b) == 0)
         freed = sum(1 for b in own if bm.ref_count(b) == 1)
         return revived - freed <= pool.available_blocks(group, self._reservation)
+
+    def _file_pending(self, limit: int) -> None:
+        """File the pending snapshots of positions up to ``limit`` beside their (registered) blocks."""
+        if self._slots is not None and self._slots.pending:
+            anchor = self._pool.anchor
+            self._slots.file_pending(limit, self._tables[anchor], self._dropped[anchor], self._reservation)
+
+    def _file_live(self, count: int) -> None:
+        """File the state as the snapshot where the sequence stops (``count`` tokens: all it holds)."""
+        slots = self._slots
+        if slots is not None and slots.slot is not None and count == self._num_tokens:
+            anchor = self._pool.anchor
+            slots.file(count, slots.slot, self._tables[anchor], self._dropped[anchor])
 
 
 def append_all(tables: Sequence[BlockTables], counts: Sequence[int], perform: Callable[[list[Copy]], None]) -> None:

@@ -29,7 +29,7 @@ from pagedcore.block_manager import blocks_to_grow
 from pagedcore.errors import ConfigError
 from pagedcore.validation import integer
 
-__all__ = ["Demand", "Ledger", "Reservation", "blocks_to_allocate", "max_new_tokens"]
+__all__ = ["Demand", "Ledger", "Reservation", "blocks_to_allocate", "max_new_tokens", "slots_to_allocate"]
 
 _FULL = FullAttention()
 
@@ -56,6 +56,8 @@ class Demand:
             covered); None: ``generate``'s pattern, the uncached input in one forward, then one position per step.
         keeps_window: sliding-window groups keep every block (assisted decoding records the past until a crop), so
             they count as full attention.
+        snapshots: a model with recurrent state layers: its input is computed in pieces that end at snapshot points
+            (``enable()``'s prefill), and each point keeps a snapshot of the state until the request registers it.
 
     Example:
         >>> Demand(num_prompt_tokens=10, max_new_tokens=7).num_stored_tokens   # the last new token is never stored
@@ -69,6 +71,7 @@ class Demand:
     share_prompt: bool = False
     chunk: int | None = None
     keeps_window: bool = False
+    snapshots: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_prompt_tokens", "max_new_tokens", "num_held_tokens"):
@@ -116,6 +119,29 @@ def blocks_to_allocate(kind: AttentionKind, demand: Demand, block_size: int) -> 
     if not kind.is_sliding:
         return need
     return min(need, copies * _window_peak(kind, demand, bs) + int(held % bs != 0))
+
+
+def slots_to_allocate(demand: Demand, spacing: int) -> int:
+    """The most recurrent-state slots ``demand`` takes from the pool before it ends (:mod:`pagedcore.state_slots`):
+    a live slot per sequence, the snapshot a prefix hit restores (retained, then copied on the first write), and with
+    ``snapshots`` one more slot per snapshot point of the input (every ``spacing`` tokens after what it holds, and its
+    last computed position), each kept until the request registers it. With ``share_prompt`` the input is computed on
+    one slot, then every copy writes its own.
+
+    Example:
+        >>> slots_to_allocate(Demand(10, 5), spacing=4), slots_to_allocate(Demand(10, 5, snapshots=True), spacing=4)
+        (1, 4)
+        >>> slots_to_allocate(Demand(10, 5, num_held_tokens=4, num_copies=3, share_prompt=True, snapshots=True), 4)
+        7
+    """
+    restored = int(demand.num_held_tokens > 0)
+    points = 0
+    if demand.snapshots:
+        last = max(demand.num_prompt_tokens - 1, demand.num_held_tokens)  # the input's last computed position
+        points = max(0, last // spacing - demand.num_held_tokens // spacing) + int(last % spacing != 0)
+    if demand.share_prompt:
+        return restored + 1 + points + demand.num_copies
+    return demand.num_copies * (restored + 1 + points)
 
 
 def _window_peak(kind: AttentionKind, demand: Demand, bs: int) -> int:
@@ -276,6 +302,7 @@ class Reservation:
         if self._released:
             raise ConfigError("resize: this reservation was released")
         pool = self._pool  # available_blocks(g, self): what the others leave, this one's own blocks included
+        needs = [*needs, *[0] * (len(self._size) - len(needs))]  # the groups' counts only: no state slots
         granted = [min(n, max(0, pool.available_blocks(g, self))) for g, n in enumerate(needs)]
         self._size, self._remaining = list(needs), granted
         self._track()

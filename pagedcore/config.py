@@ -94,6 +94,11 @@ class PoolConfig:
         kv_store: tiers below the pool (:data:`KVStoreSpec`; :mod:`pagedcore.kv_tiers`).
         kv_store_bytes: the budget of each store given by location (a size); required with them, and only with
             ``kv_store``.
+        state_slots: for a model with recurrent-state layers (Qwen3.5, Mamba-2...), its state slots: live
+            sequences' states and snapshots together (None: half of ``memory_budget``, all of it in a model without
+            attention layers, else the adapter's default). Ignored by models without such layers.
+        snapshot_interval: such a model's prompts keep a snapshot of their state every this many blocks (each costs
+            a slot), so that later prompts sharing a prefix resume there (None: every block).
 
     Example:
         >>> PoolConfig(kv_store="/tmp/kv")
@@ -111,12 +116,14 @@ class PoolConfig:
     kv_layout: str | None = None
     kv_store: KVStoreSpec | None = None
     kv_store_bytes: int | None = None
+    state_slots: int | None = None
+    snapshot_interval: int | None = None
 
     def __post_init__(self) -> None:
         fix = object.__setattr__  # frozen: normalized once, here
         if self.num_blocks is not None and self.memory_budget is not None:
             raise ConfigError("give num_blocks or memory_budget, not both", param="num_blocks")
-        for name in ("num_blocks", "block_size"):
+        for name in ("num_blocks", "block_size", "state_slots", "snapshot_interval"):
             value = getattr(self, name)
             if value is not None:
                 fix(self, name, integer(name, value, minimum=1, error=ConfigError, expected="a positive integer"))

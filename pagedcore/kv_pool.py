@@ -23,10 +23,11 @@ from typing import Any, Protocol
 
 from pagedcore.attention_kinds import AttentionKind, attention_kind
 from pagedcore.block_manager import BlockManager
-from pagedcore.capacity import Demand, Ledger, Reservation, blocks_to_allocate, max_new_tokens
+from pagedcore.capacity import Demand, Ledger, Reservation, blocks_to_allocate, max_new_tokens, slots_to_allocate
 from pagedcore.errors import ConfigError, OutOfBlocksError
 from pagedcore.eviction import EvictionPolicy
 from pagedcore.prefix_trie import PrefixTrie
+from pagedcore.state_slots import StateSlots
 from pagedcore.validation import integer
 
 __all__ = ["Claimant", "KVGroup", "KVPool", "PoolMatch", "Shortfall", "Tiers"]
@@ -38,11 +39,16 @@ class Tiers(Protocol):
 
     Example:
         >>> sorted(name for name in vars(Tiers) if not name.startswith("_"))
-        ['evicting', 'load', 'stats']
+        ['evicting', 'evicting_snapshot', 'load', 'stats']
     """
 
     def evicting(self, group: int, block_id: int, trie: PrefixTrie) -> None:
         """``block_id`` of ``group``, cached in ``trie``, is about to be evicted (write its content down)."""
+        ...
+
+    def evicting_snapshot(self, slot: int, block_id: int, offset: int, trie: PrefixTrie) -> None:
+        """The state snapshot in ``slot``, filed in ``block_id`` of ``trie`` after ``offset`` of its tokens, is about
+        to be evicted (or its block is): write it down."""
         ...
 
     def load(self, pool: KVPool, token_ids: Sequence[int], namespace: Hashable) -> int:
@@ -133,15 +139,18 @@ class PoolMatch:
             write into it (see :class:`~pagedcore.prefix_trie.PrefixTrie`).
         block_ids: per group, the chain covering those tokens (``ceil(num_tokens / block_size)`` blocks, not
             retained yet).
+        state_slot: in a pool with recurrent-state slots, the snapshot of the state after exactly ``num_tokens``
+            tokens (None when ``num_tokens`` is 0: the state starts empty); not retained yet.
 
     Example:
         >>> pool = KVPool(num_blocks=4, block_size=2)
         >>> pool.match([1, 2, 3])
-        PoolMatch(num_tokens=0, block_ids=([],))
+        PoolMatch(num_tokens=0, block_ids=([],), state_slot=None)
     """
 
     num_tokens: int
     block_ids: tuple[list[int], ...]
+    state_slot: int | None = None
 
 
 class KVPool:
@@ -154,6 +163,10 @@ class KVPool:
             :class:`~pagedcore.attention_kinds.AttentionKind` (``ChunkedAttention(8192)``, say).
         eviction_policy: builds a policy per group (called once per group); LRU by default.
         on_evict: ``on_evict(group_index, block_ids)`` after blocks were evicted from a group's cache.
+        state_slots: recurrent-state slots for a model with recurrent layers (:mod:`pagedcore.state_slots`; 0: none).
+            They are one more resource of the pool, index :attr:`state_resource` in every ``needs`` vector
+            (:meth:`worst_case`, :meth:`reserve`, :meth:`shortfalls`).
+        snapshot_interval: with state slots, a growing sequence snapshots its state every this many blocks.
 
     Example:
         >>> pool = KVPool(num_blocks=16, block_size=4, sliding_windows=(None, 8))
@@ -171,6 +184,8 @@ class KVPool:
         *,
         eviction_policy: Callable[[], EvictionPolicy] | None = None,
         on_evict: Callable[[int, list[int]], None] | None = None,
+        state_slots: int = 0,
+        snapshot_interval: int = 1,
     ) -> None:
         kinds = [attention_kind(window) for window in sliding_windows]  # ConfigError for a bad window or chunk
         if not kinds:
@@ -189,7 +204,16 @@ class KVPool:
         self._groups = tuple(groups)
         self._block_size = block_size
         self._num_blocks = num_blocks
-        self._ledger = Ledger(len(groups))
+        self._states: StateSlots | None = None
+        self._anchor = next((g.index for g in groups if not g.kind.is_sliding), 0)
+        if integer("state_slots", state_slots, minimum=0, error=ConfigError):
+            policy = eviction_policy() if eviction_policy is not None else None
+            self._states = StateSlots(
+                state_slots, interval=snapshot_interval, eviction_policy=policy, before_evict=_bind_state_evicting(self)
+            )
+            # A snapshot is filed beside its block in the anchor group's trie and leaves with it.
+            groups[self._anchor].trie.watch_drops(self._states.forget_blocks)
+        self._ledger = Ledger(self.num_resources)
         self._claimants: list[weakref.ref[Claimant]] = []
         self._epoch = 0  # bumped by reset_prefix_cache: blocks filled before it never enter the prefix caches
         self._tiers: Tiers | None = None  # stores below the pool (kv_tiers): evicted blocks go down, loads come up
@@ -203,6 +227,26 @@ class KVPool:
     def block_size(self) -> int:
         """Tokens per block."""
         return self._block_size
+
+    @property
+    def states(self) -> StateSlots | None:
+        """The recurrent-state slots (:mod:`pagedcore.state_slots`), or None for a pool of attention layers only."""
+        return self._states
+
+    @property
+    def anchor(self) -> int:
+        """The KV group whose trie blocks state snapshots are filed under (the first full-attention group)."""
+        return self._anchor
+
+    @property
+    def num_resources(self) -> int:
+        """Entries of a ``needs`` vector: one per KV group, and one for the state slots when the pool has them."""
+        return len(self._groups) + (self._states is not None)
+
+    @property
+    def state_resource(self) -> int | None:
+        """The index of the state slots in a ``needs`` vector (after the groups), or None without them."""
+        return len(self._groups) if self._states is not None else None
 
     @property
     def num_blocks(self) -> int:
@@ -258,7 +302,11 @@ class KVPool:
             (6, 6)
         """
         bs = self._block_size
-        return tuple(sum(blocks_to_allocate(g.kind, d, bs) for d in demands) for g in self._groups)
+        needs = [sum(blocks_to_allocate(g.kind, d, bs) for d in demands) for g in self._groups]
+        if self._states is not None:
+            spacing = self._states.interval * bs
+            needs.append(sum(slots_to_allocate(d, spacing) for d in demands))
+        return tuple(needs)
 
     def available_blocks(self, group: int, reservation: Reservation | None = None) -> int:
         """Blocks of ``group`` the holder of ``reservation`` (None: a holder without one) can have now: free and
@@ -271,15 +319,34 @@ class KVPool:
             >>> pool.available_blocks(0), pool.available_blocks(0, mine)
             (5, 8)
         """
-        available = self._groups[group].block_manager.num_available_blocks
+        available = self._supply(group)
         if len(self._ledger):
             available -= self._ledger.reserved(group, reservation)
         return available
+
+    def _supply(self, resource: int) -> int:
+        """Free plus evictable units of a resource (a group's blocks, or the state slots)."""
+        if resource == len(self._groups):
+            assert self._states is not None
+            return self._states.num_available
+        return self._groups[resource].block_manager.num_available_blocks
+
+    def _padded(self, needs: Sequence[int], caller: str) -> list[int]:
+        """``needs`` with one entry per resource (the state slots' 0 when only the groups' are given)."""
+        if len(needs) not in (len(self._groups), self.num_resources):
+            raise ConfigError(f"{caller}: {len(needs)} counts for {len(self._groups)} KV groups")
+        return list(needs) + [0] * (self.num_resources - len(needs))
 
     @property
     def num_reserved_blocks(self) -> int:
         """Blocks held back by live reservations and not drawn yet, summed over groups."""
         return sum(self._ledger.reserved(g.index) for g in self._groups)
+
+    @property
+    def num_reserved_slots(self) -> int:
+        """State slots held back by live reservations and not drawn yet."""
+        index = self.state_resource
+        return 0 if index is None else self._ledger.reserved(index)
 
     def has_reservations(self, excluding: Reservation | None = None) -> bool:
         """Whether a live reservation other than ``excluding`` holds blocks."""
@@ -302,20 +369,30 @@ class KVPool:
             >>> first.release(); pool.reserve([3]).remaining
             (3,)
         """
-        if len(needs) != len(self._groups):
-            raise ConfigError(f"reserve: {len(needs)} counts for {len(self._groups)} KV groups")
-        wanted = [integer("reserve: blocks", n, minimum=0, error=ConfigError) for n in needs]
+        wanted = [integer("reserve: blocks", n, minimum=0, error=ConfigError) for n in self._padded(needs, "reserve")]
         self._refresh_claimants()
         for short in self.shortfalls(wanted):
-            bm = self._groups[short.group].block_manager
             raise OutOfBlocksError(
-                f"reserve: KV group {short.group} cannot spare {short.needed} blocks: {max(short.available, 0)} of "
-                f"its {self._num_blocks} are available ({bm.num_used_blocks} in use, "
-                f"{self._ledger.reserved(short.group)} reserved by other holders)",
+                f"reserve: {self._describe_short(short)}, {self._ledger.reserved(short.group)} reserved by other "
+                "holders)",
                 requested=short.needed,
                 available=max(short.available, 0),
             )
         return Reservation(self, self._ledger, wanted)
+
+    def _describe_short(self, short: Shortfall) -> str:
+        available = max(short.available, 0)
+        if short.group == len(self._groups):
+            assert self._states is not None
+            return (
+                f"the recurrent-state slots cannot spare {short.needed}: {available} of {self._states.num_slots} are "
+                f"available ({self._states.num_used} in use"
+            )
+        bm = self._groups[short.group].block_manager
+        return (
+            f"KV group {short.group} cannot spare {short.needed} blocks: {available} of its {self._num_blocks} are "
+            f"available ({bm.num_used_blocks} in use"
+        )
 
     def add_claimant(self, claimant: Claimant) -> None:
         """Ask ``claimant.refresh_reservation()`` before every reservation granted to another holder (held weakly).
@@ -342,13 +419,14 @@ class KVPool:
         """
         short = []
         reserved = len(self._ledger)
-        for group, need in zip(self._groups, needs):
+        for index, need in enumerate(needs[: self.num_resources]):
             if need:
-                available = group.block_manager.num_available_blocks
+                available = self._supply(index)
                 if reserved:
-                    available -= self._ledger.reserved(group.index, reservation)
-                if need + reserve > available:
-                    short.append(Shortfall(group.index, need + reserve, available))
+                    available -= self._ledger.reserved(index, reservation)
+                extra = reserve if index < len(self._groups) else 0
+                if need + extra > available:
+                    short.append(Shortfall(index, need + extra, available))
         return short
 
     def max_new_tokens(self, num_prompt_tokens: int, *, chunk: int | None = None) -> int | None:
@@ -375,7 +453,11 @@ class KVPool:
             >>> KVPool(num_blocks=4, block_size=2).capacity_shortfalls([4])
             []
         """
-        return [Shortfall(g.index, n, self._num_blocks) for g, n in zip(self._groups, needs) if n > self._num_blocks]
+        short = [Shortfall(g.index, n, self._num_blocks) for g, n in zip(self._groups, needs) if n > self._num_blocks]
+        states, index = self._states, self.state_resource
+        if states is not None and index is not None and len(needs) > index and needs[index] > states.num_slots:
+            short.append(Shortfall(index, needs[index], states.num_slots))
+        return short
 
     def _refresh_claimants(self) -> None:
         for ref in list(self._claimants):
@@ -384,8 +466,12 @@ class KVPool:
                 claimant.refresh_reservation()
 
     # ------------------------------------------------------------------ prefix cache
-    def match(self, token_ids: Sequence[int], namespace: Hashable = None) -> PoolMatch:
-        """The longest prefix of ``token_ids`` cached in every group, to the token. No side effects.
+    def match(
+        self, token_ids: Sequence[int], namespace: Hashable = None, *, max_tokens: int | None = None
+    ) -> PoolMatch:
+        """The longest prefix of ``token_ids`` (at most ``max_tokens`` of them) cached in every group, to the token.
+        In a pool with state slots, the deepest point of that prefix where a state snapshot was filed: every layer
+        kind then has what it needs (keys and values before it, the recurrent state at it). No side effects.
 
         Example:
             >>> from pagedcore.block_tables import BlockTables
@@ -394,12 +480,29 @@ class KVPool:
             >>> _ = turn.append(6)                        # a finished turn: 6 positions computed
             >>> turn.cache_partial_block([1, 2, 3, 4, 5, 6], 6); turn.release()
             >>> pool.match([1, 2, 3, 4, 5, 6, 7, 8])     # the next turn continues it inside its second block
-            PoolMatch(num_tokens=6, block_ids=([0, 1],))
+            PoolMatch(num_tokens=6, block_ids=([0, 1],), state_slot=None)
+            >>> pool.match([1, 2, 3, 4, 5, 6, 7, 8], max_tokens=5).num_tokens
+            5
         """
-        matches = [g.trie.match(token_ids, namespace) for g in self._groups]
+        limit = len(token_ids) if max_tokens is None else max(0, min(max_tokens, len(token_ids)))
+        matches = [g.trie.match(token_ids[:limit], namespace) for g in self._groups]
         num_tokens = min(m.num_tokens for m in matches)
+        slot = None
+        if self._states is not None:
+            num_tokens, slot = self._deepest_snapshot(matches[self._anchor].block_ids, num_tokens)
         count = -(-num_tokens // self._block_size)
-        return PoolMatch(num_tokens, tuple(m.block_ids[:count] for m in matches))
+        return PoolMatch(num_tokens, tuple(m.block_ids[:count] for m in matches), slot)
+
+    def _deepest_snapshot(self, chain: Sequence[int], num_tokens: int) -> tuple[int, int | None]:
+        """The deepest snapshot filed along the anchor group's ``chain`` within its first ``num_tokens`` tokens:
+        ``(its position, the snapshot)``, or ``(0, None)``."""
+        assert self._states is not None
+        trie, bs = self._groups[self._anchor].trie, self._block_size
+        for i in range(min(len(chain), -(-num_tokens // bs)) - 1, -1, -1):
+            found = self._states.deepest(chain[i], min(num_tokens - i * bs, trie.block_tokens(chain[i])))
+            if found is not None:
+                return i * bs + found[0], found[1]
+        return 0, None
 
     @property
     def tiers(self) -> Tiers | None:
@@ -456,12 +559,19 @@ class KVPool:
         return self.clear_prefix_cache()
 
     def check_invariants(self) -> None:
-        """Raise ``AssertionError`` on inconsistent bookkeeping in any group, or reservations the pool cannot back."""
+        """Raise ``AssertionError`` on inconsistent bookkeeping in any group or the state slots, or reservations
+        the pool cannot back."""
         for group in self._groups:
             group.block_manager.check_invariants()
             group.trie.check_invariants()
-            reserved, available = self._ledger.reserved(group.index), group.block_manager.num_available_blocks
-            assert reserved <= available, f"group {group.index}: {reserved} blocks reserved, {available} available"
+        if self._states is not None:
+            self._states.check_invariants()
+            trie = self._groups[self._anchor].trie
+            for block, offset, slot in self._states.snapshots():
+                assert offset <= trie.block_tokens(block), f"snapshot {slot} filed past block {block}'s cached tokens"
+        for index in range(self.num_resources):
+            reserved, available = self._ledger.reserved(index), self._supply(index)
+            assert reserved <= available, f"resource {index}: {reserved} reserved, {available} available"
         for reservation in self._ledger:
             assert not reservation.released and all(
                 0 <= left <= size for left, size in zip(reservation.remaining, reservation.size)
@@ -482,7 +592,24 @@ def _bind_evicting(pool: KVPool, index: int) -> Callable[[int], None]:
         target = ref()
         tiers = None if target is None else target.tiers
         if target is not None and tiers is not None:
-            tiers.evicting(index, block_id, target.groups[index].trie)
+            trie = target.groups[index].trie
+            tiers.evicting(index, block_id, trie)
+            states = target.states
+            slot = None if states is None or index != target.anchor else states.snapshot_of(block_id, trie.block_size)
+            if slot is not None:  # the snapshot at the block's end leaves with it: down it goes too
+                tiers.evicting_snapshot(slot, block_id, trie.block_size, trie)
+
+    return evicting
+
+
+def _bind_state_evicting(pool: KVPool) -> Callable[[int, int, int], None]:
+    ref = weakref.ref(pool)
+
+    def evicting(slot: int, block_id: int, offset: int) -> None:
+        target = ref()
+        tiers = None if target is None else target.tiers
+        if target is not None and tiers is not None:
+            tiers.evicting_snapshot(slot, block_id, offset, target.groups[target.anchor].trie)
 
     return evicting
 

@@ -17,6 +17,12 @@ hands it to one writer thread, which encodes, frames and puts it into every stor
 (counted); nothing on the step loop waits for a store. :meth:`KVTiers.save` writes every cached block (a clean
 shutdown, so a restart finds them).
 
+**State snapshots** (:mod:`pagedcore.state_slots`) go down and come back the same way, keyed by the chain key of the
+block they are filed beside (KV group :data:`STATE_GROUP`): written when their slot is evicted or their block is
+(:meth:`KVTiers.evicting_snapshot`) and by :meth:`KVTiers.save`; a load restores the deepest snapshot the stores hold
+along the prompt's cached chain, deeper than any the pool holds, into a free or evictable slot. Only snapshots at whole
+blocks go down (as only whole blocks do); the adapter's :class:`StateIO` owns their bytes.
+
 **Loads** (:meth:`KVTiers.load`, called before the trie is matched for a request's prefill, under the pool's lock):
 after the blocks the pool matches, the following ones are looked up in the stores in order; the run found in every
 group is read and checked first, then loaded into freshly allocated blocks (never more than the pool can spare
@@ -32,9 +38,9 @@ import queue
 import struct
 import threading
 import time
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from pagedcore.kv_frame import FrameError, decode, encode
 from pagedcore.kv_store import KVStore
@@ -43,10 +49,12 @@ if TYPE_CHECKING:
     from pagedcore.kv_pool import KVPool
     from pagedcore.prefix_trie import PrefixTrie
 
-__all__ = ["BlockIO", "KVTiers", "TierStats", "chain_keys", "namespace_bytes"]
+__all__ = ["STATE_GROUP", "BlockIO", "KVTiers", "StateIO", "TierStats", "chain_keys", "namespace_bytes"]
 
 logger = logging.getLogger(__name__)
 _TOKENS = struct.Struct("<q")
+STATE_GROUP = -1
+"""The KV group number in the keys and frames of state snapshots (one per block of the anchor group's chain)."""
 
 
 class BlockIO(Protocol):
@@ -73,6 +81,26 @@ class BlockIO(Protocol):
 
     def write_block(self, group: int, block_id: int, payload: bytes) -> None:
         """Copy a payload of :meth:`block_nbytes` bytes into the block's keys and values."""
+
+
+@runtime_checkable
+class StateIO(Protocol):
+    """What the adapter of a model with recurrent-state layers does for the tiers (besides :class:`BlockIO`):
+    a state slot's bytes.
+
+    Example:
+        >>> sorted(name for name in vars(StateIO) if not name.startswith("_"))
+        ['read_state', 'state_nbytes', 'write_state']
+    """
+
+    def state_nbytes(self) -> int:
+        """The payload size of one state slot (0: no state tensors to load into yet)."""
+
+    def read_state(self, slot: int) -> object:
+        """A copy of the slot's state, taken now (the slot is reused right after)."""
+
+    def write_state(self, slot: int, payload: bytes) -> None:
+        """Copy a payload of :meth:`state_nbytes` bytes into the slot."""
 
 
 def namespace_bytes(namespace: Hashable) -> bytes | None:
@@ -138,6 +166,7 @@ class TierStats:
         blocks_written / write_seconds: blocks put into the stores by the writer thread, and its time doing so.
         writes_skipped: evicted blocks not written because the writer's queue was full.
         write_failures: puts a store refused (no room for it, disk full).
+        snapshots_written / snapshots_loaded: state snapshots put into and restored from the stores.
         refused_checksum / refused_fingerprint / refused_foreign: stored blocks found and not loaded (removed).
         pending_writes: blocks waiting in the writer's queue now.
         stores: per store name: its ``stats()`` plus ``hits`` (blocks loaded from it).
@@ -154,6 +183,8 @@ class TierStats:
     write_seconds: float = 0.0
     writes_skipped: int = 0
     write_failures: int = 0
+    snapshots_written: int = 0
+    snapshots_loaded: int = 0
     refused_checksum: int = 0
     refused_fingerprint: int = 0
     refused_foreign: int = 0
@@ -240,14 +271,31 @@ class KVTiers:
         except Exception:  # a tier must never break an allocation
             logger.exception("pagedcore: writing an evicted block down failed; it is dropped")
 
+    def evicting_snapshot(self, slot: int, block_id: int, offset: int, trie: PrefixTrie) -> None:
+        """The state snapshot in ``slot``, filed in ``block_id`` of the anchor group's ``trie`` after ``offset`` of its
+        tokens, is about to be evicted (or its block is): queue it for writing unless a store holds it (only
+        snapshots at a whole block's end go down). Under the pool's lock; never raises."""
+        if offset != trie.block_size:
+            return
+        try:
+            self._capture_snapshot(slot, block_id, trie, wait=False)
+        except Exception:
+            logger.exception("pagedcore: writing an evicted state snapshot down failed; it is dropped")
+
     def save(self, pool: KVPool, timeout: float | None = None) -> bool:
-        """Write every block cached in ``pool`` now (not only the evicted ones) and wait for the writer, so that a
-        restart finds them. Hold the pool's lock while calling. True when everything queued was written."""
+        """Write every block and state snapshot cached in ``pool`` now (not only the evicted ones) and wait for the
+        writer, so that a restart finds them. Hold the pool's lock while calling. True when everything queued was
+        written."""
         for group in pool.groups:
             bm = group.block_manager
             for block_id in range(bm.num_blocks):
                 if bm.is_cached(block_id):
                     self._capture(group.index, block_id, group.trie, wait=True)
+        if pool.states is not None:
+            trie = pool.groups[pool.anchor].trie
+            for block_id, offset, slot in pool.states.snapshots():
+                if offset == trie.block_size:
+                    self._capture_snapshot(slot, block_id, trie, wait=True)
         return self.flush(timeout)
 
     def flush(self, timeout: float | None = None) -> bool:
@@ -287,12 +335,35 @@ class KVTiers:
             return
         bs = trie.block_size
         key = chain_keys(fingerprint, group, encoded, tokens, bs)[-1]
+        self._queue_write(
+            key, fingerprint, group, tuple(tokens[-bs:]), lambda: self._io.read_block(group, block_id), wait
+        )
+
+    def _capture_snapshot(self, slot: int, block_id: int, trie: PrefixTrie, *, wait: bool) -> None:
+        io = self._io
+        if self._closed or not self._stores or not isinstance(io, StateIO):
+            return
+        fingerprint = io.fingerprint()
+        if fingerprint is None:
+            return
+        namespace, tokens = trie.chain(block_id)
+        encoded = namespace_bytes(namespace)
+        bs = trie.block_size
+        if len(tokens) % bs or encoded is None:  # a snapshot inside a block: only whole blocks go down
+            return
+        key = chain_keys(fingerprint, STATE_GROUP, encoded, tokens, bs)[-1]
+        self._queue_write(key, fingerprint, STATE_GROUP, tuple(tokens[-bs:]), lambda: io.read_state(slot), wait)
+
+    def _queue_write(
+        self, key: str, fingerprint: str, group: int, tokens: tuple[int, ...], read: Callable[[], object], wait: bool
+    ) -> None:
+        """Queue a copy (``read()``, taken now) for the writer under ``key``, unless it is queued or stored."""
         with self._lock:
             if key in self._pending:
                 return
         if all(store.contains(key) for store in self._stores):
             return
-        item = _Write(key, fingerprint, group, tuple(tokens[-bs:]), self._io.read_block(group, block_id))
+        item = _Write(key, fingerprint, group, tokens, read())
         self._start_writer()
         with self._lock:
             self._pending.add(key)
@@ -328,7 +399,10 @@ class KVTiers:
         data = encode(item.key, item.fingerprint, item.group, item.tokens, self._io.to_bytes(item.copy))
         failures = sum(not store.put(item.key, data) for store in self._stores)
         with self._lock:
-            self._stats.blocks_written += 1
+            if item.group == STATE_GROUP:
+                self._stats.snapshots_written += 1
+            else:
+                self._stats.blocks_written += 1
             self._stats.write_failures += failures
             self._stats.write_seconds += time.perf_counter() - started
 
@@ -342,6 +416,8 @@ class KVTiers:
         started = time.perf_counter()
         try:
             loaded = self._load(pool, token_ids, namespace)
+            if pool.states is not None:
+                self._load_snapshot(pool, token_ids, namespace)
         except Exception:
             logger.exception("pagedcore: loading blocks from the KV store failed; the prompt is computed instead")
             loaded = 0
@@ -375,6 +451,41 @@ class KVTiers:
         for group, chain, run in zip(pool.groups, matched, found):
             self._install(group.index, pool, chain, run[: max(0, target - len(chain))], token_ids, namespace)
         return (target - before) * bs
+
+    def _load_snapshot(self, pool: KVPool, token_ids: Sequence[int], namespace: Hashable) -> bool:
+        """Restore the deepest state snapshot the stores hold along the prompt's whole blocks cached in every group,
+        when it is deeper than every snapshot the pool holds there, into a slot the pool can spare."""
+        io, states = self._io, pool.states
+        encoded = namespace_bytes(namespace)
+        bs = pool.block_size
+        limit = (len(token_ids) - 1) // bs  # the prompt's last token is always computed
+        if states is None or not isinstance(io, StateIO) or encoded is None or limit <= 0:
+            return False
+        matches = [g.trie.match(token_ids[: limit * bs], namespace) for g in pool.groups]
+        depth = min(m.num_tokens for m in matches) // bs
+        chain = matches[pool.anchor].block_ids[:depth]
+        held = next((i + 1 for i in range(depth - 1, -1, -1) if states.snapshot_of(chain[i], bs) is not None), 0)
+        fingerprint = io.fingerprint() if depth > held else None
+        resource = pool.state_resource
+        if fingerprint is None or resource is None or pool.available_blocks(resource) < 1 or not io.state_nbytes():
+            return False
+        keys = chain_keys(fingerprint, STATE_GROUP, encoded, token_ids[: depth * bs], bs)
+        for index in range(depth - 1, held - 1, -1):
+            tokens = token_ids[index * bs : (index + 1) * bs]
+            found = self._read(keys[index], fingerprint, STATE_GROUP, tokens, io.state_nbytes())
+            if found is None:
+                continue
+            slot = states.allocate()
+            try:
+                io.write_state(slot, found[0])
+                states.register(chain[index], bs, slot)
+            finally:
+                states.release(slot)  # filed now: evictable like any unheld snapshot
+            with self._lock:
+                self._stats.snapshots_loaded += 1
+                self._hits[found[1]] += 1
+            return True
+        return False
 
     def _fetch(
         self, fingerprint: str, group: int, namespace: bytes, token_ids: Sequence[int], start: int, stop: int, bs: int

@@ -34,7 +34,7 @@ longer be reached).
 from __future__ import annotations
 
 from bisect import bisect_left, insort
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 from pagedcore.block_manager import BlockManager
@@ -183,6 +183,7 @@ class PrefixTrie:
         self._by_block: dict[int, _Node] = {}
         self._queries = 0
         self._hits = 0
+        self._on_drop: Callable[[list[int]], object] | None = None
         block_manager.attach_cache(self)
 
     # ------------------------------------------------------------------ queries
@@ -223,6 +224,16 @@ class PrefixTrie:
     def contains(self, block_id: int) -> bool:
         """Whether ``block_id`` is indexed."""
         return block_id in self._by_block
+
+    def block_tokens(self, block_id: int) -> int:
+        """Tokens a cached block holds: ``block_size``, or fewer for a partly filled block (0: not cached)."""
+        node = self._by_block.get(block_id)
+        return 0 if node is None else len(node.tokens)
+
+    def watch_drops(self, listener: Callable[[list[int]], object] | None) -> None:
+        """Call ``listener(block_ids)`` whenever blocks leave the trie (evicted, removed, cleared, made redundant),
+        after they left: what is filed beside them (state snapshots, :mod:`pagedcore.state_slots`) leaves with them."""
+        self._on_drop = listener
 
     def chain(self, block_id: int) -> tuple[Namespace, list[int]]:
         """The namespace of a cached block and the tokens from its root up to and including the block (what a tier
@@ -432,6 +443,8 @@ class PrefixTrie:
         self._detach(node)
         if not node.children:  # a leaf: the usual victim of LRU eviction
             del self._by_block[block_id]
+            if self._on_drop is not None:
+                self._on_drop([block_id])
             return [block_id]
         dropped: list[int] = []
         stack = [node]
@@ -441,6 +454,8 @@ class PrefixTrie:
             dropped.append(current.block_id)
             del self._by_block[current.block_id]
             stack.extend(current.children.values())
+        if self._on_drop is not None:
+            self._on_drop(dropped)
         return dropped
 
     def remove(self, block_id: int) -> list[int]:

@@ -43,6 +43,7 @@ from pagedcore.errors import (
     InvalidRequestError,
     OutOfBlocksError,
     RequestNotFoundError,
+    UnsupportedModelError,
 )
 from pagedcore.kv_pool import KVPool, PoolMatch
 from pagedcore.plugin_manager import PluginManager
@@ -241,6 +242,11 @@ class Scheduler:
     """
 
     def __init__(self, pool: KVPool, config: SchedulerConfig | None = None, *, plugins: PluginManager | None = None):
+        if pool.states is not None:  # its sequences would need state slots in every step: not scheduled yet
+            raise UnsupportedModelError(
+                "the Engine (its scheduler) does not serve models with recurrent-state layers (linear attention, "
+                "state-space, short convolutions: Qwen3.5, Mamba-2...) yet; use PagedCache or enable() with this model"
+            )
         self._pool = pool
         self._config = config if config is not None else SchedulerConfig()
         self._plugins = plugins

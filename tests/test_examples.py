@@ -37,6 +37,7 @@ def load(name: str):
         ("device_map", ["--max-new-tokens", "4"]),
         ("plugin_observer", ["--max-new-tokens", "2"]),
         ("bench_core", ["--quick"]),
+        ("bench_hybrid", ["--quick", "--intervals", "1"]),
         ("structured_throughput", ["--quick", "--builtin"]),
         ("weights_check_cost", ["--quick"]),
         ("host_memory", ["namespaces", "--count", "200"]),

@@ -33,14 +33,25 @@ from .layer_attention import LatentProjection, model_space, pool_read, retemper,
 if TYPE_CHECKING:
     from .pool import PagedKVPool
 
-__all__ = ["CONTEXT_KEY", "WEIGHTS_KEY", "ForwardContext", "StepAttention", "paged_attention_forward", "register"]
+__all__ = [
+    "CONTEXT_KEY",
+    "LAYER_KEY",
+    "WEIGHTS_KEY",
+    "ForwardContext",
+    "StepAttention",
+    "paged_attention_forward",
+    "register",
+]
 
 ATTN_IMPLEMENTATION = "paged"
 CONTEXT_KEY = "pagedcore_forward"
 # Set by PagedCache.update for a forward called with output_attentions=True, for models that consume that argument
 # themselves instead of handing it on to the attention function (GPT-2).
 WEIGHTS_KEY = "pagedcore_attention_weights"
-_OWN_KEYS = (CONTEXT_KEY, WEIGHTS_KEY)
+# The cache layer a PagedCache layer's update stored (Zamba2's shared attention blocks have no layer index of their
+# own: they pass the hybrid layer's index to the cache).
+LAYER_KEY = "pagedcore_layer"
+_OWN_KEYS = (CONTEXT_KEY, WEIGHTS_KEY, LAYER_KEY)
 _LOGGER = logging.get_logger(__name__)
 
 
@@ -266,12 +277,12 @@ def paged_attention_forward(
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     ctx: ForwardContext | StepAttention | None = kwargs.get(CONTEXT_KEY)
+    layer_idx = cast(int, kwargs.get(LAYER_KEY, module.layer_idx))
     if isinstance(ctx, StepAttention):
-        layer_idx, sinks = cast(int, module.layer_idx), kwargs.get("s_aux")
+        sinks = kwargs.get("s_aux")
         return ctx.attend(
             layer_idx, query, key, value, scaling, softcap, sliding_window, module=module, sinks=sinks
         ), None
-    layer_idx = cast(int, module.layer_idx)
     if kwargs.get("output_attentions") or kwargs.get(WEIGHTS_KEY):
         eager = _model_eager_attention(module)
         if eager is not None:  # the weights are asked for: the model's own eager attention over the gathered keys
@@ -283,7 +294,7 @@ def paged_attention_forward(
     if not ctx.mask_matches(attention_mask, ctx.pool.spec.layers[layer_idx].kind):
         key, value = _dense_kv(ctx, module, layer_idx)
         return _dense(module, query, key, value, attention_mask, scaling, softcap, kwargs)
-    return _over_pool(ctx, module, query, scaling, softcap, sliding_window, kwargs), None
+    return _over_pool(ctx, module, layer_idx, query, scaling, softcap, sliding_window, kwargs), None
 
 
 def _check_supported(module: torch.nn.Module, dropout: float, kwargs: dict[str, Any]) -> None:
@@ -306,6 +317,7 @@ def _dense_kv(ctx: ForwardContext, module: torch.nn.Module, layer_idx: int) -> t
 def _over_pool(
     ctx: ForwardContext,
     module: torch.nn.Module,
+    layer_idx: int,
     query: torch.Tensor,
     scaling: float,
     softcap: float | None,
@@ -314,7 +326,6 @@ def _over_pool(
 ) -> torch.Tensor:
     """The paged path: the real queries packed, the backend's attention over the pool, unpacked (pads get zeros).
     The layer's description says what it reads and asks (:mod:`.layer_attention`)."""
-    layer_idx = cast(int, module.layer_idx)
     layer = ctx.pool.spec.layers[layer_idx]
     ctx = ctx.for_queries(query.shape[2] if ctx.new_tokens is not None else query.shape[0] * query.shape[2])
     group, key_cache, value_cache = pool_read(ctx.pool, layer_idx)

@@ -22,10 +22,10 @@ from the blocks), and ``copy.deepcopy(cache)`` forks the rows (shared blocks, co
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -39,50 +39,16 @@ from pagedcore.config import PoolConfig
 from pagedcore.errors import ConfigError, InvalidBlockError
 from pagedcore.kv_pool import PoolMatch
 
-from .attention import CONTEXT_KEY, WEIGHTS_KEY
+from .attention import CONTEXT_KEY, LAYER_KEY, WEIGHTS_KEY
 from .cache_state import CacheState, Row, Step
+from .cache_stats import CacheMemoryStats
 from .forward_hooks import watch
 from .pool import PagedKVPool
 from .spec import text_config
+from .state_cache import PagedStateLayer, StateCacheMixin
+from .state_spec import StateSpec
 
-__all__ = ["CacheMemoryStats", "PagedCache", "PagedLayer"]
-
-
-@dataclass(frozen=True)
-class CacheMemoryStats:
-    """KV memory held by one cache.
-
-    Attributes:
-        rows: batch rows.
-        tokens: real tokens stored, summed over rows (padding excluded).
-        padding_tokens: left-padding positions that are not stored.
-        blocks: block references held, summed over rows and KV groups.
-        held_bytes: bytes of the blocks held (what the cache keeps from other users of the pool).
-        token_bytes: bytes the stored tokens themselves need (``held_bytes`` minus partly filled blocks).
-
-    Example:
-        A left-padded batch of a 3-token and a 5-token prompt, 2 new tokens each: the padding is not stored.
-
-        >>> import torch
-        >>> from pagedcore.adapters.transformers.testing import tiny_llama
-        >>> model = tiny_llama()
-        >>> ids = torch.tensor([[0, 0, 5, 6, 7], [5, 6, 7, 8, 9]])
-        >>> mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
-        >>> cache = PagedCache(model, num_blocks=16, block_size=4)
-        >>> _ = model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False, pad_token_id=0, cache=cache)
-        >>> stats = cache.memory_stats()
-        >>> stats.rows, stats.tokens, stats.padding_tokens, stats.blocks   # rows of 4 and 6 tokens: 1 + 2 blocks
-        (2, 10, 2, 3)
-        >>> stats.held_bytes, stats.token_bytes
-        (6144, 5120)
-    """
-
-    rows: int
-    tokens: int
-    padding_tokens: int
-    blocks: int
-    held_bytes: int
-    token_bytes: int
+__all__ = ["CacheMemoryStats", "PagedCache", "PagedHybridLayer", "PagedLayer"]
 
 
 def _release_soon(state: CacheState) -> None:
@@ -193,6 +159,7 @@ class PagedLayer(CacheLayerMixin):
             model_kwargs[WEIGHTS_KEY] = True
         if step.context is not None and model_kwargs is not None:
             model_kwargs[CONTEXT_KEY] = step.context
+            model_kwargs[LAYER_KEY] = self.layer_idx
             return key_states, value_states
         return self.gather(key_cache, value_cache, device)
 
@@ -254,7 +221,38 @@ class PagedLayer(CacheLayerMixin):
         self.record_past = True
 
 
-class PagedCache(Cache):
+class PagedHybridLayer(PagedStateLayer, PagedLayer):  # type: ignore[override]
+    """A layer that keeps recurrent states and keys and values (Falcon-H1, Zamba2's hybrid layers: transformers'
+    ``LinearAttentionAndFullAttentionLayer``): its states in the pool's state slots, its keys and values in its KV
+    group's blocks.
+
+    Example:
+        >>> import torch
+        >>> from transformers import AutoConfig, AutoModelForCausalLM
+        >>> config = AutoConfig.for_model("falcon_h1", hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+        ...     num_attention_heads=4, num_key_value_heads=2, vocab_size=100, mamba_n_heads=8, mamba_d_head=16,
+        ...     mamba_d_ssm=128, mamba_d_state=16, mamba_chunk_size=8)
+        >>> model = AutoModelForCausalLM.from_config(config).eval()
+        >>> cache = PagedCache(model, num_blocks=8, block_size=4)
+        >>> _ = model(torch.tensor([[5, 6, 7]]), cache=cache)
+        >>> layer = cache.layers[0]
+        >>> type(layer).__name__, layer.keys.shape, layer.recurrent_states[0].shape
+        ('PagedHybridLayer', torch.Size([1, 2, 3, 16]), torch.Size([1, 8, 16, 16]))
+    """
+
+    def __init__(
+        self, state: CacheState, layer_idx: int, group: int, kind: AttentionKind, number_of_states: int
+    ) -> None:
+        PagedLayer.__init__(self, state, layer_idx, group, kind)
+        assert state.states is not None
+        PagedStateLayer.__init__(self, state.states, lambda: state.rows, layer_idx, number_of_states)
+
+    def get_max_length(self) -> int:
+        """-1, or the window of a sliding layer."""
+        return PagedLayer.get_max_length(self)
+
+
+class PagedCache(StateCacheMixin, Cache):
     """A drop-in ``Cache`` for ``model.generate`` backed by a paged pool.
 
     Args:
@@ -270,6 +268,8 @@ class PagedCache(Cache):
             contiguous on the CPU, where single-sequence attention then reads them as fast as ``DynamicCache``'s.
         namespace: prefix-cache namespace used by :meth:`attach_prefix` and :meth:`cache_prefixes`.
         attention_backend: attention backend name for ``attn_implementation="paged"`` (default: the plugins').
+        state_slots: recurrent-state slots of the private pool (a model with recurrent-state layers: one per row,
+            more for the snapshots its rows keep; see :class:`PagedKVPool`).
         reservation: blocks reserved for this cache on a shared pool (:meth:`KVPool.reserve
             <pagedcore.kv_pool.KVPool.reserve>`, sized by :meth:`~pagedcore.kv_pool.KVPool.worst_case`): its rows draw
             from it, so a ``generate`` within it cannot run out half-way (see :attr:`reservation`).
@@ -285,6 +285,15 @@ class PagedCache(Cache):
         (6, 6)
     """
 
+    def __new__(cls, model: Any = None, *args: Any, pool: PagedKVPool | None = None, **kwargs: Any) -> PagedCache:
+        # A model that requires a cache class of its own (MiniMax) gets a PagedCache that is one.
+        spec = pool.state_spec if pool is not None else None
+        if spec is None and model is not None:
+            spec = StateSpec.from_config(text_config(model))
+        if cls is PagedCache and spec is not None and spec.custom_cache:
+            return super().__new__(_custom_cache_class(spec.model_type))
+        return super().__new__(cls)
+
     def __init__(
         self,
         model: Any = None,
@@ -298,9 +307,15 @@ class PagedCache(Cache):
         attention_backend: str | None = None,
         kv_layout: str | None = None,
         reservation: Reservation | None = None,
+        state_slots: int | None = None,
     ) -> None:
         settings = PoolConfig.of(
-            config, num_blocks=num_blocks, memory_budget=memory_budget, block_size=block_size, kv_layout=kv_layout
+            config,
+            num_blocks=num_blocks,
+            memory_budget=memory_budget,
+            block_size=block_size,
+            kv_layout=kv_layout,
+            state_slots=state_slots,
         )
         if pool is None and model is None:
             raise ConfigError("PagedCache needs a model (or config) or a pool")
@@ -308,20 +323,18 @@ class PagedCache(Cache):
         pool = PagedKVPool.resolve(model, pool, settings, kv_layout="auto")
         if shared:
             pool.check_weights()  # a shared pool forgets prefixes computed before a weight update
+        if pool.states is not None and not isinstance(model, torch.nn.Module):
+            raise ConfigError(
+                f"a PagedCache for {pool.spec.model_type!r}, whose layers keep recurrent states, needs the model "
+                "itself (PagedCache(model, ...)): its forward hook prepares each forward's state slots"
+            )
         self._pool = pool
         model_config = text_config(model) if model is not None else None
         self._state = CacheState(
             pool, pool.spec.num_layers, config=model_config, namespace=namespace, attention_backend=attention_backend
         )
         self._state.reservation = reservation
-        layers: list[Any] = []
-        for i, spec in enumerate(pool.spec.layers):
-            if not spec.has_cache:
-                layers.append(DummyLayer())
-                continue
-            group = pool.group_of(i)
-            layers.append(PagedLayer(self._state, i, group, pool.kv.groups[group].kind))
-        super().__init__(layers=layers)
+        Cache.__init__(self, layers=self._make_layers(pool))  # not super(): MiniMax's cache class comes next
         self._state.layers = self.layers
         # A cache dropped without release() gives its blocks back when garbage collected (deferred to a moment when
         # no bookkeeping call is in progress: a collection may run in the middle of one).
@@ -331,6 +344,23 @@ class PagedCache(Cache):
         self._model = weakref.ref(model) if isinstance(model, torch.nn.Module) else None
         if self._model is not None:
             watch(model, PagedCache)
+
+    def _make_layers(self, pool: PagedKVPool) -> list[Any]:
+        state, states = self._state, self._state.states
+        layers: list[Any] = []
+        for i, spec in enumerate(pool.spec.layers):
+            count = pool.state_spec.layers.get(i)
+            if count is not None and states is not None and not spec.has_cache:
+                layers.append(PagedStateLayer(states, lambda: state.rows, i, count))
+            elif not spec.has_cache:
+                layers.append(DummyLayer())
+            elif count is not None:
+                group = pool.group_of(i)
+                layers.append(PagedHybridLayer(state, i, group, pool.kv.groups[group].kind, count))
+            else:
+                group = pool.group_of(i)
+                layers.append(PagedLayer(state, i, group, pool.kv.groups[group].kind))
+        return layers
 
     # ------------------------------------------------------------------ what the model's forward hooks call
     def before_forward(
@@ -410,16 +440,22 @@ class PagedCache(Cache):
         """Positions stored (padding included) for a layer (the first cached layer for layers without one)."""
         if layer_idx >= len(self.layers):
             return 0
-        if isinstance(self.layers[layer_idx], DummyLayer):
-            layer_idx = self._first_cached_layer()
+        if not isinstance(self.layers[layer_idx], PagedLayer):
+            first = self._first_kv_layer()
+            if first is None:  # no attention layer (Mamba-2): the cache's own count
+                return self._state.positions_before()
+            layer_idx = first
         layer = self.layers[layer_idx]
         assert isinstance(layer, PagedLayer)
         return layer.get_seq_length()
 
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
         """``(kv_length, kv_offset)`` of the keys ``update`` will return for ``layer_idx`` (transformers' rules)."""
-        if isinstance(self.layers[layer_idx], DummyLayer):
-            layer_idx = self._first_cached_layer()
+        if not isinstance(self.layers[layer_idx], PagedLayer):
+            first = self._first_kv_layer()
+            if first is None:
+                return query_length + self._state.positions_before(), 0
+            layer_idx = first
         layer = self.layers[layer_idx]
         assert isinstance(layer, PagedLayer)
         return layer.get_mask_sizes(query_length)
@@ -454,6 +490,8 @@ class PagedCache(Cache):
                 "Please use a negative integer to remove that number of tokens from the cache instead."
             )
         new_length = max(0, state.length + tokens_to_remove)
+        if state.states is not None:  # conv states put back from the recorded inputs (or refused, as transformers does)
+            state.states.crop(state.rows, tokens_to_remove)
         with self._pool.lock:
             if tokens_to_remove < 0:
                 # Check every row before truncating any: a row whose kept positions need sliding-window blocks that
@@ -486,6 +524,9 @@ class PagedCache(Cache):
         state.layer_len = [0] * len(state.layer_len)
         state.exact = True
         state.released = False
+        for layer in self.layers:
+            if hasattr(layer, "record_past"):
+                layer.record_past = False
 
     def release(self) -> None:
         """Give every block back to the pool for good; using the cache afterwards raises."""
@@ -571,6 +612,7 @@ class PagedCache(Cache):
                 blocks += count
                 held += count * pool.block_bytes(g.index)
             token_bytes += row.blocks.num_tokens * sum(pool.block_bytes(g.index) for g in pool.kv.groups)
+        slots = sum(row.blocks.num_held_slots() for row in state.rows)
         return CacheMemoryStats(
             rows=len(state.rows),
             tokens=sum(row.blocks.num_tokens for row in state.rows),
@@ -578,6 +620,8 @@ class PagedCache(Cache):
             blocks=blocks,
             held_bytes=held,
             token_bytes=token_bytes // pool.block_size,
+            state_slots=slots,
+            state_bytes=0 if pool.states is None else slots * pool.states.slot_nbytes(),
         )
 
     def attach_prefix(
@@ -623,6 +667,37 @@ class PagedCache(Cache):
         state.rows = rows
         state.length = length
         state.layer_len = [length] * len(state.layer_len)
+        state.attached = True
+
+    def take_rows(
+        self, sources: Sequence[PagedCache], pads: Sequence[int], prompts: Sequence[Sequence[int]], length: int
+    ) -> None:
+        """Start an empty cache at rectangular position ``length`` from the rows of one-row caches of the same pool,
+        which are left empty: row ``r`` is ``min(pads[r], length)`` positions of left padding (never stored), then
+        ``sources[r]``'s tokens, the first of ``prompts[r]``. ``enable()``'s prefill of a model with recurrent-state
+        layers computes each row alone, then hands the rows to the call's cache this way."""
+        state = self._check_live()
+        tokens = [source.row_tokens()[0] if source.row_tokens() else 0 for source in sources]
+        if state.rows or state.length or len(sources) != len(pads) or length < 0:
+            raise InvalidBlockError(f"take_rows: {len(sources)} rows into a cache holding {state.length} positions")
+        if any(min(pad, length) + n != length for pad, n in zip(pads, tokens)):
+            raise InvalidBlockError(f"take_rows: rows of {tokens} tokens after {list(pads)} do not end at {length}")
+        rows = [source.give_row() for source in sources]
+        state.rows = [Row(row.blocks, min(pad, length), pad, list(p)) for row, pad, p in zip(rows, pads, prompts)]
+        state.length = length
+        state.layer_len = [length] * len(state.layer_len)
+        state.attached = True
+        self.reservation = self.reservation  # the rows draw from this cache's reservation
+
+    def give_row(self) -> Row:
+        """Hand the one row of a one-row cache to another cache (:meth:`take_rows`); this cache is left empty."""
+        state = self._check_live()
+        if len(state.rows) != 1:
+            raise InvalidBlockError(f"give_row: the cache holds {len(state.rows)} rows, not one")
+        row = state.rows[0]
+        state.rows, state.length, state.step = [], 0, None  # (a row of no token yet is handed over empty)
+        state.layer_len = [0] * len(state.layer_len)
+        return row
 
     def cache_prefixes(self, token_ids: Sequence[Sequence[int]]) -> None:
         """Register every row's blocks in the pool's prefix cache: its full blocks and its partly filled last one
@@ -698,5 +773,17 @@ class PagedCache(Cache):
         self._state.check_live()
         return self._state
 
-    def _first_cached_layer(self) -> int:
-        return next(i for i, layer in enumerate(self.layers) if not isinstance(layer, DummyLayer))
+    def _first_kv_layer(self) -> int | None:
+        return next((i for i, layer in enumerate(self.layers) if isinstance(layer, PagedLayer)), None)
+
+
+@functools.cache
+def _custom_cache_class(model_type: str) -> type[PagedCache]:
+    """A :class:`PagedCache` that is also the cache class ``model_type`` requires (MiniMax: ``MiniMaxCache``, its
+    linear-attention states served by :class:`~.state_cache.StateCacheMixin`)."""
+    from transformers.models.minimax.modeling_minimax import MiniMaxCache
+
+    def length(self: PagedCache) -> int:
+        return len(self.layers)
+
+    return type("PagedMiniMaxCache", (PagedCache, MiniMaxCache), {"__len__": length, "__module__": __name__})

@@ -33,6 +33,7 @@ from pagedcore.errors import InvalidBlockError, OutOfBlocksError
 from .attention import ATTN_IMPLEMENTATION, CONTEXT_KEY, ForwardContext
 from .forward_plan import ForwardPlan, MaskRows, plan_forward
 from .pool import PagedKVPool
+from .state_cache import CacheStates
 
 __all__ = ["CacheState", "Row", "Step"]
 
@@ -201,6 +202,9 @@ class CacheState:
         # The paged path may then skip the mask, and the rows' full blocks may be registered in the prefix cache.
         self.exact = True
         self.released = False
+        self.attached = False  # made by enable() (attach_prefix, take_rows): generate is given the whole prompt
+        # The rows' recurrent states, for a model with state layers (their slots are the rows' BlockTables').
+        self.states = CacheStates(pool.states, pool.lock) if pool.states is not None else None
 
     # ------------------------------------------------------------------ queries
     def check_live(self) -> None:
@@ -245,11 +249,26 @@ class CacheState:
         if mask_known:
             width = self.length + q_len
             rows = MaskRows.of(mask if isinstance(mask, torch.Tensor) else None, batch=batch, width=width)
+            if mask is None and not self.cached_layers and len(self.rows) == batch:
+                # A model without attention layers (Mamba-2) drops the mask after its prefill: no new padding.
+                rows = MaskRows(width, tuple(min(row.pad, width) for row in self.rows), (True,) * batch)
         self._begin(batch, q_len, positions, True, mask=rows, device=device, hooked=True, kwargs_reach=kwargs_reach)
         step = self.step
         if step is not None:
             step.open = True
             step.wants_weights = weights and self.uses_paged_attention()
+            if self.states is not None:
+                self._begin_states(step, device)
+
+    def _begin_states(self, step: Step, device: torch.device) -> None:
+        """Make every row's state slot its own before the forward (given back with the reservation on failure)."""
+        assert self.states is not None
+        try:
+            self.states.begin(self.rows, previous=step.plan.start > 0, device=device)
+        except Exception:
+            step.open = False
+            self.end_forward()
+            raise
 
     def shared_kwargs(self) -> dict[str, Any] | None:
         """Keyword arguments for the forward :meth:`begin_forward` reserved: its paged-attention context, when the
@@ -263,8 +282,9 @@ class CacheState:
     def end_forward(self) -> None:
         """After the forward (also one that raised): a reservation made by :meth:`begin_forward` that no layer used
         (the forward failed before storing anything, or never called ``update``) is given back."""
+        wrote = self.states is not None and self.states.end()  # the states handed out go back to the slots
         step = self.step
-        if step is None or not step.hooked or self.length != step.end:
+        if step is None or not step.hooked or self.length != step.end or wrote:
             return
         step.open = False
         start = step.plan.start
@@ -519,6 +539,8 @@ class CacheState:
                 row.blocks.release()
         self.rows = new_rows
         self.step = None
+        if self.states is not None:
+            self.states.select(indices)
 
     def adopt(self, source: CacheState) -> None:
         """Become a copy of ``source`` (an empty state of the same pool): its rows forked (shared blocks,
@@ -531,14 +553,24 @@ class CacheState:
         self.length = source.length
         self.layer_len = list(source.layer_len)
         self.exact = source.exact
+        if self.states is not None and source.states is not None:
+            self.states.history = dict(source.states.history)
+            self.states.recording = source.states.recording
         for mine, theirs in zip(self.layers, source.layers):
             if hasattr(mine, "record_past"):
                 mine.record_past = getattr(theirs, "record_past", False)
 
     def release(self) -> None:
-        """Give every row's blocks back."""
+        """Give every row's blocks (and state slots) back."""
+        if self.states is not None:
+            self.states.reset()
         with self.pool.lock:
             for row in self.rows:
                 row.blocks.release()
         self.rows = []
         self.step = None
+
+    def positions_before(self) -> int:
+        """Rectangular positions per row before the forward now running (all of them between forwards)."""
+        step = self.step
+        return step.plan.start if step is not None and step.open else self.length

@@ -23,6 +23,7 @@ import torch
 from pagedcore.kv_pool import KVPool
 
 from .spec import ModelKVSpec
+from .state_pool import StatePool
 from .weights import Placement, WeightsWatch
 
 __all__ = ["STORED_LAYOUT", "TensorBlockIO", "TensorPool"]
@@ -57,6 +58,8 @@ class TensorPool(Protocol):
     def create_tensors(self, device: torch.device, dtype: torch.dtype) -> bool: ...
     def block_bytes(self, group: int) -> int: ...
     def layer_tensors(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor] | None: ...
+    @property
+    def states(self) -> StatePool | None: ...
 
 
 STORED_LAYOUT = "layer,kv,slot,head,dim"
@@ -100,6 +103,20 @@ class TensorBlockIO:
     def block_nbytes(self, group: int) -> int:
         return self._pool.block_bytes(group)
 
+    def state_nbytes(self) -> int:
+        states = self._pool.states
+        return 0 if states is None or not states.complete() else states.slot_nbytes()
+
+    def read_state(self, slot: int) -> object:
+        states = self._pool.states
+        assert states is not None
+        return states.read(slot)
+
+    def write_state(self, slot: int, payload: bytes) -> None:
+        states = self._pool.states
+        assert states is not None
+        states.write(slot, payload)
+
     def read_block(self, group: int, block_id: int) -> object:
         out: list[torch.Tensor] = []
         for layer in self._layers(group):
@@ -142,4 +159,7 @@ class TensorBlockIO:
             "model_type": spec.model_type,
             "layers": layers,
         }
+        shapes = None if pool.states is None else pool.states.shapes
+        if shapes:  # recurrent states: their snapshots are stored too, in this layout
+            described["states"] = [[s.layer, s.kind, s.index, list(s.shape), str(s.dtype)] for s in shapes]
         return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()

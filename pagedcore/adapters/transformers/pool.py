@@ -33,6 +33,8 @@ from pagedcore.plugin_manager import PluginManager, default_plugin_manager
 
 from .kv_io import TensorBlockIO
 from .spec import ModelKVSpec, text_config
+from .state_pool import StatePlan, StatePool, plan_states, state_stats
+from .state_spec import StateSpec, probe_states
 from .weights import Placement, WeightsWatch
 
 __all__ = ["KV_LAYOUTS", "KVStoreSpec", "MemoryStats", "PagedKVPool", "PoolConfig", "PoolLock", "parse_bytes"]
@@ -164,6 +166,10 @@ class MemoryStats:
             grows with the tokens stored, up to ``capacity_bytes``, and stays there (blocks freed or cached keep
             their pages). On other devices each layer's tensors are allocated whole at its first keys
             (``allocated_bytes``).
+        state_slots / snapshots: a model with recurrent-state layers: its state slots, and how many of them hold
+            snapshots filed in the prefix cache (0 for a model of attention layers only).
+        state_capacity_bytes / state_used_bytes / state_cached_bytes: the states' bytes: all slots, the slots held
+            (live states and snapshots in use), the snapshots only the prefix cache keeps (0 while unknown).
 
     Example:
         >>> from pagedcore.adapters.transformers.testing import tiny_llama_config
@@ -198,6 +204,12 @@ class MemoryStats:
             return 0.0
         return 1.0 - self.bytes_per_token / self.expanded_bytes_per_token
 
+    state_slots: int = 0
+    snapshots: int = 0
+    state_capacity_bytes: int = 0
+    state_used_bytes: int = 0
+    state_cached_bytes: int = 0
+
 
 class PagedKVPool:
     """Paged KV memory for one model.
@@ -221,6 +233,11 @@ class PagedKVPool:
             exist and be writable, else :class:`~pagedcore.errors.ConfigError`) persists across restarts and can be
             shared by processes serving the same model.
         kv_store_bytes: the budget of each store given by location (bytes or ``"20GiB"``); required with them.
+        state_slots: for a model with recurrent-state layers (Qwen3.5, Mamba-2...; :mod:`.state_pool`), the state
+            slots: live sequences' states and snapshots together. Default: half of ``memory_budget`` (all of it in a
+            model without attention layers), else :data:`~.state_pool.DEFAULT_STATE_SLOTS`.
+        snapshot_interval: such a model's prompts keep a snapshot of their state every this many blocks (each costs
+            a slot; see :mod:`pagedcore.state_slots`), so that later prompts sharing a prefix resume there.
         dtype: dtype of the stored keys and values, to size a memory budget (default: the model's dtype).
         plugins: plugin manager for policies, hashing and events (the default one when omitted).
 
@@ -248,6 +265,8 @@ class PagedKVPool:
         kv_layout: str | None = None,
         kv_store: KVStoreSpec | None = None,
         kv_store_bytes: int | float | str | None = None,
+        state_slots: int | None = None,
+        snapshot_interval: int | None = None,
         dtype: torch.dtype | None = None,
         plugins: PluginManager | None = None,
     ) -> None:
@@ -260,6 +279,8 @@ class PagedKVPool:
             kv_layout=kv_layout,
             kv_store=kv_store,
             kv_store_bytes=kv_store_bytes,
+            state_slots=state_slots,
+            snapshot_interval=snapshot_interval,
         ).with_defaults(kv_layout="slots")
         self.config = config
         self.spec = ModelKVSpec.from_model(model)
@@ -268,7 +289,10 @@ class PagedKVPool:
             default_block_size(getattr(model, "device", "cpu")) if config.block_size is None else config.block_size
         )
         self._dtype: torch.dtype = _model_dtype(model) if dtype is None else dtype
-        num_blocks = _block_count(config, block_size, self.spec.bytes_per_block(block_size, self._dtype))
+        self._config = text_config(model)  # to read a config-only model's state shapes (state_spec.probe_states)
+        self.state_spec = StateSpec.from_config(self._config)
+        num_blocks, plan = self._sizing(model, config, block_size)
+        self.states = StatePool(self.state_spec, plan.num_slots, plan.shapes) if plan.num_slots else None
         self.plugins = plugins if plugins is not None else default_plugin_manager()
         policy_name = config.eviction_policy
         self.plugins.eviction_policy(policy_name, num_blocks)  # fail now on an unknown policy name
@@ -278,6 +302,8 @@ class PagedKVPool:
             self.spec.kinds,
             eviction_policy=lambda: self.plugins.eviction_policy(policy_name, num_blocks),
             on_evict=self._on_evict,
+            state_slots=plan.num_slots,
+            snapshot_interval=config.snapshot_interval or 1,
         )
         self._layers: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * self.spec.num_layers
         self._latents: dict[int, torch.Tensor] = {}  # MLA layers: the one tensor their two views above share
@@ -319,6 +345,19 @@ class PagedKVPool:
         if model is not None:
             pool.bind(model)
         return pool
+
+    def _sizing(self, model: Any, config: PoolConfig, block_size: int) -> tuple[int, StatePlan]:
+        """Blocks per group, and the recurrent-state slots (what ``memory_budget`` leaves them, or given)."""
+        per_block = self.spec.bytes_per_block(block_size, self._dtype)
+        plan = plan_states(
+            self.state_spec,
+            model,
+            state_slots=config.state_slots,
+            memory_budget=config.memory_budget,
+            kv_bytes_per_block=per_block,
+            dtype=self._dtype,
+        )
+        return _block_count(config, plan.kv_budget, block_size, per_block), plan
 
     # ------------------------------------------------------------------ queries
     @property
@@ -378,8 +417,9 @@ class PagedKVPool:
 
     @property
     def has_all_tensors(self) -> bool:
-        """Whether every layer with a KV cache has its tensors."""
-        return all(t is not None or not layer.has_cache for t, layer in zip(self._layers, self.spec.layers))
+        """Whether every layer with a KV cache (and every recurrent state) has its tensors."""
+        states = self.states is None or self.states.complete()
+        return states and all(t is not None or not layer.has_cache for t, layer in zip(self._layers, self.spec.layers))
 
     def create_tensors(self, device: torch.device, dtype: torch.dtype) -> bool:
         """Create the missing layers' tensors on ``device`` in ``dtype`` now, before any forward (to load blocks
@@ -394,6 +434,9 @@ class PagedKVPool:
                     keys = torch.empty(0, layer.num_kv_heads, layer.head_dim, dtype=dtype, device=device)
                     values = torch.empty(0, layer.num_kv_heads, layer.v_head_dim, dtype=dtype, device=device)
                     self._layers[layer_idx] = self._create(layer_idx, keys, values)
+            if self.states is not None:
+                source = owner if owner is not None else self._config
+                return self.states.create(device, lambda: probe_states(source, self.state_spec, dtype))
         return True
 
     @property
@@ -502,6 +545,7 @@ class PagedKVPool:
             block_size=self.block_size,
             store_bytes={} if self._tiers is None else {n: s["bytes"] for n, s in self._tiers.stats().stores.items()},
             reserved_bytes=reserved,
+            **state_stats(self.kv.states, self.states),
         )
 
     def block_bytes(self, group: int) -> int:
@@ -608,14 +652,18 @@ class PagedKVPool:
             forgotten = self.kv.clear_prefix_cache()
             self._layers = [None] * self.spec.num_layers
             self._latents.clear()
+            if self.states is not None:
+                self.states.drop()
             self._backends.clear()
             self._stale_tensors = False
             return forgotten
 
     @property
     def has_tensors(self) -> bool:
-        """Whether any layer's keys and values were stored since the pool was created or rebuilt."""
-        return any(t is not None for t in self._layers)
+        """Whether any layer's keys and values (or recurrent states) were stored since the pool was created or
+        rebuilt."""
+        states = self.states is not None and self.states.placement() is not None
+        return states or any(t is not None for t in self._layers)
 
     def clear_prefix_cache(self, *namespaces: Hashable) -> int:
         """Forget cached prefixes (of the given namespaces, or all). Returns blocks forgotten."""
@@ -636,7 +684,9 @@ class PagedKVPool:
         if not self._stale_tensors:
             return None
         first = next((t for t in self._layers if t is not None), None)
-        return None if first is None else (first[0].dtype, first[0].device)
+        if first is None:  # a model without attention layers: its states' placement
+            return None if self.states is None else self.states.placement()
+        return (first[0].dtype, first[0].device)
 
     def check_weights(self) -> int:
         """Notice a change of the model's weights since the last check, and forget what was computed before it.
@@ -755,16 +805,17 @@ class PagedKVPool:
         self.plugins.emit("pagedcore_blocks_evicted", group=group, block_ids=block_ids)
 
 
-def _block_count(config: PoolConfig, block_size: int, per_block: int) -> int:
-    """The pool's blocks per group: ``num_blocks``, or what ``memory_budget`` holds, or the default's."""
+def _block_count(config: PoolConfig, memory_budget: int | None, block_size: int, per_block: int) -> int:
+    """The pool's blocks per group: ``num_blocks``, or what ``memory_budget`` (the KV blocks' share of the pool's
+    budget) holds, or the default's."""
     if config.num_blocks is not None:
         return config.num_blocks
-    if config.memory_budget is None:
+    if memory_budget is None or per_block == 0:  # no budget, or no attention layer: the blocks index tokens only
         return -(-_DEFAULT_TOKENS // block_size)
-    count = config.memory_budget // per_block
+    count = memory_budget // per_block
     if count < 1:
         raise ConfigError(
-            f"memory budget {config.memory_budget} bytes holds no block: one block of {block_size} tokens costs "
+            f"memory budget {memory_budget} bytes holds no block: one block of {block_size} tokens costs "
             f"{per_block} bytes over all layers",
             param="memory_budget",
         )

@@ -77,6 +77,7 @@ from pagedcore.validation import as_integer
 from .cache import PagedCache
 from .pool import KVStoreSpec, PagedKVPool
 from .spec import context_limit, text_config
+from .state_prefill import StatePrefill
 
 __all__ = ["disable", "enable", "is_enabled", "namespace", "prefix_pool"]
 
@@ -111,6 +112,8 @@ def enable(
     eviction_policy: str | None = None,
     kv_store: KVStoreSpec | None = None,
     kv_store_bytes: int | float | str | None = None,
+    state_slots: int | None = None,
+    snapshot_interval: int | None = None,
 ) -> PagedKVPool:
     """Make plain ``model.generate(...)`` reuse cached prompt prefixes across calls.
 
@@ -118,12 +121,12 @@ def enable(
         model: a transformers causal LM.
         pool: a pool to use (e.g. shared with an Engine); else one is created with ``config`` (a
             :class:`~pagedcore.config.PoolConfig`) or the keyword arguments that build one:
-        num_blocks / memory_budget / block_size / eviction_policy: sizing of a new pool (see PagedKVPool).
+        num_blocks / memory_budget / block_size / eviction_policy / state_slots / snapshot_interval: sizing of a new
+            pool (see PagedKVPool; the last two for recurrent-state layers, :mod:`.state_prefill`).
         namespace: default namespace of this model's calls (override per call or per block of code; an explicit
             ``pagedcore_namespace=None`` is the shared default namespace).
         attention_backend: backend for ``attn_implementation="paged"`` (default: the plugins' choice).
-        kv_store / kv_store_bytes: tiers below a new pool (a directory and its budget, e.g. ``"20GiB"``): evicted
-            prefixes are written there and found again, also after a restart (see :class:`PagedKVPool`).
+        kv_store / kv_store_bytes: tiers below a new pool (a directory, a budget): evicted prefixes outlive restarts.
 
     Returns the pool; read ``pool.num_hit_tokens / pool.num_query_tokens`` for the hit rate.
     What a kept result holds, weight updates and ``model.to(...)``: the module docstring (*Kept caches*, *Weights
@@ -152,7 +155,8 @@ def enable(
         raise ConfigError("prefix caching is already enabled on this model; call disable(model) first")
     sizes = {"num_blocks": num_blocks, "memory_budget": memory_budget, "block_size": block_size}
     more = {"eviction_policy": eviction_policy, "kv_store": kv_store, "kv_store_bytes": kv_store_bytes}
-    pool = PagedKVPool.resolve(model, pool, PoolConfig.of(config, **sizes, **more))
+    states = {"state_slots": state_slots, "snapshot_interval": snapshot_interval}
+    pool = PagedKVPool.resolve(model, pool, PoolConfig.of(config, **sizes, **more, **states))
     had_instance = "generate" in vars(model)
     state = _Enabled(pool, namespace, attention_backend, had_instance, vars(model).get("generate"))
     model.generate = _wrapped_generate(model, state)
@@ -309,16 +313,30 @@ def _fresh(
     cache = PagedCache(model, pool=pool, namespace=ns, attention_backend=state.attention_backend)
     keep = False
     reservation = None
+    states: StatePrefill | None = None
     try:
         rows = [input_ids[r, p:].tolist() for r, p in enumerate(pads)] if pads is not None else None
         length = 0
         share_prompt = settings.expand > 1 and settings.reuse
+        states = None  # a model with recurrent-state layers: its rows computed alone, to snapshot points
+        if pool.states is not None and rows is not None and settings.reuse:
+            states = StatePrefill(model, pool, ns, state.attention_backend)
         with pool.lock:  # the hit and the reservation in one hold: no other holder takes blocks in between
-            if rows is not None and pads is not None:
+            held = cache.row_tokens()
+            if states is not None and rows is not None:
+                held = states.plan(rows)
+                _record(pool, rows, held, ns)
+            elif rows is not None and pads is not None:
                 length = _attach(cache, pool, rows, pads, ns, lookup=settings.reuse)
-            reservation = _reserve(pool, cache, tuple(input_ids.shape), pads, settings, share_prompt, kwargs)
+                held = cache.row_tokens()
+            shape = tuple(input_ids.shape)
+            reservation = _reserve(pool, held, shape, pads, settings, share_prompt, kwargs, states is not None)
+            if states is not None and pads is not None:
+                states.attach(reservation, cache, pads)
         cache.reservation = reservation
-        if share_prompt:
+        if states is not None and pads is not None and states.active:
+            length = states.run(cache, pads, _model_inputs(model, kwargs))
+        elif share_prompt:
             _prefill_once(model, cache, input_ids, mask, length, kwargs)
         if settings.expand > 1:  # generate expands the batch but never the cache
             cache.batch_repeat_interleave(settings.expand)
@@ -329,6 +347,8 @@ def _fresh(
         keep = _carries(result, cache)
         return result
     finally:
+        if states is not None:
+            states.release()
         _give_back(pool, reservation, cache)
         if not keep:
             cache.release()
@@ -357,7 +377,8 @@ def _continue(
     reservation, own = None, cache.reservation  # a cache that holds a reservation of its own draws from that one
     if own is None and settings.expand == 1 and cache.batch_size == input_ids.shape[0]:
         with pool.lock:
-            reservation = _reserve(pool, cache, tuple(input_ids.shape), cache.row_padding(), settings, False, kwargs)
+            shape = tuple(input_ids.shape)
+            reservation = _reserve(pool, cache.row_tokens(), shape, cache.row_padding(), settings, False, kwargs)
         cache.reservation = reservation
     try:
         result = call(*args, **kwargs)
@@ -498,42 +519,47 @@ def _attach(
         matches = [pool.kv.match(tokens, ns) for tokens in rows]
         hits = [min(m.num_tokens, len(tokens) - 1) for m, tokens in zip(matches, rows)]
         length = min(p + h for p, h in zip(pads, hits))
-        call = next(_call_ids)
-        for r, (tokens, pad) in enumerate(zip(rows, pads)):
-            used = max(0, length - pad)
-            pool.kv.record(len(tokens), used)
-            pool.plugins.emit(
-                "pagedcore_prefix_hit",
-                request_id=f"generate-{call}/{r}",
-                num_query_tokens=len(tokens),
-                num_hit_tokens=used,
-                namespace=ns,
-            )
+        _record(pool, rows, [max(0, length - pad) for pad in pads], ns)
         cache.attach_prefix(matches, pads, length, rows)
     return length
 
 
+def _record(pool: PagedKVPool, rows: list[list[int]], used: list[int], ns: Hashable) -> None:
+    """Count each row's lookup and the tokens it takes from the cache, and tell the plugins."""
+    call = next(_call_ids)
+    for r, (tokens, hit) in enumerate(zip(rows, used)):
+        pool.kv.record(len(tokens), hit)
+        pool.plugins.emit(
+            "pagedcore_prefix_hit",
+            request_id=f"generate-{call}/{r}",
+            num_query_tokens=len(tokens),
+            num_hit_tokens=hit,
+            namespace=ns,
+        )
+
+
 def _reserve(
     pool: PagedKVPool,
-    cache: PagedCache,
+    held: list[int],
     shape: tuple[int, ...],
     pads: list[int] | None,
     settings: _Settings,
     share_prompt: bool,
     kwargs: dict[str, Any],
+    snapshots: bool = False,
 ) -> Reservation:
     """Reserve the call's worst case (under the pool's lock), so it can never run out half-way; else raise
     OutOfBlocksError before generation, ending the call's streamer so that its consumer does not wait for ever.
 
     ``shape`` is the input's ``(batch, width)``, ``pads`` each row's unstored padding (None: the mask is not left
-    padding, so every row stores every position); rows already hold what the cache holds. Each row is a
+    padding, so every row stores every position); rows already hold ``held`` tokens (a hit, or a continued cache),
+    and with ``snapshots`` compute their prompt to snapshot points (recurrent-state layers). Each row is a
     :class:`~pagedcore.capacity.Demand` (``settings.expand`` copies; with ``share_prompt`` the prompt is computed once
     and forked); the pool's :meth:`~pagedcore.kv_pool.KVPool.worst_case` says how many blocks they need, and
     :meth:`~pagedcore.kv_pool.KVPool.reserve` holds them back from every other holder (other calls, an Engine) until
     the call ends. An Engine's running requests keep what they may still need: those blocks cannot be reserved.
     """
     batch, width = shape
-    held = cache.row_tokens()
     pads = pads if pads is not None else [0] * batch
     demands = [
         Demand(
@@ -543,6 +569,7 @@ def _reserve(
             num_copies=settings.expand,
             share_prompt=share_prompt,
             keeps_window=settings.records_past,
+            snapshots=snapshots,
         )
         for r, pad in enumerate(pads)
     ]

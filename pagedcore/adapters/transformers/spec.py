@@ -30,6 +30,8 @@ from pagedcore.attention_kinds import AttentionKind, ChunkedAttention, attention
 from pagedcore.errors import PoolMismatchError, UnsupportedModelError
 from pagedcore.validation import as_integer
 
+from .state_spec import STATE_LAYER_TYPES, kv_layer_type
+
 __all__ = ["KEEPS", "LatentLayout", "LayerSpec", "ModelKVSpec", "context_limit", "text_config"]
 
 KEEPS = ("kv", "shared", "none")
@@ -38,10 +40,6 @@ of its own (it attends over the blocks of its ``kv_source`` layer), ``"none"`` n
 
 _ATTENTION = {"full_attention", "sliding_attention", "chunked_attention"}
 _WHY = {
-    "linear_attention": "linear-attention / state-space layers keep a recurrent state, not per-token keys and values",
-    "conv": "convolutional layers keep a recurrent state, not per-token keys and values",
-    "hybrid": "hybrid linear-attention layers keep a recurrent state besides their keys and values",
-    "hybrid_sliding": "hybrid linear-attention layers keep a recurrent state besides their keys and values",
     "indexed_attention": "sparse indexed attention keeps an extra indexer cache",
 }
 
@@ -199,11 +197,13 @@ class ModelKVSpec:
                 "keys and values can serve it (an encoder, e.g. an embedding model)"
             )
         layers = tuple(_read_layers(config, model_type))
-        return cls.from_layers(model_type, layers)
+        return cls.from_layers(model_type, layers, token_group=_attention_free(config, layers))
 
     @classmethod
-    def from_layers(cls, model_type: str, layers: Sequence[LayerSpec]) -> ModelKVSpec:
+    def from_layers(cls, model_type: str, layers: Sequence[LayerSpec], *, token_group: bool = False) -> ModelKVSpec:
         """The spec of these layers: groups formed by storage (:attr:`LayerSpec.storage`), in order of first use.
+        ``token_group``: a model whose layers all keep recurrent states (Mamba-2) gets one full-attention KV group of
+        no layers, which indexes its tokens (prefix matches, snapshots).
 
         Example:
             >>> spec = ModelKVSpec.from_layers("x", [LayerSpec("sliding_attention", 8, 2, 16, 16),
@@ -221,6 +221,8 @@ class ModelKVSpec:
             if layer.storage not in storages:
                 storages.append(layer.storage)
             groups.append(storages.index(layer.storage))
+        if not storages and token_group:
+            storages.append((attention_kind(None), 0, 0, 0, None))
         if not storages:
             raise UnsupportedModelError(f"model type {model_type!r} has no layer with a KV cache")
         return cls(model_type, tuple(layers), tuple(s[0] for s in storages), tuple(groups))
@@ -303,6 +305,7 @@ def _read_layers(config: PretrainedConfig, model_type: str) -> list[LayerSpec]:
     sharing = list(getattr(config, "kv_sharing_modes", None) or [None] * len(cache_types))
     layers = []
     for i, (kind, kwargs, layer_config) in enumerate(zip(cache_types, layer_kwargs, per_layer)):
+        kind = kv_layer_type(kind)  # a recurrent state is state_spec's business; a hybrid layer's attention is ours
         if kind == "dummy" and sharing[i] == "reuse":
             source = _kv_source(i, declared, sharing, model_type)
             own = _read_attention(declared[i], layer_kwargs[source], layer_config, config, model_type, i)
@@ -312,7 +315,9 @@ def _read_layers(config: PretrainedConfig, model_type: str) -> list[LayerSpec]:
         elif kind in _ATTENTION:
             layers.append(_read_attention(kind, kwargs, layer_config, config, model_type, i))
         else:
-            why = _WHY.get(kind, "pagedcore pages full, sliding-window and chunked attention layers only")
+            why = _WHY.get(
+                kind, "pagedcore pages full, sliding-window and chunked attention and keeps recurrent states"
+            )
             raise UnsupportedModelError(f"model type {model_type!r}, layer {i} is {kind!r}: {why}")
     return layers
 
@@ -336,6 +341,14 @@ def _read_attention(
     v_head_dim = as_integer(_field(layer, "v_head_dim")) or head_dim
     kv_heads = _num_kv_heads(layer, heads)
     return LayerSpec(kind, window, kv_heads, head_dim, v_head_dim, heads, chunk, query_temperature=temperature)
+
+
+def _attention_free(config: PretrainedConfig, layers: Sequence[LayerSpec]) -> bool:
+    """Whether every layer keeps a recurrent state and none attends (a pure state-space model: Mamba-2)."""
+    if any(layer.has_cache or layer.keeps == "shared" for layer in layers):
+        return False
+    types, _ = get_layer_types_and_kwargs(config)  # read once already by _read_layers: it does not raise here
+    return any(kind in STATE_LAYER_TYPES for kind in types)
 
 
 def _field(layer: Any, name: str) -> Any:

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-__all__ = ["tiny_llama", "tiny_llama_config"]
+__all__ = ["tiny_hybrid", "tiny_llama", "tiny_llama_config"]
 
 _TINY = {
     "hidden_size": 64,
@@ -45,3 +45,29 @@ def tiny_llama(**overrides: Any) -> LlamaForCausalLM:
         torch.Size([1, 5])
     """
     return LlamaForCausalLM(tiny_llama_config(**overrides)).eval()
+
+
+def tiny_hybrid(**overrides: Any) -> Any:
+    """A tiny model built like Qwen3.5 (text): three Gated DeltaNet linear-attention layers (recurrent states), then
+    one full-attention layer; hidden 64, vocabulary 100, random weights, in eval mode.
+
+    Example:
+        >>> import torch
+        >>> model = tiny_hybrid()
+        >>> model.config.layer_types
+        ['linear_attention', 'linear_attention', 'linear_attention', 'full_attention']
+        >>> model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2, do_sample=False).shape
+        torch.Size([1, 5])
+    """
+    fields = {
+        **_TINY,
+        "num_hidden_layers": 4,
+        "head_dim": 16,
+        "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        **overrides,
+    }
+    return AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen3_5_text", **fields)).eval()
