@@ -13,12 +13,8 @@ from __future__ import annotations
 import logging
 import mmap
 import os
-import threading
 import weakref
-from collections import deque
-from collections.abc import Callable, Hashable
-from dataclasses import dataclass, field
-from types import TracebackType
+from collections.abc import Hashable
 from typing import Any
 
 import torch
@@ -32,6 +28,8 @@ from pagedcore.kv_tiers import KVTiers, TierStats
 from pagedcore.plugin_manager import PluginManager, default_plugin_manager
 
 from .kv_io import TensorBlockIO
+from .pool_lock import PoolLock
+from .pool_stats import MemoryStats
 from .spec import ModelKVSpec, text_config
 from .state_pool import StatePlan, StatePool, plan_states, state_stats
 from .state_spec import StateSpec, probe_states
@@ -51,164 +49,6 @@ _DEFAULT_TOKENS = 32_768  # default capacity when neither num_blocks nor memory_
 _log = logging.getLogger(__name__)
 
 parse_bytes = parse_size  # its old name here: sizes have one parser, pagedcore.config.parse_size
-
-
-class PoolLock:
-    """The pool's re-entrant bookkeeping lock (``with pool.lock:``), plus releases deferred to a safe moment.
-
-    It is the one lock over the pool's block state: every holder (caches, ``enable()``d calls, an Engine, whose own
-    lock takes it) changes blocks only while holding it, so holders in different threads can share a pool.
-
-    A cache dropped without :meth:`PagedCache.release` gives its blocks back from a garbage-collection finalizer,
-    which may run at any allocation, even in the middle of a bookkeeping call of this very thread. Such releases
-    go through :meth:`call_soon`: run at once when no bookkeeping call is in progress, else when the outermost one
-    in progress (of any thread) ends.
-
-    Example:
-        >>> lock = PoolLock()
-        >>> done = []
-        >>> with lock:
-        ...     lock.call_soon(lambda: done.append(1))   # inside a bookkeeping call: deferred
-        ...     print(done)
-        []
-        >>> done
-        [1]
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.RLock()
-        self._depth = 0  # nested holds by the owning thread (only touched while holding the lock)
-        self._holder: int | None = None  # the owning thread's id while held
-        self._pending: deque[Callable[[], None]] = deque()
-
-    def __enter__(self) -> PoolLock:
-        self._lock.acquire()
-        self._depth += 1
-        self._holder = threading.get_ident()
-        if self._depth == 1 and self._pending:
-            self._drain()
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        try:
-            if self._depth == 1:
-                self._drain()
-        finally:
-            self._depth -= 1
-            if self._depth == 0:
-                self._holder = None
-            self._lock.release()
-
-    def is_held(self) -> bool:
-        """Whether the calling thread holds the lock (for assertions: every change to a pool's blocks holds it).
-
-        Example:
-            >>> lock = PoolLock()
-            >>> with lock:
-            ...     print(lock.is_held())
-            True
-            >>> lock.is_held()
-            False
-        """
-        return self._holder == threading.get_ident()
-
-    def call_soon(self, fn: Callable[[], None]) -> None:
-        """Run ``fn`` under the lock now if no bookkeeping call is in progress, else when the current one ends."""
-        self._pending.append(fn)
-        if self._lock.acquire(blocking=False):
-            try:
-                if self._depth == 0:  # not inside a bookkeeping call of this thread
-                    self._depth = 1
-                    self._holder = threading.get_ident()
-                    try:
-                        self._drain()
-                    finally:
-                        self._depth = 0
-                        self._holder = None
-            finally:
-                self._lock.release()
-
-    def _drain(self) -> None:
-        while self._pending:
-            try:
-                fn = self._pending.popleft()
-            except IndexError:  # another thread's call_soon appended and drained concurrently
-                return
-            try:
-                fn()
-            except Exception:  # a finalizer's release must never break the call that happened to run it
-                _log.exception("pagedcore: a deferred release failed")
-
-
-@dataclass(frozen=True)
-class MemoryStats:
-    """KV memory of a pool, in bytes.
-
-    Attributes:
-        capacity_bytes: what the pool can hold (all blocks of all layers): the ceiling its memory grows to.
-        allocated_bytes: layer tensors created so far (they are created lazily, at their layer's first keys). On the
-            CPU this is address space, not memory: see ``reserved_bytes``.
-        used_bytes: blocks held by running sequences or caches (real tokens rounded up to whole blocks).
-        cached_bytes: blocks kept only by the prefix cache (reusable, evicted when room is needed).
-        used_blocks: block references held, summed over KV groups.
-        num_blocks: blocks per KV group.
-        block_size: tokens per block.
-        store_bytes: per store below the pool (``kv_store=``), the bytes it holds now; empty without stores.
-        bytes_per_token: what one token's keys and values (or MLA latents) take over all layers that store their own.
-        expanded_bytes_per_token: what one token would take if every attention layer stored its own per-head keys
-            and values: MLA's latents and KV-shared layers (which store none) are the difference (see
-            :attr:`savings`).
-        reserved_bytes: memory the pool has taken so far. On the CPU the layer tensors are backed by memory that the
-            operating system commits page by page as blocks are first written, so this is the blocks written so far
-            (every block ever handed out: they are handed out from the start of the pool, freed ones first); it
-            grows with the tokens stored, up to ``capacity_bytes``, and stays there (blocks freed or cached keep
-            their pages). On other devices each layer's tensors are allocated whole at its first keys
-            (``allocated_bytes``).
-        state_slots / snapshots: a model with recurrent-state layers: its state slots, and how many of them hold
-            snapshots filed in the prefix cache (0 for a model of attention layers only).
-        state_capacity_bytes / state_used_bytes / state_cached_bytes: the states' bytes: all slots, the slots held
-            (live states and snapshots in use), the snapshots only the prefix cache keeps (0 while unknown).
-
-    Example:
-        >>> from pagedcore.adapters.transformers.testing import tiny_llama_config
-        >>> config = tiny_llama_config()
-        >>> stats = PagedKVPool(config, num_blocks=8, block_size=4, dtype=torch.float32).memory_stats()
-        >>> stats.capacity_bytes, stats.used_bytes, stats.reserved_bytes
-        (16384, 0, 0)
-    """
-
-    capacity_bytes: int
-    allocated_bytes: int
-    used_bytes: int
-    cached_bytes: int
-    used_blocks: int
-    num_blocks: int
-    block_size: int
-    store_bytes: dict[str, int] = field(default_factory=dict)
-    bytes_per_token: int = 0
-    expanded_bytes_per_token: int = 0
-    reserved_bytes: int = 0
-
-    @property
-    def savings(self) -> float:
-        """The fraction of per-token KV memory MLA's latents and KV sharing save against every attention layer
-        storing its own per-head keys and values (0.0 for a model without either).
-
-        Example:
-            >>> MemoryStats(0, 0, 0, 0, 0, 8, 16, bytes_per_token=576, expanded_bytes_per_token=40960).savings
-            0.9859375
-        """
-        if not self.expanded_bytes_per_token:
-            return 0.0
-        return 1.0 - self.bytes_per_token / self.expanded_bytes_per_token
-
-    state_slots: int = 0
-    snapshots: int = 0
-    state_capacity_bytes: int = 0
-    state_used_bytes: int = 0
-    state_cached_bytes: int = 0
 
 
 class PagedKVPool:
@@ -294,17 +134,7 @@ class PagedKVPool:
         num_blocks, plan = self._sizing(model, config, block_size)
         self.states = StatePool(self.state_spec, plan.num_slots, plan.shapes) if plan.num_slots else None
         self.plugins = plugins if plugins is not None else default_plugin_manager()
-        policy_name = config.eviction_policy
-        self.plugins.eviction_policy(policy_name, num_blocks)  # fail now on an unknown policy name
-        self.kv = KVPool(
-            num_blocks,
-            block_size,
-            self.spec.kinds,
-            eviction_policy=lambda: self.plugins.eviction_policy(policy_name, num_blocks),
-            on_evict=self._on_evict,
-            state_slots=plan.num_slots,
-            snapshot_interval=config.snapshot_interval or 1,
-        )
+        self.kv = self._bookkeeping(config, num_blocks, block_size, plan.num_slots)
         self._layers: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * self.spec.num_layers
         self._latents: dict[int, torch.Tensor] = {}  # MLA layers: the one tensor their two views above share
         # Bookkeeping lock: caches and engines of several threads may share one pool. Tensor reads and writes need no
@@ -345,6 +175,20 @@ class PagedKVPool:
         if model is not None:
             pool.bind(model)
         return pool
+
+    def _bookkeeping(self, config: PoolConfig, num_blocks: int, block_size: int, state_slots: int) -> KVPool:
+        """The core's block bookkeeping of this pool (its groups, their eviction policy, the state slots)."""
+        policy_name = config.eviction_policy
+        self.plugins.eviction_policy(policy_name, num_blocks)  # fail now on an unknown policy name
+        return KVPool(
+            num_blocks,
+            block_size,
+            self.spec.kinds,
+            eviction_policy=lambda: self.plugins.eviction_policy(policy_name, num_blocks),
+            on_evict=self._on_evict,
+            state_slots=state_slots,
+            snapshot_interval=config.snapshot_interval or 1,
+        )
 
     def _sizing(self, model: Any, config: PoolConfig, block_size: int) -> tuple[int, StatePlan]:
         """Blocks per group, and the recurrent-state slots (what ``memory_budget`` leaves them, or given)."""

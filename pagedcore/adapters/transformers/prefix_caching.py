@@ -128,10 +128,8 @@ def enable(
         attention_backend: backend for ``attn_implementation="paged"`` (default: the plugins' choice).
         kv_store / kv_store_bytes: tiers below a new pool (a directory, a budget): evicted prefixes outlive restarts.
 
-    Returns the pool; read ``pool.num_hit_tokens / pool.num_query_tokens`` for the hit rate.
-    What a kept result holds, weight updates and ``model.to(...)``: the module docstring (*Kept caches*, *Weights
-    that change*, *A converted model*). Prompt + ``max_new_tokens`` over the model's context raises
-    :class:`~pagedcore.errors.InvalidRequestError` (:func:`~pagedcore.adapters.transformers.spec.context_limit`).
+    Returns the pool (hit rate: ``pool.num_hit_tokens / pool.num_query_tokens``). Kept results, weight updates,
+    ``model.to(...)``: the module docstring; a prompt + ``max_new_tokens`` past the context: ``InvalidRequestError``.
 
     Example:
         >>> import torch
@@ -155,10 +153,9 @@ def enable(
         raise ConfigError("prefix caching is already enabled on this model; call disable(model) first")
     sizes = {"num_blocks": num_blocks, "memory_budget": memory_budget, "block_size": block_size}
     more = {"eviction_policy": eviction_policy, "kv_store": kv_store, "kv_store_bytes": kv_store_bytes}
-    states = {"state_slots": state_slots, "snapshot_interval": snapshot_interval}
-    pool = PagedKVPool.resolve(model, pool, PoolConfig.of(config, **sizes, **more, **states))
-    had_instance = "generate" in vars(model)
-    state = _Enabled(pool, namespace, attention_backend, had_instance, vars(model).get("generate"))
+    more |= {"state_slots": state_slots, "snapshot_interval": snapshot_interval}
+    pool = PagedKVPool.resolve(model, pool, PoolConfig.of(config, **sizes, **more))
+    state = _Enabled(pool, namespace, attention_backend, "generate" in vars(model), vars(model).get("generate"))
     model.generate = _wrapped_generate(model, state)
     _ENABLED[model] = state
     return pool

@@ -18,17 +18,25 @@ state keeps every input until a ``crop`` (layers with a recurrent state cannot b
 from __future__ import annotations
 
 import itertools
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import torch
 from transformers.cache_utils import CacheLayerMixin, LinearAttentionCacheLayerMixin
 
+from pagedcore.block_tables import BlockTables
 from pagedcore.errors import InvalidBlockError
 
 from .state_pool import Key, StatePool
 
-if TYPE_CHECKING:
-    from .cache_state import Row
+
+class Row(Protocol):
+    """What the states read of a cache's row (:class:`~.cache_state.Row` is one): its block tables, which hold its
+    state slot."""
+
+    @property
+    def blocks(self) -> BlockTables: ...
+
 
 __all__ = ["CacheStates", "PagedStateLayer", "StateStep"]
 
@@ -88,7 +96,7 @@ class CacheStates:
         self.recording = False
 
     # ------------------------------------------------------------------ a forward
-    def begin(self, rows: list[Row], *, previous: bool, device: torch.device) -> None:
+    def begin(self, rows: Sequence[Row], *, previous: bool, device: torch.device) -> None:
         """Before a forward: each row's slot made its own (the copies done), the rows' slots indexed."""
         self.end()
         with self.lock:
@@ -185,7 +193,7 @@ class CacheStates:
         shapes = self.pool.shapes or []
         return any(s.layer == layer and s.kind == kind for s in shapes)
 
-    def read(self, rows: list[Row], key: Key) -> torch.Tensor | None:
+    def read(self, rows: Sequence[Row], key: Key) -> torch.Tensor | None:
         """The rows' states of ``key`` as a copy (None before any)."""
         tensor = self.pool.get(key)
         slots = [row.blocks.state_slot for row in rows]
@@ -198,7 +206,7 @@ class CacheStates:
         for key, held in self.history.items():
             self.history[key] = held.index_select(0, torch.tensor(indices, dtype=torch.long, device=held.device))
 
-    def crop(self, rows: list[Row], tokens_to_remove: int) -> None:
+    def crop(self, rows: Sequence[Row], tokens_to_remove: int) -> None:
         """``crop``: put conv states back by ``-tokens_to_remove`` inputs (only conv states can be; past recording
         must have been on, as transformers requires)."""
         if any(s.kind == "recurrent" for s in self.pool.shapes or []):
@@ -218,7 +226,7 @@ class CacheStates:
             self.history[key] = kept
             self.write_rows(rows, key, kept)
 
-    def write_rows(self, rows: list[Row], key: Key, values: torch.Tensor) -> None:
+    def write_rows(self, rows: Sequence[Row], key: Key, values: torch.Tensor) -> None:
         """Put ``values`` (one per row) into the rows' slots of ``key`` (each made its own first)."""
         with self.lock:
             for row in rows:
