@@ -417,3 +417,17 @@ def test_frame_checks():
         with pytest.raises(FrameError) as info:
             decode(data, *args)
         assert info.value.reason == reason
+
+
+def test_two_nan_namespaces_never_share_stored_blocks(tmp_path):
+    """Two NaN objects were two namespaces in memory (a NaN is not equal to another) and one on disk (``float.hex``
+    gives 'nan' for both), so one tenant's stored blocks were loaded for the other. A NaN names nothing: refused."""
+    pool, io, tiers = make(tmp_path)
+    first, second = float("nan"), float("nan")
+    with pytest.raises(ConfigError, match="NaN"):
+        fill(pool, io, PROMPT, namespace=first)
+    with pytest.raises(ConfigError, match="NaN"):
+        pool.load_prefix(PROMPT, second)
+    assert tiers.stats().blocks_loaded == 0
+    pool.check_invariants()
+    tiers.close()

@@ -67,7 +67,7 @@ async def read_request(ctx: ServeContext, request: Request, cls: type[Any]) -> t
 def namespace_of(tenant: str | None, cache_salt: str | None) -> Hashable:
     """The prefix-cache namespace of a request: its tenant, narrowed by its ``cache_salt``. A salted request shares
     blocks only with requests of the same tenant and the same salt, so a salt can never reach another tenant's
-    blocks (namespaces are told apart by type and value, :func:`pagedcore.prefix_trie.namespace_key`).
+    blocks (namespaces are told apart by type and value, :func:`pagedcore.block_keys.namespace_key`).
 
     Example:
         >>> namespace_of("alice", None), namespace_of("alice", "s1"), namespace_of(None, "s1")

@@ -66,9 +66,9 @@ from typing import Any
 
 import torch
 
+from pagedcore.block_keys import namespace_key
 from pagedcore.capacity import Demand, Reservation
 from pagedcore.errors import ConfigError, InvalidRequestError, OutOfBlocksError, PoolMismatchError
-from pagedcore.prefix_trie import namespace_key
 from pagedcore.validation import as_integer
 
 from .cache import PagedCache
