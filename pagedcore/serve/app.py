@@ -98,7 +98,7 @@ def create_app(
     options = options or AppOptions()
     if tool_call_parser not in TOOL_PARSERS:
         raise ConfigError(f"unknown tool-call parser {tool_call_parser!r}: use one of {', '.join(TOOL_PARSERS)}")
-    tokenizer, context = _engine_defaults(loop, tokenizer, context_length)
+    tokenizer, context, eos = _engine_defaults(loop, tokenizer, context_length)
     app = FastAPI(title="pagedcore", version=__version__, docs_url=None, redoc_url=None)
     app.state.serve = ServeContext(
         loop=loop,
@@ -111,6 +111,7 @@ def create_app(
         aliases=tuple(options.aliases),
         trust_request_chat_template=options.trust_request_chat_template,
         tool_call_parser=tool_call_parser,
+        eos_token_ids=eos,
     )
     _add_cors(app, options)
     install_error_handlers(app)
@@ -120,14 +121,19 @@ def create_app(
     return app
 
 
-def _engine_defaults(loop: RequestLoop, tokenizer: Any, context: int | None) -> tuple[Any, int | None]:
-    """The tokenizer and context length, defaulting to an :class:`EngineLoop`'s engine's."""
+def _engine_defaults(loop: RequestLoop, tokenizer: Any, context: int | None) -> tuple[Any, int | None, tuple[int, ...]]:
+    """The tokenizer, context length and eos ids, defaulting to an :class:`EngineLoop`'s engine's (another loop's
+    engines stop at their own eos; a request's ``stop_token_ids`` add the tokenizer's)."""
+    eos: tuple[int, ...] = ()
     if isinstance(loop, EngineLoop):
         engine = loop.engine
         tokenizer = engine.tokenizer if tokenizer is None else tokenizer
+        eos = engine.eos_token_ids
         if context is None:
             context = getattr(text_config(engine.model), "max_position_embeddings", None)
-    return tokenizer, context
+    elif isinstance(getattr(tokenizer, "eos_token_id", None), int):
+        eos = (tokenizer.eos_token_id,)
+    return tokenizer, context, eos
 
 
 def _add_cors(app: FastAPI, options: AppOptions) -> None:

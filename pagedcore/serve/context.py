@@ -44,6 +44,7 @@ class ServeContext:
             without ``--trust-request-chat-template``).
         admission: open, or closed while the server drains for a shutdown.
         tool_call_parser: the tool-call format ``tool_choice="auto"`` reads (:mod:`pagedcore.serve.tool_calls`).
+        eos_token_ids: the model's stop tokens, which a request's ``stop_token_ids`` add to (vLLM's rule).
 
     Example:
         >>> ctx = ServeContext(loop=None, metrics=None, model_name="tiny", encoder=PromptEncoder(None, None))
@@ -66,6 +67,7 @@ class ServeContext:
     trust_request_chat_template: bool = False
     admission: Admission = field(default_factory=Admission)
     tool_call_parser: str = "hermes"
+    eos_token_ids: tuple[int, ...] = ()
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property

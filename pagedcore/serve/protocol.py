@@ -13,6 +13,7 @@ import json
 import logging
 import re
 import reprlib
+from collections.abc import Sequence
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -417,14 +418,18 @@ def _check_lengths(data: dict[str, Any], max_tokens: int | None) -> None:
         )
 
 
-def sampling_params(request: _Request, max_new_tokens: int) -> SamplingParams:
+def sampling_params(request: _Request, max_new_tokens: int, eos_token_ids: Sequence[int] = ()) -> SamplingParams:
     """The engine's :class:`SamplingParams` for a request, with OpenAI's defaults (temperature 1, top_p 1, n 1);
-    bad values raise :class:`ApiError` (400) naming the field.
+    bad values raise :class:`ApiError` (400) naming the field. ``stop_token_ids`` stop besides the model's
+    ``eos_token_ids`` (vLLM's rule: the engine's own field replaces them), and with ``ignore_eos`` only they stop.
 
     Example:
         >>> request = CompletionRequest.model_validate({"model": "m", "prompt": "hi", "temperature": 0})
         >>> sampling_params(request, 16).is_greedy
         True
+        >>> stops = CompletionRequest.model_validate({"model": "m", "prompt": "hi", "stop_token_ids": [7]})
+        >>> sampling_params(stops, 16, eos_token_ids=[2]).stop_token_ids
+        (2, 7)
     """
     kwargs: dict[str, Any] = {
         "max_new_tokens": max_new_tokens,
@@ -442,6 +447,12 @@ def sampling_params(request: _Request, max_new_tokens: int) -> SamplingParams:
     if request.min_tokens is not None:
         kwargs["min_new_tokens"] = request.min_tokens
     kwargs.update(_controls(request))
+    ids = kwargs.get("stop_token_ids")
+    if ids is not None:
+        if kwargs.get("ignore_eos"):  # the engine's ignore_eos would ignore stop_token_ids too: vLLM's does not
+            kwargs["ignore_eos"] = False
+        else:
+            kwargs["stop_token_ids"] = [*eos_token_ids, *(i for i in ids if i not in eos_token_ids)]
     try:
         return SamplingParams(**kwargs)
     except InvalidRequestError as exc:  # the engine owns the ranges; name the field as the client knows it

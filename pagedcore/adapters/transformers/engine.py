@@ -129,8 +129,9 @@ class Engine:
     ``SampleOutput.logprobs`` and ``TokenEvent.logprobs``), ``prompt_logprobs=k`` each prompt token's (in
     ``RequestOutput.prompt_logprobs``), from the model's logits before any processing (vLLM's ``raw_logprobs``).
 
-    Stopping and text are the Engine's: a sample stops at a stop token (eos by default), at its length, or at a stop
-    string (``stop_strings``, matched in its text across token boundaries; needs the tokenizer), in the step that
+    Stopping and text are the Engine's: a sample stops at a stop token (by default :attr:`eos_token_ids`: the
+    generation config's and the tokenizer's eos; ``generate(...)`` keeps ``generate``'s own), at its length, or at a
+    stop string (``stop_strings``, matched in its text across token boundaries; needs the tokenizer), in the step that
     produced the token that ends it; its text is decoded incrementally (:mod:`.detokenizer`), so streamed text never
     holds half a character and the pieces joined are the final text.
 
@@ -186,7 +187,7 @@ class Engine:
         self._text_config = text_config(model)
         self._vocab_size: int | None = int(getattr(self._text_config, "vocab_size", 0) or 0) or None
         self._max_positions = context_limit(model)  # the spec decides per family (None: no fixed limit)
-        self._eos = _eos_ids(model)
+        self._eos = _eos_ids(model, tokenizer)
         self._added_vocab = _added_vocab(tokenizer)  # where a stop string that is a special token finds its id
         self._grammars: EngineGrammars | None = None  # structured outputs: built with the first constrained request
         self._compile_timeout = _seconds("compile_timeout", compile_timeout)
@@ -402,6 +403,12 @@ class Engine:
                     raise
                 raise InvalidRequestError(f"prompt {i}: {exc}") from exc
         return self._stream(new)
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """What stops a request whose ``stop_token_ids`` are None (unless ``ignore_eos``): the generation config's
+        eos ids (the model config's without one) and the tokenizer's ``eos_token_id``, as vLLM stops."""
+        return tuple(self._eos)
 
     def stats(self) -> EngineStats:
         """Counters and gauges (see :class:`EngineStats`)."""
@@ -768,12 +775,10 @@ class Engine:
             )
         with self._lock:
             if self._grammars is None:
-                fallback = getattr(self.tokenizer, "eos_token_id", None)
-                eos = self._eos or ([] if fallback is None else [int(fallback)])
                 self._grammars = EngineGrammars(
                     self.tokenizer,
                     vocab_size=self._vocab_size,
-                    stop_token_ids=eos,
+                    stop_token_ids=self._eos,
                     compile_timeout=self._compile_timeout,
                 )
             grammars = self._grammars
@@ -1098,13 +1103,16 @@ def _pool_for(
     return pool
 
 
-def _eos_ids(model: Any) -> list[int]:
-    """The stop tokens ``model.generate`` would use: the generation config's eos (the model config's if none)."""
+def _eos_ids(model: Any, tokenizer: Any) -> list[int]:
+    """The default stop tokens: the generation config's eos (the model config's if none) and the tokenizer's (a
+    base model's folder often names its eos only there: vLLM stops at it too)."""
     config = getattr(model, "generation_config", None)
     eos = config.eos_token_id if config is not None else getattr(text_config(model), "eos_token_id", None)
-    if eos is None:
-        return []
-    return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+    ids = [] if eos is None else [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+    own = getattr(tokenizer, "eos_token_id", None)
+    if isinstance(own, int) and own not in ids:
+        ids.append(own)
+    return ids
 
 
 class _NoProgress:

@@ -93,7 +93,8 @@ class SamplingParams:
         top_p: keep the smallest set of tokens whose probability reaches ``top_p`` (in (0, 1]).
         seed: seed of this request's random draws, any Python int (None: drawn from Python's ``random``); see
             :func:`torch_seed` for how it reaches ``torch.Generator.manual_seed``.
-        stop_token_ids: stop after any of these; None means the model's eos token ids.
+        stop_token_ids: stop after any of these; None means the Engine's ``eos_token_ids`` (the generation
+            config's and the tokenizer's eos).
         stop_strings: stop when the text contains one of these (a string or a list; needs the Engine's tokenizer).
             The token that completes it is the sample's last; the text ends before the stop string, and the sample
             reports ``finish_reason="stop"`` and ``stop_reason`` (the string). A stop string that is a special

@@ -40,7 +40,7 @@ async def chat_completions(request: Request, ctx: Context) -> Response:
     room = ctx.max_new_tokens(len(truncated))
     max_tokens = body.max_new_tokens(DEFAULT_COMPLETION_MAX_TOKENS if room is None else max(1, room))
     (prompt,) = fit_prompts(ctx, body, [truncated], max_tokens)
-    params = replace(sampling_params(body, max_tokens), structured=spec)
+    params = replace(sampling_params(body, max_tokens, ctx.eos_token_ids), structured=spec)
     shape = shape_of(ctx, body, True, _options(ctx, body, prompt), calls)
     generation = Generation([prompt], params, namespace_of(tenant, body.cache_salt), bool(body.stream))
     return await answer(ctx, request, generation, shape)
