@@ -241,9 +241,7 @@ def test_replicas_tier_figures_add_up_per_tier():
     assert gone.kv_store_hits == {"disk": 3} and gone.kv_store_bytes == {}  # bytes are a gauge
 
 
-@pytest.mark.parametrize(
-    ("family", "change"), [("mistral", {"sliding_window": 16}), ("llama", {"rms_norm_eps": 0.25})]
-)
+@pytest.mark.parametrize(("family", "change"), [("mistral", {"sliding_window": 16}), ("llama", {"rms_norm_eps": 0.25})])
 def test_the_same_weights_with_another_config_never_load_each_others_blocks(tmp_path, family, change):
     """Issue 26.2: one checkpoint served with another ``sliding_window`` (8 -> 16) or ``rms_norm_eps`` has the same
     weights hash; restarted on the first one's store it loaded the 40 prompt tokens and generated other tokens than
