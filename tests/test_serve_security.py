@@ -1,0 +1,204 @@
+"""The server process against hostile or careless clients (issue 26): half-sent headers and one client's flood of
+connections cannot lock others out (raw sockets), ``VLLM_API_KEY`` is honoured, a client's ``request_id`` cannot
+forge log lines and the id the server logs is its own."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import resource
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+from pagedcore.cli import main
+
+BODY = {"model": "pagedcore-builtin", "prompt": "Hello", "max_tokens": 2, "temperature": 0}
+
+
+class Server:
+    """``pagedcore serve`` as a process: its port and what it printed."""
+
+    def __init__(self, *flags: str, env: dict[str, str] | None = None, nofile: int | None = None) -> None:
+        command = [sys.executable, "-m", "pagedcore", "serve", "--port", "0", "--threads", "1", "--num-blocks", "64"]
+
+        def limit() -> None:
+            if nofile is not None:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+
+        self.process = subprocess.Popen(
+            [*command, *flags],
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, **(env or {})},
+            preexec_fn=limit,
+        )
+        self.lines: list[str] = []
+        self.port = self._read_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._reader = threading.Thread(target=self._drain, daemon=True)
+        self._reader.start()
+        self._wait_healthy()
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + 120
+        while True:
+            assert self.process.poll() is None, "the server exited: " + "".join(self.lines)
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
+                    return
+            assert time.monotonic() < deadline, "the server did not come up"
+            time.sleep(0.1)
+
+    def _read_port(self) -> int:
+        assert self.process.stderr is not None
+        for line in self.process.stderr:
+            self.lines.append(line)
+            if line.startswith("pagedcore serve: model"):
+                return int(line.split("http://127.0.0.1:", 1)[1].split("/", 1)[0])
+        raise AssertionError("the server printed no address: " + "".join(self.lines))
+
+    def _drain(self) -> None:
+        assert self.process.stderr is not None
+        for line in self.process.stderr:
+            self.lines.append(line)
+
+    def stop(self) -> str:
+        self.process.terminate()
+        try:
+            self.process.wait(60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(60)
+        self._reader.join(10)
+        return "".join(self.lines)
+
+
+@contextlib.contextmanager
+def serving(*flags: str, **kwargs) -> Iterator[Server]:
+    server = Server(*flags, **kwargs)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def half_header(port: int, source: str) -> socket.socket:
+    """A connection from ``source`` that sends half a header block and waits."""
+    sock = socket.socket()
+    sock.bind((source, 0))
+    sock.settimeout(5)
+    sock.connect(("127.0.0.1", port))
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: app")
+    return sock
+
+
+def closed_by_server(sock: socket.socket, within: float) -> bytes | None:
+    """What the server sent before closing ``sock`` within ``within`` seconds (None: still open)."""
+    sock.settimeout(within)
+    data = b""
+    try:
+        while chunk := sock.recv(4096):
+            data += chunk
+    except TimeoutError:
+        return None
+    except ConnectionResetError:
+        pass
+    return data
+
+
+def test_half_sent_headers_from_one_client_do_not_lock_others_out():
+    """Issue 26.4: with ``ulimit -n 256``, 300 connections from one address that send half a header block held
+    every descriptor, and no other client was served until they left. Now that address holds at most a quarter of
+    the descriptors (429 for more), and each of its connections is closed with 408 at the header timeout."""
+    with serving("--header-timeout", "3", nofile=256) as server:
+        attackers: list[socket.socket] = []
+        try:
+            for _ in range(300):
+                with contextlib.suppress(OSError):
+                    attackers.append(half_header(server.port, "127.0.0.2"))
+            started = time.monotonic()
+            assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+            assert httpx.post(f"{server.url}/v1/completions", json=BODY, timeout=30).status_code == 200
+            assert time.monotonic() - started < 3  # before any header timeout: the cap is what kept room
+            answers = [closed_by_server(sock, 8) for sock in attackers]
+        finally:
+            for sock in attackers:
+                sock.close()
+        refused = [a for a in answers if a is not None and a.startswith(b"HTTP/1.1 429")]
+        timed_out = [a for a in answers if a is not None and a.startswith(b"HTTP/1.1 408")]
+        assert len(timed_out) == 64 and len(refused) == len(answers) - 64  # 256 // 4 kept, each closed in time
+        assert None not in answers
+
+
+def test_a_connection_that_stops_sending_headers_is_closed_and_others_are_served():
+    with serving("--header-timeout", "1", "--max-connections-per-client", "4") as server:
+        slow = half_header(server.port, "127.0.0.1")
+        try:
+            started = time.monotonic()
+            answer = closed_by_server(slow, 10)
+            assert answer is not None and answer.startswith(b"HTTP/1.1 408")
+            assert 0.9 < time.monotonic() - started < 5
+        finally:
+            slow.close()
+        with httpx.Client(timeout=30) as client:  # a keep-alive client making requests is never cut off
+            for _ in range(3):
+                assert client.post(f"{server.url}/v1/completions", json=BODY).status_code == 200
+        held = [half_header(server.port, "127.0.0.1") for _ in range(5)]
+        try:
+            assert closed_by_server(held[-1], 5).startswith(b"HTTP/1.1 429")  # the fifth from one address
+        finally:
+            for sock in held:
+                sock.close()
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--header-timeout", "0"], "--header-timeout must be a number of seconds > 0"),
+        (["--max-connections-per-client", "-1"], "--max-connections-per-client must be >= 0"),
+        (["--ray", "--header-timeout", "5"], "--header-timeout is not supported with --ray"),
+    ],
+)
+def test_bad_connection_limits_exit_with_code_2(argv, message, capsys):
+    assert main(["serve", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- VLLM_API_KEY (issue 26.5)
+
+
+def test_vllm_api_key_protects_the_server_and_the_log_says_so():
+    with serving(env={"VLLM_API_KEY": "sk-from-env"}) as server:
+        assert httpx.post(f"{server.url}/v1/completions", json=BODY, timeout=30).status_code == 401
+        wrong = {"Authorization": "Bearer sk-other"}
+        assert httpx.post(f"{server.url}/v1/completions", json=BODY, headers=wrong, timeout=30).status_code == 401
+        right = {"Authorization": "Bearer sk-from-env"}
+        assert httpx.post(f"{server.url}/v1/completions", json=BODY, headers=right, timeout=30).status_code == 200
+        assert httpx.get(f"{server.url}/health").status_code == 200
+    assert "API keys from VLLM_API_KEY (1 keys)" in "".join(server.lines)
+
+
+def test_the_api_key_flag_wins_over_vllm_api_key_as_in_vllm():
+    with serving("--api-key", "sk-flag", env={"VLLM_API_KEY": "sk-from-env"}) as server:
+        env_key = {"Authorization": "Bearer sk-from-env"}
+        assert httpx.post(f"{server.url}/v1/completions", json=BODY, headers=env_key, timeout=30).status_code == 401
+        flag_key = {"Authorization": "Bearer sk-flag"}
+        assert httpx.post(f"{server.url}/v1/completions", json=BODY, headers=flag_key, timeout=30).status_code == 200
+    assert "API keys from --api-key (1 keys) (VLLM_API_KEY is set and not used)" in "".join(server.lines)
+
+
+@pytest.mark.parametrize("value", ["", "   ", "two words"])
+def test_an_empty_or_blank_vllm_api_key_is_refused_at_start(value, monkeypatch, capsys):
+    monkeypatch.setenv("VLLM_API_KEY", value)
+    assert main(["serve", "--num-blocks", "8"]) == 2
+    assert "VLLM_API_KEY" in capsys.readouterr().err
