@@ -202,3 +202,61 @@ def test_an_empty_or_blank_vllm_api_key_is_refused_at_start(value, monkeypatch, 
     monkeypatch.setenv("VLLM_API_KEY", value)
     assert main(["serve", "--num-blocks", "8"]) == 2
     assert "VLLM_API_KEY" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- request ids in the log (issue 26.8)
+
+
+@pytest.fixture(scope="module")
+def in_process():
+    """The app in this process (its log records reach caplog), on the shrunk built-in model."""
+    from test_serve import serving as serving_in_process
+
+    with serving_in_process() as served:
+        yield served
+
+
+@pytest.mark.parametrize("request_id", ["ok\nERROR pagedcore: forged line", "red\x1b[31malert", "rtl\u202eevil"])
+def test_a_request_id_with_control_characters_is_refused_naming_it(in_process, request_id):
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 1, "request_id": request_id}
+    response = httpx.post(f"{in_process.url}/v1/completions", json=body, timeout=60)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "request_id"
+
+
+def test_the_logged_id_is_the_servers_own_and_unique_beside_the_clients(in_process, monkeypatch, caplog):
+    """Two requests with the same client ``request_id`` fail (an injected step failure): each 500 names a distinct
+    server id, and the log line under that id shows the client's id as a separate, escaped field."""
+
+    def failing():
+        raise RuntimeError("injected step failure")
+
+    monkeypatch.setattr(in_process.engine, "step_events", failing)
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 2, "request_id": "shared-id"}
+    first = httpx.post(f"{in_process.url}/v1/completions", json=body, timeout=60)
+    second = httpx.post(f"{in_process.url}/v1/completions", json=body, timeout=60)
+    monkeypatch.undo()
+    ids = [r.json()["error"]["message"].split("request id ")[1].split(";")[0] for r in (first, second)]
+    assert first.status_code == second.status_code == 500 and ids[0] != ids[1]
+    assert all(i.startswith("req-") and "shared-id" not in i for i in ids)
+    logged = [r.getMessage() for r in caplog.records if r.name == "pagedcore.serve"]
+    for request_id in ids:
+        (line,) = [line for line in logged if request_id in line]
+        assert "client request_id 'shared-id'" in line and "injected step failure" in line
+
+
+# ---------------------------------------------------------------- tool messages (issue 26.9)
+
+
+@pytest.mark.parametrize(
+    ("message", "missing"),
+    [
+        ({"role": "tool"}, "content and tool_call_id"),
+        ({"role": "tool", "content": "42"}, "tool_call_id"),
+        ({"role": "tool", "tool_call_id": "call_1"}, "content"),
+    ],
+)
+def test_a_tool_message_without_content_or_tool_call_id_is_refused(in_process, message, missing):
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}, message], "max_tokens": 1}
+    response = httpx.post(f"{in_process.url}/v1/chat/completions", json=body, timeout=60)
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["param"] == "messages" and missing in error["message"]

@@ -22,7 +22,7 @@ import asyncio
 import logging
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from pagedcore.errors import ConfigError
 
@@ -86,6 +86,88 @@ class ConnectionLimits:
             raise ConfigError(f"--max-connections-per-client must be >= 0, got {self.max_per_client!r}")
 
 
+class _Guard(asyncio.Protocol):
+    """What :func:`guarded_protocol` adds to uvicorn's protocol (before it in the method order)."""
+
+    guard_limits: ClassVar[ConnectionLimits]
+    guard_counts: ClassVar[Counter[str]]  # open connections per client address, this server's
+    guard_refusing: ClassVar[set[str]]  # addresses over the cap, logged once until they are under it again
+    # uvicorn's protocol attributes read here
+    client: tuple[str, int] | None
+    cycle: Any
+    transport: Any
+    loop: asyncio.AbstractEventLoop
+
+    _guard_timer: asyncio.TimerHandle | None = None
+    _guard_host: str | None = None
+    _guard_bytes = 0
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        host = self.client[0] if self.client else None
+        if host is not None:
+            counts, cap = self.guard_counts, self.guard_limits.max_per_client
+            self._guard_host = host
+            counts[host] += 1
+            if cap and counts[host] > cap:
+                if host not in self.guard_refusing:
+                    self.guard_refusing.add(host)
+                    logger.warning("pagedcore: %s holds %d connections: more are refused", host, counts[host] - 1)
+                self._refuse(_TOO_MANY)
+                return
+        self._arm()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        host, self._guard_host = self._guard_host, None
+        if host is not None:
+            counts = self.guard_counts
+            counts[host] -= 1
+            if counts[host] <= self.guard_limits.max_per_client:
+                self.guard_refusing.discard(host)
+            if counts[host] <= 0:
+                del counts[host]
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if not self._awaiting_headers():
+            self._guard_bytes = 0
+            return
+        self._guard_bytes += len(data)
+        if self._guard_bytes > self.guard_limits.max_header_bytes:
+            self._refuse(_TOO_LARGE)
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()  # type: ignore[misc]  # uvicorn's protocols have it
+        self._arm()  # the next request's headers are due within the timeout too
+
+    def _awaiting_headers(self) -> bool:
+        cycle = self.cycle
+        return cycle is None or bool(cycle.response_complete)
+
+    def _arm(self) -> None:
+        self._disarm()
+        self._guard_bytes = 0
+        self._guard_timer = self.loop.call_later(self.guard_limits.header_timeout, self._expire)
+
+    def _disarm(self) -> None:
+        if self._guard_timer is not None:
+            self._guard_timer.cancel()
+            self._guard_timer = None
+
+    def _expire(self) -> None:
+        self._guard_timer = None
+        if self._awaiting_headers():
+            self._refuse(_REQUEST_TIMEOUT)
+
+    def _refuse(self, answer: bytes) -> None:
+        transport = self.transport
+        if transport is not None and not transport.is_closing():
+            transport.write(answer)
+            transport.close()
+
+
 def guarded_protocol(limits: ConnectionLimits, base: type[asyncio.Protocol] | None = None) -> type[asyncio.Protocol]:
     """uvicorn's HTTP protocol class (``base``; default the one uvicorn picks) with ``limits`` enforced; give it
     to ``uvicorn.Config(http=...)``. Each call makes a new class with its own per-client counts (one per server).
@@ -93,84 +175,12 @@ def guarded_protocol(limits: ConnectionLimits, base: type[asyncio.Protocol] | No
     Example:
         >>> from uvicorn.protocols.http.auto import AutoHTTPProtocol
         >>> cls = guarded_protocol(ConnectionLimits())
-        >>> issubclass(cls, AutoHTTPProtocol)
-        True
+        >>> issubclass(cls, AutoHTTPProtocol), cls.__name__ == "Guarded" + AutoHTTPProtocol.__name__
+        (True, True)
     """
     if base is None:
         from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
         base = AutoHTTPProtocol
-    counts: Counter[str] = Counter()  # open connections per client address, this server's
-    refusing: set[str] = set()  # addresses over the cap, logged once until they are under it again
-    parent: Any = base
-
-    class GuardedProtocol(parent):
-        _guard_timer: asyncio.TimerHandle | None = None
-        _guard_host: str | None = None
-        _guard_bytes = 0
-
-        def connection_made(self, transport: asyncio.BaseTransport) -> None:
-            super().connection_made(transport)
-            host = self.client[0] if self.client else None
-            if host is not None:
-                self._guard_host = host
-                counts[host] += 1
-                if limits.max_per_client and counts[host] > limits.max_per_client:
-                    if host not in refusing:
-                        refusing.add(host)
-                        logger.warning("pagedcore: %s holds %d connections: more are refused", host, counts[host] - 1)
-                    self._refuse(_TOO_MANY)
-                    return
-            self._arm()
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            self._disarm()
-            host, self._guard_host = self._guard_host, None
-            if host is not None:
-                counts[host] -= 1
-                if counts[host] <= limits.max_per_client:
-                    refusing.discard(host)
-                if counts[host] <= 0:
-                    del counts[host]
-            super().connection_lost(exc)
-
-        def data_received(self, data: bytes) -> None:
-            super().data_received(data)
-            if not self._awaiting_headers():
-                self._guard_bytes = 0
-                return
-            self._guard_bytes += len(data)
-            if self._guard_bytes > limits.max_header_bytes:
-                self._refuse(_TOO_LARGE)
-
-        def on_response_complete(self) -> None:
-            super().on_response_complete()
-            self._arm()  # the next request's headers are due within the timeout too
-
-        def _awaiting_headers(self) -> bool:
-            cycle = self.cycle
-            return cycle is None or bool(cycle.response_complete)
-
-        def _arm(self) -> None:
-            self._disarm()
-            self._guard_bytes = 0
-            self._guard_timer = self.loop.call_later(limits.header_timeout, self._expire)
-
-        def _disarm(self) -> None:
-            if self._guard_timer is not None:
-                self._guard_timer.cancel()
-                self._guard_timer = None
-
-        def _expire(self) -> None:
-            self._guard_timer = None
-            if self._awaiting_headers():
-                self._refuse(_REQUEST_TIMEOUT)
-
-        def _refuse(self, answer: bytes) -> None:
-            transport = self.transport
-            if transport is not None and not transport.is_closing():
-                transport.write(answer)
-                transport.close()
-
-    GuardedProtocol.__name__ = GuardedProtocol.__qualname__ = f"Guarded{base.__name__}"
-    return GuardedProtocol
+    state = {"guard_limits": limits, "guard_counts": Counter(), "guard_refusing": set()}
+    return type(f"Guarded{base.__name__}", (_Guard, base), state)

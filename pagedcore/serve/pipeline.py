@@ -23,7 +23,7 @@ from pagedcore.adapters.transformers import SamplingParams
 from .answers import AnswerOptions, Shape, Tally
 from .body import read_body
 from .context import ServeContext
-from .errors import outcome, public_error
+from .errors import log_context, outcome, public_error, request_id
 from .jobs import Job
 from .loop import Submission
 from .protocol import ApiError, parse_request
@@ -59,6 +59,7 @@ async def read_request(ctx: ServeContext, request: Request, cls: type[Any]) -> t
     ctx.admission.check()  # shutting down: 503 before the body is read
     raw = await read_body(request, ctx.limits)
     body = await off_loop(parse_request, cls, raw, max_prompt_tokens=ctx.context_length)
+    request.state.client_request_id = getattr(body, "request_id", None)  # logged beside the server's own id
     if body.model is not None:
         ctx.check_model(body.model)
     return tenant, body
@@ -150,7 +151,7 @@ async def answer(ctx: ServeContext, request: Request, generation: Generation, sh
         >>> list(inspect.signature(answer).parameters)
         ['ctx', 'request', 'generation', 'shape']
     """
-    request.state.request_id = shape.response_id
+    request.state.response_id = shape.response_id  # the log names the server's own id, and this beside it
     leave = ctx.admission.enter()
     try:
         job = await _start(ctx, generation)
@@ -163,7 +164,9 @@ async def answer(ctx: ServeContext, request: Request, generation: Generation, sh
 
         def stream_error(error: ApiError) -> ApiError:
             ctx.metrics.count(outcome(error))
-            return error if ctx.loop_errors_are_public else public_error(error, shape.response_id)
+            return (
+                error if ctx.loop_errors_are_public else public_error(error, request_id(request), log_context(request))
+            )
 
         def finished() -> None:
             ctx.metrics.count("finished")

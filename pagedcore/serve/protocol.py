@@ -13,6 +13,7 @@ import json
 import logging
 import re
 import reprlib
+import unicodedata
 from collections.abc import Sequence
 from typing import Any, ClassVar, Literal
 
@@ -177,6 +178,10 @@ class _Request(_Strict):
         if tokens is not None and tokens != -1 and tokens < 1:
             message = f"truncate_prompt_tokens must be -1 (the context) or >= 1, got {tokens}"
             raise ApiError(400, message, param="truncate_prompt_tokens")
+        bad = None if self.request_id is None else control_character(self.request_id)
+        if bad is not None:
+            message = f"request_id must not hold control or format characters (it names the answer), got {bad}"
+            raise ApiError(400, message, param="request_id")
         return self
 
 
@@ -223,6 +228,13 @@ class ChatMessage(_Strict):
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool message: the call it answers
+
+    @model_validator(mode="after")
+    def _check_tool_message(self) -> ChatMessage:
+        if self.role == "tool" and (self.content is None or self.tool_call_id is None):
+            missing = " and ".join(n for n in ("content", "tool_call_id") if getattr(self, n) is None)
+            raise ApiError(400, f"messages: a tool message needs {missing} (OpenAI's rule)", param="messages")
+        return self
 
     @property
     def text(self) -> str:
@@ -358,6 +370,20 @@ def _json_object(body: bytes) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ApiError(400, f"the request body must be a JSON object, got {type(data).__name__}")
     return data
+
+
+def control_character(text: str) -> str | None:
+    """The first control, format or line-separator character of ``text``, escaped (``ascii``), or None: what must
+    never reach a log line as it is.
+
+    Example:
+        >>> control_character("req-1"), control_character("a" + chr(10) + "b"), control_character(chr(27) + "[31m")
+        (None, "'\\\\n'", "'\\\\x1b'")
+    """
+    for char in text:
+        if unicodedata.category(char) in ("Cc", "Cf", "Zl", "Zp"):
+            return ascii(char)
+    return None
 
 
 def _validated(cls: type[BaseModel], data: dict[str, Any]) -> Any:

@@ -130,7 +130,8 @@ class Engine:
     ``RequestOutput.prompt_logprobs``), from the model's logits before any processing (vLLM's ``raw_logprobs``).
 
     Stopping and text are the Engine's: a sample stops at a stop token (by default :attr:`eos_token_ids`: the
-    generation config's and the tokenizer's eos; ``generate(...)`` keeps ``generate``'s own), at its length, or at a
+    generation config's and the tokenizer's eos, none when the generation config's ``eos_token_id`` is ``[]``;
+    ``generate(...)`` keeps ``generate``'s own), at its length, or at a
     stop string (``stop_strings``, matched in its text across token boundaries; needs the tokenizer), in the step that
     produced the token that ends it; its text is decoded incrementally (:mod:`.detokenizer`), so streamed text never
     holds half a character and the pieces joined are the final text.
@@ -775,10 +776,12 @@ class Engine:
             )
         with self._lock:
             if self._grammars is None:
+                fallback = getattr(self.tokenizer, "eos_token_id", None)  # a grammar's end needs a token
+                eos = self._eos or ([] if fallback is None else [int(fallback)])
                 self._grammars = EngineGrammars(
                     self.tokenizer,
                     vocab_size=self._vocab_size,
-                    stop_token_ids=self._eos,
+                    stop_token_ids=eos,
                     compile_timeout=self._compile_timeout,
                 )
             grammars = self._grammars
@@ -1105,10 +1108,13 @@ def _pool_for(
 
 def _eos_ids(model: Any, tokenizer: Any) -> list[int]:
     """The default stop tokens: the generation config's eos (the model config's if none) and the tokenizer's (a
-    base model's folder often names its eos only there: vLLM stops at it too)."""
+    base model's folder often names its eos only there: vLLM stops at it too). A generation config whose
+    ``eos_token_id`` is an empty list says "no eos" explicitly (the built-in demo model's): then none."""
     config = getattr(model, "generation_config", None)
     eos = config.eos_token_id if config is not None else getattr(text_config(model), "eos_token_id", None)
     ids = [] if eos is None else [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+    if eos is not None and not ids:
+        return ids
     own = getattr(tokenizer, "eos_token_id", None)
     if isinstance(own, int) and own not in ids:
         ids.append(own)
