@@ -30,6 +30,7 @@ from pagedcore.validation import integer
 if TYPE_CHECKING:
     from pagedcore.adapters.transformers import Engine, EngineStats, RequestOutput, SamplingParams, TokenEvent
     from pagedcore.adapters.transformers.outputs import TokenLogprobs
+    from pagedcore.adapters.transformers.structured import StructuredOutput
 
 logger = logging.getLogger(__name__)
 
@@ -203,11 +204,13 @@ class LoopStats:
 class RequestLoop(Protocol):
     """What the HTTP app (:func:`~pagedcore.serve.app.create_app`, :class:`~pagedcore.serve.jobs.Job`, the
     metrics) needs from a loop: :class:`EngineLoop` in one process, or ``pagedcore.serve.ray``'s ``ReplicaLoop``
-    over engine replicas in a Ray cluster. ``submit`` and ``abort`` follow :class:`EngineLoop`'s contract.
+    over engine replicas in a Ray cluster. ``submit`` and ``abort`` follow :class:`EngineLoop`'s contract;
+    ``prepare_structured`` checks a structured-output spec in the caller's thread as far as the loop can (the
+    engine's compiler here; a parse in the Ray ingress, which has no vocabulary).
 
     Example:
         >>> sorted(name for name in vars(RequestLoop) if not name.startswith("_"))
-        ['abort', 'add_step_listener', 'is_running', 'stats', 'submit']
+        ['abort', 'add_step_listener', 'is_running', 'prepare_structured', 'stats', 'submit']
     """
 
     @property
@@ -221,6 +224,8 @@ class RequestLoop(Protocol):
     def abort(self, request_id: str) -> None: ...
 
     def add_step_listener(self, listener: Callable[[float], None]) -> None: ...
+
+    def prepare_structured(self, spec: StructuredOutput) -> StructuredOutput: ...
 
 
 @dataclass(frozen=True)
@@ -341,6 +346,13 @@ class EngineLoop:
     def add_step_listener(self, listener: Callable[[float], None]) -> None:
         """Call ``listener(seconds)`` on the loop thread after every engine step (e.g. a histogram)."""
         self._listeners.append(listener)
+
+    def prepare_structured(self, spec: StructuredOutput) -> StructuredOutput:
+        """Parse and compile a structured-output spec with the engine's compiler, in the calling thread (a
+        server's worker): see :meth:`Engine.prepare_structured
+        <pagedcore.adapters.transformers.Engine.prepare_structured>`. A request whose params carry the spec this
+        returns is neither parsed nor held on the loop thread."""
+        return self._engine.prepare_structured(spec)
 
     def max_new_tokens(self, prompt_tokens: int) -> int:
         """The most new tokens one sequence with a prompt of this length can ever be given in this engine's pool
@@ -500,7 +512,8 @@ class EngineLoop:
         for output in result.finished:
             sink = self._live.pop(output.request_id, None)
             if sink is not None:
-                self._end(sink, output.request_id, output, output.error, "failed" if output.error else None)
+                kind = None if not output.error else "invalid" if output.client_error else "failed"
+                self._end(sink, output.request_id, output, output.error, kind)
         return True
 
     def _route(self, event: TokenEvent, now: float) -> None:

@@ -656,7 +656,8 @@ class Engine:
             self._counts["generated"] += 1
             if request.grammar is not None and not request.grammar.accept(index, token):
                 self._events.append((request.owner, TokenEvent(request.request_id, index, token)))
-                self._fail(request, f"GrammarError: token {token} is not allowed by {request.grammar.spec.describe()}")
+                why = request.grammar.error(index) or f"token {token} is not allowed"
+                self._fail(request, f"GrammarError: {request.grammar.spec.describe()}: {why}", client_error=True)
                 return
             try:
                 event = self._text_event(request, member, token, lp)
@@ -767,9 +768,27 @@ class Engine:
         device = self.model.get_input_embeddings().weight.device  # draws happen where the logits are
         return EngineRequest(rid, params, seq, output, texts, params.generators(device), grammar=grammar)
 
+    def prepare_structured(self, spec: StructuredOutput) -> StructuredOutput:
+        """Parse and compile a structured-output spec now, in the calling thread (a server's worker, never the step
+        loop): a bad spec, one past llguidance's limits or one that does not compile within ``compile_timeout``
+        raises :class:`~pagedcore.errors.GrammarError` here. The spec returned carries its grammar: a request with
+        it is neither parsed nor held for compilation.
+
+        Example:
+            >>> from pagedcore.adapters.transformers.builtin import builtin_model, builtin_tokenizer
+            >>> with Engine(builtin_model(num_hidden_layers=1), builtin_tokenizer(), num_blocks=8) as engine:
+            ...     spec = engine.prepare_structured(StructuredOutput.regex("[0-9]+"))
+            >>> spec.parsed is not None
+            True
+        """
+        return self._grammar_engine(spec).prepare(spec)
+
     def _grammar(self, spec: StructuredOutput, num_samples: int) -> RequestGrammar:
-        """Start compiling a request's grammar (bad specs raise here, at admission); the compiler is built with the
-        first structured request."""
+        """Start compiling a request's grammar (bad specs raise here, at admission, unless it carries its parsed
+        grammar: then nothing parses here); the compiler is built with the first structured request."""
+        return self._grammar_engine(spec).request(spec, num_samples)
+
+    def _grammar_engine(self, spec: StructuredOutput) -> EngineGrammars:
         if self.tokenizer is None:
             raise InvalidRequestError(
                 f"structured outputs ({spec.kind}) need the tokenizer: Engine(model, tokenizer=...)"
@@ -784,8 +803,7 @@ class Engine:
                     stop_token_ids=eos,
                     compile_timeout=self._compile_timeout,
                 )
-            grammars = self._grammars
-        return grammars.request(spec, num_samples)
+            return self._grammars
 
     def _admit_compiled(self) -> None:
         """Schedule the held requests whose grammar is built; fail those whose grammar failed or timed out."""
@@ -800,7 +818,7 @@ class Engine:
                 except PagedCoreError as exc:  # e.g. the pool was rebuilt smaller while the grammar compiled
                     self._fail(request, f"{type(exc).__name__}: {exc}")
             else:
-                self._fail(request, f"GrammarError: {error}")
+                self._fail(request, f"GrammarError: {error}", client_error=True)
 
     def _check_model_fields(self, params: SamplingParams) -> None:
         """What :class:`SamplingParams` cannot check alone: token ids in this model's vocabulary, ``logprobs`` and
@@ -887,12 +905,14 @@ class Engine:
         elif escalate is not None:
             self._fail(request, escalate)
 
-    def _fail(self, request: EngineRequest, message: str) -> None:
-        """Fail every unfinished sample of a request (e.g. its tokenizer raised); its blocks go back."""
+    def _fail(self, request: EngineRequest, message: str, *, client_error: bool = False) -> None:
+        """Fail every unfinished sample of a request (e.g. its tokenizer raised); its blocks go back.
+        ``client_error``: the request's own fault (its grammar), not the server's."""
         if request.is_done:
             return
         if request.output.error is None:
             request.output.error = message
+            request.output.client_error = client_error
         self.scheduler.fail([seq.request_id for seq in request.sequences()])
         for index in range(len(request.output.samples)):
             self._finish_sample(request, index, FinishReason.ERROR.value)

@@ -28,9 +28,11 @@ from typing import Any
 from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.exceptions import DeploymentUnavailableError
 
+from pagedcore.adapters.transformers.structured import StructuredOutput
 from pagedcore.errors import ConfigError
 
 from ..loop import Delta, Finished, LoopClosedError, LoopStats, QueueFullError, Started, Submission
+from ..structured import parse_only
 from .replica import ReplicaReport
 from .replica_stats import ReplicaStats, zero_stats
 from .routing import MAX_ROUTED_BLOCKS, RoutedRequest, prefix_hashes
@@ -150,6 +152,11 @@ class ReplicaLoop:
     def add_step_listener(self, listener: Callable[[float], None]) -> None:
         """Accepted for the app's sake; engine steps run in the replicas, so it is never called here."""
         self._listeners.append(listener)
+
+    def prepare_structured(self, spec: StructuredOutput) -> StructuredOutput:
+        """Parse a structured-output spec here, in the caller's thread (the ingress has no vocabulary to compile
+        with): the spec returned carries its grammar, so no replica's step loop parses it."""
+        return parse_only(spec)
 
     def submit(self, submissions: Sequence[Submission], sink: Sink) -> list[str]:
         """Start the requests (all or none); events reach ``sink`` on this event loop. Raises

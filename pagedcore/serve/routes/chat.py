@@ -33,7 +33,7 @@ async def chat_completions(request: Request, ctx: Context) -> Response:
     """OpenAI's chat completions: ``n`` answers to the conversation, as JSON or server-sent events."""
     tenant, body = await read_request(ctx, request, ChatRequest)
     # A bad schema or tool_choice: a 400 naming the field, before the prompt is rendered.
-    spec, calls = await off_loop(constraint, body, ctx.tool_call_parser)
+    spec, calls = await off_loop(constraint, body, ctx.tool_call_parser, ctx.loop.prepare_structured)
     rendered = await off_loop(ctx.encoder.chat, body.messages, _chat_options(ctx, body))
     (truncated,) = fit_prompts(ctx, body, [rendered], 0)
     # Without a limit the answer may run to the end of what the context and the KV pool hold for it.
