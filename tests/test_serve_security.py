@@ -260,3 +260,33 @@ def test_a_tool_message_without_content_or_tool_call_id_is_refused(in_process, m
     response = httpx.post(f"{in_process.url}/v1/chat/completions", json=body, timeout=60)
     error = response.json()["error"]
     assert response.status_code == 400 and error["param"] == "messages" and missing in error["message"]
+
+
+# ---------------------------------------------------------------- smaller edges (issue 26.9)
+
+
+def test_an_engine_loop_with_max_queue_0_is_refused(in_process):
+    """The command line refused ``--max-queue 0``; from Python the loop took it and answered every request 429."""
+    from pagedcore.errors import ConfigError
+    from pagedcore.serve.loop import EngineLoop
+
+    with pytest.raises(ConfigError, match="max_queue"):
+        EngineLoop(in_process.engine, max_queue=0)
+
+
+@pytest.mark.parametrize("tokens", [[-1], [500], [5, 99]])
+def test_detokenize_refuses_ids_outside_the_vocabulary_naming_tokens(in_process, tokens):
+    response = httpx.post(f"{in_process.url}/detokenize", json={"tokens": tokens}, timeout=30)
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["param"] == "tokens" and "outside the vocabulary" in error["message"]
+    assert httpx.post(f"{in_process.url}/detokenize", json={"tokens": [40, 41]}).json() == {"prompt": "DE"}
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "allow"),
+    [("GET", "/v1/completions", "POST"), ("POST", "/health", "GET, HEAD"), ("DELETE", "/v1/models", "GET")],
+)
+def test_a_405_says_which_methods_the_path_takes(in_process, method, path, allow):
+    response = httpx.request(method, f"{in_process.url}{path}", timeout=30)
+    assert response.status_code == 405 and response.headers["allow"] == allow
+    assert response.json()["error"]["code"] == "405"

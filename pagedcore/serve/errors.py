@@ -19,6 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
+from starlette.routing import Match
 
 from .admission import RETRY_AFTER_SECONDS
 from .body import ClientGone
@@ -178,7 +179,27 @@ async def _client_gone(request: Request, exc: ClientGone) -> Response:
 
 
 async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:  # unknown path, method
-    return ErrorResponse(ApiError(exc.status_code, str(exc.detail), code=str(exc.status_code)))
+    response = ErrorResponse(ApiError(exc.status_code, str(exc.detail), code=str(exc.status_code)))
+    response.headers.update(exc.headers or {})
+    if exc.status_code == 405:  # Allow: every method the path takes (RFC 9110), not one route's
+        response.headers["Allow"] = ", ".join(_allowed_methods(request))
+    return response
+
+
+def _allowed_methods(request: Request) -> list[str]:
+    methods: set[str] = set()
+    scope = {**request.scope, "method": "OPTIONS"}
+    for route in _leaf_routes(request.app.router.routes):
+        if route.matches(scope)[0] != Match.NONE:
+            methods.update(getattr(route, "methods", None) or ())
+    return sorted(methods)
+
+
+def _leaf_routes(routes: Any) -> Any:
+    """The app's routes, the included routers' opened (the app includes them without a prefix)."""
+    for route in routes:
+        inner = getattr(route, "original_router", None)
+        yield from _leaf_routes(inner.routes) if inner is not None else (route,)
 
 
 async def _validation_error(request: Request, exc: RequestValidationError) -> Response:  # FastAPI's own checks

@@ -281,7 +281,7 @@ class EngineLoop:
     Args:
         engine: the engine; from :meth:`start` on, only the loop thread touches it.
         max_queue: requests that may wait (queued here or in the scheduler) before :meth:`submit` raises
-            :class:`QueueFullError`.
+            :class:`QueueFullError`; at least 1 (0 would refuse every request).
 
     Example:
         >>> from pagedcore.adapters.transformers.testing import tiny_llama
@@ -303,7 +303,7 @@ class EngineLoop:
     """
 
     def __init__(self, engine: Engine, *, max_queue: int = 512) -> None:
-        max_queue = integer("max_queue", max_queue, minimum=0, error=ConfigError)
+        max_queue = integer("max_queue", max_queue, minimum=1, error=ConfigError)  # 0 would answer every 429
         self._engine = engine
         self._max_queue = max_queue
         self._cond = threading.Condition(threading.Lock())

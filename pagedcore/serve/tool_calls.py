@@ -214,8 +214,8 @@ def _calls_schema(tools: dict[str, dict[str, Any]], parallel: bool) -> dict[str,
         {'a': {'$ref': '#/items/anyOf/0/properties/parameters/$defs/A'}}
     """
     each = []
-    for i, (name, schema) in enumerate(tools.items()):
-        parameters = _rebased(schema, f"#/items/anyOf/{i}/properties/parameters")
+    for i, (name, own) in enumerate(tools.items()):
+        parameters = _rebased(own, f"#/items/anyOf/{i}/properties/parameters")
         each.append(
             {"type": "object", "properties": {"name": {"const": name}, "parameters": parameters},
              "required": ["name", "parameters"], "additionalProperties": False}

@@ -43,7 +43,7 @@ async def tokenize(request: Request, ctx: Context) -> Response:
 async def detokenize(request: Request, ctx: Context) -> Response:
     """``{"prompt": text}`` of token ids (special tokens kept)."""
     body = await _read(ctx, request, DetokenizeRequest)
-    text = await off_loop(ctx.encoder.decode, body.tokens)
+    text = await off_loop(ctx.encoder.decode, body.tokens, "tokens")
     return JSONResponse({"prompt": text})
 
 
