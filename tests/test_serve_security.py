@@ -290,3 +290,59 @@ def test_a_405_says_which_methods_the_path_takes(in_process, method, path, allow
     response = httpx.request(method, f"{in_process.url}{path}", timeout=30)
     assert response.status_code == 405 and response.headers["allow"] == allow
     assert response.json()["error"]["code"] == "405"
+
+
+# ---------------------------------------------------------------- what the strict schema fuzz found (issue 26.9)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"repetition_penalty": 5e-324, "temperature": 1.0},  # 0 in float32: logits / 0 = inf, softmax NaN
+        {"temperature": 3.36e307, "guided_regex": "[a-z]+"},  # inf in float32: a masked -inf / inf = NaN
+    ],
+    ids=["tiny-repetition-penalty", "huge-temperature-with-a-grammar"],
+)
+def test_extreme_but_valid_sampling_values_are_served(in_process, fields):
+    """Values the document allows (and the server accepted) ended in 500: "probability tensor contains inf/nan"."""
+    body = {"model": "tiny", "prompt": "abc", "max_tokens": 4, "seed": 1, **fields}
+    response = httpx.post(f"{in_process.url}/v1/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+
+
+def test_allowed_token_ids_with_a_structured_output_is_refused_naming_it(in_process):
+    """Their intersection could be empty: the request then failed mid-way with a 500 (no finite logit)."""
+    body = {"model": "tiny", "prompt": "abc", "max_tokens": 4, "guided_regex": "[a-z]+", "allowed_token_ids": [5]}
+    response = httpx.post(f"{in_process.url}/v1/completions", json=body, timeout=60)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "allowed_token_ids"
+
+
+def test_integral_json_numbers_are_integers_as_json_schema_counts_them(in_process):
+    """``85.0`` is an integer to JSON Schema (what ``/openapi.json`` promises); the server refused it."""
+    body = {"model": "tiny", "prompt": [40.0, 41, 42.0], "max_tokens": 2.0, "temperature": 0}
+    response = httpx.post(f"{in_process.url}/v1/completions", json=body, timeout=60)
+    assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 2
+
+
+def test_the_openapi_document_states_what_the_server_enforces(in_process):
+    """The issue's two examples: an empty prompt and /tokenize with neither prompt nor messages were schema-valid
+    and 400; now the document refuses them too (and every other field the server does not know)."""
+    import jsonschema
+
+    document = httpx.get(f"{in_process.url}/openapi.json").json()
+    components = {"components": document["components"]}
+
+    def valid(name: str, body: dict) -> bool:
+        schema = {**components, "$ref": f"#/components/schemas/{name}"}
+        return jsonschema.Draft202012Validator(schema).is_valid(body)
+
+    assert valid("CompletionRequest", {"model": "tiny", "prompt": "hi"})
+    assert not valid("CompletionRequest", {"model": "tiny", "prompt": ""})
+    assert not valid("CompletionRequest", {"model": "tiny", "prompt": "hi", "no_such_field": 1})
+    assert not valid("CompletionRequest", {"model": "other", "prompt": "hi"})
+    assert not valid("CompletionRequest", {"prompt": [99]})  # outside the vocabulary of 99 ids
+    assert valid("TokenizeRequest", {"prompt": "hi"}) and not valid("TokenizeRequest", {})
+    assert not valid("TokenizeRequest", {"prompt": "hi", "messages": [{"role": "user", "content": "x"}]})
+    assert not valid("ChatMessage", {"role": "tool"})
+    rules = document["paths"]["/v1/completions"]["post"]["x-pagedcore-rules"]
+    assert any("max_model_len" in rule for rule in rules)

@@ -309,6 +309,8 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     return_token_strs: bool = False
+    tools: list[dict[str, Any]] | None = None  # rendered by the chat template, as a chat request's are (vLLM's)
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(BaseModel):
@@ -362,7 +364,7 @@ def parse_body(cls: type[BaseModel], body: bytes) -> Any:
 
 def _json_object(body: bytes) -> dict[str, Any]:
     try:
-        data = json.loads(body)
+        data = json.loads(body, parse_float=_json_number)
     except RecursionError:  # the C decoder's depth guard: a 400 like any other bad JSON, not a 500
         raise ApiError(400, "the request body is not valid JSON: it nests too deeply") from None
     except (ValueError, UnicodeDecodeError) as exc:
@@ -384,6 +386,18 @@ def control_character(text: str) -> str | None:
         if unicodedata.category(char) in ("Cc", "Cf", "Zl", "Zp"):
             return ascii(char)
     return None
+
+
+def _json_number(text: str) -> int | float:
+    """A JSON number written with a fraction or exponent: an integer when it is one (``85.0``, ``1e3``), as JSON
+    Schema counts it (its ``integer`` includes them); else a float.
+
+    Example:
+        >>> _json_number("85.0"), _json_number("1e3"), _json_number("0.5"), _json_number("1e300") == 1e300
+        (85, 1000, 0.5, True)
+    """
+    value = float(text)
+    return int(value) if value.is_integer() and abs(value) < 2**63 else value
 
 
 def _validated(cls: type[BaseModel], data: dict[str, Any]) -> Any:

@@ -55,13 +55,13 @@ def constraint(
             raise ApiError(400, f"tool_choice {tools['tool_choice']!r} cannot be combined with {field}", param=field)
         spec, field = check_spec(forced, "tools", prepare), "tools"
     if spec is not None:
-        for name, what in (("ignore_eos", "ignore_eos"), ("min_tokens", "min_tokens")):
+        for name, why in (
+            ("ignore_eos", "a structured output ends where its grammar ends"),
+            ("min_tokens", "a structured output ends where its grammar ends"),
+            ("allowed_token_ids", "the grammar decides which tokens may come"),
+        ):
             if getattr(body, name, None):
-                raise ApiError(
-                    400,
-                    f"{what} cannot be combined with {field}: a structured output ends where its grammar ends",
-                    param=name,
-                )
+                raise ApiError(400, f"{name} cannot be combined with {field}: {why}", param=name)
     return spec, calls
 
 

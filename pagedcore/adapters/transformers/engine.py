@@ -606,7 +606,9 @@ class Engine:
         with self._lock, self._timed("record"):
             for seq in self.scheduler.fail(list(samples.failed)):
                 request = batch.owners[seq.request_id]
-                request.output.error = request.output.error or samples.failed[seq.request_id]
+                if request.output.error is None:
+                    request.output.error = samples.failed[seq.request_id]
+                    request.output.client_error = seq.request_id in samples.client_errors
                 indices = range(seq.num_samples) if seq.needs_fork else [seq.sample_index]
                 for index in indices:
                     self._finish_sample(request, index, FinishReason.ERROR.value)

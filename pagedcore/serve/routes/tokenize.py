@@ -77,6 +77,8 @@ def _tokens(ctx: ServeContext, body: TokenizeRequest) -> list[int]:
             add_generation_prompt=body.add_generation_prompt,
             continue_final_message=body.continue_final_message,
             add_special_tokens=bool(body.add_special_tokens),
+            tools=body.tools,
+            template_kwargs=body.chat_template_kwargs,
         )
         return ctx.encoder.chat(body.messages, options)
     assert body.prompt is not None

@@ -240,12 +240,15 @@ class GrammarCompiler:
         started = time.perf_counter()
         matcher = self._llg.LLMatcher(self.lltokenizer, grammar, log_level=0, limits=self._limits)
         probe = matcher.deep_copy()
-        if not matcher.is_error():
-            probe.compute_bitmask()  # the first mask: a grammar past llguidance's limits fails here, not in a step
-        if matcher.is_error() or probe.is_error():
+        # The first mask: a grammar past llguidance's limits fails here, not in a step; one whose output no token of
+        # the vocabulary can start (a choice of characters the tokenizer cannot spell) is refused too.
+        first = b"" if matcher.is_error() else probe.compute_bitmask()
+        error = matcher.get_error() if matcher.is_error() else probe.get_error() if probe.is_error() else None
+        if error is None and not any(first):
+            error = "no token of the model's vocabulary can start an output of it"
+        if error is not None:
             with self._lock:
                 self._compiled.pop(spec.key, None)  # not cached: the next request tries again
-            error = matcher.get_error() if matcher.is_error() else probe.get_error()
             raise GrammarError(f"cannot compile {spec.kind} {_shorten(spec.spec)}: {_message(error)}")
         with self._lock:
             self.stats.num_compiled += 1

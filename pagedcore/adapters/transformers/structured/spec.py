@@ -213,6 +213,7 @@ def _json_text(kind: str, value: object, *, objects_only: bool) -> str:
     depth = _depth(value)
     if depth > MAX_NESTING:
         raise GrammarError(f"{kind}: the schema nests {depth} levels deep, more than the {MAX_NESTING} allowed")
+    value = _wide_ints_as_floats(value)
     try:
         return json.dumps(value, ensure_ascii=False, allow_nan=False)
     except (TypeError, ValueError) as exc:
@@ -231,3 +232,17 @@ def _depth(value: object) -> int:
         if level <= MAX_NESTING:  # past the bound the answer is known: stop walking
             stack.extend((child, level + 1) for child in children)
     return deepest
+
+
+def _wide_ints_as_floats(value: Any) -> Any:
+    """``value`` with integers past 64 bits written as floats (the same JSON number; the grammar engine reads
+    numbers as 64-bit ones). Nesting is bounded (:data:`MAX_NESTING`) before this runs."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int):
+        return float(value) if not -(2**63) <= value < 2**64 else value
+    if isinstance(value, Mapping):
+        return {k: _wide_ints_as_floats(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_wide_ints_as_floats(v) for v in value]
+    return value
