@@ -9,8 +9,9 @@
 
 Every model is built from its own config object: ``from_config(cfg, attn_implementation=X)`` mutates ``cfg``.
 Token ids ``0, 1, 2`` are pad, bos and eos in every family; tests draw prompt tokens from ``3 .. vocab - 1``.
-Models come back in ``eval()`` mode with ``generation_config.eos_token_id = []`` (no eos at all, not even a
-tokenizer's: generations run to ``max_new_tokens`` unless a test sets an eos) and ``pad_token_id = PAD``.
+Models come back in ``eval()`` mode with ``generation_config.eos_token_id = None`` (generations run to
+``max_new_tokens`` unless a test sets an eos; an Engine given a tokenizer adds the tokenizer's eos) and
+``pad_token_id = PAD``.
 """
 
 from __future__ import annotations
@@ -340,6 +341,6 @@ def _build(config: PretrainedConfig, attn_implementation: str, seed: int) -> Pre
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
     model.eval()
-    model.generation_config.eos_token_id = []  # none, not even a tokenizer's (the Engine adds that to an unset one)
+    model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = PAD
     return model

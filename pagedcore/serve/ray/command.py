@@ -41,8 +41,8 @@ def run(args: argparse.Namespace) -> int:
     from .deployment import build_app
 
     api_keys, key_source = api_keys_of(args, UsageError)
-    print(f"pagedcore serve: {key_source}", file=sys.stderr, flush=True)
     spec = _model_spec(args)
+    print(f"pagedcore serve: {key_source}", file=sys.stderr, flush=True)
     engine_kwargs: dict[str, Any] = {
         "num_blocks": args.num_blocks,
         "memory_budget": args.memory_budget,
