@@ -1,11 +1,26 @@
-"""The built-in disk tier: one file per block in a directory, written atomically, within a byte budget.
+"""The built-in disk tier: one file per block in a directory only its user may write, named by a keyed hash.
 
-Layout: ``DIR/pagedcore-kv/<2 hex>/<key>.kv``, the folders created owner-only (``0o700``), the files ``0o600``. A
-write goes to a temporary name in the same folder, is flushed and ``fsync``-ed, then renamed over the final name
-(``os.replace``, atomic on POSIX): a reader sees a whole file or none, and two processes writing the same key both
-write the same content (the key is a content hash), the last rename winning. A process killed mid-write leaves a
-temporary file, never a partial block; temporary files older than an hour are removed at the next start. Disk full
-(or any ``OSError`` while writing): the write is skipped and counted (``write_errors``), nothing fails.
+Layout: ``DIR/pagedcore-kv/<2 hex>/<name>.kv`` plus ``DIR/pagedcore-kv/secret``. The folder is created owner-only
+(``0o700``), the files ``0o600``. A write goes to a temporary name in the same folder, is flushed and ``fsync``-ed,
+then renamed over the final name (``os.replace``, atomic on POSIX): a reader sees a whole file or none, and two
+processes writing the same key both write the same content (the key is a content hash), the last rename winning. A
+process killed mid-write leaves a temporary file, never a partial block; temporary files older than an hour are
+removed at the next start. Disk full (or any ``OSError`` while writing): the write is skipped and counted
+(``write_errors``), nothing fails.
+
+**Who may use the folder** (the threat model: other local users, e.g. of a shared ``/tmp``). The store refuses to
+start (:class:`~pagedcore.errors.ConfigError` naming the folder, its owner and its mode) when ``pagedcore-kv``
+exists but is not a directory owned by this user, is writable by its group or others, or is a symbolic link. The
+folder is opened once (``O_NOFOLLOW``, checked with ``fstat``) and every file operation is relative to that open
+folder, so renaming or replacing the path later (in a directory others may write) changes nothing for the store.
+Another user can neither read, list nor plant anything in it. Every file is opened with ``O_NOFOLLOW |
+O_NONBLOCK`` and read only if ``fstat`` says it is a regular file of this user: a symbolic link, a FIFO or a device
+under a block's name is a miss (removed and counted as ``refused_files``), never a hang.
+
+**Names that reveal nothing.** A block's key names its token chain (:func:`pagedcore.block_keys.chain_keys`), so a
+list of keys would tell which prompts were seen by anyone able to guess them. Files are named
+``HMAC-SHA256(secret, key)`` instead, with a 32-byte secret made at the folder's first use (``secret``, ``0o600``):
+without it a name cannot be tied to a prompt, nor a block planted under a name the store would read.
 
 The budget is this process's view: it indexes the folder at start (oldest modification first) and evicts its least
 recently used files when a write would exceed ``max_bytes``; processes sharing a folder each keep their own budget,
@@ -15,10 +30,15 @@ so the folder can hold up to their sum. A file another process deleted is a miss
 from __future__ import annotations
 
 import errno
+import hashlib
+import hmac
 import os
+import secrets
+import stat
 import threading
 import time
 import uuid
+import weakref
 from collections import OrderedDict
 from pathlib import Path
 
@@ -27,15 +47,19 @@ from pagedcore.errors import ConfigError
 __all__ = ["DiskKVStore"]
 
 _FOLDER = "pagedcore-kv"
+_SECRET = "secret"
+_SECRET_BYTES = 32
 _SUFFIX = ".kv"
 _STALE_TMP_SECONDS = 3600.0
+_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
 
 
 class DiskKVStore:
     """Files in a directory (see the module docstring).
 
     Args:
-        directory: an existing, writable directory (else :class:`~pagedcore.errors.ConfigError`).
+        directory: an existing, writable directory (else :class:`~pagedcore.errors.ConfigError`); the store keeps
+            its files in ``directory/pagedcore-kv``, which must be this user's alone (see the module docstring).
         max_bytes: the budget for this process's view of the folder.
 
     Example:
@@ -43,8 +67,8 @@ class DiskKVStore:
         >>> store = DiskKVStore(tempfile.mkdtemp(), max_bytes=1 << 20)
         >>> store.put("ab12", b"block"), store.get("ab12"), store.contains("cd34")
         (True, b'block', False)
-        >>> oct(store.folder.stat().st_mode & 0o777)
-        '0o700'
+        >>> oct(store.folder.stat().st_mode & 0o777), "ab12" in store.path_of("ab12").name
+        ('0o700', False)
     """
 
     name = "disk"
@@ -52,88 +76,102 @@ class DiskKVStore:
     def __init__(self, directory: str | os.PathLike[str], max_bytes: int) -> None:
         if type(max_bytes) is not int or max_bytes < 0:
             raise ConfigError(f"kv_store_bytes must be a non-negative number of bytes, got {max_bytes!r}")
-        root = Path(directory)
-        if not root.is_dir():
-            raise ConfigError(f"kv_store: {str(root)!r} is not an existing directory (create it first)")
-        folder = root / _FOLDER
-        try:
-            folder.mkdir(mode=0o700, exist_ok=True)
-            if folder.stat().st_uid == os.getuid():
-                folder.chmod(0o700)  # owner-only, whatever the umask or an earlier run left
-            probe = folder / f".probe-{os.getpid()}-{uuid.uuid4().hex}"
-            probe.write_bytes(b"")
-            probe.unlink()
-        except OSError as exc:
-            raise ConfigError(f"kv_store: directory {str(root)!r} is not writable ({exc.strerror or exc})") from exc
-        self.folder = folder
+        self.folder = Path(directory) / _FOLDER
+        self._fd = _open_folder(Path(directory))  # every operation is relative to this open, checked folder
+        weakref.finalize(self, os.close, self._fd)
+        self._secret = _secret(self._fd, self.folder)
         self._max = max_bytes
         self._lock = threading.Lock()
-        self._index: OrderedDict[str, int] = OrderedDict()  # key -> size, least recently used first
+        self._index: OrderedDict[str, int] = OrderedDict()  # file name -> size, least recently used first
         self._bytes = 0
-        self._counts = {"writes": 0, "write_errors": 0, "evicted": 0, "vanished": 0, "too_large": 0, "disk_full": 0}
+        self._counts = dict.fromkeys(
+            ("writes", "write_errors", "evicted", "vanished", "too_large", "disk_full", "refused_files"), 0
+        )
         self._scan()
 
     # ------------------------------------------------------------------ the store protocol
     def put(self, key: str, data: bytes) -> bool:
-        path = self._path(key)
+        name = self._name(key)
         size = len(data)
         with self._lock:
-            if key in self._index:
-                self._index.move_to_end(key)
+            if name in self._index:
+                self._index.move_to_end(name)
                 return True
             if size > self._max:
                 self._counts["too_large"] += 1
                 return False
             victims = self._make_room(size)
         for victim in victims:
-            _unlink(self._path(victim))
-        if not self._write(path, data):
+            _unlink(_relative(victim), self._fd)
+        if not self._write(name, data):
             with self._lock:
                 self._counts["write_errors"] += 1
             return False
         with self._lock:
-            if key not in self._index:
-                self._index[key] = size
+            if name not in self._index:
+                self._index[name] = size
                 self._bytes += size
             self._counts["writes"] += 1
         return True
 
     def get(self, key: str) -> bytes | None:
-        path = self._path(key)
+        name = self._name(key)
         try:
-            data = path.read_bytes()
+            data = _read_regular(_relative(name), self._fd)
+        except _NotRegular:
+            _unlink(_relative(name), self._fd)
+            self._forget(name, vanished=False)
+            with self._lock:
+                self._counts["refused_files"] += 1
+            return None
         except OSError:
-            self._forget(key, vanished=True)
+            self._forget(name, vanished=True)
             return None
         with self._lock:
-            if key not in self._index:  # written by another process
-                self._index[key] = len(data)
+            if name not in self._index:  # written by another process
+                self._index[name] = len(data)
                 self._bytes += len(data)
-            self._index.move_to_end(key)
+            self._index.move_to_end(name)
         return data
 
     def contains(self, key: str) -> bool:
+        name = self._name(key)
         with self._lock:
-            if key in self._index:
+            if name in self._index:
                 return True
-        return self._path(key).is_file()
+        try:
+            return stat.S_ISREG(os.stat(_relative(name), dir_fd=self._fd, follow_symlinks=False).st_mode)
+        except OSError:
+            return False
 
     def delete(self, key: str) -> None:
-        _unlink(self._path(key))
-        self._forget(key, vanished=False)
+        name = self._name(key)
+        _unlink(_relative(name), self._fd)
+        self._forget(name, vanished=False)
 
     def stats(self) -> dict[str, int]:
         with self._lock:
             return {"bytes": self._bytes, "max_bytes": self._max, "entries": len(self._index), **self._counts}
 
+    def path_of(self, key: str) -> Path:
+        """The file ``key`` is (or would be) stored in: its name is a keyed hash of the key.
+
+        Example:
+            >>> import tempfile
+            >>> store = DiskKVStore(tempfile.mkdtemp(), max_bytes=1024)
+            >>> store.path_of("ab12").suffix, store.path_of("ab12") == store.path_of("ab12")
+            ('.kv', True)
+        """
+        return self.folder / _relative(self._name(key))
+
     def __repr__(self) -> str:
         return f"DiskKVStore({str(self.folder)!r}, bytes={self._bytes}, max_bytes={self._max})"
 
     # ------------------------------------------------------------------ internals
-    def _path(self, key: str) -> Path:
+    def _name(self, key: str) -> str:
         if not key or not all(c in "0123456789abcdef" for c in key):
             raise ValueError(f"DiskKVStore: a key must be lowercase hex, got {key!r}")
-        return self.folder / key[:2] / (key + _SUFFIX)
+        return hmac.new(self._secret, key.encode("ascii"), hashlib.sha256).hexdigest()
 
     def _make_room(self, size: int) -> list[str]:
         victims = []
@@ -144,30 +182,34 @@ class DiskKVStore:
             victims.append(victim)
         return victims
 
-    def _forget(self, key: str, *, vanished: bool) -> None:
+    def _forget(self, name: str, *, vanished: bool) -> None:
         with self._lock:
-            size = self._index.pop(key, None)
+            size = self._index.pop(name, None)
             if size is not None:
                 self._bytes -= size
                 if vanished:
                     self._counts["vanished"] += 1
 
-    def _write(self, path: Path, data: bytes) -> bool:
-        tmp = path.parent / f".tmp-{os.getpid()}-{threading.get_ident()}-{uuid.uuid4().hex}"
+    def _write(self, name: str, data: bytes) -> bool:
+        fd = self._fd
+        tmp = f"{name[:2]}/.tmp-{os.getpid()}-{threading.get_ident()}-{uuid.uuid4().hex}"
         try:
-            path.parent.mkdir(mode=0o700, exist_ok=True)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                os.mkdir(name[:2], 0o700, dir_fd=fd)
+            except FileExistsError:
+                pass
+            out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=fd)
             try:
                 view = memoryview(data)
                 while view:
-                    view = view[os.write(fd, view) :]
-                os.fsync(fd)
+                    view = view[os.write(out, view) :]
+                os.fsync(out)
             finally:
-                os.close(fd)
-            os.replace(tmp, path)
+                os.close(out)
+            os.replace(tmp, _relative(name), src_dir_fd=fd, dst_dir_fd=fd)
             return True
         except OSError as exc:
-            _unlink(tmp)
+            _unlink(tmp, fd)
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                 with self._lock:
                     self._counts["disk_full"] += 1
@@ -176,26 +218,157 @@ class DiskKVStore:
     def _scan(self) -> None:
         found = []
         now = time.time()
-        for shard in self.folder.iterdir():
-            if not shard.is_dir():
+        for shard in os.scandir(self._fd):
+            if not shard.is_dir(follow_symlinks=False):
                 continue
-            for entry in os.scandir(shard):
-                try:
-                    info = entry.stat()
-                except OSError:
-                    continue
-                if entry.name.startswith(".tmp-"):
+            for entry_name, info in _listing(self._fd, shard.name):
+                if not stat.S_ISREG(info.st_mode):
+                    continue  # never ours: refused (and removed) if a lookup ever names it
+                if entry_name.startswith(".tmp-"):
                     if now - info.st_mtime > _STALE_TMP_SECONDS:  # left by a killed writer
-                        _unlink(Path(entry.path))
-                elif entry.name.endswith(_SUFFIX):
-                    found.append((info.st_mtime, entry.name[: -len(_SUFFIX)], info.st_size))
-        for _, key, size in sorted(found):
-            self._index[key] = size
+                        _unlink(f"{shard.name}/{entry_name}", self._fd)
+                elif entry_name.endswith(_SUFFIX):
+                    found.append((info.st_mtime, entry_name[: -len(_SUFFIX)], info.st_size))
+        for _, name, size in sorted(found):
+            self._index[name] = size
             self._bytes += size
 
 
-def _unlink(path: Path) -> None:
+class _NotRegular(Exception):
+    """A name the store would read holds something else than a regular file of this user."""
+
+
+def _relative(name: str) -> str:
+    """A file name's path inside the folder."""
+    return f"{name[:2]}/{name}{_SUFFIX}"
+
+
+def _listing(folder_fd: int, shard: str) -> list[tuple[str, os.stat_result]]:
+    """Each entry of a shard and its own ``lstat`` (none when the shard cannot be opened as a real directory)."""
     try:
-        path.unlink()
+        fd = os.open(shard, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=folder_fd)
+    except OSError:
+        return []
+    out = []
+    try:
+        for entry in os.scandir(fd):
+            try:
+                out.append((entry.name, os.stat(entry.name, dir_fd=fd, follow_symlinks=False)))
+            except OSError:
+                continue
+    finally:
+        os.close(fd)
+    return out
+
+
+def _open_folder(root: Path) -> int:
+    """An open descriptor of ``root/pagedcore-kv``, made or checked to be this user's alone (the module docstring)."""
+    if not root.is_dir():
+        raise ConfigError(f"kv_store: {str(root)!r} is not an existing directory (create it first)")
+    folder = root / _FOLDER
+    try:
+        try:
+            folder.mkdir(mode=0o700)
+        except FileExistsError:
+            pass
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        if exc.errno == errno.ELOOP or (exc.errno == errno.ENOTDIR and folder.is_symlink()):
+            raise ConfigError(f"kv_store: {str(folder)!r} is a symbolic link; remove it") from exc
+        raise ConfigError(f"kv_store: directory {str(root)!r} is not writable ({exc.strerror or exc})") from exc
+    try:
+        _check_folder(folder, fd)
+        _probe(folder, fd)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _check_folder(folder: Path, fd: int) -> None:
+    info = os.fstat(fd)
+    mode = stat.S_IMODE(info.st_mode)
+    if info.st_uid != os.geteuid() or mode & 0o022:
+        raise ConfigError(
+            f"kv_store: {str(folder)!r} belongs to {_owner(info.st_uid)} with mode {oct(mode)}; a KV store folder "
+            f"must be owned by this user ({_owner(os.geteuid())}) and writable by nobody else, or another user could "
+            "read which prompts were served or plant keys and values. Remove it, or choose another --kv-store "
+            "directory."
+        )
+    if mode != 0o700:
+        os.fchmod(fd, 0o700)  # readable by others (an earlier umask): owner-only now; nobody else could write it
+
+
+def _probe(folder: Path, fd: int) -> None:
+    probe = f".probe-{os.getpid()}-{uuid.uuid4().hex}"
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=fd))
+        os.unlink(probe, dir_fd=fd)
+    except OSError as exc:
+        raise ConfigError(f"kv_store: directory {str(folder)!r} is not writable ({exc.strerror or exc})") from exc
+
+
+def _secret(fd: int, folder: Path) -> bytes:
+    """The folder's 32-byte secret, made once (written aside, then linked into place: readers never see half of
+    it, and of two processes starting together one secret wins)."""
+    try:
+        os.stat(_SECRET, dir_fd=fd, follow_symlinks=False)
+    except FileNotFoundError:
+        tmp = f".tmp-secret-{os.getpid()}-{uuid.uuid4().hex}"
+        out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=fd)
+        try:
+            os.write(out, secrets.token_bytes(_SECRET_BYTES))
+            os.fsync(out)
+        finally:
+            os.close(out)
+        try:
+            os.link(tmp, _SECRET, src_dir_fd=fd, dst_dir_fd=fd, follow_symlinks=False)
+        except FileExistsError:
+            pass
+        finally:
+            _unlink(tmp, fd)
+    path = folder / _SECRET
+    try:
+        value = _read_regular(_SECRET, fd)
+    except (OSError, _NotRegular) as exc:
+        raise ConfigError(f"kv_store: cannot read the store's secret {str(path)!r} ({exc}); remove it") from exc
+    if len(value) != _SECRET_BYTES:
+        raise ConfigError(f"kv_store: the store's secret {str(path)!r} is damaged; remove the folder's files")
+    return value
+
+
+def _read_regular(name: str, folder_fd: int) -> bytes:
+    """The bytes of ``name`` (inside the folder) if it is a regular file of this user (never a link, FIFO or
+    device: those raise :class:`_NotRegular` without blocking); ``OSError`` when it is missing."""
+    try:
+        fd = os.open(name, _READ, dir_fd=folder_fd)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise _NotRegular(f"{name} is a symbolic link") from exc
+        raise
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
+            raise _NotRegular(f"{name} is not a regular file of this user")
+        chunks = []
+        while chunk := os.read(fd, 1 << 20):
+            chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def _owner(uid: int) -> str:
+    try:
+        import pwd
+
+        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except (ImportError, KeyError):
+        return f"uid {uid}"
+
+
+def _unlink(name: str, folder_fd: int) -> None:
+    try:
+        os.unlink(name, dir_fd=folder_fd)
     except OSError:
         pass

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from pagedcore.attention_kinds import AttentionKind, attention_kind
+from pagedcore.block_keys import namespace_key
 from pagedcore.block_manager import BlockManager
 from pagedcore.capacity import Demand, Ledger, Reservation, blocks_to_allocate, max_new_tokens, slots_to_allocate
 from pagedcore.errors import ConfigError, OutOfBlocksError
@@ -518,9 +519,10 @@ class KVPool:
         """Before matching a prompt for its prefill: load the blocks that follow its pool match from the tiers
         below the pool into free or evictable blocks (never blocks other holders reserved), cached like any other,
         so that :meth:`match` finds them. Returns the tokens loaded (0 without tiers). Hold the lock every holder
-        takes."""
+        takes. Raises :class:`~pagedcore.errors.ConfigError` for a namespace that names nothing (as :meth:`match`)."""
         if self._tiers is None:
             return 0
+        namespace_key(namespace)  # the identity the trie and the stores share; raises before a store is read
         return self._tiers.load(self, token_ids, namespace)
 
     def record(self, num_query_tokens: int, num_hit_tokens: int) -> None:

@@ -3,13 +3,15 @@
 The core owns the bookkeeping (which block goes where, under which key, what may be loaded); the framework adapter
 owns the tensors through a :class:`BlockIO` (copy a block out, turn the copy into bytes, copy bytes into a block).
 
-**Keys that cannot lie.** A block's key is a SHA-256 chain: the root digest covers the model fingerprint (the
-adapter's: weights content hash, dtype, block size, stored layout, layers, KV heads), the KV group and the namespace;
-each block's digest covers its parent's and its own tokens, so a key names the whole token chain up to and including
-the block, as the trie matches it. The framed block (:mod:`pagedcore.kv_frame`) repeats the fingerprint, the group
-and the block's tokens under a checksum: a file that fails any check is a miss, counted and removed. Namespaces
-that have no stable encoding across processes (anything but None, str, bytes, int, bool, float and tuples of them)
-are never stored, so nothing is ever served to another namespace.
+**Keys that cannot lie.** A block's key is a SHA-256 chain (:func:`pagedcore.block_keys.chain_keys`, re-exported
+here): the root digest covers the model fingerprint (the adapter's: weights content hash, the hidden-state config,
+dtype, block size, stored layout, layers, KV heads), the KV group and the namespace (its
+:func:`~pagedcore.block_keys.namespace_bytes`, which is the trie's own identity of it); each block's digest covers
+its parent's and its own tokens, so a key names the whole token chain up to and including the block, as the trie
+matches it. The framed block (:mod:`pagedcore.kv_frame`) repeats the fingerprint, the group and the block's tokens
+under a checksum: a file that fails any check is a miss, counted and removed. Namespaces that have no stable
+encoding across processes (anything but None, str, bytes, int, bool, float and tuples of them) are never stored,
+so nothing is ever served to another namespace.
 
 **Writes** (:meth:`KVTiers.evicting`, called by the block manager before it forgets an evicted block, under the
 pool's lock): the adapter copies the block out (a host copy: the block is reused right after), and a bounded queue
@@ -32,16 +34,15 @@ trie and released to the prefix cache, so the ordinary match that follows attach
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import queue
-import struct
 import threading
 import time
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
+from pagedcore.block_keys import chain_keys, namespace_bytes
 from pagedcore.kv_frame import FrameError, decode, encode
 from pagedcore.kv_store import KVStore
 
@@ -52,7 +53,6 @@ if TYPE_CHECKING:
 __all__ = ["STATE_GROUP", "BlockIO", "KVTiers", "StateIO", "TierStats", "chain_keys", "namespace_bytes"]
 
 logger = logging.getLogger(__name__)
-_TOKENS = struct.Struct("<q")
 STATE_GROUP = -1
 """The KV group number in the keys and frames of state snapshots (one per block of the anchor group's chain)."""
 
@@ -101,59 +101,6 @@ class StateIO(Protocol):
 
     def write_state(self, slot: int, payload: bytes) -> None:
         """Copy a payload of :meth:`state_nbytes` bytes into the slot."""
-
-
-def namespace_bytes(namespace: Hashable) -> bytes | None:
-    """A namespace's encoding, the same in every process (type and value), or None when it has none.
-
-    Example:
-        >>> namespace_bytes("a") != namespace_bytes(("a",)), namespace_bytes(1) != namespace_bytes(True)
-        (True, True)
-        >>> namespace_bytes(object()) is None
-        True
-    """
-    if namespace is None:
-        return b"N"
-    kind = type(namespace)
-    if kind is str:
-        raw = namespace.encode("utf-8", "surrogatepass")  # type: ignore[attr-defined]
-        return b"s" + _TOKENS.pack(len(raw)) + raw
-    if kind is bytes:
-        return b"b" + _TOKENS.pack(len(namespace)) + namespace  # type: ignore[arg-type, operator]
-    if kind is bool:
-        return b"?1" if namespace else b"?0"
-    if kind is int:
-        raw = str(namespace).encode()
-        return b"i" + _TOKENS.pack(len(raw)) + raw
-    if kind is float:
-        raw = float.hex(namespace).encode()  # type: ignore[arg-type]
-        return b"f" + _TOKENS.pack(len(raw)) + raw
-    if kind is tuple:
-        parts = [namespace_bytes(item) for item in namespace]  # type: ignore[attr-defined]
-        if any(part is None for part in parts):
-            return None
-        return b"(" + _TOKENS.pack(len(parts)) + b"".join(p for p in parts if p is not None) + b")"
-    return None
-
-
-def chain_keys(fingerprint: str, group: int, namespace: bytes, token_ids: Sequence[int], block_size: int) -> list[str]:
-    """The key of every full block of ``token_ids`` (each names the chain up to and including its block).
-
-    Example:
-        >>> a = chain_keys("fp", 0, b"N", [1, 2, 3, 4], 2)
-        >>> b = chain_keys("fp", 0, b"N", [9, 9, 3, 4], 2)
-        >>> len(a), a[1] != b[1], chain_keys("fp", 0, b"N", [1, 2], 2) == a[:1]
-        (2, True, True)
-    """
-    digest = hashlib.sha256(
-        b"pagedcore-kv/1\0" + fingerprint.encode() + b"\0" + _TOKENS.pack(group) + namespace
-    ).digest()
-    keys = []
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        block = b"".join(_TOKENS.pack(int(t)) for t in token_ids[start : start + block_size])
-        digest = hashlib.sha256(digest + block).digest()
-        keys.append(digest.hex())
-    return keys
 
 
 @dataclass

@@ -18,12 +18,12 @@ prompt's place in that order), not by a scan. A partial block that a later block
 more) is redundant and leaves the cache when that block is registered.
 
 **Namespaces.** Every namespace (a cache salt, e.g. the tenant) has its own root: entries in different namespaces
-never match each other. The trie is the one owner of namespace identity (:func:`namespace_key`): two namespaces
-are the same when they have the same type and equal values, element by element for tuples and frozensets, so
-``1``, ``1.0`` and ``True`` are three namespaces although a dict would take them for one key. An unhashable
-namespace raises :class:`~pagedcore.errors.ConfigError`. A root lives only while its namespace has a cached block:
-the trie never holds more than ``num_blocks`` nodes plus one root per namespace with a cached block, however many
-namespaces a long-running pool has served.
+never match each other. Namespace identity is :func:`pagedcore.block_keys.namespace_key` (re-exported here), the one
+the tiers' keys and the router use too: two namespaces are the same when they have the same type and equal values,
+element by element for tuples, so ``1``, ``1.0`` and ``True`` are three namespaces although a dict would take them
+for one key. An unhashable or NaN namespace raises :class:`~pagedcore.errors.ConfigError`. A root lives only while
+its namespace has a cached block: the trie never holds more than ``num_blocks`` nodes plus one root per namespace
+with a cached block, however many namespaces a long-running pool has served.
 
 The trie owns the token -> block mapping; the :class:`~pagedcore.block_manager.BlockManager` owns reference counts
 and decides when to evict. A cached block at reference count 0 sits in the manager's evictable pool; when the
@@ -37,40 +37,13 @@ from bisect import bisect_left, insort
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
+from pagedcore.block_keys import namespace_key
 from pagedcore.block_manager import BlockManager
-from pagedcore.errors import ConfigError, InvalidBlockError
+from pagedcore.errors import InvalidBlockError
 
 __all__ = ["PrefixMatch", "PrefixTrie", "namespace_key"]
 
 Namespace = Hashable
-
-
-def namespace_key(namespace: Namespace) -> Hashable:
-    """The identity of a namespace: its type and value (element by element for tuples and frozensets).
-
-    Namespaces that a dict would conflate because they compare equal (``1 == 1.0 == True``) stay distinct.
-    Raises :class:`~pagedcore.errors.ConfigError` for an unhashable namespace.
-
-    Example:
-        >>> namespace_key("tenant-a") == namespace_key("tenant-a")
-        True
-        >>> namespace_key(1) == namespace_key(True), namespace_key(("t", 1)) == namespace_key(("t", 1.0))
-        (False, False)
-    """
-    key = _typed(namespace)
-    try:
-        hash(key)
-    except TypeError as exc:
-        raise ConfigError(f"namespace must be hashable (a str is best), got {namespace!r}") from exc
-    return key
-
-
-def _typed(value: object) -> Hashable:
-    if isinstance(value, tuple):  # named tuples included
-        return (type(value), tuple(_typed(item) for item in value))
-    if isinstance(value, frozenset):
-        return (type(value), frozenset(_typed(item) for item in value))
-    return (type(value), value)
 
 
 def _common(a: tuple[int, ...], b: tuple[int, ...]) -> int:

@@ -35,6 +35,7 @@ from collections import OrderedDict
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from pagedcore.block_keys import namespace_key
 from pagedcore.block_tables import BlockTables, Copy
 from pagedcore.capacity import Demand
 from pagedcore.errors import (
@@ -47,7 +48,6 @@ from pagedcore.errors import (
 )
 from pagedcore.kv_pool import KVPool, PoolMatch
 from pagedcore.plugin_manager import PluginManager
-from pagedcore.prefix_trie import namespace_key
 from pagedcore.sequence import FinishReason, SequenceState, SequenceStatus
 from pagedcore.validation import integer
 

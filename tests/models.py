@@ -10,7 +10,8 @@
 Every model is built from its own config object: ``from_config(cfg, attn_implementation=X)`` mutates ``cfg``.
 Token ids ``0, 1, 2`` are pad, bos and eos in every family; tests draw prompt tokens from ``3 .. vocab - 1``.
 Models come back in ``eval()`` mode with ``generation_config.eos_token_id = None`` (generations run to
-``max_new_tokens`` unless a test sets an eos) and ``pad_token_id = PAD``.
+``max_new_tokens`` unless a test sets an eos; an Engine given a tokenizer adds the tokenizer's eos) and
+``pad_token_id = PAD``.
 """
 
 from __future__ import annotations

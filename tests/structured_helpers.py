@@ -153,5 +153,5 @@ def random_model(vocab_size: int, *, seed: int = 0, layers: int = 2) -> LlamaFor
         initializer_range=0.5,
     )
     model = LlamaForCausalLM(config).eval()
-    model.generation_config.eos_token_id = None
+    model.generation_config.eos_token_id = []  # none, not even the tokenizer's
     return model

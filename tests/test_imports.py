@@ -167,7 +167,8 @@ def test_discovery_sees_every_kind_of_module():
     assert {"pagedcore", "pagedcore.block_manager"} <= set(CORE)
     assert not {"pagedcore.cli", "pagedcore.serve.app", "pagedcore.adapters.transformers.cache"} & set(CORE)
     assert {"pagedcore.adapters.transformers.cache", "pagedcore.plugins.torch_backend"} <= set(MODULES)
-    assert GRAPH["pagedcore.kv_pool"] == ["pagedcore.attention_kinds", "pagedcore.block_manager", "pagedcore.capacity",
+    assert GRAPH["pagedcore.kv_pool"] == ["pagedcore.attention_kinds", "pagedcore.block_keys",
+                                          "pagedcore.block_manager", "pagedcore.capacity",
                                           "pagedcore.errors", "pagedcore.eviction", "pagedcore.prefix_trie",
                                           "pagedcore.state_slots", "pagedcore.validation"]  # fmt: skip
     assert "pagedcore.kv_pool" not in GRAPH["pagedcore.capacity"]  # only under TYPE_CHECKING

@@ -239,3 +239,24 @@ def test_replicas_tier_figures_add_up_per_tier():
     assert merged.kv_store_hits == {"disk": 4, "redis": 2} and merged.kv_store_bytes == {"disk": 15}
     gone = replica_stats.counters_only(one).engine
     assert gone.kv_store_hits == {"disk": 3} and gone.kv_store_bytes == {}  # bytes are a gauge
+
+
+@pytest.mark.parametrize(("family", "change"), [("mistral", {"sliding_window": 16}), ("llama", {"rms_norm_eps": 0.25})])
+def test_the_same_weights_with_another_config_never_load_each_others_blocks(tmp_path, family, change):
+    """Issue 26.2: one checkpoint served with another ``sliding_window`` (8 -> 16) or ``rms_norm_eps`` has the same
+    weights hash; restarted on the first one's store it loaded the 40 prompt tokens and generated other tokens than
+    ``generate``. Every config field that changes hidden states is in the key."""
+    first = tiny_model(family)
+    second = tiny_model(family, **change)
+    second.load_state_dict(first.state_dict())  # the same checkpoint, another config
+    seen = prompt(12, length=41)
+    assert stock(first, seen)[0] != stock(second, seen)[0]  # the configs do change the answer
+    with _engine(first, tmp_path) as engine:
+        _greedy(engine, [seen])
+    assert len(files(tmp_path)) == 10
+    with _engine(second, tmp_path) as engine:
+        assert _greedy(engine, [seen]) == [stock(second, seen)[0]]
+        assert engine.stats().kv_store_loaded_tokens == 0
+    with _engine(tiny_model(family), tmp_path) as engine:  # the first config again: its blocks are found
+        assert _greedy(engine, [seen]) == [stock(first, seen)[0]]
+        assert engine.stats().kv_store_loaded_tokens == 40

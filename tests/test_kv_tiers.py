@@ -198,7 +198,8 @@ def test_a_damaged_or_missing_file_is_a_miss_and_is_removed(tmp_path, damage):
     evict_all(pool)
     tiers.flush(5)
     keys = chain_keys("model-a", 0, namespace_bytes(None), PROMPT, BS)
-    files = [tmp_path / "pagedcore-kv" / k[:2] / f"{k}.kv" for k in keys]
+    (store,) = tiers.stores
+    files = [store.path_of(k) for k in keys]
     assert all(f.is_file() for f in files)
     target = files[2]
     data = target.read_bytes()
@@ -305,8 +306,9 @@ def test_disk_store_layout_is_owner_only(tmp_path):
     assert store.put("ab" * 32, b"x")
     folder = tmp_path / "pagedcore-kv"
     assert stat.S_IMODE(folder.stat().st_mode) == 0o700
-    assert stat.S_IMODE((folder / "ab").stat().st_mode) == 0o700
-    assert stat.S_IMODE((folder / "ab" / f"{'ab' * 32}.kv").stat().st_mode) == 0o600
+    path = store.path_of("ab" * 32)
+    assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700 and stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert stat.S_IMODE((folder / "secret").stat().st_mode) == 0o600
 
 
 def test_disk_store_refuses_a_missing_or_read_only_directory(tmp_path, monkeypatch):
@@ -318,11 +320,14 @@ def test_disk_store_refuses_a_missing_or_read_only_directory(tmp_path, monkeypat
     ro = tmp_path / "ro"
     ro.mkdir(mode=0o500)
     if os.geteuid() == 0:  # root writes into a 0o500 directory: a read-only file system it cannot
+        real_open = os.open
 
-        def read_only(self: Path, data: bytes) -> int:
-            raise OSError(errno.EROFS, "Read-only file system")
+        def read_only(path, flags, *args, **kwargs):
+            if flags & os.O_CREAT:
+                raise OSError(errno.EROFS, "Read-only file system")
+            return real_open(path, flags, *args, **kwargs)
 
-        monkeypatch.setattr(Path, "write_bytes", read_only)
+        monkeypatch.setattr(os, "open", read_only)
     with pytest.raises(ConfigError, match="not writable"):
         DiskKVStore(ro, 1024)
 
@@ -352,7 +357,7 @@ def test_disk_full_skips_the_write_and_counts_it(tmp_path, monkeypatch):
     monkeypatch.undo()
     assert store.stats()["disk_full"] == 1 and store.stats()["write_errors"] == 1
     assert not store.contains("abcd")
-    assert not list((tmp_path / "pagedcore-kv" / "ab").iterdir())  # no temporary file left behind
+    assert not list(store.path_of("abcd").parent.iterdir())  # no temporary file left behind
 
 
 def test_a_killed_writers_temporary_files_are_never_read_and_old_ones_are_removed(tmp_path):
@@ -417,3 +422,17 @@ def test_frame_checks():
         with pytest.raises(FrameError) as info:
             decode(data, *args)
         assert info.value.reason == reason
+
+
+def test_two_nan_namespaces_never_share_stored_blocks(tmp_path):
+    """Two NaN objects were two namespaces in memory (a NaN is not equal to another) and one on disk (``float.hex``
+    gives 'nan' for both), so one tenant's stored blocks were loaded for the other. A NaN names nothing: refused."""
+    pool, io, tiers = make(tmp_path)
+    first, second = float("nan"), float("nan")
+    with pytest.raises(ConfigError, match="NaN"):
+        fill(pool, io, PROMPT, namespace=first)
+    with pytest.raises(ConfigError, match="NaN"):
+        pool.load_prefix(PROMPT, second)
+    assert tiers.stats().blocks_loaded == 0
+    pool.check_invariants()
+    tiers.close()

@@ -213,7 +213,8 @@ def test_a_full_replica_refuses_with_overloaded_which_the_app_answers_with_429()
     from pagedcore.serve.ray import EngineReplica, ModelSpec
 
     tiny = ModelSpec(builtin_overrides={"num_hidden_layers": 1, "hidden_size": 64, "intermediate_size": 128})
-    replica = EngineReplica(tiny, {"num_blocks": 16, "block_size": 8}, max_queue=0)
+    replica = EngineReplica(tiny, {"num_blocks": 16, "block_size": 8}, max_queue=1)
+    replica._loop._max_queue = 0  # full: the loop refuses 0 as a bound, so the test fills it this way
 
     async def generate():
         return [item async for item in replica.generate(RoutedRequest(Submission([5, 6], PARAMS)))]

@@ -78,8 +78,8 @@ def bench_model(
         >>> model = bench_model(quick=True, num_hidden_layers=1)   # the quick model, cut to one layer
         >>> model.config.hidden_size, model.config.num_hidden_layers, model.training
         (256, 1, False)
-        >>> model.generation_config.eos_token_id is None, model.generation_config.pad_token_id
-        (True, 0)
+        >>> model.generation_config.eos_token_id, model.generation_config.pad_token_id
+        ([], 0)
         >>> bench_model(size="tiny", dtype=torch.bfloat16).dtype
         torch.bfloat16
     """
@@ -103,7 +103,7 @@ def model_from_config(
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
     model = model.to(device=device, dtype=dtype).eval()
-    model.generation_config.eos_token_id = None
+    model.generation_config.eos_token_id = []  # none, not even the tokenizer's: run to max_new_tokens
     model.generation_config.pad_token_id = PAD
     return model
 

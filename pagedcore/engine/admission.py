@@ -283,15 +283,19 @@ class Admission:
         return SampleText(detokenizer, stops, min_new_tokens)
 
     def _grammar(self, spec: StructuredOutput, num_samples: int) -> RequestGrammar:
-        """Start compiling a request's grammar (bad specs raise here, at admission); the compiler is built with the
-        first structured request."""
+        """Start compiling a request's grammar (bad specs raise here, at admission, unless it carries its parsed
+        grammar: then nothing parses here)."""
+        return self.grammar_engine(spec).request(spec, num_samples)
+
+    def grammar_engine(self, spec: StructuredOutput) -> EngineGrammars:
+        """The Engine's grammars (compiler, masks, held requests), built with the first structured request."""
         if self.tokenizer is None:
             raise InvalidRequestError(
                 f"structured outputs ({spec.kind}) need the tokenizer: Engine(model, tokenizer=...)", param="structured"
             )
         with self._grammars_lock:
             if self._grammars is None:
-                fallback = getattr(self.tokenizer, "eos_token_id", None)
+                fallback = getattr(self.tokenizer, "eos_token_id", None)  # a grammar's end needs a token
                 eos = list(self.info.eos_token_ids) or ([] if fallback is None else [int(fallback)])
                 self._grammars = EngineGrammars(
                     self.tokenizer,
@@ -299,8 +303,7 @@ class Admission:
                     stop_token_ids=eos,
                     compile_timeout=self._compile_timeout,
                 )
-            grammars = self._grammars
-        return grammars.request(spec, num_samples)
+            return self._grammars
 
     # ------------------------------------------------------------------ refused requests
     def rejected(self, prompt: Any, spec: Spec, exc: PagedCoreError, request_id: str) -> RequestOutput:

@@ -57,6 +57,7 @@ from .request import Request, RequestState
 from .runner import ModelRunner
 from .sampling import StepSamples, sample_rows
 from .stats import EngineCounters
+from .structured.spec import StructuredOutput
 
 logger = logging.getLogger(__name__)
 
@@ -365,6 +366,20 @@ class Engine:
     def _phase_fields(self) -> dict[str, Any]:
         return {f"{phase}_seconds": seconds for phase, seconds in self._counters.phases.items()}
 
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """What stops a request whose ``stop_token_ids`` are None (unless ``ignore_eos``): the runner's
+        (:attr:`ModelInfo.eos_token_ids <pagedcore.engine.runner.ModelInfo.eos_token_ids>`; a transformers model's
+        generation config's and its tokenizer's eos, as vLLM stops)."""
+        return tuple(self.runner.info.eos_token_ids)
+
+    def prepare_structured(self, spec: StructuredOutput) -> StructuredOutput:
+        """Parse and compile a structured-output spec now, in the calling thread (a server's worker, never the step
+        loop): a bad spec, one past the grammar engine's limits or one that does not compile within
+        ``compile_timeout`` raises :class:`~pagedcore.errors.GrammarError` here. The spec returned carries its
+        grammar: a request with it is neither parsed nor held for compilation."""
+        return self._admission.grammar_engine(spec).prepare(spec)
+
     def max_new_tokens(self, prompt_tokens: int) -> int | None:
         """The most new tokens a request with a prompt of ``prompt_tokens`` tokens can be given: the least of what the
         context leaves (:class:`~.context.ContextWindow`) and what the pool can ever hold for one sequence
@@ -492,7 +507,9 @@ class Engine:
         with self._lock, self._counters.timed("record"):
             for seq in self.scheduler.fail(list(samples.failed)):
                 request = batch.owners[seq.request_id]
-                request.output.error = request.output.error or samples.failed[seq.request_id]
+                if request.output.error is None:
+                    request.output.error = samples.failed[seq.request_id]
+                    request.output.client_error = seq.request_id in samples.client_errors
                 indices = range(seq.num_samples) if seq.needs_fork else [seq.sample_index]
                 for index in indices:
                     self._finish_sample(request, index, FinishReason.ERROR.value)
@@ -542,7 +559,8 @@ class Engine:
             self._counters.generated += 1
             if request.grammar is not None and not request.grammar.accept(index, token):
                 self._events.append((request.owner, TokenEvent(request.request_id, index, token)))
-                self._fail(request, f"GrammarError: token {token} is not allowed by {request.grammar.spec.describe()}")
+                why = request.grammar.error(index) or f"token {token} is not allowed"
+                self._fail(request, f"GrammarError: {request.grammar.spec.describe()}: {why}", client_error=True)
                 return
             try:
                 event = self._text_event(request, member, token, lp)
@@ -602,7 +620,7 @@ class Engine:
                 except PagedCoreError as exc:  # e.g. the pool was rebuilt smaller while the grammar compiled
                     self._fail(request, f"{type(exc).__name__}: {exc}")
             else:
-                self._fail(request, f"GrammarError: {error}")
+                self._fail(request, f"GrammarError: {error}", client_error=True)
 
     def _submit(self, request: RequestState, owner: object | None) -> RequestState:
         with self._lock:
@@ -668,12 +686,14 @@ class Engine:
         elif escalate is not None:
             self._fail(request, escalate)
 
-    def _fail(self, request: RequestState, message: str) -> None:
-        """Fail every unfinished sample of a request (e.g. its tokenizer raised); its blocks go back."""
+    def _fail(self, request: RequestState, message: str, *, client_error: bool = False) -> None:
+        """Fail every unfinished sample of a request (e.g. its tokenizer raised); its blocks go back.
+        ``client_error``: the request's own fault (its grammar), not the server's."""
         if request.is_done:
             return
         if request.output.error is None:
             request.output.error = message
+            request.output.client_error = client_error
         self.scheduler.fail([seq.request_id for seq in request.sequences()])
         for index in range(len(request.output.samples)):
             self._finish_sample(request, index, FinishReason.ERROR.value)

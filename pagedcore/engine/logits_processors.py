@@ -282,7 +282,9 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[Row]) -> torch.Tensor:
         where, ids = _flat(rows, _all_tokens)
         seen[where.to(device), ids.to(device)] = True
         penalty = torch.tensor([[row.params.repetition_penalty] for row in rows], dtype=dtype, device=device)
-        penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
+        finfo = torch.finfo(dtype)  # a tiny penalty (5e-324 is 0 in float32) must not make inf, nor -inf * 0 NaN:
+        penalty = penalty.clamp(min=finfo.tiny)  # the limit is "repeat one of these": the largest finite logit
+        penalized = torch.where(logits > 0, logits / penalty, logits * penalty).clamp(max=finfo.max)
         logits = torch.where(seen, penalized, logits)
     if any(row.params.presence_penalty or row.params.frequency_penalty for row in rows):
         counts = torch.zeros(logits.shape, dtype=dtype, device=device)
@@ -323,7 +325,9 @@ def warp_rows(logits: torch.Tensor, params: Sequence[RowParams]) -> torch.Tensor
         [0.7311, 0.2689, 0.0]
     """
     device, dtype = logits.device, logits.dtype
-    scores = logits / torch.tensor([[p.temperature] for p in params], dtype=dtype, device=device)
+    temperature = torch.tensor([[p.temperature] for p in params], dtype=dtype, device=device)
+    # A temperature past the dtype's range (3e307 is inf in float32) would make a masked -inf / inf a NaN.
+    scores = logits / temperature.clamp(max=torch.finfo(dtype).max)
     vocab = scores.shape[-1]
     scores = _sub_batch(scores, [i for i, p in enumerate(params) if p.min_p > 0], lambda s, i: _min_p(s, params, i))
     top_k = [i for i, p in enumerate(params) if 0 < p.top_k < vocab]

@@ -174,6 +174,8 @@ class RequestOutput:
         samples: one entry per parallel sample (``n``); :attr:`outputs` is the same list, vLLM's name.
         metrics: timings.
         error: why the request failed (``finish_reason == "error"``), else None.
+        client_error: whether that failure is the request's own (its grammar could not be followed), not the
+            server's: a server answers it 400, not 500.
         prompt_logprobs: with ``SamplingParams(prompt_logprobs=k)``, one entry per prompt token: None for the first
             (nothing predicts it), then the :class:`TokenLogprobs` of each prompt token given the tokens before it;
             else None.
@@ -190,6 +192,7 @@ class RequestOutput:
     metrics: RequestMetrics
     error: str | None = None
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    client_error: bool = False
 
     @property
     def outputs(self) -> list[SampleOutput]:

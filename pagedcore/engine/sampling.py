@@ -84,7 +84,8 @@ class SamplingParams:
         top_p: keep the smallest set of tokens whose probability reaches ``top_p`` (in (0, 1]).
         seed: seed of this request's random draws, any Python int (None: drawn from Python's ``random``); see
             :func:`torch_seed` for how it reaches ``torch.Generator.manual_seed``.
-        stop_token_ids: stop after any of these; None means the model's eos token ids.
+        stop_token_ids: stop after any of these; None means the Engine's ``eos_token_ids`` (the generation
+            config's and the tokenizer's eos).
         stop_strings: stop when the text contains one of these (a string or a list; needs the Engine's tokenizer).
             The token that completes it is the sample's last; the text ends before the stop string, and the sample
             reports ``finish_reason="stop"`` and ``stop_reason`` (the string). A stop string that is a special
@@ -375,6 +376,7 @@ class StepSamples:
 
     tokens: dict[str, list[int]] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)
+    client_errors: set[str] = field(default_factory=set)  # failed by the request's own doing (its masks, grammar)
     logits: dict[str, torch.Tensor] = field(default_factory=dict)
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
@@ -407,14 +409,22 @@ def sample_rows(logits: torch.Tensor, rows: Sequence[SampleRow], masks: GrammarM
         raw = torch.log_softmax(logits[asking], dim=-1) if asking else None  # vLLM's raw_logprobs
         logits = process_rows(logits, rows)
         if masks is not None:
-            out.failed.update(constrain_rows(logits, rows, masks))
+            grammar_failed = constrain_rows(logits, rows, masks)
+            out.failed.update(grammar_failed)
+            out.client_errors.update(grammar_failed)
         greedy, finite = greedy_tokens(logits)
         tokens = out.tokens
         drawing: list[int] = []
         for i, row in enumerate(rows):
             if row.request_id in out.failed:
                 continue
-            if not finite[i]:
+            if not finite[i] and (row.params.allowed_token_ids or row.grammar is not None):
+                out.failed[row.request_id] = (  # the request's own masks left nothing: its error, not the server's
+                    "InvalidRequestError: no token is left to draw: this request's allowed_token_ids and structured "
+                    "output exclude every token"
+                )
+                out.client_errors.add(row.request_id)
+            elif not finite[i]:
                 out.failed[row.request_id] = "FloatingPointError: the model produced no finite logit for this sequence"
             elif row.params.is_greedy:
                 tokens[row.request_id] = [greedy[i]] * len(row.generators)

@@ -130,7 +130,7 @@ def create_app(
     options = options or AppOptions()
     if tool_call_parser not in TOOL_PARSERS:
         raise ConfigError(f"unknown tool-call parser {tool_call_parser!r}: use one of {', '.join(TOOL_PARSERS)}")
-    tokenizer, context = _engine_defaults(loop, tokenizer, context_length)
+    tokenizer, context, eos = _engine_defaults(loop, tokenizer, context_length)
     app = FastAPI(
         title="pagedcore",
         version=__version__,
@@ -138,7 +138,7 @@ def create_app(
         redoc_url=None,
         openapi_url="/openapi.json" if options.openapi else None,
     )
-    app.state.serve = _context(loop, model_name, api_keys, tokenizer, context, limits, options, tool_call_parser)
+    app.state.serve = _context(loop, model_name, api_keys, tokenizer, context, limits, options, tool_call_parser, eos)
     _add_cors(app, options)
     if options.request_id_headers:
         app.add_middleware(RequestIdHeaders)
@@ -160,6 +160,7 @@ def _context(
     limits: BodyLimits | None,
     options: AppOptions,
     tool_call_parser: str,
+    eos: tuple[int, ...],
 ) -> ServeContext:
     """The app's shared state (:class:`~pagedcore.serve.context.ServeContext`)."""
     reasoning = None if options.reasoning_parser is None else Reasoning(options.reasoning_parser, tokenizer)
@@ -176,6 +177,7 @@ def _context(
         tool_call_parser=tool_call_parser,
         settings=_settings(options, reasoning, model_name),
         responses=ResponseStore(options.responses_store_bytes),
+        eos_token_ids=eos,
     )
 
 
@@ -192,14 +194,19 @@ def _settings(options: AppOptions, reasoning: Reasoning | None, model_name: str)
     )
 
 
-def _engine_defaults(loop: RequestLoop, tokenizer: Any, context: int | None) -> tuple[Any, int | None]:
-    """The tokenizer and context length, defaulting to an :class:`EngineLoop`'s engine's."""
+def _engine_defaults(loop: RequestLoop, tokenizer: Any, context: int | None) -> tuple[Any, int | None, tuple[int, ...]]:
+    """The tokenizer, context length and eos ids, defaulting to an :class:`EngineLoop`'s engine's (another loop's
+    engines stop at their own eos; a request's ``stop_token_ids`` add the tokenizer's)."""
+    eos: tuple[int, ...] = ()
     if isinstance(loop, EngineLoop):
         engine = loop.engine
         tokenizer = engine.tokenizer if tokenizer is None else tokenizer
+        eos = engine.eos_token_ids
         if context is None:
             context = engine.context.limit
-    return tokenizer, context
+    elif isinstance(getattr(tokenizer, "eos_token_id", None), int):
+        eos = (tokenizer.eos_token_id,)
+    return tokenizer, context, eos
 
 
 def _add_cors(app: FastAPI, options: AppOptions) -> None:

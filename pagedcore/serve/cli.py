@@ -15,13 +15,14 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .auth import ApiKeys
 
-__all__ = ["BUILTIN_NAME", "add_arguments", "engine_config", "flag_error", "run"]
+__all__ = ["BUILTIN_NAME", "add_arguments", "api_keys_of", "engine_config", "flag_error", "run"]
 
 BUILTIN_NAME = "pagedcore-builtin"
 # The defaults of pagedcore.serve.body.BodyLimits (not imported here: this module imports argparse alone).
 _MAX_REQUEST_BYTES = "8MiB"
 _BODY_TIMEOUT = 30.0
 _THREADS_HELP = "torch threads (default: the CPUs this process may use that other work leaves free; see start-up)"
+_HEADER_TIMEOUT = 10.0  # pagedcore.serve.connections.ConnectionLimits' default
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -136,7 +137,8 @@ def _add_access_flags(parser: argparse.ArgumentParser, json_list: Callable[[str]
         "--api-key",
         action="append",
         metavar="KEY",
-        help="an API key clients must send (repeatable; vLLM's form: all keys share one prefix-cache namespace)",
+        help="an API key clients must send (repeatable; vLLM's form: all keys share one prefix-cache namespace; "
+        "without it, the VLLM_API_KEY environment variable)",
     )
     parser.add_argument(
         "--api-keys",
@@ -175,6 +177,22 @@ def _add_limits(parser: argparse.ArgumentParser) -> None:
         default=_BODY_TIMEOUT,
         metavar="SECONDS",
         help=f"seconds a request body may take to arrive; slower ones get 408 (default {_BODY_TIMEOUT:g})",
+    )
+    parser.add_argument(
+        "--header-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help=f"seconds a connection may take to send its request line and headers; slower ones get 408 and are "
+        f"closed (default {_HEADER_TIMEOUT:g})",
+    )
+    parser.add_argument(
+        "--max-connections-per-client",
+        type=int,
+        default=None,
+        metavar="N",
+        help="connections one client address may hold at once; more get 429 (default: a quarter of ulimit -n, "
+        "8..4096; 0: no cap, e.g. behind a proxy that carries many clients)",
     )
 
 
@@ -241,7 +259,7 @@ def _build(args: argparse.Namespace, error: type[Exception]) -> tuple[Any, Any, 
     from .startup import print_notes
 
     configure_logging(args.log_level)
-    api_keys = _api_keys(args, error)
+    api_keys, key_source = api_keys_of(args, error)
     model, tokenizer, name = _model(args, error)
     try:
         engine = Engine(model, tokenizer, config=engine_config(args, _memory_budget(args, error)))
@@ -270,8 +288,10 @@ def _build(args: argparse.Namespace, error: type[Exception]) -> tuple[Any, Any, 
         log_level=args.log_level,
         shutdown_timeout=args.shutdown_timeout,
         access_log=not getattr(args, "disable_uvicorn_access_log", False),
+        limits=_connection_limits(args, error),
     )
     _announce(args, engine, loop, names[0], port, api_keys, context)
+    print(f"pagedcore serve: {key_source}", file=sys.stderr, flush=True)
     print_notes(args, model, options)
     return engine, loop, server, sock
 
@@ -325,6 +345,7 @@ def _check(args: argparse.Namespace, error: type[Exception]) -> None:
     timeout = getattr(args, "body_timeout", _BODY_TIMEOUT)
     if not timeout > 0 or timeout == float("inf"):
         raise error(f"--body-timeout must be a number of seconds > 0, got {timeout}")
+    _connection_limits(args, error)
     if args.threads is not None and args.threads < 1:
         raise error(f"--threads must be >= 1, got {args.threads}")
     _check_vllm_flags(args, error)
@@ -387,6 +408,8 @@ _NOT_WITH_RAY: dict[str, Any] = {
     "enable_request_id_headers": False,
     "enable_log_requests": False,
     "disable_uvicorn_access_log": False,
+    "header_timeout": None,  # Ray Serve's HTTP proxy holds the connections
+    "max_connections_per_client": None,
 }
 
 
@@ -413,21 +436,40 @@ def _check_ray(args: argparse.Namespace, error: type[Exception]) -> None:
         raise error("--generation-config is not supported with --ray yet (serve one engine without --ray)")
 
 
-def _api_keys(args: argparse.Namespace, error: type[Exception]) -> ApiKeys | None:
-    """``--api-keys FILE`` and ``--api-key KEY`` together (every ``--api-key`` is tenant ``default``)."""
+def api_keys_of(args: argparse.Namespace, error: type[Exception]) -> tuple[ApiKeys | None, str]:
+    """The API keys in force and where they come from: ``--api-keys FILE``, ``--api-key KEY`` (each tenant
+    ``default``), or vLLM's ``VLLM_API_KEY`` environment variable when neither is given (as vLLM: ``--api-key``
+    wins over it). An empty or blank ``VLLM_API_KEY`` is refused (``error``): a server believed protected would
+    answer everyone.
+
+    Example:
+        >>> import os
+        >>> os.environ.pop("VLLM_API_KEY", None) and None
+        >>> api_keys_of(argparse.Namespace(api_keys=None, api_key=None), ValueError)
+        (None, 'no API key: every client is served')
+    """
+    import os
+
     from .auth import ApiKeys, ApiKeysError, load_api_keys
 
     from_file = load_api_keys(args.api_keys, error)
     keys = getattr(args, "api_key", None) or []
-    if not keys:
-        return from_file
-    tenants = dict.fromkeys(keys, "default")
+    env = os.environ.get("VLLM_API_KEY")
+    if env is not None and not env.strip():
+        raise error("VLLM_API_KEY is set but empty: set it to the key clients must send, or unset it")
+    ignored = " (VLLM_API_KEY is set and not used)" if env is not None else ""
     if from_file is not None:
-        raise error("give --api-key or --api-keys FILE, not both")
+        if keys:
+            raise error("give --api-key or --api-keys FILE, not both")
+        return from_file, f"API keys from --api-keys {args.api_keys} ({len(from_file)} keys){ignored}"
+    source, given = ("--api-key", keys) if keys else ("VLLM_API_KEY", [env] if env is not None else [])
+    if not given:
+        return None, "no API key: every client is served"
     try:
-        return ApiKeys(tenants)
+        found = ApiKeys(dict.fromkeys(given, "default"))
     except ApiKeysError as exc:
-        raise error(f"--api-key: {exc}") from exc
+        raise error(f"{source}: {exc}") from exc
+    return found, f"API keys from {source} ({len(found)} keys){ignored if keys else ''}"
 
 
 def engine_config(args: argparse.Namespace, memory_budget: Any = None) -> Any:
@@ -463,6 +505,23 @@ def engine_config(args: argparse.Namespace, memory_budget: Any = None) -> Any:
     return EngineConfig(
         pool, scheduler, max_logprobs=args.max_logprobs, max_model_len=args.max_model_len, compile=compile_mode(args)
     )
+
+
+def _connection_limits(args: argparse.Namespace, error: type[Exception]) -> Any:
+    """``--header-timeout`` and ``--max-connections-per-client`` as the server's connection limits."""
+    from pagedcore.errors import ConfigError
+
+    from .connections import ConnectionLimits
+
+    given: dict[str, Any] = {}
+    if getattr(args, "header_timeout", None) is not None:
+        given["header_timeout"] = args.header_timeout
+    if getattr(args, "max_connections_per_client", None) is not None:
+        given["max_per_client"] = args.max_connections_per_client
+    try:
+        return ConnectionLimits(**given)
+    except ConfigError as exc:
+        raise error(str(exc)) from exc
 
 
 def _memory_budget(args: argparse.Namespace, error: type[Exception]) -> Any:

@@ -79,6 +79,7 @@ class ServeContext:
         tool_call_parser: the tool-call format ``tool_choice="auto"`` reads (:mod:`pagedcore.serve.tool_calls`).
         settings: what the vLLM flags set for every request (:class:`ServeSettings`).
         responses: the responses kept for ``previous_response_id`` (the Responses API).
+        eos_token_ids: the model's stop tokens, which a request's ``stop_token_ids`` add to (vLLM's rule).
 
     Example:
         >>> ctx = ServeContext(loop=None, metrics=None, model_name="tiny", encoder=PromptEncoder(None, None))
@@ -103,6 +104,7 @@ class ServeContext:
     tool_call_parser: str = "hermes"
     settings: ServeSettings = field(default_factory=ServeSettings)
     responses: ResponseStore = field(default_factory=ResponseStore)
+    eos_token_ids: tuple[int, ...] = ()
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property

@@ -31,6 +31,7 @@ from pagedcore.validation import integer
 if TYPE_CHECKING:
     from pagedcore.engine import Engine, EngineStats, RequestOutput, TokenEvent
     from pagedcore.engine.outputs import TokenLogprobs
+    from pagedcore.engine.structured import StructuredOutput
 
 logger = logging.getLogger(__name__)
 
@@ -192,11 +193,13 @@ class LoopStats:
 class RequestLoop(Protocol):
     """What the HTTP app (:func:`~pagedcore.serve.app.create_app`, :class:`~pagedcore.serve.jobs.Job`, the
     metrics) needs from a loop: :class:`EngineLoop` in one process, or ``pagedcore.serve.ray``'s ``ReplicaLoop``
-    over engine replicas in a Ray cluster. ``submit`` and ``abort`` follow :class:`EngineLoop`'s contract.
+    over engine replicas in a Ray cluster. ``submit`` and ``abort`` follow :class:`EngineLoop`'s contract;
+    ``prepare_structured`` checks a structured-output spec in the caller's thread as far as the loop can (the
+    engine's compiler here; a parse in the Ray ingress, which has no vocabulary).
 
     Example:
         >>> sorted(name for name in vars(RequestLoop) if not name.startswith("_"))
-        ['abort', 'add_step_listener', 'is_running', 'max_new_tokens', 'stats', 'submit']
+        ['abort', 'add_step_listener', 'is_running', 'max_new_tokens', 'prepare_structured', 'stats', 'submit']
     """
 
     @property
@@ -214,6 +217,8 @@ class RequestLoop(Protocol):
     def max_new_tokens(self, prompt_tokens: int) -> int | None:
         """The most new tokens a request with a prompt of this length can be given (None: the loop cannot say)."""
         ...
+
+    def prepare_structured(self, spec: StructuredOutput) -> StructuredOutput: ...
 
 
 @dataclass(frozen=True)
@@ -265,7 +270,7 @@ class EngineLoop:
     Args:
         engine: the engine; from :meth:`start` on, only the loop thread touches it.
         max_queue: requests that may wait (queued here or in the scheduler) before :meth:`submit` raises
-            :class:`QueueFullError`.
+            :class:`QueueFullError`; at least 1 (0 would refuse every request).
 
     Example:
         >>> from pagedcore.adapters.transformers.testing import tiny_llama
@@ -287,7 +292,7 @@ class EngineLoop:
     """
 
     def __init__(self, engine: Engine, *, max_queue: int = 512) -> None:
-        max_queue = integer("max_queue", max_queue, minimum=0, error=ConfigError)
+        max_queue = integer("max_queue", max_queue, minimum=1, error=ConfigError)  # 0 would answer every 429
         self._engine = engine
         self._max_queue = max_queue
         self._cond = threading.Condition(threading.Lock())
@@ -330,6 +335,12 @@ class EngineLoop:
     def add_step_listener(self, listener: Callable[[float], None]) -> None:
         """Call ``listener(seconds)`` on the loop thread after every engine step (e.g. a histogram)."""
         self._listeners.append(listener)
+
+    def prepare_structured(self, spec: StructuredOutput) -> StructuredOutput:
+        """Parse and compile a structured-output spec with the engine's compiler, in the calling thread (a
+        server's worker): see :meth:`Engine.prepare_structured <pagedcore.engine.Engine.prepare_structured>`. A
+        request whose params carry the spec this returns is neither parsed nor held on the loop thread."""
+        return self._engine.prepare_structured(spec)
 
     def max_new_tokens(self, prompt_tokens: int) -> int | None:
         """The most new tokens a request with a prompt of this length can be given: what the engine's context leaves
@@ -477,7 +488,8 @@ class EngineLoop:
         for output in result.finished:
             sink = self._live.pop(output.request_id, None)
             if sink is not None:
-                self._end(sink, output.request_id, output, output.error, "failed" if output.error else None)
+                kind = None if not output.error else "invalid" if output.client_error else "failed"
+                self._end(sink, output.request_id, output, output.error, kind)
         return True
 
     def _route(self, event: TokenEvent, now: float) -> None:

@@ -14,6 +14,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
+from .openapi_rules import ServedFacts, tighten
 from .protocol import ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from .responses_api.request import ResponsesRequest
 
@@ -112,7 +113,40 @@ def install_openapi(app: FastAPI) -> None:
                 schemas.update(schema.pop("$defs", {}))
                 schemas[model.__name__] = schema
             schemas["Error"] = ERROR_SCHEMA
+            serve = getattr(app.state, "serve", None)
+            if serve is not None:  # this app's facts: names, vocabulary, context, and the server's rules
+                tighten(document, served_facts(serve))
             app.openapi_schema = document
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+
+
+def served_facts(serve: Any) -> ServedFacts:
+    """What the document states of the app whose :class:`~pagedcore.serve.context.ServeContext` is ``serve``.
+
+    Example:
+        >>> from pagedcore.serve.context import ServeContext
+        >>> from pagedcore.serve.prompts import PromptEncoder
+        >>> served_facts(ServeContext(loop=None, metrics=None, model_name="m", encoder=PromptEncoder(None, 48))).context
+        48
+    """
+    engine = getattr(serve.loop, "engine", None)
+    tokenizer = serve.encoder.tokenizer
+    sizes = [len(tokenizer)] if tokenizer is not None else []
+    model_vocab = getattr(getattr(getattr(engine, "model", None), "config", None), "vocab_size", None)
+    if isinstance(model_vocab, int):
+        sizes.append(model_vocab)  # ids the tokenizer has and the model scores
+    vocab = min(sizes) if sizes else None
+    max_logprobs = getattr(engine, "max_logprobs", None)
+    scheduler = getattr(engine, "scheduler", None)
+    return ServedFacts(
+        model_names=serve.model_names,
+        vocab_size=vocab,
+        context=serve.context_length,
+        max_prompt_chars=serve.encoder.max_chars,
+        max_logprobs=None if max_logprobs in (None, -1) else max_logprobs,
+        max_num_seqs=None if scheduler is None else scheduler.config.max_num_seqs,
+        trust_request_chat_template=serve.trust_request_chat_template,
+        has_chat_template=serve.encoder.renderer.template is not None,
+    )

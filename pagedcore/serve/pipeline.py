@@ -24,7 +24,7 @@ from pagedcore.errors import InvalidRequestError
 from .answers import AnswerOptions, Shape, Tally
 from .body import read_body
 from .context import ServeContext
-from .errors import outcome, public_error
+from .errors import log_context, outcome, public_error, request_id
 from .jobs import Job
 from .protocol import ApiError, engine_error, parse_request
 from .responses import JobStream, collect, sse_events
@@ -60,6 +60,7 @@ async def read_request(ctx: ServeContext, request: Request, cls: type[Any]) -> t
     ctx.admission.check()  # shutting down: 503 before the body is read
     raw = await read_body(request, ctx.limits)
     body = await off_loop(parse_request, cls, raw, max_prompt_tokens=ctx.context_length)
+    request.state.client_request_id = getattr(body, "request_id", None)  # logged beside the server's own id
     if body.model is not None:
         ctx.check_model(body.model)
     return tenant, apply_defaults(body, ctx.settings.sampling_defaults)
@@ -68,7 +69,7 @@ async def read_request(ctx: ServeContext, request: Request, cls: type[Any]) -> t
 def namespace_of(tenant: str | None, cache_salt: str | None) -> Hashable:
     """The prefix-cache namespace of a request: its tenant, narrowed by its ``cache_salt``. A salted request shares
     blocks only with requests of the same tenant and the same salt, so a salt can never reach another tenant's
-    blocks (namespaces are told apart by type and value, :func:`pagedcore.prefix_trie.namespace_key`).
+    blocks (namespaces are told apart by type and value, :func:`pagedcore.block_keys.namespace_key`).
 
     Example:
         >>> namespace_of("alice", None), namespace_of("alice", "s1"), namespace_of(None, "s1")
@@ -169,10 +170,11 @@ async def answer(
         >>> list(inspect.signature(answer).parameters)
         ['ctx', 'request', 'requests', 'shape', 'stream', 'renderer']
     """
-    request.state.request_id = shape.response_id
+    request.state.response_id = shape.response_id  # the log names the server's own id, and this beside it
     if ctx.settings.request_log is not None:
         client = request.client.host if request.client is not None else None
-        ctx.settings.request_log.log(shape.response_id, client, [r.prompt for r in requests], requests[0].params)
+        logged = request_id(request) + log_context(request)  # the server's unique id, the client's beside it
+        ctx.settings.request_log.log(logged, client, [r.prompt for r in requests], requests[0].params)
     leave = ctx.admission.enter()
     try:
         job = await _start(ctx, requests)
@@ -185,7 +187,9 @@ async def answer(
 
         def stream_error(error: ApiError) -> ApiError:
             ctx.metrics.count(outcome(error))
-            return error if ctx.loop_errors_are_public else public_error(error, shape.response_id)
+            return (
+                error if ctx.loop_errors_are_public else public_error(error, request_id(request), log_context(request))
+            )
 
         def finished() -> None:
             ctx.metrics.count("finished")

@@ -365,15 +365,26 @@ class PromptEncoder:
             return text
         return _encoded(self._tokenizer, text, param="prompt", add_special_tokens=add_special_tokens)
 
-    def decode(self, token_ids: Sequence[int]) -> str:
-        """Token ids as text (special tokens kept, as a prompt's echo shows them); 400 for ids the tokenizer
-        cannot decode."""
+    def decode(self, token_ids: Sequence[int], param: str = "prompt") -> str:
+        """Token ids as text (special tokens kept, as a prompt's echo shows them); 400 naming ``param`` for ids
+        outside the vocabulary (a tokenizer would decode them as nothing, or fail) or that it cannot decode."""
         if self._tokenizer is None:
-            raise ApiError(400, "this server has no tokenizer: it cannot turn token ids into text", param="prompt")
+            raise ApiError(400, "this server has no tokenizer: it cannot turn token ids into text", param=param)
+        size = self.vocab_size
+        bad = [t for t in token_ids if t < 0 or (size is not None and t >= size)]
+        if bad:
+            shown = ", ".join(str(t) for t in bad[:5]) + (", ..." if len(bad) > 5 else "")
+            where = f" [0, {size})" if size is not None else ""
+            raise ApiError(400, f"token ids {shown} are outside the vocabulary{where}", param=param)
         try:
             return str(self._tokenizer.decode(list(token_ids)))
-        except Exception as exc:  # ids outside the vocabulary, for one
-            raise ApiError(400, f"the tokenizer cannot decode these token ids: {exc}", param="prompt") from exc
+        except Exception as exc:
+            raise ApiError(400, f"the tokenizer cannot decode these token ids: {exc}", param=param) from exc
+
+    @property
+    def vocab_size(self) -> int | None:
+        """The ids the tokenizer knows (``len(tokenizer)``: added tokens included), or None without one."""
+        return None if self._tokenizer is None else len(self._tokenizer)
 
     def _check_length(self, chars: int, subject: str, param: str) -> None:
         if self.max_chars is not None and chars > self.max_chars:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 import logging
 import reprlib
+import unicodedata
+from collections.abc import Sequence
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -175,6 +177,10 @@ class _Request(_Strict):
         if tokens is not None and tokens != -1 and tokens < 1:
             message = f"truncate_prompt_tokens must be -1 (the context) or >= 1, got {tokens}"
             raise ApiError(400, message, param="truncate_prompt_tokens")
+        bad = None if self.request_id is None else control_character(self.request_id)
+        if bad is not None:
+            message = f"request_id must not hold control or format characters (it names the answer), got {bad}"
+            raise ApiError(400, message, param="request_id")
         return self
 
 
@@ -223,6 +229,13 @@ class ChatMessage(_Strict):
     tool_call_id: str | None = None  # a tool message: the call it answers
     reasoning_content: str | None = None  # an assistant's earlier reasoning (templates that keep it render it)
     reasoning: str | None = None  # vLLM's newer name of reasoning_content
+
+    @model_validator(mode="after")
+    def _check_tool_message(self) -> ChatMessage:
+        if self.role == "tool" and (self.content is None or self.tool_call_id is None):
+            missing = " and ".join(n for n in ("content", "tool_call_id") if getattr(self, n) is None)
+            raise ApiError(400, f"messages: a tool message needs {missing} (OpenAI's rule)", param="messages")
+        return self
 
     @property
     def text(self) -> str:
@@ -298,6 +311,8 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     return_token_strs: bool = False
+    tools: list[dict[str, Any]] | None = None  # rendered by the chat template, as a chat request's are (vLLM's)
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(BaseModel):
@@ -351,7 +366,7 @@ def parse_body(cls: type[BaseModel], body: bytes) -> Any:
 
 def _json_object(body: bytes) -> dict[str, Any]:
     try:
-        data = json.loads(body)
+        data = json.loads(body, parse_float=_json_number)
     except RecursionError:  # the C decoder's depth guard: a 400 like any other bad JSON, not a 500
         raise ApiError(400, "the request body is not valid JSON: it nests too deeply") from None
     except (ValueError, UnicodeDecodeError) as exc:
@@ -359,6 +374,32 @@ def _json_object(body: bytes) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ApiError(400, f"the request body must be a JSON object, got {type(data).__name__}")
     return data
+
+
+def control_character(text: str) -> str | None:
+    """The first control, format or line-separator character of ``text``, escaped (``ascii``), or None: what must
+    never reach a log line as it is.
+
+    Example:
+        >>> control_character("req-1"), control_character("a" + chr(10) + "b"), control_character(chr(27) + "[31m")
+        (None, "'\\\\n'", "'\\\\x1b'")
+    """
+    for char in text:
+        if unicodedata.category(char) in ("Cc", "Cf", "Zl", "Zp"):
+            return ascii(char)
+    return None
+
+
+def _json_number(text: str) -> int | float:
+    """A JSON number written with a fraction or exponent: an integer when it is one (``85.0``, ``1e3``), as JSON
+    Schema counts it (its ``integer`` includes them); else a float.
+
+    Example:
+        >>> _json_number("85.0"), _json_number("1e3"), _json_number("0.5"), _json_number("1e300") == 1e300
+        (85, 1000, 0.5, True)
+    """
+    value = float(text)
+    return int(value) if value.is_integer() and abs(value) < 2**63 else value
 
 
 def _validated(cls: type[BaseModel], data: dict[str, Any]) -> Any:
@@ -412,14 +453,18 @@ def _check_lengths(data: dict[str, Any], max_tokens: int | None) -> None:
         raise engine_error(exc) from exc
 
 
-def sampling_params(request: _Request, max_new_tokens: int) -> SamplingParams:
+def sampling_params(request: _Request, max_new_tokens: int, eos_token_ids: Sequence[int] = ()) -> SamplingParams:
     """The engine's :class:`SamplingParams` for a request, with OpenAI's defaults (temperature 1, top_p 1, n 1);
-    bad values raise :class:`ApiError` (400) naming the field.
+    bad values raise :class:`ApiError` (400) naming the field. ``stop_token_ids`` stop besides the model's
+    ``eos_token_ids`` (vLLM's rule: the engine's own field replaces them), and with ``ignore_eos`` only they stop.
 
     Example:
         >>> request = CompletionRequest.model_validate({"model": "m", "prompt": "hi", "temperature": 0})
         >>> sampling_params(request, 16).is_greedy
         True
+        >>> stops = CompletionRequest.model_validate({"model": "m", "prompt": "hi", "stop_token_ids": [7]})
+        >>> sampling_params(stops, 16, eos_token_ids=[2]).stop_token_ids
+        (2, 7)
     """
     kwargs: dict[str, Any] = {
         "max_new_tokens": max_new_tokens,
@@ -437,6 +482,12 @@ def sampling_params(request: _Request, max_new_tokens: int) -> SamplingParams:
     if request.min_tokens is not None:
         kwargs["min_new_tokens"] = request.min_tokens
     kwargs.update(_controls(request))
+    ids = kwargs.get("stop_token_ids")
+    if ids is not None:
+        if kwargs.get("ignore_eos"):  # the engine's ignore_eos would ignore stop_token_ids too: vLLM's does not
+            kwargs["ignore_eos"] = False
+        else:
+            kwargs["stop_token_ids"] = [*eos_token_ids, *(i for i in ids if i not in eos_token_ids)]
     try:
         return SamplingParams(**kwargs)
     except InvalidRequestError as exc:  # the engine owns the ranges; the error names its field

@@ -18,6 +18,7 @@ from typing import Any
 import uvicorn
 
 from .admission import Admission
+from .connections import ConnectionLimits, guarded_protocol
 from .loop import EngineLoop
 
 __all__ = ["BackgroundServer", "bind", "make_server"]
@@ -72,11 +73,13 @@ def make_server(
     host: str = "127.0.0.1",
     port: int = 8000,
     shutdown_timeout: float = 0.0,
+    limits: ConnectionLimits | None = None,
     **config: Any,
 ) -> Any:
     """A ``uvicorn.Server`` for ``app`` that stops ``loop`` when it shuts down (``run()`` it in the foreground),
     after draining for up to ``shutdown_timeout`` seconds (0: no drain; needs the app of
-    :func:`~pagedcore.serve.app.create_app`, whose admission it closes).
+    :func:`~pagedcore.serve.app.create_app`, whose admission it closes). Connections are held to ``limits``
+    (default :class:`~pagedcore.serve.connections.ConnectionLimits`: a header timeout, a per-client cap).
 
     ``config`` goes to ``uvicorn.Config`` (default: ``log_level="warning"``, 5 s of graceful shutdown).
 
@@ -92,6 +95,7 @@ def make_server(
     """
     config.setdefault("log_level", "warning")
     config.setdefault("timeout_graceful_shutdown", 5)
+    config.setdefault("http", guarded_protocol(limits or ConnectionLimits()))
     serve = getattr(getattr(app, "state", None), "serve", None)
     admission = getattr(serve, "admission", None)
     return _Server(uvicorn.Config(app, host=host, port=port, **config), loop, admission, shutdown_timeout)

@@ -2,13 +2,15 @@
 ``structured_outputs``, validated here (off the event loop) so a bad schema is a 400 naming the field.
 
 The engine owns the constraint (:class:`~pagedcore.engine.structured.StructuredOutput` in
-``SamplingParams.structured``); this module only reads the request's fields and checks the spec with the grammar
-engine's parser (no vocabulary needed: about a millisecond), so the error names the field the client wrote.
+``SamplingParams.structured``); this module reads the request's fields and has the spec checked in the request's
+worker thread (parsed, and compiled by the engine's compiler where the loop has one), so the error names the field
+the client wrote, and the spec goes to the engine carrying its parsed grammar: the step loop never parses it.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 from pagedcore.engine.structured import GrammarCompiler, StructuredOutput
@@ -17,39 +19,59 @@ from pagedcore.errors import PagedCoreError
 from .protocol import ApiError
 from .tool_calls import ToolCalls, tool_calls_of
 
-__all__ = ["STRUCTURED_FIELDS", "check_spec", "constraint", "structured_output"]
+__all__ = ["STRUCTURED_FIELDS", "Prepare", "check_spec", "constraint", "parse_only", "structured_output"]
+
+Prepare = Callable[[StructuredOutput], StructuredOutput]
+"""How a front end checks a spec before submitting it: parse it (:func:`parse_only`), or also compile it with the
+engine's compiler (``RequestLoop.prepare_structured``); either returns the spec carrying its grammar."""
 
 # vLLM's request fields (the older guided_* and the current structured_outputs), besides OpenAI's response_format.
 STRUCTURED_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
                      "guided_grammar")  # fmt: skip
 
 
-def constraint(body: Any, tool_call_parser: str = "hermes") -> tuple[StructuredOutput | None, ToolCalls | None]:
+def constraint(
+    body: Any, tool_call_parser: str = "hermes", prepare: Prepare | None = None
+) -> tuple[StructuredOutput | None, ToolCalls | None]:
     """A parsed request body's constraint (its structured-output field, or the grammar that enforces its
-    ``tool_choice``) and, for a chat with tools, how its answers become ``tool_calls``. Run it off the event loop.
+    ``tool_choice``) and, for a chat with tools, how its answers become ``tool_calls``. Run it off the event loop:
+    the spec is checked and parsed here by ``prepare`` (the loop's ``prepare_structured``: the engine's compiler
+    also compiles it; default :func:`parse_only`), so the engine's step loop never parses it.
 
     Example:
         >>> from pagedcore.serve.protocol import ChatRequest
         >>> body = ChatRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "hi"}],
         ...                                    "response_format": {"type": "json_object"}})
         >>> spec, calls = constraint(body)
-        >>> spec.kind, calls
-        ('json_object', None)
+        >>> spec.kind, calls, spec.parsed is not None
+        ('json_object', None, True)
     """
-    spec, field = structured_output({name: getattr(body, name, None) for name in STRUCTURED_FIELDS})
+    prepare = prepare or parse_only
+    spec, field = structured_output({name: getattr(body, name, None) for name in STRUCTURED_FIELDS}, prepare)
     tools = {name: getattr(body, name, None) for name in ("tools", "tool_choice", "parallel_tool_calls")}
     calls, forced = tool_calls_of(tools, tool_call_parser)
     if forced is not None:
         if spec is not None:
             raise ApiError(400, f"tool_choice {tools['tool_choice']!r} cannot be combined with {field}", param=field)
-        check_spec(forced, "tools")
-        spec = forced
+        spec, field = check_spec(forced, "tools", prepare), "tools"
+    if spec is not None:
+        for name, why in (
+            ("ignore_eos", "a structured output ends where its grammar ends"),
+            ("min_tokens", "a structured output ends where its grammar ends"),
+            ("allowed_token_ids", "the grammar decides which tokens may come"),
+        ):
+            if getattr(body, name, None):
+                raise ApiError(400, f"{name} cannot be combined with {field}: {why}", param=name)
     return spec, calls
 
 
-def structured_output(data: dict[str, Any]) -> tuple[StructuredOutput | None, str | None]:
-    """The spec a request body asks for and the field it came from (``(None, None)``: no constraint); raises
-    :class:`~pagedcore.serve.protocol.ApiError` (400, naming the field) for a bad or doubled one.
+def structured_output(
+    data: dict[str, Any], prepare: Prepare | None = None
+) -> tuple[StructuredOutput | None, str | None]:
+    """The spec a request body asks for (checked and parsed by ``prepare``, default :func:`parse_only`) and the
+    field it came from (``(None, None)``: no constraint); raises :class:`~pagedcore.serve.protocol.ApiError` (400,
+    naming the field) for a bad or doubled one, or one past a bound (:data:`~pagedcore.adapters.transformers.
+    structured.spec.MAX_CHOICES`, ``MAX_SPEC_BYTES``, ``MAX_NESTING``).
 
     Example:
         >>> spec, field = structured_output({"guided_regex": "[0-9]+"})
@@ -74,14 +96,15 @@ def structured_output(data: dict[str, Any]) -> tuple[StructuredOutput | None, st
             spec = StructuredOutput.from_value({name: value})
     except PagedCoreError as exc:
         raise ApiError(400, f"{name}: {exc}", param=name) from exc
-    if spec is not None:
-        check_spec(spec, name)
-    return spec, (name if spec is not None else None)
+    if spec is None:
+        return None, None
+    return check_spec(spec, name, prepare), name
 
 
-def check_spec(spec: StructuredOutput, field: str) -> None:
-    """Parse ``spec`` with the grammar engine (an invalid schema, regex or grammar, or a JSON Schema keyword it does
-    not implement, is a 400 naming ``field``).
+def check_spec(spec: StructuredOutput, field: str, prepare: Prepare | None = None) -> StructuredOutput:
+    """``spec`` checked and parsed by ``prepare`` (default :func:`parse_only`): an invalid schema, regex or
+    grammar, a JSON Schema keyword llguidance does not implement, a grammar past its limits or one that does not
+    compile in time is a 400 naming ``field``.
 
     Example:
         >>> check_spec(StructuredOutput.regex("(("), "guided_regex")  # doctest: +ELLIPSIS
@@ -90,9 +113,20 @@ def check_spec(spec: StructuredOutput, field: str) -> None:
         pagedcore.serve.protocol.ApiError: guided_regex: invalid regex '((': ...
     """
     try:
-        _parser().parse(spec)
+        return (prepare or parse_only)(spec)
     except PagedCoreError as exc:
         raise ApiError(400, f"{field}: {exc}", param=field) from exc
+
+
+def parse_only(spec: StructuredOutput) -> StructuredOutput:
+    """``spec`` parsed (it carries its grammar), by a compiler that never builds a vocabulary: what a front end
+    without the engine's compiler (the Ray ingress) can check. Raises :class:`~pagedcore.errors.GrammarError`.
+
+    Example:
+        >>> parse_only(StructuredOutput.regex("[a-z]+")).parsed is not None
+        True
+    """
+    return _parser().prepare(spec)
 
 
 @functools.lru_cache(maxsize=1)

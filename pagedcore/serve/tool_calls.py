@@ -193,12 +193,17 @@ def _tools(value: Any) -> dict[str, dict[str, Any]]:
     if not isinstance(value, list):
         raise ApiError(400, f"tools must be a list, got {type(value).__name__}", param="tools")
     out: dict[str, dict[str, Any]] = {}
+    first: dict[str, int] = {}
     for i, tool in enumerate(value):
         function = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
         name = function.get("name") if isinstance(function, dict) else None
         if not isinstance(name, str) or not name:
             expected = "{'type': 'function', 'function': {'name': ...}}"
             raise ApiError(400, f"tools.{i}: expected {expected}", param="tools")
+        if name in first:  # the model calls tools by name: a second one would silently win
+            message = f"tools.{i}: the name {name!r} is given twice (tools.{first[name]}); tool names must be unique"
+            raise ApiError(400, message, param="tools")
+        first[name] = i
         parameters = function.get("parameters") or {"type": "object", "properties": {}}  # type: ignore[union-attr]
         if not isinstance(parameters, dict):
             raise ApiError(400, f"tools.{i}.function.parameters must be a JSON schema object", param="tools")
@@ -207,13 +212,47 @@ def _tools(value: Any) -> dict[str, dict[str, Any]]:
 
 
 def _calls_schema(tools: dict[str, dict[str, Any]], parallel: bool) -> dict[str, Any]:
-    """A JSON list of calls, each one of ``tools`` with its parameters (vLLM's schema for ``required``)."""
-    each = [
-        {"type": "object", "properties": {"name": {"const": name}, "parameters": schema},
-         "required": ["name", "parameters"], "additionalProperties": False}
-        for name, schema in tools.items()
-    ]  # fmt: skip
+    """A JSON list of calls, each one of ``tools`` with its parameters (vLLM's schema for ``required``). Each tool's
+    schema moves under ``#/items/anyOf/i/properties/parameters``: its local references (``$ref: "#/$defs/X"``,
+    pydantic's way for nested models) are rebased there, so they still point into its own schema.
+
+    Example:
+        >>> nested = {"$defs": {"A": {"type": "integer"}}, "properties": {"a": {"$ref": "#/$defs/A"}}}
+        >>> _calls_schema({"f": nested}, True)["items"]["anyOf"][0]["properties"]["parameters"]["properties"]
+        {'a': {'$ref': '#/items/anyOf/0/properties/parameters/$defs/A'}}
+    """
+    each = []
+    for i, (name, own) in enumerate(tools.items()):
+        parameters = _rebased(own, f"#/items/anyOf/{i}/properties/parameters")
+        each.append(
+            {"type": "object", "properties": {"name": {"const": name}, "parameters": parameters},
+             "required": ["name", "parameters"], "additionalProperties": False}
+        )  # fmt: skip
     schema: dict[str, Any] = {"type": "array", "items": {"anyOf": each}, "minItems": 1}
     if not parallel:
         schema["maxItems"] = 1
     return schema
+
+
+# Keywords whose value maps names to schemas (the names are no keywords), and those whose values are data.
+_SCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+_DATA = frozenset({"const", "enum", "default", "examples", "required"})
+
+
+def _rebased(schema: Any, base: str) -> Any:
+    """``schema`` with every local ``$ref`` (``#...``) pointing under ``base`` instead of its own root."""
+    if isinstance(schema, list):
+        return [_rebased(item, base) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            out[key] = base + value[1:]
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: _rebased(sub, base) for name, sub in value.items()}
+        elif key in _DATA:
+            out[key] = value
+        else:
+            out[key] = _rebased(value, base)
+    return out

@@ -66,6 +66,7 @@ def builtin_model(*, seed: int = 0, attn_implementation: str = "sdpa", **overrid
     torch.manual_seed(seed)
     model = LlamaForCausalLM(LlamaConfig(**settings)).eval()
     model.set_attn_implementation(attn_implementation)
-    model.generation_config.eos_token_id = None  # random weights: run to max_new_tokens instead of a random stop
+    model.generation_config.eos_token_id = []  # random weights: no eos at all (not even the tokenizer's), so a
+    # generation runs to max_new_tokens instead of a random stop
     model.generation_config.pad_token_id = settings["pad_token_id"]
     return model

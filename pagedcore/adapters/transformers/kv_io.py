@@ -9,14 +9,19 @@ layout (``"slots"`` or ``"heads"``), so the fingerprint names this stored layout
 The fingerprint covers the weights (:meth:`~pagedcore.adapters.transformers.weights.WeightsWatch.content_hash`,
 once per weight epoch and again after every :meth:`~pagedcore.kv_pool.KVPool.reset_prefix_cache`), the stored dtype,
 the block size, the stored layout, the model type and every layer's group, what it keeps, KV heads, head sizes, kind
-and MLA latent width (:meth:`~.spec.ModelKVSpec.describe`).
+and MLA latent width (:meth:`~.spec.ModelKVSpec.describe`), and everything else that changes the hidden states
+without being a tensor: the model's config as transformers serializes it (``to_dict``, nested configs included:
+``sliding_window``, ``rms_norm_eps``, rope scaling, soft-capping, layer types, ...) less what names, locates or
+decorates it (:data:`NOT_NUMERICS`), and the attention implementation where its numerics differ from the
+reference's (:func:`attention_numerics`). Two models with the same weights and another config never share stored
+blocks.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -26,7 +31,7 @@ from .spec import ModelKVSpec
 from .state_pool import StatePool
 from .weights import Placement, WeightsWatch
 
-__all__ = ["STORED_LAYOUT", "TensorBlockIO", "TensorPool"]
+__all__ = ["NOT_NUMERICS", "STORED_LAYOUT", "TensorBlockIO", "TensorPool", "attention_numerics", "config_digest"]
 
 
 class TensorPool(Protocol):
@@ -60,9 +65,64 @@ class TensorPool(Protocol):
     def layer_tensors(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor] | None: ...
     @property
     def states(self) -> StatePool | None: ...
+    @property
+    def model(self) -> Any: ...
 
 
 STORED_LAYOUT = "layer,kv,slot,head,dim"
+NOT_NUMERICS = frozenset(
+    {
+        "_name_or_path", "name_or_path", "_commit_hash", "transformers_version", "architectures", "auto_map",
+        "dtype", "torch_dtype", "id2label", "label2id", "problem_type", "finetuning_task", "task_specific_params",
+        "tokenizer_class", "prefix", "output_attentions", "output_hidden_states", "return_dict", "use_cache",
+        "bos_token_id", "eos_token_id", "pad_token_id", "sep_token_id", "decoder_start_token_id",
+        "initializer_range", "_attn_implementation_autoset",
+    }
+)  # fmt: skip
+"""Config fields that never change a hidden state: names and paths, versions, head classes and labels, output
+flags, special token ids, initialization (the weights are hashed), the dtype (the stored dtype is in the key)."""
+# Implementations whose outputs equal the reference's within its tolerance (tests/test_paged_attention_weights.py):
+# one numerics class. Any other (flash attention, a kernel from the hub, a registered function) is its own.
+_REFERENCE_NUMERICS = frozenset({"eager", "sdpa", "paged"})
+
+
+def config_digest(config: Any) -> str:
+    """A hash of what in a model's config changes its hidden states (see the module docstring).
+
+    Example:
+        >>> from pagedcore.adapters.transformers.testing import tiny_llama_config
+        >>> a, b = tiny_llama_config(), tiny_llama_config()
+        >>> b._name_or_path = "elsewhere/copy"
+        >>> config_digest(a) == config_digest(b)
+        True
+        >>> b.rms_norm_eps = 1e-3
+        >>> config_digest(a) == config_digest(b)
+        False
+    """
+    serialized = config.to_dict() if hasattr(config, "to_dict") else dict(vars(config))
+    text = json.dumps(_numerics(serialized), sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _numerics(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _numerics(v) for k, v in value.items() if k not in NOT_NUMERICS}
+    if isinstance(value, (list, tuple)):
+        return [_numerics(v) for v in value]
+    return value
+
+
+def attention_numerics(config: Any) -> str:
+    """The attention implementation as far as it changes numerics: ``"reference"`` for eager, sdpa and paged
+    attention (equal within the reference's tolerance), else its name.
+
+    Example:
+        >>> from pagedcore.adapters.transformers.testing import tiny_llama_config
+        >>> attention_numerics(tiny_llama_config())
+        'reference'
+    """
+    name = getattr(config, "_attn_implementation", None) or "eager"
+    return "reference" if name in _REFERENCE_NUMERICS else str(name)
 
 
 class TensorBlockIO:
@@ -151,8 +211,12 @@ class TensorBlockIO:
         pool = self._pool
         spec = pool.spec
         layers = spec.describe()
+        model = pool.model
+        config = getattr(model, "config", None)
         described = {
             "weights": weights,
+            "config": None if config is None else config_digest(config),
+            "attention": None if config is None else attention_numerics(config),
             "dtype": str(pool.dtype),
             "block_size": pool.block_size,
             "layout": STORED_LAYOUT,

@@ -101,7 +101,12 @@ class Engine(BaseEngine):
             settings.pop(name, None)
         config = EngineConfig.of(config, **settings)  # every setting checked before anything changes
         runner = TransformersRunner(
-            model, pool=pool, config=config.pool, compile=config.compile, attention_backend=config.attention_backend
+            model,
+            pool=pool,
+            config=config.pool,
+            compile=config.compile,
+            attention_backend=config.attention_backend,
+            tokenizer=tokenizer,
         )
         try:
             own = replace(config, pool=PoolConfig(), compile="auto", attention_backend=None)  # the runner has these

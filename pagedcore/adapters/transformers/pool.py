@@ -516,6 +516,11 @@ class PagedKVPool:
 
     # ------------------------------------------------------------------ the model's weights
     @property
+    def model(self) -> Any:
+        """The model the pool is tied to (:meth:`bind`), or None (only a config so far, or it was collected)."""
+        return self._owner() if self._owner is not None else None
+
+    @property
     def weights(self) -> WeightsWatch | None:
         """The watch over the weights of the model this pool serves (:mod:`.weights`): None before the first
         :meth:`check_weights`, and for a pool that was never given a model (only a config)."""

@@ -66,12 +66,12 @@ from typing import Any
 
 import torch
 
+from pagedcore.block_keys import namespace_key
 from pagedcore.capacity import Demand, Reservation
 from pagedcore.config import PoolConfig
 from pagedcore.engine.context import ContextWindow
 from pagedcore.engine.inputs import TOKEN_DTYPES, check_token_tensor
 from pagedcore.errors import ConfigError, InvalidRequestError, OutOfBlocksError, PoolMismatchError
-from pagedcore.prefix_trie import namespace_key
 from pagedcore.validation import as_integer
 
 from .cache import PagedCache

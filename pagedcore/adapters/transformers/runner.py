@@ -56,6 +56,7 @@ class TransformersRunner:
         config: the settings of a new pool (:class:`~pagedcore.config.PoolConfig`).
         compile: decode-only steps as a compiled graph: ``True``, ``False`` or ``"auto"`` (on CUDA).
         attention_backend: the attention backend's name (None: the plugins' choice for the device).
+        tokenizer: the model's tokenizer, when there is one: its eos stops requests too (:func:`eos_token_ids`).
 
     Example:
         >>> from pagedcore.engine import Engine
@@ -74,6 +75,7 @@ class TransformersRunner:
         config: PoolConfig | None = None,
         compile: bool | str = "auto",
         attention_backend: str | None = None,
+        tokenizer: Any = None,
     ) -> None:
         device = model.get_input_embeddings().weight.device
         compiling = resolve_compile(compile, device)
@@ -83,7 +85,7 @@ class TransformersRunner:
         self.attention_backend = attention_backend
         self._text_config = text_config(model)
         vocab = as_integer(getattr(self._text_config, "vocab_size", None)) or None
-        self._info = ModelInfo(vocab, context_limit(model), tuple(eos_token_ids(model)), device)
+        self._info = ModelInfo(vocab, context_limit(model), tuple(eos_token_ids(model, tokenizer)), device)
         self._cache = PackedCache(self.pool)
         self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._decode = CompiledDecode(model, self.pool) if compiling else None
@@ -210,8 +212,10 @@ class TransformersRunner:
             logger.exception("pagedcore: writing the cached prefixes to the KV store while closing failed")
 
 
-def eos_token_ids(model: Any) -> list[int]:
-    """The stop tokens ``model.generate`` would use: the generation config's eos (the model config's if none).
+def eos_token_ids(model: Any, tokenizer: Any = None) -> list[int]:
+    """The default stop tokens: the generation config's eos (the model config's if none) and the tokenizer's (a
+    base model's folder often names its eos only there: vLLM stops at it too). A generation config whose
+    ``eos_token_id`` is an empty list says "no eos" explicitly (the built-in demo model's): then none.
 
     Example:
         >>> from pagedcore.adapters.transformers.testing import tiny_llama
@@ -220,9 +224,13 @@ def eos_token_ids(model: Any) -> list[int]:
     """
     config = getattr(model, "generation_config", None)
     eos = config.eos_token_id if config is not None else getattr(text_config(model), "eos_token_id", None)
-    if eos is None:
-        return []
-    return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+    ids = [] if eos is None else [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+    if eos is not None and not ids:
+        return ids
+    own = getattr(tokenizer, "eos_token_id", None)
+    if isinstance(own, int) and own not in ids:
+        ids.append(own)
+    return ids
 
 
 def _packed_positions(pool: PagedKVPool, positions: list[int]) -> torch.Tensor | None:

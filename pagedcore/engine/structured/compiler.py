@@ -2,9 +2,14 @@
 
 Two stages, so that bad input is refused at once and slow work never runs where requests wait on it:
 
-1. :meth:`GrammarCompiler.parse` (synchronous, about a millisecond): the spec becomes an llguidance grammar and is
-   validated; an invalid schema, regex or grammar, or a JSON Schema keyword llguidance does not implement (it says
-   so rather than ignore it), raises :class:`~pagedcore.errors.GrammarError` naming what is wrong. Cached by spec.
+1. :meth:`GrammarCompiler.parse` (synchronous: a millisecond for typical specs, up to about a second for the largest
+   a spec may be, :data:`~.spec.MAX_SPEC_BYTES`): the spec becomes an llguidance grammar and is validated; an
+   invalid schema, regex or grammar, or a JSON Schema keyword llguidance does not implement (it says so rather than
+   ignore it), raises :class:`~pagedcore.errors.GrammarError` naming what is wrong. Cached by spec.
+   :meth:`GrammarCompiler.prepare` returns the spec carrying its grammar (``StructuredOutput.parsed``): a server
+   prepares in a worker thread, and whoever compiles it later (the Engine, on its step loop) never parses it again.
+   A choice is one lexeme (its options one automaton), so a choice of thousands of options sharing a prefix stays
+   within llguidance's parser limits.
 2. :meth:`GrammarCompiler.submit` (a worker thread): the grammar is built against the vocabulary into a matcher
    (milliseconds for typical schemas, up to about a second for huge ones), cached by spec: a schema many requests
    share is built once, and each sample starts from a copy. :meth:`GrammarCompiler.compile` waits at most
@@ -12,7 +17,9 @@ Two stages, so that bad input is refused at once and slow work never runs where 
    on in the worker and is cached when it ends).
 
 Per step, llguidance's own limits bound the work one mask may take (``LLParserLimits``: lexer fuel, Earley items);
-a grammar that exceeds them puts its matcher in an error state, which fails that sample with the message.
+a grammar that exceeds them at its first mask fails to compile (the compilation computes that mask), one that
+exceeds them later puts its matcher in an error state, which fails that sample with llguidance's message (the
+request's fault, not the server's).
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from pagedcore.errors import ConfigError, GrammarError, GrammarTimeoutError
@@ -137,7 +144,10 @@ class GrammarCompiler:
 
     # ------------------------------------------------------------------ parse (synchronous, cheap)
     def parse(self, spec: StructuredOutput) -> str:
-        """The llguidance grammar of ``spec`` (cached); :class:`~pagedcore.errors.GrammarError` when invalid."""
+        """The llguidance grammar of ``spec`` (cached; the one it carries, when :meth:`prepare` parsed it);
+        :class:`~pagedcore.errors.GrammarError` when invalid."""
+        if spec.parsed is not None:
+            return spec.parsed
         with self._lock:
             grammar = self._parsed.get(spec.key)
             if grammar is not None:
@@ -150,6 +160,18 @@ class GrammarCompiler:
                 self._parsed.popitem(last=False)
         return grammar
 
+    def prepare(self, spec: StructuredOutput) -> StructuredOutput:
+        """``spec`` parsed (in the calling thread: a server's worker), carrying its grammar so that nothing parses
+        it again; :class:`~pagedcore.errors.GrammarError` when invalid.
+
+        Example:
+            >>> compiler = GrammarCompiler(None)
+            >>> prepared = compiler.prepare(StructuredOutput.regex("[0-9]+"))
+            >>> prepared == StructuredOutput.regex("[0-9]+"), prepared.parsed is not None
+            (True, True)
+        """
+        return spec if spec.parsed is not None else replace(spec, parsed=self.parse(spec))
+
     def _to_grammar(self, spec: StructuredOutput) -> str:
         llg = self._llg
         try:
@@ -160,8 +182,9 @@ class GrammarCompiler:
                 grammar = llg.LLMatcher.grammar_from_json_schema(schema, overrides=_json_options(spec.max_whitespace))
             elif spec.kind == "regex":
                 grammar = llg.LLMatcher.grammar_from_regex(spec.spec)
-            elif spec.kind == "choice":
-                grammar = llg.grammar_from("choice", spec.spec)
+            elif spec.kind == "choice":  # one lexeme: its options as one automaton, not thousands of parser rules
+                options = " | ".join(json.dumps(option) for option in json.loads(spec.spec))
+                grammar = llg.LLMatcher.grammar_from_lark(f"start: CHOICE\nCHOICE: {options}")
             else:  # GBNF (converted to Lark) or Lark
                 grammar = llg.grammar_from("gbnf" if "::=" in spec.spec else "lark", spec.spec)
             error = llg.LLMatcher.validate_grammar(grammar)
@@ -216,10 +239,17 @@ class GrammarCompiler:
     def _compile(self, spec: StructuredOutput, grammar: str) -> CompiledGrammar:
         started = time.perf_counter()
         matcher = self._llg.LLMatcher(self.lltokenizer, grammar, log_level=0, limits=self._limits)
-        if matcher.is_error():
+        probe = matcher.deep_copy()
+        # The first mask: a grammar past llguidance's limits fails here, not in a step; one whose output no token of
+        # the vocabulary can start (a choice of characters the tokenizer cannot spell) is refused too.
+        first = b"" if matcher.is_error() else probe.compute_bitmask()
+        error = matcher.get_error() if matcher.is_error() else probe.get_error() if probe.is_error() else None
+        if error is None and not any(first):
+            error = "no token of the model's vocabulary can start an output of it"
+        if error is not None:
             with self._lock:
                 self._compiled.pop(spec.key, None)  # not cached: the next request tries again
-            raise GrammarError(f"cannot compile {spec.kind} {_shorten(spec.spec)}: {_message(matcher.get_error())}")
+            raise GrammarError(f"cannot compile {spec.kind} {_shorten(spec.spec)}: {_message(error)}")
         with self._lock:
             self.stats.num_compiled += 1
             self.stats.compile_seconds += time.perf_counter() - started

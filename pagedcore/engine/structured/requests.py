@@ -12,6 +12,7 @@ bad specs raise here), submission (a request whose grammar is not built yet is h
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -90,6 +91,11 @@ class RequestGrammar:
         state = self.states[index]
         return state is not None and state.accept(token)
 
+    def error(self, index: int) -> str | None:
+        """Why sample ``index``'s grammar stopped working (a limit of llguidance's exceeded), or None."""
+        state = self.states[index]
+        return None if state is None else state.error
+
 
 class EngineGrammars:
     """Structured outputs for one Engine: the compiler, the masks, and the requests waiting for their grammar.
@@ -123,20 +129,39 @@ class EngineGrammars:
         self.stop_token_ids = tuple(stop_token_ids)
         self.compile_timeout = compile_timeout
         self._compiler: GrammarCompiler | None = None
+        self._compiler_lock = threading.Lock()  # a server's worker and the step loop may both ask first
         self.masks = GrammarMasks()
         self._held: list[tuple[RequestGrammar, Any]] = []
 
     @property
     def compiler(self) -> GrammarCompiler:
         """The compiler (built on first use)."""
-        if self._compiler is None:
-            self._compiler = GrammarCompiler(
-                self._tokenizer,
-                vocab_size=self._vocab_size,
-                stop_token_ids=self.stop_token_ids,
-                compile_timeout=self.compile_timeout,
-            )
-        return self._compiler
+        with self._compiler_lock:
+            if self._compiler is None:
+                self._compiler = GrammarCompiler(
+                    self._tokenizer,
+                    vocab_size=self._vocab_size,
+                    stop_token_ids=self.stop_token_ids,
+                    compile_timeout=self.compile_timeout,
+                )
+            return self._compiler
+
+    def prepare(self, spec: StructuredOutput) -> StructuredOutput:
+        """Parse and compile ``spec`` now, waiting in the calling thread (a server's worker) at most
+        ``compile_timeout`` seconds; returns the spec carrying its grammar, whose :meth:`request` then neither parses
+        nor waits. Raises :class:`~pagedcore.errors.GrammarError` (or its timeout) for a spec that cannot be served.
+
+        Example:
+            >>> from pagedcore.adapters.transformers.builtin import builtin_tokenizer
+            >>> grammars = EngineGrammars(builtin_tokenizer(), vocab_size=99, stop_token_ids=[2])
+            >>> prepared = grammars.prepare(StructuredOutput.choice(["yes", "no"]))
+            >>> grammars.request(prepared, num_samples=1).is_ready
+            True
+            >>> grammars.close()
+        """
+        prepared = self.compiler.prepare(spec)
+        self.compiler.compile(prepared)
+        return prepared
 
     def request(self, spec: StructuredOutput, num_samples: int) -> RequestGrammar:
         """Start compiling ``spec`` for a request of ``num_samples`` samples; raises

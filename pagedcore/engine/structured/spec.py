@@ -11,14 +11,19 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pagedcore.errors import GrammarError
 
-__all__ = ["DEFAULT_MAX_WHITESPACE", "KINDS", "StructuredOutput"]
+__all__ = ["DEFAULT_MAX_WHITESPACE", "KINDS", "MAX_CHOICES", "MAX_NESTING", "MAX_SPEC_BYTES", "StructuredOutput"]
 
 DEFAULT_MAX_WHITESPACE = 8
+# Bounds on what one request may ask, so that parsing and compiling it stays within a second or so (llguidance's
+# validation grows faster than linearly: a choice of 40,000 options took 5 s, of 200,000 more than its own limits).
+MAX_SPEC_BYTES = 512 * 1024  # the spec's text (schema JSON, regex, choices as JSON, grammar), UTF-8
+MAX_CHOICES = 10_000  # options of a choice
+MAX_NESTING = 64  # levels of a JSON schema (objects and lists inside each other)
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 # vLLM's names of the same fields (StructuredOutputsParams and the older guided_* request fields).
 _ALIASES = {"json": "json_schema", "guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice",
@@ -40,6 +45,9 @@ class StructuredOutput:
         max_whitespace: JSON kinds only: the longest run of whitespace between JSON tokens (8 by default, so that
             a model cannot loop on whitespace and still indents a few levels; 0: compact JSON, as vLLM's
             ``disable_any_whitespace``; None: unbounded, vLLM's default).
+        parsed: llguidance's grammar once the spec was parsed (``GrammarCompiler.prepare``), else None; not part
+            of the spec's identity. A spec is bounded: :data:`MAX_SPEC_BYTES` of text, :data:`MAX_CHOICES` options,
+            :data:`MAX_NESTING` levels of JSON (else :class:`~pagedcore.errors.GrammarError` naming the bound).
 
     Example:
         >>> spec = StructuredOutput.json_schema({"type": "object", "properties": {"n": {"type": "integer"}}})
@@ -57,12 +65,19 @@ class StructuredOutput:
     spec: str
     strict: bool = True
     max_whitespace: int | None = DEFAULT_MAX_WHITESPACE
+    parsed: str | None = field(default=None, compare=False, repr=False)  # a spec that carries it is never parsed
+    # again: a server parses in its worker, and the Engine's step loop does not
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise GrammarError(f"unknown structured-output kind {self.kind!r}: use one of {', '.join(KINDS)}")
         if not isinstance(self.spec, str):
             raise GrammarError(f"{self.kind}: the spec must be text, got {type(self.spec).__name__}")
+        if len(self.spec) > MAX_SPEC_BYTES // 4 and len(self.spec.encode("utf-8", "surrogatepass")) > MAX_SPEC_BYTES:
+            raise GrammarError(
+                f"{self.kind}: the spec takes {len(self.spec.encode('utf-8', 'surrogatepass'))} bytes, more than the "
+                f"{MAX_SPEC_BYTES} a structured output may take"
+            )
         if not isinstance(self.strict, bool):
             raise GrammarError(f"strict must be True or False, got {self.strict!r}")
         ws = self.max_whitespace
@@ -97,6 +112,8 @@ class StructuredOutput:
         """Exactly one of ``options`` (strings)."""
         if isinstance(options, (str, bytes)) or not isinstance(options, Sequence) or not options:
             raise GrammarError(f"choice: expected a non-empty list of strings, got {options!r}")
+        if len(options) > MAX_CHOICES:
+            raise GrammarError(f"choice: {len(options)} options, more than the {MAX_CHOICES} a choice may have")
         bad = [o for o in options if not isinstance(o, str) or not o]
         if bad:
             raise GrammarError(f"choice: every choice must be a non-empty string, got {bad[0]!r}")
@@ -193,7 +210,39 @@ def _json_text(kind: str, value: object, *, objects_only: bool) -> str:
             raise GrammarError(f"{kind}: not valid JSON: {exc}") from None
     if not isinstance(value, Mapping) and (objects_only or not isinstance(value, bool)):
         raise GrammarError(f"{kind}: expected a JSON object, got {value!r}"[:200])
+    depth = _depth(value)
+    if depth > MAX_NESTING:
+        raise GrammarError(f"{kind}: the schema nests {depth} levels deep, more than the {MAX_NESTING} allowed")
+    value = _wide_ints_as_floats(value)
     try:
         return json.dumps(value, ensure_ascii=False, allow_nan=False)
     except (TypeError, ValueError) as exc:
         raise GrammarError(f"{kind}: cannot be written as JSON: {exc}") from None
+
+
+def _depth(value: object) -> int:
+    """How many objects and lists nest in ``value`` (without recursion: a deep one cannot exhaust the stack)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, level = stack.pop()
+        children = item.values() if isinstance(item, Mapping) else item if isinstance(item, list) else None
+        if children is None:
+            continue
+        deepest = max(deepest, level)
+        if level <= MAX_NESTING:  # past the bound the answer is known: stop walking
+            stack.extend((child, level + 1) for child in children)
+    return deepest
+
+
+def _wide_ints_as_floats(value: Any) -> Any:
+    """``value`` with integers past 64 bits written as floats (the same JSON number; the grammar engine reads
+    numbers as 64-bit ones). Nesting is bounded (:data:`MAX_NESTING`) before this runs."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int):
+        return float(value) if not -(2**63) <= value < 2**64 else value
+    if isinstance(value, Mapping):
+        return {k: _wide_ints_as_floats(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_wide_ints_as_floats(v) for v in value]
+    return value

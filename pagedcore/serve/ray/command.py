@@ -34,19 +34,20 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--replicas must be >= 1, got {args.replicas}")
     if args.cpus_per_replica <= 0:
         raise UsageError(f"--cpus-per-replica must be > 0, got {args.cpus_per_replica}")
-    from ..auth import load_api_keys
+    from ..cli import api_keys_of
 
     if missing_extra("pagedcore serve --ray", "ray", ("ray", "ray.serve")):
         return EXIT_UNAVAILABLE
     from .deployment import build_app
 
-    api_keys = load_api_keys(args.api_keys, UsageError)
+    api_keys, key_source = api_keys_of(args, UsageError)
     spec = _model_spec(args)
     print(
         "pagedcore serve: with --ray the model's generation config is not applied yet: requests get OpenAI's "
         "default sampling values (as --generation-config vllm)",
         file=sys.stderr,
     )
+    print(f"pagedcore serve: {key_source}", file=sys.stderr, flush=True)
     engine_kwargs: dict[str, Any] = {
         "num_blocks": args.num_blocks,
         "memory_budget": args.memory_budget,

@@ -28,9 +28,11 @@ from typing import Any
 from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.exceptions import DeploymentUnavailableError
 
+from pagedcore.engine.structured import StructuredOutput
 from pagedcore.errors import ConfigError
 
 from ..loop import Delta, Finished, LoopClosedError, LoopStats, QueueFullError, Request, Started
+from ..structured import parse_only
 from .replica import ReplicaReport
 from .replica_stats import ReplicaStats, zero_stats
 from .routing import MAX_ROUTED_BLOCKS, RoutedRequest, prefix_hashes
@@ -155,6 +157,11 @@ class ReplicaLoop:
         """None: the ingress cannot say what the replicas' pools hold (a replica refuses a request that can never
         fit in its pool with a 400 naming the field)."""
         return None
+
+    def prepare_structured(self, spec: StructuredOutput) -> StructuredOutput:
+        """Parse a structured-output spec here, in the caller's thread (the ingress has no vocabulary to compile
+        with): the spec returned carries its grammar, so no replica's step loop parses it."""
+        return parse_only(spec)
 
     def submit(self, requests: Sequence[Request], sink: Sink) -> list[str]:
         """Start the requests (all or none); events reach ``sink`` on this event loop. Raises

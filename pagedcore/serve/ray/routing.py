@@ -1,7 +1,8 @@
 """Routing requests to engine replicas: by prompt prefix, through Ray Serve's request-router extension point.
 
 The ingress hashes each prompt's full blocks as a chain (block ``i``'s hash covers blocks ``0..i`` and the tenant's
-namespace) and sends them with the request (:class:`RoutedRequest`). :class:`PrefixAffinityRouter`, a Ray Serve
+namespace: :func:`pagedcore.block_keys.prefix_hashes`, re-exported here) and sends them with the request
+(:class:`RoutedRequest`). :class:`PrefixAffinityRouter`, a Ray Serve
 ``RequestRouter``, runs inside the ingress's deployment handle and remembers which replica it last sent each block
 chain to; a request goes to the replica holding its longest remembered prefix, where that prefix is cached. A
 prompt with no useful match (none, or under ``min_match_fraction`` of its blocks, such as a chat template's shared
@@ -20,19 +21,16 @@ ingress replicas each router learns on its own.
 
 from __future__ import annotations
 
-import hashlib
 import math
 import random
-from array import array
 from collections import Counter, OrderedDict
-from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from pagedcore.block_keys import prefix_hashes
 from pagedcore.errors import ConfigError
-from pagedcore.prefix_trie import namespace_key
 
 from ..loop import Submission
 from .in_flight import InFlight
@@ -40,32 +38,6 @@ from .in_flight import InFlight
 __all__ = ["MAX_ROUTED_BLOCKS", "PrefixAffinityRouter", "RandomRouter", "RoutedRequest", "prefix_hashes"]
 
 MAX_ROUTED_BLOCKS = 64  # a routing decision looks at most this many leading blocks
-
-
-def prefix_hashes(
-    token_ids: Sequence[int], block_size: int, namespace: Hashable = None, *, max_blocks: int = MAX_ROUTED_BLOCKS
-) -> tuple[int, ...]:
-    """Chained hashes of the prompt's full blocks (at most ``max_blocks``): two prompts share the first ``k``
-    hashes exactly when they share their first ``k`` blocks in the same namespace (hash collisions aside, which
-    can only misroute a request, never serve it another prompt's cache).
-
-    Example:
-        >>> a = prefix_hashes(list(range(40)), 16)
-        >>> b = prefix_hashes(list(range(32)) + [7] * 16, 16)
-        >>> len(a), a[0] == b[0], a[1] == b[1], len(b)
-        (2, True, True, 3)
-        >>> prefix_hashes(list(range(40)), 16, namespace="tenant-a")[0] == a[0]
-        False
-    """
-    if block_size < 1:
-        raise ConfigError(f"block_size must be >= 1, got {block_size}")
-    digest = hashlib.blake2b(repr(namespace_key(namespace)).encode(), digest_size=8).digest()
-    hashes = []
-    for start in range(0, min(len(token_ids) // block_size, max_blocks) * block_size, block_size):
-        block = array("q", token_ids[start : start + block_size]).tobytes()
-        digest = hashlib.blake2b(digest + block, digest_size=8).digest()
-        hashes.append(int.from_bytes(digest, "little"))
-    return tuple(hashes)
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -55,7 +56,9 @@ async def chat_generation(
         ['ctx', 'body', 'tenant']
     """
     # A bad schema or tool_choice: a 400 naming the field, before the prompt is rendered.
-    spec, calls = await off_loop(constraint, body, ctx.tool_call_parser)
+    prepare = ctx.loop.prepare_structured  # parsed and compiled here, in a worker: never on the step loop
+    reasoned = ctx.settings.reasoning is not None  # the spec is wrapped to follow the reasoning, then prepared
+    spec, calls = await off_loop(constraint, body, ctx.tool_call_parser, None if reasoned else prepare)
     _check_auto_tool_choice(ctx, calls)
     if body.include_reasoning is False and ctx.settings.reasoning is None:
         message = "include_reasoning false needs a server started with --reasoning-parser (none splits the reasoning)"
@@ -66,13 +69,13 @@ async def chat_generation(
     if ctx.settings.reasoning is not None:
         reasoning = await off_loop(_reasoning, ctx, body, options, rendered)
         if spec is not None:
-            spec = await off_loop(_after_reasoning, reasoning, spec)
+            spec = await off_loop(_after_reasoning, reasoning, spec, prepare)
     (truncated,) = fit_prompts(ctx, body, [rendered], 0)
     # Without a limit the answer may run to the end of what the context and the KV pool hold for it.
     room = ctx.max_new_tokens(len(truncated))
     max_tokens = body.max_new_tokens(DEFAULT_COMPLETION_MAX_TOKENS if room is None else max(1, room))
     (prompt,) = fit_prompts(ctx, body, [truncated], max_tokens)
-    params = replace(sampling_params(body, max_tokens), structured=spec)
+    params = replace(sampling_params(body, max_tokens, ctx.eos_token_ids), structured=spec)
     shape = shape_of(ctx, body, True, _options(ctx, body, prompt), calls)
     role = ctx.settings.response_role if body.add_generation_prompt else body.messages[-1].role
     shape = replace(shape, role=role, reasoning=reasoning)
@@ -126,14 +129,16 @@ def _reasoning(ctx: ServeContext, body: ChatRequest, options: ChatOptions, rende
     return AnswerReasoning(reasoning, state, include=body.include_reasoning is not False)
 
 
-def _after_reasoning(reasoning: AnswerReasoning, spec: StructuredOutput) -> StructuredOutput:
-    """The request's constraint applied after the reasoning (checked here: a 400 rather than a failed request)."""
+def _after_reasoning(
+    reasoning: AnswerReasoning, spec: StructuredOutput, prepare: Callable[[StructuredOutput], StructuredOutput]
+) -> StructuredOutput:
+    """The request's constraint applied after the reasoning (checked and prepared here: a 400 rather than a failed
+    request, and nothing parsed on the step loop)."""
     try:
         wrapped = reasoning.reasoning.constrain(spec, reasoning.state)
     except PagedCoreError as exc:
         raise ApiError(400, f"the constraint cannot follow the reasoning: {exc}") from exc
-    check_spec(wrapped, "response_format")
-    return wrapped
+    return check_spec(wrapped, "response_format", prepare)
 
 
 def _options(ctx: ServeContext, body: ChatRequest, prompt: Any) -> AnswerOptions:

@@ -32,8 +32,9 @@ async def completions(request: Request, ctx: Context) -> Response:
     """OpenAI's completions: one choice per prompt and sample, as JSON or server-sent events."""
     tenant, body = await read_request(ctx, request, CompletionRequest)
     max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
-    spec, _ = await off_loop(constraint, body)  # a bad schema: a 400 naming the field
-    params = replace(sampling_params(body, max_tokens), structured=spec)
+    # A bad schema: a 400 naming the field; the spec is parsed (and compiled) here, in a worker, never on the loop.
+    spec, _ = await off_loop(constraint, body, "hermes", ctx.loop.prepare_structured)
+    params = replace(sampling_params(body, max_tokens, ctx.eos_token_ids), structured=spec)
     add_special = body.add_special_tokens is not False
     encoded = await off_loop(ctx.encoder.completion, body.prompt, add_special_tokens=add_special)
     prompts = fit_prompts(ctx, body, encoded, max_tokens)

@@ -43,7 +43,7 @@ async def tokenize(request: Request, ctx: Context) -> Response:
 async def detokenize(request: Request, ctx: Context) -> Response:
     """``{"prompt": text}`` of token ids (special tokens kept)."""
     body = await _read(ctx, request, DetokenizeRequest)
-    text = await off_loop(ctx.encoder.decode, body.tokens)
+    text = await off_loop(ctx.encoder.decode, body.tokens, "tokens")
     return JSONResponse({"prompt": text})
 
 
@@ -77,6 +77,8 @@ def _tokens(ctx: ServeContext, body: TokenizeRequest) -> list[int]:
             add_generation_prompt=body.add_generation_prompt,
             continue_final_message=body.continue_final_message,
             add_special_tokens=bool(body.add_special_tokens),
+            tools=body.tools,
+            template_kwargs=body.chat_template_kwargs,
         )
         return ctx.encoder.chat(body.messages, options)
     assert body.prompt is not None
