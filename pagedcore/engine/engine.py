@@ -40,7 +40,6 @@ from typing import Any, TypeVar
 import torch
 
 from pagedcore.errors import ConcurrentUseError, ConfigError, InvalidRequestError, PagedCoreError, RequestNotFoundError
-from pagedcore.kv_tiers import TierStats
 from pagedcore.scheduler import Scheduler
 from pagedcore.sequence import FinishReason, SequenceState
 
@@ -56,7 +55,7 @@ from .outputs import EngineStats, RequestMetrics, RequestOutput, StepOutput, Tok
 from .request import Request, RequestState
 from .runner import ModelRunner
 from .sampling import StepSamples, sample_rows
-from .stats import EngineCounters
+from .stats import EngineCounters, engine_stats
 from .structured.spec import StructuredOutput
 
 logger = logging.getLogger(__name__)
@@ -337,34 +336,7 @@ class Engine:
     def stats(self) -> EngineStats:
         """Counters and gauges (see :class:`EngineStats`)."""
         with self._lock:
-            sched, kv, runner, counters = self.scheduler.stats, self.runner.kv, self.runner.stats(), self._counters
-            counts = runner.compile
-            return EngineStats(
-                num_requests=counters.requests,
-                num_finished=counters.outcomes["finished"],
-                num_aborted=counters.outcomes["aborted"],
-                num_failed=counters.outcomes["failed"],
-                num_steps=sched.num_steps,
-                num_preemptions=sched.num_preemptions,
-                prefix_query_tokens=kv.num_query_tokens,
-                prefix_hit_tokens=kv.num_hit_tokens,
-                prompt_tokens_computed=sched.num_prompt_tokens_computed,
-                generated_tokens=counters.generated,
-                kv_usage=kv.usage,
-                kv_used_bytes=runner.used_bytes,
-                kv_peak_used_bytes=counters.peak_bytes,
-                busy_seconds=counters.busy,
-                kernel_failures=runner.kernel_failures,
-                **self._phase_fields(),
-                compiled_steps=counts.steps,
-                compiled_graphs=counts.graphs,
-                compiled_buckets=counts.buckets,
-                compile_failures=counts.failures,
-                **_store_fields(None if kv.tiers is None else kv.tiers.stats()),
-            )
-
-    def _phase_fields(self) -> dict[str, Any]:
-        return {f"{phase}_seconds": seconds for phase, seconds in self._counters.phases.items()}
+            return engine_stats(self._counters, self.scheduler.stats, self.runner.kv, self.runner.stats())
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -775,28 +747,6 @@ class Engine:
 
 
 _NO_OUTPUT = RequestOutput("", [], [], RequestMetrics(0.0))
-
-
-def _store_fields(tiers: TierStats | None) -> dict[str, Any]:
-    """The :class:`EngineStats` fields of the tiers below the pool (none without them)."""
-    if tiers is None:
-        return {}
-    return {
-        "kv_store_loaded_blocks": tiers.blocks_loaded,
-        "kv_store_loaded_tokens": tiers.tokens_loaded,
-        "kv_store_written_blocks": tiers.blocks_written,
-        "kv_store_load_seconds": tiers.load_seconds,
-        "kv_store_write_seconds": tiers.write_seconds,
-        "kv_store_writes_skipped": tiers.writes_skipped,
-        "kv_store_write_failures": tiers.write_failures,
-        "kv_store_refused": {
-            "checksum": tiers.refused_checksum,
-            "fingerprint": tiers.refused_fingerprint,
-            "foreign": tiers.refused_foreign,
-        },
-        "kv_store_hits": {name: s["hits"] for name, s in tiers.stores.items()},
-        "kv_store_bytes": {name: s["bytes"] for name, s in tiers.stores.items()},
-    }
 
 
 class _NoProgress:

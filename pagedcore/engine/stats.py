@@ -9,8 +9,14 @@ import contextlib
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
-__all__ = ["PHASES", "EngineCounters"]
+from pagedcore.kv_pool import KVPool
+from pagedcore.kv_tiers import TierStats
+
+from .outputs import EngineStats
+
+__all__ = ["PHASES", "EngineCounters", "engine_stats"]
 
 PHASES = ("schedule", "prepare", "forward", "sample", "record")
 """The stages of a step, timed in :class:`~.outputs.EngineStats`."""
@@ -49,3 +55,55 @@ class EngineCounters:
             yield
         finally:
             self.phases[phase] += time.perf_counter() - started
+
+
+def engine_stats(counters: EngineCounters, sched: Any, kv: KVPool, runner: Any) -> EngineStats:
+    """The Engine's :class:`~.outputs.EngineStats`: its counters joined with the scheduler's (``sched``: its
+    ``stats``), the pool's and the runner's (:class:`~.runner.RunnerStats`). Call it under the Engine's lock."""
+    counts = runner.compile
+    phases: dict[str, Any] = {f"{phase}_seconds": seconds for phase, seconds in counters.phases.items()}
+    return EngineStats(
+        num_requests=counters.requests,
+        num_finished=counters.outcomes["finished"],
+        num_aborted=counters.outcomes["aborted"],
+        num_failed=counters.outcomes["failed"],
+        num_steps=sched.num_steps,
+        num_preemptions=sched.num_preemptions,
+        prefix_query_tokens=kv.num_query_tokens,
+        prefix_hit_tokens=kv.num_hit_tokens,
+        prompt_tokens_computed=sched.num_prompt_tokens_computed,
+        generated_tokens=counters.generated,
+        kv_usage=kv.usage,
+        kv_used_bytes=runner.used_bytes,
+        kv_peak_used_bytes=counters.peak_bytes,
+        busy_seconds=counters.busy,
+        kernel_failures=runner.kernel_failures,
+        **phases,
+        compiled_steps=counts.steps,
+        compiled_graphs=counts.graphs,
+        compiled_buckets=counts.buckets,
+        compile_failures=counts.failures,
+        **_store_fields(None if kv.tiers is None else kv.tiers.stats()),
+    )
+
+
+def _store_fields(tiers: TierStats | None) -> dict[str, Any]:
+    """The :class:`~.outputs.EngineStats` fields of the tiers below the pool (none without them)."""
+    if tiers is None:
+        return {}
+    return {
+        "kv_store_loaded_blocks": tiers.blocks_loaded,
+        "kv_store_loaded_tokens": tiers.tokens_loaded,
+        "kv_store_written_blocks": tiers.blocks_written,
+        "kv_store_load_seconds": tiers.load_seconds,
+        "kv_store_write_seconds": tiers.write_seconds,
+        "kv_store_writes_skipped": tiers.writes_skipped,
+        "kv_store_write_failures": tiers.write_failures,
+        "kv_store_refused": {
+            "checksum": tiers.refused_checksum,
+            "fingerprint": tiers.refused_fingerprint,
+            "foreign": tiers.refused_foreign,
+        },
+        "kv_store_hits": {name: s["hits"] for name, s in tiers.stores.items()},
+        "kv_store_bytes": {name: s["bytes"] for name, s in tiers.stores.items()},
+    }

@@ -17,13 +17,14 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from pagedcore.errors import ConfigError
 
-__all__ = ["ApiKeys", "ApiKeysError", "load_api_keys"]
+__all__ = ["ApiKeys", "ApiKeysError", "api_keys_of", "load_api_keys"]
 
 
 class ApiKeysError(ConfigError):
@@ -144,3 +145,36 @@ def load_api_keys(path: str | None, usage_error: type[Exception]) -> ApiKeys | N
         return ApiKeys.from_file(path)
     except ApiKeysError as exc:
         raise usage_error(str(exc)) from exc
+
+
+def api_keys_of(args: Any, error: type[Exception]) -> tuple[ApiKeys | None, str]:
+    """The API keys in force and where they come from: ``--api-keys FILE``, ``--api-key KEY`` (each tenant
+    ``default``), or vLLM's ``VLLM_API_KEY`` environment variable when neither is given (as vLLM: ``--api-key``
+    wins over it). An empty or blank ``VLLM_API_KEY`` is refused (``error``): a server believed protected would
+    answer everyone.
+
+    Example:
+        >>> import os
+        >>> os.environ.pop("VLLM_API_KEY", None) and None
+        >>> import argparse
+        >>> api_keys_of(argparse.Namespace(api_keys=None, api_key=None), ValueError)
+        (None, 'no API key: every client is served')
+    """
+    from_file = load_api_keys(args.api_keys, error)
+    keys = getattr(args, "api_key", None) or []
+    env = os.environ.get("VLLM_API_KEY")
+    if env is not None and not env.strip():
+        raise error("VLLM_API_KEY is set but empty: set it to the key clients must send, or unset it")
+    ignored = " (VLLM_API_KEY is set and not used)" if env is not None else ""
+    if from_file is not None:
+        if keys:
+            raise error("give --api-key or --api-keys FILE, not both")
+        return from_file, f"API keys from --api-keys {args.api_keys} ({len(from_file)} keys){ignored}"
+    source, given = ("--api-key", keys) if keys else ("VLLM_API_KEY", [env] if env is not None else [])
+    if not given:
+        return None, "no API key: every client is served"
+    try:
+        found = ApiKeys(dict.fromkeys(given, "default"))
+    except ApiKeysError as exc:
+        raise error(f"{source}: {exc}") from exc
+    return found, f"API keys from {source} ({len(found)} keys){ignored if keys else ''}"

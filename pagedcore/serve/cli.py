@@ -13,9 +13,9 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .auth import ApiKeys
+    pass
 
-__all__ = ["BUILTIN_NAME", "add_arguments", "api_keys_of", "engine_config", "flag_error", "run"]
+__all__ = ["BUILTIN_NAME", "add_arguments", "engine_config", "flag_error", "run"]
 
 BUILTIN_NAME = "pagedcore-builtin"
 # The defaults of pagedcore.serve.body.BodyLimits (not imported here: this module imports argparse alone).
@@ -259,6 +259,8 @@ def _build(args: argparse.Namespace, error: type[Exception]) -> tuple[Any, Any, 
     from .startup import print_notes
 
     configure_logging(args.log_level)
+    from .auth import api_keys_of
+
     api_keys, key_source = api_keys_of(args, error)
     model, tokenizer, name = _model(args, error)
     try:
@@ -434,42 +436,6 @@ def _check_ray(args: argparse.Namespace, error: type[Exception]) -> None:
         args.compile = False
     if getattr(args, "generation_config", "auto") != "auto":
         raise error("--generation-config is not supported with --ray yet (serve one engine without --ray)")
-
-
-def api_keys_of(args: argparse.Namespace, error: type[Exception]) -> tuple[ApiKeys | None, str]:
-    """The API keys in force and where they come from: ``--api-keys FILE``, ``--api-key KEY`` (each tenant
-    ``default``), or vLLM's ``VLLM_API_KEY`` environment variable when neither is given (as vLLM: ``--api-key``
-    wins over it). An empty or blank ``VLLM_API_KEY`` is refused (``error``): a server believed protected would
-    answer everyone.
-
-    Example:
-        >>> import os
-        >>> os.environ.pop("VLLM_API_KEY", None) and None
-        >>> api_keys_of(argparse.Namespace(api_keys=None, api_key=None), ValueError)
-        (None, 'no API key: every client is served')
-    """
-    import os
-
-    from .auth import ApiKeys, ApiKeysError, load_api_keys
-
-    from_file = load_api_keys(args.api_keys, error)
-    keys = getattr(args, "api_key", None) or []
-    env = os.environ.get("VLLM_API_KEY")
-    if env is not None and not env.strip():
-        raise error("VLLM_API_KEY is set but empty: set it to the key clients must send, or unset it")
-    ignored = " (VLLM_API_KEY is set and not used)" if env is not None else ""
-    if from_file is not None:
-        if keys:
-            raise error("give --api-key or --api-keys FILE, not both")
-        return from_file, f"API keys from --api-keys {args.api_keys} ({len(from_file)} keys){ignored}"
-    source, given = ("--api-key", keys) if keys else ("VLLM_API_KEY", [env] if env is not None else [])
-    if not given:
-        return None, "no API key: every client is served"
-    try:
-        found = ApiKeys(dict.fromkeys(given, "default"))
-    except ApiKeysError as exc:
-        raise error(f"{source}: {exc}") from exc
-    return found, f"API keys from {source} ({len(found)} keys){ignored if keys else ''}"
 
 
 def engine_config(args: argparse.Namespace, memory_budget: Any = None) -> Any:

@@ -34,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--replicas must be >= 1, got {args.replicas}")
     if args.cpus_per_replica <= 0:
         raise UsageError(f"--cpus-per-replica must be > 0, got {args.cpus_per_replica}")
-    from ..cli import api_keys_of
+    from ..auth import api_keys_of
 
     if missing_extra("pagedcore serve --ray", "ray", ("ray", "ray.serve")):
         return EXIT_UNAVAILABLE
