@@ -1,6 +1,8 @@
 """Hybrid models (recurrent-state layers beside attention) under pagedcore: prefix caching that hits, memory, and what a
 state snapshot costs. Side by side in one run, on one machine; random weights, nothing downloaded.
 
+Needs: the `transformers` extra (`make demo` installs it).
+
 Sections:
 
 - ``system-prompt``: vLLM issue #40696's case on a model built like Qwen3.5 (three Gated DeltaNet linear-attention

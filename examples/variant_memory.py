@@ -3,6 +3,8 @@ layers (Gemma 3n, Gemma 4), measured against transformers' DynamicCache, and wha
 and values in every layer (``PagedKVPool.memory_stats()``: ``bytes_per_token``, ``expanded_bytes_per_token``,
 ``savings``).
 
+Needs: the `transformers` extra (`make demo` installs it).
+
 1. Measured: tiny random models of each family generate ``--tokens`` positions with a DynamicCache and with a
    PagedCache; bytes per token are what each holds (DynamicCache: its layers' tensors; PagedCache: the blocks its rows
    hold, and the pool's per-token figure). Sliding layers hold their window only in both, so the per-token figures
@@ -14,6 +16,7 @@ and values in every layer (``PagedKVPool.memory_stats()``: ``bytes_per_token``, 
 Usage:
     python examples/variant_memory.py                 # both tables (seconds on a CPU)
     python examples/variant_memory.py --tokens 64     # a shorter generation
+    python examples/variant_memory.py --quick         # a smoke run (16 positions)
 """
 
 from __future__ import annotations
@@ -118,7 +121,10 @@ def main(argv: list[str] | None = None) -> int:
     """Print both tables as markdown."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=128, help="positions each tiny model stores (default 128)")
+    parser.add_argument("--quick", action="store_true", help="a smoke run: 16 positions")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.tokens = 16
     torch.set_num_threads(1)
     print("Measured, tiny random models, fp32, bytes per token:\n")
     print("| family | positions | DynamicCache | PagedCache (held) | pool bytes_per_token | per-head K+V | savings |")

@@ -26,7 +26,7 @@ httpx = pytest.importorskip("httpx")
         (["serve", "--routing", "random"], "--routing needs --ray"),
         (["serve", "--ray", "--replicas", "0"], "--replicas must be >= 1, got 0"),
         (["serve", "--ray", "--cpus-per-replica", "0"], "--cpus-per-replica must be > 0"),
-        (["serve", "--ray", "--model", "./no-such-model"], "cannot load model './no-such-model'"),
+        (["serve", "--ray", "--model", "./no-such-model"], "--model './no-such-model': no such folder"),
     ],
 )
 def test_bad_ray_arguments_exit_2_with_one_line(argv, message, capsys):

@@ -17,6 +17,7 @@ pytest.importorskip("uvicorn")
 import openai
 
 from pagedcore.adapters.transformers import Engine
+from pagedcore.adapters.transformers.runner import eos_token_ids
 from pagedcore.serve.app import create_app
 from pagedcore.serve.loop import EngineLoop
 from pagedcore.serve.server import BackgroundServer
@@ -32,8 +33,11 @@ def test_the_server_answers_with_stock_generates_tokens(family):
     tokenizer = tiny_tokenizer()
     model = variant_model(family)
     expected = []
+    stops = eos_token_ids(model, tokenizer)  # the server stops at the tokenizer's eos too, as vLLM does
     for prompt in PROMPTS:
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, cache=dynamic(model))
+        out = model.generate(
+            torch.tensor([prompt]), max_new_tokens=8, do_sample=False, cache=dynamic(model), eos_token_id=stops
+        )
         expected.append(tokenizer.decode(out[0, len(prompt) :].tolist(), skip_special_tokens=True))
     engine = Engine(model, tokenizer, num_blocks=128, block_size=4, max_num_batched_tokens=12)
     loop = EngineLoop(engine)

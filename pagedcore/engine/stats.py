@@ -59,7 +59,16 @@ class EngineCounters:
 
 def engine_stats(counters: EngineCounters, sched: Any, kv: KVPool, runner: Any) -> EngineStats:
     """The Engine's :class:`~.outputs.EngineStats`: its counters joined with the scheduler's (``sched``: its
-    ``stats``), the pool's and the runner's (:class:`~.runner.RunnerStats`). Call it under the Engine's lock."""
+    ``stats``), the pool's and the runner's (:class:`~.runner.RunnerStats`). Call it under the Engine's lock.
+
+    Example:
+        >>> from pagedcore.adapters.transformers import Engine
+        >>> from pagedcore.adapters.transformers.testing import tiny_llama
+        >>> with Engine(tiny_llama(), num_blocks=16, block_size=4) as engine:
+        ...     stats = engine_stats(EngineCounters(), engine.scheduler.stats, engine.runner.kv, engine.runner.stats())
+        >>> stats.num_requests, stats.kv_usage
+        (0, 0.0)
+    """
     counts = runner.compile
     phases: dict[str, Any] = {f"{phase}_seconds": seconds for phase, seconds in counters.phases.items()}
     return EngineStats(

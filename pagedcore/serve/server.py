@@ -60,6 +60,9 @@ def bind(host: str, port: int) -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
+        # Listening now, not when uvicorn starts: a client that read the start-up line (which names this port)
+        # before uvicorn serves waits in the backlog instead of being refused.
+        sock.listen(2048)
     except OSError:
         sock.close()
         raise
