@@ -10,15 +10,11 @@ keys and values no longer belong to that model; :meth:`PagedKVPool.rebuild` drop
 
 from __future__ import annotations
 
-import logging
 import os
 import re
-import threading
 import weakref
-from collections import deque
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
-from types import TracebackType
 from typing import Any
 
 import torch
@@ -32,6 +28,7 @@ from pagedcore.plugin_manager import PluginManager, default_plugin_manager
 from pagedcore.validation import integer
 
 from .kv_io import TensorBlockIO
+from .pool_lock import PoolLock
 from .spec import ModelKVSpec, text_config
 from .weights import Placement, WeightsWatch
 
@@ -66,7 +63,6 @@ _UNITS = {
     "tib": 2**40,
 }
 _DEFAULT_TOKENS = 32_768  # default capacity when neither num_blocks nor memory_budget is given
-_log = logging.getLogger(__name__)
 
 
 def parse_bytes(value: int | float | str) -> int:
@@ -84,95 +80,6 @@ def parse_bytes(value: int | float | str) -> int:
     if match is None or match.group(2).lower() not in _UNITS:
         raise ConfigError(f"memory budget {value!r} is not a size like '2GiB' or '512MB'")
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
-
-
-class PoolLock:
-    """The pool's re-entrant bookkeeping lock (``with pool.lock:``), plus releases deferred to a safe moment.
-
-    It is the one lock over the pool's block state: every holder (caches, ``enable()``d calls, an Engine, whose own
-    lock takes it) changes blocks only while holding it, so holders in different threads can share a pool.
-
-    A cache dropped without :meth:`PagedCache.release` gives its blocks back from a garbage-collection finalizer,
-    which may run at any allocation, even in the middle of a bookkeeping call of this very thread. Such releases
-    go through :meth:`call_soon`: run at once when no bookkeeping call is in progress, else when the outermost one
-    in progress (of any thread) ends.
-
-    Example:
-        >>> lock = PoolLock()
-        >>> done = []
-        >>> with lock:
-        ...     lock.call_soon(lambda: done.append(1))   # inside a bookkeeping call: deferred
-        ...     print(done)
-        []
-        >>> done
-        [1]
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.RLock()
-        self._depth = 0  # nested holds by the owning thread (only touched while holding the lock)
-        self._holder: int | None = None  # the owning thread's id while held
-        self._pending: deque[Callable[[], None]] = deque()
-
-    def __enter__(self) -> PoolLock:
-        self._lock.acquire()
-        self._depth += 1
-        self._holder = threading.get_ident()
-        if self._depth == 1 and self._pending:
-            self._drain()
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        try:
-            if self._depth == 1:
-                self._drain()
-        finally:
-            self._depth -= 1
-            if self._depth == 0:
-                self._holder = None
-            self._lock.release()
-
-    def is_held(self) -> bool:
-        """Whether the calling thread holds the lock (for assertions: every change to a pool's blocks holds it).
-
-        Example:
-            >>> lock = PoolLock()
-            >>> with lock:
-            ...     print(lock.is_held())
-            True
-            >>> lock.is_held()
-            False
-        """
-        return self._holder == threading.get_ident()
-
-    def call_soon(self, fn: Callable[[], None]) -> None:
-        """Run ``fn`` under the lock now if no bookkeeping call is in progress, else when the current one ends."""
-        self._pending.append(fn)
-        if self._lock.acquire(blocking=False):
-            try:
-                if self._depth == 0:  # not inside a bookkeeping call of this thread
-                    self._depth = 1
-                    self._holder = threading.get_ident()
-                    try:
-                        self._drain()
-                    finally:
-                        self._depth = 0
-                        self._holder = None
-            finally:
-                self._lock.release()
-
-    def _drain(self) -> None:
-        while self._pending:
-            try:
-                fn = self._pending.popleft()
-            except IndexError:  # another thread's call_soon appended and drained concurrently
-                return
-            try:
-                fn()
-            except Exception:  # a finalizer's release must never break the call that happened to run it
-                _log.exception("pagedcore: a deferred release failed")
 
 
 @dataclass(frozen=True)
@@ -285,6 +192,7 @@ class PagedKVPool:
             self._owner = weakref.ref(model)
         self._weights: WeightsWatch | None = None  # the owner's weights: made by the first check_weights
         self._stale_tensors = False  # the owner was converted since the tensors were made: rebuild once idle
+        self._slept: tuple[torch.device, torch.dtype] | None = None  # where the tensors were before sleep()
         stores = _stores(self.plugins, kv_store, kv_store_bytes)
         self._tiers = KVTiers(stores, TensorBlockIO(self)) if stores else None
         self.kv.attach_tiers(self._tiers)
@@ -544,6 +452,60 @@ class PagedKVPool:
             self._stale_tensors = False
             return forgotten
 
+    def sleep(self) -> int:
+        """Give the layer tensors' memory back now, e.g. to a training step between two rollouts (vLLM's sleep mode):
+        the tensors are dropped and the cached prefixes with them (their keys and values are gone; in a training
+        loop the next optimizer step would make them stale anyway; a pool with a ``kv_store`` can
+        :meth:`save_kv_store` first). The next write re-creates the tensors where they were (or :meth:`wake` does it
+        now). Returns the bytes released.
+
+        Raises :class:`~pagedcore.errors.InvalidBlockError`, changing nothing, while a cache or request holds blocks:
+        their keys and values live in these tensors.
+
+        Example:
+            >>> import torch
+            >>> from pagedcore.adapters.transformers.testing import tiny_llama
+            >>> from pagedcore.adapters.transformers import enable
+            >>> model = tiny_llama()
+            >>> pool = enable(model, num_blocks=16, block_size=4)
+            >>> _ = model.generate(torch.arange(1, 10)[None], max_new_tokens=1, do_sample=False)
+            >>> pool.sleep(), pool.is_sleeping, pool.kv.num_cached_blocks, pool.memory_stats().allocated_bytes
+            (34816, True, 0, 0)
+            >>> pool.wake(), pool.is_sleeping                     # or the next generate call re-creates them
+            (34816, False)
+        """
+        with self.lock:
+            held = self.kv.num_used_blocks
+            if held:
+                raise InvalidBlockError(
+                    f"sleep: {held} blocks are held by caches or requests and their keys and values live in the "
+                    "pool's tensors; release them first (cache.release(), or let the Engine's requests finish)"
+                )
+            first = next((t for t in self._layers if t is not None), None)
+            if first is None:
+                return 0
+            released = self.memory_stats().allocated_bytes
+            self._slept = (first[0].device, first[0].dtype)
+            self.kv.reset_prefix_cache()
+            self._layers = [None] * self.spec.num_layers
+            self._stale_tensors = False
+            return released
+
+    def wake(self) -> int:
+        """Re-create the tensors :meth:`sleep` released, now, where they were (else the next write does it, layer by
+        layer). Returns the bytes allocated (0: not asleep)."""
+        with self.lock:
+            placement = self._slept
+            if placement is None or self.has_tensors:
+                return 0
+            self.create_tensors(*placement)
+            return self.memory_stats().allocated_bytes
+
+    @property
+    def is_sleeping(self) -> bool:
+        """Whether :meth:`sleep` released the tensors and nothing re-created them since."""
+        return self._slept is not None and not self.has_tensors
+
     @property
     def has_tensors(self) -> bool:
         """Whether any layer's keys and values were stored since the pool was created or rebuilt."""
@@ -560,6 +522,17 @@ class PagedKVPool:
         """The watch over the weights of the model this pool serves (:mod:`.weights`): None before the first
         :meth:`check_weights`, and for a pool that was never given a model (only a config)."""
         return self._weights
+
+    @property
+    def weights_version(self) -> int:
+        """Updates of the model's weights the pool has seen (as of its last :meth:`check_weights`, which every
+        ``generate`` call and Engine step runs first): each optimizer step over its parameters counts one, also when
+        several ran between two checks; any other change (``load_state_dict``, a replaced parameter, an adapter
+        switched, ``train()`` / ``eval()``) counts one per check that saw it. 0 until the first check; equal versions
+        of one pool mean the same weights. Engine outputs carry the version they were computed with
+        (:attr:`RequestOutput.weights_version <pagedcore.adapters.transformers.RequestOutput.weights_version>`)."""
+        watch = self._weights
+        return 0 if watch is None else watch.epoch
 
     @property
     def stale_placement(self) -> Placement:
