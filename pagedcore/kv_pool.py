@@ -121,6 +121,17 @@ class PoolMatch:
     num_tokens: int
     block_ids: tuple[list[int], ...]
 
+    def head(self, num_tokens: int, block_size: int) -> tuple[list[int], ...]:
+        """Per group, the blocks that serve the first ``num_tokens`` tokens of the match (what a holder attaching
+        that many tokens reads).
+
+        Example:
+            >>> PoolMatch(num_tokens=7, block_ids=([4, 5],)).head(3, block_size=4)
+            ([4],)
+        """
+        count = -(-num_tokens // block_size)
+        return tuple(ids[:count] for ids in self.block_ids)
+
 
 class KVPool:
     """Block managers and prefix tries for every KV group of a model.

@@ -608,6 +608,7 @@ class Scheduler:
                     num_query_tokens=seq.num_tokens,
                     num_hit_tokens=hit,
                     namespace=seq.namespace,
+                    block_ids=match.head(hit, self._bs) if match is not None else (),
                 )
             self._emit(
                 "pagedcore_request_admitted",

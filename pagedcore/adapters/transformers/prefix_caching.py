@@ -74,6 +74,7 @@ from pagedcore.validation import as_integer
 from .cache import PagedCache
 from .inputs import TOKEN_DTYPES, check_token_tensor
 from .pool import KVStoreSpec, PagedKVPool
+from .shared_rows import SharedRows, shared_rows
 from .spec import context_limit, text_config
 
 __all__ = ["disable", "enable", "is_enabled", "namespace", "prefix_pool"]
@@ -341,15 +342,29 @@ def _fresh(
     try:
         rows = [input_ids[r, p:].tolist() for r, p in enumerate(pads)] if pads is not None else None
         length = 0
-        share_prompt = settings.expand > 1 and settings.reuse
+        share = _sharing(model, input_ids, mask, settings, kwargs)
+        unique = list(share.unique) if share is not None else list(range(input_ids.shape[0]))
         with pool.lock:  # the hit and the reservation in one hold: no other holder takes blocks in between
             if rows is not None and pads is not None:
-                length = _attach(cache, pool, rows, pads, ns, lookup=settings.reuse)
-            reservation = _reserve(pool, cache, tuple(input_ids.shape), pads, settings, share_prompt, kwargs)
+                picked = ([rows[r] for r in unique], [pads[r] for r in unique])
+                length = _attach(cache, pool, *picked, ns, lookup=settings.reuse, ids=unique)
+            copies = [n * settings.expand for n in share.copies()] if share is not None else None
+            width = input_ids.shape[1]
+            unique_pads = [pads[r] for r in unique] if pads is not None else None
+            reservation = _reserve(pool, cache, (len(unique), width), unique_pads, settings, copies, kwargs)
         cache.reservation = reservation
-        if share_prompt:
-            _prefill_once(model, cache, input_ids, mask, length, kwargs)
-        if settings.expand > 1:  # generate expands the batch but never the cache
+        if share is not None:  # each distinct prompt once, then every row forks from its own (copy-on-write)
+            merged = share.num_merged > 0
+            _prefill_once(
+                model,
+                cache,
+                input_ids[unique] if merged else input_ids,
+                mask[unique] if merged else mask,
+                length,
+                kwargs,
+            )
+            cache.batch_select_indices(torch.tensor(share.rows(settings.expand)))
+        elif settings.expand > 1:  # generate expands the batch but never the cache
             cache.batch_repeat_interleave(settings.expand)
         kwargs["cache"] = cache
         result = call(*args, **kwargs)
@@ -386,7 +401,7 @@ def _continue(
     reservation, own = None, cache.reservation  # a cache that holds a reservation of its own draws from that one
     if own is None and settings.expand == 1 and cache.batch_size == input_ids.shape[0]:
         with pool.lock:
-            reservation = _reserve(pool, cache, tuple(input_ids.shape), cache.row_padding(), settings, False, kwargs)
+            reservation = _reserve(pool, cache, tuple(input_ids.shape), cache.row_padding(), settings, None, kwargs)
         cache.reservation = reservation
     try:
         result = call(*args, **kwargs)
@@ -518,10 +533,18 @@ def _left_pads(mask: torch.Tensor) -> list[int] | None:
 
 
 def _attach(
-    cache: PagedCache, pool: PagedKVPool, rows: list[list[int]], pads: list[int], ns: Hashable, *, lookup: bool
+    cache: PagedCache,
+    pool: PagedKVPool,
+    rows: list[list[int]],
+    pads: list[int],
+    ns: Hashable,
+    *,
+    lookup: bool,
+    ids: list[int] | None = None,
 ) -> int:
     """Declare the rows' padding and prompts to the cache and attach the prefix every row can use (see the module
-    docstring); returns its rectangular length. ``lookup=False`` declares the padding and prompts only."""
+    docstring); returns its rectangular length. ``lookup=False`` declares the padding and prompts only. ``ids``: the
+    rows' numbers in the call (the hit events' request ids), when the cache holds some of its rows only."""
     with pool.lock:
         if not lookup:
             cache.attach_prefix([None] * len(rows), pads, 0, rows)
@@ -532,7 +555,7 @@ def _attach(
         hits = [min(m.num_tokens, len(tokens) - 1) for m, tokens in zip(matches, rows)]
         length = min(p + h for p, h in zip(pads, hits))
         call = next(_call_ids)
-        for r, (tokens, pad) in enumerate(zip(rows, pads)):
+        for r, tokens, pad, match in zip(ids if ids is not None else range(len(rows)), rows, pads, matches):
             used = max(0, length - pad)
             pool.kv.record(len(tokens), used)
             pool.plugins.emit(
@@ -541,6 +564,7 @@ def _attach(
                 num_query_tokens=len(tokens),
                 num_hit_tokens=used,
                 namespace=ns,
+                block_ids=match.head(used, pool.block_size),
             )
         cache.attach_prefix(matches, pads, length, rows)
     return length
@@ -552,16 +576,18 @@ def _reserve(
     shape: tuple[int, ...],
     pads: list[int] | None,
     settings: _Settings,
-    share_prompt: bool,
+    copies: list[int] | None,
     kwargs: dict[str, Any],
 ) -> Reservation:
     """Reserve the call's worst case (under the pool's lock), so it can never run out half-way; else raise
     OutOfBlocksError before generation, ending the call's streamer so that its consumer does not wait for ever.
 
-    ``shape`` is the input's ``(batch, width)``, ``pads`` each row's unstored padding (None: the mask is not left
-    padding, so every row stores every position); rows already hold what the cache holds. Each row is a
-    :class:`~pagedcore.capacity.Demand` (``settings.expand`` copies; with ``share_prompt`` the prompt is computed once
-    and forked); the pool's :meth:`~pagedcore.kv_pool.KVPool.worst_case` says how many blocks they need, and
+    ``shape`` is the ``(rows, width)`` of the rows the cache holds, ``pads`` each row's unstored padding (None: the
+    mask is not left padding, so every row stores every position); rows already hold what the cache holds. Each row
+    is a :class:`~pagedcore.capacity.Demand`: ``settings.expand`` copies, each storing the whole row, or with
+    ``copies`` the row's prompt computed once and forked into ``copies[r]`` rows (identical rows of the call and
+    their ``num_return_sequences``); the pool's :meth:`~pagedcore.kv_pool.KVPool.worst_case` says how many blocks
+    they need, and
     :meth:`~pagedcore.kv_pool.KVPool.reserve` holds them back from every other holder (other calls, an Engine) until
     the call ends. An Engine's running requests keep what they may still need: those blocks cannot be reserved.
     """
@@ -573,8 +599,8 @@ def _reserve(
             num_prompt_tokens=width - pad,
             max_new_tokens=settings.max_new_tokens,
             num_held_tokens=held[r] if r < len(held) else 0,
-            num_copies=settings.expand,
-            share_prompt=share_prompt,
+            num_copies=copies[r] if copies is not None else settings.expand,
+            share_prompt=copies is not None,
             keeps_window=settings.records_past,
         )
         for r, pad in enumerate(pads)
@@ -594,6 +620,25 @@ def _reserve(
             requested=exc.requested,
             available=exc.available,
         ) from exc
+
+
+def _sharing(
+    model: Any, input_ids: torch.Tensor, mask: torch.Tensor, settings: _Settings, kwargs: dict[str, Any]
+) -> SharedRows | None:
+    """Which rows compute their prompt once and fork (None: every row computes its own). Identical rows merge
+    (:func:`.shared_rows.shared_rows`) when the call gives the model nothing else per row; ``num_return_sequences``
+    and beams fork each row. Not for a call that must compute its whole prompt (``settings.reuse`` off)."""
+    if not settings.reuse or input_ids.shape[0] == 0:
+        return None
+    extra = _model_inputs(model, kwargs)
+    if not any(isinstance(value, torch.Tensor) for value in extra.values()):
+        share = shared_rows(input_ids, mask)
+        if share.num_merged:
+            return share
+    if settings.expand > 1:
+        batch = input_ids.shape[0]
+        return SharedRows(tuple(range(batch)), tuple(range(batch)))
+    return None
 
 
 def _give_back(pool: PagedKVPool, reservation: Reservation | None, cache: PagedCache) -> None:
