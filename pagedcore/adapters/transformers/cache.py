@@ -484,6 +484,7 @@ class PagedCache(Cache):
         state.layer_len = [0] * len(state.layer_len)
         state.exact = True
         state.released = False
+        state.weights_version = None
 
     def release(self) -> None:
         """Give every block back to the pool for good; using the cache afterwards raises."""
@@ -541,6 +542,12 @@ class PagedCache(Cache):
             self._state.reservation = value
             for row in self._state.rows:
                 row.blocks.reservation = value
+
+    @property
+    def weights_version(self) -> int | None:
+        """The pool's :attr:`~PagedKVPool.weights_version` when the rows were first computed (None before): the
+        weights the keys and values of a kept ``generate`` result (``out.cache``) come from."""
+        return self._state.weights_version
 
     @property
     def attention_backend(self) -> str | None:
@@ -621,6 +628,7 @@ class PagedCache(Cache):
         state.rows = rows
         state.length = length
         state.layer_len = [length] * len(state.layer_len)
+        state.weights_version = self._pool.weights_version
 
     def cache_prefixes(self, token_ids: Sequence[Sequence[int]]) -> None:
         """Register every row's blocks in the pool's prefix cache: its full blocks and its partly filled last one

@@ -201,6 +201,7 @@ class CacheState:
         # The paged path may then skip the mask, and the rows' full blocks may be registered in the prefix cache.
         self.exact = True
         self.released = False
+        self.weights_version: int | None = None  # the pool's weights version when the rows started (first forward)
 
     # ------------------------------------------------------------------ queries
     def check_live(self) -> None:
@@ -354,6 +355,7 @@ class CacheState:
             new_rows = not self.rows and self.length == 0
             if new_rows:
                 self.rows = [Row(BlockTables(pool.kv, self.reservation)) for _ in range(batch)]
+                self.weights_version = pool.weights_version
             if len(self.rows) != batch:
                 raise ValueError(
                     f"PagedCache holds {len(self.rows)} rows but the forward has batch size {batch}; use "
@@ -509,6 +511,7 @@ class CacheState:
         self.length = source.length
         self.layer_len = list(source.layer_len)
         self.exact = source.exact
+        self.weights_version = source.weights_version
         for mine, theirs in zip(self.layers, source.layers):
             if hasattr(mine, "record_past"):
                 mine.record_past = getattr(theirs, "record_past", False)

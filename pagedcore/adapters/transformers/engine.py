@@ -214,6 +214,7 @@ class Engine:
         self._ids = itertools.count()
         self._counts = {"requests": 0, "finished": 0, "aborted": 0, "failed": 0, "generated": 0}
         self._peak_bytes = 0
+        self._weights_version = 0  # the pool's weights version at the step being computed
         self._busy = 0.0
         self._phases = dict.fromkeys(_PHASES, 0.0)  # cumulative seconds per stage of the steps
 
@@ -506,6 +507,7 @@ class Engine:
             self._check_open()
             with self._timed("schedule"):
                 self.pool.check_weights()  # after a weight update: forget the old prefixes before admitting
+                self._weights_version = self.pool.weights_version  # what this step's forward computes with
                 self._admit_compiled()
                 plan = self.scheduler.schedule()
             with self._timed("prepare"):
@@ -602,6 +604,10 @@ class Engine:
                 indices = range(seq.num_samples) if seq.needs_fork else [seq.sample_index]
                 for index in indices:
                     self._finish_sample(request, index, FinishReason.ERROR.value)
+            for item in batch.plan.scheduled:  # a request's weights version: that of its first step
+                output = batch.owners[item.request_id].output
+                if output.weights_version is None:
+                    output.weights_version = self._weights_version
             self.scheduler.update(batch.plan, samples.tokens)
             if samples.prompt_logprobs:
                 self._record_prompts(samples)

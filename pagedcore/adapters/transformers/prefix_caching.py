@@ -65,16 +65,18 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from pagedcore.capacity import Demand, Reservation
 from pagedcore.errors import ConfigError, InvalidRequestError, OutOfBlocksError, PoolMismatchError
 from pagedcore.prefix_trie import namespace_key
 from pagedcore.validation import as_integer
 
+from . import sleep_mode
 from .cache import PagedCache
 from .inputs import TOKEN_DTYPES, check_token_tensor
 from .pool import KVStoreSpec, PagedKVPool
-from .shared_rows import SharedRows, shared_rows
+from .shared_rows import SharedRows, shared_rows, warm_shared_prefixes
 from .spec import context_limit, text_config
 
 __all__ = ["disable", "enable", "is_enabled", "namespace", "prefix_pool"]
@@ -92,6 +94,7 @@ class _Enabled:
     attention_backend: str | None
     had_instance_generate: bool
     instance_generate: Any
+    sleep_hook: RemovableHandle | None = None
 
 
 _ENABLED: weakref.WeakKeyDictionary[Any, _Enabled] = weakref.WeakKeyDictionary()
@@ -109,6 +112,7 @@ def enable(
     eviction_policy: str | None = None,
     kv_store: KVStoreSpec | None = None,
     kv_store_bytes: int | float | str | None = None,
+    sleep_when_training: bool = False,
 ) -> PagedKVPool:
     """Make plain ``model.generate(...)`` reuse cached prompt prefixes across calls.
 
@@ -121,6 +125,9 @@ def enable(
         attention_backend: backend for ``attn_implementation="paged"`` (default: the plugins' choice).
         kv_store / kv_store_bytes: tiers below a new pool (a directory and its budget, e.g. ``"20GiB"``): evicted
             prefixes are written there and found again, also after a restart (see :class:`PagedKVPool`).
+        sleep_when_training: release the pool's tensors at each training forward of the model (gradients on, in
+            training mode), so a training loop that generates (GRPO) has that memory for its step; the next call
+            re-creates them (:func:`~.sleep_mode.sleep_when_training`).
 
     Returns:
         The pool; read ``pool.num_hit_tokens / pool.num_query_tokens`` for the hit rate.
@@ -153,6 +160,8 @@ def enable(
     pool = _enable_pool(model, pool, num_blocks, memory_budget, block_size, eviction_policy, kv_store, kv_store_bytes)
     had_instance = "generate" in vars(model)
     state = _Enabled(pool, namespace, attention_backend, had_instance, vars(model).get("generate"))
+    if sleep_when_training:
+        state.sleep_hook = sleep_mode.sleep_when_training(model, pool)
     model.generate = _wrapped_generate(model, state)
     _ENABLED[model] = state
     return pool
@@ -223,6 +232,8 @@ def disable(model: Any) -> PagedKVPool:
     state = _ENABLED.pop(model, None)
     if state is None:
         raise ConfigError("prefix caching is not enabled on this model")
+    if state.sleep_hook is not None:
+        state.sleep_hook.remove()
     if state.had_instance_generate:
         model.generate = state.instance_generate
     else:
@@ -344,25 +355,21 @@ def _fresh(
         length = 0
         share = _sharing(model, input_ids, mask, settings, kwargs)
         unique = list(share.unique) if share is not None else list(range(input_ids.shape[0]))
+        own_rows = [rows[r] for r in unique] if rows is not None else None  # the rows the cache holds
+        own_pads = [pads[r] for r in unique] if pads is not None else None
+        if own_rows is not None and len(own_rows) > 1 and _mergeable(model, settings, kwargs):
+            # A prefix several distinct rows share (a system prompt): computed once here, then they all hit it.
+            backend, device, prefill = state.attention_backend, input_ids.device, _prefill_once
+            warm_shared_prefixes(model, pool, own_rows, ns, prefill, kwargs, device=device, attention_backend=backend)
         with pool.lock:  # the hit and the reservation in one hold: no other holder takes blocks in between
-            if rows is not None and pads is not None:
-                picked = ([rows[r] for r in unique], [pads[r] for r in unique])
-                length = _attach(cache, pool, *picked, ns, lookup=settings.reuse, ids=unique)
+            if own_rows is not None and own_pads is not None:
+                length = _attach(cache, pool, own_rows, own_pads, ns, lookup=settings.reuse, ids=unique)
             copies = [n * settings.expand for n in share.copies()] if share is not None else None
-            width = input_ids.shape[1]
-            unique_pads = [pads[r] for r in unique] if pads is not None else None
-            reservation = _reserve(pool, cache, (len(unique), width), unique_pads, settings, copies, kwargs)
+            shape = (len(unique), input_ids.shape[1])
+            reservation = _reserve(pool, cache, shape, own_pads, settings, copies, kwargs)
         cache.reservation = reservation
         if share is not None:  # each distinct prompt once, then every row forks from its own (copy-on-write)
-            merged = share.num_merged > 0
-            _prefill_once(
-                model,
-                cache,
-                input_ids[unique] if merged else input_ids,
-                mask[unique] if merged else mask,
-                length,
-                kwargs,
-            )
+            _prefill_once(model, cache, input_ids[unique], mask[unique], length, kwargs)
             cache.batch_select_indices(torch.tensor(share.rows(settings.expand)))
         elif settings.expand > 1:  # generate expands the batch but never the cache
             cache.batch_repeat_interleave(settings.expand)
@@ -630,8 +637,7 @@ def _sharing(
     and beams fork each row. Not for a call that must compute its whole prompt (``settings.reuse`` off)."""
     if not settings.reuse or input_ids.shape[0] == 0:
         return None
-    extra = _model_inputs(model, kwargs)
-    if not any(isinstance(value, torch.Tensor) for value in extra.values()):
+    if _mergeable(model, settings, kwargs):
         share = shared_rows(input_ids, mask)
         if share.num_merged:
             return share
@@ -639,6 +645,12 @@ def _sharing(
         batch = input_ids.shape[0]
         return SharedRows(tuple(range(batch)), tuple(range(batch)))
     return None
+
+
+def _mergeable(model: Any, settings: _Settings, kwargs: dict[str, Any]) -> bool:
+    """Whether rows that look alike (ids, mask, a prefix) compute alike: the call reuses prefixes and gives the
+    model no other per-row input (``token_type_ids``, images, ...)."""
+    return settings.reuse and not any(isinstance(v, torch.Tensor) for v in _model_inputs(model, kwargs).values())
 
 
 def _give_back(pool: PagedKVPool, reservation: Reservation | None, cache: PagedCache) -> None:

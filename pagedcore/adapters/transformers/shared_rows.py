@@ -9,6 +9,11 @@ for the distinct rows only, and forks the rows from it (:meth:`PagedCache.select
 copy-on-write), exactly as it does for ``num_return_sequences``. Each row then computes its own last prompt token
 (its logits start the sampling, as in stock ``generate``) and its own completion.
 
+Distinct rows that share a prefix (a system prompt, a few-shot preamble) are computed once up to its end in whole
+blocks: :func:`shared_prefixes` finds, per row, the longest such prefix another row has too; ``enable()`` computes
+each one once and registers it in the prefix cache before the call looks its rows up, so they all hit it (SGLang
+holds back requests that share a prefix not cached yet for the same reason).
+
 Rows are merged only when nothing else the model is given per row could tell them apart: a call with other model
 inputs (``token_type_ids``, images, ...) merges none. The logits of a merged row are those of its first copy's
 computation, which is the same computation (the same tokens at the same positions under the same mask).
@@ -16,11 +21,23 @@ computation, which is the same computation (the same tokens at the same position
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-__all__ = ["SharedRows", "shared_rows"]
+from pagedcore.errors import OutOfBlocksError
+
+from .cache import PagedCache
+from .pool import PagedKVPool
+
+__all__ = ["SharedRows", "shared_prefixes", "shared_rows", "warm_shared_prefixes"]
+
+Prefill = Callable[[Any, PagedCache, torch.Tensor, torch.Tensor, int, dict[str, Any]], None]
+"""``prefill(model, cache, input_ids, mask, start, kwargs)``: computes positions ``start .. width - 2`` of a
+left-padded batch into the cache (``enable()``'s shared prefill)."""
 
 
 @dataclass(frozen=True)
@@ -80,3 +97,70 @@ def shared_rows(input_ids: torch.Tensor, mask: torch.Tensor) -> SharedRows:
             unique.append(r)
         source.append(index)
     return SharedRows(tuple(unique), tuple(source))
+
+
+def shared_prefixes(rows: list[list[int]], block_size: int) -> list[int]:
+    """Per row, the length of the longest prefix in whole blocks that it shares with another row (0: none), never
+    its last token (which a row always computes itself).
+
+    Example:
+        >>> system = [9, 9, 9, 9, 8, 8]
+        >>> shared_prefixes([system + [1, 2], system + [3], [5, 5, 5, 5, 5]], block_size=2)
+        [6, 6, 0]
+    """
+    shared = [0] * len(rows)
+    order = sorted(range(len(rows)), key=lambda i: rows[i])  # a row's longest common prefix is with a neighbour
+    for a, b in itertools.pairwise(order):
+        n = _common(rows[a], rows[b])
+        shared[a], shared[b] = max(shared[a], n), max(shared[b], n)
+    return [min(n, len(row) - 1) // block_size * block_size for n, row in zip(shared, rows)]
+
+
+def _common(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+def warm_shared_prefixes(
+    model: Any,
+    pool: PagedKVPool,
+    rows: list[list[int]],
+    namespace: Hashable,
+    prefill: Prefill,
+    kwargs: dict[str, Any],
+    *,
+    device: torch.device,
+    attention_backend: str | None = None,
+) -> int:
+    """Compute once each prefix (whole blocks) that several of ``rows`` (real tokens, distinct rows) share and the
+    prefix cache lacks, and register it, so that the rows' lookup then hits it. Returns the rows warmed. A pool
+    that cannot spare the blocks now warms nothing (the rows compute their prefixes themselves)."""
+    targets: dict[tuple[int, ...], list[int]] = {}
+    with pool.lock:
+        for row, n in zip(rows, shared_prefixes(rows, pool.block_size)):
+            key = tuple(row[:n])
+            if n and key not in targets and pool.kv.match(row[:n], namespace).num_tokens < n:
+                targets[key] = row[: n + 1]  # one token more: the prefill computes every position but the last
+    if not targets:
+        return 0
+    inputs = list(targets.values())
+    width = max(len(tokens) for tokens in inputs)
+    pads = [width - len(tokens) for tokens in inputs]
+    ids = torch.zeros(len(inputs), width, dtype=torch.long)
+    mask = torch.zeros(len(inputs), width, dtype=torch.long)
+    for r, (tokens, pad) in enumerate(zip(inputs, pads)):
+        ids[r, pad:] = torch.tensor(tokens)
+        mask[r, pad:] = 1
+    cache = PagedCache(model, pool=pool, namespace=namespace, attention_backend=attention_backend)
+    try:
+        cache.attach_prefix([None] * len(inputs), pads, 0, inputs)
+        prefill(model, cache, ids.to(device), mask.to(device), 0, kwargs)
+        cache.cache_prefixes(inputs)
+    except OutOfBlocksError:
+        return 0
+    finally:
+        cache.release()
+    return len(inputs)
