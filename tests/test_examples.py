@@ -37,6 +37,7 @@ def load(name: str):
         ("weights_check_cost", ["--quick"]),
         ("host_memory", ["namespaces", "--count", "200"]),
         ("host_memory", ["blocks", "--sizes", "1000", "--touch"]),
+        ("grpo_trl", ["--steps", "1", "--completion-tokens", "4"]),
     ],
 )
 def test_example_runs(name, argv, capsys):
