@@ -102,7 +102,7 @@ def test_sampled_groups_match_stock_generate_with_the_same_seed(enabled):
 def test_a_prefix_distinct_rows_share_is_computed_once_and_hit(enabled):
     model = llama()
     system = list(range(90, 110))  # 20 tokens: 5 blocks
-    prompts = [system + [5, 6, 7], system + [8, 9], system + [11, 12, 13, 14]]
+    prompts = [[*system, 5, 6, 7], [*system, 8, 9], [*system, 11, 12, 13, 14]]
     ids, mask = group_batch(prompts, copies=2)
     ref = model.generate(ids, attention_mask=mask, cache=DynamicCache(config=model.config), **GREEDY)
     pool = enabled(model, num_blocks=256, block_size=BS)
@@ -121,9 +121,9 @@ def test_a_prefix_distinct_rows_share_is_computed_once_and_hit(enabled):
 def test_a_second_call_hits_the_cache_instead_of_warming(enabled):
     model = llama()
     system = list(range(90, 110))
-    prompts = [system + [5, 6, 7], system + [8, 9, 10]]
+    prompts = [[*system, 5, 6, 7], [*system, 8, 9, 10]]
     enabled(model, num_blocks=256, block_size=BS)
-    model.generate(torch.tensor([system + [1]]), max_new_tokens=1)  # caches the system prompt
+    model.generate(torch.tensor([[*system, 1]]), max_new_tokens=1)  # caches the system prompt
     shapes = shapes_of(model)
     ids, mask = group_batch(prompts, copies=2)
     model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False)
