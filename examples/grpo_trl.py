@@ -97,6 +97,8 @@ class Rollout:
         prompt_positions: those spent on prompts: ``positions`` less one per generated token but each row's last.
         completions: the generated token ids per row (cut after the first eos, as TRL cuts them).
         weights_version: the pool's weights version after the call (pagedcore only).
+        forward_seconds: time in the model's forwards of one new position per row (``"decode"``) and of more
+            (``"prompt"``; all of them for transformers' continuous batching, which packs both in one row).
     """
 
     seconds: float
@@ -104,6 +106,7 @@ class Rollout:
     prompt_positions: int
     completions: list[list[int]]
     weights_version: int | None = None
+    forward_seconds: dict[str, float] = field(default_factory=dict)
 
 
 class RolloutProbe:
@@ -113,7 +116,10 @@ class RolloutProbe:
     def __init__(self, model: torch.nn.Module, pool: pc.PagedKVPool | None = None) -> None:
         self.rollouts: list[Rollout] = []
         self._model, self._pool, self._active, self._positions = model, pool, False, 0
+        self._started: list[tuple[float, str]] = []
+        self._seconds = {"prompt": 0.0, "decode": 0.0}
         model.register_forward_pre_hook(self._count, with_kwargs=True)
+        model.register_forward_hook(self._timed_forward, with_kwargs=True)
         for name in ("generate", "generate_batch"):
             setattr(model, name, self._wrap(getattr(model, name), name == "generate_batch"))
 
@@ -121,10 +127,16 @@ class RolloutProbe:
         ids = kwargs.get("input_ids", args[0] if args else None)
         if self._active and isinstance(ids, torch.Tensor):
             self._positions += ids.numel()
+            self._started.append((time.perf_counter(), "decode" if ids.shape[-1] == 1 else "prompt"))
+
+    def _timed_forward(self, module: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        if self._active and self._started:
+            started, kind = self._started.pop()
+            self._seconds[kind] += time.perf_counter() - started
 
     def _wrap(self, method: Callable[..., Any], batched: bool) -> Callable[..., Any]:
         def timed(*args: Any, **kwargs: Any) -> Any:
-            self._active, self._positions = True, 0
+            self._active, self._positions, self._seconds = True, 0, {"prompt": 0.0, "decode": 0.0}
             started = time.perf_counter()
             try:
                 out = method(*args, **kwargs)
@@ -134,7 +146,8 @@ class RolloutProbe:
             completions = _completions(out, args, kwargs, batched)
             decode = sum(max(n - 1, 0) for n in _generated_lengths(out, args, kwargs, batched))
             version = self._pool.weights_version if self._pool is not None else None
-            self.rollouts.append(Rollout(seconds, self._positions, self._positions - decode, completions, version))
+            rollout = Rollout(seconds, self._positions, self._positions - decode, completions, version, self._seconds)
+            self.rollouts.append(rollout)
             return out
 
         return timed

@@ -136,8 +136,23 @@ def warm_shared_prefixes(
     attention_backend: str | None = None,
 ) -> int:
     """Compute once each prefix (whole blocks) that several of ``rows`` (real tokens, distinct rows) share and the
-    prefix cache lacks, and register it, so that the rows' lookup then hits it. Returns the rows warmed. A pool
-    that cannot spare the blocks now warms nothing (the rows compute their prefixes themselves)."""
+    prefix cache lacks, and register it, so that the rows' lookup then hits it. Returns the prefixes computed. A
+    pool that cannot spare the blocks now warms nothing (the rows compute their prefixes themselves). ``prefill``
+    computes a left-padded batch into a cache (``enable()`` passes its shared prefill).
+
+    Example:
+        >>> from pagedcore.adapters.transformers.testing import tiny_llama
+        >>> model = tiny_llama()
+        >>> pool = PagedKVPool(model, num_blocks=16, block_size=4)
+        >>> def prefill(model, cache, ids, mask, start, kwargs):   # every position but the last, as enable()'s
+        ...     _ = model(ids[:, :-1], attention_mask=mask[:, :-1], cache=cache)
+        >>> system = [5, 6, 7, 8, 9, 10, 11, 12]                   # two blocks every row starts with
+        >>> rows = [system + [20, 21], system + [30], system + [40, 41, 42]]
+        >>> warm_shared_prefixes(model, pool, rows, None, prefill, {}, device=torch.device("cpu"))
+        1
+        >>> pool.kv.match(system + [99]).num_tokens                # the rows' lookups now hit it
+        8
+    """
     targets: dict[tuple[int, ...], list[int]] = {}
     with pool.lock:
         for row, n in zip(rows, shared_prefixes(rows, pool.block_size)):
