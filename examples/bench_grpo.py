@@ -170,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     report(options)
+    engine_groups(options)
     if not options.no_memory:
         memory(options, argv)
     print(f"load after: {os.getloadavg()[0]:.2f} (1 min)")
@@ -211,6 +212,28 @@ def report(options: argparse.Namespace) -> None:
         else:
             for mode, line in _distribution(runs).items():
                 print(f"  {LABELS[mode]}: {line}")
+
+
+def engine_groups(options: argparse.Namespace) -> None:
+    """The same groups as separate requests arriving together at an Engine: the prompt tokens it computes."""
+    from pagedcore.adapters.transformers import Engine, SamplingParams
+
+    sizes = workload(options)["sizes"]
+    model = grpo.tiny_model(options.vocab, seed=0, num_attention_heads=4, **sizes).eval()
+    generator = torch.Generator().manual_seed(1)
+    draw = lambda n: torch.randint(3, options.vocab, (n,), generator=generator).tolist()  # noqa: E731
+    system = draw(options.system_tokens)
+    print(f"\nEngine: {options.prompts} prompts x {options.generations} requests arriving together:")
+    for length in (options.prompt_tokens, options.prompt_tokens - 6):  # on a block boundary, and 6 tokens short of one
+        prompts = [system + draw(length - options.system_tokens) for _ in range(options.prompts)]
+        requests = [p for p in prompts for _ in range(options.generations)]
+        params = SamplingParams(max_new_tokens=options.completion_tokens, temperature=1.0, seed=0)
+        with Engine(model, num_blocks=-(-options.pool_tokens // 16), block_size=16) as engine:
+            engine.generate(requests, params, use_tqdm=False)
+            computed = engine.scheduler.stats.num_prompt_tokens_computed
+        distinct = options.system_tokens + options.prompts * (length - options.system_tokens)
+        total = len(requests) * length
+        print(f"  prompts of {length}: {computed} prompt tokens computed of {total} (distinct {distinct})")
 
 
 def memory(options: argparse.Namespace, argv: list[str]) -> None:
