@@ -127,8 +127,8 @@ def test_engine_logprobs_equal_the_training_forward_and_are_batch_invariant_with
         assert single.token_ids == out.token_ids  # seeded: the same tokens alone and in a batch
         again = torch.tensor([lp.token.logprob for lp in single.samples[0].logprobs])
         batch = max(batch, float((again - served).abs().max()))
-    assert worst < 1e-4  # fp32 (measured: ~2e-6)
-    assert batch < 1e-4  # not bitwise batch-invariant: another batch adds other float rounding (measured: ~1e-6)
+    assert worst < 1e-4  # fp32 (measured: 6.1e-6)
+    assert batch < 1e-4  # not bitwise batch-invariant: another batch, another float rounding (measured: 1.6e-5)
 
 
 def test_the_audit_counts_hits_on_blocks_filled_before_an_update():

@@ -50,6 +50,10 @@ The next call rebuilds the pool (drops its tensors and cached prefixes) when no 
 
 ``num_return_sequences`` / ``num_beams`` > 1: the prompt is computed once for the unexpanded batch, then every row
 is forked; the copies share the prompt's blocks (copy-on-write) instead of recomputing and storing it k times.
+
+**Rows that repeat a prompt** (an RL trainer's group: TRL's GRPO puts each prompt ``num_generations`` times in one
+call) are forked the same way: the distinct rows compute their prompt once; and a prefix several distinct rows share
+(a system prompt) is computed once and hit by all of them (:mod:`.shared_rows`).
 """
 
 from __future__ import annotations
@@ -120,21 +124,17 @@ def enable(
         model: a transformers causal LM.
         pool: a pool to use (e.g. shared with an Engine); else one is created with the sizing arguments.
         num_blocks / memory_budget / block_size / eviction_policy: sizing of a new pool (see PagedKVPool).
-        namespace: default namespace of this model's calls (override per call or per block of code; an explicit
-            ``pagedcore_namespace=None`` is the shared default namespace).
+        namespace: default namespace of its calls (override per call or block; ``None``: the shared default one).
         attention_backend: backend for ``attn_implementation="paged"`` (default: the plugins' choice).
         kv_store / kv_store_bytes: tiers below a new pool (a directory and its budget, e.g. ``"20GiB"``): evicted
             prefixes are written there and found again, also after a restart (see :class:`PagedKVPool`).
-        sleep_when_training: release the pool's tensors at each training forward of the model (gradients on, in
-            training mode), so a training loop that generates (GRPO) has that memory for its step; the next call
-            re-creates them (:func:`~.sleep_mode.sleep_when_training`).
+        sleep_when_training: the pool sleeps at each training forward (:func:`~.sleep_mode.sleep_when_training`).
 
     Returns:
         The pool; read ``pool.num_hit_tokens / pool.num_query_tokens`` for the hit rate.
 
-    What a kept result holds, weight updates and ``model.to(...)``: the module docstring (*Kept caches*, *Weights
-    that change*, *A converted model*). Prompt + ``max_new_tokens`` over the model's context raises
-    :class:`~pagedcore.errors.InvalidRequestError` (:func:`~pagedcore.adapters.transformers.spec.context_limit`).
+    Kept results, weight updates, ``model.to(...)``, identical rows: the module docstring. Prompt + ``max_new_tokens``
+    over the model's context raises :class:`~pagedcore.errors.InvalidRequestError` (:func:`.spec.context_limit`).
 
     Example:
         >>> import torch
@@ -159,9 +159,8 @@ def enable(
         raise ConfigError("prefix caching is already enabled on this model; call disable(model) first")
     pool = _enable_pool(model, pool, num_blocks, memory_budget, block_size, eviction_policy, kv_store, kv_store_bytes)
     had_instance = "generate" in vars(model)
-    state = _Enabled(pool, namespace, attention_backend, had_instance, vars(model).get("generate"))
-    if sleep_when_training:
-        state.sleep_hook = sleep_mode.sleep_when_training(model, pool)
+    hook = sleep_mode.sleep_when_training(model, pool) if sleep_when_training else None
+    state = _Enabled(pool, namespace, attention_backend, had_instance, vars(model).get("generate"), hook)
     model.generate = _wrapped_generate(model, state)
     _ENABLED[model] = state
     return pool

@@ -157,6 +157,8 @@ def warm_shared_prefixes(
     with pool.lock:
         for row, n in zip(rows, shared_prefixes(rows, pool.block_size)):
             key = tuple(row[:n])
+            if n and key not in targets:
+                pool.kv.load_prefix(row, namespace)  # the tiers below the pool may hold it: loaded, not computed
             if n and key not in targets and pool.kv.match(row[:n], namespace).num_tokens < n:
                 targets[key] = row[: n + 1]  # one token more: the prefill computes every position but the last
     if not targets:
