@@ -201,3 +201,17 @@ def test_sleep_when_training_sleeps_at_a_training_forward_only(enabled):
     pc.disable(model)
     model(ids, labels=ids).loss.backward()  # disable() removes the hook
     assert pool.has_tensors
+
+
+def test_a_kept_generate_result_carries_the_version_it_was_computed_with(enabled):
+    model = llama()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    pool = enabled(model, num_blocks=64, block_size=BS)
+    kept = model.generate(torch.tensor([PROMPT]), max_new_tokens=2, do_sample=False, return_dict_in_generate=True)
+    sgd_step(model, optimizer)
+    later = model.generate(torch.tensor([PROMPT]), max_new_tokens=2, do_sample=False, return_dict_in_generate=True)
+    assert (kept.cache.weights_version, later.cache.weights_version, pool.weights_version) == (0, 1, 1)
+    fork = kept.cache.fork()  # a copy of the rows keeps their version
+    assert fork.weights_version == 0
+    for cache in (kept.cache, later.cache, fork):
+        cache.release()
