@@ -11,6 +11,10 @@ and values were written before the update.
 
 Register it on the plugin manager of the audited pool (a pool of its own: ``PagedKVPool(model,
 plugins=PluginManager())``, so that no other pool's events reach it). Plain Python, no torch.
+
+What it does not follow: a copy-on-write copy made after the update from a block filled before it (a sequence that
+ran across the update and registers its blocks afterwards) is a new block to the audit. The pool registers no block
+of such a sequence (:class:`~pagedcore.block_tables.BlockTables` keeps the epoch it started in), so none is served.
 """
 
 from __future__ import annotations
