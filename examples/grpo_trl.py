@@ -248,9 +248,10 @@ def train(
         pool.plugins.register(audit)
         pc.enable(model, pool=pool, sleep_when_training=sleep)
     probe = RolloutProbe(model, pool)
-    with _quiet():
+    steps_seen = TrainingSteps(audit)
+    with tempfile.TemporaryDirectory(prefix="grpo-") as output_dir, _quiet():
         args = GRPOConfig(
-            output_dir=tempfile.mkdtemp(prefix="grpo-"),
+            output_dir=output_dir,
             per_device_train_batch_size=prompts_per_step * num_generations,
             num_generations=num_generations,
             max_completion_length=completion_tokens,
@@ -267,8 +268,6 @@ def train(
             use_transformers_continuous_batching=mode == "paged",
             **config,
         )
-    steps_seen = TrainingSteps(audit)
-    with _quiet():
         trainer = GRPOTrainer(
             model=model, reward_funcs=even_words, args=args, train_dataset=dataset, processing_class=tokenizer,
             callbacks=[steps_seen],
