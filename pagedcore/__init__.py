@@ -40,6 +40,7 @@ from pagedcore.plugin_manager import PluginManager, default_plugin_manager
 from pagedcore.prefix_trie import PrefixMatch, PrefixTrie
 from pagedcore.scheduler import ScheduledSequence, Scheduler, SchedulerConfig, SchedulerOutput, SchedulerStats
 from pagedcore.sequence import FinishReason, SequenceState, SequenceStatus, deprecated_sequence
+from pagedcore.stale_hits import StaleHitAudit
 
 __version__ = "0.1.0"
 
@@ -77,6 +78,7 @@ __all__ = [
     "SequenceStatus",
     "SharedBlockError",
     "SlotAppend",
+    "StaleHitAudit",
     "UnsupportedModelError",
     "__version__",
     "default_plugin_manager",

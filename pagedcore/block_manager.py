@@ -158,6 +158,7 @@ class BlockManager:
         self._hwm = 0
         self._ref: list[int] = []  # reference count of blocks [0, hwm)
         self._cached = bytearray()  # 1 where the prefix cache indexes the block; blocks [0, hwm)
+        self._fills: list[int] = []  # times allocate handed out each block [0, hwm) (new contents each time)
         self._num_cached = 0
         self._free: list[int] = []  # a stack of freed blocks below the high-water mark
         self._policy: EvictionPolicy = eviction_policy if eviction_policy is not None else LRUEvictionPolicy()
@@ -234,6 +235,24 @@ class BlockManager:
         (block_id,) = self._validate((block_id,), "ref_count")
         return self._ref[block_id] if block_id < self._hwm else 0
 
+    def fill_counts(self) -> list[int]:
+        """Per block, how many times :meth:`allocate` handed it out (0: never): each time its holder writes new
+        keys and values into it, so a block whose count did not change since a moment still holds what it held
+        then (an audit of stale prefix hits compares them: :class:`pagedcore.stale_hits.StaleHitAudit`).
+
+        Example:
+            >>> bm = BlockManager(num_blocks=3, block_size=4)
+            >>> a = bm.allocate(2); bm.free(a); _ = bm.allocate(1)
+            >>> bm.fill_counts()
+            [1, 2, 0]
+        """
+        return self._fills + [0] * (self._num_blocks - self._hwm)
+
+    def fill_count(self, block_id: int) -> int:
+        """How many times :meth:`allocate` handed ``block_id`` out (see :meth:`fill_counts`)."""
+        (block_id,) = self._validate((block_id,), "fill_count")
+        return self._fills[block_id] if block_id < self._hwm else 0
+
     def is_cached(self, block_id: int) -> bool:
         """Whether the prefix cache indexes ``block_id``."""
         (block_id,) = self._validate((block_id,), "is_cached")
@@ -245,6 +264,26 @@ class BlockManager:
         return self._blocks_needed(last, num_tokens, num_new_tokens)
 
     # ------------------------------------------------------------------ commands for holders
+    def rewind(self) -> None:
+        """With no block in use or cached, hand ids out from ``0`` again, as a new manager would: the memory behind
+        the blocks was released (:meth:`PagedKVPool.sleep <pagedcore.adapters.transformers.PagedKVPool.sleep>`), so
+        :attr:`num_touched_blocks` starts over. Raises :class:`InvalidBlockError`, changing nothing, otherwise.
+
+        Example:
+            >>> manager = BlockManager(4)
+            >>> manager.release(manager.allocate(3)); manager.num_touched_blocks
+            3
+            >>> manager.rewind(); manager.num_touched_blocks, manager.allocate(1)
+            (0, [0])
+        """
+        if self.num_used_blocks or self._num_cached:
+            raise InvalidBlockError(
+                f"rewind: {self.num_used_blocks} blocks in use and {self._num_cached} cached: only an idle, empty "
+                "manager starts over"
+            )
+        self._free.clear()
+        self._hwm = 0
+
     def allocate(self, num_blocks: int) -> list[int]:
         """Hand out ``num_blocks`` blocks at reference count 1, evicting unreferenced cached blocks if needed.
 
@@ -272,9 +311,10 @@ class BlockManager:
             ids = free[-reused:]
             del free[-reused:]
             ids.reverse()
-            ref = self._ref
+            ref, fills = self._ref, self._fills
             for block_id in ids:
                 ref[block_id] = 1
+                fills[block_id] += 1
         else:
             ids = []
         fresh = num_blocks - reused
@@ -283,6 +323,7 @@ class BlockManager:
             self._hwm = start + fresh
             ids.extend(range(start, start + fresh))
             self._ref += [1] * fresh
+            self._fills += [1] * fresh
             self._cached += bytes(fresh)
         if evicted:
             self._num_evicted += len(evicted)
@@ -419,7 +460,7 @@ class BlockManager:
         """Raise ``AssertionError`` if the bookkeeping is inconsistent. For tests and debugging; O(blocks used)."""
         n, hwm = self._num_blocks, self._hwm
         assert 0 <= hwm <= n, f"high-water mark {hwm} outside [0, {n}]"
-        assert len(self._ref) == len(self._cached) == hwm, "per-block state does not end at the high-water mark"
+        assert len(self._ref) == len(self._cached) == len(self._fills) == hwm, "per-block state does not end at the hwm"
         free = set(self._free)
         assert len(free) == len(self._free), "a block appears twice on the free stack"
         assert all(0 <= b < hwm for b in free), "a never-used block is on the free stack"

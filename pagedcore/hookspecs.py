@@ -65,8 +65,11 @@ def pagedcore_request_finished(request_id: str, finish_reason: str, num_output_t
 
 
 @hookspec
-def pagedcore_prefix_hit(request_id: str, num_query_tokens: int, num_hit_tokens: int, namespace: Any) -> None:
-    """A prompt was looked up in the prefix cache and ``num_hit_tokens`` of its tokens were served from it."""
+def pagedcore_prefix_hit(
+    request_id: str, num_query_tokens: int, num_hit_tokens: int, namespace: Any, block_ids: tuple[list[int], ...]
+) -> None:
+    """A prompt was looked up in the prefix cache and ``num_hit_tokens`` of its tokens were served from it: per KV
+    group, from the blocks ``block_ids`` (empty without a hit)."""
 
 
 @hookspec

@@ -153,6 +153,17 @@ class PoolMatch:
     block_ids: tuple[list[int], ...]
     state_slot: int | None = None
 
+    def head(self, num_tokens: int, block_size: int) -> tuple[list[int], ...]:
+        """Per group, the blocks that serve the first ``num_tokens`` tokens of the match (what a holder attaching
+        that many tokens reads).
+
+        Example:
+            >>> PoolMatch(num_tokens=7, block_ids=([4, 5],)).head(3, block_size=4)
+            ([4],)
+        """
+        count = -(-num_tokens // block_size)
+        return tuple(ids[:count] for ids in self.block_ids)
+
 
 class KVPool:
     """Block managers and prefix tries for every KV group of a model.
@@ -538,6 +549,12 @@ class KVPool:
         if not namespaces:
             return sum(g.trie.clear() for g in self._groups)
         return sum(g.trie.clear_namespace(ns) for g in self._groups for ns in namespaces)
+
+    def rewind(self) -> None:
+        """Every group's :meth:`~pagedcore.block_manager.BlockManager.rewind` (no block in use or cached): blocks are
+        handed out from the first again, after the tensors behind them were released."""
+        for group in self._groups:
+            group.block_manager.rewind()
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix because the keys and values were computed by a model that has changed since

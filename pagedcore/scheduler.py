@@ -255,6 +255,7 @@ class Scheduler:
         self._running: dict[str, SequenceState] = {}
         self._by_id: dict[str, SequenceState] = {}
         self._peaks: dict[str, tuple[int, ...]] = {}  # per waiting or running id: its worst case per group
+        self._awaited: set[str] = set()  # running ids whose prompt's partly filled last block a waiting one awaits
         self._keys: dict[str, Hashable] = {}  # per waiting or running id: its namespace's identity (namespace_key)
         self._running_per_key: dict[Hashable, int] = {}  # running sequences per namespace (none: absent)
         self.stats = SchedulerStats()
@@ -489,6 +490,9 @@ class Scheduler:
                 prompt_computed += min(end, prompt_len) - item.start
             if cache:
                 blocks.cache_full_blocks(seq.token_ids, end, seq.namespace)
+                if item.sample and seq.request_id in self._awaited:  # its prompt is done: share its last block
+                    self._awaited.discard(seq.request_id)
+                    blocks.cache_partial_block(seq.token_ids, end, seq.namespace)
             # One pass for all three outcomes: no token (a prefill chunk), one token, or the forking step's tokens.
             if not item.sample:
                 family: Sequence[SequenceState] = (seq,)
@@ -631,6 +635,7 @@ class Scheduler:
                     num_query_tokens=seq.num_tokens,
                     num_hit_tokens=hit,
                     namespace=seq.namespace,
+                    block_ids=match.head(hit, self._bs) if match is not None else (),
                 )
             self._emit(
                 "pagedcore_request_admitted",
@@ -675,10 +680,13 @@ class Scheduler:
 
     def _prefix_in_flight(self, seq: SequenceState, num_cached: int) -> bool:
         """Whether a running sequence of the same namespace has the same tokens as ``seq`` up to the end of the
-        block after ``seq``'s cached prefix, and has not computed that block yet (it is being prefilled)."""
-        end = num_cached + self._bs
-        if end > seq.num_tokens - 1:
-            return False  # no further full block of this prompt could be shared
+        block after ``seq``'s cached prefix (or, within the prompt's last block, up to its last token), and has not
+        computed them yet (it is being prefilled). That sequence then registers its prompt's partly filled last
+        block when its prompt is done (:meth:`update`), so that ``seq`` (a GRPO group's other samples) reuses all
+        but its last token."""
+        end = min(num_cached + self._bs, seq.num_tokens - 1)  # the last token is always computed
+        if end <= num_cached:
+            return False  # nothing more of this prompt could be shared
         tokens, namespace = seq.token_ids, namespace_key(seq.namespace)
         for other in self._running.values():
             if other.num_computed_tokens >= end or other.num_tokens < end:
@@ -687,6 +695,7 @@ class Scheduler:
                 continue
             theirs = other.token_ids
             if theirs[num_cached:end] == tokens[num_cached:end] and theirs[:num_cached] == tokens[:num_cached]:
+                self._awaited.add(other.request_id)
                 return True
         return False
 
@@ -735,6 +744,7 @@ class Scheduler:
         return children
 
     def _finish(self, seq: SequenceState, reason: FinishReason) -> None:
+        self._awaited.discard(seq.request_id)
         if seq.blocks is not None:
             if self._config.enable_prefix_caching and reason in _KEEPS_KV:
                 # The next chat turn continues it inside its last block: register that block's computed positions.

@@ -43,6 +43,7 @@ def load(name: str):
         ("host_memory", ["namespaces", "--count", "200"]),
         ("host_memory", ["blocks", "--sizes", "1000", "--touch"]),
         ("variant_memory", ["--tokens", "24"]),
+        ("grpo_trl", ["--steps", "1", "--completion-tokens", "4"]),
     ],
 )
 def test_example_runs(name, argv, capsys):
@@ -91,7 +92,14 @@ def test_third_party_plugin_installs_and_loads_from_its_entry_point(tmp_path, mo
         import pagedcore_prefix_logger
 
         assert pagedcore_prefix_logger.__file__.startswith(str(target))
-        pm.emit("pagedcore_prefix_hit", request_id="r", num_query_tokens=10, num_hit_tokens=8, namespace=None)
+        pm.emit(
+            "pagedcore_prefix_hit",
+            request_id="r",
+            num_query_tokens=10,
+            num_hit_tokens=8,
+            namespace=None,
+            block_ids=([0, 1],),
+        )
         assert pagedcore_prefix_logger.TALLY == {"lookups": 1, "query_tokens": 10, "hit_tokens": 8}
     finally:
         sys.modules.pop("pagedcore_prefix_logger", None)

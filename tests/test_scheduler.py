@@ -270,3 +270,24 @@ def test_requests_arriving_together_compute_a_common_prefix_once():
     assert sched.stats.num_prompt_tokens_computed == 22 + 3 * 2 + 5
     for i in range(1, 4):
         assert done[f"r{i}"].output_token_ids == reference_output([*prefix, 100 + i, 200 + i], 2)
+
+
+def test_requests_with_the_same_prompt_reuse_its_partly_filled_last_block():
+    """A GRPO group as separate requests: the others wait for the first one's prompt, which then registers its
+    partly filled last block too, so each computes only its last token (not the 2 tokens after the full blocks)."""
+    sched, model = make(num_blocks=64, block_size=4, max_num_batched_tokens=64)
+    prompt = list(range(3, 13))  # 10 tokens: 2 full blocks and 2 tokens
+    for i in range(4):
+        sched.add(SequenceState(f"g{i}", list(prompt), max_new_tokens=3))
+    out = sched.schedule()
+    assert [s.request_id for s in out.scheduled] == ["g0"]
+    sched.update(out, model.step(out))
+    out = sched.schedule()
+    starts = {s.request_id: s.start for s in out.scheduled if s.request_id != "g0"}
+    assert starts == {"g1": 9, "g2": 9, "g3": 9}  # every prompt token but the last served from g0's blocks
+    sched.update(out, model.step(out))
+    done = run_to_completion(sched, model)
+    assert sched.stats.num_prompt_tokens_computed == 10 + 3
+    for i in range(4):
+        assert done[f"g{i}"].output_token_ids == reference_output(prompt, 3)
+    sched.check_invariants()

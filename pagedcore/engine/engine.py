@@ -153,6 +153,7 @@ class Engine:
         self._stepper: int | None = None  # the thread inside step()
         self._ids = itertools.count()
         self._counters = EngineCounters()
+        self._weights_version = 0  # the runner's weights version at the step being computed
 
     @property
     def max_logprobs(self) -> int:
@@ -419,6 +420,7 @@ class Engine:
             self._check_open()
             with timed("schedule"):
                 self.runner.check_weights()  # after a weight update: forget the old prefixes before admitting
+                self._weights_version = self.runner.weights_version  # what this step's forward computes with
                 self._admit_compiled()
                 plan = self.scheduler.schedule()
             with timed("prepare"):
@@ -485,6 +487,10 @@ class Engine:
                 indices = range(seq.num_samples) if seq.needs_fork else [seq.sample_index]
                 for index in indices:
                     self._finish_sample(request, index, FinishReason.ERROR.value)
+            for item in batch.plan.scheduled:  # a request's weights version: that of its first step
+                output = batch.owners[item.request_id].output
+                if output.weights_version is None:
+                    output.weights_version = self._weights_version
             self.scheduler.update(batch.plan, samples.tokens)
             if samples.prompt_logprobs:
                 self._record_prompts(samples)

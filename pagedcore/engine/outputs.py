@@ -179,6 +179,11 @@ class RequestOutput:
         prompt_logprobs: with ``SamplingParams(prompt_logprobs=k)``, one entry per prompt token: None for the first
             (nothing predicts it), then the :class:`TokenLogprobs` of each prompt token given the tokens before it;
             else None.
+        weights_version: the weights the request was computed with (:attr:`PagedKVPool.weights_version
+            <pagedcore.adapters.transformers.PagedKVPool.weights_version>` at its first step): a trainer keeps the
+            outputs whose version is the current one (on-policy) and drops or importance-weights the others. A
+            request that was running when the weights changed finishes on the keys and values it holds, its new
+            tokens computed by the new weights: it keeps the older version. None until a step computed it.
 
     Example:
         >>> out = RequestOutput("r1", [1, 2], [SampleOutput(0, [7], finish_reason="stop")], RequestMetrics(0.0))
@@ -193,6 +198,7 @@ class RequestOutput:
     error: str | None = None
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     client_error: bool = False
+    weights_version: int | None = None
 
     @property
     def outputs(self) -> list[SampleOutput]:

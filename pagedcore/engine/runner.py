@@ -141,7 +141,7 @@ class ModelRunner(Protocol):
     Example:
         >>> sorted(name for name in vars(ModelRunner) if not name.startswith("_"))   # doctest: +NORMALIZE_WHITESPACE
         ['check_weights', 'close', 'execute', 'info', 'kv', 'lock', 'plugins', 'prepare', 'reset_prefix_cache',
-         'stats', 'used_bytes']
+         'stats', 'used_bytes', 'weights_version']
     """
 
     @property
@@ -159,6 +159,12 @@ class ModelRunner(Protocol):
     def check_weights(self) -> int:
         """Before a step is planned (under the lock): notice a change of the model's weights and forget the cached
         prefixes computed before it (a new epoch); returns the blocks forgotten."""
+        ...
+
+    @property
+    def weights_version(self) -> int:
+        """The weights' version as of the last :meth:`check_weights` (equal versions: the same weights); each
+        output carries the version its request was computed with (``RequestOutput.weights_version``)."""
         ...
 
     def prepare(self, batch: ForwardBatch) -> Any:

@@ -100,6 +100,7 @@ class TorchRunner:
         eos_ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
         self._info = ModelInfo(shape.vocab_size, shape.max_position_embeddings, eos_ids, weight.device)
         self._weights = self._fingerprint()
+        self._version = 0  # weights changes seen by check_weights
 
     @property
     def info(self) -> ModelInfo:
@@ -127,7 +128,13 @@ class TorchRunner:
         if now == self._weights:
             return 0
         self._weights = now
+        self._version += 1
         return self._kv.reset_prefix_cache()
+
+    @property
+    def weights_version(self) -> int:
+        """Changes of the weights seen by :meth:`check_weights` (0: the weights it started with)."""
+        return self._version
 
     def _fingerprint(self) -> tuple[tuple[int, int], ...]:
         return tuple((p.data_ptr(), p._version) for p in self.model.parameters())  # noqa: SLF001

@@ -3,7 +3,8 @@
 - :class:`PagedCache`: a drop-in ``Cache`` for ``model.generate`` backed by a paged, ref-counted pool.
 - :class:`PagedKVPool`: the paged KV memory of a model, shareable between caches, with a prefix cache.
 - :func:`enable` / :func:`disable`: automatic prefix caching for plain ``model.generate`` (:func:`namespace` to
-  isolate tenants).
+  isolate tenants); identical rows of a call (an RL group) compute their prompt once.
+- :func:`sleep_when_training`: a pool that gives its memory back while the model trains (``PagedKVPool.sleep``).
 - :class:`Engine`: continuous batching over the model (``generate``, ``stream``, ``add_request``/``step``/``abort``):
   :class:`pagedcore.engine.Engine` driving the model through its :class:`~.runner.TransformersRunner`.
 - ``attn_implementation="paged"``: attention that reads straight from the pool (registered on import).
@@ -44,6 +45,7 @@ from .model_engine import Engine
 from .pool import MemoryStats, PagedKVPool
 from .prefix_caching import disable, enable, is_enabled, namespace, prefix_pool
 from .runner import TransformersRunner
+from .sleep_mode import sleep_when_training
 from .spec import LayerSpec, ModelKVSpec
 
 register()
@@ -100,4 +102,5 @@ __all__ = [
     "paged_attention_forward",
     "prefix_pool",
     "register",
+    "sleep_when_training",
 ]

@@ -527,6 +527,7 @@ class PagedCache(StateCacheMixin, Cache):
         for layer in self.layers:
             if hasattr(layer, "record_past"):
                 layer.record_past = False
+        state.weights_version = None
 
     def release(self) -> None:
         """Give every block back to the pool for good; using the cache afterwards raises."""
@@ -584,6 +585,12 @@ class PagedCache(StateCacheMixin, Cache):
             self._state.reservation = value
             for row in self._state.rows:
                 row.blocks.reservation = value
+
+    @property
+    def weights_version(self) -> int | None:
+        """The pool's :attr:`~PagedKVPool.weights_version` when the rows were first computed (None before): the
+        weights the keys and values of a kept ``generate`` result (``out.cache``) come from."""
+        return self._state.weights_version
 
     @property
     def attention_backend(self) -> str | None:
@@ -668,6 +675,7 @@ class PagedCache(StateCacheMixin, Cache):
         state.length = length
         state.layer_len = [length] * len(state.layer_len)
         state.attached = True
+        state.weights_version = self._pool.weights_version
 
     def take_rows(
         self, sources: Sequence[PagedCache], pads: Sequence[int], prompts: Sequence[Sequence[int]], length: int

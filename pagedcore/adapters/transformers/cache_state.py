@@ -387,6 +387,7 @@ class CacheState:
             new_rows = not self.rows and self.length == 0
             if new_rows:
                 self.rows = [Row(BlockTables(pool.kv, self.reservation)) for _ in range(batch)]
+                self.weights_version = pool.weights_version
             if len(self.rows) != batch:
                 raise ValueError(
                     f"PagedCache holds {len(self.rows)} rows but the forward has batch size {batch}; use "
@@ -556,6 +557,7 @@ class CacheState:
         if self.states is not None and source.states is not None:
             self.states.history = dict(source.states.history)
             self.states.recording = source.states.recording
+        self.weights_version = source.weights_version
         for mine, theirs in zip(self.layers, source.layers):
             if hasattr(mine, "record_past"):
                 mine.record_past = getattr(theirs, "record_past", False)

@@ -10,7 +10,6 @@ keys and values no longer belong to that model; :meth:`PagedKVPool.rebuild` drop
 
 from __future__ import annotations
 
-import logging
 import mmap
 import os
 import weakref
@@ -46,7 +45,6 @@ __all__ = ["KV_LAYOUTS", "KVStoreSpec", "MemoryStats", "PagedKVPool", "PoolConfi
 # The names are pagedcore.config.KV_LAYOUTS (a PoolConfig checks them).
 
 _DEFAULT_TOKENS = 32_768  # default capacity when neither num_blocks nor memory_budget is given
-_log = logging.getLogger(__name__)
 
 parse_bytes = parse_size  # its old name here: sizes have one parser, pagedcore.config.parse_size
 
@@ -146,6 +144,7 @@ class PagedKVPool:
             self._owner = weakref.ref(model)
         self._weights: WeightsWatch | None = None  # the owner's weights: made by the first check_weights
         self._stale_tensors = False  # the owner was converted since the tensors were made: rebuild once idle
+        self._slept: tuple[torch.device, torch.dtype] | None = None  # where the tensors were before sleep()
         stores = _stores(self.plugins, config)
         self._tiers = KVTiers(stores, TensorBlockIO(self)) if stores else None
         self.kv.attach_tiers(self._tiers)
@@ -502,6 +501,73 @@ class PagedKVPool:
             self._stale_tensors = False
             return forgotten
 
+    def sleep(self) -> int:
+        """Give the layer tensors' memory back now, e.g. to a training step between two rollouts (vLLM's sleep mode):
+        the tensors are dropped and the cached prefixes with them (their keys and values are gone; in a training
+        loop the next optimizer step would make them stale anyway; a pool with a ``kv_store`` can
+        :meth:`save_kv_store` first). The next write re-creates the tensors where they were (or :meth:`wake` does it
+        now). Returns the bytes released.
+
+        Raises :class:`~pagedcore.errors.InvalidBlockError`, changing nothing, while a cache or request holds blocks:
+        their keys and values live in these tensors.
+
+        Example:
+            >>> import torch
+            >>> from pagedcore.adapters.transformers.testing import tiny_llama
+            >>> from pagedcore.adapters.transformers import enable
+            >>> model = tiny_llama()
+            >>> pool = enable(model, num_blocks=16, block_size=4)
+            >>> _ = model.generate(torch.arange(1, 10)[None], max_new_tokens=1, do_sample=False)
+            >>> pool.sleep(), pool.is_sleeping, pool.kv.num_cached_blocks, pool.memory_stats().allocated_bytes
+            (34816, True, 0, 0)
+            >>> pool.wake(), pool.is_sleeping                     # or the next generate call re-creates them
+            (34816, False)
+        """
+        with self.lock:
+            held = self.kv.num_used_blocks
+            if held:
+                raise InvalidBlockError(
+                    f"sleep: {held} blocks are held by caches or requests and their keys and values live in the "
+                    "pool's tensors; release them first (cache.release(), or let the Engine's requests finish)"
+                )
+            placement = self._placement()
+            if placement is None:
+                return 0
+            stats = self.memory_stats()
+            released = stats.allocated_bytes + stats.state_capacity_bytes
+            self._slept = placement
+            self.kv.reset_prefix_cache()
+            self._layers = [None] * self.spec.num_layers
+            self._latents.clear()
+            if self.states is not None:
+                self.states.drop()
+            self.kv.rewind()  # new tensors: blocks are handed out from the first again (reserved_bytes counts them)
+            self._stale_tensors = False
+            return released
+
+    def _placement(self) -> tuple[torch.device, torch.dtype] | None:
+        """Where the pool's tensors are (device, dtype), or None before any."""
+        first = next((t for t in self._layers if t is not None), None)
+        if first is not None:
+            return first[0].device, first[0].dtype
+        found = self.states.placement() if self.states is not None else None
+        return None if found is None else (found[1], found[0])
+
+    def wake(self) -> int:
+        """Re-create the tensors :meth:`sleep` released, now, where they were (else the next write does it, layer by
+        layer). Returns the bytes allocated (0: not asleep)."""
+        with self.lock:
+            placement = self._slept
+            if placement is None or self.has_tensors:
+                return 0
+            self.create_tensors(*placement)
+            return self.memory_stats().allocated_bytes
+
+    @property
+    def is_sleeping(self) -> bool:
+        """Whether :meth:`sleep` released the tensors and nothing re-created them since."""
+        return self._slept is not None and not self.has_tensors
+
     @property
     def has_tensors(self) -> bool:
         """Whether any layer's keys and values (or recurrent states) were stored since the pool was created or
@@ -525,6 +591,17 @@ class PagedKVPool:
         """The watch over the weights of the model this pool serves (:mod:`.weights`): None before the first
         :meth:`check_weights`, and for a pool that was never given a model (only a config)."""
         return self._weights
+
+    @property
+    def weights_version(self) -> int:
+        """Updates of the model's weights the pool has seen (as of its last :meth:`check_weights`, which every
+        ``generate`` call and Engine step runs first): each optimizer step over its parameters counts one, also when
+        several ran between two checks; any other change (``load_state_dict``, a replaced parameter, an adapter
+        switched, ``train()`` / ``eval()``) counts one per check that saw it. 0 until the first check; equal versions
+        of one pool mean the same weights. Engine outputs carry the version they were computed with
+        (:attr:`RequestOutput.weights_version <pagedcore.adapters.transformers.RequestOutput.weights_version>`)."""
+        watch = self._weights
+        return 0 if watch is None else watch.epoch
 
     @property
     def stale_placement(self) -> Placement:

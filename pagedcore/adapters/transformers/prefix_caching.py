@@ -50,6 +50,11 @@ The next call rebuilds the pool (drops its tensors and cached prefixes) when no 
 
 ``num_return_sequences`` / ``num_beams`` > 1: the prompt is computed once for the unexpanded batch, then every row
 is forked; the copies share the prompt's blocks (copy-on-write) instead of recomputing and storing it k times.
+
+**Rows that repeat a prompt** (an RL trainer's group: TRL's GRPO puts each prompt ``num_generations`` times in one
+call) are forked the same way: the distinct rows compute their prompt once; and a prefix several distinct rows share
+(a system prompt) is computed once and hit by all of them (:mod:`.shared_rows`). (A model with recurrent-state layers
+computes its rows as :mod:`.state_prefill` says instead.)
 """
 
 from __future__ import annotations
@@ -58,13 +63,14 @@ import functools
 import inspect
 import itertools
 import weakref
-from collections.abc import Callable, Hashable, Iterator, Mapping
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from pagedcore.block_keys import namespace_key
 from pagedcore.capacity import Demand, Reservation
@@ -72,10 +78,13 @@ from pagedcore.config import PoolConfig
 from pagedcore.engine.context import ContextWindow
 from pagedcore.engine.inputs import TOKEN_DTYPES, check_token_tensor
 from pagedcore.errors import ConfigError, InvalidRequestError, OutOfBlocksError, PoolMismatchError
+from pagedcore.kv_pool import PoolMatch
 from pagedcore.validation import as_integer
 
+from . import sleep_mode
 from .cache import PagedCache
 from .pool import KVStoreSpec, PagedKVPool
+from .shared_rows import SharedRows, shared_rows, warm_shared_prefixes
 from .spec import context_limit, text_config
 from .state_prefill import StatePrefill
 
@@ -94,6 +103,7 @@ class _Enabled:
     attention_backend: str | None
     had_instance_generate: bool
     instance_generate: Any
+    sleep_hook: RemovableHandle | None = None
 
 
 _ENABLED: weakref.WeakKeyDictionary[Any, _Enabled] = weakref.WeakKeyDictionary()
@@ -114,6 +124,7 @@ def enable(
     kv_store_bytes: int | float | str | None = None,
     state_slots: int | None = None,
     snapshot_interval: int | None = None,
+    sleep_when_training: bool = False,
 ) -> PagedKVPool:
     """Make plain ``model.generate(...)`` reuse cached prompt prefixes across calls.
 
@@ -123,10 +134,10 @@ def enable(
             :class:`~pagedcore.config.PoolConfig`) or the keyword arguments that build one:
         num_blocks / memory_budget / block_size / eviction_policy / state_slots / snapshot_interval: sizing of a new
             pool (see PagedKVPool; the last two for recurrent-state layers, :mod:`.state_prefill`).
-        namespace: default namespace of this model's calls (override per call or per block of code; an explicit
-            ``pagedcore_namespace=None`` is the shared default namespace).
+        namespace: default namespace of its calls (override per call or block; ``None``: the shared default one).
         attention_backend: backend for ``attn_implementation="paged"`` (default: the plugins' choice).
         kv_store / kv_store_bytes: tiers below a new pool (a directory, a budget): evicted prefixes outlive restarts.
+        sleep_when_training: the pool sleeps at each training forward (:func:`~.sleep_mode.sleep_when_training`).
 
     Returns the pool (hit rate: ``pool.num_hit_tokens / pool.num_query_tokens``). Kept results, weight updates,
     ``model.to(...)``: the module docstring; a prompt + ``max_new_tokens`` past the context: ``InvalidRequestError``.
@@ -140,13 +151,8 @@ def enable(
         >>> prompt = torch.arange(1, 14)[None]
         >>> _ = model.generate(prompt, max_new_tokens=2, do_sample=False)   # cold: computes 13 tokens
         >>> _ = model.generate(prompt, max_new_tokens=2, do_sample=False)   # warm: 12 cached, computes 1
-        >>> pool.num_hit_tokens
-        12
-        >>> out = model.generate(prompt, max_new_tokens=2, do_sample=False, return_dict_in_generate=True)
-        >>> pool.kv.num_used_blocks      # the kept cache holds 14 stored tokens: 4 blocks
-        4
-        >>> out.cache.release(); pool.kv.num_used_blocks
-        0
+        >>> pool.num_hit_tokens, pool.kv.num_used_blocks    # nothing held after the call
+        (12, 0)
         >>> _ = pc.disable(model)
     """
     if model in _ENABLED:
@@ -155,7 +161,8 @@ def enable(
     more = {"eviction_policy": eviction_policy, "kv_store": kv_store, "kv_store_bytes": kv_store_bytes}
     more |= {"state_slots": state_slots, "snapshot_interval": snapshot_interval}
     pool = PagedKVPool.resolve(model, pool, PoolConfig.of(config, **sizes, **more))
-    state = _Enabled(pool, namespace, attention_backend, "generate" in vars(model), vars(model).get("generate"))
+    hook = sleep_mode.sleep_when_training(model, pool) if sleep_when_training else None
+    state = _Enabled(pool, namespace, attention_backend, "generate" in vars(model), vars(model).get("generate"), hook)
     model.generate = _wrapped_generate(model, state)
     _ENABLED[model] = state
     return pool
@@ -194,6 +201,8 @@ def disable(model: Any) -> PagedKVPool:
     state = _ENABLED.pop(model, None)
     if state is None:
         raise ConfigError("prefix caching is not enabled on this model")
+    if state.sleep_hook is not None:
+        state.sleep_hook.remove()
     if state.had_instance_generate:
         model.generate = state.instance_generate
     else:
@@ -304,38 +313,27 @@ def _fresh(
     ns: Hashable,
 ) -> Any:
     """A call without a cache of its own: attach the prefix hit to a new cache, reserve the call's worst case,
-    generate, register, release."""
+    compute what the rows share once, generate, register, release."""
     pads = _left_pads(mask)
     pool = state.pool
     cache = PagedCache(model, pool=pool, namespace=ns, attention_backend=state.attention_backend)
     keep = False
-    reservation = None
-    states: StatePrefill | None = None
+    plan = _Plan(None, None, None, 0)
     try:
         rows = [input_ids[r, p:].tolist() for r, p in enumerate(pads)] if pads is not None else None
-        length = 0
-        share_prompt = settings.expand > 1 and settings.reuse
-        states = None  # a model with recurrent-state layers: its rows computed alone, to snapshot points
-        if pool.states is not None and rows is not None and settings.reuse:
-            states = StatePrefill(model, pool, ns, state.attention_backend)
-        with pool.lock:  # the hit and the reservation in one hold: no other holder takes blocks in between
-            held = cache.row_tokens()
-            if states is not None and rows is not None:
-                held = states.plan(rows)
-                _record(pool, rows, held, ns)
-            elif rows is not None and pads is not None:
-                length = _attach(cache, pool, rows, pads, ns, lookup=settings.reuse)
-                held = cache.row_tokens()
-            shape = tuple(input_ids.shape)
-            reservation = _reserve(pool, held, shape, pads, settings, share_prompt, kwargs, states is not None)
-            if states is not None and pads is not None:
-                states.attach(reservation, cache, pads)
-        cache.reservation = reservation
+        plan = _plan(model, state, cache, input_ids, mask, rows, pads, settings, ns, kwargs)
+        cache.reservation = plan.reservation
+        length = plan.length
+        states, share = plan.states, plan.share
         if states is not None and pads is not None and states.active:
             length = states.run(cache, pads, _model_inputs(model, kwargs))
-        elif share_prompt:
-            _prefill_once(model, cache, input_ids, mask, length, kwargs)
-        if settings.expand > 1:  # generate expands the batch but never the cache
+            if settings.expand > 1:  # generate expands the batch but never the cache
+                cache.batch_repeat_interleave(settings.expand)
+        elif share is not None:  # each distinct prompt once, then every row forks from its own (copy-on-write)
+            unique = list(share.unique)
+            _prefill_once(model, cache, input_ids[unique], mask[unique], length, kwargs)
+            cache.batch_select_indices(torch.tensor(share.rows(settings.expand)))
+        elif settings.expand > 1:
             cache.batch_repeat_interleave(settings.expand)
         kwargs["cache"] = cache
         result = call(*args, **kwargs)
@@ -344,11 +342,67 @@ def _fresh(
         keep = _carries(result, cache)
         return result
     finally:
-        if states is not None:
-            states.release()
-        _give_back(pool, reservation, cache)
+        if plan.states is not None:
+            plan.states.release()
+        _give_back(pool, plan.reservation, cache)
         if not keep:
             cache.release()
+
+
+@dataclass
+class _Plan:
+    """What a fresh call computes: the rows' prefill for a model with recurrent-state layers (``states``), or which
+    rows compute their prompt once (``share``); its reservation and the rectangular length already attached."""
+
+    states: StatePrefill | None
+    share: SharedRows | None
+    reservation: Reservation | None
+    length: int
+
+
+def _plan(
+    model: Any,
+    state: _Enabled,
+    cache: PagedCache,
+    input_ids: torch.Tensor,
+    mask: torch.Tensor,
+    rows: list[list[int]] | None,
+    pads: list[int] | None,
+    settings: _Settings,
+    ns: Hashable,
+    kwargs: dict[str, Any],
+) -> _Plan:
+    """Look the rows up, attach their hit and reserve the call's worst case (in one hold of the pool's lock: no other
+    holder takes blocks in between); a prefix several distinct rows share is computed first (:mod:`.shared_rows`)."""
+    pool, batch = state.pool, input_ids.shape[0]
+    states = None  # a model with recurrent-state layers: its rows computed alone, to snapshot points
+    if pool.states is not None and rows is not None and settings.reuse:
+        states = StatePrefill(model, pool, ns, state.attention_backend)
+        share = SharedRows(tuple(range(batch)), tuple(range(batch))) if settings.expand > 1 else None
+    else:
+        share = _sharing(model, input_ids, mask, settings, kwargs)
+    unique = list(share.unique) if share is not None else list(range(batch))
+    own_rows = [rows[r] for r in unique] if rows is not None else None  # the rows the cache holds
+    own_pads = [pads[r] for r in unique] if pads is not None else None
+    if states is None and own_rows is not None and len(own_rows) > 1 and _mergeable(model, settings, kwargs):
+        # A prefix several distinct rows share (a system prompt): computed once here, then they all hit it.
+        backend, device, prefill = state.attention_backend, input_ids.device, _prefill_once
+        warm_shared_prefixes(model, pool, own_rows, ns, prefill, kwargs, device=device, attention_backend=backend)
+    length = 0
+    with pool.lock:
+        held = cache.row_tokens()
+        if states is not None and rows is not None:
+            held = states.plan(rows)
+            _record(pool, rows, held, ns, [row.match for row in states.rows])
+        elif own_rows is not None and own_pads is not None:
+            length = _attach(cache, pool, own_rows, own_pads, ns, lookup=settings.reuse, ids=unique)
+            held = cache.row_tokens()
+        copies = [n * settings.expand for n in share.copies()] if share is not None else None
+        shape = (len(unique), input_ids.shape[1])
+        reservation = _reserve(pool, held, shape, own_pads, settings, copies, kwargs, states is not None)
+        if states is not None and pads is not None:
+            states.attach(reservation, cache, pads)
+    return _Plan(states, share, reservation, length)
 
 
 def _continue(
@@ -375,7 +429,7 @@ def _continue(
     if own is None and settings.expand == 1 and cache.batch_size == input_ids.shape[0]:
         with pool.lock:
             shape = tuple(input_ids.shape)
-            reservation = _reserve(pool, cache.row_tokens(), shape, cache.row_padding(), settings, False, kwargs)
+            reservation = _reserve(pool, cache.row_tokens(), shape, cache.row_padding(), settings, None, kwargs)
         cache.reservation = reservation
     try:
         result = call(*args, **kwargs)
@@ -503,10 +557,18 @@ def _left_pads(mask: torch.Tensor) -> list[int] | None:
 
 
 def _attach(
-    cache: PagedCache, pool: PagedKVPool, rows: list[list[int]], pads: list[int], ns: Hashable, *, lookup: bool
+    cache: PagedCache,
+    pool: PagedKVPool,
+    rows: list[list[int]],
+    pads: list[int],
+    ns: Hashable,
+    *,
+    lookup: bool,
+    ids: list[int] | None = None,
 ) -> int:
     """Declare the rows' padding and prompts to the cache and attach the prefix every row can use (see the module
-    docstring); returns its rectangular length. ``lookup=False`` declares the padding and prompts only."""
+    docstring); returns its rectangular length. ``lookup=False`` declares the padding and prompts only. ``ids``: the
+    rows' numbers in the call (the hit events' request ids), when the cache holds some of its rows only."""
     with pool.lock:
         if not lookup:
             cache.attach_prefix([None] * len(rows), pads, 0, rows)
@@ -516,15 +578,23 @@ def _attach(
         matches = [pool.kv.match(tokens, ns) for tokens in rows]
         hits = [min(m.num_tokens, len(tokens) - 1) for m, tokens in zip(matches, rows)]
         length = min(p + h for p, h in zip(pads, hits))
-        _record(pool, rows, [max(0, length - pad) for pad in pads], ns)
+        _record(pool, rows, [max(0, length - pad) for pad in pads], ns, matches, ids)
         cache.attach_prefix(matches, pads, length, rows)
     return length
 
 
-def _record(pool: PagedKVPool, rows: list[list[int]], used: list[int], ns: Hashable) -> None:
-    """Count each row's lookup and the tokens it takes from the cache, and tell the plugins."""
+def _record(
+    pool: PagedKVPool,
+    rows: list[list[int]],
+    used: list[int],
+    ns: Hashable,
+    matches: Sequence[PoolMatch],
+    ids: Sequence[int] | None = None,
+) -> None:
+    """Count each row's lookup and the tokens it takes from the cache (``used[r]`` of its ``matches[r]``), and tell
+    the plugins which blocks served them. ``ids``: the rows' numbers in the call (default: their order)."""
     call = next(_call_ids)
-    for r, (tokens, hit) in enumerate(zip(rows, used)):
+    for r, tokens, hit, match in zip(ids if ids is not None else range(len(rows)), rows, used, matches):
         pool.kv.record(len(tokens), hit)
         pool.plugins.emit(
             "pagedcore_prefix_hit",
@@ -532,6 +602,7 @@ def _record(pool: PagedKVPool, rows: list[list[int]], used: list[int], ns: Hasha
             num_query_tokens=len(tokens),
             num_hit_tokens=hit,
             namespace=ns,
+            block_ids=match.head(hit, pool.block_size),
         )
 
 
@@ -541,19 +612,20 @@ def _reserve(
     shape: tuple[int, ...],
     pads: list[int] | None,
     settings: _Settings,
-    share_prompt: bool,
+    copies: list[int] | None,
     kwargs: dict[str, Any],
     snapshots: bool = False,
 ) -> Reservation:
     """Reserve the call's worst case (under the pool's lock), so it can never run out half-way; else raise
     OutOfBlocksError before generation, ending the call's streamer so that its consumer does not wait for ever.
 
-    ``shape`` is the input's ``(batch, width)``, ``pads`` each row's unstored padding (None: the mask is not left
-    padding, so every row stores every position); rows already hold ``held`` tokens (a hit, or a continued cache),
-    and with ``snapshots`` compute their prompt to snapshot points (recurrent-state layers). Each row is a
-    :class:`~pagedcore.capacity.Demand` (``settings.expand`` copies; with ``share_prompt`` the prompt is computed once
-    and forked); the pool's :meth:`~pagedcore.kv_pool.KVPool.worst_case` says how many blocks they need, and
-    :meth:`~pagedcore.kv_pool.KVPool.reserve` holds them back from every other holder (other calls, an Engine) until
+    ``shape`` is the ``(rows, width)`` of the rows the cache holds, ``pads`` each row's unstored padding (None: the
+    mask is not left padding, so every row stores every position); rows already hold ``held`` tokens (a hit, or a
+    continued cache), and with ``snapshots`` compute their prompt to snapshot points (recurrent-state layers). Each row
+    is a :class:`~pagedcore.capacity.Demand`: ``settings.expand`` copies, each storing the whole row, or with
+    ``copies`` the row's prompt computed once and forked into ``copies[r]`` rows (identical rows of the call and
+    their ``num_return_sequences``); the pool's :meth:`~pagedcore.kv_pool.KVPool.worst_case` says how many blocks
+    they need, and :meth:`~pagedcore.kv_pool.KVPool.reserve` holds them back from every other holder (other calls, an Engine) until
     the call ends. An Engine's running requests keep what they may still need: those blocks cannot be reserved.
     """
     batch, width = shape
@@ -563,8 +635,8 @@ def _reserve(
             num_prompt_tokens=width - pad,
             max_new_tokens=settings.max_new_tokens,
             num_held_tokens=held[r] if r < len(held) else 0,
-            num_copies=settings.expand,
-            share_prompt=share_prompt,
+            num_copies=copies[r] if copies is not None else settings.expand,
+            share_prompt=copies is not None,
             keeps_window=settings.records_past,
             snapshots=snapshots,
         )
@@ -662,3 +734,27 @@ def _register(
             return
     if tokens:
         cache.cache_prefixes(tokens)
+
+
+def _sharing(
+    model: Any, input_ids: torch.Tensor, mask: torch.Tensor, settings: _Settings, kwargs: dict[str, Any]
+) -> SharedRows | None:
+    """Which rows compute their prompt once and fork (None: every row computes its own). Identical rows merge
+    (:func:`.shared_rows.shared_rows`) when the call gives the model nothing else per row; ``num_return_sequences``
+    and beams fork each row. Not for a call that must compute its whole prompt (``settings.reuse`` off)."""
+    if not settings.reuse or input_ids.shape[0] == 0:
+        return None
+    if _mergeable(model, settings, kwargs):
+        share = shared_rows(input_ids, mask)
+        if share.num_merged:
+            return share
+    if settings.expand > 1:
+        batch = input_ids.shape[0]
+        return SharedRows(tuple(range(batch)), tuple(range(batch)))
+    return None
+
+
+def _mergeable(model: Any, settings: _Settings, kwargs: dict[str, Any]) -> bool:
+    """Whether rows that look alike (ids, mask, a prefix) compute alike: the call reuses prefixes and gives the
+    model no other per-row input (``token_type_ids``, images, ...)."""
+    return settings.reuse and not any(isinstance(v, torch.Tensor) for v in _model_inputs(model, kwargs).values())

@@ -130,6 +130,11 @@ class TransformersRunner:
         """The pool's weights check (:meth:`~.pool.PagedKVPool.check_weights`)."""
         return self.pool.check_weights()
 
+    @property
+    def weights_version(self) -> int:
+        """The pool's weights version (:attr:`~.pool.PagedKVPool.weights_version`)."""
+        return self.pool.weights_version
+
     def prepare(self, batch: ForwardBatch) -> PreparedStep:
         """The batch's copy-on-write copies, then its tokens packed with each KV group's metadata."""
         self.pool.copy_blocks(list(batch.copies))

@@ -186,7 +186,8 @@ class WeightsWatch:
 
     @property
     def epoch(self) -> int:
-        """How many moves :meth:`check` has seen."""
+        """How many moves :meth:`check` has seen, each optimizer step over the model's tensors counted (two steps
+        between checks add 2): the pool's :attr:`~pagedcore.adapters.transformers.PagedKVPool.weights_version`."""
         return self._epoch
 
     @property
@@ -219,13 +220,15 @@ class WeightsWatch:
         if state is None:  # a tensor is gone (replaced without a registration, e.g. by accelerate's offload hooks)
             return self._rewalk(model)
         moved = state != self._last
+        count = 1
         if _EVENTS.optimizer_steps != self._optimizer_steps:
             self._optimizer_steps = _EVENTS.optimizer_steps
             steps = _steps(walk)
             moved = moved or steps != self._steps
+            count = _most_steps(self._steps, steps)
             self._steps = steps
         if moved:
-            self._moved(state, walk)
+            self._moved(state, walk, count)
         return moved
 
     def content_hash(self, *, fresh: bool = False) -> str | None:
@@ -265,14 +268,15 @@ class WeightsWatch:
         assert state is not None
         steps = _steps(new)
         moved = not _same_structure(old, new) or state != self._last or steps != self._steps
+        count = _most_steps(self._steps, steps) if len(steps) == len(self._steps) else 1
         self._walk, self._steps = new, steps
         if moved:
-            self._moved(state, new)
+            self._moved(state, new, count)
         return moved
 
-    def _moved(self, state: tuple[Any, ...], walk: _Walk) -> None:
+    def _moved(self, state: tuple[Any, ...], walk: _Walk, count: int = 1) -> None:
         self._last = state
-        self._epoch += 1
+        self._epoch += max(count, 1)  # each optimizer step since the last check is one update
         self._placement = _placement(walk)
 
     @staticmethod
@@ -355,6 +359,11 @@ def _same_structure(old: _Walk, new: _Walk) -> bool:
 def _steps(walk: _Walk) -> tuple[int, ...]:
     stepped = _EVENTS.stepped
     return tuple([stepped.get(t, 0) if (t := ref()) is not None else -1 for ref in walk.refs])
+
+
+def _most_steps(before: tuple[int, ...], after: tuple[int, ...]) -> int:
+    """The most optimizer steps any one tensor took between two readings of :func:`_steps` (1 at least)."""
+    return max([b - a for a, b in zip(before, after) if a >= 0 and b >= 0] + [1])
 
 
 def _placement(walk: _Walk) -> Placement:
