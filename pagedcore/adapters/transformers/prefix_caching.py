@@ -625,8 +625,9 @@ def _reserve(
     is a :class:`~pagedcore.capacity.Demand`: ``settings.expand`` copies, each storing the whole row, or with
     ``copies`` the row's prompt computed once and forked into ``copies[r]`` rows (identical rows of the call and
     their ``num_return_sequences``); the pool's :meth:`~pagedcore.kv_pool.KVPool.worst_case` says how many blocks
-    they need, and :meth:`~pagedcore.kv_pool.KVPool.reserve` holds them back from every other holder (other calls, an Engine) until
-    the call ends. An Engine's running requests keep what they may still need: those blocks cannot be reserved.
+    they need, and :meth:`~pagedcore.kv_pool.KVPool.reserve` holds them back from every other holder (other calls, an
+    Engine) until the call ends. An Engine's running requests keep what they may still need: those blocks cannot be
+    reserved.
     """
     batch, width = shape
     pads = pads if pads is not None else [0] * batch
