@@ -264,26 +264,6 @@ class BlockManager:
         return self._blocks_needed(last, num_tokens, num_new_tokens)
 
     # ------------------------------------------------------------------ commands for holders
-    def rewind(self) -> None:
-        """With no block in use or cached, hand ids out from ``0`` again, as a new manager would: the memory behind
-        the blocks was released (:meth:`PagedKVPool.sleep <pagedcore.adapters.transformers.PagedKVPool.sleep>`), so
-        :attr:`num_touched_blocks` starts over. Raises :class:`InvalidBlockError`, changing nothing, otherwise.
-
-        Example:
-            >>> manager = BlockManager(4)
-            >>> manager.release(manager.allocate(3)); manager.num_touched_blocks
-            3
-            >>> manager.rewind(); manager.num_touched_blocks, manager.allocate(1)
-            (0, [0])
-        """
-        if self.num_used_blocks or self._num_cached:
-            raise InvalidBlockError(
-                f"rewind: {self.num_used_blocks} blocks in use and {self._num_cached} cached: only an idle, empty "
-                "manager starts over"
-            )
-        self._free.clear()
-        self._hwm = 0
-
     def allocate(self, num_blocks: int) -> list[int]:
         """Hand out ``num_blocks`` blocks at reference count 1, evicting unreferenced cached blocks if needed.
 

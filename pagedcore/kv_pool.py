@@ -550,12 +550,6 @@ class KVPool:
             return sum(g.trie.clear() for g in self._groups)
         return sum(g.trie.clear_namespace(ns) for g in self._groups for ns in namespaces)
 
-    def rewind(self) -> None:
-        """Every group's :meth:`~pagedcore.block_manager.BlockManager.rewind` (no block in use or cached): blocks are
-        handed out from the first again, after the tensors behind them were released."""
-        for group in self._groups:
-            group.block_manager.rewind()
-
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix because the keys and values were computed by a model that has changed since
         (its weights were updated): unlike :meth:`clear_prefix_cache`, blocks held now stay their holders' but are

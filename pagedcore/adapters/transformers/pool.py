@@ -541,7 +541,6 @@ class PagedKVPool:
             self._latents.clear()
             if self.states is not None:
                 self.states.drop()
-            self.kv.rewind()  # new tensors: blocks are handed out from the first again (reserved_bytes counts them)
             self._stale_tensors = False
             return released
 

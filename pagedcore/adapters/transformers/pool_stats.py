@@ -29,7 +29,8 @@ class MemoryStats:
             operating system commits page by page as blocks are first written, so this is the blocks written so far
             (every block ever handed out: they are handed out from the start of the pool, freed ones first); it
             grows with the tokens stored, up to ``capacity_bytes``, and stays there (blocks freed or cached keep
-            their pages). On other devices each layer's tensors are allocated whole at its first keys
+            their pages; after a :meth:`~.pool.PagedKVPool.sleep`, the blocks written before it too: an upper bound). On
+            other devices each layer's tensors are allocated whole at its first keys
             (``allocated_bytes``).
         state_slots / snapshots: a model with recurrent-state layers: its state slots, and how many of them hold
             snapshots filed in the prefix cache (0 for a model of attention layers only).
