@@ -1,5 +1,6 @@
 """GRPO rollouts side by side: TRL's default ``generate``, TRL's ``use_transformers_paged`` (transformers' continuous
 batching) and pagedcore (``enable()`` on TRL's default path), in one run on one machine (docs/benchmarks.md).
+Needs: the `rl` extra (TRL and datasets: `pip install -e '.[rl]'`).
 
 The workload of issue 30: GRPO with G = 8 generations per prompt, 4 prompts per step, prompts of 256 tokens (the
 first 64 a system prompt they all share), 64 completion tokens, 5 optimizer steps, on a tiny Llama-shaped model

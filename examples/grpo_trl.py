@@ -1,5 +1,6 @@
 """TRL's GRPOTrainer, unmodified, generating through pagedcore: a tiny Llama built from a config, a local dataset, a
 rule-based reward, offline (nothing is downloaded).
+Needs: the `rl` extra (TRL and datasets: `pip install -e '.[rl]'`).
 
 GRPO repeats each prompt ``num_generations`` times in one ``model.generate`` call (TRL's default generation path).
 With ``enable(model)`` that call computes each prompt once and forks its blocks to the group's rows, computes a
@@ -10,6 +11,7 @@ optimizer step moves the model's weights, the pool sees it at the next call and 
     python examples/grpo_trl.py                      # pagedcore, 2 steps: completions, loss, stale hits
     python examples/grpo_trl.py --mode trl           # TRL's default generate, for comparison
     python examples/grpo_trl.py --mode paged         # TRL's use_transformers_paged (transformers' continuous batching)
+    python examples/grpo_trl.py --quick              # a smoke run: 1 step, 4 completion tokens
 
 The building blocks (:func:`word_tokenizer`, :func:`tiny_model`, :func:`prompt_dataset`, :func:`train`) are reused by
 ``examples/bench_grpo.py`` and the test suite (``tests/test_grpo.py``).
@@ -302,7 +304,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--completion-tokens", type=int, default=8)
     parser.add_argument("--greedy", action="store_true", help="greedy completions (TRL samples by default)")
     parser.add_argument("--sleep", action="store_true", help="the pool sleeps while the model trains")
+    parser.add_argument("--quick", action="store_true", help="a smoke run: 1 step, 4 completion tokens")
     options = parser.parse_args(argv)
+    if options.quick:
+        options.steps, options.completion_tokens = 1, 4
     torch.set_num_threads(max(1, torch.get_num_threads()))
     vocab = 256
     dataset = prompt_dataset(options.prompts, options.prompt_tokens, vocab, system_tokens=options.system_tokens)

@@ -43,7 +43,7 @@ def load(name: str):
         ("host_memory", ["namespaces", "--count", "200"]),
         ("host_memory", ["blocks", "--sizes", "1000", "--touch"]),
         ("variant_memory", ["--tokens", "24"]),
-        ("grpo_trl", ["--steps", "1", "--completion-tokens", "4"]),
+        ("grpo_trl", ["--quick"]),
     ],
 )
 def test_example_runs(name, argv, capsys):
