@@ -200,11 +200,40 @@ def test_unsupported_fields_are_refused_by_name(url, field, value):
         ({"input": "x", "truncation": "sometimes"}, "truncation"),
         ({"input": []}, "input"),
         ({"input": "x", "stream_options": {"include_usage": True}}, "stream_options.include_usage"),
+        ({"input": [{"role": "user", "content": "x", "name": "a"}]}, "input.0.name"),
+        ({"input": [{"role": "user", "content": [{"type": "input_text", "text": "x", "x": 1}]}]},
+         "input.0.content.0.x"),
+        ({"input": [{"type": "reasoning", "encrypted_content": "gAAA"}, {"role": "user", "content": "x"}]},
+         "input.0.encrypted_content"),
+        ({"input": [{"role": "user", "content": "x", "status": "sleeping"}]}, "input.0.status"),
+        ({"input": "x", "tools": [{**FUNCTION, "cache_control": {}}]}, "tools.0.cache_control"),
+        ({"input": "x", "tool_choice": {"type": "function", "name": "f", "x": 1}}, "tool_choice"),
+        ({"input": "x", "text": {"format": {"type": "json_object", "schema": {}}}}, "text.format.schema"),
     ],
 )  # fmt: skip
 def test_bad_input_is_a_400_naming_the_responses_field(url, body, param):
     answer = httpx.post(f"{url}/v1/responses", json={"model": MODEL, **body}, headers={"Authorization": "Bearer sk-a"})
     assert answer.status_code == 400 and answer.json()["error"]["param"] == param, answer.text
+
+
+def test_the_document_states_the_empty_input_400_and_the_unknown_id_404(url):
+    """OpenAI refuses an empty input list, and so does this server: the schema says minItems 1; an id no response
+    of this key has (one with a "/" too) is a 404 in OpenAI's error body, as the document lists it."""
+    document = httpx.get(f"{url}/openapi.json", headers={"Authorization": "Bearer sk-a"}).json()
+    request = document["components"]["schemas"]["ResponsesRequest"]["properties"]["input"]
+    kinds, lists = [request], []
+    while kinds:  # the array among the input's (nested, maybe nullable) kinds
+        kind = kinds.pop()
+        kinds.extend(kind.get("anyOf", ()))
+        lists += [kind] if kind.get("type") == "array" else []
+    assert lists and lists[0]["minItems"] == 1, request
+    (path,) = [path for path in document["paths"] if path.startswith("/v1/responses/")]
+    for method in ("get", "delete"):
+        assert "404" in document["paths"][path][method]["responses"], method
+        for response_id in ("resp_unknown", "resp_a/b"):
+            answer = httpx.request(method, f"{url}/v1/responses/{response_id}",
+                                   headers={"Authorization": "Bearer sk-a"})  # fmt: skip
+            assert answer.status_code == 404 and answer.json()["error"]["type"], (method, response_id, answer.text)
 
 
 def test_every_openai_parameter_is_implemented_or_refused():

@@ -123,8 +123,12 @@ def test_completions_and_vllm_guided_fields(served):
         ({"tools": [WEATHER_TOOL], "tool_choice": NO_SUCH_TOOL}, "tool_choice", "not one of the tools"),
         ({"tool_choice": "required"}, "tool_choice", "needs tools"),
         ({"tools": [{"type": "function"}]}, "tools", "tools.0"),
+        ({"structured_outputs": {"regex": "[0-9]+", "disable_any_whitespace": True}},
+         "structured_outputs.disable_any_whitespace", "not supported"),
+        ({"structured_outputs": {"regex": "[0-9]+", "choice": ["a"]}}, "structured_outputs", "exactly one"),
+        ({"structured_outputs": {"json_object": False}}, "structured_outputs.json_object", "must be given"),
     ],
-)
+)  # fmt: skip
 def test_bad_specs_are_400s_naming_the_field(served, extra, param, message):
     client, engine = served
     with pytest.raises(openai.BadRequestError) as info:

@@ -14,6 +14,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
+from .openapi_responses import tighten_responses
 from .openapi_rules import ServedFacts, tighten
 from .protocol import ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from .responses_api.request import ResponsesRequest
@@ -113,13 +114,29 @@ def install_openapi(app: FastAPI) -> None:
                 schemas.update(schema.pop("$defs", {}))
                 schemas[model.__name__] = schema
             schemas["Error"] = ERROR_SCHEMA
+            _no_422(document)
             serve = getattr(app.state, "serve", None)
             if serve is not None:  # this app's facts: names, vocabulary, context, and the server's rules
-                tighten(document, served_facts(serve))
+                facts = served_facts(serve)
+                tighten(document, facts)
+                tighten_responses(document, facts)
             app.openapi_schema = document
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+
+
+def _no_422(document: dict[str, Any]) -> None:
+    """FastAPI lists a 422 for every operation with parameters; this app answers its checks' failures 400 with
+    OpenAI's error body (:mod:`pagedcore.serve.errors`), so the document says that instead."""
+    for item in document.get("paths", {}).values():
+        for operation in item.values():
+            responses = operation.get("responses", {})
+            if responses.pop("422", None) is not None:
+                responses.setdefault("400", ERROR_RESPONSES[400])
+    schemas = document.get("components", {}).get("schemas", {})
+    for name in ("HTTPValidationError", "ValidationError"):
+        schemas.pop(name, None)
 
 
 def served_facts(serve: Any) -> ServedFacts:
@@ -149,4 +166,6 @@ def served_facts(serve: Any) -> ServedFacts:
         max_num_seqs=None if scheduler is None else scheduler.config.max_num_seqs,
         trust_request_chat_template=serve.trust_request_chat_template,
         has_chat_template=serve.encoder.renderer.template is not None,
+        splits_reasoning=serve.settings.reasoning is not None,
+        auto_tool_choice=serve.settings.auto_tool_choice,
     )

@@ -22,9 +22,23 @@ from typing import Any
 from pagedcore.adapters.transformers.structured.spec import MAX_CHOICES
 
 from .fields import CHAT, COMPLETIONS, Endpoint, rules_for
+from .openapi_schemas import TOKEN as _TOKEN
+from .openapi_schemas import closed as _object
+from .openapi_schemas import integer as _int
+from .openapi_schemas import nullable as _nullable
+from .openapi_schemas import text as _text
 from .protocol import MAX_ID_CHARS, MAX_PROMPTS, MAX_STOP_STRINGS
 
-__all__ = ["RULES", "ServedFacts", "no_control_pattern", "tighten"]
+__all__ = [
+    "NO_AUTO_TOOL_CHOICE",
+    "RULES",
+    "ServedFacts",
+    "no_control_pattern",
+    "sampling_schemas",
+    "state_rules",
+    "tighten",
+    "tool_choice_schema",
+]
 
 _SPELLABLE = (
     "every option of a choice (guided_choice, structured_outputs.choice) is text the tokenizer can spell: POST "
@@ -72,6 +86,9 @@ class ServedFacts:
         trust_request_chat_template: whether a request's own ``chat_template`` is taken.
         has_chat_template: whether the server renders chat with a template (else ``documents`` and
             ``chat_template_kwargs`` have nothing to go to).
+        splits_reasoning: whether the server has a reasoning parser (else ``include_reasoning`` cannot be false:
+            nothing splits the reasoning off).
+        auto_tool_choice: whether ``tool_choice`` ``auto`` (the default with tools) is served.
 
     Example:
         >>> ServedFacts(("tiny",), 99, 48, 192, 20, 8, False).vocab_size
@@ -86,6 +103,8 @@ class ServedFacts:
     max_num_seqs: int | None
     trust_request_chat_template: bool
     has_chat_template: bool = True
+    splits_reasoning: bool = False
+    auto_tool_choice: bool = True
 
 
 def tighten(document: dict[str, Any], facts: ServedFacts) -> None:
@@ -107,7 +126,8 @@ def tighten(document: dict[str, Any], facts: ServedFacts) -> None:
     if "TokenizeRequest" in schemas:
         tokenize = schemas["TokenizeRequest"]
         tokenize["properties"]["model"] = _nullable({"enum": list(facts.model_names)})
-        tokenize["properties"]["prompt"] = _nullable(_text(facts.max_prompt_chars))
+        any_text = {**_text(facts.max_prompt_chars), "minLength": 0}  # an empty prompt has its tokens too (none)
+        tokenize["properties"]["prompt"] = _nullable(any_text)
         tokenize["oneOf"] = [_given("prompt", "messages"), _given("messages", "prompt")]
         if not facts.has_chat_template:
             tokenize["properties"]["chat_template_kwargs"] = {"type": "null"}
@@ -122,12 +142,23 @@ def tighten(document: dict[str, Any], facts: ServedFacts) -> None:
                     parameter["schema"] = {"enum": list(facts.model_names)}
             rules_of = _OPERATION_RULES.get(path)
             if rules_of is not None and method == "post":
-                operation["x-pagedcore-rules"] = list(RULES[rules_of])
-                rules = "; ".join(RULES[rules_of])
-                operation["description"] = f"{operation.get('description', '')}\n\nAlso: {rules}.".strip()
+                state_rules(operation, RULES[rules_of])
 
 
-_TOKEN = {"$ref": "#/components/schemas/TokenId"}
+def state_rules(operation: dict[str, Any], rules: tuple[str, ...]) -> None:
+    """Write ``rules`` (what JSON Schema cannot state) into an operation: its ``x-pagedcore-rules`` and its
+    description.
+
+    Example:
+        >>> operation = {"description": "Answers."}
+        >>> state_rules(operation, ("a <= b",))
+        >>> operation["x-pagedcore-rules"], operation["description"].split()
+        (['a <= b'], ['Answers.', 'Also:', 'a', '<=', 'b.'])
+    """
+    operation["x-pagedcore-rules"] = list(rules)
+    operation["description"] = f"{operation.get('description', '')}\n\nAlso: {'; '.join(rules)}.".strip()
+
+
 _OPERATION_RULES = {"/v1/completions": "completions", "/v1/chat/completions": "chat", "/tokenize": "tokenize"}
 
 
@@ -173,28 +204,13 @@ def _request(schema: dict[str, Any], endpoint: Endpoint, facts: ServedFacts) -> 
     schema["additionalProperties"] = False  # any other field is a 400 naming it
     context, logprobs = facts.context, facts.max_logprobs
     given = {
-        "model": {"enum": list(facts.model_names)},
+        **sampling_schemas(facts),
         "max_tokens": _int(0, context),
         "min_tokens": _int(0, context),
-        "temperature": {"type": "number", "minimum": 0},
-        "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
-        "top_k": _int(-1, None),
         "n": _int(1, facts.max_num_seqs),
-        "seed": _int(-(2**63), 2**63 - 1),
-        "stop": {"anyOf": [_text(), {"type": "array", "items": _text(), "maxItems": MAX_STOP_STRINGS}]},
         "stop_token_ids": {"type": "array", "items": _TOKEN},
         "allowed_token_ids": {"type": "array", "items": _TOKEN, "minItems": 1},
-        "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2},
-        "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2},
-        "repetition_penalty": {"type": "number", "exclusiveMinimum": 0},
-        "min_p": {"type": "number", "minimum": 0, "maximum": 1},
-        "logit_bias": {
-            "type": "object",
-            "propertyNames": {"pattern": _id_pattern(facts.vocab_size)},
-            "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
-        },
         "prompt_logprobs": _int(0, logprobs),
-        "request_id": {"type": "string", "minLength": 1, "maxLength": MAX_ID_CHARS, "pattern": no_control_pattern()},
         "truncate_prompt_tokens": {"anyOf": [{"const": -1}, _int(1, None)]},
         **_structured_fields(),
     }
@@ -204,6 +220,8 @@ def _request(schema: dict[str, Any], endpoint: Endpoint, facts: ServedFacts) -> 
     else:
         given["max_completion_tokens"] = _int(0, context)
         given["top_logprobs"] = _int(0, 20 if logprobs is None else min(20, logprobs))
+        if not facts.splits_reasoning:
+            given["include_reasoning"] = {"const": True}
         if not facts.trust_request_chat_template:
             given["chat_template"] = {"type": "null"}
             if not facts.has_chat_template:
@@ -212,9 +230,58 @@ def _request(schema: dict[str, Any], endpoint: Endpoint, facts: ServedFacts) -> 
         if context is not None:
             messages["maxItems"] = context
         given["tools"] = {"type": "array", "items": _TOOL}
-        given["tool_choice"] = {"anyOf": [{"enum": ["none", "auto", "required"]}, _NAMED]}
+        given["tool_choice"] = tool_choice_schema(facts, _NAMED)
+        if not facts.auto_tool_choice:
+            schema["allOf"] = [NO_AUTO_TOOL_CHOICE]
     for name, value in given.items():
         properties[name] = value if name in schema.get("required", ()) else _nullable(value)
+
+
+def sampling_schemas(facts: ServedFacts) -> dict[str, Any]:
+    """The schemas of the fields every generation endpoint shares (completions, chat, responses): the model's
+    names, the sampling values' ranges, stop strings, ``logit_bias`` over this vocabulary, ``request_id``.
+
+    Example:
+        >>> sampling_schemas(ServedFacts(("tiny",), 99, 48, 192, 20, 8, False))["top_p"]
+        {'type': 'number', 'exclusiveMinimum': 0, 'maximum': 1}
+    """
+    return {
+        "model": {"enum": list(facts.model_names)},
+        "temperature": {"type": "number", "minimum": 0},
+        "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+        "top_k": _int(-1, None),
+        "seed": _int(-(2**63), 2**63 - 1),
+        "stop": {"anyOf": [_text(), {"type": "array", "items": _text(), "maxItems": MAX_STOP_STRINGS}]},
+        "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2},
+        "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2},
+        "repetition_penalty": {"type": "number", "exclusiveMinimum": 0},
+        "min_p": {"type": "number", "minimum": 0, "maximum": 1},
+        "logit_bias": {
+            "type": "object",
+            "propertyNames": {"pattern": _id_pattern(facts.vocab_size)},
+            "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+        },
+        "request_id": {"type": "string", "minLength": 1, "maxLength": MAX_ID_CHARS, "pattern": no_control_pattern()},
+    }
+
+
+def tool_choice_schema(facts: ServedFacts, named: dict[str, Any]) -> dict[str, Any]:
+    """``tool_choice``: none, auto (where served), required, or a ``named`` function.
+
+    Example:
+        >>> facts = ServedFacts(("tiny",), 99, 48, 192, 20, 8, False, auto_tool_choice=False)
+        >>> tool_choice_schema(facts, {"type": "object"})["anyOf"][0]
+        {'enum': ['none', 'required']}
+    """
+    modes = ["none", "auto", "required"] if facts.auto_tool_choice else ["none", "required"]
+    return {"anyOf": [{"enum": modes}, named]}
+
+
+NO_AUTO_TOOL_CHOICE = {
+    "if": {"properties": {"tools": {"type": "array", "minItems": 1}}, "required": ["tools"]},
+    "then": {"required": ["tool_choice"], "properties": {"tool_choice": {"not": {"type": "null"}}}},
+}
+"""Without ``auto`` served, tools need a ``tool_choice`` (its default, ``auto``, is refused)."""
 
 
 def _structured_fields() -> dict[str, Any]:
@@ -225,7 +292,7 @@ def _structured_fields() -> dict[str, Any]:
     json_schema = {"anyOf": [{"type": "object"}, schema_text]}
     kinds = {"json": json_schema, "regex": regex, "choice": choice, "grammar": grammar, "json_object": {"const": True}}
     one_kind = [
-        {"type": "object", "required": [kind], "properties": {kind: value, "strict": {"type": "boolean"}},
+        {"type": "object", "required": [kind], "properties": {kind: value, "strict": _nullable({"type": "boolean"})},
          "additionalProperties": False}
         for kind, value in kinds.items()
     ]  # fmt: skip
@@ -247,16 +314,6 @@ def _structured_fields() -> dict[str, Any]:
         "guided_json": {"anyOf": [{"type": "object"}, schema_text]},
         "structured_outputs": {"oneOf": one_kind},
         "response_format": response_format,
-    }
-
-
-def _object(required: tuple[str, ...] = (), **properties: Any) -> dict[str, Any]:
-    """An object of these properties and no other, ``required`` given (default: the first)."""
-    return {
-        "type": "object",
-        "properties": properties,
-        "required": list(required) or [next(iter(properties))],
-        "additionalProperties": False,
     }
 
 
@@ -300,24 +357,6 @@ def _given(present: str, absent: str) -> dict[str, Any]:
         "properties": {present: {"not": {"type": "null"}}},
         "not": {"required": [absent], "properties": {absent: {"not": {"type": "null"}}}},
     }
-
-
-def _text(max_chars: int | None = None) -> dict[str, Any]:
-    """A non-empty string (of at most ``max_chars``)."""
-    return {"type": "string", "minLength": 1, **({"maxLength": max_chars} if max_chars is not None else {})}
-
-
-def _int(low: int | None, high: int | None) -> dict[str, Any]:
-    out: dict[str, Any] = {"type": "integer"}
-    if low is not None:
-        out["minimum"] = low
-    if high is not None:
-        out["maximum"] = high
-    return out
-
-
-def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
-    return {"anyOf": [schema, {"type": "null"}]}
 
 
 def _id_pattern(vocab_size: int | None) -> str:

@@ -87,6 +87,8 @@ def structured_output(
         return None, None
     name = given[0]
     value = data[name]
+    if name == "structured_outputs":
+        _check_structured_outputs(value)
     try:
         if name == "response_format":
             spec = StructuredOutput.from_response_format(value)
@@ -99,6 +101,36 @@ def structured_output(
     if spec is None:
         return None, None
     return check_spec(spec, name, prepare), name
+
+
+# vLLM's StructuredOutputsParams kinds this server implements (structural_tag and the backend options are not).
+STRUCTURED_OUTPUTS_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+def _check_structured_outputs(value: Any) -> None:
+    """``structured_outputs`` holds exactly one kind (given, not null; ``json_object`` true) and maybe ``strict``
+    (a boolean); any other key is refused naming it, not left unread.
+
+    Example:
+        >>> _check_structured_outputs({"regex": "[0-9]+", "disable_any_whitespace": True})
+        Traceback (most recent call last):
+        ...
+        pagedcore.serve.protocol.ApiError: structured_outputs.disable_any_whitespace is not supported: give one of ...
+    """
+    if not isinstance(value, dict):
+        raise ApiError(400, "structured_outputs must be an object", param="structured_outputs")
+    kinds = ", ".join(STRUCTURED_OUTPUTS_KINDS)
+    for key, got in value.items():
+        where = f"structured_outputs.{key}"
+        if key == "strict":
+            if got is not None and not isinstance(got, bool):
+                raise ApiError(400, f"{where} must be a boolean, got {got!r}"[:300], param=where)
+        elif key not in STRUCTURED_OUTPUTS_KINDS:
+            raise ApiError(400, f"{where} is not supported: give one of {kinds} (and strict)", param=where)
+        elif got is None or (key == "json_object" and got is not True):
+            raise ApiError(400, f"{where} must be given (json_object: true), got {got!r}"[:300], param=where)
+    if sum(key != "strict" for key in value) != 1:
+        raise ApiError(400, f"structured_outputs needs exactly one of {kinds}", param="structured_outputs")
 
 
 def check_spec(spec: StructuredOutput, field: str, prepare: Prepare | None = None) -> StructuredOutput:

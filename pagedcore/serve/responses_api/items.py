@@ -5,20 +5,43 @@ Input items: a message (``{"role", "content"}``, with or without ``"type": "mess
 ``input_text`` / ``output_text`` / ``refusal`` parts), a ``function_call`` (the assistant's call; consecutive calls
 are one assistant turn), a ``function_call_output`` (a tool message answering a call) and a ``reasoning`` item (the
 reasoning of the assistant turn it precedes, for templates that render it). Anything else (images, files, built-in
-tools' items, item references) is refused with a 400 naming it.
+tools' items, item references) is refused with a 400 naming it, as is a key an item or part does not have
+(:data:`ITEM_KEYS`): the keys OpenAI's answers carry that change nothing here (``id``, ``status``, a message's
+``phase``, an ``output_text``'s ``annotations`` and ``logprobs``) are taken, checked and left; encrypted reasoning
+(``encrypted_content``) cannot be read and is refused.
 """
 
 from __future__ import annotations
 
 import json
+import reprlib
 from typing import Any
 
 from ..protocol import ApiError
 
-__all__ = ["assistant_turn", "chat_messages"]
+__all__ = ["ITEM_KEYS", "PART_KEYS", "assistant_turn", "chat_messages"]
 
-_TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
 _ROLES = ("user", "assistant", "system", "developer")
+_SEEN = ("id", "status")  # as the API answered an item: of no effect here
+ITEM_KEYS: dict[str, tuple[str, ...]] = {
+    "message": ("type", "role", "content", "phase", *_SEEN),
+    "function_call": ("type", "call_id", "name", "arguments", *_SEEN),
+    "function_call_output": ("type", "call_id", "output", *_SEEN),
+    "reasoning": ("type", "content", "summary", "encrypted_content", *_SEEN),
+}
+"""The keys each kind of input item may have."""
+PART_KEYS: dict[str, tuple[str, ...]] = {
+    "input_text": ("type", "text"),
+    "text": ("type", "text"),
+    "output_text": ("type", "text", "annotations", "logprobs"),
+    "refusal": ("type", "refusal"),
+}
+"""The keys each kind of text part may have (the first after ``type`` holds its text)."""
+_OF_NO_EFFECT: dict[str, tuple[Any, ...]] = {  # the values a key of no effect may take
+    "status": (None, "in_progress", "completed", "incomplete"),
+    "phase": (None, "commentary", "final_answer"),
+    "encrypted_content": (None,),
+}
 
 
 def chat_messages(value: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -39,7 +62,10 @@ def chat_messages(value: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     thought: str | None = None
     for index, item in enumerate(value):
         where = f"input.{index}"
-        kind = item.get("type", "message") if isinstance(item, dict) else None
+        given = item.get("type", "message") if isinstance(item, dict) else None
+        kind = given if isinstance(given, str) else None  # a list or an object is no kind (nor a dict key)
+        if kind in ITEM_KEYS:
+            _check_keys(item, ITEM_KEYS[kind], where)
         if kind == "reasoning":
             thought = (thought or "") + _reasoning_text(item, where)
             continue
@@ -51,7 +77,7 @@ def chat_messages(value: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
         elif kind == "function_call_output":
             message = _output(item, where)
         else:
-            what = f"{kind!r} items are not supported" if kind is not None else "expected an object"
+            what = f"{reprlib.repr(given)} items are not supported" if isinstance(item, dict) else "expected an object"
             raise ApiError(400, f"{where}: {what} (messages, function_call, function_call_output, reasoning)",
                            param=where)  # fmt: skip
         if thought is not None and message is not None and message["role"] == "assistant":
@@ -65,28 +91,51 @@ def chat_messages(value: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _text(content: Any, where: str) -> str:
+    """A message's ``content`` (or an output's ``output``, ``where`` names it): text, or text parts joined."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise ApiError(400, f"{where}.content: expected text or a list of text parts", param=f"{where}.content")
+        raise ApiError(400, f"{where}: expected text or a list of text parts", param=where)
     texts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in _TEXT_PARTS:
-            raise ApiError(400, f"{where}.content.{j}: {kind!r} parts are not supported (text only)",
-                           param=f"{where}.content.{j}.type")  # fmt: skip
-        text = part.get("text", part.get("refusal"))
+        if not isinstance(kind, str) or kind not in PART_KEYS:
+            raise ApiError(400, f"{where}.{j}: {kind!r} parts are not supported (text only)", param=f"{where}.{j}.type")
+        _check_keys(part, PART_KEYS[kind], f"{where}.{j}")
+        text = part.get(PART_KEYS[kind][1])
         if not isinstance(text, str):
-            raise ApiError(400, f"{where}.content.{j}: expected its text", param=f"{where}.content.{j}")
+            what = PART_KEYS[kind][1]
+            raise ApiError(400, f"{where}.{j}: a {kind} part needs its {what} (text)", param=f"{where}.{j}.{what}")
         texts.append(text)
     return "".join(texts)
+
+
+def _check_keys(value: dict[str, Any], keys: tuple[str, ...], where: str) -> None:
+    """Refuse a key ``value`` does not have, or a key of no effect at a value it cannot take."""
+    for key, got in value.items():
+        if key not in keys:
+            raise ApiError(400, f"{where}.{key}: no such field here", param=f"{where}.{key}")
+        if not _fits(key, got):
+            why = "encrypted reasoning cannot be read by this server" if key == "encrypted_content" else "bad value"
+            raise ApiError(400, f"{where}.{key}: {why} (got {reprlib.repr(got)})", param=f"{where}.{key}")
+
+
+def _fits(key: str, value: Any) -> bool:
+    """Whether a key of no effect has a value it may take (the keys that are read are checked as they are read)."""
+    if key in _OF_NO_EFFECT:
+        return any(value is allowed or value == allowed for allowed in _OF_NO_EFFECT[key])
+    if key == "id":
+        return value is None or isinstance(value, str)
+    if key in ("annotations", "logprobs"):
+        return isinstance(value, list)
+    return True
 
 
 def _message(item: dict[str, Any], where: str) -> dict[str, Any]:
     role = item.get("role")
     if role not in _ROLES:
         raise ApiError(400, f"{where}.role must be one of {', '.join(_ROLES)}, got {role!r}", param=f"{where}.role")
-    return {"role": role, "content": _text(item.get("content"), where)}
+    return {"role": role, "content": _text(item.get("content"), f"{where}.content")}
 
 
 def _call(item: dict[str, Any], where: str, messages: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -106,22 +155,22 @@ def _output(item: dict[str, Any], where: str) -> dict[str, Any]:
     call_id, output = item.get("call_id"), item.get("output")
     if not isinstance(call_id, str):
         raise ApiError(400, f"{where}: a function_call_output needs the call_id it answers", param=where)
-    text = output if isinstance(output, str) else _text(output, where) if isinstance(output, list) else None
-    if text is None:
-        raise ApiError(400, f"{where}.output: expected text or text parts", param=f"{where}.output")
-    return {"role": "tool", "content": text, "tool_call_id": call_id}
+    return {"role": "tool", "content": _text(output, f"{where}.output"), "tool_call_id": call_id}
 
 
 def _reasoning_text(item: dict[str, Any], where: str) -> str:
-    content, summary = item.get("content") or [], item.get("summary") or []
-    if not isinstance(content, list) or not isinstance(summary, list):
+    content, summary = item.get("content"), item.get("summary")
+    if not isinstance(content, (list, type(None))) or not isinstance(summary, (list, type(None))):
         raise ApiError(400, f"{where}: reasoning content and summary are lists of parts", param=where)
-    parts = [*content, *summary]
-    texts = [part.get("text") for part in parts if isinstance(part, dict)]
-    strings = [text for text in texts if isinstance(text, str)]
-    if len(strings) != len(parts):
-        raise ApiError(400, f"{where}: reasoning content and summary parts need their text", param=where)
-    return "".join(strings)
+    texts = []
+    for name, parts, kind in (("content", content, "reasoning_text"), ("summary", summary, "summary_text")):
+        for j, part in enumerate(parts or ()):
+            text = part.get("text") if isinstance(part, dict) and part.get("type") == kind else None
+            if not isinstance(text, str) or set(part) != {"type", "text"}:
+                message = f"{where}.{name}.{j}: expected {{'type': {kind!r}, 'text': ...}}"
+                raise ApiError(400, message, param=f"{where}.{name}.{j}")
+            texts.append(text)
+    return "".join(texts)
 
 
 def assistant_turn(message: dict[str, Any]) -> dict[str, Any]:

@@ -122,7 +122,10 @@ class ResponsesRequest(BaseModel):
         'Hi'
     """
 
-    model_config = ConfigDict(strict=True, extra="forbid")  # check_fields names an unknown field first
+    # check_fields refuses every name it does not know and every refused field at another value than its no-op
+    # ones: what reaches the model undeclared is a refused field at a no-op value (``background: false``), kept as
+    # an extra of no effect.
+    model_config = ConfigDict(strict=True, extra="allow")
 
     model: str | None = None
     input: str | list[dict[str, Any]]
@@ -237,7 +240,7 @@ def _tools(body: ResponsesRequest) -> dict[str, Any]:
         out["tools"] = [_tool(i, tool) for i, tool in enumerate(body.tools)]
     choice = body.tool_choice
     if isinstance(choice, dict):
-        if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+        if set(choice) != {"type", "name"} or choice["type"] != "function" or not isinstance(choice["name"], str):
             got = reprlib.repr(choice)
             raise ApiError(400, f'tool_choice must be "none", "auto", "required" or {{"type": "function", '
                            f'"name": ...}}, got {got}', param="tool_choice")  # fmt: skip
@@ -249,11 +252,27 @@ def _tools(body: ResponsesRequest) -> dict[str, Any]:
     return out
 
 
+_TOOL_KEYS: dict[str, tuple[type, ...]] = {  # a function tool's keys and their types (None: null)
+    "type": (str,),
+    "name": (str,),
+    "description": (str, type(None)),
+    "parameters": (dict, type(None)),
+    "strict": (bool, type(None)),
+}
+
+
 def _tool(index: int, tool: dict[str, Any]) -> dict[str, Any]:
+    """A function tool in chat's form; any other key, or a key of another type, is refused naming it."""
     kind = tool.get("type")
     if kind != "function":
         raise ApiError(400, f"tools.{index}: {kind!r} tools are not supported (function tools only)", param="tools")
-    function = {key: tool[key] for key in ("name", "description", "parameters", "strict") if key in tool}
+    for key, value in tool.items():
+        if key not in _TOOL_KEYS:
+            raise ApiError(400, f"tools.{index}.{key} is not a field of a function tool", param=f"tools.{index}.{key}")
+        if not isinstance(value, _TOOL_KEYS[key]):
+            got = reprlib.repr(value)
+            raise ApiError(400, f"tools.{index}.{key}: bad value {got}", param=f"tools.{index}.{key}")
+    function = {key: value for key, value in tool.items() if key != "type"}
     return {"type": "function", "function": function}
 
 
@@ -266,13 +285,34 @@ def _format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     fmt = text.pop("format", None)
     if text:
         raise ApiError(400, f"text.{next(iter(text))} is not a field of text", param=f"text.{next(iter(text))}")
-    if fmt is None or fmt == {"type": "text"}:
+    if fmt is None:
         return None
-    if not isinstance(fmt, dict) or fmt.get("type") not in ("json_object", "json_schema"):
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if not isinstance(kind, str) or kind not in _FORMAT_KEYS:
         raise ApiError(400, "text.format.type must be text, json_object or json_schema", param="text.format")
-    if fmt["type"] == "json_object":
+    for key, value in fmt.items():
+        if key not in _FORMAT_KEYS[kind]:
+            raise ApiError(400, f"text.format.{key} is not a field of a {kind} format", param=f"text.format.{key}")
+        if not isinstance(value, _FORMAT_KEYS[kind][key]):
+            got = reprlib.repr(value)
+            raise ApiError(400, f"text.format.{key}: bad value {got}", param=f"text.format.{key}")
+    if kind == "text":
+        return None
+    if kind == "json_object":
         return {"type": "json_object"}
-    inner = {key: fmt[key] for key in ("name", "schema", "strict", "description") if key in fmt}
-    if "schema" not in inner:
+    if "schema" not in fmt:
         raise ApiError(400, "text.format json_schema needs a schema", param="text.format")
-    return {"type": "json_schema", "json_schema": inner}
+    return {"type": "json_schema", "json_schema": {key: value for key, value in fmt.items() if key != "type"}}
+
+
+_FORMAT_KEYS: dict[str, dict[str, tuple[type, ...]]] = {  # each text.format's keys and their types
+    "text": {"type": (str,)},
+    "json_object": {"type": (str,)},
+    "json_schema": {
+        "type": (str,),
+        "schema": (dict, str),
+        "name": (str,),
+        "strict": (bool, type(None)),
+        "description": (str, type(None)),
+    },
+}

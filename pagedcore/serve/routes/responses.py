@@ -8,7 +8,7 @@ within a byte budget: a dropped one is not found (404), as is another tenant's.
 
 Example:
     >>> sorted(route.path for route in router.routes)
-    ['/v1/responses', '/v1/responses/{response_id}', '/v1/responses/{response_id}']
+    ['/v1/responses', '/v1/responses/{response_id:path}', '/v1/responses/{response_id:path}']
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ _PARAMS = {
     "max_tokens": "max_output_tokens",
     "max_completion_tokens": "max_output_tokens",
     "messages": "input",
+    "prompt": "input",  # the rendered prompt: the input's tokens
     "logprobs": "include",
     "truncate_prompt_tokens": "truncation",
 }
@@ -92,7 +93,7 @@ async def create_response(request: Request, ctx: Context) -> Response:
     return await answer(ctx, request, requests, shape, stream=bool(chat.stream), renderer=renderer)
 
 
-@router.get("/v1/responses/{response_id}", responses=_FOUND_ERRORS)
+@router.get("/v1/responses/{response_id:path}", responses=_FOUND_ERRORS)  # an id may hold "/"
 async def retrieve_response(response_id: str, request: Request, ctx: Context) -> Response:
     """A kept response (404 when it is not kept for this API key)."""
     tenant = ctx.authorize(request)
@@ -102,7 +103,7 @@ async def retrieve_response(response_id: str, request: Request, ctx: Context) ->
     return JSONResponse(kept.response)
 
 
-@router.delete("/v1/responses/{response_id}", responses=_FOUND_ERRORS)
+@router.delete("/v1/responses/{response_id:path}", responses=_FOUND_ERRORS)
 async def delete_response(response_id: str, request: Request, ctx: Context) -> Response:
     """Forget a kept response."""
     tenant = ctx.authorize(request)
