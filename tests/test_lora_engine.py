@@ -302,3 +302,46 @@ def _common(a: list[int], b: list[int]) -> int:
             break
         n += 1
     return n
+
+
+def test_the_disk_tier_keys_blocks_by_adapter_version(adapters, expected, tmp_path):
+    """Prefixes written to the store below the pool carry their adapter version: a restarted Engine finds an
+    adapter's prefixes for that adapter again (exactly), and never for the base model, another adapter, or other
+    weights loaded under the same name."""
+    work = prompts(10, 1) * 3
+    store = {"kv_store": tmp_path, "kv_store_bytes": "16MiB"}
+    with engine(adapters, names=("a",), **store) as built:
+        built.generate(work[:1], GREEDY, lora="a", use_tqdm=False)
+    with engine(adapters, names=("a", "b"), **store) as restarted:
+        outs = restarted.generate(work, GREEDY, lora=["a", None, "b"], use_tqdm=False)
+        full = (len(work[0]) - 1) // 4 * 4  # the store keeps full blocks
+        assert [o.metrics.num_cached_tokens for o in outs] == [full, 0, 0]
+        for prompt, lora, out in zip(work, ["a", None, "b"], outs):
+            assert_reference(out, expected(lora, prompt))
+    with Engine(base_model(), num_blocks=96, block_size=4, enable_lora=True, **store) as renamed:
+        renamed.loras.load("a", adapters["b"])  # another adapter under the same name
+        (out,) = renamed.generate(work[:1], GREEDY, lora="a", use_tqdm=False)
+        assert out.metrics.num_cached_tokens == 0
+        assert_reference(out, expected("b", work[0]))
+
+
+def test_the_compiled_decode_step_runs_steps_without_adapter_rows_and_adapter_rows_run_eagerly(
+    adapters, expected, monkeypatch
+):
+    """Decode steps as one captured graph (dynamo, fullgraph) with PEFT's layers in the model: steps whose rows are
+    all the base model's run compiled (the adapters' hooks add nothing to the graph), steps with adapter rows run
+    eagerly; every answer is exact either way."""
+    from pagedcore.adapters.transformers import compiled as compiled_module
+
+    monkeypatch.setattr(compiled_module, "BACKEND", "eager")
+    work = prompts(11, 2)
+    with engine(adapters, names=("a",), compile=True) as built:
+        mixed = built.generate(work, GREEDY, lora=["a", None], use_tqdm=False)  # "a" enters the model
+        assert built.stats().compiled_steps == 0  # no step of the mixed batch ran compiled
+        plain = built.generate(work, GREEDY, use_tqdm=False)  # PEFT's layers (disabled) and hooks in the graph
+        stats = built.stats()
+    assert stats.compiled_steps > 0 and stats.compile_failures == 0
+    for prompt, out in zip(work, plain):
+        assert_reference(out, expected(None, prompt))
+    for prompt, lora, out in zip(work, ["a", None], mixed):
+        assert_reference(out, expected(lora, prompt))
