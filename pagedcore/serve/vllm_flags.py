@@ -44,7 +44,13 @@ REFUSED: dict[str, tuple[Callable[[str], object], object, str]] = {
     "--quantization": (str, None, "load a quantized checkpoint with transformers instead (its config says how)"),
     "--kv-cache-dtype": (str, "auto", "the KV pool holds the model's dtype (--dtype)"),
     "--speculative-config": (str, None, "speculative decoding is not supported"),
-    "--enable-lora": (str, None, "LoRA adapters are not supported"),
+    "--max-cpu-loras": (
+        int,
+        None,
+        "every loaded adapter stays in host memory here; --max-loras bounds those in the model",
+    ),
+    "--lora-dtype": (str, "auto", "adapters keep the dtype PEFT loads them in (float32 for a half-precision model)"),
+    "--fully-sharded-loras": (str, None, "one engine holds the whole model here: nothing is sharded"),
     "--tokenizer-mode": (str, "auto", "the checkpoint's own (fast) tokenizer is always used"),
     "--load-format": (str, "auto", "checkpoints load with transformers' from_pretrained"),
 }
@@ -307,6 +313,9 @@ def generation_config_source(value: str) -> str:
     return value
 
 
+_SWITCHES = ("--fully-sharded-loras",)  # REFUSED flags that take no value (vLLM's store_true)
+
+
 def add_refused(parser: argparse.ArgumentParser) -> None:
     """Add the :data:`REFUSED` flags (hidden from ``--help``) so that :func:`check_refused` can name them.
 
@@ -317,7 +326,7 @@ def add_refused(parser: argparse.ArgumentParser) -> None:
         2
     """
     for flag, (kind, _, _) in REFUSED.items():
-        if kind is str and flag == "--enable-lora":
+        if flag in _SWITCHES:
             parser.add_argument(flag, action="store_const", const="yes", default=None, help=argparse.SUPPRESS)
         else:
             parser.add_argument(flag, type=kind, default=None, help=argparse.SUPPRESS)

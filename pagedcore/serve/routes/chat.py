@@ -23,7 +23,7 @@ from pagedcore.errors import PagedCoreError
 from ..answers import AnswerOptions, Shape
 from ..context import Context, ServeContext
 from ..openapi import ERROR_RESPONSES, json_body
-from ..pipeline import answer, fit_prompts, namespace_of, off_loop, read_request, requests_of, shape_of
+from ..pipeline import answer, fit_prompts, lora_of, namespace_of, off_loop, read_request, requests_of, shape_of
 from ..prompts import ChatOptions
 from ..protocol import ApiError, ChatRequest, sampling_params
 from ..reasoning import AnswerReasoning, generation_prompt
@@ -79,7 +79,7 @@ async def chat_generation(
     shape = shape_of(ctx, body, True, _options(ctx, body, prompt), calls)
     role = ctx.settings.response_role if body.add_generation_prompt else body.messages[-1].role
     shape = replace(shape, role=role, reasoning=reasoning)
-    return requests_of([prompt], params, namespace_of(tenant, body.cache_salt)), shape
+    return requests_of([prompt], params, namespace_of(tenant, body.cache_salt), lora_of(ctx, body)), shape
 
 
 def _check_auto_tool_choice(ctx: ServeContext, calls: ToolCalls | None) -> None:
