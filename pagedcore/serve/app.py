@@ -146,11 +146,7 @@ def create_app(
         openapi_url="/openapi.json" if options.openapi else None,
     )
     app.state.serve = _context(loop, model_name, api_keys, tokenizer, context, limits, options, tool_call_parser, eos)
-    _add_cors(app, options)
-    if options.request_id_headers:
-        app.add_middleware(RequestIdHeaders)
-    if options.root_path:
-        app.add_middleware(RootPath, root_path=options.root_path)
+    _add_middleware(app, options)
     install_error_handlers(app)
     for router in ROUTERS:
         app.include_router(router)
@@ -158,6 +154,15 @@ def create_app(
         app.include_router(lora_routes.router)
     install_openapi(app)
     return app
+
+
+def _add_middleware(app: FastAPI, options: AppOptions) -> None:
+    """CORS, ``X-Request-Id`` headers and the root path, as the options ask."""
+    _add_cors(app, options)
+    if options.request_id_headers:
+        app.add_middleware(RequestIdHeaders)
+    if options.root_path:
+        app.add_middleware(RootPath, root_path=options.root_path)
 
 
 def _context(
