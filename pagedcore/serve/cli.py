@@ -279,15 +279,19 @@ def _build(args: argparse.Namespace, error: type[Exception]) -> tuple[Any, Any, 
     loop = EngineLoop(engine, max_queue=args.max_queue)
     names = args.served_model_name or [name]
     options = _app_options(args, names, error, tokenizer)
-    app = create_app(
-        loop,
-        model_name=names[0],
-        api_keys=api_keys,
-        context_length=context,
-        limits=body_limits(args),
-        options=options,
-        tool_call_parser=args.tool_call_parser,
-    )
+    try:
+        app = create_app(
+            loop,
+            model_name=names[0],
+            api_keys=api_keys,
+            context_length=context,
+            limits=body_limits(args),
+            options=options,
+            tool_call_parser=args.tool_call_parser,
+        )
+    except ConfigError as exc:  # e.g. a reasoning parser whose markers the tokenizer lacks
+        engine.close()
+        raise error(str(exc)) from exc
     sock = bind(args.host, args.port)
     port = sock.getsockname()[1]
     server = make_server(

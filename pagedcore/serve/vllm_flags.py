@@ -79,9 +79,9 @@ _VLLM_TOOL_CALL_PARSERS = (
     "granite4", "hunyuan_a13b", "internlm", "jamba", "kimi_k2", "llama4_json", "llama4_pythonic", "longcat",
     "minimax", "minimax_m2", "olmo3", "openai", "phi4_mini_json", "qwen3_xml", "seed_oss", "step3", "xlam",
 )  # fmt: skip
-REASONING_PARSERS = ("deepseek_r1", "qwen3")
+REASONING_PARSERS = ("deepseek_r1", "qwen3", "openai_gptoss", "gpt_oss")
 _VLLM_REASONING_PARSERS = (
-    "deepseek_v3", "ernie45", "glm45", "gpt_oss", "granite", "holo2", "hunyuan_a13b", "kimi_k2", "minimax_m2",
+    "deepseek_v3", "ernie45", "glm45", "granite", "holo2", "hunyuan_a13b", "kimi_k2", "minimax_m2",
     "minimax_m2_append_think", "mistral", "olmo3", "seed_oss", "step3",
 )  # fmt: skip
 _GRAMMAR_BACKENDS = ("auto", "guidance", "llguidance")
@@ -185,7 +185,8 @@ def _add_app_flags(parser: argparse.ArgumentParser) -> None:
         "--reasoning-parser",
         default=None,
         metavar="NAME",
-        help=f"split <think>...</think> off the answer as reasoning_content: {', '.join(REASONING_PARSERS)}",
+        help="split the reasoning (<think>...</think>, gpt-oss's analysis channel) off the answer as "
+        f"reasoning_content: {', '.join(REASONING_PARSERS)}",
     )
     group.add_argument(
         "--default-chat-template-kwargs",
