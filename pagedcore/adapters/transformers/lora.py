@@ -11,8 +11,8 @@ injected with PEFT and kept disabled (a plain forward of the model is the base m
 a forward hook on each LoRA layer adds, for each adapter of the step, ``lora_B(lora_A(x[rows])) * scaling`` to the
 rows of that adapter's tokens (index tensors built once per step; the output layer's rows are the logits rows kept).
 The arithmetic is PEFT's for a batch of one adapter, ``(result + delta).to(result.dtype)``, so each row computes what
-``PeftModel.generate`` computes with that adapter alone. ``scripts/lora_mixed.py`` measures this against PEFT's own
-mixed-batch path on the same packed step.
+``PeftModel.generate`` computes with that adapter alone. ``scripts/lora_mixed.py`` measures mixed batches against one
+adapter at a time (docs/benchmarks.md).
 
 **Weights and caches.** The pool's weights watch is told to leave adapters apart (``PagedKVPool.watch_adapters_apart``):
 injecting, evicting or deleting adapters is no change of the base model, so the base model's and other adapters'
