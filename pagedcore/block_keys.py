@@ -12,6 +12,13 @@ typed in-memory identity (type and value, element by element) and are never writ
 prefix. A NaN (alone or inside a tuple or frozenset) is refused: it is not equal to itself, so it names nothing. An
 unhashable namespace is refused too (:class:`~pagedcore.errors.ConfigError`).
 
+**Adapters.** A request served with an adapter (a LoRA) computes other keys and values than the base model for the
+same tokens, so its namespace is narrowed to the adapter: :class:`AdapterNamespace` (the request's own namespace, the
+adapter's name and its version: a digest of its weights) is one more namespace kind, encoded with its own tag, so no
+base-model namespace, however chosen, equals an adapter's, and two adapters (or two versions of one) never share a
+block in memory, on disk or in the router. Its :func:`namespace_scope` names the adapter version every namespace of
+it shares, which the pool can close as one when that version's weights change (``KVPool.close_scope``).
+
 **Chains.** A block's key covers the whole token chain up to and including it: :func:`chain_digests` hashes a seed
 (what the chain belongs to: a namespace, a model) and then each full block after its parent's digest (SHA-256).
 :func:`chain_keys` are the tiers' keys (the seed covers the model fingerprint, the KV group and the namespace),
@@ -24,14 +31,64 @@ import hashlib
 import math
 import struct
 from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
 
 from pagedcore.errors import ConfigError
 
-__all__ = ["chain_digests", "chain_keys", "namespace_bytes", "namespace_key", "prefix_hashes"]
+__all__ = [
+    "AdapterNamespace",
+    "chain_digests",
+    "chain_keys",
+    "namespace_bytes",
+    "namespace_key",
+    "namespace_scope",
+    "prefix_hashes",
+]
 
 _LEN = struct.Struct("<q")
 _TIERS = b"pagedcore-kv/1\0"
 _ROUTES = b"pagedcore-route/1\0"
+
+
+@dataclass(frozen=True)
+class AdapterNamespace:
+    """The namespace of a request served with an adapter: ``base`` (the request's own namespace: its tenant, its
+    salt), narrowed to one version of one adapter.
+
+    Attributes:
+        base: the namespace the request would have without the adapter.
+        adapter: the adapter's name.
+        version: the identity of the adapter's weights (a digest of them); "" where only the name is known (the
+            router's key).
+
+    Example:
+        >>> plain, tuned = namespace_key("tenant"), namespace_key(AdapterNamespace("tenant", "sql", "v1"))
+        >>> plain == tuned, tuned == namespace_key(AdapterNamespace("tenant", "sql", "v2"))
+        (False, False)
+        >>> namespace_scope(AdapterNamespace("a", "sql", "v1")) == namespace_scope(AdapterNamespace("b", "sql", "v1"))
+        True
+    """
+
+    base: Hashable
+    adapter: str
+    version: str = ""
+
+    def __post_init__(self) -> None:
+        if type(self.adapter) is not str or not self.adapter or type(self.version) is not str:
+            raise ConfigError(f"an adapter namespace names its adapter and version as str, got {self!r}")
+
+
+def namespace_scope(namespace: Hashable) -> tuple[str, str, str] | None:
+    """The adapter version a namespace belongs to (every tenant's namespace of it shares one scope), or None for a
+    namespace of the base model.
+
+    Example:
+        >>> namespace_scope("tenant"), namespace_scope(AdapterNamespace("tenant", "sql", "v1"))
+        (None, ('adapter', 'sql', 'v1'))
+    """
+    if type(namespace) is AdapterNamespace:
+        return ("adapter", namespace.adapter, namespace.version)
+    return None
 
 
 def namespace_bytes(namespace: Hashable) -> bytes | None:
@@ -67,6 +124,12 @@ def namespace_bytes(namespace: Hashable) -> bytes | None:
         if any(part is None for part in parts):
             return None
         return b"(" + _LEN.pack(len(parts)) + b"".join(p for p in parts if p is not None) + b")"
+    if kind is AdapterNamespace:
+        base = namespace_bytes(namespace.base)  # type: ignore[attr-defined]
+        if base is None:
+            return None
+        name, version = namespace.adapter.encode("utf-8", "surrogatepass"), namespace.version.encode()  # type: ignore[attr-defined]
+        return b"A" + base + _LEN.pack(len(name)) + name + _LEN.pack(len(version)) + version
     return None
 
 
@@ -103,6 +166,8 @@ def _typed(value: object) -> Hashable:
         return (type(value), tuple(_typed(item) for item in value))
     if isinstance(value, frozenset):
         return (type(value), frozenset(_typed(item) for item in value))
+    if type(value) is AdapterNamespace:
+        return (AdapterNamespace, _typed(value.base), value.adapter, value.version)
     if isinstance(value, float):
         _refuse_nan(value)
     return (type(value), value)

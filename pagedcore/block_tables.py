@@ -68,7 +68,7 @@ class BlockTables:
         self._bs = pool.block_size
         self._sliding = [g.index for g in pool.groups if g.kind.is_sliding]
         self._next_drop = 0  # drop_out_of_window has nothing to release before this position
-        self._epoch = pool.epoch  # the pool's epoch when this table started filling (see cache_full_blocks)
+        self._stamp = pool.stamp  # the pool's epoch and scope clock as this table started filling (cache_full_blocks)
         # The recurrent state and its snapshots, in a pool with state slots.
         self._slots = SequenceSlots(pool) if pool.states is not None else None
 
@@ -219,7 +219,7 @@ class BlockTables:
         if self._slots is not None:
             self._slots.restore(state, self._reservation)
         self._stale()
-        self._epoch = self._pool.epoch  # an empty table starts over with the current cache's blocks
+        self._stamp = self._pool.stamp  # an empty table starts over with the current cache's blocks
         for i, ids in held:
             self._tables[i] = list(ids)
             self._num_cached_blocks[i] = num_tokens // bs
@@ -315,12 +315,13 @@ class BlockTables:
         the same content first, this sequence switches to that block and gives its duplicate back. A growing
         sequence registers each new block under its last registered one, in O(1). A sequence that started before
         the pool's last :meth:`~pagedcore.kv_pool.KVPool.reset_prefix_cache` registers nothing: its keys and values
-        were computed by the model as it was.
+        were computed by the model as it was; nor does one in an adapter's namespace whose version was closed, or
+        reopened since it started (:meth:`~pagedcore.kv_pool.KVPool.close_scope`).
         """
         if num_computed < self._next_full:
             return  # the common decode step: no block filled up since the last call
         self._check_live()
-        if self._epoch != self._pool.epoch:
+        if not self._pool.may_register(self._stamp, namespace):
             return
         bs = self._bs
         num_full = min(num_computed, self._num_tokens, len(token_ids)) // bs
@@ -388,7 +389,7 @@ class BlockTables:
             (2, 5)
         """
         self.cache_full_blocks(token_ids, num_computed, namespace)
-        if self._released or self._epoch != self._pool.epoch:
+        if self._released or not self._pool.may_register(self._stamp, namespace):
             return
         count = min(num_computed, self._num_tokens, len(token_ids))
         num_full, used = divmod(count, self._bs)
@@ -447,7 +448,7 @@ class BlockTables:
         child._num_tokens = self._num_tokens
         child._num_cached_blocks = list(self._num_cached_blocks)
         child._uncachable = list(self._uncachable)
-        child._epoch = self._epoch  # the same keys and values
+        child._stamp = self._stamp  # the same keys and values
         if self._slots is not None:
             child._slots = self._slots.fork(self._reservation)
         self._last_private = False  # shared now: the first write copies
@@ -516,7 +517,7 @@ class BlockTables:
         self._uncachable = [False] * len(self._pool.groups)
         self._last_private = False
         self._next_full = 0
-        self._epoch = self._pool.epoch
+        self._stamp = self._pool.stamp
 
     def _stale(self) -> None:
         """Forget every :meth:`table_array` copy (the tables are about to change)."""

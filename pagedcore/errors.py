@@ -97,3 +97,12 @@ class GrammarError(InvalidRequestError):
 class GrammarTimeoutError(GrammarError):
     """A grammar did not compile within the bound (``compile_timeout``): the request is refused, the message says
     how long it ran. The compilation goes on in the background and is cached, so the same spec may succeed later."""
+
+
+class AdapterError(InvalidRequestError):
+    """A LoRA adapter cannot be loaded or served as asked: its files, its kind (only plain LoRA on linear layers),
+    its rank over ``max_lora_rank``, a name already taken, or an Engine that serves no adapters."""
+
+
+class AdapterNotFoundError(AdapterError):
+    """No adapter of that name is loaded (never loaded, or unloaded), or its files are not there."""

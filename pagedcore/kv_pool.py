@@ -22,11 +22,12 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from pagedcore.attention_kinds import AttentionKind, attention_kind
-from pagedcore.block_keys import namespace_key
+from pagedcore.block_keys import namespace_key, namespace_scope
 from pagedcore.block_manager import BlockManager
 from pagedcore.capacity import Demand, Ledger, Reservation, blocks_to_allocate, max_new_tokens, slots_to_allocate
 from pagedcore.errors import ConfigError, OutOfBlocksError
 from pagedcore.eviction import EvictionPolicy
+from pagedcore.namespace_scopes import NamespaceScopes
 from pagedcore.prefix_trie import PrefixTrie
 from pagedcore.state_slots import StateSlots
 from pagedcore.validation import integer
@@ -228,6 +229,7 @@ class KVPool:
         self._ledger = Ledger(self.num_resources)
         self._claimants: list[weakref.ref[Claimant]] = []
         self._epoch = 0  # bumped by reset_prefix_cache: blocks filled before it never enter the prefix caches
+        self._scopes = NamespaceScopes()  # adapter versions closed (or reopened) since: see close_scope
         self._tiers: Tiers | None = None  # stores below the pool (kv_tiers): evicted blocks go down, loads come up
 
     @property
@@ -280,6 +282,17 @@ class KVPool:
         """How many times :meth:`reset_prefix_cache` declared the cached keys and values stale. A
         :class:`~pagedcore.block_tables.BlockTables` filled in an earlier epoch never registers its blocks."""
         return self._epoch
+
+    @property
+    def stamp(self) -> tuple[int, int]:
+        """What a :class:`~pagedcore.block_tables.BlockTables` records when it starts filling: the :attr:`epoch` and
+        the scopes' clock (:meth:`close_scope`); :meth:`may_register` compares them."""
+        return (self._epoch, self._scopes.clock)
+
+    def may_register(self, stamp: tuple[int, int], namespace: Hashable) -> bool:
+        """Whether blocks that started filling at ``stamp`` may enter the prefix caches in ``namespace``: not after a
+        :meth:`reset_prefix_cache`, nor in a closed adapter scope or one reopened since (:meth:`close_scope`)."""
+        return stamp[0] == self._epoch and self._scopes.may_register(stamp[1], namespace)
 
     @property
     def usage(self) -> float:
@@ -497,6 +510,8 @@ class KVPool:
             5
         """
         limit = len(token_ids) if max_tokens is None else max(0, min(max_tokens, len(token_ids)))
+        if self._scopes.is_closed(namespace):
+            limit = 0  # a closed adapter version: nothing of it is served
         matches = [g.trie.match(token_ids[:limit], namespace) for g in self._groups]
         num_tokens = min(m.num_tokens for m in matches)
         slot = None
@@ -534,6 +549,8 @@ class KVPool:
         if self._tiers is None:
             return 0
         namespace_key(namespace)  # the identity the trie and the stores share; raises before a store is read
+        if self._scopes.is_closed(namespace):
+            return 0
         return self._tiers.load(self, token_ids, namespace)
 
     def record(self, num_query_tokens: int, num_hit_tokens: int) -> None:
@@ -549,6 +566,34 @@ class KVPool:
         if not namespaces:
             return sum(g.trie.clear() for g in self._groups)
         return sum(g.trie.clear_namespace(ns) for g in self._groups for ns in namespaces)
+
+    def close_scope(self, scope: Hashable) -> int:
+        """An adapter version's weights changed (``scope``: its :func:`~pagedcore.block_keys.namespace_scope`): forget
+        the cached prefixes of every namespace of it, and from now on match and register nothing in them, for
+        sequences already running or still waiting with that version alike (:mod:`pagedcore.namespace_scopes`). The
+        base model's prefixes and other adapters' stay. Returns the blocks forgotten.
+
+        Example:
+            >>> from pagedcore.block_keys import AdapterNamespace
+            >>> from pagedcore.block_tables import BlockTables
+            >>> pool = KVPool(num_blocks=8, block_size=2)
+            >>> tuned = AdapterNamespace(None, "sql", "v1")
+            >>> for ns in (None, tuned):
+            ...     seq = BlockTables(pool); _ = seq.append(4)
+            ...     seq.cache_full_blocks([1, 2, 3, 4], 4, ns); seq.release()
+            >>> pool.close_scope(("adapter", "sql", "v1")), pool.match([1, 2, 3, 4], tuned).num_tokens
+            (2, 0)
+            >>> pool.match([1, 2, 3, 4]).num_tokens                       # the base model's prefix stays
+            4
+        """
+        self._scopes.close(scope)
+        stale = [ns for g in self._groups for ns in g.trie.namespaces() if namespace_scope(ns) == scope]
+        return self.clear_prefix_cache(*dict.fromkeys(stale)) if stale else 0
+
+    def open_scope(self, scope: Hashable) -> bool:
+        """The weights are the version ``scope`` names again (closed by :meth:`close_scope`): its namespaces may be
+        matched and registered again, by sequences that start filling from now on. False when it was not closed."""
+        return self._scopes.open(scope)
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix because the keys and values were computed by a model that has changed since

@@ -169,8 +169,9 @@ def test_discovery_sees_every_kind_of_module():
     assert {"pagedcore.adapters.transformers.cache", "pagedcore.plugins.torch_backend"} <= set(MODULES)
     assert GRAPH["pagedcore.kv_pool"] == ["pagedcore.attention_kinds", "pagedcore.block_keys",
                                           "pagedcore.block_manager", "pagedcore.capacity",
-                                          "pagedcore.errors", "pagedcore.eviction", "pagedcore.prefix_trie",
-                                          "pagedcore.state_slots", "pagedcore.validation"]  # fmt: skip
+                                          "pagedcore.errors", "pagedcore.eviction", "pagedcore.namespace_scopes",
+                                          "pagedcore.prefix_trie", "pagedcore.state_slots",
+                                          "pagedcore.validation"]  # fmt: skip
     assert "pagedcore.kv_pool" not in GRAPH["pagedcore.capacity"]  # only under TYPE_CHECKING
     assert "pagedcore.attention" not in GRAPH["pagedcore.hookspecs"]  # only under TYPE_CHECKING
     assert "pagedcore.adapters.transformers" not in GRAPH["pagedcore.cli"]  # only inside functions

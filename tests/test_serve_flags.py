@@ -104,7 +104,11 @@ def test_a_config_file_goes_before_the_command_line(tmp_path):
     [
         (["--tool-call-parser", "granite"], "--tool-call-parser granite is not supported here"),
         (["--tool-call-parser", "nonsense"], "no vLLM parser has this name"),
-        (["--reasoning-parser", "gpt_oss"], "--reasoning-parser gpt_oss is not supported here"),
+        (["--reasoning-parser", "granite"], "--reasoning-parser granite is not supported here"),
+        (
+            [BUILTIN, "--threads", "1", "--num-blocks", "16", "--reasoning-parser", "openai_gptoss"],
+            "--reasoning-parser openai_gptoss reads gpt-oss's channel format: the tokenizer must have <|start|>",
+        ),
         (["--guided-decoding-backend", "xgrammar"], "--guided-decoding-backend xgrammar (vLLM's backend)"),
         (["--no-enable-chunked-prefill"], "--no-enable-chunked-prefill is not supported"),
         (["--enforce-eager", "--compile"], "--enforce-eager and --compile contradict"),

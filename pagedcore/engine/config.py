@@ -4,7 +4,9 @@
 - :class:`~pagedcore.scheduler.SchedulerConfig`: the token budget, the sequences at once, the watermark, prefix
   caching and the policy (the scheduler's);
 - the Engine's own: ``max_logprobs``, ``max_model_len`` (the context served), the compiled decode step
-  (``compile``, read by the runner that runs it), ``compile_timeout`` (structured outputs) and ``attention_backend``.
+  (``compile``, read by the runner that runs it), ``compile_timeout`` (structured outputs), ``attention_backend`` and
+  the LoRA adapters' settings (``lora``: a :class:`~.lora.LoRAConfig`, read by the runner that holds the adapters;
+  ``enable_lora=True``, ``max_loras``, ``max_lora_rank`` as keyword arguments).
 
 ``Engine(model, num_blocks=64, max_num_seqs=8)`` is a convenience for ``Engine(model, config=EngineConfig(
 pool=PoolConfig(num_blocks=64), scheduler=SchedulerConfig(max_num_seqs=8)))``: :meth:`EngineConfig.of` sorts the
@@ -26,6 +28,8 @@ from pagedcore.config import PoolConfig, split_kwargs
 from pagedcore.errors import ConfigError
 from pagedcore.scheduler import SchedulerConfig
 from pagedcore.validation import integer
+
+from .lora import LoRAConfig
 
 __all__ = ["COMPILE_MODES", "EngineConfig"]
 
@@ -50,6 +54,7 @@ class EngineConfig:
         compile_timeout: seconds a structured-output request may wait for its grammar to compile (in a worker, off
             the step loop) before it fails with :class:`~pagedcore.errors.GrammarTimeoutError`.
         attention_backend: the attention backend's name (None: the plugins' choice for the device).
+        lora: serve LoRA adapters with these settings (:class:`~.lora.LoRAConfig`); None: no adapters.
 
     Example:
         >>> EngineConfig(compile="yes")
@@ -65,6 +70,7 @@ class EngineConfig:
     compile: bool | str = "auto"
     compile_timeout: float = 30.0
     attention_backend: str | None = None
+    lora: LoRAConfig | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.pool, PoolConfig):
@@ -83,6 +89,8 @@ class EngineConfig:
         fix(self, "compile_timeout", float(timeout))
         if self.attention_backend is not None and not isinstance(self.attention_backend, str):
             raise ConfigError(f"attention_backend must be a name, got {self.attention_backend!r}")
+        if self.lora is not None and not isinstance(self.lora, LoRAConfig):
+            raise ConfigError(f"lora must be a LoRAConfig, got {type(self.lora).__name__}", param="lora")
 
     @classmethod
     def of(cls, config: EngineConfig | None = None, **kwargs: Any) -> EngineConfig:
@@ -101,6 +109,7 @@ class EngineConfig:
             pagedcore.errors.ConfigError: not an Engine setting: colour
         """
         given = {_RENAMED.get(name, name): value for name, value in kwargs.items() if value is not None}
+        _lora_kwargs(given)
         if config is not None:
             if not isinstance(config, cls):
                 raise ConfigError(f"config must be an EngineConfig, got {type(config).__name__}")
@@ -113,3 +122,23 @@ class EngineConfig:
         if unknown:
             raise ConfigError(f"not an Engine setting: {', '.join(sorted(unknown))}")
         return cls(PoolConfig(**pool), SchedulerConfig(**scheduler), **own)
+
+
+def _lora_kwargs(given: dict[str, Any]) -> None:
+    """``enable_lora=True`` with ``max_loras`` / ``max_lora_rank`` (vLLM's keywords) as ``lora=LoRAConfig(...)``.
+
+    Example:
+        >>> given = {"enable_lora": True, "max_loras": 4}
+        >>> _lora_kwargs(given); given
+        {'lora': LoRAConfig(max_loras=4, max_lora_rank=16)}
+    """
+    settings = {name: given.pop(name) for name in ("max_loras", "max_lora_rank") if name in given}
+    enable = given.pop("enable_lora", None)
+    if not enable and not settings:
+        return
+    if enable is not True:
+        names = ", ".join(sorted(settings)) or "enable_lora"
+        raise ConfigError(f"{names}: LoRA settings need enable_lora=True", param="enable_lora")
+    if "lora" in given:
+        raise ConfigError("give lora= or enable_lora=True (with max_loras, max_lora_rank), not both", param="lora")
+    given["lora"] = LoRAConfig(**settings)

@@ -51,6 +51,7 @@ from .detokenizer import DecodeError
 from .inputs import as_prompt_list
 from .locks import Locks
 from .logprobs import prompt_logprobs
+from .lora import AdapterRequests, AdapterSet, loras_per_prompt
 from .outputs import EngineStats, RequestMetrics, RequestOutput, StepOutput, TokenEvent, TokenLogprobs
 from .request import Request, RequestState
 from .runner import ModelRunner
@@ -117,6 +118,7 @@ class Engine:
         config = EngineConfig.of(config, **settings)
         runners = {"pool": not config.pool.is_default, "compile": config.compile != "auto"}
         runners["attention_backend"] = config.attention_backend is not None
+        runners["lora"] = config.lora is not None
         if any(runners.values()):  # the runner was built with its own: these would be ignored here
             given = ", ".join(name for name, set_ in runners.items() if set_)
             raise ConfigError(
@@ -136,6 +138,7 @@ class Engine:
             compile_timeout=config.compile_timeout,
             arguments=arguments,
         )
+        self._adapters = AdapterRequests(getattr(runner, "adapters", None))  # requests naming a LoRA adapter
         self._init_state()
         self._closed = False
 
@@ -206,6 +209,7 @@ class Engine:
         request_id: str | None = None,
         namespace: Hashable = None,
         priority: int = 0,
+        lora: str | None = None,
         **generate_kwargs: Any,
     ) -> str:
         """Queue a request; returns its id. Raises a typed error (and queues nothing) for bad input.
@@ -213,14 +217,16 @@ class Engine:
         ``prompt`` may be a :class:`~.request.Request` (then nothing else is given), or a prompt with ``params``: a
         :class:`SamplingParams` or a dict of its fields; or pass the front end's keyword arguments instead (see
         :class:`Engine`). The request is reported by :meth:`step` / :meth:`step_events`.
-        ``priority`` (``scheduling_policy="priority"`` only): lower values are admitted first.
+        ``priority`` (``scheduling_policy="priority"`` only): lower values are admitted first. ``lora``: the name of a
+        loaded LoRA adapter to serve it with (:attr:`loras`).
         """
         if isinstance(prompt, Request):
-            if params is not None or generate_kwargs or request_id is not None or namespace is not None or priority:
-                raise InvalidRequestError("a Request carries its own parameters, id, namespace and priority")
+            given = (params, request_id, namespace, lora)
+            if generate_kwargs or priority or any(value is not None for value in given):
+                raise InvalidRequestError("a Request carries its own parameters, id, namespace, priority and lora")
             return self._submit(self._validate(prompt), owner=None).request_id
         (spec,) = self._admission.specs(params, generate_kwargs, 1)
-        request = Request(prompt, request_id=request_id, namespace=namespace, priority=priority)
+        request = Request(prompt, request_id=request_id, namespace=namespace, priority=priority, lora=lora)
         return self._submit(self._validate(request, spec), owner=None).request_id
 
     def abort(self, request_id: str) -> RequestOutput:
@@ -269,6 +275,7 @@ class Engine:
         use_tqdm: bool = True,
         namespace: Hashable = None,
         priority: int = 0,
+        lora: str | Sequence[str | None] | None = None,
         **generate_kwargs: Any,
     ) -> list[RequestOutput]:
         """Generate for many prompts; returns one output per prompt, in order.
@@ -276,15 +283,18 @@ class Engine:
         ``params``: one :class:`SamplingParams` (or dict of its fields) for all prompts, or one per prompt; or
         ``model.generate``'s keyword arguments (see :class:`Engine`). A prompt with bad input or bad parameters
         gets an output with ``error`` set (finish reason "error"); the others finish. Arguments that are wrong
-        whatever the prompt (e.g. ``num_beams=4``) raise :class:`~pagedcore.errors.InvalidRequestError`.
+        whatever the prompt (e.g. ``num_beams=4``) raise :class:`~pagedcore.errors.InvalidRequestError`. ``lora``:
+        a loaded adapter's name for every prompt, or one name (or None: the base model) per prompt.
         """
         prompt_list = as_prompt_list(prompts)
         specs = self._admission.specs(params, generate_kwargs, len(prompt_list))
+        loras = loras_per_prompt(lora, len(prompt_list))
         outputs: list[RequestOutput | None] = [None] * len(prompt_list)
         valid: list[tuple[int, RequestState]] = []
         for i, (prompt, spec) in enumerate(zip(prompt_list, specs)):
             try:
-                valid.append((i, self._validate(Request(prompt, namespace=namespace, priority=priority), spec)))
+                asked = Request(prompt, namespace=namespace, priority=priority, lora=loras[i])
+                valid.append((i, self._validate(asked, spec)))
             except PagedCoreError as exc:
                 outputs[i] = self._rejected(prompt, spec, exc)
         owner = object()
@@ -314,6 +324,7 @@ class Engine:
         *,
         namespace: Hashable = None,
         priority: int = 0,
+        lora: str | Sequence[str | None] | None = None,
         **generate_kwargs: Any,
     ) -> Iterator[TokenEvent]:
         """Yield every token of every request as it is produced (a sample's last event has ``finish_reason``).
@@ -324,10 +335,11 @@ class Engine:
         """
         prompt_list = as_prompt_list(prompts)
         specs = self._admission.specs(params, generate_kwargs, len(prompt_list))
+        loras = loras_per_prompt(lora, len(prompt_list))
         new = []
         for i, (prompt, spec) in enumerate(zip(prompt_list, specs)):
             try:
-                new.append(self._validate(Request(prompt, namespace=namespace, priority=priority), spec))
+                new.append(self._validate(Request(prompt, namespace=namespace, priority=priority, lora=loras[i]), spec))
             except InvalidRequestError as exc:
                 if len(prompt_list) == 1:
                     raise
@@ -338,6 +350,12 @@ class Engine:
         """Counters and gauges (see :class:`EngineStats`)."""
         with self._lock:
             return engine_stats(self._counters, self.scheduler.stats, self.runner.kv, self.runner.stats())
+
+    @property
+    def loras(self) -> AdapterSet:
+        """The runner's LoRA adapters: ``load(name, path)``, ``unload(name)``, ``adapters()`` (thread-safe; raises
+        :class:`~pagedcore.errors.AdapterError` when the Engine was built without ``enable_lora``)."""
+        return self._adapters.require()
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -422,6 +440,7 @@ class Engine:
                 self.runner.check_weights()  # after a weight update: forget the old prefixes before admitting
                 self._weights_version = self.runner.weights_version  # what this step's forward computes with
                 self._admit_compiled()
+                self._adapters.admit(self.scheduler, self._fail)  # whose adapter can enter the model now
                 plan = self.scheduler.schedule()
             with timed("prepare"):
                 self._counters.peak_bytes = max(self._counters.peak_bytes, self.runner.used_bytes())
@@ -582,7 +601,7 @@ class Engine:
     # ------------------------------------------------------------------ requests: validate -> submit -> finish
     def _validate(self, request: Request, spec: Spec | None = None) -> RequestState:
         """Everything about one request that can be refused, checked before anything is queued."""
-        return self._admission.validate(request, spec, fresh_id=self._fresh_id)
+        return self._admission.validate(self._adapters.narrow(request), spec, fresh_id=self._fresh_id)
 
     def _admit_compiled(self) -> None:
         """Schedule the held requests whose grammar is built; fail those whose grammar failed or timed out."""
@@ -594,7 +613,7 @@ class Engine:
                 continue
             if error is None:
                 try:
-                    self.scheduler.add(request.sequence)
+                    self._adapters.enqueue(request, self.scheduler)
                 except PagedCoreError as exc:  # e.g. the pool was rebuilt smaller while the grammar compiled
                     self._fail(request, f"{type(exc).__name__}: {exc}")
             else:
@@ -613,7 +632,7 @@ class Engine:
                 if request.grammar is not None and grammars is not None:
                     grammars.hold(request.grammar, request)  # scheduled once its grammar is built
                 else:
-                    self.scheduler.add(request.sequence)
+                    self._adapters.enqueue(request, self.scheduler)
                 self._requests[rid] = request
             self._counters.requests += 1
             if request.sequence is None:  # max_new_tokens=0: done at once
@@ -657,6 +676,7 @@ class Engine:
         request.done += 1
         if request.is_done:
             request.output.metrics.finish_time = time.perf_counter()
+            self._adapters.finish(request)
             self._requests.pop(request.request_id, None)
             self._ready.append((request.owner, request.output))
             outcome = "failed" if request.output.error else "aborted" if reason == FinishReason.ABORT.value else ""

@@ -36,6 +36,7 @@ class Request:
         request_id: its id (None: the Engine picks one); no ``#``, which marks a parallel sample's sequence.
         namespace: its prefix-cache namespace (the tenant): it shares cached blocks only within it.
         priority: with the ``"priority"`` scheduling policy, lower values are admitted first.
+        lora: the name of the LoRA adapter to serve it with (None: the base model); see :mod:`.lora`.
 
     Example:
         >>> Request([5, 6, 7], SamplingParams(max_new_tokens=4), namespace="tenant-a").params.max_new_tokens
@@ -47,6 +48,7 @@ class Request:
     request_id: str | None = None
     namespace: Hashable = None
     priority: int = 0
+    lora: str | None = None
 
 
 @dataclass(eq=False)

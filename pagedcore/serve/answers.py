@@ -179,7 +179,7 @@ class Shape:
         ``return_token_ids``) and the echoed prompt's log-probabilities."""
         body: dict[str, Any] = {"index": index}
         if self.chat:
-            body["delta"] = self._delta(choice, text, finish_reason)
+            body["delta"] = self._delta(choice, text, finish_reason, token_ids)
         else:
             body["text"] = text
         body.update(logprobs=self._stream_logprobs(choice, token_ids, logprobs), finish_reason=finish_reason)
@@ -199,7 +199,9 @@ class Shape:
             chunk["prompt_logprobs"] = self.options.format.prompt(self._prompt_entries(choice))
         return chunk
 
-    def _delta(self, choice: Choice, text: str, finish_reason: str | None) -> dict[str, Any]:
+    def _delta(
+        self, choice: Choice, text: str, finish_reason: str | None, token_ids: Sequence[int] = ()
+    ) -> dict[str, Any]:
         """A chat chunk's delta: the role in a choice's first, its new content (and reasoning, split as it streams)."""
         delta: dict[str, Any] = {"role": self.role, "content": ""} if not choice.started else {}
         if self.reasoning is None:
@@ -208,7 +210,7 @@ class Shape:
             return delta
         if choice.splitter is None:
             choice.splitter = self.reasoning.splitter()
-        thought, content = choice.splitter.feed(text)
+        thought, content = choice.splitter.feed(text, token_ids)
         if finish_reason is not None:
             more_thought, more_content = choice.splitter.flush()
             thought, content = thought + more_thought, content + more_content
@@ -224,7 +226,7 @@ class Shape:
             body: dict[str, Any] = {"index": index}
             reason = choice.reason
             if self.chat:
-                body["message"], reason = self.message(text, reason)
+                body["message"], reason = self.message(text, reason, choice.token_ids)
             else:
                 body["text"] = text
             body.update(logprobs=self._logprobs(choice), finish_reason=reason)
@@ -243,9 +245,12 @@ class Shape:
             answer["prompt_logprobs"] = self.options.format.prompt(self._prompt_entries(tally.choices[0]))
         return answer
 
-    def message(self, text: str, reason: str | None) -> tuple[dict[str, Any], str | None]:
+    def message(
+        self, text: str, reason: str | None, token_ids: Sequence[int] = ()
+    ) -> tuple[dict[str, Any], str | None]:
         """A chat answer's message and finish reason: with tools, a finished answer that called them has
-        ``tool_calls`` and the reason ``"tool_calls"`` (an answer cut by its length is left as text).
+        ``tool_calls`` and the reason ``"tool_calls"`` (an answer cut by its length is left as text). ``token_ids``:
+        the answer's tokens (a reasoning format of special tokens reads them).
 
         Example:
             >>> Shape(True, "chatcmpl-1", 0, "m").message("Hi", "stop")
@@ -254,7 +259,7 @@ class Shape:
         thought: str | None = None
         content: str | None = text
         if self.reasoning is not None:
-            thought, content = self.reasoning.split(text)
+            thought, content = self.reasoning.split(text, token_ids)
         if self.tools is None or reason != "stop" or content is None:
             message = {"role": self.role, **self._reasoned(thought, content)}
             return message, reason
@@ -280,7 +285,9 @@ class Shape:
             >>> chunk["delta"]["tool_calls"][0]["function"], chunk["finish_reason"]
             ({'name': 'f', 'arguments': '{"x": 1}'}, 'tool_calls')
         """
-        message, reason = self.message(self.options.prefix(choice.prompt) + choice.text, finish_reason)
+        message, reason = self.message(
+            self.options.prefix(choice.prompt) + choice.text, finish_reason, choice.token_ids
+        )
         chunk = self.chunk(index, choice, "", reason, choice.token_ids, choice.logprobs)
         delta = chunk["choices"][0]["delta"]
         delta.update((key, value) for key, value in message.items() if key != "role")

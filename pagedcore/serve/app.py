@@ -16,7 +16,7 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 from pagedcore import __version__
-from pagedcore.errors import ConfigError
+from pagedcore.errors import AdapterError, ConfigError
 
 from .auth import ApiKeys
 from .body import BodyLimits
@@ -30,6 +30,7 @@ from .prompts import PromptEncoder
 from .reasoning import Reasoning
 from .responses_api.store import DEFAULT_STORE_BYTES, ResponseStore
 from .routes import ROUTERS
+from .routes import lora as lora_routes
 from .routes.completions import DEFAULT_COMPLETION_MAX_TOKENS
 from .server_logs import RequestLog
 from .tool_calls import TOOL_PARSERS
@@ -63,6 +64,10 @@ class AppOptions:
         request_log: log each request (``--enable-log-requests``; None: no).
         responses_store_bytes: the Responses API keeps responses (for ``previous_response_id``) within this many
             bytes per tenant.
+        lora_parents: LoRA adapter name -> the served name ``/v1/models`` shows as its parent (``--lora-modules``'
+            ``base_model_name``; default: the model's first name).
+        runtime_lora_updating: serve ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (vLLM's
+            ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``; they need an engine built with LoRA).
 
     Example:
         >>> AppOptions(allowed_origins=("*",)).allowed_methods
@@ -88,6 +93,8 @@ class AppOptions:
     request_id_headers: bool = False
     request_log: RequestLog | None = None
     responses_store_bytes: int = DEFAULT_STORE_BYTES
+    lora_parents: Mapping[str, str] = field(default_factory=dict)
+    runtime_lora_updating: bool = False
 
 
 def create_app(
@@ -139,16 +146,23 @@ def create_app(
         openapi_url="/openapi.json" if options.openapi else None,
     )
     app.state.serve = _context(loop, model_name, api_keys, tokenizer, context, limits, options, tool_call_parser, eos)
+    _add_middleware(app, options)
+    install_error_handlers(app)
+    for router in ROUTERS:
+        app.include_router(router)
+    if options.runtime_lora_updating and app.state.serve.adapters is not None:  # vLLM's switch, as vLLM
+        app.include_router(lora_routes.router)
+    install_openapi(app)
+    return app
+
+
+def _add_middleware(app: FastAPI, options: AppOptions) -> None:
+    """CORS, ``X-Request-Id`` headers and the root path, as the options ask."""
     _add_cors(app, options)
     if options.request_id_headers:
         app.add_middleware(RequestIdHeaders)
     if options.root_path:
         app.add_middleware(RootPath, root_path=options.root_path)
-    install_error_handlers(app)
-    for router in ROUTERS:
-        app.include_router(router)
-    install_openapi(app)
-    return app
 
 
 def _context(
@@ -178,6 +192,9 @@ def _context(
         settings=_settings(options, reasoning, model_name),
         responses=ResponseStore(options.responses_store_bytes),
         eos_token_ids=eos,
+        adapters=_adapters(loop),
+        lora_parents=dict(options.lora_parents),
+        runtime_lora_updating=options.runtime_lora_updating,
     )
 
 
@@ -207,6 +224,16 @@ def _engine_defaults(loop: RequestLoop, tokenizer: Any, context: int | None) -> 
     elif isinstance(getattr(tokenizer, "eos_token_id", None), int):
         eos = (tokenizer.eos_token_id,)
     return tokenizer, context, eos
+
+
+def _adapters(loop: RequestLoop) -> Any:
+    """An :class:`EngineLoop`'s engine's LoRA adapters, when it serves them (else None)."""
+    if not isinstance(loop, EngineLoop):
+        return None
+    try:
+        return loop.engine.loras
+    except AdapterError:  # an engine built without enable_lora
+        return None
 
 
 def _add_cors(app: FastAPI, options: AppOptions) -> None:

@@ -36,6 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         >>> args.model_tag, args.host, args.port, args.max_queue, args.api_key, args.handler is run
         ('some/model', '127.0.0.1', 9000, 8, ['sk-1'], True)
     """
+    from .lora_flags import add_lora_flags
     from .vllm_flags import DTYPES, add_refused, add_vllm_flags, human_int, json_list
 
     parser.allow_abbrev = False
@@ -80,6 +81,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="on SIGTERM, seconds running requests may take to finish before they are aborted (default 30)",
     )
     add_vllm_flags(parser)
+    add_lora_flags(parser)
     add_refused(parser)
     _add_ray_flags(parser)
     parser.set_defaults(handler=run)
@@ -254,6 +256,7 @@ def _build(args: argparse.Namespace, error: type[Exception]) -> tuple[Any, Any, 
     from .app import create_app
     from .body import body_limits
     from .loop import EngineLoop
+    from .lora_flags import load_lora_modules
     from .server import bind, make_server
     from .server_logs import configure_logging
     from .startup import print_notes
@@ -267,19 +270,28 @@ def _build(args: argparse.Namespace, error: type[Exception]) -> tuple[Any, Any, 
         engine = Engine(model, tokenizer, config=engine_config(args, _memory_budget(args, error)))
     except ConfigError as exc:  # e.g. --max-model-len over the model's context
         raise flag_error(exc, error) from exc
+    try:
+        load_lora_modules(engine, getattr(args, "lora_modules", None), error)
+    except BaseException:
+        engine.close()
+        raise
     context = engine.context.limit
     loop = EngineLoop(engine, max_queue=args.max_queue)
     names = args.served_model_name or [name]
     options = _app_options(args, names, error, tokenizer)
-    app = create_app(
-        loop,
-        model_name=names[0],
-        api_keys=api_keys,
-        context_length=context,
-        limits=body_limits(args),
-        options=options,
-        tool_call_parser=args.tool_call_parser,
-    )
+    try:
+        app = create_app(
+            loop,
+            model_name=names[0],
+            api_keys=api_keys,
+            context_length=context,
+            limits=body_limits(args),
+            options=options,
+            tool_call_parser=args.tool_call_parser,
+        )
+    except ConfigError as exc:  # e.g. a reasoning parser whose markers the tokenizer lacks
+        engine.close()
+        raise error(str(exc)) from exc
     sock = bind(args.host, args.port)
     port = sock.getsockname()[1]
     server = make_server(
@@ -326,6 +338,7 @@ def _announce(
 
 
 def _check(args: argparse.Namespace, error: type[Exception]) -> None:
+    from .lora_flags import check_lora_flags
     from .vllm_flags import check_refused, check_vllm_flags
 
     if not 0 <= args.port <= 65535:
@@ -353,6 +366,7 @@ def _check(args: argparse.Namespace, error: type[Exception]) -> None:
     _check_vllm_flags(args, error)
     check_vllm_flags(args, error)
     check_refused(args, error)
+    check_lora_flags(args, error, served=args.served_model_name or [args.model or BUILTIN_NAME])
     if getattr(args, "config", None) is not None:
         raise error("--config is read by the pagedcore command (pagedcore serve --config FILE.yaml)")
     from pagedcore.cli.common import check_device, check_model_path  # before torch loads: seconds sooner
@@ -410,6 +424,7 @@ _NOT_WITH_RAY: dict[str, Any] = {
     "enable_request_id_headers": False,
     "enable_log_requests": False,
     "disable_uvicorn_access_log": False,
+    "enable_lora": False,
     "header_timeout": None,  # Ray Serve's HTTP proxy holds the connections
     "max_connections_per_client": None,
 }
@@ -452,6 +467,7 @@ def engine_config(args: argparse.Namespace, memory_budget: Any = None) -> Any:
     """
     from pagedcore.config import PoolConfig
     from pagedcore.engine.config import EngineConfig
+    from pagedcore.engine.lora import LoRAConfig
     from pagedcore.scheduler import SchedulerConfig
 
     from .startup import compile_mode
@@ -468,8 +484,14 @@ def engine_config(args: argparse.Namespace, memory_budget: Any = None) -> Any:
         max_num_seqs=args.max_num_seqs,
         enable_prefix_caching=args.enable_prefix_caching,
     )
+    lora = LoRAConfig(args.max_loras, args.max_lora_rank) if getattr(args, "enable_lora", False) else None
     return EngineConfig(
-        pool, scheduler, max_logprobs=args.max_logprobs, max_model_len=args.max_model_len, compile=compile_mode(args)
+        pool,
+        scheduler,
+        max_logprobs=args.max_logprobs,
+        max_model_len=args.max_model_len,
+        compile=compile_mode(args),
+        lora=lora,
     )
 
 
@@ -511,6 +533,7 @@ def _app_options(args: argparse.Namespace, names: list[str], error: type[Excepti
     from pathlib import Path
 
     from .app import AppOptions
+    from .lora_flags import parents, runtime_lora_updating
     from .server_logs import RequestLog
     from .startup import sampling_defaults
 
@@ -539,6 +562,8 @@ def _app_options(args: argparse.Namespace, names: list[str], error: type[Excepti
         openapi=not args.disable_fastapi_docs,
         request_id_headers=args.enable_request_id_headers,
         request_log=RequestLog(args.max_log_len) if args.enable_log_requests else None,
+        lora_parents=parents(getattr(args, "lora_modules", None)),
+        runtime_lora_updating=runtime_lora_updating(),
     )
 
 

@@ -80,6 +80,11 @@ class ServeContext:
         settings: what the vLLM flags set for every request (:class:`ServeSettings`).
         responses: the responses kept for ``previous_response_id`` (the Responses API).
         eos_token_ids: the model's stop tokens, which a request's ``stop_token_ids`` add to (vLLM's rule).
+        adapters: the engine's LoRA adapters (:class:`~pagedcore.engine.lora.AdapterSet`: a request's ``model`` may
+            name one), or None.
+        lora_parents: adapter name -> the served name ``/v1/models`` shows as its ``parent`` (default: the first).
+        runtime_lora_updating: ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` are served (vLLM's
+            ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``).
 
     Example:
         >>> ctx = ServeContext(loop=None, metrics=None, model_name="tiny", encoder=PromptEncoder(None, None))
@@ -106,6 +111,9 @@ class ServeContext:
     responses: ResponseStore = field(default_factory=ResponseStore)
     eos_token_ids: tuple[int, ...] = ()
     created: int = field(default_factory=lambda: int(time.time()))
+    adapters: Any = None
+    lora_parents: dict[str, str] = field(default_factory=dict)
+    runtime_lora_updating: bool = False
 
     @property
     def model_names(self) -> tuple[str, ...]:
@@ -131,20 +139,41 @@ class ServeContext:
             raise ApiError(401, "a valid API key is required: Authorization: Bearer KEY", code="invalid_api_key")
         return tenant
 
-    def check_model(self, name: str | None) -> None:
-        """Raise :class:`ApiError` 404 unless ``name`` is one of the served model's names."""
-        if name not in self.model_names:
-            served = " or ".join(repr(n) for n in self.model_names)
-            raise ApiError(
-                404,
-                f"the model {name!r} does not exist; this server serves {served}",
-                param="model",
-                code="model_not_found",
-            )
+    def check_model(self, name: str | None) -> str | None:
+        """The LoRA adapter ``name`` names (None: the base model, under one of its names); raise :class:`ApiError`
+        404 for any other name."""
+        if name in self.model_names:
+            return None
+        if self.adapters is not None and isinstance(name, str) and name in self.adapter_names():
+            return name
+        served = " or ".join(repr(n) for n in self.model_names)
+        loaded = " or a loaded LoRA adapter (GET /v1/models)" if self.adapters is not None else ""
+        raise ApiError(
+            404,
+            f"the model {name!r} does not exist; this server serves {served}{loaded}",
+            param="model",
+            code="model_not_found",
+        )
+
+    def adapter_names(self) -> list[str]:
+        """The LoRA adapters loaded now, in load order (none without ``--enable-lora``)."""
+        return [] if self.adapters is None else [info.name for info in self.adapters.adapters()]
+
+    def model_cards(self) -> list[dict[str, Any]]:
+        """``/v1/models``' list: the model under each of its names, then each loaded adapter (vLLM's cards)."""
+        cards = [self.model_card(name) for name in self.model_names]
+        if self.adapters is not None:
+            cards.extend(self._adapter_card(info) for info in self.adapters.adapters())
+        return cards
 
     def model_card(self, name: str | None = None) -> dict[str, Any]:
         """The served model as ``/v1/models`` lists it (under ``name``, default its first name), with vLLM's fields:
-        ``root`` (the model's path), ``parent`` (None: a base model), ``max_model_len`` and ``permission``."""
+        ``root`` (the model's path), ``parent`` (None: a base model), ``max_model_len`` and ``permission``; a LoRA
+        adapter's name gives the adapter's card."""
+        if name is not None and name not in self.model_names and self.adapters is not None:
+            for info in self.adapters.adapters():
+                if info.name == name:
+                    return self._adapter_card(info)
         card: dict[str, Any] = {
             "id": name or self.model_name,
             "object": "model",
@@ -157,6 +186,19 @@ class ServeContext:
             card["max_model_len"] = self.context_length
         card["permission"] = [_permission(self.created)]
         return card
+
+    def _adapter_card(self, info: Any) -> dict[str, Any]:
+        """vLLM's card of a LoRA adapter: its folder as ``root``, the base model's name as ``parent``."""
+        return {
+            "id": info.name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "pagedcore",
+            "root": info.path,
+            "parent": self.lora_parents.get(info.name, self.model_name),
+            "max_model_len": None,
+            "permission": [_permission(self.created)],
+        }
 
     def logprob_format(self, as_ids: bool = False, *, server_default: bool = True) -> LogprobFormat:
         """How answers show tokens in log-probabilities: decoded by the tokenizer (special tokens kept), or as

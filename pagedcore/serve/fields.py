@@ -67,7 +67,7 @@ _H = (CHAT,)
 
 FIELDS: dict[str, FieldRule] = {
     # ------------------------------------------------------------------ what to answer
-    "model": _impl("the served model's name (or one of the --served-model-name aliases)"),
+    "model": _impl("the served model's name (or one of the --served-model-name aliases), or a loaded LoRA adapter's"),
     "prompt": _impl("a string, token ids, or a batch of either", _C),
     "messages": _impl("text messages through the chat template", _H),
     "max_tokens": _impl("new tokens at most (completions: 16 by default; chat: what the pool and context hold)"),

@@ -14,6 +14,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
+from .lora_bodies import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from .openapi_responses import tighten_responses
 from .openapi_rules import ServedFacts, tighten
 from .protocol import ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
@@ -27,6 +28,8 @@ REQUEST_MODELS: tuple[type[BaseModel], ...] = (
     ResponsesRequest,
     TokenizeRequest,
     DetokenizeRequest,
+    LoadLoRAAdapterRequest,
+    UnloadLoRAAdapterRequest,
 )
 _REF = "#/components/schemas/{model}"
 
@@ -158,7 +161,7 @@ def served_facts(serve: Any) -> ServedFacts:
     max_logprobs = getattr(engine, "max_logprobs", None)
     scheduler = getattr(engine, "scheduler", None)
     return ServedFacts(
-        model_names=serve.model_names,
+        model_names=(*serve.model_names, *serve.adapter_names()),
         vocab_size=vocab,
         context=serve.context_length,
         max_prompt_chars=serve.encoder.max_chars,

@@ -31,7 +31,17 @@ from .responses import JobStream, collect, sse_events
 from .sampling_defaults import apply_defaults
 from .tool_calls import ToolCalls
 
-__all__ = ["Renderer", "answer", "fit_prompts", "namespace_of", "off_loop", "read_request", "requests_of", "shape_of"]
+__all__ = [
+    "Renderer",
+    "answer",
+    "fit_prompts",
+    "lora_of",
+    "namespace_of",
+    "off_loop",
+    "read_request",
+    "requests_of",
+    "shape_of",
+]
 
 T = TypeVar("T")
 
@@ -108,17 +118,29 @@ def fit_prompts(
 
 
 def requests_of(
-    prompts: Sequence[str | Sequence[int]], params: SamplingParams, namespace: Hashable
+    prompts: Sequence[str | Sequence[int]], params: SamplingParams, namespace: Hashable, lora: str | None = None
 ) -> list[engine_request.Request]:
     """A generation request's engine requests, one per prompt: the one conversion of a request body at the edge
     (prompts token ids, or texts when the server has no tokenizer; the sampling parameters, stop strings included:
-    stopping is the Engine's; the prefix-cache namespace, :func:`namespace_of`).
+    stopping is the Engine's; the prefix-cache namespace, :func:`namespace_of`; the LoRA adapter its ``model``
+    names, :func:`lora_of`).
 
     Example:
         >>> requests_of([[5], [6, 7]], SamplingParams(stop_strings=["\\n"]), "tenant")[1].prompt
         [6, 7]
     """
-    return [engine_request.Request(prompt, params, namespace=namespace) for prompt in prompts]
+    return [engine_request.Request(prompt, params, namespace=namespace, lora=lora) for prompt in prompts]
+
+
+def lora_of(ctx: ServeContext, body: Any) -> str | None:
+    """The LoRA adapter a request's ``model`` names (None: the base model); 404 for a name not served.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> lora_of(None, SimpleNamespace(model=None)) is None
+        True
+    """
+    return None if body.model is None else ctx.check_model(body.model)
 
 
 def shape_of(ctx: ServeContext, body: Any, chat: bool, options: AnswerOptions, tools: ToolCalls | None = None) -> Shape:
@@ -132,7 +154,8 @@ def shape_of(ctx: ServeContext, body: Any, chat: bool, options: AnswerOptions, t
     """
     prefix = "chatcmpl" if chat else "cmpl"
     response_id = f"{prefix}-{body.request_id or uuid.uuid4().hex}"
-    return Shape(chat, response_id, int(time.time()), ctx.model_name, options, tools)
+    name = lora_of(ctx, body) or ctx.model_name  # an adapter's answers carry its name (vLLM)
+    return Shape(chat, response_id, int(time.time()), name, options, tools)
 
 
 class Renderer(Protocol):

@@ -73,7 +73,12 @@ _EXPECTED = {
 }
 
 # The Engine's names of request fields (an error's ``param``) as clients know them; the others are the same.
-_CLIENT_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "stop_strings": "stop"}
+_CLIENT_NAMES = {
+    "max_new_tokens": "max_tokens",
+    "min_new_tokens": "min_tokens",
+    "stop_strings": "stop",
+    "lora": "model",  # the LoRA adapter a request names
+}
 
 
 class ApiError(Exception):

@@ -20,9 +20,11 @@ constraint in a grammar that allows free text up to ``</think>`` (the marker tok
 after it, so the reasoning is free and the content is exactly what the constraint allows. Tool calls are parsed
 from the content alone.
 
-gpt-oss's channel format (``<|channel|>analysis<|message|>...``, vLLM's ``openai`` / harmony parser) is not here:
-gpt-oss is not servable yet (attention sinks); when it is, its format is one more entry of :data:`FORMATS` with its
-own splitter.
+- ``openai_gptoss`` (vLLM's name; ``gpt_oss`` too): gpt-oss's channel format,
+  ``<|channel|>analysis<|message|>...<|end|>`` then ``<|start|>assistant<|channel|>final<|message|>...``: the
+  analysis channel is the reasoning, the rest the content.
+  Its markers are special tokens, left out of an answer's text, so it is split from the answer's token ids
+  (:mod:`.harmony`).
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedcore.adapters.transformers.structured import GrammarCompiler, StructuredOutput
+
+from .harmony import HarmonyFormat, HarmonySplitter, harmony_grammar, harmony_state, thought_tokens
 
 __all__ = [
     "ENDED",
@@ -83,9 +87,11 @@ class ReasoningFormat:
         return f"{self.start}\n\n{self.end}\n\n"
 
 
-FORMATS: dict[str, ReasoningFormat] = {
+FORMATS: dict[str, ReasoningFormat | HarmonyFormat] = {
     "deepseek_r1": ReasoningFormat("deepseek_r1", implicit=True),
     "qwen3": ReasoningFormat("qwen3", implicit=False),
+    "openai_gptoss": HarmonyFormat("openai_gptoss"),
+    "gpt_oss": HarmonyFormat("gpt_oss"),  # the same parser under the model family's name
 }
 """The reasoning formats, by ``--reasoning-parser`` name."""
 
@@ -111,8 +117,8 @@ class ThinkSplitter:
         self._at_start = True  # a leading start marker is dropped (the model opened the block itself)
         self._held = ""
 
-    def feed(self, text: str) -> tuple[str, str]:
-        """The reasoning and the content ``text`` (the next delta) makes final."""
+    def feed(self, text: str, token_ids: Sequence[int] = ()) -> tuple[str, str]:
+        """The reasoning and the content ``text`` (the next delta; its tokens are not needed) makes final."""
         self._held += text
         reasoning = content = ""
         while self._held:
@@ -195,12 +201,25 @@ class Reasoning:
 
     def __init__(self, name: str, tokenizer: Any) -> None:
         self.format = FORMATS[name]
-        self._ids = {marker: _single_token(tokenizer, marker) for marker in (self.format.start, self.format.end)}
+        self._tokenizer = tokenizer
+        fmt = self.format
+        if isinstance(fmt, HarmonyFormat):
+            self._harmony: dict[str, int] | None = fmt.marker_ids(tokenizer)  # refused without its special tokens
+            self._ids: dict[str, int | None] = {}
+        else:
+            self._harmony = None
+            self._ids = {marker: _single_token(tokenizer, marker) for marker in (fmt.start, fmt.end)}
 
     @property
     def name(self) -> str:
         """The ``--reasoning-parser`` name."""
         return self.format.name
+
+    @property
+    def reads_tokens(self) -> bool:
+        """Whether answers are split from their tokens (markers that are special tokens, left out of the text): a
+        stream must then feed the splitter every token, even one that adds no text."""
+        return self._harmony is not None
 
     def state(self, generation_prompt: str) -> str:
         """Where an output starts, from the text the template wrote after the last message (its generation
@@ -210,19 +229,41 @@ class Reasoning:
             >>> Reasoning("qwen3", None).state("<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n")
             'ended'
         """
-        start, end = generation_prompt.rfind(self.format.start), generation_prompt.rfind(self.format.end)
+        fmt = self.format
+        if isinstance(fmt, HarmonyFormat):
+            return harmony_state(generation_prompt)
+        start, end = generation_prompt.rfind(fmt.start), generation_prompt.rfind(fmt.end)
         if start < 0 and end < 0:
             return OPEN
         return ENDED if end > start else INSIDE
 
-    def splitter(self, state: str) -> ThinkSplitter:
-        """A splitter for one streamed answer that starts in ``state``."""
-        return ThinkSplitter(self.format, state)
+    def decode_prompt(self, token_ids: Sequence[int], decode: Callable[[Sequence[int]], str]) -> str:
+        """A prompt's text as :meth:`state` reads it: ``decode``'s, or, for a format of special tokens, the
+        tokenizer's with them kept."""
+        if self._harmony is None:
+            return decode(token_ids)
+        return str(self._tokenizer.decode(list(token_ids), skip_special_tokens=False))
 
-    def split(self, text: str, state: str) -> tuple[str | None, str | None]:
-        """A whole answer's reasoning and content (None where there is none)."""
+    def splitter(self, state: str) -> ThinkSplitter | HarmonySplitter:
+        """A splitter for one streamed answer that starts in ``state``."""
+        if self._harmony is not None:
+            return HarmonySplitter(self._tokenizer, state)
+        fmt = self.format
+        assert isinstance(fmt, ReasoningFormat)
+        return ThinkSplitter(fmt, state)
+
+    def thought_tokens(self, state: str, token_ids: Sequence[int]) -> int | None:
+        """How many of an answer's tokens precede its content, for a format read from tokens (None for the others:
+        their markers are text, counted from it)."""
+        if self._harmony is None:
+            return None
+        return thought_tokens(self._tokenizer, state, token_ids)
+
+    def split(self, text: str, state: str, token_ids: Sequence[int] = ()) -> tuple[str | None, str | None]:
+        """A whole answer's reasoning and content (None where there is none); ``token_ids``: its tokens (a format of
+        special tokens reads them, not the text)."""
         splitter = self.splitter(state)
-        reasoning, content = splitter.feed(text)
+        reasoning, content = splitter.feed(text, token_ids)
         more_reasoning, more_content = splitter.flush()
         reasoning, content = reasoning + more_reasoning, content + more_content
         return (reasoning if splitter.thought else None), (content or None)
@@ -240,8 +281,12 @@ class Reasoning:
         if state == ENDED:
             return spec
         inner = _embedded(_parser().parse(spec))
-        start, end = (self._marker(m) for m in (self.format.start, self.format.end))
-        opens = state == INSIDE or self.format.implicit  # the output is reasoning first (an opening marker optional)
+        if self._harmony is not None:
+            return StructuredOutput.grammar(harmony_grammar(inner, self._harmony, state))
+        fmt = self.format
+        assert isinstance(fmt, ReasoningFormat)
+        start, end = (self._marker(m) for m in (fmt.start, fmt.end))
+        opens = state == INSIDE or fmt.implicit  # the output is reasoning first (an opening marker optional)
         thought = "pagedcore_thought: pagedcore_text_end" + (f" | PAGEDCORE_TEXT {end.token}" if end.token else "")
         rules = [
             f"start: pagedcore_reasoning{'' if opens else '?'} pagedcore_answer",
@@ -273,13 +318,22 @@ class AnswerReasoning:
     state: str
     include: bool = True
 
-    def split(self, text: str) -> tuple[str | None, str | None]:
-        """A whole answer's reasoning and content."""
-        return self.reasoning.split(text, self.state)
+    def split(self, text: str, token_ids: Sequence[int] = ()) -> tuple[str | None, str | None]:
+        """A whole answer's reasoning and content (``token_ids``: its tokens, see :meth:`Reasoning.split`)."""
+        return self.reasoning.split(text, self.state, token_ids)
 
-    def splitter(self) -> ThinkSplitter:
+    def splitter(self) -> ThinkSplitter | HarmonySplitter:
         """A splitter for one streamed answer."""
         return self.reasoning.splitter(self.state)
+
+    @property
+    def reads_tokens(self) -> bool:
+        """Whether the splitter needs every token (see :attr:`Reasoning.reads_tokens`)."""
+        return self.reasoning.reads_tokens
+
+    def thought_tokens(self, token_ids: Sequence[int]) -> int | None:
+        """How many of an answer's tokens precede its content (see :meth:`Reasoning.thought_tokens`)."""
+        return self.reasoning.thought_tokens(self.state, token_ids)
 
     def fields(self, thought: str | None, content: str | None) -> dict[str, Any]:
         """A message's (or a delta's) fields: ``content``, then ``reasoning_content`` and ``reasoning`` (vLLM's names,

@@ -155,11 +155,12 @@ async def sse_events(
 def _due(shape: Shape, event: Delta | Finished, choice: Choice) -> bool:
     """Whether ``event`` sends ``choice`` a chunk: with tools only its end (the answer goes out whole, as text or
     calls); else a token that shows something, and the end of a choice that ended without a token of its own
-    (``max_tokens`` 0)."""
+    (``max_tokens`` 0). A reasoning format of special tokens is fed every token (a marker adds no text)."""
     if shape.tools is not None:
         return not choice.closed and choice.reason is not None
     if isinstance(event, Delta):
         shows_tokens = shape.options.return_token_ids or shape.options.logprobs is not None
+        shows_tokens = shows_tokens or (shape.reasoning is not None and shape.reasoning.reads_tokens)
         return bool(event.text or event.finish_reason or not choice.started or shows_tokens)
     return not choice.closed
 

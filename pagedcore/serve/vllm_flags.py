@@ -44,7 +44,13 @@ REFUSED: dict[str, tuple[Callable[[str], object], object, str]] = {
     "--quantization": (str, None, "load a quantized checkpoint with transformers instead (its config says how)"),
     "--kv-cache-dtype": (str, "auto", "the KV pool holds the model's dtype (--dtype)"),
     "--speculative-config": (str, None, "speculative decoding is not supported"),
-    "--enable-lora": (str, None, "LoRA adapters are not supported"),
+    "--max-cpu-loras": (
+        int,
+        None,
+        "every loaded adapter stays in host memory here; --max-loras bounds those in the model",
+    ),
+    "--lora-dtype": (str, "auto", "adapters keep the dtype PEFT loads them in (float32 for a half-precision model)"),
+    "--fully-sharded-loras": (str, None, "one engine holds the whole model here: nothing is sharded"),
     "--tokenizer-mode": (str, "auto", "the checkpoint's own (fast) tokenizer is always used"),
     "--load-format": (str, "auto", "checkpoints load with transformers' from_pretrained"),
 }
@@ -73,9 +79,9 @@ _VLLM_TOOL_CALL_PARSERS = (
     "granite4", "hunyuan_a13b", "internlm", "jamba", "kimi_k2", "llama4_json", "llama4_pythonic", "longcat",
     "minimax", "minimax_m2", "olmo3", "openai", "phi4_mini_json", "qwen3_xml", "seed_oss", "step3", "xlam",
 )  # fmt: skip
-REASONING_PARSERS = ("deepseek_r1", "qwen3")
+REASONING_PARSERS = ("deepseek_r1", "qwen3", "openai_gptoss", "gpt_oss")
 _VLLM_REASONING_PARSERS = (
-    "deepseek_v3", "ernie45", "glm45", "gpt_oss", "granite", "holo2", "hunyuan_a13b", "kimi_k2", "minimax_m2",
+    "deepseek_v3", "ernie45", "glm45", "granite", "holo2", "hunyuan_a13b", "kimi_k2", "minimax_m2",
     "minimax_m2_append_think", "mistral", "olmo3", "seed_oss", "step3",
 )  # fmt: skip
 _GRAMMAR_BACKENDS = ("auto", "guidance", "llguidance")
@@ -179,7 +185,8 @@ def _add_app_flags(parser: argparse.ArgumentParser) -> None:
         "--reasoning-parser",
         default=None,
         metavar="NAME",
-        help=f"split <think>...</think> off the answer as reasoning_content: {', '.join(REASONING_PARSERS)}",
+        help="split the reasoning (<think>...</think>, gpt-oss's analysis channel) off the answer as "
+        f"reasoning_content: {', '.join(REASONING_PARSERS)}",
     )
     group.add_argument(
         "--default-chat-template-kwargs",
@@ -307,6 +314,9 @@ def generation_config_source(value: str) -> str:
     return value
 
 
+_SWITCHES = ("--fully-sharded-loras",)  # REFUSED flags that take no value (vLLM's store_true)
+
+
 def add_refused(parser: argparse.ArgumentParser) -> None:
     """Add the :data:`REFUSED` flags (hidden from ``--help``) so that :func:`check_refused` can name them.
 
@@ -317,7 +327,7 @@ def add_refused(parser: argparse.ArgumentParser) -> None:
         2
     """
     for flag, (kind, _, _) in REFUSED.items():
-        if kind is str and flag == "--enable-lora":
+        if flag in _SWITCHES:
             parser.add_argument(flag, action="store_const", const="yes", default=None, help=argparse.SUPPRESS)
         else:
             parser.add_argument(flag, type=kind, default=None, help=argparse.SUPPRESS)

@@ -51,6 +51,9 @@ class Engine(BaseEngine):
             writes the cached ones too, so a restarted Engine on the same model answers them from the store.
         compile_timeout: seconds a structured-output request may wait for its grammar to compile (in a worker,
             off the step loop) before it fails with :class:`~pagedcore.errors.GrammarTimeoutError` (30).
+        enable_lora / max_loras / max_lora_rank: serve LoRA adapters (vLLM's names; see :mod:`.lora`): load them
+            with ``engine.loras.load(name, folder)``, and a request names its adapter (``lora="name"``); at most
+            ``max_loras`` (1) in the model at once, none of a rank above ``max_lora_rank`` (16).
 
     Generation parameters: either a :class:`~pagedcore.engine.sampling.SamplingParams` (or a dict of its fields), or
     ``model.generate``'s keyword arguments (``max_new_tokens``, ``do_sample``, ``temperature``, ``top_k``, ``top_p``,
@@ -95,6 +98,9 @@ class Engine(BaseEngine):
         kv_store: KVStoreSpec | None = None,
         kv_store_bytes: int | float | str | None = None,
         compile_timeout: float | None = None,
+        enable_lora: bool | None = None,
+        max_loras: int | None = None,
+        max_lora_rank: int | None = None,
     ) -> None:
         settings = dict(locals())
         for name in ("self", "model", "tokenizer", "config", "pool", "__class__"):
@@ -107,9 +113,10 @@ class Engine(BaseEngine):
             compile=config.compile,
             attention_backend=config.attention_backend,
             tokenizer=tokenizer,
+            lora=config.lora,
         )
         try:
-            own = replace(config, pool=PoolConfig(), compile="auto", attention_backend=None)  # the runner has these
+            own = replace(config, pool=PoolConfig(), compile="auto", attention_backend=None, lora=None)  # the runner's
             super().__init__(runner, tokenizer, config=own, arguments=GenerateKwargs(model))
         except BaseException:
             runner.close()

@@ -143,6 +143,7 @@ class PagedKVPool:
         if isinstance(model, torch.nn.Module):
             self._owner = weakref.ref(model)
         self._weights: WeightsWatch | None = None  # the owner's weights: made by the first check_weights
+        self._adapters_apart = False  # the owner's PEFT adapters are served per request (watch_adapters_apart)
         self._stale_tensors = False  # the owner was converted since the tensors were made: rebuild once idle
         self._slept: tuple[torch.device, torch.dtype] | None = None  # where the tensors were before sleep()
         stores = _stores(self.plugins, config)
@@ -646,7 +647,8 @@ class PagedKVPool:
             if watch is None:
                 owner = self._owner() if self._owner is not None else None
                 if owner is not None:
-                    self._weights = WeightsWatch(owner)  # the baseline: what is stored was computed with these
+                    # the baseline: what is stored was computed with these
+                    self._weights = WeightsWatch(owner, adapters_apart=self._adapters_apart)
                 return 0
             placement = watch.placement
             forgotten = 0
@@ -660,6 +662,26 @@ class PagedKVPool:
             if self._stale_tensors and not self.kv.num_used_blocks:
                 forgotten += self.rebuild()
             return forgotten
+
+    def watch_adapters_apart(self) -> None:
+        """From now on the model's PEFT adapters are served per request, each in its own prefix-cache namespace (an
+        Engine's LoRA adapters, :mod:`.lora`): the weights watch covers the base model only, so loading, switching or
+        deleting an adapter forgets no prefix, while any change of the base weights still forgets them all
+        (:class:`~.weights.WeightsWatch`'s ``adapters_apart``). What changed before this call is checked first.
+
+        Example:
+            >>> from pagedcore.adapters.transformers.testing import tiny_llama
+            >>> model = tiny_llama()
+            >>> pool = PagedKVPool.resolve(model, None, PoolConfig(num_blocks=8))
+            >>> pool.watch_adapters_apart(); pool.check_weights(), pool.weights.adapters_apart
+            (0, True)
+        """
+        with self.lock:
+            self.check_weights()
+            self._adapters_apart = True
+            owner = self.model
+            if owner is not None and (self._weights is None or not self._weights.adapters_apart):
+                self._weights = WeightsWatch(owner, adapters_apart=True)
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix now (vLLM's name): for changes the weights fingerprint cannot see (writes

@@ -4,8 +4,9 @@ causal LM.
 It owns the model's side of an Engine: the pool (:class:`~.pool.PagedKVPool`: the layer tensors, the block
 bookkeeping, the weights watch), the model's attention switched to ``attn_implementation="paged"`` (and back at
 :meth:`TransformersRunner.close`), the forward through a :class:`~.step_batch.PackedCache` with every layer's
-:class:`~.attention.ForwardContext`, and the compiled decode step (:mod:`.compiled`), which it turns off when a
-compiled step fails.
+:class:`~.attention.ForwardContext`, the compiled decode step (:mod:`.compiled`), which it turns off when a
+compiled step fails, and, with ``lora=``, the LoRA adapters requests name (:mod:`.lora`: steps with adapter rows run
+eagerly; the compiled step runs those without).
 
 Example:
     >>> from pagedcore.adapters.transformers.testing import tiny_llama
@@ -18,6 +19,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import logging
@@ -28,6 +30,7 @@ import torch
 
 from pagedcore.attention import to_device
 from pagedcore.config import PoolConfig
+from pagedcore.engine.lora import LoRAConfig
 from pagedcore.engine.packing import pack_tokens
 from pagedcore.engine.runner import CompileCounts, ForwardBatch, ModelInfo, RunnerStats
 from pagedcore.errors import UnsupportedModelError
@@ -38,6 +41,7 @@ from pagedcore.validation import as_integer
 from .attention import ATTN_IMPLEMENTATION, CONTEXT_KEY, ForwardContext
 from .compiled import CompiledDecode, DecodeInputs, resolve_compile
 from .layer_attention import check_paged_attention
+from .lora import LoraAdapters
 from .pool import PagedKVPool
 from .spec import context_limit, text_config
 from .step_batch import PackedCache, PreparedStep
@@ -57,6 +61,8 @@ class TransformersRunner:
         compile: decode-only steps as a compiled graph: ``True``, ``False`` or ``"auto"`` (on CUDA).
         attention_backend: the attention backend's name (None: the plugins' choice for the device).
         tokenizer: the model's tokenizer, when there is one: its eos stops requests too (:func:`eos_token_ids`).
+        lora: serve LoRA adapters with these settings (:class:`~pagedcore.engine.lora.LoRAConfig`; the runner's
+            :attr:`adapters`); None: none.
 
     Example:
         >>> from pagedcore.engine import Engine
@@ -76,6 +82,7 @@ class TransformersRunner:
         compile: bool | str = "auto",
         attention_backend: str | None = None,
         tokenizer: Any = None,
+        lora: LoRAConfig | None = None,
     ) -> None:
         device = model.get_input_embeddings().weight.device
         compiling = resolve_compile(compile, device)
@@ -93,6 +100,7 @@ class TransformersRunner:
         self._original_attn = getattr(self._text_config, "_attn_implementation", None)
         check_paged_attention(model, self.pool.spec.layers)  # what the paged attention cannot serve, refused now
         self._use_paged_attention()
+        self.adapters = None if lora is None else LoraAdapters(model, self.pool, lora, keeps_logits=self._keeps_logits)
 
     def _use_paged_attention(self) -> None:
         self.model.set_attn_implementation(ATTN_IMPLEMENTATION)
@@ -127,8 +135,10 @@ class TransformersRunner:
 
     # ------------------------------------------------------------------ a step
     def check_weights(self) -> int:
-        """The pool's weights check (:meth:`~.pool.PagedKVPool.check_weights`)."""
-        return self.pool.check_weights()
+        """The pool's weights check (:meth:`~.pool.PagedKVPool.check_weights`), and the adapters' (changed in place,
+        or unloaded and no longer used: :meth:`~.lora.LoraAdapters.maintain`)."""
+        forgotten = self.pool.check_weights()
+        return forgotten + self.adapters.maintain() if self.adapters is not None else forgotten
 
     @property
     def weights_version(self) -> int:
@@ -141,12 +151,14 @@ class TransformersRunner:
         packed = pack_tokens(batch.scheduled, self.pool.kv)
         positions = _packed_positions(self.pool, packed.position_ids)
         context = ForwardContext(self.pool, list(packed.metadata), None, self.attention_backend, positions=positions)
-        return PreparedStep(packed, context, list(batch.logit_rows), batch.is_decode)
+        keep = list(batch.logit_rows)
+        adapters = None if self.adapters is None else self.adapters.step(batch.scheduled, keep, self._info.device)
+        return PreparedStep(packed, context, keep, batch.is_decode, adapters)
 
     def execute(self, prepared: PreparedStep) -> torch.Tensor:
         """The forward: the compiled decode step when it runs one, else the model eagerly with paged attention."""
         device = self._info.device
-        if self._decode is not None and prepared.is_decode:
+        if self._decode is not None and prepared.is_decode and prepared.adapters is None:
             logits = self._forward_compiled(self._decode, prepared, device)
             if logits is not None:
                 return logits
@@ -162,7 +174,7 @@ class TransformersRunner:
         keep = prepared.keep
         if self._keeps_logits:
             kwargs["logits_to_keep"] = to_device(torch.tensor(keep), device) if keep else 1
-        with torch.inference_mode():
+        with torch.inference_mode(), self._adapters_applied(prepared):
             logits = self.model(**kwargs).logits[0]
         if not self._keeps_logits and keep:
             logits = logits[to_device(torch.tensor(keep), logits.device)]
@@ -180,6 +192,12 @@ class TransformersRunner:
             self._decode_counts = dataclasses.replace(decode.counts, failures=1)  # kept for stats()
             self._decode = None
             return None
+
+    def _adapters_applied(self, prepared: PreparedStep) -> AbstractContextManager[Any]:
+        """The forward applies each row's LoRA adapter (:meth:`~.lora.LoraAdapters.applied`), if any row has one."""
+        if self.adapters is None or prepared.adapters is None:
+            return contextlib.nullcontext()
+        return self.adapters.applied(prepared.adapters)
 
     # ------------------------------------------------------------------ figures and lifecycle
     def used_bytes(self) -> int:
@@ -203,7 +221,9 @@ class TransformersRunner:
 
     def close(self) -> None:
         """Give the model its attention implementation back, and write the cached prefixes to the tiers below the
-        pool (so a restart finds them; a pool this runner built closes its tiers)."""
+        pool (so a restart finds them; a pool this runner built closes its tiers). The model loses its adapters."""
+        if self.adapters is not None:
+            self.adapters.close()
         if self._original_attn is not None and self._original_attn != ATTN_IMPLEMENTATION:
             self.model.set_attn_implementation(self._original_attn)
         tiers = self.pool.tiers

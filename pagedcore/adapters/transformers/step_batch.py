@@ -108,6 +108,7 @@ class PreparedStep:
         context: the paged-attention context every layer's attention receives.
         keep: the packed indices whose logits the forward returns, in order.
         is_decode: every sequence decodes one token (a compiled decode step can run it).
+        adapters: which rows each LoRA adapter applies to (:class:`~.lora.LoraStep`), or None: no row uses one.
 
     Example:
         >>> PreparedStep(PackedTokens([], [], []), ForwardContext(None, [], None, None), [], False).num_tokens
@@ -118,6 +119,7 @@ class PreparedStep:
     context: ForwardContext
     keep: list[int]
     is_decode: bool
+    adapters: Any = None
 
     @property
     def num_tokens(self) -> int:

@@ -20,6 +20,13 @@ What the fingerprint covers:
   version counter sees), disabled (``disable_adapter()``), and their scaling;
 - the model's ``training`` flag (dropout changes what a forward computes).
 
+**Adapters served per request** (an Engine's LoRA adapters, :mod:`.lora`): a watch made with ``adapters_apart=True``
+watches the base model only. A tuner layer's own tensors (everything of it but its ``base_layer``) are the adapters',
+which their owner watches one by one; a wrapped layer's base tensors keep their unwrapped names (``q_proj.weight``,
+not ``q_proj.base_layer.weight``), and of a tuner layer's state only what changes a plain forward counts (adapters
+merged into the base weights, or enabled ones applied to every row). So injecting, replacing or deleting an adapter
+is no change of the base model (its prefixes and its content hash stay), while every change above still is.
+
 Not covered (call ``reset_prefix_cache()`` after them): writes through ``.data`` outside PEFT (``p.data.copy_(w)``),
 direct writes into a module's ``_parameters`` (accelerate's ``set_module_tensor_to_device``), parameters created as
 inference tensors (they have no version counter), forward hooks that change activations. Tensors on the ``meta``
@@ -151,6 +158,8 @@ class WeightsWatch:
 
     Args:
         model: a ``torch.nn.Module`` (held weakly: the watch never keeps it alive).
+        adapters_apart: watch the base model only: PEFT adapters are served per request and watched by their owner
+            (see "Adapters served per request" in the module docstring).
 
     Example:
         >>> import torch
@@ -168,14 +177,15 @@ class WeightsWatch:
         False
     """
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, *, adapters_apart: bool = False) -> None:
         _install_hooks()
+        self._apart = adapters_apart
         self._model = weakref.ref(model)
         self._serial = next(_serials)
         self._epoch = 0
         self._registrations = _EVENTS.registrations
         self._optimizer_steps = _EVENTS.optimizer_steps
-        self._walk = _walk(model)
+        self._walk = _walk(model, adapters_apart)
         self._num_walks = 1
         state = self._state(model, self._walk)
         assert state is not None  # the tensors were just walked
@@ -195,6 +205,11 @@ class WeightsWatch:
         """How many times the watch walked the module tree (once when made, then after each registration on the
         model or a tensor gone); every other check reads only the tensors it holds."""
         return self._num_walks
+
+    @property
+    def adapters_apart(self) -> bool:
+        """Whether the watch leaves PEFT adapters to their owner (see the module docstring)."""
+        return self._apart
 
     @property
     def placement(self) -> Placement:
@@ -254,7 +269,7 @@ class WeightsWatch:
         if cached is not None and cached[0] == self._epoch and not fresh:
             return cached[1]
         model = self._model()
-        digest = None if model is None else _content_hash(model)
+        digest = None if model is None else _content_hash(model, self._apart)
         self._content = (self._epoch, digest)
         return digest
 
@@ -262,12 +277,12 @@ class WeightsWatch:
     def _rewalk(self, model: torch.nn.Module) -> bool:
         self._registrations = _EVENTS.registrations
         self._optimizer_steps = _EVENTS.optimizer_steps
-        old, new = self._walk, _walk(model)
+        old, new = self._walk, _walk(model, self._apart)
         self._num_walks += 1
         state = self._state(model, new)
         assert state is not None
         steps = _steps(new)
-        moved = not _same_structure(old, new) or state != self._last or steps != self._steps
+        moved = not _same_structure(old, new, self._apart) or state != self._last or steps != self._steps
         count = _most_steps(self._steps, steps) if len(steps) == len(self._steps) else 1
         self._walk, self._steps = new, steps
         if moved:
@@ -279,8 +294,7 @@ class WeightsWatch:
         self._epoch += max(count, 1)  # each optimizer step since the last check is one update
         self._placement = _placement(walk)
 
-    @staticmethod
-    def _state(model: torch.nn.Module, walk: _Walk) -> tuple[Any, ...] | None:
+    def _state(self, model: torch.nn.Module, walk: _Walk) -> tuple[Any, ...] | None:
         """The quick part: version counters, data pointers, adapter states, the training flag (None: a tensor died)."""
         refs = walk.plain
         tensors = [t for ref in refs if (t := ref()) is not None]
@@ -289,18 +303,22 @@ class WeightsWatch:
         # The version counter is torch's record of in-place writes; it has no public accessor.
         versions = tuple([t._version for t in tensors])  # noqa: SLF001
         pointers = tuple([t.data_ptr() for t in tensors])
-        adapters = tuple(_tuner_state(ref()) for _, ref in walk.tuners)
+        if self._apart:  # only what a plain forward of the base model applies: merged or enabled adapters
+            states = ((name, _base_effect(ref())) for name, ref in walk.tuners)
+            adapters = tuple(item for item in states if item[1] != ((), ()))
+        else:
+            adapters = tuple(_tuner_state(ref()) for _, ref in walk.tuners)
         return (model.training, versions, pointers, adapters)
 
 
-def _walk(model: torch.nn.Module) -> _Walk:
+def _walk(model: torch.nn.Module, apart: bool = False) -> _Walk:
     names: list[str] = []
     refs: list[weakref.ref[torch.Tensor]] = []
     meta: list[Any] = []
     plain: list[weakref.ref[torch.Tensor]] = []
     others: list[weakref.ref[torch.Tensor]] = []
     first: weakref.ref[torch.Tensor] | None = None
-    for name, tensor, is_param in _tensors(model):
+    for name, tensor, is_param in _tensors(model, apart):
         ref = weakref.ref(tensor)
         names.append(("p:" if is_param else "b:") + name)
         refs.append(ref)
@@ -318,16 +336,30 @@ def _walk(model: torch.nn.Module) -> _Walk:
     return _Walk(tuple(names), refs, tuple(meta), plain, others, tuners, first)
 
 
-def _tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor, bool]]:
-    for name, param in model.named_parameters():
-        yield name, param, True
-    for name, buffer in model.named_buffers():
-        yield name, buffer, False
+def _tensors(model: torch.nn.Module, apart: bool = False) -> Iterator[tuple[str, torch.Tensor, bool]]:
+    """The model's parameters and buffers (``apart``: its base model's, under their unwrapped names)."""
+    skip = _adapter_tensors(model) if apart else set()
+    for kind, items in ((True, model.named_parameters()), (False, model.named_buffers())):
+        for name, tensor in items:
+            if id(tensor) in skip:
+                continue
+            yield (name.replace(".base_layer.", ".") if apart else name), tensor, kind
 
 
-def _content_hash(model: torch.nn.Module) -> str | None:
+def _adapter_tensors(model: torch.nn.Module) -> set[int]:
+    """The ids of every tuner layer's own tensors (everything of it but its base layer's)."""
+    ids: set[int] = set()
+    for module in model.modules():
+        if _is_tuner(module):
+            base = getattr(module, "base_layer", None)
+            keep = {id(t) for t in base.parameters()} | {id(t) for t in base.buffers()} if base is not None else set()
+            ids.update(id(t) for t in (*module.parameters(), *module.buffers()) if id(t) not in keep)
+    return ids
+
+
+def _content_hash(model: torch.nn.Module, apart: bool = False) -> str | None:
     digest = hashlib.blake2b(digest_size=32)
-    for name, tensor, _ in _tensors(model):
+    for name, tensor, _ in _tensors(model, apart):
         if tensor.device.type == "meta":
             return None
         digest.update(f"{name}\0{tensor.dtype}\0{tuple(tensor.shape)}\0".encode())
@@ -347,13 +379,13 @@ def _readable(tensor: torch.Tensor) -> bool:
     return True
 
 
-def _same_structure(old: _Walk, new: _Walk) -> bool:
-    if old.names != new.names or old.meta != new.meta or len(old.tuners) != len(new.tuners):
+def _same_structure(old: _Walk, new: _Walk, apart: bool = False) -> bool:
+    if old.names != new.names or old.meta != new.meta or (not apart and len(old.tuners) != len(new.tuners)):
         return False
     for o, n, meta in zip(old.refs, new.refs, old.meta):
         if meta is None and o() is not n():  # the same tensor objects (meta tensors are replaced at every forward)
             return False
-    return all(a == b and ra() is rb() for (a, ra), (b, rb) in zip(old.tuners, new.tuners))
+    return apart or all(a == b and ra() is rb() for (a, ra), (b, rb) in zip(old.tuners, new.tuners))
 
 
 def _steps(walk: _Walk) -> tuple[int, ...]:
@@ -380,6 +412,15 @@ def _is_tuner(module: torch.nn.Module) -> bool:
             hasattr(kind, name) for name in ("active_adapters", "merged_adapters", "disable_adapters")
         )
     return known
+
+
+def _base_effect(module: Any) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """What a tuner layer adds to a plain forward of its base layer: adapters merged into its weights, and the
+    adapters it applies to every row unless disabled."""
+    if module is None:
+        return ((), ())
+    enabled = () if module.disable_adapters else tuple(module.active_adapters)
+    return (tuple(module.merged_adapters), enabled)
 
 
 def _tuner_state(module: Any) -> tuple[Any, ...]:

@@ -60,7 +60,7 @@ class ResponsesRenderer:
     def response(self, tally: Tally) -> dict[str, Any]:
         """The whole response of a finished job."""
         choice = tally.choices[0]
-        message, reason = self.shape.message(choice.text, choice.reason)
+        message, reason = self.shape.message(choice.text, choice.reason, choice.token_ids)
         thought_tokens = self.reasoning_tokens(choice, message)
         logprobs = self.logprobs(choice)[thought_tokens:]
         items = output_items(message, reason, logprobs)
@@ -95,6 +95,10 @@ class ResponsesRenderer:
         """How many of the answer's tokens are its reasoning (its markers included)."""
         if message.get("reasoning_content") is None:
             return 0
+        reasoning = self.shape.reasoning
+        counted = None if reasoning is None else reasoning.thought_tokens(choice.token_ids)
+        if counted is not None:  # a format of special tokens: counted from the tokens, the text lacks its markers
+            return counted
         return split_tokens(choice_texts(choice, self.decode), choice.text, message.get("content"))
 
     def logprobs(self, choice: Choice) -> list[Any]:
@@ -127,7 +131,9 @@ class _Stream:
         return f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
     def delta(self, delta: Delta) -> Iterator[str]:
-        thought, content = ("", delta.text) if self._splitter is None else self._splitter.feed(delta.text)
+        thought, content = (
+            ("", delta.text) if self._splitter is None else self._splitter.feed(delta.text, delta.token_ids)
+        )
         if delta.finish_reason is not None and self._splitter is not None:
             more_thought, more_content = self._splitter.flush()
             thought, content = thought + more_thought, content + more_content
@@ -196,7 +202,7 @@ class _Stream:
     def finish(self, tally: Tally) -> Iterator[str]:
         renderer = self.renderer
         choice = tally.choices[0]
-        message, reason = renderer.shape.message(choice.text, choice.reason)
+        message, reason = renderer.shape.message(choice.text, choice.reason, choice.token_ids)
         yield from self._close_reasoning()
         if self._hold:
             content, calls = message.get("content"), message.get("tool_calls") or []

@@ -37,7 +37,7 @@ def _refused(note: str, *no_op: Any) -> FieldRule:
 
 
 FIELDS: dict[str, FieldRule] = {
-    "model": _impl("the served model's name (or an alias)"),
+    "model": _impl("the served model's name (or an alias), or a loaded LoRA adapter's"),
     "input": _impl("text, or a list of items: messages (text parts), function_call, function_call_output, reasoning"),
     "instructions": _impl("a system message before the input (not carried over by previous_response_id)"),
     "previous_response_id": _impl("continue a stored response's conversation (kept in memory, per API key)"),
@@ -203,6 +203,8 @@ def to_chat(body: ResponsesRequest, history: list[dict[str, Any]], context: int 
     chat: dict[str, Any] = {"messages": [*system, *history, *chat_messages(body.input)]}
     chat.update({name: getattr(body, name) for name in _SAMPLING if getattr(body, name) is not None})
     chat["stream"] = bool(body.stream)
+    if body.model is not None:
+        chat["model"] = body.model  # the base model, or the LoRA adapter it names
     if body.max_output_tokens is not None:
         chat["max_completion_tokens"] = body.max_output_tokens
     if body.request_id is not None:

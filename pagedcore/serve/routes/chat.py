@@ -9,7 +9,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -23,7 +23,7 @@ from pagedcore.errors import PagedCoreError
 from ..answers import AnswerOptions, Shape
 from ..context import Context, ServeContext
 from ..openapi import ERROR_RESPONSES, json_body
-from ..pipeline import answer, fit_prompts, namespace_of, off_loop, read_request, requests_of, shape_of
+from ..pipeline import answer, fit_prompts, lora_of, namespace_of, off_loop, read_request, requests_of, shape_of
 from ..prompts import ChatOptions
 from ..protocol import ApiError, ChatRequest, sampling_params
 from ..reasoning import AnswerReasoning, generation_prompt
@@ -59,6 +59,7 @@ async def chat_generation(
     prepare = ctx.loop.prepare_structured  # parsed and compiled here, in a worker: never on the step loop
     reasoned = ctx.settings.reasoning is not None  # the spec is wrapped to follow the reasoning, then prepared
     spec, calls = await off_loop(constraint, body, ctx.tool_call_parser, None if reasoned else prepare)
+    _check_tools_readable(ctx, calls)
     _check_auto_tool_choice(ctx, calls)
     if body.include_reasoning is False and ctx.settings.reasoning is None:
         message = "include_reasoning false needs a server started with --reasoning-parser (none splits the reasoning)"
@@ -79,7 +80,7 @@ async def chat_generation(
     shape = shape_of(ctx, body, True, _options(ctx, body, prompt), calls)
     role = ctx.settings.response_role if body.add_generation_prompt else body.messages[-1].role
     shape = replace(shape, role=role, reasoning=reasoning)
-    return requests_of([prompt], params, namespace_of(tenant, body.cache_salt)), shape
+    return requests_of([prompt], params, namespace_of(tenant, body.cache_salt), lora_of(ctx, body)), shape
 
 
 def _check_auto_tool_choice(ctx: ServeContext, calls: ToolCalls | None) -> None:
@@ -90,6 +91,20 @@ def _check_auto_tool_choice(ctx: ServeContext, calls: ToolCalls | None) -> None:
             'tool_choice "auto" (the default with tools) needs a server started with --enable-auto-tool-choice '
             '(this one has --no-enable-auto-tool-choice): give tool_choice "none", "required" or a named function',
             param="tool_choice",
+        )
+
+
+def _check_tools_readable(ctx: ServeContext, calls: ToolCalls | None) -> None:
+    """Tools under a reasoning format whose tool calls this server does not read (gpt-oss's, on its commentary
+    channel) are refused rather than answered with the call's arguments as text."""
+    reasoning = ctx.settings.reasoning
+    if calls is not None and reasoning is not None and reasoning.reads_tokens:
+        raise ApiError(
+            400,
+            f"tools: with --reasoning-parser {reasoning.name} the model calls tools on gpt-oss's commentary channel "
+            "(vLLM's --tool-call-parser openai), which this server does not read: give no tools "
+            '(or tool_choice "none")',
+            param="tools",
         )
 
 
@@ -125,7 +140,10 @@ def _reasoning(ctx: ServeContext, body: ChatRequest, options: ChatOptions, rende
         def render(add: bool) -> list[int]:
             return rendered if add else ctx.encoder.renderer.render(body.messages, bare)
 
-        state = reasoning.state(generation_prompt(render, ctx.encoder.decode) if options.add_generation_prompt else "")
+        def decode(ids: Sequence[int]) -> str:
+            return reasoning.decode_prompt(ids, ctx.encoder.decode)
+
+        state = reasoning.state(generation_prompt(render, decode) if options.add_generation_prompt else "")
     return AnswerReasoning(reasoning, state, include=body.include_reasoning is not False)
 
 

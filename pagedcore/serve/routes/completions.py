@@ -16,7 +16,7 @@ from fastapi.responses import Response
 from ..answers import AnswerOptions
 from ..context import Context, ServeContext
 from ..openapi import ERROR_RESPONSES, json_body
-from ..pipeline import answer, fit_prompts, namespace_of, off_loop, read_request, requests_of, shape_of
+from ..pipeline import answer, fit_prompts, lora_of, namespace_of, off_loop, read_request, requests_of, shape_of
 from ..protocol import CompletionRequest, sampling_params
 from ..structured import constraint
 
@@ -40,7 +40,7 @@ async def completions(request: Request, ctx: Context) -> Response:
     prompts = fit_prompts(ctx, body, encoded, max_tokens)
     options = await off_loop(_options, ctx, body, encoded, prompts)
     shape = shape_of(ctx, body, False, options)
-    requests = requests_of(prompts, params, namespace_of(tenant, body.cache_salt))
+    requests = requests_of(prompts, params, namespace_of(tenant, body.cache_salt), lora_of(ctx, body))
     return await answer(ctx, request, requests, shape, stream=bool(body.stream))
 
 

@@ -1,4 +1,5 @@
-"""``GET /v1/models`` and ``GET /v1/models/{id}``: the one served model.
+"""``GET /v1/models`` and ``GET /v1/models/{id}``: the served model, and the LoRA adapters loaded (vLLM's cards: an
+adapter's ``root`` is its folder, its ``parent`` the base model's name).
 
 Example:
     >>> sorted(route.path for route in router.routes)
@@ -23,14 +24,14 @@ _ERRORS: dict[int | str, dict[str, Any]] = {status: ERROR_RESPONSES[status] for 
 
 @router.get("/v1/models", responses=_ERRORS)
 async def list_models(request: Request, ctx: Context) -> Response:
-    """The served model, once per name it is served under."""
+    """The served model, once per name it is served under, then each LoRA adapter loaded."""
     ctx.authorize(request)
-    return JSONResponse({"object": "list", "data": [ctx.model_card(name) for name in ctx.model_names]})
+    return JSONResponse({"object": "list", "data": ctx.model_cards()})
 
 
 @router.get("/v1/models/{model_id:path}", responses=_ERRORS)
 async def retrieve_model(model_id: str, request: Request, ctx: Context) -> Response:
-    """The served model, or 404 for any other name."""
+    """The served model or a loaded adapter, or 404 for any other name."""
     ctx.authorize(request)
     ctx.check_model(model_id)
     return JSONResponse(ctx.model_card(model_id))

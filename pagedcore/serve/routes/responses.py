@@ -26,7 +26,7 @@ from pydantic import ValidationError
 from ..body import read_body
 from ..context import Context, ServeContext
 from ..openapi import ERROR_RESPONSES, json_body
-from ..pipeline import answer, off_loop
+from ..pipeline import answer, lora_of, off_loop
 from ..protocol import ApiError, ChatRequest, parse_body
 from ..responses_api.items import assistant_turn, chat_messages
 from ..responses_api.output import ResponseFrame
@@ -81,7 +81,8 @@ async def create_response(request: Request, ctx: Context) -> Response:
     response_id = f"resp_{body.request_id or uuid.uuid4().hex}"
     shape = replace(shape, response_id=response_id)
     store = body.store is not False
-    frame = ResponseFrame(response_id, time.time(), ctx.model_name, body, store, ctx.settings.sampling_defaults)
+    name = lora_of(ctx, body) or ctx.model_name
+    frame = ResponseFrame(response_id, time.time(), name, body, store, ctx.settings.sampling_defaults)
     conversation = [*history, *chat_messages(body.input)]
 
     def done(response: dict[str, Any], message: dict[str, Any]) -> None:
