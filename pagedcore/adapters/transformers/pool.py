@@ -10,7 +10,6 @@ keys and values no longer belong to that model; :meth:`PagedKVPool.rebuild` drop
 
 from __future__ import annotations
 
-import mmap
 import os
 import weakref
 from collections.abc import Hashable
@@ -28,6 +27,7 @@ from pagedcore.plugin_manager import PluginManager, default_plugin_manager
 
 from .kv_io import TensorBlockIO
 from .pool_lock import PoolLock
+from .pool_memory import layer_tensor
 from .pool_stats import MemoryStats
 from .spec import ModelKVSpec, text_config
 from .state_pool import StatePlan, StatePool, plan_states, state_stats
@@ -736,7 +736,7 @@ class PagedKVPool:
                 self._latents[layer_idx] = latent
                 k, v = latent[..., : layer.head_dim], latent[..., layer.head_dim :]
             else:
-                k, v = (_layer_tensor(shape, like.shape[-2:], like, heads_first) for like in (keys, values))
+                k, v = (layer_tensor(shape, like.shape[-2:], like, heads_first) for like in (keys, values))
         self._dtype = keys.dtype  # what the memory statistics count from now on
         return k, v
 
@@ -782,34 +782,6 @@ def _stores(plugins: PluginManager, config: PoolConfig) -> list[KVStore]:
     if len(set(names)) != len(names):
         raise ConfigError(f"kv_store: two stores share a name ({', '.join(names)}); each tier needs its own")
     return stores
-
-
-def _layer_tensor(shape: tuple[int, int], heads_dim: Any, like: torch.Tensor, heads_first: bool) -> torch.Tensor:
-    """A zero ``(*shape, heads, dim)`` tensor; with ``heads_first`` stored head after head (a permuted view)."""
-    heads, dim = heads_dim
-    if heads_first:
-        return _zeros((heads, *shape, dim), like).permute(1, 2, 0, 3)
-    return _zeros((*shape, heads, dim), like)
-
-
-def _zeros(shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
-    """A zero tensor of ``shape`` in ``like``'s dtype and device. On the CPU it lies in anonymous memory from
-    ``mmap``: the operating system hands out zero pages and commits each page when it is first written, so a pool
-    takes memory as its blocks are written instead of all of its budget at once (``torch.zeros`` writes every
-    page). Elsewhere ``torch.zeros``.
-
-    Example:
-        >>> t = _zeros((3, 2), torch.empty(0, dtype=torch.float16))
-        >>> t.shape, t.dtype, bool(t.eq(0).all())
-        (torch.Size([3, 2]), torch.float16, True)
-    """
-    count = 1
-    for size in shape:
-        count *= size
-    if like.device.type != "cpu" or count == 0 or torch.compiler.is_compiling():  # a traced forward: traceable zeros
-        return torch.zeros(shape, dtype=like.dtype, device=like.device)
-    buffer = mmap.mmap(-1, count * like.element_size())  # the tensor keeps the mapping alive
-    return torch.frombuffer(buffer, dtype=like.dtype, count=count).view(shape)
 
 
 def _model_dtype(model: Any) -> torch.dtype:
