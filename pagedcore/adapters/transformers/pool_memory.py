@@ -16,7 +16,14 @@ __all__ = ["layer_tensor", "zeros"]
 
 
 def layer_tensor(shape: tuple[int, int], heads_dim: Any, like: torch.Tensor, heads_first: bool) -> torch.Tensor:
-    """A zero ``(*shape, heads, dim)`` tensor; with ``heads_first`` stored head after head (a permuted view)."""
+    """A zero ``(*shape, heads, dim)`` tensor; with ``heads_first`` stored head after head (a permuted view).
+
+    Example:
+        >>> like = torch.empty(0, 2, 4)  # (tokens, heads, dim)
+        >>> t = layer_tensor((3, 16), like.shape[-2:], like, heads_first=True)
+        >>> t.shape, t.is_contiguous()
+        (torch.Size([3, 16, 2, 4]), False)
+    """
     heads, dim = heads_dim
     if heads_first:
         return zeros((heads, *shape, dim), like).permute(1, 2, 0, 3)
