@@ -51,6 +51,9 @@ class Engine(BaseEngine):
             writes the cached ones too, so a restarted Engine on the same model answers them from the store.
         compile_timeout: seconds a structured-output request may wait for its grammar to compile (in a worker,
             off the step loop) before it fails with :class:`~pagedcore.errors.GrammarTimeoutError` (30).
+        state_slots / snapshot_interval: a model with recurrent-state layers (Qwen3.5, Mamba-2...; docs/families.md):
+            the slots of a new pool (live states and snapshots) and how often a prompt keeps a snapshot of its state
+            (every this many blocks; 1 by default) for later prompts to resume.
 
     Generation parameters: either a :class:`~pagedcore.engine.sampling.SamplingParams` (or a dict of its fields), or
     ``model.generate``'s keyword arguments (``max_new_tokens``, ``do_sample``, ``temperature``, ``top_k``, ``top_p``,
@@ -95,6 +98,8 @@ class Engine(BaseEngine):
         kv_store: KVStoreSpec | None = None,
         kv_store_bytes: int | float | str | None = None,
         compile_timeout: float | None = None,
+        state_slots: int | None = None,
+        snapshot_interval: int | None = None,
     ) -> None:
         settings = dict(locals())
         for name in ("self", "model", "tokenizer", "config", "pool", "__class__"):

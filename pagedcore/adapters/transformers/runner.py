@@ -30,7 +30,7 @@ from pagedcore.attention import to_device
 from pagedcore.config import PoolConfig
 from pagedcore.engine.packing import pack_tokens
 from pagedcore.engine.runner import CompileCounts, ForwardBatch, ModelInfo, RunnerStats
-from pagedcore.errors import UnsupportedModelError
+from pagedcore.errors import ConfigError, UnsupportedModelError
 from pagedcore.kv_pool import KVPool
 from pagedcore.plugin_manager import PluginManager
 from pagedcore.validation import as_integer
@@ -40,6 +40,7 @@ from .compiled import CompiledDecode, DecodeInputs, resolve_compile
 from .layer_attention import check_paged_attention
 from .pool import PagedKVPool
 from .spec import context_limit, text_config
+from .state_step import PreparedStateStep, StateSteps
 from .step_batch import PackedCache, PreparedStep
 
 logger = logging.getLogger(__name__)
@@ -88,7 +89,15 @@ class TransformersRunner:
         self._info = ModelInfo(vocab, context_limit(model), tuple(eos_token_ids(model, tokenizer)), device)
         self._cache = PackedCache(self.pool)
         self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
-        self._decode = CompiledDecode(model, self.pool) if compiling else None
+        # A model with recurrent-state layers runs each step as the forwards its states need (state_step.py), eagerly.
+        self._states = StateSteps(model, self.pool, attention_backend) if self.pool.states is not None else None
+        if self._states is not None and compile is True:
+            raise ConfigError(
+                f"compile=True: {self.pool.spec.model_type!r} keeps recurrent states, whose layers the compiled decode "
+                "step does not run; use compile=False or 'auto'",
+                param="compile",
+            )
+        self._decode = CompiledDecode(model, self.pool) if compiling and self._states is None else None
         self._decode_counts = CompileCounts()  # the counters of a compiled step turned off
         self._original_attn = getattr(self._text_config, "_attn_implementation", None)
         check_paged_attention(model, self.pool.spec.layers)  # what the paged attention cannot serve, refused now
@@ -130,17 +139,23 @@ class TransformersRunner:
         """The pool's weights check (:meth:`~.pool.PagedKVPool.check_weights`)."""
         return self.pool.check_weights()
 
-    def prepare(self, batch: ForwardBatch) -> PreparedStep:
-        """The batch's copy-on-write copies, then its tokens packed with each KV group's metadata."""
+    def prepare(self, batch: ForwardBatch) -> PreparedStep | PreparedStateStep:
+        """The batch's copy-on-write copies, then its tokens packed with each KV group's metadata (a model with
+        recurrent-state layers: its state slots and snapshots too, as :class:`~.state_step.StateSteps` prepares)."""
+        if self._states is not None:
+            return self._states.prepare(batch)
         self.pool.copy_blocks(list(batch.copies))
         packed = pack_tokens(batch.scheduled, self.pool.kv)
         positions = _packed_positions(self.pool, packed.position_ids)
         context = ForwardContext(self.pool, list(packed.metadata), None, self.attention_backend, positions=positions)
         return PreparedStep(packed, context, list(batch.logit_rows), batch.is_decode)
 
-    def execute(self, prepared: PreparedStep) -> torch.Tensor:
+    def execute(self, prepared: PreparedStep | PreparedStateStep) -> torch.Tensor:
         """The forward: the compiled decode step when it runs one, else the model eagerly with paged attention."""
         device = self._info.device
+        if isinstance(prepared, PreparedStateStep):
+            assert self._states is not None
+            return self._states.execute(prepared, device)
         if self._decode is not None and prepared.is_decode:
             logits = self._forward_compiled(self._decode, prepared, device)
             if logits is not None:

@@ -35,14 +35,12 @@ import torch
 
 from pagedcore.capacity import Reservation
 from pagedcore.kv_pool import PoolMatch
+from pagedcore.state_slots import TOKEN_BY_TOKEN_LIMIT
 
 from .cache import PagedCache
 from .pool import PagedKVPool
 
 __all__ = ["TOKEN_BY_TOKEN_LIMIT", "StatePrefill", "snapshot_points"]
-
-TOKEN_BY_TOKEN_LIMIT = 32
-"""The most tokens a family that resumes a state one token at a time computes that way after a hit."""
 
 
 def snapshot_points(start: int, end: int, spacing: int) -> list[int]:
