@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from pagedcore.block_tables import BlockTables
 from pagedcore.capacity import Reservation
+from pagedcore.errors import ConfigError
 from pagedcore.kv_pool import KVPool, PoolMatch
 from pagedcore.sequence import SequenceState
 from pagedcore.state_slots import TOKEN_BY_TOKEN_LIMIT
@@ -45,6 +46,8 @@ class StatePlanner:
         caching: whether the scheduler uses the prefix cache (else no snapshot is taken).
         watermark: fraction of the slots kept free when admitting a sequence while others run.
 
+    Raises :class:`~pagedcore.errors.ConfigError` for a pool with fewer slots than one sequence needs.
+
     Example:
         >>> pool = KVPool(num_blocks=16, block_size=4, state_slots=4)
         >>> planner = StatePlanner(pool, caching=True)
@@ -59,6 +62,14 @@ class StatePlanner:
         resource = pool.state_resource
         if states is None or resource is None:
             raise ValueError("StatePlanner: the pool has no recurrent-state slots")
+        least = 1 + int(caching)  # a sequence's state, and the snapshot it holds (capacity.slots_to_allocate)
+        if states.num_slots < least:
+            raise ConfigError(
+                f"the Engine needs at least {least} recurrent-state slots (a sequence's state"
+                + (" and the snapshot it keeps" if caching else "")
+                + f"); this pool has {states.num_slots} (state_slots=)",
+                param="state_slots",
+            )
         self._pool = pool
         self._states = states
         self._resource = resource

@@ -216,3 +216,79 @@ def test_compile_true_is_refused_naming_it():
     with pytest.raises(ConfigError, match="compile=True") as caught:
         Engine(model_for("qwen3_5"), num_blocks=16, compile=True)
     assert caught.value.param == "compile"
+
+
+def test_structured_outputs_on_a_hybrid_model():
+    """Constrained samples (``n=2``, forks of one state) are valid JSON of their schema; the unconstrained requests
+    of the same batch are what they are alone."""
+    jsonschema = pytest.importorskip("jsonschema")
+    pytest.importorskip("llguidance")
+    import json
+
+    from structured_helpers import bpe_tokenizer
+
+    tok = bpe_tokenizer()
+    model = hybrid_model("qwen3_5", vocab_size=len(tok), eos_token_id=tok.eos_token_id)
+    model.generation_config.eos_token_id = tok.eos_token_id
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": -5, "maximum": 5}},
+              "required": ["n"], "additionalProperties": False}  # fmt: skip
+    prompts = ["Hello there", "The weather today", "Let me check"]
+    plain = [SamplingParams(max_new_tokens=12) for _ in prompts]
+    shape = [SamplingParams(max_new_tokens=40, n=2, seed=i, structured={"json_schema": schema}) for i in range(3)]
+    with Engine(model, tok, num_blocks=128, block_size=4, max_num_batched_tokens=16) as engine:
+        alone = engine.generate(prompts, plain, use_tqdm=False)
+        mixed = engine.generate(prompts + prompts, shape + plain, use_tqdm=False)
+        settle(engine)
+    assert [o.token_ids for o in mixed[3:]] == [o.token_ids for o in alone]
+    finished = [s for out in mixed[:3] for s in out.samples if s.finish_reason == "stop"]
+    assert len(finished) >= 4
+    for sample in finished:
+        jsonschema.validate(json.loads(sample.text), schema)
+
+
+def test_a_weight_update_forgets_the_snapshots():
+    """Snapshots computed by the old weights are never resumed after an update: the prompt is computed again."""
+    model = hybrid_model("qwen3_5", seed=3)
+    prompt = workload(8)[0]
+    with Engine(model, num_blocks=64, block_size=4, state_slots=16) as engine:
+        engine.generate([prompt], SamplingParams(max_new_tokens=2), use_tqdm=False)
+        with torch.no_grad():
+            model.model.layers[0].linear_attn.out_proj.weight.mul_(1.5)  # an in-place update the watch sees
+        (again,) = engine.generate([prompt], SamplingParams(max_new_tokens=NEW, return_logits=True), use_tqdm=False)
+        settle(engine)
+    assert again.metrics.num_cached_tokens == 0
+    want = model.generate(
+        torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False, cache=DynamicCache(config=model.config)
+    )
+    assert again.token_ids == want[0, len(prompt) :].tolist()
+
+
+def test_snapshots_come_back_from_the_disk_store_after_a_restart(tmp_path):
+    """An Engine writes its cached blocks and their block-end snapshots to the store when it closes; a new Engine on
+    the same model and store resumes the prompt from there."""
+    model = model_for("qwen3_5")
+    prompt = workload(9)[0]
+    store = {"kv_store": str(tmp_path), "kv_store_bytes": "64MiB"}
+    params = SamplingParams(max_new_tokens=NEW, return_logits=True)
+    with engine_for("qwen3_5", **store) as engine:
+        engine.generate([prompt], params, use_tqdm=False)
+    with engine_for("qwen3_5", **store) as engine:
+        (again,) = engine.generate([prompt], params, use_tqdm=False)
+        settle(engine)
+    assert again.metrics.num_cached_tokens == (len(prompt) - 1) // 4 * 4  # the last block-end snapshot of the prompt
+    assert_stock("qwen3_5", [prompt], [again], ATOL_MIXED)
+    assert model is model_for("qwen3_5")
+
+
+def test_a_shared_prefix_hits_from_its_second_reuse_with_sparse_snapshots():
+    """With a snapshot every 100 blocks no block boundary of these prompts keeps one; the second prompt sharing a
+    prefix snapshots where it leaves the cached one, and every later prompt resumes there."""
+    rng = random.Random(10)
+    shared = [rng.randrange(3, 256) for _ in range(12)]
+    prompts = [shared + [rng.randrange(3, 256) for _ in range(5)] for _ in range(4)]
+    params = SamplingParams(max_new_tokens=4, return_logits=True)
+    with engine_for("qwen3_5", snapshot_interval=100, max_num_batched_tokens=64) as engine:
+        outputs = [engine.generate([prompt], params, use_tqdm=False)[0] for prompt in prompts]
+        settle(engine)
+    assert [out.metrics.num_cached_tokens for out in outputs] == [0, 0, 12, 12]
+    assert_stock("qwen3_5", prompts, outputs, ATOL_MIXED, new=4)

@@ -316,6 +316,9 @@ def _announce(
 ) -> None:
     host = f"[{args.host}]" if ":" in args.host else args.host
     tenants = f", {len(api_keys)} API keys" if api_keys is not None else ""
+    slots = engine.pool.kv.states
+    if slots is not None:  # a model with recurrent-state layers
+        tenants = f", {slots.num_slots} state slots (a snapshot every {slots.interval} blocks){tenants}"
     print(
         f"pagedcore serve: model {name!r} at http://{host}:{port}/v1 "
         f"({engine.pool.num_blocks} KV blocks of {engine.pool.block_size} tokens{tenants}; "
