@@ -10,12 +10,14 @@ The scheduler plans that like blocks, and this class owns the rules:
   than the step promised already (:meth:`StatePlanner.can_write`); else the scheduler preempts, as for blocks.
 - **Where prompts keep snapshots.** A recurrent state cannot be cut at a token, so a later prompt resumes only where a
   snapshot was taken. Each step's chunk keeps one at every snapshot point it computes (:meth:`StatePlanner.points`):
-  every ``snapshot_interval`` blocks of the prompt, the block boundary where the prompt leaves the cached prefix it
-  matched (later prompts sharing that prefix resume there, whatever the interval), and the prompt's last-but-one
-  token (a repeated prompt resumes there). Snapshots are optional: the points of a step take only the slots left
-  after every write (:meth:`StatePlanner.grant`, the deepest first); the state where a sequence stops is filed
-  anyway (:meth:`~pagedcore.block_tables.BlockTables.cache_partial_block`), so a conversation's next turn resumes at
-  the end of the reply.
+  every ``snapshot_interval`` blocks of a prompt computed from its start (a prompt resuming a snapshot keeps none
+  there: what it shares with others is resumable already, and each point costs its forward one more piece), the
+  block boundary where the prompt leaves the cached prefix it matched (later prompts sharing that prefix resume
+  there, whatever the interval), and the prompt's last-but-one token (a repeated prompt resumes there). Snapshots
+  are optional: the points of a step take only the slots left after every write (:meth:`StatePlanner.grant`, the
+  deepest first); the state where a sequence stops is filed anyway
+  (:meth:`~pagedcore.block_tables.BlockTables.cache_partial_block`), so a conversation's next turn resumes at the end
+  of the reply.
 - **Hits and chunks of a model that resumes a state one token at a time** (:attr:`StateSlots.resumes_chunks
   <pagedcore.state_slots.StateSlots.resumes_chunks>` false: Jamba). A hit is taken only when at most
   :data:`~pagedcore.state_slots.TOKEN_BY_TOKEN_LIMIT` tokens follow it, and a sequence whose state holds tokens
@@ -53,8 +55,14 @@ class StatePlanner:
         >>> planner = StatePlanner(pool, caching=True)
         >>> seq = SequenceState("a", list(range(3, 13)), max_new_tokens=2)   # 10 tokens: points 4, 8 and 9
         >>> seq.blocks = BlockTables(pool)
+        >>> planner.admitted(seq, None, hit=0)   # computed from its start: a snapshot every block
         >>> planner.points(seq, 0, 10), planner.points(seq, 4, 8)
         ([4, 8, 9], [8])
+        >>> again = SequenceState("b", list(range(3, 13)), max_new_tokens=2)
+        >>> again.blocks = BlockTables(pool)
+        >>> planner.admitted(again, None, hit=4)   # resumed a snapshot at 4: only its last-but-one token's
+        >>> planner.points(again, 4, 10)
+        [9]
     """
 
     def __init__(self, pool: KVPool, *, caching: bool, watermark: float = 0.0) -> None:
@@ -79,6 +87,7 @@ class StatePlanner:
         self._chunks = states.resumes_chunks
         self._watermark = int(watermark * states.num_slots)
         self._leaves: dict[str, int] = {}  # request id -> where its prompt leaves the cached prefix it matched
+        self._cold: set[str] = set()  # request ids admitted without a hit: their prompts keep periodic snapshots
         self._promised = 0  # slots the writes planned in this step take
 
     @property
@@ -95,17 +104,23 @@ class StatePlanner:
         return match.num_tokens
 
     def admitted(self, seq: SequenceState, match: PoolMatch | None, hit: int) -> None:
-        """Note where ``seq``'s prompt leaves the cached prefix it matched, when that is a block boundary past its
-        hit: a snapshot there lets later prompts sharing the prefix resume it."""
-        if match is None or not self._chunks or not self._caching:
+        """Note how ``seq`` starts: from nothing (its prompt then keeps a snapshot every ``snapshot_interval``
+        blocks), or from a snapshot (its prompt's rest keeps none: the prefix it shares with others is resumable
+        already, and a snapshot point would cut its computation in one more forward); and where its prompt leaves
+        the cached prefix it matched, when that is a block boundary past its hit, where a snapshot lets later
+        prompts sharing the prefix resume it."""
+        if not self._chunks or not self._caching:
             return
-        leaves = match.prefix_tokens // self._bs * self._bs
+        if not hit:
+            self._cold.add(seq.request_id)
+        leaves = 0 if match is None else match.prefix_tokens // self._bs * self._bs
         if hit < leaves < seq.num_prompt_tokens:
             self._leaves[seq.request_id] = leaves
 
     def forget(self, request_id: str) -> None:
         """``request_id`` left the scheduler (finished, preempted, aborted)."""
         self._leaves.pop(request_id, None)
+        self._cold.discard(request_id)
 
     # ------------------------------------------------------------------ a step
     def begin(self) -> None:
@@ -143,7 +158,8 @@ class StatePlanner:
         found: set[int] = set()
         if self._chunks:
             spacing = self._spacing
-            found.update(range((start // spacing + 1) * spacing, min(end, last) + 1, spacing))
+            if seq.request_id in self._cold:
+                found.update(range((start // spacing + 1) * spacing, min(end, last) + 1, spacing))
             leaves = self._leaves.get(seq.request_id)
             if leaves is not None and start < leaves <= end:
                 found.add(leaves)

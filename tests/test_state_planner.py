@@ -72,12 +72,18 @@ def test_prompts_keep_snapshots_that_later_prompts_resume():
     assert [p for plan in plans for item in plan.scheduled for p in item.snapshots] == [4, 8, 10]
     sched.add(SequenceState("same", prompt, max_new_tokens=1))  # a repeated prompt: its last-but-one token
     sched.add(SequenceState("shared", [*prompt[:9], 99, 98], max_new_tokens=1))  # the block boundary before it leaves
-    sched.add(SequenceState("turn", [*prompt, 7, 7, 50, 51], max_new_tokens=1))  # the next turn: where "a" stopped
+    turn = [*prompt, 7, 7, *range(50, 60)]  # the next turn: "a"'s prompt and reply, a new message
+    sched.add(SequenceState("turn", turn, max_new_tokens=1))
     plan = sched.schedule()
     assert {item.request_id: item.start for item in plan.scheduled} == {"same": 10, "shared": 8, "turn": 13}
     prepare(plan)
-    sched.update(plan, {item.request_id: [1] for item in plan.scheduled})
-    drain(sched)
+    sched.update(plan, {item.request_id: [1] for item in plan.scheduled if item.sample})
+    taken = {item.request_id: item.snapshots for item in plan.scheduled}
+    for later in drain(sched):
+        for item in later.scheduled:
+            taken[item.request_id] += item.snapshots
+    # Resumed prompts keep no periodic snapshot ("turn" would at 16 and 20), only their last-but-one token's.
+    assert taken == {"same": (), "shared": (10,), "turn": (22,)}
     settled(kv)
 
 
