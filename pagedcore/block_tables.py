@@ -123,6 +123,17 @@ class BlockTables:
         """``(position, slot)`` of the snapshots taken and not filed in the prefix cache yet (held by this table)."""
         return [] if self._slots is None else self._slots.pending
 
+    def can_register(self, namespace: Hashable = None) -> bool:
+        """Whether the tables' blocks (and the snapshots taken beside them) can still enter the prefix caches in
+        ``namespace``: they were filled in the pool's current epoch, under an adapter version still open (see
+        :meth:`cache_full_blocks`), and not released."""
+        return not self._released and self._pool.may_register(self._stamp, namespace)
+
+    def needs_state_slot(self) -> bool:
+        """Whether the next :meth:`write_state` takes a slot from the pool: the sequence has no state yet, or shares
+        its slot (a fork, a restored snapshot, a snapshot filed) and must copy it first. False without state slots."""
+        return self._slots is not None and self._slots.needs_slot()
+
     def num_held_slots(self) -> int:
         """State slots this sequence holds (its state and its pending snapshots)."""
         return 0 if self._slots is None else self._slots.num_held()
@@ -435,6 +446,25 @@ class BlockTables:
         when the sequence registers that block (:meth:`cache_full_blocks`, :meth:`cache_partial_block`); the next
         write copies the state first. False, changing nothing, without a state or when one was taken there."""
         return self._slots is not None and self._slots.snapshot(self._num_tokens)
+
+    def take_snapshots(self, positions: Sequence[int]) -> list[tuple[int, int]]:
+        """Fresh state slots to keep the state after each of ``positions`` (positions this sequence computes next):
+        the forward that computes them copies the state into each slot as it passes its position. They are filed
+        beside their blocks when the sequence registers them, as :meth:`snapshot`'s are. Returns ``(position, slot)``
+        for each (none for a position taken already). Raises :class:`OutOfBlocksError`, changing nothing, when the
+        pool cannot spare them.
+
+        Example:
+            >>> pool = KVPool(num_blocks=4, block_size=2, state_slots=4)
+            >>> seq = BlockTables(pool)
+            >>> _ = seq.append(4); seq.write_state(lambda copy: None)
+            >>> seq.take_snapshots([2, 3]), seq.pending_snapshots   # the forward fills slots 1 and 2
+            ([(2, 1), (3, 2)], [(2, 1), (3, 2)])
+        """
+        if self._slots is None:
+            raise InvalidBlockError("take_snapshots: the pool has no recurrent-state slots")
+        self._check_live()
+        return self._slots.reserve_snapshots(positions, self._reservation)
 
     def fork(self) -> BlockTables:
         """A new sequence sharing every block of this one (copy-on-write on its first write into a shared block)."""

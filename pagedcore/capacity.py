@@ -56,8 +56,9 @@ class Demand:
             covered); None: ``generate``'s pattern, the uncached input in one forward, then one position per step.
         keeps_window: sliding-window groups keep every block (assisted decoding records the past until a crop), so
             they count as full attention.
-        snapshots: a model with recurrent state layers: its input is computed in pieces that end at snapshot points
-            (``enable()``'s prefill), and each point keeps a snapshot of the state until the request registers it.
+        snapshots: a model with recurrent state layers keeps snapshots of its state: its input is computed in pieces
+            that end at snapshot points (``enable()``'s prefill: each point keeps a snapshot until the request
+            registers it; with ``chunk``, the Engine's: see :func:`slots_to_allocate`).
 
     Example:
         >>> Demand(num_prompt_tokens=10, max_new_tokens=7).num_stored_tokens   # the last new token is never stored
@@ -128,13 +129,23 @@ def slots_to_allocate(demand: Demand, spacing: int) -> int:
     last computed position), each kept until the request registers it. With ``share_prompt`` the input is computed on
     one slot, then every copy writes its own.
 
+    With ``chunk`` (the Engine) a sequence registers its blocks every step, and the snapshots taken in a step are
+    filed with them: what it must hold is a live slot per copy and one more, the restored snapshot while its first
+    write copies it, or the snapshot at the prompt's last-but-one token (filed where the sequence stops). The snapshot
+    points inside a step's chunk take slots only when the pool has them to spare (the scheduler leaves them out
+    otherwise), so they are not part of the worst case.
+
     Example:
         >>> slots_to_allocate(Demand(10, 5), spacing=4), slots_to_allocate(Demand(10, 5, snapshots=True), spacing=4)
         (1, 4)
         >>> slots_to_allocate(Demand(10, 5, num_held_tokens=4, num_copies=3, share_prompt=True, snapshots=True), 4)
         7
+        >>> slots_to_allocate(Demand(100, 5, chunk=16, snapshots=True), 4)   # the Engine: live + one held snapshot
+        2
     """
     restored = int(demand.num_held_tokens > 0)
+    if demand.chunk is not None:
+        return demand.num_copies + int(restored or demand.snapshots)
     points = 0
     if demand.snapshots:
         last = max(demand.num_prompt_tokens - 1, demand.num_held_tokens)  # the input's last computed position

@@ -143,16 +143,20 @@ class PoolMatch:
             retained yet).
         state_slot: in a pool with recurrent-state slots, the snapshot of the state after exactly ``num_tokens``
             tokens (None when ``num_tokens`` is 0: the state starts empty); not retained yet.
+        prefix_tokens: tokens of the prompt whose keys and values every group caches, to the token; more than
+            ``num_tokens`` in a pool with state slots when no snapshot lies that deep (where the prompt leaves a
+            cached prefix: a snapshot there would let later prompts resume it).
 
     Example:
         >>> pool = KVPool(num_blocks=4, block_size=2)
         >>> pool.match([1, 2, 3])
-        PoolMatch(num_tokens=0, block_ids=([],), state_slot=None)
+        PoolMatch(num_tokens=0, block_ids=([],), state_slot=None, prefix_tokens=0)
     """
 
     num_tokens: int
     block_ids: tuple[list[int], ...]
     state_slot: int | None = None
+    prefix_tokens: int = 0
 
     def head(self, num_tokens: int, block_size: int) -> tuple[list[int], ...]:
         """Per group, the blocks that serve the first ``num_tokens`` tokens of the match (what a holder attaching
@@ -180,6 +184,8 @@ class KVPool:
             They are one more resource of the pool, index :attr:`state_resource` in every ``needs`` vector
             (:meth:`worst_case`, :meth:`reserve`, :meth:`shortfalls`).
         snapshot_interval: with state slots, a growing sequence snapshots its state every this many blocks.
+        resumes_chunks: with state slots, whether the model continues a cached state over a forward of several
+            tokens (else only one token at a time: Jamba; :attr:`~pagedcore.state_slots.StateSlots.resumes_chunks`).
 
     Example:
         >>> pool = KVPool(num_blocks=16, block_size=4, sliding_windows=(None, 8))
@@ -199,6 +205,7 @@ class KVPool:
         on_evict: Callable[[int, list[int]], None] | None = None,
         state_slots: int = 0,
         snapshot_interval: int = 1,
+        resumes_chunks: bool = True,
     ) -> None:
         kinds = [attention_kind(window) for window in sliding_windows]  # ConfigError for a bad window or chunk
         if not kinds:
@@ -222,7 +229,11 @@ class KVPool:
         if integer("state_slots", state_slots, minimum=0, error=ConfigError):
             policy = eviction_policy() if eviction_policy is not None else None
             self._states = StateSlots(
-                state_slots, interval=snapshot_interval, eviction_policy=policy, before_evict=_bind_state_evicting(self)
+                state_slots,
+                interval=snapshot_interval,
+                eviction_policy=policy,
+                before_evict=_bind_state_evicting(self),
+                resumes_chunks=resumes_chunks,
             )
             # A snapshot is filed beside its block in the anchor group's trie and leaves with it.
             groups[self._anchor].trie.watch_drops(self._states.forget_blocks)
@@ -505,7 +516,7 @@ class KVPool:
             >>> _ = turn.append(6)                        # a finished turn: 6 positions computed
             >>> turn.cache_partial_block([1, 2, 3, 4, 5, 6], 6); turn.release()
             >>> pool.match([1, 2, 3, 4, 5, 6, 7, 8])     # the next turn continues it inside its second block
-            PoolMatch(num_tokens=6, block_ids=([0, 1],), state_slot=None)
+            PoolMatch(num_tokens=6, block_ids=([0, 1],), state_slot=None, prefix_tokens=6)
             >>> pool.match([1, 2, 3, 4, 5, 6, 7, 8], max_tokens=5).num_tokens
             5
         """
@@ -513,12 +524,12 @@ class KVPool:
         if self._scopes.is_closed(namespace):
             limit = 0  # a closed adapter version: nothing of it is served
         matches = [g.trie.match(token_ids[:limit], namespace) for g in self._groups]
-        num_tokens = min(m.num_tokens for m in matches)
+        prefix = num_tokens = min(m.num_tokens for m in matches)
         slot = None
         if self._states is not None:
             num_tokens, slot = self._deepest_snapshot(matches[self._anchor].block_ids, num_tokens)
         count = -(-num_tokens // self._block_size)
-        return PoolMatch(num_tokens, tuple(m.block_ids[:count] for m in matches), slot)
+        return PoolMatch(num_tokens, tuple(m.block_ids[:count] for m in matches), slot, prefix)
 
     def _deepest_snapshot(self, chain: Sequence[int], num_tokens: int) -> tuple[int, int | None]:
         """The deepest snapshot filed along the anchor group's ``chain`` within its first ``num_tokens`` tokens:

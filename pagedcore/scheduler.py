@@ -39,59 +39,18 @@ from pagedcore.block_keys import namespace_key
 from pagedcore.block_tables import BlockTables, Copy
 from pagedcore.capacity import Demand
 from pagedcore.errors import (
-    ConfigError,
     DuplicateRequestError,
     InvalidRequestError,
     OutOfBlocksError,
     RequestNotFoundError,
-    UnsupportedModelError,
 )
 from pagedcore.kv_pool import KVPool, PoolMatch
 from pagedcore.plugin_manager import PluginManager
+from pagedcore.scheduler_config import POLICIES, SchedulerConfig, SchedulerStats
 from pagedcore.sequence import FinishReason, SequenceState, SequenceStatus
-from pagedcore.validation import integer
+from pagedcore.state_planner import StatePlanner
 
 __all__ = ["POLICIES", "ScheduledSequence", "Scheduler", "SchedulerConfig", "SchedulerOutput", "SchedulerStats"]
-
-POLICIES = ("fair", "fcfs", "priority")
-"""The scheduling policies (see the module docstring); ``"fair"`` is the default."""
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    """Scheduling limits.
-
-    Attributes:
-        max_num_batched_tokens: tokens computed per step, over all sequences (the token budget).
-        max_num_seqs: sequences running at once.
-        watermark: fraction of each group's blocks kept free when admitting a new sequence, so running sequences
-            can grow without preempting at once.
-        enable_prefix_caching: look prompts up in the prefix cache and register computed blocks in it.
-        policy: the order of admission and preemption: ``"fair"`` (round-robin over namespaces), ``"fcfs"`` or
-            ``"priority"`` (lowest :attr:`SequenceState.priority` first); see the module docstring.
-
-    Example:
-        >>> SchedulerConfig(max_num_batched_tokens=0)
-        Traceback (most recent call last):
-        ...
-        pagedcore.errors.ConfigError: max_num_batched_tokens must be an integer >= 1, got 0
-        >>> SchedulerConfig().policy, SchedulerConfig(policy="priority").policy
-        ('fair', 'priority')
-    """
-
-    max_num_batched_tokens: int = 512
-    max_num_seqs: int = 64
-    watermark: float = 0.01
-    enable_prefix_caching: bool = True
-    policy: str = "fair"
-
-    def __post_init__(self) -> None:
-        for name in ("max_num_batched_tokens", "max_num_seqs"):
-            object.__setattr__(self, name, integer(name, getattr(self, name), minimum=1, error=ConfigError))
-        if not 0.0 <= self.watermark < 1.0:
-            raise ConfigError(f"watermark must be in [0, 1), got {self.watermark!r}")
-        if self.policy not in POLICIES:
-            raise ConfigError(f"policy must be one of {', '.join(map(repr, POLICIES))}, got {self.policy!r}")
 
 
 @dataclass(slots=True)
@@ -109,6 +68,9 @@ class ScheduledSequence:
         sample: whether this step computes the sequence's last known token, so a new token must be sampled.
         num_samples: tokens to sample after this step: 0 when not sampling, ``sequence.num_samples`` at the step
             that forks a sequence into its parallel samples, else 1.
+        snapshots: a model with recurrent-state layers: the positions in ``(start, end]`` after which the runner
+            keeps the state as a snapshot (:meth:`BlockTables.take_snapshots
+            <pagedcore.block_tables.BlockTables.take_snapshots>`; :mod:`pagedcore.state_planner`), ascending.
 
     Example:
         >>> sched = Scheduler(KVPool(num_blocks=4, block_size=2))
@@ -123,6 +85,7 @@ class ScheduledSequence:
     num_new_tokens: int
     sample: bool
     num_samples: int
+    snapshots: tuple[int, ...] = ()
 
     @property
     def request_id(self) -> str:
@@ -199,24 +162,6 @@ class SchedulerOutput:
         return not self.scheduled
 
 
-@dataclass
-class SchedulerStats:
-    """Counters since the scheduler was created.
-
-    Example:
-        >>> Scheduler(KVPool(num_blocks=4, block_size=2)).stats.num_steps
-        0
-    """
-
-    num_steps: int = 0
-    num_preemptions: int = 0
-    num_admitted: int = 0
-    num_finished: int = 0
-    num_aborted: int = 0
-    num_computed_tokens: int = 0  # tokens whose KV was computed (prefill and decode)
-    num_prompt_tokens_computed: int = 0  # prompt tokens computed, i.e. not served from the prefix cache
-
-
 class Scheduler:
     """Continuous batching over a :class:`~pagedcore.kv_pool.KVPool`.
 
@@ -242,11 +187,6 @@ class Scheduler:
     """
 
     def __init__(self, pool: KVPool, config: SchedulerConfig | None = None, *, plugins: PluginManager | None = None):
-        if pool.states is not None:  # its sequences would need state slots in every step: not scheduled yet
-            raise UnsupportedModelError(
-                "the Engine (its scheduler) does not serve models with recurrent-state layers (linear attention, "
-                "state-space, short convolutions: Qwen3.5, Mamba-2...) yet; use PagedCache or enable() with this model"
-            )
         self._pool = pool
         self._config = config if config is not None else SchedulerConfig()
         self._plugins = plugins
@@ -263,7 +203,14 @@ class Scheduler:
         self._watermark_blocks = int(self._config.watermark * pool.num_blocks)  # every group has num_blocks blocks
         self._bs = bs
         self._has_sliding = any(g.kind.is_sliding for g in pool.groups)
-        self._none = [0] * len(pool.groups)
+        self._none = [0] * pool.num_resources
+        # A model with recurrent-state layers: its sequences' state slots and snapshots (state_planner.py).
+        cfg = self._config
+        self._states = (
+            None
+            if pool.states is None
+            else StatePlanner(pool, caching=cfg.enable_prefix_caching, watermark=cfg.watermark)
+        )
         # What the running sequences may still allocate, held back from other holders of the pool (resized lazily:
         # before another holder reserves, and every step while one holds a reservation).
         self._reservation = pool.reserve(self._none)
@@ -326,7 +273,11 @@ class Scheduler:
             >>> Scheduler(KVPool(num_blocks=8, block_size=4)).worst_case(SequenceState("a", [1] * 10, max_new_tokens=7))
             (4,)
         """
-        demand = Demand(seq.num_prompt_tokens, seq.max_new_tokens, chunk=self._config.max_num_batched_tokens)
+        cfg = self._config
+        snapshots = self._states is not None and cfg.enable_prefix_caching
+        demand = Demand(
+            seq.num_prompt_tokens, seq.max_new_tokens, chunk=cfg.max_num_batched_tokens, snapshots=snapshots
+        )
         return self._pool.worst_case(demand)
 
     # ------------------------------------------------------------------ commands
@@ -424,24 +375,18 @@ class Scheduler:
         if self._config.policy == "priority":  # the most urgent first: they get the budget, the others are preempted
             decodes.sort(key=_priority)
             prefills.sort(key=_priority)
-        running = SequenceStatus.RUNNING
+        running, states = SequenceStatus.RUNNING, self._states
+        if states is not None:
+            states.begin()
         for seq, uncomputed in decodes + prefills:
             if budget == 0:
                 break
             if seq.status is not running:
                 continue  # preempted earlier in this step
             num_new = uncomputed if uncomputed < budget else budget
-            blocks = seq.blocks
-            assert blocks is not None
-            grown = blocks.try_append(num_new)
-            while grown is None:
-                victim = self._victim(planned)
-                assert victim is not None  # ``seq`` itself is unplanned
-                self._preempt(victim)
-                preempted.append(victim.request_id)
-                if victim is seq:
-                    break
-                grown = blocks.try_append(num_new)
+            if states is not None:
+                num_new = states.chunk(seq.num_computed_tokens, num_new)
+            grown = self._grow(seq, num_new, planned, preempted)
             if grown is None:
                 continue
             copies.extend(grown)
@@ -453,8 +398,31 @@ class Scheduler:
             budget = self._admit(budget, plan, copies)
 
         scheduled = [self._scheduled(seq, num_new) for seq, num_new in plan]
+        if states is not None:  # the snapshot points of each chunk, as far as the slots left allow
+            points = [states.points(item.sequence, item.start, item.end) for item in scheduled]
+            for item, granted in zip(scheduled, states.grant(points, self._reservation)):
+                item.snapshots = granted
         self.stats.num_steps += 1
         return SchedulerOutput(scheduled, copies, preempted)
+
+    def _grow(self, seq: SequenceState, num_new: int, planned: set[int], preempted: list[str]) -> list[Copy] | None:
+        """Grow a running sequence's tables by ``num_new`` positions (and count the state slot its write takes),
+        preempting the policy's victims while they cannot be had; None when ``seq`` itself was preempted."""
+        blocks, states = seq.blocks, self._states
+        assert blocks is not None
+        grown = blocks.try_append(num_new)
+        while grown is None or (states is not None and not states.can_write(blocks)):
+            victim = self._victim(planned)
+            assert victim is not None  # ``seq`` itself is unplanned
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+            if victim is seq:
+                return None
+            if grown is None:
+                grown = blocks.try_append(num_new)
+        if states is not None:
+            states.promise(blocks)
+        return grown
 
     def update(self, output: SchedulerOutput, sampled: Mapping[str, Sequence[int]]) -> list[SequenceState]:
         """Record a computed step. ``sampled[request_id]`` holds the tokens sampled for every scheduled sequence
@@ -532,10 +500,14 @@ class Scheduler:
             pagedcore.errors.OutOfBlocksError: reserve: KV group 0 cannot spare 12 blocks: 9 of its 16 are ...
         """
         needs = list(self._none)
+        slots = self._pool.state_resource
         for seq in self._running.values():
             assert seq.blocks is not None
-            for g, count in enumerate(seq.blocks.blocks_to_peak(self._peaks[seq.request_id])):
+            peaks = self._peaks[seq.request_id]
+            for g, count in enumerate(seq.blocks.blocks_to_peak(peaks)):
                 needs[g] += count
+            if slots is not None:  # the state slots it may still take
+                needs[slots] += max(0, peaks[slots] - seq.blocks.num_held_slots())
         self._reservation.resize(needs)
 
     def check_invariants(self) -> None:
@@ -557,6 +529,11 @@ class Scheduler:
         held = sum(s.blocks.num_held_blocks() for s in self._running.values() if s.blocks is not None)
         refs = sum(g.block_manager.ref_count(b) for g in self._pool.groups for b in range(g.block_manager.num_blocks))
         assert held == refs, f"sequences hold {held} block references, the pool counts {refs}"
+        states = self._pool.states
+        if states is not None:
+            held = sum(s.blocks.num_held_slots() for s in self._running.values() if s.blocks is not None)
+            refs = sum(states.ref_count(slot) for slot in range(states.num_slots))
+            assert held == refs, f"sequences hold {held} state slot references, the slots count {refs}"
 
     # ------------------------------------------------------------------ internals
     def _enqueue(self, seq: SequenceState, *, front: bool = False) -> None:
@@ -584,6 +561,8 @@ class Scheduler:
         seq.blocks = None
         del self._running[seq.request_id]
         self._count_running(seq, -1)
+        if self._states is not None:
+            self._states.forget(seq.request_id)
         seq.status = SequenceStatus.WAITING
         computed = seq.num_computed_tokens
         seq.num_computed_tokens = 0
@@ -606,7 +585,9 @@ class Scheduler:
             reads = cfg.enable_prefix_caching and seq.read_prefix_cache
             if reads:
                 self._pool.load_prefix(seq.token_ids, seq.namespace)  # the tiers below the pool, if any
-                match = self._pool.match(seq.token_ids, seq.namespace)
+                # With state slots a hit is a snapshot's position, which must leave a token to compute.
+                limit = None if self._states is None else seq.num_tokens - 1
+                match = self._pool.match(seq.token_ids, seq.namespace, max_tokens=limit)
             if match is not None and self._prefix_in_flight(seq, match.num_tokens):
                 # A running sequence is computing this prompt's next blocks right now: wait a step and hit them
                 # in the cache instead of computing them twice (later requests may go ahead meanwhile).
@@ -615,6 +596,10 @@ class Scheduler:
             if blocks is None:
                 break  # a request that cannot get its blocks is not overtaken
             hit, num_new = blocks.num_tokens, min(seq.num_tokens - blocks.num_tokens, budget)
+            if self._states is not None:
+                self._states.admitted(seq, match, hit)
+                self._states.promise(blocks)
+                num_new = self._states.chunk(hit, num_new)
             copies.extend(blocks.append(num_new))
             del self._waiting[seq.request_id]
             seq.blocks = blocks
@@ -702,10 +687,13 @@ class Scheduler:
     def _start_blocks(self, seq: SequenceState, budget: int, match: PoolMatch | None) -> BlockTables | None:
         """Blocks for ``seq``'s first step (prefix hit attached), or None when they cannot be had now."""
         reserve = self._watermark_blocks if self._running else 0
-        hit = 0
+        hit, states = 0, self._states
         if match is not None:
             hit = min(match.num_tokens, seq.num_tokens - 1)  # the last token is always computed (for its logits)
-        candidates = [hit] if hit % self._bs == 0 else [hit, hit - hit % self._bs]  # partial hit needs a copy
+        if states is not None:  # a hit is exactly a snapshot's position, or none
+            candidates = [states.hit(seq, match)] if match is not None else [0]
+        else:
+            candidates = [hit] if hit % self._bs == 0 else [hit, hit - hit % self._bs]  # partial hit needs a copy
         for num_hit in candidates:
             blocks = BlockTables(self._pool, self._reservation)
             if match is not None and num_hit:
@@ -714,7 +702,8 @@ class Scheduler:
                 except OutOfBlocksError:  # reviving its cached blocks would take blocks other holders reserved
                     continue
                 blocks.drop_out_of_window(num_hit)
-            if blocks.can_append(min(seq.num_tokens - num_hit, budget), reserve=reserve):
+            fits = blocks.can_append(min(seq.num_tokens - num_hit, budget), reserve=reserve)
+            if fits and (states is None or states.can_write(blocks, admitting=bool(self._running))):
                 return blocks
             blocks.release()
         return None
@@ -761,6 +750,8 @@ class Scheduler:
         self._by_id.pop(seq.request_id, None)
         self._peaks.pop(seq.request_id, None)
         self._keys.pop(seq.request_id, None)
+        if self._states is not None:
+            self._states.forget(seq.request_id)
         if reason is not FinishReason.ABORT:
             self.stats.num_finished += 1
         self._emit(

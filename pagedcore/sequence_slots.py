@@ -110,6 +110,35 @@ class SequenceSlots:
         self._pending.append((position, slot))
         return True
 
+    def needs_slot(self) -> bool:
+        """Whether the next :meth:`write` takes a slot from the pool (no state yet, or one it must copy first)."""
+        slot = self._slot
+        return slot is None or self._states.must_copy(slot)
+
+    def reserve_snapshots(self, positions: Sequence[int], reservation: Reservation | None) -> list[tuple[int, int]]:
+        """Fresh slots to hold the state after each of ``positions`` (the forward that computes them copies the
+        state into each as it passes the position), held as pending snapshots like those :meth:`snapshot` takes:
+        ``(position, slot)`` each. Raises :class:`OutOfBlocksError`, changing nothing, when the pool cannot spare
+        them."""
+        held = {p for p, _ in self._pending}
+        wanted = [p for p in positions if p > 0 and p not in held]
+        if not wanted:
+            return []
+        resource = self._pool.state_resource
+        assert resource is not None
+        available = self._pool.available_blocks(resource, reservation)
+        if available < len(wanted):
+            raise OutOfBlocksError(
+                f"no recurrent-state slots for {len(wanted)} snapshots: {max(available, 0)} can be had",
+                requested=len(wanted),
+                available=max(available, 0),
+            )
+        slots: list[int] = []
+        self._account(reservation, lambda: slots.extend(self._states.allocate() for _ in wanted))
+        taken = list(zip(wanted, slots))
+        self._pending = sorted(self._pending + taken)
+        return taken
+
     def check_restore(self, match: PoolMatch, num_tokens: int, reservation: Reservation | None) -> int | None:
         """The snapshot a hit of ``num_tokens`` tokens restores (None: nothing to restore). Raises
         :class:`InvalidBlockError` for a hit that does not end where its snapshot is, :class:`OutOfBlocksError` when

@@ -42,7 +42,11 @@ from pagedcore.errors import ConfigError, OutOfBlocksError
 from pagedcore.eviction import EvictionPolicy
 from pagedcore.validation import integer
 
-__all__ = ["StateSlots"]
+__all__ = ["TOKEN_BY_TOKEN_LIMIT", "StateSlots"]
+
+TOKEN_BY_TOKEN_LIMIT = 32
+"""The most tokens a model that continues a cached state only one token at a time (:attr:`StateSlots.resumes_chunks`
+false) computes that way after a prefix hit; a longer rest is computed from the start instead."""
 
 
 class _SnapshotIndex:
@@ -71,6 +75,8 @@ class StateSlots:
         before_evict: ``before_evict(slot, block_id, offset)`` just before an unheld snapshot is evicted to free its
             slot (a tier below the pool writes it down); must not change the slots. Exceptions are logged and
             swallowed.
+        resumes_chunks: the model continues a cached state over a forward of several tokens (else only one token
+            at a time: Jamba's Mamba layers drop the state in a scan of several tokens); see :attr:`resumes_chunks`.
 
     Example:
         >>> slots = StateSlots(num_slots=4)
@@ -92,7 +98,9 @@ class StateSlots:
         interval: int = 1,
         eviction_policy: EvictionPolicy | None = None,
         before_evict: Callable[[int, int, int], None] | None = None,
+        resumes_chunks: bool = True,
     ) -> None:
+        self._resumes_chunks = bool(resumes_chunks)
         num_slots = integer("num_slots", num_slots, minimum=1, error=ConfigError, expected="a positive integer")
         self._interval = integer(
             "snapshot interval", interval, minimum=1, error=ConfigError, expected="a positive integer"
@@ -112,6 +120,13 @@ class StateSlots:
     def interval(self) -> int:
         """Blocks of a prompt between two snapshots."""
         return self._interval
+
+    @property
+    def resumes_chunks(self) -> bool:
+        """Whether a forward of several tokens continues a cached state. When not, a sequence whose state holds
+        tokens already (a prefix hit, an earlier chunk) computes one token per forward, and a hit is worth resuming
+        only when at most :data:`TOKEN_BY_TOKEN_LIMIT` tokens follow it."""
+        return self._resumes_chunks
 
     @property
     def num_used(self) -> int:

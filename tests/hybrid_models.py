@@ -1,7 +1,8 @@
 """Tiny random hybrid models (recurrent-state layers beside attention) for tests, built from configs with each
 family's real layer pattern: Qwen3.5 (text, MoE), Qwen3-Next, Granite 4 (granitemoehybrid), Nemotron-H, LFM2 (short
 convolutions), MiniMax (lightning attention), Bamba, Jamba, Falcon-H1 (attention and SSM in one layer), Mamba-2 (no
-attention at all), Zamba2 (shared hybrid blocks) and OLMo-hybrid.
+attention at all), Zamba2 (shared hybrid blocks), OLMo-hybrid and Kimi Linear (Kimi Delta Attention beside latent
+attention).
 
 Hidden 64, 3-4 layers, vocab 256, every layer kind of the family at least once; token ids ``0, 1, 2`` are pad, bos and
 eos, as in :mod:`models`. Every model is built from its own config object. Models come back in ``eval()`` mode with
@@ -189,6 +190,26 @@ _CONFIGS: dict[str, tuple[str, dict[str, Any], float]] = {
             "linear_key_head_dim": 16,
             "linear_value_head_dim": 32,
             "linear_conv_kernel_dim": 4,
+        },
+        0.3,
+    ),
+    "kimi_linear": (
+        "kimi_linear",
+        {
+            **_ATTENTION,
+            "num_hidden_layers": 4,
+            "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+            # its full-attention layers are MLA (latent attention, paged as latents)
+            "num_key_value_heads": 4,
+            "kv_lora_rank": 16,
+            "qk_rope_head_dim": 8,
+            "qk_nope_head_dim": 16,
+            "v_head_dim": 16,
+            "q_lora_rank": None,
+            "linear_attn_config": {"head_dim": 16, "num_heads": 4, "short_conv_kernel_size": 4},
+            "moe_intermediate_size": 32,
+            "num_experts": 4,
+            "num_experts_per_token": 2,
         },
         0.3,
     ),

@@ -261,9 +261,16 @@ def test_a_cache_for_state_layers_needs_the_model_itself():
         PagedCache(hybrid_config("qwen3_5"), num_blocks=8)
 
 
-def test_the_engine_refuses_recurrent_state_layers_for_now():
-    with pytest.raises(UnsupportedModelError, match="recurrent-state layers"):
-        Engine(model_for("qwen3_5", "stock"), num_blocks=16)
+@pytest.mark.parametrize("family", HYBRID_FAMILIES)
+def test_the_engine_serves_every_family_as_stock(family):
+    """Every family in the fourth mode too (tests/test_hybrid_engine.py tests the Engine in depth)."""
+    model = model_for(family, "stock")
+    ids, _ = batch([0], 9, seed=8)
+    want = reference(family, input_ids=ids, max_new_tokens=NEW, do_sample=False)
+    with Engine(model, num_blocks=32, block_size=4, state_slots=8) as engine:
+        (out,) = engine.generate([ids[0].tolist()], max_new_tokens=NEW, do_sample=False, use_tqdm=False)
+        assert engine.pool.kv.states.num_used == 0
+    assert out.token_ids == want.sequences[0, 9:].tolist()
 
 
 def test_a_pool_sized_by_memory_splits_it_between_blocks_and_state_slots():

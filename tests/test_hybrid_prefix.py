@@ -72,8 +72,10 @@ def test_a_shared_system_prompt_is_resumed(family, enabled):
     # The snapshot at the last block boundary of the system prompt (Jamba: none inside the first prompt).
     assert got == (0 if family in TOKEN_BY_TOKEN else 12)
     again = hits(pool, lambda: same_as_cold(model, family, input_ids=second, max_new_tokens=5, do_sample=False))
-    # A regenerated answer resumes at the last snapshot point of its prompt (Jamba: at its last-but-one token).
-    assert again == (18 if family in TOKEN_BY_TOKEN else 16)
+    # A regenerated answer resumes at the system prompt's snapshot again: the second call, which resumed there,
+    # computed its question in generate's own forward, with no snapshot point on the way (Jamba: the second call
+    # was computed from the start, keeping its last-but-one token's state).
+    assert again == (18 if family in TOKEN_BY_TOKEN else 12)
     settled(pool)
 
 
@@ -158,11 +160,14 @@ def test_evicted_snapshots_are_never_served(enabled):
     resumes at a snapshot still there (or computes its whole prompt), always exactly."""
     model = hybrid_model("olmo_hybrid")
     pool = enabled(model, num_blocks=256, block_size=4, state_slots=8)
-    for seed in range(4):
-        same_as_cold(model, "olmo_hybrid", input_ids=torch.cat([SYSTEM, question(seed, 9)], 1), max_new_tokens=3)
+    other = question(5, 14)  # another system prompt: the last call is cold and keeps its snapshot points
+    for seed, system in ((0, SYSTEM), (1, SYSTEM), (2, SYSTEM), (3, other)):
+        same_as_cold(model, "olmo_hybrid", input_ids=torch.cat([system, question(seed, 9)], 1), max_new_tokens=3)
     assert pool.kv.states.num_evicted > 0 and pool.kv.num_cached_blocks > pool.kv.states.num_snapshots
-    prompt = torch.cat([SYSTEM, question(3, 9)[:, :6], question(7)], 1)  # shares 20 tokens with the last one
+    prompt = torch.cat([other, question(3, 9)[:, :6], question(7)], 1)  # shares 20 tokens with the last one
     assert hits(pool, lambda: same_as_cold(model, "olmo_hybrid", input_ids=prompt, max_new_tokens=3)) == 20
+    first = torch.cat([SYSTEM, question(0, 9)], 1)  # the first call's deeper snapshots were evicted
+    assert hits(pool, lambda: same_as_cold(model, "olmo_hybrid", input_ids=first, max_new_tokens=3)) < 20
     settled(pool)
 
 
@@ -223,4 +228,22 @@ def test_what_a_call_holds_is_reserved_first(enabled):
     settled(pool)
     small = torch.cat([SYSTEM[:, :6], question(1, 2)], 1)
     same_as_cold(model, "mamba2", input_ids=small, max_new_tokens=3)  # 8 tokens: points 4 and 7, the end: fits
+    settled(pool)
+
+
+def test_a_single_prompt_resuming_a_snapshot_is_one_forward(enabled):
+    """A question after a cached system prompt: the state is restored at the snapshot and ``generate`` computes the
+    question in its own forward (no forward to a snapshot point on the way); the reply still files its end state."""
+    model = hybrid_model("qwen3_5")
+    pool = enabled(model, num_blocks=128, block_size=4, state_slots=64)
+    same_as_cold(model, "qwen3_5", input_ids=torch.cat([SYSTEM, question(1)], 1), max_new_tokens=1)
+    forwards = []
+    hook = model.register_forward_pre_hook(lambda module, args: forwards.append(1))
+    second = torch.cat([SYSTEM, question(2)], 1)
+    try:
+        hit = hits(pool, lambda: model.generate(second, max_new_tokens=1, do_sample=False))
+    finally:
+        hook.remove()
+    assert hit == 12 and len(forwards) == 1
+    same_as_cold(model, "qwen3_5", input_ids=second, max_new_tokens=4)
     settled(pool)

@@ -33,7 +33,7 @@ class Benchmark:
         >>> BENCHMARKS["core"].uses_model, BENCHMARKS["engine"].chart_rank
         (False, 0)
         >>> list(BENCHMARKS)
-        ['prefix', 'cold', 'memory', 'engine', 'core', 'decode', 'chat', 'host', 'scaling', 'peers']
+        ['prefix', 'cold', 'memory', 'engine', 'core', 'decode', 'chat', 'host', 'scaling', 'peers', 'hybrid']
     """
 
     name: str
@@ -63,5 +63,6 @@ BENCHMARKS: dict[str, Benchmark] = {
         Benchmark("host", "host", "host time per decode step outside the forward: Engine vs transformers' manager"),
         Benchmark("scaling", "scaling", "Engine throughput, host share and KV memory as requests and prompts grow"),
         Benchmark("peers", "native", "the native CPU engine: Engine vs CTranslate2 (fp32 tuned/default malloc, int8)"),
+        Benchmark("hybrid", "hybrid", "a Qwen3.5-like hybrid model: multi-session chat, Engine vs the padded batch"),
     )
 }

@@ -11,6 +11,15 @@ a :class:`ForwardBatch`:
 2. :meth:`ModelRunner.execute` (without the lock) runs the forward with a paged-attention context and returns the
    float32 logits of the rows the batch asked for, in order.
 
+A pool with recurrent-state slots (a model with linear-attention, state-space or short-convolution layers) asks a
+little more of ``prepare``: make each scheduled sequence's slot its own before the forward writes it
+(:meth:`BlockTables.write_state <pagedcore.block_tables.BlockTables.write_state>`: the scheduler counted the slot it
+may take), take the slots of the snapshots the plan names (:attr:`ScheduledSequence.snapshots
+<pagedcore.scheduler.ScheduledSequence.snapshots>`, :meth:`BlockTables.take_snapshots
+<pagedcore.block_tables.BlockTables.take_snapshots>`) and, in ``execute``, copy the state after each such position
+into its slot; the scheduler files them (:mod:`pagedcore.state_planner`; the transformers runner's
+:mod:`~pagedcore.adapters.transformers.state_step` does all of it).
+
 Around the step: :meth:`ModelRunner.check_weights` (each step, before planning: the weights epoch; prefixes computed
 by weights that changed are forgotten), :meth:`ModelRunner.stats` (memory, kernel fallbacks, compiled steps),
 :meth:`ModelRunner.reset_prefix_cache` and :meth:`ModelRunner.close`. A runner owns compilation and its fallback:

@@ -113,6 +113,19 @@ def _add_engine_flags(parser: argparse.ArgumentParser, human_int: Callable[[str]
     parser.add_argument(
         "--kv-store-bytes", metavar="SIZE", default=None, help="the --kv-store budget, e.g. 20GiB (needed with it)"
     )
+    parser.add_argument(
+        "--state-slots",
+        type=int,
+        default=None,
+        help="a model with recurrent-state layers (Qwen3.5, Mamba-2...): its state slots, live states and snapshots "
+        "(default: half of --memory-budget, else 64)",
+    )
+    parser.add_argument(
+        "--snapshot-interval",
+        type=int,
+        default=None,
+        help="such a model's prompts keep a snapshot of their state every this many blocks (default 1)",
+    )
     parser.add_argument("--max-num-seqs", type=int, default=64, help="sequences running at once")
     parser.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens computed per step")
     parser.add_argument("--max-logprobs", type=int, default=20, help="the most logprobs a request may ask for")
@@ -315,6 +328,9 @@ def _announce(
 ) -> None:
     host = f"[{args.host}]" if ":" in args.host else args.host
     tenants = f", {len(api_keys)} API keys" if api_keys is not None else ""
+    slots = engine.pool.kv.states
+    if slots is not None:  # a model with recurrent-state layers
+        tenants = f", {slots.num_slots} state slots (a snapshot every {slots.interval} blocks){tenants}"
     print(
         f"pagedcore serve: model {name!r} at http://{host}:{port}/v1 "
         f"({engine.pool.num_blocks} KV blocks of {engine.pool.block_size} tokens{tenants}; "
@@ -478,6 +494,8 @@ def engine_config(args: argparse.Namespace, memory_budget: Any = None) -> Any:
         block_size=args.block_size,
         kv_store=getattr(args, "kv_store", None),
         kv_store_bytes=getattr(args, "kv_store_bytes", None),
+        state_slots=getattr(args, "state_slots", None),
+        snapshot_interval=getattr(args, "snapshot_interval", None),
     )
     scheduler = SchedulerConfig(
         max_num_batched_tokens=args.max_num_batched_tokens,

@@ -54,6 +54,9 @@ class Engine(BaseEngine):
         enable_lora / max_loras / max_lora_rank: serve LoRA adapters (vLLM's names; see :mod:`.lora`): load them
             with ``engine.loras.load(name, folder)``, and a request names its adapter (``lora="name"``); at most
             ``max_loras`` (1) in the model at once, none of a rank above ``max_lora_rank`` (16).
+        state_slots / snapshot_interval: a model with recurrent-state layers (Qwen3.5, Mamba-2...; docs/families.md):
+            the slots of a new pool (live states and snapshots) and how often a prompt keeps a snapshot of its state
+            (every this many blocks; 1 by default) for later prompts to resume.
 
     Generation parameters: either a :class:`~pagedcore.engine.sampling.SamplingParams` (or a dict of its fields), or
     ``model.generate``'s keyword arguments (``max_new_tokens``, ``do_sample``, ``temperature``, ``top_k``, ``top_p``,
@@ -101,6 +104,8 @@ class Engine(BaseEngine):
         enable_lora: bool | None = None,
         max_loras: int | None = None,
         max_lora_rank: int | None = None,
+        state_slots: int | None = None,
+        snapshot_interval: int | None = None,
     ) -> None:
         settings = dict(locals())
         for name in ("self", "model", "tokenizer", "config", "pool", "__class__"):

@@ -188,6 +188,7 @@ class PagedKVPool:
             on_evict=self._on_evict,
             state_slots=state_slots,
             snapshot_interval=config.snapshot_interval or 1,
+            resumes_chunks=self.state_spec.resumes_chunks,
         )
 
     def _sizing(self, model: Any, config: PoolConfig, block_size: int) -> tuple[int, StatePlan]:

@@ -33,7 +33,7 @@ from pagedcore.config import PoolConfig
 from pagedcore.engine.lora import LoRAConfig
 from pagedcore.engine.packing import pack_tokens
 from pagedcore.engine.runner import CompileCounts, ForwardBatch, ModelInfo, RunnerStats
-from pagedcore.errors import UnsupportedModelError
+from pagedcore.errors import ConfigError, UnsupportedModelError
 from pagedcore.kv_pool import KVPool
 from pagedcore.plugin_manager import PluginManager
 from pagedcore.validation import as_integer
@@ -44,6 +44,7 @@ from .layer_attention import check_paged_attention
 from .lora import LoraAdapters
 from .pool import PagedKVPool
 from .spec import context_limit, text_config
+from .state_step import PreparedStateStep, StateSteps
 from .step_batch import PackedCache, PreparedStep
 
 logger = logging.getLogger(__name__)
@@ -95,7 +96,21 @@ class TransformersRunner:
         self._info = ModelInfo(vocab, context_limit(model), tuple(eos_token_ids(model, tokenizer)), device)
         self._cache = PackedCache(self.pool)
         self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
-        self._decode = CompiledDecode(model, self.pool) if compiling else None
+        # A model with recurrent-state layers runs each step as the forwards its states need (state_step.py), eagerly.
+        self._states = StateSteps(model, self.pool, attention_backend) if self.pool.states is not None else None
+        if self._states is not None and compile is True:
+            raise ConfigError(
+                f"compile=True: {self.pool.spec.model_type!r} keeps recurrent states, whose layers the compiled decode "
+                "step does not run; use compile=False or 'auto'",
+                param="compile",
+            )
+        if self._states is not None and lora is not None:
+            raise ConfigError(
+                f"enable_lora: {self.pool.spec.model_type!r} keeps recurrent states, whose per-step forwards do not "
+                "apply LoRA adapters yet; serve it without enable_lora",
+                param="enable_lora",
+            )
+        self._decode = CompiledDecode(model, self.pool) if compiling and self._states is None else None
         self._decode_counts = CompileCounts()  # the counters of a compiled step turned off
         self._original_attn = getattr(self._text_config, "_attn_implementation", None)
         check_paged_attention(model, self.pool.spec.layers)  # what the paged attention cannot serve, refused now
@@ -145,8 +160,11 @@ class TransformersRunner:
         """The pool's weights version (:attr:`~.pool.PagedKVPool.weights_version`)."""
         return self.pool.weights_version
 
-    def prepare(self, batch: ForwardBatch) -> PreparedStep:
-        """The batch's copy-on-write copies, then its tokens packed with each KV group's metadata."""
+    def prepare(self, batch: ForwardBatch) -> PreparedStep | PreparedStateStep:
+        """The batch's copy-on-write copies, then its tokens packed with each KV group's metadata (a model with
+        recurrent-state layers: its state slots and snapshots too, as :class:`~.state_step.StateSteps` prepares)."""
+        if self._states is not None:
+            return self._states.prepare(batch)
         self.pool.copy_blocks(list(batch.copies))
         packed = pack_tokens(batch.scheduled, self.pool.kv)
         positions = _packed_positions(self.pool, packed.position_ids)
@@ -155,9 +173,12 @@ class TransformersRunner:
         adapters = None if self.adapters is None else self.adapters.step(batch.scheduled, keep, self._info.device)
         return PreparedStep(packed, context, keep, batch.is_decode, adapters)
 
-    def execute(self, prepared: PreparedStep) -> torch.Tensor:
+    def execute(self, prepared: PreparedStep | PreparedStateStep) -> torch.Tensor:
         """The forward: the compiled decode step when it runs one, else the model eagerly with paged attention."""
         device = self._info.device
+        if isinstance(prepared, PreparedStateStep):
+            assert self._states is not None
+            return self._states.execute(prepared, device)
         if self._decode is not None and prepared.is_decode and prepared.adapters is None:
             logits = self._forward_compiled(self._decode, prepared, device)
             if logits is not None:

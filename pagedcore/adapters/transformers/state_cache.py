@@ -104,7 +104,13 @@ class CacheStates:
                 row.blocks.write_state(lambda copy: self.pool.apply([copy]))
         slots = [row.blocks.state_slot for row in rows]
         assert all(slot is not None for slot in slots)
-        self.step = StateStep([s for s in slots if s is not None], previous=previous, device=device)
+        self.start([s for s in slots if s is not None], previous=previous, device=device)
+
+    def start(self, slots: list[int], *, previous: bool, device: torch.device) -> None:
+        """Before a forward whose rows' slots are their own already (the Engine's runner makes them so when it
+        prepares a step, under the pool's lock): index them. ``previous``: the rows' states hold tokens."""
+        self.end()
+        self.step = StateStep(slots, previous=previous, device=device)
 
     def end(self) -> bool:
         """After a forward: write the copies handed out back to the rows' slots. Returns whether a state layer

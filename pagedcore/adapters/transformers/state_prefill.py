@@ -2,7 +2,8 @@
 a state, and the snapshots that later prompts resume from.
 
 A recurrent state cannot be cut at an arbitrary token, so a prompt is computed in pieces that end at **snapshot
-points** (every ``snapshot_interval`` blocks of the prompt) and the state is kept at each of them
+points** (every ``snapshot_interval`` blocks of the prompt; for a single row that resumes a hit, none: it computes
+the rest of its prompt in ``generate``'s own forward) and the state is kept at each of them
 (:meth:`~pagedcore.adapters.transformers.PagedCache.snapshot`); when the call registers its blocks, each snapshot is
 filed in the block holding its last token (:mod:`pagedcore.state_slots`), as the state where the sequence stops is. A
 later prompt then takes the deepest point of its prefix match where every layer kind has what it needs (keys and
@@ -35,14 +36,12 @@ import torch
 
 from pagedcore.capacity import Reservation
 from pagedcore.kv_pool import PoolMatch
+from pagedcore.state_slots import TOKEN_BY_TOKEN_LIMIT
 
 from .cache import PagedCache
 from .pool import PagedKVPool
 
 __all__ = ["TOKEN_BY_TOKEN_LIMIT", "StatePrefill", "snapshot_points"]
-
-TOKEN_BY_TOKEN_LIMIT = 32
-"""The most tokens a family that resumes a state one token at a time computes that way after a hit."""
 
 
 def snapshot_points(start: int, end: int, spacing: int) -> list[int]:
@@ -112,6 +111,7 @@ class StatePrefill:
     def plan(self, prompts: Sequence[Sequence[int]]) -> list[int]:
         """Each row's hit (tokens resumed from a snapshot; loaded from the tiers below the pool first). Returns them."""
         kv = self.pool.kv
+        alone = len(prompts) == 1
         for tokens in prompts:
             kv.load_prefix(tokens, self.namespace)
             match = kv.match(tokens, self.namespace, max_tokens=len(tokens) - 1)
@@ -119,7 +119,10 @@ class StatePrefill:
             if not self.resumes_chunks and len(tokens) - 1 - hit > TOKEN_BY_TOKEN_LIMIT:
                 hit = 0  # resuming one token at a time would cost more than computing the row in one forward
             row = _Row(list(tokens), match, hit)
-            row.points = snapshot_points(hit, row.end, self.spacing) if self.resumes_chunks else []
+            # A single row that resumes a snapshot computes the rest in generate's own forward: one forward, as a
+            # plain prefill (a snapshot point on the way would cost a forward of its own).
+            if self.resumes_chunks and not (alone and hit):
+                row.points = snapshot_points(hit, row.end, self.spacing)
             self.rows.append(row)
         return [row.hit for row in self.rows]
 
