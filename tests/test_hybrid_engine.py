@@ -218,6 +218,16 @@ def test_compile_true_is_refused_naming_it():
     assert caught.value.param == "compile"
 
 
+def test_enable_lora_is_refused_naming_it_and_the_model_is_left_as_it_was():
+    """The state steps apply no adapter: accepted, ``enable_lora`` would be ignored (every answer the base model's)."""
+    model = model_for("qwen3_5")
+    before = model.config._attn_implementation
+    with pytest.raises(ConfigError, match="enable_lora") as caught:
+        Engine(model, num_blocks=16, enable_lora=True)
+    assert caught.value.param == "enable_lora"
+    assert model.config._attn_implementation == before
+
+
 def test_structured_outputs_on_a_hybrid_model():
     """Constrained samples (``n=2``, forks of one state) are valid JSON of their schema; the unconstrained requests
     of the same batch are what they are alone."""
