@@ -51,6 +51,9 @@ class Engine(BaseEngine):
             writes the cached ones too, so a restarted Engine on the same model answers them from the store.
         compile_timeout: seconds a structured-output request may wait for its grammar to compile (in a worker,
             off the step loop) before it fails with :class:`~pagedcore.errors.GrammarTimeoutError` (30).
+        prepack: the linear weights prepacked for the CPU's GEMM in the Engine's forwards (:mod:`.prepacked`):
+            ``True``, ``False`` or ``"auto"`` (the default: on the CPU in float32). Costs a second copy of the
+            linear weights; packs are rebuilt after the weights change, and only the Engine's forwards use them.
 
     Generation parameters: either a :class:`~pagedcore.engine.sampling.SamplingParams` (or a dict of its fields), or
     ``model.generate``'s keyword arguments (``max_new_tokens``, ``do_sample``, ``temperature``, ``top_k``, ``top_p``,
@@ -95,9 +98,10 @@ class Engine(BaseEngine):
         kv_store: KVStoreSpec | None = None,
         kv_store_bytes: int | float | str | None = None,
         compile_timeout: float | None = None,
+        prepack: bool | str = "auto",
     ) -> None:
         settings = dict(locals())
-        for name in ("self", "model", "tokenizer", "config", "pool", "__class__"):
+        for name in ("self", "model", "tokenizer", "config", "pool", "prepack", "__class__"):
             settings.pop(name, None)
         config = EngineConfig.of(config, **settings)  # every setting checked before anything changes
         runner = TransformersRunner(
@@ -107,6 +111,7 @@ class Engine(BaseEngine):
             compile=config.compile,
             attention_backend=config.attention_backend,
             tokenizer=tokenizer,
+            prepack=prepack,
         )
         try:
             own = replace(config, pool=PoolConfig(), compile="auto", attention_backend=None)  # the runner has these

@@ -18,6 +18,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import logging
@@ -39,6 +40,7 @@ from .attention import ATTN_IMPLEMENTATION, CONTEXT_KEY, ForwardContext
 from .compiled import CompiledDecode, DecodeInputs, resolve_compile
 from .layer_attention import check_paged_attention
 from .pool import PagedKVPool
+from .prepacked import PrepackedLinears, resolve_prepack
 from .spec import context_limit, text_config
 from .step_batch import PackedCache, PreparedStep
 
@@ -57,6 +59,8 @@ class TransformersRunner:
         compile: decode-only steps as a compiled graph: ``True``, ``False`` or ``"auto"`` (on CUDA).
         attention_backend: the attention backend's name (None: the plugins' choice for the device).
         tokenizer: the model's tokenizer, when there is one: its eos stops requests too (:func:`eos_token_ids`).
+        prepack: the linear weights prepacked for the CPU's GEMM in this runner's forwards (:mod:`.prepacked`):
+            ``True``, ``False`` or ``"auto"`` (on the CPU in float32; costs a second copy of the linear weights).
 
     Example:
         >>> from pagedcore.engine import Engine
@@ -76,6 +80,7 @@ class TransformersRunner:
         compile: bool | str = "auto",
         attention_backend: str | None = None,
         tokenizer: Any = None,
+        prepack: bool | str = "auto",
     ) -> None:
         device = model.get_input_embeddings().weight.device
         compiling = resolve_compile(compile, device)
@@ -93,6 +98,8 @@ class TransformersRunner:
         self._original_attn = getattr(self._text_config, "_attn_implementation", None)
         check_paged_attention(model, self.pool.spec.layers)  # what the paged attention cannot serve, refused now
         self._use_paged_attention()
+        weight = model.get_input_embeddings().weight
+        self._packs = PrepackedLinears(model) if resolve_prepack(prepack, device, weight.dtype) else None
 
     def _use_paged_attention(self) -> None:
         self.model.set_attn_implementation(ATTN_IMPLEMENTATION)
@@ -121,14 +128,23 @@ class TransformersRunner:
         return self.pool.lock
 
     @property
+    def prepacked(self) -> PrepackedLinears | None:
+        """The linear weights prepacked for this runner's forwards (None: not prepacking)."""
+        return self._packs
+
+    @property
     def plugins(self) -> PluginManager:
         """The pool's plugin manager."""
         return self.pool.plugins
 
     # ------------------------------------------------------------------ a step
     def check_weights(self) -> int:
-        """The pool's weights check (:meth:`~.pool.PagedKVPool.check_weights`)."""
-        return self.pool.check_weights()
+        """The pool's weights check (:meth:`~.pool.PagedKVPool.check_weights`); a new epoch drops the packed
+        weights (rebuilt from the new ones at their next use)."""
+        epoch = self.pool.check_weights()
+        if self._packs is not None:
+            self._packs.refresh(epoch)
+        return epoch
 
     def prepare(self, batch: ForwardBatch) -> PreparedStep:
         """The batch's copy-on-write copies, then its tokens packed with each KV group's metadata."""
@@ -157,7 +173,7 @@ class TransformersRunner:
         keep = prepared.keep
         if self._keeps_logits:
             kwargs["logits_to_keep"] = to_device(torch.tensor(keep), device) if keep else 1
-        with torch.inference_mode():
+        with torch.inference_mode(), self._packs.active() if self._packs is not None else contextlib.nullcontext():
             logits = self.model(**kwargs).logits[0]
         if not self._keeps_logits and keep:
             logits = logits[to_device(torch.tensor(keep), logits.device)]
@@ -201,6 +217,8 @@ class TransformersRunner:
         pool (so a restart finds them; a pool this runner built closes its tiers)."""
         if self._original_attn is not None and self._original_attn != ATTN_IMPLEMENTATION:
             self.model.set_attn_implementation(self._original_attn)
+        if self._packs is not None:
+            self._packs.close()
         tiers = self.pool.tiers
         if tiers is None:
             return
