@@ -2,7 +2,8 @@
 (batch 1 / 16 of 128-token prompts + 128 new, 32 x (512 shared + 32) with 64 new) on the benchmark model, each
 Engine run timed in wall time and in this thread's CPU time (with one torch thread the whole step runs in it, so the
 waits of a loaded machine are left out), both over the workload's roofline floor measured in the same run
-(``pagedcore.benchmarks.roofline``). Greedy tokens are checked against transformers' ``generate`` first.
+(``pagedcore.benchmarks.roofline``), its GEMM rate and bandwidth timed in CPU time too. Greedy tokens are checked
+against transformers' ``generate`` first.
 
 ``python scripts/roofline_check.py [--size small] [--threads 1] [--rounds 3]``. On a quiet machine use
 ``pagedcore bench --only peers`` (the same workloads next to CTranslate2, wall time, 3 rounds).
@@ -34,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     model = bench_model(size=args.size)
-    limits = machine_limits(model)
+    limits = machine_limits(model, clock=time.thread_time)  # a loaded machine's waits do not inflate the floor
     print(f"# {args.size} model, {args.threads} thread(s); {limits.describe()}; load average "
           f"{os.getloadavg()[0]:.2f}", flush=True)  # fmt: skip
     chosen = workloads(False, model.config.vocab_size)

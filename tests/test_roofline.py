@@ -77,6 +77,24 @@ def test_machine_limits_are_measured(tiny):
     assert "GFLOP/s" in limits.describe() and "GB/s" in limits.describe()
 
 
+def test_machine_limits_are_timed_with_the_clock_given(tiny):
+    """``clock`` (wall time by default, ``time.thread_time`` in scripts/roofline_check.py on a loaded machine) times
+    every pass: with a clock that advances one second per reading, each timed pass takes exactly one second."""
+
+    class Ticks:
+        now = 0.0
+
+        def __call__(self) -> float:
+            self.now += 1.0
+            return self.now
+
+    shape = ModelShape.from_config(tiny.config)
+    flops = sum(2 * 16 * out * inp for out, inp in shape.weight_shapes())
+    limits = machine_limits(tiny, rows=16, repeats=1, clock=Ticks())
+    assert limits.rate == pytest.approx(flops)
+    assert memory_bandwidth(mib=4, repeats=1, clock=Ticks()) == pytest.approx(2 * 4 * 2**20)
+
+
 def test_peers_report_engine_and_ctranslate2_over_the_floor():
     aim = native.Aim(1.2, fmt="{:g}x")
     w = native.PeerWorkload("batch 1", Batch([[5, 6]], [3]), Batch([[7, 8]], [2]), floor_aim=aim)

@@ -18,7 +18,7 @@ weight-bound decode step is from the machine's limit.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,12 +99,18 @@ def step_bytes(shape: ModelShape, step: Iterable[Segment], dtype_bytes: int = 4,
 
 
 def memory_bandwidth(
-    device: torch.device | str = "cpu", *, mib: int = COPY_MIB, repeats: int = 5, dtype: torch.dtype = torch.float32
+    device: torch.device | str = "cpu",
+    *,
+    mib: int = COPY_MIB,
+    repeats: int = 5,
+    dtype: torch.dtype = torch.float32,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> float:
     """Bytes/s this machine moves between memory and its cores, STREAM-like: the larger of a copy between two
     ``mib``-MiB arrays (``dst.copy_(src)``, each byte counted once read and once written, as STREAM counts it) and a
     read of one (a matrix-vector product over it: what a one-row linear layer does to its weights), each the best of
-    ``repeats`` timed passes after an untimed one: a floor is a lower bound.
+    ``repeats`` timed passes after an untimed one: a floor is a lower bound. ``clock`` as
+    :func:`~.floor.matmul_rate`'s.
 
     Example:
         >>> memory_bandwidth(mib=8, repeats=2) > 1e8
@@ -116,21 +122,21 @@ def memory_bandwidth(
     dst = torch.empty_like(src)
     matrix, vector = src.view(1024, -1), torch.ones(1024, dtype=dtype, device=device)
     size = src.numel() * src.element_size()
-    copy = 2 * size / _best(device, repeats, lambda: dst.copy_(src))
-    read = size / _best(device, repeats, lambda: torch.mv(matrix.t(), vector))
+    copy = 2 * size / _best(device, repeats, lambda: dst.copy_(src), clock)
+    read = size / _best(device, repeats, lambda: torch.mv(matrix.t(), vector), clock)
     return max(copy, read)
 
 
-def _best(device: torch.device, repeats: int, fn: Any) -> float:
+def _best(device: torch.device, repeats: int, fn: Any, clock: Callable[[], float]) -> float:
     """The shortest of ``repeats`` timed calls of ``fn`` after an untimed one."""
     best = float("inf")
     for attempt in range(repeats + 1):
         _sync(device)
-        start = time.perf_counter()
+        start = clock()
         fn()
         _sync(device)
         if attempt:
-            best = min(best, time.perf_counter() - start)
+            best = min(best, clock() - start)
     return best
 
 
@@ -159,8 +165,11 @@ class MachineLimits:
                 f"and {self.bandwidth / 1e9:.1f} GB/s (STREAM-like: the best of a copy and a read)")  # fmt: skip
 
 
-def machine_limits(model: Any, *, rows: int = 512, repeats: int = 5) -> MachineLimits:
-    """Both limits for ``model``'s shapes, device and dtype (:func:`~.floor.matmul_rate`, :func:`memory_bandwidth`).
+def machine_limits(
+    model: Any, *, rows: int = 512, repeats: int = 5, clock: Callable[[], float] = time.perf_counter
+) -> MachineLimits:
+    """Both limits for ``model``'s shapes, device and dtype (:func:`~.floor.matmul_rate`, :func:`memory_bandwidth`),
+    timed with ``clock``.
 
     Example:
         >>> from pagedcore.benchmarks.common import bench_model
@@ -169,8 +178,8 @@ def machine_limits(model: Any, *, rows: int = 512, repeats: int = 5) -> MachineL
         True
     """
     shape = ModelShape.from_config(model.config)
-    rate = matmul_rate(shape, model.device, model.dtype, rows=rows, repeats=repeats)
-    return MachineLimits(rate, memory_bandwidth(model.device, repeats=repeats), rows)
+    rate = matmul_rate(shape, model.device, model.dtype, rows=rows, repeats=repeats, clock=clock)
+    return MachineLimits(rate, memory_bandwidth(model.device, repeats=repeats, clock=clock), rows)
 
 
 @dataclass(frozen=True)
