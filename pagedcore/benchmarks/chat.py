@@ -19,6 +19,7 @@ from .common import BLOCK_SIZE, blocks_for, random_tokens
 from .context import BenchContext
 from .peers import ENGINE, Batch, EnginePeer, PaddedBatch, Peer
 from .report import RATIO_HEADERS, Aim, Header, Reported, Section, Table, aim_status, ratio, sentence
+from .roofline import Request, Roofline, machine_limits, roofline
 from .runner import Runner, Timed, clock
 
 __all__ = ["ChatResult", "ChatWorkload", "run"]
@@ -98,6 +99,29 @@ class ChatWorkload:
         """New tokens over all conversations and turns."""
         return sum(sum(r) for r in self.replies)
 
+    def turn_requests(self, turn: int) -> list[Request]:
+        """A turn's requests as the roofline floor counts them: what an earlier forward computed is cached (the
+        system prompt after the first conversation of turn 0; the previous turn's prompt and reply but its last token
+        later).
+
+        Example:
+            >>> chat = ChatWorkload(system=[5] * 4, users=[[[6], [7, 7]], [[8], [9]]], replies=[[2, 3], [2, 2]])
+            >>> chat.turn_requests(0)
+            [Request(prompt=5, new=2, cached=0), Request(prompt=5, new=2, cached=4)]
+            >>> chat.turn_requests(1)[0]
+            Request(prompt=9, new=3, cached=6)
+        """
+        out = []
+        for c in range(self.conversations):
+            replies = [[0] * n for n in self.replies[c]]
+            prompt = len(self.prompt(c, turn, replies))
+            if turn:
+                cached = len(self.prompt(c, turn - 1, replies)) + self.replies[c][turn - 1] - 1
+            else:
+                cached = len(self.system) if c else 0
+            out.append(Request(prompt, self.replies[c][turn], cached))
+        return out
+
 
 def chat_workload(
     rng: random.Random,
@@ -153,6 +177,12 @@ class ChatResult(Reported):
     repeats: int
     engine_config: str
     block_size: int = BLOCK_SIZE
+    floors: list[Roofline] = field(default_factory=list)  # per turn
+
+    def floor_ratio(self, name: str = ENGINE) -> float | None:
+        """``name``'s median wall / the turns' roofline floors summed (None without them)."""
+        total = sum(f.seconds for f in self.floors)
+        return self.run(name).wall / total if total else None
 
     def run(self, name: str) -> ChatRun:
         """One peer's runs."""
@@ -219,6 +249,8 @@ class ChatResult(Reported):
                 AIM_CHAT_PREFILL.row("Engine prefill positions / unique prompt tokens", f"{reuse:.3f}", reuse),
                 ["replies identical to the padded batch's", "yes" if not mism else f"no: {len(mism)} differ",
                  "all", aim_status(not mism)],
+                *([[f"{name} wall / roofline floor ({sum(f.seconds for f in self.floors):.2f} s)",
+                    ratio(self.floor_ratio(name)), "-", "-"] for name in (ENGINE, PADDED)] if self.floors else []),
             ],
         )  # fmt: skip
 
@@ -231,6 +263,14 @@ class ChatResult(Reported):
             "reply inside a block: the prefix cache matches to the token and reuses that block's cached positions "
             "(copy-on-write), so only what evictions or a cache of whole blocks lose is computed again.",
         ]
+        if self.floors:
+            notes.append(
+                "Roofline floor: each turn's steps as an ideal continuous batcher with a 512-token budget runs them "
+                "(the positions no earlier forward computed, then one decode step per generated token after the "
+                "first), per step the larger of its FLOPs at the best GEMM rate and its bytes (weights once, the "
+                "keys and values read, the logits) at the copy bandwidth, summed over the turns: "
+                f"{self.floors[0].limits.describe()}."
+            )
         notes += [f"{run.name}: {sentence(run.note)}" for run in self.runs if run.note]
         mism = self.mismatches()
         if mism:
@@ -302,11 +342,13 @@ def run(ctx: BenchContext, *, repeats: int | None = None) -> ChatResult:
         first: Conversations = trials.outputs(name)[0]
         note = PADDED_NOTE if name == PADDED else first.note
         runs.append(ChatRun(name, trials.seconds(name), first.replies, first.prefill_per_turn, first.padding, note))
+    limits = machine_limits(model)
     return ChatResult(
         head=runner.header(),
         workload=chat,
         runs=runs,
         repeats=repeats,
+        floors=[roofline(model, chat.turn_requests(t), limits) for t in range(chat.turns)],
         engine_config=(
             f"one Engine for all turns, created inside the timed run: block size {BLOCK_SIZE}, {num_blocks} blocks, "
             f"max_num_seqs {chat.conversations}, max_num_batched_tokens 512 (its default), prefix caching on"

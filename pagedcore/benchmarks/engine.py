@@ -25,6 +25,7 @@ from .peers import (
     measure_all,
 )
 from .report import RATIO_HEADERS, Aim, Header, Reported, Section, Table, mib, ratio, sentence
+from .roofline import Request, Roofline, machine_limits, roofline
 from .runner import Runner, percentile
 
 __all__ = [
@@ -39,6 +40,7 @@ AIM_ENGINE_PREFILL_RATIO = Aim(1.05)
 AIM_ENGINE_SPEEDUP = {name: Aim(3.0, at_most=False, fmt="{:g}x") for name in (ONE_AT_A_TIME, PADDED_BATCH,
                                                                                 HF_CONTINUOUS)}  # fmt: skip
 AIM_FLOOR_RATIO = Aim(1.7, fmt="{:g}x")  # Engine wall / compute floor (issue 13: 4.0 s on the reference 2-core machine)
+AIM_ROOFLINE_RATIO = Aim(1.5, fmt="{:g}x")  # Engine wall / roofline floor (issue 33)
 HEADERS = ["peer", "wall", "gen tokens/s", "p50 latency", "p99 latency", "prefill tokens computed", "peak KV",
            "greedy mismatches vs one-at-a-time"]  # fmt: skip
 
@@ -84,11 +86,17 @@ class EngineResult(Reported):
     engine_config: str
     hf_config: str
     floor: ComputeFloor | None = None
+    roofline: Roofline | None = None
 
     def floor_ratio(self) -> float | None:
         """The Engine's wall time / the workload's compute floor (None without either)."""
         wall = self.peer(ENGINE).wall
         return wall / self.floor.seconds if wall and self.floor is not None else None
+
+    def roofline_ratio(self, name: str = ENGINE) -> float | None:
+        """``name``'s wall time / the workload's roofline floor (None without either)."""
+        wall = self.peer(name).wall
+        return wall / self.roofline.seconds if wall and self.roofline is not None else None
 
     @property
     def unique_tokens(self) -> int:
@@ -161,6 +169,10 @@ class EngineResult(Reported):
         if floor_ratio is not None and self.floor is not None:
             label = f"Engine wall / compute floor ({self.floor.seconds:.2f} s)"
             rows.append(AIM_FLOOR_RATIO.row(label, ratio(floor_ratio), floor_ratio))
+        roof = self.roofline_ratio()
+        if roof is not None and self.roofline is not None:
+            label = f"Engine wall / roofline floor ({self.roofline.seconds:.2f} s)"
+            rows.append(AIM_ROOFLINE_RATIO.row(label, ratio(roof), roof))
         return rows
 
     def _notes(self) -> list[str]:
@@ -170,6 +182,17 @@ class EngineResult(Reported):
                 f"Compute floor: the FLOPs of the positions the workload must compute (the shared prefix once, each "
                 f"request's own prompt tokens, each generated token but the last as a decode step; projections, MLP, "
                 f"attention over each position's context, the LM head for each sampled row): {self.floor.describe()}."
+            )
+        if self.roofline is not None:
+            others = ", ".join(f"{p.name} {ratio(self.roofline_ratio(p.name))}" for p in self.peers
+                               if p.name != ENGINE and self.roofline_ratio(p.name) is not None)  # fmt: skip
+            notes.append(
+                "Roofline floor: the workload's steps as an ideal continuous batcher with this token budget runs "
+                "them (the shared prefix once, each request's own prompt tokens in budget-sized chunks, then one "
+                "decode step per generated token after the first, every request still generating a row); per step "
+                "the larger of its FLOPs at the best GEMM rate and its bytes (every linear weight and the LM head "
+                "once, the keys and values of each sequence's context, the logits written) at the copy bandwidth: "
+                f"{self.roofline.describe()}. The peers' walls over it: {others or 'n/a'}."
             )
         notes += [f"{p.name}: {sentence(p.note.strip())}" for p in self.peers if p.note]
         mism = [p for p in self.peers if p.mismatches and p.name != ONE_AT_A_TIME]
@@ -252,6 +275,8 @@ def run(ctx: BenchContext) -> EngineResult:
     with Runner(ctx, "engine benchmark: peers", len(peers)) as runner:
         results = measure_all(model, peers, Batch(prompts, news), warm_batch, runner)
     unique_lengths = [len(p) - prefix_len for p in prompts]
+    limits = machine_limits(model)
+    requests = [Request(len(p), n, prefix_len if i else 0) for i, (p, n) in enumerate(zip(prompts, news))]
     return EngineResult(
         head=runner.header(),
         prefix_tokens=prefix_len,
@@ -259,6 +284,7 @@ def run(ctx: BenchContext) -> EngineResult:
         new_tokens=news,
         peers=results,
         floor=compute_floor(model, shared_prefix_segments(prefix_len, unique_lengths, news)),
+        roofline=roofline(model, requests, limits, budget),
         engine_config=(
             f"block size {BLOCK_SIZE}, {num_blocks} blocks (room for every request without sharing), "
             f"max_num_batched_tokens {budget} (tokens computed per step; the same budget for transformers' continuous "

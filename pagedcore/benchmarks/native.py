@@ -26,6 +26,7 @@ from .common import BLOCK_SIZE, blocks_for, random_tokens
 from .context import BenchContext
 from .peers import ENGINE, Batch, CTranslate2Peer, EnginePeer, PaddedBatch, Peer, Served
 from .report import RATIO_HEADERS, Aim, Header, Reported, Section, Table, package_version, ratio, sentence
+from .roofline import MachineLimits, Request, Roofline, machine_limits, roofline
 from .runner import Runner, Timed, clock, torch_threads
 
 __all__ = ["CT2_DEFAULT", "CT2_INT8", "CT2_TUNED", "PeerRuns", "PeerWorkload", "PeersResult", "WorkloadRuns", "run",
@@ -57,11 +58,28 @@ class PeerWorkload:
     warm: Batch
     aim: Aim | None = None
     latency: bool = False
+    floor_aim: Aim | None = None
 
     @property
     def generated_tokens(self) -> int:
         """Tokens the requests generate."""
         return sum(self.batch.new_tokens)
+
+    def requests(self) -> list[Request]:
+        """The batch as the roofline counts it: several prompts sharing a prefix compute it once (the first
+        request), the others from their own tokens on.
+
+        Example:
+            >>> w = PeerWorkload("2", Batch([[5, 6, 7], [5, 6, 8]], [3, 3]), Batch([[1], [2]], [2, 2]))
+            >>> w.requests()
+            [Request(prompt=3, new=3, cached=0), Request(prompt=3, new=3, cached=2)]
+        """
+        prompts, shared = self.batch.prompts, 0
+        if len(prompts) > 1:
+            limit = min(len(p) for p in prompts) - 1
+            while shared < limit and all(p[shared] == prompts[0][shared] for p in prompts):
+                shared += 1
+        return [Request(len(p), n, shared if i else 0) for i, (p, n) in enumerate(zip(prompts, self.batch.new_tokens))]
 
 
 def _requests(rng: random.Random, vocab: int, count: int, shared: int, own: int, new: int) -> Batch:
@@ -88,13 +106,15 @@ def workloads(quick: bool, vocab: int, seed: int = 0) -> list[PeerWorkload]:
         ((32, 16, (1, 4, 8)), (64, 8, 8, 8), (128, 16)) if quick else ((128, 128, (1, 16, 64)), (512, 32, 32, 64),
                                                                         (512, 128)))  # fmt: skip
     aims = (Aim(1.0, at_most=False, fmt=TIMES), Aim(1.5, at_most=False, fmt=TIMES), Aim(1.5, at_most=False, fmt=TIMES))
+    floors = (Aim(1.2, fmt=TIMES), Aim(1.5, fmt=TIMES), None)
     out = []
-    for size, aim in zip(sizes, aims):
+    for size, aim, floor in zip(sizes, aims, floors):
         batch, warm = (_requests(rng, vocab, size, 0, prompt, n) for n in (new, 2))
-        out.append(PeerWorkload(f"batch {size}, {prompt}-token prompt + {new} new", batch, warm, aim, size == 1))
+        out.append(PeerWorkload(f"batch {size}, {prompt}-token prompt + {new} new", batch, warm, aim, size == 1,
+                                floor))  # fmt: skip
     batch, warm = (_requests(rng, vocab, count, shared, own, n) for n in (shared_new, 2))
     label = f"{count} x ({shared} shared + {own} unique), {shared_new} new"
-    out.append(PeerWorkload(label, batch, warm, Aim(3.0, at_most=False, fmt=TIMES)))
+    out.append(PeerWorkload(label, batch, warm, Aim(3.0, at_most=False, fmt=TIMES), floor_aim=Aim(1.5, fmt=TIMES)))
     batch, warm = (_requests(rng, vocab, 1, 0, long, n) for n in (long_new, 2))
     out.append(PeerWorkload(f"1 x {long}-token prompt, {long_new} new", batch, warm, latency=True))
     return out
@@ -162,6 +182,12 @@ class WorkloadRuns:
     workload: PeerWorkload
     runs: dict[str, PeerRuns]
     reference_error: str | None = None
+    floor: Roofline | None = None
+
+    def floor_ratio(self, name: str = ENGINE) -> float | None:
+        """``name``'s median wall / the workload's roofline floor (None without either)."""
+        wall = self.runs[name].wall if name in self.runs else None
+        return wall / self.floor.seconds if wall and self.floor is not None else None
 
     def ratio(self, name: str) -> float | None:
         """The Engine's tokens/s / ``name``'s (None when either could not run)."""
@@ -241,6 +267,8 @@ class PeersResult(Reported):
         if self.skipped is not None:
             return Section(title, self.head, workload, measured, body=[f"Skipped: {sentence(self.skipped)}"])
         body: list[Table | str] = [self._equality(), self._throughput()]
+        if any(r.floor is not None for r in self.rows):
+            body.append(self._roofline())
         if any(r.workload.latency for r in self.rows):
             body.append(self._latency())
         body.append(Table(RATIO_HEADERS, self.aim_rows()))
@@ -269,6 +297,27 @@ class PeersResult(Reported):
         headers = ["workload", *PEERS, "ratio tuned", "ratio default malloc", "ratio int8"]
         return Table(headers, rows, caption="**Generated tokens/s** (median wall); ratio = Engine / CTranslate2")
 
+    def _roofline(self) -> Table:
+        rows = []
+        for r in (r for r in self.rows if r.floor is not None):
+            assert r.floor is not None
+            shown = [ratio(r.floor_ratio(name)) for name in (ENGINE, CT2_TUNED)]
+            rows.append(
+                [
+                    r.workload.label,
+                    f"{r.floor.seconds:.3f} s",
+                    f"{r.floor.compute_seconds:.3f} s",
+                    f"{r.floor.memory_seconds:.3f} s",
+                    f"{r.floor.memory_bound} of {r.floor.steps}",
+                    *shown,
+                ]
+            )
+        caption = ("**Roofline floor** (the least time this machine needs: per step the larger of its FLOPs at the "
+                   "best GEMM rate and its bytes at the copy bandwidth, summed; see the notes); ratio = median wall / "
+                   "floor")  # fmt: skip
+        return Table(["workload", "floor", "FLOPs alone", "bytes alone", "steps bound by memory",
+                      f"{ENGINE} / floor", f"{CT2_TUNED} / floor"], rows, caption=caption)  # fmt: skip
+
     def _latency(self) -> Table:
         def ms(value: float | None) -> str:
             return "n/a" if value is None else f"{value * 1e3:.1f} ms"
@@ -292,10 +341,27 @@ class PeersResult(Reported):
             value = r.ratio(CT2_TUNED)
             label = f"Engine / {CT2_TUNED}, tokens/s: {r.workload.label}"
             rows.append(r.workload.aim.row(label, ratio(value), value))
+        for r in (r for r in self.rows if r.workload.floor_aim is not None and r.floor is not None):
+            assert r.workload.floor_aim is not None
+            value = r.floor_ratio()
+            rows.append(r.workload.floor_aim.row(f"Engine wall / roofline floor: {r.workload.label}", ratio(value),
+                                                 value))  # fmt: skip
         return rows
 
     def _notes(self) -> list[str]:
         notes = list(self.configs)
+        floors = [r for r in self.rows if r.floor is not None]
+        if floors:
+            assert floors[0].floor is not None
+            notes.append(
+                "Roofline floor: the workload's steps as an ideal continuous batcher with the Engine's token budget "
+                "runs them (the prompts' uncached positions in budget-sized chunks, a prefix shared by several "
+                "prompts once, then one decode step per generated token after the first, every request still "
+                "generating a row); per step the larger of its FLOPs (projections, MLP, attention, LM head) at the "
+                "best GEMM rate and its bytes (every linear weight and the LM head once, the keys and values of each "
+                "sequence's context, the logits written) at the copy bandwidth, both measured in this run: "
+                f"{floors[0].floor.limits.describe()}."
+            )
         for r in self.rows:
             differ = [name for name in EXACT if r.runs[name].differ]
             if differ:
@@ -368,6 +434,11 @@ def _measure(runner: Runner, model: PreTrainedModel, peers: dict[str, Peer], w: 
     return WorkloadRuns(w, {name: _runs(name, trials.runs[name], reference) for name in peers}, reference_error)
 
 
+def _floor(model: PreTrainedModel, w: PeerWorkload, limits: MachineLimits) -> Roofline:
+    """The workload's roofline floor, with the Engine's token budget per step."""
+    return roofline(model, w.requests(), limits, EnginePeer().budget)
+
+
 def _cannot_run(ctx: BenchContext) -> str | None:
     """Why the section cannot run on this run's settings or machine (None: it can)."""
     if ctx.device.type != "cpu" or ctx.dtype != torch.float32:
@@ -420,6 +491,10 @@ def run(ctx: BenchContext, *, repeats: int | None = None) -> PeersResult:
             runner.tick()
             if model_dir is None:
                 return PeersResult(head, [], repeats, threads, skipped=f"the conversion failed: {error}")
+            runner.label("measuring this machine's GEMM rate and memory bandwidth")
+            limits = machine_limits(model)
             rows = [_measure(runner, model, _peers(model_dir, threads, w), w, repeats) for w in chosen]
+            for r in rows:
+                r.floor = _floor(model, r.workload, limits)
     budget = EnginePeer().budget
     return PeersResult(head, rows, repeats, threads, configs=_configs(threads, budget))

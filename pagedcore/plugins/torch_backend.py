@@ -126,13 +126,13 @@ def _shared_blocks(meta: PagedAttentionMetadata, rows: list[int]) -> int:
     if len(rows) < 2 or meta.kind.is_sliding or any(meta.block_offsets[i] for i in rows):
         return 0
     bs = meta.block_size
-    host = meta.host_tables  # the CPU copy when the tables live on a GPU: no device sync
-    tables = [host[i].tolist() for i in rows]
     limit = min((meta.seq_lens[i] - meta.query_lens[i]) // bs for i in rows)  # before every row's first query
-    count = 0
-    first = tables[0]
-    while count < limit and all(t[count] == first[count] for t in tables):
-        count += 1
+    if limit * bs < 64:
+        return 0
+    host = meta.host_tables  # the CPU copy when the tables live on a GPU: no device sync
+    picked = host[rows[0] : rows[-1] + 1] if rows == list(range(rows[0], rows[-1] + 1)) else host[rows]
+    same = (picked[:, :limit] == picked[:1, :limit]).all(dim=0)  # one comparison for all rows, not a Python loop
+    count = limit if bool(same.all()) else int((~same).to(torch.uint8).argmax())
     length = count * bs
     if length < 64:
         return 0  # a short prefix is cheaper to gather than to merge

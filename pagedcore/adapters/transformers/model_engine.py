@@ -57,6 +57,9 @@ class Engine(BaseEngine):
         state_slots / snapshot_interval: a model with recurrent-state layers (Qwen3.5, Mamba-2...; docs/families.md):
             the slots of a new pool (live states and snapshots) and how often a prompt keeps a snapshot of its state
             (every this many blocks; 1 by default) for later prompts to resume.
+        prepack: the linear weights prepacked for the CPU's GEMM in the Engine's forwards (:mod:`.prepacked`):
+            ``True``, ``False`` or ``"auto"`` (the default: on the CPU in float32). Costs a second copy of the
+            linear weights; packs are rebuilt after the weights change, and only the Engine's forwards use them.
 
     Generation parameters: either a :class:`~pagedcore.engine.sampling.SamplingParams` (or a dict of its fields), or
     ``model.generate``'s keyword arguments (``max_new_tokens``, ``do_sample``, ``temperature``, ``top_k``, ``top_p``,
@@ -106,9 +109,10 @@ class Engine(BaseEngine):
         max_lora_rank: int | None = None,
         state_slots: int | None = None,
         snapshot_interval: int | None = None,
+        prepack: bool | str = "auto",
     ) -> None:
         settings = dict(locals())
-        for name in ("self", "model", "tokenizer", "config", "pool", "__class__"):
+        for name in ("self", "model", "tokenizer", "config", "pool", "prepack", "__class__"):
             settings.pop(name, None)
         config = EngineConfig.of(config, **settings)  # every setting checked before anything changes
         runner = TransformersRunner(
@@ -119,6 +123,7 @@ class Engine(BaseEngine):
             attention_backend=config.attention_backend,
             tokenizer=tokenizer,
             lora=config.lora,
+            prepack=prepack,
         )
         try:
             own = replace(config, pool=PoolConfig(), compile="auto", attention_backend=None, lora=None)  # the runner's

@@ -43,6 +43,7 @@ from .compiled import CompiledDecode, DecodeInputs, resolve_compile
 from .layer_attention import check_paged_attention
 from .lora import LoraAdapters
 from .pool import PagedKVPool
+from .prepacked import PrepackedLinears, resolve_prepack
 from .spec import context_limit, text_config
 from .state_step import PreparedStateStep, StateSteps
 from .step_batch import PackedCache, PreparedStep
@@ -64,6 +65,8 @@ class TransformersRunner:
         tokenizer: the model's tokenizer, when there is one: its eos stops requests too (:func:`eos_token_ids`).
         lora: serve LoRA adapters with these settings (:class:`~pagedcore.engine.lora.LoRAConfig`; the runner's
             :attr:`adapters`); None: none.
+        prepack: the linear weights prepacked for the CPU's GEMM in this runner's forwards (:mod:`.prepacked`):
+            ``True``, ``False`` or ``"auto"`` (on the CPU in float32; costs a second copy of the linear weights).
 
     Example:
         >>> from pagedcore.engine import Engine
@@ -84,6 +87,7 @@ class TransformersRunner:
         attention_backend: str | None = None,
         tokenizer: Any = None,
         lora: LoRAConfig | None = None,
+        prepack: bool | str = "auto",
     ) -> None:
         device = model.get_input_embeddings().weight.device
         compiling = resolve_compile(compile, device)
@@ -116,6 +120,8 @@ class TransformersRunner:
         check_paged_attention(model, self.pool.spec.layers)  # what the paged attention cannot serve, refused now
         self._use_paged_attention()
         self.adapters = None if lora is None else LoraAdapters(model, self.pool, lora, keeps_logits=self._keeps_logits)
+        weight = model.get_input_embeddings().weight
+        self._packs = PrepackedLinears(model) if resolve_prepack(prepack, device, weight.dtype) else None
 
     def _use_paged_attention(self) -> None:
         self.model.set_attn_implementation(ATTN_IMPLEMENTATION)
@@ -144,6 +150,11 @@ class TransformersRunner:
         return self.pool.lock
 
     @property
+    def prepacked(self) -> PrepackedLinears | None:
+        """The linear weights prepacked for this runner's forwards (None: not prepacking)."""
+        return self._packs
+
+    @property
     def plugins(self) -> PluginManager:
         """The pool's plugin manager."""
         return self.pool.plugins
@@ -151,8 +162,11 @@ class TransformersRunner:
     # ------------------------------------------------------------------ a step
     def check_weights(self) -> int:
         """The pool's weights check (:meth:`~.pool.PagedKVPool.check_weights`), and the adapters' (changed in place,
-        or unloaded and no longer used: :meth:`~.lora.LoraAdapters.maintain`)."""
+        or unloaded and no longer used: :meth:`~.lora.LoraAdapters.maintain`); a new weights version drops the
+        packed weights (rebuilt from the new ones at their next use)."""
         forgotten = self.pool.check_weights()
+        if self._packs is not None:
+            self._packs.refresh(self.pool.weights_version)
         return forgotten + self.adapters.maintain() if self.adapters is not None else forgotten
 
     @property
@@ -195,7 +209,8 @@ class TransformersRunner:
         keep = prepared.keep
         if self._keeps_logits:
             kwargs["logits_to_keep"] = to_device(torch.tensor(keep), device) if keep else 1
-        with torch.inference_mode(), self._adapters_applied(prepared):
+        packs = self._packs.active() if self._packs is not None else contextlib.nullcontext()
+        with torch.inference_mode(), self._adapters_applied(prepared), packs:
             logits = self.model(**kwargs).logits[0]
         if not self._keeps_logits and keep:
             logits = logits[to_device(torch.tensor(keep), logits.device)]
@@ -247,6 +262,8 @@ class TransformersRunner:
             self.adapters.close()
         if self._original_attn is not None and self._original_attn != ATTN_IMPLEMENTATION:
             self.model.set_attn_implementation(self._original_attn)
+        if self._packs is not None:
+            self._packs.close()
         tiers = self.pool.tiers
         if tiers is None:
             return

@@ -1,0 +1,182 @@
+"""Prepacked linear weights for the Engine's forwards on the CPU: each float32 ``nn.Linear`` weight kept a second time
+in oneDNN's packed layout, so a step of a few rows does not repack the weight inside every GEMM call.
+
+Why: on the CPU, MKL's ``sgemm`` behind ``F.linear`` packs the weight into its blocked layout on every call; with the
+few rows of a decode step that copy costs as much as the multiplication (``scripts/prepack_bench.py`` measures each
+layout: ``F.linear``, a pre-transposed ``mm``, MKL's packed GEMM, oneDNN's packed GEMM). One row is a matrix-vector
+product that packs nothing, so one-row calls stay on ``F.linear`` (:data:`MIN_ROWS`).
+
+Exactness first: a pack is used only while its weight is the one it was made from (the same tensor, version counter
+and data pointer: an optimizer step, ``load_state_dict`` or a replaced parameter all change one of them), outside
+autograd, in float32 on the CPU; otherwise the layer computes with ``F.linear`` as before, and the stale pack is
+rebuilt at its next use. The runner also drops every pack when its weights epoch changes (the pool's
+:class:`~.weights.WeightsWatch`: :meth:`PrepackedLinears.refresh`). Only the runner's own forwards use the packs
+(:meth:`PrepackedLinears.active`, per thread); the model's other users (``generate``, ``enable()``d calls, a
+training step) run the stock layer. The cost is memory: a second copy of the linear weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["MIN_ROWS", "PrepackedLinears", "resolve_prepack"]
+
+MIN_ROWS = 2  # a one-row call is a GEMV, which packs nothing: F.linear is as fast (scripts/prepack_bench.py)
+PACK_ROWS = 16  # the row count oneDNN is told to expect when it lays a weight out (decode batches)
+_STATE = threading.local()  # .active: the PrepackedLinears whose runner's forward this thread is in
+# oneDNN's packed linear, as inductor's freezing pass emits it for CPU float32 linears (torch's own ops)
+_LINEAR = getattr(torch.ops.mkldnn, "_linear_pointwise")  # noqa: B009
+_REORDER = getattr(torch.ops.mkldnn, "_reorder_linear_weight")  # noqa: B009
+
+
+def resolve_prepack(prepack: bool | str, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a runner prepacks: ``True``, ``False`` or ``"auto"`` (on the CPU in float32, where oneDNN's packed
+    GEMM serves a decode step's few rows faster than ``F.linear``).
+
+    Example:
+        >>> resolve_prepack("auto", torch.device("cpu"), torch.float32), resolve_prepack("auto", torch.device("cpu"),
+        ...     torch.bfloat16)
+        (True, False)
+    """
+    if prepack is True or prepack is False:
+        return prepack
+    if prepack != "auto":
+        from pagedcore.errors import ConfigError
+
+        raise ConfigError(f'prepack must be True, False or "auto", got {prepack!r}', param="prepack")
+    return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
+
+
+@dataclass
+class _Pack:
+    """A weight's packed copy and what it was made from."""
+
+    weight: weakref.ref[torch.Tensor]
+    version: int
+    pointer: int
+    packed: torch.Tensor
+
+    def fresh(self, weight: torch.Tensor) -> bool:
+        version = weight._version  # noqa: SLF001 (torch's version counter: every in-place change bumps it)
+        return self.weight() is weight and version == self.version and weight.data_ptr() == self.pointer
+
+
+class PrepackedLinears:
+    """The packed weights of ``model``'s float32 CPU ``nn.Linear`` layers (see the module docstring); each layer's
+    ``forward`` routes through :meth:`linear` until :meth:`close`.
+
+    Example:
+        >>> from pagedcore.adapters.transformers.testing import tiny_llama
+        >>> model = tiny_llama()
+        >>> packs = PrepackedLinears(model)
+        >>> x = torch.randn(1, 3, model.config.hidden_size)
+        >>> with torch.inference_mode():
+        ...     plain = model.model.layers[0].mlp.up_proj(x)
+        ...     with packs.active():
+        ...         packed = model.model.layers[0].mlp.up_proj(x)
+        >>> torch.allclose(packed, plain, atol=1e-5), packs.num_packed > 0
+        (True, True)
+        >>> packs.close(); "forward" in vars(model.model.layers[0].mlp.up_proj)
+        False
+    """
+
+    def __init__(self, model: Any) -> None:
+        self._packs: dict[int, _Pack] = {}
+        self._lock = threading.Lock()
+        self._epoch: int | None = None
+        self._modules: list[torch.nn.Linear] = []
+        for module in model.modules():
+            if type(module) is torch.nn.Linear and "forward" not in vars(module) and _packable(module.weight):
+                module.forward = _Forward(self, module)  # type: ignore[method-assign,assignment]
+                self._modules.append(module)
+
+    @property
+    def num_packed(self) -> int:
+        """Layers holding a pack now."""
+        return len(self._packs)
+
+    @property
+    def packed_bytes(self) -> int:
+        """Bytes of the weights the packs copy (the memory prepacking costs)."""
+        return sum(m.weight.numel() * m.weight.element_size() for m in self._modules if id(m) in self._packs)
+
+    def refresh(self, epoch: int) -> None:
+        """The weights epoch the runner checked: a new one drops every pack (each is rebuilt at its next use)."""
+        if epoch != self._epoch:
+            with self._lock:
+                self._packs.clear()
+                self._epoch = epoch
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        """The packs serve this thread's linear layers in the block (the runner's forward)."""
+        before = getattr(_STATE, "active", None)
+        _STATE.active = self
+        try:
+            yield
+        finally:
+            _STATE.active = before
+
+    def linear(self, module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        """``module(x)``: through its pack inside :meth:`active` (a few rows, float32, no autograd, the weight it was
+        packed from), else ``F.linear``."""
+        weight, bias = module.weight, module.bias
+        if (
+            torch.compiler.is_compiling()
+            or getattr(_STATE, "active", None) is not self
+            or torch.is_grad_enabled()
+            or x.dtype != torch.float32
+            or x.device.type != "cpu"
+            or x.numel() < MIN_ROWS * x.shape[-1]
+            or not _packable(weight)
+        ):
+            return F.linear(x, weight, bias)
+        pack = self._packs.get(id(module))
+        if pack is None or not pack.fresh(weight):
+            pack = self._pack(module)
+        return _LINEAR(x, pack.packed, bias, "none", [], "")
+
+    def _pack(self, module: torch.nn.Linear) -> _Pack:
+        weight = module.weight
+        with torch.no_grad():
+            packed = _REORDER(weight.detach(), PACK_ROWS)
+        version = weight._version  # noqa: SLF001
+        pack = _Pack(weakref.ref(weight), version, weight.data_ptr(), packed)
+        with self._lock:
+            self._packs[id(module)] = pack
+        return pack
+
+    def close(self) -> None:
+        """Give every layer its own ``forward`` back and drop the packs."""
+        for module in self._modules:
+            if isinstance(vars(module).get("forward"), _Forward):
+                del module.forward
+        self._modules.clear()
+        self._packs.clear()
+
+
+class _Forward:
+    """A packed layer's ``forward`` (an object, so :meth:`PrepackedLinears.close` knows its own)."""
+
+    def __init__(self, packs: PrepackedLinears, module: torch.nn.Linear) -> None:
+        self._packs = weakref.ref(packs)
+        self._module = weakref.ref(module)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        packs, module = self._packs(), self._module()
+        assert module is not None
+        if packs is None:
+            return F.linear(x, module.weight, module.bias)
+        return packs.linear(module, x)
+
+
+def _packable(weight: torch.Tensor) -> bool:
+    return weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.dim() == 2
