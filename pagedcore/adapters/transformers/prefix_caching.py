@@ -84,6 +84,7 @@ from pagedcore.validation import as_integer
 from . import sleep_mode
 from .cache import PagedCache
 from .pool import KVStoreSpec, PagedKVPool
+from .probe import cache_path
 from .shared_rows import SharedRows, shared_rows, warm_shared_prefixes
 from .spec import context_limit, text_config
 from .state_prefill import StatePrefill
@@ -161,6 +162,7 @@ def enable(
     more = {"eviction_policy": eviction_policy, "kv_store": kv_store, "kv_store_bytes": kv_store_bytes}
     more |= {"state_slots": state_slots, "snapshot_interval": snapshot_interval}
     pool = PagedKVPool.resolve(model, pool, PoolConfig.of(config, **sizes, **more))
+    cache_path(model, pool, PagedCache, attention_backend, reuse=True)  # exact or refused here, not at the first call
     hook = sleep_mode.sleep_when_training(model, pool) if sleep_when_training else None
     state = _Enabled(pool, namespace, attention_backend, "generate" in vars(model), vars(model).get("generate"), hook)
     model.generate = _wrapped_generate(model, state)
