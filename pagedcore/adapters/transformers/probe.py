@@ -558,7 +558,8 @@ def _check_engine(
 @dataclass(frozen=True)
 class _Batch:
     """A left-padded batch of two rows and the forwards ``generate`` would run: the prompt, then three tokens on
-    the warm cache (a multi-token query meets cached keys: masks must be exact), then one."""
+    the warm cache (a multi-token query meets cached keys: masks must be exact), then one (a model with
+    recurrent-state layers: one at a time after the prompt, as ``generate`` runs it)."""
 
     ids: torch.Tensor  # (2, prompt + 4)
     mask: torch.Tensor
@@ -576,7 +577,8 @@ class _Batch:
         mask = torch.ones_like(ids)
         mask[1, :pad] = 0
         ids[1, :pad] = ids[0, 0]  # a pad position holds some token: the mask hides it
-        if custom:  # MiniMax's linear attention takes one token at a time on a warm cache
+        if pool.state_spec.has_states:  # as generate runs them: one token at a time on a warm state (Mamba's and
+            # MiniMax's forwards take no multi-token query after the prompt with a mask of the whole sequence)
             return cls(ids, mask, (long, long + 1, long + 2, long + 3, long + 4))
         return cls(ids, mask, (long, long + 3, long + 4))
 
