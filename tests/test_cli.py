@@ -39,7 +39,7 @@ def test_cli_generate_leaves_the_block_size_to_the_device_default(monkeypatch, c
     monkeypatch.setattr(pool_module.PagedKVPool, "__init__", recording)
     assert cli(["generate", "--max-new-tokens", "2", "x"]) == 0
     assert cli(["generate", "--max-new-tokens", "2", "--block-size", "4", "x"]) == 0
-    assert sizes == [8, 4]
+    assert list(dict.fromkeys(sizes)) == [8, 4]  # (the construction-time probe's private pools take the same size)
 
 
 def test_cli_generate_engine_json(capsys):

@@ -10,7 +10,7 @@ import torch
 from models import FIRST_TOKEN, VOCAB, tiny_model
 from transformers import DynamicCache
 
-from pagedcore import ConcurrentUseError, ConfigError, InvalidRequestError, UnsupportedModelError
+from pagedcore import ConcurrentUseError, ConfigError, InvalidRequestError
 from pagedcore.adapters.transformers import Engine, SamplingParams
 
 ENGINE_FAMILIES = ["llama", "qwen3", "gemma3", "mixtral", "qwen3_moe", "gpt_neox", "gemma2", "mistral", "gpt2", "opt"]
@@ -255,9 +255,11 @@ def test_forward_failure_fails_only_that_step():
         if calls["n"] == 3:
             raise RuntimeError("simulated out of memory")
 
-    handle = model.model.layers[0].register_forward_pre_hook(flaky)
+    handle = None
     try:
         with Engine(model, num_blocks=64, block_size=4, max_num_batched_tokens=8) as engine:
+            # after the Engine's construction-time probe (probe.py), whose forwards are not steps
+            handle = model.model.layers[0].register_forward_pre_hook(flaky)
             first = engine.add_request([5, 6, 7], SamplingParams(max_new_tokens=6))
             outs = {
                 o.request_id: o
@@ -269,7 +271,8 @@ def test_forward_failure_fails_only_that_step():
             settle(engine)
             again = engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=6), use_tqdm=False)[0]
     finally:
-        handle.remove()
+        if handle is not None:
+            handle.remove()
     failed = [o for o in outs.values() if o.finish_reason == "error"]
     assert failed and all("simulated out of memory" in o.error for o in failed)
     assert first in outs
@@ -383,13 +386,21 @@ def test_the_context_limit_is_the_specs():
 
 
 @pytest.mark.parametrize("family", ["bloom", "falcon", "gpt_neo"])
-def test_a_model_whose_attention_the_engine_cannot_replace_is_refused(family):
-    # Their attention ignores attn_implementation: with the Engine's cache it read only each step's own keys and
-    # gave wrong tokens after the first, without an error.
+def test_a_model_whose_attention_the_engine_cannot_replace_runs_its_own_attention_exactly(family):
+    # Their attention ignores attn_implementation: with the Engine's packed cache it read only each step's own keys
+    # (wrong tokens after the first, silently); then the Engine refused them. The construction-time probe now sends
+    # them down the compatible path: left-padded rows over the model's own attention, keys gathered from the pool.
     model = tiny_model(family)
     before = model.config._attn_implementation
-    with pytest.raises(UnsupportedModelError, match="AttentionInterface"):
-        Engine(model, num_blocks=64, block_size=4)
+    prompts = workload(3, 5)
+    params = SamplingParams(max_new_tokens=8, return_logits=True)
+    with Engine(model, num_blocks=96, block_size=4, max_num_batched_tokens=16, max_num_seqs=3) as engine:
+        assert model.config._attn_implementation == before  # its own attention, not "paged"
+        outputs = engine.generate(prompts, params, use_tqdm=False)
+        stats = engine.stats()
+        settle(engine)
+    assert stats.prefix_hit_tokens > 0
+    assert_matches(model, prompts, outputs, 8)
     assert model.config._attn_implementation == before
 
 

@@ -40,6 +40,7 @@ def load(name: str):
         ("bench_hybrid", ["--quick", "--intervals", "1"]),
         ("structured_throughput", ["--quick", "--builtin"]),
         ("weights_check_cost", ["--quick"]),
+        ("probe_cost", ["--quick"]),
         ("host_memory", ["namespaces", "--count", "200"]),
         ("host_memory", ["blocks", "--sizes", "1000", "--touch"]),
         ("variant_memory", ["--tokens", "24"]),

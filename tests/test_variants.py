@@ -65,8 +65,8 @@ def reference_one(family: str, prompt: list[int], max_new_tokens: int) -> object
 def test_paged_cache_matches_stock_generate(family, mode, monkeypatch):
     model = reference_model(family) if mode == "compatible" else paged_model(family)
     ids, mask = batch(PADS, PROMPT_LEN, seed=1)
-    calls = spy_paged_attention(monkeypatch)
     cache = PagedCache(model, num_blocks=64, block_size=4)
+    calls = spy_paged_attention(monkeypatch)  # after the construction-time probe, whose private pool it would count
 
     out = generate(model, cache, input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import sys
 import weakref
 from collections.abc import Callable
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
@@ -52,6 +53,8 @@ WEIGHTS_KEY = "pagedcore_attention_weights"
 # own: they pass the hybrid layer's index to the cache).
 LAYER_KEY = "pagedcore_layer"
 _OWN_KEYS = (CONTEXT_KEY, WEIGHTS_KEY, LAYER_KEY)
+# Set by a probe (:mod:`.probe`) around its forwards: every ForwardContext made meanwhile records into it.
+PROBE_TRACE: ContextVar[Any] = ContextVar("pagedcore_probe_trace", default=None)
 _LOGGER = logging.get_logger(__name__)
 
 
@@ -100,6 +103,8 @@ class ForwardContext:
             packed forward does not have (Llama 4's query temperature: :func:`~.layer_attention.retemper`).
         query_len: rectangular positions per row in this forward (PagedCache); 0 for packed queries (the Engine).
         new_tokens: per batch row, the real (stored) tokens among them (PagedCache); None for packed queries.
+        trace: set only by a probe forward (:mod:`.probe`): records which layers stored keys and values, and
+            which layers' attention received the context with what keys and values.
 
     Example:
         A PagedCache builds one per forward; here, by hand, for a left-padded batch of two rows of 3 positions whose
@@ -135,6 +140,7 @@ class ForwardContext:
     positions: torch.Tensor | None = None
     query_len: int = 0
     new_tokens: list[int] | None = None
+    trace: Any = field(default_factory=PROBE_TRACE.get)  # a probe.ProbeTrace during a probe forward
     _index_on: dict[torch.device, torch.Tensor] = field(default_factory=dict, repr=False)
     _mask_checks: dict[tuple[int, AttentionKind | None], tuple[Any, bool]] = field(default_factory=dict, repr=False)
     _trailing: dict[int, ForwardContext] = field(default_factory=dict, repr=False)
@@ -183,7 +189,8 @@ class ForwardContext:
             positions = None
         metas = [None if m is None else _with_queries(m, lens) for m in self.metadata]
         return ForwardContext(self.pool, metas, real_index, self.backend, self.pads, self.length, self.dense,
-                              positions, count if self.new_tokens is not None else 0, self.new_tokens)  # fmt: skip
+                              positions, count if self.new_tokens is not None else 0, self.new_tokens,
+                              self.trace)  # fmt: skip
 
     def group_metadata(self, group: int, device: torch.device) -> PagedAttentionMetadata:
         """The group's metadata with tensors on ``device``."""
@@ -274,15 +281,13 @@ def paged_attention_forward(
         (torch.Size([1, 3, 4, 16]), None)
     """
     _check_supported(module, dropout, kwargs)
-    if scaling is None:
-        scaling = query.shape[-1] ** -0.5
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     ctx: ForwardContext | StepAttention | None = kwargs.get(CONTEXT_KEY)
     layer_idx = cast(int, kwargs.get(LAYER_KEY, module.layer_idx))
     if isinstance(ctx, StepAttention):
         sinks = kwargs.get("s_aux")
-        return ctx.attend(
-            layer_idx, query, key, value, scaling, softcap, sliding_window, module=module, sinks=sinks
-        ), None
+        out = ctx.attend(layer_idx, query, key, value, scaling, softcap, sliding_window, module=module, sinks=sinks)
+        return out, None
     if kwargs.get("output_attentions") or kwargs.get(WEIGHTS_KEY):
         eager = _model_eager_attention(module)
         if eager is not None:  # the weights are asked for: the model's own eager attention over the gathered keys
@@ -291,6 +296,8 @@ def paged_attention_forward(
             return _with_weights(eager, module, query, key, value, attention_mask, scaling, softcap, kwargs)
     if ctx is None:
         return _dense(module, query, key, value, attention_mask, scaling, softcap, kwargs)
+    if ctx.trace is not None:
+        ctx.trace.read(layer_idx, key, value, sliding_window)
     if not ctx.mask_matches(attention_mask, ctx.pool.spec.layers[layer_idx].kind):
         key, value = _dense_kv(ctx, module, layer_idx)
         return _dense(module, query, key, value, attention_mask, scaling, softcap, kwargs)
@@ -465,7 +472,11 @@ def register() -> None:
 
 def _paged_mask(*args: Any, config: Any = None, **kwargs: Any) -> Any:
     """sdpa's boolean mask (what the dense fallback reads), except for a model that attends in its own code, never
-    through the attention interface (Bloom, Falcon, GPT-Neo): it adds the mask to its scores, as eager's float mask."""
+    through the attention interface (Bloom, Falcon, GPT-Neo): it adds the mask to its scores, as eager's float mask.
+    A probe forward records the window a sliding mask keeps (``local_size``)."""
+    trace = None if torch.compiler.is_compiling() else PROBE_TRACE.get()  # (dynamo cannot trace ContextVar.get)
+    if trace is not None:
+        trace.masked(kwargs.get("local_size"))
     if config is not None and not _uses_attention_interface(type(config).__module__):
         return eager_mask(*args, config=config, **kwargs)
     return sdpa_mask(*args, config=config, **kwargs)

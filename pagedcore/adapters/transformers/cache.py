@@ -44,6 +44,7 @@ from .cache_state import CacheState, Row, Step
 from .cache_stats import CacheMemoryStats
 from .forward_hooks import watch
 from .pool import PagedKVPool
+from .probe import cache_path
 from .spec import text_config
 from .state_cache import PagedStateLayer, StateCacheMixin
 from .state_spec import StateSpec
@@ -155,6 +156,9 @@ class PagedLayer(CacheLayerMixin):
             keys, values = keys.index_select(0, index), values.index_select(0, index)
         slots = step.write_slots(self.group, device, as_tensor=torch.compiler.is_compiling())
         write_kv(key_cache, value_cache, keys, values, slots)
+        context = step.context
+        if context is not None and context.trace is not None:  # a probe forward (probe.py)
+            context.trace.stored(self.layer_idx, key_states, value_states, returns_new=model_kwargs is not None)
         if step.wants_weights and model_kwargs is not None:
             model_kwargs[WEIGHTS_KEY] = True
         if step.context is not None and model_kwargs is not None:
@@ -344,6 +348,8 @@ class PagedCache(StateCacheMixin, Cache):
         self._model = weakref.ref(model) if isinstance(model, torch.nn.Module) else None
         if self._model is not None:
             watch(model, PagedCache)
+            # Exact or refused: a one-time probe of this model says whether its layers may read the pool (probe.py).
+            self._state.paged_reads = cache_path(model, pool, PagedCache, attention_backend) == "paged"
 
     def _make_layers(self, pool: PagedKVPool) -> list[Any]:
         state, states = self._state, self._state.states
@@ -770,11 +776,8 @@ class PagedCache(StateCacheMixin, Cache):
         return [row.pad for row in self._state.rows]
 
     def __repr__(self) -> str:
-        state = self._state
-        return (
-            f"PagedCache(rows={len(state.rows)}, length={state.length}, "
-            f"tokens={sum(r.blocks.num_tokens for r in state.rows)}, pool={self._pool!r})"
-        )
+        state, tokens = self._state, sum(r.blocks.num_tokens for r in self._state.rows)
+        return f"PagedCache(rows={len(state.rows)}, length={state.length}, tokens={tokens}, pool={self._pool!r})"
 
     # ------------------------------------------------------------------ internals
     def _check_live(self) -> CacheState:

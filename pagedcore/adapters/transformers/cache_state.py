@@ -205,6 +205,9 @@ class CacheState:
         self.attached = False  # made by enable() (attach_prefix, take_rows): generate is given the whole prompt
         # The rows' recurrent states, for a model with state layers (their slots are the rows' BlockTables').
         self.states = CacheStates(pool.states, pool.lock) if pool.states is not None else None
+        # Whether a paged-attention model's layers read the pool (the probe found that exact), or return their keys
+        # gathered from the blocks (:mod:`.probe`: the model changes its keys after update, say).
+        self.paged_reads = True
 
     # ------------------------------------------------------------------ queries
     def check_live(self) -> None:
@@ -415,7 +418,8 @@ class CacheState:
         # which the forward pre-hook adds (shared_kwargs). Without it they attend over what their source's update
         # returns, which must then be its gathered keys: no context.
         shared = any(layer.keeps == "shared" for layer in pool.spec.layers)
-        if self.exact and has_kwargs and self.uses_paged_attention() and (kwargs_reach or not shared):
+        reads = self.paged_reads and self.uses_paged_attention()
+        if self.exact and has_kwargs and reads and (kwargs_reach or not shared):
             step.context = self._context(step)
         if device is not None:
             self.prepare(step, device)

@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from pagedcore.errors import ConfigError
+
 __all__ = ["watch", "watched"]
 
 _WATCHED: weakref.WeakKeyDictionary[torch.nn.Module, tuple[type, tuple[str, ...], bool]] = weakref.WeakKeyDictionary()
@@ -64,7 +66,11 @@ def watched(model: Any) -> bool:
     return isinstance(model, torch.nn.Module) and model in _WATCHED
 
 
-def _cache_of(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+def _cache_of(
+    module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *, strict: bool = True
+) -> tuple[Any, dict[str, Any]]:
+    """The watched cache a forward carries (itself, or the self-attention cache of an ``EncoderDecoderCache``), and
+    the forward's inputs by name; ``strict``: a bare cache on a forward that attends to an encoder is refused."""
     cache_type, names, _ = _WATCHED.get(module, (None, (), False))
     if cache_type is None:
         return None, kwargs
@@ -72,7 +78,17 @@ def _cache_of(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, 
     cache = inputs.get("cache")
     if cache is None:
         cache = inputs.get("past_key_values")
-    return (cache if isinstance(cache, cache_type) else None), inputs
+    if isinstance(cache, cache_type):
+        encoder = inputs.get("encoder_hidden_states", inputs.get("encoder_outputs"))
+        if strict and (encoder is not None or "decoder_input_ids" in names):
+            raise ConfigError(
+                f"{type(module).__name__} attends to an encoder's output: pass the paged cache as the self-attention "
+                "half of transformers' EncoderDecoderCache(PagedCache(model), DynamicCache()), which holds the "
+                "cross-attention's keys and values beside it (alone, it would be given those too)"
+            )
+        return cache, inputs
+    inner = getattr(cache, "self_attention_cache", None)
+    return (inner if isinstance(inner, cache_type) else None), inputs
 
 
 def _before_forward(
@@ -81,12 +97,14 @@ def _before_forward(
     cache, inputs = _cache_of(module, args, kwargs)
     if cache is None:
         return None
-    open_kwargs = _WATCHED[module][2]
+    _, names, open_kwargs = _WATCHED[module]
+    # An encoder-decoder model's forward names the decoder's inputs decoder_*: the cache holds the decoder's keys.
+    prefix = "decoder_" if "decoder_input_ids" in names else ""
     extra = cache.before_forward(
-        input_ids=inputs.get("input_ids"),
-        inputs_embeds=inputs.get("inputs_embeds"),
-        attention_mask=inputs.get("attention_mask"),
-        position_ids=inputs.get("position_ids"),
+        input_ids=inputs.get(f"{prefix}input_ids"),
+        inputs_embeds=inputs.get(f"{prefix}inputs_embeds"),
+        attention_mask=inputs.get(f"{prefix}attention_mask"),
+        position_ids=inputs.get(f"{prefix}position_ids"),
         output_attentions=bool(inputs.get("output_attentions")),
         kwargs_reach=open_kwargs,
     )
@@ -96,6 +114,6 @@ def _before_forward(
 
 
 def _after_forward(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
-    cache, _ = _cache_of(module, args, kwargs)
+    cache, _ = _cache_of(module, args, kwargs, strict=False)
     if cache is not None:
         cache.after_forward()

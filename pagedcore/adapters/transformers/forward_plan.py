@@ -29,7 +29,7 @@ import torch
 
 from pagedcore.errors import InvalidRequestError
 
-__all__ = ["ForwardPlan", "MaskRows", "plan_forward", "positions_continue", "positions_fit"]
+__all__ = ["ForwardPlan", "MaskRows", "plan_forward", "positions_continue", "positions_fit", "text_positions"]
 
 
 @dataclass(frozen=True)
@@ -218,6 +218,7 @@ def positions_fit(
     """
     if positions is None:
         return not pads_at_zero
+    positions = text_positions(positions)
     if not isinstance(positions, torch.Tensor) or positions.dim() != 2 or q_len == 0:
         return False
     if q_len == 1 and positions.shape[1] == 1 and not any(pads):
@@ -241,3 +242,24 @@ def positions_fit(
     if pads_at_zero:
         ok &= (pad == 0) | (prior == 0)
     return bool(ok.all())
+
+
+def text_positions(positions: Any) -> Any:
+    """The ``(batch, q_len)`` token positions of ``position_ids``: 2-D ones as they are; multimodal RoPE's 3-D
+    ones (Qwen2-VL and its kind) by their text row, the first of the four that ``generate`` makes (text, then
+    temporal, height, width), or the one row of three that agree (a text-only prompt); anything else None.
+
+    Example:
+        >>> t = torch.tensor([[0, 1, 2]])
+        >>> text_positions(torch.stack([t, t, t + 5, t])).tolist(), text_positions(torch.stack([t, t, t])).tolist()
+        ([[0, 1, 2]], [[0, 1, 2]])
+        >>> text_positions(torch.stack([t, t + 1, t])) is None   # three rows that differ: not a token position
+        True
+    """
+    if not isinstance(positions, torch.Tensor) or positions.dim() != 3:
+        return positions
+    if positions.shape[0] == 4:
+        return positions[0]
+    if bool((positions == positions[:1]).all()):
+        return positions[0]
+    return None

@@ -55,15 +55,25 @@ is forked; the copies share the prompt's blocks (copy-on-write) instead of recom
 call) are forked the same way: the distinct rows compute their prompt once; and a prefix several distinct rows share
 (a system prompt) is computed once and hit by all of them (:mod:`.shared_rows`). (A model with recurrent-state layers
 computes its rows as :mod:`.state_prefill` says instead.)
+
+**Images, video, audio.** A prompt's prefix key names each multimodal item's placeholders by a digest of its content
+(:mod:`.multimodal`): a prompt with another image at the same placeholders reuses only the text before it. A prefix
+holds all of a call's items or none of them; when it holds them all the call's content is left out (the cache
+holds what it gave) and multimodal-RoPE models (Qwen2-VL) get the whole prompt's ``rope_deltas``.
+
+**Encoder-decoder models** (Whisper, T5, BART): each call gets ``EncoderDecoderCache(PagedCache(model),
+DynamicCache())`` (the decoder's self-attention paged, the cross-attention computed once per call beside it); the
+prefix of ``decoder_input_ids`` is reused under the same encoder input only (:mod:`.seq2seq_calls`).
+
+The call's settings, its hit and its reservation are :mod:`.generate_call`'s.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
-import itertools
 import weakref
-from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -73,17 +83,32 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from pagedcore.block_keys import namespace_key
-from pagedcore.capacity import Demand, Reservation
+from pagedcore.capacity import Reservation
 from pagedcore.config import PoolConfig
 from pagedcore.engine.context import ContextWindow
 from pagedcore.engine.inputs import TOKEN_DTYPES, check_token_tensor
-from pagedcore.errors import ConfigError, InvalidRequestError, OutOfBlocksError, PoolMismatchError
-from pagedcore.kv_pool import PoolMatch
+from pagedcore.errors import ConfigError, InvalidRequestError, PoolMismatchError
 from pagedcore.validation import as_integer
 
 from . import sleep_mode
 from .cache import PagedCache
+from .encoder_decoder import is_encoder_decoder
+from .generate_call import (
+    CallSettings,
+    attach_hit,
+    call_mask,
+    call_settings,
+    carries_cache,
+    give_back,
+    left_pads,
+    record_hits,
+    reserve_call,
+)
+from .model_inputs import SEQUENCE_INPUTS, model_inputs
+from .multimodal import CallItems, call_keys
 from .pool import KVStoreSpec, PagedKVPool
+from .probe import cache_path
+from .seq2seq_calls import run_seq2seq
 from .shared_rows import SharedRows, shared_rows, warm_shared_prefixes
 from .spec import context_limit, text_config
 from .state_prefill import StatePrefill
@@ -93,7 +118,6 @@ __all__ = ["disable", "enable", "is_enabled", "namespace", "prefix_pool"]
 NAMESPACE_KWARG = "pagedcore_namespace"
 _UNSET: Any = object()
 _namespace: ContextVar[Any] = ContextVar("pagedcore_namespace", default=_UNSET)
-_call_ids = itertools.count()
 
 
 @dataclass
@@ -161,6 +185,7 @@ def enable(
     more = {"eviction_policy": eviction_policy, "kv_store": kv_store, "kv_store_bytes": kv_store_bytes}
     more |= {"state_slots": state_slots, "snapshot_interval": snapshot_interval}
     pool = PagedKVPool.resolve(model, pool, PoolConfig.of(config, **sizes, **more))
+    cache_path(model, pool, PagedCache, attention_backend, reuse=True)  # exact or refused here, not at the first call
     hook = sleep_mode.sleep_when_training(model, pool) if sleep_when_training else None
     state = _Enabled(pool, namespace, attention_backend, "generate" in vars(model), vars(model).get("generate"), hook)
     model.generate = _wrapped_generate(model, state)
@@ -280,12 +305,15 @@ def _generate(model: Any, call: Callable[..., Any], state: _Enabled, args: tuple
 def _run(
     model: Any, call: Callable[..., Any], state: _Enabled, args: tuple[Any, ...], kwargs: dict, ns: Hashable
 ) -> Any:
+    if is_encoder_decoder(model):  # the decoder's self-attention paged, keyed by the encoder input (seq2seq_calls)
+        _check_placement(state)
+        return run_seq2seq(model, call, state.pool, state.attention_backend, args, kwargs, ns)
     input_ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
     if not isinstance(input_ids, torch.Tensor) or kwargs.get("inputs_embeds") is not None:
         return call(*args, **kwargs)  # inputs_embeds (or no tensor at all: generate's own checks)
     _check_input_ids(model, input_ids)
-    settings = _settings(model, kwargs, input_ids.shape[1])
-    mask = _attention_mask(input_ids, kwargs.get("attention_mask"), settings)
+    settings = call_settings(model, kwargs, input_ids.shape[1])
+    mask = call_mask(input_ids, kwargs.get("attention_mask"), settings)
     _check_context(model, mask, settings)
     passed = kwargs.get("cache")
     if passed is None:
@@ -293,7 +321,7 @@ def _run(
     if passed is not None:
         if isinstance(passed, PagedCache) and passed.pool is state.pool:
             _check_placement(state)
-            return _continue(call, state, passed, args, kwargs, input_ids, mask, settings, ns)
+            return _continue(model, call, state, passed, args, kwargs, input_ids, mask, settings, ns)
         return call(*args, **kwargs)  # the caller's own cache
     if not settings.use_cache:
         return call(*args, **kwargs)
@@ -309,24 +337,30 @@ def _fresh(
     kwargs: dict,
     input_ids: torch.Tensor,
     mask: torch.Tensor,
-    settings: _Settings,
+    settings: CallSettings,
     ns: Hashable,
 ) -> Any:
     """A call without a cache of its own: attach the prefix hit to a new cache, reserve the call's worst case,
     compute what the rows share once, generate, register, release."""
-    pads = _left_pads(mask)
+    pads = left_pads(mask)
     pool = state.pool
     cache = PagedCache(model, pool=pool, namespace=ns, attention_backend=state.attention_backend)
     keep = False
     plan = _Plan(None, None, None, 0)
     try:
-        rows = [input_ids[r, p:].tolist() for r, p in enumerate(pads)] if pads is not None else None
-        plan = _plan(model, state, cache, input_ids, mask, rows, pads, settings, ns, kwargs)
+        keys = call_keys(model, input_ids, kwargs)  # the token ids, multimodal placeholders keyed by their content
+        rows = [keys[r][p:] for r, p in enumerate(pads)] if pads is not None and keys is not None else None
+        items = CallItems.of(model, input_ids, mask, kwargs, rows)
+        if pool.states is not None and any(items.spans):
+            rows = None  # a recurrent-state model's multimodal prompt: computed as stock, nothing reused or cached
+        plan = _plan(model, state, cache, input_ids, mask, rows, pads, settings, ns, kwargs, items)
         cache.reservation = plan.reservation
         length = plan.length
+        if length and pads is not None:
+            kwargs = items.after_hit(model, kwargs, pads, length)
         states, share = plan.states, plan.share
         if states is not None and pads is not None and states.active:
-            length = states.run(cache, pads, _model_inputs(model, kwargs))
+            length = states.run(cache, pads, model_inputs(model, kwargs))
             if settings.expand > 1:  # generate expands the batch but never the cache
                 cache.batch_repeat_interleave(settings.expand)
         elif share is not None:  # each distinct prompt once, then every row forks from its own (copy-on-write)
@@ -337,14 +371,14 @@ def _fresh(
             cache.batch_repeat_interleave(settings.expand)
         kwargs["cache"] = cache
         result = call(*args, **kwargs)
-        if pads is not None:
+        if rows is not None and pads is not None:
             _register(cache, result, pads, settings, rows)
-        keep = _carries(result, cache)
+        keep = carries_cache(result, cache)
         return result
     finally:
         if plan.states is not None:
             plan.states.release()
-        _give_back(pool, plan.reservation, cache)
+        give_back(pool, plan.reservation, cache)
         if not keep:
             cache.release()
 
@@ -368,9 +402,10 @@ def _plan(
     mask: torch.Tensor,
     rows: list[list[int]] | None,
     pads: list[int] | None,
-    settings: _Settings,
+    settings: CallSettings,
     ns: Hashable,
     kwargs: dict[str, Any],
+    items: CallItems | None = None,
 ) -> _Plan:
     """Look the rows up, attach their hit and reserve the call's worst case (in one hold of the pool's lock: no other
     holder takes blocks in between); a prefix several distinct rows share is computed first (:mod:`.shared_rows`)."""
@@ -393,19 +428,20 @@ def _plan(
         held = cache.row_tokens()
         if states is not None and rows is not None:
             held = states.plan(rows)
-            _record(pool, rows, held, ns, [row.match for row in states.rows])
+            record_hits(pool, rows, held, ns, [row.match for row in states.rows])
         elif own_rows is not None and own_pads is not None:
-            length = _attach(cache, pool, own_rows, own_pads, ns, lookup=settings.reuse, ids=unique)
+            length = attach_hit(cache, pool, own_rows, own_pads, ns, lookup=settings.reuse, ids=unique, items=items)
             held = cache.row_tokens()
         copies = [n * settings.expand for n in share.copies()] if share is not None else None
         shape = (len(unique), input_ids.shape[1])
-        reservation = _reserve(pool, held, shape, own_pads, settings, copies, kwargs, states is not None)
+        reservation = reserve_call(pool, held, shape, own_pads, settings, copies, kwargs, states is not None)
         if states is not None and pads is not None:
             states.attach(reservation, cache, pads)
     return _Plan(states, share, reservation, length)
 
 
 def _continue(
+    model: Any,
     call: Callable[..., Any],
     state: _Enabled,
     cache: PagedCache,
@@ -413,7 +449,7 @@ def _continue(
     kwargs: dict,
     input_ids: torch.Tensor,
     mask: torch.Tensor,
-    settings: _Settings,
+    settings: CallSettings,
     ns: Hashable,
 ) -> Any:
     """A call given a PagedCache of this pool (one returned by an earlier call): continue it, then register.
@@ -423,31 +459,28 @@ def _continue(
     the cache was made in. The caller owns the cache: it is never released here. The call reserves its worst case
     for its own length (one row per sequence), unless the cache holds a reservation of its own, which it draws from.
     """
-    pads = _left_pads(mask)
+    pads = left_pads(mask)
     pool = state.pool
     reservation, own = None, cache.reservation  # a cache that holds a reservation of its own draws from that one
     if own is None and settings.expand == 1 and cache.batch_size == input_ids.shape[0]:
         with pool.lock:
             shape = tuple(input_ids.shape)
-            reservation = _reserve(pool, cache.row_tokens(), shape, cache.row_padding(), settings, None, kwargs)
+            reservation = reserve_call(pool, cache.row_tokens(), shape, cache.row_padding(), settings, None, kwargs)
         cache.reservation = reservation
     try:
         result = call(*args, **kwargs)
     finally:
-        _give_back(pool, reservation, cache)
+        give_back(pool, reservation, cache)
+    keys = call_keys(model, input_ids, kwargs)
     if (
         pads is not None
+        and keys is not None
         and pads == cache.row_padding()
         and settings.expand == 1
         and namespace_key(cache.namespace) == namespace_key(ns)  # the trie's identity: ("t", 1) is not ("t", True)
     ):
-        _register(cache, result, pads, settings, None)
+        _register(cache, result, pads, settings, [row[p:] for row, p in zip(keys, pads)])
     return result
-
-
-def _carries(result: Any, cache: PagedCache) -> bool:
-    """Whether ``generate`` returned the cache to the caller (``return_dict_in_generate=True``)."""
-    return isinstance(result, Mapping) and any(value is cache for value in result.values())
 
 
 # ---------------------------------------------------------------------- checks (typed errors, nothing changed)
@@ -462,7 +495,7 @@ def _check_input_ids(model: Any, input_ids: torch.Tensor) -> None:
     )
 
 
-def _check_context(model: Any, mask: torch.Tensor, settings: _Settings) -> None:
+def _check_context(model: Any, mask: torch.Tensor, settings: CallSettings) -> None:
     """Prompt + new tokens must fit the model's context (positions count real tokens: padding takes none); the rule
     is :class:`~pagedcore.engine.context.ContextWindow`'s."""
     window = ContextWindow(context_limit(model))
@@ -490,185 +523,6 @@ def _check_placement(state: _Enabled) -> None:
         )
 
 
-# ---------------------------------------------------------------------- one call's plan
-@dataclass(frozen=True)
-class _Settings:
-    max_new_tokens: int
-    expand: int
-    beams: int
-    use_cache: bool
-    # False when the call must compute its whole prompt: attentions or hidden states asked for (they must cover every
-    # prompt position), or assisted / prompt-lookup decoding (transformers 5.24 gets them wrong after a pre-filled
-    # cache: a DynamicCache holding the first prompt tokens gives other tokens than an empty one).
-    reuse: bool
-    # Assisted / prompt-lookup decoding: the cache records its past, so sliding-window layers keep their blocks
-    # between crops (a window's bound does not hold for such a call).
-    records_past: bool
-    pad_token_id: Any
-    eos_token_id: Any
-
-
-def _settings(model: Any, kwargs: dict[str, Any], prompt_len: int) -> _Settings:
-    config = kwargs.get("generation_config") or model.generation_config
-
-    def get(name: str, default: Any = None) -> Any:
-        if kwargs.get(name) is not None:
-            return kwargs[name]
-        value = getattr(config, name, None)
-        return default if value is None else value
-
-    max_new = get("max_new_tokens")
-    if max_new is None:
-        max_new = max(int(get("max_length", 20)) - prompt_len, 1)
-    beams = int(get("num_beams", 1))
-    expand = max(beams, int(get("num_return_sequences", 1)))
-    use_cache = bool(get("use_cache", True))
-    full_outputs = bool(get("output_attentions", False)) or bool(get("output_hidden_states", False))
-    candidates = any(
-        get(name) is not None for name in ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit")
-    )
-    reuse = not (full_outputs or candidates)
-    return _Settings(
-        int(max_new), expand, beams, use_cache, reuse, candidates, get("pad_token_id"), get("eos_token_id")
-    )
-
-
-def _attention_mask(input_ids: torch.Tensor, mask: Any, settings: _Settings) -> torch.Tensor:
-    """The 2-D mask generate will use (inferred from the pad token like generate does when none is given)."""
-    if isinstance(mask, torch.Tensor):
-        return mask
-    pad = settings.pad_token_id
-    eos = settings.eos_token_id
-    eos_ids = set(eos if isinstance(eos, (list, tuple)) else [eos]) if eos is not None else set()
-    if pad is not None and pad not in eos_ids and bool((input_ids == pad).any()):
-        return (input_ids != pad).long()
-    return torch.ones_like(input_ids)
-
-
-def _left_pads(mask: torch.Tensor) -> list[int] | None:
-    """Leading zeros per row, or None if some row is not of the form 0...01...1 (no prefix reuse then)."""
-    ones = mask.ne(0).long().cpu()
-    count = ones.sum(dim=1)
-    pads = mask.shape[1] - count
-    expected = torch.arange(mask.shape[1])[None, :] >= pads[:, None]
-    if not torch.equal(ones.bool(), expected) or bool((count == 0).any()):
-        return None
-    return [int(p) for p in pads]
-
-
-def _attach(
-    cache: PagedCache,
-    pool: PagedKVPool,
-    rows: list[list[int]],
-    pads: list[int],
-    ns: Hashable,
-    *,
-    lookup: bool,
-    ids: list[int] | None = None,
-) -> int:
-    """Declare the rows' padding and prompts to the cache and attach the prefix every row can use (see the module
-    docstring); returns its rectangular length. ``lookup=False`` declares the padding and prompts only. ``ids``: the
-    rows' numbers in the call (the hit events' request ids), when the cache holds some of its rows only."""
-    with pool.lock:
-        if not lookup:
-            cache.attach_prefix([None] * len(rows), pads, 0, rows)
-            return 0
-        for tokens in rows:
-            pool.kv.load_prefix(tokens, ns)  # the tiers below the pool, if any
-        matches = [pool.kv.match(tokens, ns) for tokens in rows]
-        hits = [min(m.num_tokens, len(tokens) - 1) for m, tokens in zip(matches, rows)]
-        length = min(p + h for p, h in zip(pads, hits))
-        _record(pool, rows, [max(0, length - pad) for pad in pads], ns, matches, ids)
-        cache.attach_prefix(matches, pads, length, rows)
-    return length
-
-
-def _record(
-    pool: PagedKVPool,
-    rows: list[list[int]],
-    used: list[int],
-    ns: Hashable,
-    matches: Sequence[PoolMatch],
-    ids: Sequence[int] | None = None,
-) -> None:
-    """Count each row's lookup and the tokens it takes from the cache (``used[r]`` of its ``matches[r]``), and tell
-    the plugins which blocks served them. ``ids``: the rows' numbers in the call (default: their order)."""
-    call = next(_call_ids)
-    for r, tokens, hit, match in zip(ids if ids is not None else range(len(rows)), rows, used, matches):
-        pool.kv.record(len(tokens), hit)
-        pool.plugins.emit(
-            "pagedcore_prefix_hit",
-            request_id=f"generate-{call}/{r}",
-            num_query_tokens=len(tokens),
-            num_hit_tokens=hit,
-            namespace=ns,
-            block_ids=match.head(hit, pool.block_size),
-        )
-
-
-def _reserve(
-    pool: PagedKVPool,
-    held: list[int],
-    shape: tuple[int, ...],
-    pads: list[int] | None,
-    settings: _Settings,
-    copies: list[int] | None,
-    kwargs: dict[str, Any],
-    snapshots: bool = False,
-) -> Reservation:
-    """Reserve the call's worst case (under the pool's lock), so it can never run out half-way; else raise
-    OutOfBlocksError before generation, ending the call's streamer so that its consumer does not wait for ever.
-
-    ``shape`` is the ``(rows, width)`` of the rows the cache holds, ``pads`` each row's unstored padding (None: the
-    mask is not left padding, so every row stores every position); rows already hold ``held`` tokens (a hit, or a
-    continued cache), and with ``snapshots`` compute their prompt to snapshot points (recurrent-state layers). Each row
-    is a :class:`~pagedcore.capacity.Demand`: ``settings.expand`` copies, each storing the whole row, or with
-    ``copies`` the row's prompt computed once and forked into ``copies[r]`` rows (identical rows of the call and
-    their ``num_return_sequences``); the pool's :meth:`~pagedcore.kv_pool.KVPool.worst_case` says how many blocks
-    they need, and :meth:`~pagedcore.kv_pool.KVPool.reserve` holds them back from every other holder (other calls, an
-    Engine) until the call ends. An Engine's running requests keep what they may still need: those blocks cannot be
-    reserved.
-    """
-    batch, width = shape
-    pads = pads if pads is not None else [0] * batch
-    demands = [
-        Demand(
-            num_prompt_tokens=width - pad,
-            max_new_tokens=settings.max_new_tokens,
-            num_held_tokens=held[r] if r < len(held) else 0,
-            num_copies=copies[r] if copies is not None else settings.expand,
-            share_prompt=copies is not None,
-            keeps_window=settings.records_past,
-            snapshots=snapshots,
-        )
-        for r, pad in enumerate(pads)
-    ]
-    needs = pool.kv.worst_case(*demands)
-    try:
-        return pool.kv.reserve(needs)
-    except OutOfBlocksError as exc:
-        streamer = kwargs.get("streamer")
-        if streamer is not None:
-            streamer.end()
-        raise OutOfBlocksError(
-            f"this generate call needs up to {exc.requested} blocks of {pool.block_size} tokens but only "
-            f"{exc.available} can be had now ({exc}): use a larger pool (enable(model, num_blocks=... / "
-            "memory_budget=...)), smaller batches, or release caches returned by earlier calls; calls sharing the "
-            "pool (other threads, an Engine's running requests) hold back what they may still need",
-            requested=exc.requested,
-            available=exc.available,
-        ) from exc
-
-
-def _give_back(pool: PagedKVPool, reservation: Reservation | None, cache: PagedCache) -> None:
-    """End a call's reservation: what it did not use goes back to the pool (a kept cache holds what it stored)."""
-    if reservation is None:
-        return
-    with pool.lock:
-        reservation.release()
-        cache.reservation = None
-
-
 def _prefill_once(
     model: Any, cache: PagedCache, input_ids: torch.Tensor, mask: torch.Tensor, start: int, kwargs: dict[str, Any]
 ) -> None:
@@ -678,8 +532,8 @@ def _prefill_once(
     end = input_ids.shape[1] - 1
     if end <= start:
         return
-    extra = _model_inputs(model, kwargs)
-    for key in _SEQUENCE_INPUTS:
+    extra = model_inputs(model, kwargs)
+    for key in SEQUENCE_INPUTS:
         value = extra.get(key)
         if isinstance(value, torch.Tensor) and value.shape[-1] == input_ids.shape[1]:
             extra[key] = value[..., :end]
@@ -689,7 +543,7 @@ def _prefill_once(
         extra["position_ids"] = positions[:, :end]
     if "logits_to_keep" in parameters:
         extra.setdefault("logits_to_keep", 1)
-    model_inputs = model.prepare_inputs_for_generation(
+    prepared = model.prepare_inputs_for_generation(
         input_ids[:, :end],
         next_sequence_length=end - start,
         cache=cache,
@@ -699,46 +553,30 @@ def _prefill_once(
         **extra,
     )
     with torch.no_grad():
-        model(**model_inputs)
-
-
-# Model inputs as long as the prompt, which generate slices with it.
-_SEQUENCE_INPUTS = ("token_type_ids", "mm_token_type_ids", "moe_mm_token_type_ids")
-# generate()'s own keyword arguments that are neither generation settings nor model inputs.
-_GENERATE_ARGUMENTS = frozenset({"tokenizer", "assistant_tokenizer", "trust_remote_code", "use_model_defaults"})
-_CALL_INPUTS = frozenset({"input_ids", "inputs", "attention_mask", "position_ids", "cache", "past_key_values"})
-
-
-def _model_inputs(model: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The keyword arguments of a ``generate`` call that ``generate`` hands to the model's forward (its
-    ``model_kwargs``): neither a generation setting, nor one of ``generate``'s own parameters, nor the inputs the
-    prefill sets itself."""
-    config = kwargs.get("generation_config") or model.generation_config
-    own = set(inspect.signature(type(model).generate).parameters) | _GENERATE_ARGUMENTS | _CALL_INPUTS
-    return {k: v for k, v in kwargs.items() if k not in own and not hasattr(config, k)}
+        model(**prepared)
 
 
 def _register(
-    cache: PagedCache, result: Any, pads: list[int], settings: _Settings, prompts: list[list[int]] | None
+    cache: PagedCache, result: Any, pads: list[int], settings: CallSettings, prompts: list[list[int]]
 ) -> None:
-    """Register every row's full blocks in the trie: its tokens from the output, or only its prompt after beam
-    search (whose rows get reordered) or without sequences in the output."""
+    """Register every row's full blocks in the trie: its prompt's key (``prompts``: the rows' keys after their
+    padding, multimodal placeholders named by their content) and the tokens it generated, from the output; only its
+    prompt after beam search (whose rows get reordered) or without sequences in the output."""
     sequences = result if isinstance(result, torch.Tensor) else getattr(result, "sequences", None)
     tokens: list[list[int]] = []
     for i in range(max(cache.batch_size, 0)):
         source = i // settings.expand
+        prompt = prompts[source]
         if settings.beams == 1 and isinstance(sequences, torch.Tensor) and i < sequences.shape[0]:
-            tokens.append(sequences[i, pads[source] :].tolist())
-        elif prompts is not None:
-            tokens.append(prompts[source])
+            tokens.append(prompt + sequences[i, pads[source] + len(prompt) :].tolist())
         else:
-            return
+            tokens.append(prompt)
     if tokens:
         cache.cache_prefixes(tokens)
 
 
 def _sharing(
-    model: Any, input_ids: torch.Tensor, mask: torch.Tensor, settings: _Settings, kwargs: dict[str, Any]
+    model: Any, input_ids: torch.Tensor, mask: torch.Tensor, settings: CallSettings, kwargs: dict[str, Any]
 ) -> SharedRows | None:
     """Which rows compute their prompt once and fork (None: every row computes its own). Identical rows merge
     (:func:`.shared_rows.shared_rows`) when the call gives the model nothing else per row; ``num_return_sequences``
@@ -755,7 +593,7 @@ def _sharing(
     return None
 
 
-def _mergeable(model: Any, settings: _Settings, kwargs: dict[str, Any]) -> bool:
+def _mergeable(model: Any, settings: CallSettings, kwargs: dict[str, Any]) -> bool:
     """Whether rows that look alike (ids, mask, a prefix) compute alike: the call reuses prefixes and gives the
     model no other per-row input (``token_type_ids``, images, ...)."""
-    return settings.reuse and not any(isinstance(v, torch.Tensor) for v in _model_inputs(model, kwargs).values())
+    return settings.reuse and not any(isinstance(v, torch.Tensor) for v in model_inputs(model, kwargs).values())

@@ -42,8 +42,10 @@ from .attention import ATTN_IMPLEMENTATION, CONTEXT_KEY, ForwardContext
 from .compiled import CompiledDecode, DecodeInputs, resolve_compile
 from .layer_attention import check_paged_attention
 from .lora import LoraAdapters
+from .padded_step import PaddedStep
 from .pool import PagedKVPool
 from .prepacked import PrepackedLinears, resolve_prepack
+from .probe import engine_path
 from .spec import context_limit, text_config
 from .state_step import PreparedStateStep, StateSteps
 from .step_batch import PackedCache, PreparedStep
@@ -118,20 +120,21 @@ class TransformersRunner:
         self._decode_counts = CompileCounts()  # the counters of a compiled step turned off
         self._original_attn = getattr(self._text_config, "_attn_implementation", None)
         check_paged_attention(model, self.pool.spec.layers)  # what the paged attention cannot serve, refused now
-        self._use_paged_attention()
+        # Exact or refused (probe.py): the packed paged path, or left-padded rows over the model's own attention.
+        verdict = engine_path(model, self.pool, TransformersRunner, attention_backend)
+        self._padded = PaddedStep(model, self.pool) if verdict.path == "padded" else None
+        if verdict.injected or self._padded is not None:
+            self._decode = None  # the compiled step hands its attention the context at the top only, and pages it
+        if self._padded is not None and lora is not None:
+            raise ConfigError(
+                f"enable_lora: {type(model).__name__} runs on the Engine's compatible path (left-padded rows over its "
+                "own attention), which applies no LoRA adapter; serve it without enable_lora",
+                param="enable_lora",
+            )
         self.adapters = None if lora is None else LoraAdapters(model, self.pool, lora, keeps_logits=self._keeps_logits)
         weight = model.get_input_embeddings().weight
-        self._packs = PrepackedLinears(model) if resolve_prepack(prepack, device, weight.dtype) else None
-
-    def _use_paged_attention(self) -> None:
-        self.model.set_attn_implementation(ATTN_IMPLEMENTATION)
-        if getattr(self._text_config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
-            # transformers leaves such a model as it was (with a warning): its attention would read only the step's
-            # own keys from the Engine's cache, the cached ones never, and answer wrongly without an error.
-            raise UnsupportedModelError(
-                f"{type(self.model).__name__} does not attend through transformers' AttentionInterface, so the "
-                "Engine's paged attention cannot serve it; use PagedCache or enable() with this model"
-            )
+        packing = self._padded is None and resolve_prepack(prepack, device, weight.dtype)  # the packed forward's
+        self._packs = PrepackedLinears(model) if packing else None
 
     # ------------------------------------------------------------------ the protocol's state
     @property
@@ -197,8 +200,10 @@ class TransformersRunner:
             logits = self._forward_compiled(self._decode, prepared, device)
             if logits is not None:
                 return logits
+        if self._padded is not None:  # the compatible path (probe.py chose it): left-padded rows, the model's attention
+            return self._padded.logits(prepared)
         packed = prepared.packed
-        self._cache.begin([meta.slot_mapping for meta in packed.metadata])
+        self._cache.begin([meta.slot_mapping for meta in packed.metadata], prepared.context)
         kwargs: dict[str, Any] = {
             "input_ids": to_device(torch.tensor([packed.input_ids]), device),
             "position_ids": to_device(torch.tensor([packed.position_ids]), device),

@@ -30,6 +30,7 @@ from pagedcore.attention_kinds import AttentionKind, ChunkedAttention, attention
 from pagedcore.errors import PoolMismatchError, UnsupportedModelError
 from pagedcore.validation import as_integer
 
+from .encoder_decoder import decoder_layout
 from .state_spec import STATE_LAYER_TYPES, kv_layer_type
 
 __all__ = ["KEEPS", "LatentLayout", "LayerSpec", "ModelKVSpec", "context_limit", "text_config"]
@@ -175,8 +176,21 @@ class ModelKVSpec:
 
     @classmethod
     def from_model(cls, model: PreTrainedModel | PretrainedConfig) -> ModelKVSpec:
-        """The spec of a model (or of a config). Given a model, its attention modules are read too (sinks)."""
-        spec = cls.from_config(text_config(model))
+        """The spec of a model (or of a config). Given a model, its attention modules are read too (sinks). A config
+        it cannot read is an :class:`UnsupportedModelError` too, where the cache, ``enable()`` or the Engine is set
+        up, never an error later."""
+        config: Any = getattr(model, "config", model)
+        if decoder_layout(config) is None:  # an encoder-decoder family's config says its decoder's layout itself
+            config = text_config(model)
+        try:
+            spec = cls.from_config(config)
+        except (UnsupportedModelError, PoolMismatchError):
+            raise
+        except Exception as exc:
+            model_type = getattr(config, "model_type", type(config).__name__)
+            raise UnsupportedModelError(
+                f"model type {model_type!r}: pagedcore cannot read its KV layout ({type(exc).__name__}: {exc})"
+            ) from exc
         if isinstance(model, torch.nn.Module):
             spec = spec.with_sinks(_layers_with_sinks(model))
         return spec
@@ -185,11 +199,10 @@ class ModelKVSpec:
     def from_config(cls, config: PretrainedConfig) -> ModelKVSpec:
         """The spec of a decoder config; raises :class:`UnsupportedModelError` for models it cannot serve."""
         model_type = getattr(config, "model_type", type(config).__name__)
-        if getattr(config, "is_encoder_decoder", False):
-            raise UnsupportedModelError(
-                f"model type {model_type!r} is an encoder-decoder model: its cross-attention cache is not a paged "
-                "self-attention cache, so pagedcore cannot serve it (decoder-only models only)"
-            )
+        decoder = decoder_layout(config)  # Whisper, T5, BART...: the decoder's self-attention (encoder_decoder.py)
+        if decoder is not None:
+            layer = LayerSpec("full_attention", None, decoder.num_kv_heads, decoder.head_dim, decoder.head_dim)
+            return cls.from_layers(model_type, (layer,) * decoder.num_layers)
         if getattr(config, "use_bidirectional_attention", None) in (True, "all"):
             raise UnsupportedModelError(
                 f"model type {model_type!r} attends bidirectionally (use_bidirectional_attention="

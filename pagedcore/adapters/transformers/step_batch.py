@@ -18,7 +18,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DummyLayer
 from pagedcore.attention import to_device, write_kv
 from pagedcore.engine.packing import PackedTokens
 
-from .attention import ForwardContext
+from .attention import CONTEXT_KEY, LAYER_KEY, ForwardContext
 from .pool import PagedKVPool
 
 __all__ = ["PackedCache", "PreparedStep"]
@@ -53,6 +53,11 @@ class _PackedLayer(CacheLayerMixin):
 class PackedCache(Cache):
     """The cache a packed Engine forward writes through: every new token's keys/values go to its slot.
 
+    ``update`` also hands the forward's context to the layer's attention through the keyword arguments it is given
+    (as a :class:`~pagedcore.adapters.transformers.PagedCache` does): a decoder layer that calls its attention
+    without the model's keyword arguments (StableLM, Nemotron) would otherwise never pass the context on, and its
+    attention would read only the step's own keys.
+
     Example:
         >>> from pagedcore.adapters.transformers.testing import tiny_llama
         >>> model = tiny_llama()
@@ -69,11 +74,14 @@ class PackedCache(Cache):
         self._pool = pool
         self._slots: list[torch.Tensor] = []
         self._on: dict[tuple[int, torch.device], torch.Tensor] = {}
+        self._context: ForwardContext | None = None
 
-    def begin(self, slots: list[torch.Tensor]) -> None:
-        """Start a forward whose new tokens go to ``slots`` (one tensor per KV group)."""
+    def begin(self, slots: list[torch.Tensor], context: ForwardContext | None = None) -> None:
+        """Start a forward whose new tokens go to ``slots`` (one tensor per KV group) and whose layers attend with
+        ``context``."""
         self._slots = slots
         self._on = {}
+        self._context = context
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
@@ -86,6 +94,15 @@ class PackedCache(Cache):
         if slots is None:
             slots = self._on[(group, keys.device)] = to_device(self._slots[group], keys.device)
         write_kv(key_cache, value_cache, keys, values, slots)
+        context = self._context
+        if context is not None:
+            model_kwargs = kwargs.get("kwargs")
+            handed = isinstance(model_kwargs, dict) and CONTEXT_KEY not in model_kwargs
+            if handed:
+                model_kwargs[CONTEXT_KEY] = context  # type: ignore[index]
+                model_kwargs[LAYER_KEY] = layer_idx  # type: ignore[index]
+            if context.trace is not None:  # a probe forward (probe.py)
+                context.trace.stored(layer_idx, key_states, value_states, returns_new=True, injected=handed)
         return key_states, value_states
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
