@@ -33,7 +33,7 @@ from pagedcore.config import PoolConfig
 from pagedcore.engine.lora import LoRAConfig
 from pagedcore.engine.packing import pack_tokens
 from pagedcore.engine.runner import CompileCounts, ForwardBatch, ModelInfo, RunnerStats
-from pagedcore.errors import ConfigError, UnsupportedModelError
+from pagedcore.errors import ConfigError
 from pagedcore.kv_pool import KVPool
 from pagedcore.plugin_manager import PluginManager
 from pagedcore.validation import as_integer
