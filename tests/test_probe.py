@@ -170,3 +170,24 @@ def test_a_model_whose_attention_ignores_its_configured_window_is_not_reused_or_
     cache = pc.PagedCache(model, num_blocks=64, block_size=4)
     assert_same_generation(generate(model, cache, **kwargs), want)
     release_and_check(cache)
+
+
+def test_the_engine_refuses_a_state_model_whose_scan_drops_a_cached_state(monkeypatch):
+    """Mamba's layers start a scan of several tokens from a zero state, whatever the cache holds: the Engine's state
+    steps (pieces cut at snapshot points continue a state) gave other tokens from the first one for prompts of 7 or
+    more tokens. state_spec now knows Mamba as token-by-token; a family it does not know is refused by the probe
+    (a chunked Engine run on a private pool against one forward), never answered wrongly."""
+    from pagedcore.adapters.transformers import state_spec
+
+    model = tiny_family("mamba")
+    prompt = [5, 9, 30, 41, 7, 8, 100, 12, 13, 14, 60, 22]
+    with pc.Engine(model, num_blocks=64, block_size=4) as engine:  # known: one token per forward on a state
+        out = engine.generate([prompt], max_new_tokens=4, do_sample=False, use_tqdm=False)[0]
+    ids = torch.tensor([prompt])
+    stock = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False)
+    assert out.token_ids == stock[0, len(prompt) :].tolist()
+
+    monkeypatch.setattr(state_spec, "_TOKEN_BY_TOKEN", frozenset({"jamba"}))
+    fresh = tiny_family("mamba")
+    with pytest.raises(UnsupportedModelError, match="cannot serve this model exactly in the Engine"):
+        pc.Engine(fresh, num_blocks=64, block_size=4)

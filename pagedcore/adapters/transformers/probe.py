@@ -299,12 +299,13 @@ def engine_path(model: Any, pool: PagedKVPool, runner_type: type, attention_back
         )
     name = type(model).__name__
     chosen = _FORCED.get()
-    if chosen is not None or pool.states is not None:  # the probe's own runner; or a model the scheduler refuses
+    if chosen is not None:  # the probe's own runner
         verdict = Verdict("engine", chosen or PAGED, (), 0.0, name)
     else:
         original = getattr(text_config(model), "_attn_implementation", None)
+        probe = _probe_state_engine if pool.states is not None else _probe_engine
         verdict = _verdict(
-            model, pool, attention_backend, "engine", lambda: _probe_engine(model, pool, runner_type, attention_backend)
+            model, pool, attention_backend, "engine", lambda: probe(model, pool, runner_type, attention_backend)
         )
         if verdict.path != PAGED:
             _restore(model, original)
@@ -528,6 +529,55 @@ def _probe_engine(model: Any, pool: PagedKVPool, runner_type: type, backend: str
         checks.append(_check_engine(model, pool, runner_type, backend, schedule, want, PADDED))
     path = next((c.path for c in checks if c.exact), None)
     return Verdict("engine", path, tuple(checks), time.perf_counter() - started, type(model).__name__)
+
+
+def _probe_state_engine(model: Any, pool: PagedKVPool, runner_type: type, backend: str | None) -> Verdict:
+    """A model with recurrent-state layers: a real Engine on a private pool runs two prompts greedily with chunked
+    prefill (chunks of two blocks and more ending inside a block, cut at a snapshot at every block, so pieces of
+    several tokens continue a state), each step's logits against one forward over the sequence's tokens so far (what
+    ``generate`` computes). Its only path is the packed one (state steps). A family whose state layers drop the state
+    in a scan of several tokens and that ``state_spec`` does not know as such is refused here, not served wrongly."""
+    from pagedcore.engine.engine import Engine  # the engine imports no adapter; imported here, when probing
+    from pagedcore.engine.sampling import SamplingParams
+
+    started = time.perf_counter()
+    bs = pool.block_size
+    _, short = _lengths(model, pool)
+    limit = context_limit(model)
+    long = 3 * bs + 3 if limit is None else max(2, min(3 * bs + 3, limit - 4))
+    prompts = [_tokens(model, long, 1), _tokens(model, short, 2)]
+    new = 3
+    try:
+        private = _private_pool(model, pool, [len(p) + new for p in prompts])
+        with forced(PAGED):
+            runner = runner_type(model, pool=private, compile=False, attention_backend=backend)
+            try:
+                # a chunk of several blocks: pieces of several tokens continue a state from a snapshot point
+                engine = Engine(runner, max_num_batched_tokens=2 * bs + 3, enable_prefix_caching=True)
+                params = SamplingParams(max_new_tokens=new, ignore_eos=True, return_logits=True)
+                outputs = engine.generate(prompts, params, use_tqdm=False)
+            finally:
+                runner.close()
+        errors = [out.error for out in outputs if out.error is not None]
+        if errors:
+            raise RuntimeError(errors[0])
+        got = torch.cat([torch.stack(list(out.samples[0].logits or [])).float() for out in outputs])
+        device = _device(model)
+        with torch.inference_mode():
+            want = torch.cat(
+                [
+                    model(input_ids=torch.tensor([prompt + list(out.token_ids[:-1])], device=device))
+                    .logits[0, len(prompt) - 1 :]
+                    .float()
+                    for prompt, out in zip(prompts, outputs)
+                ]
+            )
+        check = _compare(PAGED, got, want, pool, None)
+    except Exception as exc:
+        check = _failed(PAGED, exc)
+    return Verdict(
+        "engine", PAGED if check.exact else None, (check,), time.perf_counter() - started, type(model).__name__
+    )
 
 
 def _check_engine(

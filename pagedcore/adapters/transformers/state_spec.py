@@ -11,8 +11,10 @@ itself, so every family is described by its own code).
 Two facts about a family's modeling code decide how a prefix hit can resume its state (:class:`StateSpec` fields,
 checked against the code by the test suite on every family):
 
-- ``resumes_chunks``: a forward of several tokens on a cached state continues from it. Jamba's Mamba layers drop the
-  state in their full-sequence scan: its cached states are only continued one token at a time.
+- ``resumes_chunks``: a forward of several tokens on a cached state continues from it. The Mamba (v1) layers of
+  Jamba, Mamba, Falcon-Mamba and Zamba drop the state in their full-sequence scan: their cached states are only
+  continued one token at a time. A family missing here is refused by the Engine's probe (``probe.py``: a chunked
+  run whose pieces continue states), not served wrongly.
 - ``custom_cache``: MiniMax keeps its linear-attention states in a cache class of its own (``MiniMaxCache``, which
   its model requires); the paged cache then is one too (:mod:`.state_cache`).
 """
@@ -40,7 +42,7 @@ _KV_OF_STATE = {
     "hybrid_sliding": "sliding_attention",
 }
 # Families whose multi-token forward on a cached state does not continue from it (see the module docstring).
-_TOKEN_BY_TOKEN = frozenset({"jamba"})
+_TOKEN_BY_TOKEN = frozenset({"jamba", "mamba", "falcon_mamba", "zamba"})
 _CUSTOM_CACHE = frozenset({"minimax"})
 
 
