@@ -42,7 +42,7 @@ before timing. Importing this package imports neither torch nor transformers; th
 Example:
     >>> from pagedcore.benchmarks import BENCHMARKS, BenchOptions
     >>> list(BENCHMARKS)
-    ['prefix', 'cold', 'memory', 'engine', 'core', 'decode', 'chat', 'host', 'scaling', 'peers']
+    ['prefix', 'cold', 'memory', 'engine', 'core', 'decode', 'chat', 'host', 'scaling', 'peers', 'hybrid']
     >>> BenchOptions(only=("core",)).needs_torch
     False
 """
