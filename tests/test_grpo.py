@@ -14,6 +14,10 @@ import sys
 from pathlib import Path
 
 import pytest
+
+pytest.importorskip("trl")  # the rl extra (TRL, datasets): the GPU image has neither
+pytest.importorskip("datasets")
+
 import torch
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "grpo_trl.py"

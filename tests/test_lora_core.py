@@ -7,6 +7,9 @@ base model."""
 from __future__ import annotations
 
 import pytest
+
+pytest.importorskip("peft")  # a test extra (LoRA adapters): the GPU image has none
+
 import torch
 from hypothesis import given
 from hypothesis import strategies as st

@@ -10,6 +10,9 @@ from __future__ import annotations
 import json
 
 import pytest
+
+pytest.importorskip("peft")  # a test extra (LoRA adapters): the GPU image has none
+
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st

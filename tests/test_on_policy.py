@@ -5,6 +5,9 @@ back to training (sleep / wake)."""
 from __future__ import annotations
 
 import pytest
+
+pytest.importorskip("trl")  # the rl extra: the GPU image has none
+
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 from trl.trainer.utils import selective_log_softmax

@@ -10,9 +10,14 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 
+import pytest
+
+pytest.importorskip("openai")  # the serve and test extras: the GPU image has neither
+pytest.importorskip("fastapi")
+pytest.importorskip("peft")
+
 import httpx
 import openai
-import pytest
 import torch
 from lora_helpers import ALL_LINEAR, base_model, make_adapter, peft_model, reference
 from models import tiny_tokenizer
@@ -22,7 +27,6 @@ from pagedcore.adapters.transformers import Engine
 from pagedcore.cli import main
 from pagedcore.serve import BackgroundServer, EngineLoop, create_app
 
-pytest.importorskip("fastapi")
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 NEW = 5
