@@ -107,3 +107,17 @@ def test_prepack_settings():
     runner = TransformersRunner(tiny_model("llama", seed=7), prepack=False)
     assert runner.prepacked is None
     runner.close()
+
+
+def test_a_weights_update_that_forgets_no_prefix_still_drops_the_packs():
+    """The runner refreshes the packs with the pool's weights version: after the prepack and LoRA merges it passed
+    the count of forgotten prefixes instead, so an update with nothing cached (prefix caching off) kept every pack."""
+    model = tiny_model("llama", seed=5)
+    with Engine(model, num_blocks=64, block_size=4, enable_prefix_caching=False) as engine:
+        engine.generate(workload(1, 2), GREEDY, use_tqdm=False)
+        packs = engine.runner.prepacked
+        assert packs is not None and packs.num_packed > 0
+        with torch.no_grad():
+            next(m for m in model.modules() if isinstance(m, torch.nn.Linear)).weight.add_(0.01)
+        assert engine.runner.check_weights() == 0  # nothing cached: no prefix forgotten
+        assert packs.num_packed == 0
