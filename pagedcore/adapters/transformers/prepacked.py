@@ -12,7 +12,9 @@ autograd, in float32 on the CPU; otherwise the layer computes with ``F.linear`` 
 rebuilt at its next use. The runner also drops every pack when its weights epoch changes (the pool's
 :class:`~.weights.WeightsWatch`: :meth:`PrepackedLinears.refresh`). Only the runner's own forwards use the packs
 (:meth:`PrepackedLinears.active`, per thread); the model's other users (``generate``, ``enable()``d calls, a
-training step) run the stock layer. The cost is memory: a second copy of the linear weights.
+training step) run the stock layer. The cost is memory: a second copy of the linear weights. Opt-in
+(``Engine(prepack=True)``): the packed GEMM sums in another order, so logits move by float noise and a greedy
+near-tie can go the other way than ``generate`` (docs/benchmarks.md measured one such token in 32 requests).
 """
 
 from __future__ import annotations

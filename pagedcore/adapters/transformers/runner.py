@@ -68,7 +68,8 @@ class TransformersRunner:
         lora: serve LoRA adapters with these settings (:class:`~pagedcore.engine.lora.LoRAConfig`; the runner's
             :attr:`adapters`); None: none.
         prepack: the linear weights prepacked for the CPU's GEMM in this runner's forwards (:mod:`.prepacked`):
-            ``True``, ``False`` or ``"auto"`` (on the CPU in float32; costs a second copy of the linear weights).
+            ``False`` (the default: exact ties with ``generate``), ``True`` or ``"auto"`` (on the CPU in float32;
+            costs a second copy of the linear weights).
 
     Example:
         >>> from pagedcore.engine import Engine
@@ -89,7 +90,7 @@ class TransformersRunner:
         attention_backend: str | None = None,
         tokenizer: Any = None,
         lora: LoRAConfig | None = None,
-        prepack: bool | str = "auto",
+        prepack: bool | str = False,
     ) -> None:
         device = model.get_input_embeddings().weight.device
         compiling = resolve_compile(compile, device)
