@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin, DummyLayer
+from transformers.cache_utils import Cache, DummyLayer
 
 from pagedcore.attention import to_device, write_kv
 from pagedcore.engine.packing import pack_tokens
@@ -43,6 +43,7 @@ from pagedcore.scheduler import ScheduledSequence
 from .attention import CONTEXT_KEY, LAYER_KEY, ForwardContext
 from .pool import PagedKVPool
 from .state_cache import CacheStates, PagedStateLayer, StateCacheMixin
+from .step_batch import PackedLayer
 
 __all__ = ["PreparedStateStep", "StateForward", "StateStepCache", "StateSteps"]
 
@@ -270,33 +271,6 @@ def _groups(cut: Sequence[list[_Piece]]) -> list[list[_Piece]]:
     return forwards
 
 
-class _StepLayer(CacheLayerMixin):
-    """An attention layer of :class:`StateStepCache` (for transformers' mask code: the paged attention reads the
-    pool through the forward's context, never a mask)."""
-
-    is_compileable = False
-
-    def __init__(self, is_sliding: bool) -> None:
-        super().__init__()
-        self.is_sliding = is_sliding
-        self.is_initialized = True
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Nothing to do."""
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        raise RuntimeError("updated through the cache")
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return query_length, 0
-
-    def get_seq_length(self) -> int:
-        return 0
-
-    def get_max_length(self) -> int:
-        return -1
-
-
 class _StepStateLayer(PagedStateLayer):
     """A state layer of :class:`StateStepCache` (a hybrid one, Falcon-H1's or Zamba2's, attends too)."""
 
@@ -328,7 +302,7 @@ class StateStepCache(StateCacheMixin, Cache):
         >>> model = tiny_hybrid()
         >>> cache = StateStepCache(PagedKVPool(model, num_blocks=8, block_size=4))
         >>> [type(layer).__name__ for layer in cache.layers], cache.get_seq_length()
-        (['_StepStateLayer', '_StepStateLayer', '_StepStateLayer', '_StepLayer'], 0)
+        (['_StepStateLayer', '_StepStateLayer', '_StepStateLayer', 'PackedLayer'], 0)
     """
 
     def __new__(cls, pool: PagedKVPool) -> StateStepCache:
@@ -348,7 +322,7 @@ class StateStepCache(StateCacheMixin, Cache):
             if count is not None:
                 layers.append(_StepStateLayer(self.states, i, count, sliding))
             else:
-                layers.append(_StepLayer(sliding) if spec.has_cache else DummyLayer())
+                layers.append(PackedLayer(sliding) if spec.has_cache else DummyLayer())
         Cache.__init__(self, layers=layers)  # not super(): MiniMax's cache class comes next
         self._slots: list[torch.Tensor] = []
         self._on: dict[tuple[int, torch.device], torch.Tensor] = {}

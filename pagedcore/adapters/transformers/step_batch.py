@@ -21,11 +21,12 @@ from pagedcore.engine.packing import PackedTokens
 from .attention import CONTEXT_KEY, LAYER_KEY, ForwardContext
 from .pool import PagedKVPool
 
-__all__ = ["PackedCache", "PreparedStep"]
+__all__ = ["PackedCache", "PackedLayer", "PreparedStep"]
 
 
-class _PackedLayer(CacheLayerMixin):
-    """Layer view for transformers' mask code; the engine's attention does not use masks."""
+class PackedLayer(CacheLayerMixin):
+    """An attention layer's view for transformers' mask code in the Engine's forwards (a packed step's, a state
+    model's step): the paged attention reads the pool through the forward's context, never a mask."""
 
     is_compileable = False
 
@@ -38,7 +39,7 @@ class _PackedLayer(CacheLayerMixin):
         """Nothing to do."""
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        raise RuntimeError("updated through the engine's cache")
+        raise RuntimeError("updated through the Engine's cache")
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return query_length, 0
@@ -67,7 +68,7 @@ class PackedCache(Cache):
 
     def __init__(self, pool: PagedKVPool) -> None:
         layers: list[Any] = [
-            _PackedLayer(spec.kind is not None and spec.kind.is_sliding) if spec.has_cache else DummyLayer()
+            PackedLayer(spec.kind is not None and spec.kind.is_sliding) if spec.has_cache else DummyLayer()
             for spec in pool.spec.layers
         ]
         super().__init__(layers=layers)
