@@ -26,7 +26,12 @@ __all__ = ["PackedCache", "PackedLayer", "PreparedStep"]
 
 class PackedLayer(CacheLayerMixin):
     """An attention layer's view for transformers' mask code in the Engine's forwards (a packed step's, a state
-    model's step): the paged attention reads the pool through the forward's context, never a mask."""
+    model's step): the paged attention reads the pool through the forward's context, never a mask.
+
+    Example:
+        >>> PackedLayer(is_sliding=False).get_mask_sizes(5)
+        (5, 0)
+    """
 
     is_compileable = False
 
