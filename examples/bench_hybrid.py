@@ -38,33 +38,16 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 from pagedcore.adapters.transformers import PagedCache, PagedKVPool, disable, enable
 from pagedcore.adapters.transformers.state_spec import StateSpec, probe_states, state_bytes
+from pagedcore.benchmarks.hybrid import hybrid_config as bench_hybrid_config
 from pagedcore.benchmarks.options import MODEL_SIZES
 
 BLOCK = 16
 
 
 def hybrid_config(size: str) -> Any:
-    """A Qwen3.5-text config of ``--model-size``'s shapes: layers linear, linear, linear, full, repeated."""
-    shape = MODEL_SIZES[size]
-    hidden, heads = shape["hidden_size"], shape["num_attention_heads"]
-    head = hidden // heads
-    layers = max(4, shape["num_hidden_layers"] // 4 * 4)
-    return AutoConfig.for_model(
-        "qwen3_5_text",
-        vocab_size=shape["vocab_size"],
-        hidden_size=hidden,
-        intermediate_size=shape["intermediate_size"],
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=shape["num_key_value_heads"],
-        head_dim=head,
-        layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"] * (layers // 4),
-        linear_num_key_heads=max(1, heads // 2),
-        linear_num_value_heads=heads,
-        linear_key_head_dim=head,
-        linear_value_head_dim=head,
-        max_position_embeddings=8192,
-    )
+    """A Qwen3.5-text config of ``--model-size``'s shapes: layers linear, linear, linear, full, repeated (the
+    ``pagedcore bench --only hybrid`` model's)."""
+    return bench_hybrid_config(MODEL_SIZES[size])
 
 
 def build(size: str) -> Any:
