@@ -52,7 +52,9 @@ import torch
 from transformers import DynamicCache, EncoderDecoderCache
 
 from pagedcore.block_tables import BlockTables
+from pagedcore.engine.engine import Engine
 from pagedcore.engine.runner import ForwardBatch
+from pagedcore.engine.sampling import SamplingParams
 from pagedcore.errors import UnsupportedModelError
 from pagedcore.scheduler import ScheduledSequence
 from pagedcore.sequence import SequenceState
@@ -537,9 +539,6 @@ def _probe_state_engine(model: Any, pool: PagedKVPool, runner_type: type, backen
     several tokens continue a state), each step's logits against one forward over the sequence's tokens so far (what
     ``generate`` computes). Its only path is the packed one (state steps). A family whose state layers drop the state
     in a scan of several tokens and that ``state_spec`` does not know as such is refused here, not served wrongly."""
-    from pagedcore.engine.engine import Engine  # the engine imports no adapter; imported here, when probing
-    from pagedcore.engine.sampling import SamplingParams
-
     started = time.perf_counter()
     bs = pool.block_size
     _, short = _lengths(model, pool)
@@ -551,13 +550,11 @@ def _probe_state_engine(model: Any, pool: PagedKVPool, runner_type: type, backen
         private = _private_pool(model, pool, [len(p) + new for p in prompts])
         with forced(PAGED):
             runner = runner_type(model, pool=private, compile=False, attention_backend=backend)
-            try:
-                # a chunk of several blocks: pieces of several tokens continue a state from a snapshot point
-                engine = Engine(runner, max_num_batched_tokens=2 * bs + 3, enable_prefix_caching=True)
+            # a chunk of several blocks: pieces of several tokens continue a state from a snapshot point; closing the
+            # Engine closes its runner (the model's attention given back)
+            with Engine(runner, max_num_batched_tokens=2 * bs + 3) as engine:
                 params = SamplingParams(max_new_tokens=new, ignore_eos=True, return_logits=True)
                 outputs = engine.generate(prompts, params, use_tqdm=False)
-            finally:
-                runner.close()
         errors = [out.error for out in outputs if out.error is not None]
         if errors:
             raise RuntimeError(errors[0])
