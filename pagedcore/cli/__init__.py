@@ -133,13 +133,15 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     from pagedcore.benchmarks import run_benchmarks
     from pagedcore.benchmarks.options import options_from
 
+    from .malloc import tune_malloc
     from .threads import choose_threads
 
     choice = choose_threads(args.threads)
     options = dataclasses.replace(options_from(args), threads=choice.threads)
+    malloc = tune_malloc()
 
     def announce() -> None:  # once every option is checked: a bad one gets its one error line alone
-        print(f"pagedcore bench: {choice.describe()}", file=sys.stderr)
+        print(f"pagedcore bench: {choice.describe()}; {malloc.describe()}", file=sys.stderr)
 
     print(run_benchmarks(options, args.out, on_start=announce))
     return EXIT_OK

@@ -158,9 +158,11 @@ def _setup(args: argparse.Namespace) -> _Setup:
     from pagedcore.adapters.transformers.builtin import BUILTIN_DESCRIPTION, builtin_model, builtin_tokenizer
     from pagedcore.cli.devices import resolve_device, resolve_dtype
 
+    from .malloc import tune_malloc
     from .threads import apply_threads
 
     threads = apply_threads(getattr(args, "threads", None))
+    malloc = tune_malloc()
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     model: Any
@@ -189,7 +191,7 @@ def _setup(args: argparse.Namespace) -> _Setup:
         top_p=args.top_p,
         seed=args.seed,
     )
-    print(f"pagedcore generate: {threads.describe()}", file=sys.stderr)  # every argument checked: under way
+    print(f"pagedcore generate: {threads.describe()}; {malloc.describe()}", file=sys.stderr)  # all checked: under way
     return _Setup(model, tokenizer, device, pool, params)
 
 

@@ -620,9 +620,11 @@ def _model(args: argparse.Namespace, error: type[Exception]) -> tuple[Any, Any, 
     dtype = "auto" if dtype_name == "auto" else getattr(torch, dtype_name)
     model: Any
     tokenizer: Any
+    from pagedcore.cli.malloc import tune_malloc
     from pagedcore.cli.threads import apply_threads
 
-    args.threads_note = apply_threads(args.threads).describe()  # stated in the start-up line
+    # stated in the start-up line
+    args.threads_note = f"{apply_threads(args.threads).describe()}; {tune_malloc().describe()}"
     if args.seed is not None:  # requests without a seed draw theirs from Python's random
         import random
 
