@@ -116,12 +116,10 @@ def test_generate_states_its_threads_in_the_start_up_line():
     assert done.returncode == 0, done.stderr
     (line,) = [line for line in done.stderr.splitlines() if line.startswith("pagedcore generate: ")]
     assert "torch thread" in line and "CPUs usable" in line
-    assert "malloc keeps freed memory" in line  # glibc tuned (pagedcore/cli/malloc.py)
-    env["PAGEDCORE_MALLOC"] = "default"
+    assert "glibc's malloc defaults (PAGEDCORE_MALLOC=tuned keeps freed memory)" in line  # pagedcore/cli/malloc.py
+    env["PAGEDCORE_MALLOC"] = "tuned"
     done = subprocess.run([*command, "--threads", "1"], capture_output=True, text=True, env=env, timeout=300)
-    want = (
-        "pagedcore generate: 1 torch thread (--threads); malloc as the environment sets it (PAGEDCORE_MALLOC=default)"
-    )
+    want = "pagedcore generate: 1 torch thread (--threads); malloc keeps freed memory (PAGEDCORE_MALLOC=tuned)"
     assert want in done.stderr.splitlines()
 
 

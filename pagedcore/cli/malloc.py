@@ -1,19 +1,20 @@
-"""glibc's malloc tuned for a process that runs a model on the CPU: freed memory is kept for the next step.
+"""glibc's malloc tuned for a process that runs a model on the CPU, on request: freed memory kept for the next step.
 
 A forward allocates tensors of megabytes (a prefill chunk's activations, a step's logits) and frees them, step after
-step. With its defaults glibc hands every block above its mmap threshold to the kernel on ``free`` and maps fresh,
-zeroed pages on the next ``malloc``: each step pays page faults for memory it just gave back. CPU users of
-CTranslate2 set ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_`` / ``MALLOC_TOP_PAD_`` for this;
+step. With its defaults glibc hands large blocks back to the kernel on ``free`` and maps fresh, zeroed pages on the
+next ``malloc``: a prefill of 16 x 128 tokens on the benchmark model faults in about 60,000 pages. CPU users of
+CTranslate2 set ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_`` / ``MALLOC_TOP_PAD_`` against this.
 ``scripts/allocator_bench.py`` measured the Engine under glibc's defaults, those settings (through the environment
-and through :func:`tune_malloc`), jemalloc and tcmalloc on this project's machine: prefill 1.07-1.20x faster with
-the settings (tcmalloc alike, jemalloc less; a prefill of 16 x 128 tokens went from about 60,000 page faults to
-under 1,000), decode steps unchanged within noise, peak RSS about 5% higher (docs/benchmarks.md, "Allocators").
+and through :func:`tune_malloc`), jemalloc and tcmalloc on this project's machine (docs/benchmarks.md,
+"Allocators"): the settings make prefill 1.07-1.20x faster (under 200 page faults) but decode steps about 4% slower
+(0.93-1.03x over four runs), and peak RSS 5% higher; tcmalloc (``LD_PRELOAD``) makes prefill 1.08-1.14x faster with
+decode unchanged (0.97-1.04x); jemalloc loses at 64 rows. Decode is most of a generation's time, so glibc's defaults
+stay the default, and tcmalloc is what the docs recommend for CPU serving.
 
-:func:`tune_malloc` applies the same settings in a running process (``mallopt``), which ``pagedcore generate``,
-``serve`` and ``bench`` do at start-up and state in their start-up line. It changes nothing where the process is not
-on glibc, where the environment already chose (any ``MALLOC_*_`` variable, or ``LD_PRELOAD`` naming another
-allocator), or where ``PAGEDCORE_MALLOC=default`` says to keep glibc's defaults. The cost: memory a step frees stays
-in the process (its peak stays its resident size) instead of going back to the system. Plain Python (``ctypes``).
+``PAGEDCORE_MALLOC=tuned`` asks ``pagedcore generate``, ``serve`` and ``bench`` for the settings (``mallopt`` in the
+running process, for prompt-heavy work such as scoring); their start-up line says what malloc does. Where the
+environment already chose (any ``MALLOC_*_`` variable, or ``LD_PRELOAD`` naming another allocator) or the process is
+not on glibc, nothing changes. Plain Python (``ctypes``).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 
 __all__ = ["ENV", "SETTINGS", "MallocChoice", "tune_malloc"]
 
-ENV = "PAGEDCORE_MALLOC"  # "default": keep glibc's defaults
+ENV = "PAGEDCORE_MALLOC"  # "tuned": apply SETTINGS; unset or "default": glibc's defaults
 _INT_MAX = 2**31 - 1  # mallopt takes an int
 # mallopt's parameters (malloc.h) and the values: what the CTranslate2 tuning sets, within mallopt's int
 SETTINGS: dict[str, tuple[int, int]] = {
@@ -44,7 +45,9 @@ class MallocChoice:
 
     Example:
         >>> MallocChoice(True, "").describe()
-        "malloc keeps freed memory (PAGEDCORE_MALLOC=default for glibc's defaults)"
+        'malloc keeps freed memory (PAGEDCORE_MALLOC=tuned)'
+        >>> MallocChoice(False, "default").describe()
+        "glibc's malloc defaults (PAGEDCORE_MALLOC=tuned keeps freed memory)"
         >>> MallocChoice(False, "MALLOC_TRIM_THRESHOLD_ is set").describe()
         'malloc as the environment sets it (MALLOC_TRIM_THRESHOLD_ is set)'
     """
@@ -55,18 +58,21 @@ class MallocChoice:
     def describe(self) -> str:
         """One phrase for a start-up line."""
         if self.tuned:
-            return f"malloc keeps freed memory ({ENV}=default for glibc's defaults)"
+            return f"malloc keeps freed memory ({ENV}=tuned)"
+        if self.reason == "default":
+            return f"glibc's malloc defaults ({ENV}=tuned keeps freed memory)"
         return f"malloc as the environment sets it ({self.reason})"
 
 
 def tune_malloc(environ: Mapping[str, str] | None = None, *, apply: bool = True) -> MallocChoice:
-    """Apply :data:`SETTINGS` with glibc's ``mallopt`` unless the environment has chosen (see the module docstring);
-    ``apply=False`` only says what it would do.
+    """Apply :data:`SETTINGS` with glibc's ``mallopt`` where ``PAGEDCORE_MALLOC=tuned`` asks and the environment has
+    not chosen otherwise (see the module docstring); ``apply=False`` only says what it would do.
 
     Example:
-        >>> tune_malloc({"PAGEDCORE_MALLOC": "default"}, apply=False).reason
-        'PAGEDCORE_MALLOC=default'
-        >>> tune_malloc({"LD_PRELOAD": "/usr/lib/libtcmalloc_minimal.so.4"}, apply=False).reason
+        >>> tune_malloc({}, apply=False).reason
+        'default'
+        >>> tune_malloc({"PAGEDCORE_MALLOC": "tuned", "LD_PRELOAD": "/usr/lib/libtcmalloc_minimal.so.4"},
+        ...     apply=False).reason
         'LD_PRELOAD loads tcmalloc'
     """
     env = os.environ if environ is None else environ
@@ -87,10 +93,10 @@ def tune_malloc(environ: Mapping[str, str] | None = None, *, apply: bool = True)
 def _why_not(env: Mapping[str, str]) -> str | None:
     """Why the environment's choice stands, or None to tune."""
     choice = env.get(ENV, "").strip().lower()
-    if choice == "default":
-        return f"{ENV}=default"
-    if choice not in ("", "tuned"):
+    if choice not in ("", "default", "tuned"):
         return f"{ENV}={env[ENV]!r} is neither 'tuned' nor 'default'"
+    if choice != "tuned":
+        return "default"
     own = sorted(k for k in env if k.startswith("MALLOC_") and k.endswith("_"))
     if own:
         return f"{own[0]} is set"
