@@ -7,8 +7,8 @@ replacement, when a process starts), the workers' order rotating from round to r
 - ``glibc``: glibc's malloc with its defaults (every ``MALLOC_*_`` variable removed);
 - ``glibc tuned``: the thresholds CPU users of CTranslate2 set (``pagedcore.benchmarks.ct2.TUNED_MALLOC``: freed
   memory kept instead of unmapped, so a step's large tensors reuse pages instead of faulting in new zeroed ones);
-- ``glibc mallopt``: what ``pagedcore generate``, ``serve`` and ``bench`` do at start-up
-  (:func:`pagedcore.cli.malloc.tune_malloc`: the same settings through ``mallopt`` in the running process);
+- ``glibc mallopt``: what ``PAGEDCORE_MALLOC=tuned`` makes ``pagedcore generate``, ``serve`` and ``bench`` do at
+  start-up (:func:`pagedcore.cli.malloc.tune_malloc`: the same settings through ``mallopt`` in the running process);
 - ``jemalloc`` / ``tcmalloc``: the library preloaded, where this machine has it (else reported as missing).
 
 A worker builds the benchmark model (``--size``), then per batch size an untimed warm-up and ``timed`` runs as
@@ -58,7 +58,7 @@ def allocator_env(name: str) -> dict[str, str] | None:
     env.pop("LD_PRELOAD", None)
     env.pop("PAGEDCORE_MALLOC", None)
     if name == "glibc mallopt":
-        env["ALLOCATOR_BENCH_MALLOPT"] = "1"
+        env["PAGEDCORE_MALLOC"] = "tuned"
     if name in LIBRARIES:
         library = find_library(name)
         if library is None:
@@ -73,11 +73,10 @@ def worker(args: argparse.Namespace) -> None:
 
     from pagedcore.adapters.transformers import Engine, SamplingParams
     from pagedcore.benchmarks.common import bench_model
+    from pagedcore.cli.malloc import tune_malloc
 
-    if os.environ.get("ALLOCATOR_BENCH_MALLOPT"):
-        from pagedcore.cli.malloc import tune_malloc
-
-        assert tune_malloc().tuned, "mallopt did not apply"
+    asked = os.environ.get("PAGEDCORE_MALLOC") == "tuned"
+    assert tune_malloc().tuned is asked, "the worker's malloc is not the one its name says"
     torch.set_num_threads(args.threads)
     model = bench_model(size=args.size)
     vocab = model.config.vocab_size

@@ -19,17 +19,15 @@ import sys
 import torch
 
 from pagedcore.benchmarks import chat
-from pagedcore.benchmarks.common import bench_model, blocks_for
+from pagedcore.benchmarks.common import bench_model
 from pagedcore.benchmarks.peers import EnginePeer, PaddedBatch, Peer
 from pagedcore.benchmarks.steps import Forward, logging_forwards
 
-CONVERSATIONS = 8
 
-
-def split(forwards: list[Forward]) -> str:
-    """Prefill and decode forwards: count, seconds, rows."""
-    prefill = [f for f in forwards if f.tokens > CONVERSATIONS]
-    decode = [f for f in forwards if f.tokens <= CONVERSATIONS]
+def split(forwards: list[Forward], rows: int) -> str:
+    """Prefill and decode forwards (at most ``rows`` positions: one per conversation): count, seconds, rows."""
+    prefill = [f for f in forwards if f.tokens > rows]
+    decode = [f for f in forwards if f.tokens <= rows]
     return (
         f"prefill {len(prefill)} forwards {sum(f.seconds for f in prefill):.2f} s "
         f"{sum(f.tokens for f in prefill)} positions; decode {len(decode)} forwards "
@@ -46,22 +44,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     model = bench_model(size=args.size)
-    rng = random.Random(args.seed + 7)
-    work = chat.chat_workload(rng, model.config.vocab_size, conversations=CONVERSATIONS, turns=4, system=256,
-                              user=(32, 96), reply=(16, 48))  # fmt: skip
-    final = [len(work.prompt(c, work.turns - 1, [[0] * n for n in work.replies[c]])) + work.replies[c][-1]
-             for c in range(CONVERSATIONS)]  # fmt: skip
-    blocks = sum(blocks_for(n) for n in final) * 2 + 8
+    work = chat.section_workload(random.Random(args.seed + 7), model.config.vocab_size, quick=False)
+    blocks = chat.engine_blocks(work)
     print(f"# {args.size} model, {args.threads} thread(s); load average {os.getloadavg()[0]:.2f}")
     for _ in range(2):
         peers: list[tuple[str, Peer]] = [
             ("padded batch per turn", PaddedBatch(name="padded")),
-            ("Engine", EnginePeer(num_blocks=blocks, max_seqs=CONVERSATIONS)),
+            ("Engine", EnginePeer(num_blocks=blocks, max_seqs=work.conversations)),
         ]
         for name, peer in peers:
             with logging_forwards(model) as log:
                 timed = chat._chat(model, peer, work)  # noqa: SLF001 (section 7's own run of one peer)
-            print(f"{name}: wall {timed.seconds:.2f} s; {split(log.forwards)}", flush=True)
+            print(f"{name}: wall {timed.seconds:.2f} s; {split(log.forwards, work.conversations)}", flush=True)
     print(f"# load average {os.getloadavg()[0]:.2f}")
     return 0
 

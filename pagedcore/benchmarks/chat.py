@@ -306,6 +306,21 @@ def _chat(model: PreTrainedModel, peer: Peer, chat: ChatWorkload) -> Timed:
     return Timed(wall, Conversations(replies, prefill, padding, note))
 
 
+def section_workload(rng: random.Random, vocab: int, quick: bool) -> ChatWorkload:
+    """The section's chat (``scripts/chat_split.py`` times the same one): 8 conversations x 4 turns, a 256-token
+    system prompt, 32-96-token user messages, 16-48 new tokens per reply (quick: 4 x 3, 64, 8-24, 4-8)."""
+    if quick:
+        return chat_workload(rng, vocab, conversations=4, turns=3, system=64, user=(8, 24), reply=(4, 8))
+    return chat_workload(rng, vocab, conversations=8, turns=4, system=256, user=(32, 96), reply=(16, 48))
+
+
+def engine_blocks(chat: ChatWorkload) -> int:
+    """The Engine's pool for ``chat``: every turn's blocks twice over, even if nothing were reused."""
+    final = [len(chat.prompt(c, chat.turns - 1, [[0] * n for n in chat.replies[c]])) + chat.replies[c][-1]
+             for c in range(chat.conversations)]  # fmt: skip
+    return sum(blocks_for(n) for n in final) * 2 + 8
+
+
 def run(ctx: BenchContext, *, repeats: int | None = None) -> ChatResult:
     """8 conversations x 4 turns, a 256-token system prompt, 32-96-token user messages, 16-48 new tokens per reply
     (quick: 4 x 3, 64, 8-24, 4-8): the Engine vs the padded batch per turn, median of ``repeats`` rounds (default 3;
@@ -322,14 +337,9 @@ def run(ctx: BenchContext, *, repeats: int | None = None) -> ChatResult:
     repeats = repeats or (1 if quick else 3)
     rng = random.Random(seed + 7)
     vocab = model.config.vocab_size
-    if quick:
-        chat = chat_workload(rng, vocab, conversations=4, turns=3, system=64, user=(8, 24), reply=(4, 8))
-    else:
-        chat = chat_workload(rng, vocab, conversations=8, turns=4, system=256, user=(32, 96), reply=(16, 48))
+    chat = section_workload(rng, vocab, quick)
     warm = chat_workload(rng, vocab, conversations=2, turns=2, system=16, user=(4, 8), reply=(2, 2))
-    final = [len(chat.prompt(c, chat.turns - 1, [[0] * n for n in chat.replies[c]])) + chat.replies[c][-1]
-             for c in range(chat.conversations)]  # fmt: skip
-    num_blocks = sum(blocks_for(n) for n in final) * 2 + 8  # every turn's blocks, even if nothing were reused
+    num_blocks = engine_blocks(chat)
     peers: dict[str, Peer] = {
         PADDED: PaddedBatch(name=PADDED),
         ENGINE: EnginePeer(num_blocks=num_blocks, max_seqs=chat.conversations),

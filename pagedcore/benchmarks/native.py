@@ -452,8 +452,8 @@ def _configs(threads: int, budget: int) -> list[str]:
     return [
         f"Engine: block size {BLOCK_SIZE}, blocks for every request of the workload and its warm-up, max_num_seqs = "
         f"the batch size, max_num_batched_tokens {budget} (its default), prefix caching on; it runs in the benchmark's "
-        "process, under its malloc (`pagedcore bench` tunes glibc's at start-up to keep freed memory, "
-        "`pagedcore.cli.malloc`; its start-up line says whether it did).",
+        "process, under its malloc (glibc's defaults unless `PAGEDCORE_MALLOC=tuned` asks `pagedcore bench` to "
+        "tune them, `pagedcore.cli.malloc`; the start-up line says which).",
         f"CTranslate2 {package_version('ctranslate2')}: the model saved with `save_pretrained` (with a word-level "
         "tokenizer whose token i is id i) and converted by CTranslate2's converter, `python -m "
         "ctranslate2.converters.transformers --model DIR --output_dir DIR` (the `ct2-transformers-converter` command; "
