@@ -9,7 +9,11 @@ replacement, when a process starts), the workers' order rotating from round to r
   memory kept instead of unmapped, so a step's large tensors reuse pages instead of faulting in new zeroed ones);
 - ``glibc mallopt``: what ``PAGEDCORE_MALLOC=tuned`` makes ``pagedcore generate``, ``serve`` and ``bench`` do at
   start-up (:func:`pagedcore.cli.malloc.tune_malloc`: the same settings through ``mallopt`` in the running process);
-- ``jemalloc`` / ``tcmalloc``: the library preloaded, where this machine has it (else reported as missing).
+- ``jemalloc`` / ``tcmalloc``: the library preloaded, where this machine has it (else reported as missing);
+- ``... THP`` (e.g. ``glibc THP``): the same with torch's ``THP_MEM_ALLOC_ENABLE=1`` (its CPU allocator asks the
+  kernel for transparent huge pages, ``madvise(MADV_HUGEPAGE)``, on every tensor of 2 MiB or more: the weights a
+  decode step streams and the step's logits then cross 2 MiB pages, not 4 KiB ones); the worker reports the huge
+  pages it got (``AnonHugePages``), which is 0 where the kernel's THP setting is ``never``.
 
 A worker builds the benchmark model (``--size``), then per batch size an untimed warm-up and ``timed`` runs as
 ``scripts/engine_ab.py`` times them: the prefill alone, and decode ms per step (the difference of a run with
@@ -19,6 +23,7 @@ of medians over the rounds and each allocator's ratio to glibc's defaults, and w
 greedy tokens.
 
     python scripts/allocator_bench.py [--size small] [--threads 1] [--batches 1,16,64] [--rounds 3]
+        [--allocators "glibc,glibc THP,tcmalloc,tcmalloc THP"]
 """
 
 from __future__ import annotations
@@ -54,9 +59,15 @@ def allocator_env(name: str) -> dict[str, str] | None:
     """A worker's environment for allocator ``name`` (None: its library is not installed here)."""
     from pagedcore.benchmarks.ct2 import TUNED_MALLOC, worker_env
 
+    if name.endswith(" THP"):
+        env = allocator_env(name.removesuffix(" THP"))
+        if env is not None:
+            env["THP_MEM_ALLOC_ENABLE"] = "1"
+        return env
     env = worker_env(TUNED_MALLOC if name == "glibc tuned" else None)
     env.pop("LD_PRELOAD", None)
     env.pop("PAGEDCORE_MALLOC", None)
+    env.pop("THP_MEM_ALLOC_ENABLE", None)
     if name == "glibc mallopt":
         env["PAGEDCORE_MALLOC"] = "tuned"
     if name in LIBRARIES:
@@ -65,6 +76,18 @@ def allocator_env(name: str) -> dict[str, str] | None:
             return None
         env["LD_PRELOAD"] = library
     return env
+
+
+def huge_pages_mib() -> float:
+    """This process's anonymous memory on transparent huge pages now, MiB (0 where the kernel does not say)."""
+    try:
+        text = Path("/proc/self/smaps_rollup").read_text()
+    except OSError:
+        return 0.0
+    for line in text.splitlines():
+        if line.startswith("AnonHugePages:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -111,6 +134,7 @@ def worker(args: argparse.Namespace) -> None:
                 "tokens": tokens,
             }
     out["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    out["huge_mib"] = huge_pages_mib()
     print(json.dumps(out), flush=True)
 
 
@@ -150,8 +174,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"# round {r + 1} done; load average {os.getloadavg()[0]:.2f}", flush=True)
     batches = args.batches.split(",")
     print("| allocator | " + " | ".join(f"batch {b}: decode ms/step, prefill ms, prefill page faults" for b in batches)
-          + " | peak RSS MiB | vs glibc (decode) |")  # fmt: skip
-    print("|---|" + "---|" * (len(batches) + 2))
+          + " | peak RSS MiB | huge pages MiB | vs glibc (decode) |")  # fmt: skip
+    print("|---|" + "---|" * (len(batches) + 3))
     base = {b: statistics.median(r["batches"][b]["decode_ms"] for r in results[names[0]]) for b in batches}
     tokens = {n: [r["batches"][b]["tokens"] for r in results[n] for b in batches] for n in names}
     for name in names:
@@ -163,7 +187,8 @@ def main(argv: list[str] | None = None) -> int:
             cells.append(f"{d:.2f}, {p:.0f}, {f:.0f}")
             ratios.append(f"{base[b] / d:.2f}x")
         rss = statistics.median(r["peak_rss_mib"] for r in results[name])
-        print(f"| {name} | " + " | ".join(cells) + f" | {rss:.0f} | {' / '.join(ratios)} |")
+        huge = statistics.median(r["huge_mib"] for r in results[name])
+        print(f"| {name} | " + " | ".join(cells) + f" | {rss:.0f} | {huge:.0f} | {' / '.join(ratios)} |")
     same = all(t == tokens[names[0]] for t in tokens.values())
     print(f"# greedy tokens identical across allocators: {same}; load average {os.getloadavg()[0]:.2f}")
     return 0

@@ -51,6 +51,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return EXIT_USAGE
+    if args.command in ("generate", "serve", "bench"):  # before anything loads torch: its allocator reads it once
+        from .huge_pages import huge_pages
+
+        huge_pages()
     try:
         result: int = args.handler(args)
         return result
@@ -133,6 +137,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     from pagedcore.benchmarks import run_benchmarks
     from pagedcore.benchmarks.options import options_from
 
+    from .huge_pages import huge_pages
     from .malloc import tune_malloc
     from .threads import choose_threads
 
@@ -141,7 +146,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     malloc = tune_malloc()
 
     def announce() -> None:  # once every option is checked: a bad one gets its one error line alone
-        print(f"pagedcore bench: {choice.describe()}; {malloc.describe()}", file=sys.stderr)
+        print(f"pagedcore bench: {choice.describe()}; {malloc.describe()}; {huge_pages().describe()}", file=sys.stderr)
 
     print(run_benchmarks(options, args.out, on_start=announce))
     return EXIT_OK

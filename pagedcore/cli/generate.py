@@ -158,6 +158,7 @@ def _setup(args: argparse.Namespace) -> _Setup:
     from pagedcore.adapters.transformers.builtin import BUILTIN_DESCRIPTION, builtin_model, builtin_tokenizer
     from pagedcore.cli.devices import resolve_device, resolve_dtype
 
+    from .huge_pages import huge_pages
     from .malloc import tune_malloc
     from .threads import apply_threads
 
@@ -191,7 +192,8 @@ def _setup(args: argparse.Namespace) -> _Setup:
         top_p=args.top_p,
         seed=args.seed,
     )
-    print(f"pagedcore generate: {threads.describe()}; {malloc.describe()}", file=sys.stderr)  # all checked: under way
+    memory = f"{malloc.describe()}; {huge_pages().describe()}"
+    print(f"pagedcore generate: {threads.describe()}; {memory}", file=sys.stderr)  # all checked: under way
     return _Setup(model, tokenizer, device, pool, params)
 
 

@@ -620,11 +620,14 @@ def _model(args: argparse.Namespace, error: type[Exception]) -> tuple[Any, Any, 
     dtype = "auto" if dtype_name == "auto" else getattr(torch, dtype_name)
     model: Any
     tokenizer: Any
+    from pagedcore.cli.huge_pages import huge_pages
     from pagedcore.cli.malloc import tune_malloc
     from pagedcore.cli.threads import apply_threads
 
     # stated in the start-up line
-    args.threads_note = f"{apply_threads(args.threads).describe()}; {tune_malloc().describe()}"
+    args.threads_note = "; ".join(
+        (apply_threads(args.threads).describe(), tune_malloc().describe(), huge_pages().describe())
+    )
     if args.seed is not None:  # requests without a seed draw theirs from Python's random
         import random
 
