@@ -1,0 +1,112 @@
+"""The greedy choice fused into the LM head, against the LM head followed by the sampler's greedy pass (issue 33.3:
+"greedy choice and sampling without a separate full pass over the logits").
+
+At 256 rows the sampler's greedy pass (:func:`pagedcore.engine.sampling.greedy_tokens`) reads 256 x 32000 float32
+logits (33 MB) once more after the LM head wrote them: about half of the Engine's host time per step there. The
+fused variant computes the LM head in column chunks straight into the logits tensor (``torch.mm`` into a column
+view: MKL writes a sub-matrix in place, no copy) and takes each chunk's 256-column block maxima while the chunk is
+still in cache, so the greedy choice needs no full pass; the logits stay whole for log-probabilities and
+processors. Per row count, float32, one torch thread by default, medians of ``--rounds`` rounds with the variants
+alternating:
+
+- ``linear + greedy``: ``F.linear`` (what transformers' LM head runs), then ``greedy_tokens``;
+- ``chunked + block maxima``: the fused variant, ``--chunk`` columns per chunk;
+
+with whether the chunked logits are bit-equal to ``F.linear``'s and the tokens equal. Shapes: the benchmark model's
+LM head (``--size``) and a Qwen-sized one (hidden 1024, vocab 151936).
+
+    python scripts/lm_head_greedy_bench.py [--size small] [--rows 1,16,64,256] [--chunk 2048] [--rounds 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from pagedcore.benchmarks.common import bench_config
+from pagedcore.engine.sampling import greedy_tokens
+
+_BLOCK = 256  # the sampler's block width
+
+
+def chunked_logits(h: torch.Tensor, w: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``F.linear(h, w)`` computed ``chunk`` columns at a time into one tensor, with the block maxima of every
+    256-column block taken from each chunk while it is hot: ``(logits, block maxima)``."""
+    rows, vocab = h.shape[0], w.shape[0]
+    assert chunk % _BLOCK == 0
+    out = torch.empty(rows, vocab)
+    blocks = torch.empty(rows, -(-vocab // _BLOCK))
+    for start in range(0, vocab, chunk):
+        end = min(vocab, start + chunk)
+        part = out[:, start:end]
+        torch.mm(h, w[start:end].t(), out=part)
+        whole = (end - start) // _BLOCK * _BLOCK
+        if whole:
+            first = start // _BLOCK
+            blocks[:, first : first + whole // _BLOCK] = part[:, :whole].reshape(rows, -1, _BLOCK).amax(dim=-1)
+        if whole < end - start:
+            blocks[:, -1] = part[:, whole:].amax(dim=-1)
+    return out, blocks
+
+
+def greedy_from_blocks(logits: torch.Tensor, blocks: torch.Tensor) -> list[int]:
+    """The first maximal index per row, searching only the first block that holds the row's maximum."""
+    vocab = logits.shape[1]
+    row_max = blocks.amax(dim=-1, keepdim=True)
+    starts = (blocks == row_max).to(torch.uint8).argmax(dim=-1) * _BLOCK
+    columns = (starts[:, None] + torch.arange(_BLOCK)[None, :]).clamp(max=vocab - 1)
+    within = (logits.gather(1, columns) == row_max).to(torch.uint8).argmax(dim=-1)
+    return (starts + within).tolist()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size", default="small")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--rows", default="1,16,64,256")
+    parser.add_argument("--chunk", type=int, default=2048)
+    parser.add_argument("--rounds", type=int, default=7)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    config = bench_config(size=args.size)
+    shapes = {f"{args.size} ({config.hidden_size} x {config.vocab_size})": (config.hidden_size, config.vocab_size),
+              "Qwen-sized (1024 x 151936)": (1024, 151936)}  # fmt: skip
+    print(f"# {torch.get_num_threads()} thread(s), chunk {args.chunk}, {args.rounds} rounds, wall ms per call; load "
+          f"average {os.getloadavg()[0]:.2f}")  # fmt: skip
+    print("| LM head | rows | linear + greedy ms | chunked + block maxima ms | fused speed (separate / fused) | "
+          "logits bit-equal | tokens equal |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
+    gen = torch.Generator().manual_seed(0)
+    for name, (hidden, vocab) in shapes.items():
+        w = torch.randn(vocab, hidden, generator=gen) * 0.02
+        for rows in [int(r) for r in args.rows.split(",")]:
+            h = torch.randn(rows, hidden, generator=gen)
+            ref = F.linear(h, w)
+            logits, blocks = chunked_logits(h, w, args.chunk)
+            bits = torch.equal(logits, ref)
+            same = greedy_from_blocks(logits, blocks) == greedy_tokens(ref)[0]
+            times: dict[str, list[float]] = {"separate": [], "fused": []}
+            for r in range(args.rounds + 1):
+                for key in ("separate", "fused") if r % 2 else ("fused", "separate"):
+                    start = time.perf_counter()
+                    if key == "separate":
+                        greedy_tokens(F.linear(h, w))
+                    else:
+                        greedy_from_blocks(*chunked_logits(h, w, args.chunk))
+                    if r:  # the first round warms up
+                        times[key].append(time.perf_counter() - start)
+            a, b = statistics.median(times["separate"]) * 1e3, statistics.median(times["fused"]) * 1e3
+            print(f"| {name} | {rows} | {a:.2f} | {b:.2f} | {a / b:.2f}x | {'yes' if bits else 'no'} | "
+                  f"{'yes' if same else 'no'} |")  # fmt: skip
+    print(f"# load average {os.getloadavg()[0]:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
