@@ -21,7 +21,7 @@ SPECIAL = [float("nan"), float("inf"), float("-inf"), 0.0, -0.0, 3.0]
 @st.composite
 def logit_rows(draw: st.DrawFn) -> torch.Tensor:
     rows = draw(st.integers(1, 5))
-    vocab = draw(st.sampled_from([1, 3, 127, 128, 129, 300, 1000]))
+    vocab = draw(st.sampled_from([1, 3, 127, 128, 129, 256, 300, 512, 1000]))  # under, at, between whole blocks
     seed = draw(st.integers(0, 2**31 - 1))
     x = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)).round(decimals=1)  # ties
     for _ in range(draw(st.integers(0, 6))):  # special values at random places
@@ -29,7 +29,9 @@ def logit_rows(draw: st.DrawFn) -> torch.Tensor:
         x[i, j] = draw(st.sampled_from(SPECIAL))
     if draw(st.booleans()):  # a whole row of one special value
         x[draw(st.integers(0, rows - 1))] = draw(st.sampled_from(SPECIAL))
-    return x
+    if draw(st.booleans()):  # the maximum in the last, partial block
+        x[draw(st.integers(0, rows - 1)), -1] = 9.0
+    return x.t().contiguous().t() if draw(st.booleans()) else x  # the same values, column-major
 
 
 @settings(max_examples=300, deadline=None)

@@ -488,7 +488,8 @@ def greedy_tokens(logits: torch.Tensor) -> tuple[list[int], list[bool]]:
     finite value; the same answers as ``argmax(-1)`` and ``isfinite(logits).any(-1)``, about ten times faster on CPU.
 
     ``argmax`` and ``isfinite`` are scalar loops on CPU while ``amax`` is vectorized: the row maxima come from
-    ``amax`` over blocks of 256 columns, then only the first block holding the maximum is searched. A row whose
+    ``amax`` over blocks of 256 columns, then only the first block holding the maximum is searched (picked by
+    indexing the blocks, one small copy per row). A row whose
     maximum is not finite (a NaN or an infinity somewhere) takes the two reference ops on that row alone.
 
     Example:
@@ -498,17 +499,23 @@ def greedy_tokens(logits: torch.Tensor) -> tuple[list[int], list[bool]]:
     rows, vocab = logits.shape
     if rows == 0:
         return [], []
-    whole = vocab // _BLOCK * _BLOCK
-    block_max = logits[:, :whole].reshape(rows, -1, _BLOCK).amax(dim=-1)  # (rows, whole blocks)
+    count = vocab // _BLOCK  # whole blocks
+    if count == 0:  # a vocabulary under one block: the reference ops are cheap
+        return logits.argmax(dim=-1).tolist(), torch.isfinite(logits).any(dim=-1).tolist()
+    logits = logits.contiguous()  # a no-op for the step's logits
+    whole = count * _BLOCK
+    blocks = logits[:, :whole].view(rows, count, _BLOCK)
+    block_max = blocks.amax(dim=-1)  # (rows, whole blocks)
     if whole < vocab:
         block_max = torch.cat([block_max, logits[:, whole:].amax(dim=-1, keepdim=True)], dim=1)
-    row_max = block_max.amax(dim=-1, keepdim=True)
-    first_block = (block_max == row_max).to(torch.uint8).argmax(dim=-1)  # a small tensor: cheap
-    starts = first_block * _BLOCK
-    columns = (starts[:, None] + torch.arange(_BLOCK, device=logits.device)[None, :]).clamp(max=vocab - 1)
-    within = (logits.gather(1, columns) == row_max).to(torch.uint8).argmax(dim=-1)
-    tokens = (starts + within).tolist()
-    finite = torch.isfinite(row_max[:, 0]).tolist()
+    row_max, first_block = block_max.max(dim=-1)  # a small tensor: the first block holding each row's maximum
+    picked = blocks[torch.arange(rows, device=logits.device), first_block.clamp(max=count - 1)]  # (rows, _BLOCK)
+    within = (picked == row_max[:, None]).to(torch.uint8).argmax(dim=-1)
+    tokens = (first_block * _BLOCK + within).tolist()
+    if whole < vocab:  # rows whose maximum is first met in the last, partial block
+        for i in (first_block == count).nonzero().flatten().tolist():
+            tokens[i] = whole + int((logits[i, whole:] == row_max[i]).to(torch.uint8).argmax())
+    finite = torch.isfinite(row_max).tolist()
     for i, ok in enumerate(finite):
         if not ok:  # NaN (propagated by amax, equal to nothing) or an infinite maximum: the reference ops
             tokens[i] = int(logits[i].argmax())
