@@ -1,4 +1,4 @@
-"""Transparent huge pages turned on by ``pagedcore generate``, ``serve`` and ``bench`` before torch loads
+"""Transparent huge pages turned on by ``pagedcore generate`` and ``serve`` before torch loads
 (``pagedcore/cli/huge_pages.py``, issue 33.2): torch's own switch, ``THP_MEM_ALLOC_ENABLE``, set where the environment
 has not chosen, the kernel offers them and torch has not loaded yet; stated in the start-up line; and a real command
 line's later tensors land on huge pages."""
@@ -75,3 +75,15 @@ def test_generate_puts_later_tensors_on_huge_pages_unless_told_not_to(setting):
     else:
         assert line.endswith("no huge pages (THP_MEM_ALLOC_ENABLE=0 is set)"), line
         assert int(huge_kib) == 0
+
+
+def test_bench_leaves_torchs_default_for_its_peers(tmp_path):
+    """Its peers share its process; huge pages made the padded generate batch 1.07x slower (docs/benchmarks.md,
+    Allocators), so `pagedcore bench` neither sets the variable nor claims huge pages."""
+    env = {k: v for k, v in os.environ.items() if k != ENV} | {"PYTHONPATH": str(ROOT)}
+    probe = f"import os, sys; from pagedcore.cli import main; print(main(sys.argv[1:]), os.environ.get({ENV!r}))"
+    command = [sys.executable, "-c", probe, "bench", "--only", "core", "--quick", "--threads", "1", "--no-progress"]
+    done = subprocess.run([*command, "--out", str(tmp_path)], capture_output=True, text=True, env=env, timeout=300)
+    assert done.stdout.split()[-2:] == ["0", "None"], done.stdout[-500:] + done.stderr
+    (line,) = [line for line in done.stderr.splitlines() if line.startswith("pagedcore bench: ")]
+    assert line.endswith("no huge pages (torch's default; THP_MEM_ALLOC_ENABLE=1 turns them on)"), line

@@ -51,7 +51,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return EXIT_USAGE
-    if args.command in ("generate", "serve", "bench"):  # before anything loads torch: its allocator reads it once
+    if args.command in ("generate", "serve"):  # before anything loads torch: its allocator reads it once
         from .huge_pages import huge_pages
 
         huge_pages()
@@ -146,7 +146,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     malloc = tune_malloc()
 
     def announce() -> None:  # once every option is checked: a bad one gets its one error line alone
-        print(f"pagedcore bench: {choice.describe()}; {malloc.describe()}; {huge_pages().describe()}", file=sys.stderr)
+        pages = huge_pages(enable=False).describe()  # its peers share its process: torch's default unless asked
+        print(f"pagedcore bench: {choice.describe()}; {malloc.describe()}; {pages}", file=sys.stderr)
 
     print(run_benchmarks(options, args.out, on_start=announce))
     return EXIT_OK

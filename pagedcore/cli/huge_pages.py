@@ -6,8 +6,11 @@ the kernel for 2 MiB pages (``madvise(MADV_HUGEPAGE)``, tensors of 2 MiB or more
 set, a variable it reads once, at its first allocation. ``scripts/allocator_bench.py`` measured the Engine with and
 without it on this project's machine (docs/benchmarks.md, "Allocators"; two runs of three rounds, kernel THP mode
 ``madvise``): prefill 1.03-1.14x faster with 2-9x fewer page faults, decode steps 1.00-1.09x, never slower, peak RSS
-within 0.5%, the same greedy tokens. So ``pagedcore generate``, ``serve`` and ``bench`` turn it on by default, and
-their start-up line says so.
+within 0.5%, the same greedy tokens. So ``pagedcore generate`` and ``serve`` turn it on by default, and their start-up
+line says so. ``pagedcore bench`` leaves torch's default (off) unless the environment sets it: its peers run in its
+process, and a transformers user runs them under torch's default (an A/B of its section 4 with and without huge pages
+gave the padded ``generate`` batch, whose ``DynamicCache`` allocates fresh tensors of megabytes every step, 1.07x
+slower with them, the Engine 0.99x); its start-up line says which.
 
 Where it does not apply: the environment already set ``THP_MEM_ALLOC_ENABLE`` (``0`` turns huge pages off: a host
 whose memory is fragmented can stall a page fault while the kernel compacts memory for a 2 MiB page), the kernel's
@@ -57,11 +60,16 @@ _CHOSEN: HugePagesChoice | None = None  # the process's choice: made once, befor
 
 
 def huge_pages(
-    environ: MutableMapping[str, str] | None = None, *, kernel_mode: str | None = None, torch_loaded: bool | None = None
+    environ: MutableMapping[str, str] | None = None,
+    *,
+    kernel_mode: str | None = None,
+    torch_loaded: bool | None = None,
+    enable: bool = True,
 ) -> HugePagesChoice:
-    """Turn torch's huge pages on for this process where nothing above says otherwise (see the module docstring);
-    later calls return the first call's choice. ``environ``, ``kernel_mode`` and ``torch_loaded`` stand in for the
-    process's own (a call that passes any of them decides afresh and remembers nothing).
+    """Turn torch's huge pages on for this process where nothing above says otherwise (see the module docstring), or
+    with ``enable=False`` leave torch's default and only say what it is; later calls return the first call's choice.
+    ``environ``, ``kernel_mode`` and ``torch_loaded`` stand in for the process's own (a call that passes any of them
+    decides afresh and remembers nothing).
 
     Example:
         >>> huge_pages({}, kernel_mode="always [madvise] never", torch_loaded=False).on
@@ -70,6 +78,8 @@ def huge_pages(
         HugePagesChoice(on=False, reason='THP_MEM_ALLOC_ENABLE=0 is set')
         >>> huge_pages({}, kernel_mode="always madvise [never]", torch_loaded=False).reason
         "the kernel's transparent huge pages are off"
+        >>> huge_pages({}, kernel_mode="always [madvise] never", torch_loaded=False, enable=False).describe()
+        "no huge pages (torch's default; THP_MEM_ALLOC_ENABLE=1 turns them on)"
     """
     global _CHOSEN
     own = environ is None and kernel_mode is None and torch_loaded is None
@@ -78,15 +88,17 @@ def huge_pages(
     env = os.environ if environ is None else environ
     mode = _kernel_mode() if kernel_mode is None else kernel_mode
     loaded = "torch" in sys.modules if torch_loaded is None else torch_loaded
-    choice = _decide(env, mode, loaded)
+    choice = _decide(env, mode, loaded, enable)
     if own:
         _CHOSEN = choice
     return choice
 
 
-def _decide(env: MutableMapping[str, str], mode: str, loaded: bool) -> HugePagesChoice:
+def _decide(env: MutableMapping[str, str], mode: str, loaded: bool, enable: bool) -> HugePagesChoice:
     if ENV in env:
         return HugePagesChoice(env[ENV].strip() == "1", f"{ENV}={env[ENV]} is set")
+    if not enable:
+        return HugePagesChoice(False, f"torch's default; {ENV}=1 turns them on")
     if "[never]" in mode:
         return HugePagesChoice(False, "the kernel's transparent huge pages are off")
     if not mode:
