@@ -470,6 +470,8 @@ class BlockManager:
     def _validate(self, block_ids: Iterable[int], op: str) -> list[int]:
         ids = list(block_ids)
         n = self._num_blocks
+        if len(ids) == 1 and type(ids[0]) is int and 0 <= ids[0] < n:  # one block a step (a growing sequence's)
+            return ids
         for i, block_id in enumerate(ids):
             if type(block_id) is not int:
                 number = as_integer(block_id)

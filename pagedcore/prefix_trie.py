@@ -289,6 +289,8 @@ class PrefixTrie:
             The cached block id for each position (the caller's own where it was newly cached).
         """
         bs = self._block_size
+        if parent is not None and type(block_ids) is list and len(block_ids) == 1 and len(token_ids) >= bs:
+            return self._insert_one(token_ids, block_ids[0], namespace, parent)
         blocks = list(block_ids)
         if len(token_ids) < len(blocks) * bs:
             raise InvalidBlockError(
@@ -306,6 +308,28 @@ class PrefixTrie:
             root = self._roots[key] = _Node((), None, None, namespace, key)
         self._apply_insert(root, key, canonical, to_create)
         return canonical
+
+    def _insert_one(self, token_ids: Sequence[int], block_id: int, namespace: Namespace, parent: int) -> list[int]:
+        """:meth:`insert` of one block under ``parent`` (a growing sequence's newest block, once per block it fills):
+        the same checks, order and result as the general path, without its plan of many positions."""
+        key = namespace_key(namespace)
+        root = self._insert_root(key, namespace, parent, "insert")
+        assert root is not None  # a parent is a cached block
+        tokens = tuple(token_ids[: self._block_size])
+        child = root.children.get(tokens)
+        if child is not None:
+            assert child.block_id is not None
+            return [child.block_id]
+        if block_id in self._by_block:
+            raise InvalidBlockError(
+                f"insert: block {block_id} is already cached for other content (position 0 of this chain)"
+            )
+        self._bm.mark_cached([block_id])  # validates: in use, not cached
+        child = _Node(tokens, block_id, root, root.namespace, key)
+        root.add(child)
+        self._drop_covered(root, tokens)
+        self._by_block[block_id] = child
+        return [block_id]
 
     def _insert_root(self, key: Hashable, namespace: Namespace, parent: int | None, caller: str) -> _Node | None:
         """The node an insert starts from: the namespace's root (None while it has none) or the block ``parent``,

@@ -5,6 +5,8 @@ from __future__ import annotations
 import sys
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pagedcore import BlockManager, ConfigError, InvalidBlockError, PrefixMatch, PrefixTrie
 
@@ -313,3 +315,41 @@ def test_a_partial_block_is_no_parent_and_a_refused_insert_changes_nothing():
             refused()
     assert trie.match([1, 2, 3, 4]) == PrefixMatch([full, partial], 3) and not bm.is_cached(child)
     trie.check_invariants()
+
+
+# One block under a parent (a growing sequence's newest block) takes a fast path when the ids come as a list; as a
+# tuple they take the general path. Both tries see the same calls and must answer and end the same, errors included.
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 9), st.integers(0, 9), st.integers(0, 2), st.sampled_from([None, "a"])), max_size=30
+    )
+)
+def test_one_block_under_a_parent_answers_as_the_general_path_does(calls):
+    tries = []
+    for _ in range(2):
+        bm = BlockManager(12, 2)
+        trie = PrefixTrie(bm)
+        held = bm.allocate(10)  # ids 0..9; 10, 11 never allocated
+        bm.free([held[8]])  # in range, not in use
+        trie.insert([1, 2], [held[0]])
+        trie.insert_partial([1], held[1], parent=held[0])  # covered by a later block [1, 2] under it
+        tries.append((bm, trie))
+    for parent, block, token, namespace in calls:
+        tokens = [token, token + 1, 5]  # a third token past the block: ignored, as the general path ignores it
+        block_id = block if block < 9 else 11  # 11: a block never allocated
+        outcomes = []
+        for (bm, trie), ids in zip(tries, ([block_id], (block_id,))):
+            try:
+                outcomes.append(("ok", trie.insert(tokens, ids, namespace, parent=parent)))
+            except (InvalidBlockError, ConfigError) as exc:
+                outcomes.append((type(exc).__name__, str(exc)))
+            trie.check_invariants()
+            bm.check_invariants()
+        assert outcomes[0] == outcomes[1]
+    (_, a), (_, b) = tries
+    assert a.num_cached_blocks == b.num_cached_blocks
+    for first in range(3):
+        for second in range(4):
+            probe = [1, 2, first, first + 1, second, second + 1]
+            assert a.match(probe) == b.match(probe) and a.match(probe, "a") == b.match(probe, "a")
