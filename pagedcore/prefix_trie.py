@@ -57,6 +57,12 @@ def _common(a: tuple[int, ...], b: tuple[int, ...]) -> int:
     return i
 
 
+def _cached_elsewhere(block_id: int, position: int) -> InvalidBlockError:
+    return InvalidBlockError(
+        f"insert: block {block_id} is already cached for other content (position {position} of this chain)"
+    )
+
+
 class _Node:
     __slots__ = ("block_id", "children", "is_partial", "key", "namespace", "order", "parent", "partials", "tokens")
 
@@ -67,7 +73,6 @@ class _Node:
         parent: _Node | None,
         namespace: Namespace,
         key: Hashable,
-        *,
         is_partial: bool = False,
     ) -> None:
         self.tokens = tokens
@@ -321,14 +326,9 @@ class PrefixTrie:
             assert child.block_id is not None
             return [child.block_id]
         if block_id in self._by_block:
-            raise InvalidBlockError(
-                f"insert: block {block_id} is already cached for other content (position 0 of this chain)"
-            )
+            raise _cached_elsewhere(block_id, 0)
         self._bm.mark_cached([block_id])  # validates: in use, not cached
-        child = _Node(tokens, block_id, root, root.namespace, key)
-        root.add(child)
-        self._drop_covered(root, tokens)
-        self._by_block[block_id] = child
+        self._add_child(root, tokens, block_id, key)
         return [block_id]
 
     def _insert_root(self, key: Hashable, namespace: Namespace, parent: int | None, caller: str) -> _Node | None:
@@ -363,9 +363,7 @@ class PrefixTrie:
                     node = child
                     continue
             if block_id in by_block:
-                raise InvalidBlockError(
-                    f"insert: block {block_id} is already cached for other content (position {i} of this chain)"
-                )
+                raise _cached_elsewhere(block_id, i)
             canonical.append(block_id)
             to_create[i] = tokens
             node = None  # every later block is new as well
@@ -378,14 +376,18 @@ class PrefixTrie:
         at = root
         for i, block_id in enumerate(canonical):
             new = to_create.get(i)
-            if new is not None:
-                child = _Node(new, block_id, at, at.namespace, key)
-                at.add(child)
-                self._drop_covered(at, new)  # after the add: a root losing its last partial child stays
-                self._by_block[block_id] = child
-                at = child
-            else:
-                at = self._by_block[block_id]
+            at = self._add_child(at, new, block_id, key) if new is not None else self._by_block[block_id]
+
+    def _add_child(
+        self, at: _Node, tokens: tuple[int, ...], block_id: int, key: Hashable, partial: bool = False
+    ) -> _Node:
+        """Cache ``block_id`` (holding ``tokens``) as a child of ``at``; ``at``'s partial children that it covers
+        leave the cache."""
+        child = _Node(tokens, block_id, at, at.namespace, key, partial)
+        at.add(child)
+        self._by_block[block_id] = child
+        self._drop_covered(at, tokens)  # after the add: a root losing its last partial child stays
+        return child
 
     def insert_partial(
         self, token_ids: Sequence[int], block_id: int, namespace: Namespace = None, *, parent: int | None = None
@@ -423,10 +425,7 @@ class PrefixTrie:
         self._bm.mark_cached([block_id])  # validates: in use, not cached
         if node is None:
             node = self._roots[key] = _Node((), None, None, namespace, key)
-        child = _Node(tokens, block_id, node, node.namespace, key, is_partial=True)
-        node.add(child)
-        self._by_block[block_id] = child
-        self._drop_covered(node, tokens)  # after the add: a root losing its last partial child stays
+        self._add_child(node, tokens, block_id, key, True)
         return True
 
     def drop_block(self, block_id: int) -> list[int]:
