@@ -30,16 +30,13 @@ import torch
 import torch.nn.functional as F
 
 from pagedcore.benchmarks.common import bench_config
-from pagedcore.engine.sampling import greedy_tokens
-
-_BLOCK = 256  # the sampler's block width
+from pagedcore.engine.sampling import _BLOCK, greedy_tokens  # the sampler's block width: the fused path keeps it
 
 
 def chunked_logits(h: torch.Tensor, w: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``F.linear(h, w)`` computed ``chunk`` columns at a time into one tensor, with the block maxima of every
     256-column block taken from each chunk while it is hot: ``(logits, block maxima)``."""
     rows, vocab = h.shape[0], w.shape[0]
-    assert chunk % _BLOCK == 0
     out = torch.empty(rows, vocab)
     blocks = torch.empty(rows, -(-vocab // _BLOCK))
     for start in range(0, vocab, chunk):
@@ -73,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunk", type=int, default=2048)
     parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args(argv)
+    if args.chunk <= 0 or args.chunk % _BLOCK:
+        parser.error(f"--chunk must be a positive multiple of {_BLOCK} (the sampler's block width), got {args.chunk}")
     torch.set_num_threads(args.threads)
     config = bench_config(size=args.size)
     shapes = {f"{args.size} ({config.hidden_size} x {config.vocab_size})": (config.hidden_size, config.vocab_size),

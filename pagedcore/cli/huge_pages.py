@@ -1,16 +1,16 @@
 """Transparent huge pages for the command line's tensors: torch's own switch, turned on before torch loads.
 
-A decode step streams every weight once and a large step writes and reads logits of tens of megabytes; on 4 KiB
-pages that is a TLB miss every 4 KiB and, for each fresh tensor, one page fault per 4 KiB. torch's CPU allocator asks
-the kernel for 2 MiB pages (``madvise(MADV_HUGEPAGE)``, tensors of 2 MiB or more) when ``THP_MEM_ALLOC_ENABLE=1`` is
-set, a variable it reads once, at its first allocation. ``scripts/allocator_bench.py`` measured the Engine with and
-without it on this project's machine (docs/benchmarks.md, "Allocators"; two runs of three rounds, kernel THP mode
-``madvise``): prefill 1.03-1.14x faster with 2-9x fewer page faults, decode steps 1.00-1.09x, never slower, peak RSS
-within 0.5%, the same greedy tokens. So ``pagedcore generate`` and ``serve`` turn it on by default, and their start-up
-line says so. ``pagedcore bench`` leaves torch's default (off) unless the environment sets it: its peers run in its
-process, and a transformers user runs them under torch's default (an A/B of its section 4 with and without huge pages
-gave the padded ``generate`` batch, whose ``DynamicCache`` allocates fresh tensors of megabytes every step, 1.07x
-slower with them, the Engine 0.99x); its start-up line says which.
+A decode step streams every weight once and a large step writes and reads logits of tens of megabytes; on 4 KiB pages
+that is a TLB miss every 4 KiB and, for each fresh tensor, one page fault per 4 KiB. torch's CPU allocator asks the
+kernel for 2 MiB pages (``madvise(MADV_HUGEPAGE)``, tensors of 2 MiB or more) when ``THP_MEM_ALLOC_ENABLE=1`` is set, a
+variable it reads once, at its first allocation. ``scripts/allocator_bench.py`` measured the Engine with and without it
+on this project's machine (docs/benchmarks.md, "Allocators"; two runs of three rounds, kernel THP mode ``madvise``):
+prefill 1.03-1.14x faster with 1.7-11x fewer page faults at 16 and 64 rows, decode steps 1.00-1.09x, slower in neither
+run, peak RSS within 0.5%, the same greedy tokens. So ``pagedcore generate`` and ``serve`` turn it on by default, and
+their start-up line says so. ``pagedcore bench`` leaves torch's default (off) unless the environment sets it: its peers
+run in its process, and a transformers user runs them under torch's default (an A/B of its section 4 with and without
+huge pages gave the padded ``generate`` batch, whose ``DynamicCache`` allocates fresh tensors of megabytes every step,
+1.07x slower with them, the Engine 0.99x); its start-up line says which.
 
 Where it does not apply: the environment already set ``THP_MEM_ALLOC_ENABLE`` (``0`` turns huge pages off: a host
 whose memory is fragmented can stall a page fault while the kernel compacts memory for a 2 MiB page), the kernel's

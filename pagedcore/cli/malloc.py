@@ -1,15 +1,15 @@
 """glibc's malloc tuned for a process that runs a model on the CPU, on request: freed memory kept for the next step.
 
 A forward allocates tensors of megabytes (a prefill chunk's activations, a step's logits) and frees them, step after
-step. With its defaults glibc hands large blocks back to the kernel on ``free`` and maps fresh, zeroed pages on the
-next ``malloc``: a prefill of 16 x 128 tokens on the benchmark model faults in about 60,000 pages. CPU users of
-CTranslate2 set ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_`` / ``MALLOC_TOP_PAD_`` against this.
-``scripts/allocator_bench.py`` measured the Engine under glibc's defaults, those settings (through the environment
-and through :func:`tune_malloc`), jemalloc and tcmalloc on this project's machine (docs/benchmarks.md,
-"Allocators"): the settings make prefill 1.07-1.20x faster (under 200 page faults) but decode steps about 4% slower
-(0.93-1.03x over four runs), and peak RSS 5% higher; tcmalloc (``LD_PRELOAD``) makes prefill 1.08-1.14x faster with
-decode unchanged (0.97-1.04x); jemalloc loses at 64 rows. Decode is most of a generation's time, so glibc's defaults
-stay the default, and tcmalloc is what the docs recommend for CPU serving.
+step. With its defaults glibc hands large blocks back to the kernel on ``free`` and maps fresh, zeroed pages on the next
+``malloc``: a prefill of 16 x 128 tokens on the benchmark model faults in about 60,000 pages. CPU users of CTranslate2
+set ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_`` / ``MALLOC_TOP_PAD_`` against this.
+``scripts/allocator_bench.py`` measured the Engine under glibc's defaults, those settings (through the environment and
+through :func:`tune_malloc`), jemalloc and tcmalloc on this project's machine (docs/benchmarks.md, "Allocators"): the
+settings make prefill 1.07-1.20x faster (under 200 page faults) but decode steps about 4% slower (0.93-1.03x over four
+runs), and peak RSS 5% higher; tcmalloc (``LD_PRELOAD``) makes prefill 1.08-1.21x faster at 16 and 64 rows with decode
+0.97-1.14x (three runs); jemalloc loses at 64 rows. Decode is most of a generation's time, so glibc's defaults stay the
+default, and tcmalloc is what the docs recommend for CPU serving.
 
 ``PAGEDCORE_MALLOC=tuned`` asks ``pagedcore generate``, ``serve`` and ``bench`` for the settings (``mallopt`` in the
 running process, for prompt-heavy work such as scoring); their start-up line says what malloc does. Where the
