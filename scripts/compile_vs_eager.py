@@ -1,10 +1,10 @@
 """Compiled vs eager Engine decode steps, side by side in one process (docs/benchmarks.md, "Compiled decode").
 
-``python scripts/compile_vs_eager.py [THREADS] [MODEL_SIZE]``: per batch size (1, 16), an untimed warm-up run that
-compiles the buckets, then 3 rounds, the two Engines' order alternating; per round and Engine the prefill alone
-(``max_new_tokens=1``) and the same prompts with 48 new tokens (prefix cache cleared before each): the decode step
-time is the difference of their ``busy_seconds`` over the difference of their steps. Prints medians, the speedup
-and whether the greedy tokens were identical.
+``python scripts/compile_vs_eager.py [THREADS] [MODEL_SIZE] [BATCHES]``: per batch size (``BATCHES``, comma-separated,
+default 1,16), an untimed warm-up run that compiles the buckets, then 3 rounds, the two Engines' order alternating;
+per round and Engine the prefill alone (``max_new_tokens=1``) and the same prompts with 48 new tokens (prefix cache
+cleared before each): the decode step time is the difference of their ``busy_seconds`` over the difference of their
+steps. Prints medians, the speedup and whether the greedy tokens were identical.
 """
 
 from __future__ import annotations
@@ -47,7 +47,8 @@ def main() -> None:
         name: Engine(model, num_blocks=2048, block_size=16, max_num_seqs=64, compile=flag)
         for name, flag in (("eager", False), ("compiled", True))
     }
-    for size in (1, 16):
+    sizes = [int(b) for b in sys.argv[3].split(",")] if len(sys.argv) > 3 else [1, 16]
+    for size in sizes:
         for engine in engines.values():
             engine.generate(prompts(vocab, size, 99), SamplingParams(max_new_tokens=NEW), use_tqdm=False)
         times: dict[str, list[float]] = {name: [] for name in engines}

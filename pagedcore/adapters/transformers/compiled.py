@@ -12,10 +12,11 @@ Prefill and mixed steps stay eager.
   keys are written to the pad block, which is zeroed again in the same op (:func:`store_kv`, one in-place custom op:
   a write through a view of the pool would be functionalized into a copy of the whole pool), and their logits dropped.
 - :class:`DecodeAttention`: the layers' attention in that graph (``paged_attention_forward`` hands it every layer's
-  call): write the new keys and values to their slots, gather each row's blocks, attend under the causal (and
-  window, or chunk) mask of its position: the torch backend's arithmetic on fixed shapes. Each layer as its
-  description says: a KV-shared layer reads its source's blocks, an MLA layer attends in its latent space, sinks
-  join the softmax, Llama 4's query temperature is put right from the positions (:mod:`.layer_attention`).
+  call): write the new keys and values to their slots, then attend over each row's blocks under the causal (and
+  window, or chunk) mask of its position in one opaque op (:func:`attend_blocks`: the torch backend's gathers and
+  arithmetic, run eagerly over the table columns some row uses, not traced over the bucket's padded width). Each layer
+  as its description says: a KV-shared layer reads its source's blocks, an MLA layer attends in its latent space,
+  sinks join the softmax, Llama 4's query temperature is put right from the positions (:mod:`.layer_attention`).
 - :class:`CompiledDecode`: the compiled callable over a model and pool, and its counters (graphs compiled, buckets
   seen, steps run): ``torch.compile`` with inductor on the CPU; on CUDA inductor with CUDA graphs (what
   ``mode="reduce-overhead"`` selects), the pool's tensors marked as static addresses so a captured graph writes
@@ -47,6 +48,7 @@ __all__ = [
     "CompiledDecode",
     "DecodeAttention",
     "DecodeInputs",
+    "attend_blocks",
     "bucket",
     "resolve_compile",
     "store_kv",
@@ -99,6 +101,37 @@ def store_rows(cache: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, pad
 @store_rows.register_fake
 def _store_rows_shapes(cache: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, pad_block: int) -> None:
     return None
+
+
+@torch.library.custom_op("pagedcore::attend_blocks", mutates_args=())
+def attend_blocks(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, tables: torch.Tensor,
+                  mask: torch.Tensor, pad_block: int, scale: float, softcap: float | None,
+                  sinks: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+    """Attention of ``query (rows, heads, 1, dim)`` over each row's blocks ``tables (rows, width)`` of the pool,
+    under ``mask (rows, 1, 1, width * block_size)``: the eager step's gathers and :func:`attend_rows`, as one op
+    the compiled graph calls without tracing into it. Traced, the gathers became generated per-element loops over
+    the bucket's padded width, several times slower than ``index_select`` (docs/benchmarks.md, "Compiled decode").
+
+    Example:
+        >>> cache = torch.ones(3, 2, 1, 4)   # 3 blocks of 2 slots, 1 KV head, dim 4
+        >>> mask = torch.tensor([[True, True, False, False]])[:, None, None, :]
+        >>> attend_blocks(torch.ones(1, 2, 1, 4), cache, cache, torch.tensor([[0, 2]]), mask, 2, 0.5, None, None).shape
+        torch.Size([1, 2, 1, 4])
+    """
+    if tables.device.type == "cpu":  # only the columns some row uses (on CUDA a graph replays fixed shapes)
+        used = (tables != pad_block).any(dim=0).nonzero()
+        width = int(used[-1]) + 1 if used.numel() else 1
+        if width < tables.shape[1]:
+            tables, mask = tables[:, :width], mask[..., : width * key_cache.shape[1]]
+    k, v = gather_blocks(key_cache, tables), gather_blocks(value_cache, tables)
+    return attend_rows(query, k, v, mask, scale, softcap, sinks).contiguous()
+
+
+@attend_blocks.register_fake
+def _attend_blocks_shapes(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                          tables: torch.Tensor, mask: torch.Tensor, pad_block: int, scale: float,
+                          softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+    return query.new_empty((*query.shape[:3], value_cache.shape[-1]))
 
 
 def resolve_compile(compile: bool | str, device: torch.device) -> bool:
@@ -219,11 +252,13 @@ class DecodeAttention(StepAttention):
             query = projection.query(query)
         query = retemper(query, layer, self.positions)
         tables, starts = self.tables[group], self.starts[group]
-        k, v = gather_blocks(key_cache, tables), gather_blocks(value_cache, tables)
-        key_pos = starts[:, None] + torch.arange(k.shape[2], device=k.device)[None, :]
+        keys = tables.shape[1] * self.pool.block_size
+        key_pos = starts[:, None] + torch.arange(keys, device=tables.device)[None, :]
         mask = self.pool.kv.groups[group].kind.sees(self.positions[:, None], key_pos)  # causal, window or chunk
         q = query[0].transpose(0, 1).unsqueeze(2)  # (rows, heads, 1, dim)
-        out = attend_rows(q, k, v, mask[:, None, None, :], scale, softcap, sinks)  # (rows, heads, 1, dim_v)
+        out = attend_blocks(
+            q, key_cache, value_cache, tables, mask[:, None, None, :], self.pool.pad_block, scale, softcap, sinks
+        )
         if projection is not None:
             out = projection.output(out.transpose(1, 2)).transpose(1, 2)
         return out.transpose(1, 2).reshape(1, q.shape[0], q.shape[1], -1)
