@@ -110,7 +110,7 @@ def attend_blocks(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     """Attention of ``query (rows, heads, 1, dim)`` over each row's blocks ``tables (rows, width)`` of the pool,
     under ``mask (rows, 1, 1, width * block_size)``: the eager step's gathers and :func:`attend_rows`, as one op
     the compiled graph calls without tracing into it. Traced, the gathers became generated per-element loops over
-    the bucket's padded width, several times slower than ``index_select`` (docs/benchmarks.md, "Compiled decode").
+    the bucket's padded width, and the step lost to the eager one at 16 rows (docs/benchmarks.md, "Compiled decode").
 
     Example:
         >>> cache = torch.ones(3, 2, 1, 4)   # 3 blocks of 2 slots, 1 KV head, dim 4
