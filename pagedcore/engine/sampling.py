@@ -488,9 +488,10 @@ def greedy_tokens(logits: torch.Tensor) -> tuple[list[int], list[bool]]:
     finite value; the same answers as ``argmax(-1)`` and ``isfinite(logits).any(-1)``, about ten times faster on CPU.
 
     ``argmax`` and ``isfinite`` are scalar loops on CPU while ``amax`` is vectorized: the row maxima come from
-    ``amax`` over blocks of 256 columns, then only the first block holding the maximum is searched (picked by
-    indexing the blocks, one small copy per row). A row whose
-    maximum is not finite (a NaN or an infinity somewhere) takes the two reference ops on that row alone.
+    ``amax`` over blocks of 256 columns, then only the first block holding the maximum is searched (one ``gather``
+    of a block per row, then ``argmax`` over 256 columns: its first maximal index). A row whose maximum is not finite
+    (a NaN or an infinity somewhere) takes the two reference ops on that row alone. After a forward has streamed the
+    weights through the caches each small op costs tens of microseconds, so the search is kept to the fewest ops.
 
     Example:
         >>> greedy_tokens(torch.tensor([[0.0, 2.0, 2.0], [float("nan"), 1.0, 0.0], [float("-inf")] * 3]))
@@ -509,13 +510,14 @@ def greedy_tokens(logits: torch.Tensor) -> tuple[list[int], list[bool]]:
     if whole < vocab:
         block_max = torch.cat([block_max, logits[:, whole:].amax(dim=-1, keepdim=True)], dim=1)
     row_max, first_block = block_max.max(dim=-1)  # a small tensor: the first block holding each row's maximum
-    picked = blocks[torch.arange(rows, device=logits.device), first_block.clamp(max=count - 1)]  # (rows, _BLOCK)
-    within = (picked == row_max[:, None]).to(torch.uint8).argmax(dim=-1)
-    tokens = (first_block * _BLOCK + within).tolist()
+    searched = first_block.clamp(max=count - 1) if whole < vocab else first_block
+    picked = blocks.gather(1, searched.view(rows, 1, 1).expand(rows, 1, _BLOCK)).view(rows, _BLOCK)
+    tokens = (first_block * _BLOCK + picked.argmax(dim=-1)).tolist()  # equal maxima: argmax takes the first
+    finite = [math.isfinite(m) for m in row_max.tolist()]
     if whole < vocab:  # rows whose maximum is first met in the last, partial block
-        for i in (first_block == count).nonzero().flatten().tolist():
-            tokens[i] = whole + int((logits[i, whole:] == row_max[i]).to(torch.uint8).argmax())
-    finite = torch.isfinite(row_max).tolist()
+        for i, token in enumerate(tokens):
+            if token >= whole:
+                tokens[i] = whole + int(logits[i, whole:].argmax())
     for i, ok in enumerate(finite):
         if not ok:  # NaN (propagated by amax, equal to nothing) or an infinite maximum: the reference ops
             tokens[i] = int(logits[i].argmax())
