@@ -72,12 +72,10 @@ class TorchPagedAttention:
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         run = self._single_run(metadata, query.device)
-        if run is not None:  # one sequence whose visible keys sit in consecutive blocks: attend to a view
-            start, length, mask = run
-            k = key_cache.view(-1, *key_cache.shape[2:])[start : start + length].transpose(0, 1).unsqueeze(0)
-            v = value_cache.view(-1, *value_cache.shape[2:])[start : start + length].transpose(0, 1).unsqueeze(0)
+        if run is not None:  # one sequence: attend to exactly its visible keys, no padding, no mask for one query
+            k, v = run.keys(key_cache), run.keys(value_cache)
             q = query.transpose(0, 1).unsqueeze(0)  # (1, q_heads, q_len, d)
-            return attend_rows(q, k, v, mask, scale, softcap, sinks)[0].transpose(0, 1)
+            return attend_rows(q, k, v, run.mask, scale, softcap, sinks)[0].transpose(0, 1)
         num_tokens, q_heads, _ = query.shape
         out = query.new_zeros(num_tokens, q_heads, value_cache.shape[-1])
         padded_query = torch.cat([query, query.new_zeros(1, *query.shape[1:])])  # row num_tokens = padding
@@ -95,15 +93,13 @@ class TorchPagedAttention:
             out.index_copy_(0, bucket.out_index, o)
         return out
 
-    def _single_run(
-        self, meta: PagedAttentionMetadata, device: torch.device
-    ) -> tuple[int, int, torch.Tensor | None] | None:
-        """``(first slot, number of keys, mask or None)`` when the batch is one sequence whose visible keys are one
-        contiguous run of slots, else None. Decided once per forward from the block table (no tensor work)."""
+    def _single_run(self, meta: PagedAttentionMetadata, device: torch.device) -> _Run | None:
+        """The keys of a batch of one sequence (a view when they are one run of slots, else its blocks to gather),
+        or None for a batch of several. Decided once per forward from the block table."""
         key = ("torch-run", device)
         if key not in meta.backend_state:
-            meta.backend_state[key] = _contiguous_run(meta, device)
-        run: tuple[int, int, torch.Tensor | None] | None = meta.backend_state[key]
+            meta.backend_state[key] = _single_sequence(meta, device)
+        run: _Run | None = meta.backend_state[key]
         return run
 
     def _buckets(self, meta: PagedAttentionMetadata, device: torch.device) -> list[_Bucket]:
@@ -287,24 +283,48 @@ def _partial_softmax(
     return top, numerators.sum(dim=-1, keepdim=True), torch.matmul(numerators, values)
 
 
-def _contiguous_run(meta: PagedAttentionMetadata, device: torch.device) -> tuple[int, int, torch.Tensor | None] | None:
+@dataclass
+class _Run:
+    """The keys one sequence's queries see: positions ``first .. first + length - 1``, read as a view of the pool
+    from ``slot`` when they lie in consecutive blocks, else gathered from ``blocks`` (from ``offset`` in the first).
+    Either way the attention sees the same keys, so the outputs do not depend on where the pool put the blocks."""
+
+    slot: int | None
+    blocks: torch.Tensor | None  # (1, count) the blocks holding the keys, when not consecutive
+    offset: int
+    length: int
+    mask: torch.Tensor | None  # (q_len, length) for several queries; None: one query sees every key
+
+    def keys(self, cache: torch.Tensor) -> torch.Tensor:
+        """``(1, heads, length, dim)``: this sequence's visible rows of one pool tensor."""
+        if self.blocks is None:
+            assert self.slot is not None
+            return cache.view(-1, *cache.shape[2:])[self.slot : self.slot + self.length].transpose(0, 1).unsqueeze(0)
+        return gather_blocks(cache, self.blocks)[:, :, self.offset : self.offset + self.length]
+
+
+def _single_sequence(meta: PagedAttentionMetadata, device: torch.device) -> _Run | None:
     if meta.num_seqs != 1:
         return None
     bs = meta.block_size
     kind = meta.kind
     seq_len, q_len = meta.seq_lens[0], meta.query_lens[0]
     q_start = seq_len - q_len
-    first = max(kind.first_visible(q_start), meta.block_offsets[0] * bs)
-    slot = contiguous_start(meta.host_tables[0].tolist(), first, seq_len - first, bs, meta.block_offsets[0])
-    if slot is None:
-        return None
+    dropped = meta.block_offsets[0]
+    first = max(kind.first_visible(q_start), dropped * bs)
     length = seq_len - first
+    table = meta.host_tables[0].tolist()
+    slot = contiguous_start(table, first, length, bs, dropped)
+    blocks = None
+    if slot is None:  # blocks the prefix cache recycled: gather just this sequence's, a few blocks per layer
+        lo, hi = first // bs - dropped, (seq_len - 1) // bs - dropped
+        blocks = torch.tensor([table[lo : hi + 1]], dtype=torch.long, device=device)
     mask = None
     if q_len > 1:  # a single query sees every key from `first` on (first >= its first visible key)
         key_pos = torch.arange(first, seq_len, device=device)
         q_pos = torch.arange(q_start, seq_len, device=device)
         mask = kind.sees(q_pos[:, None], key_pos[None, :])
-    return slot, length, mask
+    return _Run(slot, blocks, first % bs, length, mask)
 
 
 def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
