@@ -249,3 +249,18 @@ def test_one_sequence_gets_the_same_bits_wherever_the_pool_put_its_blocks(query_
         )  # fmt: skip
         outputs.append(TorchPagedAttention().forward(query, key_cache, value_cache, meta, scale=dim**-0.5))
     assert torch.equal(outputs[0], outputs[1])
+
+
+def test_the_attention_comparison_script_runs_its_three_ways_to_the_same_outputs():
+    """``scripts/attention_vs_contiguous.py`` (docs/benchmarks.md): the paged path, transformers' padded call and the
+    packed contiguous one give the same attention at a small point (its table's last column)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "attention_vs_contiguous.py"
+    args = [sys.executable, str(script), "--rows", "1,3", "--contexts", "64", "--rounds", "1"]
+    out = subprocess.run(args, capture_output=True, text=True, check=True, timeout=120).stdout
+    rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| 64 |")]
+    assert [row[1].strip() for row in rows] == ["1", "3"]
+    assert all(float(row[-1]) < 1e-5 for row in rows)
