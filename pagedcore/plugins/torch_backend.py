@@ -318,6 +318,8 @@ def _single_sequence(meta: PagedAttentionMetadata, device: torch.device) -> _Run
     blocks = None
     if slot is None:  # blocks the prefix cache recycled: gather just this sequence's, a few blocks per layer
         lo, hi = first // bs - dropped, (seq_len - 1) // bs - dropped
+        if hi >= len(table):  # a shorter table would gather fewer keys than the sequence has
+            raise ValueError(f"block table of {len(table)} blocks for {seq_len} positions (block size {bs})")
         blocks = torch.tensor([table[lo : hi + 1]], dtype=torch.long, device=device)
     mask = None
     if q_len > 1:  # a single query sees every key from `first` on (first >= its first visible key)
