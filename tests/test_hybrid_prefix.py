@@ -24,7 +24,12 @@ from pagedcore import OutOfBlocksError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-ATOL = 1e-3
+# A prompt resumed from a snapshot is computed in pieces, and stock transformers' own gated-delta-rule kernels give
+# other float noise in pieces than in one: its Qwen3.5 here, computing a 14-token prompt as 12 + 2 tokens and then
+# decoding, is 1.44e-3 from its one-piece prefill at the decode step on an AMD EPYC (AVX-512) box, where a tolerance
+# of 1e-3 failed; under 1e-3 on the Intel box CI ran on before (the paged path gives stock's piecewise numbers). A
+# lost or misplaced state moves the logits by 0.1-1.
+ATOL = 2e-3
 SYSTEM = torch.randint(3, 256, (1, 14), generator=torch.Generator().manual_seed(11))
 
 
