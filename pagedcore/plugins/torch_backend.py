@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedcore.attention import PagedAttentionMetadata, contiguous_start, eager_attention
+from pagedcore.attention_kinds import FullAttention
 from pagedcore.hookspecs import hookimpl
 
 __all__ = ["TorchPagedAttention", "attend_rows", "gather_blocks", "pagedcore_attention_backend"]
@@ -75,7 +76,7 @@ class TorchPagedAttention:
         if run is not None:  # one sequence: attend to exactly its visible keys, no padding, no mask for one query
             k, v = run.keys(key_cache), run.keys(value_cache)
             q = query.transpose(0, 1).unsqueeze(0)  # (1, q_heads, q_len, d)
-            return attend_rows(q, k, v, run.mask, scale, softcap, sinks)[0].transpose(0, 1)
+            return attend_rows(q, k, v, run.mask, scale, softcap, sinks, causal=run.causal)[0].transpose(0, 1)
         num_tokens, q_heads, _ = query.shape
         out = query.new_zeros(num_tokens, q_heads, value_cache.shape[-1])
         padded_query = torch.cat([query, query.new_zeros(1, *query.shape[1:])])  # row num_tokens = padding
@@ -294,6 +295,7 @@ class _Run:
     offset: int
     length: int
     mask: torch.Tensor | None  # (q_len, length) for several queries; None: one query sees every key
+    causal: bool = False  # the queries are all the keys, under full attention: the causal rule, no mask
 
     def keys(self, cache: torch.Tensor) -> torch.Tensor:
         """``(1, heads, length, dim)``: this sequence's visible rows of one pool tensor."""
@@ -322,11 +324,12 @@ def _single_sequence(meta: PagedAttentionMetadata, device: torch.device) -> _Run
             raise ValueError(f"block table of {len(table)} blocks for {seq_len} positions (block size {bs})")
         blocks = torch.tensor([table[lo : hi + 1]], dtype=torch.long, device=device)
     mask = None
-    if q_len > 1:  # a single query sees every key from `first` on (first >= its first visible key)
+    causal = q_len > 1 and length == q_len and isinstance(kind, FullAttention)  # a prompt with nothing cached
+    if q_len > 1 and not causal:  # a single query sees every key from `first` on (first >= its first visible key)
         key_pos = torch.arange(first, seq_len, device=device)
         q_pos = torch.arange(q_start, seq_len, device=device)
         mask = kind.sees(q_pos[:, None], key_pos[None, :])
-    return _Run(slot, blocks, first % bs, length, mask)
+    return _Run(slot, blocks, first % bs, length, mask, causal)
 
 
 def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
@@ -357,9 +360,13 @@ def attend_rows(
     scale: float,
     softcap: float | None,
     sinks: torch.Tensor | None = None,
+    *,
+    causal: bool = False,
 ) -> torch.Tensor:
     """Attention with a boolean mask (True = attend); no mask means every query sees every key; ``sinks`` (a logit
     per query head in the softmax, gpt-oss) and ``softcap`` run the step-by-step :func:`eager_attention`.
+    ``causal`` (with no mask): query ``i`` sees keys ``0 .. i``, as SDPA's ``is_causal`` (which skips the hidden
+    half of the scores; transformers' own prefill calls it so).
 
     One query per sequence (decode) with grouped KV heads: the ``groups`` query heads of a KV head become that head's
     ``groups`` query rows (``(n, kv_heads, groups, d)``), so each KV head's keys are read once for all of its query
@@ -377,6 +384,10 @@ def attend_rows(
     n, q_heads, q_len, _ = q.shape
     kv_heads = k.shape[1]
     groups = q_heads // kv_heads
+    if causal:
+        if softcap is None and sinks is None:
+            return F.scaled_dot_product_attention(q, k, v, scale=scale, is_causal=True, enable_gqa=groups > 1)
+        mask = torch.ones(q_len, k.shape[2], dtype=torch.bool, device=q.device).tril()
     if softcap is None and sinks is None:
         if groups > 1 and q_len == 1 and (mask is None or (mask.dim() == 4 and mask.shape[1:3] == (1, 1))):
             packed = q.reshape(n, kv_heads, groups, q.shape[-1])
