@@ -31,10 +31,15 @@ def logit_rows(draw: st.DrawFn) -> torch.Tensor:
         x[draw(st.integers(0, rows - 1))] = draw(st.sampled_from(SPECIAL))
     if draw(st.booleans()):  # the maximum in the last, partial block
         x[draw(st.integers(0, rows - 1)), -1] = 9.0
+    x = x.to(draw(st.sampled_from(DTYPES)))
     return x.t().contiguous().t() if draw(st.booleans()) else x  # the same values, column-major
 
 
-@settings(max_examples=300, deadline=None)
+# float32 and float64 take numpy's argmax over the tensor's memory, half precision the block search
+DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
+
+
+@settings(max_examples=400, deadline=None)
 @given(logit_rows())
 def test_greedy_tokens_match_the_reference_ops(x: torch.Tensor) -> None:
     tokens, finite = greedy_tokens(x)
@@ -92,3 +97,18 @@ def test_the_engine_serves_tiny_temperatures_and_top_p_as_the_greedy_answer() ->
             assert out.error is None, params
             assert [s.token_ids for s in out.samples] == [greedy.samples[0].token_ids] * params.n, params
         assert engine.pool.kv.num_used_blocks == 0
+
+
+def test_the_greedy_benchmark_script_finds_the_same_answers_every_way():
+    """``scripts/greedy_bench.py`` (docs/benchmarks.md, "The greedy pass read by numpy") at a small point: numpy, the
+    block search and the reference ops agree (its table's last column)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "greedy_bench.py"
+    args = [sys.executable, str(script), "--size", "tiny", "--rows", "1,5", "--rounds", "2"]
+    out = subprocess.run(args, capture_output=True, text=True, check=True, timeout=120).stdout
+    rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert [row[0].strip() for row in rows] == ["1", "5"]
+    assert all(row[-1].strip() == "yes" for row in rows)
