@@ -88,6 +88,7 @@ CASES = {
     "one decoding sequence": ([1], [37]),
     "one prefilling sequence": ([9], [30]),
     "one prompt with nothing cached": ([12], [12]),
+    "prompts with nothing cached, long and short": ([70, 1, 64, 9], [70, 9, 64, 9]),
 }
 
 
@@ -194,7 +195,7 @@ def test_shared_prefix_is_read_once_and_matches(query_lens, seq_lens, block_size
     backend = TorchPagedAttention()
     logits = torch.randn(8) * 2 if sinks else None  # the sink joins the merge of the two partial softmaxes
     got = backend.forward(query, kc, vc, meta, scale=0.25, softcap=softcap, sinks=logits)
-    buckets = [b for b in meta.backend_state[("torch", query.device)] if len(b.blocks) > 1]
+    buckets = [b for b in meta.backend_state[("torch", query.device)][1] if len(b.blocks) > 1]
     assert buckets and all(b.shared is not None and b.shared.length == 64 for b in buckets)  # the cascade ran
     assert all((b.shared.start is not None) == consecutive for b in buckets)
     want = naive(query, keys, values, query_lens, seq_lens, None, 0.25, softcap, logits)
@@ -209,7 +210,7 @@ def test_shared_prefix_is_read_once_and_matches(query_lens, seq_lens, block_size
 def test_the_shared_prefix_is_gathered_where_the_cascade_does_not_pay(query_lens, seq_lens, why):
     query, kc, vc, meta, keys, values = build_shared(7, query_lens, seq_lens, 16, 64, True)
     got = TorchPagedAttention().forward(query, kc, vc, meta, scale=0.25)
-    assert all(b.shared is None for b in meta.backend_state[("torch", query.device)]), why
+    assert all(b.shared is None for b in meta.backend_state[("torch", query.device)][1]), why
     want = naive(query, keys, values, query_lens, seq_lens, None, 0.25, None)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
@@ -218,7 +219,7 @@ def test_no_shared_path_when_a_query_sits_inside_the_common_blocks():
     # The second sequence is still computing part of the common blocks: the prefix is not whole for its queries.
     query, kc, vc, meta, keys, values = build_shared(6, [1, 20], [70, 70], 4, 64, True)
     got = TorchPagedAttention().forward(query, kc, vc, meta, scale=0.25)
-    assert all(b.shared is None or b.shared.length <= 50 for b in meta.backend_state[("torch", query.device)])
+    assert all(b.shared is None or b.shared.length <= 50 for b in meta.backend_state[("torch", query.device)][1])
     torch.testing.assert_close(
         got, naive(query, keys, values, [1, 20], [70, 70], None, 0.25, None), atol=1e-5, rtol=1e-5
     )
@@ -291,3 +292,40 @@ def test_a_prompt_with_nothing_cached_attends_as_sdpa_causal_does(length):
         query.transpose(0, 1)[None], keys, values, is_causal=True, scale=dim**-0.5, enable_gqa=True
     )
     assert torch.equal(out, want[0].transpose(0, 1))
+
+
+def test_several_prompts_with_nothing_cached_each_attend_as_their_own_prefill():
+    """Fresh prompts of 64 tokens or more batched with decoding sequences, a shorter fresh prompt and a prompt over a
+    cached prefix: each is attended alone under SDPA's causal rule (no padding to the longest, no mask), so its
+    output is the very bits of its own prefill call, whatever else shares the forward; the others keep the buckets
+    (the short prompt too: one masked call for the short ones is cheaper than a call each)."""
+    query_lens, seq_lens = [100, 1, 17, 5, 64], [100, 30, 17, 21, 64]
+    query, key_cache, value_cache, meta, keys, values = build(7, query_lens, seq_lens, 16, None, q_heads=8, dim=32)
+    out = TorchPagedAttention().forward(query, key_cache, value_cache, meta, scale=32**-0.5)
+    fresh, buckets = meta.backend_state[("torch", query.device)]
+    starts = [0, 100, 101, 118, 123]
+    assert [start for start, _ in fresh] == [0, 123] and len(buckets) == 2
+    for i in (0, 4):
+        q = query[starts[i] : starts[i] + query_lens[i]].transpose(0, 1)[None]
+        k, v = keys[i].transpose(0, 1)[None], values[i].transpose(0, 1)[None]
+        want = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=True, scale=32**-0.5, enable_gqa=True
+        )
+        assert torch.equal(out[starts[i] : starts[i] + query_lens[i]], want[0].transpose(0, 1)), i
+    reference = naive(query, keys, values, query_lens, seq_lens, None, 32**-0.5, None)
+    assert torch.allclose(out, reference, atol=1e-5)
+
+
+def test_the_prefill_attention_script_runs_its_three_ways_to_the_same_outputs():
+    """``scripts/prefill_attention.py`` (docs/benchmarks.md): per prompt, the masked bucket and transformers' batched
+    causal call give the same attention at a small point (its table's last column)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "prefill_attention.py"
+    args = [sys.executable, str(script), "--points", "2x64,3x80", "--rounds", "1"]
+    out = subprocess.run(args, capture_output=True, text=True, check=True, timeout=120).stdout
+    rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert [row[0].strip() for row in rows] == ["2 x 64", "3 x 80"]
+    assert all(float(row[-1]) < 1e-5 for row in rows)

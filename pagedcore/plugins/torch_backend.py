@@ -11,7 +11,9 @@ as a view of the pool when they are consecutive — for all queries together, ea
 tail, and the two partial softmaxes are merged with their log-sum-exp. The same numbers, without copying the
 prefix once per sequence and layer. It is used where that copy is what costs (up to 16 queries per sequence and a
 prefix at least as long as the longest own tail: decode steps under a long system prompt); elsewhere the fused SDPA
-over the gathered keys is faster on CPU. A single sequence whose visible keys are consecutive attends to a view.
+over the gathered keys is faster on CPU. A single sequence attends to exactly its visible keys (a view when they
+are consecutive), and a prompt with nothing cached (of at least ``_FRESH_ALONE`` tokens, or alone in its batch)
+attends alone under SDPA's causal rule: no padding, no mask, the hidden half of the scores skipped.
 """
 
 from __future__ import annotations
@@ -79,8 +81,16 @@ class TorchPagedAttention:
             return attend_rows(q, k, v, run.mask, scale, softcap, sinks, causal=run.causal)[0].transpose(0, 1)
         num_tokens, q_heads, _ = query.shape
         out = query.new_zeros(num_tokens, q_heads, value_cache.shape[-1])
+        fresh, buckets = self._plan(metadata, query.device)
+        for start, run in fresh:  # prompts with nothing cached: each its own causal call, no padding, no mask
+            k, v = run.keys(key_cache), run.keys(value_cache)
+            q = query[start : start + run.length].transpose(0, 1).unsqueeze(0)
+            o = attend_rows(q, k, v, None, scale, softcap, sinks, causal=True)
+            out[start : start + run.length] = o[0].transpose(0, 1)
+        if not buckets:
+            return out
         padded_query = torch.cat([query, query.new_zeros(1, *query.shape[1:])])  # row num_tokens = padding
-        for bucket in self._buckets(metadata, query.device):
+        for bucket in buckets:
             q = padded_query.index_select(0, bucket.query_index.reshape(-1))
             q = q.view(*bucket.query_index.shape, *query.shape[1:]).transpose(1, 2)  # (n, q_heads, max_q, d)
             k = gather_blocks(key_cache, bucket.blocks)  # (n, kv_heads, keys, d)
@@ -103,18 +113,26 @@ class TorchPagedAttention:
         run: _Run | None = meta.backend_state[key]
         return run
 
-    def _buckets(self, meta: PagedAttentionMetadata, device: torch.device) -> list[_Bucket]:
+    def _plan(self, meta: PagedAttentionMetadata, device: torch.device) -> tuple[list[tuple[int, _Run]], list[_Bucket]]:
+        """The forward's fresh prompts (packed start and keys of each) and its buckets, once per forward."""
         key = ("torch", device)
-        cached: list[_Bucket] | None = meta.backend_state.get(key)
+        cached: tuple[list[tuple[int, _Run]], list[_Bucket]] | None = meta.backend_state.get(key)
         if cached is None:
             starts = meta.query_start_loc
+            full = isinstance(meta.kind, FullAttention)
+            fresh = [i for i, n in enumerate(meta.query_lens) if n >= _FRESH_ALONE and full and meta.seq_lens[i] == n]
             decode = [i for i, n in enumerate(meta.query_lens) if n == 1]
-            prefill = [i for i, n in enumerate(meta.query_lens) if n > 1]
-            cached = [_bucket(meta, rows, starts, device) for rows in (decode, prefill) if rows]
+            prefill = [i for i, n in enumerate(meta.query_lens) if n > 1 and i not in fresh]
+            runs = [(starts[i], _sequence_run(meta, i, device)) for i in fresh]
+            cached = runs, [_bucket(meta, rows, starts, device) for rows in (decode, prefill) if rows]
             meta.backend_state[key] = cached
         return cached
 
 
+# Prompts with nothing cached of at least this many tokens are attended one by one under the causal rule; shorter
+# ones stay in the masked prefill bucket, where one call for all of them costs less than a call each
+# (scripts/prefill_attention.py: 16 x 64 even, 32 x 32 1.13x slower one by one, 16 x 128 0.56x).
+_FRESH_ALONE = 64
 _CASCADE_MAX_QUERIES = 16  # queries per sequence up to which a shared prefix is attended once (see _shared_blocks)
 
 
@@ -306,16 +324,19 @@ class _Run:
 
 
 def _single_sequence(meta: PagedAttentionMetadata, device: torch.device) -> _Run | None:
-    if meta.num_seqs != 1:
-        return None
+    return _sequence_run(meta, 0, device) if meta.num_seqs == 1 else None
+
+
+def _sequence_run(meta: PagedAttentionMetadata, row: int, device: torch.device) -> _Run:
+    """The keys sequence ``row`` of the forward sees, and the mask or rule its queries see them under."""
     bs = meta.block_size
     kind = meta.kind
-    seq_len, q_len = meta.seq_lens[0], meta.query_lens[0]
+    seq_len, q_len = meta.seq_lens[row], meta.query_lens[row]
     q_start = seq_len - q_len
-    dropped = meta.block_offsets[0]
+    dropped = meta.block_offsets[row]
     first = max(kind.first_visible(q_start), dropped * bs)
     length = seq_len - first
-    table = meta.host_tables[0].tolist()
+    table = meta.host_tables[row].tolist()
     slot = contiguous_start(table, first, length, bs, dropped)
     blocks = None
     if slot is None:  # blocks the prefix cache recycled: gather just this sequence's, a few blocks per layer

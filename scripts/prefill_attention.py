@@ -1,0 +1,115 @@
+"""Prefill attention of several prompts with nothing cached, per layer call (issue 33: "prefill no slower than
+transformers'").
+
+For the benchmark model's attention shapes (8 query heads, 2 KV heads, head dim 64, float32, block size 16) and
+``N`` prompts of ``L`` tokens computed in one forward, the time of one layer's attention, three ways:
+
+- ``per prompt``: :class:`~pagedcore.plugins.torch_backend.TorchPagedAttention` (the Engine's torch backend): each
+  prompt with nothing cached attends alone to its own keys under SDPA's causal rule (no padding, no mask);
+- ``masked bucket``: what the backend ran for them before: every prompt's blocks gathered into one padded batch and
+  one SDPA call under a boolean causal mask (:func:`~pagedcore.plugins.torch_backend.attend_rows` over the bucket of
+  ``_bucket``), which computes the hidden half of the scores too;
+- ``transformers``: what transformers' ``sdpa_attention_forward`` runs on the same prompts as one batch without
+  padding: SDPA with ``is_causal`` and ``enable_gqa`` over contiguous tensors (no gathers).
+
+The pool's blocks are shuffled, as after the prefix cache recycled them. Medians of ``--rounds`` calls, the three
+alternating, after one call that builds the forward's plan (built once per forward, then reused by every layer);
+the largest difference from ``transformers`` is reported.
+
+    python scripts/prefill_attention.py [--points 4x512,16x128,2x1024,8x256] [--rounds 9] [--threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from pagedcore.attention import PagedAttentionMetadata
+from pagedcore.plugins.torch_backend import TorchPagedAttention, _bucket, attend_rows, gather_blocks
+
+HEADS, KV_HEADS, DIM, BLOCK = 8, 2, 64, 16
+
+
+def _case(n: int, length: int, seed: int) -> dict[str, Callable[[], torch.Tensor]]:
+    """The three ways for ``n`` prompts of ``length`` tokens, each a callable returning ``(n * length, heads, dim)``."""
+    rng = random.Random(seed)
+    per = -(-length // BLOCK)
+    order = list(range(n * per))
+    rng.shuffle(order)
+    tables = [order[i * per : (i + 1) * per] for i in range(n)]
+    slots = [[t[p // BLOCK] * BLOCK + p % BLOCK for p in range(length)] for t in tables]
+    key_cache = torch.randn(n * per + 1, BLOCK, KV_HEADS, DIM)
+    value_cache = torch.randn_like(key_cache)
+    query = torch.randn(n * length, HEADS, DIM)
+    scale = DIM**-0.5
+
+    def meta() -> PagedAttentionMetadata:
+        return PagedAttentionMetadata.build(
+            block_size=BLOCK, query_lens=[length] * n, seq_lens=[length] * n, block_offsets=[0] * n, tables=tables,
+            slots=slots, sliding_window=None, pad_block=n * per,
+        )  # fmt: skip
+
+    backend, paged_meta = TorchPagedAttention(), meta()
+    bucket = _bucket(meta(), list(range(n)), [i * length for i in range(n + 1)], query.device)
+    keys = torch.stack([key_cache.view(-1, KV_HEADS, DIM)[s] for s in map(torch.tensor, slots)]).transpose(1, 2)
+    values = torch.stack([value_cache.view(-1, KV_HEADS, DIM)[s] for s in map(torch.tensor, slots)]).transpose(1, 2)
+
+    def per_prompt() -> torch.Tensor:
+        return backend.forward(query, key_cache, value_cache, paged_meta, scale=scale)
+
+    def masked_bucket() -> torch.Tensor:  # the backend's bucket path, step by step as its forward runs it
+        out = query.new_zeros(n * length, HEADS, DIM)
+        padded_query = torch.cat([query, query.new_zeros(1, HEADS, DIM)])
+        q = padded_query.index_select(0, bucket.query_index.reshape(-1))
+        q = q.view(*bucket.query_index.shape, HEADS, DIM).transpose(1, 2)
+        k, v = gather_blocks(key_cache, bucket.blocks), gather_blocks(value_cache, bucket.blocks)
+        o = attend_rows(q, k, v, bucket.mask, scale, None)
+        o = o.transpose(1, 2).reshape(-1, HEADS, DIM)[bucket.valid]
+        return out.index_copy_(0, bucket.out_index, o)
+
+    def transformers() -> torch.Tensor:
+        q = query.view(n, length, HEADS, DIM).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale, enable_gqa=True)
+        return out.transpose(1, 2).reshape(n * length, HEADS, DIM)
+
+    per_prompt()  # the forward's plan, built once and reused by every layer
+    return {"per prompt": per_prompt, "masked bucket": masked_bucket, "transformers": transformers}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--points", default="4x512,16x128,2x1024,8x256", help="NxL: N prompts of L tokens")
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    print(f"{HEADS} query heads, {KV_HEADS} KV heads, head dim {DIM}, float32, block size {BLOCK}, "
+          f"{args.threads} torch thread(s); ms per layer call, medians of {args.rounds}\n")  # fmt: skip
+    print("| prompts x tokens | per prompt | masked bucket | transformers | per prompt / masked | per prompt / "
+          "transformers | largest difference |")  # fmt: skip
+    print("|---|---:|---:|---:|---:|---:|---|")
+    for point in args.points.split(","):
+        n, length = (int(x) for x in point.split("x"))
+        ways = _case(n, length, seed=n * length)
+        times: dict[str, list[float]] = {name: [] for name in ways}
+        outputs: dict[str, torch.Tensor] = {}
+        for r in range(args.rounds):
+            for name in list(ways) if r % 2 == 0 else list(reversed(ways)):
+                start = time.perf_counter()
+                outputs[name] = ways[name]()
+                times[name].append(time.perf_counter() - start)
+        ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+        diff = max(float((outputs[name] - outputs["transformers"]).abs().max()) for name in ways)
+        print(f"| {n} x {length} | {ms['per prompt']:.2f} | {ms['masked bucket']:.2f} | {ms['transformers']:.2f} | "
+              f"{ms['per prompt'] / ms['masked bucket']:.2f}x | {ms['per prompt'] / ms['transformers']:.2f}x | "
+              f"{diff:.1e} |")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
