@@ -9,14 +9,16 @@ For the benchmark model's attention shapes (8 query heads, 2 KV heads, head dim 
 - ``masked bucket``: what the backend ran for them before: every prompt's blocks gathered into one padded batch and
   one SDPA call under a boolean causal mask (:func:`~pagedcore.plugins.torch_backend.attend_rows` over the bucket of
   ``_bucket``), which computes the hidden half of the scores too;
-- ``transformers``: what transformers' ``sdpa_attention_forward`` runs on the same prompts as one batch without
-  padding: SDPA with ``is_causal`` and ``enable_gqa`` over contiguous tensors (no gathers).
+- ``transformers``: what transformers' ``sdpa_attention_forward`` runs on the same prompts as one batch: without
+  padding (equal lengths), SDPA with ``is_causal`` and ``enable_gqa`` over contiguous tensors (no gathers); with
+  ``--ragged`` (each prompt's length drawn from ``[L / 2, L]``, seeded) a left-padded batch, whose padding mask makes
+  it ``repeat_kv`` the keys to every query head and take SDPA's masked path.
 
 The pool's blocks are shuffled, as after the prefix cache recycled them. Medians of ``--rounds`` calls, the three
 alternating, after one call that builds the forward's plan (built once per forward, then reused by every layer);
 the largest difference from ``transformers`` is reported.
 
-    python scripts/prefill_attention.py [--points 4x512,16x128,2x1024,8x256] [--rounds 9] [--threads 1]
+    python scripts/prefill_attention.py [--points 4x512,16x128,2x1024,8x256] [--ragged] [--rounds 9] [--threads 1]
 """
 
 from __future__ import annotations
@@ -36,35 +38,52 @@ from pagedcore.plugins.torch_backend import TorchPagedAttention, _bucket, attend
 HEADS, KV_HEADS, DIM, BLOCK = 8, 2, 64, 16
 
 
-def _case(n: int, length: int, seed: int) -> dict[str, Callable[[], torch.Tensor]]:
-    """The three ways for ``n`` prompts of ``length`` tokens, each a callable returning ``(n * length, heads, dim)``."""
+def _case(n: int, length: int, seed: int, ragged: bool) -> dict[str, Callable[[], torch.Tensor]]:
+    """The three ways for ``n`` prompts of ``length`` tokens (or of lengths drawn from ``[length / 2, length]``), each
+    a callable returning the packed ``(tokens, heads, dim)`` output."""
     rng = random.Random(seed)
-    per = -(-length // BLOCK)
-    order = list(range(n * per))
+    lengths = [rng.randint(length // 2, length) if ragged else length for _ in range(n)]
+    per = [-(-count // BLOCK) for count in lengths]
+    order = list(range(sum(per)))
     rng.shuffle(order)
-    tables = [order[i * per : (i + 1) * per] for i in range(n)]
-    slots = [[t[p // BLOCK] * BLOCK + p % BLOCK for p in range(length)] for t in tables]
-    key_cache = torch.randn(n * per + 1, BLOCK, KV_HEADS, DIM)
+    tables, start = [], 0
+    for count in per:
+        tables.append(order[start : start + count])
+        start += count
+    slots = [[t[p // BLOCK] * BLOCK + p % BLOCK for p in range(count)] for t, count in zip(tables, lengths)]
+    key_cache = torch.randn(sum(per) + 1, BLOCK, KV_HEADS, DIM)
     value_cache = torch.randn_like(key_cache)
-    query = torch.randn(n * length, HEADS, DIM)
+    query = torch.randn(sum(lengths), HEADS, DIM)
+    starts = [sum(lengths[:i]) for i in range(n + 1)]
     scale = DIM**-0.5
 
     def meta() -> PagedAttentionMetadata:
         return PagedAttentionMetadata.build(
-            block_size=BLOCK, query_lens=[length] * n, seq_lens=[length] * n, block_offsets=[0] * n, tables=tables,
-            slots=slots, sliding_window=None, pad_block=n * per,
+            block_size=BLOCK, query_lens=lengths, seq_lens=lengths, block_offsets=[0] * n, tables=tables,
+            slots=slots, sliding_window=None, pad_block=sum(per),
         )  # fmt: skip
 
     backend, paged_meta = TorchPagedAttention(), meta()
-    bucket = _bucket(meta(), list(range(n)), [i * length for i in range(n + 1)], query.device)
-    keys = torch.stack([key_cache.view(-1, KV_HEADS, DIM)[s] for s in map(torch.tensor, slots)]).transpose(1, 2)
-    values = torch.stack([value_cache.view(-1, KV_HEADS, DIM)[s] for s in map(torch.tensor, slots)]).transpose(1, 2)
+    bucket = _bucket(meta(), list(range(n)), starts, query.device)
+    width = max(lengths)  # transformers' batch: left-padded to the longest, zeros at the padding
+    keys = query.new_zeros(n, KV_HEADS, width, DIM)
+    values = query.new_zeros(n, KV_HEADS, width, DIM)
+    queries = query.new_zeros(n, HEADS, width, DIM)
+    for i, (row, count) in enumerate(zip(slots, lengths)):
+        index = torch.tensor(row)
+        keys[i, :, width - count :] = key_cache.view(-1, KV_HEADS, DIM)[index].transpose(0, 1)
+        values[i, :, width - count :] = value_cache.view(-1, KV_HEADS, DIM)[index].transpose(0, 1)
+        queries[i, :, width - count :] = query[starts[i] : starts[i + 1]].transpose(0, 1)
+    position = torch.arange(width)
+    real = position[None, :] >= torch.tensor([width - count for count in lengths])[:, None]  # (n, width)
+    mask = (real[:, None, None, :] & (position[None, :] <= position[:, None])[None, None]) if ragged else None
+    groups = HEADS // KV_HEADS
 
     def per_prompt() -> torch.Tensor:
         return backend.forward(query, key_cache, value_cache, paged_meta, scale=scale)
 
     def masked_bucket() -> torch.Tensor:  # the backend's bucket path, step by step as its forward runs it
-        out = query.new_zeros(n * length, HEADS, DIM)
+        out = query.new_zeros(query.shape[0], HEADS, DIM)
         padded_query = torch.cat([query, query.new_zeros(1, HEADS, DIM)])
         q = padded_query.index_select(0, bucket.query_index.reshape(-1))
         q = q.view(*bucket.query_index.shape, HEADS, DIM).transpose(1, 2)
@@ -74,9 +93,14 @@ def _case(n: int, length: int, seed: int) -> dict[str, Callable[[], torch.Tensor
         return out.index_copy_(0, bucket.out_index, o)
 
     def transformers() -> torch.Tensor:
-        q = query.view(n, length, HEADS, DIM).transpose(1, 2)
-        out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale, enable_gqa=True)
-        return out.transpose(1, 2).reshape(n * length, HEADS, DIM)
+        if mask is None:
+            out = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            k = keys[:, :, None].expand(n, KV_HEADS, groups, width, DIM).reshape(n, HEADS, width, DIM)
+            v = values[:, :, None].expand(n, KV_HEADS, groups, width, DIM).reshape(n, HEADS, width, DIM)
+            out = F.scaled_dot_product_attention(queries, k, v, attn_mask=mask, scale=scale)
+        rows = out.transpose(1, 2)  # (n, width, heads, dim): the real rows are each prompt's last ones
+        return torch.cat([rows[i, width - count :] for i, count in enumerate(lengths)])
 
     per_prompt()  # the forward's plan, built once and reused by every layer
     return {"per prompt": per_prompt, "masked bucket": masked_bucket, "transformers": transformers}
@@ -85,18 +109,20 @@ def _case(n: int, length: int, seed: int) -> dict[str, Callable[[], torch.Tensor
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--points", default="4x512,16x128,2x1024,8x256", help="NxL: N prompts of L tokens")
+    parser.add_argument("--ragged", action="store_true", help="prompt lengths drawn from [L / 2, L] (seeded)")
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    print(f"{HEADS} query heads, {KV_HEADS} KV heads, head dim {DIM}, float32, block size {BLOCK}, "
-          f"{args.threads} torch thread(s); ms per layer call, medians of {args.rounds}\n")  # fmt: skip
-    print("| prompts x tokens | per prompt | masked bucket | transformers | per prompt / masked | per prompt / "
+    lengths = "drawn from [L / 2, L]" if args.ragged else "all L"
+    print(f"{HEADS} query heads, {KV_HEADS} KV heads, head dim {DIM}, float32, block size {BLOCK}, prompt lengths "
+          f"{lengths}, {args.threads} torch thread(s); ms per layer call, medians of {args.rounds}\n")  # fmt: skip
+    print("| prompts x tokens (L) | per prompt | masked bucket | transformers | per prompt / masked | per prompt / "
           "transformers | largest difference |")  # fmt: skip
     print("|---|---:|---:|---:|---:|---:|---|")
     for point in args.points.split(","):
         n, length = (int(x) for x in point.split("x"))
-        ways = _case(n, length, seed=n * length)
+        ways = _case(n, length, seed=n * length, ragged=args.ragged)
         times: dict[str, list[float]] = {name: [] for name in ways}
         outputs: dict[str, torch.Tensor] = {}
         for r in range(args.rounds):

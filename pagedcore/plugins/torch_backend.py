@@ -130,8 +130,9 @@ class TorchPagedAttention:
 
 
 # Prompts with nothing cached of at least this many tokens are attended one by one under the causal rule; shorter
-# ones stay in the masked prefill bucket, where one call for all of them costs less than a call each
-# (scripts/prefill_attention.py: 16 x 64 even, 32 x 32 1.13x slower one by one, 16 x 128 0.56x).
+# ones stay in the masked prefill bucket, where one call for all of them costs about as much as a call each
+# (scripts/prefill_attention.py, per layer call against the bucket: 16 x 64 0.91-1.01x, 16 x 128 0.73-0.76x; with
+# no threshold 32 x 32 took 1.13x one by one).
 _FRESH_ALONE = 64
 _CASCADE_MAX_QUERIES = 16  # queries per sequence up to which a shared prefix is attended once (see _shared_blocks)
 
