@@ -296,15 +296,17 @@ def test_a_prompt_with_nothing_cached_attends_as_sdpa_causal_does(length):
 
 def test_several_prompts_with_nothing_cached_each_attend_as_their_own_prefill():
     """Fresh prompts of 64 tokens or more batched with decoding sequences, a shorter fresh prompt and a prompt over a
-    cached prefix: each is attended alone under SDPA's causal rule (no padding to the longest, no mask), so its
-    output is the very bits of its own prefill call, whatever else shares the forward; the others keep the buckets
-    (the short prompt too: one masked call for the short ones is cheaper than a call each)."""
+    cached prefix: each fresh prompt is attended alone under SDPA's causal rule (no padding to the longest, no mask),
+    so its output is the very bits of its own prefill call, whatever else shares the forward; the prompt over a cached
+    prefix is attended alone under its own mask; the decoding sequence and the short prompt keep buckets (one masked
+    call for the short ones costs about as much as a call each)."""
     query_lens, seq_lens = [100, 1, 17, 5, 64], [100, 30, 17, 21, 64]
     query, key_cache, value_cache, meta, keys, values = build(7, query_lens, seq_lens, 16, None, q_heads=8, dim=32)
     out = TorchPagedAttention().forward(query, key_cache, value_cache, meta, scale=32**-0.5)
-    fresh, buckets = meta.backend_state[("torch", query.device)]
+    alone, buckets = meta.backend_state[("torch", query.device)]
     starts = [0, 100, 101, 118, 123]
-    assert [start for start, _ in fresh] == [0, 123] and len(buckets) == 2
+    assert [(start, run.causal) for start, _, run in alone] == [(0, True), (118, False), (123, True)]
+    assert len(buckets) == 2  # the decoding sequence's, the short prompt's
     for i in (0, 4):
         q = query[starts[i] : starts[i] + query_lens[i]].transpose(0, 1)[None]
         k, v = keys[i].transpose(0, 1)[None], values[i].transpose(0, 1)[None]
@@ -317,15 +319,37 @@ def test_several_prompts_with_nothing_cached_each_attend_as_their_own_prefill():
 
 
 def test_the_prefill_attention_script_runs_its_three_ways_to_the_same_outputs():
-    """``scripts/prefill_attention.py`` (docs/benchmarks.md): per prompt, the masked bucket and transformers' batched
-    causal call give the same attention at a small point (its table's last column)."""
+    """``scripts/prefill_attention.py`` (docs/benchmarks.md): the backend's sequences alone, the masked bucket and
+    transformers' batched call give the same attention at small points, fresh and over a cached prefix (its table's
+    last column)."""
     import subprocess
     import sys
     from pathlib import Path
 
     script = Path(__file__).resolve().parent.parent / "scripts" / "prefill_attention.py"
-    args = [sys.executable, str(script), "--points", "2x64,3x80", "--rounds", "1"]
-    out = subprocess.run(args, capture_output=True, text=True, check=True, timeout=120).stdout
-    rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| ") and line[2].isdigit()]
-    assert [row[0].strip() for row in rows] == ["2 x 64", "3 x 80"]
-    assert all(float(row[-1]) < 1e-5 for row in rows)
+    for extra in ([], ["--ragged", "--cached", "40"]):
+        args = [sys.executable, str(script), "--points", "2x64,3x80", "--rounds", "1", *extra]
+        out = subprocess.run(args, capture_output=True, text=True, check=True, timeout=120).stdout
+        rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| ") and line[2].isdigit()]
+        assert [row[0].strip() for row in rows] == ["2 x 64", "3 x 80"], extra
+        assert all(float(row[-1]) < 1e-5 for row in rows), extra
+
+
+@pytest.mark.parametrize("window", [None, 24])
+def test_a_prefilling_sequence_gets_the_same_bits_whatever_else_shares_its_forward(window):
+    """Batch invariance for prefills: a sequence prefilling over a cached prefix (or a prompt of 64 tokens or more
+    with nothing cached) is attended by itself, to its own keys under its own mask, so its output is the same bits
+    in a mixed batch as in a forward of its own (before, padded into the prefill bucket, they differed)."""
+    query_lens, seq_lens = [30, 1, 70, 12, 3], [90, 41, 70, 100, 50]
+    query, key_cache, value_cache, meta, *_ = build(11, query_lens, seq_lens, 16, window, q_heads=8, dim=32)
+    batched = TorchPagedAttention().forward(query, key_cache, value_cache, meta, scale=32**-0.5)
+    starts = [0, 30, 31, 101, 113]
+    for i in (0, 2, 3, 4):
+        table = meta.host_tables[i, : -(-seq_lens[i] // 16) - meta.block_offsets[i]].tolist()
+        own = PagedAttentionMetadata.build(
+            block_size=16, query_lens=[query_lens[i]], seq_lens=[seq_lens[i]], block_offsets=[meta.block_offsets[i]],
+            tables=[table], slots=[[0] * query_lens[i]], sliding_window=window, pad_block=meta.pad_block,
+        )  # fmt: skip
+        rows = query[starts[i] : starts[i] + query_lens[i]]
+        alone = TorchPagedAttention().forward(rows, key_cache, value_cache, own, scale=32**-0.5)
+        assert torch.equal(batched[starts[i] : starts[i] + query_lens[i]], alone), i

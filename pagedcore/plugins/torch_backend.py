@@ -1,6 +1,6 @@
 """Built-in attention backend: plain torch, on any device. The reference every other backend is tested against.
 
-Sequences are split into a decode bucket (one query each) and a prefill bucket; each bucket gathers its sequences'
+Decoding sequences (one query each) share a bucket, as do short prompts (below); a bucket gathers its sequences'
 blocks into a padded ``(num_seqs, kv_heads, keys, head_dim)`` batch and runs one ``scaled_dot_product_attention``
 with a boolean mask that encodes causality (bottom-right aligned), the sliding window and the padding. GQA is not
 expanded. Index tensors and masks are built once per forward and group and reused by every layer.
@@ -11,9 +11,13 @@ as a view of the pool when they are consecutive — for all queries together, ea
 tail, and the two partial softmaxes are merged with their log-sum-exp. The same numbers, without copying the
 prefix once per sequence and layer. It is used where that copy is what costs (up to 16 queries per sequence and a
 prefix at least as long as the longest own tail: decode steps under a long system prompt); elsewhere the fused SDPA
-over the gathered keys is faster on CPU. A single sequence attends to exactly its visible keys (a view when they
-are consecutive), and a prompt with nothing cached (of at least ``_FRESH_ALONE`` tokens, or alone in its batch)
-attends alone under SDPA's causal rule: no padding, no mask, the hidden half of the scores skipped.
+over the gathered keys is faster on CPU.
+
+A single sequence, and every prefilling sequence of a larger batch, attends by itself to exactly its visible keys
+(a view when they are consecutive, else its own blocks gathered) under its own mask, or under SDPA's causal rule when
+nothing of it is cached (no mask, the hidden half of the scores skipped): no padding to the longest sequence, and the
+same bits whatever else shares the forward. Prompts with nothing cached under ``_FRESH_ALONE`` tokens, and
+sequences whose shared prefix the cascade reads once, stay in buckets.
 """
 
 from __future__ import annotations
@@ -81,12 +85,12 @@ class TorchPagedAttention:
             return attend_rows(q, k, v, run.mask, scale, softcap, sinks, causal=run.causal)[0].transpose(0, 1)
         num_tokens, q_heads, _ = query.shape
         out = query.new_zeros(num_tokens, q_heads, value_cache.shape[-1])
-        fresh, buckets = self._plan(metadata, query.device)
-        for start, run in fresh:  # prompts with nothing cached: each its own causal call, no padding, no mask
+        alone, buckets = self._plan(metadata, query.device)
+        for start, q_len, run in alone:  # a prefilling sequence by itself: its own keys, no padding
             k, v = run.keys(key_cache), run.keys(value_cache)
-            q = query[start : start + run.length].transpose(0, 1).unsqueeze(0)
-            o = attend_rows(q, k, v, None, scale, softcap, sinks, causal=True)
-            out[start : start + run.length] = o[0].transpose(0, 1)
+            q = query[start : start + q_len].transpose(0, 1).unsqueeze(0)
+            o = attend_rows(q, k, v, run.mask, scale, softcap, sinks, causal=run.causal)
+            out[start : start + q_len] = o[0].transpose(0, 1)
         if not buckets:
             return out
         padded_query = torch.cat([query, query.new_zeros(1, *query.shape[1:])])  # row num_tokens = padding
@@ -113,24 +117,36 @@ class TorchPagedAttention:
         run: _Run | None = meta.backend_state[key]
         return run
 
-    def _plan(self, meta: PagedAttentionMetadata, device: torch.device) -> tuple[list[tuple[int, _Run]], list[_Bucket]]:
-        """The forward's fresh prompts (packed start and keys of each) and its buckets, once per forward."""
+    def _plan(self, meta: PagedAttentionMetadata, device: torch.device) -> tuple[list[_Alone], list[_Bucket]]:
+        """The forward's prefilling sequences attended one by one (packed start, query count and keys of each) and
+        its buckets, once per forward (every layer reuses them).
+
+        A prefilling sequence attends by itself, to exactly its keys under its own mask (or the causal rule when
+        nothing of it is cached): padded into a bucket, each would pay for the longest's queries and keys. Two kinds
+        stay in buckets: prompts with nothing cached under ``_FRESH_ALONE`` tokens (one call for them all costs
+        about as much as a call each), and sequences whose cached prefix a shared-prefix bucket reads once for all.
+        """
         key = ("torch", device)
-        cached: tuple[list[tuple[int, _Run]], list[_Bucket]] | None = meta.backend_state.get(key)
+        cached: tuple[list[_Alone], list[_Bucket]] | None = meta.backend_state.get(key)
         if cached is None:
-            starts = meta.query_start_loc
+            starts, q_lens = meta.query_start_loc, meta.query_lens
             full = isinstance(meta.kind, FullAttention)
-            fresh = [i for i, n in enumerate(meta.query_lens) if n >= _FRESH_ALONE and full and meta.seq_lens[i] == n]
-            decode = [i for i, n in enumerate(meta.query_lens) if n == 1]
-            prefill = [i for i, n in enumerate(meta.query_lens) if n > 1 and i not in fresh]
-            runs = [(starts[i], _sequence_run(meta, i, device)) for i in fresh]
-            cached = runs, [_bucket(meta, rows, starts, device) for rows in (decode, prefill) if rows]
+            decode = [i for i, n in enumerate(q_lens) if n == 1]
+            prefill = [i for i, n in enumerate(q_lens) if n > 1]
+            short = [i for i in prefill if full and meta.seq_lens[i] == q_lens[i] and q_lens[i] < _FRESH_ALONE]
+            rest = [i for i in prefill if i not in short]
+            groups, alone = [decode, short], rest
+            if rest and _shared_blocks(meta, rest):  # their shared prefix is read once for all: one bucket
+                groups, alone = [decode, rest, short], []
+            runs = [(starts[i], q_lens[i], _sequence_run(meta, i, device)) for i in alone]
+            cached = runs, [_bucket(meta, rows, starts, device) for rows in groups if rows]
             meta.backend_state[key] = cached
         return cached
 
 
-# Prompts with nothing cached of at least this many tokens are attended one by one under the causal rule; shorter
-# ones stay in the masked prefill bucket, where one call for all of them costs about as much as a call each
+# Prompts with nothing cached of at least this many tokens are attended one by one under the causal rule (as every
+# prefilling sequence over a cached prefix is); shorter ones stay in the masked prefill bucket, where one call for all
+# of them costs about as much as a call each
 # (scripts/prefill_attention.py, per layer call against the bucket: 16 x 64 0.91-1.01x, 16 x 128 0.73-0.76x; with
 # no threshold 32 x 32 took 1.13x one by one).
 _FRESH_ALONE = 64
@@ -301,6 +317,9 @@ def _partial_softmax(
     top = scores.amax(dim=-1, keepdim=True)
     numerators = scores.sub_(top).exp_()
     return top, numerators.sum(dim=-1, keepdim=True), torch.matmul(numerators, values)
+
+
+_Alone = tuple[int, int, "_Run"]  # a sequence attended by itself: its first packed query, its query count, its keys
 
 
 @dataclass
