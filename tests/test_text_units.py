@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from pagedcore.adapters.transformers.builtin import builtin_tokenizer
 from pagedcore.adapters.transformers.detokenizer import IncrementalDetokenizer
 from pagedcore.adapters.transformers.stopping import SampleText, StopStrings, stop_strings
+from pagedcore.engine.detokenizer import decoder_of
 
 TOKENIZER = byte_tokenizer()
 
@@ -21,6 +22,39 @@ def test_the_detokenizer_releases_exactly_decode_of_any_ids(ids):
     pieces = [detokenizer.step(t) for t in ids]
     assert "".join(pieces) + detokenizer.flush() == TOKENIZER.decode(ids, skip_special_tokens=True)
     assert detokenizer.num_decoded_ids <= 8 * max(1, len(ids))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 257), max_size=12))
+def test_the_backend_decoder_is_exactly_the_tokenizers_decode(ids):
+    for tokenizer in (TOKENIZER, builtin_tokenizer()):
+        assert decoder_of(tokenizer)(ids) == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_a_tokenizer_that_changes_its_decoding_is_called_as_it_is():
+    """Only a plain fast tokenizer goes through its backend: a subclass's own decoding, clean-up of spaces and
+    stand-ins keep their ``decode`` (the backend would drop what they add)."""
+
+    class Shouting(type(TOKENIZER)):  # type: ignore[misc]
+        def _decode(self, token_ids, skip_special_tokens=False, **kwargs):
+            return super()._decode(token_ids, skip_special_tokens=skip_special_tokens, **kwargs).upper()
+
+    class StandIn:
+        def decode(self, ids, skip_special_tokens=False):
+            return "-".join(map(str, ids))
+
+    shouting = byte_tokenizer()
+    shouting.__class__ = Shouting
+    cleaned = byte_tokenizer()
+    cleaned.clean_up_tokenization_spaces = True
+    ids = [72, 105, 33]  # "Hi!" in the byte alphabet's order
+    assert decoder_of(TOKENIZER)(ids) == TOKENIZER.decode(ids)
+    assert decoder_of(TOKENIZER).func == TOKENIZER.backend_tokenizer.decode  # type: ignore[attr-defined]
+    assert decoder_of(shouting)(ids) == TOKENIZER.decode(ids).upper()
+    assert decoder_of(cleaned).func == cleaned.decode  # type: ignore[attr-defined]
+    assert decoder_of(StandIn())(ids) == "72-105-33"
+    detokenizer = IncrementalDetokenizer(shouting)
+    assert "".join(detokenizer.step(t) for t in ids) + detokenizer.flush() == TOKENIZER.decode(ids).upper()
 
 
 # ---------------------------------------------------------------------- stop strings

