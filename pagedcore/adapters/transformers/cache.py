@@ -220,8 +220,9 @@ class PagedLayer(CacheLayerMixin):
         """-1, or the window of a sliding layer."""
         return self.kind.max_cache_length
 
-    def activate_past_recording(self) -> None:
-        """Keep sliding-window blocks until the next ``crop`` (assisted decoding rolls back through it)."""
+    def activate_past_recording(self, **kwargs: Any) -> None:
+        """Keep sliding-window blocks until the next ``crop`` (assisted decoding rolls back through it). transformers
+        passes every layer its state options (``recurrent_states_to_keep``): an attention layer has none to keep."""
         self.record_past = True
 
 
@@ -254,6 +255,11 @@ class PagedHybridLayer(PagedStateLayer, PagedLayer):  # type: ignore[override]
     def get_max_length(self) -> int:
         """-1, or the window of a sliding layer."""
         return PagedLayer.get_max_length(self)
+
+    def get_seq_length(self) -> int:
+        """Positions stored, as its attention part counts them (transformers' linear-attention mixin, earlier in
+        the MRO, counts a ``cumulative_length_linear`` that these slots do not keep)."""
+        return PagedLayer.get_seq_length(self)
 
 
 class PagedCache(StateCacheMixin, Cache):

@@ -287,9 +287,11 @@ class CacheState:
         (the forward failed before storing anything, or never called ``update``) is given back."""
         wrote = self.states is not None and self.states.end()  # the states handed out go back to the slots
         step = self.step
-        if step is None or not step.hooked or self.length != step.end or wrote:
+        if step is None or not step.hooked:
             return
-        step.open = False
+        step.open = False  # the forward ended: between forwards the positions are all of them (positions_before)
+        if self.length != step.end or wrote:
+            return
         start = step.plan.start
         if any(self.layer_len[i] != start for i in self.cached_layers):
             return  # layers stored their keys: the forward happened (or failed half-way, as a DynamicCache would)

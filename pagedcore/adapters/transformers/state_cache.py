@@ -184,8 +184,11 @@ class CacheStates:
         step.wrote = True
         return full
 
-    def update_recurrent(self, layer: int, index: int, new: torch.Tensor) -> torch.Tensor:
-        """``update_recurrent_state``: store the new state; return the stored one."""
+    def update_recurrent(self, layer: int, index: int, new: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
+        """``update_recurrent_state``: store the new state; return the stored one. A list (the last states of a
+        multi-token forward, which transformers keeps to roll back) stores its last: no history is kept here."""
+        if not isinstance(new, torch.Tensor):
+            new = new[-1]
         step = self.open(layer)
         target = self.batch(step, (layer, "recurrent", index), like=new)
         assert target is not None
@@ -318,15 +321,24 @@ class PagedStateLayer(LinearAttentionCacheLayerMixin):
         return dict.fromkeys(range(self.number_of_states), held)
 
     @property
-    def is_croppable(self) -> bool:
-        """Whether ``crop`` can put the layer back: it keeps conv states only (as transformers decides)."""
+    def is_croppable(self) -> bool:  # type: ignore[override]  # transformers' class attribute; known per layer here
+        """Whether ``crop`` can put the layer back: it keeps conv states only. transformers (5.25) can also roll a
+        recurrent state back through its per-token history; these slots keep none, so assisted decoding is refused
+        (transformers raises for a cache that cannot be cropped) rather than continued from a wrong state."""
         layer = self.layer_idx
         return self._states.has_kind(layer, "conv") and not self._states.has_kind(layer, "recurrent")
 
-    def activate_past_recording(self) -> None:
-        """Keep conv inputs whole until the next ``crop`` (assisted decoding rolls back through it)."""
+    def activate_past_recording(self, recurrent_states_to_keep: int | None = None, **kwargs: Any) -> None:
+        """Keep conv inputs whole until the next ``crop`` (assisted decoding rolls back through it). No recurrent
+        state history is kept (``recurrent_states_to_keep`` is not taken: the models then compute no intermediate
+        states, and :attr:`is_croppable` says such a layer cannot be rolled back)."""
         self.record_past = True
         self._states.recording = True
+
+    def increase_count(self, state_idx: int = 0) -> None:
+        """transformers' decode kernels update a conv state in place and count the token here (5.25); a row's
+        positions are its block tables', so there is nothing to count (the in-place update lands in the slot: a view
+        of it, or a copy written back after the forward)."""
 
     def get_max_length(self) -> int:
         """-1: a state has no length."""
@@ -400,8 +412,8 @@ class StateCacheMixin:
         """Per layer, whether it keeps a recurrent state only (transformers' rule). For a model without attention
         layers in a cache ``enable()`` made (:meth:`attach_prefix`, :meth:`take_rows`), none: ``generate`` is then
         given the whole prompt (or conversation) and feeds only the tokens after what the cache holds, as it does for
-        models with attention layers (stock ``generate`` never slices such a model's input: pass it only the new
-        tokens to continue a cache of your own)."""
+        models with attention layers (before transformers 5.25 stock ``generate`` never sliced such a model's input:
+        there, pass it only the new tokens to continue a cache of your own; from 5.25 on it slices every model's)."""
         linear = [
             isinstance(layer, PagedStateLayer) and not isinstance(layer, CacheLayerMixin) for layer in self.layers
         ]
