@@ -28,7 +28,7 @@ from transformers.cache_utils import Cache, LinearAttentionCacheLayerMixin
 from transformers.generation.streamers import BaseStreamer
 from transformers.models.minimax.modeling_minimax import MiniMaxCache
 
-from pagedcore import ConfigError, UnsupportedModelError
+from pagedcore import ConfigError, InvalidBlockError, UnsupportedModelError
 from pagedcore.adapters.transformers import Engine, PagedCache, PagedKVPool
 from pagedcore.adapters.transformers.state_spec import StateSpec
 
@@ -161,16 +161,16 @@ def test_assisted_decoding_does_what_stock_does(family):
     ids = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]])
     kwargs = {"input_ids": ids, "max_new_tokens": 8, "do_sample": False, "prompt_lookup_num_tokens": 3}
     cache = PagedCache(model, num_blocks=64, block_size=4)
-    if family == "lfm2":  # conv states only: stock crops them back through the recorded inputs
+    if family == "lfm2" or (COUNTS_LINEAR and family != "minimax"):
+        # Conv states are cropped back through the recorded inputs; recurrent states (transformers 5.25 on) through
+        # their recorded values, as stock's layers do.
         assert_same_generation(generate(model, cache, **kwargs), reference(family, **kwargs))
-    else:  # a recurrent state: the slots keep no history to roll it back through, so the cache says it cannot crop
-        if COUNTS_LINEAR and family != "minimax":  # stock keeps one since transformers 5.25 (MiniMax's cache none)
+    else:  # stock refuses (before 5.25; MiniMax's cache still): so does generate with ours, with the same words
+        with pytest.raises(ValueError) as stock:
             reference(family, **kwargs)
-        else:
-            with pytest.raises(ValueError):
-                reference(family, **kwargs)
-        with pytest.raises(ValueError, match="a cache that can be cropped"):
+        with pytest.raises(ValueError) as ours:
             generate(model, cache, **kwargs)
+        assert str(ours.value) == str(stock.value)
     check_released(cache)
 
 
@@ -193,8 +193,50 @@ def test_crop_of_conv_states_then_continue():
     check_released(ours)
 
 
-def test_a_recurrent_state_cannot_be_cropped():
+@pytest.mark.skipif(not COUNTS_LINEAR, reason="transformers before 5.25 keeps no recurrent state history")
+def test_crop_of_recurrent_states_then_continue():
+    """Qwen3.5: crop puts each recurrent state back to its value before the removed tokens (the intermediate states
+    a recording forward hands over), and the conv states by their inputs, as transformers' layers do."""
     model = model_for("qwen3_5", "stock")
+    ours, stock = PagedCache(model, num_blocks=32, block_size=4), DynamicCache(config=model.config)
+    for cache in (ours, stock):
+        cache.activate_past_recording(recurrent_states_to_keep=3)
+        model(torch.tensor([[5, 6, 7, 8, 9]]), cache=cache)
+        model(torch.tensor([[10, 11, 12]]), cache=cache, position_ids=torch.arange(5, 8)[None])
+        cache.crop(-2)
+    assert ours.is_croppable
+    layer = 0  # a linear-attention layer
+    torch.testing.assert_close(ours.layers[layer].recurrent_states[0], stock.layers[layer].recurrent_states[0])
+    torch.testing.assert_close(ours.layers[layer].conv_states[0], stock.layers[layer].conv_states[0])
+    step = torch.tensor([[13]])
+    got = model(step, cache=ours, position_ids=torch.tensor([[6]])).logits
+    want = model(step, cache=stock, position_ids=torch.tensor([[6]])).logits
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    check_released(ours)
+
+
+@pytest.mark.skipif(not COUNTS_LINEAR, reason="transformers before 5.25 keeps no recurrent state history")
+def test_a_crop_past_the_recorded_states_is_refused():
+    model = model_for("qwen3_5", "stock")
+    cache = PagedCache(model, num_blocks=32, block_size=4)
+    cache.activate_past_recording(recurrent_states_to_keep=2)
+    model(torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12, 13]]), cache=cache)  # recorded: the state before, the last but one
+    before = cache.layers[0].recurrent_states[0].clone(), cache.layers[0].conv_states[0].clone()
+    with pytest.raises(InvalidBlockError, match="recorded for 2"):
+        cache.crop(-3)
+    with pytest.raises(InvalidBlockError, match="conv state recorded 9 inputs"):
+        cache.crop(-6)  # fewer inputs than the convolution reads would be left
+    assert cache.get_seq_length() == 9  # refused crops change nothing
+    assert torch.equal(cache.layers[0].recurrent_states[0], before[0])
+    assert torch.equal(cache.layers[0].conv_states[0], before[1])
+    cache.crop(-2)
+    assert cache.get_seq_length() == 7
+    check_released(cache)
+
+
+def test_a_recurrent_state_without_intermediate_states_cannot_be_cropped():
+    """MiniMax's layers hand over no intermediate states (its own cache cannot be cropped either)."""
+    model = model_for("minimax", "stock")
     cache = PagedCache(model, num_blocks=32, block_size=4)
     cache.activate_past_recording()
     model(torch.tensor([[5, 6, 7, 8, 9]]), cache=cache)

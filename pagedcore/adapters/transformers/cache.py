@@ -502,8 +502,8 @@ class PagedCache(StateCacheMixin, Cache):
                 "Please use a negative integer to remove that number of tokens from the cache instead."
             )
         new_length = max(0, state.length + tokens_to_remove)
-        if state.states is not None:  # conv states put back from the recorded inputs (or refused, as transformers does)
-            state.states.crop(state.rows, tokens_to_remove)
+        if state.states is not None:  # states put back from what was recorded (or refused: checked before any change)
+            state.states.check_crop(tokens_to_remove)
         with self._pool.lock:
             if tokens_to_remove < 0:
                 # Check every row before truncating any: a row whose kept positions need sliding-window blocks that
@@ -516,6 +516,10 @@ class PagedCache(StateCacheMixin, Cache):
                             "window and were given back; call activate_past_recording() before the forwards you "
                             "may want to crop"
                         )
+        if state.states is not None:  # checked above, so it cannot fail half-way (it takes the pool's lock itself)
+            state.states.crop(state.rows, tokens_to_remove)
+        with self._pool.lock:
+            if tokens_to_remove < 0:
                 for row in state.rows:
                     row.pad = min(row.pad, new_length)
                     row.blocks.truncate(max(0, new_length - row.pad))

@@ -204,7 +204,11 @@ class CacheState:
         self.released = False
         self.attached = False  # made by enable() (attach_prefix, take_rows): generate is given the whole prompt
         # The rows' recurrent states, for a model with state layers (their slots are the rows' BlockTables').
-        self.states = CacheStates(pool.states, pool.lock) if pool.states is not None else None
+        self.states = (
+            CacheStates(pool.states, pool.lock, rollback=not pool.state_spec.custom_cache)
+            if pool.states is not None
+            else None
+        )
         # Whether a paged-attention model's layers read the pool (the probe found that exact), or return their keys
         # gathered from the blocks (:mod:`.probe`: the model changes its keys after update, say).
         self.paged_reads = True
@@ -562,7 +566,8 @@ class CacheState:
         self.exact = source.exact
         if self.states is not None and source.states is not None:
             self.states.history = dict(source.states.history)
-            self.states.recording = source.states.recording
+            self.states.states_before = {key: list(states) for key, states in source.states.states_before.items()}
+            self.states.recording, self.states.keep = source.states.recording, source.states.keep
         self.weights_version = source.weights_version
         for mine, theirs in zip(self.layers, source.layers):
             if hasattr(mine, "record_past"):

@@ -88,12 +88,18 @@ class CacheStates:
         (1024.0, 1)
     """
 
-    def __init__(self, pool: StatePool, lock: Any) -> None:
+    def __init__(self, pool: StatePool, lock: Any, *, rollback: bool = True) -> None:
         self.pool = pool
         self.lock = lock
         self.step: StateStep | None = None
         self.history: dict[Key, torch.Tensor] = {}  # conv inputs kept whole while past recording is on
         self.recording = False
+        # While recording, each recurrent state's earlier values (as transformers' layer keeps them: the state before
+        # each forward, then the intermediate ones a multi-token forward hands over), until the next crop. A model
+        # whose layers hand over none (MiniMax) cannot roll back: ``rollback`` False.
+        self.rollback = rollback
+        self.keep = 0  # recurrent_states_to_keep: the intermediate states a recording forward computes
+        self.states_before: dict[Key, list[torch.Tensor]] = {}
 
     # ------------------------------------------------------------------ a forward
     def begin(self, rows: Sequence[Row], *, previous: bool, device: torch.device) -> None:
@@ -185,13 +191,18 @@ class CacheStates:
         return full
 
     def update_recurrent(self, layer: int, index: int, new: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
-        """``update_recurrent_state``: store the new state; return the stored one. A list (the last states of a
-        multi-token forward, which transformers keeps to roll back) stores its last: no history is kept here."""
+        """``update_recurrent_state``: store the new state; return the stored one. A list is a recording forward's
+        last states (the final one last): the others are kept to roll back through, with the state before it."""
+        later: list[torch.Tensor] = []
         if not isinstance(new, torch.Tensor):
-            new = new[-1]
+            *later, new = new
         step = self.open(layer)
-        target = self.batch(step, (layer, "recurrent", index), like=new)
+        key = (layer, "recurrent", index)
+        target = self.batch(step, key, like=new)
         assert target is not None
+        if self.recording and self.rollback:  # the state before this forward, then the intermediate ones
+            before = target.clone() if step.previous else torch.zeros_like(target)
+            self.states_before.setdefault(key, []).extend([before, *(state.to(target.dtype) for state in later)])
         target.copy_(new)
         step.wrote = True
         return target
@@ -211,17 +222,20 @@ class CacheStates:
         return tensor.index_select(0, torch.tensor(slots, dtype=torch.long, device=tensor.device))
 
     def select(self, indices: list[int]) -> None:
-        """Rows were reordered or forked: the recorded conv inputs follow them."""
+        """Rows were reordered or forked: the recorded conv inputs and recurrent states follow them."""
         for key, held in self.history.items():
             self.history[key] = held.index_select(0, torch.tensor(indices, dtype=torch.long, device=held.device))
+        for key, states in self.states_before.items():
+            self.states_before[key] = [
+                state.index_select(0, torch.tensor(indices, dtype=torch.long, device=state.device)) for state in states
+            ]
 
-    def crop(self, rows: Sequence[Row], tokens_to_remove: int) -> None:
-        """``crop``: put conv states back by ``-tokens_to_remove`` inputs (only conv states can be; past recording
-        must have been on, as transformers requires)."""
-        if any(s.kind == "recurrent" for s in self.pool.shapes or []):
+    def check_crop(self, tokens_to_remove: int) -> None:
+        """Raise unless :meth:`crop` can put every state back by ``-tokens_to_remove`` tokens (nothing changes)."""
+        if not self.rollback and any(s.kind == "recurrent" for s in self.pool.shapes or []):
             raise InvalidBlockError(
-                "crop: a recurrent (linear-attention / state-space) state cannot be rolled back; transformers refuses "
-                "assisted decoding with such a cache as well"
+                "crop: this model's recurrent (linear-attention) state cannot be rolled back (its layers hand over no "
+                "intermediate states); transformers refuses assisted decoding with its own cache as well"
             )
         if not self.recording:
             raise RuntimeError(
@@ -229,11 +243,31 @@ class CacheStates:
                 "before `crop` to be able to rollback the cache."
             )
         remove = -tokens_to_remove
+        for key, full in self.history.items():
+            if full.shape[-1] - remove < self._width(key):
+                raise InvalidBlockError(
+                    f"crop: {remove} tokens back, but layer {key[0]}'s conv state recorded {full.shape[-1]} inputs"
+                )
+        for key, states in self.states_before.items() if remove else ():
+            if remove > len(states):
+                raise InvalidBlockError(
+                    f"crop: {remove} tokens back, but layer {key[0]}'s recurrent state was recorded for {len(states)}"
+                )
+
+    def crop(self, rows: Sequence[Row], tokens_to_remove: int) -> None:
+        """``crop``: put conv states back by ``-tokens_to_remove`` inputs and recurrent states to their value
+        ``-tokens_to_remove`` tokens ago, as transformers' layers do (past recording must have been on; checked
+        first: a refused crop changes nothing); the recorded recurrent states are dropped, as there."""
+        self.check_crop(tokens_to_remove)
+        remove = -tokens_to_remove
         for key, full in list(self.history.items()):
             width = self._width(key)
             kept = full[..., -width:] if remove == 0 else full[..., -remove - width : -remove]
             self.history[key] = kept
             self.write_rows(rows, key, kept)
+        for key, states in self.states_before.items() if remove else ():
+            self.write_rows(rows, key, states[-remove])
+        self.states_before.clear()
 
     def write_rows(self, rows: Sequence[Row], key: Key, values: torch.Tensor) -> None:
         """Put ``values`` (one per row) into the rows' slots of ``key`` (each made its own first)."""
@@ -245,9 +279,10 @@ class CacheStates:
         tensor.index_copy_(0, slots, values.to(tensor.dtype))
 
     def reset(self) -> None:
-        """Forget the recorded inputs and any open forward (the rows' slots go with the rows)."""
+        """Forget the recorded inputs and states and any open forward (the rows' slots go with the rows)."""
         self.step = None
         self.history.clear()
+        self.states_before.clear()
 
     def _width(self, key: Key) -> int:
         tensor = self.pool.get(key)
@@ -322,18 +357,24 @@ class PagedStateLayer(LinearAttentionCacheLayerMixin):
 
     @property
     def is_croppable(self) -> bool:  # type: ignore[override]  # transformers' class attribute; known per layer here
-        """Whether ``crop`` can put the layer back: it keeps conv states only. transformers (5.25) can also roll a
-        recurrent state back through its per-token history; these slots keep none, so assisted decoding is refused
-        (transformers raises for a cache that cannot be cropped) rather than continued from a wrong state."""
-        layer = self.layer_idx
-        return self._states.has_kind(layer, "conv") and not self._states.has_kind(layer, "recurrent")
+        """Whether ``crop`` can put the layer back (once it holds a state): conv states through their recorded
+        inputs; recurrent states through their recorded values, as transformers 5.25's layers do, unless the model
+        hands over no intermediate states (MiniMax, whose own cache cannot be cropped either)."""
+        layer, states = self.layer_idx, self._states
+        recurrent = states.has_kind(layer, "recurrent")
+        return (states.has_kind(layer, "conv") or recurrent) and (states.rollback or not recurrent)
+
+    @property
+    def recurrent_states_to_keep(self) -> int:  # type: ignore[override]  # set by transformers; the cache's here
+        """The intermediate recurrent states a forward computes while recording (transformers' models read it)."""
+        return self._states.keep
 
     def activate_past_recording(self, recurrent_states_to_keep: int | None = None, **kwargs: Any) -> None:
-        """Keep conv inputs whole until the next ``crop`` (assisted decoding rolls back through it). No recurrent
-        state history is kept (``recurrent_states_to_keep`` is not taken: the models then compute no intermediate
-        states, and :attr:`is_croppable` says such a layer cannot be rolled back)."""
+        """Keep conv inputs whole and recurrent states' earlier values until the next ``crop`` (assisted decoding
+        rolls back through them); a recording forward computes its last ``recurrent_states_to_keep`` states."""
         self.record_past = True
         self._states.recording = True
+        self._states.keep = int(recurrent_states_to_keep or 0)
 
     def increase_count(self, state_idx: int = 0) -> None:
         """transformers' decode kernels update a conv state in place and count the token here (5.25); a row's
