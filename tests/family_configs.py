@@ -21,7 +21,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 __all__ = ["CAUSAL_LM_TYPES", "OVERRIDES", "tiny_config", "tiny_family"]
 
 CAUSAL_LM_TYPES: tuple[str, ...] = tuple(sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES))
-"""Every model type ``AutoModelForCausalLM`` builds (196 in transformers 5.24)."""
+"""Every model type ``AutoModelForCausalLM`` builds (200 in transformers 5.25)."""
 
 VOCAB = 256
 WINDOW = 8
@@ -101,6 +101,7 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     **{model_type: {"is_decoder": True} for model_type in BIDIRECTIONAL},
     "codegen": {"rotary_dim": 8},
     "gptj": {"rotary_dim": 8},
+    "kolibri1_1": {"index_num_heads": 2},  # at most the query heads of one key head (4 / 2)
     "gpt_bigcode": {"num_key_value_heads": 1},  # multi_query, as StarCoder: the config derives 1 unless told
     "gpt_neo": {"attention_types": [[["global", "local"], 1]], "window_size": WINDOW},
     "granitemoehybrid": {"layer_types": ["linear_attention", "full_attention"]},

@@ -501,36 +501,7 @@ class PagedCache(StateCacheMixin, Cache):
                 f"Calling `crop` with a positive value (`{tokens_to_remove}`) is not supported. "
                 "Please use a negative integer to remove that number of tokens from the cache instead."
             )
-        new_length = max(0, state.length + tokens_to_remove)
-        if state.states is not None:  # states put back from what was recorded (or refused: checked before any change)
-            state.states.check_crop(tokens_to_remove)
-        with self._pool.lock:
-            if tokens_to_remove < 0:
-                # Check every row before truncating any: a row whose kept positions need sliding-window blocks that
-                # were already given back makes truncate raise, and raising after earlier rows were truncated left
-                # the cache half-cropped (rows shorter than its length).
-                for row in state.rows:
-                    if not row.blocks.can_truncate(max(0, new_length - min(row.pad, new_length))):
-                        raise InvalidBlockError(
-                            f"crop({tokens_to_remove}): the kept positions need keys that already left a sliding "
-                            "window and were given back; call activate_past_recording() before the forwards you "
-                            "may want to crop"
-                        )
-        if state.states is not None:  # checked above, so it cannot fail half-way (it takes the pool's lock itself)
-            state.states.crop(state.rows, tokens_to_remove)
-        with self._pool.lock:
-            if tokens_to_remove < 0:
-                for row in state.rows:
-                    row.pad = min(row.pad, new_length)
-                    row.blocks.truncate(max(0, new_length - row.pad))
-            # Also while past recording is on: a crop is the rollback point, after which transformers' sliding layers
-            # shrink back to their window too. Skipping the drop then (the earlier code) kept every sliding block of an
-            # assisted / prompt-lookup generation until the cache was released.
-            for row in state.rows:
-                state.drop_out_of_window(row, row.blocks.num_tokens)
-        state.length = new_length
-        state.layer_len = [min(n, new_length) for n in state.layer_len]
-        state.step = None
+        state.crop(tokens_to_remove)
 
     def reset(self) -> None:
         """Give every block back and start empty (the cache can be used again)."""

@@ -553,6 +553,37 @@ class CacheState:
         if self.states is not None:
             self.states.select(indices)
 
+    def crop(self, tokens_to_remove: int) -> None:
+        """:meth:`PagedCache.crop <.cache.PagedCache.crop>` (``tokens_to_remove <= 0``): every check first (the rows'
+        sliding-window blocks, the recorded states), so a refused crop changes nothing; then the states put back, the
+        rows truncated and the blocks that left a window given back."""
+        new_length = max(0, self.length + tokens_to_remove)
+        if self.states is not None:
+            self.states.check_crop(tokens_to_remove)
+        with self.pool.lock:
+            # A row whose kept positions need sliding-window blocks already given back makes truncate raise: checked
+            # for every row before any is truncated (raising half-way left the cache half-cropped).
+            for row in self.rows if tokens_to_remove < 0 else ():
+                if not row.blocks.can_truncate(max(0, new_length - min(row.pad, new_length))):
+                    raise InvalidBlockError(
+                        f"crop({tokens_to_remove}): the kept positions need keys that already left a sliding "
+                        "window and were given back; call activate_past_recording() before the forwards you "
+                        "may want to crop"
+                    )
+        if self.states is not None:  # checked above, so it cannot fail half-way (it takes the pool's lock itself)
+            self.states.crop(self.rows, tokens_to_remove)
+        with self.pool.lock:
+            for row in self.rows if tokens_to_remove < 0 else ():
+                row.pad = min(row.pad, new_length)
+                row.blocks.truncate(max(0, new_length - row.pad))
+            # Also while past recording is on: a crop is the rollback point, after which transformers' sliding layers
+            # shrink back to their window too (skipping the drop kept every sliding block of an assisted generation).
+            for row in self.rows:
+                self.drop_out_of_window(row, row.blocks.num_tokens)
+        self.length = new_length
+        self.layer_len = [min(n, new_length) for n in self.layer_len]
+        self.step = None
+
     def adopt(self, source: CacheState) -> None:
         """Become a copy of ``source`` (an empty state of the same pool): its rows forked (shared blocks,
         copy-on-write), its lengths, exactness and the layers' past recording."""
