@@ -611,6 +611,7 @@ class _Batch:
     ids: torch.Tensor  # (2, prompt + 4)
     mask: torch.Tensor
     cuts: tuple[int, ...]  # the forwards' ends
+    later_masks: bool = True  # the forwards after the prompt get the mask (generate drops it for Mamba)
 
     @classmethod
     def of(cls, model: Any, pool: PagedKVPool) -> _Batch:
@@ -625,8 +626,10 @@ class _Batch:
         mask[1, :pad] = 0
         ids[1, :pad] = ids[0, 0]  # a pad position holds some token: the mask hides it
         if pool.state_spec.has_states:  # as generate runs them: one token at a time on a warm state (Mamba's and
-            # MiniMax's forwards take no multi-token query after the prompt with a mask of the whole sequence)
-            return cls(ids, mask, (long, long + 1, long + 2, long + 3, long + 4))
+            # MiniMax's forwards take no multi-token query after the prompt with a mask of the whole sequence), with
+            # the mask where generate passes one (Mamba's forward, from transformers 5.25, multiplies each token by it)
+            cuts = (long, long + 1, long + 2, long + 3, long + 4)
+            return cls(ids, mask, cuts, _decode_gets_mask(model, ids, mask))
         return cls(ids, mask, (long, long + 3, long + 4))
 
     def run(self, model: Any, cache: Any) -> torch.Tensor:
@@ -648,7 +651,7 @@ class _Batch:
                     "use_cache": True,
                     **extra,
                 }
-                if f"{prefix}attention_mask" in parameters:
+                if f"{prefix}attention_mask" in parameters and (start == 0 or self.later_masks):
                     kwargs[f"{prefix}attention_mask"] = self.mask[:, :end].to(device)
                 if f"{prefix}position_ids" in parameters:
                     kwargs[f"{prefix}position_ids"] = positions[:, start:end].to(device)
@@ -656,6 +659,19 @@ class _Batch:
                 rows.append(logits[self.mask[:, start:end].bool().to(logits.device)])
                 start = end
         return torch.cat(rows)
+
+
+def _decode_gets_mask(model: Any, ids: torch.Tensor, mask: torch.Tensor) -> bool:
+    """Whether ``generate`` passes the attention mask to a decode step of ``model`` (its own
+    ``prepare_inputs_for_generation`` says; Mamba's drops it after the prompt). True when it cannot tell."""
+    try:
+        inputs = model.prepare_inputs_for_generation(
+            ids, attention_mask=mask, cache=DynamicCache(), use_cache=True, is_first_iteration=False,
+            next_sequence_length=1,
+        )  # fmt: skip
+    except Exception:  # a model whose preparation needs more than this: it keeps the mask, as most do
+        return True
+    return not isinstance(inputs, dict) or "attention_mask" not in inputs or inputs["attention_mask"] is not None
 
 
 def _encoder_output(model: Any, rows: int) -> Any:
