@@ -120,3 +120,16 @@ def test_without_stop_strings_text_is_sent_at_once():
     assert text.take() == "!"
     text.finish()
     assert text.take() == "" and text.text == "!"
+
+
+def test_the_detokenizer_benchmark_script_releases_decodes_text_both_ways():
+    """``scripts/detokenizer_bench.py`` (docs/benchmarks.md, "Detokenizing through the backend") at a small point: it
+    exits non-zero if either way's text differs from ``tokenizer.decode``."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "detokenizer_bench.py"
+    args = [sys.executable, str(script), "--tokens", "300", "--rounds", "1"]
+    out = subprocess.run(args, capture_output=True, text=True, check=True, timeout=120).stdout
+    assert [line.split("|")[1].strip() for line in out.splitlines()[2:]] == ["built-in (characters)", "byte-level BPE"]
