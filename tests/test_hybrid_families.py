@@ -174,23 +174,35 @@ def test_assisted_decoding_does_what_stock_does(family):
     check_released(cache)
 
 
+def _cropped(model, prompt, more, **recording):
+    """Ours and stock's caches after the same prompt, ``more`` tokens on it and ``crop(-2)``, past recording on."""
+    ours, stock = PagedCache(model, num_blocks=32, block_size=4), DynamicCache(config=model.config)
+    start = prompt.shape[1]
+    for cache in (ours, stock):
+        cache.activate_past_recording(**recording)
+        model(prompt, cache=cache)
+        model(more, cache=cache, position_ids=torch.arange(start, start + more.shape[1])[None])
+        cache.crop(-2)
+    return ours, stock
+
+
+def _continue_alike(model, ours, stock, token, position):
+    """The next step's logits on both caches agree (a state put back wrong would move them)."""
+    step, positions = torch.tensor([[token]]), torch.tensor([[position]])
+    got = model(step, cache=ours, position_ids=positions).logits
+    want = model(step, cache=stock, position_ids=positions).logits
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    check_released(ours)
+
+
 def test_crop_of_conv_states_then_continue():
     """LFM2: crop puts every conv state back by the recorded inputs, as transformers' layers do."""
     model = model_for("lfm2", "stock")
     ids, _ = batch([0], 8, seed=3)
-    ours, stock = PagedCache(model, num_blocks=32, block_size=4), DynamicCache(config=model.config)
-    for cache in (ours, stock):
-        cache.activate_past_recording()
-        model(ids, cache=cache)
-        model(torch.tensor([[9, 10, 11]]), cache=cache, position_ids=torch.arange(8, 11)[None])
-        cache.crop(-2)
+    ours, stock = _cropped(model, ids, torch.tensor([[9, 10, 11]]))
     for layer in (0, 2):
         assert torch.equal(ours.layers[layer].conv_states[0], stock.layers[layer].conv_states[0])
-    step = torch.tensor([[12]])
-    got = model(step, cache=ours, position_ids=torch.tensor([[9]])).logits
-    want = model(step, cache=stock, position_ids=torch.tensor([[9]])).logits
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
-    check_released(ours)
+    _continue_alike(model, ours, stock, 12, 9)
 
 
 @pytest.mark.skipif(not COUNTS_LINEAR, reason="transformers before 5.25 keeps no recurrent state history")
@@ -198,21 +210,13 @@ def test_crop_of_recurrent_states_then_continue():
     """Qwen3.5: crop puts each recurrent state back to its value before the removed tokens (the intermediate states
     a recording forward hands over), and the conv states by their inputs, as transformers' layers do."""
     model = model_for("qwen3_5", "stock")
-    ours, stock = PagedCache(model, num_blocks=32, block_size=4), DynamicCache(config=model.config)
-    for cache in (ours, stock):
-        cache.activate_past_recording(recurrent_states_to_keep=3)
-        model(torch.tensor([[5, 6, 7, 8, 9]]), cache=cache)
-        model(torch.tensor([[10, 11, 12]]), cache=cache, position_ids=torch.arange(5, 8)[None])
-        cache.crop(-2)
+    prompt, more = torch.tensor([[5, 6, 7, 8, 9]]), torch.tensor([[10, 11, 12]])
+    ours, stock = _cropped(model, prompt, more, recurrent_states_to_keep=3)
     assert ours.is_croppable
     layer = 0  # a linear-attention layer
     torch.testing.assert_close(ours.layers[layer].recurrent_states[0], stock.layers[layer].recurrent_states[0])
     torch.testing.assert_close(ours.layers[layer].conv_states[0], stock.layers[layer].conv_states[0])
-    step = torch.tensor([[13]])
-    got = model(step, cache=ours, position_ids=torch.tensor([[6]])).logits
-    want = model(step, cache=stock, position_ids=torch.tensor([[6]])).logits
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
-    check_released(ours)
+    _continue_alike(model, ours, stock, 13, 6)
 
 
 @pytest.mark.skipif(not COUNTS_LINEAR, reason="transformers before 5.25 keeps no recurrent state history")

@@ -558,9 +558,9 @@ class CacheState:
         sliding-window blocks, the recorded states), so a refused crop changes nothing; then the states put back, the
         rows truncated and the blocks that left a window given back."""
         new_length = max(0, self.length + tokens_to_remove)
-        if self.states is not None:
-            self.states.check_crop(tokens_to_remove)
-        with self.pool.lock:
+        with self.pool.lock:  # reentrant: the states' writes take it too
+            if self.states is not None:
+                self.states.check_crop(tokens_to_remove)
             # A row whose kept positions need sliding-window blocks already given back makes truncate raise: checked
             # for every row before any is truncated (raising half-way left the cache half-cropped).
             for row in self.rows if tokens_to_remove < 0 else ():
@@ -570,9 +570,8 @@ class CacheState:
                         "window and were given back; call activate_past_recording() before the forwards you "
                         "may want to crop"
                     )
-        if self.states is not None:  # checked above, so it cannot fail half-way (it takes the pool's lock itself)
-            self.states.crop(self.rows, tokens_to_remove)
-        with self.pool.lock:
+            if self.states is not None:
+                self.states.crop(self.rows, tokens_to_remove)
             for row in self.rows if tokens_to_remove < 0 else ():
                 row.pad = min(row.pad, new_length)
                 row.blocks.truncate(max(0, new_length - row.pad))
