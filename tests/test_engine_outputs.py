@@ -57,3 +57,20 @@ def test_results_answer_vllms_attribute_names():
         assert math.isclose(row["cumulative_logprob"], sum(row["chosen_logprobs"]), rel_tol=1e-6)
     assert all(isinstance(lp, Mapping) for lp in first.outputs[0].logprobs)
     assert rows[2]["cached"] > 0 and rows[2]["cached"] == second.metrics.num_cached_tokens  # the second hit the first
+
+
+def test_a_step_made_token_event_is_a_token_event() -> None:
+    """token_event (what a step makes per running sample) gives the dataclass's own event: every field, in order,
+    equal and hashed alike, frozen, with a __dict__ as the dataclass's."""
+    import dataclasses
+
+    from pagedcore.engine.outputs import TokenEvent, token_event
+
+    values = ("r1", 2, 42, "hi", "stop", "\n", None, [None])
+    made, own = token_event(*values), TokenEvent(*values)
+    assert made == own and vars(made) == vars(own) and repr(made) == repr(own)
+    assert list(vars(made)) == [f.name for f in dataclasses.fields(TokenEvent)]
+    assert hash(token_event("r", 0, 1, "", None, None, None, None)) == hash(TokenEvent("r", 0, 1, ""))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        made.text = "x"  # type: ignore[misc]
+    assert dataclasses.replace(made, text="x").text == "x"

@@ -52,7 +52,7 @@ from .inputs import as_prompt_list
 from .locks import Locks
 from .logprobs import prompt_logprobs
 from .lora import AdapterRequests, AdapterSet, loras_per_prompt
-from .outputs import EngineStats, RequestMetrics, RequestOutput, StepOutput, TokenEvent, TokenLogprobs
+from .outputs import EngineStats, RequestMetrics, RequestOutput, StepOutput, TokenEvent, TokenLogprobs, token_event
 from .request import Request, RequestState
 from .runner import ModelRunner
 from .sampling import StepSamples, sample_rows
@@ -596,7 +596,7 @@ class Engine:
         if reason is not None:
             text.finish()
         prompt = request.output.prompt_logprobs if seq.num_output_tokens == 1 else None
-        return TokenEvent(request.request_id, index, token, text.take(), reason, stop_reason, logprobs, prompt)
+        return token_event(request.request_id, index, token, text.take(), reason, stop_reason, logprobs, prompt)
 
     # ------------------------------------------------------------------ requests: validate -> submit -> finish
     def _validate(self, request: Request, spec: Spec | None = None) -> RequestState:

@@ -263,6 +263,34 @@ class TokenEvent:
     prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
+_new, _set = object.__new__, object.__setattr__
+
+
+def token_event(
+    request_id: str,
+    sample: int,
+    token_id: int | None,
+    text: str | None,
+    finish_reason: str | None,
+    stop_reason: str | int | None,
+    logprobs: TokenLogprobs | None,
+    prompt_logprobs: list[TokenLogprobs | None] | None,
+) -> TokenEvent:
+    """``TokenEvent(...)`` with every field given, made the way a step makes one per running sample: a frozen
+    dataclass's ``__init__`` sets each field through ``object.__setattr__`` (about 1.5 µs for eight fields); this
+    sets the instance's ``__dict__`` at once (about 0.5 µs). The event is the same: equal, hashable, frozen.
+
+    Example:
+        >>> token_event("r1", 0, 42, "hi", None, None, None, None) == TokenEvent("r1", 0, 42, "hi")
+        True
+    """
+    event = _new(TokenEvent)
+    _set(event, "__dict__", {"request_id": request_id, "sample": sample, "token_id": token_id, "text": text,
+                             "finish_reason": finish_reason, "stop_reason": stop_reason, "logprobs": logprobs,
+                             "prompt_logprobs": prompt_logprobs})  # fmt: skip
+    return event
+
+
 @dataclass(frozen=True)
 class StepOutput:
     """What one :meth:`Engine.step_events` call produced.
