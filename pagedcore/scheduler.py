@@ -386,10 +386,15 @@ class Scheduler:
             num_new = uncomputed if uncomputed < budget else budget
             if states is not None:
                 num_new = states.chunk(seq.num_computed_tokens, num_new)
-            grown = self._grow(seq, num_new, planned, preempted)
+                grown = None
+            else:  # the common case first: the tables grow without preempting (a decode: a few comparisons)
+                grown = _tables(seq).try_append(num_new)
             if grown is None:
-                continue
-            copies.extend(grown)
+                grown = self._grow(seq, num_new, planned, preempted)
+                if grown is None:
+                    continue
+            if grown:
+                copies.extend(grown)
             plan.append((seq, num_new))
             planned.add(id(seq))
             budget -= num_new
@@ -779,3 +784,10 @@ def _priority(item: tuple[SequenceState, int]) -> int:
 def _width(seq: SequenceState) -> int:
     """Running slots a sequence takes once it has forked into its parallel samples."""
     return seq.num_samples if seq.needs_fork else 1
+
+
+def _tables(seq: SequenceState) -> BlockTables:
+    """A running sequence's block tables (it always holds them)."""
+    blocks = seq.blocks
+    assert blocks is not None
+    return blocks

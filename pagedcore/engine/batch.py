@@ -133,8 +133,13 @@ class _Scored:
 def _sample_row(item: ScheduledSequence, request: RequestState) -> SampleRow:
     """What the sampler needs for a sequence that completed its known tokens: all the samples' generators at the
     step that forks the request, else its own; the stop tokens masked before ``min_new_tokens``; the grammar state
-    its next token follows (a structured output), in step with its tokens."""
+    its next token follows (a structured output), in step with its tokens. A row with none of these three is kept
+    on the request and given again at the sequence's next steps (a step of hundreds of decoding sequences would
+    otherwise build as many identical rows)."""
     seq = item.sequence
+    row = request.rows.get(seq.sample_index)
+    if row is not None and row.sequence is seq:
+        return row  # a plain decode row: the same from step to step
     if item.num_samples > 1:
         generators = request.generators[: item.num_samples]
     else:
@@ -143,4 +148,7 @@ def _sample_row(item: ScheduledSequence, request: RequestState) -> SampleRow:
     if seq.min_new_tokens and seq.num_output_tokens < seq.min_new_tokens:
         suppress = tuple(sorted(seq.stop_token_ids))
     grammar = request.grammar.row_state(seq, item.num_samples) if request.grammar is not None else None
-    return SampleRow(item.request_id, request.params, generators, suppress, seq, grammar)
+    row = SampleRow(item.request_id, request.params, generators, suppress, seq, grammar)
+    if item.num_samples == 1 and not suppress and grammar is None:  # nothing in it changes until it finishes
+        request.rows[seq.sample_index] = row
+    return row

@@ -19,7 +19,7 @@ import torch
 from pagedcore.sequence import SequenceState
 
 from .outputs import RequestOutput
-from .sampling import SamplingParams
+from .sampling import SampleRow, SamplingParams
 from .stopping import SampleText
 from .structured.requests import RequestGrammar
 
@@ -66,6 +66,7 @@ class RequestState:
         owner: the ``generate``/``stream`` call that reports it, or None for ``step()``/``step_events()``.
         done: samples finished.
         grammar: its structured output's grammar and each sample's state in it, or None.
+        rows: per sample, its sampling row while nothing in it changes from step to step (``engine.batch``).
 
     Example:
         >>> from pagedcore.engine.outputs import RequestMetrics, SampleOutput
@@ -86,6 +87,7 @@ class RequestState:
     owner: object | None = None
     done: int = 0
     grammar: RequestGrammar | None = None
+    rows: dict[int, SampleRow] = field(default_factory=dict, repr=False)
 
     @property
     def is_done(self) -> bool:
