@@ -579,9 +579,11 @@ class Scheduler:
 
     def _admit(self, budget: int, plan: list[tuple[SequenceState, int]], copies: list[Copy]) -> int:
         cfg = self._config
+        if budget == 0 or not self._waiting:
+            return budget  # before the count below: a decode step of hundreds of rows admits nobody most steps
         # Count the samples running sequences will still fork into, so a fork never exceeds max_num_seqs.
         width = sum(_width(s) for s in self._running.values())
-        if budget == 0 or width >= cfg.max_num_seqs or not self._waiting:
+        if width >= cfg.max_num_seqs:
             return budget
         for seq in self._admission_order():
             if budget == 0 or width + _width(seq) > cfg.max_num_seqs:

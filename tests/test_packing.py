@@ -73,3 +73,20 @@ def test_pack_tokens_gathers_from_its_threshold(monkeypatch) -> None:
     _same(packing.pack_tokens(items, kv), packing._pack_rows(items, kv))
     packing.pack_tokens(items[1:], kv)
     assert calls == [packing.GATHER_FROM]
+
+
+def test_the_host_stages_script_times_every_stage_of_decode_steps() -> None:
+    """``scripts/host_stages.py`` (docs/benchmarks.md, "The host step's bookkeeping") at a small point: every stage
+    of every timed step is a decode step's, and each median is a time."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "host_stages.py"
+    spec = importlib.util.spec_from_file_location("host_stages", path)
+    assert spec is not None and spec.loader is not None
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    figures = script.measure("tiny", rows=4, steps=3)
+    assert list(figures) == [*script.STAGES, "sum", "cpu-host"]
+    assert all(value > 0 for value in figures.values())
+    assert figures["sum"] >= max(figures[name] for name in script.STAGES)

@@ -506,10 +506,9 @@ class Engine:
                 indices = range(seq.num_samples) if seq.needs_fork else [seq.sample_index]
                 for index in indices:
                     self._finish_sample(request, index, FinishReason.ERROR.value)
-            for item in batch.plan.scheduled:  # a request's weights version: that of its first step
-                output = batch.owners[item.request_id].output
-                if output.weights_version is None:
-                    output.weights_version = self._weights_version
+            for request in batch.owners.values():  # a request's weights version: that of its first step
+                if request.output.weights_version is None:
+                    request.output.weights_version = self._weights_version
             self.scheduler.update(batch.plan, samples.tokens)
             if samples.prompt_logprobs:
                 self._record_prompts(samples)
