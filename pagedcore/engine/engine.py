@@ -498,7 +498,7 @@ class Engine:
         Sequences aborted or failed since the step was planned are skipped: their tokens are dropped.
         """
         with self._lock, self._counters.timed("record"):
-            for seq in self.scheduler.fail(list(samples.failed)):
+            for seq in self.scheduler.fail(list(samples.failed)) if samples.failed else ():
                 request = batch.owners[seq.request_id]
                 if request.output.error is None:
                     request.output.error = samples.failed[seq.request_id]

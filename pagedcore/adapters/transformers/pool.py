@@ -742,7 +742,7 @@ class PagedKVPool:
         return k, v
 
     def _group_block_bytes(self) -> list[int]:
-        item = torch.empty((), dtype=self._dtype).element_size()
+        item = self._dtype.itemsize  # not torch.empty(()).element_size(): a tensor per call, read every step
         out = [0] * len(self.kv.groups)
         for layer, group in zip(self.spec.layers, self.spec.layer_groups):
             if group is not None:
