@@ -413,8 +413,7 @@ class Scheduler:
     def _grow(self, seq: SequenceState, num_new: int, planned: set[int], preempted: list[str]) -> list[Copy] | None:
         """Grow a running sequence's tables by ``num_new`` positions (and count the state slot its write takes),
         preempting the policy's victims while they cannot be had; None when ``seq`` itself was preempted."""
-        blocks, states = seq.blocks, self._states
-        assert blocks is not None
+        blocks, states = _tables(seq), self._states
         grown = blocks.try_append(num_new)
         while grown is None or (states is not None and not states.can_write(blocks)):
             victim = self._victim(planned)
@@ -453,8 +452,7 @@ class Scheduler:
         computed = prompt_computed = 0
         for item in live:
             seq = item.sequence
-            blocks = seq.blocks
-            assert blocks is not None
+            blocks = _tables(seq)
             end = item.start + item.num_new_tokens
             seq.num_computed_tokens = end
             computed += item.num_new_tokens

@@ -555,12 +555,11 @@ class CacheState:
 
     def crop(self, tokens_to_remove: int) -> None:
         """:meth:`PagedCache.crop <.cache.PagedCache.crop>` (``tokens_to_remove <= 0``): every check first (the rows'
-        sliding-window blocks, the recorded states), so a refused crop changes nothing; then the states put back, the
-        rows truncated and the blocks that left a window given back."""
+        sliding-window blocks here, the recorded states by :meth:`.state_cache.CacheStates.crop` before it writes),
+        so a refused crop changes nothing; then the states put back, the rows truncated and the blocks that left a
+        window given back."""
         new_length = max(0, self.length + tokens_to_remove)
         with self.pool.lock:  # reentrant: the states' writes take it too
-            if self.states is not None:
-                self.states.check_crop(tokens_to_remove)
             # A row whose kept positions need sliding-window blocks already given back makes truncate raise: checked
             # for every row before any is truncated (raising half-way left the cache half-cropped).
             for row in self.rows if tokens_to_remove < 0 else ():
