@@ -13,6 +13,13 @@ than one optimisation changes them, so compare two checkouts by alternating proc
       PYTHONPATH=$tree OMP_NUM_THREADS=1 python scripts/host_stages.py --size small --rows 256; done; done
 
 (``PYTHONPATH`` puts that checkout's ``pagedcore`` ahead of the installed one; check with ``--where``.)
+
+``--forward`` replaces the model's forward, to tell the host's own work apart from what the forward leaves it:
+``stream`` streams 64 MiB through the caches (as a forward streams its weights) and returns random logits of the
+model's vocabulary (the step's host work as with the model, in a fraction of the time: quicker A/B rounds);
+``stream-small`` does the same but returns 8 logits per row (the bookkeeping without the full-vocabulary logits pass
+and the caches it evicts); ``none`` returns the 8 logits and streams nothing (every object the host touches stays
+in the caches). The tokens are then the fake logits' argmax: only the host's work is measured.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import argparse
 import random
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -33,8 +41,15 @@ STAGES = ("schedule", "prepare", "sample", "record")
 SHARED, OWN = 464, 16
 
 
-def measure(size: str, rows: int, steps: int, seed: int = 0) -> dict[str, float]:
-    """Median ms per decode step of each host stage, their sum, and the host CPU time (step CPU less forward CPU)."""
+FORWARDS = ("model", "stream", "stream-small", "none")
+STREAMED_BYTES = 64 << 20
+
+
+def measure(size: str, rows: int, steps: int, seed: int = 0, forward: str = "model") -> dict[str, float]:
+    """Median ms per decode step of each host stage, their sum, and the host CPU time (step CPU less forward CPU);
+    ``forward`` is one of :data:`FORWARDS` (module docstring)."""
+    if forward not in FORWARDS:
+        raise ValueError(f"forward must be one of {FORWARDS}, got {forward!r}")
     model = bench_model(size=size)
     vocab = model.config.vocab_size
     rng = random.Random(seed)
@@ -47,28 +62,42 @@ def measure(size: str, rows: int, steps: int, seed: int = 0) -> dict[str, float]
         engine.add_request(shared + [rng.randrange(vocab) for _ in range(OWN)], params)
     for _ in range(-(-rows * 2 * OWN // 512) + 3):  # the prefills, and a few decode steps
         engine.step()
-    forward = [0.0]
-    execute = engine.runner.execute
+    forward_cpu = [0.0]
+    execute = engine.runner.execute if forward == "model" else _fake_forward(forward, rows, vocab, seed)
 
     def timed(prepared: Any) -> torch.Tensor:
         started = time.thread_time()
         try:
             return execute(prepared)
         finally:
-            forward[0] += time.thread_time() - started
+            forward_cpu[0] += time.thread_time() - started
 
     engine.runner.execute = timed  # type: ignore[method-assign]
     per: dict[str, list[float]] = {name: [] for name in (*STAGES, "sum", "cpu-host")}
     for _ in range(steps):
-        before, forward[0], cpu = engine.stage_seconds(), 0.0, time.thread_time()
+        before, forward_cpu[0], cpu = engine.stage_seconds(), 0.0, time.thread_time()
         engine.step()
         cpu, after = time.thread_time() - cpu, engine.stage_seconds()
         for name in STAGES:
             per[name].append((after[name] - before[name]) * 1000)
         per["sum"].append(sum(per[name][-1] for name in STAGES))
-        per["cpu-host"].append((cpu - forward[0]) * 1000)
+        per["cpu-host"].append((cpu - forward_cpu[0]) * 1000)
     engine.close()
     return {name: statistics.median(values) for name, values in per.items()}
+
+
+def _fake_forward(kind: str, rows: int, vocab: int, seed: int) -> Callable[[Any], torch.Tensor]:
+    """A stand-in for the runner's ``execute`` (see the module docstring): fresh logits per call, as a forward's."""
+    generator = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, vocab if kind == "stream" else 8, generator=generator)
+    streamed = torch.zeros(STREAMED_BYTES // 4) if kind != "none" else None
+
+    def execute(prepared: Any) -> torch.Tensor:
+        if streamed is not None:
+            streamed.add_(1.0)  # read and write every byte once
+        return logits[: len(prepared.keep)].clone()
+
+    return execute
 
 
 def main() -> None:
@@ -76,13 +105,15 @@ def main() -> None:
     parser.add_argument("--size", default="small", help="benchmark model size (pagedcore.benchmarks MODEL_SIZES)")
     parser.add_argument("--rows", type=int, default=256, help="sequences decoding together")
     parser.add_argument("--steps", type=int, default=30, help="decode steps timed")
+    parser.add_argument("--forward", choices=FORWARDS, default="model", help="the model, or a stand-in (docstring)")
     parser.add_argument("--where", action="store_true", help="print which pagedcore is imported")
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.where:
         print(pagedcore.__file__)
-    figures = measure(args.size, args.rows, args.steps)
-    print(f"{args.size} {args.rows} rows: " + " ".join(f"{k} {v:.3f}" for k, v in figures.items()))
+    figures = measure(args.size, args.rows, args.steps, forward=args.forward)
+    shown = " ".join(f"{k} {v:.3f}" for k, v in figures.items())
+    print(f"{args.size} {args.rows} rows, forward {args.forward}: {shown}")
 
 
 if __name__ == "__main__":

@@ -76,8 +76,8 @@ def test_pack_tokens_gathers_from_its_threshold(monkeypatch) -> None:
 
 
 def test_the_host_stages_script_times_every_stage_of_decode_steps() -> None:
-    """``scripts/host_stages.py`` (docs/benchmarks.md, "The host step's bookkeeping") at a small point: every stage
-    of every timed step is a decode step's, and each median is a time."""
+    """``scripts/host_stages.py`` (docs/benchmarks.md, "The host step's bookkeeping") at a small point, with the model
+    and with a stand-in forward: every stage of every timed step is a decode step's, and each median is a time."""
     import importlib.util
     from pathlib import Path
 
@@ -86,7 +86,10 @@ def test_the_host_stages_script_times_every_stage_of_decode_steps() -> None:
     assert spec is not None and spec.loader is not None
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
-    figures = script.measure("tiny", rows=4, steps=3)
-    assert list(figures) == [*script.STAGES, "sum", "cpu-host"]
-    assert all(value > 0 for value in figures.values())
-    assert figures["sum"] >= max(figures[name] for name in script.STAGES)
+    for forward in ("model", "stream-small"):  # the model, and a stand-in that leaves the host's own work
+        figures = script.measure("tiny", rows=4, steps=3, forward=forward)
+        assert list(figures) == [*script.STAGES, "sum", "cpu-host"]
+        assert all(value > 0 for value in figures.values())
+        assert figures["sum"] >= max(figures[name] for name in script.STAGES)
+    with pytest.raises(ValueError, match="forward must be one of"):
+        script.measure("tiny", rows=4, steps=3, forward="fast")
