@@ -51,6 +51,10 @@ class BlockTables:
         8
     """
 
+    __slots__ = ("_arrays", "_bs", "_dropped", "_last_private", "_next_drop", "_next_full", "_num_cached_blocks",
+                 "_num_tokens", "_pool", "_released", "_reservation", "_sliding", "_slots", "_stamp", "_tables",
+                 "_uncachable")  # fmt: skip
+
     def __init__(self, pool: KVPool, reservation: Reservation | None = None) -> None:
         self._pool = pool
         self._reservation = reservation

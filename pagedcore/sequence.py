@@ -45,7 +45,7 @@ class FinishReason(str, enum.Enum):
     ERROR = "error"  # the step that computed it failed
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class SequenceState:
     """One sequence of tokens: a prompt, the tokens generated so far, and how far its KV has been computed.
 

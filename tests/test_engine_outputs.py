@@ -74,3 +74,29 @@ def test_a_step_made_token_event_is_a_token_event() -> None:
     with pytest.raises(dataclasses.FrozenInstanceError):
         made.text = "x"  # type: ignore[misc]
     assert dataclasses.replace(made, text="x").text == "x"
+
+
+def test_the_objects_a_decode_step_reads_per_sequence_have_no_instance_dict() -> None:
+    """A step over hundreds of decoding sequences reads a few fields of each one's sequence, block tables, request,
+    output, metrics, parameters and text right after a forward has evicted the caches: their fields live in slots (one
+    object each, no separate ``__dict__`` to fetch; docs/benchmarks.md, "The host step's bookkeeping"). A results
+    object still round-trips through pickle (Ray Serve sends them between processes)."""
+    import pickle
+
+    from pagedcore import BlockTables, KVPool, SequenceState
+    from pagedcore.engine.detokenizer import IncrementalDetokenizer
+    from pagedcore.engine.outputs import RequestMetrics, RequestOutput, SampleOutput
+    from pagedcore.engine.request import RequestState
+    from pagedcore.engine.stopping import SampleText, StopStrings
+
+    tokenizer = builtin_tokenizer()
+    out = RequestOutput("r", [5, 6], [SampleOutput(0, [7], text="a", finish_reason="stop")], RequestMetrics(0.5))
+    text = SampleText(IncrementalDetokenizer(tokenizer), StopStrings())
+    seq = SequenceState("r", [5, 6], max_new_tokens=4)
+    request = RequestState("r", SamplingParams(), seq, out, [text], [])
+    objects = [seq, BlockTables(KVPool(4, 2)), request, out, out.metrics, out.samples[0], request.params, text]
+    objects.append(IncrementalDetokenizer(tokenizer))
+    assert [type(o).__name__ for o in objects if hasattr(o, "__dict__")] == []
+    assert pickle.loads(pickle.dumps(out)) == out
+    params = SamplingParams(max_new_tokens=3, stop_strings=["x"], logprobs=2)
+    assert pickle.loads(pickle.dumps(params)) == params

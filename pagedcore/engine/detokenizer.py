@@ -99,6 +99,8 @@ class IncrementalDetokenizer:
         ('', '�')
     """
 
+    __slots__ = ("_decode_ids", "_prefix_text", "_read", "_window", "num_decoded_ids")
+
     def __init__(self, tokenizer: Any) -> None:
         self._decode_ids = decoder_of(tokenizer)
         self._window: list[int] = []  # ids[prefix_offset:]

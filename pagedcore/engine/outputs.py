@@ -90,7 +90,7 @@ class TokenLogprobs(Mapping[int, Logprob]):
         return out
 
 
-@dataclass
+@dataclass(slots=True)
 class SampleOutput:
     """One parallel sample of a request (vLLM's ``CompletionOutput``: ``request_output.outputs[i]``).
 
@@ -128,7 +128,7 @@ class SampleOutput:
         return None if self.logprobs is None else sum(lp.token.logprob for lp in self.logprobs)
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestMetrics:
     """Timings of one request (``time.perf_counter`` seconds).
 
@@ -162,7 +162,7 @@ class RequestMetrics:
         return None if self.finish_time is None else self.finish_time - self.arrival_time
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     """The result of one request, read as vLLM's is: ``out.outputs[0].text``, ``.token_ids``, ``.finish_reason``,
     ``.logprobs`` (one mapping of token id to :class:`Logprob` per token), ``out.prompt_token_ids``,

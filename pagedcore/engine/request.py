@@ -51,7 +51,7 @@ class Request:
     lora: str | None = None
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class RequestState:
     """A validated request: what the scheduler computes for it, each sample's text, its output, who reports it.
 

@@ -73,7 +73,7 @@ GREEDY_BELOW = 1e-5
 float32 (``1e-40``, ``1e-300``) and the draw would fail, while its limit is the argmax anyway."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How to generate for one request.
 

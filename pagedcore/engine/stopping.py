@@ -124,6 +124,8 @@ class SampleText:
         (['H', 'e', '', 'l', ''], 'lo', 'Hel')
     """
 
+    __slots__ = ("_detokenizer", "_done", "_min_new_tokens", "_pending", "_stops", "_taken", "stop_reason")
+
     def __init__(self, detokenizer: IncrementalDetokenizer | None, stops: StopStrings, min_new_tokens: int = 0):
         self._detokenizer = detokenizer
         self._stops = stops
