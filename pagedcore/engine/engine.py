@@ -498,12 +498,12 @@ class Engine:
         Sequences aborted or failed since the step was planned are skipped: their tokens are dropped.
         """
         with self._lock, self._counters.timed("record"):
-            for seq in self.scheduler.fail(list(samples.failed)) if samples.failed else ():
-                request = batch.owners[seq.request_id]
+            for lost in self.scheduler.fail(list(samples.failed)) if samples.failed else ():
+                request = batch.owners[lost.request_id]
                 if request.output.error is None:
-                    request.output.error = samples.failed[seq.request_id]
-                    request.output.client_error = seq.request_id in samples.client_errors
-                indices = range(seq.num_samples) if seq.needs_fork else [seq.sample_index]
+                    request.output.error = samples.failed[lost.request_id]
+                    request.output.client_error = lost.request_id in samples.client_errors
+                indices = range(lost.num_samples) if lost.needs_fork else [lost.sample_index]
                 for index in indices:
                     self._finish_sample(request, index, FinishReason.ERROR.value)
             for request in batch.owners.values():  # a request's weights version: that of its first step
@@ -513,11 +513,21 @@ class Engine:
             if samples.prompt_logprobs:
                 self._record_prompts(samples)
             now = time.perf_counter()
+            plain = not samples.logits and not samples.logprobs  # no row of this step returns either
             for row in batch.rows:
-                tokens = samples.tokens.get(row.request_id)
+                tokens, seq = samples.tokens.get(row.request_id), row.sequence
                 request = batch.owners[row.request_id]
-                if tokens and row.sequence is not None and not request.is_done:
-                    self._record_row(request, row.sequence, tokens, samples, now)
+                if not tokens or seq is None or request.done == len(request.output.samples):
+                    continue
+                metrics = request.output.metrics
+                if metrics.first_token_time is None:
+                    metrics.first_token_time = now
+                metrics.num_cached_tokens, metrics.num_preemptions = seq.num_cached_tokens, seq.num_preemptions
+                if plain and len(tokens) == 1 and request.grammar is None and request.params.max_new_tokens:
+                    self._counters.generated += 1  # the common row (hundreds per step): one token, nothing to keep
+                    self._emit(request, seq, tokens[0])
+                else:
+                    self._record_row(request, seq, tokens, samples)
 
     def _record_prompts(self, samples: StepSamples) -> None:
         """Each request's new prompt log-probabilities (positions recomputed after a preemption are not added twice)."""
@@ -527,15 +537,8 @@ class Engine:
             if scored is not None and first <= len(scored) < first + len(entries):
                 scored.extend(entries[len(scored) - first :])
 
-    def _record_row(
-        self, request: RequestState, seq: SequenceState, tokens: list[int], samples: StepSamples, now: float
-    ) -> None:
+    def _record_row(self, request: RequestState, seq: SequenceState, tokens: list[int], samples: StepSamples) -> None:
         """One sampled row's tokens: one token, or one per sample at the step that forked the request."""
-        metrics = request.output.metrics
-        if metrics.first_token_time is None:
-            metrics.first_token_time = now
-        metrics.num_cached_tokens = seq.num_cached_tokens
-        metrics.num_preemptions = seq.num_preemptions
         family = [seq, *seq.forks] if len(tokens) > 1 else [seq]
         logits, logprobs = samples.logits.get(seq.request_id), samples.logprobs.get(seq.request_id)
         for k, (member, token) in enumerate(zip(family, tokens)):
@@ -558,15 +561,22 @@ class Engine:
                 why = request.grammar.error(index) or f"token {token} is not allowed"
                 self._fail(request, f"GrammarError: {request.grammar.spec.describe()}: {why}", client_error=True)
                 return
-            try:
-                event = self._text_event(request, member, token, lp)
-            except DecodeError as exc:
-                self._events.append((request.owner, TokenEvent(request.request_id, index, token, logprobs=lp)))
-                self._fail(request, str(exc))
+            if not self._emit(request, member, token, lp):
                 return
-            self._events.append((request.owner, event))
-            if event.finish_reason is not None:
-                self._finish_sample(request, index, event.finish_reason, event.stop_reason, event=False)
+
+    def _emit(self, request: RequestState, seq: SequenceState, token: int, lp: TokenLogprobs | None = None) -> bool:
+        """The event of one sample's new token, and the sample's finish when the token ended it; False when the
+        tokenizer failed (which fails the request)."""
+        try:
+            event = self._text_event(request, seq, token, lp)
+        except DecodeError as exc:
+            self._events.append((request.owner, TokenEvent(request.request_id, seq.sample_index, token, logprobs=lp)))
+            self._fail(request, str(exc))
+            return False
+        self._events.append((request.owner, event))
+        if event.finish_reason is not None:
+            self._finish_sample(request, seq.sample_index, event.finish_reason, event.stop_reason, event=False)
+        return True
 
     def _scored_event(self, request: RequestState, index: int) -> TokenEvent:
         """The one event of a sample of a ``max_new_tokens=0`` request (it only scores its prompt): its finish,
