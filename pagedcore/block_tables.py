@@ -252,7 +252,6 @@ class BlockTables:
         if self._fits_in_private_block(num_new_tokens):
             self._num_tokens += num_new_tokens
             return []
-        groups = self._pool.groups
         short = self._pool.shortfalls(self.blocks_needed(num_new_tokens), reservation=self._reservation)
         if short:
             detail = ", ".join(f"group {s.group}: need {s.needed}, have {s.available}" for s in short)
@@ -261,10 +260,30 @@ class BlockTables:
                 requested=sum(s.needed for s in short),
                 available=sum(s.available for s in short),
             )
+        return self._grow(num_new_tokens)
+
+    def try_append(self, num_new_tokens: int, *, reserve: int = 0) -> list[Copy] | None:
+        """:meth:`append` when it would leave ``reserve`` blocks free in every group, else None (nothing changed).
+
+        One call for the scheduler's check-then-grow; a decode step into a private block costs a few comparisons,
+        one that starts a block computes what it needs once.
+        """
+        used = self._num_tokens % self._bs
+        if self._last_private and used and used + num_new_tokens <= self._bs and not self._released:
+            self._num_tokens += num_new_tokens  # the decode fast path, inlined
+            return []
+        self._check_live()
+        needs = self.blocks_needed(num_new_tokens)
+        if any(needs) and self._pool.shortfalls(needs, reserve=reserve, reservation=self._reservation):
+            return None
+        return self._grow(num_new_tokens)
+
+    def _grow(self, num_new_tokens: int) -> list[Copy]:
+        """:meth:`append` once the blocks it needs are known to be available."""
         copies: list[Copy] = []
         self._stale()
         before = self._available()
-        for i, group in enumerate(groups):
+        for i, group in enumerate(self._pool.groups):
             out = group.block_manager.append_slot(self._tables[i], self._held_tokens(i), num_new_tokens)
             self._tables[i] = out.block_ids
             copies.extend((i, src, dst) for src, dst in out.copies)
@@ -273,19 +292,6 @@ class BlockTables:
         # Every group's last block is now private: fresh, a copy, or checked by the manager (ref 1, uncached).
         self._last_private = num_new_tokens > 0
         return copies
-
-    def try_append(self, num_new_tokens: int, *, reserve: int = 0) -> list[Copy] | None:
-        """:meth:`append` when it would leave ``reserve`` blocks free in every group, else None (nothing changed).
-
-        One call for the scheduler's check-then-grow; a decode step into a private block costs a few comparisons.
-        """
-        used = self._num_tokens % self._bs
-        if self._last_private and used and used + num_new_tokens <= self._bs and not self._released:
-            self._num_tokens += num_new_tokens  # the decode fast path, inlined
-            return []
-        if not self.can_append(num_new_tokens, reserve=reserve):
-            return None
-        return self.append(num_new_tokens)
 
     @property
     def has_sliding_groups(self) -> bool:

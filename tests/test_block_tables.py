@@ -49,6 +49,27 @@ def test_append_is_atomic_across_groups():
     assert [g.block_manager.num_used_blocks for g in pool.groups] == [2, 2]
 
 
+def test_try_append_grows_like_append_or_changes_nothing():
+    """``try_append`` (the scheduler's check-then-grow in one call) inside a private block, at a block boundary in
+    every group, short of the ``reserve`` it must leave (None, nothing changed), and on released tables (refused)."""
+    pool = KVPool(8, 4, sliding_windows=(None, 8))
+    seq, twin = BlockTables(pool), BlockTables(pool)
+    assert seq.try_append(4) == [] and twin.append(4) == []  # a boundary: one block in each group
+    assert seq.try_append(1) == [] and twin.append(1) == []  # starts the second block
+    assert seq.try_append(2) == [] and twin.append(2) == []  # inside it: no block
+    assert [seq.table(g) for g in (0, 1)] != [twin.table(g) for g in (0, 1)]  # their own blocks, same shapes
+    assert [len(seq.table(g)) for g in (0, 1)] == [len(twin.table(g)) for g in (0, 1)] == [2, 2]
+    free = [g.block_manager.num_free_blocks for g in pool.groups]
+    assert seq.try_append(2, reserve=4) is None  # would leave 3 free blocks per group, not 4
+    assert seq.num_tokens == 7 and [g.block_manager.num_free_blocks for g in pool.groups] == free
+    assert seq.try_append(2, reserve=3) == [] and seq.num_tokens == 9
+    seq.release()
+    with pytest.raises(InvalidBlockError, match="released"):
+        seq.try_append(4)
+    with pytest.raises(InvalidBlockError, match="released"):
+        seq.try_append(1)
+
+
 def test_prefix_attach_with_partial_block_copies_on_write():
     pool = KVPool(8, 4)
     finished_sequence(pool, list(range(8)))
