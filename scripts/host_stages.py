@@ -12,7 +12,10 @@ than one optimisation changes them, so compare two checkouts by alternating proc
     for r in 1 2 3 4; do for tree in /path/to/before /path/to/after; do
       PYTHONPATH=$tree OMP_NUM_THREADS=1 python scripts/host_stages.py --size small --rows 256; done; done
 
-(``PYTHONPATH`` puts that checkout's ``pagedcore`` ahead of the installed one; check with ``--where``.)
+(``PYTHONPATH`` puts that checkout's ``pagedcore`` ahead of the installed one; check with ``--where``.) Rounds one
+after the other still differ by the machine's load at the time; ``--pair BEFORE,AFTER --rounds 4`` runs the two
+checkouts at once, each process on its own core, swapping the cores every round, so each round's pair shares the
+machine's noise (docs/benchmarks.md, "What the host step is made of").
 
 ``--forward`` replaces the model's forward, to tell the host's own work apart from what the forward leaves it:
 ``stream`` streams 64 MiB through the caches (as a forward streams its weights) and returns random logits of the
@@ -25,10 +28,14 @@ in the caches). The tokens are then the fake logits' argmax: only the host's wor
 from __future__ import annotations
 
 import argparse
+import functools
+import os
 import random
 import statistics
+import subprocess
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -100,6 +107,30 @@ def _fake_forward(kind: str, rows: int, vocab: int, seed: int) -> Callable[[Any]
     return execute
 
 
+def pair(trees: Sequence[str], rounds: int, args: Sequence[str]) -> list[tuple[int, str, int, str]]:
+    """This script in two checkouts at once (``trees``), one process per core, the cores swapped every round, with
+    ``args``: per round and checkout, ``(round, tree, core, its output line)``."""
+    cores = sorted(os.sched_getaffinity(0))[:2]
+    if len(trees) != 2 or len(cores) < 2:
+        raise SystemExit(f"--pair takes two checkouts and needs two cores (got {len(trees)} and {len(cores)})")
+    lines = []
+    for r in range(1, rounds + 1):
+        running = []
+        for k, tree in enumerate(trees):
+            core = cores[(k + r + 1) % 2]
+            env = {**os.environ, "PYTHONPATH": tree, "OMP_NUM_THREADS": "1"}
+            command = [sys.executable, __file__, *args]
+            pin = functools.partial(os.sched_setaffinity, 0, {core})
+            process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, text=True, preexec_fn=pin)
+            running.append((tree, core, process))
+        for tree, core, process in running:
+            output, _ = process.communicate()
+            if process.returncode:
+                raise SystemExit(f"{tree}: the run failed with exit status {process.returncode}")
+            lines.append((r, tree, core, output.strip().splitlines()[-1]))
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", default="small", help="benchmark model size (pagedcore.benchmarks MODEL_SIZES)")
@@ -107,7 +138,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30, help="decode steps timed")
     parser.add_argument("--forward", choices=FORWARDS, default="model", help="the model, or a stand-in (docstring)")
     parser.add_argument("--where", action="store_true", help="print which pagedcore is imported")
+    parser.add_argument("--pair", metavar="BEFORE,AFTER", help="two checkouts at once, one per core (docstring)")
+    parser.add_argument("--rounds", type=int, default=4, help="with --pair: rounds, the cores swapped each round")
     args = parser.parse_args()
+    if args.pair:
+        passed = ["--size", args.size, "--rows", str(args.rows), "--steps", str(args.steps), "--forward", args.forward]
+        for r, tree, core, line in pair(args.pair.split(","), args.rounds, passed):
+            print(f"round {r} core {core} {tree}: {line.split(': ', 1)[-1]}")
+        return
     torch.set_num_threads(1)
     if args.where:
         print(pagedcore.__file__)

@@ -4,6 +4,7 @@ held is refused as ``BlockTables.slots`` refuses it."""
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -93,3 +94,24 @@ def test_the_host_stages_script_times_every_stage_of_decode_steps() -> None:
         assert figures["sum"] >= max(figures[name] for name in script.STAGES)
     with pytest.raises(ValueError, match="forward must be one of"):
         script.measure("tiny", rows=4, steps=3, forward="fast")
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="--pair runs one process per core: needs two cores")
+def test_the_host_stages_script_runs_two_checkouts_at_once_on_swapped_cores() -> None:
+    """``scripts/host_stages.py --pair`` (how docs/benchmarks.md compares two checkouts): per round one line per
+    checkout, each on its own core, the cores swapped from one round to the next."""
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    spec = importlib.util.spec_from_file_location("host_stages", root / "scripts" / "host_stages.py")
+    assert spec is not None and spec.loader is not None
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    args = ["--size", "tiny", "--rows", "4", "--steps", "2", "--forward", "stream-small"]
+    lines = script.pair([str(root), str(root)], 2, args)
+    first, second = sorted(os.sched_getaffinity(0))[:2]
+    assert [(r, core) for r, _, core, _ in lines] == [(1, first), (1, second), (2, second), (2, first)]
+    assert all("schedule" in line and "cpu-host" in line for *_, line in lines)
+    with pytest.raises(SystemExit, match="two checkouts"):
+        script.pair([str(root)], 1, args)
