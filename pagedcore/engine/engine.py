@@ -517,7 +517,7 @@ class Engine:
             for row in batch.rows:
                 tokens, seq = samples.tokens.get(row.request_id), row.sequence
                 request = batch.owners[row.request_id]
-                if not tokens or seq is None or request.done == len(request.output.samples):
+                if not tokens or seq is None or request.is_done:
                     continue
                 metrics = request.output.metrics
                 if metrics.first_token_time is None:
