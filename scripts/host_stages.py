@@ -23,6 +23,10 @@ model's vocabulary (the step's host work as with the model, in a fraction of the
 ``stream-small`` does the same but returns 8 logits per row (the bookkeeping without the full-vocabulary logits pass
 and the caches it evicts); ``none`` returns the 8 logits and streams nothing (every object the host touches stays
 in the caches). The tokens are then the fake logits' argmax: only the host's work is measured.
+
+``--tokenizer`` gives the Engine a byte-level BPE tokenizer of the model's vocabulary
+(:func:`~pagedcore.benchmarks.common.bench_tokenizer`): every running sequence's text is then decoded token by token,
+as a served request's is (without one there is no text to decode).
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ import torch
 
 import pagedcore
 from pagedcore.adapters.transformers import Engine, SamplingParams
-from pagedcore.benchmarks.common import BLOCK_SIZE, bench_model
+from pagedcore.benchmarks.common import BLOCK_SIZE, bench_model, bench_tokenizer
 
 STAGES = ("schedule", "prepare", "sample", "record")
 SHARED, OWN = 464, 16
@@ -52,17 +56,19 @@ FORWARDS = ("model", "stream", "stream-small", "none")
 STREAMED_BYTES = 64 << 20
 
 
-def measure(size: str, rows: int, steps: int, seed: int = 0, forward: str = "model") -> dict[str, float]:
+def measure(
+    size: str, rows: int, steps: int, seed: int = 0, forward: str = "model", tokenizer: bool = False
+) -> dict[str, float]:
     """Median ms per decode step of each host stage, their sum, and the host CPU time (step CPU less forward CPU);
-    ``forward`` is one of :data:`FORWARDS` (module docstring)."""
+    ``forward`` is one of :data:`FORWARDS`, ``tokenizer`` decodes the texts (module docstring)."""
     if forward not in FORWARDS:
         raise ValueError(f"forward must be one of {FORWARDS}, got {forward!r}")
     model = bench_model(size=size)
     vocab = model.config.vocab_size
     rng = random.Random(seed)
     shared = [rng.randrange(vocab) for _ in range(SHARED)]
-    engine = Engine(model, num_blocks=64 + rows * 6, block_size=BLOCK_SIZE, max_num_batched_tokens=512,
-                    max_num_seqs=rows)  # fmt: skip
+    engine = Engine(model, tokenizer=bench_tokenizer(vocab) if tokenizer else None, num_blocks=64 + rows * 6,
+                    block_size=BLOCK_SIZE, max_num_batched_tokens=512, max_num_seqs=rows)  # fmt: skip
     engine.generate([shared + [1] * OWN], SamplingParams(max_new_tokens=2, ignore_eos=True), use_tqdm=False)
     params = SamplingParams(max_new_tokens=steps + 20, ignore_eos=True)
     for _ in range(rows):
@@ -137,21 +143,24 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=256, help="sequences decoding together")
     parser.add_argument("--steps", type=int, default=30, help="decode steps timed")
     parser.add_argument("--forward", choices=FORWARDS, default="model", help="the model, or a stand-in (docstring)")
+    parser.add_argument("--tokenizer", action="store_true", help="decode the texts, as a server does (docstring)")
     parser.add_argument("--where", action="store_true", help="print which pagedcore is imported")
     parser.add_argument("--pair", metavar="BEFORE,AFTER", help="two checkouts at once, one per core (docstring)")
     parser.add_argument("--rounds", type=int, default=4, help="with --pair: rounds, the cores swapped each round")
     args = parser.parse_args()
     if args.pair:
         passed = ["--size", args.size, "--rows", str(args.rows), "--steps", str(args.steps), "--forward", args.forward]
+        passed += ["--tokenizer"] if args.tokenizer else []
         for r, tree, core, line in pair(args.pair.split(","), args.rounds, passed):
             print(f"round {r} core {core} {tree}: {line.split(': ', 1)[-1]}")
         return
     torch.set_num_threads(1)
     if args.where:
         print(pagedcore.__file__)
-    figures = measure(args.size, args.rows, args.steps, forward=args.forward)
+    figures = measure(args.size, args.rows, args.steps, forward=args.forward, tokenizer=args.tokenizer)
     shown = " ".join(f"{k} {v:.3f}" for k, v in figures.items())
-    print(f"{args.size} {args.rows} rows, forward {args.forward}: {shown}")
+    texts = ", texts decoded" if args.tokenizer else ""
+    print(f"{args.size} {args.rows} rows, forward {args.forward}{texts}: {shown}")
 
 
 if __name__ == "__main__":

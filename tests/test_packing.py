@@ -87,8 +87,8 @@ def test_the_host_stages_script_times_every_stage_of_decode_steps() -> None:
     assert spec is not None and spec.loader is not None
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
-    for forward in ("model", "stream-small"):  # the model, and a stand-in that leaves the host's own work
-        figures = script.measure("tiny", rows=4, steps=3, forward=forward)
+    for forward, texts in (("model", False), ("stream-small", True)):  # the model; a stand-in, texts decoded
+        figures = script.measure("tiny", rows=4, steps=3, forward=forward, tokenizer=texts)
         assert list(figures) == [*script.STAGES, "sum", "cpu-host"]
         assert all(value > 0 for value in figures.values())
         assert figures["sum"] >= max(figures[name] for name in script.STAGES)

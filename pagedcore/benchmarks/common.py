@@ -28,6 +28,7 @@ from .options import MODEL_SIZES, QUICK_MODEL
 __all__ = [
     "bench_config",
     "bench_model",
+    "bench_tokenizer",
     "cache_tensor_bytes",
     "describe_model",
     "kv_bytes_per_token",
@@ -84,6 +85,37 @@ def bench_model(
         torch.bfloat16
     """
     return model_from_config(bench_config(quick, size, **overrides), seed, dtype, device, attn_implementation)
+
+
+def bench_tokenizer(vocab_size: int) -> Any:
+    """A byte-level BPE tokenizer of ``vocab_size`` tokens for the benchmark model, built here (nothing downloaded):
+    GPT-2's 256-symbol byte alphabet, then lower-case letter pairs, space-led triples and plain quadruples, so that a
+    generated token decodes to one to four characters as a served model's tokenizer's do (decoding is what a step's
+    record stage runs per token; there are no merges, so text encodes byte by byte).
+
+    Example:
+        >>> tokenizer = bench_tokenizer(1024)
+        >>> len(tokenizer), tokenizer.decode([300, 1000])     # a letter pair, then a space-led triple
+        (1024, 'bs acq')
+    """
+    import itertools
+    import string
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {symbol: i for i, symbol in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    letters = string.ascii_lowercase
+    pieces = itertools.chain(
+        ("".join(p) for p in itertools.product(letters, repeat=2)),
+        ("\u0120" + "".join(p) for p in itertools.product(letters, repeat=3)),  # Ġ: a leading space
+        ("".join(p) for p in itertools.product(letters, repeat=4)),
+    )
+    for piece in itertools.islice(pieces, max(0, vocab_size - len(vocab))):
+        vocab[piece] = len(vocab)
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    core.pre_tokenizer, core.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=core, clean_up_tokenization_spaces=False)
 
 
 def model_from_config(
