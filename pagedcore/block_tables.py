@@ -273,8 +273,7 @@ class BlockTables:
             self._num_tokens += num_new_tokens  # the decode fast path, inlined
             return []
         self._check_live()
-        needs = self.blocks_needed(num_new_tokens)
-        if any(needs) and self._pool.shortfalls(needs, reserve=reserve, reservation=self._reservation):
+        if not self.can_append(num_new_tokens, reserve=reserve):
             return None
         return self._grow(num_new_tokens)
 
