@@ -40,6 +40,7 @@ def tiny_llama(**overrides: Any) -> LlamaForCausalLM:
 
     Example:
         >>> import torch
+        >>> _ = torch.manual_seed(0)   # the weights are random: a seed keeps a random eos out of the 2 new tokens
         >>> model = tiny_llama()
         >>> model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2, do_sample=False).shape
         torch.Size([1, 5])
@@ -53,6 +54,7 @@ def tiny_hybrid(**overrides: Any) -> Any:
 
     Example:
         >>> import torch
+        >>> _ = torch.manual_seed(0)   # as tiny_llama's example
         >>> model = tiny_hybrid()
         >>> model.config.layer_types
         ['linear_attention', 'linear_attention', 'linear_attention', 'full_attention']
