@@ -76,7 +76,7 @@ def test_pack_tokens_gathers_from_its_threshold(monkeypatch) -> None:
     assert calls == [packing.GATHER_FROM]
 
 
-def test_the_host_stages_script_times_every_stage_of_decode_steps() -> None:
+def test_the_host_stages_script_times_every_stage_of_decode_steps(monkeypatch: pytest.MonkeyPatch) -> None:
     """``scripts/host_stages.py`` (docs/benchmarks.md, "The host step's bookkeeping") at a small point, with the model
     and with a stand-in forward: every stage of every timed step is a decode step's, and each median is a time."""
     import importlib.util
@@ -87,8 +87,15 @@ def test_the_host_stages_script_times_every_stage_of_decode_steps() -> None:
     assert spec is not None and spec.loader is not None
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
+    from pagedcore.engine.detokenizer import IncrementalDetokenizer
+
+    decoded: list[int] = []
+    step = IncrementalDetokenizer.step
+    monkeypatch.setattr(IncrementalDetokenizer, "step", lambda self, token: decoded.append(token) or step(self, token))
     for forward, texts in (("model", False), ("stream-small", True)):  # the model; a stand-in, texts decoded
+        decoded.clear()
         figures = script.measure("tiny", rows=4, steps=3, forward=forward, tokenizer=texts)
+        assert bool(decoded) == texts  # --tokenizer decodes every running sequence's tokens; without it, none
         assert list(figures) == [*script.STAGES, "sum", "cpu-host"]
         assert all(value > 0 for value in figures.values())
         assert figures["sum"] >= max(figures[name] for name in script.STAGES)
