@@ -3,8 +3,9 @@ comparing two checkouts of pagedcore (issue 33.3, host work per step).
 
 ``N`` sequences share a 464-token prefix (computed once by an earlier request, then served by the prefix cache) and
 have 16 own prompt tokens; after their prefills, ``--steps`` decode steps are timed. Per step: the Engine's own
-``stage_seconds()`` (schedule / prepare / sample / record, wall) read around ``step()``, and the step's thread CPU
-time less its forward's (the host work's CPU time: the machine's other load is left out). Prints medians.
+``stage_seconds()`` (schedule / prepare / sample / record, wall) read around ``step()``, the step's thread CPU
+time less its forward's (the host work's CPU time: the machine's other load is left out), and the whole step's wall
+time (forward included). Prints medians.
 
 A process's host figures move by ±15% from one run to the next on a 2-core VM (where its memory lands), far more
 than one optimisation changes them, so compare two checkouts by alternating processes, several rounds:
@@ -59,7 +60,8 @@ STREAMED_BYTES = 64 << 20
 def measure(
     size: str, rows: int, steps: int, seed: int = 0, forward: str = "model", tokenizer: bool = False
 ) -> dict[str, float]:
-    """Median ms per decode step of each host stage, their sum, and the host CPU time (step CPU less forward CPU);
+    """Median ms per decode step of each host stage, their sum, the host CPU time (step CPU less forward CPU) and the
+    whole step's wall time;
     ``forward`` is one of :data:`FORWARDS`, ``tokenizer`` decodes the texts (module docstring)."""
     if forward not in FORWARDS:
         raise ValueError(f"forward must be one of {FORWARDS}, got {forward!r}")
@@ -86,11 +88,13 @@ def measure(
             forward_cpu[0] += time.thread_time() - started
 
     engine.runner.execute = timed  # type: ignore[method-assign]
-    per: dict[str, list[float]] = {name: [] for name in (*STAGES, "sum", "cpu-host")}
+    per: dict[str, list[float]] = {name: [] for name in (*STAGES, "sum", "cpu-host", "step")}
     for _ in range(steps):
         before, forward_cpu[0], cpu = engine.stage_seconds(), 0.0, time.thread_time()
+        wall = time.perf_counter()
         engine.step()
-        cpu, after = time.thread_time() - cpu, engine.stage_seconds()
+        wall, cpu, after = time.perf_counter() - wall, time.thread_time() - cpu, engine.stage_seconds()
+        per["step"].append(wall * 1000)
         for name in STAGES:
             per[name].append((after[name] - before[name]) * 1000)
         per["sum"].append(sum(per[name][-1] for name in STAGES))

@@ -131,11 +131,15 @@ def _mode_engine(model: Any, alone: list[Any]) -> Outcome:
     with engine:
         outs = engine.generate([list(p) for p in PROMPTS], max_new_tokens=NEW_TOKENS, do_sample=False,
                                output_logits=True, use_tqdm=False)  # fmt: skip
-    for out, want, prompt in zip(outs, alone, PROMPTS):
-        if out.error is not None:
-            return Outcome("crash", detail=out.error)
+        # greedy alone, nothing else read from the logits: the runner may take the argmax itself (argmax_head.py)
+        plain = engine.generate([list(p) for p in PROMPTS], max_new_tokens=NEW_TOKENS, do_sample=False, use_tqdm=False)
+    for out, again, want, prompt in zip(outs, plain, alone, PROMPTS):
+        if out.error is not None or again.error is not None:
+            return Outcome("crash", detail=str(out.error or again.error))
         if out.token_ids != want.sequences[0, len(prompt) :].tolist():
             return Outcome("wrong", detail=f"tokens {out.token_ids} != {want.sequences[0, len(prompt) :].tolist()}")
+        if again.token_ids != out.token_ids:
+            return Outcome("wrong", detail=f"greedy-only tokens {again.token_ids} != {out.token_ids}")
         for step, (g, w) in enumerate(zip(out.samples[0].logits or [], want.logits)):
             # relative to the largest logit, as the probe's tolerance: stock generate's own steps differ from one
             # forward over the sequence by up to 4e-4 on the chunked linear-attention families (Qwen3-Next, Kimi)

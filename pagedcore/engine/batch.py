@@ -86,12 +86,14 @@ def plan_step(plan: SchedulerOutput, requests: Mapping[str, RequestState]) -> St
         >>> batch = plan_step(sched.schedule(), {"r": request})
         >>> batch.forward.logit_rows, batch.forward.is_decode, [row.request_id for row in batch.rows]
         ([2], False, ['r'])
+        >>> batch.forward.argmax_only   # greedy, nothing else reads the logits: the runner may return tokens
+        True
     """
     logit_rows: list[int] = []
     rows: list[SampleRow] = []
     owners: dict[str, RequestState] = {}
     scored = _Scored()
-    decode = True
+    decode = argmax = True
     offset = 0
     for item in plan.scheduled:
         request = owners[item.request_id] = requests[item.sequence.group_id]
@@ -101,11 +103,14 @@ def plan_step(plan: SchedulerOutput, requests: Mapping[str, RequestState]) -> St
         offset += count
         if item.sample:
             logit_rows.append(offset - 1)
-            rows.append(_sample_row(item, request))
+            row = _sample_row(item, request)
+            rows.append(row)
+            argmax = argmax and row.argmax_only
         if count != 1 or not item.sample:
             decode = False
     decode = decode and bool(plan.scheduled) and not scored.rows
-    forward = ForwardBatch(plan.scheduled, plan.copies, logit_rows + scored.rows, offset, decode)
+    argmax = argmax and bool(rows) and not scored.rows
+    forward = ForwardBatch(plan.scheduled, plan.copies, logit_rows + scored.rows, offset, decode, argmax)
     return StepBatch(plan, owners, rows, scored.spans, forward)
 
 

@@ -54,8 +54,8 @@ from .logprobs import prompt_logprobs
 from .lora import AdapterRequests, AdapterSet, loras_per_prompt
 from .outputs import EngineStats, RequestMetrics, RequestOutput, StepOutput, TokenEvent, TokenLogprobs, token_event
 from .request import Request, RequestState
-from .runner import ModelRunner
-from .sampling import StepSamples, sample_rows
+from .runner import ArgmaxTokens, ModelRunner
+from .sampling import StepSamples, argmax_samples, sample_rows
 from .stats import EngineCounters, engine_stats
 from .structured.spec import StructuredOutput
 
@@ -376,10 +376,8 @@ class Engine:
         context leaves (:class:`~.context.ContextWindow`) and what the pool can ever hold for one sequence
         (:meth:`Scheduler.max_new_tokens <pagedcore.scheduler.Scheduler.max_new_tokens>`, exact); 0: not even one,
         None: no bound. A query, safe from any thread (tests/test_capacity.py has examples)."""
-        rooms = [
-            r for r in (self.context.room(prompt_tokens), self.scheduler.max_new_tokens(prompt_tokens)) if r is not None
-        ]
-        return min(rooms) if rooms else None
+        rooms = (self.context.room(prompt_tokens), self.scheduler.max_new_tokens(prompt_tokens))
+        return min((room for room in rooms if room is not None), default=None)
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix of the pool now (vLLM's name; the runner's ``reset_prefix_cache``).
@@ -451,9 +449,9 @@ class Engine:
                 self._in_flight = True
                 return batch
 
-    def _forward(self, batch: StepBatch) -> torch.Tensor | str:
-        """forward, without the lock (it reads only the batch): the logits, or why the forward failed (which fails
-        the step's requests, not the engine)."""
+    def _forward(self, batch: StepBatch) -> torch.Tensor | ArgmaxTokens | str:
+        """forward, without the lock (it reads only the batch): the logits (or an argmax-only batch's tokens), or why
+        the forward failed (which fails the step's requests, not the engine)."""
         try:
             with self._counters.timed("forward"):
                 return self.runner.execute(batch.prepared)
@@ -467,11 +465,13 @@ class Engine:
                     self._release(request_id)
                 self._aborting.clear()
 
-    def _sample(self, batch: StepBatch, logits: torch.Tensor | str) -> StepSamples:
+    def _sample(self, batch: StepBatch, logits: torch.Tensor | ArgmaxTokens | str) -> StepSamples:
         """sample, without the lock: the tokens of every row (a failed forward fails every scheduled sequence)."""
         if isinstance(logits, str):
             return StepSamples(failed=dict.fromkeys((item.request_id for item in batch.plan.scheduled), logits))
         with self._counters.timed("sample"):
+            if isinstance(logits, ArgmaxTokens):  # the runner took the argmax-only rows' tokens (runner.py)
+                return argmax_samples(batch.rows, logits.tokens)
             rows = len(batch.rows)
             grammars = self._admission.grammars
             masks = grammars.masks if grammars is not None else None

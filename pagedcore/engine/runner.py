@@ -9,7 +9,8 @@ a :class:`ForwardBatch`:
    slots into whatever its forward reads (:func:`~pagedcore.engine.packing.pack_tokens` builds the paged-attention
    metadata any torch runner can use);
 2. :meth:`ModelRunner.execute` (without the lock) runs the forward with a paged-attention context and returns the
-   float32 logits of the rows the batch asked for, in order.
+   float32 logits of the rows the batch asked for, in order (or, for a batch whose rows only take their argmax, the
+   tokens: :class:`ArgmaxTokens`).
 
 A pool with recurrent-state slots (a model with linear-attention, state-space or short-convolution layers) asks a
 little more of ``prepare``: make each scheduled sequence's slot its own before the forward writes it
@@ -46,7 +47,7 @@ from pagedcore.kv_pool import KVPool
 from pagedcore.plugin_manager import PluginManager
 from pagedcore.scheduler import ScheduledSequence
 
-__all__ = ["CompileCounts", "ForwardBatch", "ModelInfo", "ModelRunner", "RunnerStats"]
+__all__ = ["ArgmaxTokens", "CompileCounts", "ForwardBatch", "ModelInfo", "ModelRunner", "RunnerStats"]
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,9 @@ class ForwardBatch:
         num_tokens: tokens computed in this step (the sum of the items' ``num_new_tokens``).
         is_decode: every sequence computes one token and samples it, and no other logits are kept (what a
             compiled decode step can run).
+        argmax_only: every row's token is its logits' first maximal index and nothing else reads them (greedy,
+            no log-probabilities, returned logits, processors, grammar or prompt scores): :meth:`ModelRunner.execute`
+            may return the tokens (:class:`ArgmaxTokens`) instead of the logits.
 
     Example:
         >>> ForwardBatch([], [], [], 0, False).num_rows
@@ -94,11 +98,25 @@ class ForwardBatch:
     logit_rows: Sequence[int]
     num_tokens: int
     is_decode: bool
+    argmax_only: bool = False
 
     @property
     def num_rows(self) -> int:
         """Logits rows the forward returns."""
         return len(self.logit_rows)
+
+
+@dataclass(frozen=True, slots=True)
+class ArgmaxTokens:
+    """What :meth:`ModelRunner.execute` may return for an :attr:`~ForwardBatch.argmax_only` batch: each row's first
+    maximal logit index, in row order, every row's maximum finite (else the runner returns the logits).
+
+    Example:
+        >>> ArgmaxTokens([4, 1]).tokens
+        [4, 1]
+    """
+
+    tokens: list[int]
 
 
 @dataclass(frozen=True)
@@ -180,8 +198,9 @@ class ModelRunner(Protocol):
         """Under the lock: the batch's block copies, then its inputs packed for :meth:`execute`."""
         ...
 
-    def execute(self, prepared: Any) -> torch.Tensor:
-        """Without the lock: the forward; float32 logits ``(batch.num_rows, vocab)``."""
+    def execute(self, prepared: Any) -> torch.Tensor | ArgmaxTokens:
+        """Without the lock: the forward; float32 logits ``(batch.num_rows, vocab)``, or for an ``argmax_only``
+        batch, if the runner can, the rows' tokens."""
         ...
 
     def used_bytes(self) -> int:

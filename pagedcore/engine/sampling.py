@@ -52,6 +52,7 @@ __all__ = [
     "SampleRow",
     "SamplingParams",
     "StepSamples",
+    "argmax_samples",
     "constrain_rows",
     "greedy_tokens",
     "process_rows",
@@ -342,10 +343,15 @@ class SampleRow:
         suppress: token ids that may not be drawn yet (the stop tokens, before ``min_new_tokens``).
         sequence: the sequence itself (its tokens so far: what the penalties read).
         grammar: the grammar state the row's next token must follow (structured outputs), or None.
+        argmax_only: (set from the others) the row's token is its raw logits' argmax and nothing else reads them:
+            greedy, no log-probabilities, no returned logits, no processor, nothing suppressed, no grammar.
 
     Example:
         >>> SampleRow("r1", SamplingParams(), [torch.Generator()]).suppress
         ()
+        >>> SampleRow("r1", SamplingParams(), [torch.Generator()]).argmax_only, SampleRow("r2", SamplingParams(
+        ...     logprobs=0), [torch.Generator()]).argmax_only
+        (True, False)
     """
 
     request_id: str
@@ -354,6 +360,18 @@ class SampleRow:
     suppress: tuple[int, ...] = ()
     sequence: SequenceState | None = None
     grammar: GrammarState | None = None
+    argmax_only: bool = field(init=False, default=False)
+
+    def __post_init__(self) -> None:
+        params = self.params
+        self.argmax_only = (
+            params.is_greedy
+            and not params.needs_processing
+            and params.logprobs is None
+            and not params.return_logits
+            and not self.suppress
+            and self.grammar is None
+        )
 
 
 @dataclass
@@ -436,6 +454,19 @@ def sample_rows(logits: torch.Tensor, rows: Sequence[SampleRow], masks: GrammarM
         if raw is not None:
             _logprobs(raw, [rows[i] for i in asking], out)
     return out
+
+
+def argmax_samples(rows: Sequence[SampleRow], tokens: Sequence[int]) -> StepSamples:
+    """The samples of a step whose rows are all :attr:`~SampleRow.argmax_only`, from their argmax ``tokens`` (the
+    runner's :class:`~.runner.ArgmaxTokens`): what :func:`sample_rows` gives for those rows' logits.
+
+    Example:
+        >>> rows = [SampleRow("a", SamplingParams(), [torch.Generator()]),
+        ...         SampleRow("b", SamplingParams(n=2), [torch.Generator(), torch.Generator()])]
+        >>> argmax_samples(rows, [7, 3]).tokens
+        {'a': [7], 'b': [3, 3]}
+    """
+    return StepSamples({row.request_id: [token] * len(row.generators) for row, token in zip(rows, tokens, strict=True)})
 
 
 def _draw(logits: torch.Tensor, rows: Sequence[SampleRow], drawing: list[int], out: StepSamples) -> None:

@@ -62,6 +62,10 @@ class Engine(BaseEngine):
             of 16-64 rows, for a second copy of the linear weights; packs are rebuilt after the weights change, and
             only the Engine's forwards use them. Off by default: the packed GEMM sums in another order, so logits move
             by float noise (2e-6 measured) and a greedy near-tie can pick the other token than ``generate`` does.
+        fused_argmax: steps whose rows only take their argmax skip the model's head and take each row's argmax a
+            vocabulary chunk at a time (:mod:`.argmax_head`: on the CPU in float32, where the checks find the
+            chunks bit-identical to the whole head; the tokens are ``generate``'s). True by default; False keeps
+            the logits path (for comparing the two).
 
     Generation parameters: either a :class:`~pagedcore.engine.sampling.SamplingParams` (or a dict of its fields), or
     ``model.generate``'s keyword arguments (``max_new_tokens``, ``do_sample``, ``temperature``, ``top_k``, ``top_p``,
@@ -112,9 +116,10 @@ class Engine(BaseEngine):
         state_slots: int | None = None,
         snapshot_interval: int | None = None,
         prepack: bool | str = False,
+        fused_argmax: bool = True,
     ) -> None:
         settings = dict(locals())
-        for name in ("self", "model", "tokenizer", "config", "pool", "prepack", "__class__"):
+        for name in ("self", "model", "tokenizer", "config", "pool", "prepack", "fused_argmax", "__class__"):
             settings.pop(name, None)
         config = EngineConfig.of(config, **settings)  # every setting checked before anything changes
         runner = TransformersRunner(
@@ -126,6 +131,7 @@ class Engine(BaseEngine):
             tokenizer=tokenizer,
             lora=config.lora,
             prepack=prepack,
+            fused_argmax=fused_argmax,
         )
         try:
             own = replace(config, pool=PoolConfig(), compile="auto", attention_backend=None, lora=None)  # the runner's

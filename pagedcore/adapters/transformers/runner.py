@@ -32,12 +32,13 @@ from pagedcore.attention import to_device
 from pagedcore.config import PoolConfig
 from pagedcore.engine.lora import LoRAConfig
 from pagedcore.engine.packing import pack_tokens
-from pagedcore.engine.runner import CompileCounts, ForwardBatch, ModelInfo, RunnerStats
+from pagedcore.engine.runner import ArgmaxTokens, CompileCounts, ForwardBatch, ModelInfo, RunnerStats
 from pagedcore.errors import ConfigError
 from pagedcore.kv_pool import KVPool
 from pagedcore.plugin_manager import PluginManager
 from pagedcore.validation import as_integer
 
+from .argmax_head import ArgmaxHead
 from .attention import ATTN_IMPLEMENTATION, CONTEXT_KEY, ForwardContext
 from .compiled import CompiledDecode, DecodeInputs, resolve_compile
 from .layer_attention import check_paged_attention
@@ -70,6 +71,8 @@ class TransformersRunner:
         prepack: the linear weights prepacked for the CPU's GEMM in this runner's forwards (:mod:`.prepacked`):
             ``False`` (the default: exact ties with ``generate``), ``True`` or ``"auto"`` (on the CPU in float32;
             costs a second copy of the linear weights).
+        fused_argmax: argmax-only steps through the model's head a vocabulary chunk at a time (:mod:`.argmax_head`,
+            where it applies; True by default), or always through the logits (False).
 
     Example:
         >>> from pagedcore.engine import Engine
@@ -91,7 +94,10 @@ class TransformersRunner:
         tokenizer: Any = None,
         lora: LoRAConfig | None = None,
         prepack: bool | str = False,
+        fused_argmax: bool = True,
     ) -> None:
+        if not isinstance(fused_argmax, bool):
+            raise ConfigError(f"fused_argmax must be True or False, got {fused_argmax!r}", param="fused_argmax")
         device = model.get_input_embeddings().weight.device
         compiling = resolve_compile(compile, device)
         self.owns_pool = pool is None
@@ -136,6 +142,10 @@ class TransformersRunner:
         weight = model.get_input_embeddings().weight
         packing = self._padded is None and resolve_prepack(prepack, device, weight.dtype)  # the packed forward's
         self._packs = PrepackedLinears(model) if packing else None
+        # Steps whose rows only take their argmax: the head's GEMM a vocabulary chunk at a time (argmax_head.py); not
+        # with adapters (a LoRA on the head), the compatible path, or a forward that computes every position's logits.
+        fusing = fused_argmax and lora is None and self._padded is None and self._states is None and self._keeps_logits
+        self._argmax = ArgmaxHead.install(model) if fusing else None
 
     # ------------------------------------------------------------------ the protocol's state
     @property
@@ -157,6 +167,11 @@ class TransformersRunner:
     def prepacked(self) -> PrepackedLinears | None:
         """The linear weights prepacked for this runner's forwards (None: not prepacking)."""
         return self._packs
+
+    @property
+    def argmax_head(self) -> ArgmaxHead | None:
+        """The fused greedy head of argmax-only steps (None: not on this model or runner; :mod:`.argmax_head`)."""
+        return self._argmax
 
     @property
     def plugins(self) -> PluginManager:
@@ -189,10 +204,11 @@ class TransformersRunner:
         context = ForwardContext(self.pool, list(packed.metadata), None, self.attention_backend, positions=positions)
         keep = list(batch.logit_rows)
         adapters = None if self.adapters is None else self.adapters.step(batch.scheduled, keep, self._info.device)
-        return PreparedStep(packed, context, keep, batch.is_decode, adapters)
+        return PreparedStep(packed, context, keep, batch.is_decode, adapters, batch.argmax_only)
 
-    def execute(self, prepared: PreparedStep | PreparedStateStep) -> torch.Tensor:
-        """The forward: the compiled decode step when it runs one, else the model eagerly with paged attention."""
+    def execute(self, prepared: PreparedStep | PreparedStateStep) -> torch.Tensor | ArgmaxTokens:
+        """The forward: the compiled decode step when it runs one, else the model eagerly with paged attention (an
+        argmax-only step: its tokens, through :class:`~.argmax_head.ArgmaxHead`, where it applies)."""
         device = self._info.device
         if isinstance(prepared, PreparedStateStep):
             assert self._states is not None
@@ -217,6 +233,8 @@ class TransformersRunner:
             kwargs["logits_to_keep"] = to_device(torch.tensor(keep), device) if keep else 1
         packs = self._packs.active() if self._packs is not None else contextlib.nullcontext()
         with torch.inference_mode(), self._adapters_applied(prepared), packs:
+            if self._argmax is not None and prepared.argmax_only and prepared.adapters is None:
+                return self._argmax.step(lambda: self.model(**kwargs).logits[0], len(keep))
             logits = self.model(**kwargs).logits[0]
         if not self._keeps_logits and keep:
             logits = logits[to_device(torch.tensor(keep), logits.device)]
@@ -270,6 +288,8 @@ class TransformersRunner:
             self.model.set_attn_implementation(self._original_attn)
         if self._packs is not None:
             self._packs.close()
+        if self._argmax is not None:
+            self._argmax.close()
         tiers = self.pool.tiers
         if tiers is None:
             return

@@ -132,6 +132,8 @@ class PreparedStep:
         keep: the packed indices whose logits the forward returns, in order.
         is_decode: every sequence decodes one token (a compiled decode step can run it).
         adapters: which rows each LoRA adapter applies to (:class:`~.lora.LoraStep`), or None: no row uses one.
+        argmax_only: the rows only take their argmax (:attr:`ForwardBatch.argmax_only
+            <pagedcore.engine.runner.ForwardBatch.argmax_only>`): the runner may return their tokens.
 
     Example:
         >>> PreparedStep(PackedTokens([], [], []), ForwardContext(None, [], None, None), [], False).num_tokens
@@ -143,6 +145,7 @@ class PreparedStep:
     keep: list[int]
     is_decode: bool
     adapters: Any = None
+    argmax_only: bool = False
 
     @property
     def num_tokens(self) -> int:

@@ -1,0 +1,268 @@
+"""The greedy choice fused into the model's output projection, for the Engine's steps on the CPU (issue 33.3: greedy
+choice without a separate full pass over the logits).
+
+A step whose every row only takes its argmax (greedy, no log-probabilities, no returned logits, no logits
+processor, no grammar, no prompt scores: :attr:`ForwardBatch.argmax_only
+<pagedcore.engine.runner.ForwardBatch.argmax_only>`) does not need its ``(rows, vocab)`` logits. Computed whole, they
+are written to memory by the head's GEMM (32 MB at 256 rows of a 32000-token vocabulary: more than the caches hold)
+and read back by the sampler's argmax. Here the model's head is left out of the forward (its input is kept), then
+projected a chunk of the vocabulary at a time (:func:`chunk_columns`), each chunk's argmax taken while its logits are
+still in the caches: :class:`~pagedcore.engine.runner.ArgmaxTokens` come back instead of logits.
+
+Exactness first: the tokens are those the sampler would pick from the logits transformers' own head computes.
+
+1. The model must return its head's output untouched (no softcapping, scaling or other op after the head, one head
+   call per forward): the first eligible step runs the normal way with the head's output recorded and compares it
+   with the logits the model returned; a model that changed them never takes this path.
+2. The chunked GEMM must give the bits of the whole one: a BLAS may sum in another order for another shape, so the
+   first eligible step of each row count (and thread count) runs the normal way and computes three of its chunks
+   beside it (the first, the second and the last: every chunk between has the second's shape, and its weight's
+   alignment), compared bit for bit; a shape whose bits differ keeps the normal path.
+3. A row whose chunks hold a NaN or an infinite maximum, or no finite value, is what the sampler handles
+   (:func:`~pagedcore.engine.sampling.greedy_tokens`' reference ops, or the row's failure): the step's whole logits are
+   then computed (the head's own GEMM, on the kept input) and returned instead.
+
+Only the runner's own forwards take this path (per thread, inside :meth:`ArgmaxHead.step`): ``generate``, an
+``enable()``d call or a training step on another thread runs the head's plain ``F.linear``. The head is used as it is
+at each call (its weight after an optimizer step too): nothing is cached but the answers of the two checks, which
+depend on the model's code and the GEMM's shapes, not on the weights' values. Installed only on a plain float32
+``nn.Linear`` head on the CPU whose ``forward`` nobody replaced (prepacked linears take the head first: then not).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from pagedcore.engine.runner import ArgmaxTokens
+
+__all__ = ["MIN_ROWS", "ArgmaxCounts", "ArgmaxHead", "chunk_columns"]
+
+_STATE = threading.local()  # .call: the _Call of the ArgmaxHead.step this thread is in
+CHUNK_BYTES = 512 << 10  # one chunk's logits: about an L2 cache's worth (scripts/argmax_head_bench.py)
+MIN_COLUMNS, MAX_COLUMNS = 512, 4096
+MIN_ROWS = 2  # one row: the whole head is a matrix-vector product, faster than its chunks (lm_head_greedy_bench.py)
+
+
+def chunk_columns(rows: int) -> int:
+    """Vocabulary columns per chunk for ``rows`` rows: the power of two whose float32 logits come closest below
+    :data:`CHUNK_BYTES`, within 512 and 4096 columns.
+
+    Example:
+        >>> chunk_columns(1), chunk_columns(64), chunk_columns(256), chunk_columns(4096)
+        (4096, 2048, 512, 512)
+    """
+    fit = CHUNK_BYTES // (4 * max(rows, 1))
+    return min(MAX_COLUMNS, max(MIN_COLUMNS, 1 << (fit.bit_length() - 1) if fit else 0))
+
+
+@dataclass
+class ArgmaxCounts:
+    """The fused head's counters: ``steps`` served by it, ``checks`` (eligible steps run the normal way to check a
+    model or a shape), ``fallbacks`` (steps whose logits held a NaN or an infinity: computed whole).
+
+    Example:
+        >>> ArgmaxCounts().steps
+        0
+    """
+
+    steps: int = 0
+    checks: int = 0
+    fallbacks: int = 0
+
+
+@dataclass
+class _Call:
+    """One :meth:`ArgmaxHead.step` in progress: whether the head is skipped (``capture``), and what it saw."""
+
+    head: ArgmaxHead
+    capture: bool
+    inputs: list[torch.Tensor] = field(default_factory=list)
+    outputs: list[torch.Tensor] = field(default_factory=list)
+
+
+class ArgmaxHead:
+    """The fused greedy head of ``model`` (see the module docstring); build it with :meth:`install`.
+
+    Example:
+        >>> from pagedcore.adapters.transformers.testing import tiny_llama
+        >>> model = tiny_llama().eval()
+        >>> head = ArgmaxHead.install(model)
+        >>> ids = torch.tensor([[1, 5, 9], [3, 4, 2]])
+        >>> def logits():
+        ...     return model(ids, logits_to_keep=1).logits[:, -1]
+        >>> with torch.inference_mode():
+        ...     first, second = head.step(logits, 2), head.step(logits, 2)   # the first checks, the second is fused
+        >>> second.tokens == first.argmax(-1).tolist(), head.counts
+        (True, ArgmaxCounts(steps=1, checks=1, fallbacks=0))
+        >>> head.close(); "forward" in vars(model.lm_head)
+        False
+    """
+
+    def __init__(self, module: torch.nn.Linear) -> None:
+        self._module = module
+        self._plain: bool | None = None  # the model returns the head's output untouched (check 1)
+        self._exact: dict[tuple[int, int], bool] = {}  # (rows, threads): the chunks' bits are the whole GEMM's
+        self.counts = ArgmaxCounts()
+        module.forward = _Forward(self)  # type: ignore[method-assign,assignment]
+
+    @classmethod
+    def install(cls, model: Any) -> ArgmaxHead | None:
+        """The fused head of ``model``, or None where it does not apply (module docstring)."""
+        module = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        if type(module) is not torch.nn.Linear or "forward" in vars(module):
+            return None
+        return cls(module) if _fusable(module.weight) else None
+
+    def step(self, forward: Callable[[], torch.Tensor], rows: int) -> torch.Tensor | ArgmaxTokens:
+        """One argmax-only step of ``rows`` rows: ``forward()`` runs the model and returns its logits ``(rows,
+        vocab)`` (a view of the head's output); returns the rows' tokens, or the float32 logits where the row count
+        (:data:`MIN_ROWS`), a check or a row's values say so."""
+        weight = self._module.weight
+        if rows < MIN_ROWS or self._plain is False or not _fusable(weight):  # e.g. a model converted to bf16 since
+            return forward().float()
+        call = _Call(self, capture=False)
+        with _calling(call):
+            if self._plain:
+                call.capture = True
+                forward()  # the head's input kept, its GEMM skipped (the chunks' shape is checked below)
+            else:
+                logits = forward()
+        if not call.capture:
+            self.counts.checks += 1
+            self._check_model(call, logits)
+            if self._plain:
+                self._check_chunks(call.inputs[0], call.outputs[0])
+            return logits.float()
+        if len(call.inputs) != 1:  # not the one head call check 1 saw: the logits path from here on (the forward
+            self._plain = False  # runs again, writing the same slots, as after a failed compiled step)
+            return forward().float()
+        (x,) = call.inputs
+        key = (x.numel() // x.shape[-1], torch.get_num_threads())
+        exact = self._exact.get(key)
+        if exact is None:  # a new shape: the whole GEMM (this step's logits) and the chunks' bits compared
+            self.counts.checks += 1
+            whole = self._linear(x)
+            self._check_chunks(x, whole)
+            return _rows(whole).float()
+        if not exact:
+            return _rows(self._linear(x)).float()
+        tokens = self._argmax(x)
+        if tokens is None:
+            self.counts.fallbacks += 1
+            return _rows(self._linear(x)).float()
+        self.counts.steps += 1
+        return ArgmaxTokens(tokens)
+
+    def close(self) -> None:
+        """Give the head its own ``forward`` back."""
+        if isinstance(vars(self._module).get("forward"), _Forward):
+            del self._module.forward
+
+    # ------------------------------------------------------------------ the checks
+    def _check_model(self, call: _Call, logits: torch.Tensor) -> None:
+        """Check 1: one head call, whose output the model returned as it was."""
+        if len(call.outputs) != 1:
+            self._plain = False
+            return
+        out = _rows(call.outputs[0])
+        self._plain = out.shape == logits.shape and out.dtype == logits.dtype and _same_bits(out, logits)
+
+    def _check_chunks(self, x: torch.Tensor, whole: torch.Tensor) -> None:
+        """Check 2, for the rows and threads of ``x``: the chunks' GEMMs give the bits of the whole one. The first,
+        the second and the last chunk are computed (every chunk between has the second's shape and its weight's
+        alignment): a check costs a few chunks, not a second head."""
+        rows = x.numel() // x.shape[-1]
+        weight, bias = self._module.weight, self._module.bias
+        columns, vocab = chunk_columns(rows), weight.shape[0]
+        exact = True
+        starts = {0, columns if columns < vocab else 0, (vocab - 1) // columns * columns}
+        for a in sorted(starts):
+            b = min(a + columns, vocab)
+            chunk = F.linear(x, weight[a:b], None if bias is None else bias[a:b])
+            if not _same_bits(chunk, whole[..., a:b]):
+                exact = False
+                break
+        self._exact[(rows, torch.get_num_threads())] = exact
+
+    # ------------------------------------------------------------------ the fused pass
+    def _linear(self, x: torch.Tensor) -> torch.Tensor:
+        """The head's own GEMM (``nn.Linear.forward``)."""
+        return F.linear(x, self._module.weight, self._module.bias)
+
+    def _argmax(self, x: torch.Tensor) -> list[int] | None:
+        """The first maximal column of each row of the head's output, a chunk at a time (two numpy calls a chunk:
+        its argmax and the values there; the chunks' winners are compared once, after the last); None when a
+        row's maximum is a NaN or an infinity, or it has no finite value (the sampler's cases)."""
+        weight, bias = self._module.weight, self._module.bias
+        rows, vocab = x.numel() // x.shape[-1], weight.shape[0]
+        columns = chunk_columns(rows)
+        every = np.arange(rows)
+        count = -(-vocab // columns)
+        index = np.empty((count, rows), dtype=np.int64)
+        value = np.empty((count, rows), dtype=np.float32)
+        for k in range(count):
+            a, b = k * columns, min((k + 1) * columns, vocab)
+            chunk = F.linear(x, weight[a:b], None if bias is None else bias[a:b]).detach().numpy().reshape(rows, b - a)
+            index[k] = chunk.argmax(axis=1)  # the first maximal column in the chunk (a NaN's, if it holds one)
+            value[k] = chunk[every, index[k]]
+        winner = value.argmax(axis=0)  # the first chunk holding the row's maximum (a NaN's, if any)
+        top = value[winner, every]
+        if not np.isfinite(top).all():
+            return None
+        return (index[winner, every] + winner * columns).tolist()
+
+
+class _Forward:
+    """The head's ``forward`` while installed: the runner's step on this thread records or skips the GEMM; every
+    other call is ``nn.Linear``'s own."""
+
+    def __init__(self, head: ArgmaxHead) -> None:
+        self._head = weakref.ref(head)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        head = self._head()
+        assert head is not None
+        call: _Call | None = getattr(_STATE, "call", None)
+        if torch.compiler.is_compiling() or call is None or call.head is not head:
+            return head._linear(x)  # noqa: SLF001
+        call.inputs.append(x)
+        if call.capture:
+            return x.new_empty(*x.shape[:-1], 0)  # nothing reads it (check 1): the model returns it as its logits
+        out = head._linear(x)  # noqa: SLF001
+        call.outputs.append(out)
+        return out
+
+
+@contextlib.contextmanager
+def _calling(call: _Call) -> Iterator[None]:
+    """This thread is in ``call`` for the block."""
+    before = getattr(_STATE, "call", None)
+    _STATE.call = call
+    try:
+        yield
+    finally:
+        _STATE.call = before
+
+
+def _fusable(weight: torch.Tensor) -> bool:
+    """A float32 weight on the CPU (numpy reads the chunks)."""
+    return weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.dim() == 2
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit for bit (NaNs with the same payload agree; ``0.0`` and ``-0.0`` do not)."""
+    return a.shape == b.shape and torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+def _rows(logits: torch.Tensor) -> torch.Tensor:
+    """``(rows, vocab)`` of the head's output ``(..., rows, vocab)`` with one batch row (the packed step's)."""
+    return logits.reshape(-1, logits.shape[-1])

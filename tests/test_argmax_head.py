@@ -1,0 +1,213 @@
+"""The greedy choice fused into the model's head (issue 33.3; pagedcore/adapters/transformers/argmax_head.py): steps
+whose rows only take their argmax get their tokens from the head's input a vocabulary chunk at a time, and every
+token is still stock ``generate``'s — across chunk boundaries and ties, padded batches of lengths, a weights update,
+NaN logits; a model that changes its head's output, or a GEMM whose chunks sum in another order, keeps the logits.
+
+The tiny models here have a 5000-token vocabulary, so that a step's head is projected in more than one chunk."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from family_configs import tiny_family
+from transformers import DynamicCache
+
+from pagedcore import ConfigError
+from pagedcore.adapters.transformers import Engine, SamplingParams, argmax_head
+from pagedcore.adapters.transformers.argmax_head import ArgmaxCounts, ArgmaxHead, chunk_columns
+from pagedcore.adapters.transformers.testing import tiny_llama
+from pagedcore.engine.runner import ArgmaxTokens
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+VOCAB = 5000
+PROMPTS = [[5, 9, 30, 41, 7, 8, 100, 12], [77, 78, 79], [4000, 4999, 17, 3, 3, 3, 3, 3, 3, 3, 3, 250], [1]]
+NEW = 8
+
+
+def model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    built = tiny_llama(vocab_size=VOCAB)
+    built.generation_config.eos_token_id = None  # every generation runs to its length
+    built.generation_config.pad_token_id = 0
+    return built
+
+
+def stock(reference: torch.nn.Module, prompts: list[list[int]], new: int = NEW) -> list[list[int]]:
+    out = []
+    for prompt in prompts:
+        ids = reference.generate(
+            torch.tensor([prompt]), max_new_tokens=new, do_sample=False, cache=DynamicCache(config=reference.config)
+        )
+        out.append(ids[0, len(prompt) :].tolist())
+    return out
+
+
+def engine_of(net: torch.nn.Module) -> Engine:
+    return Engine(net, num_blocks=128, block_size=4, max_num_batched_tokens=16)
+
+
+def tokens(engine: Engine, prompts: list[list[int]], params: SamplingParams | None = None) -> list[list[int]]:
+    outs = engine.generate(prompts, params or SamplingParams(max_new_tokens=NEW), use_tqdm=False)
+    assert all(o.error is None for o in outs), [o.error for o in outs]
+    return [o.token_ids for o in outs]
+
+
+def test_greedy_steps_take_the_fused_head_and_give_generates_tokens():
+    net = model()
+    want = stock(net, PROMPTS)
+    with engine_of(net) as engine:
+        head = engine.runner.argmax_head
+        assert head is not None
+        assert tokens(engine, PROMPTS[3:]) == want[3:]
+        assert head.counts == ArgmaxCounts()  # one row: the whole head (a matrix-vector product) is the faster
+        assert tokens(engine, PROMPTS) == want
+        assert tokens(engine, PROMPTS[:2] * 3) == want[:2] * 3  # prefix hits, then six rows together
+        assert head.counts.steps > 0 and head.counts.fallbacks == 0
+        n2 = engine.generate([PROMPTS[0]], SamplingParams(max_new_tokens=NEW, n=2), use_tqdm=False)[0]
+        assert [s.token_ids for s in n2.samples] == [want[0], want[0]]  # greedy samples fork on the same token
+    assert "forward" not in vars(net.lm_head)  # closing the Engine gives the head its own forward back
+
+
+def test_rows_that_read_the_logits_keep_the_logits_path():
+    net = model()
+    want = stock(net, PROMPTS[:2])
+    with engine_of(net) as engine:
+        head = engine.runner.argmax_head
+        params = [SamplingParams(max_new_tokens=NEW), SamplingParams(max_new_tokens=NEW, logprobs=0)]
+        outs = engine.generate(PROMPTS[:2], params, use_tqdm=False)
+        assert [o.token_ids for o in outs] == want
+        assert head.counts.steps == 0  # every step had a row asking for log-probabilities
+        asking = ({"return_logits": True}, {"repetition_penalty": 1.1}, {"min_new_tokens": 2, "stop_token_ids": [3]})
+        for asked in asking:
+            tokens(engine, PROMPTS[:1], SamplingParams(max_new_tokens=2, **asked))
+        assert head.counts.steps == 0
+
+
+def test_ties_across_chunks_go_to_the_first_maximal_index():
+    columns = chunk_columns(3)
+    head_layer = torch.nn.Linear(4, 3 * columns + 5, bias=True)
+    with torch.no_grad():
+        head_layer.weight.zero_()
+        head_layer.bias.fill_(0.5)  # the same everywhere: the ties stay
+        head_layer.weight[[7, columns + 7, 2 * columns + 1], 0] = 1.0  # row 0: a tie of chunks 0, 1 and 2
+        head_layer.weight[[columns + 3, 3 * columns + 4], 1] = 5.0  # row 1: a tie of chunks 1 and 3 (the last)
+    x = torch.tensor([[[2.0, 0, 0, 0], [0.0, 1, 0, 0], [0.0, 0, 0, 0]]])  # row 2: every logit 0.5
+    head = ArgmaxHead(head_layer)
+    with torch.inference_mode():
+        logits = head.step(lambda: head_layer(x)[0], 3)  # the check
+        fused = head.step(lambda: head_layer(x)[0], 3)
+    assert isinstance(logits, torch.Tensor) and isinstance(fused, ArgmaxTokens)
+    assert fused.tokens == logits.argmax(-1).tolist() == [7, columns + 3, 0]
+    head.close()
+
+
+def test_nan_logits_give_the_samplers_answer():
+    net = model()
+    with engine_of(net) as engine:
+        head = engine.runner.argmax_head
+        with torch.no_grad():  # after the Engine's probe (which refuses a model whose logits are NaN)
+            net.lm_head.weight[4321] = float("nan")  # every row's logit 4321 is NaN: numpy's and torch's maximum
+        fused = engine.generate(PROMPTS, SamplingParams(max_new_tokens=6), use_tqdm=False)
+        assert head.counts.fallbacks > 0 and head.counts.steps == 0
+        plain = engine.generate(PROMPTS, SamplingParams(max_new_tokens=6, logprobs=0), use_tqdm=False)
+    assert [(o.token_ids, o.error) for o in fused] == [(o.token_ids, o.error) for o in plain]
+    assert fused[0].token_ids[0] == 4321
+
+
+def test_a_model_that_changes_its_heads_output_keeps_the_logits_path():
+    net = tiny_family("gemma2", vocab_size=VOCAB)  # softcapped logits: tanh after the head
+    assert net.config.final_logit_softcapping
+    want = stock(net, PROMPTS[:2])
+    with engine_of(net) as engine:
+        assert tokens(engine, PROMPTS[:2]) == want
+        head = engine.runner.argmax_head
+        assert head is not None and head.counts.checks == 1 and head.counts.steps == 0
+
+
+def test_chunks_whose_bits_differ_from_the_whole_gemm_keep_the_logits_path(monkeypatch):
+    class Shifted:  # a BLAS that sums a narrower GEMM in another order: the chunks' last bits move
+        @staticmethod
+        def linear(x, weight, bias=None):
+            out = torch.nn.functional.linear(x, weight, bias)
+            return torch.nextafter(out, torch.full_like(out, float("inf"))) if weight.shape[0] < VOCAB else out
+
+    monkeypatch.setattr(argmax_head, "F", Shifted)
+    net = model()
+    want = stock(net, PROMPTS)
+    with engine_of(net) as engine:
+        assert tokens(engine, PROMPTS) == want
+        head = engine.runner.argmax_head
+        assert head.counts.checks > 0 and head.counts.steps == 0
+
+
+def test_greedy_tokens_follow_a_weights_update():
+    net, reference = model(), model()
+    with engine_of(net) as engine:
+        head = engine.runner.argmax_head
+        assert tokens(engine, PROMPTS) == stock(reference, PROMPTS)
+        before = head.counts.steps
+        with torch.no_grad():  # e.g. an optimizer step: the head changes in place, the Engine sees it next step
+            for layer in (net, reference):
+                layer.lm_head.weight.mul_(-1.0)
+        assert tokens(engine, PROMPTS) == stock(reference, PROMPTS)
+        assert head.counts.steps > before
+
+
+def test_other_threads_calls_of_the_head_are_plain_while_the_engine_steps():
+    net = model()
+    x = torch.randn(2, 3, net.config.hidden_size)
+    want = torch.nn.functional.linear(x, net.lm_head.weight)
+    seen: list[bool] = []
+    stop = threading.Event()
+
+    def other_user() -> None:
+        while not stop.is_set():
+            with torch.inference_mode():
+                seen.append(torch.equal(net.lm_head(x), want))
+
+    with engine_of(net) as engine:
+        worker = threading.Thread(target=other_user)
+        worker.start()
+        try:
+            tokens(engine, PROMPTS)
+        finally:
+            stop.set()
+            worker.join()
+        assert engine.runner.argmax_head.counts.steps > 0
+    assert seen and all(seen)
+
+
+def test_fused_argmax_false_keeps_the_logits_path_and_a_bad_value_is_refused():
+    net = model()
+    with Engine(net, num_blocks=64, block_size=4, fused_argmax=False) as engine:
+        assert engine.runner.argmax_head is None and "forward" not in vars(net.lm_head)
+        assert tokens(engine, PROMPTS[:2]) == stock(model(), PROMPTS[:2])
+    with pytest.raises(ConfigError, match="fused_argmax must be True or False, got 'yes'") as caught:
+        Engine(net, num_blocks=64, block_size=4, fused_argmax="yes")
+    assert caught.value.param == "fused_argmax"
+    assert net.config._attn_implementation != "paged"  # refused before the model was touched
+
+
+def test_a_forward_that_stops_calling_the_head_once_is_answered_by_the_logits_path():
+    layer = torch.nn.Linear(8, 600)
+    x = torch.randn(1, 2, 8)
+    twice = [False]
+
+    def forward() -> torch.Tensor:
+        if twice[0]:
+            layer(x)  # e.g. a draft head sharing the layer: the head's input is no longer the model's only one
+        return layer(x)[0]
+
+    head = ArgmaxHead(layer)
+    with torch.inference_mode():
+        assert isinstance(head.step(forward, 2), torch.Tensor)  # the checks
+        assert isinstance(head.step(forward, 2), ArgmaxTokens)
+        twice[0] = True
+        logits = head.step(forward, 2)
+        assert isinstance(logits, torch.Tensor) and torch.equal(logits, layer(x)[0])
+        twice[0] = False
+        assert isinstance(head.step(forward, 2), torch.Tensor)  # the logits path from then on
+    head.close()
