@@ -211,3 +211,23 @@ def test_a_forward_that_stops_calling_the_head_once_is_answered_by_the_logits_pa
         twice[0] = False
         assert isinstance(head.step(forward, 2), torch.Tensor)  # the logits path from then on
     head.close()
+
+
+def test_the_heads_pass_runs_inside_the_models_forward(monkeypatch):
+    # what times a model's forward (pagedcore bench's forward hooks, a profiler) times the head's pass with it
+    net = model()
+    inside = [False]
+    seen: list[bool] = []
+    net.register_forward_pre_hook(lambda *_: inside.__setitem__(0, True))
+    net.register_forward_hook(lambda *_: inside.__setitem__(0, False))
+    chunks = ArgmaxHead._argmax
+
+    def watched(self, x):
+        seen.append(inside[0])
+        return chunks(self, x)
+
+    monkeypatch.setattr(ArgmaxHead, "_argmax", watched)
+    with engine_of(net) as engine:
+        assert tokens(engine, PROMPTS) == stock(model(), PROMPTS)
+        assert engine.runner.argmax_head.counts.steps > 0
+    assert seen and all(seen)

@@ -5,9 +5,11 @@ A step whose every row only takes its argmax (greedy, no log-probabilities, no r
 processor, no grammar, no prompt scores: :attr:`ForwardBatch.argmax_only
 <pagedcore.engine.runner.ForwardBatch.argmax_only>`) does not need its ``(rows, vocab)`` logits. Computed whole, they
 are written to memory by the head's GEMM (32 MB at 256 rows of a 32000-token vocabulary: more than the caches hold)
-and read back by the sampler's argmax. Here the model's head is left out of the forward (its input is kept), then
-projected a chunk of the vocabulary at a time (:func:`chunk_columns`), each chunk's argmax taken while its logits are
-still in the caches: :class:`~pagedcore.engine.runner.ArgmaxTokens` come back instead of logits.
+and read back by the sampler's argmax. Here the head's call inside the model's forward projects its input a chunk of
+the vocabulary at a time (:func:`chunk_columns`), takes each chunk's argmax while its logits are still in the caches
+and returns an empty tensor (nothing reads it): :class:`~pagedcore.engine.runner.ArgmaxTokens` come back instead of
+logits. The pass stays inside the forward, so that what times a model's forward (a profiler, ``pagedcore bench``'s
+forward hooks) times the head's pass with it.
 
 Exactness first: the tokens are those the sampler would pick from the logits transformers' own head computes.
 
@@ -19,8 +21,8 @@ Exactness first: the tokens are those the sampler would pick from the logits tra
    beside it (the first, the second and the last: every chunk between has the second's shape, and its weight's
    alignment), compared bit for bit; a shape whose bits differ keeps the normal path.
 3. A row whose chunks hold a NaN or an infinite maximum, or no finite value, is what the sampler handles
-   (:func:`~pagedcore.engine.sampling.greedy_tokens`' reference ops, or the row's failure): the step's whole logits are
-   then computed (the head's own GEMM, on the kept input) and returned instead.
+   (:func:`~pagedcore.engine.sampling.greedy_tokens`' reference ops, or the row's failure): the head then computes
+   the step's whole logits (its own GEMM), which the model returns as usual.
 
 Only the runner's own forwards take this path (per thread, inside :meth:`ArgmaxHead.step`): ``generate``, an
 ``enable()``d call or a training step on another thread runs the head's plain ``F.linear``. The head is used as it is
@@ -81,12 +83,14 @@ class ArgmaxCounts:
 
 @dataclass
 class _Call:
-    """One :meth:`ArgmaxHead.step` in progress: whether the head is skipped (``capture``), and what it saw."""
+    """One :meth:`ArgmaxHead.step` in progress: whether the head takes the argmax itself (``capture``), what it saw,
+    the tokens it took."""
 
     head: ArgmaxHead
     capture: bool
     inputs: list[torch.Tensor] = field(default_factory=list)
     outputs: list[torch.Tensor] = field(default_factory=list)
+    tokens: list[int] | None = None
 
 
 class ArgmaxHead:
@@ -129,13 +133,9 @@ class ArgmaxHead:
         weight = self._module.weight
         if rows < MIN_ROWS or self._plain is False or not _fusable(weight):  # e.g. a model converted to bf16 since
             return forward().float()
-        call = _Call(self, capture=False)
+        call = _Call(self, capture=bool(self._plain))
         with _calling(call):
-            if self._plain:
-                call.capture = True
-                forward()  # the head's input kept, its GEMM skipped (the chunks' shape is checked below)
-            else:
-                logits = forward()
+            logits = forward()  # with capture: the head's pass runs inside the model's forward (:meth:`_head`)
         if not call.capture:
             self.counts.checks += 1
             self._check_model(call, logits)
@@ -145,22 +145,32 @@ class ArgmaxHead:
         if len(call.inputs) != 1:  # not the one head call check 1 saw: the logits path from here on (the forward
             self._plain = False  # runs again, writing the same slots, as after a failed compiled step)
             return forward().float()
-        (x,) = call.inputs
+        if call.tokens is None:  # a shape checked now, or unlike the whole GEMM, or a NaN / infinite maximum
+            return logits.float()  # the model's own logits: the head computed them whole
+        self.counts.steps += 1
+        return ArgmaxTokens(call.tokens)
+
+    def _head(self, call: _Call, x: torch.Tensor) -> torch.Tensor:
+        """The head's call inside a captured step's forward: the rows' tokens a chunk at a time (an empty output:
+        the model returns it, and nothing reads it), else the whole GEMM (a new shape, checked beside it; a shape
+        whose chunks differ; a NaN or an infinite maximum). Inside the forward, so that whatever times the model's
+        forward times the head's pass too."""
+        call.inputs.append(x)
+        if len(call.inputs) > 1:
+            return self._linear(x)
         key = (x.numel() // x.shape[-1], torch.get_num_threads())
         exact = self._exact.get(key)
         if exact is None:  # a new shape: the whole GEMM (this step's logits) and the chunks' bits compared
             self.counts.checks += 1
             whole = self._linear(x)
             self._check_chunks(x, whole)
-            return _rows(whole).float()
-        if not exact:
-            return _rows(self._linear(x)).float()
-        tokens = self._argmax(x)
-        if tokens is None:
+            return whole
+        if exact:
+            call.tokens = self._argmax(x)
+            if call.tokens is not None:
+                return x.new_empty(*x.shape[:-1], 0)
             self.counts.fallbacks += 1
-            return _rows(self._linear(x)).float()
-        self.counts.steps += 1
-        return ArgmaxTokens(tokens)
+        return self._linear(x)
 
     def close(self) -> None:
         """Give the head its own ``forward`` back."""
@@ -234,9 +244,9 @@ class _Forward:
         call: _Call | None = getattr(_STATE, "call", None)
         if torch.compiler.is_compiling() or call is None or call.head is not head:
             return head._linear(x)  # noqa: SLF001
-        call.inputs.append(x)
         if call.capture:
-            return x.new_empty(*x.shape[:-1], 0)  # nothing reads it (check 1): the model returns it as its logits
+            return head._head(call, x)  # noqa: SLF001
+        call.inputs.append(x)
         out = head._linear(x)  # noqa: SLF001
         call.outputs.append(out)
         return out
