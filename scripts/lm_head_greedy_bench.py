@@ -11,7 +11,8 @@ alternating:
 
 - ``linear + greedy``: ``F.linear`` (what transformers' LM head runs), then ``greedy_tokens``;
 - ``chunked + block maxima``: the fused variant, ``--chunk`` columns per chunk;
-- ``ArgmaxHead``: what the Engine runs (:mod:`pagedcore.adapters.transformers.argmax_head`): each chunk
+- ``ArgmaxHead``: the Engine's chunked way (:mod:`pagedcore.adapters.transformers.argmax_head`, ``way="chunks"``;
+  the Engine measures it against the whole GEMM per bucket of row counts and keeps the faster): each chunk
   (:func:`~pagedcore.adapters.transformers.argmax_head.chunk_columns`) a fresh small GEMM whose numpy argmax is taken
   at once, the logits never written whole (its bit check is done before the timed rounds);
 
@@ -102,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         w = torch.randn(vocab, hidden, generator=gen) * 0.02
         layer = torch.nn.Linear(hidden, vocab, bias=False)
         layer.weight.data = w
-        head = ArgmaxHead(layer)
+        head = ArgmaxHead(layer, way="chunks")  # the chunks always (the Engine measures both ways per bucket)
         for rows in [int(r) for r in args.rows.split(",")]:
             h = torch.randn(rows, hidden, generator=gen)
             ref = F.linear(h, w)

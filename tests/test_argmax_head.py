@@ -66,6 +66,7 @@ def test_greedy_steps_take_the_fused_head_and_give_generates_tokens():
         assert tokens(engine, PROMPTS) == want
         assert tokens(engine, PROMPTS[:2] * 3) == want[:2] * 3  # prefix hits, then six rows together
         assert head.counts.steps > 0 and head.counts.fallbacks == 0
+        assert 0 < head.counts.whole < head.counts.steps  # a bucket's trials: both ways gave generate's tokens
         n2 = engine.generate([PROMPTS[0]], SamplingParams(max_new_tokens=NEW, n=2), use_tqdm=False)[0]
         assert [s.token_ids for s in n2.samples] == [want[0], want[0]]  # greedy samples fork on the same token
     assert "forward" not in vars(net.lm_head)  # closing the Engine gives the head its own forward back
@@ -231,3 +232,58 @@ def test_the_heads_pass_runs_inside_the_models_forward(monkeypatch):
         assert tokens(engine, PROMPTS) == stock(model(), PROMPTS)
         assert engine.runner.argmax_head.counts.steps > 0
     assert seen and all(seen)
+
+
+def test_each_bucket_of_row_counts_keeps_the_way_its_own_steps_measured_faster(monkeypatch):
+    # the chunks win where the whole logits overflow the caches, the whole GEMM where a large cache holds them
+    # (docs/benchmarks.md): a clock driven by the test makes the chunks cost 5 per row at 2-3 rows, 1 at 4-7
+    now = [0.0]
+    cost = {"chunks": {2: 5.0, 4: 1.0}, "whole": {2: 2.0, 4: 2.0}}
+    chunks, whole = ArgmaxHead._argmax, argmax_head._whole_argmax
+
+    def charged(way, rows):
+        now[0] += cost[way][1 << (rows.bit_length() - 1)] * rows
+
+    def timed_chunks(self, x):
+        charged("chunks", x.numel() // x.shape[-1])
+        return chunks(self, x)
+
+    def timed_whole(logits):
+        charged("whole", logits.numel() // logits.shape[-1])
+        return whole(logits)
+
+    monkeypatch.setattr(argmax_head, "_clock", lambda: now[0])
+    monkeypatch.setattr(ArgmaxHead, "_argmax", timed_chunks)
+    monkeypatch.setattr(argmax_head, "_whole_argmax", timed_whole)
+    layer = torch.nn.Linear(8, 3000)
+    head = ArgmaxHead(layer)
+    threads = torch.get_num_threads()
+    with torch.inference_mode():
+        for rows in (2, 5, 3):
+            x = torch.randn(1, rows, 8)
+            want = layer(x)[0].argmax(-1).tolist()
+            got = [head.step(lambda x=x: layer(x)[0], rows) for _ in range(2 * argmax_head.TRIALS + 3)]
+            assert isinstance(got[0], torch.Tensor)  # the row count's bit check
+            assert all(isinstance(g, ArgmaxTokens) and g.tokens == want for g in got[1:])
+    assert head.ways == {(2, threads): "whole", (4, threads): "chunks"}
+    # 2 rows: 3 trials each way, then 2 steps whole; 5 rows: 3 each, then chunks; 3 rows: bucket 2, decided: whole
+    assert head.counts == ArgmaxCounts(steps=3 * 8, whole=3 + 2 + 3 + 8, checks=3, fallbacks=0)
+    head.close()
+
+
+def test_a_forced_way_is_kept_and_a_bad_one_refused():
+    layer = torch.nn.Linear(8, 3000)
+    with torch.no_grad():
+        layer.weight[1234] = float("nan")
+    x = torch.randn(1, 4, 8)
+    for way in ("chunks", "whole"):
+        head = ArgmaxHead(layer, way=way)
+        with torch.inference_mode():
+            steps = [head.step(lambda: layer(x)[0], 4) for _ in range(3)]
+        # every row's maximum is the NaN: each way hands the sampler the model's whole logits
+        whole = layer(x)[0].view(torch.int32)
+        assert all(isinstance(s, torch.Tensor) and torch.equal(s.view(torch.int32), whole) for s in steps)
+        assert head.counts.fallbacks == 2 and head.counts.steps == 0 and not head.ways
+        head.close()
+    with pytest.raises(ValueError, match="way must be 'auto', 'chunks' or 'whole', got 'fast'"):
+        ArgmaxHead(layer, way="fast")

@@ -24,6 +24,14 @@ Exactness first: the tokens are those the sampler would pick from the logits tra
    (:func:`~pagedcore.engine.sampling.greedy_tokens`' reference ops, or the row's failure): the head then computes
    the step's whole logits (its own GEMM), which the model returns as usual.
 
+Whether the chunks are faster depends on the machine's caches: where the whole logits fit in a large last-level
+cache, reading them back is cheap and the chunks' smaller GEMMs can lose (docs/benchmarks.md, "The greedy choice
+inside the head"). So each power-of-two bucket of row counts (per thread count) is measured in the Engine's own
+steps: its first :data:`TRIALS` steps each way, alternating, take their tokens by the chunks or by the whole GEMM and
+one argmax pass over it (what the logits path costs), both timed inside the head; the way with the lower median time
+per row serves the bucket from then on (:attr:`ArgmaxHead.ways`). Both ways give the same tokens, so the choice
+changes only the time.
+
 Only the runner's own forwards take this path (per thread, inside :meth:`ArgmaxHead.step`): ``generate``, an
 ``enable()``d call or a training step on another thread runs the head's plain ``F.linear``. The head is used as it is
 at each call (its weight after an optimizer step too): nothing is cached but the answers of the two checks, which
@@ -34,7 +42,9 @@ depend on the model's code and the GEMM's shapes, not on the weights' values. In
 from __future__ import annotations
 
 import contextlib
+import statistics
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -46,12 +56,15 @@ import torch.nn.functional as F
 
 from pagedcore.engine.runner import ArgmaxTokens
 
-__all__ = ["MIN_ROWS", "ArgmaxCounts", "ArgmaxHead", "chunk_columns"]
+__all__ = ["MIN_ROWS", "TRIALS", "ArgmaxCounts", "ArgmaxHead", "chunk_columns"]
 
 _STATE = threading.local()  # .call: the _Call of the ArgmaxHead.step this thread is in
 CHUNK_BYTES = 512 << 10  # one chunk's logits: about an L2 cache's worth (scripts/argmax_head_bench.py)
 MIN_COLUMNS, MAX_COLUMNS = 512, 4096
 MIN_ROWS = 2  # one row: the whole head is a matrix-vector product, faster than its chunks (lm_head_greedy_bench.py)
+TRIALS = 3  # steps each way before a bucket of row counts keeps the faster (module docstring)
+WAYS = ("chunks", "whole")
+_clock = time.perf_counter  # the trials' clock (a test drives its own)
 
 
 def chunk_columns(rows: int) -> int:
@@ -68,8 +81,9 @@ def chunk_columns(rows: int) -> int:
 
 @dataclass
 class ArgmaxCounts:
-    """The fused head's counters: ``steps`` served by it, ``checks`` (eligible steps run the normal way to check a
-    model or a shape), ``fallbacks`` (steps whose logits held a NaN or an infinity: computed whole).
+    """The fused head's counters: ``steps`` served by it (tokens taken inside the head), of which ``whole`` by the
+    whole GEMM and one pass (the bucket's faster way, or its trial), ``checks`` (eligible steps run the normal way to
+    check a model or a shape), ``fallbacks`` (steps whose logits held a NaN or an infinity: the sampler's rules).
 
     Example:
         >>> ArgmaxCounts().steps
@@ -77,6 +91,7 @@ class ArgmaxCounts:
     """
 
     steps: int = 0
+    whole: int = 0
     checks: int = 0
     fallbacks: int = 0
 
@@ -91,6 +106,7 @@ class _Call:
     inputs: list[torch.Tensor] = field(default_factory=list)
     outputs: list[torch.Tensor] = field(default_factory=list)
     tokens: list[int] | None = None
+    way: str = "chunks"
 
 
 class ArgmaxHead:
@@ -106,15 +122,20 @@ class ArgmaxHead:
         >>> with torch.inference_mode():
         ...     first, second = head.step(logits, 2), head.step(logits, 2)   # the first checks, the second is fused
         >>> second.tokens == first.argmax(-1).tolist(), head.counts
-        (True, ArgmaxCounts(steps=1, checks=1, fallbacks=0))
+        (True, ArgmaxCounts(steps=1, whole=0, checks=1, fallbacks=0))
         >>> head.close(); "forward" in vars(model.lm_head)
         False
     """
 
-    def __init__(self, module: torch.nn.Linear) -> None:
+    def __init__(self, module: torch.nn.Linear, way: str = "auto") -> None:
+        if way not in ("auto", *WAYS):
+            raise ValueError(f"way must be 'auto', 'chunks' or 'whole', got {way!r}")
         self._module = module
         self._plain: bool | None = None  # the model returns the head's output untouched (check 1)
         self._exact: dict[tuple[int, int], bool] = {}  # (rows, threads): the chunks' bits are the whole GEMM's
+        self._way = way  # "auto": each bucket's measured faster way; else that way always
+        self._ways: dict[tuple[int, int], str] = {}  # (bucket's first row count, threads): the faster way
+        self._trials: dict[tuple[int, int], dict[str, list[float]]] = {}  # seconds per row, each way, so far
         self.counts = ArgmaxCounts()
         module.forward = _Forward(self)  # type: ignore[method-assign,assignment]
 
@@ -125,6 +146,12 @@ class ArgmaxHead:
         if type(module) is not torch.nn.Linear or "forward" in vars(module):
             return None
         return cls(module) if _fusable(module.weight) else None
+
+    @property
+    def ways(self) -> dict[tuple[int, int], str]:
+        """The way each measured bucket keeps: ``(first row count of the bucket, threads) -> "chunks" | "whole"``;
+        a bucket serves the row counts from its first up to twice that, exclusive."""
+        return dict(self._ways)
 
     def step(self, forward: Callable[[], torch.Tensor], rows: int) -> torch.Tensor | ArgmaxTokens:
         """One argmax-only step of ``rows`` rows: ``forward()`` runs the model and returns its logits ``(rows,
@@ -148,13 +175,15 @@ class ArgmaxHead:
         if call.tokens is None:  # a shape checked now, or unlike the whole GEMM, or a NaN / infinite maximum
             return logits.float()  # the model's own logits: the head computed them whole
         self.counts.steps += 1
+        self.counts.whole += call.way == "whole"
         return ArgmaxTokens(call.tokens)
 
     def _head(self, call: _Call, x: torch.Tensor) -> torch.Tensor:
-        """The head's call inside a captured step's forward: the rows' tokens a chunk at a time (an empty output:
-        the model returns it, and nothing reads it), else the whole GEMM (a new shape, checked beside it; a shape
-        whose chunks differ; a NaN or an infinite maximum). Inside the forward, so that whatever times the model's
-        forward times the head's pass too."""
+        """The head's call inside a captured step's forward: the rows' tokens, taken by the bucket's way (a chunk at
+        a time, the output then empty: the model returns it and nothing reads it; or the whole GEMM and one pass),
+        else the whole logits for the sampler (a new shape, checked beside it; a shape whose chunks differ; a NaN or
+        an infinite maximum). Inside the forward, so that whatever times the model's forward times the head's pass
+        too."""
         call.inputs.append(x)
         if len(call.inputs) > 1:
             return self._linear(x)
@@ -165,12 +194,43 @@ class ArgmaxHead:
             whole = self._linear(x)
             self._check_chunks(x, whole)
             return whole
-        if exact:
+        if not exact:
+            return self._linear(x)
+        bucket = (1 << (key[0].bit_length() - 1), key[1])
+        call.way = self._next_way(bucket)
+        start = _clock()
+        if call.way == "chunks":
             call.tokens = self._argmax(x)
-            if call.tokens is not None:
-                return x.new_empty(*x.shape[:-1], 0)
+            out = x.new_empty(*x.shape[:-1], 0)  # the model returns it; nothing reads it
+        else:
+            out = self._linear(x)
+            call.tokens = _whole_argmax(out)
+        if call.tokens is None:  # a NaN or an infinite maximum: the model returns the whole logits, the sampler rules
             self.counts.fallbacks += 1
-        return self._linear(x)
+            return self._linear(x) if call.way == "chunks" else out
+        if bucket not in self._ways and self._way == "auto":
+            self._record(bucket, call.way, (_clock() - start) / key[0])
+        return out
+
+    def _next_way(self, bucket: tuple[int, int]) -> str:
+        """The way this step of ``bucket`` takes: the forced one, the bucket's faster one, or its next trial (the
+        two ways alternate, the chunks first)."""
+        if self._way != "auto":
+            return self._way
+        kept = self._ways.get(bucket)
+        if kept is not None:
+            return kept
+        times = self._trials.setdefault(bucket, {way: [] for way in WAYS})
+        return "chunks" if len(times["chunks"]) <= len(times["whole"]) else "whole"
+
+    def _record(self, bucket: tuple[int, int], way: str, seconds: float) -> None:
+        """One trial's time per row; after :data:`TRIALS` each way the bucket keeps the lower median."""
+        times = self._trials[bucket]
+        times[way].append(seconds)
+        if all(len(t) >= TRIALS for t in times.values()):
+            medians = {w: statistics.median(t) for w, t in times.items()}
+            self._ways[bucket] = min(WAYS, key=medians.__getitem__)  # a tie: the chunks (the first)
+            del self._trials[bucket]
 
     def close(self) -> None:
         """Give the head its own ``forward`` back."""
@@ -261,6 +321,16 @@ def _calling(call: _Call) -> Iterator[None]:
         yield
     finally:
         _STATE.call = before
+
+
+def _whole_argmax(logits: torch.Tensor) -> list[int] | None:
+    """The first maximal column of each row of the whole logits (one numpy pass, as the sampler's); None when a
+    row's maximum is a NaN or an infinity, or it has no finite value (the sampler's cases)."""
+    values = _rows(logits).detach().numpy()
+    index = values.argmax(axis=1)
+    if not np.isfinite(values[np.arange(values.shape[0]), index]).all():
+        return None
+    return index.tolist()
 
 
 def _fusable(weight: torch.Tensor) -> bool:
