@@ -111,18 +111,8 @@ class TransformersRunner:
         self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
         # A model with recurrent-state layers runs each step as the forwards its states need (state_step.py), eagerly.
         self._states = StateSteps(model, self.pool, attention_backend) if self.pool.states is not None else None
-        if self._states is not None and compile is True:
-            raise ConfigError(
-                f"compile=True: {self.pool.spec.model_type!r} keeps recurrent states, whose layers the compiled decode "
-                "step does not run; use compile=False or 'auto'",
-                param="compile",
-            )
-        if self._states is not None and lora is not None:
-            raise ConfigError(
-                f"enable_lora: {self.pool.spec.model_type!r} keeps recurrent states, whose per-step forwards do not "
-                "apply LoRA adapters yet; serve it without enable_lora",
-                param="enable_lora",
-            )
+        if self._states is not None:
+            _refuse_with_states(self.pool.spec.model_type, compile, lora)
         self._decode = CompiledDecode(model, self.pool) if compiling and self._states is None else None
         self._decode_counts = CompileCounts()  # the counters of a compiled step turned off
         self._original_attn = getattr(self._text_config, "_attn_implementation", None)
@@ -328,3 +318,19 @@ def _packed_positions(pool: PagedKVPool, positions: list[int]) -> torch.Tensor |
     if not any(layer.query_temperature is not None for layer in pool.spec.layers):
         return None
     return torch.tensor(positions, dtype=torch.long)
+
+
+def _refuse_with_states(model_type: str, compile: bool | str, lora: LoRAConfig | None) -> None:
+    """What a model with recurrent-state layers cannot run here, refused by name before anything is built."""
+    if compile is True:
+        raise ConfigError(
+            f"compile=True: {model_type!r} keeps recurrent states, whose layers the compiled decode step does not "
+            "run; use compile=False or 'auto'",
+            param="compile",
+        )
+    if lora is not None:
+        raise ConfigError(
+            f"enable_lora: {model_type!r} keeps recurrent states, whose per-step forwards do not apply LoRA adapters "
+            "yet; serve it without enable_lora",
+            param="enable_lora",
+        )
