@@ -268,7 +268,7 @@ class ChatResult(Reported):
                 "Roofline floor: each turn's steps as an ideal continuous batcher with a 512-token budget runs them "
                 "(the positions no earlier forward computed, then one decode step per generated token after the "
                 "first), per step the larger of its FLOPs at the best GEMM rate and its bytes (weights once, the "
-                "keys and values read, the logits) at the copy bandwidth, summed over the turns: "
+                "keys and values read, the logits) at the measured bandwidth, summed over the turns: "
                 f"{self.floors[0].limits.describe()}."
             )
         notes += [f"{run.name}: {sentence(run.note)}" for run in self.runs if run.note]

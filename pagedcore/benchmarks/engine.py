@@ -191,7 +191,7 @@ class EngineResult(Reported):
                 "them (the shared prefix once, each request's own prompt tokens in budget-sized chunks, then one "
                 "decode step per generated token after the first, every request still generating a row); per step "
                 "the larger of its FLOPs at the best GEMM rate and its bytes (every linear weight and the LM head "
-                "once, the keys and values of each sequence's context, the logits written) at the copy bandwidth: "
+                "once, the keys and values of each sequence's context, the logits written) at the measured bandwidth: "
                 f"{self.roofline.describe()}. The peers' walls over it: {others or 'n/a'}."
             )
         notes += [f"{p.name}: {sentence(p.note.strip())}" for p in self.peers if p.note]

@@ -313,8 +313,8 @@ class PeersResult(Reported):
                 ]
             )
         caption = ("**Roofline floor** (the least time this machine needs: per step the larger of its FLOPs at the "
-                   "best GEMM rate and its bytes at the copy bandwidth, summed; see the notes); ratio = median wall / "
-                   "floor")  # fmt: skip
+                   "best GEMM rate and its bytes at the measured bandwidth, summed; see the notes); ratio = median "
+                   "wall / floor")  # fmt: skip
         return Table(["workload", "floor", "FLOPs alone", "bytes alone", "steps bound by memory",
                       f"{ENGINE} / floor", f"{CT2_TUNED} / floor"], rows, caption=caption)  # fmt: skip
 
@@ -359,7 +359,7 @@ class PeersResult(Reported):
                 "prompts once, then one decode step per generated token after the first, every request still "
                 "generating a row); per step the larger of its FLOPs (projections, MLP, attention, LM head) at the "
                 "best GEMM rate and its bytes (every linear weight and the LM head once, the keys and values of each "
-                "sequence's context, the logits written) at the copy bandwidth, both measured in this run: "
+                "sequence's context, the logits written) at the measured bandwidth, both measured in this run: "
                 f"{floors[0].floor.limits.describe()}."
             )
         for r in self.rows:
