@@ -55,6 +55,7 @@ __all__ = [
     "argmax_samples",
     "constrain_rows",
     "greedy_tokens",
+    "numpy_greedy",
     "process_rows",
     "sample_rows",
     "sample_tokens",
@@ -539,7 +540,7 @@ def greedy_tokens(logits: torch.Tensor) -> tuple[list[int], list[bool]]:
     if rows == 0:
         return [], []
     if logits.device.type == "cpu" and logits.dtype in _NUMPY_DTYPES:
-        tokens, finite = _numpy_greedy(logits)
+        tokens, finite = numpy_greedy(logits)
     elif vocab < _BLOCK:  # a vocabulary under one block: the reference ops are cheap
         return logits.argmax(dim=-1).tolist(), torch.isfinite(logits).any(dim=-1).tolist()
     else:
@@ -551,9 +552,15 @@ def greedy_tokens(logits: torch.Tensor) -> tuple[list[int], list[bool]]:
     return tokens, finite
 
 
-def _numpy_greedy(logits: torch.Tensor) -> tuple[list[int], list[bool]]:
-    """The first maximal index per row (numpy's ``argmax`` over the tensor's own memory, any strides) and whether
-    that maximum is finite."""
+def numpy_greedy(logits: torch.Tensor) -> tuple[list[int], list[bool]]:
+    """The first maximal index per row of float32 / float64 CPU ``logits (rows, vocab)`` (numpy's ``argmax`` over the
+    tensor's own memory, any strides) and whether that maximum is finite: :func:`greedy_tokens`' one pass, before
+    its rules for the rows whose maximum is not (the fused head's whole-GEMM way takes it too).
+
+    Example:
+        >>> numpy_greedy(torch.tensor([[0.0, 2.0, 2.0], [float("nan"), 1.0, 0.0]]))
+        ([1, 0], [True, False])
+    """
     values = logits.detach().numpy()
     tokens = values.argmax(axis=1)
     maxima = values[np.arange(values.shape[0]), tokens]

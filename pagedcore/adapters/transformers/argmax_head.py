@@ -55,6 +55,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedcore.engine.runner import ArgmaxTokens
+from pagedcore.engine.sampling import numpy_greedy
 
 __all__ = ["MIN_ROWS", "TRIALS", "ArgmaxCounts", "ArgmaxHead", "chunk_columns"]
 
@@ -324,13 +325,10 @@ def _calling(call: _Call) -> Iterator[None]:
 
 
 def _whole_argmax(logits: torch.Tensor) -> list[int] | None:
-    """The first maximal column of each row of the whole logits (one numpy pass, as the sampler's); None when a
-    row's maximum is a NaN or an infinity, or it has no finite value (the sampler's cases)."""
-    values = _rows(logits).detach().numpy()
-    index = values.argmax(axis=1)
-    if not np.isfinite(values[np.arange(values.shape[0]), index]).all():
-        return None
-    return index.tolist()
+    """The first maximal column of each row of the whole logits (the sampler's numpy pass); None when a row's
+    maximum is a NaN or an infinity, or it has no finite value (the sampler's cases)."""
+    tokens, finite = numpy_greedy(_rows(logits))
+    return tokens if all(finite) else None
 
 
 def _fusable(weight: torch.Tensor) -> bool:

@@ -62,10 +62,10 @@ class Engine(BaseEngine):
             of 16-64 rows, for a second copy of the linear weights; packs are rebuilt after the weights change, and
             only the Engine's forwards use them. Off by default: the packed GEMM sums in another order, so logits move
             by float noise (2e-6 measured) and a greedy near-tie can pick the other token than ``generate`` does.
-        fused_argmax: steps whose rows only take their argmax skip the model's head and take each row's argmax a
-            vocabulary chunk at a time (:mod:`.argmax_head`: on the CPU in float32, where the checks find the
-            chunks bit-identical to the whole head; the tokens are ``generate``'s). True by default; False keeps
-            the logits path (for comparing the two).
+        fused_argmax: steps whose rows only take their argmax take it inside the model's head, a vocabulary chunk
+            at a time or over the whole GEMM, whichever each bucket of row counts measured faster (:mod:`.argmax_head`:
+            on the CPU in float32, where the checks find the chunks bit-identical to the whole head; the tokens are
+            ``generate``'s). True by default; False keeps the logits path (for comparing the two).
 
     Generation parameters: either a :class:`~pagedcore.engine.sampling.SamplingParams` (or a dict of its fields), or
     ``model.generate``'s keyword arguments (``max_new_tokens``, ``do_sample``, ``temperature``, ``top_k``, ``top_p``,

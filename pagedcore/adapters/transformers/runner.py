@@ -71,8 +71,8 @@ class TransformersRunner:
         prepack: the linear weights prepacked for the CPU's GEMM in this runner's forwards (:mod:`.prepacked`):
             ``False`` (the default: exact ties with ``generate``), ``True`` or ``"auto"`` (on the CPU in float32;
             costs a second copy of the linear weights).
-        fused_argmax: argmax-only steps through the model's head a vocabulary chunk at a time (:mod:`.argmax_head`,
-            where it applies; True by default), or always through the logits (False).
+        fused_argmax: argmax-only steps take their tokens inside the model's head (:mod:`.argmax_head`, where it
+            applies; True by default), or always through the logits (False).
 
     Example:
         >>> from pagedcore.engine import Engine
@@ -132,7 +132,7 @@ class TransformersRunner:
         weight = model.get_input_embeddings().weight
         packing = self._padded is None and resolve_prepack(prepack, device, weight.dtype)  # the packed forward's
         self._packs = PrepackedLinears(model) if packing else None
-        # Steps whose rows only take their argmax: the head's GEMM a vocabulary chunk at a time (argmax_head.py); not
+        # Steps whose rows only take their argmax: their tokens taken inside the head (argmax_head.py); not
         # with adapters (a LoRA on the head), the compatible path, or a forward that computes every position's logits.
         fusing = fused_argmax and lora is None and self._padded is None and self._states is None and self._keeps_logits
         self._argmax = ArgmaxHead.install(model) if fusing else None
