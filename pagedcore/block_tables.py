@@ -52,14 +52,16 @@ class BlockTables:
     """
 
     __slots__ = ("_arrays", "_bs", "_dropped", "_last_private", "_next_drop", "_next_full", "_num_cached_blocks",
-                 "_num_tokens", "_pool", "_released", "_reservation", "_sliding", "_slots", "_stamp", "_tables",
-                 "_uncachable")  # fmt: skip
+                 "_num_tokens", "_pool", "_released", "_reservation", "_row_tables", "_rows", "_sliding", "_slots",
+                 "_stamp", "_tables", "_uncachable")  # fmt: skip
 
     def __init__(self, pool: KVPool, reservation: Reservation | None = None) -> None:
         self._pool = pool
         self._reservation = reservation
         self._tables: list[list[int]] = [[] for _ in pool.groups]
         self._arrays: list[array[int] | None] = [None] * len(pool.groups)  # table_array's copies (None: stale)
+        self._rows = [-1] * len(pool.groups)  # table_row's row of each group's TableRows (-1: none held)
+        self._row_tables: list[array[int] | None] = [None] * len(pool.groups)  # the table_array each row holds
         self._dropped = [0] * len(pool.groups)
         self._num_tokens = 0
         self._num_cached_blocks = [0] * len(pool.groups)  # leading full blocks registered in the prefix cache
@@ -115,6 +117,33 @@ class BlockTables:
         if cached is None:
             cached = self._arrays[group] = array("i", self._tables[group])
         return cached
+
+    def table_row(self, group: int) -> int:
+        """The row of the group's :class:`~pagedcore.table_rows.TableRows` (``pool.groups[group].rows``) that holds
+        :meth:`table`, written now if the table changed since it was last written; held until :meth:`release`. A
+        step gathers its sequences' tables from those rows in one copy (:meth:`TableRows.gather
+        <pagedcore.table_rows.TableRows.gather>`) instead of copying every table again.
+
+        Example:
+            >>> pool = KVPool(num_blocks=8, block_size=4)
+            >>> seq = BlockTables(pool)
+            >>> _ = seq.append(6)
+            >>> row = seq.table_row(0)
+            >>> pool.groups[0].rows.gather([row]).tolist()
+            [[0, 1]]
+            >>> seq.release(); pool.groups[0].rows.num_used
+            0
+        """
+        row, written = self._rows[group], self._row_tables[group]
+        if written is not None and written is self._arrays[group]:
+            return row  # the table has not changed since (a changed table's array is dropped: _stale)
+        rows = self._pool.groups[group].rows
+        if row < 0:
+            row = self._rows[group] = rows.acquire()
+        table = self.table_array(group)
+        rows.write(row, table)
+        self._row_tables[group] = table  # kept alive, so no later array can be mistaken for it
+        return row
 
     @property
     def state_slot(self) -> int | None:
@@ -538,6 +567,11 @@ class BlockTables:
         if self._slots is not None:
             self._slots.release(self._reservation)
         self._stale()
+        for i, row in enumerate(self._rows):
+            if row >= 0:
+                self._pool.groups[i].rows.release(row)
+        self._rows = [-1] * len(self._rows)
+        self._row_tables = [None] * len(self._rows)
         self._released = True
         self._num_tokens = 0
 

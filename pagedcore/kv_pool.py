@@ -30,6 +30,7 @@ from pagedcore.eviction import EvictionPolicy
 from pagedcore.namespace_scopes import NamespaceScopes
 from pagedcore.prefix_trie import PrefixTrie
 from pagedcore.state_slots import StateSlots
+from pagedcore.table_rows import TableRows
 from pagedcore.validation import integer
 
 __all__ = ["Claimant", "KVGroup", "KVPool", "PoolMatch", "Shortfall", "Tiers"]
@@ -94,6 +95,8 @@ class KVGroup:
             ``ChunkedAttention``).
         block_manager: the group's blocks.
         trie: the group's prefix cache.
+        rows: its sequences' block tables as rows of one buffer, padded with the pool's ``num_blocks``
+            (:mod:`pagedcore.table_rows`).
 
     Example:
         >>> group = KVPool(num_blocks=4, block_size=2, sliding_windows=(None, 8)).groups[1]
@@ -105,6 +108,7 @@ class KVGroup:
     kind: AttentionKind
     block_manager: BlockManager
     trie: PrefixTrie
+    rows: TableRows
 
     @property
     def sliding_window(self) -> int | None:
@@ -220,7 +224,7 @@ class KVPool:
                 on_evict=listener,
                 before_evict=_bind_evicting(self, index),
             )
-            groups.append(KVGroup(index, kind, bm, PrefixTrie(bm)))
+            groups.append(KVGroup(index, kind, bm, PrefixTrie(bm), TableRows(num_blocks)))
         self._groups = tuple(groups)
         self._block_size = block_size
         self._num_blocks = num_blocks

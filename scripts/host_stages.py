@@ -1,7 +1,8 @@
 """The Engine's host stages per decode step, medians: what `pagedcore bench`'s section 8 splits, without its peers, for
 comparing two checkouts of pagedcore (issue 33.3, host work per step).
 
-``N`` sequences share a 464-token prefix (computed once by an earlier request, then served by the prefix cache) and
+``N`` sequences share a ``context - 48``-token prefix (464 at the default ``--context 512``, as section 8's prompts of
+``context - 32`` tokens) (computed once by an earlier request, then served by the prefix cache) and
 have 16 own prompt tokens; after their prefills, ``--steps`` decode steps are timed. Per step: the Engine's own
 ``stage_seconds()`` (schedule / prepare / sample / record, wall) read around ``step()``, the step's thread CPU
 time less its forward's (the host work's CPU time: the machine's other load is left out), and the whole step's wall
@@ -50,7 +51,7 @@ from pagedcore.adapters.transformers import Engine, SamplingParams
 from pagedcore.benchmarks.common import BLOCK_SIZE, bench_model, bench_tokenizer
 
 STAGES = ("schedule", "prepare", "sample", "record")
-SHARED, OWN = 464, 16
+OWN = 16  # each sequence's own prompt tokens; the rest of its ``context - 32``-token prompt is shared
 
 
 FORWARDS = ("model", "stream", "stream-small", "none")
@@ -58,7 +59,7 @@ STREAMED_BYTES = 64 << 20
 
 
 def measure(
-    size: str, rows: int, steps: int, seed: int = 0, forward: str = "model", tokenizer: bool = False
+    size: str, rows: int, steps: int, seed: int = 0, forward: str = "model", tokenizer: bool = False, context: int = 512
 ) -> dict[str, float]:
     """Median ms per decode step of each host stage, their sum, the host CPU time (step CPU less forward CPU) and the
     whole step's wall time;
@@ -68,11 +69,16 @@ def measure(
     model = bench_model(size=size)
     vocab = model.config.vocab_size
     rng = random.Random(seed)
-    shared = [rng.randrange(vocab) for _ in range(SHARED)]
-    engine = Engine(model, tokenizer=bench_tokenizer(vocab) if tokenizer else None, num_blocks=64 + rows * 6,
+    shared = [rng.randrange(vocab) for _ in range(context - 32 - OWN)]
+    own_blocks = -(-(OWN + steps + 20) // BLOCK_SIZE) + 1  # its own tokens' blocks, and one copied on write
+    blocks = -(-len(shared) // BLOCK_SIZE) + 64 + rows * max(6, own_blocks)  # every sequence runs to the end
+    engine = Engine(model, tokenizer=bench_tokenizer(vocab) if tokenizer else None, num_blocks=blocks,
                     block_size=BLOCK_SIZE, max_num_batched_tokens=512, max_num_seqs=rows)  # fmt: skip
     engine.generate([shared + [1] * OWN], SamplingParams(max_new_tokens=2, ignore_eos=True), use_tqdm=False)
-    params = SamplingParams(max_new_tokens=steps + 20, ignore_eos=True)
+    longest = model.config.max_position_embeddings - (context - 32)  # the new tokens the model's context leaves
+    if steps + 8 > longest:
+        raise SystemExit(f"--steps {steps} at --context {context}: at most {longest - 8} (the model's context)")
+    params = SamplingParams(max_new_tokens=min(steps + 20, longest), ignore_eos=True)
     for _ in range(rows):
         engine.add_request(shared + [rng.randrange(vocab) for _ in range(OWN)], params)
     for _ in range(-(-rows * 2 * OWN // 512) + 3):  # the prefills, and a few decode steps
@@ -145,6 +151,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", default="small", help="benchmark model size (pagedcore.benchmarks MODEL_SIZES)")
     parser.add_argument("--rows", type=int, default=256, help="sequences decoding together")
+    parser.add_argument("--context", type=int, default=512, help="positions a decode step reads (section 8: 512, 4096)")
     parser.add_argument("--steps", type=int, default=30, help="decode steps timed")
     parser.add_argument("--forward", choices=FORWARDS, default="model", help="the model, or a stand-in (docstring)")
     parser.add_argument("--tokenizer", action="store_true", help="decode the texts, as a server does (docstring)")
@@ -154,6 +161,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.pair:
         passed = ["--size", args.size, "--rows", str(args.rows), "--steps", str(args.steps), "--forward", args.forward]
+        passed += ["--context", str(args.context)]
         passed += ["--tokenizer"] if args.tokenizer else []
         for r, tree, core, line in pair(args.pair.split(","), args.rounds, passed):
             print(f"round {r} core {core} {tree}: {line.split(': ', 1)[-1]}")
@@ -161,10 +169,12 @@ def main() -> None:
     torch.set_num_threads(1)
     if args.where:
         print(pagedcore.__file__)
-    figures = measure(args.size, args.rows, args.steps, forward=args.forward, tokenizer=args.tokenizer)
+    figures = measure(
+        args.size, args.rows, args.steps, forward=args.forward, tokenizer=args.tokenizer, context=args.context
+    )
     shown = " ".join(f"{k} {v:.3f}" for k, v in figures.items())
     texts = ", texts decoded" if args.tokenizer else ""
-    print(f"{args.size} {args.rows} rows, forward {args.forward}{texts}: {shown}")
+    print(f"{args.size} {args.rows} rows, context {args.context}, forward {args.forward}{texts}: {shown}")
 
 
 if __name__ == "__main__":

@@ -4,9 +4,9 @@ register and release, in any order, on a pool with a full-attention and a slidin
 
 After every step: the pool can back every reservation (in each group the blocks reserved and not drawn are at most
 the free and evictable ones: never oversubscribed), the pool's count of reserved blocks is what the live reservations
-say, a reservation dropped without release stops counting once collected, a refused command changed nothing, and a
-sequence that grows within what its reservation has left always gets its blocks. At the end nothing is held or
-reserved (no leak).
+say, a reservation dropped without release stops counting once collected, a refused command changed nothing, a
+sequence that grows within what its reservation has left always gets its blocks, and every live sequence's row of its
+group's TableRows gathers to its block table. At the end nothing is held or reserved and no row is taken (no leak).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from pagedcore import BlockTables, KVPool, OutOfBlocksError
+from pagedcore.attention import stack_block_tables
 from pagedcore.capacity import Reservation
 
 BLOCK = 2
@@ -200,6 +201,15 @@ class Reservations(RuleBasedStateMachine):
             assert self.pool.available_blocks(g.index) == g.block_manager.num_available_blocks - self.reserved(g.index)
         assert self.pool.num_reserved_blocks == sum(self.reserved(g.index) for g in self.pool.groups)
 
+    @invariant()
+    def table_rows_hold_the_tables(self):
+        # What a step packs: each live sequence's row (rewritten only when its table changed) gathers to its table.
+        for g in self.pool.groups:
+            rows = [seq.table_row(g.index) for seq, _ in self.seqs]
+            assert len(set(rows)) == len(rows) == g.rows.num_used, "rows shared, or held by released sequences"
+            tables = [seq.table(g.index) for seq, _ in self.seqs]
+            assert g.rows.gather(rows).tolist() == stack_block_tables(tables, self.pool.num_blocks).tolist()
+
     def teardown(self):
         for seq, _ in self.seqs:
             seq.release()
@@ -207,6 +217,7 @@ class Reservations(RuleBasedStateMachine):
             reservation.release()
         assert self.pool.num_used_blocks == 0, "blocks leaked"
         assert self.pool.num_reserved_blocks == 0, "a reservation leaked"
+        assert all(g.rows.num_used == 0 for g in self.pool.groups), "a table row leaked"
         self.pool.check_invariants()
 
 

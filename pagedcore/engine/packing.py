@@ -5,21 +5,21 @@ step with :func:`pack_tokens` (the transformers runner and the plain-PyTorch one
 every sequence in one ``(1, num_tokens)`` row without padding, their positions, and per KV group the sequences'
 block tables (padded with the pool's zero block), their dropped-block offsets (sliding windows) and the slots the
 new tokens' keys and values go to. One pass over the plan: a decode step of hundreds of sequences spends its host
-time here. A decode step of many sequences (one token each, from :data:`GATHER_FROM` sequences) reads each one's
-token, position and table buffer in list comprehensions and computes every slot at once from the stacked tables,
-rather than asking each table for its slots.
+time here. The block tables come from each group's :class:`~pagedcore.table_rows.TableRows`, where a sequence's
+row is rewritten only when its table changed: one gather per step. A decode step of many sequences (one token each,
+from :data:`GATHER_FROM` sequences) reads each one's token, position and table row in list comprehensions and
+computes every slot at once from the gathered tables, rather than asking each table for its slots.
 """
 
 from __future__ import annotations
 
-from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from pagedcore.attention import PagedAttentionMetadata, stack_block_tables
+from pagedcore.attention import PagedAttentionMetadata
 from pagedcore.block_tables import BlockTables
 from pagedcore.errors import InvalidBlockError
 from pagedcore.kv_pool import KVPool
@@ -79,7 +79,7 @@ def _pack_rows(scheduled: Sequence[ScheduledSequence], kv: KVPool) -> PackedToke
     group_ids = range(len(kv.groups))
     tokens: list[int] = []
     positions: list[int] = []
-    tables: list[list[array[int]]] = [[] for _ in group_ids]
+    rows: list[list[int]] = [[] for _ in group_ids]
     offsets: list[list[int]] = [[] for _ in group_ids]
     slots: list[list[int]] = [[] for _ in group_ids]
     query_lens: list[int] = []
@@ -97,7 +97,7 @@ def _pack_rows(scheduled: Sequence[ScheduledSequence], kv: KVPool) -> PackedToke
         seq_lens.append(end)
         blocks = item.blocks
         for g in group_ids:
-            tables[g].append(blocks.table_array(g))
+            rows[g].append(blocks.table_row(g))
             offsets[g].append(blocks.num_dropped(g))
             slots[g].extend(blocks.slots(g, start, end))
     pad = kv.num_blocks
@@ -107,7 +107,7 @@ def _pack_rows(scheduled: Sequence[ScheduledSequence], kv: KVPool) -> PackedToke
             query_lens=query_lens,
             seq_lens=seq_lens,
             block_offsets=offsets[g.index],
-            block_tables=stack_block_tables(tables[g.index], pad),
+            block_tables=g.rows.gather(rows[g.index]),
             slot_mapping=torch.tensor(slots[g.index], dtype=torch.int64),
             sliding_window=g.sliding_window,
             pad_block=pad,
@@ -120,7 +120,7 @@ def _pack_rows(scheduled: Sequence[ScheduledSequence], kv: KVPool) -> PackedToke
 
 def _pack_decode(scheduled: Sequence[ScheduledSequence], kv: KVPool) -> PackedTokens:
     """:func:`pack_tokens` for a step that computes one token of every sequence: per sequence only list
-    comprehensions read its token, position and table buffer; the slots come from the stacked tables in one numpy
+    comprehensions read its token, position and table row; the slots come from the gathered tables in one numpy
     gather (``table[position // block_size - dropped] * block_size + position % block_size``; numpy, not torch: a
     torch op costs tens of microseconds right after a forward, and a step of 64 rows would lose what it saves), after
     the check :meth:`~pagedcore.block_tables.BlockTables.slots` makes (each position held: inside the live blocks,
@@ -141,7 +141,7 @@ def _pack_decode(scheduled: Sequence[ScheduledSequence], kv: KVPool) -> PackedTo
             logical -= np.array(offsets, dtype=np.int64)
         if outside.any() or (logical < 0).any():
             _refuse(blocks, positions, i)
-        stacked = stack_block_tables([b.table_array(i) for b in blocks], pad)
+        stacked = g.rows.gather([b.table_row(i) for b in blocks])
         slots = stacked.numpy()[rows, logical].astype(np.int64) * bs + pos % bs
         metadata.append(
             PagedAttentionMetadata(
