@@ -11,6 +11,9 @@ Who owns what: the :class:`~pagedcore.kv_pool.KVPool` makes one ``TableRows`` pe
 writes and gives back its rows (:meth:`~pagedcore.block_tables.BlockTables.table_row`, freed by its ``release``);
 the packer gathers the rows of a step (:meth:`TableRows.gather`). Padding is the pool's ``num_blocks``, as
 :func:`~pagedcore.attention.stack_block_tables` pads, so both give the same tensor.
+
+The buffer is a flat ``array('i')`` (the core needs neither numpy nor torch); :meth:`TableRows.gather`, called by a
+torch runner's packer, reads it through numpy without a copy and imports both when first called.
 """
 
 from __future__ import annotations
@@ -18,9 +21,7 @@ from __future__ import annotations
 import threading
 from array import array
 from collections.abc import Sequence
-
-import numpy as np
-import torch
+from typing import Any
 
 __all__ = ["TableRows"]
 
@@ -43,9 +44,10 @@ class TableRows:
 
     def __init__(self, pad_block: int, rows: int = 64, width: int = 16) -> None:
         self._pad = pad_block
-        self._buffer = np.full((max(rows, 1), max(width, 1)), pad_block, dtype=np.int32)
-        self._lengths = np.zeros(max(rows, 1), dtype=np.int64)
-        self._free = list(range(max(rows, 1) - 1, -1, -1))
+        self._rows, self._width = max(rows, 1), max(width, 1)
+        self._buffer = array("i", [pad_block]) * (self._rows * self._width)
+        self._lengths = [0] * self._rows
+        self._free = list(range(self._rows - 1, -1, -1))
         self._lock = threading.Lock()  # acquire / release / growth (a step's writes and gathers run under its lock)
 
     @property
@@ -56,50 +58,54 @@ class TableRows:
     @property
     def num_used(self) -> int:
         """Rows held by some table now."""
-        return len(self._lengths) - len(self._free)
+        return self._rows - len(self._free)
 
     def acquire(self) -> int:
         """A free row (empty: all padding), taken until :meth:`release`."""
         with self._lock:
             if not self._free:
-                self._grow(rows=2 * len(self._lengths))
+                self._grow(2 * self._rows, self._width)
             return self._free.pop()
 
     def release(self, row: int) -> None:
         """Give ``row`` back (padded again)."""
         with self._lock:
-            self._buffer[row, : self._lengths[row]] = self._pad
+            start = row * self._width
+            self._buffer[start : start + self._lengths[row]] = array("i", [self._pad]) * self._lengths[row]
             self._lengths[row] = 0
             self._free.append(row)
 
     def write(self, row: int, table: array[int]) -> None:
         """Make ``row`` hold ``table`` (an ``array('i')``), padding what a longer table left past its end."""
-        n, before = len(table), int(self._lengths[row])
-        if n > self._buffer.shape[1]:
+        n, before = len(table), self._lengths[row]
+        if n > self._width:
             with self._lock:
-                self._grow(width=max(n, 2 * self._buffer.shape[1]))
-        if n:
-            self._buffer[row, :n] = np.frombuffer(table, dtype=np.int32)
+                self._grow(self._rows, max(n, 2 * self._width))
+        start = row * self._width
+        self._buffer[start : start + n] = table
         if before > n:
-            self._buffer[row, n:before] = self._pad
+            self._buffer[start + n : start + before] = array("i", [self._pad]) * (before - n)
         self._lengths[row] = n
 
-    def gather(self, rows: Sequence[int]) -> torch.Tensor:
-        """The tables of ``rows``, in that order, as a new ``int32 (len(rows), width)`` tensor padded to the longest
-        (width at least 1): what :func:`~pagedcore.attention.stack_block_tables` makes of the same tables."""
-        index = np.fromiter(rows, dtype=np.int64, count=len(rows))
-        width = max(int(self._lengths[index].max()), 1) if len(index) else 1
-        return torch.from_numpy(self._buffer[index, :width])  # fancy indexing copies: later writes leave it alone
+    def gather(self, rows: Sequence[int]) -> Any:
+        """The tables of ``rows``, in that order, as a new ``torch.int32 (len(rows), width)`` tensor padded to the
+        longest (width at least 1): what :func:`~pagedcore.attention.stack_block_tables` makes of the same tables."""
+        import numpy as np
+        import torch
 
-    def _grow(self, rows: int = 0, width: int = 0) -> None:
-        """Enlarge the buffer (under the lock): at least ``rows`` rows and ``width`` columns."""
-        old_rows, old_width = self._buffer.shape
-        new_rows, new_width = max(rows, old_rows), max(width, old_width)
-        if (new_rows, new_width) == (old_rows, old_width):
-            return
-        buffer = np.full((new_rows, new_width), self._pad, dtype=np.int32)
-        buffer[:old_rows, :old_width] = self._buffer
-        lengths = np.zeros(new_rows, dtype=np.int64)
-        lengths[:old_rows] = self._lengths
-        self._buffer, self._lengths = buffer, lengths
-        self._free[:0] = range(new_rows - 1, old_rows - 1, -1)  # new rows after the free ones (popped from the end)
+        index = np.fromiter(rows, dtype=np.int64, count=len(rows))
+        width = max((self._lengths[r] for r in rows), default=0) or 1
+        view = np.frombuffer(self._buffer, dtype=np.int32).reshape(self._rows, self._width)
+        return torch.from_numpy(view[index, :width])  # fancy indexing copies: later writes leave it alone
+
+    def _grow(self, rows: int, width: int) -> None:
+        """Enlarge the buffer (under the lock) to ``rows`` rows of ``width`` columns, keeping every row."""
+        buffer = array("i", [self._pad]) * (rows * width)
+        for r in range(self._rows):
+            n = self._lengths[r]
+            if n:
+                old = r * self._width
+                buffer[r * width : r * width + n] = self._buffer[old : old + n]
+        self._free[:0] = range(rows - 1, self._rows - 1, -1)  # the new rows, popped after the free ones
+        self._lengths += [0] * (rows - self._rows)
+        self._buffer, self._rows, self._width = buffer, rows, width
