@@ -171,7 +171,7 @@ def test_discovery_sees_every_kind_of_module():
                                           "pagedcore.block_manager", "pagedcore.capacity",
                                           "pagedcore.errors", "pagedcore.eviction", "pagedcore.namespace_scopes",
                                           "pagedcore.prefix_trie", "pagedcore.state_slots",
-                                          "pagedcore.validation"]  # fmt: skip
+                                          "pagedcore.table_rows", "pagedcore.validation"]  # fmt: skip
     assert "pagedcore.kv_pool" not in GRAPH["pagedcore.capacity"]  # only under TYPE_CHECKING
     assert "pagedcore.attention" not in GRAPH["pagedcore.hookspecs"]  # only under TYPE_CHECKING
     assert "pagedcore.adapters.transformers" not in GRAPH["pagedcore.cli"]  # only inside functions
