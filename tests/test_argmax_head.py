@@ -15,13 +15,14 @@ from family_configs import tiny_family
 from transformers import DynamicCache
 
 from pagedcore import ConfigError
-from pagedcore.adapters.transformers import Engine, SamplingParams, argmax_head
+from pagedcore.adapters.transformers import Engine, SamplingParams, argmax_head, head_screen
 from pagedcore.adapters.transformers.argmax_head import ArgmaxCounts, ArgmaxHead, chunk_columns
 from pagedcore.adapters.transformers.testing import tiny_llama
 from pagedcore.engine.runner import ArgmaxTokens
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
+SCREENS = head_screen.available()  # fbgemm's float16 GEMM (x86): the third way, the screen
 VOCAB = 5000
 PROMPTS = [[5, 9, 30, 41, 7, 8, 100, 12], [77, 78, 79], [4000, 4999, 17, 3, 3, 3, 3, 3, 3, 3, 3, 250], [1]]
 NEW = 8
@@ -62,11 +63,15 @@ def test_greedy_steps_take_the_fused_head_and_give_generates_tokens():
         head = engine.runner.argmax_head
         assert head is not None
         assert tokens(engine, PROMPTS[3:]) == want[3:]
-        assert head.counts == ArgmaxCounts()  # one row: the whole head (a matrix-vector product) is the faster
+        if SCREENS:  # one row: the screen reads half of the head's bytes, so one-row steps are tried too
+            assert head.counts.steps > 0
+        else:  # one row: the whole head (a matrix-vector product) is the faster
+            assert head.counts == ArgmaxCounts()
         assert tokens(engine, PROMPTS) == want
         assert tokens(engine, PROMPTS[:2] * 3) == want[:2] * 3  # prefix hits, then six rows together
         assert head.counts.steps > 0 and head.counts.fallbacks == 0
-        assert 0 < head.counts.whole < head.counts.steps  # a bucket's trials: both ways gave generate's tokens
+        assert 0 < head.counts.whole < head.counts.steps  # a bucket's trials: every way gave generate's tokens
+        assert (0 < head.counts.screened < head.counts.steps) == SCREENS
         n2 = engine.generate([PROMPTS[0]], SamplingParams(max_new_tokens=NEW, n=2), use_tqdm=False)[0]
         assert [s.token_ids for s in n2.samples] == [want[0], want[0]]  # greedy samples fork on the same token
     assert "forward" not in vars(net.lm_head)  # closing the Engine gives the head its own forward back
@@ -285,5 +290,7 @@ def test_a_forced_way_is_kept_and_a_bad_one_refused():
         assert all(isinstance(s, torch.Tensor) and torch.equal(s.view(torch.int32), whole) for s in steps)
         assert head.counts.fallbacks == 2 and head.counts.steps == 0 and not head.ways
         head.close()
-    with pytest.raises(ValueError, match="way must be 'auto', 'chunks' or 'whole', got 'fast'"):
+    with pytest.raises(ValueError, match="way must be 'auto', 'chunks', 'whole' or 'screen', got 'fast'"):
         ArgmaxHead(layer, way="fast")
+    with pytest.raises(ValueError, match=r"way='screen' needs fbgemm's float16 GEMM .* and a head without bias"):
+        ArgmaxHead(layer, way="screen")  # this layer has a bias

@@ -24,24 +24,35 @@ Exactness first: the tokens are those the sampler would pick from the logits tra
    (:func:`~pagedcore.engine.sampling.greedy_tokens`' reference ops, or the row's failure): the head then computes
    the step's whole logits (its own GEMM), which the model returns as usual.
 
-Whether the chunks are faster depends on the machine's caches: where the whole logits fit in a large last-level
-cache, reading them back is cheap and the chunks' smaller GEMMs can lose (docs/benchmarks.md, "The greedy choice
-inside the head"). So each power-of-two bucket of row counts (per thread count) is measured in the Engine's own
-steps: its first :data:`TRIALS` steps each way, alternating, take their tokens by the chunks or by the whole GEMM and
-one argmax pass over it (what the logits path costs), both timed inside the head; the way with the lower median time
-per row serves the bucket from then on (:attr:`ArgmaxHead.ways`). Both ways give the same tokens, so the choice
-changes only the time.
+A third way, where torch has fbgemm's float16-weight GEMM (x86) and the head has no bias: the screen
+(:mod:`.head_screen`) computes approximate logits from half of the head's bytes, keeps the columns whose
+approximate logit is within a proven bound of the row's maximum, and computes those columns exactly with ``F.linear``
+on their gathered weight rows; the first maximal one is the token. Per shape (rows, exact columns, threads) the first
+such step also computes the whole GEMM and checks the exact columns' bits and the bound itself (a failed bound turns
+the screen off, with a warning); a shape whose bits differ, or a step the screen cannot serve (non-finite values,
+candidates over a quarter of the vocabulary), takes the chunks. With the screen one-row steps take this path too.
+
+Which way is fastest depends on the machine's caches and the row count: where the whole logits fit in a large
+last-level cache, reading them back is cheap and the chunks' smaller GEMMs can lose (docs/benchmarks.md, "The greedy
+choice inside the head"); the screen wins where the head's weight read dominates (few rows). So each power-of-two
+bucket of row counts (per thread count) is measured in the Engine's own steps: its first :data:`TRIALS` steps each
+way, in turn, take their tokens by the chunks, by the whole GEMM and one argmax pass over it (what the logits path
+costs) or by the screen, timed inside the head (a shape's check step and the screen's float16 copy are not timed); the
+way with the lower median time per row serves the bucket from then on (:attr:`ArgmaxHead.ways`). Every way gives the
+same tokens, so the choice changes only the time.
 
 Only the runner's own forwards take this path (per thread, inside :meth:`ArgmaxHead.step`): ``generate``, an
 ``enable()``d call or a training step on another thread runs the head's plain ``F.linear``. The head is used as it is
-at each call (its weight after an optimizer step too): nothing is cached but the answers of the two checks, which
-depend on the model's code and the GEMM's shapes, not on the weights' values. Installed only on a plain float32
-``nn.Linear`` head on the CPU whose ``forward`` nobody replaced (prepacked linears take the head first: then not).
+at each call (its weight after an optimizer step too): nothing is cached but the answers of the checks, which depend
+on the model's code and the GEMM's shapes, not on the weights' values, and the screen's float16 copy, remade when the
+weight changes. Installed only on a plain float32 ``nn.Linear`` head on the CPU whose ``forward`` nobody replaced
+(prepacked linears take the head first: then not).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import statistics
 import threading
 import time
@@ -54,17 +65,19 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from pagedcore.adapters.transformers import head_screen
 from pagedcore.engine.runner import ArgmaxTokens
 from pagedcore.engine.sampling import numpy_greedy
 
 __all__ = ["MIN_ROWS", "TRIALS", "ArgmaxCounts", "ArgmaxHead", "chunk_columns"]
 
+logger = logging.getLogger(__name__)
 _STATE = threading.local()  # .call: the _Call of the ArgmaxHead.step this thread is in
 CHUNK_BYTES = 512 << 10  # one chunk's logits: about an L2 cache's worth (scripts/argmax_head_bench.py)
 MIN_COLUMNS, MAX_COLUMNS = 512, 4096
 MIN_ROWS = 2  # one row: the whole head is a matrix-vector product, faster than its chunks (lm_head_greedy_bench.py)
 TRIALS = 3  # steps each way before a bucket of row counts keeps the faster (module docstring)
-WAYS = ("chunks", "whole")
+WAYS = ("chunks", "whole", "screen")  # the screen: where fbgemm's float16 GEMM exists (head_screen)
 _clock = time.perf_counter  # the trials' clock (a test drives its own)
 
 
@@ -83,8 +96,9 @@ def chunk_columns(rows: int) -> int:
 @dataclass
 class ArgmaxCounts:
     """The fused head's counters: ``steps`` served by it (tokens taken inside the head), of which ``whole`` by the
-    whole GEMM and one pass (the bucket's faster way, or its trial), ``checks`` (eligible steps run the normal way to
-    check a model or a shape), ``fallbacks`` (steps whose logits held a NaN or an infinity: the sampler's rules).
+    whole GEMM and one pass and ``screened`` by the screen (:mod:`.head_screen`; each the bucket's faster way,
+    or its trial), ``checks`` (eligible steps run the normal way to check a model or a shape, or whose screen
+    checked a shape), ``fallbacks`` (steps whose logits held a NaN or an infinity: the sampler's rules).
 
     Example:
         >>> ArgmaxCounts().steps
@@ -93,6 +107,7 @@ class ArgmaxCounts:
 
     steps: int = 0
     whole: int = 0
+    screened: int = 0
     checks: int = 0
     fallbacks: int = 0
 
@@ -108,6 +123,7 @@ class _Call:
     outputs: list[torch.Tensor] = field(default_factory=list)
     tokens: list[int] | None = None
     way: str = "chunks"
+    screened: bool = False  # the tokens came from the screen (its way can fall back to the chunks)
 
 
 class ArgmaxHead:
@@ -123,15 +139,22 @@ class ArgmaxHead:
         >>> with torch.inference_mode():
         ...     first, second = head.step(logits, 2), head.step(logits, 2)   # the first checks, the second is fused
         >>> second.tokens == first.argmax(-1).tolist(), head.counts
-        (True, ArgmaxCounts(steps=1, whole=0, checks=1, fallbacks=0))
+        (True, ArgmaxCounts(steps=1, whole=0, screened=0, checks=1, fallbacks=0))
         >>> head.close(); "forward" in vars(model.lm_head)
         False
     """
 
     def __init__(self, module: torch.nn.Linear, way: str = "auto") -> None:
         if way not in ("auto", *WAYS):
-            raise ValueError(f"way must be 'auto', 'chunks' or 'whole', got {way!r}")
+            raise ValueError(f"way must be 'auto', 'chunks', 'whole' or 'screen', got {way!r}")
+        screens = module.bias is None and head_screen.available()
+        if way == "screen" and not screens:
+            raise ValueError("way='screen' needs fbgemm's float16 GEMM (torch's x86 CPU build) and a head without bias")
         self._module = module
+        self._screen = head_screen.HeadScreen() if screens else None
+        self._screen_shapes: dict[tuple[int, int, int], bool] = {}  # (rows, columns, threads): bits and bound hold
+        self._ways_here = WAYS if screens else WAYS[:2]
+        self._min_rows = 1 if screens else MIN_ROWS  # one row: the screen reads half of the GEMV's bytes
         self._plain: bool | None = None  # the model returns the head's output untouched (check 1)
         self._exact: dict[tuple[int, int], bool] = {}  # (rows, threads): the chunks' bits are the whole GEMM's
         self._way = way  # "auto": each bucket's measured faster way; else that way always
@@ -159,7 +182,7 @@ class ArgmaxHead:
         vocab)`` (a view of the head's output); returns the rows' tokens, or the float32 logits where the row count
         (:data:`MIN_ROWS`), a check or a row's values say so."""
         weight = self._module.weight
-        if rows < MIN_ROWS or self._plain is False or not _fusable(weight):  # e.g. a model converted to bf16 since
+        if rows < self._min_rows or self._plain is False or not _fusable(weight):  # e.g. converted to bf16 since
             return forward().float()
         call = _Call(self, capture=bool(self._plain))
         with _calling(call):
@@ -177,6 +200,7 @@ class ArgmaxHead:
             return logits.float()  # the model's own logits: the head computed them whole
         self.counts.steps += 1
         self.counts.whole += call.way == "whole"
+        self.counts.screened += call.screened
         return ArgmaxTokens(call.tokens)
 
     def _head(self, call: _Call, x: torch.Tensor) -> torch.Tensor:
@@ -199,17 +223,23 @@ class ArgmaxHead:
             return self._linear(x)
         bucket = (1 << (key[0].bit_length() - 1), key[1])
         call.way = self._next_way(bucket)
+        timed = True
+        if call.way == "screen":
+            self._screen_ready()  # the float16 copy (re)made outside the timing, once per weights
         start = _clock()
-        if call.way == "chunks":
-            call.tokens = self._argmax(x)
-            out = x.new_empty(*x.shape[:-1], 0)  # the model returns it; nothing reads it
-        else:
+        if call.way == "whole":
             out = self._linear(x)
             call.tokens = _whole_argmax(out)
+        else:
+            if call.way == "screen":
+                call.tokens, timed, call.screened = self._screened(x)
+            else:
+                call.tokens = self._argmax(x)
+            out = x.new_empty(*x.shape[:-1], 0)  # the model returns it; nothing reads it
         if call.tokens is None:  # a NaN or an infinite maximum: the model returns the whole logits, the sampler rules
             self.counts.fallbacks += 1
-            return self._linear(x) if call.way == "chunks" else out
-        if bucket not in self._ways and self._way == "auto":
+            return out if call.way == "whole" else self._linear(x)
+        if bucket not in self._ways and self._way == "auto" and timed:
             self._record(bucket, call.way, (_clock() - start) / key[0])
         return out
 
@@ -221,8 +251,8 @@ class ArgmaxHead:
         kept = self._ways.get(bucket)
         if kept is not None:
             return kept
-        times = self._trials.setdefault(bucket, {way: [] for way in WAYS})
-        return "chunks" if len(times["chunks"]) <= len(times["whole"]) else "whole"
+        times = self._trials.setdefault(bucket, {way: [] for way in self._ways_here})
+        return min(self._ways_here, key=lambda way: len(times[way]))  # the fewest trials so far, in WAYS order
 
     def _record(self, bucket: tuple[int, int], way: str, seconds: float) -> None:
         """One trial's time per row; after :data:`TRIALS` each way the bucket keeps the lower median."""
@@ -230,7 +260,7 @@ class ArgmaxHead:
         times[way].append(seconds)
         if all(len(t) >= TRIALS for t in times.values()):
             medians = {w: statistics.median(t) for w, t in times.items()}
-            self._ways[bucket] = min(WAYS, key=medians.__getitem__)  # a tie: the chunks (the first)
+            self._ways[bucket] = min(self._ways_here, key=medians.__getitem__)  # a tie: the earlier in WAYS
             del self._trials[bucket]
 
     def close(self) -> None:
@@ -263,6 +293,42 @@ class ArgmaxHead:
                 exact = False
                 break
         self._exact[(rows, torch.get_num_threads())] = exact
+
+    # ------------------------------------------------------------------ the screen
+    def _screen_ready(self) -> None:
+        """Make the screen's float16 copy of the head's weight now if it is missing or stale (not in a timed trial)."""
+        if self._screen is not None:
+            self._screen.prepare(self._module.weight)
+
+    def _screened(self, x: torch.Tensor) -> tuple[list[int] | None, bool, bool]:
+        """The rows' tokens by the screen (:mod:`.head_screen`), whether the step may be timed and whether the
+        screen gave the tokens. A shape
+        ``(rows, exact columns, threads)`` seen for the first time is checked against the whole GEMM: the exact
+        columns' bits, and every approximate logit within its row's bound (a bound that fails turns the screen off:
+        it would be a fault in its derivation). A step the screen cannot serve takes the chunks' argmax."""
+        screen = self._screen
+        step = None if screen is None else screen.screen(x, self._module.weight)
+        if step is None or step.tokens is None:
+            return self._argmax(x), True, False  # the screen's own work is part of this way's cost
+        rows = step.exact.shape[0]
+        key = (rows, len(step.columns), torch.get_num_threads())
+        good = self._screen_shapes.get(key)
+        if good is None:
+            self.counts.checks += 1
+            whole = _rows(self._linear(x))
+            good = _same_bits(step.exact, whole[:, torch.from_numpy(step.columns)])
+            apart = (step.approx.double() - whole.double()).abs().amax(dim=1).numpy()
+            if not (apart <= step.bound).all():
+                logger.warning("pagedcore: the head screen's bound failed on this machine; the screen is off")
+                self._screen, self._ways_here = None, WAYS[:2]
+                self._trials.clear()
+                self._ways = {b: w for b, w in self._ways.items() if w != "screen"}
+                good = False
+            self._screen_shapes[key] = good
+            return _whole_argmax(whole), False, False  # this step's tokens: the whole GEMM's
+        if not good:
+            return self._argmax(x), True, False
+        return step.tokens, True, True
 
     # ------------------------------------------------------------------ the fused pass
     def _linear(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,187 @@
+"""A half-precision screen of the LM head for greedy steps on the CPU: which vocabulary columns can hold a row's
+maximum, from half of the head's bytes; only those columns' logits are then computed exactly.
+
+Why: at 1-16 rows the LM head is a matrix-vector product bound by memory (the small benchmark model's head is 62.5
+MiB of its 154.5 MiB of weights), and a greedy step needs only each row's argmax. fbgemm's GEMM over a float16 copy
+of the weight (``torch.ops.quantized.linear_dynamic_fp16``: float32 inputs and sums, the weight stored in half
+precision) reads 31 MiB: 2.7 ms at one row against ``F.linear``'s 5.3, 4.9 against 14.6 at eight, with the caches
+evicted (docs/benchmarks.md, "The greedy choice screened in half precision").
+
+Exactness: the tokens are the argmax of the head's own ``F.linear`` over the step's rows, bit for bit, because
+
+1. each approximate logit is within a bound of the exact one, per row ``r``:
+   ``|approx - exact| <= B_r = ||x_r||_2 * max_n ||W_n - W16_n||_2 + (K + 8) * 2^-23 * ||x_r||_1 * max |W|``:
+   the first term is the half-precision copy's own error (Cauchy-Schwarz on ``x_r (W_n - W16_n)``, with the
+   differences computed exactly; values below float16's normal range are set to zero in the copy, so a kernel that
+   flushes them computes the same), the second covers the float32 rounding of both GEMMs, in any order of summation
+   (``K * 2^-24`` of the absolute sum each, with room);
+2. so a column whose approximate logit is below the row's approximate maximum less ``2 B_r`` cannot hold the exact
+   maximum, and every column that can (ties included) is a candidate;
+3. the candidates of all rows (padded to a multiple of :data:`COLUMNS` with other columns, so few GEMM shapes occur)
+   are computed with ``F.linear`` on the gathered weight rows, whose bits the caller checks against the whole GEMM
+   for each shape before it trusts them, together with the bound itself (every approximate logit within ``B_r`` of
+   the whole GEMM's); the first maximal candidate of each row is its token.
+
+A step whose input or candidates are not finite, whose weight does not fit float16, or whose candidates would be a
+large share of the vocabulary (:data:`MAX_SHARE`) is not screened (None: the caller takes the argmax another way).
+The float16 copy is made from the weight as it is and made again when the weight changes (same tensor, version
+counter and data pointer, as the prepacked linears check), so a training step is seen at the next greedy step. It
+costs half the head's bytes in memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+__all__ = ["COLUMNS", "MAX_SHARE", "HeadScreen", "Screened", "available"]
+
+COLUMNS = 256  # the exact columns come in multiples of this many: few GEMM shapes to check
+MAX_SHARE = 0.25  # candidates beyond this share of the vocabulary: the screen saves too little, not used
+_SMALLEST = 2.0**-14  # float16's smallest normal value: smaller weights are zero in the copy (module docstring)
+logger = logging.getLogger(__name__)
+_ENGINE = "fbgemm"  # the quantized engine whose float16 GEMM the screen runs
+_PACKING = threading.Lock()  # the engine is a process-wide setting: set only around a prepack, one at a time
+
+
+def available() -> bool:
+    """Whether this torch has fbgemm's float16-weight GEMM (x86 CPUs).
+
+    Example:
+        >>> isinstance(available(), bool)
+        True
+    """
+    quantized = torch.ops.quantized
+    return _ENGINE in torch.backends.quantized.supported_engines and hasattr(quantized, "linear_dynamic_fp16")
+
+
+@dataclass
+class Screened:
+    """One screened step: the exact logits of ``columns`` (``(rows, len(columns))``, ``F.linear``'s), the
+    approximate logits and each row's bound (for the caller's checks), and the tokens (None: some row could not be
+    screened)."""
+
+    columns: np.ndarray
+    exact: torch.Tensor
+    approx: torch.Tensor
+    bound: np.ndarray
+    tokens: list[int] | None
+
+
+@dataclass
+class _Copy:
+    """The float16 copy of a weight and what it was made from."""
+
+    weight: weakref.ref[torch.Tensor]
+    version: int
+    pointer: int
+    packed: object | None  # None: this weight cannot be screened (not finite in float16, or the packing failed)
+    apart: float  # max_n ||W_n - W16_n||_2
+    largest: float  # max |W|
+
+    def fresh(self, weight: torch.Tensor) -> bool:
+        version = weight._version  # noqa: SLF001 (torch's version counter: every in-place change bumps it)
+        return self.weight() is weight and version == self.version and weight.data_ptr() == self.pointer
+
+
+class HeadScreen:
+    """The screen of one head weight (float32, CPU, no bias; see the module docstring).
+
+    Example:
+        >>> weight = torch.randn(1000, 64)
+        >>> screen = HeadScreen()
+        >>> x = torch.randn(3, 64)
+        >>> step = screen.screen(x, weight)
+        >>> step.tokens == F.linear(x, weight).argmax(-1).tolist(), len(step.columns) % COLUMNS
+        (True, 0)
+    """
+
+    def __init__(self) -> None:
+        self._copy: _Copy | None = None
+
+    def screen(self, x: torch.Tensor, weight: torch.Tensor) -> Screened | None:
+        """The step's candidate columns and their exact logits for ``x`` ``(rows, K)``; None when the screen does
+        not apply (non-finite input or weight, too many candidates)."""
+        copy = self._fresh_copy(weight)
+        if copy.packed is None or not bool(torch.isfinite(x).all()):
+            return None
+        k = x.shape[-1]
+        x = x.reshape(-1, k)
+        approx = torch.ops.quantized.linear_dynamic_fp16(x, copy.packed)
+        wide = x.double()
+        bound = wide.norm(dim=1) * copy.apart + (k + 8) * 2.0**-23 * wide.abs().sum(dim=1) * copy.largest
+        bound = bound.numpy() * (1.0 + 1e-6)  # (rows,): float64, rounded up
+        values = approx.numpy()
+        top = values.max(axis=1)
+        if not np.isfinite(top).all():
+            return None
+        floor = top - 2.0 * bound  # float64; as float32 rounded down, so no candidate is lost to the rounding
+        floor32 = floor.astype(np.float32)
+        floor32 = np.where(floor32 > floor, np.nextafter(floor32, np.float32(-np.inf)), floor32)
+        candidates = (values >= floor32[:, None]).any(axis=0)
+        vocab = weight.shape[0]
+        count = int(candidates.sum())
+        if count > MAX_SHARE * vocab:
+            return None
+        columns = _padded(candidates, count, vocab)
+        exact = F.linear(x, weight.index_select(0, torch.from_numpy(columns)))
+        chosen = exact.numpy()
+        best = chosen.argmax(axis=1)  # the first maximal candidate: columns are in order
+        finite = np.isfinite(chosen[np.arange(len(best)), best]).all()
+        tokens = columns[best].tolist() if finite else None
+        return Screened(columns, exact, approx, bound, tokens)
+
+    def prepare(self, weight: torch.Tensor) -> None:
+        """Make the float16 copy of ``weight`` now if it is missing or stale (the next :meth:`screen` would)."""
+        self._fresh_copy(weight)
+
+    def _fresh_copy(self, weight: torch.Tensor) -> _Copy:
+        copy = self._copy
+        if copy is not None and copy.fresh(weight):
+            return copy
+        self._copy = None
+        version, pointer = weight._version, weight.data_ptr()  # noqa: SLF001
+        try:
+            packed, apart, largest = _quantize(weight.detach())
+        except Exception:  # a torch without the packing op it had at import, or another failure: not screened
+            logger.warning("pagedcore: the screen could not pack the head's weight in float16", exc_info=True)
+            packed, apart, largest = None, 0.0, 0.0
+        self._copy = _Copy(weakref.ref(weight), version, pointer, packed, apart, largest)
+        return self._copy
+
+
+def _quantize(weight: torch.Tensor) -> tuple[object | None, float, float]:
+    """fbgemm's packed float16 copy of ``weight``, ``max_n ||W_n - W16_n||_2`` and ``max |W|``; None for a weight
+    that is not finite in float16."""
+    with torch.no_grad():
+        half = weight.to(torch.float16)
+        if not bool(torch.isfinite(half).all()):
+            return None, 0.0, 0.0
+        copy = half.float()
+        copy[copy.abs() < _SMALLEST] = 0.0  # subnormal in float16: zero, whether or not the kernel flushes them
+        apart = float((weight.double() - copy.double()).norm(dim=1).max())
+        with _PACKING:
+            before = torch.backends.quantized.engine
+            torch.backends.quantized.engine = _ENGINE
+            try:
+                packed = torch.ops.quantized.linear_prepack_fp16(copy, None)
+            finally:
+                torch.backends.quantized.engine = before
+        largest = float(weight.abs().max())
+    return packed, apart, largest
+
+
+def _padded(candidates: np.ndarray, count: int, vocab: int) -> np.ndarray:
+    """The candidate columns, in order, with the first other columns added up to a multiple of :data:`COLUMNS`
+    (at most the vocabulary)."""
+    width = min(-(-max(count, 1) // COLUMNS) * COLUMNS, vocab)
+    if width > count:
+        candidates = candidates.copy()
+        candidates[np.flatnonzero(~candidates)[: width - count]] = True
+    return np.flatnonzero(candidates)

@@ -1,0 +1,151 @@
+"""The half-precision screen of the LM head (pagedcore/adapters/transformers/head_screen.py): the greedy tokens are
+the argmax of the head's own F.linear, bit for bit, whatever the rows, outliers, ties or weights; the bound it relies
+on holds; and where a check fails (a bound, the exact columns' bits) the Engine still answers generate's tokens."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+
+from pagedcore.adapters.transformers import Engine, SamplingParams, argmax_head, head_screen
+from pagedcore.adapters.transformers.argmax_head import ArgmaxHead
+from pagedcore.adapters.transformers.head_screen import COLUMNS, HeadScreen
+from pagedcore.adapters.transformers.testing import tiny_llama
+
+pytestmark = [
+    pytest.mark.usefixtures("one_thread"),
+    pytest.mark.skipif(not head_screen.available(), reason="fbgemm's float16 GEMM (x86 CPUs) is not in this torch"),
+]
+
+VOCAB = 5000
+PROMPTS = [[5, 9, 30, 41, 7, 8, 100, 12], [77, 78, 79], [4000, 4999, 17, 3, 3, 3, 3, 3, 3, 3, 3, 250], [1]]
+
+
+def test_screened_tokens_are_the_argmax_of_f_linear_and_the_bound_holds():
+    generator = torch.Generator().manual_seed(0)
+    screen = HeadScreen()
+    served = 0
+    for trial in range(60):
+        vocab, k = (3000, 64) if trial % 2 else (1200, 256)
+        weight = torch.randn(vocab, k, generator=generator) * (0.02 + 0.5 * (trial % 3))
+        if trial % 7 == 0:
+            weight *= 1e-4  # values under float16's normal range: zero in the copy, the bound counts them
+        weight[:, 0] *= 1 + 10 * (trial % 4 == 0)  # an outlier feature in some weights
+        rows = 1 + trial % 9
+        x = torch.randn(rows, k, generator=generator)
+        if trial % 3 == 0:
+            x[:, 3] *= 30  # an outlier activation: a coarse step for the whole step's rows
+        if trial % 5 == 0:  # row 0's maximum in two columns (a tie): the first must win
+            weight[7] = weight[vocab // 2] = x[0].sign() * weight.abs().max()
+        step = screen.screen(x, weight)
+        exact = F.linear(x, weight)
+        if step is None:
+            continue
+        served += 1
+        assert step.tokens == exact.argmax(-1).tolist()  # torch's argmax: the first maximal column
+        assert len(step.columns) % COLUMNS == 0 or len(step.columns) == vocab
+        assert torch.equal(step.exact.view(torch.int32), exact[:, torch.from_numpy(step.columns)].view(torch.int32))
+        apart = (step.approx.double() - exact.double()).abs().amax(dim=1).numpy()
+        assert (apart <= step.bound).all()
+        if trial % 5 == 0:
+            assert step.tokens[0] == 7 and vocab // 2 in step.columns
+    assert served >= 45  # the rest: weights under float16's normal range leave too many candidates
+
+
+def test_what_cannot_be_screened_is_left_to_the_caller():
+    screen = HeadScreen()
+    x = torch.randn(2, 64)
+    assert screen.screen(x, torch.zeros(1000, 64)) is None  # every logit ties: every column a candidate
+    weight = torch.randn(1000, 64)
+    weight[3, 5] = float("nan")
+    assert screen.screen(x, weight) is None  # a weight that is not finite
+    assert screen.screen(x, torch.full((1000, 64), 1e5)) is None  # a weight float16 cannot hold
+    x[1, 2] = float("inf")
+    assert screen.screen(x, torch.randn(1000, 64)) is None  # an input that is not finite
+
+
+def model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    built = tiny_llama(vocab_size=VOCAB)
+    built.generation_config.eos_token_id = None
+    built.generation_config.pad_token_id = 0
+    return built
+
+
+def stock(reference: torch.nn.Module, prompts: list[list[int]], new: int = 8) -> list[list[int]]:
+    out = []
+    for prompt in prompts:
+        ids = reference.generate(
+            torch.tensor([prompt]), max_new_tokens=new, do_sample=False, cache=DynamicCache(config=reference.config)
+        )
+        out.append(ids[0, len(prompt) :].tolist())
+    return out
+
+
+def run(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=8), use_tqdm=False)
+    assert all(o.error is None for o in outs)
+    return [o.token_ids for o in outs]
+
+
+@pytest.fixture
+def screen_only(monkeypatch):
+    init = ArgmaxHead.__init__  # every ArgmaxHead made takes the screen at every step
+
+    def forced(self: ArgmaxHead, module: torch.nn.Linear, way: str = "auto") -> None:
+        init(self, module, way="screen")
+
+    monkeypatch.setattr(ArgmaxHead, "__init__", forced)
+
+
+def test_the_engine_serves_generates_tokens_through_the_screen_across_a_weights_update(screen_only):
+    net, reference = model(), model()
+    with Engine(net, num_blocks=128, block_size=4, max_num_batched_tokens=16) as engine:
+        head = engine.runner.argmax_head
+        assert run(engine, PROMPTS) == stock(reference, PROMPTS)
+        assert run(engine, PROMPTS[:2] * 3) == stock(reference, PROMPTS[:2]) * 3
+        assert 0 < head.counts.screened <= head.counts.steps  # the others: a new shape's check (the whole GEMM's)
+        before = head.counts.screened
+        with torch.no_grad():  # an optimizer step's in-place change: the float16 copy is made again
+            for layer in (net, reference):
+                layer.lm_head.weight.mul_(-1.0)
+        assert run(engine, PROMPTS) == stock(reference, PROMPTS)
+        assert head.counts.screened > before
+
+
+def test_a_bound_that_fails_turns_the_screen_off_and_tokens_stay_generates(screen_only, monkeypatch, caplog):
+    screen = HeadScreen.screen
+
+    def too_tight(self, x, weight):
+        step = screen(self, x, weight)
+        if step is not None:
+            step.bound[:] = 0.0  # a bound the approximate logits exceed
+        return step
+
+    monkeypatch.setattr(HeadScreen, "screen", too_tight)
+    net = model()
+    with caplog.at_level(logging.WARNING), Engine(net, num_blocks=128, block_size=4) as engine:
+        assert run(engine, PROMPTS) == stock(model(), PROMPTS)
+        head = engine.runner.argmax_head
+        assert head.counts.screened == 0 and head.counts.steps > 0  # served by the chunks from then on
+    assert "the head screen's bound failed" in caplog.text
+
+
+def test_exact_columns_whose_bits_differ_are_not_trusted(screen_only, monkeypatch):
+    class Shifted:  # a BLAS that sums the gathered columns' GEMM in another order
+        @staticmethod
+        def linear(x, weight, bias=None):
+            out = torch.nn.functional.linear(x, weight, bias)
+            return torch.nextafter(out, torch.full_like(out, float("inf")))
+
+    monkeypatch.setattr(head_screen, "F", Shifted)
+    net = model()
+    with Engine(net, num_blocks=128, block_size=4) as engine:
+        assert run(engine, PROMPTS) == stock(model(), PROMPTS)
+        head = engine.runner.argmax_head
+        assert head.counts.screened == 0 and head.counts.steps > 0 and head.counts.checks > 0
+    assert argmax_head.WAYS[-1] == "screen"
