@@ -149,3 +149,16 @@ def test_exact_columns_whose_bits_differ_are_not_trusted(screen_only, monkeypatc
         head = engine.runner.argmax_head
         assert head.counts.screened == 0 and head.counts.steps > 0 and head.counts.checks > 0
     assert argmax_head.WAYS[-1] == "screen"
+
+
+def test_the_benchmark_script_reports_each_row_count(monkeypatch, capsys):
+    import runpy
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "head_screen_bench.py"
+    argv = [str(script), "--size", "tiny", "--rows", "1,3", "--rounds", "1", "--evict-mib", "1"]
+    monkeypatch.setattr(sys, "argv", argv)
+    runpy.run_path(str(script), run_name="__main__")
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("| 1 |", "| 3 |"))]
+    assert len(lines) == 2 and all(line.endswith("| True |") or "not screened" in line for line in lines)
