@@ -109,14 +109,16 @@ class HeadScreen:
         """The step's candidate columns and their exact logits for ``x`` ``(rows, K)``; None when the screen does
         not apply (non-finite input or weight, too many candidates)."""
         copy = self._fresh_copy(weight)
-        if copy.packed is None or not bool(torch.isfinite(x).all()):
+        if copy.packed is None:
             return None
         k = x.shape[-1]
         x = x.reshape(-1, k)
+        wide = x.detach().numpy().astype(np.float64)  # numpy: a few small torch ops cost more right after a forward
+        l2, l1 = np.sqrt((wide * wide).sum(axis=1)), np.abs(wide).sum(axis=1)
+        bound = (l2 * copy.apart + (k + 8) * 2.0**-23 * l1 * copy.largest) * (1.0 + 1e-6)  # (rows,), rounded up
+        if not np.isfinite(bound).all():  # a NaN or an infinity in the input
+            return None
         approx = torch.ops.quantized.linear_dynamic_fp16(x, copy.packed)
-        wide = x.double()
-        bound = wide.norm(dim=1) * copy.apart + (k + 8) * 2.0**-23 * wide.abs().sum(dim=1) * copy.largest
-        bound = bound.numpy() * (1.0 + 1e-6)  # (rows,): float64, rounded up
         values = approx.numpy()
         top = values.max(axis=1)
         if not np.isfinite(top).all():
