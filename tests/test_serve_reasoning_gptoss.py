@@ -68,7 +68,10 @@ class ScriptRunner:
                              num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512)  # fmt: skip
         model = LlamaForCausalLM(config).eval()
         model.generation_config.eos_token_id = tokenizer.eos_token_id
-        self._inner = TransformersRunner(model, config=PoolConfig(num_blocks=128, block_size=8), tokenizer=tokenizer)
+        # fused_argmax=False: the script overwrites the logits, so its runner must compute them (an argmax-only step
+        # would otherwise come back as its tokens, ArgmaxTokens, even at one row where the head's screen applies)
+        self._inner = TransformersRunner(model, config=PoolConfig(num_blocks=128, block_size=8), tokenizer=tokenizer,
+                                         fused_argmax=False)  # fmt: skip
         self._script = script
 
     def __getattr__(self, name: str) -> Any:
