@@ -51,11 +51,6 @@ class TableRows:
         self._lock = threading.Lock()  # acquire / release / growth (a step's writes and gathers run under its lock)
 
     @property
-    def pad_block(self) -> int:
-        """The id that pads a row past its table's end."""
-        return self._pad
-
-    @property
     def num_used(self) -> int:
         """Rows held by some table now."""
         return self._rows - len(self._free)

@@ -25,20 +25,21 @@ Exactness: the tokens are the argmax of the head's own ``F.linear`` over the ste
 A step whose input or candidates are not finite, whose weight does not fit float16, or whose candidates would be a
 large share of the vocabulary (:data:`MAX_SHARE`) is not screened (None: the caller takes the argmax another way).
 The float16 copy is made from the weight as it is and made again when the weight changes (same tensor, version
-counter and data pointer, as the prepacked linears check), so a training step is seen at the next greedy step. It
-costs half the head's bytes in memory.
+counter and data pointer: :class:`~.prepacked.WeightStamp`, as the prepacked linears check), so a training step is
+seen at the next greedy step. It costs half the head's bytes in memory.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-import weakref
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from pagedcore.adapters.transformers.prepacked import WeightStamp
 
 __all__ = ["COLUMNS", "MAX_SHARE", "HeadScreen", "Screened", "available"]
 
@@ -85,16 +86,10 @@ class Screened:
 class _Copy:
     """The float16 copy of a weight and what it was made from."""
 
-    weight: weakref.ref[torch.Tensor]
-    version: int
-    pointer: int
+    stamp: WeightStamp
     packed: object | None  # None: this weight cannot be screened (not finite in float16, or the packing failed)
     apart: float  # max_n ||W_n - W16_n||_2
     largest: float  # max |W|
-
-    def fresh(self, weight: torch.Tensor) -> bool:
-        version = weight._version  # noqa: SLF001 (torch's version counter: every in-place change bumps it)
-        return self.weight() is weight and version == self.version and weight.data_ptr() == self.pointer
 
 
 class HeadScreen:
@@ -152,16 +147,16 @@ class HeadScreen:
 
     def _fresh_copy(self, weight: torch.Tensor) -> _Copy:
         copy = self._copy
-        if copy is not None and copy.fresh(weight):
+        if copy is not None and copy.stamp.fresh(weight):
             return copy
         self._copy = None
-        version, pointer = weight._version, weight.data_ptr()  # noqa: SLF001
+        stamp = WeightStamp.of(weight)
         try:
             packed, apart, largest = _quantize(weight.detach())
         except Exception:  # a torch without the packing op it had at import, or another failure: not screened
             logger.warning("pagedcore: the screen could not pack the head's weight in float16", exc_info=True)
             packed, apart, largest = None, 0.0, 0.0
-        self._copy = _Copy(weakref.ref(weight), version, pointer, packed, apart, largest)
+        self._copy = _Copy(stamp, packed, apart, largest)
         return self._copy
 
 

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-__all__ = ["MIN_ROWS", "PrepackedLinears", "resolve_prepack"]
+__all__ = ["MIN_ROWS", "PrepackedLinears", "WeightStamp", "resolve_prepack"]
 
 MIN_ROWS = 2  # a one-row call is a GEMV, which packs nothing: F.linear is as fast (scripts/prepack_bench.py)
 PACK_ROWS = 16  # the row count oneDNN is told to expect when it lays a weight out (decode batches)
@@ -58,17 +58,40 @@ def resolve_prepack(prepack: bool | str, device: torch.device, dtype: torch.dtyp
 
 
 @dataclass
-class _Pack:
-    """A weight's packed copy and what it was made from."""
+class WeightStamp:
+    """What a copy of a weight was made from: the tensor, its version counter and its data pointer (an optimizer step,
+    ``load_state_dict`` or a replaced parameter changes one of them). The prepacked linears and the head's screen
+    (:mod:`.head_screen`) remake their copies when the stamp is no longer :meth:`fresh`.
+
+    Example:
+        >>> weight = torch.ones(2, 2)
+        >>> stamp = WeightStamp.of(weight)
+        >>> stamp.fresh(weight), (weight.mul_(2), stamp.fresh(weight))[1]
+        (True, False)
+    """
 
     weight: weakref.ref[torch.Tensor]
     version: int
     pointer: int
-    packed: torch.Tensor
+
+    @classmethod
+    def of(cls, weight: torch.Tensor) -> WeightStamp:
+        """The stamp of ``weight`` as it is now."""
+        version = weight._version  # noqa: SLF001 (torch's version counter: every in-place change bumps it)
+        return cls(weakref.ref(weight), version, weight.data_ptr())
 
     def fresh(self, weight: torch.Tensor) -> bool:
-        version = weight._version  # noqa: SLF001 (torch's version counter: every in-place change bumps it)
+        """Whether ``weight`` is the tensor stamped, unchanged since."""
+        version = weight._version  # noqa: SLF001
         return self.weight() is weight and version == self.version and weight.data_ptr() == self.pointer
+
+
+@dataclass
+class _Pack:
+    """A weight's packed copy and what it was made from."""
+
+    stamp: WeightStamp
+    packed: torch.Tensor
 
 
 class PrepackedLinears:
@@ -142,7 +165,7 @@ class PrepackedLinears:
         ):
             return F.linear(x, weight, bias)
         pack = self._packs.get(id(module))
-        if pack is None or not pack.fresh(weight):
+        if pack is None or not pack.stamp.fresh(weight):
             pack = self._pack(module)
         return _LINEAR(x, pack.packed, bias, "none", [], "")
 
@@ -150,8 +173,7 @@ class PrepackedLinears:
         weight = module.weight
         with torch.no_grad():
             packed = _REORDER(weight.detach(), PACK_ROWS)
-        version = weight._version  # noqa: SLF001
-        pack = _Pack(weakref.ref(weight), version, weight.data_ptr(), packed)
+        pack = _Pack(WeightStamp.of(weight), packed)
         with self._lock:
             self._packs[id(module)] = pack
         return pack
