@@ -44,7 +44,7 @@ from pagedcore.plugins.torch_backend import TorchPagedAttention
 from pagedcore.plugins.xformers import runtime
 from pagedcore.plugins.xformers.plan import MIN_ROWS, MIN_WIDTH, SPLITK_PAGE_MULTIPLE, bucket
 from pagedcore.plugins.xformers.runtime import PreloadResult, elf_dependencies
-from pagedcore.plugins.xformers.status import Environment, diagnose, environment, install_plan
+from pagedcore.plugins.xformers.status import PROBE_CASES, Environment, diagnose, environment, install_plan
 from pagedcore.plugins.xformers_backend import (
     Step,
     XFormersPagedAttention,
@@ -663,6 +663,23 @@ def test_this_machine_says_precisely_why_xformers_is_unavailable() -> None:
     else:
         assert status.reason.startswith("no CUDA device is visible")
     assert not xformers_backend.xformers_available()
+
+
+def test_the_status_probe_plans_a_splitk_decode_and_a_gather_prefill() -> None:
+    """Regression (the first GPU run): the probe's prefill had 5 queries, which triton_splitk takes, so the status
+    read "prefill: triton_splitk" and never ran flash, the op real prefills use."""
+    plans = {}
+    for name, (query_lens, seq_lens, tables, slots) in PROBE_CASES.items():
+        meta = PagedAttentionMetadata.build(
+            block_size=64, query_lens=query_lens, seq_lens=seq_lens, block_offsets=[0] * len(tables),
+            tables=tables, slots=slots, sliding_window=None, pad_block=5,
+        )  # fmt: skip
+        for row, (table, row_slots) in enumerate(zip(tables, slots, strict=True)):
+            first = seq_lens[row] - query_lens[row]
+            positions = range(first, seq_lens[row])
+            assert row_slots == [table[p // 64] * 64 + p % 64 for p in positions]
+        plans[name] = [step.op for step in plan_steps(meta, flash_paged=False)]
+    assert plans == {"decode": ["triton_splitk"], "prefill": ["gather"]}
 
 
 def test_the_installed_wheel_needs_the_cuda_12_runtime() -> None:

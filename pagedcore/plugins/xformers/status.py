@@ -21,6 +21,7 @@ from .runtime import PreloadResult, elf_dependencies, find_wheel_library, xforme
 
 __all__ = [
     "GPU_EXTRA",
+    "PROBE_CASES",
     "Environment",
     "XFormersStatus",
     "describe",
@@ -246,6 +247,16 @@ def _load_error() -> str | None:
     return f"{type(exc).__name__}: {exc}".replace("\n", " ")
 
 
+PROBE_CASES: dict[str, tuple[list[int], list[int], list[list[int]], list[list[int]]]] = {
+    # name: (query_lens, seq_lens, tables, slots), pages of 64, pad block 5
+    "decode": ([1, 1], [70, 9], [[0, 1], [2]], [[69], [136]]),
+    # 20 queries: more than triton_splitk's causal limit (16), so the prefill is a gather step (flash, else cutlass)
+    "prefill": ([20], [70], [[3, 4]], [[*range(3 * 64 + 50, 4 * 64), *range(4 * 64, 4 * 64 + 6)]]),
+}
+"""The probe's cases: a paged decode and a prefill (the first GPU run's prefill had 5 queries, which triton_splitk
+takes, so the status said "prefill: triton_splitk" and never tried the op real prefills run)."""
+
+
 def _probe() -> dict[str, tuple[str, ...]]:
     """Run the backend on a paged decode and a prefill (fp16, GQA 4/2, head dim 64) and check it against torch."""
     from pagedcore.attention import PagedAttentionMetadata
@@ -256,13 +267,8 @@ def _probe() -> dict[str, tuple[str, ...]]:
     generator = torch.Generator(device="cuda").manual_seed(0)
     cache = torch.randn(2, 6, 64, 2, 64, generator=generator, device="cuda", dtype=torch.float16)
     cache[:, 5] = 0  # the pad block
-    cases: dict[str, tuple[list[int], list[int], list[list[int]], list[list[int]]]] = {
-        # name: (query_lens, seq_lens, tables, slots)
-        "decode": ([1, 1], [70, 9], [[0, 1], [2]], [[69], [136]]),
-        "prefill": ([5], [70], [[3, 4]], [[257, 258, 259, 260, 261]]),
-    }
     out = {}
-    for name, (query_lens, seq_lens, tables, slots) in cases.items():
+    for name, (query_lens, seq_lens, tables, slots) in PROBE_CASES.items():
         meta = PagedAttentionMetadata.build(
             block_size=64,
             query_lens=query_lens,
