@@ -75,19 +75,40 @@ def engine_outputs(model, prompts, params, **engine_args):
         outputs = engine.generate(prompts, params, use_tqdm=False)
         assert engine.pool.kv.num_used_blocks == 0, "blocks leaked"
         engine.pool.check_invariants()
+        stats = engine.stats()
     for out in outputs:
         assert out.error is None, out.error
+    if engine_args.get("compile", False) is not False:  # the decode steps ran as graphs, not eagerly after a failure
+        assert stats.compile_failures == 0 and stats.compiled_steps > 0, stats
     return outputs
 
 
-@pytest.mark.parametrize("backend", ["torch", None], ids=["torch", "default"])
-def test_engine_on_cuda_equals_the_engine_on_cpu(backend):
+class ReplayCapture:
+    """The rehearsal's stand-in for a CUDA graph (no CUDA here): replays by calling the captured function again."""
+
+    def capture(self, function):
+        output = function()
+        return (lambda: output.copy_(function())), output
+
+
+@pytest.mark.parametrize(
+    ("backend", "compile"),
+    [("torch", False), (None, False), ("torch", "cudagraphs"), (None, "cudagraphs"), (None, True)],
+    ids=["torch", "default", "torch-cudagraphs", "default-cudagraphs", "default-inductor"],
+)
+def test_engine_on_cuda_equals_the_engine_on_cpu(backend, compile, monkeypatch):
+    if DEVICE.type == "cpu" and compile == "cudagraphs":
+        from pagedcore.adapters.transformers import decode_graphs
+
+        monkeypatch.setattr(decode_graphs, "CAPTURE", ReplayCapture)
+    if DEVICE.type == "cpu" and compile is True:
+        pytest.skip("inductor on the CPU: tests/test_engine_compile.py's slow tests")
     prompts = workload(3, 6)
     params = SamplingParams(max_new_tokens=10, return_logits=True)
     want = engine_outputs(tiny_model("llama"), prompts, params, block_size=16)
     assert min(margins(out.samples[0].logits) for out in want) > MIN_MARGIN, "a near-tie: choose another workload"
     model = tiny_model("llama").to(DEVICE)
-    got = engine_outputs(model, prompts, params, block_size=64, attention_backend=backend)  # another layout too
+    got = engine_outputs(model, prompts, params, block_size=64, attention_backend=backend, compile=compile)
     for g, w in zip(got, want):
         assert g.token_ids == w.token_ids
         for got_step, want_step in zip(g.samples[0].logits, w.samples[0].logits):

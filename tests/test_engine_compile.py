@@ -52,7 +52,7 @@ def uncompiled(monkeypatch):
 # ---------------------------------------------------------------------------------------------------- the option
 def test_compile_option_is_checked_before_anything_changes():
     model = tiny_model("llama")
-    with pytest.raises(ConfigError, match="compile must be True, False or \"auto\", got 'always'"):
+    with pytest.raises(ConfigError, match='compile must be True, False, "auto" or "cudagraphs", got \'always\''):
         Engine(model, num_blocks=16, compile="always")
     assert model.config._attn_implementation == "sdpa"
     with Engine(model, num_blocks=16) as engine:  # auto: eager on the CPU
@@ -76,10 +76,10 @@ def test_serve_compile_flag_reaches_the_engine(monkeypatch):
     monkeypatch.setattr(adapter, "Engine", engine)
     parser = argparse.ArgumentParser()
     cli.add_arguments(parser)
-    for argv in ([], ["--compile"], ["--no-compile"]):
+    for argv in ([], ["--compile"], ["--no-compile"], ["--cuda-graphs"]):
         with pytest.raises(Stop):
             cli._build(parser.parse_args(["--num-blocks", "16", *argv]), UsageError)
-    assert seen == ["auto", True, False]
+    assert seen == ["auto", True, False, "cudagraphs"]
 
 
 # ---------------------------------------------------------------------------------------------------- buckets

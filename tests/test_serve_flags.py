@@ -112,6 +112,7 @@ def test_a_config_file_goes_before_the_command_line(tmp_path):
         (["--guided-decoding-backend", "xgrammar"], "--guided-decoding-backend xgrammar (vLLM's backend)"),
         (["--no-enable-chunked-prefill"], "--no-enable-chunked-prefill is not supported"),
         (["--enforce-eager", "--compile"], "--enforce-eager and --compile contradict"),
+        (["--cuda-graphs", "--compile"], "--cuda-graphs and --enforce-eager / --compile contradict"),
         (["--swap-space", "-1"], "--swap-space must be a number of GiB >= 0"),
         (["--root-path", "api/"], "--root-path must start with /"),
         (["--generation-config", "/nonexistent"], "--generation-config '/nonexistent': expected auto, vllm"),

@@ -33,8 +33,9 @@ from .lora import LoRAConfig
 
 __all__ = ["COMPILE_MODES", "EngineConfig"]
 
-COMPILE_MODES = (True, False, "auto")
-"""``compile=``: decode steps as a compiled graph, eagerly, or ``"auto"`` (the runner decides: on CUDA)."""
+COMPILE_MODES = (True, False, "auto", "cudagraphs")
+"""``compile=``: decode steps compiled (inductor), eagerly, ``"auto"`` (the runner decides: eager for now), or
+``"cudagraphs"`` (captured from the eager step per bucket; CUDA only)."""
 
 _RENAMED = {"scheduling_policy": "policy"}  # Engine keyword -> SchedulerConfig field
 
@@ -60,7 +61,7 @@ class EngineConfig:
         >>> EngineConfig(compile="yes")
         Traceback (most recent call last):
         ...
-        pagedcore.errors.ConfigError: compile must be True, False or "auto", got 'yes'
+        pagedcore.errors.ConfigError: compile must be True, False, "auto" or "cudagraphs", got 'yes'
     """
 
     pool: PoolConfig = field(default_factory=PoolConfig)
@@ -81,8 +82,10 @@ class EngineConfig:
         fix(self, "max_logprobs", integer("max_logprobs", self.max_logprobs, minimum=-1, error=ConfigError))
         if self.max_model_len is not None:
             fix(self, "max_model_len", integer("max_model_len", self.max_model_len, minimum=1, error=ConfigError))
-        if not any(self.compile is mode for mode in COMPILE_MODES[:2]) and self.compile != "auto":
-            raise ConfigError(f'compile must be True, False or "auto", got {self.compile!r}', param="compile")
+        if not any(self.compile is mode for mode in COMPILE_MODES[:2]) and self.compile not in COMPILE_MODES[2:]:
+            raise ConfigError(
+                f'compile must be True, False, "auto" or "cudagraphs", got {self.compile!r}', param="compile"
+            )
         timeout = self.compile_timeout
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
             raise ConfigError(f"compile_timeout must be > 0 seconds, got {timeout!r}", param="compile_timeout")

@@ -87,6 +87,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(handler=run)
 
 
+def _add_decode_flags(parser: argparse.ArgumentParser) -> None:
+    """How decode steps run: eagerly, compiled, or as CUDA graphs."""
+    parser.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="decode steps compiled by inductor (Engine(compile=True)); --no-compile: eager; default: auto (eager)",
+    )
+    parser.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help='decode steps captured as CUDA graphs per bucket, nothing compiled (Engine(compile="cudagraphs"))',
+    )
+
+
 def _add_engine_flags(parser: argparse.ArgumentParser, human_int: Callable[[str], int]) -> None:
     """The engine's sizing and scheduling."""
     sizing = parser.add_mutually_exclusive_group()
@@ -136,14 +151,9 @@ def _add_engine_flags(parser: argparse.ArgumentParser, human_int: Callable[[str]
         help="reuse cached prompt prefixes (default: on)",
     )
     parser.add_argument(
-        "--compile",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="decode steps as a compiled graph (Engine(compile=True)); --no-compile: eager; default: auto (on CUDA)",
-    )
-    parser.add_argument(
         "--max-queue", type=int, default=512, help="waiting requests before new ones get 429 (>= 1, default 512)"
     )
+    _add_decode_flags(parser)
 
 
 def _add_access_flags(parser: argparse.ArgumentParser, json_list: Callable[[str], list[str]]) -> None:

@@ -32,15 +32,18 @@ def stats_logger(args: argparse.Namespace, loop: Any) -> Any:
 
 
 def compile_mode(args: argparse.Namespace) -> bool | str:
-    """``Engine(compile=...)``: ``--enforce-eager`` is ``--no-compile``; default: auto (on CUDA).
+    """``Engine(compile=...)``: ``--enforce-eager`` is ``--no-compile``, ``--cuda-graphs`` is ``"cudagraphs"``;
+    default: auto (eager).
 
     Example:
         >>> eager, default = argparse.Namespace(enforce_eager=True, compile=None), argparse.Namespace(compile=None)
-        >>> compile_mode(eager), compile_mode(default)
-        (False, 'auto')
+        >>> compile_mode(eager), compile_mode(default), compile_mode(argparse.Namespace(cuda_graphs=True))
+        (False, 'auto', 'cudagraphs')
     """
     if getattr(args, "enforce_eager", False):
         return False
+    if getattr(args, "cuda_graphs", False):
+        return "cudagraphs"
     return "auto" if args.compile is None else bool(args.compile)
 
 
@@ -57,7 +60,8 @@ def print_notes(args: argparse.Namespace, model: Any, options: Any) -> None:
     from .vllm_flags import no_op_notes
 
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-    decode = "eager" if compile_mode(args) is False else "compiled" if compile_mode(args) is True else "auto"
+    mode = compile_mode(args)
+    decode = {False: "eager", True: "compiled", "cudagraphs": "as CUDA graphs"}.get(mode, "auto (eager)")
     print(f"pagedcore serve: weights in {dtype}, decode steps {decode}", file=sys.stderr)
     if options.sampling_defaults:
         shown = ", ".join(f"{k}={v}" for k, v in options.sampling_defaults.items())

@@ -258,6 +258,10 @@ def check_vllm_flags(args: argparse.Namespace, error: type[Exception]) -> None:
         raise error(f"--max-log-len must be >= 0, got {args.max_log_len}")
     if getattr(args, "enforce_eager", False) and getattr(args, "compile", None):
         raise error("--enforce-eager and --compile contradict each other: give one")
+    if getattr(args, "cuda_graphs", False) and (
+        getattr(args, "enforce_eager", False) or getattr(args, "compile", None)
+    ):
+        raise error("--cuda-graphs and --enforce-eager / --compile contradict each other: give one")
     root = getattr(args, "root_path", None)
     if root is not None and (not root.startswith("/") or root.endswith("/")):
         raise error(f"--root-path must start with / and not end with one, e.g. /api, got {root!r}")

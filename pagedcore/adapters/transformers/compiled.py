@@ -35,7 +35,6 @@ import torch
 from pagedcore.attention import bucket, to_device, write_kv
 from pagedcore.engine.packing import PackedTokens
 from pagedcore.engine.runner import CompileCounts
-from pagedcore.errors import ConfigError
 from pagedcore.plugins.torch_backend import attend_rows, gather_blocks
 
 from .attention import CONTEXT_KEY, StepAttention
@@ -50,7 +49,6 @@ __all__ = [
     "DecodeInputs",
     "attend_blocks",
     "bucket",
-    "resolve_compile",
     "store_kv",
 ]
 
@@ -132,27 +130,6 @@ def _attend_blocks_shapes(query: torch.Tensor, key_cache: torch.Tensor, value_ca
                           tables: torch.Tensor, mask: torch.Tensor, pad_block: int, scale: float,
                           softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
     return query.new_empty((*query.shape[:3], value_cache.shape[-1]))
-
-
-def resolve_compile(compile: bool | str, device: torch.device) -> bool:
-    """Whether an Engine with ``compile=`` on ``device`` compiles its decode steps: ``True``, ``False``, or
-    ``"auto"``: on CUDA, where a graph replay removes the per-kernel launch cost that dominates small decode
-    steps; not on the CPU, where each bucket's first step costs seconds of inductor compilation for a step of
-    milliseconds (docs/benchmarks.md, "Compiled decode").
-
-    Example:
-        >>> resolve_compile("auto", torch.device("cpu")), resolve_compile("auto", torch.device("cuda"))
-        (False, True)
-        >>> resolve_compile("yes", torch.device("cpu"))
-        Traceback (most recent call last):
-            ...
-        pagedcore.errors.ConfigError: compile must be True, False or "auto", got 'yes'
-    """
-    if compile is True or compile is False:
-        return compile
-    if compile == "auto":
-        return device.type == "cuda"
-    raise ConfigError(f'compile must be True, False or "auto", got {compile!r}')
 
 
 @dataclass(frozen=True)
@@ -337,6 +314,11 @@ class CompiledDecode:
         out = self.model(input_ids=input_ids[None], position_ids=positions[None], cache=self._cache, use_cache=True,
                          **{CONTEXT_KEY: attention})  # fmt: skip
         return out.logits[0]
+
+    def bucket_logits(self, inputs: DecodeInputs) -> torch.Tensor:
+        """The logits of every row of the bucket (padding rows too), from the decode function run as Python:
+        neither compiled nor counted (what :class:`~.decode_graphs.DecodeGraphs` captures)."""
+        return self._decode(inputs.input_ids, inputs.positions, inputs.tables, inputs.slots, inputs.starts)
 
     def _mark_static(self) -> None:
         """On CUDA, the pool's tensors as static addresses: a captured graph writes into them in place (an MLA

@@ -40,7 +40,8 @@ from pagedcore.validation import as_integer
 
 from .argmax_head import ArgmaxHead
 from .attention import ATTN_IMPLEMENTATION, CONTEXT_KEY, ForwardContext
-from .compiled import CompiledDecode, DecodeInputs, resolve_compile
+from .compiled import CompiledDecode, DecodeInputs
+from .decode_graphs import DecodeGraphs, resolve_compile
 from .layer_attention import check_paged_attention
 from .lora import LoraAdapters
 from .padded_step import PaddedStep
@@ -63,7 +64,8 @@ class TransformersRunner:
         model: a causal LM (its attention implementation is switched to ``"paged"`` until :meth:`close`).
         pool: a :class:`~.pool.PagedKVPool` to use (e.g. shared with ``enable``); else one is built with ``config``.
         config: the settings of a new pool (:class:`~pagedcore.config.PoolConfig`).
-        compile: decode-only steps as a compiled graph: ``True``, ``False`` or ``"auto"`` (on CUDA).
+        compile: decode-only steps as a compiled graph: ``True`` (inductor), ``False``, ``"auto"`` (eager for now)
+            or ``"cudagraphs"`` (captured from the eager step, CUDA only: :mod:`.decode_graphs`).
         attention_backend: the attention backend's name (None: the plugins' choice for the device).
         tokenizer: the model's tokenizer, when there is one: its eos stops requests too (:func:`eos_token_ids`).
         lora: serve LoRA adapters with these settings (:class:`~pagedcore.engine.lora.LoRAConfig`; the runner's
@@ -99,7 +101,7 @@ class TransformersRunner:
         if not isinstance(fused_argmax, bool):
             raise ConfigError(f"fused_argmax must be True or False, got {fused_argmax!r}", param="fused_argmax")
         device = model.get_input_embeddings().weight.device
-        compiling = resolve_compile(compile, device)
+        compiling = resolve_compile(compile, device)  # "inductor", "cudagraphs" or None
         self.owns_pool = pool is None
         self.pool = PagedKVPool.resolve(model, pool, config if config is not None else PoolConfig())
         self.model = model
@@ -113,7 +115,10 @@ class TransformersRunner:
         self._states = StateSteps(model, self.pool, attention_backend) if self.pool.states is not None else None
         if self._states is not None:
             _refuse_with_states(self.pool.spec.model_type, compile, lora)
-        self._decode = CompiledDecode(model, self.pool) if compiling and self._states is None else None
+        self._decode: CompiledDecode | DecodeGraphs | None = None
+        if compiling is not None and self._states is None:
+            graphs = compiling == "cudagraphs"
+            self._decode = DecodeGraphs(model, self.pool) if graphs else CompiledDecode(model, self.pool)
         self._decode_counts = CompileCounts()  # the counters of a compiled step turned off
         self._original_attn = getattr(self._text_config, "_attn_implementation", None)
         check_paged_attention(model, self.pool.spec.layers)  # what the paged attention cannot serve, refused now
@@ -231,7 +236,7 @@ class TransformersRunner:
         return logits.float()  # (len(keep), vocab)
 
     def _forward_compiled(
-        self, decode: CompiledDecode, prepared: PreparedStep, device: torch.device
+        self, decode: CompiledDecode | DecodeGraphs, prepared: PreparedStep, device: torch.device
     ) -> torch.Tensor | None:
         """The decode step's logits from the compiled graph; None (and compiling off from here on) if it failed: the
         step then runs eagerly, rewriting the same slots."""
@@ -322,10 +327,10 @@ def _packed_positions(pool: PagedKVPool, positions: list[int]) -> torch.Tensor |
 
 def _refuse_with_states(model_type: str, compile: bool | str, lora: LoRAConfig | None) -> None:
     """What a model with recurrent-state layers cannot run here, refused by name before anything is built."""
-    if compile is True:
+    if compile is True or compile == "cudagraphs":
         raise ConfigError(
-            f"compile=True: {model_type!r} keeps recurrent states, whose layers the compiled decode step does not "
-            "run; use compile=False or 'auto'",
+            f"compile={compile!r}: {model_type!r} keeps recurrent states, whose layers the compiled decode step "
+            "does not run; use compile=False or 'auto'",
             param="compile",
         )
     if lora is not None:

@@ -1,0 +1,220 @@
+"""The Engine's decode step as CUDA graphs captured from the eager step (``Engine(compile="cudagraphs")``).
+
+A decode step of a small model on a GPU is a few hundred kernel launches, each microseconds of host work around
+microseconds of GPU work; a graph replays them with one launch. The inductor path (``compile=True``,
+:mod:`.compiled`) does the same after generating code per bucket, which costs tens of seconds of compilation the
+first time each (rows, width) bucket is met (the first GPU run: a 12-turn chat took 70 s against 1.5 s for the
+padded batch). Here nothing is compiled: the bucketed decode function (:class:`~.compiled.CompiledDecode` run as
+Python: the same :class:`~.compiled.DecodeInputs` and :class:`~.compiled.DecodeAttention`) is captured as it runs,
+which costs about three eager steps per bucket.
+
+Per bucket, :class:`DecodeGraphs` keeps static copies of the step's input tensors and the graph's output; a step
+copies its inputs into them, replays, and returns a copy of its rows' logits. The capture runs the step twice on a
+side stream first (each run writes the same keys to the same slots: a rewrite, not a second token), then records it.
+
+What a graph has captured: the addresses of the weights, of the pool's tensors and of its static inputs. So all
+graphs are dropped (and captured again at their next step) when the pool's weights version moves (the weights watch:
+an optimizer step, new tensors, adapters merged) or any pool tensor moved (the pool was rebuilt). A capture that
+raises (an op that waits on the GPU, say) turns graphs off for the runner, which runs that step and all later ones
+eagerly, as a failing compiled step does.
+
+The capture itself is behind :class:`GraphCapture` (:class:`CudaGraphCapture` on CUDA), so that tests on the CPU
+run the same buckets, static buffers and invalidation with a stand-in that replays by calling the function again.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from pagedcore.engine.runner import CompileCounts
+from pagedcore.errors import ConfigError
+
+from .compiled import CompiledDecode, DecodeInputs
+from .pool import PagedKVPool
+
+__all__ = ["CAPTURE", "CudaGraphCapture", "DecodeGraphs", "GraphCapture", "resolve_compile"]
+
+WARMUP_RUNS = 2  # eager runs on the side stream before a capture (lazy initialisations, cuBLAS workspaces)
+
+
+@runtime_checkable
+class GraphCapture(Protocol):
+    """Captures a function of static tensors: ``(replay, output)``, where ``replay()`` recomputes ``output`` in
+    place from the static tensors' current contents.
+
+    Example:
+        The stand-in the CPU tests use: a replay calls the function again.
+
+        >>> class Replay:
+        ...     def capture(self, function):
+        ...         output = function()
+        ...         return (lambda: output.copy_(function())), output
+        >>> isinstance(Replay(), GraphCapture)
+        True
+    """
+
+    def capture(self, function: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
+        """Run ``function`` (warm-up) and capture it."""
+        ...
+
+
+class CudaGraphCapture:
+    """:class:`GraphCapture` with ``torch.cuda.CUDAGraph``: warm-up on a side stream, then capture into one memory
+    pool that every graph of the runner shares (their replays never overlap: one step at a time).
+
+    Example:
+        >>> isinstance(CudaGraphCapture(), GraphCapture), CAPTURE is CudaGraphCapture
+        (True, True)
+    """
+
+    def __init__(self) -> None:
+        self._pool: Any = None  # torch.cuda.graph_pool_handle(), made at the first capture
+
+    def capture(self, function: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(WARMUP_RUNS):
+                function()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: another thread's unrelated CUDA call (a server's) does not invalidate this capture
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            output = function()
+        return graph.replay, output
+
+
+CAPTURE: Callable[[], GraphCapture] = CudaGraphCapture
+"""The capture :class:`DecodeGraphs` uses (tests on the CPU set a stand-in; ``compile="cudagraphs"`` is refused on
+a device without CUDA while this is :class:`CudaGraphCapture`)."""
+
+
+def resolve_compile(compile: bool | str, device: torch.device) -> str | None:
+    """How an Engine with ``compile=`` on ``device`` runs its decode steps: ``"inductor"`` (``True``: compiled
+    per bucket, with CUDA graphs on CUDA), ``"cudagraphs"`` (captured per bucket from the eager step, nothing
+    compiled: :class:`DecodeGraphs`; CUDA only) or None (``False``: eagerly). ``"auto"`` is eager on every device
+    for now: on the CPU each bucket's first compiled step costs seconds of inductor compilation for a step of
+    milliseconds (docs/benchmarks.md, "Compiled decode"), and on the first GPU run (an H200, docs/gpu.md) inductor's
+    compilations per bucket made a 12-turn chat 46x slower than the padded batch; the captured graphs are not yet
+    measured on a GPU.
+
+    Example:
+        >>> resolve_compile("auto", torch.device("cpu")), resolve_compile(True, torch.device("cuda"))
+        (None, 'inductor')
+        >>> resolve_compile("yes", torch.device("cpu"))
+        Traceback (most recent call last):
+            ...
+        pagedcore.errors.ConfigError: compile must be True, False, "auto" or "cudagraphs", got 'yes'
+    """
+    if compile is True:
+        return "inductor"
+    if compile is False or compile == "auto":
+        return None
+    if compile == "cudagraphs":
+        if device.type != "cuda" and CAPTURE is CudaGraphCapture:
+            raise ConfigError(f'compile="cudagraphs" needs a CUDA device; the model is on {device}', param="compile")
+        return "cudagraphs"
+    raise ConfigError(f'compile must be True, False, "auto" or "cudagraphs", got {compile!r}', param="compile")
+
+
+@dataclass
+class _Graph:
+    inputs: DecodeInputs  # the static tensors the graph reads
+    replay: Callable[[], None]
+    logits: torch.Tensor  # the static output (rows of the bucket, vocab)
+
+
+class DecodeGraphs:
+    """Decode steps of ``model`` over ``pool`` replayed as one captured graph per bucket (module docstring).
+
+    Example:
+        >>> from pagedcore.adapters.transformers.testing import tiny_llama
+        >>> model = tiny_llama()
+        >>> graphs = DecodeGraphs(model, PagedKVPool(model, num_blocks=8, block_size=4))
+        >>> graphs.counts
+        CompileCounts(graphs=0, buckets=0, steps=0, failures=0)
+    """
+
+    def __init__(self, model: torch.nn.Module, pool: PagedKVPool, capture: GraphCapture | None = None) -> None:
+        self.pool = pool
+        self._step = CompiledDecode(model, pool, backend=None)  # the bucketed decode function, run as Python
+        self._capture = capture if capture is not None else CAPTURE()
+        self._graphs: dict[tuple[int, ...], _Graph] = {}
+        self._stamp: tuple[int, ...] | None = None
+        self._lock = threading.Lock()
+        self._captures = 0
+        self._buckets: set[tuple[int, ...]] = set()
+        self._steps = 0
+        self.dropped = 0
+        """Times every graph was dropped because the weights or the pool moved."""
+
+    @property
+    def counts(self) -> CompileCounts:
+        """Graphs captured (``graphs``; a bucket captured again after its graphs were dropped counts again),
+        distinct buckets, steps replayed."""
+        with self._lock:
+            return CompileCounts(self._captures, len(self._buckets), self._steps)
+
+    def __call__(self, inputs: DecodeInputs) -> torch.Tensor:
+        """The logits ``(inputs.real, vocab)`` of the step's sequences (a copy: the graph's output is rewritten by
+        its next replay)."""
+        stamp = self._current_stamp()
+        if stamp != self._stamp:
+            if self._graphs:
+                self.dropped += 1
+            self._graphs.clear()
+            self._stamp = stamp
+        with torch.inference_mode():
+            graph = self._graphs.get(inputs.key)
+            if graph is None:
+                graph = self._graphs[inputs.key] = self._record(inputs)
+            else:
+                _copy_inputs(graph.inputs, inputs)
+            graph.replay()
+            logits = graph.logits[: inputs.real].clone()
+        with self._lock:
+            self._buckets.add(inputs.key)
+            self._steps += 1
+        return logits
+
+    def _record(self, inputs: DecodeInputs) -> _Graph:
+        static = DecodeInputs(
+            inputs.input_ids.clone(),
+            inputs.positions.clone(),
+            tuple(t.clone() for t in inputs.tables),
+            tuple(t.clone() for t in inputs.slots),
+            tuple(t.clone() for t in inputs.starts),
+            inputs.real,
+        )
+        replay, logits = self._capture.capture(lambda: self._step.bucket_logits(static))
+        with self._lock:
+            self._captures += 1
+        return _Graph(static, replay, logits)
+
+    def _current_stamp(self) -> tuple[int, ...]:
+        """The weights version and the address of every pool tensor a graph may have captured."""
+        pointers = [self.pool.weights_version]
+        for layer in range(len(self.pool.spec.layers)):
+            for tensor in self.pool.layer_tensors(layer) or ():
+                pointers.append(tensor.data_ptr())
+        return tuple(pointers)
+
+
+def _copy_inputs(static: DecodeInputs, inputs: DecodeInputs) -> None:
+    """Copy a step's tensors into a graph's static ones (same bucket: same shapes)."""
+    static.input_ids.copy_(inputs.input_ids, non_blocking=True)
+    static.positions.copy_(inputs.positions, non_blocking=True)
+    for group in (
+        zip(static.tables, inputs.tables),
+        zip(static.slots, inputs.slots),
+        zip(static.starts, inputs.starts),
+    ):
+        for mine, theirs in group:
+            mine.copy_(theirs, non_blocking=True)
