@@ -13,10 +13,12 @@ Parts (cap in seconds), in order:
 
 - ``setup`` (90): versions; which pagedcore is imported (the source tree from the repository root) and whether the
   carry was built from this tree; the CUDA runtimes loaded; why xformers is (not) usable; ``pagedcore plugins``;
-- ``cuda-tests`` (60): tests/test_cuda_backends.py, the torch backend and the Engine on CUDA against the CPU;
+- ``cuda-tests`` (90): tests/test_cuda_backends.py, the torch backend and the Engine on CUDA (eager, CUDA graphs,
+  inductor) against the CPU;
 - ``xformers-tests`` (150): tests/test_xformers_gpu.py, all must pass, none skipped; both with a 60 s per-test
   timeout;
-- ``decode`` (90): a 200-step Engine decode of a random 1B Llama in bf16, twice (step times, Triton compilations);
+- ``decode`` (120): a 200-step Engine decode of a random 1B Llama in bf16, twice (step times, Triton compilations),
+  then the same with ``compile="cudagraphs"`` (step times against eager, graphs captured, tokens that differ);
 - ``syncs`` (45): host-device synchronisations per decode step;
 - ``bench-NAME`` (60 each): ``pagedcore bench --only NAME --device cuda --dtype bfloat16 --model-size 1b --quick``,
   one benchmark at a time, most telling first.
@@ -75,9 +77,9 @@ def plan_parts(cap_scale: float = 1.0) -> list[Part]:
     """Every part, in the order they run (``cap_scale`` multiplies the caps)."""
     parts = [
         Part("setup", "Versions, the carry, xformers, `pagedcore plugins`", 90, "setup.log"),
-        Part("cuda-tests", "GPU tests: torch backend and Engine on CUDA vs CPU", 60, "tests.log"),
+        Part("cuda-tests", "GPU tests: torch backend and Engine on CUDA vs CPU", 90, "tests.log"),
         Part("xformers-tests", "GPU tests: the xformers backend", 150, "tests.log"),
-        Part("decode", "Decode run (Engine, 200 steps, twice)", 90, "engine.log"),
+        Part("decode", "Decode run (Engine, 200 steps, twice; then as CUDA graphs)", 120, "engine.log"),
         Part("syncs", "Host-device syncs per decode step", 45, "engine.log"),
     ]
     parts += [Part(f"bench-{name}", f"Benchmark: {name}", 60, "bench.log", optional=True) for name in BENCH_ORDER]

@@ -180,11 +180,9 @@ def triton_compiles() -> Iterator[Compiles]:
         setattr(owner, attr, previous)
 
 
-def model_and_engine() -> tuple[Any, torch.device, torch.dtype]:
-    """On CUDA a random Llama with Llama-3.2-1B's shapes in bf16 and its Engine; on the CPU a tiny one in fp32."""
+def build_model() -> tuple[Any, torch.device, torch.dtype]:
+    """On CUDA a random Llama with Llama-3.2-1B's shapes in bf16 (built on the GPU); on the CPU a tiny one in fp32."""
     from transformers import LlamaConfig, LlamaForCausalLM
-
-    from pagedcore.adapters.transformers import Engine
 
     device, dtype = (torch.device("cuda"), torch.bfloat16) if cuda() else (torch.device("cpu"), torch.float32)
     shape = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32)
@@ -200,11 +198,28 @@ def model_and_engine() -> tuple[Any, torch.device, torch.dtype]:
             model = LlamaForCausalLM(config).eval()
     finally:
         torch.set_default_dtype(previous)
+    return model, device, dtype
+
+
+def engine_of(model: Any, compile: bool | str = "auto") -> Any:
+    """The check's Engine over ``model`` (``compile``: the Engine's option)."""
+    from pagedcore.adapters.transformers import Engine
+
     budget = "24GiB" if cuda() else "64MiB"  # a 1B model in bf16 leaves most of an H200 free
-    engine = Engine(
-        model, memory_budget=budget, max_num_seqs=64, max_num_batched_tokens=2048, enable_prefix_caching=False
+    return Engine(
+        model,
+        memory_budget=budget,
+        max_num_seqs=64,
+        max_num_batched_tokens=2048,
+        enable_prefix_caching=False,
+        compile=compile,
     )
-    return engine, device, dtype
+
+
+def model_and_engine() -> tuple[Any, torch.device, torch.dtype]:
+    """:func:`build_model` and its Engine (the default ``compile``)."""
+    model, device, dtype = build_model()
+    return engine_of(model), device, dtype
 
 
 def schedule(steps: int, seed: int) -> list[list[tuple[int, int]]]:
@@ -218,27 +233,44 @@ def schedule(steps: int, seed: int) -> list[list[tuple[int, int]]]:
     return arrivals
 
 
-def decode_pass(engine: Any, arrivals: list[list[tuple[int, int]]], token_seed: int) -> tuple[list[Any], Compiles]:
+def decode_pass(
+    engine: Any, arrivals: list[list[tuple[int, int]]], token_seed: int
+) -> tuple[list[Any], Compiles, dict[int, list[int]]]:
     """Run the schedule, then until every request finished; per scheduled step ``(milliseconds, running sequences,
-    Triton compilations)``, and the pass's compilations (the steps that finish the requests count too)."""
+    Triton compilations)``, the pass's compilations (the steps that finish the requests count too), and each
+    request's tokens by arrival order."""
     from pagedcore.adapters.transformers import SamplingParams
 
     generator = torch.Generator().manual_seed(token_seed)
     rows = []
+    order: dict[str, int] = {}
+    tokens: dict[int, list[int]] = {}
+
+    def keep(finished: list[Any]) -> None:
+        for out in finished:
+            tokens[order[out.request_id]] = list(out.token_ids)
+
     with triton_compiles() as compiles:
         for wave in arrivals:
             for prompt_len, new_tokens in wave:
                 prompt = torch.randint(10, 1000, (prompt_len,), generator=generator).tolist()
-                engine.add_request(prompt, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
+                request_id = engine.add_request(prompt, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
+                order[str(request_id)] = len(order)
             before = compiles.total()
             start = time.perf_counter()
-            engine.step()
+            keep(engine.step())
             if cuda():
                 torch.cuda.synchronize()
             rows.append(((time.perf_counter() - start) * 1e3, engine.scheduler.num_running, compiles.total() - before))
         while engine.has_unfinished():
-            engine.step()
-    return rows, compiles
+            keep(engine.step())
+    return rows, compiles, tokens
+
+
+def median_ms(rows: list[tuple[float, int, int]]) -> float:
+    """The median step time of a pass."""
+    times = sorted(ms for ms, _, _ in rows)
+    return times[len(times) // 2]
 
 
 def pass_line(name: str, rows: list[tuple[float, int, int]], compiles: Compiles) -> tuple[str, list[str]]:
@@ -260,16 +292,24 @@ def pass_line(name: str, rows: list[tuple[float, int, int]], compiles: Compiles)
 
 def part_decode(result: Result, args: argparse.Namespace) -> str:
     steps = args.steps if cuda() else min(args.steps, CPU_STEPS)
-    engine, device, dtype = model_and_engine()
+    began = time.perf_counter()
+    model, device, dtype = build_model()
+    built = time.perf_counter()
+    engine = engine_of(model)
     backend = engine.pool.attention_backend(device, dtype)
     result.add(f"model: random Llama ({'1B shapes, bf16' if cuda() else 'tiny, fp32, CPU'}); {steps} steps a pass")
-    result.add(f"pool block size {engine.pool.block_size}; attention backend {backend.name}")
+    result.add(
+        f"model built in {built - began:.1f} s, Engine in {time.perf_counter() - built:.1f} s; pool block size "
+        f"{engine.pool.block_size}; attention backend {backend.name}; decode steps eager (compile='auto')"
+    )
     arrivals = schedule(steps, seed=0)
     with engine:
         for name, token_seed in (("warm-up", 1), ("measured", 2)):
-            rows, compiles = decode_pass(engine, arrivals, token_seed)
+            started = time.perf_counter()
+            rows, compiles, eager_tokens = decode_pass(engine, arrivals, token_seed)
             line, slow = pass_line(name, rows, compiles)
-            result.add(line, *slow)
+            result.add(f"{line} ({time.perf_counter() - started:.1f} s)", *slow)
+        eager_median = median_ms(rows)
         stats = getattr(backend, "stats", None)
         if stats is not None:
             result.add(stats_line(stats))
@@ -279,8 +319,57 @@ def part_decode(result: Result, args: argparse.Namespace) -> str:
             result.fail(f"{engine.pool.kv.num_used_blocks} blocks still used after every request finished")
     if compiles.total():
         result.fail(f"{compiles.total()} Triton compilations after warm-up (aim: 0): {dict(compiles.counts)}")
+    graphs_status = decode_graphs_passes(result, model, arrivals, eager_median, eager_tokens)
     status = "ok" if cuda() else "no CUDA: rehearsed on CPU (tiny model)"
-    return status if compiles.error is None or not cuda() else f"{status}; Triton compilations not counted"
+    status = status if compiles.error is None or not cuda() else f"{status}; Triton compilations not counted"
+    return f"{status}; {graphs_status}"
+
+
+class ReplayCapture:
+    """Without CUDA, the rehearsal's stand-in for a CUDA graph: replays by calling the captured function again."""
+
+    def capture(self, function: Any) -> tuple[Any, torch.Tensor]:
+        output = function()
+        return (lambda: output.copy_(function())), output
+
+
+def decode_graphs_passes(
+    result: Result, model: Any, arrivals: list[list[tuple[int, int]]], eager_median: float,
+    eager_tokens: dict[int, list[int]],
+) -> str:  # fmt: skip
+    """The same schedule with ``compile="cudagraphs"`` (decode steps replayed as CUDA graphs): a pass that captures
+    the buckets, then the measured one; step times against the eager pass, the graphs' counters, and how many
+    requests' tokens differ from the eager pass's (bf16: the graphs' attention is the torch backend's arithmetic,
+    the eager steps' xformers', so a few near-ties may go the other way; reported, not failed)."""
+    if not cuda():  # nothing to capture: this code runs with a stand-in that replays by calling the step again
+        from pagedcore.adapters.transformers import decode_graphs
+
+        decode_graphs.CAPTURE = ReplayCapture
+    started = time.perf_counter()
+    engine = engine_of(model, "cudagraphs")
+    with engine:
+        for name, token_seed in (("graphs warm-up (captures)", 1), ("graphs measured", 2)):
+            began = time.perf_counter()
+            rows, compiles, tokens = decode_pass(engine, arrivals, token_seed)
+            line, slow = pass_line(name, rows, compiles)
+            result.add(f"{line} ({time.perf_counter() - began:.1f} s)", *slow)
+        counts = engine.stats()
+        if engine.pool.kv.num_used_blocks:
+            result.fail(f"CUDA graphs: {engine.pool.kv.num_used_blocks} blocks still used at the end")
+    differing = sum(tokens.get(i) != eager_tokens.get(i) for i in set(tokens) | set(eager_tokens))
+    result.add(
+        f"CUDA graphs: median step {median_ms(rows):.1f} ms vs eager {eager_median:.1f} ms "
+        f"({eager_median / max(median_ms(rows), 1e-9):.2f}x); {counts.compiled_graphs} graphs captured for "
+        f"{counts.compiled_buckets} buckets, {counts.compiled_steps} steps replayed, {counts.compile_failures} "
+        f"capture failures; requests whose tokens differ from the eager pass: {differing} of {len(eager_tokens)}; "
+        f"{time.perf_counter() - started:.1f} s in all"
+    )
+    if not cuda():
+        return "CUDA graphs rehearsed with a stand-in capture (no CUDA)"
+    if counts.compile_failures or not counts.compiled_steps:
+        result.fail("CUDA graphs: the capture failed, the steps ran eagerly (see engine.log)")
+        return "CUDA graphs FAILED"
+    return f"CUDA graphs {eager_median / max(median_ms(rows), 1e-9):.2f}x eager"
 
 
 def stats_line(stats: Any) -> str:
