@@ -101,7 +101,7 @@ def test_a_shared_pool_refuses_every_setting_of_a_new_pool():
     [
         ({"max_logprobs": -2}, "max_logprobs must be an integer >= -1"),
         ({"max_model_len": 0}, "max_model_len must be an integer >= 1"),
-        ({"compile": "always"}, 'compile must be True, False or "auto"'),
+        ({"compile": "always"}, 'compile must be True, False, "auto" or "cudagraphs"'),
         ({"compile_timeout": 0}, "compile_timeout must be > 0 seconds"),
         ({"max_num_seqs": 0}, "max_num_seqs must be an integer >= 1"),
         ({"scheduling_policy": "lifo"}, "policy must be one of"),
