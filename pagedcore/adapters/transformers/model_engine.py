@@ -42,10 +42,12 @@ class Engine(BaseEngine):
         max_logprobs: the most ``logprobs`` / ``prompt_logprobs`` a request may ask for (vLLM's default, 20; -1:
             no limit, so ``-1``, the whole vocabulary, is allowed).
         max_model_len: the context served (prompt + new tokens), at most the model's (default: the model's).
-        compile: run decode-only steps as a compiled graph over power-of-two batch and context buckets
-            (:mod:`.compiled`; prefill and mixed steps stay eager): ``True``, ``False``, or ``"auto"`` (on CUDA, with
-            CUDA graphs; not on the CPU, where compiling each bucket costs seconds). ``stats()`` counts the graphs
-            compiled; a compiled step that fails (logged) turns compiling off for this Engine and runs eagerly.
+        compile: run decode-only steps as a graph over power-of-two batch and context buckets (prefill and mixed
+            steps stay eager): ``True`` (inductor, :mod:`.compiled`; with CUDA graphs on CUDA; each bucket's first
+            step compiles, seconds to tens of seconds), ``"cudagraphs"`` (CUDA only: captured from the eager step,
+            nothing compiled, :mod:`.decode_graphs`), ``False``, or ``"auto"`` (eager for now, on every device).
+            ``stats()`` counts the graphs; a compiled step or capture that fails (logged) turns graphs off for this
+            Engine and runs eagerly.
         kv_store / kv_store_bytes: tiers below a new pool (a directory and its budget; see :class:`PagedKVPool`):
             evicted prefixes are written there and loaded back before a prefill that continues them; :meth:`close`
             writes the cached ones too, so a restarted Engine on the same model answers them from the store.
