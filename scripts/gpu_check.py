@@ -21,7 +21,8 @@ Parts (cap in seconds), in order:
   then the same with ``compile="cudagraphs"`` (step times against eager, graphs captured, tokens that differ);
 - ``syncs`` (45): host-device synchronisations per decode step;
 - ``bench-NAME`` (60 each): ``pagedcore bench --only NAME --device cuda --dtype bfloat16 --model-size 1b --quick``,
-  one benchmark at a time, most telling first.
+  one benchmark at a time, most telling first; ``engine`` with ``--engine-compile cudagraphs`` (the Engine's decode
+  steps as CUDA graphs, against ``generate`` and transformers' ``generate_batch``).
 
 Without CUDA the test modules skip themselves and the other GPU parts run a CPU rehearsal at a tiny scale; each then
 reports "no CUDA", and such a run passes when every part did that cleanly. Seven files come back (a GPU machine
@@ -53,6 +54,7 @@ MIN_PART_S = 10.0
 RESERVE_S = 3.0  # kept back for the last report
 TEST_TIMEOUT_S = 60
 BENCH_ORDER = ("engine", "decode", "cold", "prefix", "host", "memory", "chat", "scaling", "core")
+GRAPH_BENCHES = ("engine",)  # with --engine-compile cudagraphs: the Engine as CUDA graphs vs generate, generate_batch
 MAX_FILES, MAX_FILE_BYTES = 8, 16 * 2**20  # what a GPU machine sends back
 GOOD_NAME = re.compile(r"^[A-Za-z0-9._-]+$")
 PYTEST_COUNTS = re.compile(r"(\d+) (passed|failed|skipped|errors?|deselected|xfailed|xpassed)")
@@ -269,6 +271,7 @@ def bench_part(run: Run, part: Part, name: str) -> None:
     workload on the CPU)."""
     folder = run.work / part.name
     settings = ["--device", "cuda", "--dtype", "bfloat16", "--model-size", "1b", "--quick", "--no-progress"]
+    settings += ["--engine-compile", "cudagraphs"] if name in GRAPH_BENCHES else []
     command = [sys.executable, "-m", "pagedcore", "bench", "--only", name, *settings, "--out", str(folder)]
     code, output = execute(run, part, command)
     if code is None:

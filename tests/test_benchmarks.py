@@ -216,6 +216,7 @@ def test_options_check_their_values():
         ({"model_size": "7b"}, "7b"),
         ({"only": ("prefix", "nonesuch")}, "nonesuch"),
         ({"only": ()}, "none given"),
+        ({"engine_compile": "reduce-overhead"}, "engine compile 'reduce-overhead' is not one of auto, eager"),
     ]:
         with pytest.raises(ConfigError, match=match):
             BenchOptions(**bad)
@@ -245,6 +246,24 @@ def test_out_dir_is_checked_before_running(tmp_path):
     assert prepare_out_dir(tmp_path / "a" / "b").is_dir()
 
 
+def test_engine_compile_reaches_every_engine_of_the_run_and_only_that_run(tmp_path, tiny, monkeypatch):
+    seen = []
+    real = peers.Engine
+
+    def recording(*args, **kwargs):
+        seen.append(kwargs["compile"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(peers, "Engine", recording)
+    options = BenchOptions(quick=True, progress=False, only=("engine",), model_size="tiny", engine_compile="eager")
+    markdown = run_benchmarks(options, tmp_path, model=tiny)
+    assert seen and set(seen) == {False}
+    assert "the Engines' decode steps: eager (`--engine-compile eager`)" in markdown
+    assert peers.ENGINE_COMPILE.get() == "auto"  # reset after the run
+    with pytest.raises(ConfigError, match="--engine-compile cudagraphs needs CUDA; the run's device is cpu"):
+        run_benchmarks(BenchOptions(quick=True, progress=False, only=("prefix",), engine_compile="cudagraphs"))
+
+
 def test_run_writes_the_report(tmp_path, tiny):
     options = BenchOptions(quick=True, progress=False, only=("memory", "prefix", "core"), model_size="tiny")
     markdown = run_benchmarks(options, tmp_path, model=tiny)
@@ -253,7 +272,7 @@ def test_run_writes_the_report(tmp_path, tiny):
     assert lines[2].startswith("Run on ") and "torch 2" in lines[2] and "transformers " in lines[2]
     assert lines[4] == (
         "- Device: cpu; dtype: float32; model size: tiny (Llama, random weights: hidden 64, 2 layers, 2 heads / 1 KV "
-        "heads, vocab 512)"
+        "heads, vocab 512); the Engines' decode steps: the Engine's default (eager) (`--engine-compile auto`)"
     )
     assert lines[5] == "- Benchmarks: prefix, memory, core"
     sections = [line for line in lines if line.startswith("### ")]

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from pagedcore.errors import ConfigError
+
 from .options import BenchOptions
 
 if TYPE_CHECKING:
@@ -58,7 +60,9 @@ class BenchContext:
     def check(self) -> None:
         """Resolve the device and dtype now when the run uses a model (``ConfigError`` if they do not work here)."""
         if self.options.needs_torch:
-            self._resolve()
+            device, _ = self._resolve()
+            if self.options.engine_compile == "cudagraphs" and device.type != "cuda":
+                raise ConfigError(f"--engine-compile cudagraphs needs CUDA; the run's device is {device}")
 
     def _resolve(self) -> tuple[torch.device, torch.dtype]:
         if self._device is None or self._dtype is None:

@@ -17,9 +17,20 @@ from pagedcore.validation import integer
 
 from .registry import BENCHMARKS
 
-__all__ = ["DEVICES", "DTYPES", "MODEL_SIZES", "QUICK_MODEL", "BenchOptions", "add_arguments", "options_from"]
+__all__ = [
+    "DEVICES",
+    "DTYPES",
+    "ENGINE_COMPILE",
+    "MODEL_SIZES",
+    "QUICK_MODEL",
+    "BenchOptions",
+    "add_arguments",
+    "options_from",
+]
 
 DEVICES = ("cpu", "cuda", "auto")
+ENGINE_COMPILE: dict[str, bool | str] = {"auto": "auto", "eager": False, "inductor": True, "cudagraphs": "cudagraphs"}
+"""``--engine-compile``: the benchmarked Engines' ``compile=`` (cudagraphs needs CUDA; hybrid models stay eager)."""
 
 # The Llama shapes of --model-size (random weights; nothing is downloaded).
 MODEL_SIZES: dict[str, dict[str, int]] = {
@@ -79,6 +90,8 @@ class BenchOptions:
         model_size: a key of :data:`MODEL_SIZES`; None: ``"small"``, or the quick model with ``quick=True``.
         only: the benchmarks to run, in registry order whatever the order given (None: all of them).
         seed: seeds the model's random weights and the workloads.
+        engine_compile: how the benchmarked Engines run their decode steps, a key of :data:`ENGINE_COMPILE`
+            (``"cudagraphs"`` only on CUDA: checked when the run starts).
 
     Example:
         >>> options = BenchOptions(quick=True, only=("engine", "prefix"))
@@ -100,12 +113,15 @@ class BenchOptions:
     model_size: str | None = None
     only: tuple[str, ...] | None = None
     seed: int = 0
+    engine_compile: str = "auto"
 
     def __post_init__(self) -> None:
         if self.threads is not None:
             integer("threads", self.threads, minimum=1, error=ConfigError, expected="a positive integer")
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
+        if self.engine_compile not in ENGINE_COMPILE:
+            raise ConfigError(f"engine compile {self.engine_compile!r} is not one of {', '.join(ENGINE_COMPILE)}")
         if self.model_size is not None and self.model_size not in MODEL_SIZES:
             raise ConfigError(f"model size {self.model_size!r} is not one of {', '.join(MODEL_SIZES)}")
         if self.only is not None:
@@ -160,6 +176,13 @@ def add_arguments(parser: argparse.ArgumentParser, *, several: bool = True) -> N
     parser.add_argument("--device", default="cpu", choices=DEVICES, help="where the models run (default: cpu)")
     parser.add_argument("--dtype", default="float32", choices=DTYPES, help="model and KV dtype (default: float32)")
     parser.add_argument(
+        "--engine-compile",
+        default="auto",
+        choices=list(ENGINE_COMPILE),
+        help="the Engines' decode steps: auto (the Engine's default, eager), eager, inductor (compile=True) or "
+        "cudagraphs (CUDA only; hybrid models stay eager)",
+    )
+    parser.add_argument(
         "--model-size",
         default=None,
         choices=list(MODEL_SIZES),
@@ -191,6 +214,7 @@ def options_from(args: argparse.Namespace, **fixed: Any) -> BenchOptions:
         "threads": args.threads,
         "device": args.device,
         "dtype": args.dtype,
+        "engine_compile": getattr(args, "engine_compile", "auto"),
         "model_size": args.model_size,
         "only": None if only is None else tuple(name.strip() for name in only.split(",") if name.strip()),
     }

@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import os
 import time
@@ -35,6 +36,7 @@ from .ct2 import TUNED_MALLOC, Worker
 from .runner import Runner, clock
 
 __all__ = [
+    "ENGINE_COMPILE",
     "Batch",
     "CTranslate2Peer",
     "CacheKind",
@@ -57,6 +59,9 @@ ONE_AT_A_TIME = "generate, one at a time"
 PADDED_BATCH = "generate, padded batch"
 HF_CONTINUOUS = "transformers continuous batching"
 ENGINE = "pagedcore Engine"
+ENGINE_COMPILE: contextvars.ContextVar[bool | str] = contextvars.ContextVar("engine_compile", default="auto")
+"""The ``compile=`` of the Engines :class:`EnginePeer` builds (set for a run by ``pagedcore bench --engine-compile``:
+:func:`~pagedcore.benchmarks.suite.run_benchmarks`)."""
 
 
 # ---------------------------------------------------------------------------------------------------- caches
@@ -417,9 +422,10 @@ class EnginePeer:
     name: str = ENGINE
 
     def engine(self, model: PreTrainedModel) -> Engine:
-        """A new Engine of this configuration (block size :data:`~pagedcore.benchmarks.common.BLOCK_SIZE`)."""
+        """A new Engine of this configuration (block size :data:`~pagedcore.benchmarks.common.BLOCK_SIZE`; decode
+        steps as :data:`ENGINE_COMPILE` says)."""
         return Engine(model, num_blocks=self.num_blocks, block_size=BLOCK_SIZE, max_num_batched_tokens=self.budget,
-                      max_num_seqs=self.max_seqs)  # fmt: skip
+                      max_num_seqs=self.max_seqs, compile=ENGINE_COMPILE.get())  # fmt: skip
 
     @contextlib.contextmanager
     def session(self, model: PreTrainedModel) -> Iterator[Serve]:

@@ -76,6 +76,22 @@ def _threads(options: BenchOptions) -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def _engine_compile(options: BenchOptions) -> Iterator[None]:
+    """The run's Engines decode as ``--engine-compile`` says (:data:`~.peers.ENGINE_COMPILE`, for this run only)."""
+    if not options.needs_torch:
+        yield
+        return
+    from .options import ENGINE_COMPILE as MODES
+    from .peers import ENGINE_COMPILE
+
+    token = ENGINE_COMPILE.set(MODES[options.engine_compile])
+    try:
+        yield
+    finally:
+        ENGINE_COMPILE.reset(token)
+
+
 def _settings_line(ctx: BenchContext) -> str:
     options = ctx.options
     if not options.needs_torch:
@@ -88,7 +104,16 @@ def _settings_line(ctx: BenchContext) -> str:
         f"{shape['num_hidden_layers']} layers, {shape['num_attention_heads']} heads / {shape['num_key_value_heads']} "
         f"KV heads, vocab {shape['vocab_size']})"
     )
-    return f"- Device: {describe_device(ctx.device)}; dtype: {options.dtype}; model size: {model}"
+    decode = {
+        "auto": "the Engine's default (eager)",
+        "eager": "eager",
+        "inductor": "compiled by inductor",
+        "cudagraphs": "CUDA graphs (hybrid models: eager)",
+    }[options.engine_compile]
+    return (
+        f"- Device: {describe_device(ctx.device)}; dtype: {options.dtype}; model size: {model}; the Engines' decode "
+        f"steps: {decode} (`--engine-compile {options.engine_compile}`)"
+    )
 
 
 def _chart(sections: dict[str, Section]) -> tuple[list[Panel], str]:
@@ -124,7 +149,7 @@ def run_benchmarks(
     if on_start is not None:
         on_start()
     started = time.perf_counter()
-    with _threads(options):
+    with _threads(options), _engine_compile(options):
         sections = {name: BENCHMARKS[name].run(ctx).section() for name in options.names}
         machine = machine_info()
     elapsed = time.perf_counter() - started
