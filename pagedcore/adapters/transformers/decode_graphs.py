@@ -24,6 +24,7 @@ run the same buckets, static buffers and invalidation with a stand-in that repla
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -171,7 +172,8 @@ class DecodeGraphs:
                 self.dropped += 1
             self._graphs.clear()
             self._stamp = stamp
-        with torch.inference_mode():
+        device = inputs.input_ids.device  # a model on cuda:1 captures and replays there, whatever the current device
+        with torch.inference_mode(), torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
             graph = self._graphs.get(inputs.key)
             if graph is None:
                 graph = self._graphs[inputs.key] = self._record(inputs)
