@@ -277,3 +277,21 @@ def test_the_yaml_config_file_refuses_what_it_cannot_read(tmp_path, capsys):
     config.write_text(json.dumps({"config": "other.yaml"}))
     assert main(["serve", "--config", str(config)]) == 2
     assert "cannot name another one" in capsys.readouterr().err
+
+
+def test_ray_replicas_get_the_decode_mode_the_flags_ask_for():
+    """Regression: with --ray the replicas' Engines took --compile alone, so --enforce-eager and --cuda-graphs were
+    accepted and ignored."""
+    import argparse
+
+    from pagedcore.serve import cli
+    from pagedcore.serve.ray.command import replica_engine_kwargs
+
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    modes = {}
+    for flags in ([], ["--compile"], ["--no-compile"], ["--enforce-eager"], ["--cuda-graphs"]):
+        args = parser.parse_args(["--ray", "--num-blocks", "16", *flags])
+        modes[" ".join(flags)] = replica_engine_kwargs(args)["compile"]
+    assert modes == {"": "auto", "--compile": True, "--no-compile": False, "--enforce-eager": False,
+                     "--cuda-graphs": "cudagraphs"}  # fmt: skip

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .model_spec import ModelSpec
 
-__all__ = ["run"]
+__all__ = ["replica_engine_kwargs", "run"]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -48,16 +48,7 @@ def run(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     print(f"pagedcore serve: {key_source}", file=sys.stderr, flush=True)
-    engine_kwargs: dict[str, Any] = {
-        "num_blocks": args.num_blocks,
-        "memory_budget": args.memory_budget,
-        "block_size": args.block_size,
-        "max_num_seqs": args.max_num_seqs,
-        "max_num_batched_tokens": args.max_num_batched_tokens,
-        "compile": "auto" if getattr(args, "compile", None) is None else args.compile,
-        "kv_store": getattr(args, "kv_store", None),  # one directory shared by the replicas: each other's prefixes
-        "kv_store_bytes": getattr(args, "kv_store_bytes", None),
-    }
+    engine_kwargs = replica_engine_kwargs(args)
     app = build_app(
         spec,
         replicas=args.replicas,
@@ -128,3 +119,26 @@ def _serve_until_stopped(app: Any, args: argparse.Namespace, name: str) -> None:
         serve.shutdown()
         if started_ray:
             ray.shutdown()
+
+
+def replica_engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """Each replica's Engine keyword arguments from the serve flags (the decode mode as without ``--ray``:
+    ``--enforce-eager``, ``--compile``, ``--cuda-graphs``; :func:`~pagedcore.serve.startup.compile_mode`).
+
+    Example:
+        >>> flags = dict(num_blocks=64, memory_budget=None, block_size=16, max_num_seqs=8, max_num_batched_tokens=512)
+        >>> replica_engine_kwargs(argparse.Namespace(**flags, cuda_graphs=True, compile=None))["compile"]
+        'cudagraphs'
+    """
+    from ..startup import compile_mode
+
+    return {
+        "num_blocks": args.num_blocks,
+        "memory_budget": args.memory_budget,
+        "block_size": args.block_size,
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "compile": compile_mode(args),
+        "kv_store": getattr(args, "kv_store", None),  # one directory shared by the replicas: each other's prefixes
+        "kv_store_bytes": getattr(args, "kv_store_bytes", None),
+    }
