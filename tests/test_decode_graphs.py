@@ -20,6 +20,7 @@ import torch
 from hybrid_models import hybrid_model
 from models import tiny_model
 from test_engine_compile import PROMPTS, assert_same, run
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from variant_models import variant_model
 
@@ -168,6 +169,22 @@ size) waits on the GPU, which a capture refuses; a tensor built from host data (
 copied in at capture time only."""
 
 
+HOST_METHODS = ("tolist", "cpu", "numpy", "item", "__bool__", "__int__", "__float__", "__index__", "synchronize")
+"""Tensor methods that hand a value to the host (they do not all dispatch an aten op: ``tolist`` reads the data)."""
+
+
+class HostMethods(TorchFunctionMode):
+    """Records the names of the torch functions and tensor methods called while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.names.append(getattr(func, "__name__", str(func)))
+        return func(*args, **(kwargs or {}))
+
+
 class HostOps(TorchDispatchMode):
     """Records every op dispatched while active (a custom op's own body is not entered: it runs as one op)."""
 
@@ -185,13 +202,15 @@ class HostOps(TorchDispatchMode):
 )
 def test_the_captured_step_reads_no_value_on_the_host(family, replay, monkeypatch):
     recorded: list[HostOps] = []
+    called: list[HostMethods] = []
 
     class Watching(ReplayCapture):
         def capture(self, function):
-            mode = HostOps()
-            with mode:
+            mode, methods = HostOps(), HostMethods()
+            with methods, mode:
                 function()
             recorded.append(mode)
+            called.append(methods)
             return super().capture(function)
 
     monkeypatch.setattr(graphs_module, "CAPTURE", Watching)
@@ -201,14 +220,17 @@ def test_the_captured_step_reads_no_value_on_the_host(family, replay, monkeypatc
     for mode in recorded:
         assert "pagedcore.attend_blocks" in mode.ops
         assert not [op for op in mode.ops if op in HOST_OPS], sorted(set(mode.ops) & set(HOST_OPS))
+    for methods in called:
+        assert methods.names and not set(methods.names) & set(HOST_METHODS), set(methods.names) & set(HOST_METHODS)
 
 
 def test_the_host_op_watch_sees_a_value_read_on_the_host():
-    mode = HostOps()
-    with mode:
+    mode, methods = HostOps(), HostMethods()
+    with methods, mode:
         tensor = torch.tensor([3, 4])
-        int(tensor[0]), bool(tensor.any()), tensor.nonzero()
+        int(tensor[0]), bool(tensor.any()), tensor.nonzero(), tensor.tolist(), tensor.cpu()
     assert {"aten.lift_fresh", "aten._local_scalar_dense", "aten.nonzero"} <= set(mode.ops)
+    assert {"__int__", "__bool__", "tolist", "cpu"} <= set(methods.names)
 
 
 def test_attend_blocks_on_cuda_runs_no_host_op():
