@@ -75,11 +75,13 @@ class CudaGraphCapture:
 
     def __init__(self) -> None:
         self._pool: Any = None  # torch.cuda.graph_pool_handle(), made at the first capture
+        self._side: Any = None  # the warm-up stream, one for every capture: the caching allocator keeps freed blocks
+        # per stream, so a new stream per bucket would strand each warm-up's activations
 
     def capture(self, function: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
         if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        side = torch.cuda.Stream()
+            self._pool, self._side = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
+        side = self._side
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(WARMUP_RUNS):
