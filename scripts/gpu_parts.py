@@ -267,6 +267,19 @@ def decode_pass(
     return rows, compiles, tokens
 
 
+def two_passes(
+    result: Result, engine: Any, arrivals: list[list[tuple[int, int]]], prefix: str
+) -> tuple[list[Any], Compiles, dict[int, list[int]]]:
+    """The warm-up pass and the measured one (other prompts, same shapes), each reported with its seconds; the
+    measured pass's rows, compilations and tokens."""
+    for name, token_seed in (("warm-up", 1), ("measured", 2)):
+        started = time.perf_counter()
+        rows, compiles, tokens = decode_pass(engine, arrivals, token_seed)
+        line, slow = pass_line(f"{prefix}{name}", rows, compiles)
+        result.add(f"{line} ({time.perf_counter() - started:.1f} s)", *slow)
+    return rows, compiles, tokens
+
+
 def median_ms(rows: list[tuple[float, int, int]]) -> float:
     """The median step time of a pass."""
     times = sorted(ms for ms, _, _ in rows)
@@ -304,11 +317,7 @@ def part_decode(result: Result, args: argparse.Namespace) -> str:
     )
     arrivals = schedule(steps, seed=0)
     with engine:
-        for name, token_seed in (("warm-up", 1), ("measured", 2)):
-            started = time.perf_counter()
-            rows, compiles, eager_tokens = decode_pass(engine, arrivals, token_seed)
-            line, slow = pass_line(name, rows, compiles)
-            result.add(f"{line} ({time.perf_counter() - started:.1f} s)", *slow)
+        rows, compiles, eager_tokens = two_passes(result, engine, arrivals, "")
         eager_median = median_ms(rows)
         stats = getattr(backend, "stats", None)
         if stats is not None:
@@ -325,14 +334,6 @@ def part_decode(result: Result, args: argparse.Namespace) -> str:
     return f"{status}; {graphs_status}"
 
 
-class ReplayCapture:
-    """Without CUDA, the rehearsal's stand-in for a CUDA graph: replays by calling the captured function again."""
-
-    def capture(self, function: Any) -> tuple[Any, torch.Tensor]:
-        output = function()
-        return (lambda: output.copy_(function())), output
-
-
 def decode_graphs_passes(
     result: Result, model: Any, arrivals: list[list[tuple[int, int]]], eager_median: float,
     eager_tokens: dict[int, list[int]],
@@ -344,15 +345,11 @@ def decode_graphs_passes(
     if not cuda():  # nothing to capture: this code runs with a stand-in that replays by calling the step again
         from pagedcore.adapters.transformers import decode_graphs
 
-        decode_graphs.CAPTURE = ReplayCapture
+        decode_graphs.CAPTURE = decode_graphs.ReplayCapture
     started = time.perf_counter()
     engine = engine_of(model, "cudagraphs")
     with engine:
-        for name, token_seed in (("graphs warm-up (captures)", 1), ("graphs measured", 2)):
-            began = time.perf_counter()
-            rows, compiles, tokens = decode_pass(engine, arrivals, token_seed)
-            line, slow = pass_line(name, rows, compiles)
-            result.add(f"{line} ({time.perf_counter() - began:.1f} s)", *slow)
+        rows, _, tokens = two_passes(result, engine, arrivals, "graphs ")
         counts = engine.stats()
         if engine.pool.kv.num_used_blocks:
             result.fail(f"CUDA graphs: {engine.pool.kv.num_used_blocks} blocks still used at the end")

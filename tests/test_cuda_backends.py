@@ -83,14 +83,6 @@ def engine_outputs(model, prompts, params, **engine_args):
     return outputs
 
 
-class ReplayCapture:
-    """The rehearsal's stand-in for a CUDA graph (no CUDA here): replays by calling the captured function again."""
-
-    def capture(self, function):
-        output = function()
-        return (lambda: output.copy_(function())), output
-
-
 @pytest.mark.parametrize(
     ("backend", "compile"),
     [("torch", False), (None, False), ("torch", "cudagraphs"), (None, "cudagraphs"), (None, True)],
@@ -100,7 +92,7 @@ def test_engine_on_cuda_equals_the_engine_on_cpu(backend, compile, monkeypatch):
     if DEVICE.type == "cpu" and compile == "cudagraphs":
         from pagedcore.adapters.transformers import decode_graphs
 
-        monkeypatch.setattr(decode_graphs, "CAPTURE", ReplayCapture)
+        monkeypatch.setattr(decode_graphs, "CAPTURE", decode_graphs.ReplayCapture)  # the rehearsal: no CUDA here
     if DEVICE.type == "cpu" and compile is True:
         pytest.skip("inductor on the CPU: tests/test_engine_compile.py's slow tests")
     prompts = workload(3, 6)

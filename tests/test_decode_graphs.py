@@ -28,30 +28,26 @@ from pagedcore import ConfigError
 from pagedcore.adapters.transformers import Engine, SamplingParams
 from pagedcore.adapters.transformers import decode_graphs as graphs_module
 from pagedcore.adapters.transformers.compiled import DecodeInputs, attend_blocks
+from pagedcore.adapters.transformers.decode_graphs import ReplayCapture
 from pagedcore.plugins.torch_backend import attend_rows, gather_blocks
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-class ReplayCapture:
-    """The stand-in: the output of one call, recomputed in place by calling the function again."""
+class CountingReplay(ReplayCapture):
+    """The stand-in (:class:`~pagedcore.adapters.transformers.decode_graphs.ReplayCapture`), counting captures."""
 
     captures = 0
 
     def capture(self, function: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
-        ReplayCapture.captures += 1
-        output = function()
-
-        def replay() -> None:
-            output.copy_(function())
-
-        return replay, output
+        CountingReplay.captures += 1
+        return super().capture(function)
 
 
 @pytest.fixture
 def replay(monkeypatch):
-    ReplayCapture.captures = 0
-    monkeypatch.setattr(graphs_module, "CAPTURE", ReplayCapture)
+    CountingReplay.captures = 0
+    monkeypatch.setattr(graphs_module, "CAPTURE", CountingReplay)
 
 
 # ---------------------------------------------------------------------------------------------------- the option
@@ -74,7 +70,7 @@ def test_replayed_decode_equals_the_eager_engine(family, replay):
     reference, _ = run(model, False)
     outputs, stats = run(model, "cudagraphs")
     assert stats.compiled_steps > 0 and stats.compile_failures == 0
-    assert stats.compiled_graphs == stats.compiled_buckets == ReplayCapture.captures  # one capture per bucket
+    assert stats.compiled_graphs == stats.compiled_buckets == CountingReplay.captures  # one capture per bucket
     assert_same(outputs, reference)
 
 
@@ -100,7 +96,7 @@ def test_a_bucket_replays_the_steps_inputs_not_its_first_ones(replay):
     params = SamplingParams(max_new_tokens=8, return_logits=True)
     reference, _ = run(model, False, prompts=prompts, params=params, block_size=8)
     outputs, stats = run(model, "cudagraphs", prompts=prompts, params=params, block_size=8)
-    assert stats.compiled_steps == 7 and stats.compiled_buckets == 1 and ReplayCapture.captures == 1
+    assert stats.compiled_steps == 7 and stats.compiled_buckets == 1 and CountingReplay.captures == 1
     assert_same(outputs, reference)
 
 
@@ -125,12 +121,12 @@ def test_a_weight_update_drops_the_graphs_and_the_next_steps_see_the_new_weights
     params = SamplingParams(max_new_tokens=8, return_logits=True)
     with Engine(model, num_blocks=64, block_size=4, compile="cudagraphs") as engine:
         engine.generate(PROMPTS[:2], params, use_tqdm=False)
-        captured = ReplayCapture.captures
+        captured = CountingReplay.captures
         with torch.no_grad():
             model.model.layers[0].mlp.down_proj.weight.mul_(1.5)  # in place: an optimizer step's kind of update
         outputs = engine.generate(PROMPTS[:2], params, use_tqdm=False)
         assert engine.runner._decode.dropped == 1
-        assert ReplayCapture.captures > captured
+        assert CountingReplay.captures > captured
     reference, _ = run(model, False, prompts=PROMPTS[:2], params=params)
     assert_same(outputs, reference)
 
@@ -204,7 +200,7 @@ def test_the_captured_step_reads_no_value_on_the_host(family, replay, monkeypatc
     recorded: list[HostOps] = []
     called: list[HostMethods] = []
 
-    class Watching(ReplayCapture):
+    class Watching(CountingReplay):
         def capture(self, function):
             mode, methods = HostOps(), HostMethods()
             with methods, mode:

@@ -38,7 +38,7 @@ from pagedcore.errors import ConfigError
 from .compiled import CompiledDecode, DecodeInputs
 from .pool import PagedKVPool
 
-__all__ = ["CAPTURE", "CudaGraphCapture", "DecodeGraphs", "GraphCapture", "resolve_compile"]
+__all__ = ["CAPTURE", "CudaGraphCapture", "DecodeGraphs", "GraphCapture", "ReplayCapture", "resolve_compile"]
 
 WARMUP_RUNS = 2  # eager runs on the side stream before a capture (lazy initialisations, cuBLAS workspaces)
 
@@ -49,14 +49,8 @@ class GraphCapture(Protocol):
     place from the static tensors' current contents.
 
     Example:
-        The stand-in the CPU tests use: a replay calls the function again.
-
-        >>> class Replay:
-        ...     def capture(self, function):
-        ...         output = function()
-        ...         return (lambda: output.copy_(function())), output
-        >>> isinstance(Replay(), GraphCapture)
-        True
+        >>> isinstance(CudaGraphCapture(), GraphCapture), isinstance(ReplayCapture(), GraphCapture)
+        (True, True)
     """
 
     def capture(self, function: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
@@ -69,8 +63,8 @@ class CudaGraphCapture:
     pool that every graph of the runner shares (their replays never overlap: one step at a time).
 
     Example:
-        >>> isinstance(CudaGraphCapture(), GraphCapture), CAPTURE is CudaGraphCapture
-        (True, True)
+        >>> CAPTURE is CudaGraphCapture
+        True
     """
 
     def __init__(self) -> None:
@@ -92,6 +86,26 @@ class CudaGraphCapture:
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             output = function()
         return graph.replay, output
+
+
+class ReplayCapture:
+    """:class:`GraphCapture` without CUDA, for tests and rehearsals on the CPU: the output of one call, recomputed in
+    place by calling the function again (what a graph's replay does, without the graph).
+
+    Example:
+        >>> x = torch.ones(2)
+        >>> replay, out = ReplayCapture().capture(lambda: x * 2)
+        >>> x += 1; replay(); out.tolist()
+        [4.0, 4.0]
+    """
+
+    def capture(self, function: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
+        output = function()
+
+        def replay() -> None:
+            output.copy_(function())
+
+        return replay, output
 
 
 CAPTURE: Callable[[], GraphCapture] = CudaGraphCapture
