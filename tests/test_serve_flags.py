@@ -295,3 +295,40 @@ def test_ray_replicas_get_the_decode_mode_the_flags_ask_for():
         modes[" ".join(flags)] = replica_engine_kwargs(args)["compile"]
     assert modes == {"": "auto", "--compile": True, "--no-compile": False, "--enforce-eager": False,
                      "--cuda-graphs": "cudagraphs"}  # fmt: skip
+
+
+def test_ray_replicas_get_the_state_pool_flags_and_the_defaults_pass():
+    """Regression: with --ray, --state-slots and --snapshot-interval (a recurrent-state model's pool) were accepted
+    and never reached the replicas' Engines; the body and shutdown flags at their defaults stay accepted."""
+    import argparse
+
+    from pagedcore.serve import cli
+    from pagedcore.serve.ray.command import replica_engine_kwargs
+
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    flags = ["--ray", "--num-blocks", "16", "--state-slots", "8", "--snapshot-interval", "3"]
+    args = parser.parse_args([*flags, "--max-request-bytes", "8MiB", "--body-timeout", "30"])
+    cli._check(args, ValueError)
+    cli._check_ray(args, ValueError)
+    kwargs = replica_engine_kwargs(args)
+    assert (kwargs["state_slots"], kwargs["snapshot_interval"]) == (8, 3)
+    assert replica_engine_kwargs(parser.parse_args(["--ray"]))["state_slots"] is None
+
+
+@pytest.mark.parametrize(
+    "flag", [["--max-request-bytes", "1KiB"], ["--body-timeout", "5"], ["--shutdown-timeout", "0"]]
+)
+def test_ray_refuses_the_body_and_shutdown_flags_it_does_not_apply(flag):
+    """Regression: accepted with --ray and read by nothing there (Ray Serve's proxy reads the bodies, and its
+    shutdown does not drain). Checked on the flags, not through main: unrefused, main would start Ray."""
+    import argparse
+
+    from pagedcore.serve import cli
+
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    args = parser.parse_args(["--ray", *flag])
+    cli._check(args, ValueError)
+    with pytest.raises(ValueError, match=f"{flag[0]} is not supported with --ray yet"):
+        cli._check_ray(args, ValueError)

@@ -453,6 +453,11 @@ _NOT_WITH_RAY: dict[str, Any] = {
     "enable_lora": False,
     "header_timeout": None,  # Ray Serve's HTTP proxy holds the connections
     "max_connections_per_client": None,
+    # Ray Serve's HTTP proxy reads the bodies, and serve.shutdown() stops the replicas without a drain (the values
+    # after _check: a size in bytes, seconds)
+    "max_request_bytes": 8 * 1024 * 1024,
+    "body_timeout": _BODY_TIMEOUT,
+    "shutdown_timeout": 30.0,
 }
 
 

@@ -122,8 +122,9 @@ def _serve_until_stopped(app: Any, args: argparse.Namespace, name: str) -> None:
 
 
 def replica_engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """Each replica's Engine keyword arguments from the serve flags (the decode mode as without ``--ray``:
-    ``--enforce-eager``, ``--compile``, ``--cuda-graphs``; :func:`~pagedcore.serve.startup.compile_mode`).
+    """Each replica's Engine keyword arguments from the serve flags: the pool's (blocks, tiers below it, a
+    recurrent-state model's state slots and snapshots), the scheduler's, and the decode mode as without ``--ray``
+    (``--enforce-eager``, ``--compile``, ``--cuda-graphs``; :func:`~pagedcore.serve.startup.compile_mode`).
 
     Example:
         >>> flags = dict(num_blocks=64, memory_budget=None, block_size=16, max_num_seqs=8, max_num_batched_tokens=512)
@@ -141,4 +142,6 @@ def replica_engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "compile": compile_mode(args),
         "kv_store": getattr(args, "kv_store", None),  # one directory shared by the replicas: each other's prefixes
         "kv_store_bytes": getattr(args, "kv_store_bytes", None),
+        "state_slots": getattr(args, "state_slots", None),  # a recurrent-state model's pool, as without --ray
+        "snapshot_interval": getattr(args, "snapshot_interval", None),
     }
