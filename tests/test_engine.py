@@ -220,6 +220,16 @@ def test_bad_requests_fail_alone_and_the_others_finish():
         SamplingParams(n=0)
 
 
+def test_a_request_refused_for_its_n_answers_with_one_sample():
+    """Regression: ``generate`` built the refused output with n samples, so n=10**7 took 20 s and 2.5 GB to say
+    that n is too large (``add_request`` refuses it at once)."""
+    model = tiny_model("llama")
+    with Engine(model, num_blocks=16, block_size=4, max_num_seqs=8) as engine:
+        huge, fine = engine.generate([[5, 6, 7]] * 2, [{"n": 10**5}, {"n": 2, "top_p": 1.5}], use_tqdm=False)
+    assert "parallel samples" in (huge.error or "") and len(huge.outputs) == 1
+    assert "top_p" in (fine.error or "") and len(fine.outputs) == 2  # an n the engine could run keeps its shape
+
+
 def test_max_new_tokens_zero_returns_empty_output():
     model = tiny_model("llama")
     with Engine(model, num_blocks=16, block_size=4) as engine:

@@ -58,9 +58,10 @@ def test_a_tokenizer_that_changes_its_decoding_is_called_as_it_is():
 
 
 # ---------------------------------------------------------------------- stop strings
-def first_stop(text: str, stops: list[str]) -> int | None:
-    """Oracle: where the text is cut: at the stop string that completes first (earliest start on a tie)."""
-    for end in range(1, len(text) + 1):
+def first_stop(text: str, stops: list[str], after: int = 0) -> int | None:
+    """Oracle: where the text is cut: at the stop string that completes first after its first ``after`` characters
+    (earliest start on a tie)."""
+    for end in range(after + 1, len(text) + 1):
         starts = [end - len(s) for s in stops if end >= len(s) and text[end - len(s) : end] == s]
         if starts:
             return min(starts)
@@ -81,14 +82,17 @@ class _Pieces:
         return ""
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=400, deadline=None)
 @given(
     pieces=st.lists(st.text(alphabet="abc\n", max_size=4), max_size=12),
-    stops=st.lists(st.text(alphabet="abc\n", min_size=1, max_size=4), max_size=3),
+    stops=st.lists(st.text(alphabet="abc\n", min_size=1, max_size=5), max_size=6),
     include=st.booleans(),
+    min_new=st.integers(0, 4),
 )
-def test_sample_text_sends_exactly_the_text_before_the_first_stop(pieces, stops, include):
-    text = SampleText(_Pieces(pieces), StopStrings(tuple(stops), {}, include))  # type: ignore[arg-type]
+def test_sample_text_sends_exactly_the_text_before_the_first_stop(pieces, stops, include, min_new):
+    """Before ``min_new`` tokens nothing stops: the oracle cuts at the first stop string completing in a later
+    token's text (one that began earlier included)."""
+    text = SampleText(_Pieces(pieces), StopStrings(tuple(stops), {}, include), min_new)  # type: ignore[arg-type]
     sent = ""
     for count in range(1, len(pieces) + 1):
         text.add(count, count)
@@ -100,12 +104,43 @@ def test_sample_text_sends_exactly_the_text_before_the_first_stop(pieces, stops,
         text.finish()
         sent += text.take() or ""
     full = "".join(pieces)
-    cut = first_stop(full, stops)
+    early = len("".join(pieces[: max(0, min_new - 1)]))  # the characters of the tokens before min_new
+    cut = first_stop(full, stops, after=early)
     if cut is None:
         assert text.stop_reason is None and sent == full == text.text
     else:
         end = cut + len(text.stop_reason or "") if include else cut
         assert full[cut:].startswith(text.stop_reason or "\0") and sent == full[:end] == text.text
+
+
+def test_matching_costs_the_same_for_ten_stop_strings_or_ten_thousand():
+    """Regression: every generated token looped in Python over every stop string (``StopStrings.find`` and
+    ``hold``), in the step that every request shares, so one request's 10**5 stop strings made its neighbours'
+    steps 40x slower. Counted in Python lines run, not timed: the same within a few lines for 10 or 10000."""
+    import sys
+
+    def lines_run(count: int) -> int:
+        stops = StopStrings((*(f"zq{i}" for i in range(count)), "a\nb"))
+        text = SampleText(_Pieces(["xa", "\n", "zq", "y", "a", "\nb"]), stops)
+        lines = 0
+
+        def trace(frame, event, arg):  # type: ignore[no-untyped-def]
+            nonlocal lines
+            lines += event == "line"
+            return trace
+
+        sys.settrace(trace)
+        try:
+            for count in range(1, 7):
+                text.add(count, count)
+                text.take()
+        finally:
+            sys.settrace(None)
+        assert text.stop_reason == "a\nb" and text.text == "xa\nzqy"
+        return lines
+
+    few, many = lines_run(10), lines_run(10_000)
+    assert many <= few + 10, (few, many)
 
 
 def test_stop_strings_that_are_special_tokens_match_by_id():

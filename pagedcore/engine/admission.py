@@ -307,7 +307,8 @@ class Admission:
 
     # ------------------------------------------------------------------ refused requests
     def rejected(self, prompt: Any, spec: Spec, exc: PagedCoreError, request_id: str) -> RequestOutput:
-        """The output of a request ``generate`` refused: every sample finished with "error", the error in it."""
+        """The output of a request ``generate`` refused: every sample finished with "error", the error in it (one
+        sample where ``n`` is not one this engine could run)."""
         n = 1
         if isinstance(spec, SamplingParams):
             n = spec.n
@@ -316,6 +317,8 @@ class Admission:
             n = value if isinstance(value, int) and value >= 1 else 1
         elif hasattr(spec, "n"):
             n = spec.n
+        if not isinstance(n, int) or not 1 <= n <= self.scheduler.config.max_num_seqs:
+            n = 1  # refused for its n, say: one sample carries the error, not n of them (n=10**9 would not fit)
         samples = [SampleOutput(k, finish_reason=FinishReason.ERROR.value) for k in range(n)]
         tokens = prompt.tolist() if isinstance(prompt, torch.Tensor) else prompt if isinstance(prompt, list) else []
         now = time.perf_counter()

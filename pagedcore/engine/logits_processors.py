@@ -120,7 +120,7 @@ def number(
         ...
         pagedcore.errors.InvalidRequestError: presence_penalty must be a number in [-2.0, 2.0], got 3
     """
-    interval = f"{'(' if low_open else '['}{low}, {high}]"
+    interval = f"{'(' if low_open else '['}{low}, {high}{']' if math.isfinite(high) else ')'}"  # inf is refused
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     if ok:
         ok = (low < value if low_open else low <= value) and value <= high  # type: ignore[operator]

@@ -123,9 +123,9 @@ class SamplingParams:
             or ``min_new_tokens`` (the output ends where the grammar does).
 
     Integer fields accept anything with ``__index__`` (numpy integers included) and are stored as ``int``;
-    ``stop_token_ids``, ``allowed_token_ids`` and ``stop_strings`` are stored as tuples. Every field is checked
-    here; what depends on the model (token ids in its vocabulary, ``logprobs`` within ``max_logprobs``) is checked
-    when the Engine takes the request.
+    ``stop_token_ids``, ``allowed_token_ids`` (sorted, each id once) and ``stop_strings`` are stored as tuples.
+    Every field is checked here; what depends on the model (token ids in its vocabulary, ``logprobs`` within
+    ``max_logprobs``) is checked when the Engine takes the request.
 
     Example:
         >>> SamplingParams(max_new_tokens=8, temperature=0.7, top_p=0.9, seed=1).is_greedy
@@ -205,7 +205,7 @@ class SamplingParams:
                 raise InvalidRequestError(
                     "allowed_token_ids must not be empty (None allows every token)", param="allowed_token_ids"
                 )
-            fix(self, "allowed_token_ids", allowed)
+            fix(self, "allowed_token_ids", tuple(sorted(set(allowed))))  # at most the vocabulary: each step reads it
         processing = self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
         fix(self, "needs_processing", bool(processing or self.logit_bias or self.allowed_token_ids))
 
@@ -303,6 +303,10 @@ def torch_seed(seed: int) -> int:
     return seed if low <= seed <= high else seed % 2**64
 
 
+MAX_STOP_CHARS = 65536
+"""The most characters a request's stop strings have in all (matching costs the same whatever their number)."""
+
+
 def _stop_strings(value: object) -> tuple[str, ...]:
     """Stop strings as a tuple (a str is one stop string, as in transformers); refuses empty or non-str ones."""
     if value is None:
@@ -315,6 +319,12 @@ def _stop_strings(value: object) -> tuple[str, ...]:
     bad = [s for s in items if not isinstance(s, str) or not s]
     if bad:
         raise InvalidRequestError(f"stop strings must be non-empty strings, got {bad[0]!r}", param="stop_strings")
+    size = sum(map(len, items))
+    if size > MAX_STOP_CHARS:  # the request's matcher holds a node per character (pagedcore.engine.stopping)
+        raise InvalidRequestError(
+            f"stop strings may have {MAX_STOP_CHARS} characters in all, got {len(items)} with {size}",
+            param="stop_strings",
+        )
     return tuple(items)
 
 

@@ -15,6 +15,7 @@ Before ``min_new_tokens`` tokens nothing stops a sample: stop tokens are masked 
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,7 +24,75 @@ from pagedcore.errors import InvalidRequestError
 
 from .detokenizer import IncrementalDetokenizer
 
-__all__ = ["SampleText", "StopStrings", "stop_strings"]
+__all__ = ["SampleText", "StopMatcher", "StopStrings", "stop_strings"]
+
+
+class StopMatcher:
+    """Every stop string matched at once, one character at a time (Aho-Corasick): a step costs the same for one
+    stop string or thousands, so one request's long list does not slow the loop every request shares.
+
+    A state is a node of the stop strings' trie: the longest suffix of the text so far that begins some stop string.
+    :meth:`advance` feeds characters; :attr:`longest` [state] is the longest stop string ending at the last one
+    (None: none does), :attr:`keep` [state] how many trailing characters could still begin one (they are held).
+
+    Example:
+        >>> m = StopMatcher(("lo", "hello"))
+        >>> state = m.advance(0, "hel")
+        >>> m.keep[state], m.longest[m.advance(state, "lo")]
+        (3, 'hello')
+    """
+
+    __slots__ = ("_fail", "_goto", "keep", "longest")
+
+    def __init__(self, strings: Sequence[str]) -> None:
+        goto: list[dict[str, int]] = [{}]
+        depth, own = [0], [""]
+        for string in strings:
+            node = 0
+            for char in string:
+                child = goto[node].get(char)
+                if child is None:
+                    child = goto[node][char] = len(goto)
+                    goto.append({})
+                    depth.append(depth[node] + 1)
+                    own.append("")
+                node = child
+            own[node] = string
+        fail, keep = [0] * len(goto), [0] * len(goto)
+        longest: list[str | None] = [None] * len(goto)
+        order = deque(goto[0].values())
+        while order:  # breadth first: a node's fallback is shallower, so it is done before the node
+            node = order.popleft()
+            longest[node] = own[node] or longest[fail[node]]
+            keep[node] = depth[node] if goto[node] else keep[fail[node]]
+            for char, child in goto[node].items():
+                back = fail[node]
+                while back and char not in goto[back]:
+                    back = fail[back]
+                fail[child] = goto[back].get(char, 0) if node else 0
+                order.append(child)
+        self._goto, self._fail = goto, fail
+        self.longest = longest
+        self.keep = keep
+
+    def advance(self, state: int, text: str) -> int:
+        """The state after ``text``."""
+        goto, fail = self._goto, self._fail
+        for char in text:
+            while state and char not in goto[state]:
+                state = fail[state]
+            state = goto[state].get(char, 0)
+        return state
+
+    def first(self, state: int, text: str) -> tuple[int, int, str | None]:
+        """Feed ``text`` until a stop string ends: ``(state, characters fed, that stop string)``, or ``(state,
+        len(text), None)`` when none does."""
+        longest = self.longest
+        for i, char in enumerate(text):
+            state = self.advance(state, char)
+            if longest[state] is not None:
+                return state, i + 1, longest[state]
+        return state, len(text), None
 
 
 @dataclass(frozen=True)
@@ -36,33 +105,34 @@ class StopStrings:
         include: keep the stop string at the end of the text (``include_stop_str_in_output``).
 
     Example:
-        >>> StopStrings(("\\n",)).hold("ab\\n")
-        0
+        >>> StopStrings(("\\n",)).hold("ab\\n"), StopStrings(("ab", "bc")).hold("xab")
+        (0, 1)
     """
 
     strings: tuple[str, ...] = ()
     by_id: Mapping[int, str] = field(default_factory=dict)
     include: bool = False
+    _matcher: StopMatcher | None = field(default=None, init=False, repr=False, compare=False)
+
+    @property
+    def matcher(self) -> StopMatcher:
+        """The strings' :class:`StopMatcher`, built at the first use (a request's samples share it)."""
+        if self._matcher is None:
+            object.__setattr__(self, "_matcher", StopMatcher(self.strings))
+        assert self._matcher is not None
+        return self._matcher
 
     def hold(self, text: str) -> int:
         """How many characters at the end of ``text`` could be the start of a stop string (they wait)."""
-        best = 0
-        for s in self.strings:
-            for k in range(min(len(s) - 1, len(text)), best, -1):
-                if text.endswith(s[:k]):
-                    best = k
-                    break
-        return best
+        matcher = self.matcher
+        return matcher.keep[matcher.advance(0, text)]
 
     def find(self, text: str, start: int) -> tuple[int, int, str] | None:
         """The stop string that completes first in ``text`` after position ``start`` (the earliest-starting one
         when several complete on the same character): ``(start, end, string)``, or None."""
-        best: tuple[int, int, str] | None = None
-        for s in self.strings:
-            at = text.find(s, max(0, start - len(s) + 1))
-            if at >= 0 and (best is None or (at + len(s), at) < (best[1], best[0])):
-                best = (at, at + len(s), s)
-        return best
+        matcher = self.matcher
+        _, fed, string = matcher.first(matcher.advance(0, text[:start]), text[start:])
+        return None if string is None else (start + fed - len(string), start + fed, string)
 
 
 def stop_strings(strings: Sequence[str], include: bool, tokenizer: Any, added: Mapping[str, int]) -> StopStrings:
@@ -124,11 +194,23 @@ class SampleText:
         (['H', 'e', '', 'l', ''], 'lo', 'Hel')
     """
 
-    __slots__ = ("_detokenizer", "_done", "_min_new_tokens", "_pending", "_stops", "_taken", "stop_reason")
+    __slots__ = (
+        "_detokenizer",
+        "_done",
+        "_matcher",
+        "_min_new_tokens",
+        "_pending",
+        "_state",
+        "_stops",
+        "_taken",
+        "stop_reason",
+    )
 
     def __init__(self, detokenizer: IncrementalDetokenizer | None, stops: StopStrings, min_new_tokens: int = 0):
         self._detokenizer = detokenizer
         self._stops = stops
+        self._matcher = stops.matcher if stops.strings else None
+        self._state = 0  # the matcher's, after every character of the text so far
         self._min_new_tokens = min_new_tokens
         self._taken: list[str] = []  # what take() returned
         self._pending = ""  # the text after it (held back, or not taken yet); a stop's partial match lies here
@@ -150,14 +232,17 @@ class SampleText:
         Raises :class:`~.detokenizer.DecodeError` when the tokenizer fails."""
         if self._detokenizer is None or self._done:
             return
-        before = len(self._pending)
-        self._pending += self._detokenizer.step(token_id)
-        if num_tokens < self._min_new_tokens or len(self._pending) == before:
+        new = self._detokenizer.step(token_id)
+        self._pending += new
+        if self._matcher is None or not new:
             return
-        match = self._stops.find(self._pending, before)
-        if match is not None:
-            start, end, string = match
-            self._stop(self._pending[: end if self._stops.include else start], string)
+        if num_tokens < self._min_new_tokens:  # nothing stops it yet, but the matcher follows the text
+            self._state = self._matcher.advance(self._state, new)
+            return
+        self._state, fed, string = self._matcher.first(self._state, new)
+        if string is not None:
+            end = len(self._pending) - len(new) + fed
+            self._stop(self._pending[: end if self._stops.include else end - len(string)], string)
 
     def stop_by_id(self, token_id: int) -> str | None:
         """The sequence stopped on ``token_id``: when it is a stop string's special token, end the text there and
@@ -179,7 +264,8 @@ class SampleText:
         if self._detokenizer is None:
             return None
         pending = self._pending
-        end = len(pending) if self._done else len(pending) - self._stops.hold(pending)
+        held = 0 if self._done or self._matcher is None else self._matcher.keep[self._state]
+        end = len(pending) - held
         if end == 0:
             return ""
         self._taken.append(pending[:end])
