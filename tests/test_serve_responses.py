@@ -72,6 +72,24 @@ def test_a_text_input_is_answered_as_the_chat_path_answers_it(url):
     assert response.id.startswith("resp_") and response.model == MODEL and response.instructions == "Be brief."
 
 
+def test_the_answer_validates_as_the_clients_response_type_and_counts_cache_writes(url):
+    """Regression: ``usage.input_tokens_details`` lacked ``cache_write_tokens``, which the openai client's
+    ``Response`` type requires (its ``create`` builds the object without validating, so only a strict read showed
+    it). A prompt's tokens are read from the prefix cache or computed and kept there: the two add up."""
+    from openai.types.responses import Response
+
+    body = {"model": MODEL, "input": "Count the cache writes " * 8, "max_output_tokens": 3, "temperature": 0}
+    headers = {"Authorization": "Bearer sk-a"}
+    first, second = (httpx.post(f"{url}/v1/responses", json=body, headers=headers, timeout=120) for _ in range(2))
+    usages = [Response.model_validate(answer.json()).usage for answer in (first, second)]
+    for usage in usages:
+        assert usage is not None
+        details = usage.input_tokens_details
+        assert details.cached_tokens + details.cache_write_tokens == usage.input_tokens
+    assert usages[0].input_tokens_details.cache_write_tokens > 0  # type: ignore[union-attr]
+    assert usages[1].input_tokens_details.cached_tokens > 0  # type: ignore[union-attr]
+
+
 def test_items_become_the_conversation(url):
     items = [
         {"role": "user", "content": [{"type": "input_text", "text": "Hi"}]},

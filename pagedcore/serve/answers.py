@@ -107,6 +107,7 @@ class Tally:
         self.completion_tokens = 0
         self.cached_tokens = 0
         self.num_finished = 0
+        self.keeps_prefixes = True  # the engine keeps the prompt blocks it computed (usage's cache writes)
 
     def add(self, event: Delta | Finished) -> list[int]:
         """Count one event; returns the choices it touched."""

@@ -189,7 +189,7 @@ def _context(
         aliases=tuple(options.aliases),
         trust_request_chat_template=options.trust_request_chat_template,
         tool_call_parser=tool_call_parser,
-        settings=_settings(options, reasoning, model_name),
+        settings=_settings(options, reasoning, model_name, loop),
         responses=ResponseStore(options.responses_store_bytes),
         eos_token_ids=eos,
         adapters=_adapters(loop),
@@ -198,8 +198,10 @@ def _context(
     )
 
 
-def _settings(options: AppOptions, reasoning: Reasoning | None, model_name: str) -> ServeSettings:
+def _settings(options: AppOptions, reasoning: Reasoning | None, model_name: str, loop: Any) -> ServeSettings:
+    engine = loop.engine if isinstance(loop, EngineLoop) else None  # Ray's replicas always keep prefixes
     return ServeSettings(
+        prefix_caching=engine is None or engine.scheduler.config.enable_prefix_caching,
         model_root=options.model_root or model_name,
         response_role=options.response_role,
         return_tokens_as_token_ids=options.return_tokens_as_token_ids,

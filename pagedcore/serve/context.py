@@ -42,6 +42,8 @@ class ServeSettings:
         default_chat_template_kwargs: chat template variables under each request's own.
         sampling_defaults: request field -> default (the generation config's).
         request_log: logs each request (None: no).
+        prefix_caching: the engine keeps computed prompt blocks for later requests (the Responses API's
+            ``cache_write_tokens`` counts them).
 
     Example:
         >>> ServeSettings().response_role
@@ -56,6 +58,7 @@ class ServeSettings:
     default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
     request_log: Any = None
+    prefix_caching: bool = True
 
 
 @dataclass

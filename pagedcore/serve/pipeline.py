@@ -206,6 +206,7 @@ async def answer(
         raise
     known = [len(r.prompt) for r in requests if not isinstance(r.prompt, str)]
     tally = Tally(job.request_ids, requests[0].params.n, known)
+    tally.keeps_prefixes = ctx.settings.prefix_caching
     if stream:
 
         def stream_error(error: ApiError) -> ApiError:

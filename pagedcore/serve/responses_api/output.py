@@ -146,15 +146,18 @@ def _pick(*values: Any) -> Any:
 
 
 def usage_of(tally: Tally, reasoning_tokens: int) -> dict[str, Any]:
-    """The Responses API's ``usage`` of a finished answer.
+    """The Responses API's ``usage`` of a finished answer: ``cached_tokens`` the prompt tokens read from the prefix
+    cache, ``cache_write_tokens`` the others, which the engine computed and keeps there for later requests (none
+    with prefix caching off).
 
     Example:
         >>> usage_of(Tally(["r"], 1), 0)["total_tokens"]
         0
     """
+    written = tally.prompt_tokens - tally.cached_tokens if tally.keeps_prefixes else 0
     return {
         "input_tokens": tally.prompt_tokens,
-        "input_tokens_details": {"cached_tokens": tally.cached_tokens},
+        "input_tokens_details": {"cached_tokens": tally.cached_tokens, "cache_write_tokens": written},
         "output_tokens": tally.completion_tokens,
         "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
         "total_tokens": tally.prompt_tokens + tally.completion_tokens,
