@@ -417,6 +417,40 @@ BAD_INPUTS = [
     (CHAT, {**OK_CHAT, "functions": [{"name": "f"}]}, 400, "functions"),
     (CHAT, {**OK_CHAT, "response_format": {"type": "xml"}}, 400, "response_format"),
     (C, {**OK_COMPLETION, "guided_regex": "(("}, 400, "guided_regex"),
+    # Regression: each of these was answered with the field ignored (an audit with the openai client's shapes)
+    (C, {**OK_COMPLETION, "stream_options": {"include_usage": True}}, 400, "stream_options"),  # not streamed
+    (CHAT, {**OK_CHAT, "stream": True, "stream_options": {"include_usge": True}}, 400, "stream_options.include_usge"),
+    (C, {**OK_COMPLETION, "max_tokens": 3, "min_tokens": 10}, 400, "min_tokens"),
+    (CHAT, {**OK_CHAT, "messages": [{"role": "user", "content": "hi", "bogus": 1}]}, 400, "messages.0.bogus"),
+    (
+        CHAT,
+        {**OK_CHAT, "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "refusal": "no"}]},
+        400,
+        "messages.1.refusal",
+    ),
+    (
+        CHAT,
+        {**OK_CHAT, "response_format": {"type": "json_object", "schema": {"type": "integer"}}},
+        400,
+        "response_format",
+    ),
+    (
+        CHAT,
+        {**OK_CHAT, "response_format": {"type": "json_schema", "json_schema": {"schema": {}, "strct": True}}},
+        400,
+        "response_format",
+    ),
+    (CHAT, {**OK_CHAT, "tools": [{"type": "function", "function": {"name": "f", "parmeters": {}}}]}, 400, "tools"),
+    (
+        CHAT,
+        {
+            **OK_CHAT,
+            "tools": [{"type": "function", "function": {"name": "f"}}],
+            "tool_choice": {"type": "function", "function": {"name": "f"}, "strict": True},
+        },
+        400,
+        "tool_choice",
+    ),
     (CHAT, {**OK_CHAT, "model": "gpt-4"}, 404, "model"),
     # A lone surrogate is valid JSON but no tokenizer's input: the tokenizer's failure is a 400, not a 500.
     (C, b'{"model": "tiny", "prompt": "a\\ud800b", "max_tokens": 2}', 400, "prompt"),
@@ -460,6 +494,23 @@ def test_unknown_paths_and_methods_get_json_errors(served):
     assert response.status_code == 404 and response.json()["error"]["message"]
     response = httpx.get(f"{served.url}{C}")
     assert response.status_code == 405 and response.json()["error"]["message"]
+
+
+def test_an_earlier_answer_sent_back_as_the_client_returned_it_is_taken(served):
+    """Messages refuse keys they do not define; an assistant message the openai client returned, sent back whole
+    (``refusal``, ``annotations``, ``audio``, ``function_call`` empty), is one they define."""
+    client = served.client()
+    question = {"role": "user", "content": "hi"}
+    first = client.chat.completions.create(model=MODEL, messages=[question], max_tokens=3, temperature=0)
+    earlier = first.choices[0].message.model_dump()
+    assert {"refusal", "annotations", "audio", "function_call"} <= set(earlier)
+    again = client.chat.completions.create(
+        model=MODEL,
+        messages=[question, earlier, question],
+        max_tokens=3,
+        temperature=0,  # type: ignore[list-item]
+    )
+    assert again.choices[0].finish_reason in ("length", "stop")
 
 
 def test_the_openai_client_raises_bad_request(served):

@@ -69,12 +69,14 @@ FIELDS: dict[str, FieldRule] = {
     # ------------------------------------------------------------------ what to answer
     "model": _impl("the served model's name (or one of the --served-model-name aliases), or a loaded LoRA adapter's"),
     "prompt": _impl("a string, token ids, or a batch of either", _C),
-    "messages": _impl("text messages through the chat template", _H),
+    "messages": _impl("text messages through the chat template; a key a message does not define is refused", _H),
     "max_tokens": _impl("new tokens at most (completions: 16 by default; chat: what the pool and context hold)"),
     "max_completion_tokens": _impl("chat's newer name of max_tokens (wins over it)", _H),
     "n": _impl("parallel samples sharing the prompt's blocks"),
     "stream": _impl("server-sent events in OpenAI's chunk format"),
-    "stream_options": _impl("include_usage, continuous_usage_stats (vLLM); include_obfuscation must be false"),
+    "stream_options": _impl(
+        "include_usage, continuous_usage_stats (vLLM); include_obfuscation must be false; only with stream: true"
+    ),
     "echo": _impl(
         "completions: the prompt before the completion (with logprobs: the prompt's too); chat: the last "
         "assistant message's text before the answer"
@@ -111,7 +113,7 @@ FIELDS: dict[str, FieldRule] = {
     "stop_token_ids": _impl("stop after any of these token ids (besides eos)"),
     "include_stop_str_in_output": _impl("keep the stop string that ended the text"),
     "ignore_eos": _impl("never stop at eos (benchmarks); stop strings and stop_token_ids still apply"),
-    "min_tokens": _impl("nothing stops a sample before this many tokens"),
+    "min_tokens": _impl("nothing stops a sample before this many tokens (at most max_tokens)"),
     # ------------------------------------------------------------------ log-probabilities
     "logprobs": _impl(
         "completions: an int k, each token's log-probability and the k most likely (with echo: the prompt's "

@@ -302,7 +302,12 @@ def _structured_fields() -> dict[str, Any]:
             _object(type={"const": "json_object"}),
             _object(
                 type={"const": "json_schema"},
-                json_schema=_object(schema=json_schema, name={"type": "string"}, strict={"type": "boolean"}),
+                json_schema=_object(
+                    schema=json_schema,
+                    name={"type": "string"},
+                    description={"type": "string"},
+                    strict={"type": "boolean"},
+                ),
                 required=("type", "json_schema"),
             ),
         ]
@@ -326,11 +331,13 @@ _FUNCTION: dict[str, Any] = {
         "parameters": {"type": "object", "format": "json-schema"},
         "strict": {"type": "boolean"},
     },
+    "additionalProperties": False,  # another key is a 400 naming it
 }
 _TOOL = {
     "type": "object",
     "required": ["type", "function"],
     "properties": {"type": {"const": "function"}, "function": _FUNCTION},
+    "additionalProperties": False,
 }
 _NAMED = _object(
     type={"const": "function"}, function={**_FUNCTION, "properties": {"name": _FUNCTION["properties"]["name"]}}

@@ -114,7 +114,14 @@ class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
 
 
-class StreamOptions(_Strict):
+class _Closed(BaseModel):
+    """An object inside a request: a key it does not define is refused (400 naming it), not ignored; the request
+    objects themselves refuse theirs by name in :func:`check_fields`."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class StreamOptions(_Closed):
     """``stream_options``: ``include_usage`` adds a last chunk with the token counts; ``continuous_usage_stats``
     (vLLM) puts the counts so far in every chunk; OpenAI's ``include_obfuscation`` must be false (no padding field
     is ever added).
@@ -182,6 +189,8 @@ class _Request(_Strict):
         if tokens is not None and tokens != -1 and tokens < 1:
             message = f"truncate_prompt_tokens must be -1 (the context) or >= 1, got {tokens}"
             raise ApiError(400, message, param="truncate_prompt_tokens")
+        if self.stream_options is not None and not self.stream:  # vLLM refuses it too
+            raise ApiError(400, "stream_options is only for a streamed answer (stream: true)", param="stream_options")
         bad = None if self.request_id is None else control_character(self.request_id)
         if bad is not None:
             message = f"request_id must not hold control or format characters (it names the answer), got {bad}"
@@ -207,7 +216,7 @@ class CompletionRequest(_Request):
         return self.logprobs
 
 
-class TextPart(_Strict):
+class TextPart(_Closed):
     """A text part of a message's content (the only kind this server takes).
 
     Example:
@@ -219,8 +228,9 @@ class TextPart(_Strict):
     text: str
 
 
-class ChatMessage(_Strict):
-    """One chat message.
+class ChatMessage(_Closed):
+    """One chat message. A key it does not define is refused; OpenAI's ``refusal``, ``annotations``, ``audio`` and
+    ``function_call``, which clients send back with an earlier assistant answer, are taken empty (null, ``[]``).
 
     Example:
         >>> ChatMessage.model_validate({"role": "user", "content": "hi"}).text
@@ -234,6 +244,10 @@ class ChatMessage(_Strict):
     tool_call_id: str | None = None  # a tool message: the call it answers
     reasoning_content: str | None = None  # an assistant's earlier reasoning (templates that keep it render it)
     reasoning: str | None = None  # vLLM's newer name of reasoning_content
+    refusal: None = None  # an earlier answer's keys, as the openai client returns it: empty only
+    annotations: list[Any] | None = Field(default=None, max_length=0)
+    audio: None = None
+    function_call: None = None
 
     @model_validator(mode="after")
     def _check_tool_message(self) -> ChatMessage:
@@ -485,6 +499,9 @@ def sampling_params(request: _Request, max_new_tokens: int, eos_token_ids: Seque
     if request.top_k is not None:
         kwargs["top_k"] = 0 if request.top_k == -1 else request.top_k  # vLLM's -1: every token
     if request.min_tokens is not None:
+        if request.min_tokens > max_new_tokens:  # vLLM's rule: it could not be met
+            message = f"min_tokens must be at most max_tokens ({max_new_tokens}), got {request.min_tokens}"
+            raise ApiError(400, message, param="min_tokens")
         kwargs["min_new_tokens"] = request.min_tokens
     kwargs.update(_controls(request))
     ids = kwargs.get("stop_token_ids")

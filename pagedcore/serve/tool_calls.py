@@ -174,6 +174,10 @@ def tool_calls_of(data: dict[str, Any], parser: str = "hermes") -> tuple[ToolCal
         return ToolCalls("required"), StructuredOutput.json_schema(schema, max_whitespace=0)
     function = choice.get("function") if isinstance(choice, dict) else None
     name = function.get("name") if isinstance(function, dict) else None
+    if isinstance(choice, dict):
+        only_keys(choice, ("type", "function"), "tool_choice", "tool_choice")
+        if isinstance(function, dict):
+            only_keys(function, ("name",), "tool_choice.function", "tool_choice")
     if not isinstance(choice, dict) or choice.get("type") != "function" or not isinstance(name, str):
         raise ApiError(
             400,
@@ -184,6 +188,20 @@ def tool_calls_of(data: dict[str, Any], parser: str = "hermes") -> tuple[ToolCal
     if name not in tools:
         raise ApiError(400, f"tool_choice names {name!r}, which is not one of the tools", param="tool_choice")
     return ToolCalls("named", name), StructuredOutput.json_schema(tools[name], max_whitespace=0)
+
+
+def only_keys(value: dict[str, Any], known: tuple[str, ...], where: str, param: str) -> None:
+    """Refuse (400, naming it) a key of ``value`` that is not ``known``: a misspelt key would be ignored.
+
+    Example:
+        >>> only_keys({"type": "function", "fuction": {}}, ("type", "function"), "tool_choice", "tool_choice")
+        Traceback (most recent call last):
+        ...
+        pagedcore.serve.protocol.ApiError: tool_choice.fuction is not a field here (known: type, function)
+    """
+    for key in value:
+        if key not in known:
+            raise ApiError(400, f"{where}.{key} is not a field here (known: {', '.join(known)})", param=param)
 
 
 def _tools(value: Any) -> dict[str, dict[str, Any]]:
@@ -204,6 +222,8 @@ def _tools(value: Any) -> dict[str, dict[str, Any]]:
             message = f"tools.{i}: the name {name!r} is given twice (tools.{first[name]}); tool names must be unique"
             raise ApiError(400, message, param="tools")
         first[name] = i
+        only_keys(tool, ("type", "function"), f"tools.{i}", "tools")
+        only_keys(function, ("name", "description", "parameters", "strict"), f"tools.{i}.function", "tools")  # type: ignore[arg-type]
         parameters = function.get("parameters") or {"type": "object", "properties": {}}  # type: ignore[union-attr]
         if not isinstance(parameters, dict):
             raise ApiError(400, f"tools.{i}.function.parameters must be a JSON schema object", param="tools")

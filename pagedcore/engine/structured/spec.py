@@ -167,6 +167,10 @@ class StructuredOutput:
         if not isinstance(response_format, Mapping):
             raise GrammarError(f"response_format must be an object, got {response_format!r}")
         kind = response_format.get("type")
+        known = {"text": ("type",), "json_object": ("type",), "json_schema": ("type", "json_schema")}.get(str(kind))
+        extra = [key for key in response_format if known is not None and key not in known]
+        if extra:  # a schema beside json_object, say: it would not be applied
+            raise GrammarError(f"response_format.{extra[0]} is not a field of a {kind} response_format")
         if kind == "text":
             return None
         if kind == "json_object":
@@ -175,6 +179,9 @@ class StructuredOutput:
             inner = response_format.get("json_schema")
             if not isinstance(inner, Mapping) or "schema" not in inner:
                 raise GrammarError('response_format json_schema needs {"json_schema": {"name": ..., "schema": {...}}}')
+            extra = [key for key in inner if key not in ("name", "description", "schema", "strict")]
+            if extra:
+                raise GrammarError(f"response_format.json_schema.{extra[0]} is not a field of a json_schema")
             return cls.json_schema(inner["schema"], strict=inner.get("strict"))
         raise GrammarError(f"response_format type must be text, json_object or json_schema, got {kind!r}")
 
