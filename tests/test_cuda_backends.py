@@ -107,6 +107,61 @@ def test_engine_on_cuda_equals_the_engine_on_cpu(backend, compile, monkeypatch):
             torch.testing.assert_close(got_step.cpu().float(), want_step.float(), atol=ATOL, rtol=0)
 
 
+HOST_READ_SCRIPT = """
+import sys, torch
+sys.path.insert(0, TESTS)
+from models import tiny_model
+from pagedcore.adapters.transformers import Engine, SamplingParams
+from pagedcore.adapters.transformers.decode_graphs import CudaGraphCapture
+
+model = tiny_model("llama").cuda()
+norm = model.model.norm
+forward = norm.forward
+
+
+def reading(x):
+    if float(x.abs().max()) > 1e30:  # a value read on the host: a capture refuses it
+        x = x * 1
+    return forward(x)
+
+
+params, prompt = SamplingParams(max_new_tokens=6), [[5, 6, 7, 8, 9]]
+with Engine(model, num_blocks=32, block_size=16) as engine:
+    want = [o.token_ids for o in engine.generate(prompt, params, use_tqdm=False)]
+norm.forward = reading
+with Engine(model, num_blocks=32, block_size=16, compile="cudagraphs") as engine:
+    got = [o.token_ids for o in engine.generate(prompt, params, use_tqdm=False)]
+    stats = engine.stats()
+assert got == want, (got, want)
+assert stats.compile_failures == 1 and stats.compiled_steps == 0, stats
+assert CudaGraphCapture.failed is None, CudaGraphCapture.failed  # refused before anything was captured
+assert torch.cuda.current_stream() == torch.cuda.default_stream()
+torch.cuda.empty_cache()  # torch < 2.12 asserts here after a capture that failed part-way
+norm.forward = forward
+with Engine(model, num_blocks=32, block_size=16, compile="cudagraphs") as engine:
+    again = [o.token_ids for o in engine.generate(prompt, params, use_tqdm=False)]
+    assert engine.stats().compiled_steps > 0
+assert again == want, (again, want)
+print("ok")
+"""
+
+
+def test_a_step_that_reads_a_value_on_the_host_is_refused_before_its_capture():
+    """On CUDA: a decode step that reads a tensor's value on the host fails in the last warm-up, which runs with
+    CUDA's sync check as an error, before anything is captured; the Engine runs eagerly, with the same tokens, and
+    the process still frees memory and captures (after a capture failed part-way, torch < 2.12 asserts). In a
+    process of its own, so that no failure reaches the other tests."""
+    if DEVICE.type != "cuda":
+        pytest.skip("needs CUDA: the sync check and a real capture")
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = HOST_READ_SCRIPT.replace("TESTS", repr(str(Path(__file__).parent)))
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
 @pytest.mark.parametrize("attn", ["sdpa", "paged"])
 def test_paged_cache_on_cuda_equals_dynamic_cache_on_cuda(attn):
     model = tiny_model("llama").to(DEVICE)

@@ -38,6 +38,10 @@ class CountingReplay(ReplayCapture):
     """The stand-in (:class:`~pagedcore.adapters.transformers.decode_graphs.ReplayCapture`), counting captures."""
 
     captures = 0
+    made = 0
+
+    def __init__(self) -> None:
+        CountingReplay.made += 1
 
     def capture(self, function: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
         CountingReplay.captures += 1
@@ -46,7 +50,7 @@ class CountingReplay(ReplayCapture):
 
 @pytest.fixture
 def replay(monkeypatch):
-    CountingReplay.captures = 0
+    CountingReplay.captures = CountingReplay.made = 0
     monkeypatch.setattr(graphs_module, "CAPTURE", CountingReplay)
 
 
@@ -127,6 +131,7 @@ def test_a_weight_update_drops_the_graphs_and_the_next_steps_see_the_new_weights
         outputs = engine.generate(PROMPTS[:2], params, use_tqdm=False)
         assert engine.runner._decode.dropped == 1
         assert CountingReplay.captures > captured
+        assert CountingReplay.made == 2  # the graphs after the update in a capture (a memory pool) of their own
     reference, _ = run(model, False, prompts=PROMPTS[:2], params=params)
     assert_same(outputs, reference)
 
@@ -145,6 +150,45 @@ def test_a_moved_pool_tensor_drops_the_graphs(replay):
             assert graphs._current_stamp() != stamp
 
 
+@pytest.mark.parametrize("rope", [{"rope_type": "dynamic", "factor": 2.0}, {"type": "longrope"}])
+def test_cudagraphs_is_refused_for_a_rotary_embedding_that_reads_positions_on_the_host(replay, rope):
+    """Regression (a review against torch's capture rules): transformers' dynamic_rope_update compares
+    ``max(position_ids) + 1`` with a bound on the host at every forward, which a capture refuses, part-way."""
+    model = tiny_model("llama")
+    model.config.rope_parameters = {"rope_theta": 10000.0, **rope}
+    with pytest.raises(ConfigError, match=r"rotary embedding .* compares the positions with a bound on the host"):
+        Engine(model, num_blocks=16, compile="cudagraphs")
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_cudagraphs_is_refused_for_weights_on_two_devices():
+    model = tiny_model("llama")
+    model.lm_head.to("meta")  # a model split over devices (device_map): a graph is captured on one
+    with pytest.raises(ConfigError, match="weights lie on cpu, meta"):
+        graphs_module.refuse_graphs(model)
+
+
+def test_after_a_capture_failed_part_way_no_engine_of_the_process_captures(monkeypatch):
+    """Regression: a capture that fails part-way leaves torch < 2.12's caching allocator in capture mode, so the
+    next capture (another Engine's) would assert; it is refused with the first failure's reason instead."""
+    monkeypatch.setattr(graphs_module.CudaGraphCapture, "failed", "RuntimeError: operation not permitted")
+    with pytest.raises(ConfigError, match=r"capture of this process failed part-way .RuntimeError"):
+        graphs_module.resolve_compile("cudagraphs", torch.device("cuda"))
+    assert graphs_module.resolve_compile(False, torch.device("cuda")) is None
+
+
+def test_closing_the_engine_lets_its_graphs_go(replay):
+    import gc
+    import weakref
+
+    with Engine(tiny_model("llama"), num_blocks=32, block_size=4, compile="cudagraphs") as engine:
+        engine.generate([PROMPTS[0]], SamplingParams(max_new_tokens=3), use_tqdm=False)
+        graphs = weakref.ref(engine.runner._decode)
+        assert engine.stats().compiled_steps == 2
+    gc.collect()
+    assert graphs() is None and engine.stats().compiled_steps == 2  # the counts stay
+
+
 def test_a_failing_capture_turns_graphs_off_and_runs_eagerly(monkeypatch):
     class Refusing:
         def capture(self, function):
@@ -159,7 +203,14 @@ def test_a_failing_capture_turns_graphs_off_and_runs_eagerly(monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------------- capture safety
-HOST_OPS = ("aten._local_scalar_dense", "aten.nonzero", "aten.lift_fresh", "aten.masked_select", "aten.item")
+HOST_OPS = (
+    "aten._local_scalar_dense",
+    "aten.nonzero",
+    "aten.lift_fresh",
+    "aten.masked_select",
+    "aten.item",
+    "aten.is_nonzero",
+)
 """Ops a captured step must not run: a value read on the host (.item(), bool(), int() of a tensor, nonzero's
 size) waits on the GPU, which a capture refuses; a tensor built from host data (``torch.tensor(...)``) would be
 copied in at capture time only."""

@@ -38,7 +38,16 @@ from pagedcore.errors import ConfigError
 from .compiled import CompiledDecode, DecodeInputs
 from .pool import PagedKVPool
 
-__all__ = ["CAPTURE", "CudaGraphCapture", "DecodeGraphs", "GraphCapture", "ReplayCapture", "resolve_compile"]
+__all__ = [
+    "CAPTURE",
+    "HOST_READING_ROPE",
+    "CudaGraphCapture",
+    "DecodeGraphs",
+    "GraphCapture",
+    "ReplayCapture",
+    "refuse_graphs",
+    "resolve_compile",
+]
 
 WARMUP_RUNS = 2  # eager runs on the side stream before a capture (lazy initialisations, cuBLAS workspaces)
 
@@ -59,33 +68,62 @@ class GraphCapture(Protocol):
 
 
 class CudaGraphCapture:
-    """:class:`GraphCapture` with ``torch.cuda.CUDAGraph``: warm-up on a side stream, then capture into one memory
-    pool that every graph of the runner shares (their replays never overlap: one step at a time).
+    """:class:`GraphCapture` with ``torch.cuda.CUDAGraph``: warm-up and capture on one side stream of this capture's
+    own (made on the model's device), into one memory pool that every graph of the runner shares (their replays
+    never overlap: one step at a time). A :class:`DecodeGraphs` makes a new one, with a new pool, each time it
+    drops its graphs.
+
+    A capture that fails part-way leaves torch before 2.12 with its caching allocator still in capture mode (the
+    next ``empty_cache`` or capture asserts: pytorch PR 180395) and, in any version, the step on the capture stream.
+    So the last warm-up runs with CUDA's sync check as an error (a value read on the host, which a capture refuses,
+    fails there, before anything is captured); the stream is put back after a failure; and after one, no Engine of
+    this process captures again (:attr:`failed`: ``compile="cudagraphs"`` is refused with it).
 
     Example:
-        >>> CAPTURE is CudaGraphCapture
-        True
+        >>> CAPTURE is CudaGraphCapture, CudaGraphCapture.failed
+        (True, None)
     """
+
+    failed: str | None = None
+    """Why a capture of this process failed part-way (None: none did)."""
 
     def __init__(self) -> None:
         self._pool: Any = None  # torch.cuda.graph_pool_handle(), made at the first capture
-        self._side: Any = None  # the warm-up stream, one for every capture: the caching allocator keeps freed blocks
-        # per stream, so a new stream per bucket would strand each warm-up's activations
+        self._side: Any = None  # the warm-up and capture stream, one for every capture: the caching allocator keeps
+        # freed blocks per stream, so a new stream per bucket would strand each warm-up's activations
 
     def capture(self, function: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
         if self._pool is None:
             self._pool, self._side = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
-        side = self._side
-        side.wait_stream(torch.cuda.current_stream())
+        side, caller = self._side, torch.cuda.current_stream()
+        side.wait_stream(caller)
         with torch.cuda.stream(side):
-            for _ in range(WARMUP_RUNS):
-                function()
-        torch.cuda.current_stream().wait_stream(side)
+            for run in range(WARMUP_RUNS):
+                with _syncs_refused() if run == WARMUP_RUNS - 1 else contextlib.nullcontext():
+                    function()
+        caller.wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        # thread_local: another thread's unrelated CUDA call (a server's) does not invalidate this capture
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            output = function()
+        try:
+            # on the side stream (torch's default capture stream is one per process, on the first device that
+            # captured); thread_local: another thread's unrelated CUDA call does not invalidate this capture
+            with torch.cuda.graph(graph, pool=self._pool, stream=side, capture_error_mode="thread_local"):
+                output = function()
+        except BaseException as exc:
+            torch.cuda.set_stream(caller)  # torch.cuda.graph puts it back only after a capture that ended well
+            CudaGraphCapture.failed = f"{type(exc).__name__}: {exc}"[:300]
+            raise
         return graph.replay, output
+
+
+@contextlib.contextmanager
+def _syncs_refused() -> Any:
+    """CUDA's sync check as an error while inside: an op that waits on the GPU raises instead of waiting."""
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
 
 
 class ReplayCapture:
@@ -137,8 +175,66 @@ def resolve_compile(compile: bool | str, device: torch.device) -> str | None:
     if compile == "cudagraphs":
         if device.type != "cuda" and CAPTURE is CudaGraphCapture:
             raise ConfigError(f'compile="cudagraphs" needs a CUDA device; the model is on {device}', param="compile")
+        if CAPTURE is CudaGraphCapture and CudaGraphCapture.failed is not None:
+            raise ConfigError(
+                'compile="cudagraphs": a CUDA graph capture of this process failed part-way '
+                f"({CudaGraphCapture.failed}), after which torch before 2.12 cannot capture again; start a new "
+                "process, or serve this model without compile",
+                param="compile",
+            )
         return "cudagraphs"
     raise ConfigError(f'compile must be True, False, "auto" or "cudagraphs", got {compile!r}', param="compile")
+
+
+HOST_READING_ROPE = ("dynamic", "longrope")
+"""Rotary kinds whose forward compares the positions with a bound on the host (transformers'
+``dynamic_rope_update``): a capture refuses that read."""
+
+
+def refuse_graphs(model: torch.nn.Module) -> None:
+    """Raise :class:`~pagedcore.errors.ConfigError` for a model that a captured decode step cannot serve: one whose
+    rotary embedding reads the positions on the host (:data:`HOST_READING_ROPE`), or whose weights lie on more than
+    one device (a graph is captured on one).
+
+    Example:
+        >>> from pagedcore.adapters.transformers.testing import tiny_llama
+        >>> refuse_graphs(tiny_llama())
+    """
+    kinds = _rope_kinds(getattr(model, "config", None))
+    reading = sorted(kinds & set(HOST_READING_ROPE))
+    if reading:
+        raise ConfigError(
+            f'compile="cudagraphs": the model\'s rotary embedding ({reading[0]}) compares the positions with a bound '
+            "on the host at every forward, which a CUDA graph cannot capture; serve it without compile",
+            param="compile",
+        )
+    devices = {p.device for p in model.parameters()}
+    if len(devices) > 1:
+        names = ", ".join(sorted(map(str, devices)))
+        raise ConfigError(
+            f'compile="cudagraphs": the model\'s weights lie on {names}; a CUDA graph is captured on one device',
+            param="compile",
+        )
+
+
+def _rope_kinds(config: Any) -> set[str]:
+    """Every ``rope_type`` of a config and its sub-configs (``rope_scaling``, ``rope_parameters``, per layer kind)."""
+    kinds: set[str] = set()
+
+    def walk(value: Any, depth: int) -> None:
+        if depth > 4:
+            return
+        if isinstance(value, dict):
+            kind = value.get("rope_type", value.get("type"))
+            if isinstance(kind, str):
+                kinds.add(kind)
+            for inner in value.values():
+                walk(inner, depth + 1)
+
+    for owner in (config, getattr(config, "text_config", None)):
+        for name in ("rope_scaling", "rope_parameters"):
+            walk(getattr(owner, name, None), 0)
+    return kinds
 
 
 @dataclass
@@ -160,8 +256,10 @@ class DecodeGraphs:
     """
 
     def __init__(self, model: torch.nn.Module, pool: PagedKVPool, capture: GraphCapture | None = None) -> None:
+        refuse_graphs(model)
         self.pool = pool
         self._step = CompiledDecode(model, pool, backend=None)  # the bucketed decode function, run as Python
+        self._given = capture
         self._capture = capture if capture is not None else CAPTURE()
         self._graphs: dict[tuple[int, ...], _Graph] = {}
         self._stamp: tuple[int, ...] | None = None
@@ -186,7 +284,10 @@ class DecodeGraphs:
         if stamp != self._stamp:
             if self._graphs:
                 self.dropped += 1
-            self._graphs.clear()
+                self._graphs.clear()
+                # a new capture, with a new memory pool: the old pool may still hold a block (a workspace made
+                # inside a capture), and a pool whose graphs are all gone must not be captured into again
+                self._capture = self._given if self._given is not None else CAPTURE()
             self._stamp = stamp
         device = inputs.input_ids.device  # a model on cuda:1 captures and replays there, whatever the current device
         with torch.inference_mode(), torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():

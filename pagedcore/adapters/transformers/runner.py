@@ -276,7 +276,10 @@ class TransformersRunner:
 
     def close(self) -> None:
         """Give the model its attention implementation back, and write the cached prefixes to the tiers below the
-        pool (so a restart finds them; a pool this runner built closes its tiers). The model loses its adapters."""
+        pool (so a restart finds them; a pool this runner built closes its tiers). The model loses its adapters, and
+        a compiled or captured decode step its graphs (their memory with them)."""
+        if self._decode is not None:
+            self._decode_counts, self._decode = self._decode.counts, None
         if self.adapters is not None:
             self.adapters.close()
         if self._original_attn is not None and self._original_attn != ATTN_IMPLEMENTATION:
