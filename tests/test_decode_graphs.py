@@ -271,6 +271,23 @@ def test_the_captured_step_reads_no_value_on_the_host(family, replay, monkeypatc
         assert methods.names and not set(methods.names) & set(HOST_METHODS), set(methods.names) & set(HOST_METHODS)
 
 
+@pytest.mark.parametrize(
+    "family", ["llama", "qwen3", "mistral", "gemma2", "gemma3", "llama4", "deepseek_v3", "gpt_oss"]
+)
+def test_replaying_the_recorded_ops_equals_the_eager_engine(family, monkeypatch):
+    """What a real graph replays: the ops of the captured run with every Python value frozen
+    (:class:`~pagedcore.adapters.transformers.decode_graphs.TraceCapture`), over later steps' inputs: a number or a
+    branch the step's Python would compute otherwise at a later step (a length, a position) would give other tokens
+    here, which the stand-in that runs the Python again cannot show."""
+    monkeypatch.setattr(graphs_module, "CAPTURE", graphs_module.TraceCapture)
+    model = variant_model(family) if family in ("llama4", "deepseek_v3", "gpt_oss") else tiny_model(family)
+    params = SamplingParams(max_new_tokens=10, return_logits=True)
+    reference, _ = run(model, False, prompts=PROMPTS[:3], params=params)
+    outputs, stats = run(model, "cudagraphs", prompts=PROMPTS[:3], params=params)
+    assert stats.compiled_steps > stats.compiled_graphs > 0 and stats.compile_failures == 0  # graphs replayed
+    assert_same(outputs, reference)
+
+
 def test_the_host_op_watch_sees_a_value_read_on_the_host():
     mode, methods = HostOps(), HostMethods()
     with methods, mode:

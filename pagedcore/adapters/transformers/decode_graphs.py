@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
 
 from pagedcore.engine.runner import CompileCounts
 from pagedcore.errors import ConfigError
@@ -45,6 +47,7 @@ __all__ = [
     "DecodeGraphs",
     "GraphCapture",
     "ReplayCapture",
+    "TraceCapture",
     "refuse_graphs",
     "resolve_compile",
 ]
@@ -144,6 +147,62 @@ class ReplayCapture:
             output.copy_(function())
 
         return replay, output
+
+
+class TraceCapture:
+    """:class:`GraphCapture` without CUDA that replays what a graph replays: the ops one run of the function
+    dispatched, called again with the values they were called with (Python numbers, shapes, branches taken, tensors
+    built from host data: all frozen at capture), against the tensors that existed before it (the static inputs, the
+    weights, the pool) and the new results of the ops before them. A step whose Python computes a number or takes a
+    branch that a later step would compute otherwise replays it as captured, as a real graph does;
+    :class:`ReplayCapture`, which runs the Python again, cannot show that.
+
+    Example:
+        >>> x, length = torch.ones(2), [2]
+        >>> step = lambda: x * torch.arange(length[0]).sum()   # a Python number (the step's length) in the step
+        >>> replays = [capture.capture(step) for capture in (ReplayCapture(), TraceCapture())]
+        >>> x += 1; length[0] = 3
+        >>> [(replay(), out.tolist())[1] for replay, out in replays]   # the graph keeps arange(2)
+        [[6.0, 6.0], [2.0, 2.0]]
+    """
+
+    def capture(self, function: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
+        function()  # a warm-up, as on CUDA
+        recorder = _Recorder()
+        with recorder:
+            output = function()
+        records, made = recorder.records, recorder.made
+
+        def replay() -> None:
+            fresh: dict[int, torch.Tensor] = {}
+
+            def now(value: Any) -> Any:
+                return fresh.get(id(value), value) if isinstance(value, torch.Tensor) and id(value) in made else value
+
+            for op, args, kwargs, out in records:
+                result = op(*tree_map(now, args), **tree_map(now, kwargs))
+                for old, new in zip(tree_flatten(out)[0], tree_flatten(result)[0]):
+                    if isinstance(old, torch.Tensor):
+                        fresh[id(old)] = new
+            output.copy_(fresh[id(output)])
+
+        return replay, output
+
+
+class _Recorder(TorchDispatchMode):
+    """Every op dispatched inside, with its arguments and results (kept alive, so no id is reused)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[tuple[Any, Any, Any, Any]] = []
+        self.made: set[int] = set()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        self.records.append((func, args, kwargs, out))
+        self.made.update(id(t) for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
+        return out
 
 
 CAPTURE: Callable[[], GraphCapture] = CudaGraphCapture
