@@ -183,8 +183,8 @@ FIELDS: dict[str, FieldRule] = {
     "structural_tag": _refused("structural tags are not supported (use tools or structured_outputs)", endpoints=_H),
     "tools": _impl("function tools: rendered by the chat template, answered as tool_calls", _H),
     "tool_choice": _impl(
-        "none, auto (calls parsed in the --tool-call-parser format), required or a named function (both enforced "
-        "by a grammar)",
+        "none, auto (calls parsed in the --tool-call-parser format; a function's `strict: true` is not enforced "
+        "there), required or a named function (both enforced by a grammar, `strict` or not)",
         _H,
     ),
     "parallel_tool_calls": _impl("false: tool_choice=required makes exactly one call", _H),
