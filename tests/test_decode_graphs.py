@@ -150,15 +150,18 @@ def test_a_moved_pool_tensor_drops_the_graphs(replay):
             assert graphs._current_stamp() != stamp
 
 
-@pytest.mark.parametrize("rope", [{"rope_type": "dynamic", "factor": 2.0}, {"type": "longrope"}])
+@pytest.mark.parametrize("rope", [{"rope_type": "dynamic", "factor": 2.0}, {"type": "dynamic", "factor": 2.0}])
 def test_cudagraphs_is_refused_for_a_rotary_embedding_that_reads_positions_on_the_host(replay, rope):
     """Regression (a review against torch's capture rules): transformers' dynamic_rope_update compares
-    ``max(position_ids) + 1`` with a bound on the host at every forward, which a capture refuses, part-way."""
+    ``max(position_ids) + 1`` with a bound on the host at every forward, which a capture refuses, part-way.
+    ``longrope`` chooses its frequencies on the device: served."""
     model = tiny_model("llama")
     model.config.rope_parameters = {"rope_theta": 10000.0, **rope}
     with pytest.raises(ConfigError, match=r"rotary embedding .* compares the positions with a bound on the host"):
         Engine(model, num_blocks=16, compile="cudagraphs")
     assert model.config._attn_implementation == "sdpa"
+    model.config.rope_parameters = {"rope_theta": 10000.0, "rope_type": "longrope"}
+    graphs_module.refuse_graphs(model)
 
 
 def test_cudagraphs_is_refused_for_weights_on_two_devices():

@@ -409,7 +409,7 @@ BAD_INPUTS = [
         CHAT,
         {**OK_CHAT, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
         400,
-        "messages.0.content",
+        "messages.0.content.0.type",  # "Input should be 'text'": the only part taken
     ),
     (CHAT, {**OK_CHAT, "max_completion_tokens": -5}, 400, "max_tokens"),
     (CHAT, {**OK_CHAT, "logprobs": 1}, 400, "logprobs"),
@@ -511,6 +511,17 @@ def test_an_earlier_answer_sent_back_as_the_client_returned_it_is_taken(served):
         temperature=0,  # type: ignore[list-item]
     )
     assert again.choices[0].finish_reason in ("length", "stop")
+
+
+def test_a_text_parts_cache_breakpoint_is_taken_and_a_lifetime_refused(served):
+    """OpenAI's ``prompt_cache_breakpoint`` (the openai client's text parts define it): the prefix cache keeps every
+    prompt's blocks anyway; a ``ttl`` it cannot promise is a 400 naming it."""
+    part = {"type": "text", "text": "hi", "prompt_cache_breakpoint": {"mode": "explicit"}}
+    body = {**OK_CHAT, "messages": [{"role": "user", "content": [part]}]}
+    assert httpx.post(served.url + CHAT, json=body).status_code == 200
+    part["prompt_cache_breakpoint"] = {"mode": "explicit", "ttl": "12h"}
+    answer = httpx.post(served.url + CHAT, json=body)
+    assert answer.status_code == 400 and "prompt_cache_breakpoint.ttl" in answer.json()["error"]["param"]
 
 
 def test_the_openai_client_raises_bad_request(served):

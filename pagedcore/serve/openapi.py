@@ -105,7 +105,7 @@ def install_openapi(app: FastAPI) -> None:
         >>> app = FastAPI(title="t", version="1")
         >>> install_openapi(app)
         >>> sorted(app.openapi()["components"]["schemas"])[:3]
-        ['ChatMessage', 'ChatRequest', 'CompletionRequest']
+        ['CacheBreakpoint', 'ChatMessage', 'ChatRequest']
     """
 
     def openapi() -> dict[str, Any]:

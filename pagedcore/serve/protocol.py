@@ -216,6 +216,20 @@ class CompletionRequest(_Request):
         return self.logprobs
 
 
+class CacheBreakpoint(_Closed):
+    """OpenAI's ``prompt_cache_breakpoint`` on a text part: the prefix up to it is worth reusing. The prefix cache
+    keeps every prompt's blocks (and matches to the token inside a partly filled one) while the pool has room, so
+    ``{"mode": "explicit"}`` asks for nothing more; a ``ttl`` (a lifetime it cannot promise) is refused.
+
+    Example:
+        >>> CacheBreakpoint.model_validate({"mode": "explicit"}).mode
+        'explicit'
+    """
+
+    mode: Literal["explicit"]
+    ttl: None = None
+
+
 class TextPart(_Closed):
     """A text part of a message's content (the only kind this server takes).
 
@@ -226,6 +240,7 @@ class TextPart(_Closed):
 
     type: Literal["text"]
     text: str
+    prompt_cache_breakpoint: CacheBreakpoint | None = None
 
 
 class ChatMessage(_Closed):
@@ -582,15 +597,23 @@ def _brief(value: Any) -> str:
 
 
 def _from_validation(exc: ValidationError) -> ApiError:
-    error = exc.errors()[0]
+    errors = exc.errors()
+
+    def written(error: Any) -> list[str]:
+        # Union members appear in the location ("prompt.str"); keep the path to the field the client wrote.
+        return [str(part) for part in error["loc"] if not _is_type_name(str(part))]
+
+    # a value that took one member's shape (a list of parts) is wrong at a key inside it: name that key
+    first = written(errors[0])
+    keyed = [e for e in errors if any(not p.isdigit() for p in written(e)[len(first) :])]
+    error = max(keyed, key=lambda e: len(written(e))) if keyed else errors[0]
     loc = [str(part) for part in error["loc"]]
     field = loc[0] if loc else None
-    # Union members appear in the location ("prompt.str"); keep the path to the field the client wrote.
-    path = ".".join(p for p in loc if not _is_type_name(p))
+    path = ".".join(written(error))
     leaf = next((p for p in reversed(loc) if not _is_type_name(p) and not p.isdigit()), field)
     if error["type"] == "missing":
         message = f"{path}: this field is required"
-    elif leaf in _EXPECTED and len(exc.errors()) > 1:
+    elif leaf in _EXPECTED and len(errors) > 1:
         message = f"{path}: expected {_EXPECTED[leaf]}"
     else:
         message = f"{path}: {error['msg']}"

@@ -245,9 +245,10 @@ def resolve_compile(compile: bool | str, device: torch.device) -> str | None:
     raise ConfigError(f'compile must be True, False, "auto" or "cudagraphs", got {compile!r}', param="compile")
 
 
-HOST_READING_ROPE = ("dynamic", "longrope")
+HOST_READING_ROPE = ("dynamic",)
 """Rotary kinds whose forward compares the positions with a bound on the host (transformers'
-``dynamic_rope_update``): a capture refuses that read."""
+``dynamic_rope_update``): a capture refuses that read. (``longrope`` chooses its frequencies on the device, in
+place, so that graphs replay it.)"""
 
 
 def refuse_graphs(model: torch.nn.Module) -> None:
