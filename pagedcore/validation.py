@@ -1,4 +1,4 @@
-"""Validators for values that come from callers: integers and token ids. Plain Python, no torch.
+"""Validators for values that come from callers: integers, token ids, the keys of an object. Plain Python, no torch.
 
 One home for these rules, so every entry point (the Engine, ``enable``d ``generate``, a server, the core's own
 constructors and commands) refuses the same inputs with the same message. Anything with ``__index__`` counts as an
@@ -22,9 +22,21 @@ from collections.abc import Iterable
 
 from pagedcore.errors import InvalidRequestError, PagedCoreError
 
-__all__ = ["as_integer", "integer", "token_ids"]
+__all__ = ["as_integer", "integer", "token_ids", "unknown_key"]
 
 _SHOWN = 5  # bad values named in a message
+
+
+def unknown_key(value: Iterable[str], known: Iterable[str]) -> str | None:
+    """The first key of ``value`` (a mapping's keys) that is not ``known``, or None: an object's misspelt key is
+    refused by name, not ignored.
+
+    Example:
+        >>> unknown_key({"type": "function", "fuction": {}}, ("type", "function")), unknown_key({"type": 1}, ("type",))
+        ('fuction', None)
+    """
+    allowed = set(known)
+    return next((key for key in value if key not in allowed), None)
 
 
 def integer(

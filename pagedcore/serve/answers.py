@@ -89,6 +89,8 @@ class Tally:
         request_ids: the job's engine requests, one per prompt.
         n: samples per prompt.
         prompt_tokens: per prompt, its length when known before the engine reports it (for usage in every chunk).
+        keeps_prefixes: the engine keeps the prompt blocks it computes for later requests (the Responses API's
+            ``cache_write_tokens``; False with prefix caching off).
 
     Example:
         >>> tally = Tally(["r0"], n=1)
@@ -98,7 +100,9 @@ class Tally:
         ('Hi', 4)
     """
 
-    def __init__(self, request_ids: list[str], n: int, prompt_tokens: Sequence[int] = ()) -> None:
+    def __init__(
+        self, request_ids: list[str], n: int, prompt_tokens: Sequence[int] = (), keeps_prefixes: bool = True
+    ) -> None:
         self._index = {rid: i for i, rid in enumerate(request_ids)}
         self._n = n
         self.choices = [Choice(prompt=i // n) for i in range(len(request_ids) * n)]
@@ -107,7 +111,7 @@ class Tally:
         self.completion_tokens = 0
         self.cached_tokens = 0
         self.num_finished = 0
-        self.keeps_prefixes = True  # the engine keeps the prompt blocks it computed (usage's cache writes)
+        self.keeps_prefixes = keeps_prefixes  # the engine keeps the prompt blocks it computed (usage's cache writes)
 
     def add(self, event: Delta | Finished) -> list[int]:
         """Count one event; returns the choices it touched."""

@@ -21,6 +21,7 @@ BUILTIN_NAME = "pagedcore-builtin"
 # The defaults of pagedcore.serve.body.BodyLimits (not imported here: this module imports argparse alone).
 _MAX_REQUEST_BYTES = "8MiB"
 _BODY_TIMEOUT = 30.0
+_SHUTDOWN_TIMEOUT = 30.0  # pagedcore.serve.server's drain on SIGTERM
 _THREADS_HELP = "torch threads (default: the CPUs this process may use that other work leaves free; see start-up)"
 _HEADER_TIMEOUT = 10.0  # pagedcore.serve.connections.ConnectionLimits' default
 
@@ -76,7 +77,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--shutdown-timeout",
         type=float,
-        default=30.0,
+        default=_SHUTDOWN_TIMEOUT,
         metavar="SECONDS",
         help="on SIGTERM, seconds running requests may take to finish before they are aborted (default 30)",
     )
@@ -417,7 +418,7 @@ def _check_vllm_flags(args: argparse.Namespace, error: type[Exception]) -> None:
     fraction = getattr(args, "gpu_memory_utilization", None)
     if fraction is not None and not 0 < fraction <= 1:
         raise error(f"--gpu-memory-utilization must be in (0, 1], got {fraction}")
-    shutdown = getattr(args, "shutdown_timeout", 30.0)
+    shutdown = getattr(args, "shutdown_timeout", _SHUTDOWN_TIMEOUT)
     if not shutdown >= 0 or shutdown == float("inf"):
         raise error(f"--shutdown-timeout must be a number of seconds >= 0, got {shutdown}")
 
@@ -457,7 +458,7 @@ _NOT_WITH_RAY: dict[str, Any] = {
     # after _check: a size in bytes, seconds)
     "max_request_bytes": 8 * 1024 * 1024,
     "body_timeout": _BODY_TIMEOUT,
-    "shutdown_timeout": 30.0,
+    "shutdown_timeout": _SHUTDOWN_TIMEOUT,
 }
 
 

@@ -205,8 +205,7 @@ async def answer(
         leave()
         raise
     known = [len(r.prompt) for r in requests if not isinstance(r.prompt, str)]
-    tally = Tally(job.request_ids, requests[0].params.n, known)
-    tally.keeps_prefixes = ctx.settings.prefix_caching
+    tally = Tally(job.request_ids, requests[0].params.n, known, ctx.settings.prefix_caching)
     if stream:
 
         def stream_error(error: ApiError) -> ApiError:

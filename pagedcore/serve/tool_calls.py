@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedcore.engine.structured import StructuredOutput
+from pagedcore.validation import unknown_key
 
 from .protocol import ApiError
 from .tool_formats import deepseek_v3_tool_calls, mistral_tool_calls, pythonic_tool_calls, qwen3_coder_tool_calls
@@ -199,9 +200,9 @@ def only_keys(value: dict[str, Any], known: tuple[str, ...], where: str, param: 
         ...
         pagedcore.serve.protocol.ApiError: tool_choice.fuction is not a field here (known: type, function)
     """
-    for key in value:
-        if key not in known:
-            raise ApiError(400, f"{where}.{key} is not a field here (known: {', '.join(known)})", param=param)
+    key = unknown_key(value, known)
+    if key is not None:
+        raise ApiError(400, f"{where}.{key} is not a field here (known: {', '.join(known)})", param=param)
 
 
 def _tools(value: Any) -> dict[str, dict[str, Any]]:

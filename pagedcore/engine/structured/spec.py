@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedcore.errors import GrammarError
+from pagedcore.validation import unknown_key
 
 __all__ = ["DEFAULT_MAX_WHITESPACE", "KINDS", "MAX_CHOICES", "MAX_NESTING", "MAX_SPEC_BYTES", "StructuredOutput"]
 
@@ -168,9 +169,9 @@ class StructuredOutput:
             raise GrammarError(f"response_format must be an object, got {response_format!r}")
         kind = response_format.get("type")
         known = {"text": ("type",), "json_object": ("type",), "json_schema": ("type", "json_schema")}.get(str(kind))
-        extra = [key for key in response_format if known is not None and key not in known]
-        if extra:  # a schema beside json_object, say: it would not be applied
-            raise GrammarError(f"response_format.{extra[0]} is not a field of a {kind} response_format")
+        extra = None if known is None else unknown_key(response_format, known)
+        if extra is not None:  # a schema beside json_object, say: it would not be applied
+            raise GrammarError(f"response_format.{extra} is not a field of a {kind} response_format")
         if kind == "text":
             return None
         if kind == "json_object":
@@ -179,9 +180,9 @@ class StructuredOutput:
             inner = response_format.get("json_schema")
             if not isinstance(inner, Mapping) or "schema" not in inner:
                 raise GrammarError('response_format json_schema needs {"json_schema": {"name": ..., "schema": {...}}}')
-            extra = [key for key in inner if key not in ("name", "description", "schema", "strict")]
-            if extra:
-                raise GrammarError(f"response_format.json_schema.{extra[0]} is not a field of a json_schema")
+            extra = unknown_key(inner, ("name", "description", "schema", "strict"))
+            if extra is not None:
+                raise GrammarError(f"response_format.json_schema.{extra} is not a field of a json_schema")
             return cls.json_schema(inner["schema"], strict=inner.get("strict"))
         raise GrammarError(f"response_format type must be text, json_object or json_schema, got {kind!r}")
 
