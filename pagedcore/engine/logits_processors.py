@@ -75,6 +75,8 @@ class RowParams(Protocol):
     def needs_processing(self) -> bool: ...
     @property
     def bias_items(self) -> tuple[tuple[int, float], ...]: ...
+    @property
+    def token_tables(self) -> TokenTables | None: ...
 
 
 class Row(Protocol):
@@ -93,6 +95,7 @@ __all__ = [
     "MAX_LOGIT_BIAS",
     "PROCESSORS",
     "RowProcessor",
+    "TokenTables",
     "apply_masks_and_bias",
     "apply_penalties",
     "logit_bias_pairs",
@@ -159,6 +162,37 @@ def logit_bias_pairs(value: object) -> tuple[tuple[int, float], ...]:
     return tuple(sorted(pairs.items()))
 
 
+@dataclass(frozen=True)
+class TokenTables:
+    """A request's ``logit_bias`` and ``allowed_token_ids`` as tensors, made once with its parameters, so a step
+    reads them with a few tensor ops however long they are (up to the vocabulary each) rather than from Python
+    lists.
+
+    Attributes:
+        bias_ids: the biased token ids (int64, sorted).
+        bias_values: their biases (float64: a step casts them to its logits' dtype, as a Python float would be).
+        allowed_ids: the ids that may be drawn (int64, sorted, each once; empty: every id).
+
+    Example:
+        >>> tables = TokenTables.of(((2, -3.5), (9, 1.0)), None)
+        >>> tables.bias_ids.tolist(), tables.bias_values.tolist(), tables.allowed_ids.tolist()
+        ([2, 9], [-3.5, 1.0], [])
+    """
+
+    bias_ids: torch.Tensor
+    bias_values: torch.Tensor
+    allowed_ids: torch.Tensor
+
+    @classmethod
+    def of(cls, bias: Sequence[tuple[int, float]], allowed: Sequence[int] | None) -> TokenTables:
+        """The tables of ``bias`` (``(id, bias)`` pairs, :func:`logit_bias_pairs`) and ``allowed`` (ids or None)."""
+        return cls(
+            torch.tensor([token for token, _ in bias], dtype=torch.int64),
+            torch.tensor([value for _, value in bias], dtype=torch.float64),
+            torch.tensor(list(allowed or ()), dtype=torch.int64),
+        )
+
+
 # --------------------------------------------------------------------------------------------------- the stage
 @dataclass(frozen=True)
 class RowProcessor:
@@ -222,13 +256,27 @@ def _flat(rows: Sequence[Any], ids_of: Callable[[Any], Sequence[int]]) -> tuple[
     return torch.frombuffer(where, dtype=torch.int64), torch.frombuffer(ids, dtype=torch.int64)
 
 
+def _stacked(parts: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row indices and the concatenated ``parts`` (one tensor per row, any length)."""
+    counts = torch.tensor([len(part) for part in parts], dtype=torch.int64)
+    return torch.repeat_interleave(torch.arange(len(parts)), counts), torch.cat(list(parts))
+
+
+def _tables(row: Row) -> TokenTables:
+    tables = row.params.token_tables
+    if tables is None:  # parameters of another type than SamplingParams: made for this step
+        tables = TokenTables.of(row.params.bias_items, row.params.allowed_token_ids)
+    return tables
+
+
 def _wants_masks_or_bias(row: Row) -> bool:
     return bool(row.suppress or row.params.bias_items or row.params.allowed_token_ids)
 
 
 def apply_masks_and_bias(logits: torch.Tensor, rows: Sequence[Row]) -> torch.Tensor:
     """``allowed_token_ids`` (the rest ``-inf``), the tokens a row may not draw yet (``suppress``: ``-inf``), then
-    ``logit_bias`` added, on ``logits (len(rows), vocab)`` in place.
+    ``logit_bias`` added, on ``logits (len(rows), vocab)`` in place. The ids and biases come from each request's
+    :class:`TokenTables`, so a step's cost does not grow with Python lists.
 
     Example:
         >>> from pagedcore.engine.sampling import SamplingParams
@@ -238,20 +286,22 @@ def apply_masks_and_bias(logits: torch.Tensor, rows: Sequence[Row]) -> torch.Ten
         [[-inf, -inf, 1.0]]
     """
     device = logits.device
-    if any(row.params.allowed_token_ids for row in rows):
+    tables = [_tables(row) for row in rows]
+    if any(len(table.allowed_ids) for table in tables):
         keep = torch.zeros(logits.shape, dtype=torch.bool, device=device)
-        where, ids = _flat(rows, lambda row: row.params.allowed_token_ids or ())
+        where, ids = _stacked([table.allowed_ids for table in tables])
         keep[where.to(device), ids.to(device)] = True
-        free = [i for i, row in enumerate(rows) if not row.params.allowed_token_ids]
+        free = [i for i, table in enumerate(tables) if not len(table.allowed_ids)]
         keep[torch.tensor(free, dtype=torch.int64, device=device)] = True
         logits.masked_fill_(~keep, float("-inf"))
     where, ids = _flat(rows, lambda row: row.suppress)
     if len(ids):
         logits[where.to(device), ids.to(device)] = float("-inf")
-    where, ids = _flat(rows, lambda row: [token for token, _ in row.params.bias_items])
-    if len(ids):
-        bias = torch.tensor([b for row in rows for _, b in row.params.bias_items], dtype=logits.dtype, device=device)
-        logits.index_put_((where.to(device), ids.to(device)), bias, accumulate=True)
+    if any(len(table.bias_ids) for table in tables):
+        where, ids = _stacked([table.bias_ids for table in tables])
+        bias = torch.cat([table.bias_values for table in tables]).to(dtype=logits.dtype, device=device)
+        at = (where.to(device), ids.to(device))  # each (row, id) once: a gather and a put, no accumulating sort
+        logits.index_put_(at, logits[at] + bias)
     return logits
 
 

@@ -37,7 +37,7 @@ from pagedcore.errors import GrammarError, InvalidRequestError
 from pagedcore.sequence import SequenceState
 from pagedcore.validation import integer, token_ids
 
-from .logits_processors import logit_bias_pairs, number, process_rows, warp_rows
+from .logits_processors import TokenTables, logit_bias_pairs, number, process_rows, warp_rows
 from .logprobs import sample_logprobs
 from .outputs import TokenLogprobs
 from .structured.spec import StructuredOutput
@@ -159,6 +159,8 @@ class SamplingParams:
     needs_processing: bool = field(default=False, init=False, repr=False, compare=False)
     """Whether any per-row logits processor applies (set from the fields: the step checks this one flag)."""
     structured: StructuredOutput | Mapping[str, Any] | None = None
+    token_tables: TokenTables | None = field(default=None, init=False, repr=False, compare=False)
+    """``logit_bias`` and ``allowed_token_ids`` as tensors (None without either): made once, read by every step."""
 
     def __post_init__(self) -> None:
         fix = object.__setattr__  # frozen: normalize once, here
@@ -208,6 +210,8 @@ class SamplingParams:
             fix(self, "allowed_token_ids", tuple(sorted(set(allowed))))  # at most the vocabulary: each step reads it
         processing = self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
         fix(self, "needs_processing", bool(processing or self.logit_bias or self.allowed_token_ids))
+        if self.logit_bias or self.allowed_token_ids:
+            fix(self, "token_tables", TokenTables.of(self.bias_items, self.allowed_token_ids))
 
     @classmethod
     def from_fields(cls, fields: Mapping[str, Any]) -> SamplingParams:
