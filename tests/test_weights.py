@@ -219,6 +219,51 @@ def test_peft_models_own_generate_on_an_enabled_model(enabled):
     assert pool.num_hit_tokens == before
 
 
+def test_peft_prompt_tuning_on_an_enabled_model_runs_as_stock(enabled):
+    """Regression: PEFT's prompt tuning puts virtual tokens before the ids inside ``generate`` (its
+    ``prepare_inputs_for_generation``), so the enabled call filed 18 positions of keys under 14 token ids: the
+    second call and a later plain call of the base model hit them and gave other tokens. Such a call runs as stock
+    (nothing reused or cached), and the base model's own calls stay exact."""
+    import copy
+
+    from peft import PromptTuningConfig, TaskType
+
+    model = tiny_model("llama")
+    ids = tokens(14, seed=1)
+    config = PromptTuningConfig(task_type=TaskType.CAUSAL_LM, num_virtual_tokens=4)
+    torch.manual_seed(11)
+    reference = get_peft_model(copy.deepcopy(model), copy.deepcopy(config))
+    pool = enabled(model)
+    peft_model = get_peft_model(model, config)
+    peft_model.load_state_dict(reference.state_dict())
+    want = generate(reference, None, input_ids=ids, **NEW)
+    for _ in range(2):
+        assert_same_generation(generate(peft_model, None, input_ids=ids, **NEW), want)
+    assert pool.num_hit_tokens == 0 and pool.kv.num_used_blocks == 0
+    base = generate(model, dynamic(model), input_ids=ids, **NEW)
+    assert_same_generation(generate(model, None, input_ids=ids, **NEW), base)
+
+
+def test_peft_adapter_names_per_row_on_an_enabled_model_run_as_stock(enabled):
+    """Regression: PEFT's mixed-batch ``adapter_names`` chooses each row's adapter through forward pre-hooks, which
+    neither the token ids nor the weights show: a prompt cached under adapter ``a`` was served to ``b`` and to the
+    base, and one call of the same prompt for ``a`` and ``b`` computed it once and crashed in PEFT."""
+    import copy
+
+    model = tiny_model("llama")
+    ids = tokens(14, seed=1)
+    torch.manual_seed(1)
+    peft_model = get_peft_model(model, lora(target_modules=["q_proj", "v_proj"]), adapter_name="a")
+    peft_model.add_adapter("b", lora(target_modules=["q_proj", "v_proj"]))
+    peft_model.eval()  # PEFT takes adapter_names in eval mode only
+    reference = copy.deepcopy(peft_model)
+    pool = enabled(model)
+    for names, rows in ((["a"], ids), (["b"], ids), (["__base__"], ids), (["a", "b"], ids.repeat(2, 1))):
+        want = generate(reference, None, input_ids=rows, adapter_names=names, **NEW)
+        assert_same_generation(generate(peft_model, None, input_ids=rows, adapter_names=names, **NEW), want)
+    assert pool.num_hit_tokens == 0
+
+
 # --------------------------------------------------------------------------------- no spurious invalidation
 @pytest.mark.parametrize("family", ["llama", "mistral", "gemma3", "gpt2", "gpt_neox", "falcon", "phi3", "qwen3_moe"])
 def test_generate_itself_never_moves_the_fingerprint(enabled, family):

@@ -318,6 +318,8 @@ def _run(
     passed = kwargs.get("cache")
     if passed is None:
         passed = kwargs.get("past_key_values")
+    if _peft_per_call(model, state):
+        return call(*args, **kwargs)
     if passed is not None:
         if isinstance(passed, PagedCache) and passed.pool is state.pool:
             _check_placement(state)
@@ -327,6 +329,21 @@ def _run(
         return call(*args, **kwargs)
     _check_placement(state)
     return _fresh(model, call, state, args, kwargs, input_ids, mask, settings, ns)
+
+
+def _peft_per_call(model: Any, state: _Enabled) -> bool:
+    """Whether PEFT changes this call's forward in a way its token ids do not show, so that it must run as stock
+    ``generate`` (nothing reused, nothing cached): prompt learning (prompt tuning, P-tuning: the
+    ``prepare_inputs_for_generation`` PEFT sets on the model for the call puts virtual tokens before the ids) or a
+    mixed batch's ``adapter_names`` (PEFT's forward pre-hooks on the LoRA layers, a row's adapter per call)."""
+    bound = vars(model).get("prepare_inputs_for_generation")
+    config = getattr(getattr(bound, "__self__", None), "active_peft_config", None)
+    if getattr(config, "is_prompt_learning", False):
+        return True
+    with state.pool.lock:
+        state.pool.check_weights()  # the tuner layers as they are now
+        watch = state.pool.weights
+        return watch is not None and watch.tuners_hooked()
 
 
 def _fresh(

@@ -273,6 +273,11 @@ class WeightsWatch:
         self._content = (self._epoch, digest)
         return digest
 
+    def tuners_hooked(self) -> bool:
+        """Whether a PEFT tuner layer of the model carries a forward pre-hook: PEFT's per-call ``adapter_names``
+        (mixed-batch inference) and ``alora_offsets`` choose each row's adapter that way, which no weight shows."""
+        return any(getattr(ref(), "_forward_pre_hooks", None) for _, ref in self._walk.tuners)
+
     # ------------------------------------------------------------------ internals
     def _rewalk(self, model: torch.nn.Module) -> bool:
         self._registrations = _EVENTS.registrations
