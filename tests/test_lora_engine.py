@@ -21,7 +21,7 @@ from models import FIRST_TOKEN, VOCAB
 
 from pagedcore.adapters.transformers import Engine, SamplingParams
 from pagedcore.block_keys import AdapterNamespace, namespace_key
-from pagedcore.errors import AdapterError, AdapterNotFoundError
+from pagedcore.errors import AdapterError, AdapterNotFoundError, ConfigError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -245,6 +245,80 @@ def test_refusals_name_what_cannot_be_served(adapters, tmp_path):
         (out,) = built.generate([[5, 6, 7]], GREEDY, lora="nope", use_tqdm=False)
         assert "AdapterNotFoundError" in out.error and "nope" in out.error
         assert [info.name for info in built.loras.adapters()] == ["a"]  # nothing refused was kept
+
+
+def test_files_whose_weights_do_not_match_what_they_say_are_refused_and_the_base_stays(adapters, tmp_path):
+    """Regression (an outside audit): a PiSSA / OLoRA adapter saved as trained was injected with its initialiser,
+    which rewrote the base weights for every request (and after close); a config rank other than the weights' rank
+    and a file without weights were taken at load, and the first failed inside PEFT at every request, untyped, and
+    left half-injected layers behind; a file missing a targeted layer was served with PEFT's initial weights."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    def edited(name: str, **changes: object) -> str:
+        folder = tmp_path / name
+        shutil.copytree(adapters["a"], folder)
+        config = json.loads((folder / "adapter_config.json").read_text())
+        (folder / "adapter_config.json").write_text(json.dumps({**config, **changes}))
+        return str(folder)
+
+    model = base_model()
+    before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    with Engine(model, num_blocks=32, block_size=4, enable_lora=True) as built:
+        for init in ("pissa", "pissa_niter_4", "olora", "corda", "loftq"):
+            extra = {"loftq_config": {"loftq_bits": 4}} if init == "loftq" else {}
+            with pytest.raises(AdapterError, match=f"init_lora_weights='{init}' rewrites the base model's weights"):
+                built.loras.load("p", edited(init, init_lora_weights=init, **extra))
+        with pytest.raises(AdapterError, match="rank 4, but the adapter's config says r=2"):
+            built.loras.load("r", edited("rank", r=2))
+        empty = edited("empty")
+        save_file({}, f"{empty}/adapter_model.safetensors")
+        with pytest.raises(AdapterError, match="holds no LoRA weights"):
+            built.loras.load("e", empty)
+        assert built.loras.adapters() == []
+        built.loras.load("m", edited("missing", target_modules=["q_proj", "k_proj", "v_proj"]))
+        (out,) = built.generate([[5, 6, 7]], GREEDY, lora="m", use_tqdm=False)
+        assert out.error is not None and "AdapterError" in out.error and "no weights for" in out.error
+        assert not any("lora_A" in name for name, _ in model.named_parameters())  # nothing half-injected
+        built.loras.load("a", adapters["a"])
+        (out,) = built.generate([[5, 6, 7]], GREEDY, lora="a", use_tqdm=False)
+        assert_reference(out, reference(peft_model(adapters["a"]), [5, 6, 7], NEW))
+        assert built.pool.kv.num_used_blocks == 0
+    after = model.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[name], before[name]) for name in before)
+
+
+def test_an_lm_head_adapter_saved_with_the_whole_head_is_served_when_the_head_is_the_models(adapters, tmp_path):
+    """PEFT saves an adapter of ``lm_head`` with the whole head beside it (``save_embedding_layers``): served when
+    that copy equals the model's head, refused by name when it differs (another vocabulary or base model)."""
+    from safetensors.torch import load_file, save_file
+
+    head = make_adapter(tmp_path / "head", seed=11, targets=("q_proj", "lm_head"))
+    weights = load_file(f"{head}/adapter_model.safetensors")
+    assert "base_model.model.lm_head.base_layer.weight" in weights
+    with Engine(base_model(), num_blocks=32, block_size=4, enable_lora=True) as built:
+        built.loras.load("head", head)
+        (out,) = built.generate([[5, 6, 7]], GREEDY, lora="head", use_tqdm=False)
+        assert_reference(out, reference(peft_model(head), [5, 6, 7], NEW))
+        weights["base_model.model.lm_head.base_layer.weight"] += 1
+        save_file(weights, f"{head}/adapter_model.safetensors")
+        with pytest.raises(AdapterError, match=r"lm_head\.base_layer\.weight' is a whole layer's weights"):
+            built.loras.load("other", head)
+
+
+def test_a_model_that_carries_its_own_peft_lora_is_refused_rather_than_disabled(adapters):
+    """Regression: ``enable_lora`` on a model with the user's own PEFT LoRA layers disabled them for every request
+    and removed them at close (the trained adapter lost)."""
+    from peft import PeftModel
+
+    model = PeftModel.from_pretrained(base_model(), adapters["a"])
+    with pytest.raises(ConfigError, match="already carries PEFT LoRA layers"):
+        Engine(model.get_base_model(), num_blocks=16, block_size=4, enable_lora=True)
+    assert any("lora_A" in name for name, _ in model.named_parameters())
+    with Engine(model.get_base_model(), num_blocks=16, block_size=4) as plain:  # the adapter applies to every row
+        (out,) = plain.generate([[5, 6, 7]], GREEDY, use_tqdm=False)
+    assert_reference(out, reference(peft_model(adapters["a"]), [5, 6, 7], NEW))
 
 
 def test_closing_the_engine_gives_the_base_model_back(adapters):

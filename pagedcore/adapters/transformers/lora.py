@@ -124,6 +124,13 @@ class LoraAdapters:
     def __init__(self, model: Any, pool: PagedKVPool, config: LoRAConfig, *, keeps_logits: bool = True) -> None:
         if _SERVED.get(model) is not None:
             raise ConfigError("this model's LoRA adapters are served by another Engine already; close it first")
+        carried = next((name for name, module in model.named_modules() if hasattr(module, "lora_A")), None)
+        if carried is not None:  # the Engine disables every LoRA layer and takes them all out at close
+            raise ConfigError(
+                f"the model already carries PEFT LoRA layers ({carried}): enable_lora serves adapters from their "
+                "saved folders on the base model; save yours (save_pretrained) and load it into the Engine, or "
+                "merge_and_unload() it into the model first"
+            )
         self.model = model
         self.pool = pool
         self._config = config
@@ -323,22 +330,41 @@ class LoraAdapters:
         internal = f"pagedcore_lora_{next(self._serials)}"
         config = copy.deepcopy(entry.files.config)
         config.inference_mode = True
+        config.init_lora_weights = True  # the file's weights replace them: no initialiser may touch the base layers
         with self.pool.lock, warnings.catch_warnings():
             warnings.simplefilter("ignore")  # PEFT's notes on active adapters: none is active here
-            if self._peft is None:
-                self._peft = PeftModel(self.model, config, adapter_name=internal)
-            else:
-                self._peft.add_adapter(internal, config)
-            result = set_peft_model_state_dict(self._peft, entry.files.state, adapter_name=internal)
+            try:
+                if self._peft is None:
+                    self._peft = PeftModel(self.model, config, adapter_name=internal)
+                else:
+                    self._peft.add_adapter(internal, config)
+                result = set_peft_model_state_dict(self._peft, entry.files.state, adapter_name=internal)
+            except Exception as exc:  # PEFT refused what the file checks let through
+                self._forget(internal)
+                raise AdapterError(f"PEFT could not load {entry.name!r}: {type(exc).__name__}: {exc}") from exc
             layers = self._layers(internal)
             variants = [layer for layer in layers if internal in getattr(layer, "lora_variant", {})]
-            if getattr(result, "unexpected_keys", None) or variants or not layers:
-                self._peft.delete_adapter(internal)
-                raise AdapterError(f"PEFT could not load {entry.name!r} as plain LoRA on this model's linear layers")
+            missing = [key for key in getattr(result, "missing_keys", ()) if f".{internal}." in key]
+            if getattr(result, "unexpected_keys", None) or variants or not layers or missing:
+                self._forget(internal)
+                raise AdapterError(
+                    f"PEFT could not load {entry.name!r} as plain LoRA on this model's linear layers"
+                    + (f": its file has no weights for {missing[0]} (and {len(missing) - 1} more)" if missing else "")
+                )
             self._settle()
         entry.internal = internal
         entry.watch = _Watch(layers, internal)
         self._resident.append(entry)
+
+    def _forget(self, internal: str) -> None:
+        """Take a half-injected adapter out again (under the pool's lock)."""
+        if self._peft is not None and internal in self._peft.peft_config:
+            self._peft.delete_adapter(internal)
+        for module in self.model.modules():  # PEFT leaves layers it made before failing
+            for attr in ("lora_A", "lora_B"):
+                parts = getattr(module, attr, None)
+                if isinstance(parts, torch.nn.ModuleDict) and internal in parts:
+                    del parts[internal]
 
     def _evict(self, entry: _Adapter) -> None:
         """Take ``entry`` out of the model (its weights stay in host memory, as they are now)."""

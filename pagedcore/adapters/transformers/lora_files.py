@@ -8,7 +8,12 @@
   tokens, layer replication, LoRA on parameters rather than modules);
 - LoRA on anything but a linear layer (embeddings, convolutions), or whose weights do not fit the model's layers
   (an adapter made for another base model);
-- a rank above ``max_lora_rank`` (vLLM's message);
+- a rank above ``max_lora_rank`` (vLLM's message), or weights of another rank than the config gives their layer;
+- an adapter initialised by changing the base model (PiSSA, OLoRA, CorDA, LoftQ saved as trained: its weights are
+  relative to that changed base; PEFT's ``path_initial_model_for_weight_conversion`` saves it as plain LoRA);
+- a file without LoRA weights, or a base layer's weights that differ from the model's (PEFT's
+  ``save_embedding_layers`` copies the whole ``lm_head``: taken when equal to the model's own, as it then changes
+  nothing);
 - weights saved as a pickle (``adapter_model.bin``): only safetensors are read, as loading a pickle runs code.
 
 The adapter's **version** is a digest of what it computes (its configuration less names and paths, and every
@@ -42,6 +47,7 @@ _REFUSED = {  # config field -> what it is (refused when set)
     "use_qalora": "QA-LoRA",
     "trainable_token_indices": "trainable tokens",
 }
+_BASE_CHANGING = ("pissa", "olora", "corda", "loftq")  # init_lora_weights that rewrite the base layer's weights
 _NOT_COMPUTE = ("base_model_name_or_path", "revision", "inference_mode", "task_type", "auto_mapping", "peft_version")
 
 
@@ -93,8 +99,8 @@ def read_adapter(path: str, model: torch.nn.Module, *, max_rank: int) -> Adapter
             "--max-lora-rank / max_lora_rank)",
             param="lora_path",
         )
-    state = _weights(path)
-    modules = _check_shapes(state, model)
+    state = _without_base_copies(_weights(path), model)
+    modules = _check_shapes(state, model, config)
     return AdapterFiles(path, config, state, rank, adapter_digest(config, state), modules)
 
 
@@ -138,6 +144,13 @@ def _config(path: str) -> Any:
     for field, what in _REFUSED.items():
         if getattr(config, field, None):
             raise AdapterError(f"{path!r}: {what} is not served (plain LoRA on linear layers only)")
+    init = getattr(config, "init_lora_weights", True)
+    if isinstance(init, str) and init.lower().startswith(_BASE_CHANGING):
+        raise AdapterError(
+            f"{path!r}: init_lora_weights={init!r} rewrites the base model's weights, and this adapter's weights are "
+            "relative to that rewritten base; save it with PEFT's path_initial_model_for_weight_conversion (plain "
+            "LoRA on the original base) to serve it"
+        )
     return config
 
 
@@ -158,8 +171,33 @@ def _weights(path: str) -> dict[str, torch.Tensor]:
         raise AdapterError(f"cannot read {weights!r}: {type(exc).__name__}: {exc}") from exc
 
 
-def _check_shapes(state: dict[str, torch.Tensor], model: torch.nn.Module) -> tuple[str, ...]:
-    """The modules the weights adapt, each checked to be a linear layer of the model their shapes fit."""
+def _without_base_copies(state: dict[str, torch.Tensor], model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``state`` less the base layers' weights it carries that equal the model's own (PEFT's
+    ``save_embedding_layers`` saves ``lm_head`` whole); one that differs is refused."""
+    kept = {}
+    for key, tensor in state.items():
+        module, _, part = key.removeprefix(_PREFIX).replace(".base_layer.", ".").rpartition(".")
+        if ".lora_" in key or part not in ("weight", "bias"):
+            kept[key] = tensor  # a LoRA weight, or what _check_shapes refuses by name
+            continue
+        try:
+            layer = model.get_submodule(module)
+        except AttributeError:
+            layer = None
+        own = getattr(getattr(layer, "base_layer", layer), part, None)
+        if not isinstance(own, torch.Tensor) or own.shape != tensor.shape or not torch.equal(own.cpu(), tensor):
+            raise AdapterError(
+                f"weight {key!r} is a whole layer's weights (PEFT's save_embedding_layers) that differ from this "
+                "model's: a resized vocabulary or another base model; LoRA weights are served, not changed layers"
+            )
+    return kept
+
+
+def _check_shapes(state: dict[str, torch.Tensor], model: torch.nn.Module, config: Any) -> tuple[str, ...]:
+    """The modules the weights adapt, each checked to be a linear layer of the model their shapes fit, with the
+    rank the config gives it."""
+    if not state:
+        raise AdapterError("the adapter's file holds no LoRA weights")
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in state.items():
         module, _, part = key.removeprefix(_PREFIX).rpartition(".lora_")
@@ -181,7 +219,18 @@ def _check_shapes(state: dict[str, torch.Tensor], model: torch.nn.Module) -> tup
                 f"{module!r}: the adapter's weights ({tuple(a.shape)}, {tuple(b.shape)}) do not fit the layer "
                 f"(out, in) = {out_in}: an adapter of another base model?"
             )
+        rank = _rank(config, module)
+        if a.shape[0] != rank:
+            raise AdapterError(f"{module!r}: LoRA weights of rank {a.shape[0]}, but the adapter's config says r={rank}")
     return tuple(sorted(pairs))
+
+
+def _rank(config: Any, module: str) -> int:
+    """The rank PEFT gives ``module`` (``rank_pattern``'s first key that ends its name, else ``r``)."""
+    from peft.utils.other import get_pattern_key
+
+    pattern = getattr(config, "rank_pattern", None) or {}
+    return int(pattern.get(get_pattern_key(list(pattern), module), config.r))
 
 
 def _linear_shape(layer: torch.nn.Module) -> tuple[int, int] | None:
