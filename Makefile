@@ -44,6 +44,7 @@ install: $(STAMP)
 
 demo: $(call stamp,$(DEMO_EXTRAS))
 	$(BIN)/pagedcore generate
+	@echo "next: . $(VENV)/bin/activate puts pagedcore on PATH; make install EXTRAS=serve for pagedcore serve"
 
 lint: install
 	$(BIN)/ruff check .

@@ -20,6 +20,9 @@ from pagedcore.benchmarks import BenchOptions, common, ct2, native, run_benchmar
 from pagedcore.benchmarks.context import BenchContext
 from pagedcore.benchmarks.native import CT2_DEFAULT, CT2_INT8, CT2_TUNED, PEERS
 from pagedcore.benchmarks.peers import ENGINE, Batch, CTranslate2Peer, PaddedBatch
+from pagedcore.extras import install_hint
+
+MISSING = f"ctranslate2 is not installed ({install_hint('bench')})"
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 needs_ct2 = pytest.mark.skipif(ct2.missing() is not None, reason="ctranslate2 is not installed")
@@ -41,17 +44,17 @@ def converted(tiny, tmp_path_factory):
 def test_missing_names_the_package_and_the_extra(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ctranslate2" else real(name, *a))
-    assert ct2.missing() == "ctranslate2 is not installed (pip install 'pagedcore[bench]')"
+    assert ct2.missing() == MISSING
 
 
 def test_section_is_skipped_with_the_reason_without_ctranslate2(tiny, monkeypatch, tmp_path):
-    monkeypatch.setattr(ct2, "missing", lambda: "ctranslate2 is not installed (pip install 'pagedcore[bench]')")
+    monkeypatch.setattr(ct2, "missing", lambda: MISSING)
     result = native.run(ctx(tiny))
-    assert result.skipped == "ctranslate2 is not installed (pip install 'pagedcore[bench]')"
+    assert result.skipped == MISSING
     assert result.rows == []
     text = result.markdown()
     assert "### 10. The native CPU engine: Engine vs CTranslate2 (quick workload)" in text
-    assert "Skipped: ctranslate2 is not installed (pip install 'pagedcore[bench]')." in text
+    assert f"Skipped: {MISSING}." in text
 
 
 def test_bench_only_peers_without_ctranslate2_exits_0_and_reports_the_skip(monkeypatch, tmp_path):
@@ -62,7 +65,7 @@ def test_bench_only_peers_without_ctranslate2_exits_0_and_reports_the_skip(monke
     argv = ["bench", "--quick", "--no-progress", "--model-size", "tiny", "--only", "peers", "--out", str(tmp_path)]
     assert main(argv) == 0
     text = (tmp_path / "results.md").read_text()
-    assert "Skipped: ctranslate2 is not installed (pip install 'pagedcore[bench]')." in text
+    assert f"Skipped: {MISSING}." in text
 
 
 @pytest.mark.slow

@@ -33,7 +33,10 @@ def made_stamp(venv: Path, name: str) -> None:
 def test_demo_installs_only_what_it_needs_and_test_everything(tmp_path):
     venv = tmp_path / "venv"
     demo = planned("demo", venv)
-    assert installs(demo) == ['".[transformers]"'] and demo.strip().endswith(f"{venv}/bin/pagedcore generate")
+    assert installs(demo) == ['".[transformers]"'] and f"{venv}/bin/pagedcore generate\n" in demo
+    assert demo.strip().endswith(
+        f'echo "next: . {venv}/bin/activate puts pagedcore on PATH; make install EXTRAS=serve for pagedcore serve"'
+    )
     assert "-m venv" in demo and "torch==" in demo  # a fresh venv, torch's pinned build first
     assert installs(planned("test", venv)) == ['".[all]"']
     assert installs(planned("install", venv, "EXTRAS=serve,structured")) == ['".[serve,structured]"']

@@ -82,7 +82,7 @@ def test_a_missing_extra_is_named_in_one_line(capsys):
     assert missing_extra("pagedcore serve --ray", "ray", ("json", "pagedcore_no_such_module"))
     err = capsys.readouterr().err
     assert err.count("\n") == 1
-    assert "pagedcore serve --ray: needs the ray extra: pip install 'pagedcore[ray]'" in err
+    assert "pagedcore serve --ray: needs the ray extra: make install EXTRAS=ray in the pagedcore checkout" in err
     assert "pagedcore_no_such_module" in err
 
 

@@ -56,7 +56,7 @@ from pagedcore.plugins.xformers_backend import (
 )
 
 if importlib.util.find_spec("xformers") is None:  # not importorskip: importing xformers first defeats the preload
-    pytest.skip("xformers is not installed (pip install 'pagedcore[xformers]')", allow_module_level=True)
+    pytest.skip("xformers is not installed (make install EXTRAS=xformers)", allow_module_level=True)
 
 Q_HEADS, KV_HEADS, HEAD_DIM = 8, 2, 16
 TOL = 1e-5
@@ -703,7 +703,10 @@ def test_the_installed_wheel_needs_the_cuda_12_runtime() -> None:
         ({"runtime_wheel": "/site/nvidia/cuda_runtime/lib/libcudart.so.12"}, []),
         ({"torch_cuda": "12.8"}, []),  # a CUDA 12 torch loads the runtime itself
         ({"torch_cuda": None, "cuda_devices": 0}, ["install a CUDA build of torch", "with a torch built for another"]),
-        ({"xformers_version": None, "needed_runtime": None}, ["pip install 'pagedcore[gpu]' (xformers is not"]),
+        (
+            {"xformers_version": None, "needed_runtime": None},
+            ["make install EXTRAS=gpu in the pagedcore checkout"],
+        ),
         ({"triton_version": None, "torch_cuda": "12.8"}, ["pip install triton"]),
     ],
 )

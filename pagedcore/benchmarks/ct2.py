@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from pagedcore.extras import install_hint
+
 __all__ = ["TUNED_MALLOC", "Reply", "Worker", "convert_model", "missing", "worker_env"]
 
 # glibc's malloc as a CPU user of CTranslate2 tunes it (issue 23): keep freed memory instead of unmapping it each step.
@@ -45,11 +47,11 @@ def missing() -> str | None:
     """Why CTranslate2 cannot run here, or None when the ``ctranslate2`` package is installed.
 
     Example:
-        >>> missing() in (None, "ctranslate2 is not installed (pip install 'pagedcore[bench]')")
+        >>> missing() in (None, f"ctranslate2 is not installed ({install_hint('bench')})")
         True
     """
     if importlib.util.find_spec("ctranslate2") is None:
-        return "ctranslate2 is not installed (pip install 'pagedcore[bench]')"
+        return f"ctranslate2 is not installed ({install_hint('bench')})"
     return None
 
 

@@ -193,6 +193,8 @@ def missing_extra(command: str, extra: str, modules: tuple[str, ...]) -> bool:
         for module in modules:
             importlib.import_module(module)
     except ImportError as exc:
-        print(f"{command}: needs the {extra} extra: pip install 'pagedcore[{extra}]' ({exc})", file=sys.stderr)
+        from pagedcore.extras import install_hint
+
+        print(f"{command}: needs the {extra} extra: {install_hint(extra)} ({exc})", file=sys.stderr)
         return True
     return False

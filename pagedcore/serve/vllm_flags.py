@@ -19,6 +19,8 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from pagedcore.extras import install_hint
+
 __all__ = [
     "DTYPES",
     "NO_OPS",
@@ -410,7 +412,7 @@ def _config_words(path: str) -> list[str]:
     try:
         import yaml
     except ImportError as exc:  # pragma: no cover - PyYAML comes with the serve extra
-        raise ValueError(f"--config needs PyYAML: pip install 'pagedcore[serve]' ({exc})") from None
+        raise ValueError(f"--config needs PyYAML: {install_hint('serve')} ({exc})") from None
     try:
         with open(path, encoding="utf-8") as file:
             options = yaml.safe_load(file)

@@ -9,7 +9,7 @@
 - ``StructuredLogitsProcessor`` (``pagedcore.adapters.transformers.structured``): the same constraint for plain
   ``model.generate(logits_processor=[...])``.
 
-The grammar engine is llguidance (``pip install 'pagedcore[structured]'``), chosen by measurement against
+The grammar engine is llguidance (the ``structured`` extra), chosen by measurement against
 xgrammar and outlines-core (docs/structured.md): valid outputs on every schema feature tested, a typical schema
 compiled in milliseconds (xgrammar ~9x and outlines-core ~270x slower there), JSON Schema keywords it does not
 implement refused with a message (``uniqueItems``), and Lark grammars that embed JSON schemas.

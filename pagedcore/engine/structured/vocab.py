@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from pagedcore.errors import ConfigError
+from pagedcore.extras import install_hint
 
 __all__ = ["import_llguidance", "lltokenizer"]
 
@@ -34,7 +35,7 @@ def import_llguidance() -> Any:
         import llguidance.hf
         import llguidance.torch
     except ImportError as exc:
-        raise ConfigError(f"structured outputs need llguidance ({exc}): pip install 'pagedcore[structured]'") from None
+        raise ConfigError(f"structured outputs need llguidance ({exc}): {install_hint('structured')}") from None
     return llguidance
 
 

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedcore.extras import install_hint
+
 from .runtime import PreloadResult, elf_dependencies, find_wheel_library, xformers_library_path
 
 __all__ = [
@@ -31,7 +33,7 @@ __all__ = [
     "xformers_status",
 ]
 
-GPU_EXTRA = "pip install 'pagedcore[gpu]'"
+GPU_EXTRA = install_hint("gpu")
 """The install extra of a CUDA machine: xformers 0.0.35 and the CUDA 12 runtime its library needs."""
 
 
@@ -140,8 +142,9 @@ def install_plan(env: Environment) -> list[str]:
         >>> env = Environment("2.13.0", "13.0", 1, "H200", (9, 0), "3.6.0", "0.0.35", "torch 2.10.0+cu128, CUDA 12.8",
         ...     "libcudart.so.12", None, None)
         >>> install_plan(env)   # doctest: +NORMALIZE_WHITESPACE
-        ["pip install nvidia-cuda-runtime-cu12 (or pip install 'pagedcore[gpu]'): xformers' library needs
-          libcudart.so.12 and torch 2.13.0 is a CUDA 13.0 build, which does not load it"]
+        ["pip install nvidia-cuda-runtime-cu12 (or make install EXTRAS=gpu in the pagedcore checkout (or pip install
+          -e '.[gpu]' there)): xformers' library needs libcudart.so.12 and torch 2.13.0 is a CUDA 13.0 build, which
+          does not load it"]
     """
     steps = []
     if env.torch_cuda is None:
