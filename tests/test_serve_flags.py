@@ -5,6 +5,7 @@ built here) with their generation config's defaults. ``POST /reset_prefix_cache`
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -332,3 +333,23 @@ def test_ray_refuses_the_body_and_shutdown_flags_it_does_not_apply(flag):
     cli._check(args, ValueError)
     with pytest.raises(ValueError, match=f"{flag[0]} is not supported with --ray yet"):
         cli._check_ray(args, ValueError)
+
+
+def test_tokenizer_names_the_tokenizer_of_a_checkpoint_saved_without_one(tmp_path, one_thread):
+    """Regression (an outside audit): ``serve FOLDER --tokenizer OTHER`` loaded FOLDER's own tokenizer first, so a
+    checkpoint saved without one (the reason vLLM has the flag) could not be served at all."""
+    from pagedcore.adapters.transformers.builtin import builtin_model, builtin_tokenizer
+    from pagedcore.cli.common import UsageError
+    from pagedcore.serve import cli
+
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    builtin_model().save_pretrained(tmp_path / "bare")
+    builtin_tokenizer().save_pretrained(tmp_path / "tokenizer")
+    args = parser.parse_args(
+        ["--model", str(tmp_path / "bare"), "--tokenizer", str(tmp_path / "tokenizer"), "--threads", "1"]
+    )
+    _, tokenizer, name = cli._model(args, UsageError)
+    assert name == str(tmp_path / "bare") and tokenizer("Hi").input_ids == builtin_tokenizer()("Hi").input_ids
+    with pytest.raises(UsageError, match=r"a folder without tokenizer files\? --tokenizer PATH names another"):
+        cli._model(parser.parse_args(["--model", str(tmp_path / "bare"), "--threads", "1"]), UsageError)

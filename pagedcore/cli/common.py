@@ -37,9 +37,12 @@ class UsageError(Exception):
     """Bad command-line input (exit code 2)."""
 
 
-def load_model(name: str, dtype: Any, *, trust_remote_code: bool = False, **hub: Any) -> tuple[Any, Any]:
+def load_model(
+    name: str, dtype: Any, *, trust_remote_code: bool = False, tokenizer: bool = True, **hub: Any
+) -> tuple[Any, Any]:
     """``(model, tokenizer)`` of a checkpoint folder or hub name, for the subcommands' ``--model``; ``hub`` goes to
-    both ``from_pretrained`` calls (``revision``, ``cache_dir``).
+    both ``from_pretrained`` calls (``revision``, ``cache_dir``). ``tokenizer=False``: the model alone (its
+    tokenizer is None; the caller loads another, ``serve --tokenizer``).
 
     Raises :class:`UsageError` (exit code 2, one line) for a path that holds no model or a checkpoint that cannot
     be loaded.
@@ -53,15 +56,22 @@ def load_model(name: str, dtype: Any, *, trust_remote_code: bool = False, **hub:
     check_model_path(name)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code, **hub)
-    except (OSError, ValueError) as exc:
-        raise UsageError(f"cannot load model {name!r} (its tokenizer): {first_line(exc)}") from exc
+    own = None
+    if tokenizer:
+        try:
+            own = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code, **hub)
+        except (OSError, ValueError) as exc:
+            if Path(name).expanduser().is_dir():
+                raise UsageError(
+                    f"cannot load the tokenizer in {name!r} ({first_line(exc).rstrip(' :')}): a folder without "
+                    "tokenizer files? --tokenizer PATH names another"
+                ) from exc
+            raise UsageError(f"cannot load model {name!r} (its tokenizer): {first_line(exc)}") from exc
     try:
         model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, trust_remote_code=trust_remote_code, **hub)
     except (OSError, ValueError) as exc:
         raise UsageError(f"cannot load model {name!r}: {first_line(exc)}") from exc
-    return model.eval(), tokenizer
+    return model.eval(), own
 
 
 def check_model_path(name: str) -> None:

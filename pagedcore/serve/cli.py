@@ -662,7 +662,10 @@ def _model(args: argparse.Namespace, error: type[Exception]) -> tuple[Any, Any, 
         from pagedcore.cli.common import load_model  # the `--model` loader of `pagedcore generate`
 
         hub = hub_options(args)
-        model, tokenizer = load_model(args.model, dtype, trust_remote_code=args.trust_remote_code, **hub)
+        another = args.tokenizer is not None or args.tokenizer_revision is not None  # loaded below instead
+        model, tokenizer = load_model(
+            args.model, dtype, trust_remote_code=args.trust_remote_code, tokenizer=not another, **hub
+        )
         name = args.model
     if args.tokenizer is not None or args.tokenizer_revision is not None:
         tokenizer = load_tokenizer(args, error, None if args.model in (None, BUILTIN_NAME) else args.model)
