@@ -63,6 +63,29 @@ def test_bad_arguments_exit_with_code_2(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+def test_a_taken_port_is_one_line_said_before_the_model_loads(capsys, monkeypatch):
+    """Regression (an outside audit): a taken port or a host that does not resolve ended start-up with a traceback,
+    and only after the model and the Engine were built (minutes for a large model)."""
+    import socket
+
+    from pagedcore.serve import cli
+
+    monkeypatch.setattr(cli, "_model", lambda *a: pytest.fail("the model was loaded before the port was bound"))
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    try:
+        port = taken.getsockname()[1]
+        assert main(["serve", "--port", str(port)]) == 2
+        assert capsys.readouterr().err.strip() == (
+            f"pagedcore serve: error: cannot listen on 127.0.0.1:{port}: Address already in use"
+        )
+    finally:
+        taken.close()
+    assert main(["serve", "--host", "nosuchhost.invalid", "--port", "0"]) == 2
+    assert "cannot listen on nosuchhost.invalid:0" in capsys.readouterr().err
+
+
 def test_vllm_flags_parse_as_vllm_reads_them_and_abbreviations_are_refused(capsys):
     from pagedcore.cli import _parser
 

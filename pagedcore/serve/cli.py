@@ -274,6 +274,33 @@ def run(args: argparse.Namespace) -> int:
 
 def _build(args: argparse.Namespace, error: type[Exception]) -> tuple[Any, Any, Any, Any]:
     """The engine, its loop, the uvicorn server that ``args`` describe and its bound socket (nothing started)."""
+    from .server import bind
+    from .server_logs import configure_logging
+
+    configure_logging(args.log_level)
+    from .auth import api_keys_of
+
+    api_keys, key_source = api_keys_of(args, error)
+    sock = _listen(args, error, bind)  # before the model loads: a taken port is said at once, in one line
+    try:
+        engine, loop, server = _serving(args, error, sock, api_keys, key_source)
+    except BaseException:
+        sock.close()
+        raise
+    return engine, loop, server, sock
+
+
+def _listen(args: argparse.Namespace, error: type[Exception], bind: Callable[[str, int], Any]) -> Any:
+    try:
+        return bind(args.host, args.port)
+    except OSError as exc:  # the port taken, a host that does not resolve or is not this machine's
+        raise error(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}") from None
+
+
+def _serving(
+    args: argparse.Namespace, error: type[Exception], sock: Any, api_keys: Any, key_source: str
+) -> tuple[Any, Any, Any]:
+    """The engine, its loop and the uvicorn server on ``sock`` (nothing started)."""
     from pagedcore.adapters.transformers import Engine
     from pagedcore.errors import ConfigError
 
@@ -281,14 +308,9 @@ def _build(args: argparse.Namespace, error: type[Exception]) -> tuple[Any, Any, 
     from .body import body_limits
     from .loop import EngineLoop
     from .lora_flags import load_lora_modules
-    from .server import bind, make_server
-    from .server_logs import configure_logging
+    from .server import make_server
     from .startup import print_notes
 
-    configure_logging(args.log_level)
-    from .auth import api_keys_of
-
-    api_keys, key_source = api_keys_of(args, error)
     model, tokenizer, name = _model(args, error)
     try:
         engine = Engine(model, tokenizer, config=engine_config(args, _memory_budget(args, error)))
@@ -316,7 +338,6 @@ def _build(args: argparse.Namespace, error: type[Exception]) -> tuple[Any, Any, 
     except ConfigError as exc:  # e.g. a reasoning parser whose markers the tokenizer lacks
         engine.close()
         raise error(str(exc)) from exc
-    sock = bind(args.host, args.port)
     port = sock.getsockname()[1]
     server = make_server(
         app,
@@ -331,7 +352,7 @@ def _build(args: argparse.Namespace, error: type[Exception]) -> tuple[Any, Any, 
     _announce(args, engine, loop, names[0], port, api_keys, context)
     print(f"pagedcore serve: {key_source}", file=sys.stderr, flush=True)
     print_notes(args, model, options)
-    return engine, loop, server, sock
+    return engine, loop, server
 
 
 def _announce(
