@@ -163,8 +163,8 @@ class StatePlanner:
             leaves = self._leaves.get(seq.request_id)
             if leaves is not None and start < leaves <= end:
                 found.add(leaves)
-        if start < last <= end:
-            found.add(last)
+        if start < last <= end and (self._chunks or end - last <= 1):
+            found.add(last)  # one token at a time: a point may only leave one token of the chunk after it
         return sorted(found)
 
     def grant(self, points: list[list[int]], reservation: Reservation | None) -> list[tuple[int, ...]]:

@@ -42,8 +42,12 @@ _KV_OF_STATE = {
     "hybrid_sliding": "sliding_attention",
 }
 # Families whose multi-token forward on a cached state does not continue from it (see the module docstring).
-_TOKEN_BY_TOKEN = frozenset({"jamba", "mamba", "falcon_mamba", "zamba"})
+_TOKEN_BY_TOKEN = frozenset({"jamba", "mamba", "falcon_mamba", "zamba", "recurrent_gemma"})
 _CUSTOM_CACHE = frozenset({"minimax"})
+# Families whose state ``enable()`` does not resume from a snapshot (each call computes its prompt whole, as stock):
+# their one-token forwards over a resumed state give other logits than stock's whole prompt (RecurrentGemma), or
+# they are state layers only and multiply each fed token by the call's whole attention mask (Mamba, Falcon-Mamba).
+_NO_SNAPSHOT_HITS = frozenset({"recurrent_gemma", "mamba", "falcon_mamba"})
 
 
 def kv_layer_type(layer_type: str) -> str:
@@ -98,6 +102,7 @@ class StateSpec:
         resumes_chunks: a forward of several tokens on a cached state continues from it (else a resumed state is
             continued one token at a time).
         custom_cache: the model requires a cache class of its own (MiniMax).
+        snapshot_hits: ``enable()`` resumes its calls from state snapshots (else every call computes its prompt).
 
     Example:
         >>> from transformers import AutoConfig
@@ -111,6 +116,7 @@ class StateSpec:
     layers: dict[int, int]
     resumes_chunks: bool = True
     custom_cache: bool = False
+    snapshot_hits: bool = True
 
     @classmethod
     def from_config(cls, config: Any) -> StateSpec:
@@ -126,7 +132,9 @@ class StateSpec:
             if kind in STATE_LAYER_TYPES
         }
         family = model_type.removesuffix("_text")
-        return cls(model_type, layers, family not in _TOKEN_BY_TOKEN, family in _CUSTOM_CACHE)
+        return cls(
+            model_type, layers, family not in _TOKEN_BY_TOKEN, family in _CUSTOM_CACHE, family not in _NO_SNAPSHOT_HITS
+        )
 
     @property
     def has_states(self) -> bool:
