@@ -378,16 +378,19 @@ def test_stats_report_the_attention_backends_kernel_failures(monkeypatch):
 
 # --------------------------------------------------------------------------- the model's context, unsupported models
 def test_the_context_limit_is_the_specs():
-    # Dynamic NTK rope rescales past max_position_embeddings by design: the spec says no limit, so the Engine takes
-    # a longer prompt (it used to refuse it on max_position_embeddings alone) and matches generate.
+    # Dynamic NTK rope rescales past max_position_embeddings by design (the spec says no limit), but it chooses its
+    # frequencies from each forward's largest position, which packing and chunking change: the Engine serves it up
+    # to max_position_embeddings, exactly (tests/test_forward_dependent_rope.py).
     rope = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
     model = tiny_model("llama", max_position_embeddings=32, rope_parameters=rope)
     twin = tiny_model("llama", max_position_embeddings=32, rope_parameters=rope)  # NTK state: one copy per run
     prompt = list(range(FIRST_TOKEN, FIRST_TOKEN + 40))
     with Engine(model, num_blocks=64, block_size=4) as engine:
-        (out,) = engine.generate([prompt], SamplingParams(max_new_tokens=4), use_tqdm=False)
+        with pytest.raises(InvalidRequestError, match="over the context of 32 tokens"):
+            engine.add_request(prompt, SamplingParams(max_new_tokens=4))
+        (out,) = engine.generate([prompt[:28]], SamplingParams(max_new_tokens=4), use_tqdm=False)
         settle(engine)
-    assert out.error is None and out.token_ids == reference(twin, prompt, 4)[0]
+    assert out.error is None and out.token_ids == reference(twin, prompt[:28], 4)[0]
     # Learned positions: GPT-2's n_positions is a hard limit.
     with Engine(tiny_model("gpt2", n_positions=32), num_blocks=64, block_size=4) as engine:
         with pytest.raises(InvalidRequestError, match="over the context of 32 tokens"):

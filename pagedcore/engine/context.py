@@ -45,8 +45,9 @@ class ContextWindow:
             object.__setattr__(self, "limit", integer("context", self.limit, minimum=1, error=ConfigError))
 
     @classmethod
-    def served(cls, model_limit: int | None, max_model_len: int | None = None) -> ContextWindow:
-        """The context served: ``max_model_len`` when given (at most the model's own), else the model's.
+    def served(cls, model_limit: int | None, max_model_len: int | None = None, note: str = "") -> ContextWindow:
+        """The context served: ``max_model_len`` when given (at most the model's own), else the model's; ``note``
+        says why the model's limit is what it is, in the refusal of a longer ``max_model_len``.
 
         Example:
             >>> ContextWindow.served(4096, 512).limit, ContextWindow.served(None, 512).limit
@@ -61,7 +62,8 @@ class ContextWindow:
         length = integer("max_model_len", max_model_len, minimum=1, error=ConfigError)
         if model_limit is not None and length > model_limit:
             raise ConfigError(
-                f"max_model_len {length} is more than the model's context of {model_limit} tokens",
+                f"max_model_len {length} is more than the model's context of {model_limit} tokens"
+                + (f" ({note})" if note else ""),
                 param="max_model_len",
             )
         return cls(length)

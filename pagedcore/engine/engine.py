@@ -128,7 +128,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.config = config
         self.scheduler = Scheduler(runner.kv, config.scheduler, plugins=runner.plugins)
-        self.context = ContextWindow.served(runner.info.max_positions, config.max_model_len)
+        self.context = ContextWindow.served(runner.info.max_positions, config.max_model_len, runner.info.limit_note)
         self._admission = Admission(
             runner.info,
             tokenizer,

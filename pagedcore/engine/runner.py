@@ -59,6 +59,8 @@ class ModelInfo:
         max_positions: the model's context in positions (prompt + new tokens); None: no fixed limit.
         eos_token_ids: the stop tokens a request stops at by default (``stop_token_ids=None``).
         device: where the logits are (each request's random generators live there).
+        limit_note: why ``max_positions`` is less than the model's own context, when it is (said when a longer
+            ``max_model_len`` is refused).
 
     Example:
         >>> ModelInfo(vocab_size=32, max_positions=128, eos_token_ids=(2,), device=torch.device("cpu")).eos_token_ids
@@ -69,6 +71,7 @@ class ModelInfo:
     max_positions: int | None
     eos_token_ids: tuple[int, ...]
     device: torch.device
+    limit_note: str = ""
 
 
 @dataclass(frozen=True)

@@ -110,7 +110,7 @@ from .pool import KVStoreSpec, PagedKVPool
 from .probe import cache_path
 from .seq2seq_calls import run_seq2seq
 from .shared_rows import SharedRows, shared_rows, warm_shared_prefixes
-from .spec import context_limit, text_config
+from .spec import context_limit, packed_rope_limit, text_config
 from .state_prefill import StatePrefill
 
 __all__ = ["disable", "enable", "is_enabled", "namespace", "prefix_pool"]
@@ -325,10 +325,18 @@ def _run(
             _check_placement(state)
             return _continue(model, call, state, passed, args, kwargs, input_ids, mask, settings, ns)
         return call(*args, **kwargs)  # the caller's own cache
-    if not settings.use_cache:
+    if not settings.use_cache or _rope_changes(model, input_ids.shape[1] + settings.max_new_tokens):
         return call(*args, **kwargs)
     _check_placement(state)
     return _fresh(model, call, state, args, kwargs, input_ids, mask, settings, ns)
+
+
+def _rope_changes(model: Any, positions: int) -> bool:
+    """Whether a call of up to ``positions`` positions may cross where the model's rotary frequencies change with the
+    forward's largest position (dynamic, longrope: :func:`~.spec.packed_rope_limit`): its prompt is then computed
+    as stock computes it, in one forward (a hit's keys were computed by a shorter forward, at other frequencies)."""
+    rope = packed_rope_limit(model)
+    return rope is not None and positions > rope[0]
 
 
 def _peft_per_call(model: Any, state: _Enabled) -> bool:

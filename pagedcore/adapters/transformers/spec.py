@@ -466,6 +466,48 @@ def context_limit(model: Any) -> int | None:
     return None
 
 
+def packed_rope_limit(model: Any) -> tuple[int, str] | None:
+    """The longest context whose every forward gets the same rotary frequencies, and why, for a model whose
+    frequencies depend on the largest position of each forward (``rope_type`` ``"dynamic"``: rescaled past
+    ``max_position_embeddings``; ``"longrope"``: its long factors past ``original_max_position_embeddings``); None
+    for any other model. The Engine packs several sequences into one forward, chunks prompts and resumes cached
+    prefixes, so past this length its forwards would see other largest positions than stock ``generate``'s on each
+    request, and other frequencies.
+
+    Example:
+        >>> from transformers import LlamaConfig
+        >>> packed_rope_limit(LlamaConfig(max_position_embeddings=4096, rope_parameters={"rope_type": "dynamic",
+        ...     "factor": 2.0, "rope_theta": 10000.0}))[0]
+        4096
+        >>> packed_rope_limit(LlamaConfig(max_position_embeddings=4096)) is None
+        True
+    """
+    config = text_config(model)
+    rope = getattr(config, "rope_parameters", None)
+    if not isinstance(rope, dict):
+        return None
+    limits = []
+    for params in [v for v in rope.values() if isinstance(v, dict)] or [rope]:
+        kind = params.get("rope_type")
+        if kind == "dynamic":
+            limit = as_integer(getattr(config, "max_position_embeddings", None))
+        elif kind == "longrope":
+            limit = as_integer(params.get("original_max_position_embeddings")) or as_integer(
+                getattr(config, "original_max_position_embeddings", None)
+            )
+        else:
+            continue
+        if limit:
+            limits.append((limit, str(kind)))
+    if not limits:
+        return None
+    limit, kind = min(limits)
+    return limit, (
+        f"its rope_type {kind!r} picks its frequencies from the largest position of each forward, which the "
+        f"Engine's packed, chunked and prefix-cached forwards change past {limit} positions"
+    )
+
+
 def text_config(model: Any) -> PretrainedConfig:
     """The decoder text config of a model or config.
 

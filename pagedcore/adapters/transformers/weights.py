@@ -145,6 +145,7 @@ class _Walk:
     meta: tuple[Any, ...]  # per tensor: (dtype, shape) when on the meta device (identity-free), else None
     plain: list[weakref.ref[torch.Tensor]]  # tensors whose version counter and data pointer can be read
     others: list[weakref.ref[torch.Tensor]]  # the rest: they count by identity (a dead one means a new walk)
+    frequencies: list[weakref.ref[torch.Tensor]]  # rotary inv_freq buffers: by identity and data pointer only
     tuners: list[tuple[str, weakref.ref[Any]]]  # PEFT tuner layers
     first: weakref.ref[torch.Tensor] | None  # the first parameter off the meta device (placement)
 
@@ -303,11 +304,14 @@ class WeightsWatch:
         """The quick part: version counters, data pointers, adapter states, the training flag (None: a tensor died)."""
         refs = walk.plain
         tensors = [t for ref in refs if (t := ref()) is not None]
-        if len(tensors) != len(refs) or any(ref() is None for ref in walk.others):
+        frequencies = [t for ref in walk.frequencies if (t := ref()) is not None]
+        if len(tensors) != len(refs) or len(frequencies) != len(walk.frequencies):
+            return None
+        if any(ref() is None for ref in walk.others):
             return None
         # The version counter is torch's record of in-place writes; it has no public accessor.
         versions = tuple([t._version for t in tensors])  # noqa: SLF001
-        pointers = tuple([t.data_ptr() for t in tensors])
+        pointers = tuple([t.data_ptr() for t in (*tensors, *frequencies)])
         if self._apart:  # only what a plain forward of the base model applies: merged or enabled adapters
             states = ((name, _base_effect(ref())) for name, ref in walk.tuners)
             adapters = tuple(item for item in states if item[1] != ((), ()))
@@ -322,6 +326,7 @@ def _walk(model: torch.nn.Module, apart: bool = False) -> _Walk:
     meta: list[Any] = []
     plain: list[weakref.ref[torch.Tensor]] = []
     others: list[weakref.ref[torch.Tensor]] = []
+    frequencies: list[weakref.ref[torch.Tensor]] = []
     first: weakref.ref[torch.Tensor] | None = None
     for name, tensor, is_param in _tensors(model, apart):
         ref = weakref.ref(tensor)
@@ -329,7 +334,10 @@ def _walk(model: torch.nn.Module, apart: bool = False) -> _Walk:
         refs.append(ref)
         on_meta = tensor.device.type == "meta"
         meta.append((tensor.dtype, tuple(tensor.shape)) if on_meta else None)
-        (plain if not on_meta and _readable(tensor) else others).append(ref)
+        if not is_param and name.endswith("inv_freq") and not on_meta:
+            frequencies.append(ref)  # transformers rewrites longrope's in place at every forward, with equal values
+        else:
+            (plain if not on_meta and _readable(tensor) else others).append(ref)
         if is_param and first is None and not on_meta:
             first = ref
     tuners: list[tuple[str, weakref.ref[Any]]] = []
@@ -338,7 +346,7 @@ def _walk(model: torch.nn.Module, apart: bool = False) -> _Walk:
         watched.add(module)
         if _is_tuner(module):
             tuners.append((module_name, weakref.ref(module)))
-    return _Walk(tuple(names), refs, tuple(meta), plain, others, tuners, first)
+    return _Walk(tuple(names), refs, tuple(meta), plain, others, frequencies, tuners, first)
 
 
 def _tensors(model: torch.nn.Module, apart: bool = False) -> Iterator[tuple[str, torch.Tensor, bool]]:
