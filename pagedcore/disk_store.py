@@ -14,8 +14,9 @@ exists but is not a directory owned by this user, is writable by its group or ot
 folder is opened once (``O_NOFOLLOW``, checked with ``fstat``) and every file operation is relative to that open
 folder, so renaming or replacing the path later (in a directory others may write) changes nothing for the store.
 Another user can neither read, list nor plant anything in it. Every file is opened with ``O_NOFOLLOW |
-O_NONBLOCK`` and read only if ``fstat`` says it is a regular file of this user: a symbolic link, a FIFO or a device
-under a block's name is a miss (removed and counted as ``refused_files``), never a hang.
+O_NONBLOCK`` and read only if ``fstat`` says it is a regular file of this user no larger than the budget: a
+symbolic link, a FIFO, a device or a file larger than the store could ever have written under a block's name is a
+miss (removed and counted as ``refused_files``, unread), never a hang.
 
 **Names that reveal nothing.** A block's key names its token chain (:func:`pagedcore.block_keys.chain_keys`), so a
 list of keys would tell which prompts were seen by anyone able to guess them. Files are named
@@ -23,8 +24,10 @@ list of keys would tell which prompts were seen by anyone able to guess them. Fi
 without it a name cannot be tied to a prompt, nor a block planted under a name the store would read.
 
 The budget is this process's view: it indexes the folder at start (oldest modification first) and evicts its least
-recently used files when a write would exceed ``max_bytes``; processes sharing a folder each keep their own budget,
-so the folder can hold up to their sum. A file another process deleted is a miss.
+recently used files when a write would exceed ``max_bytes``. Processes sharing a folder each count every file they
+found at their start or read since, other processes' too, in their own budget, so the smallest budget among them
+bounds the folder: give them the same one. A file another process deleted is a miss. A write that fails for another
+reason than a full disk (the folder deleted under the store, say) is logged once, with its error.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import hmac
+import logging
 import os
 import secrets
 import stat
@@ -43,6 +47,8 @@ from collections import OrderedDict
 from pathlib import Path
 
 from pagedcore.errors import ConfigError
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["DiskKVStore"]
 
@@ -84,6 +90,7 @@ class DiskKVStore:
         self._lock = threading.Lock()
         self._index: OrderedDict[str, int] = OrderedDict()  # file name -> size, least recently used first
         self._bytes = 0
+        self._warned = False  # a write failed (not for a full disk) and was logged
         self._counts = dict.fromkeys(
             ("writes", "write_errors", "evicted", "vanished", "too_large", "disk_full", "refused_files"), 0
         )
@@ -117,7 +124,7 @@ class DiskKVStore:
     def get(self, key: str) -> bytes | None:
         name = self._name(key)
         try:
-            data = _read_regular(_relative(name), self._fd)
+            data = _read_regular(_relative(name), self._fd, self._max)
         except _NotRegular:
             _unlink(_relative(name), self._fd)
             self._forget(name, vanished=False)
@@ -213,6 +220,11 @@ class DiskKVStore:
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                 with self._lock:
                     self._counts["disk_full"] += 1
+            elif not self._warned:
+                self._warned = True
+                logger.warning(
+                    "pagedcore: the disk KV store in %s cannot write (%s); blocks are skipped", self.folder, exc
+                )
             return False
 
     def _scan(self) -> None:
@@ -329,7 +341,7 @@ def _secret(fd: int, folder: Path) -> bytes:
             _unlink(tmp, fd)
     path = folder / _SECRET
     try:
-        value = _read_regular(_SECRET, fd)
+        value = _read_regular(_SECRET, fd, _SECRET_BYTES)
     except (OSError, _NotRegular) as exc:
         raise ConfigError(f"kv_store: cannot read the store's secret {str(path)!r} ({exc}); remove it") from exc
     if len(value) != _SECRET_BYTES:
@@ -337,9 +349,10 @@ def _secret(fd: int, folder: Path) -> bytes:
     return value
 
 
-def _read_regular(name: str, folder_fd: int) -> bytes:
-    """The bytes of ``name`` (inside the folder) if it is a regular file of this user (never a link, FIFO or
-    device: those raise :class:`_NotRegular` without blocking); ``OSError`` when it is missing."""
+def _read_regular(name: str, folder_fd: int, max_bytes: int) -> bytes:
+    """The bytes of ``name`` (inside the folder) if it is a regular file of this user of at most ``max_bytes`` (never
+    a link, FIFO, device or larger file: those raise :class:`_NotRegular` without reading); ``OSError`` when it is
+    missing."""
     try:
         fd = os.open(name, _READ, dir_fd=folder_fd)
     except OSError as exc:
@@ -350,6 +363,8 @@ def _read_regular(name: str, folder_fd: int) -> bytes:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
             raise _NotRegular(f"{name} is not a regular file of this user")
+        if info.st_size > max_bytes:
+            raise _NotRegular(f"{name} holds {info.st_size} bytes, more than the store's budget")
         chunks = []
         while chunk := os.read(fd, 1 << 20):
             chunks.append(chunk)

@@ -110,7 +110,8 @@ class TierStats:
     Attributes:
         blocks_loaded / tokens_loaded: blocks (summed over KV groups) and prompt tokens served from the stores.
         load_seconds: time spent looking up, reading, checking and copying blocks in.
-        blocks_written / write_seconds: blocks put into the stores by the writer thread, and its time doing so.
+        blocks_written / write_seconds: blocks the writer thread put into a store (one that every store refused
+            counts in ``write_failures`` only), and its time doing so.
         writes_skipped: evicted blocks not written because the writer's queue was full.
         write_failures: puts a store refused (no room for it, disk full).
         snapshots_written / snapshots_loaded: state snapshots put into and restored from the stores.
@@ -346,7 +347,9 @@ class KVTiers:
         data = encode(item.key, item.fingerprint, item.group, item.tokens, self._io.to_bytes(item.copy))
         failures = sum(not store.put(item.key, data) for store in self._stores)
         with self._lock:
-            if item.group == STATE_GROUP:
+            if failures == len(self._stores):  # no store took it: counted as failures only
+                pass
+            elif item.group == STATE_GROUP:
                 self._stats.snapshots_written += 1
             else:
                 self._stats.blocks_written += 1

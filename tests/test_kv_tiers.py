@@ -436,3 +436,40 @@ def test_two_nan_namespaces_never_share_stored_blocks(tmp_path):
     assert tiers.stats().blocks_loaded == 0
     pool.check_invariants()
     tiers.close()
+
+
+def test_blocks_every_store_refused_are_not_counted_written(tmp_path):
+    """Regression (an outside audit): with a budget smaller than one block, ``written_blocks`` counted every block
+    although none was kept (each also counted under ``write_failures``)."""
+    pool = KVPool(num_blocks=6, block_size=BS)
+    io = FakeIO()
+    tiers = KVTiers([DiskKVStore(tmp_path, 16)], io)  # a framed block is larger than 16 bytes
+    pool.attach_tiers(tiers)
+    fill(pool, io, PROMPT)
+    evict_all(pool)
+    assert tiers.flush(5)
+    stats = tiers.stats()
+    assert stats.blocks_written == 0 and stats.write_failures == 4 and stats.stores["disk"]["too_large"] == 4
+    tiers.close()
+
+
+def test_a_file_larger_than_the_budget_under_a_block_name_is_refused_unread(tmp_path, monkeypatch):
+    """Regression (an outside audit): a 1 GiB file under a block's name was read whole on the step loop (5 s for
+    every client) before its frame was refused. It is refused from its size, unread, removed and counted."""
+    from pagedcore import disk_store
+    from pagedcore.engine.stats import _store_fields
+
+    store = DiskKVStore(tmp_path, 1 << 20)
+    key = "cd" * 32
+    path = store.path_of(key)
+    path.parent.mkdir(mode=0o700, exist_ok=True)
+    with open(path, "wb") as planted:
+        planted.truncate(1 << 30)  # sparse: no disk used
+    reads: list[int] = []
+    real_read = os.read
+    monkeypatch.setattr(disk_store.os, "read", lambda fd, n: reads.append(n) or real_read(fd, n))
+    assert store.get(key) is None and reads == []
+    assert store.stats()["refused_files"] == 1 and not os.path.lexists(path)
+    tiers = KVTiers([store], FakeIO())
+    assert _store_fields(tiers.stats())["kv_store_refused"]["file"] == 1  # what /metrics reports as reason="file"
+    tiers.close()

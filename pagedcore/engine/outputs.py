@@ -341,7 +341,8 @@ class EngineStats:
             (on the step loop) / encoding and writing them (in the writer thread).
         kv_store_writes_skipped: evicted blocks not written because the writer's queue was full;
             ``kv_store_write_failures``: puts a store refused (no room, disk full).
-        kv_store_refused: stored blocks found and refused, by reason (``checksum``, ``fingerprint``, ``foreign``).
+        kv_store_refused: stored blocks found and refused, by reason (``checksum``, ``fingerprint``, ``foreign``;
+            ``file``: not a regular file of this user, or larger than the store's budget).
         kv_store_bytes: bytes each tier holds now.
 
     Example:

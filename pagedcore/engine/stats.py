@@ -112,6 +112,7 @@ def _store_fields(tiers: TierStats | None) -> dict[str, Any]:
             "checksum": tiers.refused_checksum,
             "fingerprint": tiers.refused_fingerprint,
             "foreign": tiers.refused_foreign,
+            "file": sum(store.get("refused_files", 0) for store in tiers.stores.values()),
         },
         "kv_store_hits": {name: s["hits"] for name, s in tiers.stores.items()},
         "kv_store_bytes": {name: s["bytes"] for name, s in tiers.stores.items()},

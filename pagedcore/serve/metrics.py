@@ -36,7 +36,8 @@ metric                                     type     meaning
 ``pagedcore_kv_store_skipped_total{why}``  counter  blocks not written: ``queue_full``, ``store_refused``
                                                     (no room, disk full)
 ``pagedcore_kv_store_refused_total{reason}`` counter stored blocks refused and removed: ``checksum``,
-                                                    ``fingerprint``, ``foreign``
+                                                    ``fingerprint``, ``foreign``, ``file`` (not a regular
+                                                    file of this user, or over the budget: never read)
 =========================================  =======  ====================================================
 
 The ``pagedcore_kv_store_*`` families are exported only when the engine has tiers below its pool (``--kv-store``).
