@@ -52,6 +52,8 @@ def test_the_command_line_imports_no_server_or_model_library():
         (["a/model", "--model", "b/model"], "the model is given twice"),
         (["--ray", "--api-key", "sk-1"], "--api-key is not supported with --ray yet"),
         (["--kv-store", "/tmp"], "--kv-store: kv_store='/tmp' needs kv_store_bytes= (its budget"),
+        # a broken template is the server's error at start-up, not a 400 blaming every chat request (outside audit)
+        (["--chat-template", "{% for m in messages %}{{ m.content }"], "is not a Jinja template: unexpected '}'"),
         (["--kv-store-bytes", "1GiB"], "--kv-store-bytes sizes the stores below the pool: give kv_store= too"),
         (["--kv-store", "/tmp", "--kv-store-bytes", "lots"], "--kv-store-bytes must be a size like 8MiB"),
         # The Ray deployment's app reads tool calls in the default format: another one is refused, not ignored.
@@ -274,3 +276,20 @@ def test_sigterm_drains_running_streams_and_refuses_new_requests_with_503():
             process.kill()
             process.communicate()
     assert process.returncode == 0, "".join(lines)
+
+
+def test_a_model_without_a_chat_template_is_said_at_start_up(capsys):
+    """Regression (an outside audit): a --model whose tokenizer has no chat template was served chat requests
+    through the plain 'role: content' template without a word (vLLM refuses them); the built-in model's is expected."""
+    import argparse
+
+    from pagedcore.adapters.transformers.builtin import builtin_tokenizer
+    from pagedcore.cli.common import UsageError
+    from pagedcore.serve import cli
+
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    cli._app_options(parser.parse_args(["--model", "./ckpt"]), ["./ckpt"], UsageError, builtin_tokenizer())
+    assert "warning: './ckpt' has no chat template" in capsys.readouterr().err
+    cli._app_options(parser.parse_args([]), ["pagedcore-builtin"], UsageError, builtin_tokenizer())
+    assert "chat template" not in capsys.readouterr().err

@@ -598,6 +598,14 @@ def _app_options(args: argparse.Namespace, names: list[str], error: type[Excepti
             template = Path(template).expanduser().read_text()
         except OSError as exc:
             raise error(f"--chat-template {args.chat_template!r}: cannot read it: {exc}") from exc
+    if template is not None:
+        _check_template(template, args.chat_template, error)
+    elif args.model not in (None, BUILTIN_NAME) and not getattr(tokenizer, "chat_template", None):
+        print(
+            f"pagedcore serve: warning: {args.model!r} has no chat template: /v1/chat/completions writes the messages "
+            "as plain 'role: content' lines (vLLM refuses such requests); give --chat-template FILE for the model's",
+            file=sys.stderr,
+        )
     return AppOptions(
         aliases=tuple(names[1:]),
         chat_template=template,
@@ -642,6 +650,18 @@ def flag_error(exc: Exception, error: type[Exception]) -> Exception:
     if message.startswith(param + " "):
         return error(flag + message[len(param) :])
     return error(f"{flag}: {message}")
+
+
+def _check_template(template: str, given: str, error: type[Exception]) -> None:
+    """A ``--chat-template`` Jinja cannot parse is the server's error, said at start-up (else every chat request
+    would get a 400 blaming the client)."""
+    from jinja2 import TemplateSyntaxError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    try:
+        ImmutableSandboxedEnvironment().parse(template)
+    except TemplateSyntaxError as exc:
+        raise error(f"--chat-template {given!r} is not a Jinja template: {exc.message} (line {exc.lineno})") from None
 
 
 def _model(args: argparse.Namespace, error: type[Exception]) -> tuple[Any, Any, str]:
