@@ -102,6 +102,26 @@ def test_vllm_flags_parse_as_vllm_reads_them_and_abbreviations_are_refused(capsy
     assert exit_info.value.code == 2 and "unrecognized arguments: --max-q" in capsys.readouterr().err
 
 
+def test_usage_errors_are_one_line_from_the_subcommand_and_vllm_short_flags_parse(capsys):
+    """Regression (an outside audit): argparse printed the whole usage (52 lines for serve) before its error, an
+    unknown option was reported by the top-level parser with its usage, and vLLM's -tp / -pp / -dp / -q were
+    unknown while their long forms are refused with a reason."""
+    for argv, message in (
+        (["serve", "--dtype", "fp16"], "pagedcore serve: error: argument --dtype: invalid choice: 'fp16'"),
+        (["serve", "--porrt", "3"], "pagedcore serve: error: unrecognized arguments: --porrt"),
+        (["generate", "--threads", "0"], "pagedcore generate: error: argument --threads: must be >= 1"),
+        (["serve", "-tp", "2"], "pagedcore serve: error: --tensor-parallel-size 2 is not supported"),
+        (["serve", "-q", "awq"], "pagedcore serve: error: --quantization awq is not supported"),
+    ):
+        try:
+            code = main(argv)  # a refused flag: main returns 2; argparse's own errors exit 2
+        except SystemExit as exc:
+            code = exc.code
+        assert code == 2
+        err = capsys.readouterr().err
+        assert err.startswith(message) and err.count("\n") == 1, err
+
+
 def test_a_missing_kv_store_directory_is_refused_at_start(tmp_path, capsys):
     missing = tmp_path / "missing"
     assert main(["serve", "--kv-store", str(missing), "--kv-store-bytes", "1MiB", "--num-blocks", "8"]) != 0

@@ -21,6 +21,7 @@ import gc
 import json
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from pagedcore import __version__
 from pagedcore.errors import PagedCoreError, PluginError
@@ -47,7 +48,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         print(f"pagedcore serve: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # said by the subcommand's parser, which knows its options
+        commands = getattr(parser, "subcommands", {})
+        commands.get(args.command, parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command is None:
         parser.print_help()
         return EXIT_USAGE
@@ -98,7 +102,7 @@ def _parser() -> argparse.ArgumentParser:
     from pagedcore.benchmarks.options import add_arguments as add_bench_arguments
     from pagedcore.benchmarks.registry import BENCHMARKS
 
-    parser = argparse.ArgumentParser(
+    parser = _OneLineParser(
         prog="pagedcore",
         description="Paged KV-cache memory with prefix caching for Hugging Face transformers.",
     )
@@ -129,7 +133,16 @@ def _parser() -> argparse.ArgumentParser:
     from pagedcore.serve import cli as serve_cli  # argparse only: the server's imports wait for `serve` to run
 
     serve_cli.add_arguments(sub.add_parser("serve", help="an OpenAI-compatible server over the Engine"))
+    parser.subcommands = dict(sub.choices)  # type: ignore[attr-defined]
     return parser
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line, ``pagedcore COMMAND: error: ...`` (argparse prints the whole
+    usage first: 52 lines for ``serve``), pointing at ``--help``; its subcommands' parsers are of this class too."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 # ---------------------------------------------------------------------- bench

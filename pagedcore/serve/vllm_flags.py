@@ -321,6 +321,8 @@ def generation_config_source(value: str) -> str:
 
 
 _SWITCHES = ("--fully-sharded-loras",)  # REFUSED flags that take no value (vLLM's store_true)
+_SHORT = {"--tensor-parallel-size": "-tp", "--pipeline-parallel-size": "-pp", "--data-parallel-size": "-dp",
+          "--quantization": "-q"}  # fmt: skip  # vLLM's short forms
 
 
 def add_refused(parser: argparse.ArgumentParser) -> None:
@@ -336,7 +338,8 @@ def add_refused(parser: argparse.ArgumentParser) -> None:
         if flag in _SWITCHES:
             parser.add_argument(flag, action="store_const", const="yes", default=None, help=argparse.SUPPRESS)
         else:
-            parser.add_argument(flag, type=kind, default=None, help=argparse.SUPPRESS)
+            names = (flag, _SHORT[flag]) if flag in _SHORT else (flag,)
+            parser.add_argument(*names, type=kind, default=None, help=argparse.SUPPRESS)
 
 
 def check_refused(args: argparse.Namespace, error: type[Exception]) -> None:
