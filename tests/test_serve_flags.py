@@ -127,14 +127,16 @@ def test_bad_flags_exit_with_code_2_naming_them(argv, message, capsys):
 
 
 def test_vllms_flags_as_a_process(tmp_path):
-    """Every flag is given (some through --config), and each one's effect is checked from outside."""
+    """Every flag is given (some through --config), and each one's effect is checked from outside. The log level
+    is the default (warning): --enable-log-requests logs its lines all the same (it logged nothing, an outside
+    audit found)."""
     config = tmp_path / "serve.yaml"
     config.write_text(
         "port: 0\nthreads: 1\nnum-blocks: 128\nserved_model_name: [first, second]\nmax_model_len: 512\n"
         "enable-request-id-headers: true\nresponse_role: helper\nreturn-tokens-as-token-ids: true\n"
     )
     argv = [BUILTIN, "--config", str(config), "--max-model-len", "1k", "--root-path", "/api", "--disable-fastapi-docs",
-            "--enable-log-requests", "--max-log-len", "5", "--log-level", "info", "--disable-uvicorn-access-log",
+            "--enable-log-requests", "--max-log-len", "5", "--disable-uvicorn-access-log",
             "--dtype", "half", "--enforce-eager", "--swap-space", "4", "--enable-chunked-prefill",
             "--guided-decoding-backend", "guidance", "--disable-log-stats", "--no-enable-auto-tool-choice",
             "--tool-call-parser", "mistral", "--override-generation-config", '{"max_new_tokens": 2}']  # fmt: skip

@@ -277,7 +277,9 @@ def _build(args: argparse.Namespace, error: type[Exception]) -> tuple[Any, Any, 
     from .server import bind
     from .server_logs import configure_logging
 
-    configure_logging(args.log_level)
+    # --enable-log-requests asks for its INFO lines: below the default level (warning) they would show nothing
+    quiet = args.log_level.lower() in ("warning", "error", "critical")
+    configure_logging("info" if getattr(args, "enable_log_requests", False) and quiet else args.log_level)
     from .auth import api_keys_of
 
     api_keys, key_source = api_keys_of(args, error)

@@ -217,7 +217,9 @@ def _add_logging_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("logging (vLLM's flags; INFO lines show with --log-level info)")
     requests = group.add_mutually_exclusive_group()
     requests.add_argument(
-        "--enable-log-requests", action="store_true", help="log each request: its id, prompt size and parameters"
+        "--enable-log-requests",
+        action="store_true",
+        help="log each request: its id, prompt size and parameters (at least --log-level info)",
     )
     requests.add_argument("--disable-log-requests", action="store_true", help="do not log requests (the default)")
     group.add_argument(
