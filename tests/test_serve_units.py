@@ -317,3 +317,48 @@ def test_the_character_bound_is_sound_for_a_byte_level_bpe_over_utf8_text():
     for text in ("a" * 4000, "潮" * 4000, "🌊" * 4000, "the tide comes in, " * 300):
         for length in (bound + 1, bound + 7):
             assert len(tokenizer(text[:length])["input_ids"]) > context, (text[:8], length)
+
+
+def test_a_body_still_arriving_when_the_server_drains_gets_503_at_once():
+    """Regression (an outside audit): on SIGTERM a client still sending its body was neither admitted nor ended by
+    the drain, so uvicorn cancelled it at its own graceful timeout (5 s, past --shutdown-timeout 2) with a
+    traceback. The read now answers 503 as soon as admission closes; without a shutdown it waits as before."""
+    import asyncio
+
+    from starlette.requests import Request
+
+    from pagedcore.serve.admission import Admission
+    from pagedcore.serve.body import BodyLimits, read_body
+    from pagedcore.serve.protocol import ApiError
+
+    async def scenario() -> tuple[ApiError, bytes]:
+        admission = Admission()
+        forever = asyncio.Event()
+
+        async def stalled():  # the first chunk came; the rest never does
+            await forever.wait()
+
+        chunks = [{"type": "http.request", "body": b'{"a": ', "more_body": True}]
+
+        async def receive():
+            return chunks.pop(0) if chunks else await stalled()
+
+        request = Request({"type": "http", "method": "POST", "headers": []}, receive)
+        reading = asyncio.ensure_future(read_body(request, BodyLimits(timeout=60.0), admission))
+        await asyncio.sleep(0.3)
+        assert not reading.done()
+        admission.close()
+        try:
+            await asyncio.wait_for(reading, 2.0)
+        except ApiError as exc:
+            refused = exc
+        whole = [{"type": "http.request", "body": b"{}", "more_body": False}]
+
+        async def quick():
+            return whole.pop(0)
+
+        body = await read_body(Request({"type": "http", "method": "POST", "headers": []}, quick), BodyLimits())
+        return refused, body
+
+    refused, body = asyncio.run(scenario())
+    assert refused.status == 503 and "shutting down" in str(refused) and body == b"{}"

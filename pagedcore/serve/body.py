@@ -11,10 +11,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
 
 from .protocol import ApiError
+
+if TYPE_CHECKING:
+    from .admission import Admission
 
 __all__ = ["DEFAULT_BODY_TIMEOUT", "DEFAULT_MAX_REQUEST_BYTES", "BodyLimits", "ClientGone", "body_limits", "read_body"]
 
@@ -64,9 +68,10 @@ class ClientGone(Exception):
         self.received = received
 
 
-async def read_body(request: Request, limits: BodyLimits) -> bytes:
-    """The whole body of ``request``; raises :class:`ApiError` 413 (too large) or 408 (too slow), or
-    :class:`ClientGone`.
+async def read_body(request: Request, limits: BodyLimits, admission: Admission | None = None) -> bytes:
+    """The whole body of ``request``; raises :class:`ApiError` 413 (too large), 408 (too slow) or, once
+    ``admission`` closes for a shutdown while it arrives, 503 (else uvicorn would cancel the read at its own
+    graceful timeout, past ``--shutdown-timeout``, with a traceback); or :class:`ClientGone`.
 
     Example:
         >>> import asyncio
@@ -85,24 +90,39 @@ async def read_body(request: Request, limits: BodyLimits) -> bytes:
     deadline = clock() + limits.timeout
     chunks: list[bytes] = []
     size = 0
-    while True:
-        try:
-            message = await asyncio.wait_for(request.receive(), max(deadline - clock(), 0.0))
-        except asyncio.TimeoutError:
-            raise ApiError(
-                408,
-                f"the request body did not arrive within {limits.timeout:g} s ({size} bytes came)",
-                code="request_timeout",
-            ) from None
-        if message["type"] == "http.disconnect":
-            raise ClientGone(size)
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limits.max_bytes:
-            raise _too_large(limits, f"{size} bytes came so far")
-        chunks.append(chunk)
-        if not message.get("more_body", False):
-            return b"".join(chunks)
+    receiving: asyncio.Future[Any] | None = None
+    try:
+        while True:
+            if admission is not None:
+                admission.check()  # shutting down: 503 now
+            if receiving is None:
+                receiving = asyncio.ensure_future(request.receive())
+            left = max(deadline - clock(), 0.0)
+            done, _ = await asyncio.wait({receiving}, timeout=left if admission is None else min(left, _POLL))
+            if not done:
+                if clock() < deadline:
+                    continue
+                raise ApiError(
+                    408,
+                    f"the request body did not arrive within {limits.timeout:g} s ({size} bytes came)",
+                    code="request_timeout",
+                )
+            message, receiving = receiving.result(), None
+            if message["type"] == "http.disconnect":
+                raise ClientGone(size)
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limits.max_bytes:
+                raise _too_large(limits, f"{size} bytes came so far")
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+    finally:
+        if receiving is not None:
+            receiving.cancel()
+
+
+_POLL = 0.2  # seconds between two looks at the admission while a body arrives
 
 
 def _too_large(limits: BodyLimits, what: str) -> ApiError:

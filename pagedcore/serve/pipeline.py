@@ -68,7 +68,7 @@ async def read_request(ctx: ServeContext, request: Request, cls: type[Any]) -> t
     """
     tenant = ctx.authorize(request)
     ctx.admission.check()  # shutting down: 503 before the body is read
-    raw = await read_body(request, ctx.limits)
+    raw = await read_body(request, ctx.limits, ctx.admission)
     body = await off_loop(parse_request, cls, raw, max_prompt_tokens=ctx.context_length)
     request.state.client_request_id = getattr(body, "request_id", None)  # logged beside the server's own id
     if body.model is not None:

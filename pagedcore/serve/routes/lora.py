@@ -47,7 +47,7 @@ _ERRORS: dict[int | str, dict[str, Any]] = {status: ERROR_RESPONSES[status] for 
 async def load_lora_adapter(request: Request, ctx: Context) -> Response:
     """Load an adapter (see the module docstring)."""
     ctx.authorize(request)
-    body = parse_body(LoadLoRAAdapterRequest, await read_body(request, ctx.limits))
+    body = parse_body(LoadLoRAAdapterRequest, await read_body(request, ctx.limits, ctx.admission))
     if not body.lora_name.strip() or not body.lora_path.strip():
         raise ApiError(400, "Both 'lora_name' and 'lora_path' must be provided.", param="lora_name")
     if body.lora_name in ctx.model_names:
@@ -64,7 +64,7 @@ async def load_lora_adapter(request: Request, ctx: Context) -> Response:
 async def unload_lora_adapter(request: Request, ctx: Context) -> Response:
     """Unload an adapter (see the module docstring)."""
     ctx.authorize(request)
-    body = parse_body(UnloadLoRAAdapterRequest, await read_body(request, ctx.limits))
+    body = parse_body(UnloadLoRAAdapterRequest, await read_body(request, ctx.limits, ctx.admission))
     if body.lora_int_id is not None:
         raise ApiError(400, "lora_int_id: adapters are named by lora_name here (no integer ids)", param="lora_int_id")
     try:

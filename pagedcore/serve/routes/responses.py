@@ -58,7 +58,7 @@ async def create_response(request: Request, ctx: Context) -> Response:
     object or its events."""
     tenant = ctx.authorize(request)
     ctx.admission.check()
-    body = await off_loop(_parse, await read_body(request, ctx.limits))
+    body = await off_loop(_parse, await read_body(request, ctx.limits, ctx.admission))
     if body.model is not None:
         ctx.check_model(body.model)
     history: list[dict[str, Any]] = []

@@ -65,7 +65,7 @@ async def tokenizer_info(request: Request, ctx: Context) -> Response:
 
 async def _read(ctx: ServeContext, request: Request, cls: type[BaseModel]) -> Any:
     ctx.authorize(request)
-    body = parse_body(cls, await read_body(request, ctx.limits))
+    body = parse_body(cls, await read_body(request, ctx.limits, ctx.admission))
     if body.model is not None:
         ctx.check_model(body.model)
     return body
