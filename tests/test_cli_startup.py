@@ -146,3 +146,14 @@ def test_an_idle_server_exits_at_once_on_sigterm():
         process.communicate()
     assert process.returncode == 0
     assert took < 2.0, f"the idle server took {took:.1f} s to exit after SIGTERM"
+
+
+def test_a_local_folder_name_without_a_dot_slash_is_said_to_be_no_folder_here(tmp_path):
+    """Regression (an outside audit): ``--model ckpt_typo`` (a folder name typed without ``./``) is tried as a hub
+    name, and the error spoke only of the hub; it now says there is no such folder here either."""
+    env = {**ENV, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "home")}
+    argv = ["generate", "--model", "ckpt_typo", "x"]
+    done = subprocess.run([sys.executable, "-c", PROBE, *argv], capture_output=True, text=True, env=env, timeout=120,
+                          cwd=tmp_path)  # fmt: skip
+    (line,) = [line for line in done.stderr.strip().splitlines() if "error" in line]
+    assert "cannot load model 'ckpt_typo' (no such folder here; tried as a hub name)" in line, done.stderr

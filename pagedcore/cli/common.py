@@ -66,12 +66,17 @@ def load_model(
                     f"cannot load the tokenizer in {name!r} ({first_line(exc).rstrip(' :')}): a folder without "
                     "tokenizer files? --tokenizer PATH names another"
                 ) from exc
-            raise UsageError(f"cannot load model {name!r} (its tokenizer): {first_line(exc)}") from exc
+            raise UsageError(f"cannot load model {name!r}{_not_here(name)}: {first_line(exc)}") from exc
     try:
         model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, trust_remote_code=trust_remote_code, **hub)
     except (OSError, ValueError) as exc:
-        raise UsageError(f"cannot load model {name!r}: {first_line(exc)}") from exc
+        raise UsageError(f"cannot load model {name!r}{_not_here(name)}: {first_line(exc)}") from exc
     return model.eval(), own
+
+
+def _not_here(name: str) -> str:
+    """What to add to a load error of ``name`` when it is no folder here (it was tried as a hub name)."""
+    return "" if Path(name).expanduser().exists() else " (no such folder here; tried as a hub name)"
 
 
 def check_model_path(name: str) -> None:
