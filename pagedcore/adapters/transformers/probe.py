@@ -333,7 +333,8 @@ def _use_paged_attention(model: Any) -> None:
         # own keys from the Engine's cache, the cached ones never, and answer wrongly without an error.
         raise UnsupportedModelError(
             f"{type(model).__name__} does not attend through transformers' AttentionInterface, so the Engine's "
-            "paged attention cannot serve it; use PagedCache or enable() with this model"
+            "paged attention cannot serve it (PagedCache and enable() run a model's own attention where their "
+            "probe finds it exact; else stock generate)"
         )
 
 
