@@ -3,6 +3,7 @@ index) and ``isfinite(...).any(-1)`` (a row can be sampled), also with ties, NaN
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -112,3 +113,15 @@ def test_the_greedy_benchmark_script_finds_the_same_answers_every_way():
     rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| ") and line[2].isdigit()]
     assert [row[0].strip() for row in rows] == ["1", "5"]
     assert all(row[-1].strip() == "yes" for row in rows)
+
+
+def test_vllms_field_names_are_taken_as_keywords_too():
+    """Regression (an outside audit): ``SamplingParams(max_tokens=8, stop=[...])``, as a vLLM user writes it, was a
+    bare TypeError; only a dict of fields took vLLM's names."""
+    params = SamplingParams(max_tokens=8, min_tokens=2, stop=["."], temperature=0.5)
+    assert (params.max_new_tokens, params.min_new_tokens, params.stop_strings) == (8, 2, (".",))
+    assert params == SamplingParams(max_new_tokens=8, min_new_tokens=2, stop_strings=["."], temperature=0.5)
+    from pagedcore import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match="max_tokens and max_new_tokens are the same field"):
+        SamplingParams(max_tokens=8, max_new_tokens=4)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
@@ -69,6 +69,8 @@ VLLM_NAMES = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens", "s
 _TORCH_SEEDS = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes (negatives map to 2**64 - 1 + seed)
 _GOLDEN = 0x9E3779B97F4A7C15  # spreads the seeds of a request's parallel samples
 
+
+_DEFAULTS: dict[str, Any] = {"max_new_tokens": 16, "min_new_tokens": 0, "stop_strings": ()}  # the fields' defaults
 
 GREEDY_BELOW = 1e-5
 """Temperatures below this are greedy (vLLM's threshold too): dividing logits by a temperature near 0 overflows
@@ -127,9 +129,15 @@ class SamplingParams:
     Every field is checked here; what depends on the model (token ids in its vocabulary, ``logprobs`` within
     ``max_logprobs``) is checked when the Engine takes the request.
 
+    vLLM's names ``max_tokens``, ``min_tokens`` and ``stop`` are taken for ``max_new_tokens``, ``min_new_tokens``
+    and ``stop_strings`` (one of each pair). Unlike vLLM's, ``temperature`` defaults to 0 (greedy, as
+    ``generate``).
+
     Example:
         >>> SamplingParams(max_new_tokens=8, temperature=0.7, top_p=0.9, seed=1).is_greedy
         False
+        >>> SamplingParams(max_tokens=8, stop=["."]).max_new_tokens, SamplingParams(stop="x").stop_strings
+        (8, ('x',))
         >>> SamplingParams(temperature=-1)
         Traceback (most recent call last):
         ...
@@ -161,9 +169,21 @@ class SamplingParams:
     structured: StructuredOutput | Mapping[str, Any] | None = None
     token_tables: TokenTables | None = field(default=None, init=False, repr=False, compare=False)
     """``logit_bias`` and ``allowed_token_ids`` as tensors (None without either): made once, read by every step."""
+    max_tokens: InitVar[int | None] = None
+    """vLLM's name of ``max_new_tokens`` (:data:`VLLM_NAMES`), taken for it; not stored."""
+    min_tokens: InitVar[int | None] = None
+    """vLLM's name of ``min_new_tokens``, taken for it; not stored."""
+    stop: InitVar[str | Sequence[str] | None] = None
+    """vLLM's name of ``stop_strings``, taken for it; not stored."""
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, max_tokens: Any, min_tokens: Any, stop: Any) -> None:
         fix = object.__setattr__  # frozen: normalize once, here
+        for theirs, value in (("max_tokens", max_tokens), ("min_tokens", min_tokens), ("stop", stop)):
+            if value is not None:
+                ours = VLLM_NAMES[theirs]
+                if getattr(self, ours) != _DEFAULTS[ours]:
+                    raise InvalidRequestError(f"{theirs} and {ours} are the same field: give one", param=theirs)
+                fix(self, ours, value)
         for name, minimum in (("max_new_tokens", 0), ("top_k", -1), ("min_new_tokens", 0), ("n", 1)):
             fix(self, name, integer(name, getattr(self, name), minimum=minimum))
         fix(self, "top_k", max(self.top_k, 0))  # -1 is vLLM's "all", as 0 is
