@@ -162,6 +162,7 @@ def test_vllms_flags_as_a_process(tmp_path):
         time.sleep(1.0)  # stats lines would come every 0.3 s
         log = server.log()
     assert "weights in float16, decode steps eager" in log
+    assert "/v1 (context 1000 tokens; " in log  # the start-up line states the context served, as vLLM logs it
     assert "requests that leave them unset get the generation config's max_tokens=2" in log
     assert "--enable-chunked-prefill has no effect here: prefills are always chunked" in log
     assert "--swap-space has no effect here: preempted requests are recomputed" in log

@@ -367,7 +367,8 @@ def _announce(
         tenants = f", {slots.num_slots} state slots (a snapshot every {slots.interval} blocks){tenants}"
     print(
         f"pagedcore serve: model {name!r} at http://{host}:{port}/v1 "
-        f"({engine.pool.num_blocks} KV blocks of {engine.pool.block_size} tokens{tenants}; "
+        f"(context {'unbounded' if context is None else f'{context} tokens'}; "
+        f"{engine.pool.num_blocks} KV blocks of {engine.pool.block_size} tokens{tenants}; "
         f"{getattr(args, 'threads_note', 'torch threads as set')}); Ctrl-C stops",
         file=sys.stderr,
         flush=True,
