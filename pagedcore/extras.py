@@ -5,7 +5,7 @@ pagedcore is installed from its checkout (it is not on a package index), so the 
 
 Example:
     >>> install_hint("serve")
-    "make install EXTRAS=serve in the pagedcore checkout (or pip install -e '.[serve]' there)"
+    "make install EXTRAS=serve in the pagedcore checkout, or pip install -e '.[serve]' there"
 """
 
 from __future__ import annotations
@@ -20,4 +20,4 @@ def install_hint(extra: str) -> str:
         >>> install_hint("rl").split(" in ")[0]
         'make install EXTRAS=rl'
     """
-    return f"make install EXTRAS={extra} in the pagedcore checkout (or pip install -e '.[{extra}]' there)"
+    return f"make install EXTRAS={extra} in the pagedcore checkout, or pip install -e '.[{extra}]' there"

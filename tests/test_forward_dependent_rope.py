@@ -36,10 +36,10 @@ def rope_model(kind: str) -> torch.nn.Module:
     return tiny_family("llama", max_position_embeddings=THRESHOLD, rope_parameters=rope)
 
 
-def stock(model: torch.nn.Module, prompt: list[int]) -> list[int]:
+def stock(model: torch.nn.Module, prompt: list[int], new: int = NEW) -> list[int]:
     fresh = copy.deepcopy(model)  # dynamic RoPE keeps what the last forward chose
     out = fresh.generate(
-        torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False, cache=DynamicCache(config=fresh.config)
+        torch.tensor([prompt]), max_new_tokens=new, do_sample=False, cache=DynamicCache(config=fresh.config)
     )
     return out[0, len(prompt) :].tolist()
 
@@ -72,11 +72,22 @@ def test_an_enabled_call_that_may_cross_the_threshold_runs_as_stock(kind):
     pool = pc.enable(model, num_blocks=64, block_size=4)
     try:
         hits = []
-        for prompt in (LONG[:8], LONG[:8], LONG):  # 8 + 6 positions stay below 16; the long one would hit 7
+        # the prompt decides (its prefill is one forward either way; decode steps are the same forwards): 8 + 6
+        # positions stay below 16, 8 + 12 cross it while decoding and still hit, the long prompt would have hit 7
+        for prompt, new in ((LONG[:8], NEW), (LONG[:8], NEW), (LONG[:8], 2 * NEW), (LONG, NEW)):
             before = pool.num_hit_tokens
-            out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False)
-            assert out[0, len(prompt) :].tolist() == stock(pristine, prompt)
+            out = model.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False)
+            assert out[0, len(prompt) :].tolist() == stock(pristine, prompt, new)
             hits.append(pool.num_hit_tokens - before)
-        assert hits == [0, 7, 0]
+        assert hits == [0, 7, 7, 0]
     finally:
         pc.disable(model)
+
+
+def test_the_ray_ingress_reads_the_same_context_as_its_replicas(tmp_path):
+    """Regression (review): the Ray ingress took max_position_embeddings (128 here) while its replicas' Engines
+    serve 16: default max_tokens and length checks disagreed with what the replicas accept."""
+    from pagedcore.serve.ray.model_spec import ModelSpec
+
+    rope_model("longrope").save_pretrained(tmp_path / "longrope")
+    assert ModelSpec(str(tmp_path / "longrope")).context_length() == THRESHOLD

@@ -277,6 +277,11 @@ def test_files_whose_weights_do_not_match_what_they_say_are_refused_and_the_base
         with pytest.raises(AdapterError, match="holds no LoRA weights"):
             built.loras.load("e", empty)
         assert built.loras.adapters() == []
+        # PEFT failing inside the first injection (its PeftModel) leaves no wrapped layer behind (review)
+        built.loras.load("act", edited("act", target_modules=["q_proj", "act_fn"]))
+        (out,) = built.generate([[5, 6, 7]], GREEDY, lora="act", use_tqdm=False)
+        assert out.error is not None and "AdapterError" in out.error
+        assert not any(hasattr(module, "lora_A") for module in model.modules())
         built.loras.load("m", edited("missing", target_modules=["q_proj", "k_proj", "v_proj"]))
         (out,) = built.generate([[5, 6, 7]], GREEDY, lora="m", use_tqdm=False)
         assert out.error is not None and "AdapterError" in out.error and "no weights for" in out.error
@@ -301,6 +306,14 @@ def test_an_lm_head_adapter_saved_with_the_whole_head_is_served_when_the_head_is
         built.loras.load("head", head)
         (out,) = built.generate([[5, 6, 7]], GREEDY, lora="head", use_tqdm=False)
         assert_reference(out, reference(peft_model(head), [5, 6, 7], NEW))
+    # a copy saved from a bfloat16 model is the same head for a float32 one (review: it was refused across dtypes)
+    from pagedcore.adapters.transformers.lora_files import _same
+
+    head_weight = base_model().lm_head.weight
+    assert _same(head_weight, head_weight.to(torch.bfloat16)) and not _same(
+        head_weight, head_weight.to(torch.bfloat16) + 1
+    )
+    with Engine(base_model(), num_blocks=32, block_size=4, enable_lora=True) as built:
         weights["base_model.model.lm_head.base_layer.weight"] += 1
         save_file(weights, f"{head}/adapter_model.safetensors")
         with pytest.raises(AdapterError, match=r"lm_head\.base_layer\.weight' is a whole layer's weights"):

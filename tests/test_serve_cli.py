@@ -53,7 +53,7 @@ def test_the_command_line_imports_no_server_or_model_library():
         (["--ray", "--api-key", "sk-1"], "--api-key is not supported with --ray yet"),
         (["--kv-store", "/tmp"], "--kv-store: kv_store='/tmp' needs kv_store_bytes= (its budget"),
         # a broken template is the server's error at start-up, not a 400 blaming every chat request (outside audit)
-        (["--chat-template", "{% for m in messages %}{{ m.content }"], "is not a Jinja template: unexpected '}'"),
+        (["--chat-template", "{% for m in messages %}{{ m.content }", "--port", "0"], "is not a Jinja template"),
         (["--kv-store-bytes", "1GiB"], "--kv-store-bytes sizes the stores below the pool: give kv_store= too"),
         (["--kv-store", "/tmp", "--kv-store-bytes", "lots"], "--kv-store-bytes must be a size like 8MiB"),
         # The Ray deployment's app reads tool calls in the default format: another one is refused, not ignored.
@@ -100,6 +100,33 @@ def test_vllm_flags_parse_as_vllm_reads_them_and_abbreviations_are_refused(capsy
     with pytest.raises(SystemExit) as exit_info:
         _parser().parse_args(["serve", "--max-q", "8"])  # argparse would have read it as --max-queue
     assert exit_info.value.code == 2 and "unrecognized arguments: --max-q" in capsys.readouterr().err
+
+
+def test_the_port_refuses_connections_while_the_model_loads(capsys, monkeypatch):
+    """Regression (review of the early bind): listening before the model loaded left clients connected and waiting
+    (a TCP readiness probe said the server was up); the port is bound then, and listens only once it can answer."""
+    import socket
+
+    from pagedcore.cli.common import UsageError
+    from pagedcore.serve import cli
+
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()
+    seen: list[str] = []
+
+    def loading(*args: object) -> None:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=5).close()
+            seen.append("accepted")
+        except ConnectionRefusedError:
+            seen.append("refused")
+        raise UsageError("stop here")
+
+    monkeypatch.setattr(cli, "_model", loading)
+    assert main(["serve", "--port", str(port)]) == 2
+    assert seen == ["refused"] and "stop here" in capsys.readouterr().err
 
 
 def test_usage_errors_are_one_line_from_the_subcommand_and_vllm_short_flags_parse(capsys):
@@ -313,3 +340,16 @@ def test_a_model_without_a_chat_template_is_said_at_start_up(capsys):
     assert "warning: './ckpt' has no chat template" in capsys.readouterr().err
     cli._app_options(parser.parse_args([]), ["pagedcore-builtin"], UsageError, builtin_tokenizer())
     assert "chat template" not in capsys.readouterr().err
+
+
+def test_a_chat_template_is_checked_with_the_jinja_transformers_renders_with():
+    """Regression (review): the start-up check used plain Jinja, which refuses the {% break %} and {% generation %}
+    tags transformers' apply_chat_template renders."""
+    from pagedcore.cli.common import UsageError
+    from pagedcore.serve import cli
+
+    loops = "{% for m in messages %}{{ m.content }}{% if loop.index > 1 %}{% break %}{% endif %}{% endfor %}"
+    cli._check_template(loops, "loops", UsageError)
+    cli._check_template("{% generation %}{{ messages[0].content }}{% endgeneration %}", "gen", UsageError)
+    with pytest.raises(UsageError, match="is not a Jinja template"):
+        cli._check_template("{{ x }", "bad", UsageError)

@@ -354,5 +354,7 @@ def test_tokenizer_names_the_tokenizer_of_a_checkpoint_saved_without_one(tmp_pat
     )
     _, tokenizer, name = cli._model(args, UsageError)
     assert name == str(tmp_path / "bare") and tokenizer("Hi").input_ids == builtin_tokenizer()("Hi").input_ids
-    with pytest.raises(UsageError, match=r"a folder without tokenizer files\? --tokenizer PATH names another"):
+    with pytest.raises(
+        UsageError, match=r"a folder without tokenizer files\? \(serve's --tokenizer PATH names another\)"
+    ):
         cli._model(parser.parse_args(["--model", str(tmp_path / "bare"), "--threads", "1"]), UsageError)

@@ -93,7 +93,10 @@ def test_recurrent_gemma_single_rows_are_computed_as_stock():
 
 @pytest.mark.parametrize("family", ["mamba", "falcon_mamba", "recurrent_gemma"])
 def test_families_that_cannot_resume_a_snapshot_take_no_hit_and_give_stock_tokens(family):
-    assert single_row_calls(tiny_family(family), [PROMPT, [*PROMPT, 33, 34, 35, 36, 37], PROMPT]) == 0
+    model = tiny_family(family)
+    assert single_row_calls(model, [PROMPT, [*PROMPT, 33, 34, 35, 36, 37]]) == 0
+    # Mamba's repeated prompt resumes nothing (its state is kept at its last-but-one token): its hit is taken
+    assert single_row_calls(model, [PROMPT, PROMPT]) == (0 if family == "recurrent_gemma" else len(PROMPT) - 1)
 
 
 def test_a_hybrid_resuming_one_token_at_a_time_still_hits():

@@ -393,3 +393,25 @@ def test_the_watch_holds_no_replaced_tensor_and_tolerates_a_dead_model():
     del model
     gc.collect()
     assert not watch.check()
+
+
+def test_peft_adapter_names_on_an_enabled_encoder_decoder_run_as_stock(enabled):
+    """Regression (review): the check ran after enable()'s encoder-decoder branch, so on BART a decoder prefix
+    cached under adapter ``a`` was served to ``b`` with other tokens."""
+    import copy
+
+    from test_encoder_decoder import bart
+
+    model = bart()
+    torch.manual_seed(1)
+    peft_model = get_peft_model(model, lora(target_modules=["q_proj", "v_proj"]), adapter_name="a")
+    peft_model.add_adapter("b", lora(target_modules=["q_proj", "v_proj"]))
+    peft_model.eval()
+    reference = copy.deepcopy(peft_model)
+    pool = enabled(model)
+    ids = torch.randint(3, 250, (1, 12), generator=torch.Generator().manual_seed(3))
+    call = {"max_new_tokens": 6, "do_sample": False, "decoder_input_ids": torch.tensor([[0, 5, 9, 17, 33, 41, 52]])}
+    for names in (["a"], ["b"], ["__base__"], ["a"]):
+        want = reference.generate(input_ids=ids, adapter_names=names, **call)
+        assert torch.equal(peft_model.generate(input_ids=ids, adapter_names=names, **call), want)
+    assert pool.num_hit_tokens == 0

@@ -64,7 +64,7 @@ def load_model(
             if Path(name).expanduser().is_dir():
                 raise UsageError(
                     f"cannot load the tokenizer in {name!r} ({first_line(exc).rstrip(' :')}): a folder without "
-                    "tokenizer files? --tokenizer PATH names another"
+                    "tokenizer files? (serve's --tokenizer PATH names another)"
                 ) from exc
             raise UsageError(f"cannot load model {name!r}{_not_here(name)}: {first_line(exc)}") from exc
     try:

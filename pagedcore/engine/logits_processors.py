@@ -185,12 +185,20 @@ class TokenTables:
 
     @classmethod
     def of(cls, bias: Sequence[tuple[int, float]], allowed: Sequence[int] | None) -> TokenTables:
-        """The tables of ``bias`` (``(id, bias)`` pairs, :func:`logit_bias_pairs`) and ``allowed`` (ids or None)."""
+        """The tables of ``bias`` (``(id, bias)`` pairs, :func:`logit_bias_pairs`; an id given twice adds up) and
+        ``allowed`` (ids or None)."""
+        summed: dict[int, float] = {}
+        for token, value in bias:
+            summed[token] = summed.get(token, 0.0) + value
+        ids = sorted(summed)
         return cls(
-            torch.tensor([token for token, _ in bias], dtype=torch.int64),
-            torch.tensor([value for _, value in bias], dtype=torch.float64),
-            torch.tensor(list(allowed or ()), dtype=torch.int64),
+            torch.tensor(ids, dtype=torch.int64),
+            torch.tensor([summed[token] for token in ids], dtype=torch.float64),
+            torch.tensor(sorted(set(allowed or ())), dtype=torch.int64),
         )
+
+
+_NO_TABLES = TokenTables.of((), None)
 
 
 # --------------------------------------------------------------------------------------------------- the stage
@@ -263,10 +271,13 @@ def _stacked(parts: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def _tables(row: Row) -> TokenTables:
-    tables = row.params.token_tables
-    if tables is None:  # parameters of another type than SamplingParams: made for this step
-        tables = TokenTables.of(row.params.bias_items, row.params.allowed_token_ids)
-    return tables
+    params = row.params
+    tables = getattr(params, "token_tables", None)
+    if tables is not None:
+        return tables
+    if not params.bias_items and not params.allowed_token_ids:
+        return _NO_TABLES  # e.g. a row masked for min_tokens only
+    return TokenTables.of(params.bias_items, params.allowed_token_ids)  # another type of parameters: for this step
 
 
 def _wants_masks_or_bias(row: Row) -> bool:

@@ -181,7 +181,7 @@ class SamplingParams:
         for theirs, value in (("max_tokens", max_tokens), ("min_tokens", min_tokens), ("stop", stop)):
             if value is not None:
                 ours = VLLM_NAMES[theirs]
-                if getattr(self, ours) != _DEFAULTS[ours]:
+                if getattr(self, ours) not in (_DEFAULTS[ours], [], None):
                     raise InvalidRequestError(f"{theirs} and {ours} are the same field: give one", param=theirs)
                 fix(self, ours, value)
         for name, minimum in (("max_new_tokens", 0), ("top_k", -1), ("min_new_tokens", 0), ("n", 1)):

@@ -292,9 +292,9 @@ def _build(args: argparse.Namespace, error: type[Exception]) -> tuple[Any, Any, 
     return engine, loop, server, sock
 
 
-def _listen(args: argparse.Namespace, error: type[Exception], bind: Callable[[str, int], Any]) -> Any:
+def _listen(args: argparse.Namespace, error: type[Exception], bind: Callable[..., Any]) -> Any:
     try:
-        return bind(args.host, args.port)
+        return bind(args.host, args.port, listen=False)
     except OSError as exc:  # the port taken, a host that does not resolve or is not this machine's
         raise error(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}") from None
 
@@ -310,7 +310,7 @@ def _serving(
     from .body import body_limits
     from .loop import EngineLoop
     from .lora_flags import load_lora_modules
-    from .server import make_server
+    from .server import make_server, start_listening
     from .startup import print_notes
 
     model, tokenizer, name = _model(args, error)
@@ -351,6 +351,7 @@ def _serving(
         access_log=not getattr(args, "disable_uvicorn_access_log", False),
         limits=_connection_limits(args, error),
     )
+    start_listening(sock)  # only now: a client connecting while the model loaded was refused, not left waiting
     _announce(args, engine, loop, names[0], port, api_keys, context)
     print(f"pagedcore serve: {key_source}", file=sys.stderr, flush=True)
     print_notes(args, model, options)
@@ -659,10 +660,10 @@ def _check_template(template: str, given: str, error: type[Exception]) -> None:
     """A ``--chat-template`` Jinja cannot parse is the server's error, said at start-up (else every chat request
     would get a 400 blaming the client)."""
     from jinja2 import TemplateSyntaxError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    from transformers.utils.chat_template_utils import _compile_jinja_template
 
     try:
-        ImmutableSandboxedEnvironment().parse(template)
+        _compile_jinja_template(template)  # the environment apply_chat_template renders with (break, generation)
     except TemplateSyntaxError as exc:
         raise error(f"--chat-template {given!r} is not a Jinja template: {exc.message} (line {exc.lineno})") from None
 

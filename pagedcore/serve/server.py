@@ -21,7 +21,7 @@ from .admission import Admission
 from .connections import ConnectionLimits, guarded_protocol
 from .loop import EngineLoop
 
-__all__ = ["BackgroundServer", "bind", "make_server"]
+__all__ = ["BackgroundServer", "bind", "make_server", "start_listening"]
 
 
 class _Server(uvicorn.Server):
@@ -47,8 +47,10 @@ class _Server(uvicorn.Server):
             await asyncio.sleep(0.05)
 
 
-def bind(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on ``host:port`` (port 0: a free one; ``getsockname()`` says which).
+def bind(host: str, port: int, *, listen: bool = True) -> socket.socket:
+    """A listening TCP socket on ``host:port`` (port 0: a free one; ``getsockname()`` says which); ``listen=False``:
+    bound only (the port is taken, connections are refused until :func:`listen`: ``serve`` binds before loading
+    the model, so a taken port is said at once, and listens once it can answer).
 
     Example:
         >>> sock = bind("127.0.0.1", 0)
@@ -60,13 +62,25 @@ def bind(host: str, port: int) -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
-        # Listening now, not when uvicorn starts: a client that read the start-up line (which names this port)
-        # before uvicorn serves waits in the backlog instead of being refused.
-        sock.listen(2048)
+        if listen:
+            start_listening(sock)
     except OSError:
         sock.close()
         raise
     return sock
+
+
+def start_listening(sock: socket.socket) -> None:
+    """Listen on ``sock`` before the start-up line names its port, not when uvicorn starts: a client that read the
+    line before uvicorn serves waits in the backlog instead of being refused.
+
+    Example:
+        >>> sock = bind("127.0.0.1", 0, listen=False)
+        >>> start_listening(sock)
+        >>> socket.create_connection(sock.getsockname()).close()
+        >>> sock.close()
+    """
+    sock.listen(2048)
 
 
 def make_server(

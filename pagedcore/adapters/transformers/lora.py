@@ -365,6 +365,11 @@ class LoraAdapters:
                 parts = getattr(module, attr, None)
                 if isinstance(parts, torch.nn.ModuleDict) and internal in parts:
                     del parts[internal]
+        if self._peft is None:  # the first injection failed inside PeftModel(): unwrap what it wrapped
+            wrapped = [(name, m) for name, m in self.model.named_modules() if hasattr(m, "lora_A")]
+            for name, module in wrapped:
+                parent, _, child = name.rpartition(".")
+                setattr(self.model.get_submodule(parent) if parent else self.model, child, module.base_layer)
 
     def _evict(self, entry: _Adapter) -> None:
         """Take ``entry`` out of the model (its weights stay in host memory, as they are now)."""

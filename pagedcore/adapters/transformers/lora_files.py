@@ -185,12 +185,20 @@ def _without_base_copies(state: dict[str, torch.Tensor], model: torch.nn.Module)
         except AttributeError:
             layer = None
         own = getattr(getattr(layer, "base_layer", layer), part, None)
-        if not isinstance(own, torch.Tensor) or own.shape != tensor.shape or not torch.equal(own.cpu(), tensor):
+        if not isinstance(own, torch.Tensor) or own.shape != tensor.shape or own.is_meta or not _same(own, tensor):
             raise AdapterError(
                 f"weight {key!r} is a whole layer's weights (PEFT's save_embedding_layers) that differ from this "
                 "model's: a resized vocabulary or another base model; LoRA weights are served, not changed layers"
             )
     return kept
+
+
+def _same(own: torch.Tensor, saved: torch.Tensor) -> bool:
+    """Whether ``saved`` is ``own`` as saved in its dtype (a bfloat16 model's head read by a float32 one: compared
+    in the coarser dtype), compared where ``own`` lies."""
+    coarse = own.dtype if torch.finfo(own.dtype).bits <= torch.finfo(saved.dtype).bits else saved.dtype
+    with torch.no_grad():
+        return bool(torch.equal(own.to(coarse), saved.to(own.device, coarse)))
 
 
 def _check_shapes(state: dict[str, torch.Tensor], model: torch.nn.Module, config: Any) -> tuple[str, ...]:

@@ -305,6 +305,8 @@ def _generate(model: Any, call: Callable[..., Any], state: _Enabled, args: tuple
 def _run(
     model: Any, call: Callable[..., Any], state: _Enabled, args: tuple[Any, ...], kwargs: dict, ns: Hashable
 ) -> Any:
+    if _peft_per_call(model, state):
+        return call(*args, **kwargs)
     if is_encoder_decoder(model):  # the decoder's self-attention paged, keyed by the encoder input (seq2seq_calls)
         _check_placement(state)
         return run_seq2seq(model, call, state.pool, state.attention_backend, args, kwargs, ns)
@@ -318,25 +320,24 @@ def _run(
     passed = kwargs.get("cache")
     if passed is None:
         passed = kwargs.get("past_key_values")
-    if _peft_per_call(model, state):
-        return call(*args, **kwargs)
     if passed is not None:
         if isinstance(passed, PagedCache) and passed.pool is state.pool:
             _check_placement(state)
             return _continue(model, call, state, passed, args, kwargs, input_ids, mask, settings, ns)
         return call(*args, **kwargs)  # the caller's own cache
-    if not settings.use_cache or _rope_changes(model, input_ids.shape[1] + settings.max_new_tokens):
+    if not settings.use_cache or _rope_changes(model, input_ids.shape[1]):
         return call(*args, **kwargs)
     _check_placement(state)
     return _fresh(model, call, state, args, kwargs, input_ids, mask, settings, ns)
 
 
-def _rope_changes(model: Any, positions: int) -> bool:
-    """Whether a call of up to ``positions`` positions may cross where the model's rotary frequencies change with the
-    forward's largest position (dynamic, longrope: :func:`~.spec.packed_rope_limit`): its prompt is then computed
-    as stock computes it, in one forward (a hit's keys were computed by a shorter forward, at other frequencies)."""
+def _rope_changes(model: Any, prompt: int) -> bool:
+    """Whether a prompt of ``prompt`` positions crosses where the model's rotary frequencies change with the
+    forward's largest position (dynamic, longrope: :func:`~.spec.packed_rope_limit`): stock computes it in one
+    forward at the other frequencies, where a hit's keys came from a shorter forward, so the call runs as stock. Its
+    decode steps are the same forwards either way."""
     rope = packed_rope_limit(model)
-    return rope is not None and positions > rope[0]
+    return rope is not None and prompt > rope[0]
 
 
 def _peft_per_call(model: Any, state: _Enabled) -> bool:

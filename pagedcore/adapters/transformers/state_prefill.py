@@ -116,7 +116,8 @@ class StatePrefill:
         for tokens in prompts:
             kv.load_prefix(tokens, self.namespace)
             match = kv.match(tokens, self.namespace, max_tokens=len(tokens) - 1)
-            hit = match.num_tokens if self.takes_hits else 0
+            repeat = match.num_tokens >= len(tokens) - 1  # nothing to resume: the state is where the prompt stops
+            hit = match.num_tokens if self.takes_hits == "all" or (self.takes_hits == "repeats" and repeat) else 0
             if not self.resumes_chunks and len(tokens) - 1 - hit > TOKEN_BY_TOKEN_LIMIT:
                 hit = 0  # resuming one token at a time would cost more than computing the row in one forward
             row = _Row(list(tokens), match, hit)

@@ -44,10 +44,10 @@ _KV_OF_STATE = {
 # Families whose multi-token forward on a cached state does not continue from it (see the module docstring).
 _TOKEN_BY_TOKEN = frozenset({"jamba", "mamba", "falcon_mamba", "zamba", "recurrent_gemma"})
 _CUSTOM_CACHE = frozenset({"minimax"})
-# Families whose state ``enable()`` does not resume from a snapshot (each call computes its prompt whole, as stock):
-# their one-token forwards over a resumed state give other logits than stock's whole prompt (RecurrentGemma), or
-# they are state layers only and multiply each fed token by the call's whole attention mask (Mamba, Falcon-Mamba).
-_NO_SNAPSHOT_HITS = frozenset({"recurrent_gemma", "mamba", "falcon_mamba"})
+# Families whose state ``enable()`` resumes from a snapshot only for a repeated prompt (nothing to resume: Mamba and
+# Falcon-Mamba, state layers only, multiply each resumed token by the call's whole attention mask) or never (each
+# call computes its prompt whole, as stock: RecurrentGemma's forwards over a resumed state differ from stock's).
+_SNAPSHOT_HITS = {"mamba": "repeats", "falcon_mamba": "repeats", "recurrent_gemma": "none"}
 
 
 def kv_layer_type(layer_type: str) -> str:
@@ -102,7 +102,8 @@ class StateSpec:
         resumes_chunks: a forward of several tokens on a cached state continues from it (else a resumed state is
             continued one token at a time).
         custom_cache: the model requires a cache class of its own (MiniMax).
-        snapshot_hits: ``enable()`` resumes its calls from state snapshots (else every call computes its prompt).
+        snapshot_hits: which ``enable()``d calls resume a state snapshot: ``"all"``, ``"repeats"`` (a repeated
+            prompt's, which resumes no token) or ``"none"`` (every call computes its prompt).
 
     Example:
         >>> from transformers import AutoConfig
@@ -116,7 +117,7 @@ class StateSpec:
     layers: dict[int, int]
     resumes_chunks: bool = True
     custom_cache: bool = False
-    snapshot_hits: bool = True
+    snapshot_hits: str = "all"
 
     @classmethod
     def from_config(cls, config: Any) -> StateSpec:
@@ -133,7 +134,11 @@ class StateSpec:
         }
         family = model_type.removesuffix("_text")
         return cls(
-            model_type, layers, family not in _TOKEN_BY_TOKEN, family in _CUSTOM_CACHE, family not in _NO_SNAPSHOT_HITS
+            model_type,
+            layers,
+            family not in _TOKEN_BY_TOKEN,
+            family in _CUSTOM_CACHE,
+            _SNAPSHOT_HITS.get(family, "all"),
         )
 
     @property

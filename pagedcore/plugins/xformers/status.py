@@ -142,8 +142,8 @@ def install_plan(env: Environment) -> list[str]:
         >>> env = Environment("2.13.0", "13.0", 1, "H200", (9, 0), "3.6.0", "0.0.35", "torch 2.10.0+cu128, CUDA 12.8",
         ...     "libcudart.so.12", None, None)
         >>> install_plan(env)   # doctest: +NORMALIZE_WHITESPACE
-        ["pip install nvidia-cuda-runtime-cu12 (or make install EXTRAS=gpu in the pagedcore checkout (or pip install
-          -e '.[gpu]' there)): xformers' library needs libcudart.so.12 and torch 2.13.0 is a CUDA 13.0 build, which
+        ["pip install nvidia-cuda-runtime-cu12 (or make install EXTRAS=gpu in the pagedcore checkout, or pip install
+          -e '.[gpu]' there): xformers' library needs libcudart.so.12 and torch 2.13.0 is a CUDA 13.0 build, which
           does not load it"]
     """
     steps = []

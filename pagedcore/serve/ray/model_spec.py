@@ -86,8 +86,10 @@ class ModelSpec:
         return AutoTokenizer.from_pretrained(self.path)
 
     def context_length(self) -> int | None:
-        """``max_position_embeddings`` of the model's config (no weights loaded), or None when it has none."""
-        from pagedcore.adapters.transformers.spec import text_config
+        """``max_position_embeddings`` of the model's config (no weights loaded), or None when it has none; at most
+        where its rotary frequencies change with the forward (the replicas' Engines serve no more:
+        :func:`~pagedcore.adapters.transformers.spec.packed_rope_limit`)."""
+        from pagedcore.adapters.transformers.spec import packed_rope_limit, text_config
 
         config: Any
         if self.path is None:  # small: building it is the one place its config is written
@@ -98,4 +100,6 @@ class ModelSpec:
             from transformers import AutoConfig
 
             config = AutoConfig.from_pretrained(self.path)
-        return getattr(text_config(config), "max_position_embeddings", None)
+        limit = getattr(text_config(config), "max_position_embeddings", None)
+        rope = packed_rope_limit(config)
+        return rope[0] if rope is not None and (limit is None or rope[0] < limit) else limit
