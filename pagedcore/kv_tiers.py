@@ -347,12 +347,11 @@ class KVTiers:
         data = encode(item.key, item.fingerprint, item.group, item.tokens, self._io.to_bytes(item.copy))
         failures = sum(not store.put(item.key, data) for store in self._stores)
         with self._lock:
-            if failures == len(self._stores):  # no store took it: counted as failures only
-                pass
-            elif item.group == STATE_GROUP:
-                self._stats.snapshots_written += 1
+            stored = failures < len(self._stores)  # one no store took counts as failures only
+            if item.group == STATE_GROUP:
+                self._stats.snapshots_written += stored
             else:
-                self._stats.blocks_written += 1
+                self._stats.blocks_written += stored
             self._stats.write_failures += failures
             self._stats.write_seconds += time.perf_counter() - started
 

@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 from models import EOS, FIRST_TOKEN, VOCAB, tiny_model
+from python_lines import lines_run
 from test_engine import settle, workload
 from transformers import DynamicCache
 from transformers.generation.logits_process import (
@@ -93,11 +94,9 @@ def test_masks_and_bias_cost_the_same_python_for_two_ids_or_the_whole_vocabulary
     """Regression: every step rebuilt a row's ``logit_bias`` and ``allowed_token_ids`` from Python lists, so one
     request biasing the whole vocabulary (151936 ids) made each of its neighbours' steps 30-40 ms slower. The ids are
     now tensors made once with the parameters. Counted in Python lines run, not timed; the values are the same."""
-    import sys
-
     vocab = 4096
 
-    def lines_run(count: int) -> tuple[int, torch.Tensor]:
+    def masked(count: int) -> int:
         params = [
             SamplingParams(logit_bias={token: 0.5 + token % 3 for token in range(count)}),
             SamplingParams(allowed_token_ids=list(range(0, 2 * count, 2))),
@@ -105,28 +104,16 @@ def test_masks_and_bias_cost_the_same_python_for_two_ids_or_the_whole_vocabulary
         ]
         logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(0))
         rows = [row(p, [4]) for p in params]
-        lines = 0
-
-        def trace(frame, event, arg):  # type: ignore[no-untyped-def]
-            nonlocal lines
-            lines += event == "line"
-            return trace
-
-        sys.settrace(trace)
-        try:
-            got = process_rows(logits.clone(), rows)
-        finally:
-            sys.settrace(None)
+        lines, got = lines_run(lambda: process_rows(logits.clone(), rows))
         want = logits.clone()
         want[0, :count] += torch.tensor([0.5 + token % 3 for token in range(count)])
         keep = torch.zeros(vocab, dtype=torch.bool)
         keep[: 2 * count : 2] = True
         want[1, ~keep] = float("-inf")
         assert torch.equal(got, want)
-        return lines, got
+        return lines
 
-    few, _ = lines_run(2)
-    many, _ = lines_run(vocab // 2)
+    few, many = masked(2), masked(vocab // 2)
     assert many <= few + 10, (few, many)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from byte_text import byte_tokenizer
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from python_lines import lines_run
 
 from pagedcore.adapters.transformers.builtin import builtin_tokenizer
 from pagedcore.adapters.transformers.detokenizer import IncrementalDetokenizer
@@ -117,29 +118,21 @@ def test_matching_costs_the_same_for_ten_stop_strings_or_ten_thousand():
     """Regression: every generated token looped in Python over every stop string (``StopStrings.find`` and
     ``hold``), in the step that every request shares, so one request's 10**5 stop strings made its neighbours'
     steps 40x slower. Counted in Python lines run, not timed: the same within a few lines for 10 or 10000."""
-    import sys
 
-    def lines_run(count: int) -> int:
+    def matched(count: int) -> int:
         stops = StopStrings((*(f"zq{i}" for i in range(count)), "a\nb"))
         text = SampleText(_Pieces(["xa", "\n", "zq", "y", "a", "\nb"]), stops)
-        lines = 0
 
-        def trace(frame, event, arg):  # type: ignore[no-untyped-def]
-            nonlocal lines
-            lines += event == "line"
-            return trace
-
-        sys.settrace(trace)
-        try:
+        def steps() -> None:
             for count in range(1, 7):
                 text.add(count, count)
                 text.take()
-        finally:
-            sys.settrace(None)
+
+        lines, _ = lines_run(steps)
         assert text.stop_reason == "a\nb" and text.text == "xa\nzqy"
         return lines
 
-    few, many = lines_run(10), lines_run(10_000)
+    few, many = matched(10), matched(10_000)
     assert many <= few + 10, (few, many)
 
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Mapping, Sequence
-from dataclasses import InitVar, dataclass, field
+from dataclasses import InitVar, dataclass, field, fields
 from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
@@ -69,8 +69,6 @@ VLLM_NAMES = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens", "s
 _TORCH_SEEDS = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes (negatives map to 2**64 - 1 + seed)
 _GOLDEN = 0x9E3779B97F4A7C15  # spreads the seeds of a request's parallel samples
 
-
-_DEFAULTS: dict[str, Any] = {"max_new_tokens": 16, "min_new_tokens": 0, "stop_strings": ()}  # the fields' defaults
 
 GREEDY_BELOW = 1e-5
 """Temperatures below this are greedy (vLLM's threshold too): dividing logits by a temperature near 0 overflows
@@ -181,7 +179,7 @@ class SamplingParams:
         for theirs, value in (("max_tokens", max_tokens), ("min_tokens", min_tokens), ("stop", stop)):
             if value is not None:
                 ours = VLLM_NAMES[theirs]
-                if getattr(self, ours) not in (_DEFAULTS[ours], [], None):
+                if getattr(self, ours) not in (_FIELDS[ours].default, [], None):
                     raise InvalidRequestError(f"{theirs} and {ours} are the same field: give one", param=theirs)
                 fix(self, ours, value)
         for name, minimum in (("max_new_tokens", 0), ("top_k", -1), ("min_new_tokens", 0), ("n", 1)):
@@ -365,6 +363,9 @@ def sample_tokens(logits: torch.Tensor, params: SamplingParams, generators: Sequ
     if "row" in out.failed:
         raise FloatingPointError(out.failed["row"])
     return out.tokens["row"]
+
+
+_FIELDS = {f.name: f for f in fields(SamplingParams)}  # their defaults: what a vLLM name may replace
 
 
 @dataclass(slots=True)

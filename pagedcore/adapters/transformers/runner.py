@@ -48,7 +48,7 @@ from .padded_step import PaddedStep
 from .pool import PagedKVPool
 from .prepacked import PrepackedLinears, resolve_prepack
 from .probe import engine_path
-from .spec import context_limit, packed_rope_limit, text_config
+from .spec import context_limit, rope_capped, text_config
 from .state_step import PreparedStateStep, StateSteps
 from .step_batch import PackedCache, PreparedStep
 
@@ -108,10 +108,7 @@ class TransformersRunner:
         self.attention_backend = attention_backend
         self._text_config = text_config(model)
         vocab = as_integer(getattr(self._text_config, "vocab_size", None)) or None
-        limit, note = context_limit(model), ""
-        rope = packed_rope_limit(model)  # dynamic / longrope RoPE: served exactly up to where its frequencies change
-        if rope is not None and (limit is None or rope[0] < limit):
-            limit, note = rope
+        limit, note = rope_capped(context_limit(model), model)  # dynamic / longrope RoPE: up to where it changes
         self._info = ModelInfo(vocab, limit, tuple(eos_token_ids(model, tokenizer)), device, note)
         self._cache = PackedCache(self.pool)
         self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters

@@ -454,11 +454,8 @@ def context_limit(model: Any) -> int | None:
     config = text_config(model)
     if getattr(config, "alibi", False) or getattr(config, "model_type", None) == "bloom":
         return None
-    rope = getattr(config, "rope_parameters", None)
-    if isinstance(rope, dict):
-        per_kind = [v for v in rope.values() if isinstance(v, dict)] or [rope]  # Gemma3: one entry per layer kind
-        if any(p.get("rope_type") == "dynamic" for p in per_kind):
-            return None
+    if any(p.get("rope_type") == "dynamic" for p in _rope_kinds(config)):
+        return None
     for name in ("max_position_embeddings", "n_positions"):
         limit = as_integer(getattr(config, name, None))
         if limit is not None and limit > 0:
@@ -483,11 +480,8 @@ def packed_rope_limit(model: Any) -> tuple[int, str] | None:
         True
     """
     config = text_config(model)
-    rope = getattr(config, "rope_parameters", None)
-    if not isinstance(rope, dict):
-        return None
     limits = []
-    for params in [v for v in rope.values() if isinstance(v, dict)] or [rope]:
+    for params in _rope_kinds(config):
         kind = params.get("rope_type")
         if kind == "dynamic":
             limit = as_integer(getattr(config, "max_position_embeddings", None))
@@ -506,6 +500,27 @@ def packed_rope_limit(model: Any) -> tuple[int, str] | None:
         f"its rope_type {kind!r} picks its frequencies from the largest position of each forward, which the "
         f"Engine's packed, chunked and prefix-cached forwards change past {limit} positions"
     )
+
+
+def rope_capped(limit: int | None, model: Any) -> tuple[int | None, str]:
+    """``limit`` (a context) at most :func:`packed_rope_limit`'s, and why when that lowered it (else ``""``): the
+    context an Engine of ``model`` serves.
+
+    Example:
+        >>> from transformers import LlamaConfig
+        >>> rope_capped(4096, LlamaConfig(max_position_embeddings=4096))
+        (4096, '')
+    """
+    rope = packed_rope_limit(model)
+    return rope if rope is not None and (limit is None or rope[0] < limit) else (limit, "")
+
+
+def _rope_kinds(config: Any) -> list[dict[str, Any]]:
+    """The config's rope parameters, one dict per layer kind (Gemma3: one entry per kind), or none."""
+    rope = getattr(config, "rope_parameters", None)
+    if not isinstance(rope, dict):
+        return []
+    return [v for v in rope.values() if isinstance(v, dict)] or [rope]
 
 
 def text_config(model: Any) -> PretrainedConfig:

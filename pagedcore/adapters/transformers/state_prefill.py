@@ -105,7 +105,7 @@ class StatePrefill:
         self.attention_backend = attention_backend
         self.spacing = slots.interval * pool.block_size
         self.resumes_chunks = pool.state_spec.resumes_chunks
-        self.takes_hits = pool.state_spec.snapshot_hits  # (see StateSpec: RecurrentGemma, Mamba, Falcon-Mamba)
+        self.snapshot_hits = pool.state_spec.snapshot_hits  # "all", "repeats" or "none" (see StateSpec)
         self.rows: list[_Row] = []
 
     # ------------------------------------------------------------------ under the pool's lock
@@ -117,7 +117,7 @@ class StatePrefill:
             kv.load_prefix(tokens, self.namespace)
             match = kv.match(tokens, self.namespace, max_tokens=len(tokens) - 1)
             repeat = match.num_tokens >= len(tokens) - 1  # nothing to resume: the state is where the prompt stops
-            hit = match.num_tokens if self.takes_hits == "all" or (self.takes_hits == "repeats" and repeat) else 0
+            hit = match.num_tokens if self.snapshot_hits == "all" or (self.snapshot_hits == "repeats" and repeat) else 0
             if not self.resumes_chunks and len(tokens) - 1 - hit > TOKEN_BY_TOKEN_LIMIT:
                 hit = 0  # resuming one token at a time would cost more than computing the row in one forward
             row = _Row(list(tokens), match, hit)

@@ -88,8 +88,8 @@ class ModelSpec:
     def context_length(self) -> int | None:
         """``max_position_embeddings`` of the model's config (no weights loaded), or None when it has none; at most
         where its rotary frequencies change with the forward (the replicas' Engines serve no more:
-        :func:`~pagedcore.adapters.transformers.spec.packed_rope_limit`)."""
-        from pagedcore.adapters.transformers.spec import packed_rope_limit, text_config
+        :func:`~pagedcore.adapters.transformers.spec.rope_capped`)."""
+        from pagedcore.adapters.transformers.spec import rope_capped, text_config
 
         config: Any
         if self.path is None:  # small: building it is the one place its config is written
@@ -100,6 +100,4 @@ class ModelSpec:
             from transformers import AutoConfig
 
             config = AutoConfig.from_pretrained(self.path)
-        limit = getattr(text_config(config), "max_position_embeddings", None)
-        rope = packed_rope_limit(config)
-        return rope[0] if rope is not None and (limit is None or rope[0] < limit) else limit
+        return rope_capped(getattr(text_config(config), "max_position_embeddings", None), config)[0]
