@@ -111,6 +111,25 @@ def test_invalid_specs_raise_at_parse(compiler, spec, message):
         compiler.submit(spec)  # refused before anything is queued
 
 
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        (StructuredOutput.regex("é+"), "no token of the model's vocabulary can start an output of it"),
+        (StructuredOutput.choice(["é", "ü"]), "cannot compile choice"),  # llguidance's own message
+    ],
+)
+def test_a_grammar_no_token_can_start_is_refused_at_compile(spec, message):
+    """The built-in ASCII vocabulary cannot spell "é": llguidance's first mask allows only ``<unk>``, which it
+    then refuses, so the request was admitted and failed at its first token (a 200 stream ending in an error)."""
+    compiler = GrammarCompiler(builtin_tokenizer(), vocab_size=len(builtin_tokenizer()))
+    try:
+        with pytest.raises(GrammarError, match=message):
+            compiler.compile(spec)
+        assert compiler.compile(StructuredOutput.regex("a+")).vocab_size == len(builtin_tokenizer())
+    finally:
+        compiler.close()
+
+
 def test_compiled_grammars_are_cached_by_spec(tok):
     compiler = GrammarCompiler(tok, vocab_size=len(tok))
     try:

@@ -244,7 +244,7 @@ class GrammarCompiler:
         # the vocabulary can start (a choice of characters the tokenizer cannot spell) is refused too.
         first = b"" if matcher.is_error() else probe.compute_bitmask()
         error = matcher.get_error() if matcher.is_error() else probe.get_error() if probe.is_error() else None
-        if error is None and not any(first):
+        if error is None and not _starts(probe, first):
             error = "no token of the model's vocabulary can start an output of it"
         if error is not None:
             with self._lock:
@@ -271,6 +271,32 @@ class GrammarCompiler:
     def close(self) -> None:
         """Stop the workers (a compilation under way is left to finish in the background)."""
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _starts(matcher: Any, bitmask: bytes, checked: int = 64) -> bool:
+    """Whether a token ``matcher``'s first mask allows is one it accepts. llguidance's mask may allow a special
+    token it then refuses (the built-in tokenizer's ``<unk>`` where the grammar needs a character the vocabulary
+    lacks): the first ``checked`` allowed tokens are tried; past them the mask is trusted.
+
+    Example:
+        >>> class Matcher:  # accepts token 33 only
+        ...     def validate_tokens(self, tokens): return int(tokens == [33])
+        >>> mask = (1 << 3).to_bytes(4, "little") + (1 << 1).to_bytes(4, "little")   # tokens 3 and 33
+        >>> _starts(Matcher(), mask), _starts(Matcher(), mask[:4]), _starts(Matcher(), bytes(8))
+        (True, False, False)
+    """
+    words = memoryview(bytes(bitmask)).cast("B")
+    tried = 0
+    for index, byte in enumerate(words):
+        while byte:
+            low = byte & -byte
+            if matcher.validate_tokens([index * 8 + low.bit_length() - 1]):
+                return True
+            tried += 1
+            if tried >= checked:
+                return True
+            byte ^= low
+    return False
 
 
 def _shorten(text: str) -> str:
