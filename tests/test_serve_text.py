@@ -98,3 +98,60 @@ def test_parallel_samples_stop_on_their_own_and_are_not_computed_after(served):
     # A stopped sample ends with the token that completed its stop string: nothing is computed for it after that.
     assert out.usage.completion_tokens == 2 * texts.count("") + 8 * texts.count("a" * 8)
     assert engine.stats().generated_tokens - before == out.usage.completion_tokens
+
+
+def _stop_reason(choice) -> object:
+    return (choice.model_extra or {}).get("stop_reason", "absent")
+
+
+def test_a_stop_tokens_text_is_kept_only_when_asked_and_stop_reason_names_it(served):
+    """vLLM's rule: a stop token's text is left out unless ``include_stop_str_in_output`` (the audit found it always
+    kept, and a stop token that is half a character left U+FFFD); every choice carries vLLM's ``stop_reason``."""
+    client, _ = served
+    space, half = ids_of(TOKENIZER, " ")[0], ids_of(TOKENIZER, "ʖ")[0]  # the script's last token; half of "ʖ"
+    prompt = [TOKENIZER.convert_tokens_to_ids(IM_END)]
+    for include, expected in ((False, SCRIPT[:-1]), (True, SCRIPT)):
+        args = {"model": MODEL, "prompt": prompt, "temperature": 0, "max_tokens": 48}
+        extra = {"stop_token_ids": [space], "include_stop_str_in_output": include}
+        out = client.completions.create(**args, extra_body=extra).choices[0]
+        chunks = [c.choices[0] for c in client.completions.create(**args, extra_body=extra, stream=True) if c.choices]
+        assert out.text == "".join(c.text for c in chunks) == expected
+        assert out.finish_reason == chunks[-1].finish_reason == "stop"
+        assert _stop_reason(out) == _stop_reason(chunks[-1]) == space
+        assert all(_stop_reason(c) is None for c in chunks[:-1])
+    out = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=48,
+                                    extra_body={"stop_token_ids": [half]}).choices[0]  # fmt: skip
+    assert out.text == "中" and _stop_reason(out) == half
+    text = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=48, stop=["😀é"]).choices[0]
+    assert _stop_reason(text) == "😀é" and text.text == "中ʖ"
+    length = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=3).choices[0]
+    assert length.finish_reason == "length" and _stop_reason(length) is None
+    args = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 12, "temperature": 0}
+    first = client.chat.completions.create(**args).choices[0].message.content[0]
+    token = ids_of(TOKENIZER, first)[0]
+    chat = client.chat.completions.create(**args, extra_body={"stop_token_ids": [token]}).choices[0]
+    assert chat.finish_reason == "stop" and _stop_reason(chat) == token and chat.message.content == ""
+    chat = client.chat.completions.create(**args, stop=[first]).choices[0]
+    assert chat.finish_reason == "stop" and _stop_reason(chat) == first
+
+
+def test_continuous_usage_is_each_chunks_own_choice(served):
+    """vLLM's ``continuous_usage_stats``: a chunk's usage counts its own prompt and the tokens its own choice has
+    generated so far (it was the running total of every choice, prompts summed)."""
+    client, _ = served
+    prompts = [[TOKENIZER.convert_tokens_to_ids(IM_END)], ids_of(TOKENIZER, "中ʖ")]
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    stream = client.completions.create(
+        model=MODEL, prompt=prompts, n=2, temperature=0, max_tokens=3, stream=True, stream_options=options
+    )
+    counted: dict[int, int] = {}
+    chunks = list(stream)
+    for chunk in chunks[:-1]:  # a token that completes no character sends no chunk, but it is counted
+        choice = chunk.choices[0]
+        assert chunk.usage.prompt_tokens == len(prompts[choice.index // 2]), chunk
+        assert counted.get(choice.index, 0) <= chunk.usage.completion_tokens <= 3, chunk
+        counted[choice.index] = chunk.usage.completion_tokens
+        assert choice.finish_reason is None or chunk.usage.completion_tokens == 3
+    assert counted == {0: 3, 1: 3, 2: 3, 3: 3}
+    total = chunks[-1].usage
+    assert not chunks[-1].choices and (total.prompt_tokens, total.completion_tokens) == (2 * 1 + 2 * 2, 12)

@@ -591,10 +591,12 @@ class Engine:
         first event carries the request's prompt log-probabilities (with ``prompt_logprobs``)."""
         index = seq.sample_index
         text = request.texts[index]
-        text.add(token, seq.num_output_tokens)
+        stop_token = seq.finish_reason is FinishReason.STOP  # a stop token (SequenceState.append_token)
+        if not stop_token or text.keeps_stop:  # vLLM's: a stop token's text only if asked
+            text.add(token, seq.num_output_tokens)
         reason: str | None = None
         stop_reason: str | int | None = None
-        if seq.finish_reason is FinishReason.STOP:  # a stop token (SequenceState.append_token)
+        if stop_token:
             string = text.stop_by_id(token)
             reason, stop_reason = FinishReason.STOP.value, token if string is None else string
         elif text.stop_reason is not None:  # a stop string in the text

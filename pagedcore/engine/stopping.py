@@ -223,6 +223,12 @@ class SampleText:
         return None if self._detokenizer is None else "".join(self._taken) + self._pending
 
     @property
+    def keeps_stop(self) -> bool:
+        """Whether what stopped the sample stays in its text (``include_stop_str_in_output``): a stop string, and
+        the text of the stop token that ended it (vLLM's rule; without it, neither is in the text)."""
+        return self._stops.include
+
+    @property
     def num_decoded_ids(self) -> int:
         """Ids passed to ``tokenizer.decode`` for this sample (they grow linearly with its length)."""
         return 0 if self._detokenizer is None else self._detokenizer.num_decoded_ids

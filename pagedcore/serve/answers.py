@@ -39,6 +39,8 @@ class AnswerOptions:
         echo_logprobs: completions' ``echo`` with ``logprobs``: the prompt's positions come first.
         prompt_logprobs: show vLLM's ``prompt_logprobs`` (the request asked for them).
         format: how tokens and log-probabilities are shown.
+        stop_token_ids: the stop tokens the request named: a choice that a stop token ended shows it as its
+            ``stop_reason``, unless it is the model's eos the request did not name (then null, as vLLM's eos).
 
     Example:
         >>> AnswerOptions(echo=("Hi",)).prefix(0)
@@ -54,10 +56,26 @@ class AnswerOptions:
     echo_logprobs: bool = False
     prompt_logprobs: bool = False
     format: LogprobFormat = _IDS
+    stop_token_ids: frozenset[int] = frozenset()
 
     def prefix(self, prompt: int) -> str:
         """The text before prompt ``prompt``'s choices."""
         return self.echo[prompt] if prompt < len(self.echo) else ""
+
+    def stop_reason(self, choice: Choice) -> str | int | None:
+        """vLLM's ``stop_reason`` of an ended ``choice``: the stop string, or the stop token id the request named,
+        that ended it; null for the model's eos, the length, or a choice still running.
+
+        Example:
+            >>> AnswerOptions(stop_token_ids=frozenset({7})).stop_reason(Choice(0, reason="stop", stop_reason=7))
+            7
+            >>> AnswerOptions().stop_reason(Choice(0, reason="stop", stop_reason=2)) is None   # the model's eos
+            True
+        """
+        reason = choice.stop_reason
+        if isinstance(reason, int) and reason not in self.stop_token_ids:
+            return None
+        return reason
 
 
 @dataclass
@@ -74,6 +92,7 @@ class Choice:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     reason: str | None = None
+    stop_reason: str | int | None = None  # the engine's: the stop string or stop token id that ended it
     started: bool = False
     closed: bool = False
     logprobs: list[TokenLogprobs] = field(default_factory=list)
@@ -106,7 +125,7 @@ class Tally:
         self._index = {rid: i for i, rid in enumerate(request_ids)}
         self._n = n
         self.choices = [Choice(prompt=i // n) for i in range(len(request_ids) * n)]
-        self._known_prompt_tokens = sum(prompt_tokens)
+        self._prompt_lengths = list(prompt_tokens)  # per prompt, until the engine reports them
         self.prompt_tokens = 0
         self.completion_tokens = 0
         self.cached_tokens = 0
@@ -125,8 +144,15 @@ class Tally:
             if event.prompt_logprobs is not None and choice.prompt_logprobs is None:
                 choice.prompt_logprobs = event.prompt_logprobs
             choice.reason = event.finish_reason or choice.reason
+            if event.stop_reason is not None:
+                choice.stop_reason = event.stop_reason
             return [base + event.sample]
         touched = list(range(base, base + self._n))
+        prompt = self._index[event.request_id]
+        if prompt < len(self._prompt_lengths):
+            self._prompt_lengths[prompt] = event.prompt_tokens
+        else:
+            self._prompt_lengths += [0] * (prompt - len(self._prompt_lengths)) + [event.prompt_tokens]
         for sample, reason in enumerate(event.finish_reasons):
             choice = self.choices[base + sample]
             choice.reason = choice.reason or reason
@@ -136,13 +162,25 @@ class Tally:
         self.num_finished += 1
         return touched
 
-    def usage(self, *, so_far: bool = False) -> dict[str, Any]:
-        """OpenAI's ``usage`` object (``so_far``: while the job runs, from the tokens seen until now)."""
-        if so_far and self.num_finished < len(self._index):
-            prompt = max(self.prompt_tokens, self._known_prompt_tokens)
-            completion = sum(len(choice.token_ids) for choice in self.choices)
-        else:
-            prompt, completion = self.prompt_tokens, self.completion_tokens
+    def choice_usage(self, index: int) -> dict[str, Any]:
+        """The usage of choice ``index`` so far: its prompt's tokens and the tokens it generated (vLLM's
+        ``continuous_usage_stats``: every chunk carries its own choice's counts).
+
+        Example:
+            >>> tally = Tally(["r0", "r1"], n=2, prompt_tokens=[2, 4])
+            >>> _ = tally.add(Delta("r1", 1, "Hi", None, (5,)))
+            >>> tally.choice_usage(3)
+            {'prompt_tokens': 4, 'completion_tokens': 1, 'total_tokens': 5}
+        """
+        choice = self.choices[index]
+        lengths = self._prompt_lengths
+        prompt = lengths[choice.prompt] if choice.prompt < len(lengths) else 0
+        completion = len(choice.token_ids)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def usage(self) -> dict[str, Any]:
+        """OpenAI's ``usage`` object of the whole answer."""
+        prompt, completion = self.prompt_tokens, self.completion_tokens
         return {
             "prompt_tokens": prompt,
             "completion_tokens": completion,
@@ -158,7 +196,7 @@ class Shape:
     Example:
         >>> shape = Shape(False, "cmpl-1", 0, "m")
         >>> shape.chunk(0, Choice(prompt=0), "Hi", None)["choices"]
-        [{'index': 0, 'text': 'Hi', 'logprobs': None, 'finish_reason': None}]
+        [{'index': 0, 'text': 'Hi', 'logprobs': None, 'finish_reason': None, 'stop_reason': None}]
     """
 
     chat: bool
@@ -188,6 +226,7 @@ class Shape:
         else:
             body["text"] = text
         body.update(logprobs=self._stream_logprobs(choice, token_ids, logprobs), finish_reason=finish_reason)
+        body["stop_reason"] = self.options.stop_reason(choice) if finish_reason is not None else None
         if not self.chat and not choice.started and self.options.prompt_logprobs:
             body["prompt_logprobs"] = self.options.format.prompt(self._prompt_entries(choice))
         prompt_ids = None
@@ -234,7 +273,9 @@ class Shape:
                 body["message"], reason = self.message(text, reason, choice.token_ids)
             else:
                 body["text"] = text
-            body.update(logprobs=self._logprobs(choice), finish_reason=reason)
+            body.update(
+                logprobs=self._logprobs(choice), finish_reason=reason, stop_reason=self.options.stop_reason(choice)
+            )
             if not self.chat and self.options.prompt_logprobs:
                 body["prompt_logprobs"] = self.options.format.prompt(self._prompt_entries(choice))
             if self.options.return_token_ids:

@@ -83,7 +83,8 @@ class Delta:
     """One token of one sample (or the end of a sample without a token): the text it made final (``""`` while a
     character or a possible stop string is incomplete), its id, and ``finish_reason`` ("stop" or "length") on the
     sample's last delta; with ``logprobs``, the token's log-probabilities; with ``prompt_logprobs``, a sample's first
-    delta carries the prompt's.
+    delta carries the prompt's; ``stop_reason``: on a last delta with ``finish_reason="stop"``, the stop string or
+    stop token id that ended it.
 
     Example:
         >>> Delta("r0", 0, "Hi", "stop", (42,)).finish_reason
@@ -97,6 +98,7 @@ class Delta:
     token_ids: tuple[int, ...] = ()
     logprobs: TokenLogprobs | None = None
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    stop_reason: str | int | None = None
 
 
 @dataclass(frozen=True)
@@ -504,7 +506,14 @@ class EngineLoop:
             self._tokens.add(event.request_id, event.sample, now)
         if tokens or reason is not None:
             delta = Delta(
-                event.request_id, event.sample, event.text or "", reason, tokens, event.logprobs, event.prompt_logprobs
+                event.request_id,
+                event.sample,
+                event.text or "",
+                reason,
+                tokens,
+                event.logprobs,
+                event.prompt_logprobs,
+                event.stop_reason,
             )
             _send(sink, delta)
 

@@ -112,8 +112,8 @@ async def sse_events(
     options = shape.options
 
     def data(payload: dict[str, Any]) -> str:
-        if options.continuous_usage and payload["choices"]:
-            payload["usage"] = tally.usage(so_far=True)
+        if options.continuous_usage and payload["choices"]:  # the chunk's own choice's counts, as vLLM's
+            payload["usage"] = tally.choice_usage(payload["choices"][0]["index"])
         elif options.include_usage and "usage" not in payload:
             payload["usage"] = None
         return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"

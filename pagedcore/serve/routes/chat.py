@@ -173,4 +173,5 @@ def _options(ctx: ServeContext, body: ChatRequest, prompt: Any) -> AnswerOptions
         logprobs=body.top_logprobs_k,
         prompt_logprobs=body.prompt_logprobs is not None,
         format=ctx.logprob_format(bool(body.return_tokens_as_token_ids)),
+        stop_token_ids=frozenset(body.stop_token_ids or ()),
     )

@@ -71,6 +71,7 @@ def _options(ctx: ServeContext, body: Any, encoded: list[Any], prompts: list[Any
         echo_logprobs=bool(body.echo) and body.logprobs is not None,
         prompt_logprobs=body.prompt_logprobs is not None,
         format=ctx.logprob_format(bool(body.return_tokens_as_token_ids)),
+        stop_token_ids=frozenset(body.stop_token_ids or ()),
     )
 
 
