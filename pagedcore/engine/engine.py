@@ -586,11 +586,9 @@ class Engine:
     def _text_event(
         self, request: RequestState, seq: SequenceState, token: int, logprobs: TokenLogprobs | None = None
     ) -> TokenEvent:
-        """The event of one sample's new token: its text, its log-probabilities, and whether and why the sample
-        finished with it (a stop string finishes the sequence here, in the step that completed it). A sample's
-        first event carries the request's prompt log-probabilities (with ``prompt_logprobs``)."""
-        index = seq.sample_index
-        text = request.texts[index]
+        """The event of one sample's new token: its text, log-probabilities, and whether and why it finished with
+        it (a stop string finishes the sequence here); a first event carries the prompt's log-probabilities."""
+        index, text = seq.sample_index, request.texts[seq.sample_index]
         stop_token = seq.finish_reason is FinishReason.STOP  # a stop token (SequenceState.append_token)
         if not stop_token or text.keeps_stop:  # vLLM's: a stop token's text only if asked
             text.add(token, seq.num_output_tokens)
