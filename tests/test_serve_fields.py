@@ -263,25 +263,13 @@ def test_logit_bias_stop_token_ids_and_allowed_token_ids_change_the_answer(serve
         model=MODEL, prompt=ids, max_tokens=5, temperature=0, logit_bias={str(token): 100}
     )
     assert forced.choices[0].text == "zzzzz"
-    stopped = client.completions.create(
-        model=MODEL,
-        prompt=ids,
-        max_tokens=5,
-        temperature=0,
-        logit_bias={str(token): 100},
-        extra_body={"stop_token_ids": [token]},
-    )
     # vLLM leaves a stop token's text out unless include_stop_str_in_output (its detokenizer's stop_terminated rule)
-    assert stopped.choices[0].finish_reason == "stop" and stopped.choices[0].text == ""
-    kept = client.completions.create(
-        model=MODEL,
-        prompt=ids,
-        max_tokens=5,
-        temperature=0,
-        logit_bias={str(token): 100},
-        extra_body={"stop_token_ids": [token], "include_stop_str_in_output": True},
-    )
-    assert kept.choices[0].text == "z" and kept.choices[0].model_extra["stop_reason"] == token
+    for include, text in ((False, ""), (True, "z")):
+        extra = {"stop_token_ids": [token], "include_stop_str_in_output": include}
+        stopped = client.completions.create(
+            model=MODEL, prompt=ids, max_tokens=5, temperature=0, logit_bias={str(token): 100}, extra_body=extra
+        ).choices[0]
+        assert stopped.finish_reason == "stop" and stopped.text == text and stopped.model_extra["stop_reason"] == token
     allowed = client.completions.create(
         model=MODEL, prompt=ids, max_tokens=4, temperature=0, extra_body={"allowed_token_ids": [token]}
     )

@@ -107,7 +107,8 @@ class Tally:
     Args:
         request_ids: the job's engine requests, one per prompt.
         n: samples per prompt.
-        prompt_tokens: per prompt, its length when known before the engine reports it (for usage in every chunk).
+        prompt_tokens: per prompt, its length when known before the engine reports it (for usage in every chunk:
+            all of them, or none when the prompts are texts).
         keeps_prefixes: the engine keeps the prompt blocks it computes for later requests (the Responses API's
             ``cache_write_tokens``; False with prefix caching off).
 
@@ -125,7 +126,7 @@ class Tally:
         self._index = {rid: i for i, rid in enumerate(request_ids)}
         self._n = n
         self.choices = [Choice(prompt=i // n) for i in range(len(request_ids) * n)]
-        self._prompt_lengths = list(prompt_tokens)  # per prompt, until the engine reports them
+        self._prompt_lengths = list(prompt_tokens) or [0] * len(request_ids)  # per prompt; the engine's when done
         self.prompt_tokens = 0
         self.completion_tokens = 0
         self.cached_tokens = 0
@@ -148,11 +149,7 @@ class Tally:
                 choice.stop_reason = event.stop_reason
             return [base + event.sample]
         touched = list(range(base, base + self._n))
-        prompt = self._index[event.request_id]
-        if prompt < len(self._prompt_lengths):
-            self._prompt_lengths[prompt] = event.prompt_tokens
-        else:
-            self._prompt_lengths += [0] * (prompt - len(self._prompt_lengths)) + [event.prompt_tokens]
+        self._prompt_lengths[self._index[event.request_id]] = event.prompt_tokens
         for sample, reason in enumerate(event.finish_reasons):
             choice = self.choices[base + sample]
             choice.reason = choice.reason or reason
@@ -173,18 +170,15 @@ class Tally:
             {'prompt_tokens': 4, 'completion_tokens': 1, 'total_tokens': 5}
         """
         choice = self.choices[index]
-        lengths = self._prompt_lengths
-        prompt = lengths[choice.prompt] if choice.prompt < len(lengths) else 0
-        completion = len(choice.token_ids)
+        prompt, completion = self._prompt_lengths[choice.prompt], len(choice.token_ids)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     def usage(self) -> dict[str, Any]:
         """OpenAI's ``usage`` object of the whole answer."""
-        prompt, completion = self.prompt_tokens, self.completion_tokens
         return {
-            "prompt_tokens": prompt,
-            "completion_tokens": completion,
-            "total_tokens": prompt + completion,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": self.cached_tokens},  # OpenAI's field for prefix-cache hits
         }
 

@@ -285,9 +285,8 @@ def _starts(matcher: Any, bitmask: bytes, checked: int = 64) -> bool:
         >>> _starts(Matcher(), mask), _starts(Matcher(), mask[:4]), _starts(Matcher(), bytes(8))
         (True, False, False)
     """
-    words = memoryview(bytes(bitmask)).cast("B")
     tried = 0
-    for index, byte in enumerate(words):
+    for index, byte in enumerate(bytes(bitmask)):
         while byte:
             low = byte & -byte
             if matcher.validate_tokens([index * 8 + low.bit_length() - 1]):
