@@ -252,9 +252,9 @@ def test_attend_blocks_reads_only_the_table_columns_some_row_uses(monkeypatch):
     widths: list[int] = []
     real_gather = compiled_module.gather_blocks
 
-    def spy(cache, blocks):
+    def spy(cache, blocks, stale=None):
         widths.append(blocks.shape[1])
-        return real_gather(cache, blocks)
+        return real_gather(cache, blocks, stale)
 
     monkeypatch.setattr(compiled_module, "gather_blocks", spy)
     out = compiled_module.attend_blocks(query, key_cache, value_cache, tables, mask, pad, 0.35, None, None)
@@ -266,3 +266,22 @@ def test_attend_blocks_reads_only_the_table_columns_some_row_uses(monkeypatch):
     widths.clear()
     compiled_module.attend_blocks(query, key_cache, value_cache, only_pad, mask, pad, 0.35, None, None)
     assert widths == [1, 1]
+
+
+def test_attend_blocks_adds_nothing_from_the_slots_its_mask_hides():
+    """A hidden slot may hold a NaN or Inf an earlier owner of the block left (an overflowed forward): the op's
+    result is the same bits as over clean blocks (a masked weight 0 times NaN would be NaN)."""
+    torch.manual_seed(1)
+    block_size, pad = 4, 9
+    key_cache, value_cache = torch.randn(10, block_size, 2, 8), torch.randn(10, block_size, 2, 8)
+    key_cache[pad], value_cache[pad] = 0, 0
+    tables = torch.tensor([[3, 5, pad, pad], [1, 2, 7, pad]])
+    positions = torch.tensor([6, 9])
+    mask = (torch.arange(4 * block_size)[None, :] <= positions[:, None])[:, None, None, :]
+    query = torch.randn(2, 4, 1, 8)
+    clean = compiled_module.attend_blocks(query, key_cache, value_cache, tables, mask, pad, 0.35, None, None)
+    for leftover in (float("nan"), float("inf")):
+        kc, vc = key_cache.clone(), value_cache.clone()
+        kc[5, 3], vc[5, 3], kc[7, 2:], vc[7, 2:] = leftover, leftover, leftover, leftover  # past each row's length
+        out = compiled_module.attend_blocks(query, kc, vc, tables, mask, pad, 0.35, None, None)
+        assert torch.equal(out, clean)

@@ -297,3 +297,26 @@ def test_integer_tensors_and_numpy_integers_are_accepted(model, prompt):
         (out,) = drain(engine).values()
     assert out.request_id == rid and out.prompt_token_ids == [5, 6, 7]
     assert out.token_ids == reference(model, [5, 6, 7], 2)[0]
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_non_finite_leftovers_in_free_blocks_reach_no_later_request(model, compile, one_thread):
+    """A request whose forward overflowed leaves NaN / Inf in its blocks; freed, they go to the next requests with
+    those contents. The slots a new owner has not written yet are masked, and must add nothing: every later request
+    (batched, so the bucket path reads whole blocks) gets the tokens of ``model.generate`` alone."""
+    prompts = workload(11, 5)
+    expected = [reference(model, p, 6)[0] for p in prompts]
+    for leftover in (float("nan"), float("inf")):
+        with Engine(model, num_blocks=48, block_size=8, enable_prefix_caching=False, compile=compile) as engine:
+            engine.generate([prompts[0]], SamplingParams(max_new_tokens=2), use_tqdm=False)  # the pool exists
+            pool = engine.pool
+            assert pool.kv.num_used_blocks == 0
+            for layer in range(pool.spec.num_layers):
+                tensors = pool.layer_tensors(layer)
+                if tensors is not None:
+                    tensors[0][: pool.kv.num_blocks] = leftover  # every real block, not the pad block
+                    tensors[1][: pool.kv.num_blocks] = leftover
+            outs = engine.generate(prompts, SamplingParams(max_new_tokens=6), use_tqdm=False)
+            assert [o.error for o in outs] == [None] * len(prompts)
+            assert [o.outputs[0].token_ids for o in outs] == expected
+            settle(engine)

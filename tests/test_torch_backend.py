@@ -132,6 +132,24 @@ def test_chunked_queries_see_their_own_chunk(case, block_size, chunk):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("leftover", [float("nan"), float("inf")])
+def test_what_an_earlier_owner_left_in_unwritten_slots_never_reaches_the_output(case, block_size, leftover):
+    """A freed block goes to its next owner with its contents; the slots that owner has not written yet (a block's
+    tail past the sequence's length, the pad block) may hold a NaN or Inf from an overflowed forward. The masked
+    keys must add nothing: the same bits as over a clean pool (a masked weight 0 times NaN is NaN)."""
+    query_lens, seq_lens = CASES[case]
+    query, kc, vc, meta, _, _ = build(10, query_lens, seq_lens, block_size, None)
+    clean = TorchPagedAttention().forward(query, kc, vc, meta, scale=0.25)
+    unwritten = (kc == 0).flatten(2).all(-1)  # (blocks, block_size): randn never writes an exact zero row
+    assert unwritten.any()
+    kc[unwritten], vc[unwritten] = leftover, leftover
+    query, _, _, meta, _, _ = build(10, query_lens, seq_lens, block_size, None)  # fresh metadata, same inputs
+    got = TorchPagedAttention().forward(query, kc, vc, meta, scale=0.25)
+    assert torch.equal(got, clean)
+
+
 def test_metadata_is_reused_across_layers():
     query, kc, vc, meta, _, _ = build(3, [1, 4], [9, 4], 4, None)
     backend = TorchPagedAttention()

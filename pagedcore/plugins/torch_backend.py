@@ -44,6 +44,7 @@ class _Bucket:
     mask: torch.Tensor  # (n, 1, max_q, num_blocks * block_size) bool, True = attend
     shared: _Shared | None = None  # leading blocks every sequence shares (then ``blocks`` holds only the tails)
     tail_hidden: torch.Tensor | None = None  # the cascade's tail mask, inverted and laid out for its scores
+    stale: torch.Tensor | None = None  # flat gathered slots past each row's length (zeroed: see gather_blocks)
 
 
 @dataclass
@@ -97,8 +98,8 @@ class TorchPagedAttention:
         for bucket in buckets:
             q = padded_query.index_select(0, bucket.query_index.reshape(-1))
             q = q.view(*bucket.query_index.shape, *query.shape[1:]).transpose(1, 2)  # (n, q_heads, max_q, d)
-            k = gather_blocks(key_cache, bucket.blocks)  # (n, kv_heads, keys, d)
-            v = gather_blocks(value_cache, bucket.blocks)
+            k = gather_blocks(key_cache, bucket.blocks, bucket.stale)  # (n, kv_heads, keys, d)
+            v = gather_blocks(value_cache, bucket.blocks, bucket.stale)
             if bucket.shared is None:
                 o = attend_rows(q, k, v, bucket.mask, scale, softcap, sinks)  # (n, q_heads, max_q, dv)
                 o = o.transpose(1, 2).reshape(-1, q_heads, o.shape[-1])[bucket.valid]
@@ -208,7 +209,8 @@ def _bucket(meta: PagedAttentionMetadata, rows: list[int], starts: list[int], de
     seq_len = torch.tensor([meta.seq_lens[i] for i in rows], device=device)
     t = torch.arange(max_q, device=device)
     q_pos = (seq_len - q_len)[:, None] + t[None, :]  # (n, max_q)
-    mask = kind.sees(q_pos[:, :, None], key_pos[:, None, :]) & (key_pos[:, None, :] < seq_len[:, None, None])
+    written = key_pos < seq_len[:, None]  # (n, width * bs): the rest is a block's unwritten tail or the pad block
+    mask = kind.sees(q_pos[:, :, None], key_pos[:, None, :]) & written[:, None, :]
     real = t[None, :] < q_len[:, None]  # (n, max_q)
     mask[:, :, 0] |= ~real  # padded query rows attend one key (no NaN); their output is dropped
     starts_t = torch.tensor([starts[i] for i in rows], device=device)
@@ -223,7 +225,8 @@ def _bucket(meta: PagedAttentionMetadata, rows: list[int], starts: list[int], de
             torch.tensor(ids, dtype=torch.long, device=device),
             shared_count * bs,
         )
-    return _Bucket(query_index, valid, query_index.reshape(-1)[valid], blocks, mask[:, None], shared)
+    stale = (~written).reshape(-1).nonzero().squeeze(1)
+    return _Bucket(query_index, valid, query_index.reshape(-1)[valid], blocks, mask[:, None], shared, stale=stale)
 
 
 def _cascade(
@@ -373,23 +376,35 @@ def _sequence_run(meta: PagedAttentionMetadata, row: int, device: torch.device) 
     return _Run(slot, blocks, first % bs, length, mask, causal)
 
 
-def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, stale: torch.Tensor | None = None) -> torch.Tensor:
     """``(n, heads, width * block_size, dim)``: the blocks ``(n, width)`` of each row, one after the other.
     (``index_select`` over whole blocks: several times faster than advanced indexing on CPU.)
+
+    ``stale`` (flat indices into the ``n * width * block_size`` gathered slots) are zeroed in the copy: slots no
+    query may see that the pool has not written for this sequence (a block's tail past its length, the pad block)
+    can hold what an earlier owner of the block left, and a masked key's weight 0 times a NaN or Inf left there is
+    NaN. Zeroed, a masked slot adds exactly nothing, so finite leftovers give the same bits either way.
 
     Example:
         >>> cache = torch.arange(12.0).view(3, 2, 1, 2)   # 3 blocks of 2 slots, 1 head, dim 2
         >>> gather_blocks(cache, torch.tensor([[2, 0]]))[0, 0].tolist()
         [[8.0, 9.0], [10.0, 11.0], [0.0, 1.0], [2.0, 3.0]]
+        >>> cache[0, 1] = float("nan")   # slot 3 of the gather, past this row's length
+        >>> gather_blocks(cache, torch.tensor([[2, 0]]), torch.tensor([3]))[0, 0].tolist()
+        [[8.0, 9.0], [10.0, 11.0], [0.0, 1.0], [0.0, 0.0]]
     """
     n, width = blocks.shape
     num_blocks, bs, heads, dim = cache.shape
     if cache.is_contiguous():  # the slot-major pool
         flat = cache.view(num_blocks, -1).index_select(0, blocks.reshape(-1))
+        if stale is not None and stale.numel():
+            flat.view(n * width * bs, heads * dim).index_fill_(0, stale, 0)
         return flat.view(n, width * bs, heads, dim).transpose(1, 2)
     # a heads-first pool (a permuted view of (heads, blocks, block_size, dim)): select along its physical block axis
     physical = cache.permute(2, 0, 1, 3)
     picked = physical.index_select(1, blocks.reshape(-1))  # (heads, n * width, block_size, dim)
+    if stale is not None and stale.numel():
+        picked.view(heads, n * width * bs, dim).index_fill_(1, stale, 0)
     return picked.view(heads, n, width * bs, dim).transpose(0, 1)
 
 

@@ -121,7 +121,12 @@ def attend_blocks(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
         width = int(used[-1]) + 1 if used.numel() else 1
         if width < tables.shape[1]:
             tables, mask = tables[:, :width], mask[..., : width * key_cache.shape[1]]
-    k, v = gather_blocks(key_cache, tables), gather_blocks(value_cache, tables)
+        hidden = (~mask).reshape(-1).nonzero().squeeze(1)  # zeroed in the copies: what an earlier owner left there
+        k, v = gather_blocks(key_cache, tables, hidden), gather_blocks(value_cache, tables, hidden)
+    else:  # no nonzero (a host sync) inside a graph: the hidden slots are zeroed by a mask over the copies
+        seen = mask.transpose(-1, -2)  # (rows, 1, keys, 1)
+        k = gather_blocks(key_cache, tables).masked_fill(~seen, 0)
+        v = gather_blocks(value_cache, tables).masked_fill(~seen, 0)
     return attend_rows(query, k, v, mask, scale, softcap, sinks).contiguous()
 
 
