@@ -12,7 +12,7 @@ from models import FIRST_TOKEN, PAD, VOCAB, tiny_model
 from paged_checks import assert_same_generation, dynamic
 from transformers import DynamicCache
 
-from pagedcore import InvalidBlockError, InvalidRequestError, PoolMismatchError
+from pagedcore import InvalidBlockError, InvalidRequestError, OutOfBlocksError, PoolMismatchError
 from pagedcore.adapters import transformers as pc
 from pagedcore.adapters.transformers import PagedCache
 
@@ -70,6 +70,32 @@ def test_hidden_states_with_num_return_sequences(enabled):
     assert_same_generation(got, want)
     assert [h.shape for h in got.hidden_states[0]] == [h.shape for h in want.hidden_states[0]]
     got.cache.release()
+
+
+def test_a_positional_generation_config_is_planned_as_a_keyword_one(enabled):
+    """``generate(ids, config)``: the config is generate's second parameter. The call was planned with the model's
+    defaults: a warm call's hidden states covered 1 prompt position (a prefix hit), beams x num_return_sequences
+    crashed, and the reservation was sized for 20 new tokens, not the config's."""
+    from transformers import GenerationConfig
+
+    model = tiny_model("llama")
+    ids = tokens(14, seed=3)
+    hidden = GenerationConfig(**FULL, output_hidden_states=True, pad_token_id=PAD)
+    want = model.generate(ids, hidden, cache=dynamic(model))
+    beams = GenerationConfig(max_new_tokens=5, num_beams=2, num_return_sequences=2, pad_token_id=PAD)
+    want_beams = model.generate(ids, beams, cache=dynamic(model))
+    pool = enabled(model)
+    model.generate(ids, max_new_tokens=2)  # warm
+    got = model.generate(ids, hidden)
+    assert_same_generation(got, want)
+    assert [h.shape for h in got.hidden_states[0]] == [h.shape for h in want.hidden_states[0]]
+    got.cache.release()
+    assert torch.equal(model.generate(ids, beams), want_beams)
+    small = tiny_model("llama")
+    small_pool = pc.enable(small, num_blocks=6, block_size=8)  # room for 48 tokens
+    with pytest.raises(OutOfBlocksError, match="this generate call needs up to 8 blocks of 8"):  # before any forward
+        small.generate(ids[:, :5], GenerationConfig(max_new_tokens=60, pad_token_id=PAD))
+    assert small_pool.kv.num_used_blocks == small_pool.kv.num_cached_blocks == pool.kv.num_used_blocks == 0
 
 
 def test_prompt_lookup_decoding_on_a_warm_pool(enabled):

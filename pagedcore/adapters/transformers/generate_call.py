@@ -5,6 +5,7 @@ encoder-decoder models).
 
 from __future__ import annotations
 
+import inspect
 import itertools
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
@@ -41,6 +42,29 @@ class CallSettings:
     records_past: bool
     pad_token_id: Any
     eos_token_id: Any
+
+
+def keyword_args(call: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The call's positional arguments after the first (the inputs) as the keywords ``generate`` binds them to, so
+    the plan reads ``generate(ids, config)``'s config as it reads ``generation_config=config``. Unchanged when they
+    cannot be named (a signature with ``*args``, or a name also given as a keyword: ``generate`` raises its own
+    TypeError then).
+
+    Example:
+        >>> def generate(inputs=None, generation_config=None, logits_processor=None, **kwargs): ...
+        >>> keyword_args(generate, ("ids", "config"), {"max_new_tokens": 3})
+        (('ids',), {'max_new_tokens': 3, 'generation_config': 'config'})
+    """
+    if len(args) < 2:
+        return args, kwargs
+    try:
+        params = list(inspect.signature(call).parameters.values())[: len(args)]
+    except (TypeError, ValueError):  # no signature to read: the call as it was given
+        return args, kwargs
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD,)
+    if len(params) < len(args) or any(p.kind not in named or p.name in kwargs for p in params):
+        return args, kwargs
+    return args[:1], {**kwargs, **{p.name: value for p, value in zip(params[1:], args[1:])}}
 
 
 def call_settings(model: Any, kwargs: dict[str, Any], prompt_len: int) -> CallSettings:

@@ -100,6 +100,7 @@ from .generate_call import (
     call_settings,
     carries_cache,
     give_back,
+    keyword_args,
     left_pads,
     record_hits,
     reserve_call,
@@ -283,6 +284,7 @@ def namespace(name: Hashable) -> Iterator[None]:
 
 # ---------------------------------------------------------------------- the wrapped generate
 def _generate(model: Any, call: Callable[..., Any], state: _Enabled, args: tuple[Any, ...], kwargs: dict) -> Any:
+    args, kwargs = keyword_args(call, args, kwargs)  # generate(ids, config) planned as generation_config=config
     explicit = NAMESPACE_KWARG in kwargs
     ns = kwargs.pop(NAMESPACE_KWARG, _UNSET)
     if ns is _UNSET:
