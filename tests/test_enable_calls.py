@@ -98,6 +98,28 @@ def test_a_positional_generation_config_is_planned_as_a_keyword_one(enabled):
     assert small_pool.kv.num_used_blocks == small_pool.kv.num_cached_blocks == pool.kv.num_used_blocks == 0
 
 
+def test_calls_in_train_mode_with_dropout_run_as_stock(enabled):
+    """In train() with dropout each forward draws its own masks: a second seeded call that reused the first call's
+    cached keys gave other tokens than stock. Such calls compute their whole prompt and cache nothing; without
+    dropout, training mode reuses prefixes as eval mode does."""
+    dropping = tiny_model("llama", attention_dropout=0.3, seed=2).train()
+    ids = tokens(12, seed=4)
+
+    def seeded(model):
+        torch.manual_seed(1)
+        return model.generate(ids, max_new_tokens=8, do_sample=False)
+
+    want = seeded(dropping)
+    pool = enabled(dropping)
+    assert torch.equal(seeded(dropping), want) and torch.equal(seeded(dropping), want)
+    assert pool.num_query_tokens == 0 and pool.kv.num_cached_blocks == 0
+    plain = tiny_model("llama", seed=2).train()
+    want = seeded(plain)
+    pool = enabled(plain)
+    assert torch.equal(seeded(plain), want) and torch.equal(seeded(plain), want)
+    assert pool.num_hit_tokens > 0
+
+
 def test_prompt_lookup_decoding_on_a_warm_pool(enabled):
     """transformers 5.24's candidate decoding is wrong after a pre-filled cache (a DynamicCache too); a warm enabled
     call used to hand it one and generated other tokens."""

@@ -130,6 +130,22 @@ def test_a_model_no_path_serves_exactly_is_refused_where_it_is_set_up():
     assert not pc.is_enabled(model)
 
 
+def test_the_probe_runs_in_eval_mode_whatever_the_models_mode():
+    """A model in train() with dropout was probed with dropout on: its two forwards drew different masks, it was
+    refused, and the refusal stayed after ``.eval()``. The verdict is about the model's code: probed in eval mode,
+    and every module's own mode given back."""
+    model = tiny_model("llama", attention_dropout=0.5, seed=1)
+    model.train()
+    model.model.layers[0].eval()  # a mixed state, given back as it was
+    modes = [m.training for m in model.modules()]
+    pc.PagedCache(model, num_blocks=32, block_size=4).release()
+    assert [m.training for m in model.modules()] == modes
+    model.eval()
+    pc.PagedCache(model, num_blocks=32, block_size=4).release()
+    pc.enable(model, num_blocks=32, block_size=4)
+    pc.disable(model)
+
+
 def test_the_probe_runs_once_per_model_and_setting():
     model = tiny_model("llama")
     forwards = [0]

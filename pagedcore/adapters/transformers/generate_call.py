@@ -67,6 +67,39 @@ def keyword_args(call: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tu
     return args[:1], {**kwargs, **{p.name: value for p, value in zip(params[1:], args[1:])}}
 
 
+_DROPOUTS = (
+    torch.nn.Dropout,
+    torch.nn.Dropout1d,
+    torch.nn.Dropout2d,
+    torch.nn.Dropout3d,
+    torch.nn.AlphaDropout,
+    torch.nn.FeatureAlphaDropout,
+)
+
+
+def draws_dropout(model: torch.nn.Module) -> bool:
+    """Whether a forward of ``model`` draws dropout: a module in training mode with a dropout layer or an attention
+    dropout probability (transformers' attention modules keep it as a float) above 0. Such a call's keys are one
+    draw's: a prefix cached from them would give a later call other tokens than computing its own prompt does.
+
+    Example:
+        >>> from pagedcore.adapters.transformers.testing import tiny_llama
+        >>> model = tiny_llama(attention_dropout=0.1)
+        >>> draws_dropout(model), draws_dropout(model.train()), draws_dropout(tiny_llama().train())
+        (False, True, False)
+    """
+    for module in model.modules():
+        if not module.training:
+            continue
+        if isinstance(module, _DROPOUTS) and module.p > 0:
+            return True
+        for name in ("attention_dropout", "dropout", "attn_dropout"):
+            value = getattr(module, name, None)
+            if isinstance(value, float) and value > 0:
+                return True
+    return False
+
+
 def call_settings(model: Any, kwargs: dict[str, Any], prompt_len: int) -> CallSettings:
     """The call's settings: its keyword arguments over the model's generation config, as ``generate`` reads them."""
     config = kwargs.get("generation_config") or model.generation_config

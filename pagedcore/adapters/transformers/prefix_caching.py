@@ -99,6 +99,7 @@ from .generate_call import (
     call_mask,
     call_settings,
     carries_cache,
+    draws_dropout,
     give_back,
     keyword_args,
     left_pads,
@@ -307,7 +308,7 @@ def _generate(model: Any, call: Callable[..., Any], state: _Enabled, args: tuple
 def _run(
     model: Any, call: Callable[..., Any], state: _Enabled, args: tuple[Any, ...], kwargs: dict, ns: Hashable
 ) -> Any:
-    if _peft_per_call(model, state):
+    if _peft_per_call(model, state) or draws_dropout(model):  # dropout: each call's keys are its own draw's
         return call(*args, **kwargs)
     if is_encoder_decoder(model):  # the decoder's self-attention paged, keyed by the encoder input (seq2seq_calls)
         _check_placement(state)

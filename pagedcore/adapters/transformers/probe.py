@@ -368,8 +368,16 @@ def _verdict(model: Any, pool: PagedKVPool, backend: str | None, kind: str, prob
         if verdict is None:
             # Eager even for a torch.compile'd forward: the probe's shapes would each compile a graph (seconds, and
             # graphs the model's own steps never use); the verdict is about the model's code, the same either way.
-            with torch.compiler.set_stance("force_eager"):
-                verdict = known[key] = probe()
+            # In eval mode: the verdict is about the model's code, and dropout's draws would differ between the
+            # probe's two forwards (a model in train() was refused, and the refusal kept after .eval()).
+            modes = [(module, module.training) for module in model.modules()]
+            model.eval()
+            try:
+                with torch.compiler.set_stance("force_eager"):
+                    verdict = known[key] = probe()
+            finally:
+                for module, training in modes:
+                    module.training = training
     return verdict
 
 
