@@ -66,6 +66,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedcore.adapters.transformers import head_screen
+from pagedcore.adapters.transformers.prepacked import active_linears
 from pagedcore.engine.runner import ArgmaxTokens
 from pagedcore.engine.sampling import numpy_greedy
 
@@ -332,8 +333,13 @@ class ArgmaxHead:
 
     # ------------------------------------------------------------------ the fused pass
     def _linear(self, x: torch.Tensor) -> torch.Tensor:
-        """The head's own GEMM (``nn.Linear.forward``)."""
-        return F.linear(x, self._module.weight, self._module.bias)
+        """The head's own GEMM (``nn.Linear.forward``); one row in the runner's forward split across the threads
+        where that gives its bits faster (:mod:`.one_row`)."""
+        weight, bias = self._module.weight, self._module.bias
+        linears = active_linears()
+        if linears is not None and x.numel() == x.shape[-1] and not torch.is_grad_enabled() and _fusable(weight):
+            return linears.one_row.linear(x, weight, bias)
+        return F.linear(x, weight, bias)
 
     def _argmax(self, x: torch.Tensor) -> list[int] | None:
         """The first maximal column of each row of the head's output, a chunk at a time (two numpy calls a chunk:

@@ -29,7 +29,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-__all__ = ["MIN_ROWS", "PrepackedLinears", "WeightStamp", "resolve_prepack"]
+from .one_row import OneRowSplit
+
+__all__ = ["MIN_ROWS", "PrepackedLinears", "WeightStamp", "active_linears", "resolve_prepack"]
 
 MIN_ROWS = 2  # a one-row call is a GEMV, which packs nothing: F.linear is as fast (scripts/prepack_bench.py)
 PACK_ROWS = 16  # the row count oneDNN is told to expect when it lays a weight out (decode batches)
@@ -113,12 +115,16 @@ class PrepackedLinears:
         False
     """
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, *, pack: bool = True, skip: torch.nn.Module | None = None) -> None:
         self._packs: dict[int, _Pack] = {}
+        self._pack_rows = pack  # False: only one-row calls change (split across threads, exact: one_row.py)
+        self._one_row = OneRowSplit()
         self._lock = threading.Lock()
         self._epoch: int | None = None
         self._modules: list[torch.nn.Linear] = []
         for module in model.modules():
+            if module is skip:
+                continue
             if type(module) is torch.nn.Linear and "forward" not in vars(module) and _packable(module.weight):
                 module.forward = _Forward(self, module)  # type: ignore[method-assign,assignment]
                 self._modules.append(module)
@@ -150,9 +156,14 @@ class PrepackedLinears:
         finally:
             _STATE.active = before
 
+    @property
+    def one_row(self) -> OneRowSplit:
+        """The one-row calls' split across threads (:mod:`.one_row`: exact, per shape where faster)."""
+        return self._one_row
+
     def linear(self, module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-        """``module(x)``: through its pack inside :meth:`active` (a few rows, float32, no autograd, the weight it was
-        packed from), else ``F.linear``."""
+        """``module(x)`` inside :meth:`active` (float32, no autograd): one row through :class:`~.one_row.OneRowSplit`,
+        a few rows through the layer's pack (when packing, from the weight it was packed from); else ``F.linear``."""
         weight, bias = module.weight, module.bias
         if (
             torch.compiler.is_compiling()
@@ -160,9 +171,12 @@ class PrepackedLinears:
             or torch.is_grad_enabled()
             or x.dtype != torch.float32
             or x.device.type != "cpu"
-            or x.numel() < MIN_ROWS * x.shape[-1]
             or not _packable(weight)
         ):
+            return F.linear(x, weight, bias)
+        if x.numel() == x.shape[-1]:
+            return self._one_row.linear(x, weight, bias)
+        if not self._pack_rows or x.numel() < MIN_ROWS * x.shape[-1]:
             return F.linear(x, weight, bias)
         pack = self._packs.get(id(module))
         if pack is None or not pack.stamp.fresh(weight):
@@ -200,6 +214,16 @@ class _Forward:
         if packs is None:
             return F.linear(x, module.weight, module.bias)
         return packs.linear(module, x)
+
+
+def active_linears() -> PrepackedLinears | None:
+    """The runner's linear layers whose forward this thread is in (:meth:`PrepackedLinears.active`), if any.
+
+    Example:
+        >>> active_linears() is None
+        True
+    """
+    return getattr(_STATE, "active", None)
 
 
 def _packable(weight: torch.Tensor) -> bool:

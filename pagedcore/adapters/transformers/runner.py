@@ -137,7 +137,8 @@ class TransformersRunner:
         self.adapters = None if lora is None else LoraAdapters(model, self.pool, lora, keeps_logits=self._keeps_logits)
         weight = model.get_input_embeddings().weight
         packing = self._padded is None and resolve_prepack(prepack, device, weight.dtype)  # the packed forward's
-        self._packs = PrepackedLinears(model) if packing else None
+        self._linears = _linears(model, packing, self._padded is None and device.type == "cpu", weight.dtype)
+        self._packs = self._linears if packing else None
         # Steps whose rows only take their argmax: their tokens taken inside the head (argmax_head.py); not
         # with adapters (a LoRA on the head), the compatible path, or a forward that computes every position's logits.
         fusing = fused_argmax and lora is None and self._padded is None and self._states is None and self._keeps_logits
@@ -164,6 +165,11 @@ class TransformersRunner:
         """The linear weights prepacked for this runner's forwards (None: not prepacking)."""
         return self._packs
 
+    def one_row_ways(self) -> dict[tuple[int, int, bool, int, int], str | None]:
+        """How this runner's forwards compute each one-row linear shape (:meth:`~.one_row.OneRowSplit.ways`; empty
+        off the CPU or float32)."""
+        return {} if self._linears is None else self._linears.one_row.ways()
+
     @property
     def argmax_head(self) -> ArgmaxHead | None:
         """The fused greedy head of argmax-only steps (None: not on this model or runner; :mod:`.argmax_head`)."""
@@ -180,8 +186,8 @@ class TransformersRunner:
         or unloaded and no longer used: :meth:`~.lora.LoraAdapters.maintain`); a new weights version drops the
         packed weights (rebuilt from the new ones at their next use)."""
         forgotten = self.pool.check_weights()
-        if self._packs is not None:
-            self._packs.refresh(self.pool.weights_version)
+        if self._linears is not None:
+            self._linears.refresh(self.pool.weights_version)
         return forgotten + self.adapters.maintain() if self.adapters is not None else forgotten
 
     @property
@@ -227,7 +233,7 @@ class TransformersRunner:
         keep = prepared.keep
         if self._keeps_logits:
             kwargs["logits_to_keep"] = to_device(torch.tensor(keep), device) if keep else 1
-        packs = self._packs.active() if self._packs is not None else contextlib.nullcontext()
+        packs = self._linears.active() if self._linears is not None else contextlib.nullcontext()
         with torch.inference_mode(), self._adapters_applied(prepared), packs:
             if self._argmax is not None and prepared.argmax_only and prepared.adapters is None:
                 return self._argmax.step(lambda: self.model(**kwargs).logits[0], len(keep))
@@ -285,8 +291,8 @@ class TransformersRunner:
             self.adapters.close()
         if self._original_attn is not None and self._original_attn != ATTN_IMPLEMENTATION:
             self.model.set_attn_implementation(self._original_attn)
-        if self._packs is not None:
-            self._packs.close()
+        if self._linears is not None:
+            self._linears.close()
         if self._argmax is not None:
             self._argmax.close()
         tiers = self.pool.tiers
@@ -319,6 +325,17 @@ def eos_token_ids(model: Any, tokenizer: Any = None) -> list[int]:
     if isinstance(own, int) and own not in ids:
         ids.append(own)
     return ids
+
+
+def _linears(model: Any, packing: bool, cpu: bool, dtype: torch.dtype) -> PrepackedLinears | None:
+    """The packed forward's linear layers: packed for a few rows when asked, one row split across the threads
+    wherever exact (:mod:`.one_row`, on the CPU in float32; the head left to the fused greedy head unless the packs
+    take it); None when neither applies."""
+    if packing:
+        return PrepackedLinears(model)
+    if cpu and dtype == torch.float32:
+        return PrepackedLinears(model, pack=False, skip=model.get_output_embeddings())
+    return None
 
 
 def _packed_positions(pool: PagedKVPool, positions: list[int]) -> torch.Tensor | None:
