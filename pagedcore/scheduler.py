@@ -33,7 +33,6 @@ from __future__ import annotations
 import itertools
 from collections import OrderedDict
 from collections.abc import Hashable, Mapping, Sequence
-from dataclasses import dataclass, field
 
 from pagedcore.block_keys import namespace_key
 from pagedcore.block_tables import BlockTables, Copy
@@ -47,119 +46,11 @@ from pagedcore.errors import (
 from pagedcore.kv_pool import KVPool, PoolMatch
 from pagedcore.plugin_manager import PluginManager
 from pagedcore.scheduler_config import POLICIES, SchedulerConfig, SchedulerStats
+from pagedcore.scheduler_output import ScheduledSequence, SchedulerOutput
 from pagedcore.sequence import FinishReason, SequenceState, SequenceStatus
 from pagedcore.state_planner import StatePlanner
 
 __all__ = ["POLICIES", "ScheduledSequence", "Scheduler", "SchedulerConfig", "SchedulerOutput", "SchedulerStats"]
-
-
-@dataclass(slots=True)
-class ScheduledSequence:
-    """What to compute for one sequence in a step.
-
-    The token, slot and block-table views read the sequence's live state: use them before handing the step's
-    results to :meth:`Scheduler.update` (which moves the sequence on). They are computed on access, so a step
-    over hundreds of decoding sequences costs only what its consumer reads.
-
-    Attributes:
-        sequence: the sequence.
-        start: position of the first token to compute.
-        num_new_tokens: tokens to compute now (positions ``start .. start + num_new_tokens - 1``).
-        sample: whether this step computes the sequence's last known token, so a new token must be sampled.
-        num_samples: tokens to sample after this step: 0 when not sampling, ``sequence.num_samples`` at the step
-            that forks a sequence into its parallel samples, else 1.
-        snapshots: a model with recurrent-state layers: the positions in ``(start, end]`` after which the runner
-            keeps the state as a snapshot (:meth:`BlockTables.take_snapshots
-            <pagedcore.block_tables.BlockTables.take_snapshots>`; :mod:`pagedcore.state_planner`), ascending.
-
-    Example:
-        >>> sched = Scheduler(KVPool(num_blocks=4, block_size=2))
-        >>> sched.add(SequenceState("a", [7, 8, 9], max_new_tokens=1))
-        >>> (item,) = sched.schedule().scheduled
-        >>> item.token_ids, item.start, item.slots, item.block_tables, item.sample
-        ([7, 8, 9], 0, ([0, 1, 2],), ([0, 1],), True)
-    """
-
-    sequence: SequenceState
-    start: int
-    num_new_tokens: int
-    sample: bool
-    num_samples: int
-    snapshots: tuple[int, ...] = ()
-
-    @property
-    def request_id(self) -> str:
-        """The sequence's id."""
-        return self.sequence.request_id
-
-    @property
-    def end(self) -> int:
-        """One past the last position computed in this step (the key length after it)."""
-        return self.start + self.num_new_tokens
-
-    @property
-    def token_ids(self) -> list[int]:
-        """Tokens to compute now."""
-        return self.sequence.token_ids[self.start : self.start + self.num_new_tokens]
-
-    @property
-    def slots(self) -> tuple[list[int], ...]:
-        """Per KV group, the physical slot of every new token."""
-        blocks = self._blocks()
-        end = self.start + self.num_new_tokens
-        return tuple(blocks.slots(g, self.start, end) for g in range(len(blocks.pool.groups)))
-
-    @property
-    def block_tables(self) -> tuple[list[int], ...]:
-        """Per KV group, the live blocks (logical block ``block_offsets[g]`` first)."""
-        blocks = self._blocks()
-        return tuple(blocks.table(g) for g in range(len(blocks.pool.groups)))
-
-    @property
-    def block_offsets(self) -> tuple[int, ...]:
-        """Per KV group, leading logical blocks released by a sliding window."""
-        blocks = self._blocks()
-        return tuple(blocks.num_dropped(g) for g in range(len(blocks.pool.groups)))
-
-    @property
-    def blocks(self) -> BlockTables:
-        """The sequence's live block tables (raises :class:`InvalidRequestError` once it holds none)."""
-        return self._blocks()
-
-    def _blocks(self) -> BlockTables:
-        blocks = self.sequence.blocks
-        if blocks is None:
-            raise InvalidRequestError(f"request {self.request_id!r} holds no blocks any more (updated or aborted)")
-        return blocks
-
-
-@dataclass(frozen=True)
-class SchedulerOutput:
-    """One step's plan.
-
-    Attributes:
-        scheduled: sequences to compute, decodes first.
-        copies: copy-on-write block copies ``(group, source, destination)`` to perform before the forward.
-        preempted: ids of sequences preempted in this step (their blocks are back in the pool).
-
-    Example:
-        >>> Scheduler(KVPool(num_blocks=4, block_size=2)).schedule().is_empty
-        True
-    """
-
-    scheduled: list[ScheduledSequence]
-    copies: list[Copy] = field(default_factory=list)
-    preempted: list[str] = field(default_factory=list)
-
-    @property
-    def num_batched_tokens(self) -> int:
-        """Tokens computed in this step."""
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        """Nothing to compute."""
-        return not self.scheduled
 
 
 class Scheduler:
