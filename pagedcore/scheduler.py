@@ -49,6 +49,7 @@ from pagedcore.scheduler_config import POLICIES, SchedulerConfig, SchedulerStats
 from pagedcore.scheduler_output import ScheduledSequence, SchedulerOutput
 from pagedcore.sequence import FinishReason, SequenceState, SequenceStatus
 from pagedcore.state_planner import StatePlanner
+from pagedcore.validation import token_ids
 
 __all__ = ["POLICIES", "ScheduledSequence", "Scheduler", "SchedulerConfig", "SchedulerOutput", "SchedulerStats"]
 
@@ -90,6 +91,8 @@ class Scheduler:
         self._keys: dict[str, Hashable] = {}  # per waiting or running id: its namespace's identity (namespace_key)
         self._running_per_key: dict[Hashable, int] = {}  # running sequences per namespace (none: absent)
         self.stats = SchedulerStats()
+        self._step = 0  # schedule() calls so far
+        self._pending: int | None = None  # the step update() records next (the latest planned; None: recorded)
         bs = pool.block_size
         self._watermark_blocks = int(self._config.watermark * pool.num_blocks)  # every group has num_blocks blocks
         self._bs = bs
@@ -299,7 +302,9 @@ class Scheduler:
             for item, granted in zip(scheduled, states.grant(points, self._reservation)):
                 item.snapshots = granted
         self.stats.num_steps += 1
-        return SchedulerOutput(scheduled, copies, preempted)
+        self._step += 1
+        self._pending = self._step
+        return SchedulerOutput(scheduled, copies, preempted, self._step)
 
     def _grow(self, seq: SequenceState, num_new: int, planned: set[int], preempted: list[str]) -> list[Copy] | None:
         """Grow a running sequence's tables by ``num_new`` positions (and count the state slot its write takes),
@@ -320,28 +325,20 @@ class Scheduler:
         return grown
 
     def update(self, output: SchedulerOutput, sampled: Mapping[str, Sequence[int]]) -> list[SequenceState]:
-        """Record a computed step. ``sampled[request_id]`` holds the tokens sampled for every scheduled sequence
-        with ``sample=True`` (``num_samples`` tokens at a forking step, else one).
+        """Record a computed step: the latest :meth:`schedule`'s output, once (a replayed or superseded one raises
+        :class:`InvalidRequestError`). ``sampled[request_id]`` holds the token ids (integers >= 0) sampled for every
+        scheduled sequence with ``sample=True`` (``num_samples`` tokens at a forking step, else one). Bad input
+        raises, naming the request and the value, and changes nothing.
 
         Returns the sequences that finished in this step (forked samples included).
         """
-        live = []
-        running, by_id = SequenceStatus.RUNNING, self._by_id
-        for item in output.scheduled:  # validate everything before changing anything
-            seq = item.sequence
-            if seq.status is not running or by_id.get(seq.request_id) is not seq:
-                continue  # aborted or failed after the step was planned
-            got = len(sampled.get(seq.request_id, ())) if item.sample else 0
-            if got != item.num_samples:
-                raise InvalidRequestError(
-                    f"update: request {seq.request_id!r} needs {item.num_samples} sampled tokens, got {got}"
-                )
-            live.append(item)
+        live = self._checked(output, sampled)
+        self._pending = None
         finished: list[SequenceState] = []
         cache = self._config.enable_prefix_caching
         sliding = self._has_sliding
         computed = prompt_computed = 0
-        for item in live:
+        for item, tokens in live:
             seq = item.sequence
             blocks = _tables(seq)
             end = item.start + item.num_new_tokens
@@ -356,15 +353,10 @@ class Scheduler:
                     self._awaited.discard(seq.request_id)
                     blocks.cache_partial_block(seq.token_ids, end, seq.namespace)
             # One pass for all three outcomes: no token (a prefill chunk), one token, or the forking step's tokens.
-            if not item.sample:
-                family: Sequence[SequenceState] = (seq,)
-                tokens: Sequence[int | None] = _NO_TOKEN
-            else:
-                tokens = sampled[seq.request_id]
-                family = [seq, *self._fork(seq, item.num_samples - 1)] if item.num_samples > 1 else (seq,)
+            family = [seq, *self._fork(seq, item.num_samples - 1)] if item.num_samples > 1 else (seq,)
             for member, token in zip(family, tokens):
                 if token is not None:
-                    reason = member.append_token(int(token))
+                    reason = member.append_token(token)
                     if reason is not None:
                         self._finish(member, reason)
                         finished.append(member)
@@ -376,6 +368,35 @@ class Scheduler:
         self.stats.num_prompt_tokens_computed += prompt_computed
         self._settle_reservation()
         return finished
+
+    def _checked(
+        self, output: SchedulerOutput, sampled: Mapping[str, Sequence[int]]
+    ) -> list[tuple[ScheduledSequence, Sequence[int | None]]]:
+        """:meth:`update`'s input, validated before anything changes: the step's live items (those not aborted or
+        failed since it was planned), each with its sampled tokens (:data:`_NO_TOKEN` when it samples none)."""
+        if output.step != self._pending:  # a replayed step, or one planned before the latest schedule()
+            why = "was recorded already" if output.step == self._step else f"is not the latest planned ({self._step})"
+            raise InvalidRequestError(
+                f"update: step {output.step} {why}: update takes the latest schedule()'s output, once"
+            )
+        live: list[tuple[ScheduledSequence, Sequence[int | None]]] = []
+        running, by_id = SequenceStatus.RUNNING, self._by_id
+        for item in output.scheduled:
+            seq = item.sequence
+            if seq.status is not running or by_id.get(seq.request_id) is not seq:
+                continue  # aborted or failed after the step was planned
+            if not item.sample:
+                live.append((item, _NO_TOKEN))
+                continue
+            tokens = sampled.get(seq.request_id, ())
+            if type(tokens) is not list or len(tokens) != item.num_samples:
+                tokens = _sampled(seq.request_id, tokens, item.num_samples)
+            for token in tokens:  # the hot path: a plain int >= 0 costs two comparisons
+                if type(token) is not int or token < 0:
+                    tokens = _sampled(seq.request_id, tokens, item.num_samples)
+                    break
+            live.append((item, tokens))
+        return live
 
     def refresh_reservation(self) -> None:
         """Hold back, for the running sequences, the blocks they may still allocate before they finish (each one's
@@ -666,6 +687,15 @@ _NO_TOKEN: tuple[None] = (None,)
 # Finishes whose computed keys and values are complete: an abort may come while a forward writes the sequence's
 # blocks, and a failed step may have written some layers only.
 _KEEPS_KV = frozenset({FinishReason.STOP, FinishReason.LENGTH})
+
+
+def _sampled(request_id: str, tokens: object, count: int) -> list[int]:
+    """The ``count`` token ids sampled for ``request_id`` (the rule: :func:`~pagedcore.validation.token_ids`), or
+    :class:`InvalidRequestError` naming the request and the values."""
+    ids = token_ids(tokens, name=f"update: request {request_id!r}: sampled token ids", allow_empty=True)
+    if len(ids) != count:
+        raise InvalidRequestError(f"update: request {request_id!r} needs {count} sampled tokens, got {len(ids)}")
+    return ids
 
 
 def _priority(item: tuple[SequenceState, int]) -> int:

@@ -103,6 +103,8 @@ class SchedulerOutput:
         scheduled: sequences to compute, decodes first.
         copies: copy-on-write block copies ``(group, source, destination)`` to perform before the forward.
         preempted: ids of sequences preempted in this step (their blocks are back in the pool).
+        step: which :meth:`~pagedcore.scheduler.Scheduler.schedule` call planned it (1, 2, ...):
+            :meth:`~pagedcore.scheduler.Scheduler.update` records only the latest one, and once.
 
     Example:
         >>> from pagedcore import KVPool, Scheduler
@@ -113,6 +115,7 @@ class SchedulerOutput:
     scheduled: list[ScheduledSequence]
     copies: list[Copy] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
+    step: int = 0
 
     @property
     def num_batched_tokens(self) -> int:
