@@ -244,9 +244,17 @@ class Scheduler:
         """Finish these sequences with ``FinishReason.ERROR`` (e.g. their step raised); blocks go back at once."""
         return self.finish(request_ids, FinishReason.ERROR)
 
-    def finish(self, request_ids: Sequence[str], reason: FinishReason) -> list[SequenceState]:
-        """Finish these waiting or running sequences (ids of other ones are skipped) with ``reason``, e.g. STOP when
-        their text reached a stop string; their blocks go back at once, so no later step computes them."""
+    def finish(self, request_ids: Sequence[str], reason: FinishReason | str) -> list[SequenceState]:
+        """Finish these waiting or running sequences (ids of other ones are skipped) with ``reason`` (a
+        :class:`FinishReason` or its value), e.g. STOP when their text reached a stop string; their blocks go back at
+        once, so no later step computes them. Another reason raises :class:`InvalidRequestError`, changing nothing."""
+        try:
+            reason = FinishReason(reason)
+        except ValueError:
+            values = ", ".join(repr(r.value) for r in FinishReason)
+            raise InvalidRequestError(
+                f"finish: reason must be one of {values}, got {reason!r}", param="reason"
+            ) from None
         done = [self._by_id[r] for r in request_ids if r in self._by_id]
         for seq in done:
             self._finish(seq, reason)

@@ -268,6 +268,31 @@ def test_a_replayed_or_superseded_step_is_refused_and_changes_nothing():
     assert sched.pool.num_used_blocks == 0
 
 
+@pytest.mark.parametrize("reason", [FinishReason.STOP, "stop", "length"])
+def test_finish_takes_a_reason_or_its_value(reason):
+    sched, model = make()
+    sched.add(SequenceState("a", [1, 2, 3, 4, 5], max_new_tokens=5))
+    out = sched.schedule()
+    sched.update(out, model.step(out))
+    (done,) = sched.finish(["a"], reason)
+    assert done.finish_reason is FinishReason(reason) and done.blocks is None
+    assert sched.stats.num_finished == 1 and sched.pool.num_used_blocks == 0
+    assert sched.pool.num_cached_blocks == 2  # a stop or length keeps its computed prefix, its last block included
+
+
+@pytest.mark.parametrize("reason", ["STOP", "done", None, 3])
+def test_finish_refuses_another_reason_before_releasing_anything(reason):
+    sched, model = make()
+    sched.add(SequenceState("a", [1, 2, 3, 4, 5], max_new_tokens=5))
+    out = sched.schedule()
+    sched.update(out, model.step(out))
+    before = snapshot(sched)
+    with pytest.raises(InvalidRequestError, match="finish: reason must be one of 'stop', 'length', 'abort', 'error'"):
+        sched.finish(["a"], reason)
+    assert snapshot(sched) == before and sched.get("a").blocks is not None
+    sched.check_invariants()
+
+
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("windows", [(None,), (None, 6)])
 def test_randomized_run_with_fake_model(seed, windows):
