@@ -10,7 +10,9 @@ answer ``trylast``, so an installed plugin is asked before any built-in. A built
 installed (torch, xformers) is not registered. Each plugin is checked with ``check_pending()`` so a misspelled hook
 fails loudly; one that fails to load is skipped, logged and listed in ``load_errors``: one broken install must not
 take the others down with it. Events go through :meth:`PluginManager.emit`, which isolates observers: one that
-raises is logged and counted, and never reaches the pool or the caller.
+raises is logged and counted, and never reaches the pool or the caller. A thread that holds events
+(:meth:`~PluginManager.hold_events`: the Engine, while it holds its lock) has them queued and delivered, in order,
+when its outermost hold ends, so a slow observer never runs under that lock.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import importlib.metadata
 import importlib.util
 import logging
 import threading
+from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -153,6 +156,9 @@ class PluginManager:
         self._sources: dict[str, str] = {}
         self.num_observer_errors = 0
         self.load_errors: list[PluginLoadError] = []
+        self._holds = threading.local()  # per thread: how many holds deep (depth), whether it queued events (queued)
+        self._held: deque[tuple[str, dict[str, Any]]] = deque()  # events emitted under a hold, not yet delivered
+        self._delivering = threading.Lock()  # one thread delivers the queue at a time, in order
 
     # ------------------------------------------------------------------ registration
     def register(self, plugin: object, name: str | None = None) -> str:
@@ -241,7 +247,8 @@ class PluginManager:
 
     # ------------------------------------------------------------------ events
     def emit(self, hook_name: str, **kwargs: Any) -> None:
-        """Call every observer of an event hook. An observer that raises is logged and counted, never propagated.
+        """Call every observer of an event hook (queued instead while this thread holds events: :meth:`hold_events`).
+        An observer that raises is logged and counted, never propagated.
 
         Every argument of the hook's spec must be given (a missing one is the caller's bug: ``TypeError``).
         """
@@ -249,6 +256,35 @@ class PluginManager:
         missing = [arg for arg in caller.spec.argnames if arg not in kwargs] if caller.spec is not None else []
         if missing:
             raise TypeError(f"emit({hook_name!r}) is missing arguments {missing}")
+        if getattr(self._holds, "depth", 0):
+            self._holds.queued = True
+            self._held.append((hook_name, kwargs))
+        else:
+            self._deliver(hook_name, kwargs)
+
+    def hold_events(self) -> None:
+        """Queue this thread's events until its matching :meth:`release_events` (holds nest), e.g. while it holds a
+        lock that other threads wait for: observers then run after the lock is released, in the order emitted."""
+        self._holds.depth = getattr(self._holds, "depth", 0) + 1
+
+    def release_events(self) -> None:
+        """End this thread's innermost hold. At its outermost, a thread that queued events delivers the queue, every
+        thread's held events in the order emitted; one that queued none (or finds another thread delivering, which
+        then delivers its events too) returns at once."""
+        holds = self._holds
+        holds.depth -= 1
+        if holds.depth or not getattr(holds, "queued", False):
+            return
+        holds.queued = False
+        while self._held and self._delivering.acquire(blocking=False):
+            try:
+                while self._held:
+                    self._deliver(*self._held.popleft())
+            finally:
+                self._delivering.release()
+
+    def _deliver(self, hook_name: str, kwargs: dict[str, Any]) -> None:
+        caller = getattr(self.hook, hook_name)
         for impl in reversed(caller.get_hookimpls()):
             try:
                 impl.function(*[kwargs[arg] for arg in impl.argnames])

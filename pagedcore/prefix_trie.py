@@ -39,7 +39,8 @@ from dataclasses import dataclass
 
 from pagedcore.block_keys import namespace_key
 from pagedcore.block_manager import BlockManager
-from pagedcore.errors import InvalidBlockError
+from pagedcore.errors import ConfigError, InvalidBlockError
+from pagedcore.validation import integer
 
 __all__ = ["PrefixMatch", "PrefixTrie", "namespace_key"]
 
@@ -263,11 +264,19 @@ class PrefixTrie:
 
     # ------------------------------------------------------------------ commands
     def record(self, num_query_tokens: int, num_hit_tokens: int) -> None:
-        """Count one lookup that was acted on: ``num_query_tokens`` asked for, ``num_hit_tokens`` served."""
-        if not 0 <= num_hit_tokens <= num_query_tokens:
-            raise ValueError(f"record: need 0 <= hits ({num_hit_tokens}) <= queries ({num_query_tokens})")
-        self._queries += num_query_tokens
-        self._hits += num_hit_tokens
+        """Count one lookup that was acted on: ``num_query_tokens`` asked for, ``num_hit_tokens`` served (integers,
+        ``0 <= num_hit_tokens <= num_query_tokens``, else :class:`~pagedcore.errors.ConfigError` naming the one)."""
+        queries, hits = num_query_tokens, num_hit_tokens
+        if type(queries) is not int or type(hits) is not int or queries < 0 or hits < 0:  # the rule: integer()
+            for name, value in (("num_query_tokens", queries), ("num_hit_tokens", hits)):
+                integer(f"record: {name}", value, minimum=0, error=ConfigError, param=name)
+            queries, hits = int(queries), int(hits)
+        if hits > queries:
+            raise ConfigError(
+                f"record: num_hit_tokens ({hits}) must be <= num_query_tokens ({queries})", param="num_hit_tokens"
+            )
+        self._queries += queries
+        self._hits += hits
 
     def insert(
         self,

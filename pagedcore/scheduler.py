@@ -33,7 +33,6 @@ from __future__ import annotations
 import itertools
 from collections import OrderedDict
 from collections.abc import Hashable, Mapping, Sequence
-from dataclasses import dataclass, field
 
 from pagedcore.block_keys import namespace_key
 from pagedcore.block_tables import BlockTables, Copy
@@ -47,119 +46,12 @@ from pagedcore.errors import (
 from pagedcore.kv_pool import KVPool, PoolMatch
 from pagedcore.plugin_manager import PluginManager
 from pagedcore.scheduler_config import POLICIES, SchedulerConfig, SchedulerStats
+from pagedcore.scheduler_output import ScheduledSequence, SchedulerOutput
 from pagedcore.sequence import FinishReason, SequenceState, SequenceStatus
 from pagedcore.state_planner import StatePlanner
+from pagedcore.validation import token_ids
 
 __all__ = ["POLICIES", "ScheduledSequence", "Scheduler", "SchedulerConfig", "SchedulerOutput", "SchedulerStats"]
-
-
-@dataclass(slots=True)
-class ScheduledSequence:
-    """What to compute for one sequence in a step.
-
-    The token, slot and block-table views read the sequence's live state: use them before handing the step's
-    results to :meth:`Scheduler.update` (which moves the sequence on). They are computed on access, so a step
-    over hundreds of decoding sequences costs only what its consumer reads.
-
-    Attributes:
-        sequence: the sequence.
-        start: position of the first token to compute.
-        num_new_tokens: tokens to compute now (positions ``start .. start + num_new_tokens - 1``).
-        sample: whether this step computes the sequence's last known token, so a new token must be sampled.
-        num_samples: tokens to sample after this step: 0 when not sampling, ``sequence.num_samples`` at the step
-            that forks a sequence into its parallel samples, else 1.
-        snapshots: a model with recurrent-state layers: the positions in ``(start, end]`` after which the runner
-            keeps the state as a snapshot (:meth:`BlockTables.take_snapshots
-            <pagedcore.block_tables.BlockTables.take_snapshots>`; :mod:`pagedcore.state_planner`), ascending.
-
-    Example:
-        >>> sched = Scheduler(KVPool(num_blocks=4, block_size=2))
-        >>> sched.add(SequenceState("a", [7, 8, 9], max_new_tokens=1))
-        >>> (item,) = sched.schedule().scheduled
-        >>> item.token_ids, item.start, item.slots, item.block_tables, item.sample
-        ([7, 8, 9], 0, ([0, 1, 2],), ([0, 1],), True)
-    """
-
-    sequence: SequenceState
-    start: int
-    num_new_tokens: int
-    sample: bool
-    num_samples: int
-    snapshots: tuple[int, ...] = ()
-
-    @property
-    def request_id(self) -> str:
-        """The sequence's id."""
-        return self.sequence.request_id
-
-    @property
-    def end(self) -> int:
-        """One past the last position computed in this step (the key length after it)."""
-        return self.start + self.num_new_tokens
-
-    @property
-    def token_ids(self) -> list[int]:
-        """Tokens to compute now."""
-        return self.sequence.token_ids[self.start : self.start + self.num_new_tokens]
-
-    @property
-    def slots(self) -> tuple[list[int], ...]:
-        """Per KV group, the physical slot of every new token."""
-        blocks = self._blocks()
-        end = self.start + self.num_new_tokens
-        return tuple(blocks.slots(g, self.start, end) for g in range(len(blocks.pool.groups)))
-
-    @property
-    def block_tables(self) -> tuple[list[int], ...]:
-        """Per KV group, the live blocks (logical block ``block_offsets[g]`` first)."""
-        blocks = self._blocks()
-        return tuple(blocks.table(g) for g in range(len(blocks.pool.groups)))
-
-    @property
-    def block_offsets(self) -> tuple[int, ...]:
-        """Per KV group, leading logical blocks released by a sliding window."""
-        blocks = self._blocks()
-        return tuple(blocks.num_dropped(g) for g in range(len(blocks.pool.groups)))
-
-    @property
-    def blocks(self) -> BlockTables:
-        """The sequence's live block tables (raises :class:`InvalidRequestError` once it holds none)."""
-        return self._blocks()
-
-    def _blocks(self) -> BlockTables:
-        blocks = self.sequence.blocks
-        if blocks is None:
-            raise InvalidRequestError(f"request {self.request_id!r} holds no blocks any more (updated or aborted)")
-        return blocks
-
-
-@dataclass(frozen=True)
-class SchedulerOutput:
-    """One step's plan.
-
-    Attributes:
-        scheduled: sequences to compute, decodes first.
-        copies: copy-on-write block copies ``(group, source, destination)`` to perform before the forward.
-        preempted: ids of sequences preempted in this step (their blocks are back in the pool).
-
-    Example:
-        >>> Scheduler(KVPool(num_blocks=4, block_size=2)).schedule().is_empty
-        True
-    """
-
-    scheduled: list[ScheduledSequence]
-    copies: list[Copy] = field(default_factory=list)
-    preempted: list[str] = field(default_factory=list)
-
-    @property
-    def num_batched_tokens(self) -> int:
-        """Tokens computed in this step."""
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        """Nothing to compute."""
-        return not self.scheduled
 
 
 class Scheduler:
@@ -199,6 +91,8 @@ class Scheduler:
         self._keys: dict[str, Hashable] = {}  # per waiting or running id: its namespace's identity (namespace_key)
         self._running_per_key: dict[Hashable, int] = {}  # running sequences per namespace (none: absent)
         self.stats = SchedulerStats()
+        self._step = 0  # schedule() calls so far
+        self._pending: int | None = None  # the step update() records next (the latest planned; None: recorded)
         bs = pool.block_size
         self._watermark_blocks = int(self._config.watermark * pool.num_blocks)  # every group has num_blocks blocks
         self._bs = bs
@@ -350,9 +244,17 @@ class Scheduler:
         """Finish these sequences with ``FinishReason.ERROR`` (e.g. their step raised); blocks go back at once."""
         return self.finish(request_ids, FinishReason.ERROR)
 
-    def finish(self, request_ids: Sequence[str], reason: FinishReason) -> list[SequenceState]:
-        """Finish these waiting or running sequences (ids of other ones are skipped) with ``reason``, e.g. STOP when
-        their text reached a stop string; their blocks go back at once, so no later step computes them."""
+    def finish(self, request_ids: Sequence[str], reason: FinishReason | str) -> list[SequenceState]:
+        """Finish these waiting or running sequences (ids of other ones are skipped) with ``reason`` (a
+        :class:`FinishReason` or its value), e.g. STOP when their text reached a stop string; their blocks go back at
+        once, so no later step computes them. Another reason raises :class:`InvalidRequestError`, changing nothing."""
+        try:
+            reason = FinishReason(reason)
+        except ValueError:
+            values = ", ".join(repr(r.value) for r in FinishReason)
+            raise InvalidRequestError(
+                f"finish: reason must be one of {values}, got {reason!r}", param="reason"
+            ) from None
         done = [self._by_id[r] for r in request_ids if r in self._by_id]
         for seq in done:
             self._finish(seq, reason)
@@ -408,7 +310,9 @@ class Scheduler:
             for item, granted in zip(scheduled, states.grant(points, self._reservation)):
                 item.snapshots = granted
         self.stats.num_steps += 1
-        return SchedulerOutput(scheduled, copies, preempted)
+        self._step += 1
+        self._pending = self._step
+        return SchedulerOutput(scheduled, copies, preempted, self._step)
 
     def _grow(self, seq: SequenceState, num_new: int, planned: set[int], preempted: list[str]) -> list[Copy] | None:
         """Grow a running sequence's tables by ``num_new`` positions (and count the state slot its write takes),
@@ -429,28 +333,20 @@ class Scheduler:
         return grown
 
     def update(self, output: SchedulerOutput, sampled: Mapping[str, Sequence[int]]) -> list[SequenceState]:
-        """Record a computed step. ``sampled[request_id]`` holds the tokens sampled for every scheduled sequence
-        with ``sample=True`` (``num_samples`` tokens at a forking step, else one).
+        """Record a computed step: the latest :meth:`schedule`'s output, once (a replayed or superseded one raises
+        :class:`InvalidRequestError`). ``sampled[request_id]`` holds the token ids (integers >= 0) sampled for every
+        scheduled sequence with ``sample=True`` (``num_samples`` tokens at a forking step, else one). Bad input
+        raises, naming the request and the value, and changes nothing.
 
         Returns the sequences that finished in this step (forked samples included).
         """
-        live = []
-        running, by_id = SequenceStatus.RUNNING, self._by_id
-        for item in output.scheduled:  # validate everything before changing anything
-            seq = item.sequence
-            if seq.status is not running or by_id.get(seq.request_id) is not seq:
-                continue  # aborted or failed after the step was planned
-            got = len(sampled.get(seq.request_id, ())) if item.sample else 0
-            if got != item.num_samples:
-                raise InvalidRequestError(
-                    f"update: request {seq.request_id!r} needs {item.num_samples} sampled tokens, got {got}"
-                )
-            live.append(item)
+        live = self._checked(output, sampled)
+        self._pending = None
         finished: list[SequenceState] = []
         cache = self._config.enable_prefix_caching
         sliding = self._has_sliding
         computed = prompt_computed = 0
-        for item in live:
+        for item, tokens in live:
             seq = item.sequence
             blocks = _tables(seq)
             end = item.start + item.num_new_tokens
@@ -465,15 +361,10 @@ class Scheduler:
                     self._awaited.discard(seq.request_id)
                     blocks.cache_partial_block(seq.token_ids, end, seq.namespace)
             # One pass for all three outcomes: no token (a prefill chunk), one token, or the forking step's tokens.
-            if not item.sample:
-                family: Sequence[SequenceState] = (seq,)
-                tokens: Sequence[int | None] = _NO_TOKEN
-            else:
-                tokens = sampled[seq.request_id]
-                family = [seq, *self._fork(seq, item.num_samples - 1)] if item.num_samples > 1 else (seq,)
+            family = [seq, *self._fork(seq, item.num_samples - 1)] if item.num_samples > 1 else (seq,)
             for member, token in zip(family, tokens):
                 if token is not None:
-                    reason = member.append_token(int(token))
+                    reason = member.append_token(token)
                     if reason is not None:
                         self._finish(member, reason)
                         finished.append(member)
@@ -485,6 +376,35 @@ class Scheduler:
         self.stats.num_prompt_tokens_computed += prompt_computed
         self._settle_reservation()
         return finished
+
+    def _checked(
+        self, output: SchedulerOutput, sampled: Mapping[str, Sequence[int]]
+    ) -> list[tuple[ScheduledSequence, Sequence[int | None]]]:
+        """:meth:`update`'s input, validated before anything changes: the step's live items (those not aborted or
+        failed since it was planned), each with its sampled tokens (:data:`_NO_TOKEN` when it samples none)."""
+        if output.step != self._pending:  # a replayed step, or one planned before the latest schedule()
+            why = "was recorded already" if output.step == self._step else f"is not the latest planned ({self._step})"
+            raise InvalidRequestError(
+                f"update: step {output.step} {why}: update takes the latest schedule()'s output, once"
+            )
+        live: list[tuple[ScheduledSequence, Sequence[int | None]]] = []
+        running, by_id = SequenceStatus.RUNNING, self._by_id
+        for item in output.scheduled:
+            seq = item.sequence
+            if seq.status is not running or by_id.get(seq.request_id) is not seq:
+                continue  # aborted or failed after the step was planned
+            if not item.sample:
+                live.append((item, _NO_TOKEN))
+                continue
+            tokens = sampled.get(seq.request_id, ())
+            if type(tokens) is not list or len(tokens) != item.num_samples:
+                tokens = _sampled(seq.request_id, tokens, item.num_samples)
+            for token in tokens:  # the hot path: a plain int >= 0 costs two comparisons
+                if type(token) is not int or token < 0:
+                    tokens = _sampled(seq.request_id, tokens, item.num_samples)
+                    break
+            live.append((item, tokens))
+        return live
 
     def refresh_reservation(self) -> None:
         """Hold back, for the running sequences, the blocks they may still allocate before they finish (each one's
@@ -775,6 +695,15 @@ _NO_TOKEN: tuple[None] = (None,)
 # Finishes whose computed keys and values are complete: an abort may come while a forward writes the sequence's
 # blocks, and a failed step may have written some layers only.
 _KEEPS_KV = frozenset({FinishReason.STOP, FinishReason.LENGTH})
+
+
+def _sampled(request_id: str, tokens: object, count: int) -> list[int]:
+    """The ``count`` token ids sampled for ``request_id`` (the rule: :func:`~pagedcore.validation.token_ids`), or
+    :class:`InvalidRequestError` naming the request and the values."""
+    ids = token_ids(tokens, name=f"update: request {request_id!r}: sampled token ids", allow_empty=True)
+    if len(ids) != count:
+        raise InvalidRequestError(f"update: request {request_id!r} needs {count} sampled tokens, got {len(ids)}")
+    return ids
 
 
 def _priority(item: tuple[SequenceState, int]) -> int:

@@ -46,8 +46,14 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs"):
             object.__setattr__(self, name, integer(name, getattr(self, name), minimum=1, error=ConfigError))
-        if not 0.0 <= self.watermark < 1.0:
-            raise ConfigError(f"watermark must be in [0, 1), got {self.watermark!r}")
+        mark = self.watermark
+        if isinstance(mark, bool) or not isinstance(mark, (int, float)) or not 0.0 <= mark < 1.0:  # NaN: refused
+            raise ConfigError(f"watermark must be a number in [0, 1), got {mark!r}", param="watermark")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ConfigError(
+                f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}",
+                param="enable_prefix_caching",
+            )
         if self.policy not in POLICIES:
             raise ConfigError(f"policy must be one of {', '.join(map(repr, POLICIES))}, got {self.policy!r}")
 

@@ -112,6 +112,29 @@ def test_engine_settings_are_checked_once(settings, message):
         EngineConfig.of(**settings)
 
 
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"watermark": "0.1"}, "watermark must be a number in [0, 1), got '0.1'"),
+        ({"watermark": True}, "watermark must be a number in [0, 1), got True"),
+        ({"watermark": float("nan")}, "watermark must be a number in [0, 1), got nan"),
+        ({"watermark": 1}, "watermark must be a number in [0, 1), got 1"),
+        ({"enable_prefix_caching": "no"}, "enable_prefix_caching must be True or False, got 'no'"),
+        ({"enable_prefix_caching": 1}, "enable_prefix_caching must be True or False, got 1"),
+        ({"enable_prefix_caching": None}, "enable_prefix_caching must be True or False, got None"),
+    ],
+)
+def test_scheduler_settings_of_the_wrong_type_are_refused_naming_them(settings, message):
+    with pytest.raises(ConfigError) as caught:
+        SchedulerConfig(**settings)
+    assert str(caught.value) == message and caught.value.param == next(iter(settings))
+
+
+def test_scheduler_settings_of_the_right_type_are_taken():
+    assert SchedulerConfig(watermark=0).watermark == 0 and SchedulerConfig(watermark=0.5).watermark == 0.5
+    assert SchedulerConfig(enable_prefix_caching=False).enable_prefix_caching is False
+
+
 def test_max_model_len_is_the_context_served_and_at_most_the_models():
     model = tiny_model("llama", max_position_embeddings=128)
     with pytest.raises(ConfigError, match="max_model_len 256 is more than the model's context of 128"):

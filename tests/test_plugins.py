@@ -17,6 +17,7 @@ import logging
 import subprocess
 import sys
 import textwrap
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -631,6 +632,50 @@ def test_raising_observer_is_isolated_and_counted(pm, use, caplog):
     assert pm.num_observer_errors == len(recorder.events)  # Boom failed once per event; the recorder saw them all
     assert "plugin 'boom' failed in pagedcore_request_finished; ignored" in caplog.text
     assert "RuntimeError: boom evicted" in caplog.text
+
+
+class Waiting:
+    """An observer that takes its time: each admission waits until the test lets it go."""
+
+    def __init__(self) -> None:
+        self.entered, self.go = threading.Event(), threading.Event()
+
+    @hookimpl
+    def pagedcore_request_admitted(self, request_id: str) -> None:
+        self.entered.set()
+        self.go.wait(60)
+
+
+@covers("pagedcore_request_admitted", "pagedcore_request_finished", "pagedcore_prefix_hit")
+def test_a_slow_observer_runs_after_the_engine_releases_its_lock(pm, use):
+    """The Engine's events are delivered once it has released its lock, in the order emitted, so an observer that
+    waits holds up only the thread that delivers them: another thread's add_request goes on (it waited for the
+    observer while events ran under the lock)."""
+    from pagedcore.adapters.torch_reference import TorchLlama, TorchRunner
+    from pagedcore.engine import Engine
+
+    recorder = use(Recorder(), "recorder")
+    slow = use(Waiting(), "slow")
+    with Engine(TorchRunner(TorchLlama.tiny(), num_blocks=32, block_size=4, plugins=pm)) as engine:
+        engine.add_request([1, 2, 3], {"max_new_tokens": 2}, request_id="a")
+        stepper = threading.Thread(target=engine.step)
+        stepper.start()
+        try:
+            assert slow.entered.wait(60), "the step admitted no request"
+            adder = threading.Thread(target=engine.add_request, args=([4, 5],), kwargs={"request_id": "b"})
+            adder.start()
+            adder.join(30)  # a deadlock guard, not a timing: it returns at once unless it waits for the observer
+            assert not adder.is_alive(), "add_request waited for an observer the step is running"
+        finally:
+            slow.go.set()
+            stepper.join(60)
+        while engine.has_unfinished():
+            for out in engine.step():  # one thread: a step's events are delivered before it returns
+                assert ("finished", out.request_id) in [event[:2] for event in recorder.events]
+    events = [event[:2] for event in recorder.events]
+    for rid in "ab":
+        assert [kind for kind, of in events if of == rid] == ["prefix_hit", "admitted", "finished"]
+    assert events[:2] == [("prefix_hit", "a"), ("admitted", "a")] and pm.num_observer_errors == 0
 
 
 # ---------------------------------------------------------------- hook validation (check_pending)

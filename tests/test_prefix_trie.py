@@ -92,8 +92,25 @@ def test_counters_make_a_hit_rate(bm):
     trie.record(10, 4)
     trie.record(10, 0)
     assert (trie.num_query_tokens, trie.num_hit_tokens, trie.hit_rate) == (20, 4, 0.2)
-    with pytest.raises(ValueError, match="hits"):
-        trie.record(1, 2)
+
+
+@pytest.mark.parametrize(
+    ("args", "param", "message"),
+    [
+        ((1, 2), "num_hit_tokens", r"num_hit_tokens \(2\) must be <= num_query_tokens \(1\)"),
+        ((-1, 0), "num_query_tokens", "num_query_tokens must be an integer >= 0, got -1"),
+        ((4, -1), "num_hit_tokens", "num_hit_tokens must be an integer >= 0, got -1"),
+        ((4.0, 1), "num_query_tokens", "num_query_tokens must be an integer >= 0, got 4.0"),
+        ((4, "1"), "num_hit_tokens", "num_hit_tokens must be an integer >= 0, got '1'"),
+    ],
+)
+def test_bad_counts_are_a_config_error_naming_the_argument_and_count_nothing(bm, args, param, message):
+    trie = PrefixTrie(bm)
+    trie.record(10, 4)
+    with pytest.raises(ConfigError, match=message) as caught:
+        trie.record(*args)
+    assert caught.value.param == param
+    assert (trie.num_query_tokens, trie.num_hit_tokens) == (10, 4)
 
 
 def test_eviction_takes_leaves_first(bm):

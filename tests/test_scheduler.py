@@ -193,6 +193,106 @@ def test_bad_input():
     assert sched.get("x").num_computed_tokens == 0  # nothing changed
 
 
+def snapshot(sched):
+    """What an update changes: every sequence's progress and tokens, the pool's blocks, the counters."""
+    seqs = [(s.request_id, s.status, s.num_computed_tokens, list(s.token_ids)) for s in sched.sequences()]
+    pool = sched.pool
+    return seqs, pool.num_used_blocks, pool.num_cached_blocks, sched.stats.num_computed_tokens
+
+
+@pytest.mark.parametrize(
+    ("tokens", "shown"),
+    [
+        ([-5], r"\[-5\] are outside the ids >= 0"),
+        ([1.7], "must be integers, got 1.7"),
+        ([None], "must be integers, got None"),
+        (["x"], "must be integers, got 'x'"),
+        ([True], "must be integers, got True"),
+        (None, "must be a sequence of integers, got None"),
+        (5, "must be a sequence of integers, got 5"),
+    ],
+)
+def test_update_refuses_a_bad_sampled_token_naming_it_and_changes_nothing(tokens, shown):
+    sched, model = make()
+    sched.add(SequenceState("a", [1, 2, 3, 4, 5], max_new_tokens=3))
+    sched.add(SequenceState("b", [6, 7, 8], max_new_tokens=3))
+    out = sched.schedule()
+    sampled = model.step(out)
+    before = snapshot(sched)
+    with pytest.raises(InvalidRequestError, match=f"update: request 'b': sampled token ids {shown}"):
+        sched.update(out, {**sampled, "b": tokens})
+    assert snapshot(sched) == before
+    sched.check_invariants()
+    sched.update(out, sampled)  # the same step with good tokens is still taken
+    assert [s.num_computed_tokens for s in sched.sequences()] == [5, 3]
+    run_to_completion(sched, model)
+    assert sched.pool.num_used_blocks == 0
+
+
+class Index:
+    """An integer-like token id (a numpy integer, a one-element tensor)."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def __index__(self) -> int:
+        return self.value
+
+
+def test_update_takes_integer_like_tokens_as_ints():
+    sched, _ = make()
+    sched.add(SequenceState("a", [1, 2, 3], max_new_tokens=3))
+    sched.update(sched.schedule(), {"a": (7,)})  # a tuple
+    sched.update(sched.schedule(), {"a": [Index(8)]})  # anything with __index__ but bool
+    assert sched.get("a").output_token_ids == [7, 8] and all(type(t) is int for t in sched.get("a").token_ids)
+
+
+def test_a_replayed_or_superseded_step_is_refused_and_changes_nothing():
+    sched, model = make()
+    sched.add(SequenceState("a", [1, 2, 3, 4, 5], max_new_tokens=5))
+    first = sched.schedule()
+    sampled = model.step(first)
+    sched.update(first, sampled)
+    before = snapshot(sched)
+    with pytest.raises(InvalidRequestError, match="update: step 1 was recorded already"):
+        sched.update(first, sampled)  # the token would be appended twice
+    assert snapshot(sched) == before
+    second = sched.schedule()
+    third = sched.schedule()  # plans the same positions again: the second plan is stale
+    with pytest.raises(InvalidRequestError, match=r"update: step 2 is not the latest planned \(3\)"):
+        sched.update(second, model.step(second))
+    assert snapshot(sched) == before
+    sched.update(third, model.step(third))
+    run_to_completion(sched, model)
+    assert not sched.has_unfinished()
+    assert sched.pool.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("reason", [FinishReason.STOP, "stop", "length"])
+def test_finish_takes_a_reason_or_its_value(reason):
+    sched, model = make()
+    sched.add(SequenceState("a", [1, 2, 3, 4, 5], max_new_tokens=5))
+    out = sched.schedule()
+    sched.update(out, model.step(out))
+    (done,) = sched.finish(["a"], reason)
+    assert done.finish_reason is FinishReason(reason) and done.blocks is None
+    assert sched.stats.num_finished == 1 and sched.pool.num_used_blocks == 0
+    assert sched.pool.num_cached_blocks == 2  # a stop or length keeps its computed prefix, its last block included
+
+
+@pytest.mark.parametrize("reason", ["STOP", "done", None, 3])
+def test_finish_refuses_another_reason_before_releasing_anything(reason):
+    sched, model = make()
+    sched.add(SequenceState("a", [1, 2, 3, 4, 5], max_new_tokens=5))
+    out = sched.schedule()
+    sched.update(out, model.step(out))
+    before = snapshot(sched)
+    with pytest.raises(InvalidRequestError, match="finish: reason must be one of 'stop', 'length', 'abort', 'error'"):
+        sched.finish(["a"], reason)
+    assert snapshot(sched) == before and sched.get("a").blocks is not None
+    sched.check_invariants()
+
+
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("windows", [(None,), (None, 6)])
 def test_randomized_run_with_fake_model(seed, windows):

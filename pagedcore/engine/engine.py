@@ -151,7 +151,7 @@ class Engine:
         self._in_flight = False  # a step's forward is running on the batch it took
         # The Engine's requests and the pool's blocks, in that order: the pool's lock guards its block state for every
         # holder (enable()d calls and caches on the same pool), so the Engine takes it whenever it books blocks.
-        self._lock = Locks(threading.RLock(), self.runner.lock)
+        self._lock = Locks(threading.RLock(), self.runner.lock, events=self.runner.plugins)  # observers: after it
         self._stepping = threading.Lock()
         self._stepper: int | None = None  # the thread inside step()
         self._ids = itertools.count()

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pagedcore.plugin_manager import PluginManager
 
 __all__ = ["Locks"]
 
 
 class Locks:
-    """Locks taken together, in order, and released in reverse (re-entrant when every one of them is).
+    """Locks taken together, in order, and released in reverse (re-entrant when every one of them is). With
+    ``events``, the events emitted while they are held are delivered once they are released
+    (:meth:`~pagedcore.plugin_manager.PluginManager.hold_events`): observers never run under them.
 
     Example:
         >>> import threading
@@ -20,8 +25,9 @@ class Locks:
         False
     """
 
-    def __init__(self, *locks: Any) -> None:
+    def __init__(self, *locks: Any, events: PluginManager | None = None) -> None:
         self._locks = locks
+        self._events = events
 
     def __enter__(self) -> Locks:
         taken = []
@@ -33,8 +39,12 @@ class Locks:
             for lock in reversed(taken):
                 lock.__exit__(None, None, None)
             raise
+        if self._events is not None:
+            self._events.hold_events()
         return self
 
     def __exit__(self, *exc: object) -> None:
         for lock in reversed(self._locks):
             lock.__exit__(None, None, None)
+        if self._events is not None:
+            self._events.release_events()
