@@ -1096,3 +1096,45 @@ def test_the_attention_backend_is_refused_when_the_engine_or_cache_is_built(pm):
         with pytest.raises(PluginError, match=failing):
             TorchRunner(TorchLlama.tiny(), num_blocks=8, plugins=pm)
     assert "generate" not in vars(model)  # enable() changed nothing
+
+
+class ArmedPolicyPlugin:
+    """An LRU policy whose ``pop()`` raises once armed (a plugin's bug that shows only under pressure)."""
+
+    armed = False
+
+    @hookimpl
+    def pagedcore_eviction_policy(self, name: str | None) -> EvictionPolicy | None:
+        if name != "armed":
+            return None
+        plugin = self
+
+        class Armed(LRUEvictionPolicy):
+            name = "armed"
+
+            def pop(self) -> int:
+                if plugin.armed:
+                    raise RuntimeError("pop boom")
+                return super().pop()
+
+        return Armed()
+
+
+@covers("pagedcore_eviction_policy")
+def test_an_engine_whose_eviction_policy_fails_raises_a_plugin_error_and_keeps_its_pool(pm):
+    from pagedcore.adapters.transformers import Engine
+
+    plugin = ArmedPolicyPlugin()
+    model = tiny_llama()
+    with pm.plugin(plugin, name="armed-policy"):
+        pool = make_pool(pm, config=model, num_blocks=8, block_size=4, eviction_policy="armed")
+        with Engine(model, pool=pool) as engine:
+            engine.generate([list(range(3, 19))], max_new_tokens=2, use_tqdm=False)  # 4 blocks cached
+            cached = pool.kv.num_cached_blocks
+            plugin.armed = True
+            with pytest.raises(PluginError, match=r"eviction policy 'armed' .*pop\(\) raised RuntimeError: pop boom"):
+                engine.generate([list(range(40, 64))], max_new_tokens=2, use_tqdm=False)  # must evict
+            pool.check_invariants()
+            assert pool.kv.num_cached_blocks == cached and pool.kv.num_used_blocks == 0
+            plugin.armed = False
+            assert engine.generate([list(range(40, 64))], max_new_tokens=2, use_tqdm=False)[0].error is None
