@@ -20,9 +20,12 @@ recently freed block first and then never-used ids in increasing order (what an 
 small workloads stay in a compact, low region of the pool.
 
 Every command validates all of its ids before it changes anything, so a call that raises leaves the manager as it
-was. Nothing outside this module reads or writes its fields: holders go through ``allocate`` / ``retain`` /
-``release`` / ``free`` / ``append_slot``, the prefix cache through ``mark_cached`` / ``uncache`` and the
-:class:`CacheIndex` callback (the design note "BlockManager.release()", made safe).
+was. That holds for the eviction policy too (a plugin's code): ``allocate`` takes all the victims it needs and checks
+each (an evictable block, named once) before it evicts any; a ``pop()`` that raises or names another id is a
+:class:`~pagedcore.errors.PluginError` naming the policy, its victims given back. Nothing outside this module
+reads or writes its fields: holders go through ``allocate`` / ``retain`` / ``release`` / ``free`` / ``append_slot``,
+the prefix cache through ``mark_cached`` / ``uncache`` and the :class:`CacheIndex` callback (the design note
+"BlockManager.release()", made safe).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from pagedcore.errors import (
     DoubleReleaseError,
     InvalidBlockError,
     OutOfBlocksError,
+    PluginError,
     SharedBlockError,
 )
 from pagedcore.eviction import EvictionPolicy, LRUEvictionPolicy
@@ -283,8 +287,8 @@ class BlockManager:
         if num_blocks == 0:
             return []
         evicted: list[int] = []
-        while len(free) + untouched < num_blocks:
-            self._evict_one(evicted)
+        if len(free) + untouched < num_blocks:
+            self._evict(self._take_victims(num_blocks - len(free) - untouched), num_blocks - untouched, evicted)
         # The most recently freed first (top of the stack), then never-used ids in increasing order.
         reused = min(num_blocks, len(free))
         if reused:
@@ -549,8 +553,75 @@ class BlockManager:
                 policy.remove(block_id)
                 free.append(block_id)
 
-    def _evict_one(self, evicted: list[int]) -> None:
-        victim = self._policy.pop()
+    def _take_victims(self, count: int) -> list[int]:
+        """``count`` victims from the eviction policy, each checked before anything changes (an evictable block:
+        cached, held by nobody, named once). Each victim frees at least its own block, so ``count`` are enough. A
+        ``pop()`` that raises or names any other id: what was taken goes back to the policy and :class:`PluginError`
+        names the policy, the manager as it was (a policy is a plugin's code, never trusted with the pool)."""
+        policy = self._policy
+        victims: list[int] = []
+        taken: set[int] = set()
+        while len(victims) < count:
+            try:
+                victim = policy.pop()
+            except Exception as exc:
+                self._restore_policy(victims)
+                raise PluginError(f"{self._policy_label()}: pop() raised {type(exc).__name__}: {exc}") from exc
+            problem = self._victim_problem(victim, taken)
+            if problem is not None:
+                self._restore_policy(victims)
+                raise PluginError(f"{self._policy_label()}: pop() returned {victim!r}, {problem}")
+            victims.append(victim)
+            taken.add(victim)
+        return victims
+
+    def _victim_problem(self, victim: object, taken: set[int]) -> str | None:
+        """Why ``victim`` (a policy's ``pop()``) is not a block to evict now, or None."""
+        if type(victim) is not int:
+            return "not a block id (an int)"
+        if not 0 <= victim < self._hwm:
+            return f"not a block of this pool that was ever handed out (ids below {self._hwm})"
+        if self._ref[victim]:
+            return f"a block in use ({self._ref[victim]} holder(s))"
+        if not self._cached[victim]:
+            return "a free block (not cached, never added to the policy)"
+        if victim in taken:
+            return "a block it already returned in this allocation"
+        if victim in self._policy:
+            return "a block it still holds (pop() must forget its victim)"
+        return None
+
+    def _policy_label(self) -> str:
+        kind = type(self._policy)
+        return f"eviction policy {getattr(self._policy, 'name', None)!r} ({kind.__module__}.{kind.__qualname__})"
+
+    def _restore_policy(self, victims: list[int]) -> None:
+        """Give the policy back every evictable block it no longer holds: the victims taken (in the order taken),
+        then any a faulty ``pop()`` dropped without returning it. O(blocks used); only after a policy failed."""
+        ref, cached, policy = self._ref, self._cached, self._policy
+        try:
+            for block_id in victims:
+                policy.add(block_id)
+            for block_id in range(self._hwm):
+                if ref[block_id] == 0 and cached[block_id] and block_id not in policy:
+                    policy.add(block_id)
+        except Exception:
+            logger.exception("pagedcore: %s failed while its victims were given back", self._policy_label())
+
+    def _evict(self, victims: list[int], target: int, evicted: list[int]) -> None:
+        """Evict ``victims`` in order until ``target`` blocks are free; the ones not needed go back to the policy
+        (a victim's unheld descendants leave with it, so fewer may do)."""
+        taken = set(victims)
+        for i, victim in enumerate(victims):
+            if len(self._free) >= target:
+                for block_id in victims[i:]:
+                    if self._cached[block_id]:
+                        self._policy.add(block_id)
+                return
+            if self._cached[victim]:  # else it left the cache with an ancestor evicted before it
+                self._evict_one(victim, taken, evicted)
+
+    def _evict_one(self, victim: int, taken: set[int], evicted: list[int]) -> None:
         if self._before_evict is not None and self._index is not None:
             try:
                 self._before_evict(victim)
@@ -567,9 +638,15 @@ class BlockManager:
             return  # a leaf (the usual LRU victim)
         if not dropped or dropped[0] != victim:
             raise AssertionError(f"the prefix cache did not drop evicted block {victim} first")
-        descendants = dropped[1:]
-        self._uncache(descendants)
-        evicted.extend(b for b in descendants if self._ref[b] == 0)
+        ref, cached, policy, free = self._ref, self._cached, self._policy, self._free
+        self._num_cached -= len(dropped) - 1
+        for block_id in dropped[1:]:
+            cached[block_id] = 0
+            if ref[block_id] == 0:
+                if block_id not in taken:  # a victim taken for this call is out of the policy already
+                    policy.remove(block_id)
+                free.append(block_id)
+                evicted.append(block_id)
 
     def _notify_evicted(self, evicted: list[int]) -> None:
         if self._on_evict is None:

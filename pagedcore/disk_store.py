@@ -82,6 +82,8 @@ class DiskKVStore:
     def __init__(self, directory: str | os.PathLike[str], max_bytes: int) -> None:
         if type(max_bytes) is not int or max_bytes < 0:
             raise ConfigError(f"kv_store_bytes must be a non-negative number of bytes, got {max_bytes!r}")
+        if not os.fspath(directory):  # Path("") is the current directory
+            raise ConfigError("kv_store: the directory '' is empty: give its path (the current one as '.')")
         self.folder = Path(directory) / _FOLDER
         self._fd = _open_folder(Path(directory))  # every operation is relative to this open, checked folder
         weakref.finalize(self, os.close, self._fd)

@@ -3,8 +3,9 @@
 Plugins implement these with ``@pagedcore.hookimpl`` and are found through the ``pagedcore`` entry-point group (the
 built-ins, which implement them the same way, are registered by the host: :mod:`pagedcore.plugin_manager`).
 Hooks are always called with keyword arguments, and an implementation may accept fewer arguments than its spec,
-so specs can grow without breaking plugins. Selection hooks are ``firstresult``: the first non-None answer wins;
-the built-in plugins mark theirs ``trylast`` so that an installed plugin is asked first.
+so specs can grow without breaking plugins. Selection hooks are ``firstresult`` and asked through
+:meth:`~pagedcore.plugin_manager.PluginManager.select`: every installed plugin first (two answering one call are
+refused), the built-ins (``trylast``) only when none did.
 """
 
 from __future__ import annotations

@@ -5,8 +5,9 @@ As in pluggy's own example host (eggsample), the host registers its built-in plu
 (:data:`BUILTIN_PLUGINS`: the LRU policy, the logging observer, the xformers and torch backends) and entry points
 add third-party ones. Everything loads on first use, not at import: the built-in backends import torch, and the core
 must not. Entry points load first, sorted by name so the order is the same on every machine, then the built-ins,
-the torch backend (the fallback that serves any device) last: selection hooks are ``firstresult`` and the built-ins
-answer ``trylast``, so an installed plugin is asked before any built-in. A built-in whose optional dependency is not
+the torch backend (the fallback that serves any device) last. Selection hooks go through :meth:`PluginManager.select`:
+every installed plugin is asked before any built-in, two installed plugins answering one call are refused, and an
+implementation that raises is a :class:`PluginError` naming it. A built-in whose optional dependency is not
 installed (torch, xformers) is not registered. Each plugin is checked with ``check_pending()`` so a misspelled hook
 fails loudly; one that fails to load is skipped, logged and listed in ``load_errors``: one broken install must not
 take the others down with it. Events go through :meth:`PluginManager.emit`, which isolates observers: one that
@@ -32,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import pluggy
 
 from pagedcore import hookspecs
-from pagedcore.errors import PluginError
+from pagedcore.errors import ConfigError, PagedCoreError, PluginError
 from pagedcore.eviction import EvictionPolicy
 from pagedcore.kv_store import KVStore, check_store
 
@@ -209,7 +210,7 @@ class PluginManager:
     # ------------------------------------------------------------------ selection hooks
     def attention_backend(self, device_type: str, dtype: Any = None, name: str | None = None) -> AttentionBackend:
         """The attention backend for a device and dtype; raises :class:`PluginError` when no plugin offers one."""
-        backend = self.hook.pagedcore_attention_backend(device_type=device_type, dtype=dtype, name=name)
+        plugin, backend = self.select("pagedcore_attention_backend", device_type=device_type, dtype=dtype, name=name)
         if backend is None:
             wanted = f"backend {name!r}" if name else "any attention backend"
             available = [info.name for info in self.plugins() if "pagedcore_attention_backend" in info.hooks]
@@ -218,18 +219,22 @@ class PluginManager:
                 f"plugins with backends: {available or 'none'}"
             )
         if not callable(getattr(backend, "forward", None)) or not isinstance(getattr(backend, "name", None), str):
-            raise PluginError(f"a plugin returned {backend!r} as attention backend: it needs a name and forward()")
+            raise PluginError(
+                f"plugin {plugin!r} returned {backend!r} as attention backend: it needs a name and forward()"
+            )
         return backend
 
     def eviction_policy(self, name: str | None = None, num_blocks: int = 0) -> EvictionPolicy:
         """A new eviction policy; raises :class:`PluginError` when no plugin offers ``name``."""
-        policy = self.hook.pagedcore_eviction_policy(name=name, num_blocks=num_blocks)
+        plugin, policy = self.select("pagedcore_eviction_policy", name=name, num_blocks=num_blocks)
         if policy is None:
             raise PluginError(f"no plugin offers the eviction policy {name!r}")
         if not isinstance(policy, EvictionPolicy):
-            raise PluginError(f"a plugin returned {policy!r} as eviction policy {name!r}: not an EvictionPolicy")
+            raise PluginError(
+                f"plugin {plugin!r} returned {policy!r} as eviction policy {name!r}: not an EvictionPolicy"
+            )
         if len(policy) != 0:
-            raise PluginError(f"the eviction policy {name!r} returned by a plugin is not empty")
+            raise PluginError(f"the eviction policy {name!r} returned by plugin {plugin!r} is not empty")
         return policy
 
     def kv_store(self, location: str, max_bytes: int) -> KVStore:
@@ -240,10 +245,45 @@ class PluginManager:
             >>> default_plugin_manager().kv_store("memory://", 1024).name
             'memory'
         """
-        store = self.hook.pagedcore_kv_store(location=location, max_bytes=max_bytes)
+        plugin, store = self.select("pagedcore_kv_store", location=location, max_bytes=max_bytes)
         if store is None:
             raise PluginError(f"no plugin offers a KV store for {location!r}")
-        return check_store(store, location)
+        try:
+            return check_store(store, location)
+        except ConfigError as exc:
+            raise ConfigError(f"{exc} (returned by plugin {plugin!r})") from exc
+
+    def select(self, hook_name: str, **kwargs: Any) -> tuple[str | None, Any]:
+        """Ask a selection hook: ``(plugin name, answer)``, or ``(None, None)`` when no plugin answers.
+
+        Every installed plugin is asked; two that answer the same call are refused (:class:`PluginError` naming
+        both: which one would win would depend on the order they were loaded). Only when none answers are the
+        built-ins asked, in their order, the first answer winning. An implementation that raises is a
+        :class:`PluginError` naming its plugin and the hook (a :class:`~pagedcore.errors.PagedCoreError` it raises,
+        such as a store's ConfigError for an unusable location, goes through as it is).
+        """
+        caller = self._caller(hook_name, selection=True)
+        impls = list(reversed(caller.get_hookimpls()))  # pluggy's call order
+        installed = [impl for impl in impls if self._sources.get(impl.plugin_name) != BUILTIN_SOURCE]
+        answers = []
+        for impl in installed:
+            answer = _ask(impl, hook_name, kwargs)
+            if answer is not None:
+                answers.append((impl.plugin_name, answer))
+        if len(answers) > 1:
+            names = " and ".join(repr(name) for name, _ in answers)
+            raise PluginError(
+                f"plugins {names} both answer {hook_name}({_arguments(kwargs)}): unregister one, or ask for a "
+                "backend or policy by a name only one of them answers"
+            )
+        if answers:
+            return answers[0]
+        for impl in impls:
+            if impl not in installed:
+                answer = _ask(impl, hook_name, kwargs)
+                if answer is not None:
+                    return impl.plugin_name, answer
+        return None, None
 
     # ------------------------------------------------------------------ events
     def emit(self, hook_name: str, **kwargs: Any) -> None:
@@ -252,7 +292,7 @@ class PluginManager:
 
         Every argument of the hook's spec must be given (a missing one is the caller's bug: ``TypeError``).
         """
-        caller = getattr(self.hook, hook_name)
+        caller = self._caller(hook_name, selection=False)
         missing = [arg for arg in caller.spec.argnames if arg not in kwargs] if caller.spec is not None else []
         if missing:
             raise TypeError(f"emit({hook_name!r}) is missing arguments {missing}")
@@ -293,13 +333,27 @@ class PluginManager:
                 logger.exception("pagedcore: plugin %r failed in %s; ignored", impl.plugin_name, hook_name)
 
     # ------------------------------------------------------------------ internals
+    def _caller(self, hook_name: str, *, selection: bool) -> Any:
+        """The hook caller of a selection hook or of an event; PluginError for any other name."""
+        caller = getattr(self.hook, hook_name, None) if hook_name.startswith("pagedcore_") else None
+        kind = "selection hook" if selection else "event"
+        if caller is None or caller.spec is None or bool(caller.spec.opts.get("firstresult")) != selection:
+            raise PluginError(f"{hook_name!r} is not a pagedcore {kind} (pagedcore/hookspecs.py lists them)")
+        return caller
+
     def _register(self, plugin: object, name: str | None) -> str:
+        taken = self._pm.get_plugin(name) if name is not None else None
+        if taken is not None or (name is not None and self._pm.is_blocked(name)):
+            source = self._sources.get(name, "registered") if name is not None else ""
+            raise PluginError(f"the plugin name {name!r} is taken ({source}): register under another name")
+        if self._pm.is_registered(plugin):
+            raise PluginError(f"{plugin!r} is already registered, as {self._pm.get_name(plugin)!r}")
         try:
             registered = self._pm.register(plugin, name=name)
         except pluggy.PluginValidationError as exc:
             raise PluginError(f"plugin {name or plugin!r} is invalid: {exc}") from exc
-        except ValueError as exc:  # name already taken
-            raise PluginError(str(exc)) from exc
+        except ValueError as exc:  # a name pluggy derived from the object, already taken
+            raise PluginError(f"plugin {name or plugin!r} cannot be registered: its name is taken") from exc
         if registered is None:
             raise PluginError(f"plugin {name or plugin!r} is blocked or already registered")
         try:
@@ -311,14 +365,14 @@ class PluginManager:
         return registered
 
     def _check_event_wrappers(self, name: str) -> None:
+        """Refuse wrappers: events and selection hooks call each implementation on its own (:meth:`emit`,
+        :meth:`select`), so a wrapper would wrap nothing."""
         plugin = self._pm.get_plugin(name)
         for caller in self._pm.get_hookcallers(plugin) or ():
-            spec = caller.spec
-            if spec is None or spec.opts.get("firstresult"):
-                continue
+            kind = "selection hook" if caller.spec is not None and caller.spec.opts.get("firstresult") else "event hook"
             for impl in caller.get_hookimpls():
                 if impl.plugin_name == name and (impl.hookwrapper or impl.wrapper):
-                    raise PluginError(f"event hook {caller.name} cannot be implemented as a wrapper")
+                    raise PluginError(f"{kind} {caller.name} cannot be implemented as a wrapper")
 
     def _ensure_loaded(self) -> None:
         if self._loaded:
@@ -366,6 +420,22 @@ class PluginManager:
     def _load_failed(self, name: str, source: str, reason: str) -> None:
         self.load_errors.append(PluginLoadError(name, source, reason))
         logger.error("pagedcore: plugin %r (%s) was not loaded: %s", name, source, reason)
+
+
+def _ask(impl: Any, hook_name: str, kwargs: dict[str, Any]) -> Any:
+    """One plugin's answer to a selection hook; what it raises becomes a PluginError naming it and the hook."""
+    try:
+        return impl.function(*[kwargs[arg] for arg in impl.argnames])
+    except PagedCoreError:
+        raise
+    except Exception as exc:
+        raise PluginError(
+            f"plugin {impl.plugin_name!r} failed in {hook_name}({_arguments(kwargs)}): {type(exc).__name__}: {exc}"
+        ) from exc
+
+
+def _arguments(kwargs: dict[str, Any]) -> str:
+    return ", ".join(f"{key}={value!r}" for key, value in kwargs.items())
 
 
 _default: PluginManager | None = None

@@ -14,6 +14,7 @@ from pagedcore import (
     InvalidBlockError,
     OutOfBlocksError,
     PagedCoreError,
+    PluginError,
     PrefixTrie,
     SharedBlockError,
 )
@@ -354,4 +355,123 @@ def test_num_cached_blocks_follows_the_cache():
     assert bm.num_cached_blocks == 1
     trie.clear()
     assert bm.num_cached_blocks == 0
+    bm.check_invariants()
+
+
+class _Misbehaving:
+    """An LRU eviction policy (a plugin's) whose ``pop()`` can be told to misbehave: ``fault(order)`` decides what
+    the ``n``-th pop returns from the victim it took (or raises)."""
+
+    name = "misbehaving"
+
+    def __init__(self, fault):
+        self.order: dict[int, None] = {}
+        self.fault = fault
+        self.pops = 0
+
+    def add(self, block_id):
+        self.order[block_id] = None
+
+    def remove(self, block_id):
+        del self.order[block_id]
+
+    def pop(self):
+        self.pops += 1
+        victim = next(iter(self.order))
+        del self.order[victim]
+        return self.fault(self.pops, victim)
+
+    def __len__(self):
+        return len(self.order)
+
+    def __contains__(self, block_id):
+        return block_id in self.order
+
+
+def _pool_with_cached_chains(policy):
+    """Block 0 held by a sequence; two cached chains of two blocks each, evictable (4 blocks, 0 free)."""
+    evicted: list[list[int]] = []
+    bm = BlockManager(5, 2, eviction_policy=policy, on_evict=evicted.append)
+    trie = PrefixTrie(bm)
+    bm.allocate(1)
+    for tokens in ([1, 2, 3, 4], [5, 6, 7, 8]):
+        ids = bm.allocate(2)
+        trie.insert(tokens, ids)
+        bm.release(ids[::-1])
+    return bm, trie, evicted
+
+
+def _forget_victim(policy: _Misbehaving, victim: int) -> None:
+    policy.order[victim] = None  # pop() "returned" another id but still holds its own victim
+
+
+@pytest.mark.parametrize(
+    ("fault", "problem"),
+    [
+        (lambda n, victim: 0, r"returned 0, a block in use \(1 holder"),
+        (lambda n, victim: 10**6, "returned 1000000, not a block of this pool"),
+        (lambda n, victim: "x", "returned 'x', not a block id"),
+        (lambda n, victim: None, "returned None, not a block id"),
+        (lambda n, victim: 2, "returned 2, a block it already returned"),  # the first victim is block 2
+    ],
+    ids=["held", "out-of-range", "str", "none", "twice"],
+)
+def test_an_eviction_policy_naming_a_wrong_victim_is_refused_and_changes_nothing(fault, problem):
+    policy = _Misbehaving(lambda n, victim: victim)
+    bm, trie, evicted = _pool_with_cached_chains(policy)
+    policy.fault = fault
+    before = snapshot(bm)
+    with pytest.raises(PluginError, match=rf"eviction policy 'misbehaving' \(.*_Misbehaving\): pop\(\) {problem}"):
+        bm.allocate(2)
+    assert snapshot(bm) == before and bm.num_evicted == 0 and evicted == []
+    assert trie.match([1, 2, 3, 4]).num_tokens == 4 and trie.match([5, 6, 7, 8]).num_tokens == 4
+    bm.check_invariants()
+    policy.fault = lambda n, victim: victim  # the policy mended: the pool works as before
+    assert len(bm.allocate(3)) == 3 and bm.num_evicted >= 3
+    bm.check_invariants()
+
+
+def test_an_eviction_policy_that_keeps_its_victim_is_refused():
+    policy = _Misbehaving(lambda n, victim: victim)
+    bm, _, _ = _pool_with_cached_chains(policy)
+
+    def keep(n, victim):
+        _forget_victim(policy, victim)
+        return victim
+
+    policy.fault = keep
+    before = snapshot(bm)
+    with pytest.raises(PluginError, match="a block it still holds"):
+        bm.allocate(1)
+    assert snapshot(bm) == before
+    bm.check_invariants()
+
+
+def test_an_eviction_policy_that_raises_midway_leaves_allocate_all_or_nothing():
+    def second_raises(n, victim):
+        if n == 2:
+            raise RuntimeError("policy bug")
+        return victim
+
+    bm, trie, evicted = _pool_with_cached_chains(_Misbehaving(second_raises))
+    before = snapshot(bm)
+    with pytest.raises(PluginError, match=r"eviction policy 'misbehaving' .*pop\(\) raised RuntimeError: policy bug"):
+        bm.allocate(2)  # two victims: the first would have been evicted before the second pop raised
+    assert snapshot(bm) == before and bm.num_evicted == 0 and evicted == []
+    assert trie.match([1, 2, 3, 4]).num_tokens == 4 and trie.match([5, 6, 7, 8]).num_tokens == 4
+    bm.check_invariants()
+
+
+def test_victims_not_needed_after_a_subtree_left_go_back_to_the_policy():
+    # LRU order: the parent of chain A first; evicting it frees its child too, so the second victim is not needed.
+    bm = BlockManager(4, 1)
+    trie = PrefixTrie(bm)
+    a = bm.allocate(2)
+    trie.insert([1, 2], a)
+    bm.release(a)  # parent first: LRU takes it first, its child leaves with it
+    b = bm.allocate(2)
+    trie.insert([7, 8], b)
+    bm.release(b[::-1])
+    assert sorted(bm.allocate(2)) == sorted(a)
+    assert trie.match([7, 8]).num_tokens == 2 and bm.num_evicted == 2
     bm.check_invariants()

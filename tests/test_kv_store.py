@@ -11,6 +11,7 @@ import torch
 from models import FIRST_TOKEN, tiny_model
 
 from pagedcore.adapters.transformers import Engine, PagedKVPool, disable, enable, is_enabled
+from pagedcore.disk_store import DiskKVStore
 from pagedcore.errors import ConfigError
 
 BS = 4
@@ -205,6 +206,18 @@ def test_store_arguments_are_checked_first(model, tmp_path):
     with pytest.raises(ConfigError, match="make a new pool: not with pool="):
         Engine(model, pool=pool, kv_store=tmp_path, kv_store_bytes="1MiB")
     assert not is_enabled(model)  # enable() raised before wrapping
+
+
+@pytest.mark.parametrize("location", ["", "file://"])
+def test_a_location_naming_no_directory_is_refused_not_the_current_one(model, tmp_path, monkeypatch, location):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=f"kv_store={location!r} names no directory"):
+        PagedKVPool(model, num_blocks=8, kv_store=location, kv_store_bytes="1MiB")
+    with pytest.raises(ConfigError, match="names no directory"):
+        Engine(model, num_blocks=8, kv_store=[location], kv_store_bytes="1MiB")
+    with pytest.raises(ConfigError, match="the directory '' is empty"):
+        DiskKVStore("", 1024)
+    assert list(tmp_path.iterdir()) == []  # no store folder made in the current directory
 
 
 def test_metrics_report_the_tiers(model, tmp_path):

@@ -62,10 +62,10 @@ HOOK_NAMES = frozenset(
 
 @contextmanager
 def hooks_called() -> Iterator[set[str]]:
-    """Collect the names of the hooks called inside the block: selection hooks go through pluggy's HookCaller,
-    events through ``PluginManager.emit``."""
+    """Collect the names of the hooks called inside the block: selection hooks go through
+    ``PluginManager.select``, events through ``PluginManager.emit`` (and anything calling pluggy's HookCaller)."""
     called: set[str] = set()
-    call, emit = pluggy.HookCaller.__call__, PluginManager.emit
+    call, emit, select = pluggy.HookCaller.__call__, PluginManager.emit, PluginManager.select
 
     def spy_call(caller: pluggy.HookCaller, **kwargs: Any) -> Any:
         called.add(caller.name)
@@ -75,9 +75,14 @@ def hooks_called() -> Iterator[set[str]]:
         called.add(hook_name)
         emit(manager, hook_name, **kwargs)
 
+    def spy_select(manager: PluginManager, hook_name: str, **kwargs: Any) -> Any:
+        called.add(hook_name)
+        return select(manager, hook_name, **kwargs)
+
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(pluggy.HookCaller, "__call__", spy_call)
         patch.setattr(PluginManager, "emit", spy_emit)
+        patch.setattr(PluginManager, "select", spy_select)
         yield called
 
 
@@ -388,7 +393,7 @@ def test_unknown_eviction_policy_raises(pm):
 @covers("pagedcore_eviction_policy")
 def test_non_empty_eviction_policy_is_refused(pm, use):
     use(DirtyPolicyPlugin(), "dirty")
-    with pytest.raises(PluginError, match="'dirty' returned by a plugin is not empty"):
+    with pytest.raises(PluginError, match="'dirty' returned by plugin 'dirty' is not empty"):
         pm.eviction_policy("dirty", num_blocks=4)
     with pytest.raises(PluginError, match="not empty"):
         make_pool(pm, eviction_policy="dirty")
@@ -1022,3 +1027,159 @@ def test_event_hooks_refuse_wrappers_and_emit_checks_its_arguments(pm):
     assert "wrapper" not in {i.name for i in pm.plugins()}
     with pytest.raises(TypeError, match="missing arguments"):
         pm.emit("pagedcore_request_finished", finish_reason="stop")
+    with pytest.raises(PluginError, match="'pagedcore_no_such_hook' is not a pagedcore event"):
+        pm.emit("pagedcore_no_such_hook", x=1)
+    with pytest.raises(PluginError, match="'pagedcore_eviction_policy' is not a pagedcore event"):
+        pm.emit("pagedcore_eviction_policy", name=None, num_blocks=1)
+
+    class SelectionWrapper:
+        @hookimpl(wrapper=True)
+        def pagedcore_eviction_policy(self, name):
+            return (yield)
+
+    with pytest.raises(PluginError, match="selection hook pagedcore_eviction_policy cannot be implemented as a wr"):
+        pm.register(SelectionWrapper(), name="wrapper")
+
+
+class RaisingPolicy:
+    @hookimpl
+    def pagedcore_eviction_policy(self, name):
+        raise RuntimeError("policy hook boom")
+
+
+class RaisingBackend:
+    @hookimpl
+    def pagedcore_attention_backend(self, name):
+        raise RuntimeError("backend hook boom")
+
+
+class RaisingStore:
+    @hookimpl
+    def pagedcore_kv_store(self, location):
+        raise RuntimeError("store hook boom")
+
+
+@covers("pagedcore_eviction_policy", "pagedcore_attention_backend", "pagedcore_kv_store")
+def test_a_selection_hook_that_raises_is_a_plugin_error_naming_the_plugin_and_the_hook(pm):
+    with pm.plugin(RaisingPolicy(), name="raising"):
+        with pytest.raises(PluginError, match=r"plugin 'raising' failed in pagedcore_eviction_policy\(name=None.*boom"):
+            pm.eviction_policy(None, num_blocks=4)
+        with pytest.raises(PluginError, match="plugin 'raising' failed in pagedcore_eviction_policy"):
+            make_pool(pm, num_blocks=4)
+    backend_error = r"plugin 'raising' failed in pagedcore_attention_backend\(.*hook boom"
+    with pm.plugin(RaisingBackend(), name="raising"), pytest.raises(PluginError, match=backend_error):
+        pm.attention_backend("cpu", torch.float32)
+    with pm.plugin(RaisingStore(), name="raising"):
+        with pytest.raises(PluginError, match=r"plugin 'raising' failed in pagedcore_kv_store\(location='memory://'"):
+            pm.kv_store("memory://", 1024)
+        with pytest.raises(PluginError, match="plugin 'raising' failed in pagedcore_kv_store"):
+            make_pool(pm, num_blocks=4, kv_store="memory://", kv_store_bytes=1024)
+
+
+class DefaultLRUPlugin:
+    """A second third party whose policy is the default too."""
+
+    @hookimpl
+    def pagedcore_eviction_policy(self, name: str | None) -> EvictionPolicy | None:
+        return LRUEvictionPolicy() if name is None else None
+
+
+@covers("pagedcore_eviction_policy", "pagedcore_attention_backend")
+@pytest.mark.parametrize("reverse", [False, True])
+def test_two_installed_plugins_answering_one_call_are_refused_naming_both(pm, use, reverse):
+    plugins = [(DefaultMRUPlugin(), "default-mru"), (DefaultLRUPlugin(), "default-lru")]
+    for plugin, name in plugins[::-1] if reverse else plugins:
+        use(plugin, name)
+    first, second = ("'default-lru'", "'default-mru'") if reverse else ("'default-mru'", "'default-lru'")
+    with pytest.raises(PluginError, match=rf"plugins ({first} and {second}|{second} and {first}) both answer"):
+        pm.eviction_policy(None)  # which one wins would depend on the order they were registered
+    assert isinstance(pm.eviction_policy("mru"), MRUPolicy)  # a name only one answers: no conflict
+    use(FakeBackendPlugin(), "fake-1")
+    use(FakeBackendPlugin(), "fake-2")
+    with pytest.raises(PluginError, match=r"plugins 'fake-(1|2)' and 'fake-(2|1)' both answer pagedcore_attention"):
+        pm.attention_backend("cpu", torch.float32)
+    assert pm.attention_backend("cpu", torch.float32, "torch").name == "torch"  # the built-ins never conflict
+
+
+def test_registering_under_a_taken_name_is_refused_naming_it(pm):
+    class Mine:
+        @hookimpl
+        def pagedcore_request_finished(self, request_id):
+            pass
+
+    plugin = Mine()
+    pm.register(plugin, name="mine")
+    try:
+        with pytest.raises(PluginError, match=r"^the plugin name 'mine' is taken \(registered\)"):
+            pm.register(Mine(), name="mine")
+        with pytest.raises(PluginError, match=r"^the plugin name 'torch' is taken \(built-in\)"):
+            pm.register(Mine(), name="torch")
+        with pytest.raises(PluginError, match="already registered, as 'mine'"):
+            pm.register(plugin, name="other")
+    finally:
+        pm.unregister(name="mine")
+
+
+@covers("pagedcore_attention_backend")
+def test_the_attention_backend_is_refused_when_the_engine_or_cache_is_built(pm):
+    from pagedcore.adapters.torch_reference import TorchLlama, TorchRunner
+    from pagedcore.adapters.transformers import Engine, PagedCache
+
+    model = tiny_llama()
+    model.set_attn_implementation("paged")  # the path that asks the backend at every forward
+    nobody = r"no plugin offers backend 'nobody' for device 'cpu'"
+    with pytest.raises(PluginError, match=nobody):
+        Engine(model, pool=make_pool(pm, config=model, num_blocks=8), attention_backend="nobody")
+    with pytest.raises(PluginError, match=nobody):
+        PagedCache(model, pool=make_pool(pm, config=model, num_blocks=8), attention_backend="nobody")
+    failing = "plugin 'raising' failed in pagedcore_attention_backend"
+    with pm.plugin(RaisingBackend(), name="raising"):
+        with pytest.raises(PluginError, match=failing):
+            Engine(model, pool=make_pool(pm, config=model, num_blocks=8))
+        with pytest.raises(PluginError, match=failing):
+            enable(model, pool=make_pool(pm, config=model, num_blocks=8))
+        with pytest.raises(PluginError, match=failing):
+            TorchRunner(TorchLlama.tiny(), num_blocks=8, plugins=pm)
+    assert "generate" not in vars(model)  # enable() changed nothing
+
+
+class ArmedPolicyPlugin:
+    """An LRU policy whose ``pop()`` raises once armed (a plugin's bug that shows only under pressure)."""
+
+    armed = False
+
+    @hookimpl
+    def pagedcore_eviction_policy(self, name: str | None) -> EvictionPolicy | None:
+        if name != "armed":
+            return None
+        plugin = self
+
+        class Armed(LRUEvictionPolicy):
+            name = "armed"
+
+            def pop(self) -> int:
+                if plugin.armed:
+                    raise RuntimeError("pop boom")
+                return super().pop()
+
+        return Armed()
+
+
+@covers("pagedcore_eviction_policy")
+def test_an_engine_whose_eviction_policy_fails_raises_a_plugin_error_and_keeps_its_pool(pm):
+    from pagedcore.adapters.transformers import Engine
+
+    plugin = ArmedPolicyPlugin()
+    model = tiny_llama()
+    with pm.plugin(plugin, name="armed-policy"):
+        pool = make_pool(pm, config=model, num_blocks=8, block_size=4, eviction_policy="armed")
+        with Engine(model, pool=pool) as engine:
+            engine.generate([list(range(3, 19))], max_new_tokens=2, use_tqdm=False)  # 4 blocks cached
+            cached = pool.kv.num_cached_blocks
+            plugin.armed = True
+            with pytest.raises(PluginError, match=r"eviction policy 'armed' .*pop\(\) raised RuntimeError: pop boom"):
+                engine.generate([list(range(40, 64))], max_new_tokens=2, use_tqdm=False)  # must evict
+            pool.check_invariants()
+            assert pool.kv.num_cached_blocks == cached and pool.kv.num_used_blocks == 0
+            plugin.armed = False
+            assert engine.generate([list(range(40, 64))], max_new_tokens=2, use_tqdm=False)[0].error is None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pagedcore.disk_store import DiskKVStore
+from pagedcore.errors import ConfigError
 from pagedcore.hookspecs import hookimpl
 from pagedcore.kv_store import KVStore, MemoryKVStore
 
@@ -14,4 +15,9 @@ def pagedcore_kv_store(location: str, max_bytes: int) -> KVStore | None:
         return MemoryKVStore(max_bytes)
     if "://" in location and not location.startswith("file://"):
         return None  # another plugin's scheme
-    return DiskKVStore(location.removeprefix("file://"), max_bytes)
+    directory = location.removeprefix("file://")
+    if not directory:  # not the current directory by accident
+        raise ConfigError(
+            f"kv_store={location!r} names no directory: give its path (the current one as '.')", param="kv_store"
+        )
+    return DiskKVStore(directory, max_bytes)

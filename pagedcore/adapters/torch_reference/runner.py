@@ -79,7 +79,7 @@ class TorchRunner:
             raise ConfigError("the plain-PyTorch runner keeps no tiers below its pool and only the 'slots' layout")
         weight = model.lm_head.weight
         shape = model.shape
-        self.model, self._backend_name = model, attention_backend
+        self.model = model
         self._plugins = plugins if plugins is not None else default_plugin_manager()
         block_size = config.block_size or default_block_size(weight.device)
         per_block = 2 * shape.num_hidden_layers * block_size * int(shape.num_key_value_heads or 0)
@@ -87,6 +87,7 @@ class TorchRunner:
         num_blocks = _num_blocks(config, block_size, per_block)
         policy = config.eviction_policy
         self._plugins.eviction_policy(policy, num_blocks)  # fail now on an unknown policy name
+        self._backend = self._plugins.attention_backend(weight.device.type, weight.dtype, attention_backend)  # fail now
         self._kv = KVPool(
             num_blocks, block_size, eviction_policy=lambda: self._plugins.eviction_policy(policy, num_blocks)
         )
@@ -155,7 +156,7 @@ class TorchRunner:
         device = self._info.device
         packed = prepared.packed
         meta = packed.metadata[0].to(device)
-        backend = self._plugins.attention_backend(device.type, self.model.lm_head.weight.dtype, self._backend_name)
+        backend = self._backend
 
         def attend(layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
             key_cache, value_cache = self._layers[layer]

@@ -361,6 +361,10 @@ def verdicts(model: Any) -> list[Verdict]:
 def _verdict(model: Any, pool: PagedKVPool, backend: str | None, kind: str, probe: Callable[[], Verdict]) -> Verdict:
     config = text_config(model)
     weight = model.get_input_embeddings().weight
+    # The backend the paged path will ask for, asked now: a name nobody offers, or a plugin that fails, is refused
+    # when the Engine or cache is built (PluginError), not at its first forward (the probe would take it for a path
+    # that is not exact).
+    pool.attention_backend(weight.device, weight.dtype, backend)
     key = (kind, getattr(config, "_attn_implementation", None), pool.block_size, backend, weight.dtype, weight.device)
     with _PROBING:  # one probe at a time: two threads setting up the same model probe it once
         known = _VERDICTS.setdefault(model, {})
