@@ -333,12 +333,12 @@ class ArgmaxHead:
 
     # ------------------------------------------------------------------ the fused pass
     def _linear(self, x: torch.Tensor) -> torch.Tensor:
-        """The head's own GEMM (``nn.Linear.forward``); one row in the runner's forward split across the threads
-        where that gives its bits faster (:mod:`.one_row`)."""
+        """The head's own GEMM (``nn.Linear.forward``); in the runner's forward split across the threads where that
+        gives its bits faster (:mod:`.row_split`)."""
         weight, bias = self._module.weight, self._module.bias
         linears = active_linears()
-        if linears is not None and x.numel() == x.shape[-1] and not torch.is_grad_enabled() and _fusable(weight):
-            return linears.one_row.linear(x, weight, bias)
+        if linears is not None and not torch.is_grad_enabled() and _fusable(weight):
+            return linears.row_split.linear(x, weight, bias)
         return F.linear(x, weight, bias)
 
     def _argmax(self, x: torch.Tensor) -> list[int] | None:

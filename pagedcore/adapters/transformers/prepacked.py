@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .one_row import OneRowSplit
+from .row_split import MAX_ROWS, RowSplit
 
 __all__ = ["MIN_ROWS", "PrepackedLinears", "WeightStamp", "active_linears", "resolve_prepack"]
 
@@ -117,8 +117,8 @@ class PrepackedLinears:
 
     def __init__(self, model: Any, *, pack: bool = True, skip: torch.nn.Module | None = None) -> None:
         self._packs: dict[int, _Pack] = {}
-        self._pack_rows = pack  # False: only one-row calls change (split across threads, exact: one_row.py)
-        self._one_row = OneRowSplit()
+        self._pack_rows = pack  # False: no packs; few-row calls split across the threads (exact: row_split.py)
+        self._row_split = RowSplit()
         self._lock = threading.Lock()
         self._epoch: int | None = None
         self._modules: list[torch.nn.Linear] = []
@@ -157,13 +157,14 @@ class PrepackedLinears:
             _STATE.active = before
 
     @property
-    def one_row(self) -> OneRowSplit:
-        """The one-row calls' split across threads (:mod:`.one_row`: exact, per shape where faster)."""
-        return self._one_row
+    def row_split(self) -> RowSplit:
+        """The few-row calls' split across the threads (:mod:`.row_split`: exact, per shape where faster)."""
+        return self._row_split
 
     def linear(self, module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-        """``module(x)`` inside :meth:`active` (float32, no autograd): one row through :class:`~.one_row.OneRowSplit`,
-        a few rows through the layer's pack (when packing, from the weight it was packed from); else ``F.linear``."""
+        """``module(x)`` inside :meth:`active` (float32, no autograd): a few rows through the layer's pack when
+        packing (from the weight it was packed from), else up to :data:`~.row_split.MAX_ROWS` rows through
+        :class:`~.row_split.RowSplit` (one row always); else ``F.linear``."""
         weight, bias = module.weight, module.bias
         if (
             torch.compiler.is_compiling()
@@ -174,9 +175,10 @@ class PrepackedLinears:
             or not _packable(weight)
         ):
             return F.linear(x, weight, bias)
-        if x.numel() == x.shape[-1]:
-            return self._one_row.linear(x, weight, bias)
-        if not self._pack_rows or x.numel() < MIN_ROWS * x.shape[-1]:
+        rows = x.numel() // x.shape[-1]
+        if rows == 1 or (not self._pack_rows and rows <= MAX_ROWS):
+            return self._row_split.linear(x, weight, bias)
+        if not self._pack_rows or rows < MIN_ROWS:
             return F.linear(x, weight, bias)
         pack = self._packs.get(id(module))
         if pack is None or not pack.stamp.fresh(weight):

@@ -165,10 +165,10 @@ class TransformersRunner:
         """The linear weights prepacked for this runner's forwards (None: not prepacking)."""
         return self._packs
 
-    def one_row_ways(self) -> dict[tuple[int, int, bool, int, int], str | None]:
-        """How this runner's forwards compute each one-row linear shape (:meth:`~.one_row.OneRowSplit.ways`; empty
+    def row_split_ways(self) -> dict[tuple[int, int, bool, int, int, int], str | None]:
+        """How this runner's forwards compute each few-row linear shape (:meth:`~.row_split.RowSplit.ways`; empty
         off the CPU or float32)."""
-        return {} if self._linears is None else self._linears.one_row.ways()
+        return {} if self._linears is None else self._linears.row_split.ways()
 
     @property
     def argmax_head(self) -> ArgmaxHead | None:
@@ -328,9 +328,9 @@ def eos_token_ids(model: Any, tokenizer: Any = None) -> list[int]:
 
 
 def _linears(model: Any, packing: bool, cpu: bool, dtype: torch.dtype) -> PrepackedLinears | None:
-    """The packed forward's linear layers: packed for a few rows when asked, one row split across the threads
-    wherever exact (:mod:`.one_row`, on the CPU in float32; the head left to the fused greedy head unless the packs
-    take it); None when neither applies."""
+    """The packed forward's linear layers: packed for a few rows when asked, else a few rows split across the threads
+    wherever exact and faster (:mod:`.row_split`, on the CPU in float32; the head left to the fused greedy head unless
+    the packs take it); None when neither applies."""
     if packing:
         return PrepackedLinears(model)
     if cpu and dtype == torch.float32:

@@ -1,0 +1,145 @@
+"""A decode step's few-row linear calls split across the CPU's threads, for the Engine's forwards (issue 33.2).
+
+Why: with one row ``F.linear`` is a matrix-vector product that MKL computes on one thread whatever torch's thread
+count, and with a few rows its GEMM shares the threads badly (``python scripts/row_split.py``: a 65 MB head weight
+took 6.2 ms at 1 and at 2 threads, 10 GB/s of a machine that streams 35; a 1536 x 512 weight at 16 rows 0.49 ms).
+:func:`split_linear` multiplies the same rows by the weight's row blocks as one ``torch.bmm`` over a view (no copy):
+MKL's batched GEMM gives each thread its blocks (0.28 and 0.36 ms there).
+
+Exactness first: each output is one input row times one weight row, and the batched call sums it with the same kernel
+as the whole call (each block starts at a row boundary, so each weight row keeps its alignment): the suite checks it
+on the benchmark's shapes. Where that does not hold, the first call of each shape and row count (weight shape, bias,
+blocks, threads, rows) computes both and compares them bit for bit: a row count whose bits differ keeps ``F.linear``
+(MKL's GEMM takes another path for 5-7 and 9-11 rows, here). Per power-of-two bucket of row counts the next
+:data:`TRIALS` calls each way are timed, and the faster way serves the bucket from then on, so the split runs only
+where it is exact and faster. Calls of more than :data:`MAX_ROWS` rows (prefill chunks) keep ``F.linear``.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["MAX_ROWS", "MIN_BLOCK_ROWS", "TRIALS", "RowSplit", "split_blocks", "split_linear"]
+
+TRIALS = 3  # timed calls each way before a bucket keeps the faster
+MIN_BLOCK_ROWS = 64  # weight rows per block at least: smaller blocks cost more in the call than they save
+MAX_ROWS = 256  # input rows at most (scripts/row_split.py: the split's gain ends between 128 and 256 rows)
+_clock = time.perf_counter  # the trials' clock (a test drives its own)
+_Key = tuple[int, int, bool, int, int, int]  # weight rows, width, bias, blocks, threads, power-of-two row bucket
+
+
+def split_blocks(out_features: int, threads: int) -> int | None:
+    """Row blocks for a weight of ``out_features`` rows at ``threads`` threads: two per thread (the threads' shares
+    even out), else one; None where no such count divides the rows into blocks of :data:`MIN_BLOCK_ROWS` or more, or
+    with one thread (nothing to share).
+
+    Example:
+        >>> split_blocks(1536, 2), split_blocks(1538, 2), split_blocks(1537, 2), split_blocks(1536, 1)
+        (4, 2, None, None)
+    """
+    if threads < 2:
+        return None
+    for blocks in (2 * threads, threads):
+        if out_features % blocks == 0 and out_features // blocks >= MIN_BLOCK_ROWS:
+            return blocks
+    return None
+
+
+def split_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, blocks: int) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` as one batched product of ``x``'s rows with ``blocks`` blocks of the weight's
+    rows (a view of a contiguous weight).
+
+    Example:
+        >>> weight, x = torch.randn(256, 32), torch.randn(1, 3, 32)
+        >>> split_linear(x, weight, None, 2).shape, torch.allclose(split_linear(x, weight, None, 2), x @ weight.T)
+        (torch.Size([1, 3, 256]), True)
+    """
+    rows, width = weight.shape
+    per = rows // blocks
+    flat = x.reshape(-1, width)
+    left = flat.unsqueeze(0).expand(blocks, *flat.shape)  # (blocks, n, width): the same rows for every block
+    parts = weight.view(blocks, per, width).transpose(1, 2)  # (blocks, width, per): each block's rows, transposed
+    # With a bias: baddbmm, as F.linear's addmm adds it inside the GEMM.
+    out = torch.bmm(left, parts) if bias is None else torch.baddbmm(bias.view(blocks, 1, per), left, parts)
+    if flat.shape[0] > 1:
+        out = out.transpose(0, 1)  # (n, blocks, per)
+    return out.reshape(*x.shape[:-1], rows)
+
+
+@dataclass
+class _Bucket:
+    exact: set[int] = field(default_factory=set)  # row counts whose bits were checked equal
+    differ: set[int] = field(default_factory=set)  # row counts whose bits differed: F.linear for them
+    times: dict[str, list[float]] = field(default_factory=lambda: {"plain": [], "split": []})
+    way: str | None = None  # decided: "plain" or "split"
+
+
+class RowSplit:
+    """The few-row linear calls of a runner's forwards (see the module docstring): :meth:`linear` is ``F.linear``'s
+    result, computed the faster exact way per shape and bucket of row counts.
+
+    Example:
+        >>> split = RowSplit()
+        >>> weight, x = torch.randn(256, 32), torch.randn(1, 32)
+        >>> with torch.inference_mode():
+        ...     outs = [split.linear(x, weight, None, threads=2) for _ in range(8)]
+        >>> all(torch.equal(out, F.linear(x, weight)) for out in outs), list(split.ways())   # the way: timed
+        (True, [(256, 32, False, 4, 2, 1)])
+    """
+
+    def __init__(self) -> None:
+        self._buckets: dict[_Key, _Bucket] = {}
+        self._lock = threading.Lock()
+
+    def ways(self) -> dict[_Key, str | None]:
+        """Each bucket's way (``"plain"``, ``"split"``, or None while timed), by (weight rows, width, bias, blocks,
+        threads, power-of-two bucket of input rows)."""
+        return {key: bucket.way for key, bucket in self._buckets.items()}
+
+    def differing(self) -> dict[_Key, set[int]]:
+        """The row counts whose split bits differed from ``F.linear``'s (they keep ``F.linear``), by bucket."""
+        return {key: set(bucket.differ) for key, bucket in self._buckets.items() if bucket.differ}
+
+    def linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, threads: int | None = None
+    ) -> torch.Tensor:
+        """``F.linear(x, weight, bias)``: split where that is exact and faster."""
+        rows = x.numel() // x.shape[-1]
+        threads = torch.get_num_threads() if threads is None else threads
+        blocks = split_blocks(weight.shape[0], threads)
+        if (
+            blocks is None
+            or not 0 < rows <= MAX_ROWS
+            or not weight.is_contiguous()
+            or (bias is not None and not bias.is_contiguous())
+        ):
+            return F.linear(x, weight, bias)
+        key = (weight.shape[0], weight.shape[1], bias is not None, blocks, threads, 1 << (rows - 1).bit_length())
+        bucket = self._buckets.get(key)
+        if bucket is None:
+            with self._lock:
+                bucket = self._buckets.setdefault(key, _Bucket())
+        if bucket.way == "plain" or rows in bucket.differ:
+            return F.linear(x, weight, bias)
+        if rows not in bucket.exact:  # this row count's first call: the bits of both ways compared
+            plain = F.linear(x, weight, bias)
+            exact = torch.equal(plain, split_linear(x, weight, bias, blocks))
+            (bucket.exact if exact else bucket.differ).add(rows)
+            return plain
+        if bucket.way == "split":
+            return split_linear(x, weight, bias, blocks)
+        times = bucket.times
+        way = "split" if len(times["split"]) <= len(times["plain"]) else "plain"
+        start = _clock()
+        out = split_linear(x, weight, bias, blocks) if way == "split" else F.linear(x, weight, bias)
+        times[way].append((_clock() - start) / rows)
+        if min(len(t) for t in times.values()) >= TRIALS:
+            faster = statistics.median(times["split"]) < statistics.median(times["plain"])
+            bucket.way = "split" if faster else "plain"
+        return out
