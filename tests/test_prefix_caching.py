@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import copy
+import io
+import pickle
 import threading
 
 import pytest
@@ -254,3 +257,75 @@ def test_a_new_pools_arguments_with_pool_are_refused_and_enable_nothing(sizing):
     with pytest.raises(ConfigError, match="pool"):
         pc.enable(model, pool=pool, **sizing)
     assert not pc.is_enabled(model) and "generate" not in vars(model)
+
+
+def test_a_copy_of_an_enabled_model_is_a_plain_model_of_its_own_weights(enabled):
+    """TRL's create_reference_model deep-copies the policy: the copy's generate ran the original (its closure held
+    it), so after a change to either model's weights it gave the other's tokens."""
+    model = llama()
+    pool = enabled(model, num_blocks=128, block_size=4, sleep_when_training=True)
+    model.generate(prompt(5), max_new_tokens=2)  # the pool holds cached prefixes
+    for twin in (copy.deepcopy(model), copy.copy(model)):
+        assert not pc.is_enabled(twin) and "generate" not in vars(twin) and "__reduce_ex__" not in vars(twin)
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    stock = type(model).generate
+    assert torch.equal(twin.generate(prompt(5), **GREEDY).sequences, stock(twin, prompt(5), **GREEDY).sequences)
+    assert_same(stock(model, prompt(5), **GREEDY), model.generate(prompt(5), **GREEDY))
+    twin.train()(prompt(5), labels=prompt(5)).loss.backward()  # a training forward of the copy
+    assert not pool.is_sleeping  # the original's sleep_when_training hook was not copied
+    twin_pool = pc.enable(twin, num_blocks=128, block_size=4)  # a pool of its own (one pair of cache hooks)
+    twin.eval()
+    for _ in range(2):
+        assert torch.equal(twin.generate(prompt(5), **GREEDY).sequences, stock(twin, prompt(5), **GREEDY).sequences)
+    assert twin_pool is not pool and twin_pool.num_hit_tokens > 0
+    pc.disable(twin)
+
+
+def test_an_enabled_model_pickles_as_a_plain_model_and_a_paged_cache_refuses(enabled):
+    model = llama()
+    enabled(model, num_blocks=128, block_size=4, sleep_when_training=True)
+    out = model.generate(prompt(5), **GREEDY)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)  # was a PicklingError: the installed generate is no module-level function
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert not pc.is_enabled(loaded) and "generate" not in vars(loaded)
+    assert torch.equal(loaded.generate(prompt(5), **GREEDY).sequences, out.sequences)
+    assert pc.is_enabled(model)
+    with pytest.raises(TypeError, match="a PagedCache cannot be pickled"):
+        pickle.dumps(out.cache)
+    assert out.cache.get_seq_length() == out.sequences.shape[1] - 1  # untouched
+    out.cache.release()
+
+
+def test_enable_on_a_compiled_model_enables_the_module_it_wraps(enabled):
+    """``torch.compile(model)`` is an OptimizedModule whose generate is its module's: enable() used to read
+    ``type(compiled).generate`` and raise AttributeError."""
+    model = llama()
+    ref = model.generate(prompt(5), **GREEDY)
+    compiled = torch.compile(model, backend="eager")
+    pool = enabled(compiled, num_blocks=128, block_size=4)
+    assert pc.is_enabled(compiled) and pc.is_enabled(model) and pc.prefix_pool(compiled) is pool
+    for _ in range(2):
+        out = compiled.generate(prompt(5), **GREEDY)
+        assert_same(ref, out)
+        out.cache.release()
+    assert pool.num_hit_tokens == prompt(5).shape[1] - 1
+    assert pc.disable(compiled) is pool and "generate" not in vars(model)
+
+
+def test_assistant_early_exit_is_served_as_stock(enabled):
+    """transformers drafts with the model itself, its config cut to ``assistant_early_exit`` layers for a nested
+    generate: that call met the pool (PoolMismatchError), and the config stayed cut (later calls wrong)."""
+    model = llama()
+    ids = prompt(5, 6, 7)
+    ref = model.generate(ids, max_new_tokens=8, do_sample=False, assistant_early_exit=1)
+    plain = model.generate(ids, max_new_tokens=8, do_sample=False)
+    pool = enabled(model, num_blocks=128, block_size=4)
+    for _ in range(2):
+        assert torch.equal(model.generate(ids, max_new_tokens=8, do_sample=False, assistant_early_exit=1), ref)
+    assert model.config.num_hidden_layers == 2 and pool.kv.num_used_blocks == 0
+    assert torch.equal(model.generate(ids, max_new_tokens=8, do_sample=False), plain)

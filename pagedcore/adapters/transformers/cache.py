@@ -26,7 +26,7 @@ import functools
 import threading
 import weakref
 from collections.abc import Hashable, Sequence
-from typing import Any
+from typing import Any, SupportsIndex
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DummyLayer
@@ -747,6 +747,15 @@ class PagedCache(StateCacheMixin, Cache):
 
     def __deepcopy__(self, memo: dict[int, Any]) -> PagedCache:
         return self.fork()
+
+    def __reduce_ex__(self, protocol: SupportsIndex) -> Any:
+        """Refused (``pickle``, ``torch.save``): the keys and values are rows of a pool's blocks, which a pickle
+        cannot carry (nor the pool's lock and the model it serves); ``copy.deepcopy`` forks the cache instead."""
+        raise TypeError(
+            "a PagedCache cannot be pickled (pickle, torch.save): its keys and values live in blocks of its pool, "
+            "shared with other caches, and are not copied out; save the generated token ids (or a DynamicCache) "
+            "instead, or fork it in memory with copy.deepcopy(cache)"
+        )
 
     def row_tokens(self) -> list[int]:
         """Real tokens stored per row."""

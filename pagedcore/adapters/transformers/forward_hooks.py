@@ -52,6 +52,8 @@ def watch(model: torch.nn.Module, cache_type: type) -> None:
     names = tuple(parameters)
     open_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
     _WATCHED[model] = (cache_type, names, open_kwargs)
+    if _before_forward in getattr(model, "_forward_pre_hooks", {}).values():
+        return  # a copy of a watched model (copy.deepcopy, pickle) came with the hooks: once is enough
     model.register_forward_pre_hook(_before_forward, with_kwargs=True)
     model.register_forward_hook(_after_forward, with_kwargs=True, always_call=True)
 

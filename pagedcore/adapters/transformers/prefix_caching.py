@@ -35,7 +35,9 @@ namespace. A kept cache registers its blocks only when continued in the namespac
 **Calls that compute the whole prompt.** A call that asks for ``output_attentions`` or ``output_hidden_states``
 takes no prefix hit (and no shared prefill for ``num_return_sequences`` / beams), so those outputs cover every prompt
 position exactly as without ``enable``. So does assisted or prompt-lookup decoding, which transformers 5.24 gets
-wrong after a pre-filled cache (also a ``DynamicCache``). Their blocks are still registered.
+wrong after a pre-filled cache (also a ``DynamicCache``). Their blocks are still registered. Early-exit decoding
+(``assistant_early_exit``) drafts with the model itself, its config cut to the first layers for a nested ``generate``:
+those draft calls run as stock ``generate``.
 
 **Weights that change.** Every call first has the pool compare the model's weights fingerprint with the last one
 (:meth:`PagedKVPool.check_weights`: parameters' identities and version counters, optimizer steps, PEFT adapter
@@ -47,6 +49,10 @@ those keys and values, as a kept ``DynamicCache`` would), and its blocks are nev
 **A converted model.** After ``model.to(dtype or device)`` the cached keys and values belong to the model as it was.
 The next call rebuilds the pool (drops its tensors and cached prefixes) when no cache holds blocks, and raises
 :class:`~pagedcore.errors.PoolMismatchError` saying what to release otherwise.
+
+**Copies.** ``copy.deepcopy`` / ``copy.copy`` / ``pickle`` / ``torch.save`` of an enabled model give a plain model of
+its own weights (:func:`_plain_reduce`); ``enable(copy)`` gives it a pool of its own. ``enable(torch.compile(model))``
+enables the module the compiled one wraps.
 
 ``num_return_sequences`` / ``num_beams`` > 1: the prompt is computed once for the unexpanded batch, then every row
 is forked; the copies share the prompt's blocks (copy-on-write) instead of recomputing and storing it k times.
@@ -77,7 +83,7 @@ from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, SupportsIndex
 
 import torch
 from torch.utils.hooks import RemovableHandle
@@ -127,12 +133,16 @@ class _Enabled:
     pool: PagedKVPool
     namespace: Hashable
     attention_backend: str | None
-    had_instance_generate: bool
-    instance_generate: Any
+    # The instance attributes enable() sets (generate, __reduce_ex__) as they were before it (_ABSENT: none).
+    before: dict[str, Any]
     sleep_hook: RemovableHandle | None = None
 
 
 _ENABLED: weakref.WeakKeyDictionary[Any, _Enabled] = weakref.WeakKeyDictionary()
+_ABSENT: Any = object()
+_INSTALLED = ("generate", "__reduce_ex__")
+# The model whose early-exit call (assistant_early_exit) is running in this context: its draft passes run as stock.
+_drafting: ContextVar[Any] = ContextVar("pagedcore_early_exit", default=None)
 
 
 def enable(
@@ -181,6 +191,7 @@ def enable(
         (12, 0)
         >>> _ = pc.disable(model)
     """
+    model = _uncompiled(model)
     if model in _ENABLED:
         raise ConfigError("prefix caching is already enabled on this model; call disable(model) first")
     sizes = {"num_blocks": num_blocks, "memory_budget": memory_budget, "block_size": block_size}
@@ -188,18 +199,26 @@ def enable(
     more |= {"state_slots": state_slots, "snapshot_interval": snapshot_interval}
     pool = PagedKVPool.resolve(model, pool, PoolConfig.of(config, **sizes, **more))
     cache_path(model, pool, PagedCache, attention_backend, reuse=True)  # exact or refused here, not at the first call
-    hook = sleep_mode.sleep_when_training(model, pool) if sleep_when_training else None
-    state = _Enabled(pool, namespace, attention_backend, "generate" in vars(model), vars(model).get("generate"), hook)
-    model.generate = _wrapped_generate(model, state)
+    state = _Enabled(pool, namespace, attention_backend, {name: vars(model).get(name, _ABSENT) for name in _INSTALLED})
+    state.sleep_hook = sleep_mode.sleep_when_training(model, pool) if sleep_when_training else None
+    model.generate, model.__reduce_ex__ = _wrapped_generate(model, state), _plain_reduce(model, state)
     _ENABLED[model] = state
     return pool
+
+
+def _uncompiled(model: Any) -> Any:
+    """The module a ``torch.compile``d model (an ``OptimizedModule``) wraps, whose ``generate`` its own delegates to
+    (``compiled.generate`` is the module's: it runs the module's forward, uncompiled); any other model itself."""
+    inner = getattr(model, "_orig_mod", None) if isinstance(model, torch.nn.Module) else None
+    return _uncompiled(inner) if isinstance(inner, torch.nn.Module) else model
 
 
 def _wrapped_generate(model: Any, state: _Enabled) -> Callable[..., Any]:
     """The ``generate`` :func:`enable` installs: the model's own (instance or class), run through :func:`_generate`.
     It holds the model weakly, so an enabled model is still garbage collected."""
-    had_instance = state.had_instance_generate
-    original = state.instance_generate if had_instance else type(model).generate
+    own = state.before["generate"]
+    had_instance = own is not _ABSENT
+    original = own if had_instance else type(model).generate
     model_ref = weakref.ref(model)
 
     @functools.wraps(original)
@@ -211,6 +230,39 @@ def _wrapped_generate(model: Any, state: _Enabled) -> Callable[..., Any]:
         return _generate(target, call, state, args, kwargs)
 
     return generate
+
+
+def _plain_reduce(model: Any, state: _Enabled) -> Callable[[SupportsIndex], Any]:
+    """The ``__reduce_ex__`` :func:`enable` installs, through which ``copy.copy``, ``copy.deepcopy``, ``pickle`` and
+    ``torch.save`` take the model: as the plain model, without what ``enable`` added (its ``generate``, this method,
+    the ``sleep_when_training`` hook). A copy is a plain model of its own weights (``enable(copy)`` gives it a pool of
+    its own), never one whose ``generate`` runs the original; the pool and its prefixes are not copied."""
+    model_ref = weakref.ref(model)
+
+    def __reduce_ex__(protocol: SupportsIndex) -> Any:
+        target = model_ref()
+        if target is None:
+            raise ReferenceError("the model was garbage collected")
+        reduce_ex: Any = type(target).__reduce_ex__  # the class's: what copies and pickles of the model use
+        reduced = reduce_ex(target, protocol)
+        if not isinstance(reduced, tuple) or len(reduced) < 3 or not isinstance(reduced[2], dict):
+            return reduced
+        attributes = dict(reduced[2])  # a copy of the model's __dict__ (nn.Module.__getstate__)
+        for name, value in state.before.items():
+            if value is _ABSENT:
+                attributes.pop(name, None)
+            else:
+                attributes[name] = value
+        hook = state.sleep_hook
+        for hooks in ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs"):
+            table = attributes.get(hooks)
+            if hook is not None and isinstance(table, dict) and hook.id in table:
+                table = table.copy()
+                del table[hook.id]
+                attributes[hooks] = table
+        return (reduced[0], reduced[1], attributes, *reduced[3:])
+
+    return __reduce_ex__
 
 
 def disable(model: Any) -> PagedKVPool:
@@ -225,15 +277,17 @@ def disable(model: Any) -> PagedKVPool:
         >>> disable(model) is pool, is_enabled(model)
         (True, False)
     """
+    model = _uncompiled(model)
     state = _ENABLED.pop(model, None)
     if state is None:
         raise ConfigError("prefix caching is not enabled on this model")
     if state.sleep_hook is not None:
         state.sleep_hook.remove()
-    if state.had_instance_generate:
-        model.generate = state.instance_generate
-    else:
-        del model.generate
+    for name, value in state.before.items():
+        if value is _ABSENT:
+            delattr(model, name)
+        else:
+            setattr(model, name, value)
     return state.pool
 
 
@@ -244,7 +298,7 @@ def is_enabled(model: Any) -> bool:
         >>> is_enabled(object())
         False
     """
-    return model in _ENABLED
+    return _uncompiled(model) in _ENABLED
 
 
 def prefix_pool(model: Any) -> PagedKVPool:
@@ -258,7 +312,7 @@ def prefix_pool(model: Any) -> PagedKVPool:
         True
         >>> _ = disable(model)
     """
-    state = _ENABLED.get(model)
+    state = _ENABLED.get(_uncompiled(model))
     if state is None:
         raise ConfigError("prefix caching is not enabled on this model")
     return state.pool
@@ -286,6 +340,27 @@ def namespace(name: Hashable) -> Iterator[None]:
 # ---------------------------------------------------------------------- the wrapped generate
 def _generate(model: Any, call: Callable[..., Any], state: _Enabled, args: tuple[Any, ...], kwargs: dict) -> Any:
     args, kwargs = keyword_args(call, args, kwargs)  # generate(ids, config) planned as generation_config=config
+    if _drafting.get() is model:
+        # A draft pass of this model's own assistant_early_exit call: transformers runs generate with the config cut
+        # to the first layers (its own cache, not this pool's); stock, as without enable.
+        return call(*args, **kwargs)
+    drafting = _drafting.set(model) if _early_exit(model, kwargs) else None
+    try:
+        return _namespaced(model, call, state, args, kwargs)
+    finally:
+        if drafting is not None:
+            _drafting.reset(drafting)
+
+
+def _early_exit(model: Any, kwargs: dict[str, Any]) -> bool:
+    """Whether the call asks for early-exit assisted decoding (``assistant_early_exit``, per call or in its config)."""
+    if kwargs.get("assistant_early_exit") is not None:
+        return True
+    config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
+    return getattr(config, "assistant_early_exit", None) is not None
+
+
+def _namespaced(model: Any, call: Callable[..., Any], state: _Enabled, args: tuple[Any, ...], kwargs: dict) -> Any:
     explicit = NAMESPACE_KWARG in kwargs
     ns = kwargs.pop(NAMESPACE_KWARG, _UNSET)
     if ns is _UNSET:
