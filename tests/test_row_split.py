@@ -15,6 +15,7 @@ from test_weights_engine import assert_stock, sgd_step, workload
 from pagedcore.adapters.transformers import Engine, SamplingParams
 from pagedcore.adapters.transformers import row_split as row_split_module
 from pagedcore.adapters.transformers.row_split import MAX_ROWS, TRIALS, RowSplit, split_blocks, split_linear
+from pagedcore.errors import ConfigError
 
 GREEDY = SamplingParams(max_new_tokens=6, return_logits=True)
 
@@ -173,3 +174,15 @@ def mirror_of(model: torch.nn.Module) -> torch.nn.Module:
                      intermediate_size=model.config.intermediate_size)  # fmt: skip
     ref.load_state_dict(model.state_dict())
     return ref
+
+
+def test_split_rows_false_keeps_f_linear_and_the_setting_is_checked(two_threads):
+    model = tiny_model("llama", seed=8, hidden_size=128, intermediate_size=256)
+    with Engine(model, num_blocks=64, block_size=4, split_rows=False) as engine:
+        engine.generate(workload(8, 2), GREEDY, use_tqdm=False)
+        assert engine.runner.row_split_ways() == {}
+    with Engine(model, num_blocks=64, block_size=4, split_rows=False, prepack=True) as engine:
+        engine.generate(workload(8, 2), GREEDY, use_tqdm=False)
+        assert engine.runner.row_split_ways() == {}
+    with pytest.raises(ConfigError, match="split_rows must be True or False, got 'no'"):
+        Engine(model, num_blocks=64, block_size=4, split_rows="no")

@@ -68,6 +68,10 @@ class Engine(BaseEngine):
             at a time or over the whole GEMM, whichever each bucket of row counts measured faster (:mod:`.argmax_head`:
             on the CPU in float32, where the checks find the chunks bit-identical to the whole head; the tokens are
             ``generate``'s). True by default; False keeps the logits path (for comparing the two).
+        split_rows: linear calls of up to 256 rows (decode steps) split across the CPU's threads as one batched
+            product over the weight's row blocks (:mod:`.row_split`: on the CPU in float32 with 2+ threads, per
+            shape and row count only where its bits are ``F.linear``'s and it is faster; the tokens are
+            ``generate``'s). True by default; False keeps ``F.linear`` (for comparing the two).
 
     Generation parameters: either a :class:`~pagedcore.engine.sampling.SamplingParams` (or a dict of its fields), or
     ``model.generate``'s keyword arguments (``max_new_tokens``, ``do_sample``, ``temperature``, ``top_k``, ``top_p``,
@@ -119,9 +123,11 @@ class Engine(BaseEngine):
         snapshot_interval: int | None = None,
         prepack: bool | str = False,
         fused_argmax: bool = True,
+        split_rows: bool = True,
     ) -> None:
         settings = dict(locals())
-        for name in ("self", "model", "tokenizer", "config", "pool", "prepack", "fused_argmax", "__class__"):
+        runner_only = ("prepack", "fused_argmax", "split_rows")  # the runner's settings, not EngineConfig's
+        for name in ("self", "model", "tokenizer", "config", "pool", "__class__", *runner_only):
             settings.pop(name, None)
         config = EngineConfig.of(config, **settings)  # every setting checked before anything changes
         runner = TransformersRunner(
@@ -134,6 +140,7 @@ class Engine(BaseEngine):
             lora=config.lora,
             prepack=prepack,
             fused_argmax=fused_argmax,
+            split_rows=split_rows,
         )
         try:
             own = replace(config, pool=PoolConfig(), compile="auto", attention_backend=None, lora=None)  # the runner's

@@ -115,9 +115,12 @@ class PrepackedLinears:
         False
     """
 
-    def __init__(self, model: Any, *, pack: bool = True, skip: torch.nn.Module | None = None) -> None:
+    def __init__(
+        self, model: Any, *, pack: bool = True, split: bool = True, skip: torch.nn.Module | None = None
+    ) -> None:
         self._packs: dict[int, _Pack] = {}
         self._pack_rows = pack  # False: no packs; few-row calls split across the threads (exact: row_split.py)
+        self._split = split  # False: no call is split (F.linear where no pack serves)
         self._row_split = RowSplit()
         self._lock = threading.Lock()
         self._epoch: int | None = None
@@ -176,7 +179,7 @@ class PrepackedLinears:
         ):
             return F.linear(x, weight, bias)
         rows = x.numel() // x.shape[-1]
-        if rows == 1 or (not self._pack_rows and rows <= MAX_ROWS):
+        if self._split and (rows == 1 or (not self._pack_rows and rows <= MAX_ROWS)):
             return self._row_split.linear(x, weight, bias)
         if not self._pack_rows or rows < MIN_ROWS:
             return F.linear(x, weight, bias)

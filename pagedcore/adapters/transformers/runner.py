@@ -75,6 +75,8 @@ class TransformersRunner:
             costs a second copy of the linear weights).
         fused_argmax: argmax-only steps take their tokens inside the model's head (:mod:`.argmax_head`, where it
             applies; True by default), or always through the logits (False).
+        split_rows: linear calls of a few rows split across the threads where exact and faster (:mod:`.row_split`;
+            True by default), or always ``F.linear`` (False).
 
     Example:
         >>> from pagedcore.engine import Engine
@@ -97,9 +99,11 @@ class TransformersRunner:
         lora: LoRAConfig | None = None,
         prepack: bool | str = False,
         fused_argmax: bool = True,
+        split_rows: bool = True,
     ) -> None:
-        if not isinstance(fused_argmax, bool):
-            raise ConfigError(f"fused_argmax must be True or False, got {fused_argmax!r}", param="fused_argmax")
+        for name, flag in (("fused_argmax", fused_argmax), ("split_rows", split_rows)):
+            if not isinstance(flag, bool):
+                raise ConfigError(f"{name} must be True or False, got {flag!r}", param=name)
         device = model.get_input_embeddings().weight.device
         compiling = resolve_compile(compile, device)  # "inductor", "cudagraphs" or None
         self.owns_pool = pool is None
@@ -137,7 +141,8 @@ class TransformersRunner:
         self.adapters = None if lora is None else LoraAdapters(model, self.pool, lora, keeps_logits=self._keeps_logits)
         weight = model.get_input_embeddings().weight
         packing = self._padded is None and resolve_prepack(prepack, device, weight.dtype)  # the packed forward's
-        self._linears = _linears(model, packing, self._padded is None and device.type == "cpu", weight.dtype)
+        splitting = split_rows and self._padded is None and device.type == "cpu"
+        self._linears = _linears(model, packing, splitting, weight.dtype)
         self._packs = self._linears if packing else None
         # Steps whose rows only take their argmax: their tokens taken inside the head (argmax_head.py); not
         # with adapters (a LoRA on the head), the compatible path, or a forward that computes every position's logits.
@@ -327,13 +332,13 @@ def eos_token_ids(model: Any, tokenizer: Any = None) -> list[int]:
     return ids
 
 
-def _linears(model: Any, packing: bool, cpu: bool, dtype: torch.dtype) -> PrepackedLinears | None:
+def _linears(model: Any, packing: bool, splitting: bool, dtype: torch.dtype) -> PrepackedLinears | None:
     """The packed forward's linear layers: packed for a few rows when asked, else a few rows split across the threads
     wherever exact and faster (:mod:`.row_split`, on the CPU in float32; the head left to the fused greedy head unless
     the packs take it); None when neither applies."""
     if packing:
-        return PrepackedLinears(model)
-    if cpu and dtype == torch.float32:
+        return PrepackedLinears(model, split=splitting)
+    if splitting and dtype == torch.float32:
         return PrepackedLinears(model, pack=False, skip=model.get_output_embeddings())
     return None
 
