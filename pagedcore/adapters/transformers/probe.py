@@ -361,15 +361,15 @@ def verdicts(model: Any) -> list[Verdict]:
 def _verdict(model: Any, pool: PagedKVPool, backend: str | None, kind: str, probe: Callable[[], Verdict]) -> Verdict:
     config = text_config(model)
     weight = model.get_input_embeddings().weight
-    # The backend the paged path will ask for, asked now: a name nobody offers, or a plugin that fails, is refused
-    # when the Engine or cache is built (PluginError), not at its first forward (the probe would take it for a path
-    # that is not exact).
-    pool.attention_backend(weight.device, weight.dtype, backend)
     key = (kind, getattr(config, "_attn_implementation", None), pool.block_size, backend, weight.dtype, weight.device)
     with _PROBING:  # one probe at a time: two threads setting up the same model probe it once
         known = _VERDICTS.setdefault(model, {})
         verdict = known.get(key)
         if verdict is None:
+            # The backend the paged path will ask for, asked now (of the plugins, not through the pool, whose lookups
+            # are its forwards'): a name nobody offers, or a plugin that fails, is refused when the Engine or cache
+            # is built (PluginError), not at its first forward (the probe would take it for a path that is not exact).
+            pool.plugins.attention_backend(weight.device.type, weight.dtype, backend)
             # Eager even for a torch.compile'd forward: the probe's shapes would each compile a graph (seconds, and
             # graphs the model's own steps never use); the verdict is about the model's code, the same either way.
             # In eval mode: the verdict is about the model's code, and dropout's draws would differ between the
