@@ -2,12 +2,15 @@
 benchmark model (issue 33's measurements of prepacked weights and the compiled step).
 
 ``python scripts/engine_ab.py --a prepack=False --b prepack=True --batches 1,16,64 [--threads 1] [--size small]``:
-each side is an ``Engine(model, **settings)`` (one model, two Engines: the first one's layers are patched by its own
-runner only while it runs a forward). Per batch size, an untimed warm-up run of the same shape, then ``--rounds``
-rounds, the two sides' order alternating; per round and side the prefill alone (``max_new_tokens=1``) and the same
-prompts with ``--new`` new tokens (the prefix cache cleared before each): decode ms per step = the difference of
-their times over the difference of their steps. Times are this thread's CPU time (``--threads 1``: the step runs in
-it, and the waits of a loaded machine are left out; ``CLOCK=wall`` for the Engine's ``busy_seconds`` instead).
+each side is an ``Engine(model, **settings)`` on its own copy of the model (an Engine installs its fused head and its
+linears' forwards on its model's layers, which a second Engine on the same model would find taken; until 5 December
+both sides shared one model, so side B ran without the fused head whenever side A installed one). Per batch size, an
+untimed warm-up run of the same shape, then ``--rounds`` rounds, the two sides' order alternating; per round and side
+the prefill alone (``max_new_tokens=1``) and the same prompts with ``--new`` new tokens (the prefix cache cleared
+before each): decode ms per step = the difference of their times over the difference of their steps. Times are this
+thread's CPU time (``--threads 1``: the step runs in it, and the waits of a loaded machine are left out;
+``CLOCK=wall`` for the Engine's ``busy_seconds`` instead: needed with more threads, whose work this thread's CPU time
+leaves out).
 Prints medians, the ratio, the load average and whether the two sides' greedy tokens were identical.
 """
 
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import copy
 import os
 import statistics
 import sys
@@ -77,8 +81,11 @@ def main(argv: list[str] | None = None) -> int:
     model = bench_model(size=args.size)
     vocab = model.config.vocab_size
     sides = {"A": settings(args.a), "B": settings(args.b)}
+    # Each side its own copy of the model: an Engine installs its fused head and its linears' forwards on its model's
+    # layers, which a second Engine on the same model would find taken (and run without).
+    models = {"A": model, "B": copy.deepcopy(model)}
     engines = {
-        name: Engine(model, num_blocks=2048, block_size=16, max_num_seqs=256, **kw) for name, kw in sides.items()
+        name: Engine(models[name], num_blocks=2048, block_size=16, max_num_seqs=256, **kw) for name, kw in sides.items()
     }
     print(f"# {os.environ.get('CLOCK', 'cpu')} time; {args.size} model, {args.threads} thread(s), A = {args.a}, "
           f"B = {args.b}, prompts {args.prompt} + {args.new} new; load average {os.getloadavg()[0]:.2f}",
