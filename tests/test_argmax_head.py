@@ -195,7 +195,9 @@ def test_other_threads_calls_of_the_head_are_plain_while_the_engine_steps():
 def test_fused_argmax_false_keeps_the_logits_path_and_a_bad_value_is_refused():
     net = model()
     with Engine(net, num_blocks=64, block_size=4, fused_argmax=False) as engine:
-        assert engine.runner.argmax_head is None and "forward" not in vars(net.lm_head)
+        assert engine.runner.argmax_head is None
+        forward = vars(net.lm_head).get("forward")  # the row split's (prepacked.py) with 2+ threads: no fused head
+        assert forward is None or type(forward).__module__.endswith(".prepacked")
         assert tokens(engine, PROMPTS[:2]) == stock(model(), PROMPTS[:2])
     with pytest.raises(ConfigError, match="fused_argmax must be True or False, got 'yes'") as caught:
         Engine(net, num_blocks=64, block_size=4, fused_argmax="yes")

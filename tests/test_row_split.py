@@ -186,3 +186,18 @@ def test_split_rows_false_keeps_f_linear_and_the_setting_is_checked(two_threads)
         assert engine.runner.row_split_ways() == {}
     with pytest.raises(ConfigError, match="split_rows must be True or False, got 'no'"):
         Engine(model, num_blocks=64, block_size=4, split_rows="no")
+
+
+def test_the_head_is_split_when_no_fused_head_took_it(two_threads, split_wins):
+    """With the fused greedy head the head's GEMM goes through its own call of the split; without it (a LoRA, a
+    state model, fused_argmax=False) the split takes the head as it takes the other layers: sampled steps gain too."""
+    model = tiny_model("llama", seed=9, hidden_size=128, intermediate_size=256)
+    ref = mirror_of(model)
+    prompts = workload(9, 2)
+    with Engine(model, num_blocks=64, block_size=4, max_num_seqs=1, fused_argmax=False) as engine:
+        outputs = engine.generate(prompts, GREEDY, use_tqdm=False)
+        ways = engine.runner.row_split_ways()
+        assert "forward" in vars(model.lm_head)
+    assert ways[(model.config.vocab_size, 128, False, 4, 2, 1)] == "split"
+    assert_stock(ref, prompts, outputs)
+    assert "forward" not in vars(model.lm_head)

@@ -115,9 +115,7 @@ class PrepackedLinears:
         False
     """
 
-    def __init__(
-        self, model: Any, *, pack: bool = True, split: bool = True, skip: torch.nn.Module | None = None
-    ) -> None:
+    def __init__(self, model: Any, *, pack: bool = True, split: bool = True) -> None:
         self._packs: dict[int, _Pack] = {}
         self._pack_rows = pack  # False: no packs; few-row calls split across the threads (exact: row_split.py)
         self._split = split  # False: no call is split (F.linear where no pack serves)
@@ -126,8 +124,6 @@ class PrepackedLinears:
         self._epoch: int | None = None
         self._modules: list[torch.nn.Linear] = []
         for module in model.modules():
-            if module is skip:
-                continue
             if type(module) is torch.nn.Linear and "forward" not in vars(module) and _packable(module.weight):
                 module.forward = _Forward(self, module)  # type: ignore[method-assign,assignment]
                 self._modules.append(module)

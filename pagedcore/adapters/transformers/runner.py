@@ -142,12 +142,16 @@ class TransformersRunner:
         weight = model.get_input_embeddings().weight
         packing = self._padded is None and resolve_prepack(prepack, device, weight.dtype)  # the packed forward's
         splitting = split_rows and self._padded is None and device.type == "cpu"
-        self._linears = _linears(model, packing, splitting, weight.dtype)
-        self._packs = self._linears if packing else None
         # Steps whose rows only take their argmax: their tokens taken inside the head (argmax_head.py); not
         # with adapters (a LoRA on the head), the compatible path, or a forward that computes every position's logits.
         fusing = fused_argmax and lora is None and self._padded is None and self._states is None and self._keeps_logits
-        self._argmax = ArgmaxHead.install(model) if fusing else None
+        # Packs take every linear layer, the head too (the fused head then does not install); the split takes the
+        # layers the fused head left (which splits its own GEMM), the head too where none installed.
+        self._argmax = ArgmaxHead.install(model) if fusing and not packing else None
+        self._linears = _linears(model, packing, splitting, weight.dtype)
+        self._packs = self._linears if packing else None
+        if fusing and packing:
+            self._argmax = ArgmaxHead.install(model)
 
     # ------------------------------------------------------------------ the protocol's state
     @property
@@ -333,13 +337,13 @@ def eos_token_ids(model: Any, tokenizer: Any = None) -> list[int]:
 
 
 def _linears(model: Any, packing: bool, splitting: bool, dtype: torch.dtype) -> PrepackedLinears | None:
-    """The packed forward's linear layers: packed for a few rows when asked, else a few rows split across the threads
-    wherever exact and faster (:mod:`.row_split`, on the CPU in float32; the head left to the fused greedy head unless
-    the packs take it); None when neither applies."""
+    """The packed forward's linear layers (those whose ``forward`` nobody replaced): packed for a few rows when asked,
+    else a few rows split across the threads wherever exact and faster (:mod:`.row_split`, on the CPU in float32);
+    None when neither applies."""
     if packing:
         return PrepackedLinears(model, split=splitting)
     if splitting and dtype == torch.float32:
-        return PrepackedLinears(model, pack=False, skip=model.get_output_embeddings())
+        return PrepackedLinears(model, pack=False)
     return None
 
 
