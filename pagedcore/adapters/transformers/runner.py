@@ -141,17 +141,12 @@ class TransformersRunner:
         self.adapters = None if lora is None else LoraAdapters(model, self.pool, lora, keeps_logits=self._keeps_logits)
         weight = model.get_input_embeddings().weight
         packing = self._padded is None and resolve_prepack(prepack, device, weight.dtype)  # the packed forward's
-        splitting = split_rows and self._padded is None and device.type == "cpu"
+        splitting = split_rows and self._padded is None and device.type == "cpu" and weight.dtype == torch.float32
         # Steps whose rows only take their argmax: their tokens taken inside the head (argmax_head.py); not
         # with adapters (a LoRA on the head), the compatible path, or a forward that computes every position's logits.
         fusing = fused_argmax and lora is None and self._padded is None and self._states is None and self._keeps_logits
-        # Packs take every linear layer, the head too (the fused head then does not install); the split takes the
-        # layers the fused head left (which splits its own GEMM), the head too where none installed.
-        self._argmax = ArgmaxHead.install(model) if fusing and not packing else None
-        self._linears = _linears(model, packing, splitting, weight.dtype)
+        self._argmax, self._linears = _layer_forwards(model, packing, splitting, fusing)
         self._packs = self._linears if packing else None
-        if fusing and packing:
-            self._argmax = ArgmaxHead.install(model)
 
     # ------------------------------------------------------------------ the protocol's state
     @property
@@ -336,15 +331,18 @@ def eos_token_ids(model: Any, tokenizer: Any = None) -> list[int]:
     return ids
 
 
-def _linears(model: Any, packing: bool, splitting: bool, dtype: torch.dtype) -> PrepackedLinears | None:
-    """The packed forward's linear layers (those whose ``forward`` nobody replaced): packed for a few rows when asked,
-    else a few rows split across the threads wherever exact and faster (:mod:`.row_split`, on the CPU in float32);
-    None when neither applies."""
+def _layer_forwards(
+    model: Any, packing: bool, splitting: bool, fusing: bool
+) -> tuple[ArgmaxHead | None, PrepackedLinears | None]:
+    """The fused greedy head and the linear layers' forwards the runner installs (each where asked). Packs take every
+    linear layer, the head too (the fused head then does not install); without packs the fused head installs first
+    (it splits its own GEMM) and the split (:mod:`.row_split`) takes the layers left, the head too where no fused head
+    took it."""
     if packing:
-        return PrepackedLinears(model, split=splitting)
-    if splitting and dtype == torch.float32:
-        return PrepackedLinears(model, pack=False)
-    return None
+        linears = PrepackedLinears(model, split=splitting)
+        return (ArgmaxHead.install(model) if fusing else None), linears
+    head = ArgmaxHead.install(model) if fusing else None
+    return head, (PrepackedLinears(model, pack=False) if splitting else None)
 
 
 def _packed_positions(pool: PagedKVPool, positions: list[int]) -> torch.Tensor | None:
