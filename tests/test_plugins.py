@@ -983,16 +983,19 @@ def test_entry_point_with_a_misspelled_hook_is_skipped_and_the_manager_stays_usa
     assert pm.register(Fine(), name="fine") == "fine"  # the bad plugin does not poison later registrations
 
 
-def test_unregister_by_object_forgets_the_source(pm):
-    class Mine:
-        @hookimpl
-        def pagedcore_request_finished(self, request_id):
-            pass
+class Observer:
+    """An observer of one event that does nothing (a plugin to register under a name)."""
 
-    plugin = Mine()
+    @hookimpl
+    def pagedcore_request_finished(self, request_id):
+        pass
+
+
+def test_unregister_by_object_forgets_the_source(pm):
+    plugin = Observer()
     pm.register(plugin, name="mine")
     pm.unregister(plugin)
-    pm.register(Mine(), name="mine")
+    pm.register(Observer(), name="mine")
     assert {i.name: i.source for i in pm.plugins()}["mine"] == "registered"
     pm.unregister(name="mine")
     with pytest.raises(PluginError, match="not registered"):
@@ -1102,18 +1105,13 @@ def test_two_installed_plugins_answering_one_call_are_refused_naming_both(pm, us
 
 
 def test_registering_under_a_taken_name_is_refused_naming_it(pm):
-    class Mine:
-        @hookimpl
-        def pagedcore_request_finished(self, request_id):
-            pass
-
-    plugin = Mine()
+    plugin = Observer()
     pm.register(plugin, name="mine")
     try:
         with pytest.raises(PluginError, match=r"^the plugin name 'mine' is taken \(registered\)"):
-            pm.register(Mine(), name="mine")
+            pm.register(Observer(), name="mine")
         with pytest.raises(PluginError, match=r"^the plugin name 'torch' is taken \(built-in\)"):
-            pm.register(Mine(), name="torch")
+            pm.register(Observer(), name="torch")
         with pytest.raises(PluginError, match="already registered, as 'mine'"):
             pm.register(plugin, name="other")
     finally:

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from models import tiny_model
-from test_weights_engine import assert_stock, sgd_step, workload
+from test_weights_engine import assert_stock, mirror, sgd_step, workload
 
 from pagedcore.adapters.transformers import Engine, SamplingParams
 from pagedcore.adapters.transformers import row_split as row_split_module
@@ -134,7 +134,7 @@ def split_wins(monkeypatch):
 
 def test_batch_one_decode_gives_stock_tokens_and_logits(two_threads, split_wins):
     model = tiny_model("llama", seed=5, hidden_size=128, intermediate_size=256)
-    ref = mirror_of(model)
+    ref = mirror(model)
     prompts = workload(4, 3)
     with Engine(model, num_blocks=64, block_size=4, max_num_seqs=1) as engine:  # one row per decode step
         outputs = engine.generate(prompts, GREEDY, use_tqdm=False)
@@ -146,7 +146,7 @@ def test_batch_one_decode_gives_stock_tokens_and_logits(two_threads, split_wins)
 
 def test_batch_sixteen_decode_gives_stock_tokens_and_logits(two_threads, split_wins):
     model = tiny_model("llama", seed=7, hidden_size=128, intermediate_size=256)
-    ref = mirror_of(model)
+    ref = mirror(model)
     prompts = workload(7, 16)
     with Engine(model, num_blocks=256, block_size=4) as engine:
         outputs = engine.generate(prompts, GREEDY, use_tqdm=False)
@@ -162,18 +162,10 @@ def test_a_training_step_between_decode_steps_is_seen(two_threads, split_wins):
     with Engine(model, num_blocks=96, block_size=4, max_num_seqs=1) as engine:
         engine.generate(first, GREEDY, use_tqdm=False)
         sgd_step(model, first)
-        ref = mirror_of(model)
+        ref = mirror(model)
         outputs = engine.generate(second, GREEDY, use_tqdm=False)
         assert "split" in engine.runner.row_split_ways().values()
     assert_stock(ref, second, outputs)
-
-
-def mirror_of(model: torch.nn.Module) -> torch.nn.Module:
-    """``mirror`` for a model of other sizes than the default tiny Llama's."""
-    ref = tiny_model("llama", seed=99, hidden_size=model.config.hidden_size,
-                     intermediate_size=model.config.intermediate_size)  # fmt: skip
-    ref.load_state_dict(model.state_dict())
-    return ref
 
 
 def test_split_rows_false_keeps_f_linear_and_the_setting_is_checked(two_threads):
@@ -192,7 +184,7 @@ def test_the_head_is_split_when_no_fused_head_took_it(two_threads, split_wins):
     """With the fused greedy head the head's GEMM goes through its own call of the split; without it (a LoRA, a
     state model, fused_argmax=False) the split takes the head as it takes the other layers: sampled steps gain too."""
     model = tiny_model("llama", seed=9, hidden_size=128, intermediate_size=256)
-    ref = mirror_of(model)
+    ref = mirror(model)
     prompts = workload(9, 2)
     with Engine(model, num_blocks=64, block_size=4, max_num_seqs=1, fused_argmax=False) as engine:
         outputs = engine.generate(prompts, GREEDY, use_tqdm=False)

@@ -29,7 +29,9 @@ def workload(seed: int, count: int, shared: int = 10) -> list[list[int]]:
 
 
 def mirror(model: torch.nn.Module) -> torch.nn.Module:
-    ref = tiny_model("llama", seed=99)
+    """A second tiny Llama of ``model``'s sizes holding its weights (the reference stock ``generate`` runs on)."""
+    sizes = {name: getattr(model.config, name) for name in ("hidden_size", "intermediate_size")}
+    ref = tiny_model("llama", seed=99, **sizes)
     ref.load_state_dict(model.state_dict())
     return ref
 
