@@ -285,3 +285,33 @@ def test_attend_blocks_adds_nothing_from_the_slots_its_mask_hides():
         kc[5, 3], vc[5, 3], kc[7, 2:], vc[7, 2:] = leftover, leftover, leftover, leftover  # past each row's length
         out = compiled_module.attend_blocks(query, kc, vc, tables, mask, pad, 0.35, None, None)
         assert torch.equal(out, clean)
+
+
+def test_the_bucketed_decode_attends_as_the_eager_step_does_bit_for_bit(uncompiled):
+    """On the CPU the graph's attention op runs the torch backend's own forward over the step's packed metadata: one
+    sequence reads its keys as a view of the pool, several share one plan per step (it gathered every bucket column
+    under a mask, 2-4x slower at one row, other bits). Exact buckets (1, 2, 4 rows), so the logits are the eager
+    step's to the bit."""
+    model = tiny_model("llama")
+    for prompts in ([PROMPTS[0]], PROMPTS[:2], PROMPTS):
+        reference, _ = run(model, False, prompts=prompts)
+        outputs, stats = run(model, True, prompts=prompts)
+        assert stats.compiled_steps > 0 and stats.compile_failures == 0
+        assert_same(outputs, reference, atol=0)
+
+
+@pytest.mark.parametrize("count", [2, 3])
+def test_a_compiled_greedy_step_takes_its_tokens_inside_the_head(count, monkeypatch):
+    """The compiled step computed its rows' whole logits (a 32000-column head read and written per step) where the
+    eager step takes an argmax-only step's tokens inside the head: the head's call is one opaque op in the graph
+    (``pagedcore::argmax_head``), which does what the eager call does. 3 rows: a bucket of 4, one padding row."""
+    monkeypatch.setattr(compiled_module, "BACKEND", "eager")
+    model = tiny_model("llama")
+    params = SamplingParams(max_new_tokens=8)  # greedy, the tokens only: argmax-only steps
+    reference, _ = run(model, False, prompts=PROMPTS[:count], params=params, block_size=8)
+    with Engine(model, compile=True, num_blocks=64, block_size=8) as engine:
+        outputs = engine.generate(PROMPTS[:count], params, use_tqdm=False)
+        stats, head = engine.stats(), engine.runner.argmax_head
+    assert head is not None and stats.compiled_steps > 0 and stats.compile_failures == 0
+    assert head.counts.steps > stats.num_steps - stats.compiled_steps  # compiled steps among them
+    assert [o.token_ids for o in outputs] == [r.token_ids for r in reference]

@@ -193,3 +193,38 @@ def test_the_head_is_split_when_no_fused_head_took_it(two_threads, split_wins):
     assert ways[(model.config.vocab_size, 128, False, 4, 2, 1)] == "split"
     assert_stock(ref, prompts, outputs)
     assert "forward" not in vars(model.lm_head)
+
+
+def test_a_compiled_decode_step_splits_its_rows_as_the_eager_one(two_threads, split_wins, monkeypatch):
+    """The compiled step (``Engine(compile=True)``) called ``F.linear`` in its graph (one thread for a one-row GEMV
+    whatever torch's count): each linear layer is one opaque op there (``pagedcore::row_linear``), whose way is
+    decided when the graph runs, as in the eager forward."""
+    from pagedcore.adapters.transformers import compiled as compiled_module
+
+    monkeypatch.setattr(compiled_module, "BACKEND", "eager")
+    inside, split = [False], []
+    step, linear = compiled_module.CompiledDecode.__call__, RowSplit.linear
+
+    def compiled_step(self, inputs):
+        inside[0] = True
+        try:
+            return step(self, inputs)
+        finally:
+            inside[0] = False
+
+    def spy(self, x, weight, bias, threads=None):
+        split.extend([weight.shape] if inside[0] else [])
+        return linear(self, x, weight, bias, threads)
+
+    monkeypatch.setattr(compiled_module.CompiledDecode, "__call__", compiled_step)
+    monkeypatch.setattr(RowSplit, "linear", spy)
+    model = tiny_model("llama", seed=10, hidden_size=128, intermediate_size=256)
+    ref = mirror(model)
+    prompts = workload(10, 2)
+    with Engine(model, num_blocks=64, block_size=4, max_num_seqs=1, compile=True) as engine:
+        outputs = engine.generate(prompts, GREEDY, use_tqdm=False)
+        stats = engine.stats()
+    assert stats.compiled_steps > 0 and stats.compile_failures == 0
+    per_step = 7 * model.config.num_hidden_layers + 1  # q, k, v, o, gate, up, down; the head
+    assert len(split) == per_step * stats.compiled_steps
+    assert_stock(ref, prompts, outputs)

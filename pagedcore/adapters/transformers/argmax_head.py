@@ -70,7 +70,7 @@ from pagedcore.adapters.transformers.prepacked import active_linears
 from pagedcore.engine.runner import ArgmaxTokens
 from pagedcore.engine.sampling import numpy_greedy
 
-__all__ = ["MIN_ROWS", "TRIALS", "ArgmaxCounts", "ArgmaxHead", "chunk_columns"]
+__all__ = ["MIN_ROWS", "TRIALS", "ArgmaxCounts", "ArgmaxHead", "chunk_columns", "head_call"]
 
 logger = logging.getLogger(__name__)
 _STATE = threading.local()  # .call: the _Call of the ArgmaxHead.step this thread is in
@@ -123,6 +123,7 @@ class _Call:
     inputs: list[torch.Tensor] = field(default_factory=list)
     outputs: list[torch.Tensor] = field(default_factory=list)
     tokens: list[int] | None = None
+    padded: int = 0  # a compiled step's bucket: the head's input has this many rows, the step's rows first
     way: str = "chunks"
     screened: bool = False  # the tokens came from the screen (its way can fall back to the chunks)
 
@@ -178,14 +179,15 @@ class ArgmaxHead:
         a bucket serves the row counts from its first up to twice that, exclusive."""
         return dict(self._ways)
 
-    def step(self, forward: Callable[[], torch.Tensor], rows: int) -> torch.Tensor | ArgmaxTokens:
+    def step(self, forward: Callable[[], torch.Tensor], rows: int, padded: int = 0) -> torch.Tensor | ArgmaxTokens:
         """One argmax-only step of ``rows`` rows: ``forward()`` runs the model and returns its logits ``(rows,
         vocab)`` (a view of the head's output); returns the rows' tokens, or the float32 logits where the row count
-        (:data:`MIN_ROWS`), a check or a row's values say so."""
+        (:data:`MIN_ROWS`), a check or a row's values say so. ``padded``: a compiled decode step's bucket of rows
+        (:mod:`.compiled`), whose head sees ``padded`` rows, the step's ``rows`` first."""
         weight = self._module.weight
         if rows < self._min_rows or self._plain is False or not _fusable(weight):  # e.g. converted to bf16 since
             return forward().float()
-        call = _Call(self, capture=bool(self._plain))
+        call = _Call(self, capture=bool(self._plain), padded=padded)
         with _calling(call):
             logits = forward()  # with capture: the head's pass runs inside the model's forward (:meth:`_head`)
         if not call.capture:
@@ -202,7 +204,7 @@ class ArgmaxHead:
         self.counts.steps += 1
         self.counts.whole += call.way == "whole"
         self.counts.screened += call.screened
-        return ArgmaxTokens(call.tokens)
+        return ArgmaxTokens(call.tokens[:rows] if padded else call.tokens)
 
     def _head(self, call: _Call, x: torch.Tensor) -> torch.Tensor:
         """The head's call inside a captured step's forward: the rows' tokens, taken by the bucket's way (a chunk at
@@ -276,6 +278,8 @@ class ArgmaxHead:
             self._plain = False
             return
         out = _rows(call.outputs[0])
+        if call.padded and out.shape[0] == call.padded:  # a compiled step's bucket: the padding rows dropped
+            out = out[: logits.shape[0]]
         self._plain = out.shape == logits.shape and out.dtype == logits.dtype and _same_bits(out, logits)
 
     def _check_chunks(self, x: torch.Tensor, whole: torch.Tensor) -> None:
@@ -332,14 +336,27 @@ class ArgmaxHead:
         return step.tokens, True, True
 
     # ------------------------------------------------------------------ the fused pass
+    def called(self, x: torch.Tensor) -> torch.Tensor:
+        """The head's call (its ``forward``, or the compiled step's op): inside this thread's :meth:`step` the pass
+        that records or takes the tokens; every other call is ``nn.Linear``'s own."""
+        call: _Call | None = getattr(_STATE, "call", None)
+        if call is None or call.head is not self:
+            return self._linear(x)
+        if call.capture:
+            return self._head(call, x)
+        call.inputs.append(x)
+        out = self._linear(x)
+        call.outputs.append(out)
+        return out
+
     def _linear(self, x: torch.Tensor) -> torch.Tensor:
         """The head's own GEMM (``nn.Linear.forward``); in the runner's forward split across the threads where that
         gives its bits faster (:mod:`.row_split`)."""
         weight, bias = self._module.weight, self._module.bias
+        if torch.is_grad_enabled() or not _fusable(weight):
+            return F.linear(x, weight, bias)
         linears = active_linears()
-        if linears is not None and not torch.is_grad_enabled() and _fusable(weight):
-            return linears.row_split.linear(x, weight, bias)
-        return F.linear(x, weight, bias)
+        return F.linear(x, weight, bias) if linears is None else linears.few_rows(x, weight, bias)
 
     def _argmax(self, x: torch.Tensor) -> list[int] | None:
         """The first maximal column of each row of the head's output, a chunk at a time (two numpy calls a chunk:
@@ -370,19 +387,42 @@ class _Forward:
 
     def __init__(self, head: ArgmaxHead) -> None:
         self._head = weakref.ref(head)
+        self._key = id(head)  # the compiled step's op finds the head by it (_INSTALLED)
+        _INSTALLED[self._key] = head
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         head = self._head()
         assert head is not None
-        call: _Call | None = getattr(_STATE, "call", None)
-        if torch.compiler.is_compiling() or call is None or call.head is not head:
-            return head._linear(x)  # noqa: SLF001
-        if call.capture:
-            return head._head(call, x)  # noqa: SLF001
-        call.inputs.append(x)
-        out = head._linear(x)  # noqa: SLF001
-        call.outputs.append(out)
-        return out
+        if torch.compiler.is_compiling():  # one opaque op in the graph: what the call does is decided when it runs
+            weight, bias = head._module.weight, head._module.bias  # noqa: SLF001
+            fits = _fusable(weight) and not torch.is_grad_enabled()
+            return head_call(x, weight, bias, self._key) if fits else F.linear(x, weight, bias)
+        return head.called(x)
+
+
+_INSTALLED: weakref.WeakValueDictionary[int, ArgmaxHead] = weakref.WeakValueDictionary()  # by id: the installed heads
+
+
+@torch.library.custom_op("pagedcore::argmax_head", mutates_args=())
+def head_call(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, head: int) -> torch.Tensor:
+    """The head's call inside a compiled decode step (:mod:`.compiled`), as one op the graph does not trace into:
+    :meth:`ArgmaxHead.called` of the installed head ``head`` (its ``id``), so a compiled argmax-only step takes its
+    tokens inside the head as an eager one does. The op's output always has the logits' shape: where the head took
+    the tokens itself (and returns no logits) it is an uninitialized tensor that nothing reads.
+
+    Example:
+        >>> weight, x = torch.randn(256, 32), torch.randn(1, 32)
+        >>> torch.equal(head_call(x, weight, None, 0), F.linear(x, weight))   # no head installed by that id
+        True
+    """
+    owner = _INSTALLED.get(head)
+    out = F.linear(x, weight, bias) if owner is None else owner.called(x)
+    return out if out.shape[-1] == weight.shape[0] else x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@head_call.register_fake
+def _head_call_shape(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, head: int) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
 @contextlib.contextmanager

@@ -32,10 +32,10 @@ from typing import Any
 
 import torch
 
-from pagedcore.attention import bucket, to_device, write_kv
+from pagedcore.attention import PagedAttentionMetadata, bucket, to_device, write_kv
 from pagedcore.engine.packing import PackedTokens
 from pagedcore.engine.runner import CompileCounts
-from pagedcore.plugins.torch_backend import attend_rows, gather_blocks
+from pagedcore.plugins.torch_backend import TorchPagedAttention, attend_rows, gather_blocks
 
 from .attention import CONTEXT_KEY, StepAttention
 from .layer_attention import LatentProjection, pool_read, retemper
@@ -55,6 +55,7 @@ __all__ = [
 MIN_WIDTH = 4  # the narrowest table bucket, in blocks: short contexts share one graph
 BACKEND: str | None = "inductor"  # an Engine's CompiledDecode backend (tests set "eager" or None: see CompiledDecode)
 RECOMPILE_LIMIT = 256  # dynamo's per-function graph limit while a CompiledDecode compiles (its default is 8)
+_TORCH = TorchPagedAttention()
 
 
 @torch.library.custom_op("pagedcore::store_kv", mutates_args=("key_cache", "value_cache"))
@@ -101,14 +102,23 @@ def _store_rows_shapes(cache: torch.Tensor, rows: torch.Tensor, slots: torch.Ten
     return None
 
 
+_STEP = threading.local()  # .metadata: the running compiled step's packed metadata per KV group (CompiledDecode)
+
+
 @torch.library.custom_op("pagedcore::attend_blocks", mutates_args=())
 def attend_blocks(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, tables: torch.Tensor,
                   mask: torch.Tensor, pad_block: int, scale: float, softcap: float | None,
-                  sinks: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+                  sinks: torch.Tensor | None, group: int = -1) -> torch.Tensor:  # fmt: skip
     """Attention of ``query (rows, heads, 1, dim)`` over each row's blocks ``tables (rows, width)`` of the pool,
-    under ``mask (rows, 1, 1, width * block_size)``: the eager step's gathers and :func:`attend_rows`, as one op
-    the compiled graph calls without tracing into it. Traced, the gathers became generated per-element loops over
-    the bucket's padded width, and the step lost to the eager one at 16 rows (docs/benchmarks.md, "Compiled decode").
+    under ``mask (rows, 1, 1, width * block_size)``, as one op the compiled graph calls without tracing into it
+    (traced, the gathers became generated per-element loops over the bucket's padded width, and the step lost to the
+    eager one at 16 rows: docs/benchmarks.md, "Compiled decode").
+
+    On the CPU, inside a :class:`CompiledDecode` step (``group``: the KV group of the layer), the torch backend's
+    own forward over the step's packed metadata (:data:`_STEP`): the eager step's attention, bit for bit, with its
+    plan made once per step and group for every layer (one sequence reads its keys as a view of the pool, a shared
+    prefix is read once); the padding rows' output is zero. Elsewhere the gathers and :func:`attend_rows` over the
+    bucket.
 
     Example:
         >>> cache = torch.ones(3, 2, 1, 4)   # 3 blocks of 2 slots, 1 KV head, dim 4
@@ -116,6 +126,15 @@ def attend_blocks(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
         >>> attend_blocks(torch.ones(1, 2, 1, 4), cache, cache, torch.tensor([[0, 2]]), mask, 2, 0.5, None, None).shape
         torch.Size([1, 2, 1, 4])
     """
+    metadata = getattr(_STEP, "metadata", None)
+    if metadata is not None and 0 <= group < len(metadata) and tables.device.type == "cpu":
+        meta = metadata[group]
+        count = meta.num_tokens  # the step's sequences: the bucket's first rows
+        out = query.new_zeros(*query.shape[:3], value_cache.shape[-1])
+        packed = query[:count, :, 0]  # (tokens, heads, dim), the eager step's layout
+        out[:count, :, 0] = _TORCH.forward(packed, key_cache, value_cache, meta, scale=scale, softcap=softcap,
+                                           sinks=sinks)  # fmt: skip
+        return out
     if tables.device.type == "cpu":  # only the columns some row uses (on CUDA a graph replays fixed shapes)
         used = (tables != pad_block).any(dim=0).nonzero()
         width = int(used[-1]) + 1 if used.numel() else 1
@@ -133,7 +152,8 @@ def attend_blocks(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
 @attend_blocks.register_fake
 def _attend_blocks_shapes(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                           tables: torch.Tensor, mask: torch.Tensor, pad_block: int, scale: float,
-                          softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+                          softcap: float | None, sinks: torch.Tensor | None,
+                          group: int = -1) -> torch.Tensor:  # fmt: skip
     return query.new_empty((*query.shape[:3], value_cache.shape[-1]))
 
 
@@ -156,6 +176,7 @@ class DecodeInputs:
     slots: tuple[torch.Tensor, ...]
     starts: tuple[torch.Tensor, ...]
     real: int
+    metadata: tuple[PagedAttentionMetadata, ...] | None = None  # the eager packing's, per KV group (attend_blocks)
 
     @property
     def key(self) -> tuple[int, ...]:
@@ -179,7 +200,8 @@ class DecodeInputs:
             starts.append(to_device(torch.cat([offsets, pad(0)]), device))
         ids = torch.tensor(batch.input_ids + [0] * (rows - n))
         positions = torch.tensor(batch.position_ids + [0] * (rows - n))
-        return cls(to_device(ids, device), to_device(positions, device), tuple(tables), tuple(slots), tuple(starts), n)
+        return cls(to_device(ids, device), to_device(positions, device), tuple(tables), tuple(slots), tuple(starts), n,
+                   tuple(batch.metadata))  # fmt: skip
 
 
 def rows_pad(count: int) -> Callable[[int], torch.Tensor]:
@@ -239,7 +261,7 @@ class DecodeAttention(StepAttention):
         mask = self.pool.kv.groups[group].kind.sees(self.positions[:, None], key_pos)  # causal, window or chunk
         q = query[0].transpose(0, 1).unsqueeze(2)  # (rows, heads, 1, dim)
         out = attend_blocks(
-            q, key_cache, value_cache, tables, mask[:, None, None, :], self.pool.pad_block, scale, softcap, sinks
+            q, key_cache, value_cache, tables, mask[:, None, None, :], self.pool.pad_block, scale, softcap, sinks, group
         )
         if projection is not None:
             out = projection.output(out.transpose(1, 2)).transpose(1, 2)
@@ -341,6 +363,10 @@ class CompiledDecode:
         with self._lock:
             self._buckets.add(inputs.key)
             self._steps += 1
-        with torch.inference_mode(), torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):  # noqa: SLF001
-            logits = self._compiled(inputs.input_ids, inputs.positions, inputs.tables, inputs.slots, inputs.starts)
+        _STEP.metadata = inputs.metadata
+        try:
+            with torch.inference_mode(), torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):  # noqa: SLF001
+                logits = self._compiled(inputs.input_ids, inputs.positions, inputs.tables, inputs.slots, inputs.starts)
+        finally:
+            _STEP.metadata = None
         return logits[: inputs.real]

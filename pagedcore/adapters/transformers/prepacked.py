@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from .row_split import MAX_ROWS, RowSplit
 
-__all__ = ["MIN_ROWS", "PrepackedLinears", "WeightStamp", "active_linears", "resolve_prepack"]
+__all__ = ["MIN_ROWS", "PrepackedLinears", "WeightStamp", "active_linears", "resolve_prepack", "row_linear"]
 
 MIN_ROWS = 2  # a one-row call is a GEMV, which packs nothing: F.linear is as fast (scripts/prepack_bench.py)
 PACK_ROWS = 16  # the row count oneDNN is told to expect when it lays a weight out (decode batches)
@@ -160,14 +160,20 @@ class PrepackedLinears:
         """The few-row calls' split across the threads (:mod:`.row_split`: exact, per shape where faster)."""
         return self._row_split
 
+    def few_rows(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``F.linear(x, weight, bias)``, through the row split where this runner splits rows."""
+        return self._row_split.linear(x, weight, bias) if self._split else F.linear(x, weight, bias)
+
     def linear(self, module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
         """``module(x)`` inside :meth:`active` (float32, no autograd): a few rows through the layer's pack when
         packing (from the weight it was packed from), else up to :data:`~.row_split.MAX_ROWS` rows through
         :class:`~.row_split.RowSplit` (one row always); else ``F.linear``."""
         weight, bias = module.weight, module.bias
+        if torch.compiler.is_compiling():  # one opaque op in the graph: the split decided when it runs
+            fits = self._split and x.dtype == torch.float32 and x.device.type == "cpu" and _packable(weight)
+            return row_linear(x, weight, bias) if fits and not torch.is_grad_enabled() else F.linear(x, weight, bias)
         if (
-            torch.compiler.is_compiling()
-            or getattr(_STATE, "active", None) is not self
+            getattr(_STATE, "active", None) is not self
             or torch.is_grad_enabled()
             or x.dtype != torch.float32
             or x.device.type != "cpu"
@@ -215,6 +221,27 @@ class _Forward:
         if packs is None:
             return F.linear(x, module.weight, module.bias)
         return packs.linear(module, x)
+
+
+@torch.library.custom_op("pagedcore::row_linear", mutates_args=())
+def row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` as one op a compiled decode step calls without tracing into it: inside a
+    runner's forward (:func:`active_linears`) through its row split (:meth:`PrepackedLinears.few_rows`), which
+    checks each row count's bits and times both ways when the step runs; elsewhere ``F.linear``. (Traced, inductor
+    would call the same one-thread GEMV for a one-row linear: ``mm`` is an extern call there too.)
+
+    Example:
+        >>> weight, x = torch.randn(256, 32), torch.randn(1, 32)
+        >>> torch.equal(row_linear(x, weight, None), F.linear(x, weight))
+        True
+    """
+    linears = active_linears()
+    return F.linear(x, weight, bias) if linears is None else linears.few_rows(x, weight, bias)
+
+
+@row_linear.register_fake
+def _row_linear_shape(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
 def active_linears() -> PrepackedLinears | None:

@@ -248,11 +248,17 @@ class TransformersRunner:
 
     def _forward_compiled(
         self, decode: CompiledDecode | DecodeGraphs, prepared: PreparedStep, device: torch.device
-    ) -> torch.Tensor | None:
+    ) -> torch.Tensor | ArgmaxTokens | None:
         """The decode step's logits from the compiled graph; None (and compiling off from here on) if it failed: the
         step then runs eagerly, rewriting the same slots."""
+        linears = self._linears.active() if self._linears is not None else contextlib.nullcontext()
         try:
-            return decode(DecodeInputs.from_batch(prepared.packed, self.pool, device)).float()
+            inputs = DecodeInputs.from_batch(prepared.packed, self.pool, device)
+            head = self._argmax if prepared.argmax_only and isinstance(decode, CompiledDecode) else None
+            with linears:  # the graph's linears split their rows as the eager forward's (prepacked.row_linear)
+                if head is not None:  # the head's op in the graph takes the tokens (argmax_head.head_call)
+                    return head.step(lambda: decode(inputs), inputs.real, padded=inputs.key[0])
+                return decode(inputs).float()
         except Exception:
             logger.exception("pagedcore: the compiled decode step failed; this Engine runs eagerly from here on")
             self._decode_counts = dataclasses.replace(decode.counts, failures=1)  # kept for stats()
