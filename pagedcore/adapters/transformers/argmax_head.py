@@ -66,11 +66,12 @@ import torch
 import torch.nn.functional as F
 
 from pagedcore.adapters.transformers import head_screen
+from pagedcore.adapters.transformers.graph_ops import graph_op
 from pagedcore.adapters.transformers.prepacked import active_linears
 from pagedcore.engine.runner import ArgmaxTokens
 from pagedcore.engine.sampling import numpy_greedy
 
-__all__ = ["MIN_ROWS", "TRIALS", "ArgmaxCounts", "ArgmaxHead", "chunk_columns", "head_call"]
+__all__ = ["HEAD_CALL", "MIN_ROWS", "TRIALS", "ArgmaxCounts", "ArgmaxHead", "chunk_columns", "head_call"]
 
 logger = logging.getLogger(__name__)
 _STATE = threading.local()  # .call: the _Call of the ArgmaxHead.step this thread is in
@@ -396,14 +397,13 @@ class _Forward:
         if torch.compiler.is_compiling():  # one opaque op in the graph: what the call does is decided when it runs
             weight, bias = head._module.weight, head._module.bias  # noqa: SLF001
             fits = _fusable(weight) and not torch.is_grad_enabled()
-            return head_call(x, weight, bias, self._key) if fits else F.linear(x, weight, bias)
+            return HEAD_CALL(x, weight, bias, self._key) if fits else F.linear(x, weight, bias)
         return head.called(x)
 
 
 _INSTALLED: weakref.WeakValueDictionary[int, ArgmaxHead] = weakref.WeakValueDictionary()  # by id: the installed heads
 
 
-@torch.library.custom_op("pagedcore::argmax_head", mutates_args=())
 def head_call(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, head: int) -> torch.Tensor:
     """The head's call inside a compiled decode step (:mod:`.compiled`), as one op the graph does not trace into:
     :meth:`ArgmaxHead.called` of the installed head ``head`` (its ``id``), so a compiled argmax-only step takes its
@@ -420,9 +420,13 @@ def head_call(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
     return out if out.shape[-1] == weight.shape[0] else x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
-@head_call.register_fake
 def _head_call_shape(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, head: int) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+HEAD_CALL = graph_op(
+    "argmax_head(Tensor x, Tensor weight, Tensor? bias, int head) -> Tensor", head_call, _head_call_shape
+)
 
 
 @contextlib.contextmanager

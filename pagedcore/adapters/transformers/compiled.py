@@ -38,6 +38,7 @@ from pagedcore.engine.runner import CompileCounts
 from pagedcore.plugins.torch_backend import TorchPagedAttention, attend_rows, gather_blocks
 
 from .attention import CONTEXT_KEY, StepAttention
+from .graph_ops import graph_op
 from .layer_attention import LatentProjection, pool_read, retemper
 from .pool import PagedKVPool
 from .step_batch import PackedCache
@@ -58,7 +59,6 @@ RECOMPILE_LIMIT = 256  # dynamo's per-function graph limit while a CompiledDecod
 _TORCH = TorchPagedAttention()
 
 
-@torch.library.custom_op("pagedcore::store_kv", mutates_args=("key_cache", "value_cache"))
 def store_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
              slots: torch.Tensor, pad_block: int) -> None:  # fmt: skip
     """Write ``key``/``value`` ``(rows, kv_heads, dim)`` to their ``slots``, then zero the pad block again (padding
@@ -76,13 +76,15 @@ def store_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tens
     value_cache[pad_block].zero_()
 
 
-@store_kv.register_fake
 def _store_kv_shapes(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      slots: torch.Tensor, pad_block: int) -> None:  # fmt: skip
     return None
 
 
-@torch.library.custom_op("pagedcore::store_rows", mutates_args=("cache",))
+STORE_KV = graph_op("store_kv(Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor key, Tensor value, Tensor slots, "
+                    "int pad_block) -> ()", store_kv, _store_kv_shapes)  # fmt: skip
+
+
 def store_rows(cache: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, pad_block: int) -> None:
     """Write ``rows (n, heads, dim)`` of one pool tensor (an MLA layer's latent rows: one tensor holds its "keys"
     and "values") to their ``slots``, then zero the pad block again, as :func:`store_kv` does for a key/value pair.
@@ -97,15 +99,17 @@ def store_rows(cache: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, pad
     cache[pad_block].zero_()
 
 
-@store_rows.register_fake
 def _store_rows_shapes(cache: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, pad_block: int) -> None:
     return None
+
+
+STORE_ROWS = graph_op("store_rows(Tensor(a!) cache, Tensor rows, Tensor slots, int pad_block) -> ()", store_rows,
+                      _store_rows_shapes)  # fmt: skip
 
 
 _STEP = threading.local()  # .metadata: the running compiled step's packed metadata per KV group (CompiledDecode)
 
 
-@torch.library.custom_op("pagedcore::attend_blocks", mutates_args=())
 def attend_blocks(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, tables: torch.Tensor,
                   mask: torch.Tensor, pad_block: int, scale: float, softcap: float | None,
                   sinks: torch.Tensor | None, group: int = -1) -> torch.Tensor:  # fmt: skip
@@ -149,12 +153,16 @@ def attend_blocks(query: torch.Tensor, key_cache: torch.Tensor, value_cache: tor
     return attend_rows(query, k, v, mask, scale, softcap, sinks).contiguous()
 
 
-@attend_blocks.register_fake
 def _attend_blocks_shapes(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                           tables: torch.Tensor, mask: torch.Tensor, pad_block: int, scale: float,
                           softcap: float | None, sinks: torch.Tensor | None,
                           group: int = -1) -> torch.Tensor:  # fmt: skip
     return query.new_empty((*query.shape[:3], value_cache.shape[-1]))
+
+
+ATTEND_BLOCKS = graph_op("attend_blocks(Tensor query, Tensor key_cache, Tensor value_cache, Tensor tables, "
+                         "Tensor mask, int pad_block, float scale, float? softcap, Tensor? sinks, int group=-1) "
+                         "-> Tensor", attend_blocks, _attend_blocks_shapes)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -248,7 +256,7 @@ class DecodeAttention(StepAttention):
         group, key_cache, value_cache = pool_read(self.pool, layer_idx)
         if layer.has_cache and layer.latent is None:  # an MLA layer's latents were stored by update (store_latent)
             new_keys, new_values = key[0].transpose(0, 1).contiguous(), value[0].transpose(0, 1).contiguous()
-            store_kv(key_cache, value_cache, new_keys, new_values, self.slots[group], self.pool.pad_block)
+            STORE_KV(key_cache, value_cache, new_keys, new_values, self.slots[group], self.pool.pad_block)
         projection = None
         if layer.latent is not None:
             assert module is not None, "an MLA layer's attention needs its module (kv_b_proj)"
@@ -260,7 +268,7 @@ class DecodeAttention(StepAttention):
         key_pos = starts[:, None] + torch.arange(keys, device=tables.device)[None, :]
         mask = self.pool.kv.groups[group].kind.sees(self.positions[:, None], key_pos)  # causal, window or chunk
         q = query[0].transpose(0, 1).unsqueeze(2)  # (rows, heads, 1, dim)
-        out = attend_blocks(
+        out = ATTEND_BLOCKS(
             q, key_cache, value_cache, tables, mask[:, None, None, :], self.pool.pad_block, scale, softcap, sinks, group
         )
         if projection is not None:
@@ -272,7 +280,7 @@ class DecodeAttention(StepAttention):
         slots, as one row each: its attention function gets them expanded, so its cache's ``update`` stores them."""
         group, pool_latent, _ = pool_read(self.pool, layer_idx)
         rows = torch.cat([latent[0], rope[0]], dim=-1).transpose(0, 1).contiguous()  # (rows, 1, rank + rope)
-        store_rows(pool_latent, rows, self.slots[group], self.pool.pad_block)
+        STORE_ROWS(pool_latent, rows, self.slots[group], self.pool.pad_block)
 
 
 class _PassThroughCache(PackedCache):

@@ -29,9 +29,18 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .graph_ops import graph_op
 from .row_split import MAX_ROWS, RowSplit
 
-__all__ = ["MIN_ROWS", "PrepackedLinears", "WeightStamp", "active_linears", "resolve_prepack", "row_linear"]
+__all__ = [
+    "MIN_ROWS",
+    "ROW_LINEAR",
+    "PrepackedLinears",
+    "WeightStamp",
+    "active_linears",
+    "resolve_prepack",
+    "row_linear",
+]
 
 MIN_ROWS = 2  # a one-row call is a GEMV, which packs nothing: F.linear is as fast (scripts/prepack_bench.py)
 PACK_ROWS = 16  # the row count oneDNN is told to expect when it lays a weight out (decode batches)
@@ -171,7 +180,7 @@ class PrepackedLinears:
         weight, bias = module.weight, module.bias
         if torch.compiler.is_compiling():  # one opaque op in the graph: the split decided when it runs
             fits = self._split and x.dtype == torch.float32 and x.device.type == "cpu" and _packable(weight)
-            return row_linear(x, weight, bias) if fits and not torch.is_grad_enabled() else F.linear(x, weight, bias)
+            return ROW_LINEAR(x, weight, bias) if fits and not torch.is_grad_enabled() else F.linear(x, weight, bias)
         if (
             getattr(_STATE, "active", None) is not self
             or torch.is_grad_enabled()
@@ -223,7 +232,6 @@ class _Forward:
         return packs.linear(module, x)
 
 
-@torch.library.custom_op("pagedcore::row_linear", mutates_args=())
 def row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` as one op a compiled decode step calls without tracing into it: inside a
     runner's forward (:func:`active_linears`) through its row split (:meth:`PrepackedLinears.few_rows`), which
@@ -239,9 +247,11 @@ def row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
     return F.linear(x, weight, bias) if linears is None else linears.few_rows(x, weight, bias)
 
 
-@row_linear.register_fake
 def _row_linear_shape(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+ROW_LINEAR = graph_op("row_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor", row_linear, _row_linear_shape)
 
 
 def active_linears() -> PrepackedLinears | None:
