@@ -130,6 +130,45 @@ def test_a_grammar_no_token_can_start_is_refused_at_compile(spec, message):
         compiler.close()
 
 
+def test_a_later_mask_never_allows_a_special_token_the_matcher_refuses():
+    """After "a", the regex "aé" forces "é", which the built-in ASCII vocabulary cannot spell: llguidance tokenizes
+    the forced text and its mask allowed only ``<unk>``, which its matcher then refused (the request failed with
+    "token 3 is not allowed", after its 200). Now that mask allows nothing and the state says why, in a batch with
+    another row (the parallel fill) and alone; a special token the grammar asks for (``<[1]>``) stays allowed."""
+    tok = builtin_tokenizer()
+    compiler = GrammarCompiler(tok, vocab_size=len(tok))
+    try:
+        for batched in (True, False):
+            stuck = GrammarState(compiler.compile(StructuredOutput.regex("aé")))
+            marked = GrammarState(compiler.compile(StructuredOutput.grammar('start: "a" (<[1]> | "b")')))
+            assert stuck.sync(ids(tok, "a")) and marked.sync(ids(tok, "a")) and stuck.error is None
+            logits = torch.zeros(3, len(tok))
+            if batched:
+                GrammarMasks().apply(logits, [0, 2], [stuck, marked])
+            else:
+                GrammarMasks().apply(logits, [0], [stuck])
+                GrammarMasks().apply(logits, [2], [marked])
+            assert not torch.isfinite(logits[0]).any()
+            assert "no token of the model's vocabulary can continue the output after 1 tokens" in (stuck.error or "")
+            allowed = set(torch.isfinite(logits[2]).nonzero().flatten().tolist())
+            assert {1, *ids(tok, "b")} <= allowed and 3 not in allowed and marked.error is None
+            stuck.sync([])  # a rollback: the state can go on again
+            assert stuck.error is None
+    finally:
+        compiler.close()
+
+
+def test_processor_raises_when_no_token_can_continue():
+    """Plain ``generate`` under a grammar stuck after its first token: a GrammarError, not a row that drew
+    ``<unk>`` and then ran unconstrained."""
+    tok = builtin_tokenizer()
+    model = builtin_model(num_hidden_layers=1)
+    processor = StructuredLogitsProcessor({"regex": "aé"}, tok, vocab_size=len(tok))
+    with pytest.raises(GrammarError, match="row 0: no token of the model's vocabulary can continue"):
+        model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=6, do_sample=False, logits_processor=[processor],
+                       eos_token_id=tok.eos_token_id)  # fmt: skip
+
+
 def test_compiled_grammars_are_cached_by_spec(tok):
     compiler = GrammarCompiler(tok, vocab_size=len(tok))
     try:

@@ -16,6 +16,7 @@ import jsonschema
 from structured_helpers import SCHEMA, bpe_tokenizer, random_model
 
 from pagedcore.adapters.transformers import Engine, SamplingParams
+from pagedcore.adapters.transformers.builtin import builtin_model, builtin_tokenizer
 from pagedcore.adapters.transformers.structured import GrammarCompiler, StructuredOutput
 from pagedcore.errors import ConfigError, GrammarError, InvalidRequestError
 
@@ -144,6 +145,22 @@ def test_an_unfinished_structure_finishes_by_length(model, tok):
         out = eng.generate(["Hello"], constrained(0, max_new_tokens=5), use_tqdm=False)[0]
     assert out.samples[0].finish_reason == "length"
     assert len(out.samples[0].token_ids) == 5
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_grammar_no_token_can_continue_fails_its_request_only(temperature):
+    """The built-in ASCII vocabulary spells "a" but not the "é" the regex forces next: llguidance's mask then allowed
+    ``<unk>`` alone, which its matcher refused ("token 3 is not allowed"). Now no token is allowed, and the request
+    fails as the client's GrammarError saying so; the other request and the blocks are untouched."""
+    tok = builtin_tokenizer()
+    params = SamplingParams(max_new_tokens=6, temperature=temperature, seed=1, structured={"regex": "aé"})
+    with Engine(builtin_model(num_hidden_layers=1), tok, num_blocks=32, block_size=8) as eng:
+        out = eng.generate(["Hello", "Hi"], [params, SamplingParams(max_new_tokens=3)], use_tqdm=False)
+        assert out[0].client_error and "GrammarError" in (out[0].error or "")
+        assert "no token of the model's vocabulary can continue the output after 1 tokens" in (out[0].error or "")
+        assert out[0].samples[0].token_ids == tok("a", add_special_tokens=False)["input_ids"]
+        assert out[1].error is None and len(out[1].samples[0].token_ids) == 3
+        assert_no_leak(eng)
 
 
 @pytest.mark.parametrize(

@@ -30,13 +30,13 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pagedcore.errors import ConfigError, GrammarError, GrammarTimeoutError
 
 from .spec import StructuredOutput
-from .vocab import import_llguidance, lltokenizer
+from .vocab import SpecialTokens, import_llguidance, lltokenizer, special_tokens
 
 SpecKey = tuple[str, str, bool, int | None]
 
@@ -52,6 +52,7 @@ class CompiledGrammar:
         vocab_size: the mask's width (the model's logits).
         spec: what it was compiled from.
         stop_token_ids: the tokens that end an output once the grammar is complete.
+        special: the special tokens a mask allows only where the matcher accepts them (:class:`~.vocab.SpecialTokens`).
 
     Example:
         >>> CompiledGrammar(None, 128, StructuredOutput.regex("a+"), (2,)).vocab_size
@@ -62,6 +63,7 @@ class CompiledGrammar:
     vocab_size: int
     spec: StructuredOutput
     stop_token_ids: tuple[int, ...]
+    special: SpecialTokens = field(default_factory=lambda: SpecialTokens((), 0))
 
 
 @dataclass
@@ -137,6 +139,7 @@ class GrammarCompiler:
             OrderedDict()
         )
         self._lltok: Any = None
+        self._special: SpecialTokens | None = None
         self._limits = self._llg.LLParserLimits(verbose_errors=False)  # messages go to clients: no grammar dumps
         # Two workers: one pathological grammar (compiling past the timeout) does not hold every other spec up.
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="pagedcore-grammar")
@@ -253,7 +256,7 @@ class GrammarCompiler:
         with self._lock:
             self.stats.num_compiled += 1
             self.stats.compile_seconds += time.perf_counter() - started
-        return CompiledGrammar(matcher, self.vocab_size, spec, self.stop_token_ids)
+        return CompiledGrammar(matcher, self.vocab_size, spec, self.stop_token_ids, self.special_tokens)
 
     @property
     def lltokenizer(self) -> Any:
@@ -262,6 +265,15 @@ class GrammarCompiler:
             if self._lltok is None:
                 self._lltok = lltokenizer(self._tokenizer, self._vocab_size, self.stop_token_ids)
             return self._lltok
+
+    @property
+    def special_tokens(self) -> SpecialTokens:
+        """The special tokens (but the stop tokens) of the vocabulary, found once."""
+        lltok = self.lltokenizer
+        with self._lock:
+            if self._special is None:
+                self._special = special_tokens(lltok, self._tokenizer, self.stop_token_ids)
+            return self._special
 
     @property
     def vocab_size(self) -> int:

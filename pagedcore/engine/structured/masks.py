@@ -6,6 +6,10 @@ turns the bitmask's bytes into ``0`` / ``-inf`` per token and one ``index_add_``
 logits, on the logits' device. Unconstrained rows are not read or written. (``masked_fill`` would be the obvious
 apply, but on CPU it is a scalar loop, about 8 ns per element; the lookup-table add is vectorized:
 docs/structured.md has the figures.)
+
+A mask never allows a special token (other than a stop token) that the matcher refuses: llguidance's may, where the
+grammar forces text the vocabulary cannot spell (:class:`~.vocab.SpecialTokens`); such a bit is cleared after the
+fill, and a row left with no token at all has its state's :attr:`~.matcher.GrammarState.error` say so.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from .matcher import GrammarState
@@ -79,6 +84,7 @@ class GrammarMasks:
             llg.torch.fill_next_token_bitmask_par(
                 self._executor, [(s.matcher, i) for i, s in enumerate(states)], bitmask
             )
+        _refuse_special(bitmask, states)
         return bitmask
 
     def apply_bitmask(self, logits: torch.Tensor, rows: Sequence[int], bitmask: torch.Tensor) -> None:
@@ -107,3 +113,28 @@ class GrammarMasks:
         if table is None:
             table = self._penalty[(device, dtype)] = _PENALTY.to(device=device, dtype=dtype)
         return table
+
+
+def _refuse_special(bitmask: torch.Tensor, states: Sequence[GrammarState]) -> None:
+    """Clear the bits of the special tokens the states' matchers refuse (one gather over the words that hold special
+    tokens; the matchers are asked only about a bit that is set); a row left with no token is marked stuck."""
+    special = states[0].special
+    if any(state.special is not special for state in states):  # grammars of several compilers: row by row
+        for i, state in enumerate(states):
+            _refuse_special(bitmask[i : i + 1], [state])
+        return
+    if not special.ids:
+        return
+    words = bitmask.numpy().view(np.uint32)
+    hits = words[:, special.words] & special.bits
+    if not hits.any():
+        return
+    for row, col in zip(*np.nonzero(hits)):
+        state, word, bits = states[row], int(special.words[col]), int(hits[row, col])
+        while bits:
+            low = bits & -bits
+            bits ^= low
+            if not state.matcher.validate_tokens([word * 32 + low.bit_length() - 1]):
+                words[row, word] &= np.uint32(~low & 0xFFFFFFFF)
+        if not words[row].any():
+            state.set_stuck()

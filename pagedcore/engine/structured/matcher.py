@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .compiler import CompiledGrammar
-from .vocab import import_llguidance
+from .vocab import SpecialTokens, import_llguidance
 
 __all__ = ["GrammarState"]
 
@@ -46,6 +46,7 @@ class GrammarState:
         self._matcher = matcher if matcher is not None else compiled.matcher.deep_copy()
         self._tokens: list[int] = list(tokens)
         self._ended = bool(tokens) and tokens[-1] in compiled.stop_token_ids
+        self._stuck = False  # its last mask allowed no token (GrammarMasks found it so)
 
     @property
     def vocab_size(self) -> int:
@@ -74,9 +75,25 @@ class GrammarState:
         return self._ended
 
     @property
+    def special(self) -> SpecialTokens:
+        """The vocabulary's special tokens a mask allows only where the matcher accepts them."""
+        return self._compiled.special
+
+    @property
     def error(self) -> str | None:
-        """Why the matcher stopped working (a limit of llguidance's exceeded), or None."""
-        return str(self._matcher.get_error()) or "grammar error" if self._matcher.is_error() else None
+        """Why the matcher stopped working (a limit of llguidance's exceeded, or no token can go on), or None."""
+        if self._matcher.is_error():
+            return str(self._matcher.get_error()) or "grammar error"
+        if self._stuck:
+            return (
+                f"no token of the model's vocabulary can continue the output after {len(self._tokens)} tokens (the "
+                "grammar needs text the tokenizer cannot spell)"
+            )
+        return None
+
+    def set_stuck(self) -> None:
+        """Record that no token may come next (its mask is empty): :attr:`error` says so until a rollback."""
+        self._stuck = True
 
     def accept(self, token: int) -> bool:
         """Consume one token; False (and no change) when the grammar does not allow it here."""
@@ -108,6 +125,7 @@ class GrammarState:
         return all(self.accept(token) for token in tokens[common:])
 
     def _rollback(self, count: int) -> None:
+        self._stuck = False
         if self._ended:  # the stop token was never given to the matcher
             self._ended = False
             self._tokens.pop()

@@ -15,10 +15,12 @@ import random
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from pagedcore.errors import ConfigError
 from pagedcore.extras import install_hint
 
-__all__ = ["import_llguidance", "lltokenizer"]
+__all__ = ["SpecialTokens", "import_llguidance", "lltokenizer"]
 
 _CHECKED_SEQUENCES = 64
 
@@ -60,6 +62,37 @@ def lltokenizer(tokenizer: Any, vocab_size: int | None, stop_token_ids: Sequence
         result = llg.LLTokenizer(_wrapper(llg, tokenizer, stops[0]), n_vocab=vocab_size, eos_token=stops)
     _check(result, tokenizer)
     return result
+
+
+class SpecialTokens:
+    """The special tokens of a vocabulary that a mask must not allow unless the matcher accepts them (every special
+    token but the stop tokens), as the bitmask words and bits that hold them: computed once per tokenizer, so a
+    step's check is one gather over a few words.
+
+    llguidance allows a special token it then refuses where the grammar forces text the vocabulary cannot spell:
+    it tokenizes the forced text with the tokenizer, which gives ``<unk>``. A grammar may allow a special token on
+    purpose (``<[id]>`` in Lark: harmony's markers), so a set bit is cleared only when the matcher refuses it.
+
+    Example:
+        >>> special = SpecialTokens([0, 1, 3, 40], vocab_size=99)
+        >>> special.ids, special.words.tolist(), [hex(b) for b in special.bits.tolist()]
+        ((0, 1, 3, 40), [0, 1], ['0xb', '0x100'])
+    """
+
+    def __init__(self, ids: Sequence[int], vocab_size: int) -> None:
+        self.ids = tuple(sorted({int(t) for t in ids if 0 <= int(t) < vocab_size}))
+        words: dict[int, int] = {}
+        for token in self.ids:
+            words[token // 32] = words.get(token // 32, 0) | 1 << (token % 32)
+        self.words = np.array(sorted(words), dtype=np.int64)
+        self.bits = np.array([words[w] for w in sorted(words)], dtype=np.uint32)
+
+
+def special_tokens(lltok: Any, tokenizer: Any, stop_token_ids: Sequence[int]) -> SpecialTokens:
+    """The special tokens of ``tokenizer`` (its own, and those llguidance reads as special) but the stop tokens."""
+    size = int(lltok.vocab_size)
+    ids = _special_ids(tokenizer) | {t for t in range(size) if lltok.is_special_token(t)}
+    return SpecialTokens(sorted(ids - {int(t) for t in stop_token_ids}), size)
 
 
 def _wrapper(llg: Any, tokenizer: Any, eos: int) -> Any:

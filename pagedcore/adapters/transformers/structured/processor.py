@@ -20,6 +20,7 @@ from pagedcore.engine.structured.compiler import GrammarCompiler
 from pagedcore.engine.structured.masks import GrammarMasks
 from pagedcore.engine.structured.matcher import GrammarState
 from pagedcore.engine.structured.spec import StructuredOutput
+from pagedcore.errors import GrammarError
 
 __all__ = ["StructuredLogitsProcessor"]
 
@@ -37,7 +38,9 @@ class StructuredLogitsProcessor(LogitsProcessor):
         compiler: a :class:`GrammarCompiler` to share (its cache) between processors; None: a new one.
 
     The spec is compiled here, so bad input raises :class:`~pagedcore.errors.GrammarError` before ``generate``
-    runs. A row that ended (its stop token accepted, or a pad token after it) is left alone. Use one processor per
+    runs; a row whose grammar cannot go on (no token of the vocabulary may come next, or a limit of llguidance's
+    exceeded) raises it from ``generate``. A row that ended (its stop token accepted, or a pad token after it) is
+    left alone. Use one processor per
     ``generate`` call (a new call with another prompt starts again by itself).
 
     Example:
@@ -95,6 +98,9 @@ class StructuredLogitsProcessor(LogitsProcessor):
                 states.append(state)
         self._states = current
         self._masks.apply(scores, rows, states)
+        for i, state in zip(rows, states):
+            if state.error is not None:  # no token may come (or llguidance's limits): generate cannot go on validly
+                raise GrammarError(f"{self.spec.describe()}: row {i}: {state.error}")
         return scores
 
     def _continues(self, input_ids: torch.Tensor) -> bool:
@@ -129,8 +135,6 @@ def _spec(structured: StructuredOutput | Mapping[str, Any]) -> StructuredOutput:
     if isinstance(structured, Mapping) and "type" in structured:  # OpenAI's response_format
         spec = StructuredOutput.from_response_format(structured)
         if spec is None:
-            from pagedcore.errors import GrammarError
-
             raise GrammarError('response_format {"type": "text"} is no constraint: do not pass a processor')
         return spec
     return StructuredOutput.from_value(structured)
