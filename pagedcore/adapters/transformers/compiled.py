@@ -13,14 +13,21 @@ Prefill and mixed steps stay eager.
   a write through a view of the pool would be functionalized into a copy of the whole pool), and their logits dropped.
 - :class:`DecodeAttention`: the layers' attention in that graph (``paged_attention_forward`` hands it every layer's
   call): write the new keys and values to their slots, then attend over each row's blocks under the causal (and
-  window, or chunk) mask of its position in one opaque op (:func:`attend_blocks`: the torch backend's gathers and
-  arithmetic, run eagerly over the table columns some row uses, not traced over the bucket's padded width). Each layer
-  as its description says: a KV-shared layer reads its source's blocks, an MLA layer attends in its latent space,
-  sinks join the softmax, Llama 4's query temperature is put right from the positions (:mod:`.layer_attention`).
+  window, or chunk) mask of its position in one opaque op (:func:`attend_blocks`: on the CPU the torch backend's
+  own forward over the step's packed metadata, the eager step's attention to the bit; on CUDA its gathers and
+  arithmetic over the bucket, with no host op; never traced into per-element loops over the bucket's padded width).
+  Each layer as its description says: a KV-shared layer reads its source's blocks, an MLA layer attends in its latent
+  space, sinks join the softmax, Llama 4's query temperature is put right from the positions (:mod:`.layer_attention`).
 - :class:`CompiledDecode`: the compiled callable over a model and pool, and its counters (graphs compiled, buckets
   seen, steps run): ``torch.compile`` with inductor on the CPU; on CUDA inductor with CUDA graphs (what
   ``mode="reduce-overhead"`` selects), the pool's tensors marked as static addresses so a captured graph writes
   them in place.
+
+What inductor would do worse than the eager step stays an opaque op the graph calls (:mod:`.graph_ops`), so the graph
+fuses the norms, rotary embeddings and activations around them and nothing else changes: the pool's writes, the
+attention, each linear layer (:data:`~.prepacked.ROW_LINEAR`: the eager forward's row split across the threads,
+decided when the graph runs; inductor's own ``mm`` is a one-thread GEMV at one row) and the head
+(:data:`~.argmax_head.HEAD_CALL`: an argmax-only step's tokens taken inside it, as in the eager step).
 """
 
 from __future__ import annotations
