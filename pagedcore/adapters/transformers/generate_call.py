@@ -159,15 +159,17 @@ def attach_hit(
     lookup: bool,
     ids: list[int] | None = None,
     items: CallItems | None = None,
-) -> int:
+) -> tuple[int, Lookups]:
     """Declare the rows' padding and prompts to the cache and attach the prefix every row can use (the rectangular
-    prefix: see :mod:`.prefix_caching`); returns its rectangular length. ``lookup=False`` declares the padding and
-    prompts only. ``ids``: the rows' numbers in the call (the hit events' request ids), when the cache holds some of
-    its rows only; ``items``: the call's multimodal items, which a prefix holds all or none of."""
+    prefix: see :mod:`.prefix_caching`); returns its rectangular length and the lookups, for the caller to
+    :meth:`~Lookups.record` once the call's reservation is granted (a refused call counts none). ``lookup=False``
+    declares the padding and prompts only. ``ids``: the rows' numbers in the call (the hit events' request ids),
+    when the cache holds some of its rows only; ``items``: the call's multimodal items, which a prefix holds all or
+    none of."""
     with pool.lock:
         if not lookup:
             cache.attach_prefix([None] * len(rows), pads, 0, rows)
-            return 0
+            return 0, Lookups(pool, [], [], ns, [])
         for tokens in rows:
             pool.kv.load_prefix(tokens, ns)  # the tiers below the pool, if any
         matches = [pool.kv.match(tokens, ns) for tokens in rows]
@@ -176,32 +178,37 @@ def attach_hit(
         if items is not None and items.spans:
             spans = [items.spans[i] for i in ids] if ids is not None else items.spans
             length = usable_length(spans, pads, length, items.may_cover)
-        record_hits(pool, rows, [max(0, length - pad) for pad in pads], ns, matches, ids)
         cache.attach_prefix(matches, pads, length, rows)
-    return length
+    return length, Lookups(pool, rows, [max(0, length - pad) for pad in pads], ns, matches, ids)
 
 
-def record_hits(
-    pool: PagedKVPool,
-    rows: list[list[int]],
-    used: list[int],
-    ns: Hashable,
-    matches: Sequence[PoolMatch],
-    ids: Sequence[int] | None = None,
-) -> None:
-    """Count each row's lookup and the tokens it takes from the cache (``used[r]`` of its ``matches[r]``), and tell
-    the plugins which blocks served them. ``ids``: the rows' numbers in the call (default: their order)."""
-    call = next(_call_ids)
-    for r, tokens, hit, match in zip(ids if ids is not None else range(len(rows)), rows, used, matches):
-        pool.kv.record(len(tokens), hit)
-        pool.plugins.emit(
-            "pagedcore_prefix_hit",
-            request_id=f"generate-{call}/{r}",
-            num_query_tokens=len(tokens),
-            num_hit_tokens=hit,
-            namespace=ns,
-            block_ids=match.head(hit, pool.block_size),
-        )
+@dataclass(frozen=True)
+class Lookups:
+    """A call's prefix lookups: ``rows``, the tokens each takes from the cache (``used[r]`` of its ``matches[r]``),
+    ``ids`` the rows' numbers in the call (default: their order). Recorded only once the call's reservation is
+    granted, so that a refused call leaves the pool's counters and the plugins' hit events as they were."""
+
+    pool: PagedKVPool
+    rows: list[list[int]]
+    used: list[int]
+    ns: Hashable
+    matches: Sequence[PoolMatch]
+    ids: Sequence[int] | None = None
+
+    def record(self) -> None:
+        """Count each row's lookup and the tokens it takes, and tell the plugins which blocks served them."""
+        pool, call = self.pool, next(_call_ids)
+        ids = self.ids if self.ids is not None else range(len(self.rows))
+        for r, tokens, hit, match in zip(ids, self.rows, self.used, self.matches):
+            pool.kv.record(len(tokens), hit)
+            pool.plugins.emit(
+                "pagedcore_prefix_hit",
+                request_id=f"generate-{call}/{r}",
+                num_query_tokens=len(tokens),
+                num_hit_tokens=hit,
+                namespace=self.ns,
+                block_ids=match.head(hit, pool.block_size),
+            )
 
 
 def reserve_call(
