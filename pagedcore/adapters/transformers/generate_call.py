@@ -82,18 +82,51 @@ def draws_dropout(model: torch.nn.Module) -> bool:
     dropout probability (transformers' attention modules keep it as a float) above 0. Such a call's keys are one
     draw's: a prefix cached from them would give a later call other tokens than computing its own prompt does.
 
+    Checked at each call (a submodule's mode, a probability, the modules themselves may change between calls): one
+    pass over the module tree that reads each module's ``training`` flag, and looks further only into the modules
+    in training mode (their attributes from their ``__dict__``; a class's own attributes of those names by
+    ``getattr``, its classes known once).
+
     Example:
         >>> from pagedcore.adapters.transformers.testing import tiny_llama
         >>> model = tiny_llama(attention_dropout=0.1)
         >>> draws_dropout(model), draws_dropout(model.train()), draws_dropout(tiny_llama().train())
         (False, True, False)
     """
-    for module in model.modules():
-        if not module.training:
+    stack: list[torch.nn.Module | None] = [model]
+    seen: set[int] = set()
+    while stack:
+        module = stack.pop()
+        if module is None or id(module) in seen:  # None: a submodule slot registered empty
             continue
-        if isinstance(module, _DROPOUTS) and module.p > 0:
+        seen.add(id(module))
+        if module.training and _module_draws(module):
             return True
-        for name in ("attention_dropout", "dropout", "attn_dropout"):
+        stack.extend(module._modules.values())  # noqa: SLF001  (the children, without modules()'s names)
+    return False
+
+
+_DROPOUT_NAMES = ("attention_dropout", "dropout", "attn_dropout")
+# Per module class: whether it is a dropout layer, and the dropout names its class gives (a class attribute, a
+# property), read from each module by getattr. A plain dict: a lookup per module of each call, classes are few.
+_KINDS: dict[type, tuple[bool, tuple[str, ...]]] = {}
+
+
+def _module_draws(module: torch.nn.Module) -> bool:
+    """Whether ``module`` (in training mode) draws dropout itself."""
+    cls = type(module)
+    kind = _KINDS.get(cls)
+    if kind is None:
+        kind = _KINDS[cls] = (issubclass(cls, _DROPOUTS), tuple(n for n in _DROPOUT_NAMES if hasattr(cls, n)))
+    if kind[0]:
+        return float(getattr(module, "p", 0.0)) > 0
+    own = module.__dict__
+    for name in _DROPOUT_NAMES:
+        value = own.get(name)
+        if isinstance(value, float) and value > 0:
+            return True
+    for name in kind[1]:
+        if name not in own:
             value = getattr(module, name, None)
             if isinstance(value, float) and value > 0:
                 return True
