@@ -120,6 +120,46 @@ def test_calls_in_train_mode_with_dropout_run_as_stock(enabled):
     assert pool.num_hit_tokens > 0
 
 
+def test_draws_dropout_sees_a_submodule_in_train_mode_and_a_class_level_probability():
+    """draws_dropout's cheap walk (each module's mode first, its own attributes from its __dict__) finds what the
+    full walk found: a submodule alone in train(), a dropout probability its class gives, a tied (shared) module."""
+    from pagedcore.adapters.transformers.generate_call import draws_dropout
+
+    model = tiny_model("gpt2", resid_pdrop=0.1, embd_pdrop=0.0, attn_pdrop=0.0)
+    assert not draws_dropout(model)
+    model.transformer.h[1].mlp.train()
+    assert draws_dropout(model)
+    model.eval()
+
+    class Attention(torch.nn.Module):
+        attention_dropout = 0.2  # a class attribute, not in the module's __dict__
+
+    model.transformer.h[0].extra = Attention().eval()
+    assert not draws_dropout(model)
+    model.transformer.h[0].extra.train()
+    assert draws_dropout(model)
+    model.transformer.h[0].extra.attention_dropout = 0.0  # the module's own value wins
+    assert not draws_dropout(model)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_a_refused_call_counts_no_lookup(enabled, family):
+    """A call whose reservation the pool refuses leaves its statistics as they were: its rows' lookups (made to size
+    the reservation) were counted in num_query_tokens / num_hit_tokens before the refusal."""
+    from hybrid_models import hybrid_model
+
+    model = tiny_model("llama") if family == "llama" else hybrid_model(family)
+    pool = enabled(model, num_blocks=8, block_size=BLOCK)
+    ids = tokens(12, seed=5)
+    model.generate(ids, max_new_tokens=2)  # warm: the refused call below would hit 8+ of its tokens
+    before = pool_state(pool)
+    with pytest.raises(OutOfBlocksError, match="this generate call needs up to"):
+        model.generate(ids, max_new_tokens=64)
+    assert pool_state(pool) == before
+    model.generate(ids, max_new_tokens=2)
+    assert pool.num_query_tokens == before[2] + 12 and pool.num_hit_tokens > before[3]
+
+
 def test_prompt_lookup_decoding_on_a_warm_pool(enabled):
     """transformers 5.24's candidate decoding is wrong after a pre-filled cache (a DynamicCache too); a warm enabled
     call used to hand it one and generated other tokens."""

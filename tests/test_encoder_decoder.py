@@ -156,6 +156,19 @@ def test_enable_reuses_a_decoder_prefix_under_the_same_encoder_input_only(name, 
     assert pool.num_hit_tokens == hits
 
 
+def test_a_refused_call_counts_no_lookup(enabled):
+    """A call whose reservation is refused leaves the pool's statistics as they were (its lookups were counted)."""
+    from pagedcore import OutOfBlocksError
+
+    model = bart()
+    pool = enabled(model, num_blocks=8, block_size=4)
+    run(model, "bart").cache.self_attention_cache.release()  # warm: the call below would hit its decoder prefix
+    before = (pool.num_query_tokens, pool.num_hit_tokens, pool.kv.num_used_blocks)
+    with pytest.raises(OutOfBlocksError, match="this generate call needs up to"):
+        model.generate(**encoder_input("bart", 1), decoder_input_ids=decoder_prompt("bart"), max_new_tokens=40)
+    assert (pool.num_query_tokens, pool.num_hit_tokens, pool.kv.num_used_blocks) == before
+
+
 def test_enable_returns_a_kept_encoder_decoder_cache(enabled):
     model = bart()  # (Whisper's generate returns a cache of its own making)
     pool = enabled(model, num_blocks=64, block_size=4)

@@ -320,3 +320,30 @@ def test_non_finite_leftovers_in_free_blocks_reach_no_later_request(model, compi
             assert [o.error for o in outs] == [None] * len(prompts)
             assert [o.outputs[0].token_ids for o in outs] == expected
             settle(engine)
+
+
+# ---------------------------------------------------------------- a model that draws dropout
+@pytest.mark.parametrize("overrides", [{"resid_pdrop": 0.1, "embd_pdrop": 0.1, "attn_pdrop": 0.0}, {}])
+def test_a_model_drawing_dropout_fails_its_requests_and_dropout_zero_is_served(overrides):
+    """GPT-2 in train() with hidden-state dropout only (no attention dropout, which the paged attention refuses) was
+    served with dropout drawn and prefixes reused, which stock generate never computes. Any dropout drawn now fails
+    the step's requests with UnsupportedModelError ("eval()"); train() with dropout 0 (TRL's default) is served,
+    with the tokens of eval() mode; a submodule alone put in train() counts too."""
+    zero = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "summary_first_dropout": 0.0}
+    model = tiny_model("gpt2", **{**zero, **overrides})
+    prompts = [[5, 6, 7, 8, 9, 10], [5, 6, 7, 8, 11]]
+    with Engine(model, num_blocks=32, block_size=4) as engine:
+        want = [o.token_ids for o in engine.generate(prompts, max_new_tokens=3, do_sample=False, use_tqdm=False)]
+        model.train()
+        outs = engine.generate(prompts, max_new_tokens=3, do_sample=False, use_tqdm=False)
+        if overrides:
+            assert all(o.finish_reason == "error" and "UnsupportedModelError" in o.error for o in outs)
+            assert all("eval()" in o.error for o in outs)
+            model.eval()
+            model.transformer.h[1].train()  # one block only: its dropout draws all the same
+            outs = engine.generate(prompts, max_new_tokens=3, do_sample=False, use_tqdm=False)
+            assert all(o.finish_reason == "error" and "eval()" in o.error for o in outs)
+            model.eval()
+            outs = engine.generate(prompts, max_new_tokens=3, do_sample=False, use_tqdm=False)
+        assert [o.token_ids for o in outs] == want
+        assert engine.pool.kv.num_used_blocks == 0

@@ -82,18 +82,51 @@ def draws_dropout(model: torch.nn.Module) -> bool:
     dropout probability (transformers' attention modules keep it as a float) above 0. Such a call's keys are one
     draw's: a prefix cached from them would give a later call other tokens than computing its own prompt does.
 
+    Checked at each call (a submodule's mode, a probability, the modules themselves may change between calls): one
+    pass over the module tree that reads each module's ``training`` flag, and looks further only into the modules
+    in training mode (their attributes from their ``__dict__``; a class's own attributes of those names by
+    ``getattr``, its classes known once).
+
     Example:
         >>> from pagedcore.adapters.transformers.testing import tiny_llama
         >>> model = tiny_llama(attention_dropout=0.1)
         >>> draws_dropout(model), draws_dropout(model.train()), draws_dropout(tiny_llama().train())
         (False, True, False)
     """
-    for module in model.modules():
-        if not module.training:
+    stack: list[torch.nn.Module | None] = [model]
+    seen: set[int] = set()
+    while stack:
+        module = stack.pop()
+        if module is None or id(module) in seen:  # None: a submodule slot registered empty
             continue
-        if isinstance(module, _DROPOUTS) and module.p > 0:
+        seen.add(id(module))
+        if module.training and _module_draws(module):
             return True
-        for name in ("attention_dropout", "dropout", "attn_dropout"):
+        stack.extend(module._modules.values())  # noqa: SLF001  (the children, without modules()'s names)
+    return False
+
+
+_DROPOUT_NAMES = ("attention_dropout", "dropout", "attn_dropout")
+# Per module class: whether it is a dropout layer, and the dropout names its class gives (a class attribute, a
+# property), read from each module by getattr. A plain dict: a lookup per module of each call, classes are few.
+_KINDS: dict[type, tuple[bool, tuple[str, ...]]] = {}
+
+
+def _module_draws(module: torch.nn.Module) -> bool:
+    """Whether ``module`` (in training mode) draws dropout itself."""
+    cls = type(module)
+    kind = _KINDS.get(cls)
+    if kind is None:
+        kind = _KINDS[cls] = (issubclass(cls, _DROPOUTS), tuple(n for n in _DROPOUT_NAMES if hasattr(cls, n)))
+    if kind[0]:
+        return float(getattr(module, "p", 0.0)) > 0
+    own = module.__dict__
+    for name in _DROPOUT_NAMES:
+        value = own.get(name)
+        if isinstance(value, float) and value > 0:
+            return True
+    for name in kind[1]:
+        if name not in own:
             value = getattr(module, name, None)
             if isinstance(value, float) and value > 0:
                 return True
@@ -159,15 +192,17 @@ def attach_hit(
     lookup: bool,
     ids: list[int] | None = None,
     items: CallItems | None = None,
-) -> int:
+) -> tuple[int, Lookups]:
     """Declare the rows' padding and prompts to the cache and attach the prefix every row can use (the rectangular
-    prefix: see :mod:`.prefix_caching`); returns its rectangular length. ``lookup=False`` declares the padding and
-    prompts only. ``ids``: the rows' numbers in the call (the hit events' request ids), when the cache holds some of
-    its rows only; ``items``: the call's multimodal items, which a prefix holds all or none of."""
+    prefix: see :mod:`.prefix_caching`); returns its rectangular length and the lookups, for the caller to
+    :meth:`~Lookups.record` once the call's reservation is granted (a refused call counts none). ``lookup=False``
+    declares the padding and prompts only. ``ids``: the rows' numbers in the call (the hit events' request ids),
+    when the cache holds some of its rows only; ``items``: the call's multimodal items, which a prefix holds all or
+    none of."""
     with pool.lock:
         if not lookup:
             cache.attach_prefix([None] * len(rows), pads, 0, rows)
-            return 0
+            return 0, Lookups(pool, [], [], ns, [])
         for tokens in rows:
             pool.kv.load_prefix(tokens, ns)  # the tiers below the pool, if any
         matches = [pool.kv.match(tokens, ns) for tokens in rows]
@@ -176,32 +211,37 @@ def attach_hit(
         if items is not None and items.spans:
             spans = [items.spans[i] for i in ids] if ids is not None else items.spans
             length = usable_length(spans, pads, length, items.may_cover)
-        record_hits(pool, rows, [max(0, length - pad) for pad in pads], ns, matches, ids)
         cache.attach_prefix(matches, pads, length, rows)
-    return length
+    return length, Lookups(pool, rows, [max(0, length - pad) for pad in pads], ns, matches, ids)
 
 
-def record_hits(
-    pool: PagedKVPool,
-    rows: list[list[int]],
-    used: list[int],
-    ns: Hashable,
-    matches: Sequence[PoolMatch],
-    ids: Sequence[int] | None = None,
-) -> None:
-    """Count each row's lookup and the tokens it takes from the cache (``used[r]`` of its ``matches[r]``), and tell
-    the plugins which blocks served them. ``ids``: the rows' numbers in the call (default: their order)."""
-    call = next(_call_ids)
-    for r, tokens, hit, match in zip(ids if ids is not None else range(len(rows)), rows, used, matches):
-        pool.kv.record(len(tokens), hit)
-        pool.plugins.emit(
-            "pagedcore_prefix_hit",
-            request_id=f"generate-{call}/{r}",
-            num_query_tokens=len(tokens),
-            num_hit_tokens=hit,
-            namespace=ns,
-            block_ids=match.head(hit, pool.block_size),
-        )
+@dataclass(frozen=True)
+class Lookups:
+    """A call's prefix lookups: ``rows``, the tokens each takes from the cache (``used[r]`` of its ``matches[r]``),
+    ``ids`` the rows' numbers in the call (default: their order). Recorded only once the call's reservation is
+    granted, so that a refused call leaves the pool's counters and the plugins' hit events as they were."""
+
+    pool: PagedKVPool
+    rows: list[list[int]]
+    used: list[int]
+    ns: Hashable
+    matches: Sequence[PoolMatch]
+    ids: Sequence[int] | None = None
+
+    def record(self) -> None:
+        """Count each row's lookup and the tokens it takes, and tell the plugins which blocks served them."""
+        pool, call = self.pool, next(_call_ids)
+        ids = self.ids if self.ids is not None else range(len(self.rows))
+        for r, tokens, hit, match in zip(ids, self.rows, self.used, self.matches):
+            pool.kv.record(len(tokens), hit)
+            pool.plugins.emit(
+                "pagedcore_prefix_hit",
+                request_id=f"generate-{call}/{r}",
+                num_query_tokens=len(tokens),
+                num_hit_tokens=hit,
+                namespace=self.ns,
+                block_ids=match.head(hit, pool.block_size),
+            )
 
 
 def reserve_call(

@@ -101,6 +101,7 @@ from .cache import PagedCache
 from .encoder_decoder import is_encoder_decoder
 from .generate_call import (
     CallSettings,
+    Lookups,
     attach_hit,
     call_mask,
     call_settings,
@@ -109,7 +110,6 @@ from .generate_call import (
     give_back,
     keyword_args,
     left_pads,
-    record_hits,
     reserve_call,
 )
 from .model_inputs import SEQUENCE_INPUTS, model_inputs
@@ -529,16 +529,20 @@ def _plan(
         warm_shared_prefixes(model, pool, own_rows, ns, prefill, kwargs, device=device, attention_backend=backend)
     length = 0
     with pool.lock:
-        held = cache.row_tokens()
+        held, lookups = cache.row_tokens(), None
         if states is not None and rows is not None:
             held = states.plan(rows)
-            record_hits(pool, rows, held, ns, [row.match for row in states.rows])
+            lookups = Lookups(pool, rows, held, ns, [row.match for row in states.rows])
         elif own_rows is not None and own_pads is not None:
-            length = attach_hit(cache, pool, own_rows, own_pads, ns, lookup=settings.reuse, ids=unique, items=items)
+            length, lookups = attach_hit(
+                cache, pool, own_rows, own_pads, ns, lookup=settings.reuse, ids=unique, items=items
+            )
             held = cache.row_tokens()
         copies = [n * settings.expand for n in share.copies()] if share is not None else None
         shape = (len(unique), input_ids.shape[1])
         reservation = reserve_call(pool, held, shape, own_pads, settings, copies, kwargs, states is not None)
+        if lookups is not None:  # counted once granted: a refused call leaves the statistics as they were
+            lookups.record()
         if states is not None and pads is not None:
             states.attach(reservation, cache, pads)
     return _Plan(states, share, reservation, length)

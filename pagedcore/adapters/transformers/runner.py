@@ -33,7 +33,7 @@ from pagedcore.config import PoolConfig
 from pagedcore.engine.lora import LoRAConfig
 from pagedcore.engine.packing import pack_tokens
 from pagedcore.engine.runner import ArgmaxTokens, CompileCounts, ForwardBatch, ModelInfo, RunnerStats
-from pagedcore.errors import ConfigError
+from pagedcore.errors import ConfigError, UnsupportedModelError
 from pagedcore.kv_pool import KVPool
 from pagedcore.plugin_manager import PluginManager
 from pagedcore.validation import as_integer
@@ -42,6 +42,7 @@ from .argmax_head import ArgmaxHead
 from .attention import ATTN_IMPLEMENTATION, CONTEXT_KEY, ForwardContext
 from .compiled import CompiledDecode, DecodeInputs
 from .decode_graphs import DecodeGraphs, resolve_compile
+from .generate_call import draws_dropout
 from .layer_attention import check_paged_attention
 from .lora import LoraAdapters
 from .padded_step import PaddedStep
@@ -214,7 +215,13 @@ class TransformersRunner:
 
     def execute(self, prepared: PreparedStep | PreparedStateStep) -> torch.Tensor | ArgmaxTokens:
         """The forward: the compiled decode step when it runs one, else the model eagerly with paged attention (an
-        argmax-only step: its tokens, through :class:`~.argmax_head.ArgmaxHead`, where it applies)."""
+        argmax-only step: its tokens, through :class:`~.argmax_head.ArgmaxHead`, where it applies). A model that
+        draws dropout (in train() mode, any dropout above 0) is refused: its prefix hits hold keys of another draw."""
+        if draws_dropout(self.model):  # checked per step: the mode can change between steps (TRL: dropout 0 served)
+            raise UnsupportedModelError(
+                f"{type(self.model).__name__} draws dropout (train() mode with a dropout above 0): the Engine serves "
+                "inference only, where a prompt's cached keys equal its own; put the model in eval() mode"
+            )
         device = self._info.device
         if isinstance(prepared, PreparedStateStep):
             assert self._states is not None

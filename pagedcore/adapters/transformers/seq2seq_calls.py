@@ -64,9 +64,10 @@ def run_seq2seq(
     try:
         with pool.lock:
             if rows is not None and pads is not None:
-                attach_hit(cache, pool, rows, pads, ns, lookup=settings.reuse)
+                _, lookups = attach_hit(cache, pool, rows, pads, ns, lookup=settings.reuse)
                 shape = (len(rows), width)
                 reservation = reserve_call(pool, cache.row_tokens(), shape, pads, settings, None, kwargs)
+                lookups.record()  # once granted: a refused call counts no lookup
         cache.reservation = reservation
         if rows is not None and settings.expand > 1:
             cache.batch_repeat_interleave(settings.expand)  # generate expands the inputs, never the cache
