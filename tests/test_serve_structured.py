@@ -22,6 +22,7 @@ import openai
 from structured_helpers import SCHEMA, TIME_TOOL, WEATHER_TOOL, bpe_tokenizer, random_model
 
 from pagedcore.adapters.transformers import Engine
+from pagedcore.adapters.transformers.builtin import builtin_model, builtin_tokenizer
 from pagedcore.serve.answers import Shape
 from pagedcore.serve.app import create_app
 from pagedcore.serve.loop import EngineLoop
@@ -135,6 +136,61 @@ def test_bad_specs_are_400s_naming_the_field(served, extra, param, message):
         client.chat.completions.create(model=MODEL, messages=USER, max_tokens=8, extra_body=extra)
     error = info.value.body
     assert error["param"] == param and message in error["message"], error
+    assert not engine.has_unfinished()
+
+
+@pytest.fixture(scope="module")
+def ascii_served(one_thread) -> Iterator[tuple[openai.OpenAI, Engine]]:
+    """The built-in model over the built-in ASCII vocabulary: a grammar that needs "é" gets stuck after the
+    request was accepted (no token can spell it)."""
+    engine = Engine(builtin_model(num_hidden_layers=1), builtin_tokenizer(), num_blocks=64, block_size=8)
+    loop = EngineLoop(engine)
+    server = BackgroundServer(create_app(loop, model_name=MODEL), loop)
+    server.start()
+    try:
+        yield openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120), engine
+    finally:
+        server.stop()
+        engine.close()
+    assert engine.pool.kv.num_used_blocks == 0, "blocks leaked"
+
+
+STUCK = {"type": "object", "properties": {"w": {"const": "aé"}}, "required": ["w"]}  # "é": no ASCII token spells it
+STUCK_FORMAT = {"type": "json_schema", "json_schema": {"name": "x", "schema": STUCK}}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
+@pytest.mark.parametrize(
+    ("param", "extra"),
+    [
+        ("guided_regex", {"guided_regex": "aé"}),
+        ("guided_grammar", {"guided_grammar": 'start: "aé"'}),
+        ("guided_choice", {"guided_choice": ["aé", "aéb"]}),
+        ("guided_json", {"guided_json": STUCK}),
+        ("structured_outputs", {"structured_outputs": {"regex": "aé"}}),
+        ("response_format", {"response_format": STUCK_FORMAT}),
+        ("tools", {"tools": [{"type": "function", "function": {"name": "f", "parameters": STUCK}}],
+                   "tool_choice": "required"}),
+    ],
+)  # fmt: skip
+def test_a_grammar_failing_after_acceptance_names_its_field(ascii_served, param, extra, stream):
+    """A grammar that fails after the request was accepted (here: stuck, no token can spell what it needs) ends the
+    request with a 400 / a stream's error event whose ``param`` is the field the grammar came from (it was null:
+    the engine does not know the request's fields)."""
+    client, engine = ascii_served
+    args = {"model": MODEL, "max_tokens": 64, "temperature": 0.0, "extra_body": extra, "stream": stream}
+
+    def ask():
+        if param == "guided_regex":  # a completions field as much as a chat one
+            answer = client.completions.create(prompt="Hello", **args)
+        else:
+            answer = client.chat.completions.create(messages=USER, **args)
+        return list(answer) if stream else answer
+
+    with pytest.raises(openai.BadRequestError if not stream else openai.APIError) as info:
+        ask()
+    assert info.value.param == param, info.value.body
+    assert "no token of the model's vocabulary can continue the output" in info.value.message
     assert not engine.has_unfinished()
 
 

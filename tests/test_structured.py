@@ -158,6 +158,31 @@ def test_a_later_mask_never_allows_a_special_token_the_matcher_refuses():
         compiler.close()
 
 
+def test_a_mask_allows_the_stop_token_only_where_the_grammar_may_end():
+    """After "a", ``start: "a" (<[1]> | "b")`` must go on (``<s>`` or "b"), yet llguidance's mask allowed the stop
+    token ``</s>`` too, which the matcher then refused ("token 2 is not allowed", after the request's 200). Now the
+    mask leaves it out there, batched and alone, and keeps it where the grammar is complete."""
+    tok = builtin_tokenizer()
+    compiler = GrammarCompiler(tok, vocab_size=len(tok))
+    eos = tok.eos_token_id
+    try:
+        for batched in (True, False):
+            spec = StructuredOutput.grammar('start: "a" (<[1]> | "b")')
+            going, ended = GrammarState(compiler.compile(spec)), GrammarState(compiler.compile(spec))
+            assert going.sync(ids(tok, "a")) and ended.sync(ids(tok, "ab")) and ended.is_complete
+            logits = torch.zeros(2, len(tok))
+            if batched:
+                GrammarMasks().apply(logits, [0, 1], [going, ended])
+            else:
+                GrammarMasks().apply(logits, [0], [going])
+                GrammarMasks().apply(logits, [1], [ended])
+            allowed = set(torch.isfinite(logits[0]).nonzero().flatten().tolist())
+            assert allowed == {1, *ids(tok, "b")} and going.error is None and not going.accept(eos)
+            assert torch.isfinite(logits[1]).nonzero().flatten().tolist() == [eos] and ended.accept(eos)
+    finally:
+        compiler.close()
+
+
 def test_processor_raises_when_no_token_can_continue():
     """Plain ``generate`` under a grammar stuck after its first token: a GrammarError, not a row that drew
     ``<unk>`` and then ran unconstrained."""

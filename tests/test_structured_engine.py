@@ -163,6 +163,25 @@ def test_a_grammar_no_token_can_continue_fails_its_request_only(temperature):
         assert_no_leak(eng)
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_model_that_prefers_the_stop_token_gets_it_only_where_the_grammar_ends(temperature):
+    """After "a", ``start: "a" (<[1]> | "b")`` must go on, but its mask allowed the stop token: a model that prefers
+    it (here by its bias) drew it and the request failed with "GrammarError: ... token 2 is not allowed". Now it draws
+    ``<s>`` or "b", then the stop token, where the grammar may end."""
+    tok = builtin_tokenizer()
+    eos = tok.eos_token_id
+    structured = {"grammar": 'start: "a" (<[1]> | "b")'}
+    params = SamplingParams(max_new_tokens=6, temperature=temperature, seed=1, structured=structured,
+                            logit_bias={eos: 50.0})  # fmt: skip
+    with Engine(builtin_model(num_hidden_layers=1), tok, num_blocks=32, block_size=8) as eng:
+        (out,) = eng.generate(["Hello"], params, use_tqdm=False)
+        assert out.error is None, out.error
+        tokens = out.samples[0].token_ids
+        assert tokens[0] == tok("a", add_special_tokens=False)["input_ids"][0] and tokens[-1] == eos
+        assert len(tokens) == 3 and out.samples[0].finish_reason == "stop"
+        assert_no_leak(eng)
+
+
 @pytest.mark.parametrize(
     ("params", "message"),
     [

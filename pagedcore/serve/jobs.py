@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import replace
 
 from .loop import (
     Delta,
@@ -87,6 +88,8 @@ class Job:
         self._backlog: deque[LoopEvent] = deque()
         self.request_ids: list[str] = []
         self._open: set[str] = set()
+        self._accepted: set[str] = set()
+        self._grammar_fields: dict[str, str] = {}  # request id -> the request field its grammar came from
 
     @property
     def is_open(self) -> bool:
@@ -105,13 +108,19 @@ class Job:
         except LoopClosedError as exc:
             raise ApiError(503, str(exc), type="server_error", code="shutting_down") from exc
         self._open = set(self.request_ids)
+        for request_id, request in zip(self.request_ids, requests):
+            source = getattr(request.params.structured, "source", None)  # set by the server: the grammar's field
+            if source is not None:
+                self._grammar_fields[request_id] = source
         waiting = set(self.request_ids)
         while waiting:
-            event = await self._queue.get()
+            event = self._named(await self._queue.get())
             if isinstance(event, Finished) and event.error is not None:
                 self._open.discard(event.request_id)
                 self.abort()
                 raise error_of(event)
+            if isinstance(event, Started):
+                self._accepted.add(event.request_id)
             if isinstance(event, (Started, Finished)):
                 waiting.discard(event.request_id)
             if not isinstance(event, Started):
@@ -120,7 +129,7 @@ class Job:
     async def events(self) -> AsyncIterator[Delta | Finished]:
         """Every :class:`Delta` and :class:`Finished` until each request has ended."""
         while self._open:
-            event = self._backlog.popleft() if self._backlog else await self._queue.get()
+            event = self._named(self._backlog.popleft() if self._backlog else await self._queue.get())
             if isinstance(event, Started):
                 continue
             if isinstance(event, Finished):
@@ -134,6 +143,16 @@ class Job:
         had = bool(self._open)
         self._open.clear()
         return had
+
+    def _named(self, event: LoopEvent) -> LoopEvent:
+        """A grammar's failure as the error of the request field the grammar came from (its spec's ``source``):
+        the engine's error about its ``structured`` parameter, or a client error after the engine accepted the
+        request, which only the request's grammar makes (the server refuses ``allowed_token_ids`` with one)."""
+        if not isinstance(event, Finished) or event.error_kind != "invalid":
+            return event
+        field = self._grammar_fields.get(event.request_id)
+        ours = event.error_param == "structured" or (event.error_param is None and event.request_id in self._accepted)
+        return replace(event, error_param=field) if field is not None and ours else event
 
     def _sink(self, event: LoopEvent) -> None:  # the loop thread
         assert self._aloop is not None

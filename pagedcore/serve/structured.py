@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from pagedcore.engine.structured import GrammarCompiler, StructuredOutput
@@ -134,20 +135,24 @@ def _check_structured_outputs(value: Any) -> None:
 
 
 def check_spec(spec: StructuredOutput, field: str, prepare: Prepare | None = None) -> StructuredOutput:
-    """``spec`` checked and parsed by ``prepare`` (default :func:`parse_only`): an invalid schema, regex or
-    grammar, a JSON Schema keyword llguidance does not implement, a grammar past its limits or one that does not
-    compile in time is a 400 naming ``field``.
+    """``spec`` checked and parsed by ``prepare`` (default :func:`parse_only`), its ``source`` the request's
+    ``field`` (an error the engine finds in it later names that field: :class:`~pagedcore.serve.jobs.Job`): an
+    invalid schema, regex or grammar, a JSON Schema keyword llguidance does not implement, a grammar past its
+    limits or one that does not compile in time is a 400 naming ``field``.
 
     Example:
+        >>> check_spec(StructuredOutput.regex("[0-9]+"), "guided_regex").source
+        'guided_regex'
         >>> check_spec(StructuredOutput.regex("(("), "guided_regex")  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
         pagedcore.serve.protocol.ApiError: guided_regex: invalid regex '((': ...
     """
     try:
-        return (prepare or parse_only)(spec)
+        prepared = (prepare or parse_only)(spec)
     except PagedCoreError as exc:
         raise ApiError(400, f"{field}: {exc}", param=field) from exc
+    return replace(prepared, source=field)
 
 
 def parse_only(spec: StructuredOutput) -> StructuredOutput:

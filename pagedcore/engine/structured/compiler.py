@@ -52,7 +52,8 @@ class CompiledGrammar:
         vocab_size: the mask's width (the model's logits).
         spec: what it was compiled from.
         stop_token_ids: the tokens that end an output once the grammar is complete.
-        special: the special tokens a mask allows only where the matcher accepts them (:class:`~.vocab.SpecialTokens`).
+        special: the special and stop tokens a mask allows only where the matcher accepts them
+            (:class:`~.vocab.SpecialTokens`).
 
     Example:
         >>> CompiledGrammar(None, 128, StructuredOutput.regex("a+"), (2,)).vocab_size
@@ -268,7 +269,7 @@ class GrammarCompiler:
 
     @property
     def special_tokens(self) -> SpecialTokens:
-        """The special tokens (but the stop tokens) of the vocabulary, found once."""
+        """The special tokens of the vocabulary and the stop tokens, found once."""
         lltok = self.lltokenizer
         with self._lock:
             if self._special is None:

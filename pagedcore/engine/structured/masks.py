@@ -7,9 +7,10 @@ logits, on the logits' device. Unconstrained rows are not read or written. (``ma
 apply, but on CPU it is a scalar loop, about 8 ns per element; the lookup-table add is vectorized:
 docs/structured.md has the figures.)
 
-A mask never allows a special token (other than a stop token) that the matcher refuses: llguidance's may, where the
-grammar forces text the vocabulary cannot spell (:class:`~.vocab.SpecialTokens`); such a bit is cleared after the
-fill, and a row left with no token at all has its state's :attr:`~.matcher.GrammarState.error` say so.
+A mask never allows a special token that the matcher refuses, nor a stop token before the grammar is complete:
+llguidance's may, where the grammar forces text the vocabulary cannot spell or (a stop token) around a special token
+the grammar names (:class:`~.vocab.SpecialTokens`); such a bit is cleared after the fill, and a row left with no token
+at all has its state's :attr:`~.matcher.GrammarState.error` say so.
 """
 
 from __future__ import annotations
@@ -116,25 +117,36 @@ class GrammarMasks:
 
 
 def _refuse_special(bitmask: torch.Tensor, states: Sequence[GrammarState]) -> None:
-    """Clear the bits of the special tokens the states' matchers refuse (one gather over the words that hold special
-    tokens; the matchers are asked only about a bit that is set); a row left with no token is marked stuck."""
+    """Clear the bits of the special tokens the states' matchers refuse, and of the stop tokens where a grammar is
+    not complete (one gather over the words that hold them; a state is asked only about a bit that is set); a row
+    left with no token is marked stuck."""
     special = states[0].special
     if any(state.special is not special for state in states):  # grammars of several compilers: row by row
         for i, state in enumerate(states):
             _refuse_special(bitmask[i : i + 1], [state])
         return
-    if not special.ids:
+    if not special.words.size:
         return
     words = bitmask.numpy().view(np.uint32)
     hits = words[:, special.words] & special.bits
     if not hits.any():
         return
-    for row, col in zip(*np.nonzero(hits)):
+    cleared: set[int] = set()
+    stop_hits = hits & special.stop_bits
+    if stop_hits.any():  # a stop token ends the output: allowed where the grammar is complete (GrammarState.accept)
+        for row in np.flatnonzero(stop_hits.any(axis=1)).tolist():
+            if not states[row].is_complete:
+                words[row, special.words] &= special.keep_bits
+                cleared.add(row)
+        hits ^= stop_hits
+    for row, col in zip(*(index.tolist() for index in np.nonzero(hits))):
         state, word, bits = states[row], int(special.words[col]), int(hits[row, col])
         while bits:
             low = bits & -bits
             bits ^= low
             if not state.matcher.validate_tokens([word * 32 + low.bit_length() - 1]):
                 words[row, word] &= np.uint32(~low & 0xFFFFFFFF)
+                cleared.add(row)
+    for row in cleared:
         if not words[row].any():
-            state.set_stuck()
+            states[row].set_stuck()

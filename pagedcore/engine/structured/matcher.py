@@ -76,7 +76,7 @@ class GrammarState:
 
     @property
     def special(self) -> SpecialTokens:
-        """The vocabulary's special tokens a mask allows only where the matcher accepts them."""
+        """The vocabulary's special tokens and the stop tokens a mask allows only where the matcher accepts them."""
         return self._compiled.special
 
     @property

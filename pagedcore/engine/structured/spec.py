@@ -49,6 +49,9 @@ class StructuredOutput:
         parsed: llguidance's grammar once the spec was parsed (``GrammarCompiler.prepare``), else None; not part
             of the spec's identity. A spec is bounded: :data:`MAX_SPEC_BYTES` of text, :data:`MAX_CHOICES` options,
             :data:`MAX_NESTING` levels of JSON (else :class:`~pagedcore.errors.GrammarError` naming the bound).
+        source: where the spec came from, as its front end names it (a server sets the request field, e.g.
+            ``guided_regex``, so an error found later names it); the engine never reads it; not part of the spec's
+            identity.
 
     Example:
         >>> spec = StructuredOutput.json_schema({"type": "object", "properties": {"n": {"type": "integer"}}})
@@ -68,6 +71,7 @@ class StructuredOutput:
     max_whitespace: int | None = DEFAULT_MAX_WHITESPACE
     parsed: str | None = field(default=None, compare=False, repr=False)  # a spec that carries it is never parsed
     # again: a server parses in its worker, and the Engine's step loop does not
+    source: str | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:

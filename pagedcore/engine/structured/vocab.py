@@ -65,34 +65,43 @@ def lltokenizer(tokenizer: Any, vocab_size: int | None, stop_token_ids: Sequence
 
 
 class SpecialTokens:
-    """The special tokens of a vocabulary that a mask must not allow unless the matcher accepts them (every special
-    token but the stop tokens), as the bitmask words and bits that hold them: computed once per tokenizer, so a
-    step's check is one gather over a few words.
+    """The tokens a mask must not allow unless the matcher accepts them, as the bitmask words and bits that hold
+    them: every special token of the vocabulary, the stop tokens included. Computed once per tokenizer, so a step's
+    check is one gather over a few words.
 
     llguidance allows a special token it then refuses where the grammar forces text the vocabulary cannot spell:
-    it tokenizes the forced text with the tokenizer, which gives ``<unk>``. A grammar may allow a special token on
-    purpose (``<[id]>`` in Lark: harmony's markers), so a set bit is cleared only when the matcher refuses it.
+    it tokenizes the forced text with the tokenizer, which gives ``<unk>``. It may also allow a stop token where the
+    grammar is not complete (after ``a`` in ``start: "a" (<[1]> | "b")``), which
+    :meth:`~.matcher.GrammarState.accept` then refuses. A grammar may allow a special token on purpose (``<[id]>``
+    in Lark: harmony's markers), so a set bit is cleared only when the matcher refuses it (a stop token: unless the
+    grammar is complete).
 
     Example:
-        >>> special = SpecialTokens([0, 1, 3, 40], vocab_size=99)
+        >>> special = SpecialTokens([0, 1, 3, 40], vocab_size=99, stops=[2])
         >>> special.ids, special.words.tolist(), [hex(b) for b in special.bits.tolist()]
-        ((0, 1, 3, 40), [0, 1], ['0xb', '0x100'])
+        ((0, 1, 3, 40), [0, 1], ['0xf', '0x100'])
+        >>> special.stops, [hex(b) for b in special.stop_bits.tolist()]
+        ((2,), ['0x4', '0x0'])
     """
 
-    def __init__(self, ids: Sequence[int], vocab_size: int) -> None:
-        self.ids = tuple(sorted({int(t) for t in ids if 0 <= int(t) < vocab_size}))
+    def __init__(self, ids: Sequence[int], vocab_size: int, stops: Sequence[int] = ()) -> None:
+        self.stops = tuple(sorted({int(t) for t in stops if 0 <= int(t) < vocab_size}))
+        self.ids = tuple(sorted({int(t) for t in ids if 0 <= int(t) < vocab_size} - set(self.stops)))
         words: dict[int, int] = {}
-        for token in self.ids:
+        for token in (*self.ids, *self.stops):
             words[token // 32] = words.get(token // 32, 0) | 1 << (token % 32)
         self.words = np.array(sorted(words), dtype=np.int64)
         self.bits = np.array([words[w] for w in sorted(words)], dtype=np.uint32)
+        stop_bits = {w: sum(1 << (t % 32) for t in self.stops if t // 32 == w) for w in words}
+        self.stop_bits = np.array([stop_bits[w] for w in sorted(words)], dtype=np.uint32)
+        self.keep_bits = ~self.stop_bits  # a word's bits but its stop tokens'
 
 
 def special_tokens(lltok: Any, tokenizer: Any, stop_token_ids: Sequence[int]) -> SpecialTokens:
-    """The special tokens of ``tokenizer`` (its own, and those llguidance reads as special) but the stop tokens."""
+    """The special tokens of ``tokenizer`` (its own, and those llguidance reads as special) and the stop tokens."""
     size = int(lltok.vocab_size)
     ids = _special_ids(tokenizer) | {t for t in range(size) if lltok.is_special_token(t)}
-    return SpecialTokens(sorted(ids - {int(t) for t in stop_token_ids}), size)
+    return SpecialTokens(sorted(ids), size, stops=stop_token_ids)
 
 
 def _wrapper(llg: Any, tokenizer: Any, eos: int) -> Any:

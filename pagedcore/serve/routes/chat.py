@@ -155,8 +155,8 @@ def _after_reasoning(
     try:
         wrapped = reasoning.reasoning.constrain(spec, reasoning.state)
     except PagedCoreError as exc:
-        raise ApiError(400, f"the constraint cannot follow the reasoning: {exc}") from exc
-    return check_spec(wrapped, "response_format", prepare)
+        raise ApiError(400, f"the constraint cannot follow the reasoning: {exc}", param=spec.source) from exc
+    return check_spec(wrapped, spec.source or "response_format", prepare)  # the field the constraint came from
 
 
 def _options(ctx: ServeContext, body: ChatRequest, prompt: Any) -> AnswerOptions:
