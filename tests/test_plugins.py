@@ -382,6 +382,18 @@ def test_plugin_manager_eviction_policy_by_name(pm, use):
     assert isinstance(pm.eviction_policy("lru"), LRUEvictionPolicy)
 
 
+@pytest.mark.parametrize("num_blocks", [-3, 2.5, True, "4", None])
+def test_eviction_policy_refuses_a_bad_num_blocks_before_asking_any_plugin(pm, use, num_blocks):
+    plugin = use(MRUPlugin(), "mru")
+    names = [info.name for info in pm.plugins()]
+    with pytest.raises(ConfigError, match="num_blocks must be an integer >= 0") as raised:
+        pm.eviction_policy("mru", num_blocks=num_blocks)
+    assert raised.value.param == "num_blocks"
+    assert plugin.calls == [] and plugin.policies == []  # no plugin was asked, nothing was made
+    assert [info.name for info in pm.plugins()] == names
+    assert pm.eviction_policy("mru", num_blocks=0) is plugin.policies[-1]  # 0 (the default) stays valid
+
+
 @covers("pagedcore_eviction_policy")
 def test_unknown_eviction_policy_raises(pm):
     with pytest.raises(PluginError, match="eviction policy 'clock'"):
