@@ -262,6 +262,12 @@ class BlockManager:
         (block_id,) = self._validate((block_id,), "is_cached")
         return block_id < self._hwm and bool(self._cached[block_id])
 
+    def check_ids(self, block_ids: Iterable[object], op: str) -> list[int]:
+        """``block_ids`` as ``int`` s, validated as every command validates its ids (integers, not bools, in range,
+        each named once), else :class:`InvalidBlockError` naming ``op``. No side effects: for a caller (the prefix
+        cache) that checks all of a call's ids before it changes anything."""
+        return self._validate(block_ids, op)  # type: ignore[arg-type]  # _validate checks each element's type
+
     def blocks_needed(self, block_ids: Sequence[int], num_tokens: int, num_new_tokens: int) -> int:
         """Blocks :meth:`append_slot` would allocate for these arguments (copy-on-write included)."""
         last = self._check_table(block_ids, num_tokens, num_new_tokens, "blocks_needed")
