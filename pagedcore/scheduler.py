@@ -336,7 +336,8 @@ class Scheduler:
         """Record a computed step: the latest :meth:`schedule`'s output, once (a replayed or superseded one raises
         :class:`InvalidRequestError`). ``sampled[request_id]`` holds the token ids (integers >= 0) sampled for every
         scheduled sequence with ``sample=True`` (``num_samples`` tokens at a forking step, else one). Bad input
-        raises, naming the request and the value, and changes nothing.
+        raises, naming the request and the value, and changes nothing; so does a forking step whose samples' ids
+        (``"<id>#1"`` ..) another request holds (:class:`DuplicateRequestError`: abort one, then update again).
 
         Returns the sequences that finished in this step (forked samples included).
         """
@@ -396,6 +397,14 @@ class Scheduler:
             if not item.sample:
                 live.append((item, _NO_TOKEN))
                 continue
+            if item.num_samples > 1:  # a forking step: its samples' ids must be free (update must not fail halfway)
+                taken = [rid for rid in _fork_ids(seq, item.num_samples - 1) if rid in by_id]
+                if taken:
+                    raise DuplicateRequestError(
+                        f"update: request {seq.request_id!r} forks into {taken}, ids already in use by other requests; "
+                        "nothing was recorded (abort one of them, then update again)",
+                        param="request_id",
+                    )
             tokens = sampled.get(seq.request_id, ())
             if type(tokens) is not list or len(tokens) != item.num_samples:
                 tokens = _sampled(seq.request_id, tokens, item.num_samples)
@@ -642,10 +651,9 @@ class Scheduler:
     def _fork(self, parent: SequenceState, count: int) -> list[SequenceState]:
         assert parent.blocks is not None
         children = []
-        for k in range(1, count + 1):
-            child = parent.child(f"{parent.request_id}#{k}", k)
-            if child.request_id in self._by_id:
-                raise DuplicateRequestError(f"fork: request id {child.request_id!r} is already in use")
+        for k, request_id in enumerate(_fork_ids(parent, count), 1):
+            assert request_id not in self._by_id, "update's validation checks the fork ids first"
+            child = parent.child(request_id, k)
             child.blocks = parent.blocks.fork()
             child.status = SequenceStatus.RUNNING
             self._by_id[child.request_id] = child
@@ -704,6 +712,11 @@ def _sampled(request_id: str, tokens: object, count: int) -> list[int]:
     if len(ids) != count:
         raise InvalidRequestError(f"update: request {request_id!r} needs {count} sampled tokens, got {len(ids)}")
     return ids
+
+
+def _fork_ids(parent: SequenceState, count: int) -> list[str]:
+    """The request ids of a parent's ``count`` forked samples: ``"<parent>#1"`` .. ``"<parent>#<count>"``."""
+    return [f"{parent.request_id}#{k}" for k in range(1, count + 1)]
 
 
 def _priority(item: tuple[SequenceState, int]) -> int:

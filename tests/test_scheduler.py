@@ -229,6 +229,29 @@ def test_update_refuses_a_bad_sampled_token_naming_it_and_changes_nothing(tokens
     assert sched.pool.num_used_blocks == 0
 
 
+@pytest.mark.parametrize("abort", ["a#1", "a"])
+def test_a_fork_into_a_taken_id_is_refused_before_update_changes_anything(abort):
+    """Request ids are the caller's (the Scheduler takes any string; the Engine refuses '#'): a parallel request 'a'
+    forks into 'a#1', which another request holds. The update used to raise from the fork after the other
+    sequences' tokens were recorded."""
+    sched, model = make(max_num_seqs=4)
+    sched.add(SequenceState("a#1", [1, 2, 3], max_new_tokens=3))
+    sched.add(SequenceState("a", [1, 2, 3, 4, 5], max_new_tokens=3, num_samples=2))
+    out = sched.schedule()
+    sampled = model.step(out)
+    before = snapshot(sched)
+    with pytest.raises(DuplicateRequestError, match=r"update: request 'a' forks into \['a#1'\]") as raised:
+        sched.update(out, sampled)
+    assert raised.value.param == "request_id"
+    assert snapshot(sched) == before and sched.get("a").forks == []
+    sched.check_invariants()
+    sched.abort(abort)  # the caller resolves it; the same step is then taken
+    sched.update(out, sampled)
+    done = run_to_completion(sched, model)
+    assert sorted(done) == (["a#1"] if abort == "a" else ["a", "a#1"])  # 'a#1' now: the fork of 'a'
+    assert sched.pool.num_used_blocks == 0
+
+
 class Index:
     """An integer-like token id (a numpy integer, a one-element tensor)."""
 
