@@ -34,7 +34,7 @@ longer be reached).
 from __future__ import annotations
 
 from bisect import bisect_left, insort
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Container, Hashable, Sequence
 from dataclasses import dataclass
 from typing import cast
 
@@ -472,20 +472,40 @@ class PrefixTrie:
         self._detach(node)
         if not node.children:  # a leaf: the usual victim of LRU eviction
             del self._by_block[block_id]
-            if self._on_drop is not None:
-                self._on_drop([block_id])
-            return [block_id]
-        dropped: list[int] = []
+            dropped = [block_id]
+        else:
+            dropped = self._subtree(node)
+            by_block = self._by_block
+            for dropped_id in dropped:
+                del by_block[dropped_id]
+        if self._on_drop is not None:
+            self._on_drop(dropped)
+        return dropped
+
+    def subtree(self, block_id: int, skip: Container[int] = ()) -> list[int]:
+        """``block_id`` and every descendant (what :meth:`drop_block` would drop), changing nothing; a descendant in
+        ``skip`` is left out with everything below it (the manager skips what it counted already)."""
+        node = self._by_block.get(block_id)
+        if node is None:
+            raise InvalidBlockError(f"subtree: block {block_id} is not cached")
+        children = node.children
+        if not children or (len(children) == 1 and next(iter(children.values())).block_id in skip):
+            return [block_id]  # a leaf, or a chain's next block up (LRU takes a chain leaf first): one step
+        return self._subtree(node, skip)
+
+    @staticmethod
+    def _subtree(node: _Node, skip: Container[int] = ()) -> list[int]:
+        assert node.block_id is not None
+        if not node.children:  # a leaf: the usual victim of LRU eviction
+            return [node.block_id]
+        ids: list[int] = []
         stack = [node]
         while stack:
             current = stack.pop()
             assert current.block_id is not None
-            dropped.append(current.block_id)
-            del self._by_block[current.block_id]
-            stack.extend(current.children.values())
-        if self._on_drop is not None:
-            self._on_drop(dropped)
-        return dropped
+            ids.append(current.block_id)
+            stack.extend(child for child in current.children.values() if child.block_id not in skip)
+        return ids
 
     def remove(self, block_id: int) -> list[int]:
         """Drop a cached block and its descendants from the cache now (they stay allocated if still in use)."""
