@@ -534,7 +534,7 @@ class Scheduler:
                 self._states.admitted(seq, match, hit)
                 self._states.promise(blocks)
                 num_new = self._states.chunk(hit, num_new)
-            copies.extend(blocks.append(num_new))
+            copies.extend(self._first_append(seq, blocks, num_new))
             del self._waiting[seq.request_id]
             seq.blocks = blocks
             seq.num_computed_tokens = hit
@@ -563,6 +563,18 @@ class Scheduler:
                 num_cached_tokens=hit,
             )
         return budget
+
+    def _first_append(self, seq: SequenceState, blocks: BlockTables, num_new: int) -> list[Copy]:
+        """``blocks.append(num_new)`` for ``seq``'s admission (all groups or none). When it raises anyway (e.g. a
+        plugin's eviction policy failed: PluginError, which the step raises) ``blocks`` go back, its prefix hit's
+        too: they would be held by nobody, and ``seq`` waits as before."""
+        try:
+            return blocks.append(num_new)
+        except BaseException:
+            blocks.release()
+            if self._states is not None:
+                self._states.forget(seq.request_id)
+            raise
 
     def _admission_order(self) -> list[SequenceState]:
         """The waiting sequences in the order the policy admits them."""

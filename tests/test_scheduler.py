@@ -12,6 +12,8 @@ from pagedcore import (
     FinishReason,
     InvalidRequestError,
     KVPool,
+    LRUEvictionPolicy,
+    PluginError,
     RequestNotFoundError,
     Scheduler,
     SchedulerConfig,
@@ -250,6 +252,38 @@ def test_a_fork_into_a_taken_id_is_refused_before_update_changes_anything(abort)
     done = run_to_completion(sched, model)
     assert sorted(done) == (["a#1"] if abort == "a" else ["a", "a#1"])  # 'a#1' now: the fork of 'a'
     assert sched.pool.num_used_blocks == 0
+
+
+class _FailingLRU(LRUEvictionPolicy):
+    """LRU whose ``pop()`` raises ``failures`` times (a plugin's policy with a bug)."""
+
+    failures = 0
+
+    def pop(self) -> int:
+        if self.failures:
+            self.failures -= 1
+            raise RuntimeError("policy bug")
+        return super().pop()
+
+
+@pytest.mark.parametrize("prompt", [[1, 2, 3, 4, 5], [50] * 7 + [9]], ids=["cold", "prefix-hit"])
+def test_an_eviction_policy_failing_at_admission_leaks_no_block(prompt):
+    policies: list[_FailingLRU] = []
+    pool = KVPool(12, 2, (None, None), eviction_policy=lambda: policies.append(_FailingLRU()) or policies[-1])
+    sched = Scheduler(pool, SchedulerConfig())
+    model = FakeModel(sched)
+    for i in range(3):
+        sched.add(SequenceState(f"w{i}", [50 + i] * 7, max_new_tokens=1))
+    run_to_completion(sched, model)  # every block cached and evictable: admitting "a" evicts in both groups
+    sched.add(SequenceState("a", prompt, max_new_tokens=4))
+    policies[1].failures = 1  # group 0 grows, then group 1's pop() raises
+    with pytest.raises(PluginError, match="policy bug"):
+        sched.schedule()
+    sched.check_invariants()  # the blocks group 0 took (and a prefix hit's) were held by nobody
+    assert pool.num_used_blocks == 0 and sched.get("a").num_computed_tokens == 0
+    done = run_to_completion(sched, model)  # the policy works again: "a" is admitted as if nothing happened
+    assert done["a"].output_token_ids == reference_output(prompt, 4)
+    assert pool.num_used_blocks == 0
 
 
 class Index:
