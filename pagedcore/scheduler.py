@@ -31,6 +31,7 @@ and hands the sampled tokens to :meth:`Scheduler.update`.
 from __future__ import annotations
 
 import itertools
+import logging
 from collections import OrderedDict
 from collections.abc import Hashable, Mapping, Sequence
 
@@ -41,6 +42,7 @@ from pagedcore.errors import (
     DuplicateRequestError,
     InvalidRequestError,
     OutOfBlocksError,
+    PluginError,
     RequestNotFoundError,
 )
 from pagedcore.kv_pool import KVPool, PoolMatch
@@ -52,6 +54,8 @@ from pagedcore.state_planner import StatePlanner
 from pagedcore.validation import token_ids
 
 __all__ = ["POLICIES", "ScheduledSequence", "Scheduler", "SchedulerConfig", "SchedulerOutput", "SchedulerStats"]
+
+logger = logging.getLogger(__name__)
 
 
 class Scheduler:
@@ -93,6 +97,7 @@ class Scheduler:
         self.stats = SchedulerStats()
         self._step = 0  # schedule() calls so far
         self._pending: int | None = None  # the step update() records next (the latest planned; None: recorded)
+        self._failed: dict[str, str] = {}  # the step being planned: requests failed while planning it (why)
         bs = pool.block_size
         self._watermark_blocks = int(self._config.watermark * pool.num_blocks)  # every group has num_blocks blocks
         self._bs = bs
@@ -264,6 +269,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Plan the next step: which tokens of which sequences to compute, with their slots and block tables."""
         budget = self._config.max_num_batched_tokens
+        self._failed = {}
         plan: list[tuple[SequenceState, int]] = []
         planned: set[int] = set()
         copies: list[Copy] = []
@@ -286,15 +292,19 @@ class Scheduler:
             if seq.status is not running:
                 continue  # preempted earlier in this step
             num_new = uncomputed if uncomputed < budget else budget
-            if states is not None:
-                num_new = states.chunk(seq.num_computed_tokens, num_new)
-                grown = None
-            else:  # the common case first: the tables grow without preempting (a decode: a few comparisons)
-                grown = _tables(seq).try_append(num_new)
-            if grown is None:
-                grown = self._grow(seq, num_new, planned, preempted)
+            try:
+                if states is not None:
+                    num_new = states.chunk(seq.num_computed_tokens, num_new)
+                    grown = None
+                else:  # the common case first: the tables grow without preempting (a decode: a few comparisons)
+                    grown = _tables(seq).try_append(num_new)
                 if grown is None:
-                    continue
+                    grown = self._grow(seq, num_new, planned, preempted)
+            except PluginError as exc:  # the pool's eviction policy failed: this sequence fails, the step goes on
+                self._fail_planned(seq, exc)
+                continue
+            if grown is None:
+                continue
             if grown:
                 copies.extend(grown)
             plan.append((seq, num_new))
@@ -309,10 +319,12 @@ class Scheduler:
             points = [states.points(item.sequence, item.start, item.end) for item in scheduled]
             for item, granted in zip(scheduled, states.grant(points, self._reservation)):
                 item.snapshots = granted
+        if self._failed:  # as finish() does: the failed sequences' blocks are no longer held back for them
+            self._settle_reservation()
         self.stats.num_steps += 1
         self._step += 1
         self._pending = self._step
-        return SchedulerOutput(scheduled, copies, preempted, self._step)
+        return SchedulerOutput(scheduled, copies, preempted, self._step, self._failed)
 
     def _grow(self, seq: SequenceState, num_new: int, planned: set[int], preempted: list[str]) -> list[Copy] | None:
         """Grow a running sequence's tables by ``num_new`` positions (and count the state slot its write takes),
@@ -534,7 +546,8 @@ class Scheduler:
                 self._states.admitted(seq, match, hit)
                 self._states.promise(blocks)
                 num_new = self._states.chunk(hit, num_new)
-            copies.extend(self._first_append(seq, blocks, num_new))
+            if not self._first_append(seq, blocks, num_new, copies):
+                continue  # it failed (the pool's eviction policy did); the others may still be admitted
             del self._waiting[seq.request_id]
             seq.blocks = blocks
             seq.num_computed_tokens = hit
@@ -564,17 +577,29 @@ class Scheduler:
             )
         return budget
 
-    def _first_append(self, seq: SequenceState, blocks: BlockTables, num_new: int) -> list[Copy]:
-        """``blocks.append(num_new)`` for ``seq``'s admission (all groups or none). When it raises anyway (e.g. a
-        plugin's eviction policy failed: PluginError, which the step raises) ``blocks`` go back, its prefix hit's
-        too: they would be held by nobody, and ``seq`` waits as before."""
+    def _first_append(self, seq: SequenceState, blocks: BlockTables, num_new: int, copies: list[Copy]) -> bool:
+        """``blocks.append(num_new)`` for ``seq``'s admission (all groups or none), its copies added to ``copies``.
+        When it raises anyway ``blocks`` go back, its prefix hit's too (they would be held by nobody): a
+        :class:`PluginError` (the pool's eviction policy, a plugin's code, failed) fails ``seq`` alone (False),
+        anything else the step."""
         try:
-            return blocks.append(num_new)
-        except BaseException:
+            copies.extend(blocks.append(num_new))
+            return True
+        except BaseException as exc:
             blocks.release()
             if self._states is not None:
                 self._states.forget(seq.request_id)
-            raise
+            if not isinstance(exc, PluginError):
+                raise
+            self._fail_planned(seq, exc)
+            return False
+
+    def _fail_planned(self, seq: SequenceState, exc: PluginError) -> None:
+        """Fail ``seq`` while planning a step (its blocks' eviction policy failed), reported in the step's
+        :attr:`~pagedcore.scheduler_output.SchedulerOutput.failed` under its request's id."""
+        logger.error("pagedcore: request %r failed: %s", seq.request_id, exc)
+        self._finish(seq, FinishReason.ERROR)
+        self._failed.setdefault(seq.group_id, f"{type(exc).__name__}: {exc}")
 
     def _admission_order(self) -> list[SequenceState]:
         """The waiting sequences in the order the policy admits them."""

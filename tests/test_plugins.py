@@ -14,6 +14,7 @@ import importlib
 import importlib.metadata
 import inspect
 import logging
+import re
 import subprocess
 import sys
 import textwrap
@@ -1176,7 +1177,7 @@ class ArmedPolicyPlugin:
 
 
 @covers("pagedcore_eviction_policy")
-def test_an_engine_whose_eviction_policy_fails_raises_a_plugin_error_and_keeps_its_pool(pm):
+def test_an_engine_whose_eviction_policy_fails_fails_that_request_and_keeps_its_pool(pm):
     from pagedcore.adapters.transformers import Engine
 
     plugin = ArmedPolicyPlugin()
@@ -1187,8 +1188,9 @@ def test_an_engine_whose_eviction_policy_fails_raises_a_plugin_error_and_keeps_i
             engine.generate([list(range(3, 19))], max_new_tokens=2, use_tqdm=False)  # 4 blocks cached
             cached = pool.kv.num_cached_blocks
             plugin.armed = True
-            with pytest.raises(PluginError, match=r"eviction policy 'armed' .*pop\(\) raised RuntimeError: pop boom"):
-                engine.generate([list(range(40, 64))], max_new_tokens=2, use_tqdm=False)  # must evict
+            (out,) = engine.generate([list(range(40, 64))], max_new_tokens=2, use_tqdm=False)  # must evict
+            assert re.match(r"PluginError: eviction policy 'armed' .*pop\(\) raised RuntimeError: pop boom", out.error)
+            assert out.finish_reason == "error" and not engine.has_unfinished()  # the Engine serves on
             pool.check_invariants()
             assert pool.kv.num_cached_blocks == cached and pool.kv.num_used_blocks == 0
             plugin.armed = False

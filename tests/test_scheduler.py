@@ -13,7 +13,6 @@ from pagedcore import (
     InvalidRequestError,
     KVPool,
     LRUEvictionPolicy,
-    PluginError,
     RequestNotFoundError,
     Scheduler,
     SchedulerConfig,
@@ -266,24 +265,60 @@ class _FailingLRU(LRUEvictionPolicy):
         return super().pop()
 
 
-@pytest.mark.parametrize("prompt", [[1, 2, 3, 4, 5], [50] * 7 + [9]], ids=["cold", "prefix-hit"])
-def test_an_eviction_policy_failing_at_admission_leaks_no_block(prompt):
+def _warm_failing_pool(num_blocks: int, groups: int) -> tuple[Scheduler, FakeModel, list[_FailingLRU]]:
+    """A scheduler whose pool's blocks are all cached and evictable: every allocation evicts, in every group."""
     policies: list[_FailingLRU] = []
-    pool = KVPool(12, 2, (None, None), eviction_policy=lambda: policies.append(_FailingLRU()) or policies[-1])
+    pool = KVPool(
+        num_blocks, 2, (None,) * groups, eviction_policy=lambda: policies.append(_FailingLRU()) or policies[-1]
+    )
     sched = Scheduler(pool, SchedulerConfig())
     model = FakeModel(sched)
-    for i in range(3):
+    for i in range(num_blocks // 4):
         sched.add(SequenceState(f"w{i}", [50 + i] * 7, max_new_tokens=1))
-    run_to_completion(sched, model)  # every block cached and evictable: admitting "a" evicts in both groups
-    sched.add(SequenceState("a", prompt, max_new_tokens=4))
-    policies[1].failures = 1  # group 0 grows, then group 1's pop() raises
-    with pytest.raises(PluginError, match="policy bug"):
-        sched.schedule()
-    sched.check_invariants()  # the blocks group 0 took (and a prefix hit's) were held by nobody
-    assert pool.num_used_blocks == 0 and sched.get("a").num_computed_tokens == 0
-    done = run_to_completion(sched, model)  # the policy works again: "a" is admitted as if nothing happened
-    assert done["a"].output_token_ids == reference_output(prompt, 4)
+    run_to_completion(sched, model)
+    assert all(g.block_manager.num_free_blocks == 0 for g in pool.groups)
+    return sched, model, policies
+
+
+@pytest.mark.parametrize("prompt", [[1, 2, 3, 4, 5], [50] * 7 + [9]], ids=["cold", "prefix-hit"])
+def test_an_eviction_policy_failing_at_admission_fails_that_request_alone_and_leaks_nothing(prompt):
+    sched, model, policies = _warm_failing_pool(12, groups=2)
+    pool = sched.pool
+    failing = SequenceState("a", prompt, max_new_tokens=4)
+    sched.add(failing)
+    sched.add(SequenceState("b", [60, 61, 62], max_new_tokens=4))
+    policies[1].failures = 1  # group 0 grows, then group 1's pop() raises: "a" fails, "b" is admitted
+    out = sched.schedule()
+    assert list(out.failed) == ["a"] and "policy bug" in out.failed["a"]
+    assert failing.finish_reason is FinishReason.ERROR and [s.request_id for s in out.scheduled] == ["b"]
+    sched.check_invariants()  # the blocks group 0 took for "a" (and its prefix hit's) are back
+    sched.update(out, model.step(out))
+    done = run_to_completion(sched, model)
+    assert done["b"].output_token_ids == reference_output([60, 61, 62], 4)
     assert pool.num_used_blocks == 0
+
+
+def test_an_eviction_policy_failing_while_a_sequence_grows_fails_that_sequence_alone():
+    sched, model, policies = _warm_failing_pool(16, groups=1)
+    prompts = {"r": [1, 2, 3], "s": [4, 5, 6, 7, 8]}
+    seqs = {rid: SequenceState(rid, prompt, max_new_tokens=6) for rid, prompt in prompts.items()}
+    for seq in seqs.values():
+        sched.add(seq)
+    out = sched.schedule()
+    sched.update(out, model.step(out))
+    policies[0].failures = 1  # the next block either of them needs
+    for _ in range(10):
+        out = sched.schedule()
+        sched.check_invariants()
+        sched.update(out, model.step(out))
+        if out.failed:
+            break
+    (failed,) = out.failed
+    assert seqs[failed].finish_reason is FinishReason.ERROR
+    (other,) = set(prompts) - {failed}
+    done = run_to_completion(sched, model)
+    assert done[other].output_token_ids == reference_output(prompts[other], 6)
+    assert sched.pool.num_used_blocks == 0
 
 
 class Index:
