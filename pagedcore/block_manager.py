@@ -20,8 +20,10 @@ recently freed block first and then never-used ids in increasing order (what an 
 small workloads stay in a compact, low region of the pool.
 
 Every command validates all of its ids before it changes anything, so a call that raises leaves the manager as it
-was. That holds for the eviction policy too (a plugin's code): ``allocate`` takes all the victims it needs and checks
-each (an evictable block, named once) before it evicts any; a ``pop()`` that raises or names another id is a
+was. That holds for the eviction policy too (a plugin's code): ``allocate`` takes victims one by one until they
+free enough blocks (a victim's unheld descendants in the prefix cache leave with it: :meth:`CacheIndex.subtree`), and
+checks each (an evictable block, named once) before it evicts any, so it takes none it does not evict and the
+others keep their places in the policy's order; a ``pop()`` that raises or names another id is a
 :class:`~pagedcore.errors.PluginError` naming the policy, its victims given back. Nothing outside this module
 reads or writes its fields: holders go through ``allocate`` / ``retain`` / ``release`` / ``free`` / ``append_slot``,
 the prefix cache through ``mark_cached`` / ``uncache`` and the :class:`CacheIndex` callback (the design note
@@ -31,7 +33,7 @@ the prefix cache through ``mark_cached`` / ``uncache`` and the :class:`CacheInde
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Container, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar, Protocol, runtime_checkable
 
@@ -69,6 +71,11 @@ class CacheIndex(Protocol):
         Returns every block id that leaves the cache with it: ``block_id`` itself first, then any descendants that
         can no longer be reached once their ancestor is gone.
         """
+        ...
+
+    def subtree(self, block_id: int, skip: Container[int] = ()) -> list[int]:
+        """What :meth:`drop_block` would return for ``block_id`` now, changing nothing (the manager counts what a
+        victim frees before it evicts anything), less any descendant in ``skip`` and everything below it."""
         ...
 
 
@@ -262,6 +269,12 @@ class BlockManager:
         (block_id,) = self._validate((block_id,), "is_cached")
         return block_id < self._hwm and bool(self._cached[block_id])
 
+    def check_ids(self, block_ids: Iterable[object], op: str) -> list[int]:
+        """``block_ids`` as ``int`` s, validated as every command validates its ids (integers, not bools, in range,
+        each named once), else :class:`InvalidBlockError` naming ``op``. No side effects: for a caller (the prefix
+        cache) that checks all of a call's ids before it changes anything."""
+        return self._validate(block_ids, op)  # type: ignore[arg-type]  # _validate checks each element's type
+
     def blocks_needed(self, block_ids: Sequence[int], num_tokens: int, num_new_tokens: int) -> int:
         """Blocks :meth:`append_slot` would allocate for these arguments (copy-on-write included)."""
         last = self._check_table(block_ids, num_tokens, num_new_tokens, "blocks_needed")
@@ -288,7 +301,7 @@ class BlockManager:
             return []
         evicted: list[int] = []
         if len(free) + untouched < num_blocks:
-            self._evict(self._take_victims(num_blocks - len(free) - untouched), num_blocks - untouched, evicted)
+            self._evict(self._take_victims(num_blocks - len(free) - untouched), evicted)
         # The most recently freed first (top of the stack), then never-used ids in increasing order.
         reused = min(num_blocks, len(free))
         if reused:
@@ -553,15 +566,17 @@ class BlockManager:
                 policy.remove(block_id)
                 free.append(block_id)
 
-    def _take_victims(self, count: int) -> list[int]:
-        """``count`` victims from the eviction policy, each checked before anything changes (an evictable block:
-        cached, held by nobody, named once). Each victim frees at least its own block, so ``count`` are enough. A
-        ``pop()`` that raises or names any other id: what was taken goes back to the policy and :class:`PluginError`
-        names the policy, the manager as it was (a policy is a plugin's code, never trusted with the pool)."""
-        policy = self._policy
+    def _take_victims(self, needed: int) -> list[int]:
+        """Victims from the eviction policy, one by one, until evicting them frees ``needed`` blocks (each its own
+        and its unheld descendants'), each checked before anything changes (an evictable block: cached, held by
+        nobody, named once): no victim is taken that is not evicted, so the others keep their places. A ``pop()``
+        that raises or names any other id: what was taken goes back to the policy and :class:`PluginError` names the
+        policy, the manager as it was (a policy is a plugin's code, never trusted with the pool)."""
+        policy, index = self._policy, self._index
         victims: list[int] = []
         taken: set[int] = set()
-        while len(victims) < count:
+        freeing: set[int] = set()  # the blocks the victims taken so far free
+        while len(freeing) < needed:
             try:
                 victim = policy.pop()
             except Exception as exc:
@@ -573,6 +588,17 @@ class BlockManager:
                 raise PluginError(f"{self._policy_label()}: pop() returned {victim!r}, {problem}")
             victims.append(victim)
             taken.add(victim)
+            if victim in freeing:
+                continue  # it leaves with an ancestor taken before it
+            # What evicting it frees: itself and its descendants in the prefix cache that nobody holds, less those
+            # counted already (a counted block's descendants were counted with it: a chain taken leaf first costs
+            # one step per victim).
+            below = [victim] if index is None else index.subtree(victim, freeing)
+            if len(below) == 1:
+                freeing.add(victim)
+            else:
+                ref = self._ref
+                freeing.update(block_id for block_id in below if ref[block_id] == 0)
         return victims
 
     def _victim_problem(self, victim: object, taken: set[int]) -> str | None:
@@ -608,16 +634,10 @@ class BlockManager:
         except Exception:
             logger.exception("pagedcore: %s failed while its victims were given back", self._policy_label())
 
-    def _evict(self, victims: list[int], target: int, evicted: list[int]) -> None:
-        """Evict ``victims`` in order until ``target`` blocks are free; the ones not needed go back to the policy
-        (a victim's unheld descendants leave with it, so fewer may do)."""
+    def _evict(self, victims: list[int], evicted: list[int]) -> None:
+        """Evict ``victims`` in order (:meth:`_take_victims` took just the ones needed)."""
         taken = set(victims)
-        for i, victim in enumerate(victims):
-            if len(self._free) >= target:
-                for block_id in victims[i:]:
-                    if self._cached[block_id]:
-                        self._policy.add(block_id)
-                return
+        for victim in victims:
             if self._cached[victim]:  # else it left the cache with an ancestor evicted before it
                 self._evict_one(victim, taken, evicted)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 from array import array
 from collections.abc import Callable, Hashable, Sequence
 
+from pagedcore.block_manager import SlotAppend
 from pagedcore.capacity import Reservation
 from pagedcore.errors import InvalidBlockError, OutOfBlocksError
 from pagedcore.kv_pool import KVPool, PoolMatch
@@ -307,15 +308,28 @@ class BlockTables:
         return self._grow(num_new_tokens)
 
     def _grow(self, num_new_tokens: int) -> list[Copy]:
-        """:meth:`append` once the blocks it needs are known to be available."""
+        """:meth:`append` once the blocks it needs are known to be available. All groups or none: when a group's
+        allocation raises anyway (its eviction policy, a plugin's code, failed: ``PluginError``), the groups grown
+        before it are undone, so no block is left held by nobody and the tables stay as they were."""
         copies: list[Copy] = []
         self._stale()
         before = self._available()
-        for i, group in enumerate(self._pool.groups):
-            out = group.block_manager.append_slot(self._tables[i], self._held_tokens(i), num_new_tokens)
-            self._tables[i] = out.block_ids
-            copies.extend((i, src, dst) for src, dst in out.copies)
-        self._settle(before)
+        grown: list[tuple[int, list[int], SlotAppend]] = []
+        try:
+            for i, group in enumerate(self._pool.groups):
+                out = group.block_manager.append_slot(self._tables[i], self._held_tokens(i), num_new_tokens)
+                grown.append((i, self._tables[i], out))
+                self._tables[i] = out.block_ids
+                copies.extend((i, src, dst) for src, dst in out.copies)
+        except Exception:
+            for i, table, out in grown:
+                bm = self._pool.groups[i].block_manager
+                bm.retain([src for src, _ in out.copies])  # the copied block, held again (it is in use or cached)
+                bm.free(out.new_block_ids)
+                self._tables[i] = table
+            raise
+        finally:
+            self._settle(before)
         self._num_tokens += num_new_tokens
         # Every group's last block is now private: fresh, a copy, or checked by the manager (ref 1, uncached).
         self._last_private = num_new_tokens > 0

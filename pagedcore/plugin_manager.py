@@ -36,6 +36,7 @@ from pagedcore import hookspecs
 from pagedcore.errors import ConfigError, PagedCoreError, PluginError
 from pagedcore.eviction import EvictionPolicy
 from pagedcore.kv_store import KVStore, check_store
+from pagedcore.validation import integer
 
 if TYPE_CHECKING:
     from pagedcore.attention import AttentionBackend
@@ -225,7 +226,11 @@ class PluginManager:
         return backend
 
     def eviction_policy(self, name: str | None = None, num_blocks: int = 0) -> EvictionPolicy:
-        """A new eviction policy; raises :class:`PluginError` when no plugin offers ``name``."""
+        """A new eviction policy; raises :class:`PluginError` when no plugin offers ``name``, and
+        :class:`~pagedcore.errors.ConfigError` naming ``num_blocks`` (no plugin asked) unless it is an integer >= 0."""
+        num_blocks = integer(
+            "eviction_policy: num_blocks", num_blocks, minimum=0, error=ConfigError, param="num_blocks"
+        )
         plugin, policy = self.select("pagedcore_eviction_policy", name=name, num_blocks=num_blocks)
         if policy is None:
             raise PluginError(f"no plugin offers the eviction policy {name!r}")

@@ -34,13 +34,14 @@ longer be reached).
 from __future__ import annotations
 
 from bisect import bisect_left, insort
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Container, Hashable, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 from pagedcore.block_keys import namespace_key
 from pagedcore.block_manager import BlockManager
 from pagedcore.errors import ConfigError, InvalidBlockError
-from pagedcore.validation import integer
+from pagedcore.validation import as_integer, integer
 
 __all__ = ["PrefixMatch", "PrefixTrie", "namespace_key"]
 
@@ -56,6 +57,24 @@ def _common(a: tuple[int, ...], b: tuple[int, ...]) -> int:
     while a[i] == b[i]:
         i += 1
     return i
+
+
+def _token_tuple(values: Sequence[object], op: str) -> tuple[int, ...]:
+    """``values`` as a tuple of ``int`` token ids (any integer, negative ones included: encoder inputs use them), else
+    :class:`InvalidBlockError` naming the bad ones: a string or None is no token, and a float or bool cached as one
+    would stand in for the integer it equals (``2.0``, ``True``)."""
+    tokens = tuple(values)
+    if set(map(type, tokens)) <= _INT:
+        return cast("tuple[int, ...]", tokens)
+    numbers = [as_integer(value) for value in tokens]
+    bad = [repr(value) for value, number in zip(tokens, numbers) if number is None]
+    if bad:
+        shown = ", ".join(bad[:5]) + (f" (and {len(bad) - 5} more)" if len(bad) > 5 else "")
+        raise InvalidBlockError(f"{op}: token ids must be integers, got {shown}", param="token_ids")
+    return tuple(number for number in numbers if number is not None)
+
+
+_INT = {int}
 
 
 def _cached_elsewhere(block_id: int, position: int) -> InvalidBlockError:
@@ -290,7 +309,9 @@ class PrefixTrie:
 
         Blocks must be held by the caller (reference count >= 1). Where the same content is cached already, the
         existing block is kept and returned in its place: the caller then holds a duplicate, which it may swap
-        for the returned one (``retain`` it, ``release`` its own). Atomic: on error nothing changes.
+        for the returned one (``retain`` it, ``release`` its own). Token ids and block ids must be integers (block
+        ids in range, each once; also where the content is cached already), else :class:`InvalidBlockError`. Atomic:
+        on error nothing changes.
 
         Args:
             token_ids: the blocks' tokens (from the root, or from after ``parent``).
@@ -305,7 +326,7 @@ class PrefixTrie:
         bs = self._block_size
         if parent is not None and type(block_ids) is list and len(block_ids) == 1 and len(token_ids) >= bs:
             return self._insert_one(token_ids, block_ids[0], namespace, parent)
-        blocks = list(block_ids)
+        blocks = self._bm.check_ids(block_ids, "insert")  # every id, also where the content is cached already
         if len(token_ids) < len(blocks) * bs:
             raise InvalidBlockError(
                 f"insert: {len(blocks)} blocks of {bs} tokens need {len(blocks) * bs} tokens, got {len(token_ids)}"
@@ -326,10 +347,12 @@ class PrefixTrie:
     def _insert_one(self, token_ids: Sequence[int], block_id: int, namespace: Namespace, parent: int) -> list[int]:
         """:meth:`insert` of one block under ``parent`` (a growing sequence's newest block, once per block it fills):
         the same checks, order and result as the general path, without its plan of many positions."""
+        if type(block_id) is not int or not 0 <= block_id < self._bm.num_blocks:
+            (block_id,) = self._bm.check_ids([block_id], "insert")  # as the general path checks it, first
         key = namespace_key(namespace)
         root = self._insert_root(key, namespace, parent, "insert")
         assert root is not None  # a parent is a cached block
-        tokens = tuple(token_ids[: self._block_size])
+        tokens = _token_tuple(token_ids[: self._block_size], "insert")
         child = root.children.get(tokens)
         if child is not None:
             assert child.block_id is not None
@@ -363,7 +386,7 @@ class PrefixTrie:
         to_create: dict[int, tuple[int, ...]] = {}
         by_block = self._by_block
         for i, block_id in enumerate(blocks):
-            tokens = tuple(token_ids[i * bs : (i + 1) * bs])
+            tokens = _token_tuple(token_ids[i * bs : (i + 1) * bs], "insert")
             if node is not None:
                 child = node.children.get(tokens)  # content decides: the tokens are the key
                 if child is not None:
@@ -420,7 +443,8 @@ class PrefixTrie:
             >>> trie.match([1, 2, 3, 4, 5, 6, 7])        # a continuation inside the block reuses its two positions
             PrefixMatch(block_ids=[0, 1], num_tokens=6)
         """
-        tokens = tuple(token_ids)
+        tokens = _token_tuple(token_ids, "insert_partial")
+        (block_id,) = self._bm.check_ids([block_id], "insert_partial")
         if not 0 < len(tokens) < self._block_size:
             raise InvalidBlockError(
                 f"insert_partial: a partial block holds 1 .. {self._block_size - 1} tokens, got {len(tokens)}"
@@ -448,20 +472,40 @@ class PrefixTrie:
         self._detach(node)
         if not node.children:  # a leaf: the usual victim of LRU eviction
             del self._by_block[block_id]
-            if self._on_drop is not None:
-                self._on_drop([block_id])
-            return [block_id]
-        dropped: list[int] = []
+            dropped = [block_id]
+        else:
+            dropped = self._subtree(node)
+            by_block = self._by_block
+            for dropped_id in dropped:
+                del by_block[dropped_id]
+        if self._on_drop is not None:
+            self._on_drop(dropped)
+        return dropped
+
+    def subtree(self, block_id: int, skip: Container[int] = ()) -> list[int]:
+        """``block_id`` and every descendant (what :meth:`drop_block` would drop), changing nothing; a descendant in
+        ``skip`` is left out with everything below it (the manager skips what it counted already)."""
+        node = self._by_block.get(block_id)
+        if node is None:
+            raise InvalidBlockError(f"subtree: block {block_id} is not cached")
+        children = node.children
+        if not children or (len(children) == 1 and next(iter(children.values())).block_id in skip):
+            return [block_id]  # a leaf, or a chain's next block up (LRU takes a chain leaf first): one step
+        return self._subtree(node, skip)
+
+    @staticmethod
+    def _subtree(node: _Node, skip: Container[int] = ()) -> list[int]:
+        assert node.block_id is not None
+        if not node.children:  # a leaf: the usual victim of LRU eviction
+            return [node.block_id]
+        ids: list[int] = []
         stack = [node]
         while stack:
             current = stack.pop()
             assert current.block_id is not None
-            dropped.append(current.block_id)
-            del self._by_block[current.block_id]
-            stack.extend(current.children.values())
-        if self._on_drop is not None:
-            self._on_drop(dropped)
-        return dropped
+            ids.append(current.block_id)
+            stack.extend(child for child in current.children.values() if child.block_id not in skip)
+        return ids
 
     def remove(self, block_id: int) -> list[int]:
         """Drop a cached block and its descendants from the cache now (they stay allocated if still in use)."""

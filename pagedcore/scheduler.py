@@ -31,6 +31,7 @@ and hands the sampled tokens to :meth:`Scheduler.update`.
 from __future__ import annotations
 
 import itertools
+import logging
 from collections import OrderedDict
 from collections.abc import Hashable, Mapping, Sequence
 
@@ -41,6 +42,7 @@ from pagedcore.errors import (
     DuplicateRequestError,
     InvalidRequestError,
     OutOfBlocksError,
+    PluginError,
     RequestNotFoundError,
 )
 from pagedcore.kv_pool import KVPool, PoolMatch
@@ -52,6 +54,8 @@ from pagedcore.state_planner import StatePlanner
 from pagedcore.validation import token_ids
 
 __all__ = ["POLICIES", "ScheduledSequence", "Scheduler", "SchedulerConfig", "SchedulerOutput", "SchedulerStats"]
+
+logger = logging.getLogger(__name__)
 
 
 class Scheduler:
@@ -93,6 +97,7 @@ class Scheduler:
         self.stats = SchedulerStats()
         self._step = 0  # schedule() calls so far
         self._pending: int | None = None  # the step update() records next (the latest planned; None: recorded)
+        self._failed: dict[str, str] = {}  # the step being planned: requests failed while planning it (why)
         bs = pool.block_size
         self._watermark_blocks = int(self._config.watermark * pool.num_blocks)  # every group has num_blocks blocks
         self._bs = bs
@@ -264,6 +269,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Plan the next step: which tokens of which sequences to compute, with their slots and block tables."""
         budget = self._config.max_num_batched_tokens
+        self._failed = {}
         plan: list[tuple[SequenceState, int]] = []
         planned: set[int] = set()
         copies: list[Copy] = []
@@ -286,15 +292,19 @@ class Scheduler:
             if seq.status is not running:
                 continue  # preempted earlier in this step
             num_new = uncomputed if uncomputed < budget else budget
-            if states is not None:
-                num_new = states.chunk(seq.num_computed_tokens, num_new)
-                grown = None
-            else:  # the common case first: the tables grow without preempting (a decode: a few comparisons)
-                grown = _tables(seq).try_append(num_new)
-            if grown is None:
-                grown = self._grow(seq, num_new, planned, preempted)
+            try:
+                if states is not None:
+                    num_new = states.chunk(seq.num_computed_tokens, num_new)
+                    grown = None
+                else:  # the common case first: the tables grow without preempting (a decode: a few comparisons)
+                    grown = _tables(seq).try_append(num_new)
                 if grown is None:
-                    continue
+                    grown = self._grow(seq, num_new, planned, preempted)
+            except PluginError as exc:  # the pool's eviction policy failed: this sequence fails, the step goes on
+                self._fail_planned(seq, exc)
+                continue
+            if grown is None:
+                continue
             if grown:
                 copies.extend(grown)
             plan.append((seq, num_new))
@@ -309,10 +319,12 @@ class Scheduler:
             points = [states.points(item.sequence, item.start, item.end) for item in scheduled]
             for item, granted in zip(scheduled, states.grant(points, self._reservation)):
                 item.snapshots = granted
+        if self._failed:  # as finish() does: the failed sequences' blocks are no longer held back for them
+            self._settle_reservation()
         self.stats.num_steps += 1
         self._step += 1
         self._pending = self._step
-        return SchedulerOutput(scheduled, copies, preempted, self._step)
+        return SchedulerOutput(scheduled, copies, preempted, self._step, self._failed)
 
     def _grow(self, seq: SequenceState, num_new: int, planned: set[int], preempted: list[str]) -> list[Copy] | None:
         """Grow a running sequence's tables by ``num_new`` positions (and count the state slot its write takes),
@@ -336,7 +348,8 @@ class Scheduler:
         """Record a computed step: the latest :meth:`schedule`'s output, once (a replayed or superseded one raises
         :class:`InvalidRequestError`). ``sampled[request_id]`` holds the token ids (integers >= 0) sampled for every
         scheduled sequence with ``sample=True`` (``num_samples`` tokens at a forking step, else one). Bad input
-        raises, naming the request and the value, and changes nothing.
+        raises, naming the request and the value, and changes nothing; so does a forking step whose samples' ids
+        (``"<id>#1"`` ..) another request holds (:class:`DuplicateRequestError`: abort one, then update again).
 
         Returns the sequences that finished in this step (forked samples included).
         """
@@ -396,6 +409,14 @@ class Scheduler:
             if not item.sample:
                 live.append((item, _NO_TOKEN))
                 continue
+            if item.num_samples > 1:  # a forking step: its samples' ids must be free (update must not fail halfway)
+                taken = [rid for rid in _fork_ids(seq, item.num_samples - 1) if rid in by_id]
+                if taken:
+                    raise DuplicateRequestError(
+                        f"update: request {seq.request_id!r} forks into {taken}, ids already in use by other requests; "
+                        "nothing was recorded (abort one of them, then update again)",
+                        param="request_id",
+                    )
             tokens = sampled.get(seq.request_id, ())
             if type(tokens) is not list or len(tokens) != item.num_samples:
                 tokens = _sampled(seq.request_id, tokens, item.num_samples)
@@ -525,7 +546,8 @@ class Scheduler:
                 self._states.admitted(seq, match, hit)
                 self._states.promise(blocks)
                 num_new = self._states.chunk(hit, num_new)
-            copies.extend(blocks.append(num_new))
+            if not self._first_append(seq, blocks, num_new, copies):
+                continue  # it failed (the pool's eviction policy did); the others may still be admitted
             del self._waiting[seq.request_id]
             seq.blocks = blocks
             seq.num_computed_tokens = hit
@@ -554,6 +576,30 @@ class Scheduler:
                 num_cached_tokens=hit,
             )
         return budget
+
+    def _first_append(self, seq: SequenceState, blocks: BlockTables, num_new: int, copies: list[Copy]) -> bool:
+        """``blocks.append(num_new)`` for ``seq``'s admission (all groups or none), its copies added to ``copies``.
+        When it raises anyway ``blocks`` go back, its prefix hit's too (they would be held by nobody): a
+        :class:`PluginError` (the pool's eviction policy, a plugin's code, failed) fails ``seq`` alone (False),
+        anything else the step."""
+        try:
+            copies.extend(blocks.append(num_new))
+            return True
+        except BaseException as exc:
+            blocks.release()
+            if self._states is not None:
+                self._states.forget(seq.request_id)
+            if not isinstance(exc, PluginError):
+                raise
+            self._fail_planned(seq, exc)
+            return False
+
+    def _fail_planned(self, seq: SequenceState, exc: PluginError) -> None:
+        """Fail ``seq`` while planning a step (its blocks' eviction policy failed), reported in the step's
+        :attr:`~pagedcore.scheduler_output.SchedulerOutput.failed` under its request's id."""
+        logger.error("pagedcore: request %r failed: %s", seq.request_id, exc)
+        self._finish(seq, FinishReason.ERROR)
+        self._failed.setdefault(seq.group_id, f"{type(exc).__name__}: {exc}")
 
     def _admission_order(self) -> list[SequenceState]:
         """The waiting sequences in the order the policy admits them."""
@@ -642,10 +688,9 @@ class Scheduler:
     def _fork(self, parent: SequenceState, count: int) -> list[SequenceState]:
         assert parent.blocks is not None
         children = []
-        for k in range(1, count + 1):
-            child = parent.child(f"{parent.request_id}#{k}", k)
-            if child.request_id in self._by_id:
-                raise DuplicateRequestError(f"fork: request id {child.request_id!r} is already in use")
+        for k, request_id in enumerate(_fork_ids(parent, count), 1):
+            assert request_id not in self._by_id, "update's validation checks the fork ids first"
+            child = parent.child(request_id, k)
             child.blocks = parent.blocks.fork()
             child.status = SequenceStatus.RUNNING
             self._by_id[child.request_id] = child
@@ -704,6 +749,11 @@ def _sampled(request_id: str, tokens: object, count: int) -> list[int]:
     if len(ids) != count:
         raise InvalidRequestError(f"update: request {request_id!r} needs {count} sampled tokens, got {len(ids)}")
     return ids
+
+
+def _fork_ids(parent: SequenceState, count: int) -> list[str]:
+    """The request ids of a parent's ``count`` forked samples: ``"<parent>#1"`` .. ``"<parent>#<count>"``."""
+    return [f"{parent.request_id}#{k}" for k in range(1, count + 1)]
 
 
 def _priority(item: tuple[SequenceState, int]) -> int:

@@ -105,6 +105,9 @@ class SchedulerOutput:
         preempted: ids of sequences preempted in this step (their blocks are back in the pool).
         step: which :meth:`~pagedcore.scheduler.Scheduler.schedule` call planned it (1, 2, ...):
             :meth:`~pagedcore.scheduler.Scheduler.update` records only the latest one, and once.
+        failed: requests (by id; a parallel sample's by its parent's) a sequence of which failed while this step
+            was planned, with why: the pool's eviction policy (a plugin's code) failed while its blocks were
+            allocated. That sequence is finished (``FinishReason.ERROR``), its blocks back; the others are planned.
 
     Example:
         >>> from pagedcore import KVPool, Scheduler
@@ -116,6 +119,7 @@ class SchedulerOutput:
     copies: list[Copy] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
     step: int = 0
+    failed: dict[str, str] = field(default_factory=dict)
 
     @property
     def num_batched_tokens(self) -> int:

@@ -35,7 +35,7 @@ times the keys and values of one block).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Container, Iterable
 
 from pagedcore.block_manager import BlockManager
 from pagedcore.errors import ConfigError, OutOfBlocksError
@@ -62,6 +62,9 @@ class _SnapshotIndex:
         del filed[offset]
         if not filed:
             del self.at[block]
+        return [block_id]
+
+    def subtree(self, block_id: int, skip: Container[int] = ()) -> list[int]:  # a snapshot slot has no descendants
         return [block_id]
 
 

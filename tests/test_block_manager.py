@@ -475,3 +475,23 @@ def test_victims_not_needed_after_a_subtree_left_go_back_to_the_policy():
     assert sorted(bm.allocate(2)) == sorted(a)
     assert trie.match([7, 8]).num_tokens == 2 and bm.num_evicted == 2
     bm.check_invariants()
+
+
+def test_a_victim_a_parent_made_unneeded_keeps_its_place_in_the_lru_order():
+    # LRU order [p, x, c, y]: c is p's child. Two blocks are needed: evicting p frees c with it, so x is not.
+    bm = BlockManager(4, 1)
+    trie = PrefixTrie(bm)
+    p, c = bm.allocate(2)
+    trie.insert([1, 2], [p, c])
+    (x,) = bm.allocate(1)
+    trie.insert([9], [x])
+    (y,) = bm.allocate(1)
+    trie.insert([8], [y])
+    for block_id in (p, x, c, y):
+        bm.release([block_id])
+    assert sorted(bm.allocate(2)) == sorted([p, c])
+    assert trie.contains(x) and trie.contains(y)
+    assert bm.allocate(1) == [x]  # still the least recently released; it used to go back as the most recent
+    assert trie.contains(y) and bm.num_evicted == 3
+    bm.check_invariants()
+    trie.check_invariants()

@@ -6,7 +6,15 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pagedcore import BlockTables, ConfigError, InvalidBlockError, KVPool, OutOfBlocksError
+from pagedcore import (
+    BlockTables,
+    ConfigError,
+    InvalidBlockError,
+    KVPool,
+    LRUEvictionPolicy,
+    OutOfBlocksError,
+    PluginError,
+)
 
 
 def finished_sequence(pool, tokens, namespace=None):
@@ -47,6 +55,43 @@ def test_append_is_atomic_across_groups():
         seq.append(1)
     assert seq.num_tokens == 4
     assert [g.block_manager.num_used_blocks for g in pool.groups] == [2, 2]
+
+
+class _FailingLRU(LRUEvictionPolicy):
+    """LRU whose ``pop()`` raises while ``failing`` (a plugin's policy with a bug)."""
+
+    failing = False
+
+    def pop(self) -> int:
+        if self.failing:
+            raise RuntimeError("policy bug")
+        return super().pop()
+
+
+def test_a_group_whose_eviction_policy_fails_undoes_the_groups_grown_before_it():
+    policies: list[_FailingLRU] = []
+    pool = KVPool(
+        8, 2, sliding_windows=(None, None), eviction_policy=lambda: policies.append(_FailingLRU()) or policies[-1]
+    )
+    finished_sequence(pool, [1, 2, 3, 4, 5, 6])
+    finished_sequence(pool, [100, 101, 102, 103])  # evictable, 2 blocks a group
+    seq = BlockTables(pool)
+    seq.attach(pool.match([1, 2, 3, 4, 5, 6]), 5)  # ends inside a cached block: the next write copies it
+    holder = BlockTables(pool)
+    holder.append(6)  # the free blocks: growing takes an eviction in every group
+    tables, used = [seq.table(i) for i in range(2)], [g.block_manager.num_used_blocks for g in pool.groups]
+    policies[1].failing = True  # group 0 grows (copy-on-write, evicting), then group 1's pop() raises
+    with pytest.raises(PluginError, match="pop\\(\\) raised RuntimeError: policy bug"):
+        seq.append(1)
+    assert seq.num_tokens == 5 and [seq.table(i) for i in range(2)] == tables
+    assert [g.block_manager.num_used_blocks for g in pool.groups] == used  # group 0's new block went back
+    pool.check_invariants()
+    policies[1].failing = False
+    assert len(seq.append(1)) == 2 and seq.num_tokens == 6  # a copy in each group, as before the failure
+    seq.release()
+    holder.release()
+    assert pool.num_used_blocks == 0
+    pool.check_invariants()
 
 
 def test_try_append_grows_like_append_or_changes_nothing():

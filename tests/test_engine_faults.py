@@ -15,8 +15,8 @@ import torch
 from models import FIRST_TOKEN, VOCAB, tiny_model, tiny_tokenizer
 from test_engine import reference, settle, workload
 
-from pagedcore import InvalidRequestError, hookimpl
-from pagedcore.adapters.transformers import Engine, SamplingParams
+from pagedcore import InvalidRequestError, LRUEvictionPolicy, PluginManager, hookimpl
+from pagedcore.adapters.transformers import Engine, PagedKVPool, SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -110,6 +110,44 @@ def test_a_tokenizer_that_raises_on_decode_fails_only_its_request(model, one_thr
             assert out.token_ids == reference(model, prompt, 4)[0] and out.text is not None
     assert stats.num_failed == 1 and stats.num_finished == 2
     assert model.config._attn_implementation == "sdpa"
+
+
+class _RaisingLRU(LRUEvictionPolicy):
+    """A plugin's eviction policy with a bug: every ``pop()`` raises."""
+
+    name = "raising"
+
+    def pop(self) -> int:
+        raise RuntimeError("policy bug")
+
+
+class _RaisingPolicyPlugin:
+    @hookimpl
+    def pagedcore_eviction_policy(self, name):
+        return _RaisingLRU() if name == "raising" else None
+
+
+def test_an_eviction_policy_that_raises_fails_only_the_requests_that_needed_an_eviction(model, one_thread):
+    plugins = PluginManager(load_entrypoints=False)
+    plugins.register(_RaisingPolicyPlugin(), "raising")
+    pool = PagedKVPool(
+        model, num_blocks=16, block_size=4, dtype=torch.float32, plugins=plugins, eviction_policy="raising"
+    )
+    prompts = [[FIRST_TOKEN + i] * 20 for i in range(3)]
+    with Engine(model, pool=pool) as engine:
+        engine.generate(workload(4, 2), SamplingParams(max_new_tokens=4), use_tqdm=False)  # leaves cached blocks
+        outs = engine.generate(prompts, SamplingParams(max_new_tokens=8), use_tqdm=False)  # used to raise
+        assert not engine.has_unfinished()
+        settle(engine)
+        stats = engine.stats()
+    failed = [o for o in outs if o.error]
+    assert failed and len(failed) < len(outs) and stats.num_failed == len(failed)
+    for out in failed:
+        assert out.error.startswith("PluginError: eviction policy 'raising'") and out.finish_reason == "error"
+    for prompt, out in zip(prompts, outs):
+        if out.error is None:
+            assert out.token_ids == reference(model, prompt, 8)[0]
+    assert pool.kv.num_used_blocks == 0
 
 
 def test_a_tokenizer_that_always_raises_leaves_no_zombie_and_close_restores_the_model(model):

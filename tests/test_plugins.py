@@ -14,6 +14,7 @@ import importlib
 import importlib.metadata
 import inspect
 import logging
+import re
 import subprocess
 import sys
 import textwrap
@@ -380,6 +381,18 @@ def test_plugin_manager_eviction_policy_by_name(pm, use):
     assert plugin.calls == [("mru", 7)]
     assert isinstance(pm.eviction_policy(None), LRUEvictionPolicy)  # the trylast built-in is the default
     assert isinstance(pm.eviction_policy("lru"), LRUEvictionPolicy)
+
+
+@pytest.mark.parametrize("num_blocks", [-3, 2.5, True, "4", None])
+def test_eviction_policy_refuses_a_bad_num_blocks_before_asking_any_plugin(pm, use, num_blocks):
+    plugin = use(MRUPlugin(), "mru")
+    names = [info.name for info in pm.plugins()]
+    with pytest.raises(ConfigError, match="num_blocks must be an integer >= 0") as raised:
+        pm.eviction_policy("mru", num_blocks=num_blocks)
+    assert raised.value.param == "num_blocks"
+    assert plugin.calls == [] and plugin.policies == []  # no plugin was asked, nothing was made
+    assert [info.name for info in pm.plugins()] == names
+    assert pm.eviction_policy("mru", num_blocks=0) is plugin.policies[-1]  # 0 (the default) stays valid
 
 
 @covers("pagedcore_eviction_policy")
@@ -1164,7 +1177,7 @@ class ArmedPolicyPlugin:
 
 
 @covers("pagedcore_eviction_policy")
-def test_an_engine_whose_eviction_policy_fails_raises_a_plugin_error_and_keeps_its_pool(pm):
+def test_an_engine_whose_eviction_policy_fails_fails_that_request_and_keeps_its_pool(pm):
     from pagedcore.adapters.transformers import Engine
 
     plugin = ArmedPolicyPlugin()
@@ -1175,8 +1188,9 @@ def test_an_engine_whose_eviction_policy_fails_raises_a_plugin_error_and_keeps_i
             engine.generate([list(range(3, 19))], max_new_tokens=2, use_tqdm=False)  # 4 blocks cached
             cached = pool.kv.num_cached_blocks
             plugin.armed = True
-            with pytest.raises(PluginError, match=r"eviction policy 'armed' .*pop\(\) raised RuntimeError: pop boom"):
-                engine.generate([list(range(40, 64))], max_new_tokens=2, use_tqdm=False)  # must evict
+            (out,) = engine.generate([list(range(40, 64))], max_new_tokens=2, use_tqdm=False)  # must evict
+            assert re.match(r"PluginError: eviction policy 'armed' .*pop\(\) raised RuntimeError: pop boom", out.error)
+            assert out.finish_reason == "error" and not engine.has_unfinished()  # the Engine serves on
             pool.check_invariants()
             assert pool.kv.num_cached_blocks == cached and pool.kv.num_used_blocks == 0
             plugin.armed = False

@@ -61,6 +61,47 @@ def test_insert_needs_enough_tokens_and_is_atomic(bm):
     trie.check_invariants()
 
 
+BAD_IDS = [1.5, "3", None, True]  # a float, a numeric string, None, a bool (True == 1 as a dict key)
+
+
+@pytest.mark.parametrize("bad", BAD_IDS)
+@pytest.mark.parametrize("where", ["token", "new block", "cached block"])
+@pytest.mark.parametrize("call", ["insert", "insert under a parent", "insert_partial"])
+def test_non_integer_token_or_block_ids_are_refused_and_change_nothing(bm, bad, where, call):
+    trie = PrefixTrie(bm)
+    root, cached_child = bm.allocate(2)
+    trie.insert([1, 2], [root])
+    trie.insert([3, 4], [cached_child], parent=root)
+    (mine,) = bm.allocate(1)
+    tokens = [3, 4] if where == "cached block" else [5, 6]  # [3, 4]: content already cached under root
+    if where == "token":
+        tokens[1] = bad
+    block = mine if where == "token" else bad
+    before = (trie.num_cached_blocks, trie.match([1, 2, 3, 4]), trie.match([1, 2, 5, 6]), bm.num_cached_blocks)
+    refused = {
+        "insert": lambda: trie.insert([1, 2, *tokens], [root, block]),
+        "insert under a parent": lambda: trie.insert(tokens, [block], parent=root),
+        "insert_partial": lambda: trie.insert_partial(tokens[1:], block, parent=root),
+    }[call]
+    with pytest.raises(InvalidBlockError, match=f"{call.split()[0]}: (token ids must be integers|block id .* not an)"):
+        refused()
+    after = (trie.num_cached_blocks, trie.match([1, 2, 3, 4]), trie.match([1, 2, 5, 6]), bm.num_cached_blocks)
+    assert after == before and not bm.is_cached(mine) and bm.ref_count(mine) == 1
+    trie.check_invariants()
+    bm.check_invariants()
+
+
+def test_integer_like_token_and_block_ids_are_cached_as_ints(bm):
+    np = pytest.importorskip("numpy")
+    trie = PrefixTrie(bm)
+    (block,) = bm.allocate(1)
+    assert trie.insert([np.int64(7), -2], [np.int64(block)]) == [block]  # negative ids: encoder inputs use them
+    _, tokens = trie.chain(block)
+    assert tokens == [7, -2] and all(type(t) is int for t in tokens)
+    assert trie.match([7, -2]).block_ids == [block]
+    trie.check_invariants()
+
+
 def test_insert_of_free_block_is_refused(bm):
     trie = PrefixTrie(bm)
     with pytest.raises(InvalidBlockError, match="not in use"):

@@ -12,6 +12,7 @@ from pagedcore import (
     FinishReason,
     InvalidRequestError,
     KVPool,
+    LRUEvictionPolicy,
     RequestNotFoundError,
     Scheduler,
     SchedulerConfig,
@@ -226,6 +227,97 @@ def test_update_refuses_a_bad_sampled_token_naming_it_and_changes_nothing(tokens
     sched.update(out, sampled)  # the same step with good tokens is still taken
     assert [s.num_computed_tokens for s in sched.sequences()] == [5, 3]
     run_to_completion(sched, model)
+    assert sched.pool.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("abort", ["a#1", "a"])
+def test_a_fork_into_a_taken_id_is_refused_before_update_changes_anything(abort):
+    """Request ids are the caller's (the Scheduler takes any string; the Engine refuses '#'): a parallel request 'a'
+    forks into 'a#1', which another request holds. The update used to raise from the fork after the other
+    sequences' tokens were recorded."""
+    sched, model = make(max_num_seqs=4)
+    sched.add(SequenceState("a#1", [1, 2, 3], max_new_tokens=3))
+    sched.add(SequenceState("a", [1, 2, 3, 4, 5], max_new_tokens=3, num_samples=2))
+    out = sched.schedule()
+    sampled = model.step(out)
+    before = snapshot(sched)
+    with pytest.raises(DuplicateRequestError, match=r"update: request 'a' forks into \['a#1'\]") as raised:
+        sched.update(out, sampled)
+    assert raised.value.param == "request_id"
+    assert snapshot(sched) == before and sched.get("a").forks == []
+    sched.check_invariants()
+    sched.abort(abort)  # the caller resolves it; the same step is then taken
+    sched.update(out, sampled)
+    done = run_to_completion(sched, model)
+    assert sorted(done) == (["a#1"] if abort == "a" else ["a", "a#1"])  # 'a#1' now: the fork of 'a'
+    assert sched.pool.num_used_blocks == 0
+
+
+class _FailingLRU(LRUEvictionPolicy):
+    """LRU whose ``pop()`` raises ``failures`` times (a plugin's policy with a bug)."""
+
+    failures = 0
+
+    def pop(self) -> int:
+        if self.failures:
+            self.failures -= 1
+            raise RuntimeError("policy bug")
+        return super().pop()
+
+
+def _warm_failing_pool(num_blocks: int, groups: int) -> tuple[Scheduler, FakeModel, list[_FailingLRU]]:
+    """A scheduler whose pool's blocks are all cached and evictable: every allocation evicts, in every group."""
+    policies: list[_FailingLRU] = []
+    pool = KVPool(
+        num_blocks, 2, (None,) * groups, eviction_policy=lambda: policies.append(_FailingLRU()) or policies[-1]
+    )
+    sched = Scheduler(pool, SchedulerConfig())
+    model = FakeModel(sched)
+    for i in range(num_blocks // 4):
+        sched.add(SequenceState(f"w{i}", [50 + i] * 7, max_new_tokens=1))
+    run_to_completion(sched, model)
+    assert all(g.block_manager.num_free_blocks == 0 for g in pool.groups)
+    return sched, model, policies
+
+
+@pytest.mark.parametrize("prompt", [[1, 2, 3, 4, 5], [50] * 7 + [9]], ids=["cold", "prefix-hit"])
+def test_an_eviction_policy_failing_at_admission_fails_that_request_alone_and_leaks_nothing(prompt):
+    sched, model, policies = _warm_failing_pool(12, groups=2)
+    pool = sched.pool
+    failing = SequenceState("a", prompt, max_new_tokens=4)
+    sched.add(failing)
+    sched.add(SequenceState("b", [60, 61, 62], max_new_tokens=4))
+    policies[1].failures = 1  # group 0 grows, then group 1's pop() raises: "a" fails, "b" is admitted
+    out = sched.schedule()
+    assert list(out.failed) == ["a"] and "policy bug" in out.failed["a"]
+    assert failing.finish_reason is FinishReason.ERROR and [s.request_id for s in out.scheduled] == ["b"]
+    sched.check_invariants()  # the blocks group 0 took for "a" (and its prefix hit's) are back
+    sched.update(out, model.step(out))
+    done = run_to_completion(sched, model)
+    assert done["b"].output_token_ids == reference_output([60, 61, 62], 4)
+    assert pool.num_used_blocks == 0
+
+
+def test_an_eviction_policy_failing_while_a_sequence_grows_fails_that_sequence_alone():
+    sched, model, policies = _warm_failing_pool(16, groups=1)
+    prompts = {"r": [1, 2, 3], "s": [4, 5, 6, 7, 8]}
+    seqs = {rid: SequenceState(rid, prompt, max_new_tokens=6) for rid, prompt in prompts.items()}
+    for seq in seqs.values():
+        sched.add(seq)
+    out = sched.schedule()
+    sched.update(out, model.step(out))
+    policies[0].failures = 1  # the next block either of them needs
+    for _ in range(10):
+        out = sched.schedule()
+        sched.check_invariants()
+        sched.update(out, model.step(out))
+        if out.failed:
+            break
+    (failed,) = out.failed
+    assert seqs[failed].finish_reason is FinishReason.ERROR
+    (other,) = set(prompts) - {failed}
+    done = run_to_completion(sched, model)
+    assert done[other].output_token_ids == reference_output(prompts[other], 6)
     assert sched.pool.num_used_blocks == 0
 
 

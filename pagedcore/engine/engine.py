@@ -254,8 +254,7 @@ class Engine:
             return bool(self._requests) or any(owner is None for owner, _ in self._ready)
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduling step and forward pass. Returns the requests that finished (and are not reported by a
-        ``generate``/``stream`` call)."""
+        """One scheduling step and forward pass: the finished requests no ``generate``/``stream`` call reports."""
         finished, _ = self._step(None)
         return finished
 
@@ -440,6 +439,8 @@ class Engine:
                 self._admit_compiled()
                 self._adapters.admit(self.scheduler, self._fail)  # whose adapter can enter the model now
                 plan = self.scheduler.schedule()
+                for request_id, why in plan.failed.items():  # the pool's eviction policy (a plugin's) failed
+                    self._fail(self._requests[request_id], why)
             with timed("prepare"):
                 self._counters.peak_bytes = max(self._counters.peak_bytes, self.runner.used_bytes())
                 if plan.is_empty:
@@ -694,8 +695,7 @@ class Engine:
             self._fail(request, escalate)
 
     def _fail(self, request: RequestState, message: str, *, client_error: bool = False) -> None:
-        """Fail every unfinished sample of a request (e.g. its tokenizer raised); its blocks go back.
-        ``client_error``: the request's own fault (its grammar), not the server's."""
+        """Fail a request's unfinished samples; its blocks go back. ``client_error``: its own fault (its grammar)."""
         if request.is_done:
             return
         if request.output.error is None:
