@@ -86,7 +86,7 @@ class DiskKVStore:
             raise ConfigError("kv_store: the directory '' is empty: give its path (the current one as '.')")
         self.folder = Path(directory) / _FOLDER
         self._fd = _open_folder(Path(directory))  # every operation is relative to this open, checked folder
-        weakref.finalize(self, os.close, self._fd)
+        self._close_folder = weakref.finalize(self, os.close, self._fd)
         self._secret = _secret(self._fd, self.folder)
         self._max = max_bytes
         self._lock = threading.Lock()
@@ -103,6 +103,8 @@ class DiskKVStore:
         name = self._name(key)
         size = len(data)
         with self._lock:
+            if self.closed:
+                return False
             if name in self._index:
                 self._index.move_to_end(name)
                 return True
@@ -125,6 +127,8 @@ class DiskKVStore:
 
     def get(self, key: str) -> bytes | None:
         name = self._name(key)
+        if self.closed:
+            return None
         try:
             data = _read_regular(_relative(name), self._fd, self._max)
         except _NotRegular:
@@ -145,6 +149,8 @@ class DiskKVStore:
 
     def contains(self, key: str) -> bool:
         name = self._name(key)
+        if self.closed:
+            return False
         with self._lock:
             if name in self._index:
                 return True
@@ -155,12 +161,37 @@ class DiskKVStore:
 
     def delete(self, key: str) -> None:
         name = self._name(key)
+        if self.closed:
+            return
         _unlink(_relative(name), self._fd)
         self._forget(name, vanished=False)
 
     def stats(self) -> dict[str, int]:
         with self._lock:
             return {"bytes": self._bytes, "max_bytes": self._max, "entries": len(self._index), **self._counts}
+
+    def close(self) -> None:
+        """Close the folder (the open directory every operation goes through) when nothing uses the store any more;
+        closing again does nothing. A closed store keeps and finds nothing (a put is refused, a get misses); its files
+        stay for the next store on the folder. A pool closes the stores it made from a location with its tiers
+        (:meth:`~pagedcore.adapters.transformers.PagedKVPool.close_tiers`).
+
+        Example:
+            >>> import tempfile
+            >>> store = DiskKVStore(tempfile.mkdtemp(), max_bytes=1024)
+            >>> store.put("ab12", b"block"), store.close(), store.close(), store.closed
+            (True, None, None, True)
+            >>> store.put("cd34", b"block"), store.get("ab12")
+            (False, None)
+        """
+        with self._lock:
+            self._fd = -1  # no call after this one reaches the descriptor, nor a later file under its number
+        self._close_folder()
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self._fd < 0
 
     def path_of(self, key: str) -> Path:
         """The file ``key`` is (or would be) stored in: its name is a keyed hash of the key.

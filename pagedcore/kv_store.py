@@ -24,7 +24,9 @@ implementing the ``pagedcore_kv_store`` hook (see :mod:`pagedcore.hookspecs`) th
         return RedisStore(location, max_bytes) if location.startswith("redis://") else None
 
 Stores are called from two threads: the writer thread (``put``) and the thread that loads blocks (``get``,
-``contains``, ``delete``); they must be thread-safe.
+``contains``, ``delete``); they must be thread-safe. A store may also have a ``close()`` (a connection, an open
+folder): a pool calls it on the stores it made from a location when the holder that made the pool closes, or fails to
+build after making it (:mod:`pagedcore.adapters.transformers.pool_stores`); a store object passed in is never closed.
 """
 
 from __future__ import annotations

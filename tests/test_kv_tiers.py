@@ -332,6 +332,21 @@ def test_disk_store_refuses_a_missing_or_read_only_directory(tmp_path, monkeypat
         DiskKVStore(ro, 1024)
 
 
+def test_a_closed_disk_store_keeps_and_finds_nothing_and_its_files_stay(tmp_path):
+    store = DiskKVStore(tmp_path, 1 << 20)
+    before = len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else None
+    assert store.put("aa", b"kept") and not store.closed
+    store.close()
+    store.close()  # again: nothing
+    assert store.closed
+    if before is not None:
+        assert len(os.listdir("/proc/self/fd")) == before - 1  # its directory's descriptor
+    assert not store.put("bb", b"new") and store.get("aa") is None and not store.contains("aa")
+    store.delete("aa")  # nothing: a closed store touches no file
+    assert store.stats()["entries"] == 1 and store.stats()["writes"] == 1
+    assert DiskKVStore(tmp_path, 1 << 20).get("aa") == b"kept"  # the next store on the folder finds the file
+
+
 def test_disk_store_budget_evicts_least_recently_used_and_survives_a_restart(tmp_path):
     store = DiskKVStore(tmp_path, 30)
     for key in ("aa", "bb", "cc"):

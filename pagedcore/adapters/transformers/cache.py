@@ -331,31 +331,36 @@ class PagedCache(StateCacheMixin, Cache):
             raise ConfigError("PagedCache needs a model (or config) or a pool")
         shared = pool is not None
         pool = PagedKVPool.resolve(model, pool, settings, kv_layout="auto")
-        if shared:
-            pool.check_weights()  # a shared pool forgets prefixes computed before a weight update
-        if pool.states is not None and not isinstance(model, torch.nn.Module):
-            raise ConfigError(
-                f"a PagedCache for {pool.spec.model_type!r}, whose layers keep recurrent states, needs the model "
-                "itself (PagedCache(model, ...)): its forward hook prepares each forward's state slots"
+        with pool.closed_on_failure(not shared):
+            if shared:
+                pool.check_weights()  # a shared pool forgets prefixes computed before a weight update
+            if pool.states is not None and not isinstance(model, torch.nn.Module):
+                raise ConfigError(
+                    f"a PagedCache for {pool.spec.model_type!r}, whose layers keep recurrent states, needs the model "
+                    "itself (PagedCache(model, ...)): its forward hook prepares each forward's state slots"
+                )
+            self._pool = pool
+            model_config = text_config(model) if model is not None else None
+            self._state = CacheState(
+                pool,
+                pool.spec.num_layers,
+                config=model_config,
+                namespace=namespace,
+                attention_backend=attention_backend,
             )
-        self._pool = pool
-        model_config = text_config(model) if model is not None else None
-        self._state = CacheState(
-            pool, pool.spec.num_layers, config=model_config, namespace=namespace, attention_backend=attention_backend
-        )
-        self._state.reservation = reservation
-        Cache.__init__(self, layers=self._make_layers(pool))  # not super(): MiniMax's cache class comes next
-        self._state.layers = self.layers
-        # A cache dropped without release() gives its blocks back when garbage collected (deferred to a moment when
-        # no bookkeeping call is in progress: a collection may run in the middle of one).
-        self._finalizer = weakref.finalize(self, _release_soon, self._state)
-        self._owner = threading.get_ident()
-        # The model's forward pre-hook tells the cache each forward's attention mask before layer 0 (forward_hooks).
-        self._model = weakref.ref(model) if isinstance(model, torch.nn.Module) else None
-        if self._model is not None:
-            watch(model, PagedCache)
-            # Exact or refused: a one-time probe of this model says whether its layers may read the pool (probe.py).
-            self._state.paged_reads = cache_path(model, pool, PagedCache, attention_backend) == "paged"
+            self._state.reservation = reservation
+            Cache.__init__(self, layers=self._make_layers(pool))  # not super(): MiniMax's cache class comes next
+            self._state.layers = self.layers
+            # A cache dropped without release() gives its blocks back when garbage collected (deferred to a moment when
+            # no bookkeeping call is in progress: a collection may run in the middle of one).
+            self._finalizer = weakref.finalize(self, _release_soon, self._state)
+            self._owner = threading.get_ident()
+            # The model's forward pre-hook tells the cache each forward's attention mask before layer 0 (forward_hooks).
+            self._model = weakref.ref(model) if isinstance(model, torch.nn.Module) else None
+            if self._model is not None:
+                watch(model, PagedCache)
+                # Exact or refused: a one-time probe of this model says whether its layers may read the pool (probe.py).
+                self._state.paged_reads = cache_path(model, pool, PagedCache, attention_backend) == "paged"
 
     def _make_layers(self, pool: PagedKVPool) -> list[Any]:
         state, states = self._state, self._state.states

@@ -10,9 +10,9 @@ keys and values no longer belong to that model; :meth:`PagedKVPool.rebuild` drop
 
 from __future__ import annotations
 
-import os
+import contextlib
 import weakref
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterator
 from typing import Any
 
 import torch
@@ -21,7 +21,6 @@ from pagedcore.attention import AttentionBackend, default_block_size, to_device
 from pagedcore.config import KV_LAYOUTS, KVStoreSpec, PoolConfig, parse_size
 from pagedcore.errors import ConfigError, InvalidBlockError, PoolMismatchError
 from pagedcore.kv_pool import KVPool
-from pagedcore.kv_store import KVStore, check_store
 from pagedcore.kv_tiers import KVTiers, TierStats
 from pagedcore.plugin_manager import PluginManager, default_plugin_manager
 
@@ -29,6 +28,7 @@ from .kv_io import TensorBlockIO
 from .pool_lock import PoolLock
 from .pool_memory import layer_tensor
 from .pool_stats import MemoryStats
+from .pool_stores import close_stores, make_stores
 from .spec import ModelKVSpec, text_config
 from .state_pool import StatePlan, StatePool, plan_states, state_stats
 from .state_spec import StateSpec, probe_states
@@ -146,7 +146,7 @@ class PagedKVPool:
         self._adapters_apart = False  # the owner's PEFT adapters are served per request (watch_adapters_apart)
         self._stale_tensors = False  # the owner was converted since the tensors were made: rebuild once idle
         self._slept: tuple[torch.device, torch.dtype] | None = None  # where the tensors were before sleep()
-        stores = _stores(self.plugins, config)
+        stores, self._made_stores = make_stores(self.plugins, config)  # those made from a location: the pool's
         self._tiers = KVTiers(stores, TensorBlockIO(self)) if stores else None
         self.kv.attach_tiers(self._tiers)
 
@@ -314,6 +314,25 @@ class PagedKVPool:
             self.check_weights()
             queued = self._tiers.save(self.kv, timeout=0)
         return queued or self._tiers.flush(timeout)
+
+    def close_tiers(self) -> None:
+        """Write what the tiers' writer has queued, stop it, and close the stores this pool made from a location (a
+        store object given as ``kv_store`` is its caller's, left open): nothing is written down or loaded from here
+        on. The holder that made the pool calls it when it closes, or when its build fails after making the pool."""
+        if self._tiers is not None:
+            self._tiers.close()
+        close_stores(self._made_stores)
+
+    @contextlib.contextmanager
+    def closed_on_failure(self, made: bool) -> Iterator[None]:
+        """``with pool.closed_on_failure(made):`` around the rest of a holder's build: an exception closes the tiers of
+        a pool the holder ``made`` (:meth:`close_tiers`: no store's folder stays open behind it) and goes on."""
+        try:
+            yield
+        except BaseException:
+            if made:
+                self.close_tiers()
+            raise
 
     def group_of(self, layer_idx: int) -> int:
         """The KV group a layer stores into (raises for layers without a cache of their own)."""
@@ -768,21 +787,6 @@ def _block_count(config: PoolConfig, memory_budget: int | None, block_size: int,
             param="memory_budget",
         )
     return count
-
-
-def _stores(plugins: PluginManager, config: PoolConfig) -> list[KVStore]:
-    """The stores ``config.kv_store`` names (ConfigError for a bad one, before anything is made)."""
-    stores = []
-    for item in config.store_items:
-        if isinstance(item, (str, os.PathLike)):
-            assert config.kv_store_bytes is not None  # PoolConfig checked the pair
-            stores.append(plugins.kv_store(os.fspath(item), config.kv_store_bytes))
-        else:
-            stores.append(check_store(item, repr(item)))
-    names = [store.name for store in stores]
-    if len(set(names)) != len(names):
-        raise ConfigError(f"kv_store: two stores share a name ({', '.join(names)}); each tier needs its own")
-    return stores
 
 
 def _model_dtype(model: Any) -> torch.dtype:

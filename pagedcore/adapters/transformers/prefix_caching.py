@@ -197,13 +197,26 @@ def enable(
     sizes = {"num_blocks": num_blocks, "memory_budget": memory_budget, "block_size": block_size}
     more = {"eviction_policy": eviction_policy, "kv_store": kv_store, "kv_store_bytes": kv_store_bytes}
     more |= {"state_slots": state_slots, "snapshot_interval": snapshot_interval}
+    made = pool is None
     pool = PagedKVPool.resolve(model, pool, PoolConfig.of(config, **sizes, **more))
-    cache_path(model, pool, PagedCache, attention_backend, reuse=True)  # exact or refused here, not at the first call
-    state = _Enabled(pool, namespace, attention_backend, {name: vars(model).get(name, _ABSENT) for name in _INSTALLED})
-    state.sleep_hook = sleep_mode.sleep_when_training(model, pool) if sleep_when_training else None
+    state = _enabled_state(model, pool, made, namespace, attention_backend, sleep_when_training)
     model.generate, model.__reduce_ex__ = _wrapped_generate(model, state), _plain_reduce(model, state)
     _ENABLED[model] = state
     return pool
+
+
+def _enabled_state(
+    model: Any, pool: PagedKVPool, made: bool, namespace: Hashable, attention_backend: str | None, sleeps: bool
+) -> _Enabled:
+    """What :func:`enable` keeps for ``model`` once its pool is made (``made``: by it) or bound: the model's path is
+    exact or refused here, not at the first call; a refused model leaves no tiers of a pool made for it open."""
+    with pool.closed_on_failure(made):
+        cache_path(model, pool, PagedCache, attention_backend, reuse=True)
+        state = _Enabled(
+            pool, namespace, attention_backend, {name: vars(model).get(name, _ABSENT) for name in _INSTALLED}
+        )
+        state.sleep_hook = sleep_mode.sleep_when_training(model, pool) if sleeps else None
+    return state
 
 
 def _uncompiled(model: Any) -> Any:

@@ -50,6 +50,7 @@ from .pool import PagedKVPool
 from .prepacked import PrepackedLinears, resolve_prepack
 from .probe import engine_path
 from .spec import context_limit, rope_capped, text_config
+from .state_spec import StateSpec
 from .state_step import PreparedStateStep, StateSteps
 from .step_batch import PackedCache, PreparedStep
 
@@ -107,8 +108,27 @@ class TransformersRunner:
                 raise ConfigError(f"{name} must be True or False, got {flag!r}", param=name)
         device = model.get_input_embeddings().weight.device
         compiling = resolve_compile(compile, device)  # "inductor", "cudagraphs" or None
+        states = StateSpec.from_config(text_config(model))
+        if states.has_states:
+            _refuse_with_states(states.model_type, compile, lora)
         self.owns_pool = pool is None
         self.pool = PagedKVPool.resolve(model, pool, config if config is not None else PoolConfig())
+        with self.pool.closed_on_failure(self.owns_pool):
+            self._build(model, device, compiling, attention_backend, tokenizer, lora, prepack, fused_argmax, split_rows)
+
+    def _build(
+        self,
+        model: Any,
+        device: torch.device,
+        compiling: str | None,
+        attention_backend: str | None,
+        tokenizer: Any,
+        lora: LoRAConfig | None,
+        prepack: bool | str,
+        fused_argmax: bool,
+        split_rows: bool,
+    ) -> None:
+        """The rest of :meth:`__init__`, once the pool is made: the model's steps, its adapters and its forwards."""
         self.model = model
         self.attention_backend = attention_backend
         self._text_config = text_config(model)
@@ -119,8 +139,6 @@ class TransformersRunner:
         self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
         # A model with recurrent-state layers runs each step as the forwards its states need (state_step.py), eagerly.
         self._states = StateSteps(model, self.pool, attention_backend) if self.pool.states is not None else None
-        if self._states is not None:
-            _refuse_with_states(self.pool.spec.model_type, compile, lora)
         self._decode: CompiledDecode | DecodeGraphs | None = None
         if compiling is not None and self._states is None:
             graphs = compiling == "cudagraphs"
@@ -300,8 +318,8 @@ class TransformersRunner:
 
     def close(self) -> None:
         """Give the model its attention implementation back, and write the cached prefixes to the tiers below the
-        pool (so a restart finds them; a pool this runner built closes its tiers). The model loses its adapters, and
-        a compiled or captured decode step its graphs (their memory with them)."""
+        pool (so a restart finds them; a pool this runner built closes its tiers and the stores it made). The model
+        loses its adapters, and a compiled or captured decode step its graphs (their memory with them)."""
         if self._decode is not None:
             self._decode_counts, self._decode = self._decode.counts, None
         if self.adapters is not None:
@@ -312,13 +330,12 @@ class TransformersRunner:
             self._linears.close()
         if self._argmax is not None:
             self._argmax.close()
-        tiers = self.pool.tiers
-        if tiers is None:
+        if self.pool.tiers is None:
             return
         try:
             self.pool.save_kv_store()  # the blocks still cached, so that a restart finds them
             if self.owns_pool:
-                tiers.close()
+                self.pool.close_tiers()  # its writer, and the stores it made (a store's open directory)
         except Exception:
             logger.exception("pagedcore: writing the cached prefixes to the KV store while closing failed")
 
