@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -44,8 +45,15 @@ def served(one_thread) -> Iterator[tuple[openai.OpenAI, Engine]]:
     model = random_model(len(TOKENIZER))
     model.generation_config.eos_token_id = TOKENIZER.eos_token_id
     engine = Engine(model, TOKENIZER, num_blocks=512, block_size=8, max_num_seqs=32)
+    yield from serving(engine, context_length=2048)
+    engine.pool.check_invariants()
+
+
+def serving(engine: Engine, **app: Any) -> Iterator[tuple[openai.OpenAI, Engine]]:
+    """A fixture's body: ``engine`` served in the background to an ``openai`` client until the module's tests end,
+    then closed, with no block left held."""
     loop = EngineLoop(engine)
-    server = BackgroundServer(create_app(loop, model_name=MODEL, context_length=2048), loop)
+    server = BackgroundServer(create_app(loop, model_name=MODEL, **app), loop)
     server.start()
     try:
         yield openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120), engine
@@ -53,7 +61,6 @@ def served(one_thread) -> Iterator[tuple[openai.OpenAI, Engine]]:
         server.stop()
         engine.close()
     assert engine.pool.kv.num_used_blocks == 0, "blocks leaked"
-    engine.pool.check_invariants()
 
 
 def chat(client, stream=False, **kwargs):
@@ -144,15 +151,7 @@ def ascii_served(one_thread) -> Iterator[tuple[openai.OpenAI, Engine]]:
     """The built-in model over the built-in ASCII vocabulary: a grammar that needs "é" gets stuck after the
     request was accepted (no token can spell it)."""
     engine = Engine(builtin_model(num_hidden_layers=1), builtin_tokenizer(), num_blocks=64, block_size=8)
-    loop = EngineLoop(engine)
-    server = BackgroundServer(create_app(loop, model_name=MODEL), loop)
-    server.start()
-    try:
-        yield openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120), engine
-    finally:
-        server.stop()
-        engine.close()
-    assert engine.pool.kv.num_used_blocks == 0, "blocks leaked"
+    yield from serving(engine)
 
 
 STUCK = {"type": "object", "properties": {"w": {"const": "aé"}}, "required": ["w"]}  # "é": no ASCII token spells it
