@@ -25,8 +25,9 @@ Prefill and mixed steps stay eager.
 
 What inductor would do worse than the eager step stays an opaque op the graph calls (:mod:`.graph_ops`), so the graph
 fuses the norms, rotary embeddings and activations around them and nothing else changes: the pool's writes, the
-attention, each linear layer (:data:`~.prepacked.ROW_LINEAR`: the eager forward's row split across the threads,
-decided when the graph runs; inductor's own ``mm`` is a one-thread GEMV at one row) and the head
+attention, each linear layer (the eager forward's row split across the threads, its way for the graph's row count
+measured by :meth:`CompiledDecode.settle` and traced, or :data:`~.prepacked.ROW_LINEAR`, decided when the graph runs,
+while unmeasured; inductor's own ``mm`` is a one-thread GEMV at one row) and the head
 (:data:`~.argmax_head.HEAD_CALL`: an argmax-only step's tokens taken inside it, as in the eager step).
 """
 
@@ -44,10 +45,12 @@ from pagedcore.engine.packing import PackedTokens
 from pagedcore.engine.runner import CompileCounts
 from pagedcore.plugins.torch_backend import TorchPagedAttention, attend_rows, gather_blocks
 
+from . import row_split
 from .attention import CONTEXT_KEY, StepAttention
 from .graph_ops import graph_op
 from .layer_attention import LatentProjection, pool_read, retemper
 from .pool import PagedKVPool
+from .prepacked import active_linears
 from .step_batch import PackedCache
 
 __all__ = [
@@ -62,6 +65,7 @@ __all__ = [
 
 MIN_WIDTH = 4  # the narrowest table bucket, in blocks: short contexts share one graph
 BACKEND: str | None = "inductor"  # an Engine's CompiledDecode backend (tests set "eager" or None: see CompiledDecode)
+SETTLE_STEPS = 1 + 2 * row_split.TRIALS  # uncompiled runs before a row count's first graph (CompiledDecode.settle)
 RECOMPILE_LIMIT = 256  # dynamo's per-function graph limit while a CompiledDecode compiles (its default is 8)
 _TORCH = TorchPagedAttention()
 
@@ -327,6 +331,7 @@ class CompiledDecode:
         self._buckets: set[tuple[int, ...]] = set()
         self._steps = 0
         self._static: set[int] = set()  # ids of pool tensors marked static (CUDA graphs)
+        self._settled: set[tuple[int, int]] = set()  # (rows, threads) whose row split settle() measured
         self._compiled: Callable[..., torch.Tensor] = self._decode
         if backend is not None:
             self._compiled = torch.compile(self._decode, backend=self._compiler, dynamic=False, fullgraph=True)
@@ -361,6 +366,26 @@ class CompiledDecode:
         """The logits of every row of the bucket (padding rows too), from the decode function run as Python:
         neither compiled nor counted (what :class:`~.decode_graphs.DecodeGraphs` captures)."""
         return self._decode(inputs.input_ids, inputs.positions, inputs.tables, inputs.slots, inputs.starts)
+
+    def settle(self, inputs: DecodeInputs) -> None:
+        """Before the first compiled step of a row count on the CPU: the bucket's step run uncompiled
+        (:data:`SETTLE_STEPS` times) inside the runner's forward, so that its row split has checked and timed both
+        ways for that count and the graph traces the faster one (:meth:`.prepacked.PrepackedLinears.linear`)
+        instead of an op that decides at each call. Each run writes the step's keys to their slots, the values the
+        compiled step then writes again."""
+        key = (inputs.key[0], torch.get_num_threads())
+        if self.backend is None or key in self._settled or active_linears() is None:
+            return
+        if inputs.input_ids.device.type != "cpu":
+            return
+        self._settled.add(key)
+        _STEP.metadata = inputs.metadata
+        try:
+            with torch.inference_mode():
+                for _ in range(SETTLE_STEPS):
+                    self.bucket_logits(inputs)
+        finally:
+            _STEP.metadata = None
 
     def _mark_static(self) -> None:
         """On CUDA, the pool's tensors as static addresses: a captured graph writes into them in place (an MLA

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from .graph_ops import graph_op
-from .row_split import MAX_ROWS, RowSplit
+from .row_split import MAX_ROWS, RowSplit, split_blocks, split_linear
 
 __all__ = [
     "MIN_ROWS",
@@ -129,6 +129,9 @@ class PrepackedLinears:
         self._pack_rows = pack  # False: no packs; few-row calls split across the threads (exact: row_split.py)
         self._split = split  # False: no call is split (F.linear where no pack serves)
         self._row_split = RowSplit()
+        self._threads = torch.get_num_threads()  # the running forward's (active): a compiled step's split reads it
+        self._key = id(self)  # a compiled step finds the settled ways by it (_settled)
+        _SPLITS[self._key] = self._row_split
         self._lock = threading.Lock()
         self._epoch: int | None = None
         self._modules: list[torch.nn.Linear] = []
@@ -159,6 +162,7 @@ class PrepackedLinears:
         """The packs serve this thread's linear layers in the block (the runner's forward)."""
         before = getattr(_STATE, "active", None)
         _STATE.active = self
+        self._threads = torch.get_num_threads()
         try:
             yield
         finally:
@@ -178,9 +182,8 @@ class PrepackedLinears:
         packing (from the weight it was packed from), else up to :data:`~.row_split.MAX_ROWS` rows through
         :class:`~.row_split.RowSplit` (one row always); else ``F.linear``."""
         weight, bias = module.weight, module.bias
-        if torch.compiler.is_compiling():  # one opaque op in the graph: the split decided when it runs
-            fits = self._split and x.dtype == torch.float32 and x.device.type == "cpu" and _packable(weight)
-            return ROW_LINEAR(x, weight, bias) if fits and not torch.is_grad_enabled() else F.linear(x, weight, bias)
+        if torch.compiler.is_compiling():
+            return self._traced(x, weight, bias)
         if (
             getattr(_STATE, "active", None) is not self
             or torch.is_grad_enabled()
@@ -198,6 +201,24 @@ class PrepackedLinears:
         if pack is None or not pack.stamp.fresh(weight):
             pack = self._pack(module)
         return _LINEAR(x, pack.packed, bias, "none", [], "")
+
+    def _traced(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """A compiled step's linear call: the row split's settled way for the graph's row count, traced (a batched
+        product over views of the weight, or ``F.linear``: inductor calls the GEMM from its generated code), else
+        one opaque op whose split is decided when the graph runs (:data:`ROW_LINEAR`)."""
+        fits = self._split and x.dtype == torch.float32 and x.device.type == "cpu" and _packable(weight)
+        if not fits or torch.is_grad_enabled():
+            return F.linear(x, weight, bias)
+        threads = self._threads  # the thread count of the runner's forward (a guard: another count recompiles)
+        if weight.is_contiguous() and (bias is None or bias.is_contiguous()):
+            shape = (int(weight.shape[0]), int(weight.shape[1]), bias is not None)
+            way = _settled(self._key, shape, x.numel() // x.shape[-1], threads)
+            blocks = split_blocks(shape[0], threads)
+            if way == "split" and blocks is not None:
+                return split_linear(x, weight, bias, blocks)
+            if way == "plain":
+                return F.linear(x, weight, bias)
+        return ROW_LINEAR(x, weight, bias)
 
     def _pack(self, module: torch.nn.Linear) -> _Pack:
         weight = module.weight
@@ -252,6 +273,15 @@ def _row_linear_shape(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 
 
 ROW_LINEAR = graph_op("row_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor", row_linear, _row_linear_shape)
+
+
+_SPLITS: weakref.WeakValueDictionary[int, RowSplit] = weakref.WeakValueDictionary()  # by their linears' id
+
+
+@torch._dynamo.assume_constant_result  # noqa: SLF001 (a settled way never changes: the graph keeps it, no guard)
+def _settled(key: int, shape: tuple[int, int, bool], rows: int, threads: int) -> str | None:
+    split = _SPLITS.get(key)
+    return None if split is None else split.settled(shape, rows, threads)
 
 
 def active_linears() -> PrepackedLinears | None:

@@ -106,6 +106,33 @@ class RowSplit:
         """The row counts whose split bits differed from ``F.linear``'s (they keep ``F.linear``), by bucket."""
         return {key: set(bucket.differ) for key, bucket in self._buckets.items() if bucket.differ}
 
+    def settled(self, shape: tuple[int, int, bool], rows: int, threads: int) -> str | None:
+        """The way every later call of ``rows`` rows through a contiguous weight of ``shape`` (rows, width, bias)
+        takes at ``threads`` threads: ``"split"`` (its bits checked equal and the bucket timed faster), ``"plain"``
+        (``F.linear``: bits that differ, a bucket timed slower, or a call the split never serves), or None while
+        its bits or times are still to be measured. A decided way never changes, so a compiled step can trace it
+        (:meth:`.prepacked.PrepackedLinears.linear`).
+
+        Example:
+            >>> split = RowSplit()
+            >>> weight, x = torch.randn(256, 32), torch.randn(1, 32)
+            >>> print(split.settled((256, 32, False), 1, 2))
+            None
+            >>> with torch.inference_mode():
+            ...     _ = [split.linear(x, weight, None, threads=2) for _ in range(1 + 2 * TRIALS)]
+            >>> split.settled((256, 32, False), 1, 2) in ("split", "plain"), split.settled((256, 32, False), 512, 2)
+            (True, 'plain')
+        """
+        blocks = split_blocks(shape[0], threads)
+        if blocks is None or not 0 < rows <= MAX_ROWS:
+            return "plain"
+        bucket = self._buckets.get((*shape, blocks, threads, 1 << (rows - 1).bit_length()))
+        if bucket is None:
+            return None
+        if rows in bucket.differ or bucket.way == "plain":
+            return "plain"
+        return "split" if bucket.way == "split" and rows in bucket.exact else None
+
     def linear(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, threads: int | None = None
     ) -> torch.Tensor:
@@ -113,12 +140,7 @@ class RowSplit:
         rows = x.numel() // x.shape[-1]
         threads = torch.get_num_threads() if threads is None else threads
         blocks = split_blocks(weight.shape[0], threads)
-        if (
-            blocks is None
-            or not 0 < rows <= MAX_ROWS
-            or not weight.is_contiguous()
-            or (bias is not None and not bias.is_contiguous())
-        ):
+        if blocks is None or not 0 < rows <= MAX_ROWS or not _contiguous(weight, bias):
             return F.linear(x, weight, bias)
         key = (weight.shape[0], weight.shape[1], bias is not None, blocks, threads, 1 << (rows - 1).bit_length())
         bucket = self._buckets.get(key)
@@ -143,3 +165,7 @@ class RowSplit:
             faster = statistics.median(times["split"]) < statistics.median(times["plain"])
             bucket.way = "split" if faster else "plain"
         return out
+
+
+def _contiguous(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    return weight.is_contiguous() and (bias is None or bias.is_contiguous())

@@ -281,6 +281,8 @@ class TransformersRunner:
             inputs = DecodeInputs.from_batch(prepared.packed, self.pool, device)
             head = self._argmax if prepared.argmax_only and isinstance(decode, CompiledDecode) else None
             with linears:  # the graph's linears split their rows as the eager forward's (prepacked.row_linear)
+                if isinstance(decode, CompiledDecode):
+                    decode.settle(inputs)  # a new row count: its split measured before the graph traces it
                 if head is not None:  # the head's op in the graph takes the tokens (argmax_head.head_call)
                     return head.step(lambda: decode(inputs), inputs.real, padded=inputs.key[0])
                 return decode(inputs).float()
