@@ -5,14 +5,18 @@ peers section's batch workloads (``pagedcore bench --only peers``: 128-token pro
 session open for the whole run (one Engine each, one CTranslate2 worker), warmed on the workload itself (so the
 compiled Engine has compiled every bucket the timed rounds meet, as a server that warmed its buckets at start-up;
 the peers section warms on 2 new tokens and builds a new Engine per round, which would time the compiler), then
-``--rounds`` timed rounds, the sides' order rotating. Prints each side's tokens/s (median), the ratios to
-CTranslate2, the load average, and whether every side's greedy tokens were identical to the first side's.
+``--rounds`` timed rounds, the sides' order rotating. Each Engine gets its own copy of the model: an Engine installs
+its fused head and its linears' forwards on its model's layers, which a second Engine on the same model finds taken
+(until 5 December this script shared one model, so the compiled Engine ran without them). Prints each side's
+tokens/s (median), the ratios to CTranslate2, the load average, and whether every side's greedy tokens were identical
+to the first side's.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import os
 import statistics
 import tempfile
@@ -59,7 +63,8 @@ def _measure(model: object, batch: Batch, sides: dict[str, tuple[bool | None, ob
         for name, (compile_, peer) in sides.items():
             token = ENGINE_COMPILE.set(compile_) if compile_ is not None else None
             try:
-                serves[name] = stack.enter_context(peer.session(model))  # type: ignore[attr-defined]
+                own = copy.deepcopy(model) if compile_ is not None else model  # an Engine's own copy (see above)
+                serves[name] = stack.enter_context(peer.session(own))  # type: ignore[attr-defined]
                 start = time.perf_counter()
                 serves[name](batch)  # the warm-up: the workload itself
                 print(f"  {name}: warm-up {time.perf_counter() - start:.1f} s", flush=True)
