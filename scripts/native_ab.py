@@ -5,11 +5,13 @@ peers section's batch workloads (``pagedcore bench --only peers``: 128-token pro
 session open for the whole run (one Engine each, one CTranslate2 worker), warmed on the workload itself (so the
 compiled Engine has compiled every bucket the timed rounds meet, as a server that warmed its buckets at start-up;
 the peers section warms on 2 new tokens and builds a new Engine per round, which would time the compiler), then
-``--rounds`` timed rounds, the sides' order rotating. Each Engine gets its own copy of the model: an Engine installs
-its fused head and its linears' forwards on its model's layers, which a second Engine on the same model finds taken
-(until 5 December this script shared one model, so the compiled Engine ran without them). Prints each side's
-tokens/s (median), the ratios to CTranslate2, the load average, and whether every side's greedy tokens were identical
-to the first side's.
+``--rounds`` timed rounds, the sides' order rotating, a pause of :data:`PAUSE` before each (without it the side run
+just after CTranslate2 shared the cores with its spinning threads: the compiled Engine took 7.9-8.4 ms a token at
+batch 1 there, 6.9-7.1 ms alternating with the eager Engine alone). Each Engine gets its own copy of the model: an
+Engine installs its fused head and its linears' forwards on its model's layers, which a second Engine on the same
+model finds taken (until 5 December this script shared one model, so the compiled Engine ran without them). Prints
+each side's tokens/s (median), the ratios to CTranslate2, the load average, and whether every side's greedy tokens
+were identical to the first side's.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from pagedcore.benchmarks.common import bench_model, blocks_for
 from pagedcore.benchmarks.native import workloads
 from pagedcore.benchmarks.peers import ENGINE_COMPILE, Batch, CTranslate2Peer, EnginePeer
 from pagedcore.benchmarks.runner import torch_threads
+
+PAUSE = 1.0  # seconds between two timed runs: CTranslate2's OpenMP threads spin-wait after a run (200 ms by default)
 
 
 def main() -> None:
@@ -74,6 +78,7 @@ def _measure(model: object, batch: Batch, sides: dict[str, tuple[bool | None, ob
         names = list(sides)
         for r in range(rounds):
             for name in names[r % len(names) :] + names[: r % len(names)]:
+                time.sleep(PAUSE)  # the previous side's threads stop spinning first
                 start = time.perf_counter()
                 served = serves[name](batch)
                 seconds[name].append(served.ended - start)
