@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from .graph_ops import graph_op
-from .row_split import MAX_ROWS, RowSplit, split_blocks, split_linear
+from .row_split import MAX_ROWS, RowSplit, contiguous, split_blocks, split_linear
 
 __all__ = [
     "MIN_ROWS",
@@ -210,7 +210,7 @@ class PrepackedLinears:
         if not fits or torch.is_grad_enabled():
             return F.linear(x, weight, bias)
         threads = self._threads  # the thread count of the runner's forward (a guard: another count recompiles)
-        if weight.is_contiguous() and (bias is None or bias.is_contiguous()):
+        if contiguous(weight, bias):
             shape = (int(weight.shape[0]), int(weight.shape[1]), bias is not None)
             way = _settled(self._key, shape, x.numel() // x.shape[-1], threads)
             blocks = split_blocks(shape[0], threads)

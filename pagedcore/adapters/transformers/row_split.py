@@ -140,7 +140,7 @@ class RowSplit:
         rows = x.numel() // x.shape[-1]
         threads = torch.get_num_threads() if threads is None else threads
         blocks = split_blocks(weight.shape[0], threads)
-        if blocks is None or not 0 < rows <= MAX_ROWS or not _contiguous(weight, bias):
+        if blocks is None or not 0 < rows <= MAX_ROWS or not contiguous(weight, bias):
             return F.linear(x, weight, bias)
         key = (weight.shape[0], weight.shape[1], bias is not None, blocks, threads, 1 << (rows - 1).bit_length())
         bucket = self._buckets.get(key)
@@ -167,5 +167,7 @@ class RowSplit:
         return out
 
 
-def _contiguous(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+def contiguous(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether the split can view ``weight`` (and ``bias``) in blocks: both contiguous (an internal helper of
+    :class:`RowSplit` and the compiled step's linears)."""
     return weight.is_contiguous() and (bias is None or bias.is_contiguous())
