@@ -19,7 +19,8 @@ from bench_helpers import ctx, wrong_tokens
 from pagedcore.benchmarks import BenchOptions, common, ct2, native, run_benchmarks
 from pagedcore.benchmarks.context import BenchContext
 from pagedcore.benchmarks.native import CT2_DEFAULT, CT2_INT8, CT2_TUNED, PEERS
-from pagedcore.benchmarks.peers import ENGINE, Batch, CTranslate2Peer, PaddedBatch
+from pagedcore.benchmarks.peers import ENGINE, Batch, CTranslate2Peer, EnginePeer, EngineSession, PaddedBatch
+from pagedcore.benchmarks.runner import Runner
 from pagedcore.extras import install_hint
 
 MISSING = f"ctranslate2 is not installed ({install_hint('bench')})"
@@ -173,6 +174,29 @@ def test_section_checks_equality_first_and_names_a_peer_whose_tokens_differ(tiny
     assert f"the greedy tokens of {CT2_DEFAULT} differ from transformers'" in text
     assert "Engine / CTranslate2 fp32 (tuned malloc), tokens/s: 8 x (64 shared + 8 unique), 8 new" in text
     assert "static_prompt: the 64 shared tokens" in text and "**Latency** of one request" in text
+
+
+def test_the_engine_is_kept_for_the_workload_and_meets_each_round_with_no_cached_prefix(tiny, monkeypatch):
+    """One Engine per workload, warmed on the workload itself, its cached prefixes forgotten before each round: a
+    new Engine per round timed its first steps' trials (and, compiled, the compiler) in every round."""
+    built = []
+    real_engine = EnginePeer.engine
+    monkeypatch.setattr(EnginePeer, "engine", lambda self, model: built.append(1) or real_engine(self, model))
+    served = []
+    real_serve = EngineSession.serve
+    monkeypatch.setattr(EngineSession, "serve", lambda self, batch: served.append(real_serve(self, batch)) or
+                        served[-1])  # fmt: skip
+    w = native.workloads(True, tiny.config.vocab_size)[3]  # 8 x (64 shared + 8 unique): prefix hits if not forgotten
+    peers = {ENGINE: EnginePeer(num_blocks=128, max_seqs=8), "padded": PaddedBatch()}
+    with Runner(one_thread_ctx(tiny), "peers", 20) as runner:
+        row = native._measure(runner, tiny, peers, w, repeats=2)
+    assert built == [1] and row.runs[ENGINE].error is None and row.runs[ENGINE].differ is None
+    assert len(row.runs[ENGINE].seconds) == 2 and len(row.runs["padded"].seconds) == 2
+    prompt = sum(len(p) for p in w.batch.prompts)
+    shared = 64 * (w.batch.size - 1)  # the 64-token prefix, computed once within a batch
+    # the warm-up on the workload, then per round the warm batch and the timed batch, each computing its prompts
+    assert [s.prefill for s in served][::2] == [prompt - shared] * 3
+    assert [s.prefill for s in served][1::2] == [sum(len(p) for p in w.warm.prompts) - shared] * 2
 
 
 @needs_ct2

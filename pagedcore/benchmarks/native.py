@@ -11,6 +11,7 @@ CTranslate2 int8 is a reference row (its weights are quantized: no aim, no equal
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 import statistics
@@ -24,7 +25,7 @@ from transformers import PreTrainedModel
 from . import ct2
 from .common import BLOCK_SIZE, blocks_for, random_tokens
 from .context import BenchContext
-from .peers import ENGINE, Batch, CTranslate2Peer, EnginePeer, PaddedBatch, Peer, Served
+from .peers import ENGINE, Batch, CTranslate2Peer, EnginePeer, EngineSession, PaddedBatch, Peer, Served
 from .report import RATIO_HEADERS, Aim, Header, Reported, Section, Table, package_version, ratio, sentence
 from .roofline import MachineLimits, Request, Roofline, machine_limits, roofline
 from .runner import Runner, Timed, clock, torch_threads
@@ -253,9 +254,12 @@ class PeersResult(Reported):
         workload = (f"{labels}. Greedy, eos ignored; the requests of a batch submitted together; prompts of seeded "
                     "random tokens")  # fmt: skip
         measured = (
-            "each timed run is a new session (a new Engine; a new CTranslate2 worker process, its Generator loaded) "
-            "warmed untimed on a batch of the same shape with other tokens and 2 new tokens, then the workload served "
-            "once, timed from the serve call to its last result; "
+            "the Engine is kept for the workload, as a server keeps it (one Engine, warmed untimed on the workload "
+            "itself once: its row split's and head's trials at each row count, and its compiled graphs where it "
+            "compiles, are behind it); each CTranslate2 run is a new worker process, its Generator loaded (its "
+            "static-prompt cache starts empty); before each timed run the Engine forgets its cached prefixes, and "
+            "each side is warmed untimed on a batch of the same shape with other tokens and 2 new tokens, then the "
+            "workload is served once, timed from the serve call to its last result; "
             f"{self.repeats} rounds, every peer once per round, the order rotating each round; medians. "
             "tokens/s = generated tokens / median wall; ratio = the Engine's tokens/s / CTranslate2's. Time to first "
             "token: from the serve call to the first token (Engine: `RequestMetrics.first_token_time`; CTranslate2: "
@@ -386,15 +390,28 @@ def _peers(model_dir: str, threads: int, w: PeerWorkload) -> dict[str, Peer]:
     }
 
 
-def _timed(model: PreTrainedModel, peer: Peer, w: PeerWorkload) -> Timed:
-    """A new session of ``peer``, warmed on ``w.warm`` untimed, then ``w.batch`` served once and timed; the output
-    is the :class:`Served`, the first token counted from the serve call."""
-    with peer.session(model) as serve:
+def _timed(model: PreTrainedModel, peer: Peer, w: PeerWorkload, kept: EngineSession | None = None) -> Timed:
+    """``peer`` warmed on ``w.warm`` untimed, then ``w.batch`` served once and timed; the output is the
+    :class:`Served`, the first token counted from the serve call. The session: ``kept`` (the Engine kept for the
+    workload), its cached prefixes forgotten first, or else a new session of ``peer``."""
+    with contextlib.nullcontext(kept.serve) if kept is not None else peer.session(model) as serve:
+        if kept is not None:
+            kept.reset()
         serve(w.warm)
         start = clock(model.device)
         served = serve(w.batch)
     first = served.first_tokens[0] - start if served.first_tokens else None
     return Timed(served.ended - start, served, first_token=first)
+
+
+def _kept_engine(stack: contextlib.ExitStack, model: PreTrainedModel, peer: EnginePeer, w: PeerWorkload,
+                 ) -> EngineSession:  # fmt: skip
+    """The workload's Engine, open until ``stack`` closes, warmed untimed on ``w.batch`` itself: a server's
+    Engine has met its batch shapes before (its row split's and head's trials at each row count; compiled decode
+    graphs with ``--engine-compile``)."""
+    session = stack.enter_context(peer.kept(model))
+    session.serve(w.batch)
+    return session
 
 
 def _per_token(served: Served) -> float | None:
@@ -420,17 +437,26 @@ def _runs(name: str, timed: list[Timed], reference: list[list[int]] | None) -> P
 def _measure(runner: Runner, model: PreTrainedModel, peers: dict[str, Peer], w: PeerWorkload, repeats: int,
              ) -> WorkloadRuns:  # fmt: skip
     """The reference tokens (transformers ``generate`` on the batch: its prompts have one length, so no padding),
-    then ``repeats`` rounds of every peer (:func:`_timed`), the order rotating; a peer that fails keeps its reason."""
+    the Engine kept for the workload (:func:`_kept_engine`), then ``repeats`` rounds of every peer (:func:`_timed`),
+    the order rotating; a peer that fails keeps its reason."""
     runner.label(f"{w.label}: transformers reference")
     reference, reference_error = runner.attempt(lambda: PaddedBatch().serve(model, w.batch).tokens)
     runner.tick()
+    with contextlib.ExitStack() as stack:
+        engine = peers[ENGINE]
+        assert isinstance(engine, EnginePeer)
+        runner.label(f"{w.label}: {ENGINE}, warming up on the workload")
+        kept, kept_error = runner.attempt(lambda: _kept_engine(stack, model, engine, w))
+        runner.tick()
 
-    def one(name: str, r: int) -> Timed:
-        runner.label(f"{w.label}: {name}, round {r + 1}")
-        timed, error = runner.attempt(lambda: _timed(model, peers[name], w))
-        return timed if timed is not None else Timed(math.nan, error)
+        def one(name: str, r: int) -> Timed:
+            runner.label(f"{w.label}: {name}, round {r + 1}")
+            if name == ENGINE and kept is None:
+                return Timed(math.nan, kept_error)
+            timed, error = runner.attempt(lambda: _timed(model, peers[name], w, kept if name == ENGINE else None))
+            return timed if timed is not None else Timed(math.nan, error)
 
-    trials = runner.rounds(list(peers), repeats, one)
+        trials = runner.rounds(list(peers), repeats, one)
     return WorkloadRuns(w, {name: _runs(name, trials.runs[name], reference) for name in peers}, reference_error)
 
 
@@ -481,7 +507,7 @@ def run(ctx: BenchContext, *, repeats: int | None = None) -> PeersResult:
     model, repeats = ctx.model(), repeats or (1 if ctx.quick else 3)
     threads = ctx.options.threads or THREADS
     chosen = workloads(ctx.quick, model.config.vocab_size, ctx.options.seed)
-    with Runner(ctx, "peers: Engine vs CTranslate2", 1 + len(chosen) * (1 + repeats * len(PEERS))) as runner:
+    with Runner(ctx, "peers: Engine vs CTranslate2", 1 + len(chosen) * (2 + repeats * len(PEERS))) as runner:
         head = runner.header()
         reason = _cannot_run(ctx)
         if reason is not None:

@@ -42,6 +42,7 @@ __all__ = [
     "CacheKind",
     "ContinuousBatching",
     "EnginePeer",
+    "EngineSession",
     "OneAtATime",
     "PaddedBatch",
     "Peer",
@@ -430,18 +431,40 @@ class EnginePeer:
     @contextlib.contextmanager
     def session(self, model: PreTrainedModel) -> Iterator[Serve]:
         """One Engine for the block."""
+        with self.kept(model) as session:
+            yield session.serve
+
+    @contextlib.contextmanager
+    def kept(self, model: PreTrainedModel) -> Iterator[EngineSession]:
+        """One Engine for the block, as an :class:`EngineSession` (its serve call and the reset between rounds)."""
         with self.engine(model) as engine:
-            yield _EngineSession(engine).serve
+            yield EngineSession(engine)
 
 
-class _EngineSession:
+class EngineSession:
     """Serves batches on one Engine; a batch's prefill and steps are the Engine's counters since the previous one
-    (read after the wall time's end, so no counter read is timed)."""
+    (read after the wall time's end, so no counter read is timed). :meth:`reset` forgets the cached prefixes, so an
+    Engine kept across rounds meets each round's prompts as a new one would, while what it measured and compiled
+    for the batch's shapes (the row split's ways, the head's, compiled decode graphs) stays, as in a server.
+
+    Example:
+        >>> from pagedcore.benchmarks.common import bench_model
+        >>> with EnginePeer(num_blocks=16).kept(bench_model(size="tiny")) as session:
+        ...     first = session.serve(Batch([[5] * 20], [2]))
+        ...     session.reset()
+        ...     again = session.serve(Batch([[5] * 20], [2]))
+        >>> first.prefill, again.prefill   # the reset forgot the first prompt's blocks
+        (20, 20)
+    """
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.prefill = 0  # the counters as the previous batch left them (a new Engine's are 0)
         self.steps = 0
+
+    def reset(self) -> None:
+        """Forget every cached prefix (``Engine.reset_prefix_cache``)."""
+        self.engine.reset_prefix_cache()
 
     def serve(self, batch: Batch) -> Served:
         params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in batch.new_tokens]
