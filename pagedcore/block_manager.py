@@ -6,7 +6,7 @@ the prefix cache indexes its content:
 =========  ==========  ========  ==========================================================
 state      ref count   cached    where it lives
 =========  ==========  ========  ==========================================================
-free       0           no        the free stack, or at/above the high-water mark (never used)
+free       0           no        the free heap, or at/above the high-water mark (never used)
 evictable  0           yes       the eviction policy's queue; ``allocate`` evicts from here
 in use     >= 1        either    held by ``ref count`` sequences (or other holders)
 =========  ==========  ========  ==========================================================
@@ -14,10 +14,14 @@ in use     >= 1        either    held by ``ref count`` sequences (or other holde
 Host memory grows with the blocks actually used, not with ``num_blocks``: ids at or above the high-water mark have
 never been handed out and have no state at all (a pool of 10**9 blocks is built in microseconds). Below it a block
 costs a list slot for its reference count (8 bytes; small ints are shared), a 1-byte cached flag and, while it is
-free, a slot on the free stack. Lists, not ``array('i')``: every allocate / retain / release reads and writes these
-per block, and an array boxes and unboxes each access (measured 2-3x slower per block). ``allocate`` takes the most
-recently freed block first and then never-used ids in increasing order (what an eager stack of every id did), so
-small workloads stay in a compact, low region of the pool.
+free, a slot on the free heap. Lists, not ``array('i')``: every allocate / retain / release reads and writes these
+per block, and an array boxes and unboxes each access (measured 2-3x slower per block). ``allocate`` takes the
+lowest free ids first (a heap of the freed ones, then never-used ids in increasing order), so small workloads stay in
+a compact, low region of the pool and a sequence alone gets one run of consecutive ids, its growth included, however
+its blocks were freed before (a prefix-cache reset frees each chain root first): the torch backend reads such a
+sequence's keys as one view of the pool instead of gathering them at every layer of every step. Until December 2026
+it took the most recently freed first (a stack), which after a reset handed a sequence its blocks in decreasing
+order.
 
 Every command validates all of its ids before it changes anything, so a call that raises leaves the manager as it
 was. That holds for the eviction policy too (a plugin's code): ``allocate`` takes victims one by one until they
@@ -35,6 +39,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Container, Iterable, Sequence
 from dataclasses import dataclass, field
+from heapq import heappop, heappush
 from typing import ClassVar, Protocol, runtime_checkable
 
 from pagedcore.errors import (
@@ -171,7 +176,7 @@ class BlockManager:
         self._cached = bytearray()  # 1 where the prefix cache indexes the block; blocks [0, hwm)
         self._fills: list[int] = []  # times allocate handed out each block [0, hwm) (new contents each time)
         self._num_cached = 0
-        self._free: list[int] = []  # a stack of freed blocks below the high-water mark
+        self._free: list[int] = []  # a heap (heapq) of freed blocks below the high-water mark: the lowest first
         self._policy: EvictionPolicy = eviction_policy if eviction_policy is not None else LRUEvictionPolicy()
         if len(self._policy) != 0:
             raise ConfigError("the eviction policy must start empty")
@@ -253,9 +258,9 @@ class BlockManager:
 
         Example:
             >>> bm = BlockManager(num_blocks=3, block_size=4)
-            >>> a = bm.allocate(2); bm.free(a); _ = bm.allocate(1)
+            >>> a = bm.allocate(2); bm.free(a); _ = bm.allocate(1)   # block 0 again: the lowest free id
             >>> bm.fill_counts()
-            [1, 2, 0]
+            [2, 1, 0]
         """
         return self._fills + [0] * (self._num_blocks - self._hwm)
 
@@ -302,12 +307,14 @@ class BlockManager:
         evicted: list[int] = []
         if len(free) + untouched < num_blocks:
             self._evict(self._take_victims(num_blocks - len(free) - untouched), evicted)
-        # The most recently freed first (top of the stack), then never-used ids in increasing order.
+        # The lowest freed ids, then never-used ids (all higher), in increasing order: one run where the pool has one.
         reused = min(num_blocks, len(free))
         if reused:
-            ids = free[-reused:]
-            del free[-reused:]
-            ids.reverse()
+            if reused == len(free):
+                ids = sorted(free)
+                free.clear()
+            else:
+                ids = [heappop(free) for _ in range(reused)]
             ref, fills = self._ref, self._fills
             for block_id in ids:
                 ref[block_id] = 1
@@ -459,8 +466,10 @@ class BlockManager:
         assert 0 <= hwm <= n, f"high-water mark {hwm} outside [0, {n}]"
         assert len(self._ref) == len(self._cached) == len(self._fills) == hwm, "per-block state does not end at the hwm"
         free = set(self._free)
-        assert len(free) == len(self._free), "a block appears twice on the free stack"
-        assert all(0 <= b < hwm for b in free), "a never-used block is on the free stack"
+        assert len(free) == len(self._free), "a block appears twice on the free heap"
+        assert all(0 <= b < hwm for b in free), "a never-used block is on the free heap"
+        heap = self._free
+        assert all(heap[(i - 1) // 2] <= heap[i] for i in range(1, len(heap))), "the free heap is out of order"
         in_use = 0
         for block_id in range(hwm):
             r, c = self._ref[block_id], self._cached[block_id]
@@ -555,7 +564,7 @@ class BlockManager:
                 if cached[block_id]:
                     policy.add(block_id)
                 else:
-                    free.append(block_id)
+                    heappush(free, block_id)
 
     def _uncache(self, ids: list[int]) -> None:
         ref, cached, policy, free = self._ref, self._cached, self._policy, self._free
@@ -564,7 +573,7 @@ class BlockManager:
             cached[block_id] = 0
             if ref[block_id] == 0:
                 policy.remove(block_id)
-                free.append(block_id)
+                heappush(free, block_id)
 
     def _take_victims(self, needed: int) -> list[int]:
         """Victims from the eviction policy, one by one, until evicting them frees ``needed`` blocks (each its own
@@ -649,7 +658,7 @@ class BlockManager:
                 logger.exception("pagedcore: before_evict listener failed; the pool is unaffected")
         self._cached[victim] = 0
         self._num_cached -= 1
-        self._free.append(victim)
+        heappush(self._free, victim)
         evicted.append(victim)
         if self._index is None:
             return
@@ -665,7 +674,7 @@ class BlockManager:
             if ref[block_id] == 0:
                 if block_id not in taken:  # a victim taken for this call is out of the policy already
                     policy.remove(block_id)
-                free.append(block_id)
+                heappush(free, block_id)
                 evicted.append(block_id)
 
     def _notify_evicted(self, evicted: list[int]) -> None:

@@ -55,6 +55,23 @@ def test_allocate_gives_ref_one_and_is_all_or_nothing():
     bm.check_invariants()
 
 
+def test_blocks_freed_in_any_order_come_back_as_one_increasing_run():
+    """The lowest free ids first. A prefix-cache reset frees each chain root first; with the most recently freed
+    taken first, the next sequence got its blocks in decreasing order, which the torch backend cannot read as one
+    view of the pool (it gathered every layer's keys at every decode step)."""
+    bm = BlockManager(16, 4)
+    trie = PrefixTrie(bm)
+    ids = bm.allocate(4)
+    trie.insert(list(range(16)), ids)
+    bm.release(ids[::-1])  # tail first: cached, evictable
+    trie.clear()  # the reset: root first onto the free heap
+    assert bm.allocate(4) == ids
+    bm.free(ids[2:])
+    bm.free(ids[:2])  # uncached, in two calls
+    assert bm.allocate(3) == ids[:3] and bm.allocate(2) == [ids[3], 4]  # the lowest free first, then a new id
+    bm.check_invariants()
+
+
 def test_allocate_rejects_negative():
     bm = BlockManager(4, 16)
     with pytest.raises(InvalidBlockError, match="-1"):

@@ -170,7 +170,7 @@ def bench_block_manager(s: CoreSettings, clock: Clock) -> list[Figure]:
         return _time_then_free(clock, bm, lambda: [bm.allocate(BATCH) for _ in range(s.batches)], n)
 
     return [
-        block_figure("BlockManager.allocate (free stack)", allocate, s, note),
+        block_figure("BlockManager.allocate (free heap)", allocate, s, note),
         block_figure("BlockManager.retain (ref 1 -> 2)", functools.partial(_holders, bm, s, clock, "retain"), s, note),
         block_figure("BlockManager.release (ref 2 -> 1)", functools.partial(_holders, bm, s, clock, "release"), s,
                      note),
@@ -213,7 +213,7 @@ def _holders(bm: BlockManager, s: CoreSettings, clock: Clock, op: str) -> tuple[
 
 
 def _to_zero(bm: BlockManager, s: CoreSettings, clock: Clock, op: str) -> tuple[int, int]:
-    """release or free of blocks held once: back to the free stack."""
+    """release or free of blocks held once: back to the free heap."""
     held = [bm.allocate(BATCH) for _ in range(s.batches)]
     call = bm.release if op == "release" else bm.free
     t0 = clock.start()
@@ -451,7 +451,7 @@ class CoreResult(Reported):
 
     Example:
         >>> settings = CoreSettings.for_run(quick=True)
-        >>> figures = [Figure("BlockManager.allocate (free stack)", 0.05, "min 0.04, max 0.06", "us/block", 2.0),
+        >>> figures = [Figure("BlockManager.allocate (free heap)", 0.05, "min 0.04, max 0.06", "us/block", 2.0),
         ...            Figure("Scheduler.schedule()", 1.5, "", "ms/step", 1.0)]
         >>> result = CoreResult(True, settings, "wall", figures, seconds=1.0, machine="laptop", load=None,
         ...     python_speed="fast")
@@ -515,7 +515,7 @@ def core_benchmark(
     Example:
         >>> result = core_benchmark(quick=True, num_seqs=4, seq_tokens=64)  # doctest: +SKIP
         >>> result.figures[0].name  # doctest: +SKIP
-        'BlockManager.allocate (free stack)'
+        'BlockManager.allocate (free heap)'
     """
     timer = Clock(clock)
     settings = CoreSettings.for_run(quick, num_seqs, seq_tokens)
