@@ -390,13 +390,11 @@ def _peers(model_dir: str, threads: int, w: PeerWorkload) -> dict[str, Peer]:
     }
 
 
-def _timed(model: PreTrainedModel, peer: Peer, w: PeerWorkload, kept: EngineSession | None = None) -> Timed:
-    """``peer`` warmed on ``w.warm`` untimed, then ``w.batch`` served once and timed; the output is the
-    :class:`Served`, the first token counted from the serve call. The session: ``kept`` (the Engine kept for the
-    workload), its cached prefixes forgotten first, or else a new session of ``peer``."""
-    with contextlib.nullcontext(kept.serve) if kept is not None else peer.session(model) as serve:
-        if kept is not None:
-            kept.reset()
+def _timed(model: PreTrainedModel, peer: Peer, w: PeerWorkload) -> Timed:
+    """A session of ``peer`` (a new one; the kept Engine's forgets its cached prefixes), warmed on ``w.warm``
+    untimed, then ``w.batch`` served once and timed; the output is the :class:`Served`, the first token counted from
+    the serve call."""
+    with peer.session(model) as serve:
         serve(w.warm)
         start = clock(model.device)
         served = serve(w.batch)
@@ -451,9 +449,10 @@ def _measure(runner: Runner, model: PreTrainedModel, peers: dict[str, Peer], w: 
 
         def one(name: str, r: int) -> Timed:
             runner.label(f"{w.label}: {name}, round {r + 1}")
-            if name == ENGINE and kept is None:
+            peer: Peer | None = peers[name] if name != ENGINE else kept  # the Engine: the one kept for the workload
+            if peer is None:
                 return Timed(math.nan, kept_error)
-            timed, error = runner.attempt(lambda: _timed(model, peers[name], w, kept if name == ENGINE else None))
+            timed, error = runner.attempt(lambda: _timed(model, peer, w))
             return timed if timed is not None else Timed(math.nan, error)
 
         trials = runner.rounds(list(peers), repeats, one)

@@ -462,9 +462,18 @@ class EngineSession:
         self.prefill = 0  # the counters as the previous batch left them (a new Engine's are 0)
         self.steps = 0
 
+    name = ENGINE
+
     def reset(self) -> None:
         """Forget every cached prefix (``Engine.reset_prefix_cache``)."""
         self.engine.reset_prefix_cache()
+
+    @contextlib.contextmanager
+    def session(self, model: PreTrainedModel) -> Iterator[Serve]:
+        """This Engine as a :class:`Peer`'s session (``model`` is the one it serves already): its cached prefixes
+        forgotten first, so each session meets its prompts as a new Engine would."""
+        self.reset()
+        yield self.serve
 
     def serve(self, batch: Batch) -> Served:
         params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in batch.new_tokens]
