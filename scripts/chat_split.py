@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         ]
         for name, peer in peers:
             with logging_forwards(model) as log:
-                timed = chat._chat(model, peer, work)  # noqa: SLF001 (section 7's own run of one peer)
+                timed = chat.serve_chat(model, peer, work)
             print(f"{name}: wall {timed.seconds:.2f} s; {split(log.forwards, work.conversations)}", flush=True)
     print(f"# load average {os.getloadavg()[0]:.2f}")
     return 0

@@ -137,8 +137,12 @@ def test_memory_benchmark_peers_use_the_model_dtype(tiny):
     assert "bfloat16" in low.head.model
 
 
-def test_engine_benchmark_reports_every_peer(tiny, tmp_path):
+def test_engine_benchmark_reports_every_peer(tiny, tmp_path, monkeypatch):
+    built = []
+    real_engine = peers.EnginePeer.engine
+    monkeypatch.setattr(peers.EnginePeer, "engine", lambda self, model: built.append(1) or real_engine(self, model))
     result = engine.run(ctx(tiny))
+    assert built == [1]  # one Engine for the section, warmed on the workload, as a server keeps one
     names = [p.name for p in result.peers]
     assert names == [ONE_AT_A_TIME, PADDED_BATCH, HF_CONTINUOUS, ENGINE]
     served = result.peer(ENGINE)
@@ -164,7 +168,7 @@ def test_engine_benchmark_reports_a_failing_peer_and_mismatches(tiny, monkeypatc
     def broken(self, model):
         raise RuntimeError("no GPU kernel for this")
 
-    real = peers.EnginePeer.session
+    real = peers.EngineSession.session  # the section's one Engine, kept (peers.kept_engine)
 
     @contextlib.contextmanager
     def engine_differs(self, model):
@@ -178,7 +182,7 @@ def test_engine_benchmark_reports_a_failing_peer_and_mismatches(tiny, monkeypatc
             yield differs
 
     monkeypatch.setattr(peers.ContinuousBatching, "session", broken)
-    monkeypatch.setattr(peers.EnginePeer, "session", engine_differs)
+    monkeypatch.setattr(peers.EngineSession, "session", engine_differs)
     result = engine.run(ctx(tiny))
     assert result.peer(HF_CONTINUOUS).error == "n/a (RuntimeError: no GPU kernel for this)"
     assert result.peer(ENGINE).mismatches == [3]

@@ -25,6 +25,7 @@ from pagedcore.benchmarks import (
     scaling,
 )
 from pagedcore.benchmarks.floor import ModelShape, compute_floor, segments_flops
+from pagedcore.benchmarks.peers import EnginePeer, EngineSession
 from pagedcore.benchmarks.report import Header
 from pagedcore.benchmarks.runner import TokenStamps
 from pagedcore.benchmarks.steps import Forward, ForwardLog, logging_forwards
@@ -166,6 +167,23 @@ def test_chat_benchmark_reuses_earlier_turns_and_matches_the_padded_batch(tiny):
     assert "| replies identical to the padded batch's | yes | all | met |" in text
     for t in range(w.turns):
         assert f"| {t} | {padded.prefill_per_turn[t]} | {served.prefill_per_turn[t]} |" in text
+
+
+def test_chat_benchmark_keeps_one_engine_and_meets_each_round_with_no_cached_prefix(tiny, monkeypatch):
+    """One Engine for the section, warmed on the chat itself, its cached prefixes forgotten before each round (as the
+    peers section's): a new Engine per round timed its first steps' trials, and with --engine-compile the compiler,
+    in every round."""
+    built, prefills = [], []
+    real_engine, real_serve = EnginePeer.engine, EngineSession.serve
+    monkeypatch.setattr(EnginePeer, "engine", lambda self, model: built.append(1) or real_engine(self, model))
+    monkeypatch.setattr(EngineSession, "serve", lambda self, batch: prefills.append(real_serve(self, batch)) or
+                        prefills[-1])  # fmt: skip
+    result = chat.run(ctx(tiny), repeats=2)
+    assert built == [1] and result.mismatches() == []
+    turns = result.workload.turns
+    per_run = [[s.prefill for s in prefills[i : i + turns]] for i in range(0, len(prefills), turns)]
+    # the warm-up on the chat itself, then two timed rounds: each computes the same positions as a new Engine would
+    assert len(per_run) == 3 and per_run[0] == per_run[1] == per_run[2] == result.run(chat.ENGINE).prefill_per_turn
 
 
 def test_chat_report_names_the_first_differing_reply():

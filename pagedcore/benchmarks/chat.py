@@ -9,6 +9,7 @@ divergence shows as the first mismatching (conversation, turn) and everything af
 
 from __future__ import annotations
 
+import contextlib
 import random
 import statistics
 from dataclasses import dataclass, field
@@ -22,11 +23,15 @@ from .report import RATIO_HEADERS, Aim, Header, Reported, Section, Table, aim_st
 from .roofline import Request, Roofline, machine_limits, roofline
 from .runner import Runner, Timed, clock
 
-__all__ = ["ChatResult", "ChatWorkload", "run"]
+__all__ = ["KEPT_ENGINE", "ChatResult", "ChatWorkload", "keep_and_warm", "run", "serve_chat"]
 
 PADDED = "generate, padded batch per turn"
 AIM_CHAT_SPEEDUP = Aim(3.0, at_most=False, fmt="{:g}x")
 AIM_CHAT_PREFILL = Aim(1.00, fmt="{:.2f}")
+KEPT_ENGINE = (
+    "one Engine for every round and turn, built and warmed on this chat before the first round, its cached prefixes "
+    "forgotten before each round (outside the timed run)"
+)
 PADDED_NOTE = (
     "one `generate` call per turn (a fresh DynamicCache), max_new_tokens = the turn's largest, each reply truncated "
     "to its own length"
@@ -214,7 +219,8 @@ class ChatResult(Reported):
             f"{w.unique_prompt_tokens} unique prompt tokens, {w.generated_tokens} tokens to generate"
         )
         measured = (
-            f"wall time of all turns; one untimed warm-up per peer, then {self.repeats} rounds alternating the peers "
+            f"wall time of all turns; one untimed warm-up per peer (the Engine's on this chat itself, the padded "
+            f"batch's on a 2-conversation chat), then {self.repeats} rounds alternating the peers "
             "(padded batch first in even rounds); median over the rounds. Prefill positions: the padded batch computes "
             "every prompt token of every turn (and its padding); the Engine's `stats().prompt_tokens_computed` per "
             "turn. Unique prompt tokens: the system prompt once, every user message, and the last token of each "
@@ -289,12 +295,22 @@ class Conversations:
     note: str
 
 
-def _chat(model: PreTrainedModel, peer: Peer, chat: ChatWorkload) -> Timed:
-    """Every turn of ``chat`` served by one session of ``peer``, made inside the timed run: the turns' wall time."""
+def serve_chat(model: PreTrainedModel, peer: Peer, chat: ChatWorkload) -> Timed:
+    """Every turn of ``chat`` served by one session of ``peer``: the turns' wall time, from the first turn's serve
+    call to the last turn's end. The session opens before the clock starts (a section's kept Engine forgets its cached
+    prefixes there: :meth:`~pagedcore.benchmarks.peers.EngineSession.session`).
+
+    Example:
+        >>> from pagedcore.benchmarks.common import bench_model
+        >>> chat = ChatWorkload(system=[5] * 4, users=[[[6], [7, 7]]], replies=[[2, 3]])
+        >>> timed = serve_chat(bench_model(size="tiny"), EnginePeer(num_blocks=16), chat)
+        >>> timed.output.prefill_per_turn   # turn 1: its message and turn 0's last reply token, never fed
+        [5, 3]
+    """
     replies: list[list[list[int]]] = [[] for _ in range(chat.conversations)]
     prefill, padding, note = [], 0, ""
-    start = clock(model.device)
     with peer.session(model) as serve:
+        start = clock(model.device)
         for t in range(chat.turns):
             prompts = [chat.prompt(c, t, replies[c]) for c in range(chat.conversations)]
             served = serve(Batch(prompts, [chat.replies[c][t] for c in range(chat.conversations)]))
@@ -304,6 +320,33 @@ def _chat(model: PreTrainedModel, peer: Peer, chat: ChatWorkload) -> Timed:
             padding, note = padding + served.padding, served.note
         wall = clock(model.device) - start
     return Timed(wall, Conversations(replies, prefill, padding, note))
+
+
+def keep_and_warm(stack: contextlib.ExitStack, runner: Runner, model: PreTrainedModel, peers: dict[str, Peer],
+                  chat: ChatWorkload, warm: ChatWorkload) -> None:  # fmt: skip
+    """Replace the :class:`~pagedcore.benchmarks.peers.EnginePeer` in ``peers`` by one Engine for every round, open
+    until ``stack`` closes, as a server keeps one, then warm each peer once, untimed: the Engine on ``chat`` itself
+    (it meets the chat's row counts and table widths: what it measures and compiles there, its row split's and greedy
+    head's trials and decode graphs with ``pagedcore bench --engine-compile``, is paid here, not in every timed
+    round), the padded batch, which keeps nothing between calls, on the small ``warm`` chat. Each round's session
+    forgets the Engine's cached prefixes first, outside the timed run (:func:`serve_chat`).
+
+    Example:
+        >>> from pagedcore.benchmarks import BenchOptions
+        >>> from pagedcore.benchmarks.context import BenchContext
+        >>> ctx = BenchContext(BenchOptions(progress=False, model_size="tiny"))
+        >>> model, chat = ctx.model(), ChatWorkload(system=[5] * 4, users=[[[6], [7, 7]]], replies=[[2, 3]])
+        >>> peers: dict[str, Peer] = {PADDED: PaddedBatch(name=PADDED), ENGINE: EnginePeer(num_blocks=16)}
+        >>> with contextlib.ExitStack() as stack, Runner(ctx, "chat", 2) as runner:
+        ...     keep_and_warm(stack, runner, model, peers, chat, chat)
+        ...     again = serve_chat(model, peers[ENGINE], chat)
+        >>> type(peers[ENGINE]).__name__, again.output.prefill_per_turn   # the warm-up's prefixes forgotten
+        ('EngineSession', [5, 3])
+    """
+    engine = peers[ENGINE]
+    assert isinstance(engine, EnginePeer)
+    peers[ENGINE] = stack.enter_context(engine.kept(model))
+    runner.warm_up(list(peers), lambda name: serve_chat(model, peers[name], chat if name == ENGINE else warm))
 
 
 def section_workload(rng: random.Random, vocab: int, quick: bool) -> ChatWorkload:
@@ -344,9 +387,9 @@ def run(ctx: BenchContext, *, repeats: int | None = None) -> ChatResult:
         PADDED: PaddedBatch(name=PADDED),
         ENGINE: EnginePeer(num_blocks=num_blocks, max_seqs=chat.conversations),
     }
-    with Runner(ctx, "chat: Engine vs padded batch", 2 * (repeats + 1)) as runner:
-        runner.warm_up(list(peers), lambda name: _chat(model, peers[name], warm))
-        trials = runner.rounds(list(peers), repeats, lambda name, r: _chat(model, peers[name], chat))
+    with contextlib.ExitStack() as stack, Runner(ctx, "chat: Engine vs padded batch", 2 * (repeats + 1)) as runner:
+        keep_and_warm(stack, runner, model, peers, chat, warm)
+        trials = runner.rounds(list(peers), repeats, lambda name, r: serve_chat(model, peers[name], chat))
     runs = []
     for name in peers:
         first: Conversations = trials.outputs(name)[0]
@@ -360,7 +403,7 @@ def run(ctx: BenchContext, *, repeats: int | None = None) -> ChatResult:
         repeats=repeats,
         floors=[roofline(model, chat.turn_requests(t), limits) for t in range(chat.turns)],
         engine_config=(
-            f"one Engine for all turns, created inside the timed run: block size {BLOCK_SIZE}, {num_blocks} blocks, "
+            f"{KEPT_ENGINE}: block size {BLOCK_SIZE}, {num_blocks} blocks, "
             f"max_num_seqs {chat.conversations}, max_num_batched_tokens 512 (its default), prefix caching on"
         ),
     )

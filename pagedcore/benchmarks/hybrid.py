@@ -11,6 +11,7 @@ left-padded batch of each turn (which recomputes every conversation). Replies ar
 
 from __future__ import annotations
 
+import contextlib
 import random
 import time
 from dataclasses import dataclass, replace
@@ -18,8 +19,8 @@ from typing import Any
 
 from transformers import AutoConfig, PreTrainedModel
 
-from .chat import PADDED, PADDED_NOTE, ChatResult, ChatRun, ChatWorkload, chat_workload
-from .chat import _chat as serve_chat
+from . import chat as chat_section
+from .chat import KEPT_ENGINE, PADDED, PADDED_NOTE, ChatResult, ChatRun, ChatWorkload, chat_workload
 from .common import BLOCK_SIZE, blocks_for, model_from_config
 from .context import BenchContext
 from .peers import ENGINE, EnginePeer, PaddedBatch, Peer
@@ -151,10 +152,10 @@ class HybridChatResult(ChatResult):
 
 
 def _timed_chat(model: PreTrainedModel, peer: Peer, chat: ChatWorkload) -> Timed:
-    """:func:`~pagedcore.benchmarks.chat._chat`, with the CPU seconds of this thread kept in ``first_token`` (the
+    """:func:`~pagedcore.benchmarks.chat.serve_chat`, with the CPU seconds of this thread kept in ``first_token`` (the
     slot a chat run does not use)."""
     cpu = time.thread_time()
-    out = serve_chat(model, peer, chat)
+    out = chat_section.serve_chat(model, peer, chat)
     return Timed(out.seconds, out.output, first_token=time.thread_time() - cpu)
 
 
@@ -190,8 +191,8 @@ def run(ctx: BenchContext, *, repeats: int | None = None) -> HybridChatResult:
         PADDED: PaddedBatch(name=PADDED),
         ENGINE: HybridEnginePeer(num_blocks=num_blocks, max_seqs=chat.conversations, state_slots=slots),
     }
-    with Runner(ctx, "hybrid chat: Engine vs padded batch", 2 * (repeats + 1)) as runner:
-        runner.warm_up(list(peers), lambda name: _timed_chat(model, peers[name], warm))
+    with contextlib.ExitStack() as stack, Runner(ctx, "hybrid chat: Engine vs padded batch", 2 * repeats + 2) as runner:
+        chat_section.keep_and_warm(stack, runner, model, peers, chat, warm)
         trials = runner.rounds(list(peers), repeats, lambda name, r: _timed_chat(model, peers[name], chat))
     runs, cpu = [], dict[str, float]()
     for name in peers:
@@ -205,7 +206,7 @@ def run(ctx: BenchContext, *, repeats: int | None = None) -> HybridChatResult:
         runs=runs,
         repeats=repeats,
         engine_config=(
-            f"one Engine for all turns, created inside the timed run: block size {BLOCK_SIZE}, {num_blocks} blocks, "
+            f"{KEPT_ENGINE}: block size {BLOCK_SIZE}, {num_blocks} blocks, "
             f"{slots} state slots, a snapshot every block of a prompt computed from its start (the default), "
             f"max_num_seqs {chat.conversations}, max_num_batched_tokens 512 (its default), prefix caching on; "
             f"median CPU seconds: padded batch {cpu[PADDED]:.2f} s, Engine {cpu[ENGINE]:.2f} s"

@@ -25,7 +25,7 @@ from transformers import PreTrainedModel
 from . import ct2
 from .common import BLOCK_SIZE, blocks_for, random_tokens
 from .context import BenchContext
-from .peers import ENGINE, Batch, CTranslate2Peer, EnginePeer, EngineSession, PaddedBatch, Peer, Served
+from .peers import ENGINE, Batch, CTranslate2Peer, EnginePeer, PaddedBatch, Peer, Served, kept_engine
 from .report import RATIO_HEADERS, Aim, Header, Reported, Section, Table, package_version, ratio, sentence
 from .roofline import MachineLimits, Request, Roofline, machine_limits, roofline
 from .runner import Runner, Timed, clock, torch_threads
@@ -402,16 +402,6 @@ def _timed(model: PreTrainedModel, peer: Peer, w: PeerWorkload) -> Timed:
     return Timed(served.ended - start, served, first_token=first)
 
 
-def _kept_engine(stack: contextlib.ExitStack, model: PreTrainedModel, peer: EnginePeer, w: PeerWorkload,
-                 ) -> EngineSession:  # fmt: skip
-    """The workload's Engine, open until ``stack`` closes, warmed untimed on ``w.batch`` itself: a server's
-    Engine has met its batch shapes before (its row split's and head's trials at each row count; compiled decode
-    graphs with ``--engine-compile``)."""
-    session = stack.enter_context(peer.kept(model))
-    session.serve(w.batch)
-    return session
-
-
 def _per_token(served: Served) -> float | None:
     """Request 0's seconds per token after its first."""
     n = len(served.tokens[0])
@@ -435,8 +425,8 @@ def _runs(name: str, timed: list[Timed], reference: list[list[int]] | None) -> P
 def _measure(runner: Runner, model: PreTrainedModel, peers: dict[str, Peer], w: PeerWorkload, repeats: int,
              ) -> WorkloadRuns:  # fmt: skip
     """The reference tokens (transformers ``generate`` on the batch: its prompts have one length, so no padding),
-    the Engine kept for the workload (:func:`_kept_engine`), then ``repeats`` rounds of every peer (:func:`_timed`),
-    the order rotating; a peer that fails keeps its reason."""
+    the Engine kept for the workload (:func:`~pagedcore.benchmarks.peers.kept_engine`), then ``repeats`` rounds of
+    every peer (:func:`_timed`), the order rotating; a peer that fails keeps its reason."""
     runner.label(f"{w.label}: transformers reference")
     reference, reference_error = runner.attempt(lambda: PaddedBatch().serve(model, w.batch).tokens)
     runner.tick()
@@ -444,7 +434,7 @@ def _measure(runner: Runner, model: PreTrainedModel, peers: dict[str, Peer], w: 
         engine = peers[ENGINE]
         assert isinstance(engine, EnginePeer)
         runner.label(f"{w.label}: {ENGINE}, warming up on the workload")
-        kept, kept_error = runner.attempt(lambda: _kept_engine(stack, model, engine, w))
+        kept, kept_error = runner.attempt(lambda: kept_engine(stack, model, engine, w.batch))
         runner.tick()
 
         def one(name: str, r: int) -> Timed:

@@ -29,7 +29,7 @@ from typing import Any, Protocol
 import torch
 from transformers import DynamicCache, GenerationConfig, PreTrainedModel, StaticCache
 
-from pagedcore.adapters.transformers import Engine, PagedCache, PagedKVPool, SamplingParams
+from pagedcore.adapters.transformers import Engine, EngineStats, PagedCache, PagedKVPool, SamplingParams
 
 from .common import BLOCK_SIZE, PAD, attn, cache_tensor_bytes, counting, generate, greedy, left_padded
 from .ct2 import TUNED_MALLOC, Worker
@@ -51,6 +51,7 @@ __all__ = [
     "check_outputs",
     "compare",
     "finished_results",
+    "kept_engine",
     "measure",
     "measure_all",
     "mismatches",
@@ -441,11 +442,34 @@ class EnginePeer:
             yield EngineSession(engine)
 
 
+def kept_engine(stack: contextlib.ExitStack, model: PreTrainedModel, peer: EnginePeer, batch: Batch,
+                ) -> EngineSession:  # fmt: skip
+    """One Engine for a workload, open until ``stack`` closes, as a server keeps one, warmed untimed on ``batch``
+    (the workload itself): it has met the workload's row counts (its row split's and greedy head's trials; decode
+    graphs with ``pagedcore bench --engine-compile``) before its timed runs, each of which opens a session that
+    forgets the cached prefixes first (:meth:`EngineSession.session`).
+
+    Example:
+        >>> from pagedcore.benchmarks.common import bench_model
+        >>> model, batch = bench_model(size="tiny"), Batch([[5] * 20], [2])
+        >>> with contextlib.ExitStack() as stack:
+        ...     session = kept_engine(stack, model, EnginePeer(num_blocks=16), batch)
+        ...     with session.session(model) as serve:
+        ...         timed = serve(batch)
+        >>> timed.prefill, timed.note   # the warm-up's prefixes forgotten; the note counts the session's own work
+        (20, '2 steps, 0 preemptions, prefix hits 0 of 20 looked-up prompt tokens')
+    """
+    session = stack.enter_context(peer.kept(model))
+    session.serve(batch)
+    return session
+
+
 class EngineSession:
     """Serves batches on one Engine; a batch's prefill and steps are the Engine's counters since the previous one
-    (read after the wall time's end, so no counter read is timed). :meth:`reset` forgets the cached prefixes, so an
-    Engine kept across rounds meets each round's prompts as a new one would, while what it measured and compiled
-    for the batch's shapes (the row split's ways, the head's, compiled decode graphs) stays, as in a server.
+    (read after the wall time's end, so no counter read is timed), its note's counts those since the session opened.
+    :meth:`reset` forgets the cached prefixes, so an Engine kept across rounds meets each round's prompts as a new
+    one would, while what it measured and compiled for the batch's shapes (the row split's ways, the head's,
+    compiled decode graphs) stays, as in a server.
 
     Example:
         >>> from pagedcore.benchmarks.common import bench_model
@@ -461,6 +485,7 @@ class EngineSession:
         self.engine = engine
         self.prefill = 0  # the counters as the previous batch left them (a new Engine's are 0)
         self.steps = 0
+        self.opened = (0, 0, 0, 0)  # steps, preemptions, prefix hit and looked-up tokens when the session opened
 
     name = ENGINE
 
@@ -473,6 +498,8 @@ class EngineSession:
         """This Engine as a :class:`Peer`'s session (``model`` is the one it serves already): its cached prefixes
         forgotten first, so each session meets its prompts as a new Engine would."""
         self.reset()
+        stats = self.engine.stats()
+        self.opened = (stats.num_steps, stats.num_preemptions, stats.prefix_hit_tokens, stats.prefix_query_tokens)
         yield self.serve
 
     def serve(self, batch: Batch) -> Served:
@@ -491,13 +518,16 @@ class EngineSession:
             prefill=prefill,
             decode_positions=_decodes(batch),
             peak_kv_bytes=stats.kv_peak_used_bytes,
-            kv_how="measured: blocks held at the peak",
+            kv_how="measured: blocks held at the peak since the Engine was built",
             steps=steps,
-            note=(
-                f"{stats.num_steps} steps, {stats.num_preemptions} preemptions, prefix hits "
-                f"{stats.prefix_hit_tokens} of {stats.prefix_query_tokens} looked-up prompt tokens"
-            ),
+            note=self._note(stats),
         )
+
+    def _note(self, stats: EngineStats) -> str:
+        """The Engine's counters since the session opened (a new Engine's: since it was built)."""
+        now = (stats.num_steps, stats.num_preemptions, stats.prefix_hit_tokens, stats.prefix_query_tokens)
+        steps, preemptions, hits, queries = (a - b for a, b in zip(now, self.opened))
+        return f"{steps} steps, {preemptions} preemptions, prefix hits {hits} of {queries} looked-up prompt tokens"
 
 
 @dataclass(frozen=True)
