@@ -4,11 +4,13 @@
 default 1,16), an untimed warm-up run that compiles the buckets, then 3 rounds, the two Engines' order alternating;
 per round and Engine the prefill alone (``max_new_tokens=1``) and the same prompts with 48 new tokens (prefix cache
 cleared before each): the decode step time is the difference of their ``busy_seconds`` over the difference of their
-steps. Prints medians, the speedup and whether the greedy tokens were identical.
+steps. Prints medians, the speedup and whether the greedy tokens were identical. Each Engine runs on its own copy of
+the model (until stop 55 both ran on one).
 """
 
 from __future__ import annotations
 
+import copy
 import statistics
 import sys
 
@@ -43,8 +45,11 @@ def main() -> None:
     torch.set_num_threads(int(sys.argv[1]) if len(sys.argv) > 1 else 1)
     model = bench_model(size=sys.argv[2] if len(sys.argv) > 2 else "small")
     vocab = model.config.vocab_size
+    # Each Engine its own copy of the model: an Engine installs its fused head and its linears' forwards on its
+    # model's modules, so on a shared model the second Engine would run the first one's (as engine_ab.py).
+    models = {"eager": model, "compiled": copy.deepcopy(model)}
     engines = {
-        name: Engine(model, num_blocks=2048, block_size=16, max_num_seqs=64, compile=flag)
+        name: Engine(models[name], num_blocks=2048, block_size=16, max_num_seqs=64, compile=flag)
         for name, flag in (("eager", False), ("compiled", True))
     }
     sizes = [int(b) for b in sys.argv[3].split(",")] if len(sys.argv) > 3 else [1, 16]
