@@ -130,3 +130,25 @@ def test_prepacking_is_off_by_default():
     model = tiny_model("llama", seed=6)
     with Engine(model, num_blocks=16, block_size=4) as engine:
         assert engine.runner.prepacked is None
+
+
+def test_a_second_engine_open_on_the_same_model_says_it_runs_without_its_own_layer_forwards(caplog):
+    """Two Engines open on one model share its modules: the second finds the first one's split linears and fused
+    head installed and cannot install its own. It serves the same tokens, slower, and says so when it is built; once
+    the first is closed, a new Engine installs its own and says nothing."""
+    model = tiny_model("llama", seed=5)
+    ref = mirror(model)
+    prompts = workload(1, 3)
+    logger = "pagedcore.adapters.transformers.runner"
+    with caplog.at_level("WARNING", logger=logger), Engine(model, num_blocks=64, block_size=4) as first:
+        assert not caplog.records
+        with Engine(model, num_blocks=64, block_size=4) as second:
+            outputs = second.generate(prompts, GREEDY, use_tqdm=False)
+        (record,) = caplog.records
+        assert "already run another open Engine's forwards" in record.getMessage()
+        assert "give each Engine its own copy of the model" in record.getMessage()
+        assert_stock(ref, prompts, first.generate(prompts, GREEDY, use_tqdm=False))  # the second's close left its own
+    assert_stock(ref, prompts, outputs)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger=logger), Engine(model, num_blocks=64, block_size=4):
+        assert not caplog.records

@@ -166,6 +166,16 @@ class ArgmaxHead:
         self.counts = ArgmaxCounts()
         module.forward = _Forward(self)  # type: ignore[method-assign,assignment]
 
+    @staticmethod
+    def owns(module: Any) -> bool:
+        """Whether an open fused head's ``forward`` is installed on ``module`` (another Engine's, on a shared model).
+
+        Example:
+            >>> ArgmaxHead.owns(torch.nn.Linear(2, 2))
+            False
+        """
+        return isinstance(vars(module).get("forward"), _Forward)
+
     @classmethod
     def install(cls, model: Any) -> ArgmaxHead | None:
         """The fused head of ``model``, or None where it does not apply (module docstring)."""

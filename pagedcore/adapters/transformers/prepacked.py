@@ -140,6 +140,16 @@ class PrepackedLinears:
                 module.forward = _Forward(self, module)  # type: ignore[method-assign,assignment]
                 self._modules.append(module)
 
+    @staticmethod
+    def owns(module: Any) -> bool:
+        """Whether an open instance's ``forward`` is installed on ``module`` (another Engine's, on a shared model).
+
+        Example:
+            >>> PrepackedLinears.owns(torch.nn.Linear(2, 2))
+            False
+        """
+        return isinstance(vars(module).get("forward"), _Forward)
+
     @property
     def num_packed(self) -> int:
         """Layers holding a pack now."""

@@ -23,6 +23,7 @@ import contextlib
 import dataclasses
 import inspect
 import logging
+import weakref
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -55,6 +56,7 @@ from .state_step import PreparedStateStep, StateSteps
 from .step_batch import PackedCache, PreparedStep
 
 logger = logging.getLogger(__name__)
+_SHARED: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()  # model -> the other Engine warned about
 
 __all__ = ["TransformersRunner", "eos_token_ids"]
 
@@ -370,6 +372,17 @@ def _layer_forwards(
     linear layer, the head too (the fused head then does not install); without packs the fused head installs first
     (it splits its own GEMM) and the split (:mod:`.row_split`) takes the layers left, the head too where no fused head
     took it."""
+    owned = [m for m in model.modules() if ArgmaxHead.owns(m) or PrepackedLinears.owns(m)]
+    taken = len(owned) if packing or splitting or fusing else 0
+    if taken and _SHARED.get(model) != id(vars(owned[0])["forward"]):  # once per other Engine (not its probe's too)
+        _SHARED[model] = id(vars(owned[0])["forward"])
+        logger.warning(
+            "pagedcore: %d linear layers of this %s already run another open Engine's forwards (two Engines on one "
+            "model share its modules): this Engine runs them without its own row split, packs and fused greedy head "
+            "(the same tokens, slower). Close the other Engine first, or give each Engine its own copy of the model",
+            taken,
+            type(model).__name__,
+        )
     if packing:
         linears = PrepackedLinears(model, split=splitting)
         return (ArgmaxHead.install(model) if fusing else None), linears
