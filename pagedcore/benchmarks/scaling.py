@@ -111,7 +111,9 @@ class ScalingResult(Reported):
         )
         measured = (
             "wall time of one `Engine.generate` call per point (an Engine made per point, untimed, after one warm-up "
-            "call); forward time from forward pre/post hooks; host ms/step = (wall - forward time) / steps; tokens/s "
+            "call; the call includes the Engine's first steps at its row counts, and with `--engine-compile inductor` "
+            "the compiling of its buckets); forward time from forward pre/post hooks; host ms/step = (wall - forward "
+            "time) / steps; tokens/s "
             "= (prompt + generated tokens) / wall; compute floor = the FLOPs of every prompt token and every "
             f"generated token but the last, at {self.rate / 1e9:.1f} GFLOP/s (the best `F.linear` rate of this "
             f"machine on the model's weight shapes with {RATE_ROWS} rows, measured once in the run); KV peak = "
