@@ -134,8 +134,8 @@ def test_prepacking_is_off_by_default():
 
 def test_a_second_engine_open_on_the_same_model_says_it_runs_without_its_own_layer_forwards(caplog):
     """Two Engines open on one model share its modules: the second finds the first one's split linears and fused
-    head installed and cannot install its own. It serves the same tokens, slower, and says so when it is built; once
-    the first is closed, a new Engine installs its own and says nothing."""
+    head installed and cannot install its own. It serves the same tokens, slower, and says so when it is built, once
+    per other Engine; once the first is closed, a new Engine installs its own and says nothing."""
     model = tiny_model("llama", seed=5)
     ref = mirror(model)
     prompts = workload(1, 3)
@@ -152,3 +152,5 @@ def test_a_second_engine_open_on_the_same_model_says_it_runs_without_its_own_lay
     caplog.clear()
     with caplog.at_level("WARNING", logger=logger), Engine(model, num_blocks=64, block_size=4):
         assert not caplog.records
+        with Engine(model, num_blocks=64, block_size=4):  # another pair: warned again, for its other Engine
+            assert len(caplog.records) == 1

@@ -56,7 +56,7 @@ from .state_step import PreparedStateStep, StateSteps
 from .step_batch import PackedCache, PreparedStep
 
 logger = logging.getLogger(__name__)
-_SHARED: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()  # model -> the other Engine warned about
+_SHARED: weakref.WeakKeyDictionary[Any, weakref.ref[Any]] = weakref.WeakKeyDictionary()  # model -> a forward warned of
 
 __all__ = ["TransformersRunner", "eos_token_ids"]
 
@@ -374,8 +374,10 @@ def _layer_forwards(
     took it."""
     owned = [m for m in model.modules() if ArgmaxHead.owns(m) or PrepackedLinears.owns(m)]
     taken = len(owned) if packing or splitting or fusing else 0
-    if taken and _SHARED.get(model) != id(vars(owned[0])["forward"]):  # once per other Engine (not its probe's too)
-        _SHARED[model] = id(vars(owned[0])["forward"])
+    other = vars(owned[0])["forward"] if owned else None  # the other Engine's, by one of its installed forwards
+    warned = _SHARED.get(model)
+    if taken and (warned is None or warned() is not other):  # once per other Engine (not for its probe's runner too)
+        _SHARED[model] = weakref.ref(other)
         logger.warning(
             "pagedcore: %d linear layers of this %s already run another open Engine's forwards (two Engines on one "
             "model share its modules): this Engine runs them without its own row split, packs and fused greedy head "
