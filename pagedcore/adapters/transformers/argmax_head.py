@@ -67,7 +67,7 @@ import torch.nn.functional as F
 
 from pagedcore.adapters.transformers import head_screen
 from pagedcore.adapters.transformers.graph_ops import graph_op
-from pagedcore.adapters.transformers.prepacked import active_linears
+from pagedcore.adapters.transformers.prepacked import LayerForward, active_linears
 from pagedcore.engine.runner import ArgmaxTokens
 from pagedcore.engine.sampling import numpy_greedy
 
@@ -165,16 +165,6 @@ class ArgmaxHead:
         self._trials: dict[tuple[int, int], dict[str, list[float]]] = {}  # seconds per row, each way, so far
         self.counts = ArgmaxCounts()
         module.forward = _Forward(self)  # type: ignore[method-assign,assignment]
-
-    @staticmethod
-    def owns(module: Any) -> bool:
-        """Whether an open fused head's ``forward`` is installed on ``module`` (another Engine's, on a shared model).
-
-        Example:
-            >>> ArgmaxHead.owns(torch.nn.Linear(2, 2))
-            False
-        """
-        return isinstance(vars(module).get("forward"), _Forward)
 
     @classmethod
     def install(cls, model: Any) -> ArgmaxHead | None:
@@ -392,7 +382,7 @@ class ArgmaxHead:
         return (index[winner, every] + winner * columns).tolist()
 
 
-class _Forward:
+class _Forward(LayerForward):
     """The head's ``forward`` while installed: the runner's step on this thread records or skips the GEMM; every
     other call is ``nn.Linear``'s own."""
 

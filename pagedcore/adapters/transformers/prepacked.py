@@ -35,9 +35,11 @@ from .row_split import MAX_ROWS, RowSplit, contiguous, split_blocks, split_linea
 __all__ = [
     "MIN_ROWS",
     "ROW_LINEAR",
+    "LayerForward",
     "PrepackedLinears",
     "WeightStamp",
     "active_linears",
+    "installed_forward",
     "resolve_prepack",
     "row_linear",
 ]
@@ -140,16 +142,6 @@ class PrepackedLinears:
                 module.forward = _Forward(self, module)  # type: ignore[method-assign,assignment]
                 self._modules.append(module)
 
-    @staticmethod
-    def owns(module: Any) -> bool:
-        """Whether an open instance's ``forward`` is installed on ``module`` (another Engine's, on a shared model).
-
-        Example:
-            >>> PrepackedLinears.owns(torch.nn.Linear(2, 2))
-            False
-        """
-        return isinstance(vars(module).get("forward"), _Forward)
-
     @property
     def num_packed(self) -> int:
         """Layers holding a pack now."""
@@ -248,7 +240,33 @@ class PrepackedLinears:
         self._packs.clear()
 
 
-class _Forward:
+class LayerForward:
+    """A ``forward`` a runner installed on one of its model's layers (this module's linears, the fused greedy head of
+    :mod:`.argmax_head`): what :func:`installed_forward` finds.
+
+    Example:
+        >>> from pagedcore.adapters.transformers.testing import tiny_llama
+        >>> model = tiny_llama()
+        >>> packs = PrepackedLinears(model)
+        >>> isinstance(installed_forward(model.lm_head), LayerForward)
+        True
+        >>> packs.close(); installed_forward(model.lm_head) is None
+        True
+    """
+
+
+def installed_forward(module: Any) -> LayerForward | None:
+    """The ``forward`` an open runner installed on ``module``, if any (another Engine's, on a model two share).
+
+    Example:
+        >>> installed_forward(torch.nn.Linear(2, 2)) is None
+        True
+    """
+    forward = vars(module).get("forward")
+    return forward if isinstance(forward, LayerForward) else None
+
+
+class _Forward(LayerForward):
     """A packed layer's ``forward`` (an object, so :meth:`PrepackedLinears.close` knows its own)."""
 
     def __init__(self, packs: PrepackedLinears, module: torch.nn.Linear) -> None:

@@ -48,7 +48,7 @@ from .layer_attention import check_paged_attention
 from .lora import LoraAdapters
 from .padded_step import PaddedStep
 from .pool import PagedKVPool
-from .prepacked import PrepackedLinears, resolve_prepack
+from .prepacked import PrepackedLinears, installed_forward, resolve_prepack
 from .probe import engine_path
 from .spec import context_limit, rope_capped, text_config
 from .state_spec import StateSpec
@@ -372,12 +372,11 @@ def _layer_forwards(
     linear layer, the head too (the fused head then does not install); without packs the fused head installs first
     (it splits its own GEMM) and the split (:mod:`.row_split`) takes the layers left, the head too where no fused head
     took it."""
-    owned = [m for m in model.modules() if ArgmaxHead.owns(m) or PrepackedLinears.owns(m)]
-    taken = len(owned) if packing or splitting or fusing else 0
-    other = vars(owned[0])["forward"] if owned else None  # the other Engine's, by one of its installed forwards
+    others = [f for m in model.modules() if (f := installed_forward(m)) is not None]  # another Engine's forwards
+    taken = len(others) if packing or splitting or fusing else 0
     warned = _SHARED.get(model)
-    if taken and (warned is None or warned() is not other):  # once per other Engine (not for its probe's runner too)
-        _SHARED[model] = weakref.ref(other)
+    if taken and (warned is None or warned() is not others[0]):  # once per other Engine (not for its probe's too)
+        _SHARED[model] = weakref.ref(others[0])
         logger.warning(
             "pagedcore: %d linear layers of this %s already run another open Engine's forwards (two Engines on one "
             "model share its modules): this Engine runs them without its own row split, packs and fused greedy head "
