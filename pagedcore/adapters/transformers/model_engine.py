@@ -72,6 +72,10 @@ class Engine(BaseEngine):
             product over the weight's row blocks (:mod:`.row_split`: on the CPU in float32 with 2+ threads, per
             shape and row count only where its bits are ``F.linear``'s and it is faster; the tokens are
             ``generate``'s). True by default; False keeps ``F.linear`` (for comparing the two).
+        row_kernel: those few-row calls may also take a C kernel that reads each weight once and sums in MKL's
+            order (:mod:`.row_kernel`: built with the system's C compiler at the process's first Engine, about a
+            second; AVX2 CPUs on Linux; per shape and row count only where its bits are ``F.linear``'s and it is
+            faster). True by default; False keeps the split and ``F.linear`` (for comparing).
 
     Generation parameters: either a :class:`~pagedcore.engine.sampling.SamplingParams` (or a dict of its fields), or
     ``model.generate``'s keyword arguments (``max_new_tokens``, ``do_sample``, ``temperature``, ``top_k``, ``top_p``,
@@ -124,9 +128,10 @@ class Engine(BaseEngine):
         prepack: bool | str = False,
         fused_argmax: bool = True,
         split_rows: bool = True,
+        row_kernel: bool = True,
     ) -> None:
         settings = dict(locals())
-        runner_only = ("prepack", "fused_argmax", "split_rows")  # the runner's settings, not EngineConfig's
+        runner_only = ("prepack", "fused_argmax", "split_rows", "row_kernel")  # the runner's, not EngineConfig's
         for name in ("self", "model", "tokenizer", "config", "pool", "__class__", *runner_only):
             settings.pop(name, None)
         config = EngineConfig.of(config, **settings)  # every setting checked before anything changes
@@ -141,6 +146,7 @@ class Engine(BaseEngine):
             prepack=prepack,
             fused_argmax=fused_argmax,
             split_rows=split_rows,
+            row_kernel=row_kernel,
         )
         try:
             own = replace(config, pool=PoolConfig(), compile="auto", attention_backend=None, lora=None)  # the runner's

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from . import row_kernel
 from .graph_ops import graph_op
 from .row_split import MAX_ROWS, RowSplit, contiguous, split_blocks, split_linear
 
@@ -126,11 +127,12 @@ class PrepackedLinears:
         False
     """
 
-    def __init__(self, model: Any, *, pack: bool = True, split: bool = True) -> None:
+    def __init__(self, model: Any, *, pack: bool = True, split: bool = True, kernel: bool = True) -> None:
         self._packs: dict[int, _Pack] = {}
         self._pack_rows = pack  # False: no packs; few-row calls split across the threads (exact: row_split.py)
         self._split = split  # False: no call is split (F.linear where no pack serves)
-        self._row_split = RowSplit()
+        # kernel: the few-row calls may also take row_kernel.py's C kernel (where exact and faster)
+        self._row_split = RowSplit(row_kernel.load() if split and kernel else None)
         self._threads = torch.get_num_threads()  # the running forward's (active): a compiled step's split reads it
         self._key = id(self)  # a compiled step finds the settled ways by it (_settled)
         _SPLITS[self._key] = self._row_split

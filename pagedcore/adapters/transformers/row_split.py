@@ -25,13 +25,16 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-__all__ = ["MAX_ROWS", "MIN_BLOCK_ROWS", "TRIALS", "RowSplit", "split_blocks", "split_linear"]
+from .row_kernel import RowKernel
+
+__all__ = ["MAX_ROWS", "MIN_BLOCK_ROWS", "TRIALS", "WAYS", "RowSplit", "split_blocks", "split_linear"]
 
 TRIALS = 3  # timed calls each way before a bucket keeps the faster
 MIN_BLOCK_ROWS = 64  # weight rows per block at least: smaller blocks cost more in the call than they save
 MAX_ROWS = 256  # input rows at most (scripts/row_split.py: the split's gain ends between 128 and 256 rows)
 _clock = time.perf_counter  # the trials' clock (a test drives its own)
 _Key = tuple[int, int, bool, int, int, int]  # weight rows, width, bias, blocks, threads, power-of-two row bucket
+WAYS = ("plain", "split", "kernel")  # F.linear, the batched product over the weight's row blocks, row_kernel.py
 
 
 def split_blocks(out_features: int, threads: int) -> int | None:
@@ -74,15 +77,21 @@ def split_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 @dataclass
 class _Bucket:
-    exact: set[int] = field(default_factory=set)  # row counts whose bits were checked equal
-    differ: set[int] = field(default_factory=set)  # row counts whose bits differed: F.linear for them
-    times: dict[str, list[float]] = field(default_factory=lambda: {"plain": [], "split": []})
-    way: str | None = None  # decided: "plain" or "split"
+    checked: set[int] = field(default_factory=set)  # row counts whose bits were compared
+    exact: dict[str, set[int]] = field(default_factory=lambda: {"split": set(), "kernel": set()})  # equal bits
+    widths: dict[int, int] = field(default_factory=dict)  # the kernel's block width, by row count
+    times: dict[str, list[float]] = field(default_factory=lambda: {way: [] for way in WAYS})
+    way: str | None = None  # decided: "plain", "split" or "kernel"
+
+    def exact_ways(self, rows: int) -> list[str]:
+        """The ways whose bits equal ``F.linear``'s at ``rows`` rows (plain first)."""
+        return ["plain", *(way for way, counts in self.exact.items() if rows in counts)]
 
 
 class RowSplit:
     """The few-row linear calls of a runner's forwards (see the module docstring): :meth:`linear` is ``F.linear``'s
-    result, computed the faster exact way per shape and bucket of row counts.
+    result, computed the faster exact way per shape and bucket of row counts: ``F.linear`` ("plain"), split across
+    the threads ("split"), or the C kernel of :mod:`.row_kernel` where one is given ("kernel").
 
     Example:
         >>> split = RowSplit()
@@ -93,25 +102,31 @@ class RowSplit:
         (True, [(256, 32, False, 4, 2, 1)])
     """
 
-    def __init__(self) -> None:
+    def __init__(self, kernel: RowKernel | None = None) -> None:
         self._buckets: dict[_Key, _Bucket] = {}
         self._lock = threading.Lock()
+        self._kernel = kernel
 
     def ways(self) -> dict[_Key, str | None]:
-        """Each bucket's way (``"plain"``, ``"split"``, or None while timed), by (weight rows, width, bias, blocks,
-        threads, power-of-two bucket of input rows)."""
+        """Each bucket's way (``"plain"``, ``"split"``, ``"kernel"``, or None while timed), by (weight rows, width,
+        bias, blocks (0: no split), threads, power-of-two bucket of input rows)."""
         return {key: bucket.way for key, bucket in self._buckets.items()}
 
-    def differing(self) -> dict[_Key, set[int]]:
-        """The row counts whose split bits differed from ``F.linear``'s (they keep ``F.linear``), by bucket."""
-        return {key: set(bucket.differ) for key, bucket in self._buckets.items() if bucket.differ}
+    def differing(self, way: str = "split") -> dict[_Key, set[int]]:
+        """The row counts whose bits differed from ``F.linear``'s the ``way`` way, by bucket (where it was tried)."""
+        out = {}
+        for key, bucket in self._buckets.items():
+            tried = key[3] > 0 if way == "split" else self._kernel is not None
+            if tried and (differ := bucket.checked - bucket.exact[way]):
+                out[key] = differ
+        return out
 
     def settled(self, shape: tuple[int, int, bool], rows: int, threads: int) -> str | None:
         """The way every later call of ``rows`` rows through a contiguous weight of ``shape`` (rows, width, bias)
-        takes at ``threads`` threads: ``"split"`` (its bits checked equal and the bucket timed faster), ``"plain"``
-        (``F.linear``: bits that differ, a bucket timed slower, or a call the split never serves), or None while
-        its bits or times are still to be measured. A decided way never changes, so a compiled step can trace it
-        (:meth:`.prepacked.PrepackedLinears.linear`).
+        takes at ``threads`` threads: ``"split"`` or ``"kernel"`` (its bits checked equal and the bucket timed
+        faster), ``"plain"`` (``F.linear``: bits that differ, a bucket timed slower, or a call no other way serves),
+        or None while its bits or times are still to be measured. A decided way never changes, so a compiled step
+        can trace it (:meth:`.prepacked.PrepackedLinears.linear`).
 
         Example:
             >>> split = RowSplit()
@@ -124,47 +139,76 @@ class RowSplit:
             (True, 'plain')
         """
         blocks = split_blocks(shape[0], threads)
-        if blocks is None or not 0 < rows <= MAX_ROWS:
+        kernel = self._kernel is not None and self._kernel.fits_shape(shape[0], shape[1])
+        if (blocks is None and not kernel) or not 0 < rows <= MAX_ROWS:
             return "plain"
-        bucket = self._buckets.get((*shape, blocks, threads, 1 << (rows - 1).bit_length()))
+        bucket = self._buckets.get((*shape, blocks or 0, threads, 1 << (rows - 1).bit_length()))
         if bucket is None:
             return None
-        if rows in bucket.differ or bucket.way == "plain":
+        checked = rows in bucket.checked
+        if bucket.way == "plain" or (checked and bucket.exact_ways(rows) == ["plain"]):
             return "plain"
-        return "split" if bucket.way == "split" and rows in bucket.exact else None
+        if bucket.way is None or not checked:
+            return None
+        return bucket.way if bucket.way in bucket.exact_ways(rows) else "plain"
 
     def linear(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, threads: int | None = None
     ) -> torch.Tensor:
-        """``F.linear(x, weight, bias)``: split where that is exact and faster."""
+        """``F.linear(x, weight, bias)``: split or through the kernel where that is exact and faster."""
         rows = x.numel() // x.shape[-1]
         threads = torch.get_num_threads() if threads is None else threads
         blocks = split_blocks(weight.shape[0], threads)
-        if blocks is None or not 0 < rows <= MAX_ROWS or not contiguous(weight, bias):
+        kernel = self._kernel if self._kernel is not None and self._kernel.fits(x, weight, bias) else None
+        if (blocks is None and kernel is None) or not 0 < rows <= MAX_ROWS or not contiguous(weight, bias):
             return F.linear(x, weight, bias)
-        key = (weight.shape[0], weight.shape[1], bias is not None, blocks, threads, 1 << (rows - 1).bit_length())
+        key = (weight.shape[0], weight.shape[1], bias is not None, blocks or 0, threads, 1 << (rows - 1).bit_length())
         bucket = self._buckets.get(key)
         if bucket is None:
             with self._lock:
                 bucket = self._buckets.setdefault(key, _Bucket())
-        if bucket.way == "plain" or rows in bucket.differ:
+        if bucket.way == "plain":
             return F.linear(x, weight, bias)
-        if rows not in bucket.exact:  # this row count's first call: the bits of both ways compared
+        if rows not in bucket.checked:  # this row count's first call: the bits of every way compared
             plain = F.linear(x, weight, bias)
-            exact = torch.equal(plain, split_linear(x, weight, bias, blocks))
-            (bucket.exact if exact else bucket.differ).add(rows)
+            if blocks is not None and torch.equal(plain, split_linear(x, weight, bias, blocks)):
+                bucket.exact["split"].add(rows)
+            if kernel is not None and (width := kernel.exact_width(x, weight, bias, plain, threads)) is not None:
+                bucket.widths[rows] = width
+                bucket.exact["kernel"].add(rows)
+            bucket.checked.add(rows)
             return plain
-        if bucket.way == "split":
-            return split_linear(x, weight, bias, blocks)
+        ways = bucket.exact_ways(rows)
+        if bucket.way is not None:
+            return self._run(bucket.way if bucket.way in ways else "plain", bucket, rows, x, weight, bias, threads)
         times = bucket.times
-        way = "split" if len(times["split"]) <= len(times["plain"]) else "plain"
+        way = min(ways, key=lambda w: len(times[w]))  # the exact way timed least so far
         start = _clock()
-        out = split_linear(x, weight, bias, blocks) if way == "split" else F.linear(x, weight, bias)
+        out = self._run(way, bucket, rows, x, weight, bias, threads)
         times[way].append((_clock() - start) / rows)
-        if min(len(t) for t in times.values()) >= TRIALS:
-            faster = statistics.median(times["split"]) < statistics.median(times["plain"])
-            bucket.way = "split" if faster else "plain"
+        tried = [w for w in WAYS if w == "plain" or bucket.exact[w]]  # the ways exact at some row count here
+        if len(tried) > 1 and all(len(times[w]) >= TRIALS for w in tried):  # (plain alone: no way to choose yet)
+            bucket.way = min(tried, key=lambda w: statistics.median(times[w]))
         return out
+
+    def _run(
+        self,
+        way: str,
+        bucket: _Bucket,
+        rows: int,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        threads: int,
+    ) -> torch.Tensor:
+        if way == "split":
+            blocks = split_blocks(weight.shape[0], threads)
+            assert blocks is not None
+            return split_linear(x, weight, bias, blocks)
+        if way == "kernel":
+            assert self._kernel is not None
+            return self._kernel.linear(x, weight, bias, bucket.widths[rows], threads)
+        return F.linear(x, weight, bias)
 
 
 def contiguous(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:

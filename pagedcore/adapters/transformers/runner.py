@@ -81,6 +81,8 @@ class TransformersRunner:
             applies; True by default), or always through the logits (False).
         split_rows: linear calls of a few rows split across the threads where exact and faster (:mod:`.row_split`;
             True by default), or always ``F.linear`` (False).
+        row_kernel: those calls may also take the C kernel of :mod:`.row_kernel` where exact and faster (True by
+            default; built at the first runner of the process), or not (False).
 
     Example:
         >>> from pagedcore.engine import Engine
@@ -104,8 +106,9 @@ class TransformersRunner:
         prepack: bool | str = False,
         fused_argmax: bool = True,
         split_rows: bool = True,
+        row_kernel: bool = True,
     ) -> None:
-        for name, flag in (("fused_argmax", fused_argmax), ("split_rows", split_rows)):
+        for name, flag in (("fused_argmax", fused_argmax), ("split_rows", split_rows), ("row_kernel", row_kernel)):
             if not isinstance(flag, bool):
                 raise ConfigError(f"{name} must be True or False, got {flag!r}", param=name)
         device = model.get_input_embeddings().weight.device
@@ -116,7 +119,8 @@ class TransformersRunner:
         self.owns_pool = pool is None
         self.pool = PagedKVPool.resolve(model, pool, config if config is not None else PoolConfig())
         with self.pool.closed_on_failure(self.owns_pool):
-            self._build(model, device, compiling, attention_backend, tokenizer, lora, prepack, fused_argmax, split_rows)
+            ways = (fused_argmax, split_rows, row_kernel)
+            self._build(model, device, compiling, attention_backend, tokenizer, lora, prepack, ways)
 
     def _build(
         self,
@@ -127,10 +131,11 @@ class TransformersRunner:
         tokenizer: Any,
         lora: LoRAConfig | None,
         prepack: bool | str,
-        fused_argmax: bool,
-        split_rows: bool,
+        ways: tuple[bool, bool, bool],
     ) -> None:
-        """The rest of :meth:`__init__`, once the pool is made: the model's steps, its adapters and its forwards."""
+        """The rest of :meth:`__init__`, once the pool is made: the model's steps, its adapters and its forwards
+        (``ways``: fused_argmax, split_rows, row_kernel)."""
+        fused_argmax, split_rows, row_kernel = ways
         self.model = model
         self.attention_backend = attention_backend
         self._text_config = text_config(model)
@@ -166,7 +171,7 @@ class TransformersRunner:
         # Steps whose rows only take their argmax: their tokens taken inside the head (argmax_head.py); not
         # with adapters (a LoRA on the head), the compatible path, or a forward that computes every position's logits.
         fusing = fused_argmax and lora is None and self._padded is None and self._states is None and self._keeps_logits
-        self._argmax, self._linears = _layer_forwards(model, packing, splitting, fusing)
+        self._argmax, self._linears = _layer_forwards(model, packing, splitting, fusing, row_kernel)
         self._packs = self._linears if packing else None
 
     # ------------------------------------------------------------------ the protocol's state
@@ -366,12 +371,12 @@ def eos_token_ids(model: Any, tokenizer: Any = None) -> list[int]:
 
 
 def _layer_forwards(
-    model: Any, packing: bool, splitting: bool, fusing: bool
+    model: Any, packing: bool, splitting: bool, fusing: bool, kernel: bool
 ) -> tuple[ArgmaxHead | None, PrepackedLinears | None]:
     """The fused greedy head and the linear layers' forwards the runner installs (each where asked). Packs take every
     linear layer, the head too (the fused head then does not install); without packs the fused head installs first
-    (it splits its own GEMM) and the split (:mod:`.row_split`) takes the layers left, the head too where no fused head
-    took it."""
+    (it splits its own GEMM) and the split (:mod:`.row_split`, with :mod:`.row_kernel`'s kernel where ``kernel``)
+    takes the layers left, the head too where no fused head took it."""
     others = [f for m in model.modules() if (f := installed_forward(m)) is not None]  # another Engine's forwards
     taken = len(others) if packing or splitting or fusing else 0
     warned = _SHARED.get(model)
@@ -385,10 +390,10 @@ def _layer_forwards(
             type(model).__name__,
         )
     if packing:
-        linears = PrepackedLinears(model, split=splitting)
+        linears = PrepackedLinears(model, split=splitting, kernel=kernel)
         return (ArgmaxHead.install(model) if fusing else None), linears
     head = ArgmaxHead.install(model) if fusing else None
-    return head, (PrepackedLinears(model, pack=False) if splitting else None)
+    return head, (PrepackedLinears(model, pack=False, kernel=kernel) if splitting else None)
 
 
 def _packed_positions(pool: PagedKVPool, positions: list[int]) -> torch.Tensor | None:

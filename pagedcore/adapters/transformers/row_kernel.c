@@ -1,0 +1,135 @@
+/* The few-row linear kernel of row_kernel.py: y[M, N] = x[M, K] @ w[N, K]^T (+ bias), each output summed in
+   blocks of kc columns (one FMA chain per block from zero, in column order; the block sums added in order to the
+   bias, or to the first block's sum without one): the order MKL's sgemm sums in, so the bits are F.linear's where
+   row_kernel.py's check finds them equal. AVX2 + FMA; N, K and kc multiples of 8; x, w, bias and y contiguous. */
+#include <immintrin.h>
+#include <stdlib.h>
+
+/* r[i] = row i of an 8 x 8 tile -> r[j] = column j */
+static inline void transpose8(__m256 r[8]) {
+    __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+    __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+    __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+    __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+    __m256 s0 = _mm256_shuffle_ps(t0, t2, 0x44), s1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+    __m256 s2 = _mm256_shuffle_ps(t1, t3, 0x44), s3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+    __m256 s4 = _mm256_shuffle_ps(t4, t6, 0x44), s5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+    __m256 s6 = _mm256_shuffle_ps(t5, t7, 0x44), s7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+    r[0] = _mm256_permute2f128_ps(s0, s4, 0x20);
+    r[1] = _mm256_permute2f128_ps(s1, s5, 0x20);
+    r[2] = _mm256_permute2f128_ps(s2, s6, 0x20);
+    r[3] = _mm256_permute2f128_ps(s3, s7, 0x20);
+    r[4] = _mm256_permute2f128_ps(s0, s4, 0x31);
+    r[5] = _mm256_permute2f128_ps(s1, s5, 0x31);
+    r[6] = _mm256_permute2f128_ps(s2, s6, 0x31);
+    r[7] = _mm256_permute2f128_ps(s3, s7, 0x31);
+}
+
+/* outputs n0..n0+7 of rows 0..M-1 (M <= 8, a constant once inlined) */
+static inline void panel(const float *x, const float *w, const float *bias, float *y, const int M, long N, long K,
+                         long kc, long n0) {
+    __m256 out[8], acc[8], t[8];
+    for (int m = 0; m < M; m++) out[m] = _mm256_setzero_ps();  /* K >= 8: the first block sets it */
+    for (long k0 = 0; k0 < K; k0 += kc) {
+        long k1 = k0 + kc < K ? k0 + kc : K;
+        for (int m = 0; m < M; m++) acc[m] = _mm256_setzero_ps();
+        for (long k = k0; k < k1; k += 8) {
+            for (int i = 0; i < 8; i++) t[i] = _mm256_loadu_ps(w + (n0 + i) * K + k);
+            transpose8(t);
+            for (int j = 0; j < 8; j++)
+                for (int m = 0; m < M; m++)
+                    acc[m] = _mm256_fmadd_ps(_mm256_broadcast_ss(x + m * K + k + j), t[j], acc[m]);
+        }
+        for (int m = 0; m < M; m++) {
+            if (k0 > 0)
+                out[m] = _mm256_add_ps(out[m], acc[m]);
+            else
+                out[m] = bias ? _mm256_add_ps(_mm256_loadu_ps(bias + n0), acc[m]) : acc[m];
+        }
+    }
+    for (int m = 0; m < M; m++) _mm256_storeu_ps(y + m * N + n0, out[m]);
+}
+
+/* rows 0..R-1 (R <= 8, a constant once inlined) of outputs n0..n0+7 over one block's turned tile buf (column k of
+   the block at buf[k - k0]): each output's chain for the block, added to y (to the bias, or stored, for the first) */
+static inline void chains(const __m256 *buf, const float *x, const float *bias, float *y, const int R, long N, long K,
+                          long k0, long k1, long n0) {
+    __m256 acc[8];
+    for (int m = 0; m < R; m++) acc[m] = _mm256_setzero_ps();
+    for (long k = k0; k < k1; k++) {
+        const __m256 t = buf[k - k0];
+        for (int m = 0; m < R; m++) acc[m] = _mm256_fmadd_ps(_mm256_broadcast_ss(x + m * K + k), t, acc[m]);
+    }
+    for (int m = 0; m < R; m++) {
+        __m256 out = acc[m];
+        if (k0 > 0)
+            out = _mm256_add_ps(_mm256_loadu_ps(y + m * N + n0), acc[m]);
+        else if (bias)
+            out = _mm256_add_ps(_mm256_loadu_ps(bias + n0), acc[m]);
+        _mm256_storeu_ps(y + m * N + n0, out);
+    }
+}
+
+/* outputs n0..n0+7 of all M rows: per block the weight's 8 x kc tile turned once into buf, then each group of up to
+   8 rows chains over it (the weight read and turned once whatever M) */
+static void panel_rows(const float *x, const float *w, const float *bias, float *y, long M, long N, long K, long kc,
+                       long n0, __m256 *buf) {
+    __m256 t[8];
+    for (long k0 = 0; k0 < K; k0 += kc) {
+        long k1 = k0 + kc < K ? k0 + kc : K;
+        for (long k = k0; k < k1; k += 8) {
+            for (int i = 0; i < 8; i++) t[i] = _mm256_loadu_ps(w + (n0 + i) * K + k);
+            transpose8(t);
+            for (int j = 0; j < 8; j++) buf[k - k0 + j] = t[j];
+        }
+        for (long m0 = 0; m0 < M; m0 += 8) {
+            const float *xs = x + m0 * K;
+            float *ys = y + m0 * N;
+            switch (M - m0 < 8 ? (int)(M - m0) : 8) {
+            case 1: chains(buf, xs, bias, ys, 1, N, K, k0, k1, n0); break;
+            case 2: chains(buf, xs, bias, ys, 2, N, K, k0, k1, n0); break;
+            case 3: chains(buf, xs, bias, ys, 3, N, K, k0, k1, n0); break;
+            case 4: chains(buf, xs, bias, ys, 4, N, K, k0, k1, n0); break;
+            case 5: chains(buf, xs, bias, ys, 5, N, K, k0, k1, n0); break;
+            case 6: chains(buf, xs, bias, ys, 6, N, K, k0, k1, n0); break;
+            case 7: chains(buf, xs, bias, ys, 7, N, K, k0, k1, n0); break;
+            default: chains(buf, xs, bias, ys, 8, N, K, k0, k1, n0); break;
+            }
+        }
+    }
+}
+
+int row_kernel_linear(const float *x, const float *w, const float *bias, float *y, long M, long N, long K, long kc,
+                      int threads) {
+    if (M < 1 || N < 8 || K < 8 || N % 8 || K % 8 || kc < 8 || kc % 8 || threads < 1) return -1;
+    if (M <= 8) {  /* every tile used once: multiplied straight from the registers it was turned in */
+#pragma omp parallel for schedule(static) num_threads(threads)
+        for (long n0 = 0; n0 < N; n0 += 8) {
+            switch ((int)M) {  /* each case a copy of panel() for its row count, unrolled */
+            case 1: panel(x, w, bias, y, 1, N, K, kc, n0); break;
+            case 2: panel(x, w, bias, y, 2, N, K, kc, n0); break;
+            case 3: panel(x, w, bias, y, 3, N, K, kc, n0); break;
+            case 4: panel(x, w, bias, y, 4, N, K, kc, n0); break;
+            case 5: panel(x, w, bias, y, 5, N, K, kc, n0); break;
+            case 6: panel(x, w, bias, y, 6, N, K, kc, n0); break;
+            case 7: panel(x, w, bias, y, 7, N, K, kc, n0); break;
+            default: panel(x, w, bias, y, 8, N, K, kc, n0); break;
+            }
+        }
+        return 0;
+    }
+    int failed = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        __m256 *buf = aligned_alloc(32, sizeof(__m256) * (size_t)(kc < K ? kc : K));
+        if (!buf) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (long n0 = 0; n0 < N; n0 += 8)
+            if (buf) panel_rows(x, w, bias, y, M, N, K, kc, n0, buf);
+        free(buf);
+    }
+    return failed ? -2 : 0;
+}
