@@ -5,6 +5,8 @@
 #include <immintrin.h>
 #include <stdlib.h>
 
+#define INLINE inline __attribute__((always_inline)) /* each row count's copy unrolled, its sums in registers */
+
 /* r[i] = row i of an 8 x 8 tile -> r[j] = column j */
 static inline void transpose8(__m256 r[8]) {
     __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
@@ -26,7 +28,7 @@ static inline void transpose8(__m256 r[8]) {
 }
 
 /* outputs n0..n0+7 of rows 0..M-1 (M <= 8, a constant once inlined) */
-static inline void panel(const float *x, const float *w, const float *bias, float *y, const int M, long N, long K,
+static INLINE void panel(const float *x, const float *w, const float *bias, float *y, const int M, long N, long K,
                          long kc, long n0) {
     __m256 out[8], acc[8], t[8];
     for (int m = 0; m < M; m++) out[m] = _mm256_setzero_ps();  /* K >= 8: the first block sets it */
@@ -52,7 +54,7 @@ static inline void panel(const float *x, const float *w, const float *bias, floa
 
 /* rows 0..R-1 (R <= 8, a constant once inlined) of outputs n0..n0+7 over one block's turned tile buf (column k of
    the block at buf[k - k0]): each output's chain for the block, added to y (to the bias, or stored, for the first) */
-static inline void chains(const __m256 *buf, const float *x, const float *bias, float *y, const int R, long N, long K,
+static INLINE void chains(const __m256 *buf, const float *x, const float *bias, float *y, const int R, long N, long K,
                           long k0, long k1, long n0) {
     __m256 acc[8];
     for (int m = 0; m < R; m++) acc[m] = _mm256_setzero_ps();
@@ -99,6 +101,66 @@ static void panel_rows(const float *x, const float *w, const float *bias, float 
     }
 }
 
+/* as chains(), for two panels at once (outputs n0..n0+15, tiles a and b) and R <= 6 rows: 12 chains share each
+   row's broadcast, so the FMAs, not the loads, set the pace */
+static INLINE void chains2(const __m256 *a, const __m256 *b, const float *x, const float *bias, float *y, const int R,
+                           long N, long K, long k0, long k1, long n0) {
+    __m256 acc[6], acd[6];
+    for (int m = 0; m < R; m++) acc[m] = acd[m] = _mm256_setzero_ps();
+    for (long k = k0; k < k1; k++) {
+        const __m256 ta = a[k - k0], tb = b[k - k0];
+        for (int m = 0; m < R; m++) {
+            const __m256 v = _mm256_broadcast_ss(x + m * K + k);
+            acc[m] = _mm256_fmadd_ps(v, ta, acc[m]);
+            acd[m] = _mm256_fmadd_ps(v, tb, acd[m]);
+        }
+    }
+    for (int m = 0; m < R; m++) {
+        __m256 lo = acc[m], hi = acd[m];
+        if (k0 > 0) {
+            lo = _mm256_add_ps(_mm256_loadu_ps(y + m * N + n0), acc[m]);
+            hi = _mm256_add_ps(_mm256_loadu_ps(y + m * N + n0 + 8), acd[m]);
+        } else if (bias) {
+            lo = _mm256_add_ps(_mm256_loadu_ps(bias + n0), acc[m]);
+            hi = _mm256_add_ps(_mm256_loadu_ps(bias + n0 + 8), acd[m]);
+        }
+        _mm256_storeu_ps(y + m * N + n0, lo);
+        _mm256_storeu_ps(y + m * N + n0 + 8, hi);
+    }
+}
+
+static inline void turn_tile(const float *w, long K, long n0, long k0, long k1, __m256 *buf) {
+    __m256 t[8];
+    for (long k = k0; k < k1; k += 8) {
+        for (int i = 0; i < 8; i++) t[i] = _mm256_loadu_ps(w + (n0 + i) * K + k);
+        transpose8(t);
+        for (int j = 0; j < 8; j++) buf[k - k0 + j] = t[j];
+    }
+}
+
+/* outputs n0..n0+15 of all M rows (as panel_rows, two tiles a block, rows in groups of 6) */
+static void panel_pair(const float *x, const float *w, const float *bias, float *y, long M, long N, long K, long kc,
+                       long n0, __m256 *buf) {
+    const long width = kc < K ? kc : K;
+    for (long k0 = 0; k0 < K; k0 += kc) {
+        long k1 = k0 + kc < K ? k0 + kc : K;
+        turn_tile(w, K, n0, k0, k1, buf);
+        turn_tile(w, K, n0 + 8, k0, k1, buf + width);
+        for (long m0 = 0; m0 < M; m0 += 6) {
+            const float *xs = x + m0 * K;
+            float *ys = y + m0 * N;
+            switch (M - m0 < 6 ? (int)(M - m0) : 6) {
+            case 1: chains2(buf, buf + width, xs, bias, ys, 1, N, K, k0, k1, n0); break;
+            case 2: chains2(buf, buf + width, xs, bias, ys, 2, N, K, k0, k1, n0); break;
+            case 3: chains2(buf, buf + width, xs, bias, ys, 3, N, K, k0, k1, n0); break;
+            case 4: chains2(buf, buf + width, xs, bias, ys, 4, N, K, k0, k1, n0); break;
+            case 5: chains2(buf, buf + width, xs, bias, ys, 5, N, K, k0, k1, n0); break;
+            default: chains2(buf, buf + width, xs, bias, ys, 6, N, K, k0, k1, n0); break;
+            }
+        }
+    }
+}
+
 int row_kernel_linear(const float *x, const float *w, const float *bias, float *y, long M, long N, long K, long kc,
                       int threads) {
     if (M < 1 || N < 8 || K < 8 || N % 8 || K % 8 || kc < 8 || kc % 8 || threads < 1) return -1;
@@ -119,16 +181,22 @@ int row_kernel_linear(const float *x, const float *w, const float *bias, float *
         return 0;
     }
     int failed = 0;
+    const long pairs = N / 16;  /* pairs of panels; an odd last panel alone */
 #pragma omp parallel num_threads(threads)
     {
-        __m256 *buf = aligned_alloc(32, sizeof(__m256) * (size_t)(kc < K ? kc : K));
+        __m256 *buf = aligned_alloc(32, 2 * sizeof(__m256) * (size_t)(kc < K ? kc : K));
         if (!buf) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(static)
-        for (long n0 = 0; n0 < N; n0 += 8)
-            if (buf) panel_rows(x, w, bias, y, M, N, K, kc, n0, buf);
+        for (long p = 0; p < pairs + (N % 16 != 0); p++) {
+            if (!buf) continue;
+            if (p < pairs)
+                panel_pair(x, w, bias, y, M, N, K, kc, 16 * p, buf);
+            else
+                panel_rows(x, w, bias, y, M, N, K, kc, 16 * p, buf);
+        }
         free(buf);
     }
     return failed ? -2 : 0;
