@@ -159,7 +159,7 @@ class RowSplit:
         rows = x.numel() // x.shape[-1]
         threads = torch.get_num_threads() if threads is None else threads
         blocks = split_blocks(weight.shape[0], threads)
-        kernel = self._kernel if self._kernel is not None and self._kernel.fits(x, weight, bias) else None
+        kernel = self._kernel if self._kernel is not None and RowKernel.fits_shape(*weight.shape) else None
         if (blocks is None and kernel is None) or not 0 < rows <= MAX_ROWS or not contiguous(weight, bias):
             return F.linear(x, weight, bias)
         key = (weight.shape[0], weight.shape[1], bias is not None, blocks or 0, threads, 1 << (rows - 1).bit_length())
@@ -173,7 +173,11 @@ class RowSplit:
             plain = F.linear(x, weight, bias)
             if blocks is not None and torch.equal(plain, split_linear(x, weight, bias, blocks)):
                 bucket.exact["split"].add(rows)
-            if kernel is not None and (width := kernel.exact_width(x, weight, bias, plain, threads)) is not None:
+            if (
+                kernel is not None
+                and kernel.fits(x, weight, bias)
+                and (width := kernel.exact_width(x, weight, bias, plain, threads)) is not None
+            ):
                 bucket.widths[rows] = width
                 bucket.exact["kernel"].add(rows)
             bucket.checked.add(rows)

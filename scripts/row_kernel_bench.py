@@ -1,0 +1,71 @@
+"""Few-row ``F.linear`` against the row split and the row kernel (``adapters/transformers/row_kernel.py``), side by
+side on one machine.
+
+For each weight shape of the benchmark model (hidden 512, 2 KV heads of 64, MLP 1536), enough copies to stream from
+memory (a decode step reads every weight once, out of the caches), float32, at decode row counts: milliseconds per
+call of ``F.linear``, of ``split_linear`` over the weight's row blocks and of the kernel, each the best of 7 rounds;
+the ratios; the block width whose bits equal ``F.linear``'s ("-": none, so the Engine would not use the kernel there).
+
+    python scripts/row_kernel_bench.py [--threads 2] [--rows 1,4,8,16,32,64,128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from pagedcore.adapters.transformers.row_kernel import load
+from pagedcore.adapters.transformers.row_split import split_blocks, split_linear
+
+SHAPES = [(512, 512), (128, 512), (1536, 512), (512, 1536)]
+
+
+def best(call: Callable[[], object], rounds: int = 7) -> float:
+    call()
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def compare(rows: int, shape: tuple[int, int], threads: int) -> str:
+    kernel = load()
+    assert kernel is not None, "no row kernel on this machine (no C compiler, no AVX2, or PAGEDCORE_ROW_KERNEL=0)"
+    blocks = split_blocks(shape[0], threads)
+    weights = [torch.randn(*shape) * 0.02 for _ in range(max(2, (256 << 20) // (shape[0] * shape[1] * 4)))]
+    x = torch.randn(rows, shape[1])
+    width = kernel.exact_width(x, weights[0], None, F.linear(x, weights[0]), threads)
+    run = width or 192
+    plain = best(lambda: [F.linear(x, w) for w in weights]) / len(weights)
+    split = best(lambda: [split_linear(x, w, None, blocks) for w in weights]) / len(weights) if blocks else None
+    fast = best(lambda: [kernel.linear(x, w, None, run, threads) for w in weights]) / len(weights)
+    shown = "-" if split is None else f"{split * 1e3:.3f}"
+    versus = "-" if split is None else f"{split / fast:.2f}x"
+    return (f"| {shape[0]}x{shape[1]} | {rows} | {plain * 1e3:.3f} | {shown} | {fast * 1e3:.3f} | "
+            f"{plain / fast:.2f}x | {versus} | {width or '-'} |")  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rows", default="1,4,8,16,32,64,128")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    print(f"threads {args.threads}; float32; weights streamed from memory (copies totalling ~256 MB)\n")
+    print("| weight | rows | F.linear ms | split ms | kernel ms | F.linear / kernel | split / kernel | exact width |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    with torch.inference_mode():
+        for rows in [int(r) for r in args.rows.split(",")]:
+            for shape in SHAPES:
+                print(compare(rows, shape, args.threads), flush=True)
+
+
+if __name__ == "__main__":
+    main()
