@@ -82,6 +82,20 @@ def test_a_shape_or_tensor_the_kernel_cannot_take_is_not_its():
     assert not RowKernel.fits(torch.randn(2, 32), weight, torch.randn(8))
 
 
+@needs_kernel
+def test_what_the_c_code_would_misread_is_refused():
+    assert KERNEL is not None
+    weight = torch.randn(16, 32)
+    for x, w, b in [
+        (torch.randn(2, 32).double(), weight, None),  # another dtype: half or twice the bytes
+        (torch.randn(2, 24), weight, None),  # a narrower input: read past its end
+        (torch.randn(2, 32), weight.t().contiguous().t(), None),  # a transposed view
+        (torch.randn(2, 32), weight, torch.randn(8)),  # a short bias
+    ]:
+        with pytest.raises(ValueError, match="row kernel: cannot take"):
+            KERNEL.linear(x, w, b, 8, 1)
+
+
 def test_it_is_not_built_where_it_cannot_serve(monkeypatch):
     monkeypatch.setenv("PAGEDCORE_ROW_KERNEL", "0")
     assert row_kernel_module._build() is None

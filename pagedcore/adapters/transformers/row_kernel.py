@@ -41,7 +41,8 @@ logger = logging.getLogger(__name__)
 
 WIDTHS = (192, 256, 128, 384, 512, 64, 96, 320)  # block widths tried, most likely first (192: MKL 2024 on Zen 4)
 _SOURCE = Path(__file__).with_name("row_kernel.c")
-_FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
+# -ffp-contract=off: the compiler fuses no multiply and add the source does not spell (the order is the bits)
+_FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 _LOCK = threading.Lock()
 _LOADED: list[RowKernel | None] = []  # the process's kernel once load() ran (None: it cannot serve here)
 
@@ -87,8 +88,21 @@ class RowKernel:
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, width: int, threads: int
     ) -> torch.Tensor:
         """``x @ weight.T + bias`` summed in blocks of ``width`` columns on ``threads`` threads (a weight that
-        :meth:`fits`; ``width`` a multiple of 8)."""
-        rows = x.reshape(-1, x.shape[-1]).contiguous()
+        :meth:`fits`; ``width`` a multiple of 8). The C code reads raw memory, so what it would misread is refused
+        here, each call (a ``ValueError``; about a microsecond)."""
+        out_features, inner = weight.shape
+        if (
+            x.dtype is not torch.float32
+            or weight.dtype is not torch.float32
+            or x.shape[-1] != inner
+            or not weight.is_contiguous()
+            or (bias is not None and (bias.dtype is not torch.float32 or bias.numel() != out_features))
+            or x.device.type != "cpu"
+            or weight.device.type != "cpu"
+        ):
+            raise ValueError(f"row kernel: cannot take x {tuple(x.shape)} {x.dtype} with weight {tuple(weight.shape)}")
+        rows = x.reshape(-1, inner).contiguous()
+        bias = None if bias is None else bias.contiguous()
         out = torch.empty((rows.shape[0], weight.shape[0]), dtype=torch.float32)
         code = self._call(
             rows.data_ptr(),
@@ -103,7 +117,7 @@ class RowKernel:
         )
         if code:
             raise ValueError(f"row kernel: shapes {tuple(rows.shape)} x {tuple(weight.shape)} with width {width}")
-        return out.view(*x.shape[:-1], weight.shape[0])
+        return out.view(*x.shape[:-1], out_features)
 
     def exact_width(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, expected: torch.Tensor, threads: int
