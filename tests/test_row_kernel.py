@@ -96,6 +96,21 @@ def test_what_the_c_code_would_misread_is_refused():
             KERNEL.linear(x, w, b, 8, 1)
 
 
+@needs_kernel
+def test_what_records_a_steps_ops_sees_the_kernels_result():
+    """The CPU stand-in for CUDA graphs (``TraceCapture``) replays the ops a step dispatched. The kernel called behind
+    torch's back (ctypes on an empty tensor) replayed as that empty tensor: NaN logits, which CI found in
+    ``test_decode_graphs.py``; as one op it is replayed with the new inputs."""
+    from pagedcore.adapters.transformers.decode_graphs import TraceCapture
+
+    assert KERNEL is not None
+    weight, x = torch.randn(16, 32), torch.randn(4, 32)
+    replay, out = TraceCapture().capture(lambda: KERNEL.linear(x, weight, None, 8, 1))
+    x.copy_(torch.randn(4, 32))
+    replay()
+    assert torch.equal(out, blocked_sums(x, weight, None, 8))
+
+
 def test_it_is_not_built_where_it_cannot_serve(monkeypatch):
     monkeypatch.setenv("PAGEDCORE_ROW_KERNEL", "0")
     assert row_kernel_module._build() is None

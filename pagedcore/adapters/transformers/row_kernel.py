@@ -35,7 +35,9 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["WIDTHS", "RowKernel", "load"]
+from .graph_ops import graph_op
+
+__all__ = ["KERNEL_LINEAR", "WIDTHS", "RowKernel", "load"]
 
 logger = logging.getLogger(__name__)
 
@@ -59,10 +61,10 @@ class RowKernel:
     """
 
     def __init__(self, library: ctypes.CDLL) -> None:
-        self._call = library.row_kernel_linear
+        self._function = library.row_kernel_linear
         pointer, size = ctypes.c_void_p, ctypes.c_long
-        self._call.argtypes = [pointer, pointer, pointer, pointer, size, size, size, size, ctypes.c_int]
-        self._call.restype = ctypes.c_int
+        self._function.argtypes = [pointer, pointer, pointer, pointer, size, size, size, size, ctypes.c_int]
+        self._function.restype = ctypes.c_int
         self._widths: dict[tuple[int, int, bool], int] = {}  # by weight shape and bias: the width found
 
     @staticmethod
@@ -88,8 +90,10 @@ class RowKernel:
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, width: int, threads: int
     ) -> torch.Tensor:
         """``x @ weight.T + bias`` summed in blocks of ``width`` columns on ``threads`` threads (a weight that
-        :meth:`fits`; ``width`` a multiple of 8). The C code reads raw memory, so what it would misread is refused
-        here, each call (a ``ValueError``; about a microsecond)."""
+        :meth:`fits`; ``width`` a multiple of 8). Under a dispatch mode it is one op, :data:`KERNEL_LINEAR`:
+        what records the ops a step dispatched (the CPU stand-in for CUDA graphs) or traces them then sees the
+        kernel's result made, not an empty tensor written behind its back. The C code reads raw memory, so what it
+        would misread is refused here, each call (a ``ValueError``; about a microsecond)."""
         out_features, inner = weight.shape
         if (
             x.dtype is not torch.float32
@@ -101,10 +105,18 @@ class RowKernel:
             or weight.device.type != "cpu"
         ):
             raise ValueError(f"row kernel: cannot take x {tuple(x.shape)} {x.dtype} with weight {tuple(weight.shape)}")
-        rows = x.reshape(-1, inner).contiguous()
+        if torch._C._len_torch_dispatch_stack():  # noqa: SLF001 (a mode records or traces the ops: one op for it)
+            return KERNEL_LINEAR(x, weight, bias, width, threads)
+        return self._call(x, weight, bias, width, threads)  # nothing records: the C call (6 us less than the op)
+
+    def _call(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, width: int, threads: int
+    ) -> torch.Tensor:
+        """The C call itself (:data:`KERNEL_LINEAR`'s kernel; :meth:`linear` checked what it reads)."""
+        rows = x.reshape(-1, weight.shape[1]).contiguous()
         bias = None if bias is None else bias.contiguous()
         out = torch.empty((rows.shape[0], weight.shape[0]), dtype=torch.float32)
-        code = self._call(
+        code = self._function(
             rows.data_ptr(),
             weight.data_ptr(),
             None if bias is None else bias.data_ptr(),
@@ -117,7 +129,7 @@ class RowKernel:
         )
         if code:
             raise ValueError(f"row kernel: shapes {tuple(rows.shape)} x {tuple(weight.shape)} with width {width}")
-        return out.view(*x.shape[:-1], out_features)
+        return out.view(*x.shape[:-1], weight.shape[0])
 
     def exact_width(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, expected: torch.Tensor, threads: int
@@ -172,3 +184,24 @@ def _build() -> RowKernel | None:
             logger.debug("pagedcore: the row kernel did not build: %s", done.stderr[-2000:])
             return None
         return RowKernel(ctypes.CDLL(str(library)))
+
+
+def _kernel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, width: int, threads: int
+                   ) -> torch.Tensor:  # fmt: skip
+    kernel = load()
+    if kernel is None:
+        raise RuntimeError("row kernel: not built in this process")
+    return kernel._call(x, weight, bias, width, threads)  # noqa: SLF001 (the op is the kernel's own entry)
+
+
+def _kernel_linear_shape(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, width: int, threads: int
+                         ) -> torch.Tensor:  # fmt: skip
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+KERNEL_LINEAR = graph_op(
+    "row_kernel_linear(Tensor x, Tensor weight, Tensor? bias, int width, int threads) -> Tensor",
+    _kernel_linear,
+    _kernel_linear_shape,
+)
+"""The kernel as a ``pagedcore::row_kernel_linear`` op (:func:`~.graph_ops.graph_op`)."""

@@ -13,6 +13,10 @@ blocks, threads, rows) computes both and compares them bit for bit: a row count 
 (MKL's GEMM takes another path for 5-7 and 9-11 rows, here). Per power-of-two bucket of row counts the next
 :data:`TRIALS` calls each way are timed, and the faster way serves the bucket from then on, so the split runs only
 where it is exact and faster. Calls of more than :data:`MAX_ROWS` rows (prefill chunks) keep ``F.linear``.
+
+A third way joins where the process has one: :mod:`.row_kernel`'s C kernel, which sums in MKL's own order straight
+from the weight's rows. Its bits are checked at the same first call (it is tried with each block width until one
+matches), and the same trials time it; a bucket keeps the fastest of the ways exact at its row counts.
 """
 
 from __future__ import annotations
@@ -182,9 +186,10 @@ class RowSplit:
                 bucket.exact["kernel"].add(rows)
             bucket.checked.add(rows)
             return plain
+        if bucket.way is not None:  # decided (not "plain"): its way where this row count's bits matched
+            way = bucket.way if rows in bucket.exact[bucket.way] else "plain"
+            return self._run(way, bucket, rows, x, weight, bias, threads)
         ways = bucket.exact_ways(rows)
-        if bucket.way is not None:
-            return self._run(bucket.way if bucket.way in ways else "plain", bucket, rows, x, weight, bias, threads)
         times = bucket.times
         way = min(ways, key=lambda w: len(times[w]))  # the exact way timed least so far
         start = _clock()
