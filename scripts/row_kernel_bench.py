@@ -12,26 +12,15 @@ the ratios; the block width whose bits equal ``F.linear``'s ("-": none, so the E
 from __future__ import annotations
 
 import argparse
-import time
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from row_split import best  # this folder's scripts/row_split.py: best of 7 after a warm-up
 
 from pagedcore.adapters.transformers.row_kernel import load
 from pagedcore.adapters.transformers.row_split import split_blocks, split_linear
 
 SHAPES = [(512, 512), (128, 512), (1536, 512), (512, 1536)]
-
-
-def best(call: Callable[[], object], rounds: int = 7) -> float:
-    call()
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 def compare(rows: int, shape: tuple[int, int], threads: int) -> str:

@@ -20,6 +20,31 @@ def one_thread() -> Iterator[None]:
 
 
 @pytest.fixture
+def two_threads() -> Iterator[None]:
+    """The few-row linears' split and kernel need threads to share: two, as this machine has."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
+def trial_clock(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """The row split's trial clock (``row_split._clock``) stepping by 1.0 a reading; a test subtracts from the
+    returned cell inside a way it wants timed faster."""
+    from pagedcore.adapters.transformers import row_split
+
+    now = [0.0]
+
+    def clock() -> float:
+        now[0] += 1.0
+        return now[0]
+
+    monkeypatch.setattr(row_split, "_clock", clock)
+    return now
+
+
+@pytest.fixture
 def enabled(request: pytest.FixtureRequest) -> Iterator[Callable[..., Any]]:
     """``enable()`` models for one test (with the module's ``ENABLE_DEFAULTS`` under the caller's keywords);
     afterwards each is disabled, no block may be held and the pool's bookkeeping must be consistent."""

@@ -5,8 +5,6 @@ it cannot serve."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import numpy as np
 import pytest
 import torch
@@ -16,7 +14,6 @@ from test_weights_engine import assert_stock, mirror, sgd_step, workload
 
 from pagedcore.adapters.transformers import Engine, SamplingParams
 from pagedcore.adapters.transformers import row_kernel as row_kernel_module
-from pagedcore.adapters.transformers import row_split as row_split_module
 from pagedcore.adapters.transformers.row_kernel import WIDTHS, RowKernel, load
 from pagedcore.adapters.transformers.row_split import TRIALS, RowSplit
 from pagedcore.errors import ConfigError
@@ -122,28 +119,13 @@ def test_it_is_not_built_where_it_cannot_serve(monkeypatch):
 
 
 @pytest.fixture
-def two_threads() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture
-def kernel_wins(monkeypatch):
+def kernel_wins(monkeypatch, trial_clock):
     """The trials' clock made to find the kernel fastest (on tiny weights the call's cost decides), so the decode
     steps run through it wherever its bits are F.linear's, and must still give stock's bits."""
-    now = [0.0]
-
-    def clock():
-        now[0] += 1.0
-        return now[0]
-
-    monkeypatch.setattr(row_split_module, "_clock", clock)
     real = RowKernel.linear
 
     def fast(self, x, weight, bias, width, threads):
-        now[0] -= 0.75  # every timed kernel call looks a quarter as long
+        trial_clock[0] -= 0.75  # every timed kernel call looks a quarter as long
         return real(self, x, weight, bias, width, threads)
 
     monkeypatch.setattr(RowKernel, "linear", fast)

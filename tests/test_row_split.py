@@ -4,8 +4,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -18,15 +16,6 @@ from pagedcore.adapters.transformers.row_split import MAX_ROWS, TRIALS, RowSplit
 from pagedcore.errors import ConfigError
 
 GREEDY = SamplingParams(max_new_tokens=6, return_logits=True)
-
-
-@pytest.fixture
-def two_threads() -> Iterator[None]:
-    """The split needs threads to share: two, as this machine has."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
 
 
 # The benchmark Llama's weights (hidden 512, 8 heads, 2 KV heads, MLP 1536, vocabulary 32000), a 1B model's, and
@@ -113,20 +102,13 @@ def test_one_thread_or_an_uneven_weight_is_not_split():
 
 
 @pytest.fixture
-def split_wins(monkeypatch):
+def split_wins(monkeypatch, trial_clock):
     """The trials' clock made to find the split faster (on the tiny weights the call's cost decides): the decode
     steps then run split, and must still give stock's bits."""
-    now = [0.0]
-
-    def clock():
-        now[0] += 1.0
-        return now[0]
-
-    monkeypatch.setattr(row_split_module, "_clock", clock)
     real = row_split_module.split_linear
 
     def split(x, w, b, n):
-        now[0] -= 0.5  # every timed split call looks half as long
+        trial_clock[0] -= 0.5  # every timed split call looks half as long
         return real(x, w, b, n)
 
     monkeypatch.setattr(row_split_module, "split_linear", split)

@@ -72,18 +72,23 @@ static INLINE void chains(const __m256 *buf, const float *x, const float *bias, 
     }
 }
 
+/* the weight's rows n0..n0+7, columns k0..k1-1, turned: column k at buf[k - k0] */
+static inline void turn_tile(const float *w, long K, long n0, long k0, long k1, __m256 *buf) {
+    __m256 t[8];
+    for (long k = k0; k < k1; k += 8) {
+        for (int i = 0; i < 8; i++) t[i] = _mm256_loadu_ps(w + (n0 + i) * K + k);
+        transpose8(t);
+        for (int j = 0; j < 8; j++) buf[k - k0 + j] = t[j];
+    }
+}
+
 /* outputs n0..n0+7 of all M rows: per block the weight's 8 x kc tile turned once into buf, then each group of up to
    8 rows chains over it (the weight read and turned once whatever M) */
 static void panel_rows(const float *x, const float *w, const float *bias, float *y, long M, long N, long K, long kc,
                        long n0, __m256 *buf) {
-    __m256 t[8];
     for (long k0 = 0; k0 < K; k0 += kc) {
         long k1 = k0 + kc < K ? k0 + kc : K;
-        for (long k = k0; k < k1; k += 8) {
-            for (int i = 0; i < 8; i++) t[i] = _mm256_loadu_ps(w + (n0 + i) * K + k);
-            transpose8(t);
-            for (int j = 0; j < 8; j++) buf[k - k0 + j] = t[j];
-        }
+        turn_tile(w, K, n0, k0, k1, buf);
         for (long m0 = 0; m0 < M; m0 += 8) {
             const float *xs = x + m0 * K;
             float *ys = y + m0 * N;
@@ -126,15 +131,6 @@ static INLINE void chains2(const __m256 *a, const __m256 *b, const float *x, con
         }
         _mm256_storeu_ps(y + m * N + n0, lo);
         _mm256_storeu_ps(y + m * N + n0 + 8, hi);
-    }
-}
-
-static inline void turn_tile(const float *w, long K, long n0, long k0, long k1, __m256 *buf) {
-    __m256 t[8];
-    for (long k = k0; k < k1; k += 8) {
-        for (int i = 0; i < 8; i++) t[i] = _mm256_loadu_ps(w + (n0 + i) * K + k);
-        transpose8(t);
-        for (int j = 0; j < 8; j++) buf[k - k0 + j] = t[j];
     }
 }
 

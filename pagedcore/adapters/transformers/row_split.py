@@ -83,7 +83,7 @@ def split_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 class _Bucket:
     checked: set[int] = field(default_factory=set)  # row counts whose bits were compared
     exact: dict[str, set[int]] = field(default_factory=lambda: {"split": set(), "kernel": set()})  # equal bits
-    widths: dict[int, int] = field(default_factory=dict)  # the kernel's block width, by row count
+    width: int = 0  # the kernel's block width (one per weight shape: RowKernel.exact_width), once it matched
     times: dict[str, list[float]] = field(default_factory=lambda: {way: [] for way in WAYS})
     way: str | None = None  # decided: "plain", "split" or "kernel"
 
@@ -182,7 +182,7 @@ class RowSplit:
                 and kernel.fits(x, weight, bias)
                 and (width := kernel.exact_width(x, weight, bias, plain, threads)) is not None
             ):
-                bucket.widths[rows] = width
+                bucket.width = width
                 bucket.exact["kernel"].add(rows)
             bucket.checked.add(rows)
             return plain
@@ -216,7 +216,7 @@ class RowSplit:
             return split_linear(x, weight, bias, blocks)
         if way == "kernel":
             assert self._kernel is not None
-            return self._kernel.linear(x, weight, bias, bucket.widths[rows], threads)
+            return self._kernel.linear(x, weight, bias, bucket.width, threads)
         return F.linear(x, weight, bias)
 
 
