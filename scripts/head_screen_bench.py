@@ -1,12 +1,13 @@
-"""The LM head's greedy choice three ways, with the caches evicted before each call as a forward leaves them: the
-whole ``F.linear`` and one numpy argmax pass, the half-precision screen (``head_screen.HeadScreen``: fbgemm's
-float16-weight GEMM, the candidate columns, their exact logits), and the float16 GEMM alone; with the candidates per
-step and whether the screen's tokens are the whole GEMM's (docs/benchmarks.md, "The greedy choice screened in half
+"""The LM head's greedy choice, with the caches evicted before each call as a forward leaves them: the whole
+``F.linear`` and one numpy argmax pass, and the half-precision screen (``head_screen.HeadScreen``: a float16-weight
+GEMM, the candidate columns, their exact logits) with fbgemm's GEMM and with the row kernel's
+(``row_kernel.RowKernel.half_linear``, where this machine builds it), each also timed alone; with the candidates per
+step and whether the screens' tokens are the whole GEMM's (docs/benchmarks.md, "The greedy choice screened in half
 precision").
 
-``python scripts/head_screen_bench.py [--size small] [--rows 1,4,8,16,64] [--rounds 7] [--evict-mib 384]``: the
-head's inputs are the benchmark model's final hidden states over a random 160-token sequence (its last ``rows``
-positions), so the logits spread as the model's own do. Medians of ``--rounds``, one torch thread.
+``python scripts/head_screen_bench.py [--size small] [--rows 1,4,8,16,64] [--rounds 7] [--evict-mib 384]
+[--threads 1]``: the head's inputs are the benchmark model's final hidden states over a random 160-token sequence
+(its last ``rows`` positions), so the logits spread as the model's own do. Medians of ``--rounds``.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from pagedcore.adapters.transformers import head_screen
+from pagedcore.adapters.transformers import head_screen, row_kernel
 from pagedcore.benchmarks.common import bench_model
 
 EVICT_MIB = 384  # written before each timed call: more than this machine's last-level cache holds
@@ -36,28 +37,37 @@ def main() -> None:
     parser.add_argument("--rows", default="1,4,8,16,64")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--evict-mib", type=int, default=EVICT_MIB, help="MiB written before each timed call")
+    parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
-    if not head_screen.available():
-        raise SystemExit("fbgemm's float16 GEMM is not in this torch (an x86 CPU build has it)")
-    torch.set_num_threads(1)
+    kernel = row_kernel.load()
+    if not head_screen.available() or kernel is None:
+        raise SystemExit("needs fbgemm's float16 GEMM (an x86 CPU build of torch has it) and the row kernel")
+    torch.set_num_threads(args.threads)
     model = bench_model(size=args.size)
     weight = model.get_output_embeddings().weight.detach()
-    screen = head_screen.HeadScreen()
+    screen, screen_k = head_screen.HeadScreen(), head_screen.HeadScreen(kernel)
     screen.prepare(weight)
+    screen_k.prepare(weight)
     evict = torch.zeros(max(args.evict_mib, 1) << 18)  # float32: 2^18 per MiB
     ids = torch.randint(3, model.config.vocab_size, (1, 160), generator=torch.Generator().manual_seed(0))
-    print(f"# {args.size} model, head {tuple(weight.shape)}, 1 thread, medians of {args.rounds}, caches evicted")
-    print("| rows | F.linear + argmax ms | screen ms | float16 GEMM alone ms | exact columns | tokens equal |")
+    print(f"# {args.size} model, head {tuple(weight.shape)}, {args.threads} thread(s), medians of {args.rounds}, "
+          "caches evicted")  # fmt: skip
+    print("| rows | F.linear + argmax ms | screen ms: fbgemm / kernel | float16 GEMM alone ms: fbgemm / kernel | "
+          "exact columns | tokens equal |")  # fmt: skip
     print("|---:|---:|---:|---:|---:|---|")
     with torch.inference_mode():
         hidden = model.model(ids).last_hidden_state[0]
         for rows in (int(r) for r in args.rows.split(",")):
             x = hidden[-rows:].contiguous()
-            copy = screen._fresh_copy(weight).packed  # noqa: SLF001 (the GEMM alone)
+            copy = screen._fresh_copy(weight).packed  # noqa: SLF001 (the GEMMs alone)
+            turned = screen_k._fresh_copy(weight).packed  # noqa: SLF001
+            assert isinstance(turned, torch.Tensor)
             ways: dict[str, Callable[[], object]] = {
                 "whole": functools.partial(_whole, x, weight),
                 "screen": functools.partial(screen.screen, x, weight),
+                "screen_k": functools.partial(screen_k.screen, x, weight),
                 "gemm": functools.partial(torch.ops.quantized.linear_dynamic_fp16, x, copy),
+                "gemm_k": functools.partial(kernel.half_linear, x, turned, args.threads),
             }
             times: dict[str, list[float]] = {name: [] for name in ways}
             for _ in range(args.rounds):
@@ -67,11 +77,12 @@ def main() -> None:
                     way()
                     times[name].append((time.perf_counter() - start) * 1000)
             ms = {name: statistics.median(values) for name, values in times.items()}
-            step = screen.screen(x, weight)
+            steps = [screen.screen(x, weight), screen_k.screen(x, weight)]
             want = F.linear(x, weight).argmax(-1).tolist()
-            columns = "-" if step is None else str(len(step.columns))
-            equal = "not screened" if step is None else str(step.tokens == want)
-            print(f"| {rows} | {ms['whole']:.2f} | {ms['screen']:.2f} | {ms['gemm']:.2f} | {columns} | {equal} |")
+            columns = " / ".join("-" if step is None else str(len(step.columns)) for step in steps)
+            equal = " / ".join("not screened" if step is None else str(step.tokens == want) for step in steps)
+            print(f"| {rows} | {ms['whole']:.2f} | {ms['screen']:.2f} / {ms['screen_k']:.2f} | {ms['gemm']:.2f} / "
+                  f"{ms['gemm_k']:.2f} | {columns} | {equal} |")  # fmt: skip
 
 
 if __name__ == "__main__":

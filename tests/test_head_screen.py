@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from test_argmax_head import PROMPTS, model, stock, tokens
 
-from pagedcore.adapters.transformers import Engine, argmax_head, head_screen
+from pagedcore.adapters.transformers import Engine, argmax_head, head_screen, row_kernel
 from pagedcore.adapters.transformers.argmax_head import ArgmaxHead
 from pagedcore.adapters.transformers.head_screen import COLUMNS, HeadScreen
 
@@ -21,9 +21,20 @@ pytestmark = [
 ]
 
 
-def test_screened_tokens_are_the_argmax_of_f_linear_and_the_bound_holds():
+@pytest.fixture(params=["fbgemm", "kernel"])
+def product(request):
+    """The screen's float16 GEMM: fbgemm's, or the row kernel's (row_kernel.RowKernel.half_linear)."""
+    if request.param == "fbgemm":
+        return None
+    kernel = row_kernel.load()
+    if kernel is None:
+        pytest.skip("no row kernel on this machine (no C compiler or no AVX2)")
+    return kernel
+
+
+def test_screened_tokens_are_the_argmax_of_f_linear_and_the_bound_holds(product):
     generator = torch.Generator().manual_seed(0)
-    screen = HeadScreen()
+    screen = HeadScreen(product)
     served = 0
     for trial in range(60):
         vocab, k = (3000, 64) if trial % 2 else (1200, 256)
@@ -52,8 +63,8 @@ def test_screened_tokens_are_the_argmax_of_f_linear_and_the_bound_holds():
     assert served >= 45  # the rest: weights under float16's normal range leave too many candidates
 
 
-def test_what_cannot_be_screened_is_left_to_the_caller():
-    screen = HeadScreen()
+def test_what_cannot_be_screened_is_left_to_the_caller(product):
+    screen = HeadScreen(product)
     x = torch.randn(2, 64)
     assert screen.screen(x, torch.zeros(1000, 64)) is None  # every logit ties: every column a candidate
     weight = torch.randn(1000, 64)
@@ -68,16 +79,19 @@ def test_what_cannot_be_screened_is_left_to_the_caller():
 def screen_only(monkeypatch):
     init = ArgmaxHead.__init__  # every ArgmaxHead made takes the screen at every step
 
-    def forced(self: ArgmaxHead, module: torch.nn.Linear, way: str = "auto") -> None:
-        init(self, module, way="screen")
+    def forced(self: ArgmaxHead, module: torch.nn.Linear, way: str = "auto", kernel=None) -> None:
+        init(self, module, way="screen", kernel=kernel)
 
     monkeypatch.setattr(ArgmaxHead, "__init__", forced)
 
 
-def test_the_engine_serves_generates_tokens_through_the_screen_across_a_weights_update(screen_only):
+@pytest.mark.parametrize("kernel", [True, False])
+def test_the_engine_serves_generates_tokens_through_the_screen_across_a_weights_update(screen_only, kernel):
+    """With the row kernel (the default where it builds) the screen's product is the kernel's; without, fbgemm's."""
     net, reference = model(), model()
-    with Engine(net, num_blocks=128, block_size=4, max_num_batched_tokens=16) as engine:
+    with Engine(net, num_blocks=128, block_size=4, max_num_batched_tokens=16, row_kernel=kernel) as engine:
         head = engine.runner.argmax_head
+        assert head._screen._kernel is (row_kernel.load() if kernel else None)
         assert tokens(engine, PROMPTS) == stock(reference, PROMPTS)
         assert tokens(engine, PROMPTS[:2] * 3) == stock(reference, PROMPTS[:2]) * 3
         assert 0 < head.counts.screened <= head.counts.steps  # the others: a new shape's check (the whole GEMM's)
@@ -133,4 +147,4 @@ def test_the_benchmark_script_reports_each_row_count(monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", argv)
     runpy.run_path(str(script), run_name="__main__")
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("| 1 |", "| 3 |"))]
-    assert len(lines) == 2 and all(line.endswith("| True |") for line in lines)  # both row counts screened, exact
+    assert len(lines) == 2 and all(line.endswith("| True / True |") for line in lines)  # both screens, exact

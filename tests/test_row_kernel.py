@@ -1,7 +1,7 @@
-"""The few-row linear kernel (``row_kernel.py``, ``row_kernel.c``): it sums in blocks exactly as documented (checked
-against a float64 emulation of the FMA chains, whatever MKL does on this CPU), the row split keeps it only where its
-bits are ``F.linear``'s, the Engine's decode steps through it give stock tokens and logits, and it is refused where
-it cannot serve."""
+"""The few-row linear kernel (``row_kernel.py``, ``row_kernel.c``): it sums in blocks and in four lanes exactly as
+documented (checked against emulations of the two orders, whatever MKL does on this CPU), the row split keeps it only
+where its bits are ``F.linear``'s, the Engine's decode steps through it give stock tokens and logits, and it is
+refused where it cannot serve."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from test_weights_engine import assert_stock, mirror, sgd_step, workload
 
 from pagedcore.adapters.transformers import Engine, SamplingParams
 from pagedcore.adapters.transformers import row_kernel as row_kernel_module
-from pagedcore.adapters.transformers.row_kernel import WIDTHS, RowKernel, load
+from pagedcore.adapters.transformers.row_kernel import LANES, WIDTHS, Order, RowKernel, load
 from pagedcore.adapters.transformers.row_split import TRIALS, RowSplit
 from pagedcore.errors import ConfigError
 
@@ -37,6 +37,29 @@ def blocked_sums(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return torch.from_numpy(out.astype(np.float32))
 
 
+def lane_sums(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The documented LANES order in float32: each product rounded, added into four lanes by column mod 4 from zero
+    in column order, the lanes summed (0 + 2) + (1 + 3), then the bias."""
+    products = x[:, None, :] * weight[None, :, :]  # (rows, outputs, columns), each rounded
+    lanes = torch.zeros(*products.shape[:2], 4)
+    for k in range(products.shape[2]):
+        lanes[:, :, k % 4] += products[:, :, k]
+    out = (lanes[:, :, 0] + lanes[:, :, 2]) + (lanes[:, :, 1] + lanes[:, :, 3])
+    return out if bias is None else out + bias
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_kernel_sums_in_four_lanes_as_documented(rows, bias):
+    torch.manual_seed(rows)
+    weight, x = torch.randn(24, 264), torch.randn(rows, 264)
+    b = torch.randn(24) if bias else None
+    assert KERNEL is not None
+    for threads in (1, 2):
+        assert torch.equal(KERNEL.linear(x, weight, b, LANES, threads), lane_sums(x, weight, b))
+
+
 @needs_kernel
 @pytest.mark.parametrize("rows", [1, 3, 4, 8, 9, 17])
 @pytest.mark.parametrize("width", [8, 64, 192])
@@ -47,27 +70,43 @@ def test_the_kernel_sums_in_the_documented_order(rows, width, bias):
     b = torch.randn(24) if bias else None
     assert KERNEL is not None
     for threads in (1, 2):
-        assert torch.equal(KERNEL.linear(x, weight, b, width, threads), blocked_sums(x, weight, b, width))
+        assert torch.equal(
+            KERNEL.linear(x, weight, b, Order.blocks(width, rows), threads), blocked_sums(x, weight, b, width)
+        )
 
 
 @needs_kernel
-def test_the_kernel_finds_mkls_width_or_none():
-    """Where MKL sums in one of WIDTHS (192 with MKL 2024 on Zen 4, from 4 rows up) the kernel gives F.linear's
-    bits; a width is reported only where they are equal."""
+@pytest.mark.parametrize(("rows", "blocked"), [(5, 4), (7, 4), (9, 8), (11, 8), (17, 12), (3, 1)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_rows_past_lanes_from_are_summed_in_four_lanes(rows, blocked, bias):
+    """MKL at 2 threads sums 5-7 rows as 4 in blocks and the rest in four lanes (9-11: 8 and the rest)."""
+    torch.manual_seed(rows)
+    weight, x = torch.randn(40, 384), torch.randn(rows, 384)
+    b = torch.randn(40) if bias else None
+    assert KERNEL is not None
+    expected = torch.cat([blocked_sums(x, weight, b, 64)[:blocked], lane_sums(x, weight, b)[blocked:]])
+    for threads in (1, 2):
+        assert torch.equal(KERNEL.linear(x, weight, b, Order(64, blocked), threads), expected)
+
+
+@needs_kernel
+def test_the_kernel_finds_mkls_order_or_none():
+    """Where MKL sums in one of the kernel's orders (with MKL 2024 on Zen 4: LANES at 2-3 rows, blocks of 192 from 4
+    rows up) the kernel gives F.linear's bits; an order is reported only where they are equal."""
     assert KERNEL is not None
     torch.manual_seed(0)
     found = {}
     for shape in [(512, 512), (1536, 512), (512, 1536)]:
         weight = torch.randn(*shape) * 0.02
-        for rows in (1, 4, 8, 16, 64):
+        for rows in (1, 2, 3, 4, 8, 16, 64):
             x = torch.randn(rows, shape[1])
-            width = KERNEL.exact_width(x, weight, None, F.linear(x, weight), 1)
-            found[shape, rows] = width
-            if width is not None:
-                assert width in (*WIDTHS, shape[1])
-                assert torch.equal(KERNEL.linear(x, weight, None, width, 1), F.linear(x, weight))
-    if all(w is None for w in found.values()):
-        pytest.skip("MKL on this CPU sums in none of the kernel's widths: the kernel never serves here")
+            order = KERNEL.exact_order(x, weight, None, F.linear(x, weight), 1)
+            found[shape, rows] = order
+            if order is not None:
+                assert order == LANES or order.width in (*WIDTHS, shape[1])
+                assert torch.equal(KERNEL.linear(x, weight, None, order, 1), F.linear(x, weight))
+    if all(order is None for order in found.values()):
+        pytest.skip("MKL on this CPU sums in none of the kernel's orders: the kernel never serves here")
 
 
 def test_a_shape_or_tensor_the_kernel_cannot_take_is_not_its():
@@ -90,7 +129,11 @@ def test_what_the_c_code_would_misread_is_refused():
         (torch.randn(2, 32), weight, torch.randn(8)),  # a short bias
     ]:
         with pytest.raises(ValueError, match="row kernel: cannot take"):
-            KERNEL.linear(x, w, b, 8, 1)
+            KERNEL.linear(x, w, b, Order.blocks(8, 2), 1)
+    # a width not a multiple of 8, none for blocked rows, lanes_from outside the rows: refused by the C code itself
+    for order in (Order(-8, 2), Order(12, 2), Order(0, 1), Order(8, 3), Order(8, -1)):
+        with pytest.raises(ValueError, match=r"in order Order\(width="):
+            KERNEL.linear(torch.randn(2, 32), weight, None, order, 1)
 
 
 @needs_kernel
@@ -102,10 +145,10 @@ def test_what_records_a_steps_ops_sees_the_kernels_result():
 
     assert KERNEL is not None
     weight, x = torch.randn(16, 32), torch.randn(4, 32)
-    replay, out = TraceCapture().capture(lambda: KERNEL.linear(x, weight, None, 8, 1))
+    replay, out = TraceCapture().capture(lambda: KERNEL.linear(x, weight, None, Order(8, 2), 1))
     x.copy_(torch.randn(4, 32))
     replay()
-    assert torch.equal(out, blocked_sums(x, weight, None, 8))
+    assert torch.equal(out, torch.cat([blocked_sums(x, weight, None, 8)[:2], lane_sums(x, weight, None)[2:]]))
 
 
 def test_it_is_not_built_where_it_cannot_serve(monkeypatch):
@@ -124,9 +167,9 @@ def kernel_wins(monkeypatch, trial_clock):
     steps run through it wherever its bits are F.linear's, and must still give stock's bits."""
     real = RowKernel.linear
 
-    def fast(self, x, weight, bias, width, threads):
+    def fast(self, x, weight, bias, order, threads):
         trial_clock[0] -= 0.75  # every timed kernel call looks a quarter as long
-        return real(self, x, weight, bias, width, threads)
+        return real(self, x, weight, bias, order, threads)
 
     monkeypatch.setattr(RowKernel, "linear", fast)
 
@@ -136,7 +179,7 @@ def test_a_row_count_whose_kernel_bits_differ_keeps_another_way(monkeypatch, two
         def __init__(self) -> None:
             self._widths = {}
 
-        def linear(self, x, weight, bias, width, threads):
+        def linear(self, x, weight, bias, order, threads):
             return F.linear(x, weight, bias) + 1e-7
 
     split = RowSplit(Off())
@@ -148,8 +191,31 @@ def test_a_row_count_whose_kernel_bits_differ_keeps_another_way(monkeypatch, two
     assert "kernel" not in split.ways().values()
 
 
+def test_each_row_count_of_a_bucket_keeps_its_own_order(two_threads, trial_clock):
+    """MKL sums 3 rows in four lanes and 4 rows in blocks: one power-of-two bucket (3-4 rows) then holds two
+    orders, and each row count is served in its own (a kernel exact in LANES below 4 rows, in blocks of 64 at 4)."""
+
+    class TwoOrders(RowKernel):
+        def __init__(self) -> None:
+            self._widths = {}
+
+        def linear(self, x, weight, bias, order, threads):
+            right = LANES if x.shape[0] < 4 else Order.blocks(64, 4)
+            trial_clock[0] -= 0.75  # timed, it wins
+            return F.linear(x, weight, bias) + (0 if order == right else 1e-7)
+
+    split = RowSplit(TwoOrders())
+    weight = torch.randn(256, 64)
+    for i in range(4 * TRIALS + 4):
+        x = torch.randn(3 + i % 2, 64)
+        assert torch.equal(split.linear(x, weight, None), F.linear(x, weight))
+    key = (256, 64, False, 4, 2, 4)
+    assert split._buckets[key].orders == {3: LANES, 4: Order.blocks(64, 4)}
+    assert split.ways()[key] == "kernel" and split.differing("kernel") == {}
+
+
 @needs_kernel
-@pytest.mark.parametrize("seqs", [4, 8, 16])
+@pytest.mark.parametrize("seqs", [2, 3, 4, 6, 8, 11, 16])
 def test_decode_through_the_kernel_gives_stock_tokens_and_logits(seqs, two_threads, kernel_wins):
     model = tiny_model("llama", seed=11 + seqs, hidden_size=128, intermediate_size=256)
     ref = mirror(model)
@@ -184,3 +250,37 @@ def test_row_kernel_false_keeps_it_out_and_the_setting_is_checked(two_threads, k
         assert "kernel" not in engine.runner.row_split_ways().values()
     with pytest.raises(ConfigError, match="row_kernel must be True or False, got 1"):
         Engine(model, num_blocks=64, block_size=4, row_kernel=1)
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 7, 8, 9, 16])
+def test_the_half_product_is_the_float16_copys_product(rows):
+    """``half_linear`` multiplies by the float16 copy ``turned_half`` laid out (any order of summation: within a
+    float32 rounding of the exact product of the copy), at each row grouping and an odd last panel."""
+    torch.manual_seed(rows)
+    weight, x = torch.randn(40, 96), torch.randn(rows, 96)  # 5 panels: two pairs and one alone
+    turned = RowKernel.turned_half(weight)
+    assert turned is not None and turned.shape == (5, 96, 8)
+    assert torch.equal(turned[1, 3], weight[8:16, 3].half())  # panel 1, column 3: outputs 8-15
+    exact = x.double() @ weight.half().double().T
+    assert KERNEL is not None
+    for threads in (1, 2):
+        out = KERNEL.half_linear(x, turned, threads)
+        slack = 96 * 2.0**-23 * (x.double().abs() @ weight.half().double().abs().T)
+        assert out.dtype is torch.float32 and bool(((out.double() - exact).abs() <= slack).all())
+
+
+@needs_kernel
+def test_what_the_half_product_would_misread_is_refused():
+    assert KERNEL is not None
+    turned = RowKernel.turned_half(torch.randn(16, 32))
+    assert turned is not None and RowKernel.turned_half(torch.randn(12, 32)) is None
+    for x, copy in [
+        (torch.randn(2, 32).double(), turned),  # another dtype
+        (torch.randn(2, 24), turned),  # a narrower input
+        (torch.randn(32, 2).t(), turned),  # a transposed view
+        (torch.randn(2, 32), turned.float()),  # a float32 copy
+        (torch.randn(2, 32), turned.transpose(1, 2)),  # not the turned layout
+    ]:
+        with pytest.raises(ValueError, match="row kernel: cannot take"):
+            KERNEL.half_linear(x, copy, 1)

@@ -68,6 +68,7 @@ import torch.nn.functional as F
 from pagedcore.adapters.transformers import head_screen
 from pagedcore.adapters.transformers.graph_ops import graph_op
 from pagedcore.adapters.transformers.prepacked import LayerForward, active_linears
+from pagedcore.adapters.transformers.row_kernel import RowKernel
 from pagedcore.engine.runner import ArgmaxTokens
 from pagedcore.engine.sampling import numpy_greedy
 
@@ -147,14 +148,17 @@ class ArgmaxHead:
         False
     """
 
-    def __init__(self, module: torch.nn.Linear, way: str = "auto") -> None:
+    def __init__(self, module: torch.nn.Linear, way: str = "auto", kernel: RowKernel | None = None) -> None:
         if way not in ("auto", *WAYS):
             raise ValueError(f"way must be 'auto', 'chunks', 'whole' or 'screen', got {way!r}")
-        screens = module.bias is None and head_screen.available()
+        screens = module.bias is None and (kernel is not None or head_screen.available())
         if way == "screen" and not screens:
-            raise ValueError("way='screen' needs fbgemm's float16 GEMM (torch's x86 CPU build) and a head without bias")
+            raise ValueError(
+                "way='screen' needs a float16 GEMM (the row kernel, or fbgemm's: torch's x86 CPU build) and a head "
+                "without bias"
+            )
         self._module = module
-        self._screen = head_screen.HeadScreen() if screens else None
+        self._screen = head_screen.HeadScreen(kernel) if screens else None
         self._screen_shapes: dict[tuple[int, int, int], bool] = {}  # (rows, columns, threads): bits and bound hold
         self._ways_here = WAYS if screens else WAYS[:2]
         self._min_rows = 1 if screens else MIN_ROWS  # one row: the screen reads half of the GEMV's bytes
@@ -167,12 +171,13 @@ class ArgmaxHead:
         module.forward = _Forward(self)  # type: ignore[method-assign,assignment]
 
     @classmethod
-    def install(cls, model: Any) -> ArgmaxHead | None:
-        """The fused head of ``model``, or None where it does not apply (module docstring)."""
+    def install(cls, model: Any, kernel: RowKernel | None = None) -> ArgmaxHead | None:
+        """The fused head of ``model``, or None where it does not apply (module docstring); its screen's product by
+        ``kernel`` where given (:class:`~.head_screen.HeadScreen`)."""
         module = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         if type(module) is not torch.nn.Linear or "forward" in vars(module):
             return None
-        return cls(module) if _fusable(module.weight) else None
+        return cls(module, kernel=kernel) if _fusable(module.weight) else None
 
     @property
     def ways(self) -> dict[tuple[int, int], str]:

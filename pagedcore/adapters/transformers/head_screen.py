@@ -2,10 +2,12 @@
 maximum, from half of the head's bytes; only those columns' logits are then computed exactly.
 
 Why: at 1-16 rows the LM head is a matrix-vector product bound by memory (the small benchmark model's head is 62.5
-MiB of its 154.5 MiB of weights), and a greedy step needs only each row's argmax. fbgemm's GEMM over a float16 copy
-of the weight (``torch.ops.quantized.linear_dynamic_fp16``: float32 inputs and sums, the weight stored in half
-precision) reads 31 MiB: 2.7 ms at one row against ``F.linear``'s 5.3, 4.9 against 14.6 at eight, with the caches
-evicted (docs/benchmarks.md, "The greedy choice screened in half precision").
+MiB of its 154.5 MiB of weights), and a greedy step needs only each row's argmax. A GEMM over a float16 copy of the
+weight (float32 inputs and sums, the weight stored in half precision) reads 31 MiB: fbgemm's
+(``torch.ops.quantized.linear_dynamic_fp16``) 2.7 ms at one row against ``F.linear``'s 5.3, 4.9 against 14.6 at
+eight, with the caches evicted (docs/benchmarks.md, "The greedy choice screened in half precision"). Where the
+process has :mod:`.row_kernel`'s C kernel, the copy is laid out for it instead (:meth:`~.row_kernel.RowKernel.
+turned_half`: read front to back) and it computes the product (``scripts/head_screen_bench.py``).
 
 Exactness: the tokens are the argmax of the head's own ``F.linear`` over the step's rows, bit for bit, because
 
@@ -40,6 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedcore.adapters.transformers.prepacked import WeightStamp
+from pagedcore.adapters.transformers.row_kernel import RowKernel
 
 __all__ = ["COLUMNS", "MAX_SHARE", "HeadScreen", "Screened", "available"]
 
@@ -90,10 +93,12 @@ class _Copy:
     packed: object | None  # None: this weight cannot be screened (not finite in float16, or the packing failed)
     apart: float  # max_n ||W_n - W16_n||_2
     largest: float  # max |W|
+    turned: bool = False  # packed is the kernel's turned copy (RowKernel.turned_half), not fbgemm's
 
 
 class HeadScreen:
-    """The screen of one head weight (float32, CPU, no bias; see the module docstring).
+    """The screen of one head weight (float32, CPU, no bias; see the module docstring); its approximate product by
+    ``kernel`` (:mod:`.row_kernel`) where one is given and the weight's shape fits it, else by fbgemm.
 
     Example:
         >>> weight = torch.randn(1000, 64)
@@ -104,8 +109,9 @@ class HeadScreen:
         (True, 0)
     """
 
-    def __init__(self) -> None:
+    def __init__(self, kernel: RowKernel | None = None) -> None:
         self._copy: _Copy | None = None
+        self._kernel = kernel
 
     def screen(self, x: torch.Tensor, weight: torch.Tensor) -> Screened | None:
         """The step's candidate columns and their exact logits for ``x`` ``(rows, K)``; None when the screen does
@@ -114,13 +120,17 @@ class HeadScreen:
         if copy.packed is None:
             return None
         k = x.shape[-1]
-        x = x.reshape(-1, k)
+        x = x.reshape(-1, k).contiguous()
         wide = x.detach().numpy().astype(np.float64)  # numpy: a few small torch ops cost more right after a forward
         l2, l1 = np.sqrt((wide * wide).sum(axis=1)), np.abs(wide).sum(axis=1)
         bound = (l2 * copy.apart + (k + 8) * 2.0**-23 * l1 * copy.largest) * (1.0 + 1e-6)  # (rows,), rounded up
         if not np.isfinite(bound).all():  # a NaN or an infinity in the input
             return None
-        approx = torch.ops.quantized.linear_dynamic_fp16(x, copy.packed)
+        if copy.turned:
+            assert self._kernel is not None and isinstance(copy.packed, torch.Tensor)
+            approx = self._kernel.half_linear(x, copy.packed, torch.get_num_threads())
+        else:
+            approx = torch.ops.quantized.linear_dynamic_fp16(x, copy.packed)
         values = approx.numpy()
         top = values.max(axis=1)
         if not np.isfinite(top).all():
@@ -151,18 +161,19 @@ class HeadScreen:
             return copy
         self._copy = None
         stamp = WeightStamp.of(weight)
+        turned = self._kernel is not None and RowKernel.fits_shape(*weight.shape)
         try:
-            packed, apart, largest = _quantize(weight.detach())
+            packed, apart, largest = _quantize(weight.detach(), turned)
         except Exception:  # a torch without the packing op it had at import, or another failure: not screened
             logger.warning("pagedcore: the screen could not pack the head's weight in float16", exc_info=True)
             packed, apart, largest = None, 0.0, 0.0
-        self._copy = _Copy(stamp, packed, apart, largest)
+        self._copy = _Copy(stamp, packed, apart, largest, turned)
         return self._copy
 
 
-def _quantize(weight: torch.Tensor) -> tuple[object | None, float, float]:
-    """fbgemm's packed float16 copy of ``weight``, ``max_n ||W_n - W16_n||_2`` and ``max |W|``; None for a weight
-    that is not finite in float16."""
+def _quantize(weight: torch.Tensor, turned: bool) -> tuple[object | None, float, float]:
+    """The float16 copy of ``weight`` (the kernel's turned layout where ``turned``, else fbgemm's packing),
+    ``max_n ||W_n - W16_n||_2`` and ``max |W|``; None for a weight that is not finite in float16."""
     with torch.no_grad():
         half = weight.to(torch.float16)
         if not bool(torch.isfinite(half).all()):
@@ -170,6 +181,9 @@ def _quantize(weight: torch.Tensor) -> tuple[object | None, float, float]:
         copy = half.float()
         copy[copy.abs() < _SMALLEST] = 0.0  # subnormal in float16: zero, whether or not the kernel flushes them
         apart = float((weight.double() - copy.double()).norm(dim=1).max())
+        largest = float(weight.abs().max())
+        if turned:
+            return RowKernel.turned_half(copy), apart, largest
         with _PACKING:
             before = torch.backends.quantized.engine
             torch.backends.quantized.engine = _ENGINE
@@ -177,7 +191,6 @@ def _quantize(weight: torch.Tensor) -> tuple[object | None, float, float]:
                 packed = torch.ops.quantized.linear_prepack_fp16(copy, None)
             finally:
                 torch.backends.quantized.engine = before
-        largest = float(weight.abs().max())
     return packed, apart, largest
 
 

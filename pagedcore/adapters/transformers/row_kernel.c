@@ -1,10 +1,19 @@
-/* The few-row linear kernel of row_kernel.py: y[M, N] = x[M, K] @ w[N, K]^T (+ bias), each output summed in
-   blocks of kc columns (one FMA chain per block from zero, in column order; the block sums added in order to the
-   bias, or to the first block's sum without one): the order MKL's sgemm sums in, so the bits are F.linear's where
-   row_kernel.py's check finds them equal. AVX2 + FMA; N, K and kc multiples of 8; x, w, bias and y contiguous. */
+/* The few-row linear kernel of row_kernel.py: y[M, N] = x[M, K] @ w[N, K]^T (+ bias), each output summed in one of
+   the two orders MKL's sgemm sums in, so the bits are F.linear's where row_kernel.py's check finds them equal:
+   - rows 0..lanes_from-1 in blocks of kc columns (one FMA chain per block from zero, in column order; the block sums
+     added in order to the bias, or to the first block's sum without one);
+   - rows lanes_from..M-1 in four lanes (LANES): each product rounded, added into four lanes by column mod 4 (in
+     column order, from zero), the lanes summed (0 + 2) + (1 + 3), then the bias added.
+   AVX2 + FMA; N, K and kc multiples of 8 (kc unused where lanes_from is 0); x, w, bias and y contiguous. */
 #include <immintrin.h>
 #include <stdlib.h>
 
+#ifndef PREFETCH
+#define PREFETCH 1
+#endif
+#ifndef PREFETCH_ROWS
+#define PREFETCH_ROWS 4
+#endif
 #define INLINE inline __attribute__((always_inline)) /* each row count's copy unrolled, its sums in registers */
 
 /* r[i] = row i of an 8 x 8 tile -> r[j] = column j */
@@ -37,6 +46,9 @@ static INLINE void panel(const float *x, const float *w, const float *bias, floa
         for (int m = 0; m < M; m++) acc[m] = _mm256_setzero_ps();
         for (long k = k0; k < k1; k += 8) {
             for (int i = 0; i < 8; i++) t[i] = _mm256_loadu_ps(w + (n0 + i) * K + k);
+            if (PREFETCH && n0 + 8 * (PREFETCH + 1) <= N && k % 16 == 0)  /* the next panel's rows, a panel ahead */
+                for (int i = 0; i < 8; i++)
+                    _mm_prefetch((const char *)(w + (n0 + 8 * PREFETCH + i) * K + k), _MM_HINT_T0);
             transpose8(t);
             for (int j = 0; j < 8; j++)
                 for (int m = 0; m < M; m++)
@@ -157,13 +169,80 @@ static void panel_pair(const float *x, const float *w, const float *bias, float 
     }
 }
 
+/* the LANES order for outputs n0..n0+3 of rows 0..M-1 (M <= 4, a constant once inlined): each weight row's 8
+   columns multiplied into each row (rounded products), the low four then the high four added into that output's
+   four lanes; the lanes of the four outputs turned so one vector sum gives (0 + 2) + (1 + 3) for all four */
+static INLINE void lanes4(const float *x, const float *w, const float *bias, float *y, const int M, long N, long K,
+                          long n0, const int ahead) {
+    __m128 acc[4][4];  /* [row][output]: lanes 0..3 */
+    for (int m = 0; m < M; m++)
+        for (int i = 0; i < 4; i++) acc[m][i] = _mm_setzero_ps();
+    for (long k = 0; k < K; k += 8) {
+        __m256 wv[4];
+        for (int i = 0; i < 4; i++) wv[i] = _mm256_loadu_ps(w + (n0 + i) * K + k);
+        if (ahead && n0 + 4 + ahead <= N && k % 16 == 0)  /* the rows `ahead` rows on, on their way to the cache */
+            for (int i = 0; i < 4; i++) _mm_prefetch((const char *)(w + (n0 + ahead + i) * K + k), _MM_HINT_T0);
+        for (int m = 0; m < M; m++) {
+            const __m256 xv = _mm256_loadu_ps(x + m * K + k);
+            for (int i = 0; i < 4; i++) {
+                const __m256 p = _mm256_mul_ps(wv[i], xv);
+                acc[m][i] = _mm_add_ps(_mm_add_ps(acc[m][i], _mm256_castps256_ps128(p)), _mm256_extractf128_ps(p, 1));
+            }
+        }
+    }
+    for (int m = 0; m < M; m++) {
+        __m128 l0 = acc[m][0], l1 = acc[m][1], l2 = acc[m][2], l3 = acc[m][3];
+        _MM_TRANSPOSE4_PS(l0, l1, l2, l3);  /* now l<j> holds lane j of the four outputs */
+        __m128 out = _mm_add_ps(_mm_add_ps(l0, l2), _mm_add_ps(l1, l3));
+        if (bias) out = _mm_add_ps(out, _mm_loadu_ps(bias + n0));
+        _mm_storeu_ps(y + m * N + n0, out);
+    }
+}
+
+/* rows lanes_from..M-1 of outputs n0..n0+count-1 (count a multiple of 4) in LANES order, in groups of 4 rows;
+   ahead: prefetch the weight rows that many rows on (0: none, where a panel just read these rows) */
+static void lanes_rows(const float *x, const float *w, const float *bias, float *y, long lanes_from, long M, long N,
+                       long K, long n0, long count, int ahead) {
+    for (long m0 = lanes_from; m0 < M; m0 += 4) {
+        const float *xs = x + m0 * K;
+        float *ys = y + m0 * N;
+        const int rows = M - m0 < 4 ? (int)(M - m0) : 4, pf = m0 == lanes_from ? ahead : 0;
+        for (long n = n0; n < n0 + count; n += 4) {
+            if (pf) {
+                switch (rows) {
+                case 1: lanes4(xs, w, bias, ys, 1, N, K, n, PREFETCH_ROWS); break;
+                case 2: lanes4(xs, w, bias, ys, 2, N, K, n, PREFETCH_ROWS); break;
+                case 3: lanes4(xs, w, bias, ys, 3, N, K, n, PREFETCH_ROWS); break;
+                default: lanes4(xs, w, bias, ys, 4, N, K, n, PREFETCH_ROWS); break;
+                }
+            } else {
+                switch (rows) {
+                case 1: lanes4(xs, w, bias, ys, 1, N, K, n, 0); break;
+                case 2: lanes4(xs, w, bias, ys, 2, N, K, n, 0); break;
+                case 3: lanes4(xs, w, bias, ys, 3, N, K, n, 0); break;
+                default: lanes4(xs, w, bias, ys, 4, N, K, n, 0); break;
+                }
+            }
+        }
+    }
+}
+
+/* rows 0..B-1 blocked (B = lanes_from), the rest in LANES order; each panel's LANES rows right after its blocked
+   rows, while its weight rows are in the cache */
 int row_kernel_linear(const float *x, const float *w, const float *bias, float *y, long M, long N, long K, long kc,
-                      int threads) {
-    if (M < 1 || N < 8 || K < 8 || N % 8 || K % 8 || kc < 8 || kc % 8 || threads < 1) return -1;
-    if (M <= 8) {  /* every tile used once: multiplied straight from the registers it was turned in */
+                      long lanes_from, int threads) {
+    if (M < 1 || N < 8 || K < 8 || N % 8 || K % 8 || kc < 0 || kc % 8 || threads < 1) return -1;
+    if (lanes_from < 0 || lanes_from > M || (lanes_from > 0 && kc == 0)) return -1;
+    const long B = lanes_from;
+    if (B == 0) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+        for (long n0 = 0; n0 < N; n0 += 8) lanes_rows(x, w, bias, y, 0, M, N, K, n0, 8, 1);
+        return 0;
+    }
+    if (B <= 8) {  /* every tile used once: multiplied straight from the registers it was turned in */
 #pragma omp parallel for schedule(static) num_threads(threads)
         for (long n0 = 0; n0 < N; n0 += 8) {
-            switch ((int)M) {  /* each case a copy of panel() for its row count, unrolled */
+            switch ((int)B) {  /* each case a copy of panel() for its row count, unrolled */
             case 1: panel(x, w, bias, y, 1, N, K, kc, n0); break;
             case 2: panel(x, w, bias, y, 2, N, K, kc, n0); break;
             case 3: panel(x, w, bias, y, 3, N, K, kc, n0); break;
@@ -173,6 +252,7 @@ int row_kernel_linear(const float *x, const float *w, const float *bias, float *
             case 7: panel(x, w, bias, y, 7, N, K, kc, n0); break;
             default: panel(x, w, bias, y, 8, N, K, kc, n0); break;
             }
+            lanes_rows(x, w, bias, y, B, M, N, K, n0, 8, 0);
         }
         return 0;
     }
@@ -189,11 +269,81 @@ int row_kernel_linear(const float *x, const float *w, const float *bias, float *
         for (long p = 0; p < pairs + (N % 16 != 0); p++) {
             if (!buf) continue;
             if (p < pairs)
-                panel_pair(x, w, bias, y, M, N, K, kc, 16 * p, buf);
+                panel_pair(x, w, bias, y, B, N, K, kc, 16 * p, buf);
             else
-                panel_rows(x, w, bias, y, M, N, K, kc, 16 * p, buf);
+                panel_rows(x, w, bias, y, B, N, K, kc, 16 * p, buf);
+            lanes_rows(x, w, bias, y, B, M, N, K, 16 * p, p < pairs ? 16 : 8, 0);
         }
         free(buf);
     }
     return failed ? -2 : 0;
+}
+
+/* A screen's approximate product (head_screen.py): y[M, N] = x[M, K] @ h^T, h a float16 copy of an N x K weight laid
+   out by panels of 8 outputs, each panel column by column (half_turned(): panel p's column k at h[(p * K + k) * 8]),
+   so the copy is read once, front to back. Summed in any order (the screen's bound allows any): U chains a row
+   over alternate columns, added at the end. F16C + FMA; N and K multiples of 8. */
+static INLINE void half_panels(const float *x, const unsigned short *h, float *y, const int R, const int P,
+                               const int U, long N, long K, long p) {
+    /* P panels (8 outputs each) from panel p on, R rows: each row's broadcast shared by the P panels */
+    __m256 acc[6][2][2];
+    for (int m = 0; m < R; m++)
+        for (int q = 0; q < P; q++)
+            for (int u = 0; u < U; u++) acc[m][q][u] = _mm256_setzero_ps();
+    for (long k = 0; k < K; k += U) {
+        for (int q = 0; q < P; q++) _mm_prefetch((const char *)(h + ((p + q) * K + k + 64) * 8), _MM_HINT_T0);
+        for (int u = 0; u < U; u++) {
+            __m256 wv[2];
+            for (int q = 0; q < P; q++)
+                wv[q] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + ((p + q) * K + k + u) * 8)));
+            for (int m = 0; m < R; m++) {
+                const __m256 v = _mm256_broadcast_ss(x + m * K + k + u);
+                for (int q = 0; q < P; q++) acc[m][q][u] = _mm256_fmadd_ps(v, wv[q], acc[m][q][u]);
+            }
+        }
+    }
+    for (int m = 0; m < R; m++)
+        for (int q = 0; q < P; q++) {
+            __m256 out = acc[m][q][0];
+            for (int u = 1; u < U; u++) out = _mm256_add_ps(out, acc[m][q][u]);
+            _mm256_storeu_ps(y + m * N + (p + q) * 8, out);
+        }
+}
+
+/* panels p..p+P-1 (P = 1 or 2) for all M rows: up to 6 rows at once, in groups of 4 past that (the panels stay in
+   the cache from one group to the next) */
+static void half_rows(const float *x, const unsigned short *h, float *y, long M, long N, long K, long p, int P) {
+    const long group = M <= 6 ? M : 4;
+    for (long m0 = 0; m0 < M; m0 += group) {
+        const float *xs = x + m0 * K;
+        float *ys = y + m0 * N;
+        const int R = M - m0 < group ? (int)(M - m0) : (int)group;
+        if (P == 2) {
+            switch (R) {
+            case 1: half_panels(xs, h, ys, 1, 2, 2, N, K, p); break;
+            case 2: half_panels(xs, h, ys, 2, 2, 2, N, K, p); break;
+            case 3: half_panels(xs, h, ys, 3, 2, 1, N, K, p); break;
+            case 4: half_panels(xs, h, ys, 4, 2, 1, N, K, p); break;
+            case 5: half_panels(xs, h, ys, 5, 2, 1, N, K, p); break;
+            default: half_panels(xs, h, ys, 6, 2, 1, N, K, p); break;
+            }
+        } else {
+            switch (R) {
+            case 1: half_panels(xs, h, ys, 1, 1, 2, N, K, p); break;
+            case 2: half_panels(xs, h, ys, 2, 1, 2, N, K, p); break;
+            case 3: half_panels(xs, h, ys, 3, 1, 2, N, K, p); break;
+            case 4: half_panels(xs, h, ys, 4, 1, 2, N, K, p); break;
+            case 5: half_panels(xs, h, ys, 5, 1, 2, N, K, p); break;
+            default: half_panels(xs, h, ys, 6, 1, 2, N, K, p); break;
+            }
+        }
+    }
+}
+
+int half_linear(const float *x, const unsigned short *h, float *y, long M, long N, long K, int threads) {
+    if (M < 1 || N < 8 || K < 8 || N % 8 || K % 8 || threads < 1) return -1;
+    const long panels = N / 8, pairs = panels / 2;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (long q = 0; q < pairs + panels % 2; q++) half_rows(x, h, y, M, N, K, 2 * q, q < pairs ? 2 : 1);
+    return 0;
 }

@@ -7,13 +7,16 @@ between the threads but keeps it. This kernel (``row_kernel.c``) reads each 8 x 
 in registers and multiplies it into the rows (AVX2 + FMA; the threads share the weight's rows through the OpenMP
 runtime torch itself loaded).
 
-Exactness first: MKL's ``sgemm`` sums each output in blocks of the inner dimension (192 columns with MKL 2024 on an
-AMD Zen 4, from 4 rows up: one FMA chain per block from zero, in column order, then the block sums added in order to
-the bias), and so does the kernel, with the block width as an argument. The width is found, never assumed: at a
-row count's first call :meth:`RowKernel.exact_width` runs the kernel with each of :data:`WIDTHS` and keeps the first
-whose bits equal ``F.linear``'s on the call's own rows; a row count none matches keeps the other ways
-(:class:`~.row_split.RowSplit` owns that choice and the timing). One row is a matrix-vector product MKL sums
-another way: no width matches it.
+Exactness first: MKL's ``sgemm`` sums each output in one of two orders (MKL 2024 on an AMD Zen 4): in blocks of the
+inner dimension (192 columns: one FMA chain per block from zero, in column order, then the block sums added in order
+to the bias), or with each product rounded and added into four lanes by column mod 4, the lanes summed
+(0 + 2) + (1 + 3), then the bias. Which rows take which depends on the row count (and the threads): at 2-3 rows all
+four lanes; from 4 rows up all blocks, except that at 2 threads 5-7 and 9-11 rows take blocks for their first 4 or 8
+rows and four lanes for the rest. The kernel sums in either, per row, as an :class:`Order` says. The order is found,
+never assumed: at a row count's first call :meth:`RowKernel.exact_order` runs the kernel in each candidate order and
+keeps the first whose bits equal ``F.linear``'s on the call's own rows; a row count none matches keeps the other ways
+(:class:`~.row_split.RowSplit` owns that choice and the timing). One row is a matrix-vector product MKL sums another
+way again: no order matches it.
 
 Built at first use (:func:`load`) with the system's C compiler into a private temporary folder, loaded, and the file
 removed (nothing is read from a folder another user could write). None where it cannot serve: not Linux on x86-64,
@@ -32,40 +35,73 @@ import sys
 import tempfile
 import threading
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 from .graph_ops import graph_op
 
-__all__ = ["KERNEL_LINEAR", "WIDTHS", "RowKernel", "load"]
+__all__ = ["KERNEL_LINEAR", "LANES", "WIDTHS", "Order", "RowKernel", "load"]
 
 logger = logging.getLogger(__name__)
 
 WIDTHS = (192, 256, 128, 384, 512, 64, 96, 320)  # block widths tried, most likely first (192: MKL 2024 on Zen 4)
 _SOURCE = Path(__file__).with_name("row_kernel.c")
 # -ffp-contract=off: the compiler fuses no multiply and add the source does not spell (the order is the bits)
-_FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
+_FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 _LOCK = threading.Lock()
 _LOADED: list[RowKernel | None] = []  # the process's kernel once load() ran (None: it cannot serve here)
 
 
+class Order(NamedTuple):
+    """How the kernel sums a call's rows: rows ``0 .. lanes_from - 1`` in blocks of ``width`` columns (a multiple of
+    8), the rest in four lanes (the module docstring gives both orders).
+
+    Example:
+        >>> Order.blocks(192, 6), Order.blocks(192, 6).label(6), LANES.label(3), Order(192, 4).label(6)
+        (Order(width=192, lanes_from=6), '192', 'lanes', '192 to row 4, lanes')
+    """
+
+    width: int
+    lanes_from: int
+
+    @classmethod
+    def blocks(cls, width: int, rows: int) -> Order:
+        """Every one of ``rows`` rows in blocks of ``width`` columns."""
+        return cls(width, rows)
+
+    def label(self, rows: int) -> str:
+        """A short name at ``rows`` rows (for reports)."""
+        if self.lanes_from == 0:
+            return "lanes"
+        return str(self.width) if self.lanes_from >= rows else f"{self.width} to row {self.lanes_from}, lanes"
+
+
+LANES = Order(0, 0)  # every row in four lanes (MKL 2024's sgemm at 2-3 rows on Zen 4)
+
+
 class RowKernel:
-    """The loaded kernel: :meth:`linear` computes ``F.linear`` for a weight :meth:`fits`, in blocks of a width
-    :meth:`exact_width` found bit-identical.
+    """The loaded kernel: :meth:`linear` computes ``F.linear`` for a weight :meth:`fits`, in an :class:`Order`
+    :meth:`exact_order` found bit-identical.
 
     Example:
         >>> kernel = load()
         >>> weight, x = torch.randn(64, 512), torch.randn(4, 512)
-        >>> kernel is None or kernel.exact_width(x, weight, None, torch.nn.functional.linear(x, weight), 1) in WIDTHS
+        >>> expected = torch.nn.functional.linear(x, weight)
+        >>> order = None if kernel is None else kernel.exact_order(x, weight, None, expected, 1)
+        >>> order is None or order.width in (*WIDTHS, 512)
         True
     """
 
     def __init__(self, library: ctypes.CDLL) -> None:
         self._function = library.row_kernel_linear
         pointer, size = ctypes.c_void_p, ctypes.c_long
-        self._function.argtypes = [pointer, pointer, pointer, pointer, size, size, size, size, ctypes.c_int]
+        self._function.argtypes = [pointer, pointer, pointer, pointer, size, size, size, size, size, ctypes.c_int]
         self._function.restype = ctypes.c_int
-        self._widths: dict[tuple[int, int, bool], int] = {}  # by weight shape and bias: the width found
+        self._half = library.half_linear
+        self._half.argtypes = [pointer, pointer, pointer, size, size, size, ctypes.c_int]
+        self._half.restype = ctypes.c_int
+        self._widths: dict[tuple[int, int, bool], int] = {}  # by weight shape and bias: the block width found
 
     @staticmethod
     def fits_shape(out_features: int, width: int) -> bool:
@@ -78,66 +114,126 @@ class RowKernel:
         of a shape it serves (:meth:`fits_shape`), a bias of its rows (about a microsecond: :meth:`linear` checks
         it at every call, since the C code would misread anything else)."""
         return (
-            weight.dim() == 2
-            and cls.fits_shape(int(weight.shape[0]), int(weight.shape[1]))
-            and x.dtype is torch.float32
+            x.dtype is torch.float32
             and weight.dtype is torch.float32
+            and weight.dim() == 2
             and x.shape[-1] == weight.shape[1]
+            and cls.fits_shape(weight.shape[0], weight.shape[1])
             and weight.is_contiguous()
             and (bias is None or (bias.dtype is torch.float32 and bias.numel() == weight.shape[0]))
-            and x.device.type == "cpu"
-            and weight.device.type == "cpu"
+            and x.is_cpu
+            and weight.is_cpu
         )
 
     def linear(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, width: int, threads: int
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, order: Order, threads: int
     ) -> torch.Tensor:
-        """``x @ weight.T + bias`` summed in blocks of ``width`` columns on ``threads`` threads (a weight that
-        :meth:`fits`; ``width`` a multiple of 8). Under a dispatch mode it is one op, :data:`KERNEL_LINEAR`:
-        what records the ops a step dispatched (the CPU stand-in for CUDA graphs) or traces them then sees the
-        kernel's result made, not an empty tensor written behind its back. The C code reads raw memory, so what it
-        would misread is refused here, each call (a ``ValueError``; about a microsecond)."""
+        """``x @ weight.T + bias`` summed in ``order`` on ``threads`` threads, for a weight that :meth:`fits`. Under
+        a dispatch mode it is one op, :data:`KERNEL_LINEAR`: what records the ops a step dispatched (the CPU
+        stand-in for CUDA graphs) or traces them then sees the kernel's result made, not an empty tensor written
+        behind its back. The C code reads raw memory, so what it would misread is refused here, each call (a
+        ``ValueError``; about a microsecond)."""
         if not self.fits(x, weight, bias):
             raise ValueError(f"row kernel: cannot take x {tuple(x.shape)} {x.dtype} with weight {tuple(weight.shape)}")
         if torch._C._len_torch_dispatch_stack():  # noqa: SLF001 (a mode records or traces the ops: one op for it)
-            return KERNEL_LINEAR(x, weight, bias, width, threads)
-        return self._call(x, weight, bias, width, threads)  # nothing records: the C call (6 us less than the op)
+            return KERNEL_LINEAR(x, weight, bias, order.width, order.lanes_from, threads)
+        # nothing records: the C call (6 us less than the op)
+        return self._call(x, weight, bias, order.width, order.lanes_from, threads)
 
     def _call(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, width: int, threads: int
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        width: int,
+        lanes_from: int,
+        threads: int,
     ) -> torch.Tensor:
-        """The C call itself (:data:`KERNEL_LINEAR`'s kernel; :meth:`linear` checked what it reads)."""
-        rows = x.reshape(-1, weight.shape[1]).contiguous()
-        bias = None if bias is None else bias.contiguous()
-        out = torch.empty((rows.shape[0], weight.shape[0]), dtype=torch.float32)
+        """The C call itself (:data:`KERNEL_LINEAR`'s kernel; :meth:`linear` checked what it reads). Each torch call
+        here costs microseconds against the kernel's tens: the output made in its final shape, the input reshaped
+        only where it is not contiguous."""
+        rows = x if x.is_contiguous() else x.contiguous()
+        if bias is not None and not bias.is_contiguous():
+            bias = bias.contiguous()
+        out, count = torch.empty((*x.shape[:-1], weight.shape[0]), dtype=torch.float32), x.numel() // x.shape[-1]
         code = self._function(
             rows.data_ptr(),
             weight.data_ptr(),
             None if bias is None else bias.data_ptr(),
             out.data_ptr(),
-            rows.shape[0],
+            count,
             weight.shape[0],
             weight.shape[1],
             width,
+            lanes_from,
             threads,
         )
         if code:
-            raise ValueError(f"row kernel: shapes {tuple(rows.shape)} x {tuple(weight.shape)} with width {width}")
-        return out.view(*x.shape[:-1], weight.shape[0])
+            raise ValueError(
+                f"row kernel: {count} rows x weight {tuple(weight.shape)} in order {Order(width, lanes_from)}"
+            )
+        return out
 
-    def exact_width(
+    @staticmethod
+    def turned_half(weight: torch.Tensor) -> torch.Tensor | None:
+        """A float16 copy of a float32 ``weight`` (N, K), laid out for :meth:`half_linear`: by panels of 8 rows,
+        each column by column, so the product reads it front to back; None where N or K is not a multiple of 8.
+
+        Example:
+            >>> RowKernel.turned_half(torch.ones(16, 8)).shape, RowKernel.turned_half(torch.ones(12, 8))
+            (torch.Size([2, 8, 8]), None)
+        """
+        rows, width = weight.shape
+        if not RowKernel.fits_shape(rows, width):
+            return None
+        half = weight.detach().to(torch.float16)
+        return half.view(rows // 8, 8, width).transpose(1, 2).contiguous()
+
+    def half_linear(self, x: torch.Tensor, turned: torch.Tensor, threads: int) -> torch.Tensor:
+        """``x (rows, K) @ W16.T`` in float32 sums for a copy :meth:`turned_half` made of ``W``, summed in any order
+        (a screen's approximate logits: :mod:`.head_screen`'s bound allows any). Refuses what the C code would
+        misread (a ``ValueError``)."""
+        panels, width, eight = turned.shape
+        if not (
+            x.dtype is torch.float32
+            and turned.dtype is torch.float16
+            and eight == 8
+            and x.dim() == 2
+            and x.shape[1] == width
+            and x.is_contiguous()
+            and turned.is_contiguous()
+            and x.is_cpu
+            and turned.is_cpu
+        ):
+            raise ValueError(f"row kernel: cannot take x {tuple(x.shape)} {x.dtype} with copy {tuple(turned.shape)}")
+        out = torch.empty((x.shape[0], panels * 8), dtype=torch.float32)
+        code = self._half(x.data_ptr(), turned.data_ptr(), out.data_ptr(), x.shape[0], panels * 8, width, threads)
+        if code:
+            raise ValueError(f"row kernel: {x.shape[0]} rows x copy {tuple(turned.shape)}")
+        return out
+
+    def exact_order(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, expected: torch.Tensor, threads: int
-    ) -> int | None:
-        """The block width whose result has ``expected``'s bits (the same call's ``F.linear``), else None: for a
-        shape whose width an earlier call found, that width alone (a row count it misses is one MKL sums another
-        way; trying every width again would read the weight up to nine more times); else the first of
-        :data:`WIDTHS` and the whole inner dimension that matches."""
+    ) -> Order | None:
+        """The order whose result has ``expected``'s bits (the same call's ``F.linear``), else None. Tried in turn:
+        :data:`LANES`; then per block width every row in blocks, and (past 4 rows, where the rows are not a multiple
+        of 4) the rows up to the last multiple of 4 in blocks and the rest in lanes. The widths: the one an earlier
+        call of this shape found, alone (trying every width again would read the weight up to nine more times at
+        each row count MKL sums another way), else each of :data:`WIDTHS` and the whole inner dimension."""
         shape = (int(weight.shape[0]), int(weight.shape[1]), bias is not None)
+        rows = x.numel() // x.shape[-1]
         known = self._widths.get(shape)
-        for width in (known,) if known is not None else dict.fromkeys((*WIDTHS, shape[1])):
-            if width % 8 == 0 and torch.equal(self.linear(x, weight, bias, width, threads), expected):
-                self._widths[shape] = width
-                return width
+        widths = (known,) if known is not None else dict.fromkeys((*WIDTHS, shape[1]))
+        tail = rows % 4 if rows > 4 else 0
+        orders = [LANES]
+        for width in widths:
+            if width % 8 == 0:
+                orders += [Order.blocks(width, rows), *([Order(width, rows - tail)] if tail else [])]
+        for order in orders:
+            if torch.equal(self.linear(x, weight, bias, order, threads), expected):
+                if order.lanes_from:
+                    self._widths[shape] = order.width
+                return order
         return None
 
 
@@ -180,21 +276,21 @@ def _build() -> RowKernel | None:
         return RowKernel(ctypes.CDLL(str(library)))
 
 
-def _kernel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, width: int, threads: int
-                   ) -> torch.Tensor:  # fmt: skip
+def _kernel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, width: int, lanes_from: int,
+                   threads: int) -> torch.Tensor:  # fmt: skip
     kernel = load()
     if kernel is None:
         raise RuntimeError("row kernel: not built in this process")
-    return kernel._call(x, weight, bias, width, threads)  # noqa: SLF001 (the op is the kernel's own entry)
+    return kernel._call(x, weight, bias, width, lanes_from, threads)  # noqa: SLF001 (the op is the kernel's own entry)
 
 
-def _kernel_linear_shape(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, width: int, threads: int
-                         ) -> torch.Tensor:  # fmt: skip
+def _kernel_linear_shape(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, width: int,
+                         lanes_from: int, threads: int) -> torch.Tensor:  # fmt: skip
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
 KERNEL_LINEAR = graph_op(
-    "row_kernel_linear(Tensor x, Tensor weight, Tensor? bias, int width, int threads) -> Tensor",
+    "row_kernel_linear(Tensor x, Tensor weight, Tensor? bias, int width, int lanes_from, int threads) -> Tensor",
     _kernel_linear,
     _kernel_linear_shape,
 )

@@ -14,9 +14,10 @@ blocks, threads, rows) computes both and compares them bit for bit: a row count 
 :data:`TRIALS` calls each way are timed, and the faster way serves the bucket from then on, so the split runs only
 where it is exact and faster. Calls of more than :data:`MAX_ROWS` rows (prefill chunks) keep ``F.linear``.
 
-A third way joins where the process has one: :mod:`.row_kernel`'s C kernel, which sums in MKL's own order straight
-from the weight's rows. Its bits are checked at the same first call (it is tried with each block width until one
-matches), and the same trials time it; a bucket keeps the fastest of the ways exact at its row counts.
+A third way joins where the process has one: :mod:`.row_kernel`'s C kernel, which sums in MKL's own orders straight
+from the weight's rows. Its bits are checked at the same first call (it is tried in each order until one matches;
+the order is kept per row count, since which rows MKL sums in which of its two orders depends on the row count),
+and the same trials time it; a bucket keeps the fastest of the ways exact at its row counts.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from .row_kernel import RowKernel
+from .row_kernel import Order, RowKernel
 
 __all__ = ["MAX_ROWS", "MIN_BLOCK_ROWS", "TRIALS", "WAYS", "RowSplit", "split_blocks", "split_linear"]
 
@@ -83,7 +84,7 @@ def split_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 class _Bucket:
     checked: set[int] = field(default_factory=set)  # row counts whose bits were compared
     exact: dict[str, set[int]] = field(default_factory=lambda: {"split": set(), "kernel": set()})  # equal bits
-    width: int = 0  # the kernel's block width (one per weight shape: RowKernel.exact_width), once it matched
+    orders: dict[int, Order] = field(default_factory=dict)  # by row count: the kernel's (RowKernel.exact_order)
     times: dict[str, list[float]] = field(default_factory=lambda: {way: [] for way in WAYS})
     way: str | None = None  # decided: "plain", "split" or "kernel"
 
@@ -180,9 +181,9 @@ class RowSplit:
             if (
                 kernel is not None
                 and kernel.fits(x, weight, bias)
-                and (width := kernel.exact_width(x, weight, bias, plain, threads)) is not None
+                and (order := kernel.exact_order(x, weight, bias, plain, threads)) is not None
             ):
-                bucket.width = width
+                bucket.orders[rows] = order
                 bucket.exact["kernel"].add(rows)
             bucket.checked.add(rows)
             return plain
@@ -216,7 +217,7 @@ class RowSplit:
             return split_linear(x, weight, bias, blocks)
         if way == "kernel":
             assert self._kernel is not None
-            return self._kernel.linear(x, weight, bias, bucket.width, threads)
+            return self._kernel.linear(x, weight, bias, bucket.orders[rows], threads)
         return F.linear(x, weight, bias)
 
 

@@ -39,6 +39,7 @@ from pagedcore.kv_pool import KVPool
 from pagedcore.plugin_manager import PluginManager
 from pagedcore.validation import as_integer
 
+from . import row_kernel
 from .argmax_head import ArgmaxHead
 from .attention import ATTN_IMPLEMENTATION, CONTEXT_KEY, ForwardContext
 from .compiled import CompiledDecode, DecodeInputs
@@ -171,7 +172,8 @@ class TransformersRunner:
         # Steps whose rows only take their argmax: their tokens taken inside the head (argmax_head.py); not
         # with adapters (a LoRA on the head), the compatible path, or a forward that computes every position's logits.
         fusing = fused_argmax and lora is None and self._padded is None and self._states is None and self._keeps_logits
-        self._argmax, self._linears = _layer_forwards(model, packing, splitting, fusing, row_kernel)
+        kernel = row_kernel and device.type == "cpu"  # (a CPU kernel: built only where it can serve)
+        self._argmax, self._linears = _layer_forwards(model, packing, splitting, fusing, kernel)
         self._packs = self._linears if packing else None
 
     # ------------------------------------------------------------------ the protocol's state
@@ -375,8 +377,8 @@ def _layer_forwards(
 ) -> tuple[ArgmaxHead | None, PrepackedLinears | None]:
     """The fused greedy head and the linear layers' forwards the runner installs (each where asked). Packs take every
     linear layer, the head too (the fused head then does not install); without packs the fused head installs first
-    (it splits its own GEMM) and the split (:mod:`.row_split`, with :mod:`.row_kernel`'s kernel where ``kernel``)
-    takes the layers left, the head too where no fused head took it."""
+    (it splits its own GEMM) and the split (:mod:`.row_split`, with :mod:`.row_kernel`'s kernel where ``kernel``,
+    as the fused head's screen) takes the layers left, the head too where no fused head took it."""
     others = [f for m in model.modules() if (f := installed_forward(m)) is not None]  # another Engine's forwards
     taken = len(others) if packing or splitting or fusing else 0
     warned = _SHARED.get(model)
@@ -389,10 +391,11 @@ def _layer_forwards(
             taken,
             type(model).__name__,
         )
+    screen = row_kernel.load() if kernel else None  # the fused head's screen's float16 product, too
     if packing:
         linears = PrepackedLinears(model, split=splitting, kernel=kernel)
-        return (ArgmaxHead.install(model) if fusing else None), linears
-    head = ArgmaxHead.install(model) if fusing else None
+        return (ArgmaxHead.install(model, screen) if fusing else None), linears
+    head = ArgmaxHead.install(model, screen) if fusing else None
     return head, (PrepackedLinears(model, pack=False, kernel=kernel) if splitting else None)
 
 
