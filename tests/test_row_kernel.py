@@ -14,7 +14,7 @@ from test_weights_engine import assert_stock, mirror, sgd_step, workload
 
 from pagedcore.adapters.transformers import Engine, SamplingParams
 from pagedcore.adapters.transformers import row_kernel as row_kernel_module
-from pagedcore.adapters.transformers.row_kernel import LANES, WIDTHS, Order, RowKernel, load
+from pagedcore.adapters.transformers.row_kernel import LANES, ONE_ROW, WIDTHS, Order, RowKernel, load
 from pagedcore.adapters.transformers.row_split import TRIALS, RowSplit
 from pagedcore.errors import ConfigError
 
@@ -37,13 +37,13 @@ def blocked_sums(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return torch.from_numpy(out.astype(np.float32))
 
 
-def lane_sums(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def lane_sums(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, head: int = 0) -> torch.Tensor:
     """The documented LANES order in float32: each product rounded, added into four lanes by column mod 4 from zero
-    in column order, the lanes summed (0 + 2) + (1 + 3), then the bias."""
+    in column order (the first ``head`` all into lane 0), the lanes summed (0 + 2) + (1 + 3), then the bias."""
     products = x[:, None, :] * weight[None, :, :]  # (rows, outputs, columns), each rounded
     lanes = torch.zeros(*products.shape[:2], 4)
     for k in range(products.shape[2]):
-        lanes[:, :, k % 4] += products[:, :, k]
+        lanes[:, :, 0 if k < head else k % 4] += products[:, :, k]
     out = (lanes[:, :, 0] + lanes[:, :, 2]) + (lanes[:, :, 1] + lanes[:, :, 3])
     return out if bias is None else out + bias
 
@@ -58,6 +58,7 @@ def test_the_kernel_sums_in_four_lanes_as_documented(rows, bias):
     assert KERNEL is not None
     for threads in (1, 2):
         assert torch.equal(KERNEL.linear(x, weight, b, LANES, threads), lane_sums(x, weight, b))
+        assert torch.equal(KERNEL.linear(x, weight, b, ONE_ROW, threads), lane_sums(x, weight, b, head=4))
 
 
 @needs_kernel
@@ -90,21 +91,28 @@ def test_rows_past_lanes_from_are_summed_in_four_lanes(rows, blocked, bias):
 
 
 @needs_kernel
-def test_the_kernel_finds_mkls_order_or_none():
-    """Where MKL sums in one of the kernel's orders (with MKL 2024 on Zen 4: LANES at 2-3 rows, blocks of 192 from 4
-    rows up) the kernel gives F.linear's bits; an order is reported only where they are equal."""
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_kernel_finds_mkls_order_or_none(threads):
+    """Where MKL sums in one of the kernel's orders (with MKL 2024 on Zen 4: ONE_ROW at 1 row, LANES at 2-3 rows,
+    blocks of 192 from 4 rows up, and at 2 threads blocks for the first 4 or 8 of 5-7 and 9-11 rows and LANES for the
+    rest) the kernel gives F.linear's bits; an order is reported only where they are equal."""
     assert KERNEL is not None
-    torch.manual_seed(0)
+    torch.manual_seed(threads)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
     found = {}
-    for shape in [(512, 512), (1536, 512), (512, 1536)]:
-        weight = torch.randn(*shape) * 0.02
-        for rows in (1, 2, 3, 4, 8, 16, 64):
-            x = torch.randn(rows, shape[1])
-            order = KERNEL.exact_order(x, weight, None, F.linear(x, weight), 1)
-            found[shape, rows] = order
-            if order is not None:
-                assert order == LANES or order.width in (*WIDTHS, shape[1])
-                assert torch.equal(KERNEL.linear(x, weight, None, order, 1), F.linear(x, weight))
+    try:
+        for shape in [(512, 512), (1536, 512), (512, 1536)]:
+            weight = torch.randn(*shape) * 0.02
+            for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 16, 64):
+                x = torch.randn(rows, shape[1])
+                order = KERNEL.exact_order(x, weight, None, F.linear(x, weight), threads)
+                found[shape, rows] = order
+                if order is not None:
+                    assert order in (LANES, ONE_ROW) or order.width in (*WIDTHS, shape[1])
+                    assert torch.equal(KERNEL.linear(x, weight, None, order, threads), F.linear(x, weight))
+    finally:
+        torch.set_num_threads(before)
     if all(order is None for order in found.values()):
         pytest.skip("MKL on this CPU sums in none of the kernel's orders: the kernel never serves here")
 
@@ -131,7 +139,8 @@ def test_what_the_c_code_would_misread_is_refused():
         with pytest.raises(ValueError, match="row kernel: cannot take"):
             KERNEL.linear(x, w, b, Order.blocks(8, 2), 1)
     # a width not a multiple of 8, none for blocked rows, lanes_from outside the rows: refused by the C code itself
-    for order in (Order(-8, 2), Order(12, 2), Order(0, 1), Order(8, 3), Order(8, -1)):
+    # and a head other than 0 or 4, or one with no row in lanes
+    for order in (Order(-8, 2), Order(12, 2), Order(0, 1), Order(8, 3), Order(8, -1), Order(0, 0, 2), Order(8, 2, 4)):
         with pytest.raises(ValueError, match=r"in order Order\(width="):
             KERNEL.linear(torch.randn(2, 32), weight, None, order, 1)
 
@@ -158,6 +167,9 @@ def test_it_is_not_built_where_it_cannot_serve(monkeypatch):
     monkeypatch.setattr(row_kernel_module.shutil, "which", lambda name: None)  # no C compiler
     assert row_kernel_module._build() is None
     monkeypatch.setattr(row_kernel_module.torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")  # no AVX2
+    assert row_kernel_module._build() is None
+    monkeypatch.undo()
+    monkeypatch.setattr(row_kernel_module, "_cpu_flags", lambda: {"avx2", "fma"})  # no F16C
     assert row_kernel_module._build() is None
 
 
@@ -284,3 +296,36 @@ def test_what_the_half_product_would_misread_is_refused():
     ]:
         with pytest.raises(ValueError, match="row kernel: cannot take"):
             KERNEL.half_linear(x, copy, 1)
+
+
+@needs_kernel
+def test_a_compiled_decode_step_calls_the_kernel_where_it_settled(two_threads, kernel_wins, monkeypatch):
+    """A compiled step (``Engine(compile=True)``) traces each layer's settled way; a layer the kernel serves (at one
+    row since MKL's one-row order is known) is one opaque ``pagedcore::row_linear`` op in the graph, which runs the
+    kernel, and the tokens and logits stay stock's."""
+    from pagedcore.adapters.transformers import compiled as compiled_module
+    from pagedcore.adapters.transformers.prepacked import ROW_LINEAR
+
+    monkeypatch.setattr(compiled_module, "BACKEND", "eager")
+    graphs = []
+    compiler = compiled_module.CompiledDecode._compiler
+
+    def capture(self, graph, example_inputs):
+        graphs.append(graph)
+        return compiler(self, graph, example_inputs)
+
+    monkeypatch.setattr(compiled_module.CompiledDecode, "_compiler", capture)
+    model = tiny_model("llama", seed=12, hidden_size=128, intermediate_size=256)
+    ref = mirror(model)
+    prompts = workload(12, 2)
+    with Engine(model, num_blocks=64, block_size=4, max_num_seqs=1, compile=True) as engine:
+        outputs = engine.generate(prompts, GREEDY, use_tqdm=False)
+        ways = engine.runner.row_split_ways()
+        stats = engine.stats()
+    assert stats.compiled_steps > 0 and stats.compile_failures == 0 and graphs
+    kernel_layers = sum(way == "kernel" for key, way in ways.items() if key[-1] == 1)  # one-row buckets
+    linears = sum(isinstance(m, torch.nn.Linear) for m in model.model.modules())
+    assert kernel_layers > 0
+    ops = [[node.target for node in graph.graph.nodes if node.op == "call_function"] for graph in graphs]
+    assert ops[-1].count(ROW_LINEAR) == linears and ops[-1].count(torch.bmm) == 0  # every layer: the kernel's op
+    assert_stock(ref, prompts, outputs)

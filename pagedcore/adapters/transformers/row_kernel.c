@@ -3,7 +3,8 @@
    - rows 0..lanes_from-1 in blocks of kc columns (one FMA chain per block from zero, in column order; the block sums
      added in order to the bias, or to the first block's sum without one);
    - rows lanes_from..M-1 in four lanes (LANES): each product rounded, added into four lanes by column mod 4 (in
-     column order, from zero), the lanes summed (0 + 2) + (1 + 3), then the bias added.
+     column order, from zero), the lanes summed (0 + 2) + (1 + 3), then the bias added; with head 4, the first four
+     products all go to lane 0, in order (MKL's one-row product).
    AVX2 + FMA; N, K and kc multiples of 8 (kc unused where lanes_from is 0); x, w, bias and y contiguous. */
 #include <immintrin.h>
 #include <stdlib.h>
@@ -173,11 +174,22 @@ static void panel_pair(const float *x, const float *w, const float *bias, float 
    columns multiplied into each row (rounded products), the low four then the high four added into that output's
    four lanes; the lanes of the four outputs turned so one vector sum gives (0 + 2) + (1 + 3) for all four */
 static INLINE void lanes4(const float *x, const float *w, const float *bias, float *y, const int M, long N, long K,
-                          long n0, const int ahead) {
+                          long n0, const int ahead, const int head) {
     __m128 acc[4][4];  /* [row][output]: lanes 0..3 */
     for (int m = 0; m < M; m++)
         for (int i = 0; i < 4; i++) acc[m][i] = _mm_setzero_ps();
-    for (long k = 0; k < K; k += 8) {
+    if (head) {  /* columns 0-3 summed in order into lane 0, then 4-7 one per lane (from zero: exact) */
+        for (int m = 0; m < M; m++)
+            for (int i = 0; i < 4; i++) {
+                const __m256 p = _mm256_mul_ps(_mm256_loadu_ps(w + (n0 + i) * K), _mm256_loadu_ps(x + m * K));
+                const __m128 lo = _mm256_castps256_ps128(p);
+                __m128 s = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1));
+                s = _mm_add_ss(s, _mm_shuffle_ps(lo, lo, 2));
+                s = _mm_add_ss(s, _mm_shuffle_ps(lo, lo, 3));
+                acc[m][i] = _mm_add_ps(_mm_move_ss(_mm_setzero_ps(), s), _mm256_extractf128_ps(p, 1));
+            }
+    }
+    for (long k = head ? 8 : 0; k < K; k += 8) {
         __m256 wv[4];
         for (int i = 0; i < 4; i++) wv[i] = _mm256_loadu_ps(w + (n0 + i) * K + k);
         if (ahead && n0 + 4 + ahead <= N && k % 16 == 0)  /* the rows `ahead` rows on, on their way to the cache */
@@ -202,7 +214,7 @@ static INLINE void lanes4(const float *x, const float *w, const float *bias, flo
 /* rows lanes_from..M-1 of outputs n0..n0+count-1 (count a multiple of 4) in LANES order, in groups of 4 rows;
    ahead: prefetch the weight rows that many rows on (0: none, where a panel just read these rows) */
 static void lanes_rows(const float *x, const float *w, const float *bias, float *y, long lanes_from, long M, long N,
-                       long K, long n0, long count, int ahead) {
+                       long K, long n0, long count, int ahead, int head) {
     for (long m0 = lanes_from; m0 < M; m0 += 4) {
         const float *xs = x + m0 * K;
         float *ys = y + m0 * N;
@@ -210,17 +222,17 @@ static void lanes_rows(const float *x, const float *w, const float *bias, float 
         for (long n = n0; n < n0 + count; n += 4) {
             if (pf) {
                 switch (rows) {
-                case 1: lanes4(xs, w, bias, ys, 1, N, K, n, PREFETCH_ROWS); break;
-                case 2: lanes4(xs, w, bias, ys, 2, N, K, n, PREFETCH_ROWS); break;
-                case 3: lanes4(xs, w, bias, ys, 3, N, K, n, PREFETCH_ROWS); break;
-                default: lanes4(xs, w, bias, ys, 4, N, K, n, PREFETCH_ROWS); break;
+                case 1: lanes4(xs, w, bias, ys, 1, N, K, n, PREFETCH_ROWS, head); break;
+                case 2: lanes4(xs, w, bias, ys, 2, N, K, n, PREFETCH_ROWS, head); break;
+                case 3: lanes4(xs, w, bias, ys, 3, N, K, n, PREFETCH_ROWS, head); break;
+                default: lanes4(xs, w, bias, ys, 4, N, K, n, PREFETCH_ROWS, head); break;
                 }
             } else {
                 switch (rows) {
-                case 1: lanes4(xs, w, bias, ys, 1, N, K, n, 0); break;
-                case 2: lanes4(xs, w, bias, ys, 2, N, K, n, 0); break;
-                case 3: lanes4(xs, w, bias, ys, 3, N, K, n, 0); break;
-                default: lanes4(xs, w, bias, ys, 4, N, K, n, 0); break;
+                case 1: lanes4(xs, w, bias, ys, 1, N, K, n, 0, head); break;
+                case 2: lanes4(xs, w, bias, ys, 2, N, K, n, 0, head); break;
+                case 3: lanes4(xs, w, bias, ys, 3, N, K, n, 0, head); break;
+                default: lanes4(xs, w, bias, ys, 4, N, K, n, 0, head); break;
                 }
             }
         }
@@ -230,13 +242,14 @@ static void lanes_rows(const float *x, const float *w, const float *bias, float 
 /* rows 0..B-1 blocked (B = lanes_from), the rest in LANES order; each panel's LANES rows right after its blocked
    rows, while its weight rows are in the cache */
 int row_kernel_linear(const float *x, const float *w, const float *bias, float *y, long M, long N, long K, long kc,
-                      long lanes_from, int threads) {
+                      long lanes_from, long head, int threads) {
     if (M < 1 || N < 8 || K < 8 || N % 8 || K % 8 || kc < 0 || kc % 8 || threads < 1) return -1;
-    if (lanes_from < 0 || lanes_from > M || (lanes_from > 0 && kc == 0)) return -1;
+    if (lanes_from < 0 || lanes_from > M || (lanes_from > 0 && kc == 0) || (head != 0 && head != 4)) return -1;
+    if (head && lanes_from == M) return -1;  /* a head for no lanes row */
     const long B = lanes_from;
     if (B == 0) {
 #pragma omp parallel for schedule(static) num_threads(threads)
-        for (long n0 = 0; n0 < N; n0 += 8) lanes_rows(x, w, bias, y, 0, M, N, K, n0, 8, 1);
+        for (long n0 = 0; n0 < N; n0 += 8) lanes_rows(x, w, bias, y, 0, M, N, K, n0, 8, 1, head);
         return 0;
     }
     if (B <= 8) {  /* every tile used once: multiplied straight from the registers it was turned in */
@@ -252,7 +265,7 @@ int row_kernel_linear(const float *x, const float *w, const float *bias, float *
             case 7: panel(x, w, bias, y, 7, N, K, kc, n0); break;
             default: panel(x, w, bias, y, 8, N, K, kc, n0); break;
             }
-            lanes_rows(x, w, bias, y, B, M, N, K, n0, 8, 0);
+            lanes_rows(x, w, bias, y, B, M, N, K, n0, 8, 0, head);
         }
         return 0;
     }
@@ -272,7 +285,7 @@ int row_kernel_linear(const float *x, const float *w, const float *bias, float *
                 panel_pair(x, w, bias, y, B, N, K, kc, 16 * p, buf);
             else
                 panel_rows(x, w, bias, y, B, N, K, kc, 16 * p, buf);
-            lanes_rows(x, w, bias, y, B, M, N, K, 16 * p, p < pairs ? 16 : 8, 0);
+            lanes_rows(x, w, bias, y, B, M, N, K, 16 * p, p < pairs ? 16 : 8, 0, head);
         }
         free(buf);
     }

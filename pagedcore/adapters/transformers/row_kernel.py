@@ -10,17 +10,18 @@ runtime torch itself loaded).
 Exactness first: MKL's ``sgemm`` sums each output in one of two orders (MKL 2024 on an AMD Zen 4): in blocks of the
 inner dimension (192 columns: one FMA chain per block from zero, in column order, then the block sums added in order
 to the bias), or with each product rounded and added into four lanes by column mod 4, the lanes summed
-(0 + 2) + (1 + 3), then the bias. Which rows take which depends on the row count (and the threads): at 2-3 rows all
-four lanes; from 4 rows up all blocks, except that at 2 threads 5-7 and 9-11 rows take blocks for their first 4 or 8
-rows and four lanes for the rest. The kernel sums in either, per row, as an :class:`Order` says. The order is found,
-never assumed: at a row count's first call :meth:`RowKernel.exact_order` runs the kernel in each candidate order and
-keeps the first whose bits equal ``F.linear``'s on the call's own rows; a row count none matches keeps the other ways
-(:class:`~.row_split.RowSplit` owns that choice and the timing). One row is a matrix-vector product MKL sums another
-way again: no order matches it.
+(0 + 2) + (1 + 3), then the bias. Which rows take which depends on the row count (and the threads): one row the four
+lanes with its first four products all in lane 0, in order (:data:`ONE_ROW`: MKL's matrix-vector product); 2-3 rows
+all four lanes; from 4 rows up all blocks, except that at 2 threads 5-7 and 9-11 rows take blocks for their first 4
+or 8 rows and four lanes for the rest. The kernel sums in either, per row, as an :class:`Order` says. The order is
+found, never assumed: at a row count's first call :meth:`RowKernel.exact_order` runs the kernel in each candidate
+order and keeps the first whose bits equal ``F.linear``'s on the call's own rows; a row count none matches keeps the
+other ways (:class:`~.row_split.RowSplit` owns that choice and the timing).
 
 Built at first use (:func:`load`) with the system's C compiler into a private temporary folder, loaded, and the file
 removed (nothing is read from a folder another user could write). None where it cannot serve: not Linux on x86-64,
-a CPU without AVX2 and FMA (torch's own CPU check), no C compiler, a failed build, or ``PAGEDCORE_ROW_KERNEL=0``.
+a CPU without AVX2 and FMA (torch's own CPU check) or F16C (the screen's float16 product: ``/proc/cpuinfo``), no C
+compiler, a failed build, or ``PAGEDCORE_ROW_KERNEL=0``.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ import torch
 
 from .graph_ops import graph_op
 
-__all__ = ["KERNEL_LINEAR", "LANES", "WIDTHS", "Order", "RowKernel", "load"]
+__all__ = ["KERNEL_LINEAR", "LANES", "ONE_ROW", "WIDTHS", "Order", "RowKernel", "load"]
 
 logger = logging.getLogger(__name__)
 
@@ -55,15 +56,19 @@ _LOADED: list[RowKernel | None] = []  # the process's kernel once load() ran (No
 
 class Order(NamedTuple):
     """How the kernel sums a call's rows: rows ``0 .. lanes_from - 1`` in blocks of ``width`` columns (a multiple of
-    8), the rest in four lanes (the module docstring gives both orders).
+    8), the rest in four lanes, their first ``head`` products (0 or 4) all in lane 0 (the module docstring gives the
+    orders).
 
     Example:
         >>> Order.blocks(192, 6), Order.blocks(192, 6).label(6), LANES.label(3), Order(192, 4).label(6)
-        (Order(width=192, lanes_from=6), '192', 'lanes', '192 to row 4, lanes')
+        (Order(width=192, lanes_from=6, head=0), '192', 'lanes', '192 to row 4, lanes')
+        >>> ONE_ROW.label(1)
+        'lanes, first 4 in lane 0'
     """
 
     width: int
     lanes_from: int
+    head: int = 0
 
     @classmethod
     def blocks(cls, width: int, rows: int) -> Order:
@@ -73,11 +78,12 @@ class Order(NamedTuple):
     def label(self, rows: int) -> str:
         """A short name at ``rows`` rows (for reports)."""
         if self.lanes_from == 0:
-            return "lanes"
+            return "lanes, first 4 in lane 0" if self.head else "lanes"
         return str(self.width) if self.lanes_from >= rows else f"{self.width} to row {self.lanes_from}, lanes"
 
 
 LANES = Order(0, 0)  # every row in four lanes (MKL 2024's sgemm at 2-3 rows on Zen 4)
+ONE_ROW = Order(0, 0, 4)  # four lanes, the first four products in lane 0 (MKL 2024's one-row product on Zen 4)
 
 
 class RowKernel:
@@ -96,7 +102,7 @@ class RowKernel:
     def __init__(self, library: ctypes.CDLL) -> None:
         self._function = library.row_kernel_linear
         pointer, size = ctypes.c_void_p, ctypes.c_long
-        self._function.argtypes = [pointer, pointer, pointer, pointer, size, size, size, size, size, ctypes.c_int]
+        self._function.argtypes = [pointer, pointer, pointer, pointer, size, size, size, size, size, size, ctypes.c_int]
         self._function.restype = ctypes.c_int
         self._half = library.half_linear
         self._half.argtypes = [pointer, pointer, pointer, size, size, size, ctypes.c_int]
@@ -136,9 +142,9 @@ class RowKernel:
         if not self.fits(x, weight, bias):
             raise ValueError(f"row kernel: cannot take x {tuple(x.shape)} {x.dtype} with weight {tuple(weight.shape)}")
         if torch._C._len_torch_dispatch_stack():  # noqa: SLF001 (a mode records or traces the ops: one op for it)
-            return KERNEL_LINEAR(x, weight, bias, order.width, order.lanes_from, threads)
+            return KERNEL_LINEAR(x, weight, bias, order.width, order.lanes_from, order.head, threads)
         # nothing records: the C call (6 us less than the op)
-        return self._call(x, weight, bias, order.width, order.lanes_from, threads)
+        return self._call(x, weight, bias, order.width, order.lanes_from, order.head, threads)
 
     def _call(
         self,
@@ -147,6 +153,7 @@ class RowKernel:
         bias: torch.Tensor | None,
         width: int,
         lanes_from: int,
+        head: int,
         threads: int,
     ) -> torch.Tensor:
         """The C call itself (:data:`KERNEL_LINEAR`'s kernel; :meth:`linear` checked what it reads). Each torch call
@@ -166,11 +173,12 @@ class RowKernel:
             weight.shape[1],
             width,
             lanes_from,
+            head,
             threads,
         )
         if code:
             raise ValueError(
-                f"row kernel: {count} rows x weight {tuple(weight.shape)} in order {Order(width, lanes_from)}"
+                f"row kernel: {count} rows x weight {tuple(weight.shape)} in order {Order(width, lanes_from, head)}"
             )
         return out
 
@@ -216,16 +224,17 @@ class RowKernel:
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, expected: torch.Tensor, threads: int
     ) -> Order | None:
         """The order whose result has ``expected``'s bits (the same call's ``F.linear``), else None. Tried in turn:
-        :data:`LANES`; then per block width every row in blocks, and (past 4 rows, where the rows are not a multiple
-        of 4) the rows up to the last multiple of 4 in blocks and the rest in lanes. The widths: the one an earlier
-        call of this shape found, alone (trying every width again would read the weight up to nine more times at
-        each row count MKL sums another way), else each of :data:`WIDTHS` and the whole inner dimension."""
+        :data:`LANES` (one row: :data:`ONE_ROW` first); then per block width every row in blocks, and (past 4 rows,
+        where the rows are not a multiple of 4) the rows up to the last multiple of 4 in blocks and the rest in
+        lanes. The widths: the one an earlier call of this shape found, alone (trying every width again would read
+        the weight up to nine more times at each row count MKL sums another way), else each of :data:`WIDTHS` and
+        the whole inner dimension."""
         shape = (int(weight.shape[0]), int(weight.shape[1]), bias is not None)
         rows = x.numel() // x.shape[-1]
         known = self._widths.get(shape)
         widths = (known,) if known is not None else dict.fromkeys((*WIDTHS, shape[1]))
         tail = rows % 4 if rows > 4 else 0
-        orders = [LANES]
+        orders = [ONE_ROW, LANES] if rows == 1 else [LANES]
         for width in widths:
             if width % 8 == 0:
                 orders += [Order.blocks(width, rows), *([Order(width, rows - tail)] if tail else [])]
@@ -256,7 +265,7 @@ def _build() -> RowKernel | None:
         return None
     if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
         return None
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512") or "f16c" not in _cpu_flags():
         return None
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if compiler is None or not _SOURCE.is_file():
@@ -276,21 +285,33 @@ def _build() -> RowKernel | None:
         return RowKernel(ctypes.CDLL(str(library)))
 
 
+def _cpu_flags() -> set[str]:
+    """The CPU's feature flags as Linux lists them (empty where it cannot be read)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return set()
+
+
 def _kernel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, width: int, lanes_from: int,
-                   threads: int) -> torch.Tensor:  # fmt: skip
+                   head: int, threads: int) -> torch.Tensor:  # fmt: skip
     kernel = load()
     if kernel is None:
         raise RuntimeError("row kernel: not built in this process")
-    return kernel._call(x, weight, bias, width, lanes_from, threads)  # noqa: SLF001 (the op is the kernel's own entry)
+    return kernel._call(x, weight, bias, width, lanes_from, head, threads)  # noqa: SLF001 (the op is the kernel's own entry)
 
 
 def _kernel_linear_shape(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, width: int,
-                         lanes_from: int, threads: int) -> torch.Tensor:  # fmt: skip
+                         lanes_from: int, head: int, threads: int) -> torch.Tensor:  # fmt: skip
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
 KERNEL_LINEAR = graph_op(
-    "row_kernel_linear(Tensor x, Tensor weight, Tensor? bias, int width, int lanes_from, int threads) -> Tensor",
+    "row_kernel_linear(Tensor x, Tensor weight, Tensor? bias, int width, int lanes_from, int head, int threads) "
+    "-> Tensor",
     _kernel_linear,
     _kernel_linear_shape,
 )
