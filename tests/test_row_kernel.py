@@ -173,6 +173,22 @@ def test_it_is_not_built_where_it_cannot_serve(monkeypatch):
     assert row_kernel_module._build() is None
 
 
+def test_it_is_built_from_the_source_its_module_was_imported_with(monkeypatch, tmp_path):
+    """The C code is compiled at the first Engine, maybe long after the import: a row_kernel.c changed on disk in
+    between (a package upgraded in place; stop 57 edited it under a running benchmark) handed the loaded ctypes
+    signatures a kernel that takes other arguments. It is now the text read at import that is built."""
+    changed = tmp_path / "row_kernel.c"
+    changed.write_text("int row_kernel_linear(void) { return -1; }\n")  # what a later version might hold
+    monkeypatch.setattr(row_kernel_module, "_SOURCE", changed)
+    built = row_kernel_module._build()
+    if KERNEL is None:
+        assert built is None
+        return
+    assert built is not None
+    weight, x = torch.randn(16, 32), torch.randn(4, 32)
+    assert torch.equal(built.linear(x, weight, None, Order.blocks(8, 4), 1), blocked_sums(x, weight, None, 8))
+
+
 @pytest.fixture
 def kernel_wins(monkeypatch, trial_clock):
     """The trials' clock made to find the kernel fastest (on tiny weights the call's cost decides), so the decode

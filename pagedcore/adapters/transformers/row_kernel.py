@@ -48,6 +48,9 @@ logger = logging.getLogger(__name__)
 
 WIDTHS = (192, 256, 128, 384, 512, 64, 96, 320)  # block widths tried, most likely first (192: MKL 2024 on Zen 4)
 _SOURCE = Path(__file__).with_name("row_kernel.c")
+# Read with this module: the C code built at the first Engine, maybe much later, must be the one these ctypes
+# signatures were written for (a package upgraded in place in between once handed it other arguments: stop 57's run).
+_SOURCE_TEXT = _SOURCE.read_text() if _SOURCE.is_file() else None
 # -ffp-contract=off: the compiler fuses no multiply and add the source does not spell (the order is the bits)
 _FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 _LOCK = threading.Lock()
@@ -268,12 +271,13 @@ def _build() -> RowKernel | None:
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512") or "f16c" not in _cpu_flags():
         return None
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    if compiler is None or not _SOURCE.is_file():
+    if compiler is None or _SOURCE_TEXT is None:
         logger.debug("pagedcore: no C compiler or kernel source: few-row linears keep F.linear and the row split")
         return None
     with tempfile.TemporaryDirectory(prefix="pagedcore-kernel-") as folder:  # mode 0700, this user's
-        library = Path(folder) / "row_kernel.so"
-        command = [compiler, *_FLAGS, "-o", str(library), str(_SOURCE)]
+        library, source = Path(folder) / "row_kernel.so", Path(folder) / "row_kernel.c"
+        source.write_text(_SOURCE_TEXT)
+        command = [compiler, *_FLAGS, "-o", str(library), str(source)]
         try:
             done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
         except (OSError, subprocess.TimeoutExpired) as exc:
