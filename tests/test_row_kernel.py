@@ -309,6 +309,7 @@ def test_what_the_half_product_would_misread_is_refused():
         (torch.randn(32, 2).t(), turned),  # a transposed view
         (torch.randn(2, 32), turned.float()),  # a float32 copy
         (torch.randn(2, 32), turned.transpose(1, 2)),  # not the turned layout
+        (torch.randn(2, 32), turned.reshape(16, 32)),  # a plain float16 weight
     ]:
         with pytest.raises(ValueError, match="row kernel: cannot take"):
             KERNEL.half_linear(x, copy, 1)

@@ -174,7 +174,7 @@ static void panel_pair(const float *x, const float *w, const float *bias, float 
    columns multiplied into each row (rounded products), the low four then the high four added into that output's
    four lanes; the lanes of the four outputs turned so one vector sum gives (0 + 2) + (1 + 3) for all four */
 static INLINE void lanes4(const float *x, const float *w, const float *bias, float *y, const int M, long N, long K,
-                          long n0, const int ahead, const int head) {
+                          long n0, const int ahead, const int head) {  /* ahead: prefetch rows that far on (0: none) */
     __m128 acc[4][4];  /* [row][output]: lanes 0..3 */
     for (int m = 0; m < M; m++)
         for (int i = 0; i < 4; i++) acc[m][i] = _mm_setzero_ps();
@@ -212,13 +212,13 @@ static INLINE void lanes4(const float *x, const float *w, const float *bias, flo
 }
 
 /* rows lanes_from..M-1 of outputs n0..n0+count-1 (count a multiple of 4) in LANES order, in groups of 4 rows;
-   ahead: prefetch the weight rows that many rows on (0: none, where a panel just read these rows) */
+   prefetch: the first group prefetches the weight rows PREFETCH_ROWS on (0: none, where a panel just read them) */
 static void lanes_rows(const float *x, const float *w, const float *bias, float *y, long lanes_from, long M, long N,
-                       long K, long n0, long count, int ahead, int head) {
+                       long K, long n0, long count, int prefetch, int head) {
     for (long m0 = lanes_from; m0 < M; m0 += 4) {
         const float *xs = x + m0 * K;
         float *ys = y + m0 * N;
-        const int rows = M - m0 < 4 ? (int)(M - m0) : 4, pf = m0 == lanes_from ? ahead : 0;
+        const int rows = M - m0 < 4 ? (int)(M - m0) : 4, pf = m0 == lanes_from && prefetch;
         for (long n = n0; n < n0 + count; n += 4) {
             if (pf) {
                 switch (rows) {
@@ -293,7 +293,7 @@ int row_kernel_linear(const float *x, const float *w, const float *bias, float *
 }
 
 /* A screen's approximate product (head_screen.py): y[M, N] = x[M, K] @ h^T, h a float16 copy of an N x K weight laid
-   out by panels of 8 outputs, each panel column by column (half_turned(): panel p's column k at h[(p * K + k) * 8]),
+   out by panels of 8 outputs, each panel column by column (turned_half(): panel p's column k at h[(p * K + k) * 8]),
    so the copy is read once, front to back. Summed in any order (the screen's bound allows any): U chains a row
    over alternate columns, added at the end. F16C + FMA; N and K multiples of 8. */
 static INLINE void half_panels(const float *x, const unsigned short *h, float *y, const int R, const int P,
@@ -324,7 +324,16 @@ static INLINE void half_panels(const float *x, const unsigned short *h, float *y
 }
 
 /* panels p..p+P-1 (P = 1 or 2) for all M rows: up to 6 rows at once, in groups of 4 past that (the panels stay in
-   the cache from one group to the next) */
+   the cache from one group to the next); two chains a row where that leaves room in the registers */
+#define HALF_CASES(P)                                                          \
+    switch (R) {                                                               \
+    case 1: half_panels(xs, h, ys, 1, P, 2, N, K, p); break;                   \
+    case 2: half_panels(xs, h, ys, 2, P, 2, N, K, p); break;                   \
+    case 3: half_panels(xs, h, ys, 3, P, (P) == 1 ? 2 : 1, N, K, p); break;    \
+    case 4: half_panels(xs, h, ys, 4, P, (P) == 1 ? 2 : 1, N, K, p); break;    \
+    case 5: half_panels(xs, h, ys, 5, P, (P) == 1 ? 2 : 1, N, K, p); break;    \
+    default: half_panels(xs, h, ys, 6, P, (P) == 1 ? 2 : 1, N, K, p); break;   \
+    }
 static void half_rows(const float *x, const unsigned short *h, float *y, long M, long N, long K, long p, int P) {
     const long group = M <= 6 ? M : 4;
     for (long m0 = 0; m0 < M; m0 += group) {
@@ -332,23 +341,9 @@ static void half_rows(const float *x, const unsigned short *h, float *y, long M,
         float *ys = y + m0 * N;
         const int R = M - m0 < group ? (int)(M - m0) : (int)group;
         if (P == 2) {
-            switch (R) {
-            case 1: half_panels(xs, h, ys, 1, 2, 2, N, K, p); break;
-            case 2: half_panels(xs, h, ys, 2, 2, 2, N, K, p); break;
-            case 3: half_panels(xs, h, ys, 3, 2, 1, N, K, p); break;
-            case 4: half_panels(xs, h, ys, 4, 2, 1, N, K, p); break;
-            case 5: half_panels(xs, h, ys, 5, 2, 1, N, K, p); break;
-            default: half_panels(xs, h, ys, 6, 2, 1, N, K, p); break;
-            }
+            HALF_CASES(2)
         } else {
-            switch (R) {
-            case 1: half_panels(xs, h, ys, 1, 1, 2, N, K, p); break;
-            case 2: half_panels(xs, h, ys, 2, 1, 2, N, K, p); break;
-            case 3: half_panels(xs, h, ys, 3, 1, 2, N, K, p); break;
-            case 4: half_panels(xs, h, ys, 4, 1, 2, N, K, p); break;
-            case 5: half_panels(xs, h, ys, 5, 1, 2, N, K, p); break;
-            default: half_panels(xs, h, ys, 6, 1, 2, N, K, p); break;
-            }
+            HALF_CASES(1)
         }
     }
 }

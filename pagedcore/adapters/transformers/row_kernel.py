@@ -204,6 +204,8 @@ class RowKernel:
         """``x (rows, K) @ W16.T`` in float32 sums for a copy :meth:`turned_half` made of ``W``, summed in any order
         (a screen's approximate logits: :mod:`.head_screen`'s bound allows any). Refuses what the C code would
         misread (a ``ValueError``)."""
+        if turned.dim() != 3:
+            raise ValueError(f"row kernel: cannot take x {tuple(x.shape)} {x.dtype} with copy {tuple(turned.shape)}")
         panels, width, eight = turned.shape
         if not (
             x.dtype is torch.float32
