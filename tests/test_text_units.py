@@ -25,6 +25,27 @@ def test_the_detokenizer_releases_exactly_decode_of_any_ids(ids):
     assert detokenizer.num_decoded_ids <= 8 * max(1, len(ids))
 
 
+def test_special_ids_after_part_of_a_character_release_nothing_early():
+    """CI's hypothesis run found it: two bytes of a three-byte character, three special ids (which decode drops),
+    then the last byte. The ids held passed MAX_HELD and the first two were released as U+FFFD, because the three
+    after them "left their decode unchanged"; they added no bytes at all."""
+    ids = [156, 94, 256, 256, 256, 94]
+    for dropped in (True, False):  # special ids skipped (a plain tokenizer), or held in the window (any other)
+        detokenizer = IncrementalDetokenizer(TOKENIZER)
+        if not dropped:
+            detokenizer._dropped = frozenset()
+        pieces = [detokenizer.step(t) for t in ids]
+        assert pieces == ["", "", "", "", "", TOKENIZER.decode(ids, skip_special_tokens=True)]
+
+
+def test_a_run_of_special_ids_after_part_of_a_character_costs_linear_decoding():
+    ids = [156] + [256, 257] * 30 + [94, 94]
+    detokenizer = IncrementalDetokenizer(TOKENIZER)
+    pieces = [detokenizer.step(t) for t in ids]
+    assert "".join(pieces) + detokenizer.flush() == TOKENIZER.decode(ids, skip_special_tokens=True)
+    assert detokenizer.num_decoded_ids <= 8 * len(ids)
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.integers(0, 257), max_size=12))
 def test_the_backend_decoder_is_exactly_the_tokenizers_decode(ids):

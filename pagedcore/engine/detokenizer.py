@@ -16,9 +16,14 @@ Rules, each decided here:
   text back for ever, once more than :data:`MAX_HELD` ids are held the ids before the last three are released when
   their decode is a prefix of the window's (the later ids did not change it: a UTF-8 character has at most four
   bytes, so three more complete or refute it).
-- **A token that adds no text** (a special token that ``skip_special_tokens`` drops) is held with the window, as in
-  vLLM: the window keeps the last text it released as context, which tokenizers that strip a decode's leading space
-  need (a window starting at a dropped token would lose the space before the next word).
+- **A token that adds no text** is held with the window, as in vLLM: the window keeps the last text it released as
+  context, which tokenizers that strip a decode's leading space need (a window starting at a dropped token would lose
+  the space before the next word). A transformers tokenizer's special ids, which ``skip_special_tokens`` drops before
+  decoding (:func:`dropped_ids`), are not added to the window at all: the same text, and a run of them after an
+  incomplete character cannot grow the window.
+- **Proven** means the later ids added text after the head's: a head whose decode ends in U+FFFD is released only
+  once a later character closed it (three later ids that add no text, say dropped special tokens, prove nothing; a
+  hypothesis run in CI found it releasing U+FFFD where three special ids followed two bytes of a character).
 - **Flush.** When the sample ends, :meth:`IncrementalDetokenizer.flush` releases what is held, an incomplete character
   included, as ``tokenizer.decode`` gives it (U+FFFD). The released pieces joined are then the sample's text, equal to
   ``tokenizer.decode(ids, skip_special_tokens=True)`` for tokenizers whose decode of a sequence is the decode of its
@@ -37,7 +42,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
-__all__ = ["MAX_HELD", "DecodeError", "IncrementalDetokenizer", "decoder_of"]
+__all__ = ["MAX_HELD", "DecodeError", "IncrementalDetokenizer", "decoder_of", "dropped_ids"]
 
 MAX_HELD = 4  # ids held back before the proven part of them is released (see the module docstring)
 _REPLACEMENT = "\ufffd"
@@ -61,21 +66,38 @@ def decoder_of(tokenizer: Any) -> Callable[[list[int]], Any]:
         True
     """
     generic = partial(tokenizer.decode, skip_special_tokens=True)
-    library = sys.modules.get("transformers")  # loaded wherever one of its tokenizers exists; the engine imports none
-    fast = getattr(library, "PreTrainedTokenizerFast", None)
-    base = getattr(library, "PreTrainedTokenizerBase", None)
-    if not isinstance(fast, type) or not isinstance(tokenizer, fast) or base is None:
-        return generic
-    cls = type(tokenizer)
-    plain = (
-        getattr(cls, "decode", None) is getattr(base, "decode", ())
-        and getattr(cls, "_decode", None) is getattr(fast, "_decode", ())
-        and getattr(tokenizer, "clean_up_tokenization_spaces", True) is False
-    )
+    plain = _plain_fast(tokenizer) and getattr(tokenizer, "clean_up_tokenization_spaces", True) is False
     backend = getattr(tokenizer, "backend_tokenizer", None) if plain else None
     if backend is None or not callable(getattr(backend, "decode", None)):
         return generic
     return partial(backend.decode, skip_special_tokens=True)
+
+
+def _plain_fast(tokenizer: Any) -> bool:
+    """A transformers fast tokenizer whose class overrides neither ``decode`` nor ``_decode``."""
+    library = sys.modules.get("transformers")  # loaded wherever one of its tokenizers exists; the engine imports none
+    fast = getattr(library, "PreTrainedTokenizerFast", None)
+    base = getattr(library, "PreTrainedTokenizerBase", None)
+    if not isinstance(fast, type) or not isinstance(tokenizer, fast) or base is None:
+        return False
+    cls = type(tokenizer)
+    return getattr(cls, "decode", None) is getattr(base, "decode", ()) and getattr(cls, "_decode", None) is getattr(
+        fast, "_decode", ()
+    )
+
+
+def dropped_ids(tokenizer: Any) -> frozenset[int]:
+    """The ids ``tokenizer.decode(ids, skip_special_tokens=True)`` drops before decoding: a plain transformers fast
+    tokenizer's ``all_special_ids``; none known for anything else (a wrapper that keeps them, a stand-in).
+
+    Example:
+        >>> from pagedcore.adapters.transformers.builtin import builtin_tokenizer
+        >>> len(dropped_ids(builtin_tokenizer())) > 0, dropped_ids(object())
+        (True, frozenset())
+    """
+    if not _plain_fast(tokenizer):
+        return frozenset()
+    return frozenset(int(i) for i in getattr(tokenizer, "all_special_ids", ()) or ())
 
 
 class IncrementalDetokenizer:
@@ -99,10 +121,11 @@ class IncrementalDetokenizer:
         ('', '�')
     """
 
-    __slots__ = ("_decode_ids", "_prefix_text", "_read", "_window", "num_decoded_ids")
+    __slots__ = ("_decode_ids", "_dropped", "_prefix_text", "_read", "_window", "num_decoded_ids")
 
     def __init__(self, tokenizer: Any) -> None:
         self._decode_ids = decoder_of(tokenizer)
+        self._dropped = dropped_ids(tokenizer)
         self._window: list[int] = []  # ids[prefix_offset:]
         self._read = 0  # read_offset - prefix_offset: the window's ids before it were released already
         self._prefix_text = ""  # decode(window[:read])
@@ -115,6 +138,8 @@ class IncrementalDetokenizer:
 
     def step(self, token_id: int) -> str:
         """Add one id; returns the text it completes (``""`` while a character is incomplete)."""
+        if token_id in self._dropped:
+            return ""  # decode drops it before decoding: no text, no context
         self._window.append(token_id)
         text = self._decode(self._window)
         if text.endswith(_REPLACEMENT):
@@ -145,8 +170,8 @@ class IncrementalDetokenizer:
         """Too many ids held: release those before the last three when the later ones left their decode unchanged."""
         end = len(self._window) - 3
         head = self._decode(self._window[:end])
-        if len(head) <= len(self._prefix_text) or not text.startswith(head):
-            return ""
+        if len(head) <= len(self._prefix_text) or len(text) <= len(head) or not text.startswith(head):
+            return ""  # (text no longer than head: the later ids closed none of its characters)
         return self._advance(end, head)
 
     def _decode(self, ids: list[int]) -> str:
