@@ -63,6 +63,14 @@ def test_screened_tokens_are_the_argmax_of_f_linear_and_the_bound_holds(product)
     assert served >= 45  # the rest: weights under float16's normal range leave too many candidates
 
 
+def test_a_weight_that_is_a_transposed_view_is_screened(product):
+    """A head weight replaced by a transposed view (``nn.Parameter(w.t())``) is screened like a contiguous one."""
+    weight = (torch.randn(64, 1000) * 0.05).t()
+    x = torch.randn(3, 64)
+    step = HeadScreen(product).screen(x, weight)
+    assert step is not None and step.tokens == F.linear(x, weight).argmax(-1).tolist()
+
+
 def test_what_cannot_be_screened_is_left_to_the_caller(product):
     screen = HeadScreen(product)
     x = torch.randn(2, 64)
