@@ -167,6 +167,8 @@ class RowSplit:
         kernel = self._kernel if self._kernel is not None and RowKernel.fits_shape(*weight.shape) else None
         if (blocks is None and kernel is None) or not 0 < rows <= MAX_ROWS or not contiguous(weight, bias):
             return F.linear(x, weight, bias)
+        if not x.is_contiguous():  # F.linear hands MKL such rows as they lie (transposed: another order): its own
+            return F.linear(x, weight, bias)
         key = (weight.shape[0], weight.shape[1], bias is not None, blocks or 0, threads, 1 << (rows - 1).bit_length())
         bucket = self._buckets.get(key)
         if bucket is None:
