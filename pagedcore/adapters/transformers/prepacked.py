@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from . import row_kernel
 from .graph_ops import graph_op
+from .linear_routes import MAX_ROUTES, NO_ROUTE, PLAIN, Route
 from .row_split import MAX_ROWS, RowSplit, contiguous, split_blocks, split_linear
 
 __all__ = [
@@ -206,6 +207,40 @@ class PrepackedLinears:
             pack = self._pack(module)
         return _LINEAR(x, pack.packed, bias, "none", [], "")
 
+    def route(self, module: torch.nn.Linear, x: torch.Tensor) -> Route | None:
+        """The route of ``module``'s later calls with inputs of ``x``'s shape, after a call through :meth:`linear`:
+        the kernel's call where the row split settled this shape and row count on it, :data:`.linear_routes.PLAIN`
+        where it settled on ``F.linear``, :data:`.linear_routes.NO_ROUTE` where another way serves it (the split, the
+        packs; or no split at all), None while it is still undecided (or where this call could not tell: another
+        thread, autograd, another dtype or device, a dispatch mode)."""
+        weight, bias = module.weight, module.bias
+        if (
+            getattr(_STATE, "active", None) is not self
+            or torch.is_grad_enabled()
+            or x.dtype != torch.float32
+            or x.device.type != "cpu"
+            or not _packable(weight)
+            or not x.shape[-1]
+            or torch._C._len_torch_dispatch_stack()  # noqa: SLF001
+        ):
+            return None
+        rows = x.numel() // x.shape[-1]
+        if rows > MAX_ROWS:  # a prefill chunk's shape: never a route (the routes would fill with them)
+            return None
+        kernel = self._row_split.kernel
+        if not self._split or (self._pack_rows and rows > 1) or kernel is None or not contiguous(weight, bias):
+            return NO_ROUTE
+        threads = torch.get_num_threads()
+        shape = (int(weight.shape[0]), int(weight.shape[1]), bias is not None)
+        if (way := self._row_split.settled(shape, rows, threads)) is None:
+            return None
+        if way != "kernel":
+            return PLAIN if way == "plain" else NO_ROUTE
+        order = self._row_split.kernel_order(shape, rows, threads)
+        if order is None or not x.is_contiguous() or not kernel.fits(x, weight, bias):
+            return None
+        return Route(kernel.prepared(x, weight, bias, order, threads), weight, bias)
+
     def _traced(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """A compiled step's linear call: the row split's settled way for the graph's row count, traced (a batched
         product over views of the weight, or ``F.linear``: inductor calls the GEMM from its generated code), else
@@ -269,18 +304,35 @@ def installed_forward(module: Any) -> LayerForward | None:
 
 
 class _Forward(LayerForward):
-    """A packed layer's ``forward`` (an object, so :meth:`PrepackedLinears.close` knows its own)."""
+    """A packed layer's ``forward`` (an object, so :meth:`PrepackedLinears.close` knows its own), with its settled
+    routes by input shape (:mod:`.linear_routes`: the kernel's call without the checks on the way to it)."""
 
     def __init__(self, packs: PrepackedLinears, module: torch.nn.Linear) -> None:
         self._packs = weakref.ref(packs)
         self._module = weakref.ref(module)
+        self._routes: dict[torch.Size, Route] = {}
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         packs, module = self._packs(), self._module()
         assert module is not None
         if packs is None:
             return F.linear(x, module.weight, module.bias)
-        return packs.linear(module, x)
+        if torch.compiler.is_compiling():
+            return packs.linear(module, x)
+        route = self._routes.get(x.shape)
+        if route is PLAIN:
+            return F.linear(x, module.weight, module.bias)
+        if route is not None and route is not NO_ROUTE:
+            weight, bias = module.weight, module.bias
+            mine = getattr(_STATE, "active", None) is packs and not torch.is_grad_enabled()
+            if mine and route.serves(x, weight, bias):
+                return route(x, weight, bias)
+        if route is not None:
+            return packs.linear(module, x)
+        out = packs.linear(module, x)
+        if len(self._routes) < MAX_ROUTES and (made := packs.route(module, x)) is not None:
+            self._routes[x.shape] = made
+        return out
 
 
 def row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

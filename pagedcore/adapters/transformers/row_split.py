@@ -157,6 +157,20 @@ class RowSplit:
             return None
         return bucket.way if bucket.way in bucket.exact_ways(rows) else "plain"
 
+    def kernel_order(self, shape: tuple[int, int, bool], rows: int, threads: int) -> Order | None:
+        """The kernel's order for ``rows`` rows through a contiguous weight of ``shape`` at ``threads`` threads where
+        the way :meth:`settled` on is the kernel's, else None (a layer's route then calls the kernel directly:
+        :mod:`.linear_routes`)."""
+        if self._kernel is None or self.settled(shape, rows, threads) != "kernel":
+            return None
+        bucket = self._buckets[(*shape, split_blocks(shape[0], threads) or 0, threads, 1 << (rows - 1).bit_length())]
+        return bucket.orders[rows]
+
+    @property
+    def kernel(self) -> RowKernel | None:
+        """The C kernel this split may take (None: none)."""
+        return self._kernel
+
     def linear(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, threads: int | None = None
     ) -> torch.Tensor:

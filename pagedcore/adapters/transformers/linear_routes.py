@@ -1,0 +1,96 @@
+"""A linear layer's settled route per input shape, for the Engine's eager decode steps on the CPU (issue 33.2): the C
+kernel's call straight from the layer's ``forward`` once every check on the way to it has been passed and its way can
+no longer change.
+
+Why: a decode step calls each linear layer once, and the way from the layer's ``forward`` to the kernel
+(:meth:`.prepacked.PrepackedLinears.linear`, :meth:`.row_split.RowSplit.linear`, :meth:`.row_kernel.RowKernel.linear`)
+re-derives at each call what the first calls decided: about 17 µs a call on the benchmark box, a millisecond a step of
+the small model's 56 linears (``python scripts/route_bench.py``).
+
+Exactness first: a route is made only where the row split has settled a layer's shape and row count on the kernel
+(its bits checked equal to ``F.linear``'s, in the order it found: :meth:`~.row_split.RowSplit.kernel_order`), and a
+settled way never changes. Each call still checks, cheaply, what the route was made for: the same weight and bias
+tensors, still float32, contiguous and of their shapes; a float32 contiguous CPU input of the same shape (the routes
+are keyed by it); the same thread count; no dispatch mode recording the ops. The layer's forward checks its own part
+(the runner's forward active in this thread, no autograd, not compiling). Anything else takes the full way, which
+is where the checks' answers came from.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from .row_kernel import PreparedCall
+
+__all__ = ["MAX_ROUTES", "NO_ROUTE", "PLAIN", "Route"]
+
+MAX_ROUTES = 512  # shapes kept per layer at most (a decode step's shape per row count: 256 at most, then prefill's)
+
+
+class Route:
+    """One layer's kernel call for one input shape (see the module docstring).
+
+    Example:
+        >>> from pagedcore.adapters.transformers import row_kernel
+        >>> kernel, weight, x = row_kernel.load(), torch.randn(64, 32), torch.randn(1, 32)
+        >>> order = None if kernel is None else kernel.exact_order(x, weight, None, torch.nn.functional.linear(x,
+        ...     weight), torch.get_num_threads())
+        >>> route = None if order is None else Route(kernel.prepared(x, weight, None, order, torch.get_num_threads()),
+        ...     weight, None)
+        >>> route is None or (route.serves(x, weight, None), route.serves(x, weight.clone(), None)) == (True, False)
+        True
+        >>> route is None or torch.equal(route(x, weight, None), torch.nn.functional.linear(x, weight))
+        True
+    """
+
+    __slots__ = ("_bias", "_bias_shape", "_call", "_threads", "_weight", "_weight_shape")
+
+    def __init__(self, call: PreparedCall, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self._call: PreparedCall | None = call
+        self._weight = weakref.ref(weight)  # (a weak reference: a replaced weight is not kept alive by its route)
+        self._bias = None if bias is None else weakref.ref(bias)
+        self._weight_shape = weight.shape
+        self._bias_shape = None if bias is None else bias.shape
+        self._threads = torch.get_num_threads()
+
+    def serves(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+        """Whether this route computes ``F.linear(x, weight, bias)`` for an input of its shape (the caller looked
+        the route up by ``x.shape``)."""
+        return (
+            self._weight() is weight
+            and (bias is None if self._bias is None else bias is not None and self._bias() is bias)
+            and x.dtype is torch.float32
+            and x.is_cpu
+            and x.is_contiguous()
+            and weight.dtype is torch.float32
+            and weight.is_contiguous()
+            and weight.shape == self._weight_shape
+            and (bias is None or (bias.shape == self._bias_shape and bias.is_contiguous()))
+            and (bias is None or bias.dtype is torch.float32)
+            and torch.get_num_threads() == self._threads
+            and not torch._C._len_torch_dispatch_stack()  # noqa: SLF001 (a mode records the ops: the op form for it)
+        )
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``F.linear(x, weight, bias)`` through the kernel, for what :meth:`serves`."""
+        assert self._call is not None
+        return self._call(x, weight, bias)
+
+
+class _Fixed(Route):
+    """A shape whose way settled on other than the kernel (see :data:`NO_ROUTE` and :data:`PLAIN`)."""
+
+    __slots__ = ()
+
+    def __init__(self) -> None:
+        self._call = None
+
+    def serves(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+        return False
+
+
+NO_ROUTE: Route = _Fixed()  # settled on the row split, or the packs serve it: the full way, without asking again
+PLAIN: Route = _Fixed()  # settled on F.linear itself: F.linear straight (exact whatever changed since; only the
+# speed of another way, were the threads changed, is forgone)
