@@ -13,7 +13,10 @@
 #define PREFETCH 1
 #endif
 #ifndef PREFETCH_ROWS
-#define PREFETCH_ROWS 4
+#define PREFETCH_ROWS 4 /* lanes4(): the next four weight rows */
+#endif
+#ifndef PREFETCH_ROWS8
+#define PREFETCH_ROWS8 8 /* lanes8(): the next eight (4 was 2-10% slower at 1-2 rows on 512 and 16384 x 512) */
 #endif
 #define INLINE inline __attribute__((always_inline)) /* each row count's copy unrolled, its sums in registers */
 
@@ -211,7 +214,55 @@ static INLINE void lanes4(const float *x, const float *w, const float *bias, flo
     }
 }
 
-/* rows lanes_from..M-1 of outputs n0..n0+count-1 (count a multiple of 4) in LANES order, in groups of 4 rows;
+/* the LANES order as lanes4(), for outputs n0..n0+7 of M <= 2 rows: each 256-bit sum holds two outputs' four lanes
+   (the low four products of both added, then the high four), so eight outputs' chains are in flight at once: the
+   adds' latency, not the loads, had set lanes4's pace at one and two rows (a chain of K / 4 dependent adds each) */
+static INLINE void lanes8(const float *x, const float *w, const float *bias, float *y, const int M, long N, long K,
+                          long n0, const int ahead, const int head) {
+    __m256 acc[2][4];  /* [row][pair]: outputs 2q (low half) and 2q + 1 (high half), lanes 0..3 each */
+    for (int m = 0; m < M; m++)
+        for (int q = 0; q < 4; q++) acc[m][q] = _mm256_setzero_ps();
+    if (head) {  /* as lanes4: columns 0-3 in order into lane 0, then 4-7 one per lane */
+        for (int m = 0; m < M; m++) {
+            __m128 first[8];
+            for (int i = 0; i < 8; i++) {
+                const __m256 p = _mm256_mul_ps(_mm256_loadu_ps(w + (n0 + i) * K), _mm256_loadu_ps(x + m * K));
+                const __m128 lo = _mm256_castps256_ps128(p);
+                __m128 s = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1));
+                s = _mm_add_ss(s, _mm_shuffle_ps(lo, lo, 2));
+                s = _mm_add_ss(s, _mm_shuffle_ps(lo, lo, 3));
+                first[i] = _mm_add_ps(_mm_move_ss(_mm_setzero_ps(), s), _mm256_extractf128_ps(p, 1));
+            }
+            for (int q = 0; q < 4; q++) acc[m][q] = _mm256_set_m128(first[2 * q + 1], first[2 * q]);
+        }
+    }
+    for (long k = head ? 8 : 0; k < K; k += 8) {
+        __m256 wv[8];
+        for (int i = 0; i < 8; i++) wv[i] = _mm256_loadu_ps(w + (n0 + i) * K + k);
+        if (ahead && n0 + 8 + ahead <= N && k % 16 == 0)
+            for (int i = 0; i < 8; i++) _mm_prefetch((const char *)(w + (n0 + ahead + i) * K + k), _MM_HINT_T0);
+        for (int m = 0; m < M; m++) {
+            const __m256 xv = _mm256_loadu_ps(x + m * K + k);
+            for (int q = 0; q < 4; q++) {
+                const __m256 a = _mm256_mul_ps(wv[2 * q], xv), b = _mm256_mul_ps(wv[2 * q + 1], xv);
+                const __m256 lo = _mm256_permute2f128_ps(a, b, 0x20), hi = _mm256_permute2f128_ps(a, b, 0x31);
+                acc[m][q] = _mm256_add_ps(_mm256_add_ps(acc[m][q], lo), hi);
+            }
+        }
+    }
+    for (int m = 0; m < M; m++)
+        for (int h = 0; h < 2; h++) {  /* outputs n0 + 4h .. n0 + 4h + 3 */
+            __m128 l0 = _mm256_castps256_ps128(acc[m][2 * h]), l1 = _mm256_extractf128_ps(acc[m][2 * h], 1);
+            __m128 l2 = _mm256_castps256_ps128(acc[m][2 * h + 1]), l3 = _mm256_extractf128_ps(acc[m][2 * h + 1], 1);
+            _MM_TRANSPOSE4_PS(l0, l1, l2, l3);
+            __m128 out = _mm_add_ps(_mm_add_ps(l0, l2), _mm_add_ps(l1, l3));
+            if (bias) out = _mm_add_ps(out, _mm_loadu_ps(bias + n0 + 4 * h));
+            _mm_storeu_ps(y + m * N + n0 + 4 * h, out);
+        }
+}
+
+/* rows lanes_from..M-1 of outputs n0..n0+count-1 (count a multiple of 8) in LANES order, in groups of 4 rows (a
+   last group of one or two: eight outputs at a time, lanes8());
    prefetch: the first group prefetches the weight rows PREFETCH_ROWS on (0: none, where a panel just read them) */
 static void lanes_rows(const float *x, const float *w, const float *bias, float *y, long lanes_from, long M, long N,
                        long K, long n0, long count, int prefetch, int head) {
@@ -219,6 +270,15 @@ static void lanes_rows(const float *x, const float *w, const float *bias, float 
         const float *xs = x + m0 * K;
         float *ys = y + m0 * N;
         const int rows = M - m0 < 4 ? (int)(M - m0) : 4, pf = m0 == lanes_from && prefetch;
+        if (rows <= 2) {
+            for (long n = n0; n < n0 + count; n += 8) {
+                if (rows == 1)
+                    lanes8(xs, w, bias, ys, 1, N, K, n, pf ? PREFETCH_ROWS8 : 0, head);
+                else
+                    lanes8(xs, w, bias, ys, 2, N, K, n, pf ? PREFETCH_ROWS8 : 0, head);
+            }
+            continue;
+        }
         for (long n = n0; n < n0 + count; n += 4) {
             if (pf) {
                 switch (rows) {
