@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from pagedcore.adapters.transformers.linear_routes import NO_ROUTE, PLAIN, Route
 from pagedcore.adapters.transformers.prepacked import PrepackedLinears
-from pagedcore.adapters.transformers.row_kernel import RowKernel, load
+from pagedcore.adapters.transformers.row_kernel import Order, RowKernel, load
 from pagedcore.adapters.transformers.row_split import MAX_ROWS, TRIALS
 
 needs_kernel = pytest.mark.skipif(load() is None, reason="no C compiler or no AVX2 on this machine")
@@ -180,3 +180,46 @@ def test_the_fixed_routes_serve_nothing_themselves():
     for route in (NO_ROUTE, PLAIN):
         assert not route.serves(torch.randn(1, 8), torch.randn(8, 8), None)
         assert isinstance(route, Route)
+
+
+@needs_kernel
+def test_the_compiled_steps_op_routes_by_weight_parameter_and_shape(two_threads, kernel_wins, monkeypatch):
+    """The compiled step's linears call ``few_rows`` (the ``pagedcore::row_linear`` op): once a parameter's shape
+    settled on the kernel, it is routed too; a tensor that is not a parameter (a gathered head slice, new each call)
+    is never given one."""
+    from pagedcore.adapters.transformers import row_split
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64))
+    packs, linear = PrepackedLinears(model, pack=False), model[0]
+    loose = torch.randn(64, 64)
+    with torch.inference_mode(), packs.active():
+        for _ in range(3 * TRIALS + 3):
+            x = torch.randn(1, 3, 64)
+            assert torch.equal(packs.few_rows(x, linear.weight, linear.bias), stock(linear, x))
+            assert torch.equal(packs.few_rows(x, loose, None), F.linear(x, loose))
+        if packs.row_split.kernel_order((64, 64, True), 3, 2) is None:
+            pytest.skip("the kernel's bits matched F.linear's at 3 rows nowhere on this CPU")
+        assert list(packs._op_routes) == [(id(linear.weight), torch.Size([1, 3, 64]))]
+        full: list[int] = []
+        real = row_split.RowSplit.linear
+        monkeypatch.setattr(row_split.RowSplit, "linear", lambda *a, **k: full.append(1) or real(*a, **k))
+        x = torch.randn(1, 3, 64)
+        assert torch.equal(packs.few_rows(x, linear.weight, linear.bias), stock(linear, x)) and full == []
+        linear.weight.mul_(0.5)  # in place: read as it is now
+        assert torch.equal(packs.few_rows(x, linear.weight, linear.bias), stock(linear, x)) and full == []
+        other = torch.nn.Parameter(torch.randn(64, 64))  # another parameter: its own way, the full one first
+        assert torch.equal(packs.few_rows(x, other, linear.bias), F.linear(x, other, linear.bias)) and full == [1]
+    packs.close()
+    assert packs._op_routes == {}
+
+
+@needs_kernel
+def test_a_route_knows_the_weight_it_was_made_for():
+    kernel, weight, x = load(), torch.randn(8, 8), torch.randn(1, 8)
+    assert kernel is not None
+    route = Route(kernel.prepared(x, weight, None, Order.blocks(8, 1), 1), weight, None)
+    assert route.made_for(weight) and not route.made_for(torch.randn(8, 8))
+    del weight
+    gc.collect()
+    assert not route.made_for(torch.randn(8, 8))
+    assert not NO_ROUTE.made_for(x) and not PLAIN.made_for(x)

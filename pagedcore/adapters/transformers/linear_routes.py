@@ -73,6 +73,10 @@ class Route:
             and not torch._C._len_torch_dispatch_stack()  # noqa: SLF001 (a mode records the ops: the op form for it)
         )
 
+    def made_for(self, weight: torch.Tensor) -> bool:
+        """Whether ``weight`` is the tensor this route was made for (it is alive and the same)."""
+        return self._weight() is weight
+
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``F.linear(x, weight, bias)`` through the kernel, for what :meth:`serves`."""
         assert self._call is not None
@@ -88,6 +92,9 @@ class _Fixed(Route):
         self._call = None
 
     def serves(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+        return False
+
+    def made_for(self, weight: torch.Tensor) -> bool:
         return False
 
 

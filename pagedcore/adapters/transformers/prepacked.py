@@ -136,6 +136,7 @@ class PrepackedLinears:
         self._row_split = RowSplit(row_kernel.load() if split and kernel else None)
         self._threads = torch.get_num_threads()  # the running forward's (active): a compiled step's split reads it
         self._key = id(self)  # a compiled step finds the settled ways by it (_settled)
+        self._op_routes: dict[tuple[int, torch.Size], Route] = {}  # few_rows' routes, by weight id and input shape
         _SPLITS[self._key] = self._row_split
         self._lock = threading.Lock()
         self._epoch: int | None = None
@@ -144,6 +145,11 @@ class PrepackedLinears:
             if type(module) is torch.nn.Linear and "forward" not in vars(module) and _packable(module.weight):
                 module.forward = _Forward(self, module)  # type: ignore[method-assign,assignment]
                 self._modules.append(module)
+
+    @property
+    def packs_rows(self) -> bool:
+        """Whether packs serve this runner's calls of 2+ rows (``Engine(prepack=True)``)."""
+        return self._pack_rows
 
     @property
     def num_packed(self) -> int:
@@ -179,8 +185,27 @@ class PrepackedLinears:
         return self._row_split
 
     def few_rows(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """``F.linear(x, weight, bias)``, through the row split where this runner splits rows."""
-        return self._row_split.linear(x, weight, bias) if self._split else F.linear(x, weight, bias)
+        """``F.linear(x, weight, bias)``, through the row split where this runner splits rows (the compiled step's
+        :data:`ROW_LINEAR` op and the fused head call it): straight through a settled route by the weight parameter
+        and the input's shape where there is one (:mod:`.linear_routes`), as a layer's own ``forward`` does."""
+        if not self._split:
+            return F.linear(x, weight, bias)
+        key = (id(weight), x.shape)
+        route = self._op_routes.get(key)
+        if route is PLAIN:  # (F.linear's bits whatever the weight: a recycled id is harmless here)
+            return F.linear(x, weight, bias)
+        if route is not None and route is not NO_ROUTE:
+            if not torch.is_grad_enabled() and route.serves(x, weight, bias):
+                return route(x, weight, bias)
+            if not route.made_for(weight):  # its weight is gone and the id was given to another tensor
+                del self._op_routes[key]
+                route = None
+        out = self._row_split.linear(x, weight, bias)
+        if route is None and isinstance(weight, torch.nn.Parameter) and len(self._op_routes) < MAX_ROUTES * 8:
+            made = self.route(x, weight, bias, packs_serve=False)
+            if made is not None:
+                self._op_routes[key] = made
+        return out
 
     def linear(self, module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
         """``module(x)`` inside :meth:`active` (float32, no autograd): a few rows through the layer's pack when
@@ -207,13 +232,15 @@ class PrepackedLinears:
             pack = self._pack(module)
         return _LINEAR(x, pack.packed, bias, "none", [], "")
 
-    def route(self, module: torch.nn.Linear, x: torch.Tensor) -> Route | None:
-        """The route of ``module``'s later calls with inputs of ``x``'s shape, after a call through :meth:`linear`:
-        the kernel's call where the row split settled this shape and row count on it, :data:`.linear_routes.PLAIN`
-        where it settled on ``F.linear``, :data:`.linear_routes.NO_ROUTE` where another way serves it (the split, the
-        packs; or no split at all), None while it is still undecided (or where this call could not tell: another
-        thread, autograd, another dtype or device, a dispatch mode)."""
-        weight, bias = module.weight, module.bias
+    def route(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *, packs_serve: bool
+    ) -> Route | None:
+        """The route of later calls of this weight with inputs of ``x``'s shape, after a call through :meth:`linear`
+        (``packs_serve``: the packs serve its calls of 2+ rows) or :meth:`few_rows`: the kernel's call where the row
+        split settled this shape and row count on it, :data:`.linear_routes.PLAIN` where it settled on ``F.linear``,
+        :data:`.linear_routes.NO_ROUTE` where another way serves it (the split, the packs; or no split at all), None
+        while it is still undecided (or where this call could not tell: another thread, autograd, another dtype or
+        device, a dispatch mode)."""
         if (
             getattr(_STATE, "active", None) is not self
             or torch.is_grad_enabled()
@@ -228,7 +255,7 @@ class PrepackedLinears:
         if rows > MAX_ROWS:  # a prefill chunk's shape: never a route (the routes would fill with them)
             return None
         kernel = self._row_split.kernel
-        if not self._split or (self._pack_rows and rows > 1) or kernel is None or not contiguous(weight, bias):
+        if not self._split or (packs_serve and rows > 1) or kernel is None or not contiguous(weight, bias):
             return NO_ROUTE
         threads = torch.get_num_threads()
         shape = (int(weight.shape[0]), int(weight.shape[1]), bias is not None)
@@ -275,6 +302,7 @@ class PrepackedLinears:
                 del module.forward
         self._modules.clear()
         self._packs.clear()
+        self._op_routes.clear()
 
 
 class LayerForward:
@@ -330,7 +358,8 @@ class _Forward(LayerForward):
         if route is not None:
             return packs.linear(module, x)
         out = packs.linear(module, x)
-        if len(self._routes) < MAX_ROUTES and (made := packs.route(module, x)) is not None:
+        made = packs.route(x, module.weight, module.bias, packs_serve=packs.packs_rows)
+        if len(self._routes) < MAX_ROUTES and made is not None:
             self._routes[x.shape] = made
         return out
 
