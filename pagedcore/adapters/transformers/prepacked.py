@@ -358,8 +358,10 @@ class _Forward(LayerForward):
         if route is not None:
             return packs.linear(module, x)
         out = packs.linear(module, x)
+        if len(self._routes) >= MAX_ROUTES:
+            return out
         made = packs.route(x, module.weight, module.bias, packs_serve=packs.packs_rows)
-        if len(self._routes) < MAX_ROUTES and made is not None:
+        if made is not None:
             self._routes[x.shape] = made
         return out
 
