@@ -214,13 +214,7 @@ class PrepackedLinears:
         weight, bias = module.weight, module.bias
         if torch.compiler.is_compiling():
             return self._traced(x, weight, bias)
-        if (
-            getattr(_STATE, "active", None) is not self
-            or torch.is_grad_enabled()
-            or x.dtype != torch.float32
-            or x.device.type != "cpu"
-            or not _packable(weight)
-        ):
+        if not self._serves(x, weight):
             return F.linear(x, weight, bias)
         rows = x.numel() // x.shape[-1]
         if self._split and (rows == 1 or (not self._pack_rows and rows <= MAX_ROWS)):
@@ -232,6 +226,17 @@ class PrepackedLinears:
             pack = self._pack(module)
         return _LINEAR(x, pack.packed, bias, "none", [], "")
 
+    def _serves(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        """Whether a call may take another way than ``F.linear`` here: inside this runner's forward in this thread,
+        no autograd, float32 on the CPU."""
+        return (
+            getattr(_STATE, "active", None) is self
+            and not torch.is_grad_enabled()
+            and x.dtype == torch.float32
+            and x.device.type == "cpu"
+            and _packable(weight)
+        )
+
     def route(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *, packs_serve: bool
     ) -> Route | None:
@@ -241,15 +246,7 @@ class PrepackedLinears:
         :data:`.linear_routes.NO_ROUTE` where another way serves it (the split, the packs; or no split at all), None
         while it is still undecided (or where this call could not tell: another thread, autograd, another dtype or
         device, a dispatch mode)."""
-        if (
-            getattr(_STATE, "active", None) is not self
-            or torch.is_grad_enabled()
-            or x.dtype != torch.float32
-            or x.device.type != "cpu"
-            or not _packable(weight)
-            or not x.shape[-1]
-            or torch._C._len_torch_dispatch_stack()  # noqa: SLF001
-        ):
+        if not self._serves(x, weight) or not x.shape[-1] or torch._C._len_torch_dispatch_stack():  # noqa: SLF001
             return None
         rows = x.numel() // x.shape[-1]
         if rows > MAX_ROWS:  # a prefill chunk's shape: never a route (the routes would fill with them)

@@ -173,6 +173,17 @@ static void panel_pair(const float *x, const float *w, const float *bias, float 
     }
 }
 
+/* the LANES order's start with head 4 for one output: columns 0-3 summed in order into lane 0, then columns 4-7 one per
+   lane (each added to zero: exact); the lanes then go on from column 8 (MKL's one-row product) */
+static INLINE __m128 head_lanes(const float *w, const float *x) {
+    const __m256 p = _mm256_mul_ps(_mm256_loadu_ps(w), _mm256_loadu_ps(x));
+    const __m128 lo = _mm256_castps256_ps128(p);
+    __m128 s = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1));
+    s = _mm_add_ss(s, _mm_shuffle_ps(lo, lo, 2));
+    s = _mm_add_ss(s, _mm_shuffle_ps(lo, lo, 3));
+    return _mm_add_ps(_mm_move_ss(_mm_setzero_ps(), s), _mm256_extractf128_ps(p, 1));
+}
+
 /* the LANES order for outputs n0..n0+3 of rows 0..M-1 (M <= 4, a constant once inlined): each weight row's 8
    columns multiplied into each row (rounded products), the low four then the high four added into that output's
    four lanes; the lanes of the four outputs turned so one vector sum gives (0 + 2) + (1 + 3) for all four */
@@ -181,17 +192,9 @@ static INLINE void lanes4(const float *x, const float *w, const float *bias, flo
     __m128 acc[4][4];  /* [row][output]: lanes 0..3 */
     for (int m = 0; m < M; m++)
         for (int i = 0; i < 4; i++) acc[m][i] = _mm_setzero_ps();
-    if (head) {  /* columns 0-3 summed in order into lane 0, then 4-7 one per lane (from zero: exact) */
+    if (head)
         for (int m = 0; m < M; m++)
-            for (int i = 0; i < 4; i++) {
-                const __m256 p = _mm256_mul_ps(_mm256_loadu_ps(w + (n0 + i) * K), _mm256_loadu_ps(x + m * K));
-                const __m128 lo = _mm256_castps256_ps128(p);
-                __m128 s = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1));
-                s = _mm_add_ss(s, _mm_shuffle_ps(lo, lo, 2));
-                s = _mm_add_ss(s, _mm_shuffle_ps(lo, lo, 3));
-                acc[m][i] = _mm_add_ps(_mm_move_ss(_mm_setzero_ps(), s), _mm256_extractf128_ps(p, 1));
-            }
-    }
+            for (int i = 0; i < 4; i++) acc[m][i] = head_lanes(w + (n0 + i) * K, x + m * K);
     for (long k = head ? 8 : 0; k < K; k += 8) {
         __m256 wv[4];
         for (int i = 0; i < 4; i++) wv[i] = _mm256_loadu_ps(w + (n0 + i) * K + k);
@@ -222,20 +225,11 @@ static INLINE void lanes8(const float *x, const float *w, const float *bias, flo
     __m256 acc[2][4];  /* [row][pair]: outputs 2q (low half) and 2q + 1 (high half), lanes 0..3 each */
     for (int m = 0; m < M; m++)
         for (int q = 0; q < 4; q++) acc[m][q] = _mm256_setzero_ps();
-    if (head) {  /* as lanes4: columns 0-3 in order into lane 0, then 4-7 one per lane */
-        for (int m = 0; m < M; m++) {
-            __m128 first[8];
-            for (int i = 0; i < 8; i++) {
-                const __m256 p = _mm256_mul_ps(_mm256_loadu_ps(w + (n0 + i) * K), _mm256_loadu_ps(x + m * K));
-                const __m128 lo = _mm256_castps256_ps128(p);
-                __m128 s = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1));
-                s = _mm_add_ss(s, _mm_shuffle_ps(lo, lo, 2));
-                s = _mm_add_ss(s, _mm_shuffle_ps(lo, lo, 3));
-                first[i] = _mm_add_ps(_mm_move_ss(_mm_setzero_ps(), s), _mm256_extractf128_ps(p, 1));
-            }
-            for (int q = 0; q < 4; q++) acc[m][q] = _mm256_set_m128(first[2 * q + 1], first[2 * q]);
-        }
-    }
+    if (head)
+        for (int m = 0; m < M; m++)
+            for (int q = 0; q < 4; q++)
+                acc[m][q] = _mm256_set_m128(head_lanes(w + (n0 + 2 * q + 1) * K, x + m * K),
+                                            head_lanes(w + (n0 + 2 * q) * K, x + m * K));
     for (long k = head ? 8 : 0; k < K; k += 8) {
         __m256 wv[8];
         for (int i = 0; i < 8; i++) wv[i] = _mm256_loadu_ps(w + (n0 + i) * K + k);
