@@ -100,6 +100,28 @@ def test_what_the_route_was_made_for_no_longer_holding_sends_the_call_the_full_w
 
 
 @needs_kernel
+def test_a_replaced_weight_or_another_thread_count_gets_its_route_again(layer):
+    """A replaced parameter (an RL loop's ``load_state_dict(assign=True)``) or ``torch.set_num_threads`` after the
+    warm-up: one call the full way, then the route is made again where the row split has settled the new case."""
+    linear, packs, full = layer
+    x = torch.randn(1, 3, 64)
+    linear.weight = torch.nn.Parameter(torch.randn(64, 64))
+    with torch.inference_mode(), packs.active():
+        for _ in range(3):
+            assert torch.equal(linear(x), stock(linear, x))
+    assert full == [1]  # the same shape and threads were settled: routed again from the second call
+    torch.set_num_threads(1)
+    with torch.inference_mode(), packs.active():
+        for _ in range(3 * TRIALS + 3):  # one thread: the row split checks and times this shape anew
+            assert torch.equal(linear(x), stock(linear, x))
+        if packs.row_split.kernel_order((64, 64, True), 3, 1) is None:
+            pytest.skip("the kernel's bits matched F.linear's at 3 rows and 1 thread nowhere on this CPU")
+        calls = len(full)
+        assert torch.equal(linear(x), stock(linear, x))
+    assert len(full) == calls  # routed at one thread
+
+
+@needs_kernel
 def test_outside_the_runners_forward_the_layer_is_stock(layer):
     linear, _, full = layer
     x = torch.randn(1, 3, 64)

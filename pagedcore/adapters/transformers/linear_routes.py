@@ -77,6 +77,11 @@ class Route:
         """Whether ``weight`` is the tensor this route was made for (it is alive and the same)."""
         return self._weight() is weight
 
+    def outdated(self, weight: torch.Tensor) -> bool:
+        """Whether this route should be made again for a call that did not :meth:`serves`: another weight tensor now
+        (a replaced parameter; a recycled id), or another thread count (the row split settles each anew)."""
+        return not self.made_for(weight) or torch.get_num_threads() != self._threads
+
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``F.linear(x, weight, bias)`` through the kernel, for what :meth:`serves`."""
         assert self._call is not None
@@ -95,6 +100,9 @@ class _Fixed(Route):
         return False
 
     def made_for(self, weight: torch.Tensor) -> bool:
+        return False
+
+    def outdated(self, weight: torch.Tensor) -> bool:
         return False
 
 

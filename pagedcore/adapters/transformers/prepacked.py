@@ -197,7 +197,7 @@ class PrepackedLinears:
         if route is not None and route is not NO_ROUTE:
             if not torch.is_grad_enabled() and route.serves(x, weight, bias):
                 return route(x, weight, bias)
-            if not route.made_for(weight):  # its weight is gone and the id was given to another tensor
+            if route.outdated(weight):  # its weight gone and the id given to another tensor, or other threads
                 del self._op_routes[key]
                 route = None
         out = self._row_split.linear(x, weight, bias)
@@ -350,8 +350,12 @@ class _Forward(LayerForward):
         if route is not None and route is not NO_ROUTE:
             weight, bias = module.weight, module.bias
             mine = getattr(_STATE, "active", None) is packs and not torch.is_grad_enabled()
-            if mine and route.serves(x, weight, bias):
-                return route(x, weight, bias)
+            if mine:
+                if route.serves(x, weight, bias):
+                    return route(x, weight, bias)
+                if route.outdated(weight):  # a replaced weight, another thread count: made again after this call
+                    del self._routes[x.shape]
+                    route = None
         if route is not None:
             return packs.linear(module, x)
         out = packs.linear(module, x)
