@@ -1,7 +1,7 @@
 """The Engine's decode step with and without its layers' settled routes (``adapters/transformers/linear_routes.py``),
 side by side in one process: two Engines on two copies of the benchmark model, alternating as in
-``scripts/engine_ab.py`` (whose timing this reuses), side A never given a route (``prepacked.MAX_ROUTES`` 0 whenever
-it runs, so every linear call goes the full way), side B with them.
+``scripts/engine_ab.py`` (whose timing this reuses), side A never given a route (built with ``prepacked.MAX_ROUTES``
+0, so its route tables hold none and every linear call goes the full way), side B with them.
 
     CLOCK=wall python scripts/route_ab.py [--batches 1,2,4,8,16] [--threads 2] [--rounds 5] [--compile]
 """
@@ -27,7 +27,7 @@ LIMIT = prepacked.MAX_ROUTES
 
 @contextmanager
 def routes(on: bool) -> Iterator[None]:
-    """Routes made (``on``) or never made while the block runs."""
+    """Linears installed in the block get route tables of the usual size (``on``) or of none."""
     prepacked.MAX_ROUTES = LIMIT if on else 0
     try:
         yield
@@ -48,24 +48,22 @@ def main(argv: list[str] | None = None) -> int:
     model = bench_model(size="small")
     vocab = model.config.vocab_size
     sides = {"A": False, "B": True}
-    engines = {
-        name: Engine(m, num_blocks=2048, block_size=16, max_num_seqs=256, compile=args.compile)
-        for name, m in (("A", model), ("B", copy.deepcopy(model)))
-    }
+    engines = {}
+    for name, m in (("A", model), ("B", copy.deepcopy(model))):
+        with routes(sides[name]):  # each table's limit is read when the Engine's linears are installed
+            engines[name] = Engine(m, num_blocks=2048, block_size=16, max_num_seqs=256, compile=args.compile)
     print(f"# {os.environ.get('CLOCK', 'cpu')} time; small model, {args.threads} thread(s), A = no routes, B = routes, "
           f"compile={args.compile}, prompts {args.prompt} + {args.new} new", flush=True)  # fmt: skip
     for size in [int(b) for b in args.batches.split(",")]:
-        for name, engine in engines.items():
-            with routes(sides[name]):
-                timed(engine, prompts(vocab, size, 99, args.prompt), 3)
+        for engine in engines.values():
+            timed(engine, prompts(vocab, size, 99, args.prompt), 3)
         decode: dict[str, list[float]] = {n: [] for n in engines}
         same = True
         for r in range(args.rounds):
             order = list(engines.items()) if r % 2 == 0 else list(reversed(engines.items()))
             tokens = {}
             for name, engine in order:
-                with routes(sides[name]):
-                    step, _, tokens[name] = timed(engine, prompts(vocab, size, r, args.prompt), args.new)
+                step, _, tokens[name] = timed(engine, prompts(vocab, size, r, args.prompt), args.new)
                 decode[name].append(step)
             same = same and tokens["A"] == tokens["B"]
         a, b = (statistics.median(decode[n]) * 1e3 for n in ("A", "B"))

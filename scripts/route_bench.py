@@ -4,8 +4,8 @@ going the full way to the kernel, and ``F.linear``, side by side in one process.
 For each weight shape of the benchmark model (hidden 512, 2 KV heads of 64, MLP 1536), float32, at decode row counts:
 a layer of the Engine's linears (``PrepackedLinears``, as an Engine with ``row_kernel=True`` installs them) whose row
 split settled on the kernel, called inside the runner's forward (``active()``, inference mode) with its route, and
-a twin layer never given one (``prepacked.MAX_ROUTES`` 0 while it is called); microseconds per call, median of 7
-rounds of 2000 calls. The weights stay in the caches, so what differs is the work around the kernel's call.
+a twin layer whose route table holds none (built with ``prepacked.MAX_ROUTES`` 0); microseconds per call, median
+of 7 rounds of 2000 calls. The weights stay in the caches, so what differs is the work around the kernel's call.
 
     python scripts/route_bench.py [--threads 2] [--rows 1,2,4,8]
 """
@@ -43,22 +43,32 @@ def per_call(call: Callable[[], object], calls: int = 2000) -> float:
 def compare(rows: int, shape: tuple[int, int], threads: int) -> str:
     routed, full = torch.nn.Linear(shape[1], shape[0], bias=False), torch.nn.Linear(shape[1], shape[0], bias=False)
     full.weight = routed.weight
-    packs = PrepackedLinears(torch.nn.ModuleList([routed, full]), pack=False)
-    x = torch.randn(1, rows, shape[1])
+    packs = PrepackedLinears(routed, pack=False)
     limit = prepacked.MAX_ROUTES
-    with torch.inference_mode(), packs.active():
-        for _ in range(4 * TRIALS + 2):  # the row split's check and trials: the way settles
-            routed(x)
+    prepacked.MAX_ROUTES = 0  # the twin's route table holds none (its limit is read when its forward is installed)
+    try:
+        twin = PrepackedLinears(full, pack=False)
+    finally:
+        prepacked.MAX_ROUTES = limit
+    x = torch.randn(1, rows, shape[1])
+    with torch.inference_mode():
+        for _ in range(4 * TRIALS + 2):  # each row split's check and trials: the ways settle
+            with packs.active():
+                routed(x)
+            with twin.active():
+                full(x)
         way = packs.row_split.settled((shape[0], shape[1], False), rows, threads)
-        with_route = per_call(lambda: routed(x))
-        prepacked.MAX_ROUTES = 0
-        try:
+        with packs.active():
+            with_route = per_call(lambda: routed(x))
+        with twin.active():
             without = per_call(lambda: full(x))
-        finally:
-            prepacked.MAX_ROUTES = limit
         plain = per_call(lambda: F.linear(x, routed.weight))
-        same = torch.equal(routed(x), F.linear(x, routed.weight)) and torch.equal(full(x), F.linear(x, routed.weight))
+        with packs.active():
+            same = torch.equal(routed(x), F.linear(x, routed.weight))
+        with twin.active():
+            same = same and torch.equal(full(x), F.linear(x, routed.weight))
     packs.close()
+    twin.close()
     return (f"| {shape[0]}x{shape[1]} | {rows} | {way} | {without:.1f} | {with_route:.1f} | {without - with_route:.1f} "
             f"| {plain:.1f} | {same} |")  # fmt: skip
 

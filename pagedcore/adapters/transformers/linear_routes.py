@@ -19,12 +19,14 @@ is where the checks' answers came from.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Hashable
 
 import torch
+import torch.nn.functional as F
 
 from .row_kernel import PreparedCall
 
-__all__ = ["MAX_ROUTES", "NO_ROUTE", "PLAIN", "Route"]
+__all__ = ["MAX_ROUTES", "NO_ROUTE", "PLAIN", "Route", "Routes"]
 
 MAX_ROUTES = 512  # shapes kept per layer at most (a decode step's shape per row count: 256 at most, then prefill's)
 
@@ -109,3 +111,63 @@ class _Fixed(Route):
 NO_ROUTE: Route = _Fixed()  # settled on the row split, or the packs serve it: the full way, without asking again
 PLAIN: Route = _Fixed()  # settled on F.linear itself: F.linear straight (exact whatever changed since; only the
 # speed of another way, were the threads changed, is forgone)
+
+
+class Routes:
+    """Routes by key, at most ``limit``: a layer's by input shape, the compiled step's op's by (weight id, shape). The
+    one rule both follow: :meth:`serve` answers a call its route serves (``F.linear`` straight for :data:`PLAIN`),
+    drops a route that is :meth:`Route.outdated`, and leaves the rest to the full way; :meth:`wants` says whether
+    the full way's call should then :meth:`keep` a new one.
+
+    Example:
+        >>> routes, x, weight = Routes(4), torch.randn(1, 8), torch.randn(8, 8)
+        >>> routes.serve("k", x, weight, None, mine=True) is None, routes.wants("k")
+        (True, True)
+        >>> routes.keep("k", PLAIN); torch.equal(routes.serve("k", x, weight, None, mine=True), F.linear(x, weight))
+        True
+    """
+
+    __slots__ = ("_limit", "_table")
+
+    def __init__(self, limit: int) -> None:
+        self._table: dict[Hashable, Route] = {}
+        self._limit = limit
+
+    def serve(
+        self, key: Hashable, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *, mine: bool
+    ) -> torch.Tensor | None:
+        """The call's output through its route, or None for the full way (``mine``: inside the runner's forward
+        in this thread, no autograd)."""
+        route = self._table.get(key)
+        if route is PLAIN:  # F.linear's bits whatever changed (a recycled id included)
+            return F.linear(x, weight, bias)
+        if route is None or route is NO_ROUTE or not mine:
+            return None
+        if route.serves(x, weight, bias):
+            return route(x, weight, bias)
+        if route.outdated(weight):  # a replaced weight, another thread count: made again after this call
+            del self._table[key]
+        return None
+
+    def wants(self, key: Hashable) -> bool:
+        """Whether a route for ``key`` is to be made after the full way's call (none held, room left)."""
+        return key not in self._table and len(self._table) < self._limit
+
+    def keep(self, key: Hashable, route: Route | None) -> None:
+        """Hold ``route`` for ``key`` (None: nothing yet, asked again next call)."""
+        if route is not None:
+            self._table[key] = route
+
+    def __len__(self) -> int:
+        return len(self._table)
+
+    def keys(self) -> list[Hashable]:
+        """The keys held (for tests and reports)."""
+        return list(self._table)
+
+    def __getitem__(self, key: Hashable) -> Route:
+        return self._table[key]
+
+    def clear(self) -> None:
+        """Drop every route."""
+        self._table.clear()

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from . import row_kernel
 from .graph_ops import graph_op
-from .linear_routes import MAX_ROUTES, NO_ROUTE, PLAIN, Route
+from .linear_routes import MAX_ROUTES, NO_ROUTE, PLAIN, Route, Routes
 from .row_split import MAX_ROWS, RowSplit, contiguous, split_blocks, split_linear
 
 __all__ = [
@@ -136,7 +136,7 @@ class PrepackedLinears:
         self._row_split = RowSplit(row_kernel.load() if split and kernel else None)
         self._threads = torch.get_num_threads()  # the running forward's (active): a compiled step's split reads it
         self._key = id(self)  # a compiled step finds the settled ways by it (_settled)
-        self._op_routes: dict[tuple[int, torch.Size], Route] = {}  # few_rows' routes, by weight id and input shape
+        self._op_routes = Routes(8 * MAX_ROUTES)  # few_rows' routes, by weight id and input shape
         _SPLITS[self._key] = self._row_split
         self._lock = threading.Lock()
         self._epoch: int | None = None
@@ -191,20 +191,12 @@ class PrepackedLinears:
         if not self._split:
             return F.linear(x, weight, bias)
         key = (id(weight), x.shape)
-        route = self._op_routes.get(key)
-        if route is PLAIN:  # (F.linear's bits whatever the weight: a recycled id is harmless here)
-            return F.linear(x, weight, bias)
-        if route is not None and route is not NO_ROUTE:
-            if not torch.is_grad_enabled() and route.serves(x, weight, bias):
-                return route(x, weight, bias)
-            if route.outdated(weight):  # its weight gone and the id given to another tensor, or other threads
-                del self._op_routes[key]
-                route = None
+        out = self._op_routes.serve(key, x, weight, bias, mine=not torch.is_grad_enabled())
+        if out is not None:
+            return out
         out = self._row_split.linear(x, weight, bias)
-        if route is None and isinstance(weight, torch.nn.Parameter) and len(self._op_routes) < MAX_ROUTES * 8:
-            made = self.route(x, weight, bias, packs_serve=False)
-            if made is not None:
-                self._op_routes[key] = made
+        if isinstance(weight, torch.nn.Parameter) and self._op_routes.wants(key):
+            self._op_routes.keep(key, self.route(x, weight, bias, packs_serve=False))
         return out
 
     def linear(self, module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -335,7 +327,7 @@ class _Forward(LayerForward):
     def __init__(self, packs: PrepackedLinears, module: torch.nn.Linear) -> None:
         self._packs = weakref.ref(packs)
         self._module = weakref.ref(module)
-        self._routes: dict[torch.Size, Route] = {}
+        self._routes = Routes(MAX_ROUTES)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         packs, module = self._packs(), self._module()
@@ -344,26 +336,14 @@ class _Forward(LayerForward):
             return F.linear(x, module.weight, module.bias)
         if torch.compiler.is_compiling():
             return packs.linear(module, x)
-        route = self._routes.get(x.shape)
-        if route is PLAIN:
-            return F.linear(x, module.weight, module.bias)
-        if route is not None and route is not NO_ROUTE:
-            weight, bias = module.weight, module.bias
-            mine = getattr(_STATE, "active", None) is packs and not torch.is_grad_enabled()
-            if mine:
-                if route.serves(x, weight, bias):
-                    return route(x, weight, bias)
-                if route.outdated(weight):  # a replaced weight, another thread count: made again after this call
-                    del self._routes[x.shape]
-                    route = None
-        if route is not None:
-            return packs.linear(module, x)
-        out = packs.linear(module, x)
-        if len(self._routes) >= MAX_ROUTES:
+        weight, bias = module.weight, module.bias
+        mine = getattr(_STATE, "active", None) is packs and not torch.is_grad_enabled()
+        out = self._routes.serve(x.shape, x, weight, bias, mine=mine)
+        if out is not None:
             return out
-        made = packs.route(x, module.weight, module.bias, packs_serve=packs.packs_rows)
-        if made is not None:
-            self._routes[x.shape] = made
+        out = packs.linear(module, x)
+        if self._routes.wants(x.shape):
+            self._routes.keep(x.shape, packs.route(x, weight, bias, packs_serve=packs.packs_rows))
         return out
 
 
