@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+import numpy as np
 import torch
 
 from pagedcore.attention_kinds import AttentionKind, attention_kind
@@ -39,6 +40,7 @@ __all__ = [
     "contiguous_start",
     "default_block_size",
     "eager_attention",
+    "long_tensor",
     "stack_block_tables",
     "to_device",
     "write_kv",
@@ -97,6 +99,18 @@ def to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     if device.type != "cuda" or tensor.device.type != "cpu":
         return tensor.to(device)
     return tensor.pin_memory().to(device, non_blocking=True)
+
+
+def long_tensor(values: Sequence[int]) -> torch.Tensor:
+    """``values`` (Python ints) as a 1-D int64 CPU tensor, through numpy: ``torch.tensor`` of a list converts it one
+    element at a time (70 µs for 256 ints on the AMD box, 35 with ``dtype`` given, against 8 this way), and a step of
+    hundreds of rows makes several such tensors (the token ids, their positions, the rows to keep, the slots).
+
+    Example:
+        >>> long_tensor([3, 1, 2]), long_tensor([]).shape
+        (tensor([3, 1, 2]), torch.Size([0]))
+    """
+    return torch.from_numpy(np.array(values, dtype=np.int64))
 
 
 def stack_block_tables(tables: Sequence[Sequence[int]], pad_block: int) -> torch.Tensor:
@@ -184,7 +198,7 @@ class PagedAttentionMetadata:
             seq_lens=list(seq_lens),
             block_offsets=list(block_offsets),
             block_tables=stack_block_tables(tables, pad_block).to(device),
-            slot_mapping=torch.tensor(flat_slots, dtype=torch.int64, device=device),
+            slot_mapping=long_tensor(flat_slots).to(device),
             sliding_window=sliding_window,
             pad_block=pad_block,
             group_kind=kind,

@@ -6,7 +6,9 @@ comparing two checkouts of pagedcore (issue 33.3, host work per step).
 have 16 own prompt tokens; after their prefills, ``--steps`` decode steps are timed. Per step: the Engine's own
 ``stage_seconds()`` (schedule / prepare / sample / record, wall) read around ``step()``, the step's thread CPU
 time less its forward's (the host work's CPU time: the machine's other load is left out), and the whole step's wall
-time (forward included). Prints medians.
+time (forward included). With the model (``--forward model``) also ``host``: section 8's host time, from the end of
+a step's model forward to the start of the next one's (forward hooks on the model), which also counts what the
+runner does around the model call (its input tensors, the dropout check) and the step's locks. Prints medians.
 
 A process's host figures move by ±15% from one run to the next on a 2-core VM (where its memory lands), far more
 than one optimisation changes them, so compare two checkouts by alternating processes, several rounds:
@@ -95,7 +97,14 @@ def measure(
 
     engine.runner.execute = timed  # type: ignore[method-assign]
     per: dict[str, list[float]] = {name: [] for name in (*STAGES, "sum", "cpu-host", "step")}
+    stamps: dict[str, float] = {}
+    if forward == "model":  # section 8's host time: the previous forward's end to this one's start
+        per["host"] = []
+        model.register_forward_pre_hook(lambda *_: stamps.__setitem__("start", time.perf_counter()))
+        model.register_forward_hook(lambda *_: stamps.__setitem__("end", time.perf_counter()))
+        engine.step()
     for _ in range(steps):
+        ended = stamps.get("end")
         before, forward_cpu[0], cpu = engine.stage_seconds(), 0.0, time.thread_time()
         wall = time.perf_counter()
         engine.step()
@@ -105,6 +114,8 @@ def measure(
             per[name].append((after[name] - before[name]) * 1000)
         per["sum"].append(sum(per[name][-1] for name in STAGES))
         per["cpu-host"].append((cpu - forward_cpu[0]) * 1000)
+        if ended is not None:
+            per["host"].append((stamps["start"] - ended) * 1000)
     engine.close()
     return {name: statistics.median(values) for name, values in per.items()}
 

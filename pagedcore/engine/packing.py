@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pagedcore.attention import PagedAttentionMetadata
+from pagedcore.attention import PagedAttentionMetadata, long_tensor
 from pagedcore.block_tables import BlockTables
 from pagedcore.errors import InvalidBlockError
 from pagedcore.kv_pool import KVPool
@@ -108,7 +108,7 @@ def _pack_rows(scheduled: Sequence[ScheduledSequence], kv: KVPool) -> PackedToke
             seq_lens=seq_lens,
             block_offsets=offsets[g.index],
             block_tables=g.rows.gather(rows[g.index]),
-            slot_mapping=torch.tensor(slots[g.index], dtype=torch.int64),
+            slot_mapping=long_tensor(slots[g.index]),
             sliding_window=g.sliding_window,
             pad_block=pad,
             group_kind=g.kind,

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from pagedcore.attention import PagedAttentionMetadata, bucket, to_device, write_kv
+from pagedcore.attention import PagedAttentionMetadata, bucket, long_tensor, to_device, write_kv
 from pagedcore.engine.packing import PackedTokens
 from pagedcore.engine.runner import CompileCounts
 from pagedcore.plugins.torch_backend import TorchPagedAttention, attend_rows, gather_blocks
@@ -215,10 +215,10 @@ class DecodeInputs:
             table[:n, : meta.block_tables.shape[1]] = meta.block_tables
             tables.append(to_device(table, device))
             slots.append(to_device(torch.cat([meta.slot_mapping, pad(pad_slot)]), device))
-            offsets = torch.tensor(meta.block_offsets, dtype=torch.long) * pool.block_size
+            offsets = long_tensor(meta.block_offsets) * pool.block_size
             starts.append(to_device(torch.cat([offsets, pad(0)]), device))
-        ids = torch.tensor(batch.input_ids + [0] * (rows - n))
-        positions = torch.tensor(batch.position_ids + [0] * (rows - n))
+        ids = long_tensor(batch.input_ids + [0] * (rows - n))
+        positions = long_tensor(batch.position_ids + [0] * (rows - n))
         return cls(to_device(ids, device), to_device(positions, device), tuple(tables), tuple(slots), tuple(starts), n,
                    tuple(batch.metadata))  # fmt: skip
 

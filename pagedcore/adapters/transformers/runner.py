@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from pagedcore.attention import to_device
+from pagedcore.attention import long_tensor, to_device
 from pagedcore.config import PoolConfig
 from pagedcore.engine.lora import LoRAConfig
 from pagedcore.engine.packing import pack_tokens
@@ -262,22 +262,22 @@ class TransformersRunner:
         packed = prepared.packed
         self._cache.begin([meta.slot_mapping for meta in packed.metadata], prepared.context)
         kwargs: dict[str, Any] = {
-            "input_ids": to_device(torch.tensor([packed.input_ids]), device),
-            "position_ids": to_device(torch.tensor([packed.position_ids]), device),
+            "input_ids": to_device(long_tensor(packed.input_ids)[None], device),
+            "position_ids": to_device(long_tensor(packed.position_ids)[None], device),
             "cache": self._cache,
             "use_cache": True,
             CONTEXT_KEY: prepared.context,
         }
         keep = prepared.keep
         if self._keeps_logits:
-            kwargs["logits_to_keep"] = to_device(torch.tensor(keep), device) if keep else 1
+            kwargs["logits_to_keep"] = to_device(long_tensor(keep), device) if keep else 1
         packs = self._linears.active() if self._linears is not None else contextlib.nullcontext()
         with torch.inference_mode(), self._adapters_applied(prepared), packs:
             if self._argmax is not None and prepared.argmax_only and prepared.adapters is None:
                 return self._argmax.step(lambda: self.model(**kwargs).logits[0], len(keep))
             logits = self.model(**kwargs).logits[0]
         if not self._keeps_logits and keep:
-            logits = logits[to_device(torch.tensor(keep), logits.device)]
+            logits = logits[to_device(long_tensor(keep), logits.device)]
         return logits.float()  # (len(keep), vocab)
 
     def _forward_compiled(
@@ -404,7 +404,7 @@ def _packed_positions(pool: PagedKVPool, positions: list[int]) -> torch.Tensor |
     query temperature: :func:`~.layer_attention.retemper`); None for every other model."""
     if not any(layer.query_temperature is not None for layer in pool.spec.layers):
         return None
-    return torch.tensor(positions, dtype=torch.long)
+    return long_tensor(positions)
 
 
 def _refuse_with_states(model_type: str, compile: bool | str, lora: LoRAConfig | None) -> None:

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, DummyLayer
 
-from pagedcore.attention import to_device, write_kv
+from pagedcore.attention import long_tensor, to_device, write_kv
 from pagedcore.engine.packing import pack_tokens
 from pagedcore.engine.runner import ForwardBatch
 from pagedcore.errors import OutOfBlocksError
@@ -176,8 +176,8 @@ class StateSteps:
         kept = [(row, b, where[offset]) for b, piece in enumerate(group) for offset, row in piece.keep.items()]
         context = ForwardContext(self.pool, list(packed.metadata), None, self.attention_backend)
         return StateForward(
-            input_ids=torch.tensor(packed.input_ids, dtype=torch.long).view(rows, length),
-            position_ids=torch.tensor(packed.position_ids, dtype=torch.long).view(rows, length),
+            input_ids=long_tensor(packed.input_ids).view(rows, length),
+            position_ids=long_tensor(packed.position_ids).view(rows, length),
             context=context,
             slot_mapping=[meta.slot_mapping for meta in packed.metadata],
             slots=[piece.slot for piece in group],
@@ -223,14 +223,14 @@ class StateSteps:
             kwargs["position_ids"] = to_device(forward.position_ids, device)
         keep = forward.keep
         if self._keeps_logits:
-            kwargs["logits_to_keep"] = to_device(torch.tensor(keep), device) if keep else 1
+            kwargs["logits_to_keep"] = to_device(long_tensor(keep), device) if keep else 1
         try:
             with torch.inference_mode():
                 logits = self.model(**kwargs).logits
         finally:
             cache.states.end()  # the copies handed out go back to the slots
         if not self._keeps_logits and keep:
-            logits = logits[:, to_device(torch.tensor(keep), logits.device)]
+            logits = logits[:, to_device(long_tensor(keep), logits.device)]
         return logits
 
 
