@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from models import tiny_model
 from test_weights_engine import assert_stock, mirror, sgd_step, workload
 
+from pagedcore import c_library
 from pagedcore.adapters.transformers import Engine, SamplingParams
 from pagedcore.adapters.transformers import row_kernel as row_kernel_module
 from pagedcore.adapters.transformers.row_kernel import LANES, ONE_ROW, WIDTHS, Order, RowKernel, load
@@ -164,9 +165,9 @@ def test_it_is_not_built_where_it_cannot_serve(monkeypatch):
     monkeypatch.setenv("PAGEDCORE_ROW_KERNEL", "0")
     assert row_kernel_module._build() is None
     monkeypatch.delenv("PAGEDCORE_ROW_KERNEL")
-    monkeypatch.setattr(row_kernel_module.shutil, "which", lambda name: None)  # no C compiler
+    monkeypatch.setattr(c_library.shutil, "which", lambda name: None)  # no C compiler
     assert row_kernel_module._build() is None
-    monkeypatch.setattr(row_kernel_module.torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")  # no AVX2
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")  # no AVX2
     assert row_kernel_module._build() is None
     monkeypatch.undo()
     monkeypatch.setattr(row_kernel_module, "_cpu_flags", lambda: {"avx2", "fma"})  # no F16C

@@ -9,7 +9,21 @@ import torch
 
 from pagedcore.attention import PagedAttentionMetadata, write_kv
 from pagedcore.attention_kinds import ChunkedAttention
+from pagedcore.plugins import torch_backend
 from pagedcore.plugins.torch_backend import TorchPagedAttention
+
+
+@pytest.fixture
+def no_decode_kernel(monkeypatch):
+    """The backend's own ways for decoding rows too (the decode kernel, where it serves, takes them out of the
+    buckets these tests look into; tests/test_decode_kernel.py tests it)."""
+    monkeypatch.setattr(torch_backend, "_decode_kernel", lambda *args: None)
+
+
+def plan(meta, device):
+    """The backend's plan of the forward (prefills alone, buckets, the decode kernel's rows), as it kept it."""
+    (kept,) = [value for key, value in meta.backend_state.items() if key[0] == "torch" and key[1] == device]
+    return kept
 
 
 def naive(query, keys_per_seq, values_per_seq, query_lens, seq_lens, window, scale, softcap, sinks=None, chunk=None):
@@ -154,7 +168,7 @@ def test_metadata_is_reused_across_layers():
     query, kc, vc, meta, _, _ = build(3, [1, 4], [9, 4], 4, None)
     backend = TorchPagedAttention()
     first = backend.forward(query, kc, vc, meta, scale=0.25)
-    assert ("torch", query.device) in meta.backend_state
+    assert [key for key in meta.backend_state if key[0] == "torch"]  # the plan, kept for the next layers
     torch.testing.assert_close(backend.forward(query, kc, vc, meta, scale=0.25), first)
 
 
@@ -208,12 +222,14 @@ def build_shared(seed, query_lens, seq_lens, block_size, shared_tokens, consecut
 @pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize("consecutive", [True, False])
 @pytest.mark.parametrize(("softcap", "sinks"), [(None, False), (30.0, False), (None, True)])
-def test_shared_prefix_is_read_once_and_matches(query_lens, seq_lens, block_size, consecutive, softcap, sinks):
+def test_shared_prefix_is_read_once_and_matches(
+    query_lens, seq_lens, block_size, consecutive, softcap, sinks, no_decode_kernel
+):
     query, kc, vc, meta, keys, values = build_shared(5, query_lens, seq_lens, block_size, 64, consecutive)
     backend = TorchPagedAttention()
     logits = torch.randn(8) * 2 if sinks else None  # the sink joins the merge of the two partial softmaxes
     got = backend.forward(query, kc, vc, meta, scale=0.25, softcap=softcap, sinks=logits)
-    buckets = [b for b in meta.backend_state[("torch", query.device)][1] if len(b.blocks) > 1]
+    buckets = [b for b in plan(meta, query.device)[1] if len(b.blocks) > 1]
     assert buckets and all(b.shared is not None and b.shared.length == 64 for b in buckets)  # the cascade ran
     assert all((b.shared.start is not None) == consecutive for b in buckets)
     want = naive(query, keys, values, query_lens, seq_lens, None, 0.25, softcap, logits)
@@ -225,19 +241,19 @@ def test_shared_prefix_is_read_once_and_matches(query_lens, seq_lens, block_size
     [([5, 9, 3], [72, 90, 130], "a tail (66 keys) longer than the prefix (64)"),
      ([17, 1], [90, 70], "more than 16 queries for one sequence")],
 )  # fmt: skip
-def test_the_shared_prefix_is_gathered_where_the_cascade_does_not_pay(query_lens, seq_lens, why):
+def test_the_shared_prefix_is_gathered_where_the_cascade_does_not_pay(query_lens, seq_lens, why, no_decode_kernel):
     query, kc, vc, meta, keys, values = build_shared(7, query_lens, seq_lens, 16, 64, True)
     got = TorchPagedAttention().forward(query, kc, vc, meta, scale=0.25)
-    assert all(b.shared is None for b in meta.backend_state[("torch", query.device)][1]), why
+    assert all(b.shared is None for b in plan(meta, query.device)[1]), why
     want = naive(query, keys, values, query_lens, seq_lens, None, 0.25, None)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-def test_no_shared_path_when_a_query_sits_inside_the_common_blocks():
+def test_no_shared_path_when_a_query_sits_inside_the_common_blocks(no_decode_kernel):
     # The second sequence is still computing part of the common blocks: the prefix is not whole for its queries.
     query, kc, vc, meta, keys, values = build_shared(6, [1, 20], [70, 70], 4, 64, True)
     got = TorchPagedAttention().forward(query, kc, vc, meta, scale=0.25)
-    assert all(b.shared is None or b.shared.length <= 50 for b in meta.backend_state[("torch", query.device)][1])
+    assert all(b.shared is None or b.shared.length <= 50 for b in plan(meta, query.device)[1])
     torch.testing.assert_close(
         got, naive(query, keys, values, [1, 20], [70, 70], None, 0.25, None), atol=1e-5, rtol=1e-5
     )
@@ -312,7 +328,7 @@ def test_a_prompt_with_nothing_cached_attends_as_sdpa_causal_does(length):
     assert torch.equal(out, want[0].transpose(0, 1))
 
 
-def test_several_prompts_with_nothing_cached_each_attend_as_their_own_prefill():
+def test_several_prompts_with_nothing_cached_each_attend_as_their_own_prefill(no_decode_kernel):
     """Fresh prompts of 64 tokens or more batched with decoding sequences, a shorter fresh prompt and a prompt over a
     cached prefix: each fresh prompt is attended alone under SDPA's causal rule (no padding to the longest, no mask),
     so its output is the very bits of its own prefill call, whatever else shares the forward; the prompt over a cached
@@ -321,7 +337,7 @@ def test_several_prompts_with_nothing_cached_each_attend_as_their_own_prefill():
     query_lens, seq_lens = [100, 1, 17, 5, 64], [100, 30, 17, 21, 64]
     query, key_cache, value_cache, meta, keys, values = build(7, query_lens, seq_lens, 16, None, q_heads=8, dim=32)
     out = TorchPagedAttention().forward(query, key_cache, value_cache, meta, scale=32**-0.5)
-    alone, buckets = meta.backend_state[("torch", query.device)]
+    alone, buckets, _ = plan(meta, query.device)
     starts = [0, 100, 101, 118, 123]
     assert [(start, run.causal) for start, _, run in alone] == [(0, True), (118, False), (123, True)]
     assert len(buckets) == 2  # the decoding sequence's, the short prompt's

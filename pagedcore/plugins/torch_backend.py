@@ -32,6 +32,9 @@ from pagedcore.attention import PagedAttentionMetadata, contiguous_start, eager_
 from pagedcore.attention_kinds import FullAttention
 from pagedcore.hookspecs import hookimpl
 
+from .decode_kernel import DecodeKernel, DecodeRows
+from .decode_kernel import load as load_decode_kernel
+
 __all__ = ["TorchPagedAttention", "attend_rows", "gather_blocks", "pagedcore_attention_backend"]
 
 
@@ -79,14 +82,25 @@ class TorchPagedAttention:
         softcap: float | None = None,
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        kernel = _decode_kernel(query, key_cache, value_cache, softcap, sinks)
+        num_tokens, q_heads, _ = query.shape
+        if kernel is not None and metadata.num_seqs == 1 and num_tokens == 1:  # one decoding sequence: the kernel
+            out = query.new_empty(1, q_heads, value_cache.shape[-1])
+            kernel.attend(query, key_cache, value_cache, self._decode_rows(metadata), scale, out)
+            return out
         run = self._single_run(metadata, query.device)
         if run is not None:  # one sequence: attend to exactly its visible keys, no padding, no mask for one query
             k, v = run.keys(key_cache), run.keys(value_cache)
             q = query.transpose(0, 1).unsqueeze(0)  # (1, q_heads, q_len, d)
             return attend_rows(q, k, v, run.mask, scale, softcap, sinks, causal=run.causal)[0].transpose(0, 1)
-        num_tokens, q_heads, _ = query.shape
-        out = query.new_zeros(num_tokens, q_heads, value_cache.shape[-1])
-        alone, buckets = self._plan(metadata, query.device)
+        alone, buckets, decoding = self._plan(metadata, query.device, kernel is not None)
+        if decoding is not None and not alone and not buckets:  # a decode step: every row is the kernel's
+            out = query.new_empty(num_tokens, q_heads, value_cache.shape[-1])
+        else:
+            out = query.new_zeros(num_tokens, q_heads, value_cache.shape[-1])
+        if decoding is not None:
+            assert kernel is not None
+            kernel.attend(query, key_cache, value_cache, decoding, scale, out)
         for start, q_len, run in alone:  # a prefilling sequence by itself: its own keys, no padding
             k, v = run.keys(key_cache), run.keys(value_cache)
             q = query[start : start + q_len].transpose(0, 1).unsqueeze(0)
@@ -118,17 +132,28 @@ class TorchPagedAttention:
         run: _Run | None = meta.backend_state[key]
         return run
 
-    def _plan(self, meta: PagedAttentionMetadata, device: torch.device) -> tuple[list[_Alone], list[_Bucket]]:
-        """The forward's prefilling sequences attended one by one (packed start, query count and keys of each) and
-        its buckets, once per forward (every layer reuses them).
+    def _decode_rows(self, meta: PagedAttentionMetadata) -> DecodeRows:
+        """A batch of one decoding sequence's row for the decode kernel, once per forward."""
+        key = "torch-decode-one"
+        if key not in meta.backend_state:
+            meta.backend_state[key] = DecodeRows.of(meta, [0])
+        rows: DecodeRows = meta.backend_state[key]
+        return rows
+
+    def _plan(
+        self, meta: PagedAttentionMetadata, device: torch.device, kernel: bool = False
+    ) -> tuple[list[_Alone], list[_Bucket], DecodeRows | None]:
+        """The forward's prefilling sequences attended one by one (packed start, query count and keys of each), its
+        buckets and, with ``kernel``, its decoding sequences' rows for the decode kernel (:mod:`.decode_kernel`:
+        they then join no bucket), once per forward (every layer reuses them).
 
         A prefilling sequence attends by itself, to exactly its keys under its own mask (or the causal rule when
         nothing of it is cached): padded into a bucket, each would pay for the longest's queries and keys. Two kinds
         stay in buckets: prompts with nothing cached under ``_FRESH_ALONE`` tokens (one call for them all costs
         about as much as a call each), and sequences whose cached prefix a shared-prefix bucket reads once for all.
         """
-        key = ("torch", device)
-        cached: tuple[list[_Alone], list[_Bucket]] | None = meta.backend_state.get(key)
+        key = ("torch", device, kernel)
+        cached: tuple[list[_Alone], list[_Bucket], DecodeRows | None] | None = meta.backend_state.get(key)
         if cached is None:
             starts, q_lens = meta.query_start_loc, meta.query_lens
             full = isinstance(meta.kind, FullAttention)
@@ -136,11 +161,13 @@ class TorchPagedAttention:
             prefill = [i for i, n in enumerate(q_lens) if n > 1]
             short = [i for i in prefill if full and meta.seq_lens[i] == q_lens[i] and q_lens[i] < _FRESH_ALONE]
             rest = [i for i in prefill if i not in short]
-            groups, alone = [decode, short], rest
+            decoding = DecodeRows.of(meta, decode) if kernel and decode else None
+            bucketed = [] if decoding is not None else decode
+            groups, alone = [bucketed, short], rest
             if rest and _shared_blocks(meta, rest):  # their shared prefix is read once for all: one bucket
-                groups, alone = [decode, rest, short], []
+                groups, alone = [bucketed, rest, short], []
             runs = [(starts[i], q_lens[i], _sequence_run(meta, i, device)) for i in alone]
-            cached = runs, [_bucket(meta, rows, starts, device) for rows in groups if rows]
+            cached = runs, [_bucket(meta, rows, starts, device) for rows in groups if rows], decoding
             meta.backend_state[key] = cached
         return cached
 
@@ -451,6 +478,19 @@ def attend_rows(
             return out.reshape(n, q_heads, 1, out.shape[-1])
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=groups > 1)
     return eager_attention(q, k, v, mask, scale=scale, softcap=softcap, sinks=sinks)
+
+
+def _decode_kernel(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
+) -> DecodeKernel | None:
+    """The decode kernel where it serves this layer call (:meth:`DecodeKernel.fits`), else None."""
+    if not DecodeKernel.fits(query, key_cache, value_cache, softcap, sinks):
+        return None
+    return load_decode_kernel()
 
 
 _BACKEND = TorchPagedAttention()

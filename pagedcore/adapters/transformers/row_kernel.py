@@ -28,18 +28,14 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
-import platform
-import shutil
-import subprocess
-import sys
-import tempfile
 import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
+
+from pagedcore.c_library import build, can_build_avx2, cpu_flags
 
 from .graph_ops import graph_op
 
@@ -316,40 +312,16 @@ def load() -> RowKernel | None:
 
 
 def _build() -> RowKernel | None:
-    if os.environ.get("PAGEDCORE_ROW_KERNEL", "1") == "0":
+    if not can_build_avx2("PAGEDCORE_ROW_KERNEL") or "f16c" not in _cpu_flags():
         return None
-    if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
+    library = build("row_kernel", _SOURCE_TEXT, _FLAGS)
+    if library is None:
+        logger.debug("pagedcore: few-row linears keep F.linear and the row split")
         return None
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512") or "f16c" not in _cpu_flags():
-        return None
-    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    if compiler is None or _SOURCE_TEXT is None:
-        logger.debug("pagedcore: no C compiler or kernel source: few-row linears keep F.linear and the row split")
-        return None
-    with tempfile.TemporaryDirectory(prefix="pagedcore-kernel-") as folder:  # mode 0700, this user's
-        library, source = Path(folder) / "row_kernel.so", Path(folder) / "row_kernel.c"
-        source.write_text(_SOURCE_TEXT)
-        command = [compiler, *_FLAGS, "-o", str(library), str(source)]
-        try:
-            done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            logger.debug("pagedcore: the row kernel did not build: %s", exc)
-            return None
-        if done.returncode != 0:
-            logger.debug("pagedcore: the row kernel did not build: %s", done.stderr[-2000:])
-            return None
-        return RowKernel(ctypes.CDLL(str(library)))
+    return RowKernel(library)
 
 
-def _cpu_flags() -> set[str]:
-    """The CPU's feature flags as Linux lists them (empty where it cannot be read)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.partition(":")[2].split())
-    except OSError:
-        pass
-    return set()
+_cpu_flags = cpu_flags  # a name of this module's: tests stand in another CPU
 
 
 def _kernel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, width: int, lanes_from: int,
