@@ -18,6 +18,10 @@ A single sequence, and every prefilling sequence of a larger batch, attends by i
 nothing of it is cached (no mask, the hidden half of the scores skipped): no padding to the longest sequence, and the
 same bits whatever else shares the forward. Prompts with nothing cached under ``_FRESH_ALONE`` tokens, and
 sequences whose shared prefix the cascade reads once, stay in buckets.
+
+Decoding sequences on the CPU go to the decode kernel where it serves (:mod:`.decode_kernel`: float32, this slot-major
+pool, no softcap or sinks, nothing recording or tracing): it reads each sequence's keys where the pool holds them,
+so they join no bucket, and a shared prefix is read from the cache by every row instead of merged by the cascade.
 """
 
 from __future__ import annotations
