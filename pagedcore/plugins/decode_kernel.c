@@ -47,6 +47,12 @@ static inline __m256 dot8(const float *q, const float *k, int64_t D) {
     return _mm256_add_ps(a0, a1);
 }
 
+/* the cache lines of a block's `rows` rows of `width` floats, `stride` floats apart */
+static inline void prefetch_rows(const float *row, int64_t rows, int64_t stride, int64_t width) {
+    for (int64_t r = 0; r < rows; r++, row += stride)
+        for (int64_t c = 0; c < width; c += 16) _mm_prefetch((const char *)(row + c), _MM_HINT_T0);
+}
+
 /* the sums of four 8-lane vectors, in one 4-lane vector */
 static inline __m128 hsum4x8(__m256 a, __m256 b, __m256 c, __m256 d) {
     const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
@@ -63,6 +69,8 @@ static void attend(const float *q, const float *kc, const float *vc, const int32
         const int64_t block = p / bs, offset = p - block * bs;
         const int64_t count = bs - offset < first + length - p ? bs - offset : first + length - p;
         const float *kb = kc + ((int64_t)table[block - dropped] * bs + offset) * k_stride;
+        if (p + count < first + length) /* the next block's rows: on their way while this block is read */
+            prefetch_rows(kc + (int64_t)table[block + 1 - dropped] * bs * k_stride, bs, k_stride, D);
         int64_t t = 0;
         if (G % 4 == 0) /* two keys x four query heads at a time: each q chunk loaded once for two keys */
             for (; t + 2 <= count; t += 2) {
@@ -134,6 +142,8 @@ static void attend(const float *q, const float *kc, const float *vc, const int32
         const int64_t block = p / bs, offset = p - block * bs;
         const int64_t count = bs - offset < first + length - p ? bs - offset : first + length - p;
         const float *vb = vc + ((int64_t)table[block - dropped] * bs + offset) * v_stride;
+        if (p + count < first + length)
+            prefetch_rows(vc + (int64_t)table[block + 1 - dropped] * bs * v_stride, bs, v_stride, DV);
         for (int64_t g = 0; g < G; g++) {
             const float *w = s + g * stride + j;
             for (int64_t c0 = 0; c0 < DV; c0 += 64) {
