@@ -143,6 +143,19 @@ def test_what_the_pool_holds_past_a_rows_length_is_never_read():
     torch.testing.assert_close(out, want, atol=2e-6, rtol=1e-5)
 
 
+@needs_kernel
+def test_a_nan_in_a_visible_key_or_value_makes_its_rows_output_nan_as_sdpa_does():
+    """A NaN the model wrote into a visible key or value is not skipped: that row's output is NaN, as SDPA's (and
+    transformers' generate's) would be; the other rows are untouched."""
+    for where in ("key", "value"):
+        query, kc, vc, meta, scale, want = decoding(10, [20, 35], 4)
+        cache = kc if where == "key" else vc
+        cache[int(meta.host_tables[0, 2]), 1, 0, 3] = float("nan")  # position 9 of the first row
+        out = TorchPagedAttention().forward(query, kc, vc, meta, scale=scale)
+        assert out[0].isnan().any(), where
+        torch.testing.assert_close(out[1], want[1], atol=2e-6, rtol=1e-5)
+
+
 @pytest.mark.parametrize(
     "case", ["float64", "softcap", "sinks", "heads-first pool", "head size 12", "autograd", "dispatch mode"]
 )

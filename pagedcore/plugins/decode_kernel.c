@@ -9,10 +9,11 @@
 #include <omp.h>
 
 /* e^x for 8 lanes (Cephes' expf: x = n ln2 + r, a degree-5 polynomial in r, times 2^n); x <= 0 here (scores less
-   their maximum), so only the low clamp matters: below -87.3 the result is 0 or a denormal, as expf's. */
+   their maximum), so only the low clamp matters: below -87.3 the result is 0 or a denormal, as expf's. A NaN stays
+   NaN (max_ps returns its second operand when one is NaN), so a NaN score makes the row's output NaN, as SDPA's. */
 static inline __m256 exp8(__m256 x) {
     const __m256 lo = _mm256_set1_ps(-87.3365447504f);
-    x = _mm256_max_ps(x, lo);
+    x = _mm256_max_ps(lo, x);
     __m256 fx = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f));
     fx = _mm256_floor_ps(fx);
     x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
