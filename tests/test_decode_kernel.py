@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from models import tiny_model
-from test_torch_backend import build, naive
+from test_torch_backend import build, naive, plan
 
 from pagedcore.adapters.transformers import Engine, SamplingParams
 from pagedcore.plugins import decode_kernel as decode_kernel_module
@@ -95,7 +95,7 @@ def test_the_backend_runs_it_for_decoding_rows_beside_prefills():
     query_lens, seq_lens = [1, 6, 1, 4, 70, 1], [40, 6, 3, 19, 70, 200]
     query, kc, vc, meta, keys, values = build(5, query_lens, seq_lens, 16, None, dim=64)
     out = TorchPagedAttention().forward(query, kc, vc, meta, scale=0.125)
-    ((_, buckets, rows),) = [v for k, v in meta.backend_state.items() if k[0] == "torch"]
+    _, buckets, rows = plan(meta, query.device)
     assert rows is not None and rows.rows.tolist() == [0, 7, 82]  # the decoding rows' packed positions
     assert all(not set(bucket.out_index.tolist()) & {0, 7, 82} for bucket in buckets)
     want = naive(query, keys, values, query_lens, seq_lens, None, 0.125, None)

@@ -73,9 +73,7 @@ class DecodeRows:
             start = max(kind.first_visible(seq_len - 1), meta.block_offsets[i] * bs)
             first.append(start)
             length.append(seq_len - start)
-        tables = meta.host_tables
-        if tables.dtype != torch.int32 or not tables.is_contiguous():
-            tables = tables.to(torch.int32).contiguous()
+        tables = meta.host_tables.to(torch.int32).contiguous()  # as stack_block_tables makes them: no copy
         return cls(
             long_tensor([starts[i] for i in seqs]),
             long_tensor(seqs),

@@ -88,11 +88,8 @@ class TorchPagedAttention:
     ) -> torch.Tensor:
         kernel = _decode_kernel(query, key_cache, value_cache, softcap, sinks)
         num_tokens, q_heads, _ = query.shape
-        if kernel is not None and metadata.num_seqs == 1 and num_tokens == 1:  # one decoding sequence: the kernel
-            out = query.new_empty(1, q_heads, value_cache.shape[-1])
-            kernel.attend(query, key_cache, value_cache, self._decode_rows(metadata), scale, out)
-            return out
-        run = self._single_run(metadata, query.device)
+        # one decoding sequence goes to the kernel too, through the plan below (a plan of only its row)
+        run = None if kernel is not None and num_tokens == 1 else self._single_run(metadata, query.device)
         if run is not None:  # one sequence: attend to exactly its visible keys, no padding, no mask for one query
             k, v = run.keys(key_cache), run.keys(value_cache)
             q = query.transpose(0, 1).unsqueeze(0)  # (1, q_heads, q_len, d)
@@ -135,14 +132,6 @@ class TorchPagedAttention:
             meta.backend_state[key] = _single_sequence(meta, device)
         run: _Run | None = meta.backend_state[key]
         return run
-
-    def _decode_rows(self, meta: PagedAttentionMetadata) -> DecodeRows:
-        """A batch of one decoding sequence's row for the decode kernel, once per forward."""
-        key = "torch-decode-one"
-        if key not in meta.backend_state:
-            meta.backend_state[key] = DecodeRows.of(meta, [0])
-        rows: DecodeRows = meta.backend_state[key]
-        return rows
 
     def _plan(
         self, meta: PagedAttentionMetadata, device: torch.device, kernel: bool = False
