@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import inspect
 import logging
 import weakref
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -44,6 +46,7 @@ from .argmax_head import ArgmaxHead
 from .attention import ATTN_IMPLEMENTATION, CONTEXT_KEY, ForwardContext
 from .compiled import CompiledDecode, DecodeInputs
 from .decode_graphs import DecodeGraphs, resolve_compile
+from .direct_layers import DirectLayers
 from .generate_call import draws_dropout
 from .layer_attention import check_paged_attention
 from .lora import LoraAdapters
@@ -175,6 +178,8 @@ class TransformersRunner:
         kernel = row_kernel and device.type == "cpu"  # (a CPU kernel: built only where it can serve)
         self._argmax, self._linears = _layer_forwards(model, packing, splitting, fusing, kernel)
         self._packs = self._linears if packing else None
+        # The packed forward's decoder layers as direct calls, where the family is known (direct_layers.py).
+        self._direct = DirectLayers.of(model) if self._padded is None and self._states is None else None
 
     # ------------------------------------------------------------------ the protocol's state
     @property
@@ -272,13 +277,31 @@ class TransformersRunner:
         if self._keeps_logits:
             kwargs["logits_to_keep"] = to_device(long_tensor(keep), device) if keep else 1
         packs = self._linears.active() if self._linears is not None else contextlib.nullcontext()
+        forward, checking = self._model_forward(prepared, kwargs)
         with torch.inference_mode(), self._adapters_applied(prepared), packs:
-            if self._argmax is not None and prepared.argmax_only and prepared.adapters is None:
-                return self._argmax.step(lambda: self.model(**kwargs).logits[0], len(keep))
-            logits = self.model(**kwargs).logits[0]
+            if self._argmax is not None and prepared.argmax_only and prepared.adapters is None and not checking:
+                return self._argmax.step(lambda: forward()[0], len(keep))
+            logits = forward()[0]
         if not self._keeps_logits and keep:
             logits = logits[to_device(long_tensor(keep), logits.device)]
         return logits.float()  # (len(keep), vocab)
+
+    def _model_forward(self, prepared: PreparedStep, kwargs: dict[str, Any]) -> tuple[Callable[[], torch.Tensor], bool]:
+        """The packed forward's logits ``(1, rows, vocab)`` as a call: the direct layers' where they serve this step
+        (:mod:`.direct_layers`), else the model's (with LoRA rows, and in a probe's forward); and whether this step
+        checks the direct layers (the call then runs both and returns the model's logits; the fused greedy head sits
+        that step out)."""
+
+        def own() -> torch.Tensor:
+            return self.model(**kwargs).logits
+
+        direct = self._direct
+        probing = prepared.context.trace is not None  # a probe's forward examines the model's own layers
+        if direct is None or prepared.adapters is not None or probing or not direct.serves():
+            return own, False
+        if direct.counts.verified is None:
+            return functools.partial(direct.verified, kwargs, own), True
+        return functools.partial(direct.logits, kwargs), False
 
     def _forward_compiled(
         self, decode: CompiledDecode | DecodeGraphs, prepared: PreparedStep, device: torch.device

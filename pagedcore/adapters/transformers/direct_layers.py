@@ -1,0 +1,234 @@
+"""The Engine's packed forward with a known family's decoder layers run as direct calls: the same torch ops, in the
+same order, on the same modules' weights as the family's own ``forward`` code, without its module calls, keyword
+plumbing, mask building and output wrappers around each layer.
+
+Why: at one to a few decoding rows a forward of a small model is mostly the time around its matrix products. On the
+benchmark's Llama (8 layers, hidden 512) transformers' structure around them (``LlamaDecoderLayer.__call__`` and
+its attention's, their keyword arguments and decorators, the causal mask, the output dataclasses) took about 1.7 ms
+of a 12.6 ms decode step at batch 1 (docs/benchmarks.md, "Decoder layers called directly").
+
+What runs: the model's embedding, rotary embedding, norms, linear layers and head are still called as modules (so
+their hooks, the runner's own linear forwards and the fused greedy head apply as before); the decoder layer, its
+attention and its MLP are not: their bodies are written out here, in transformers' order (``LlamaDecoderLayer``,
+``LlamaAttention`` with the Engine's paged attention, ``LlamaMLP``). Mistral's and Qwen2's layers are Llama's with a
+sliding window handed to the attention (their attention modules' one difference, :data:`FAMILIES`).
+
+When it runs (:meth:`DirectLayers.serves`, checked at each step): every bypassed module (the causal LM, its base
+model, each decoder layer, attention and MLP) is exactly the family's class, has no hook and no ``forward`` of its
+own on the instance, no global module hook is set, and no layer would checkpoint. Otherwise, and for steps with LoRA
+adapters, the model's own forward runs. The first step it would serve, it is checked: the model's own forward runs
+too and the two logits must be equal to the bit; if not (another transformers version whose layer code changed),
+it is turned off for this runner with a warning and the model's logits are used. ``PAGEDCORE_DIRECT_LAYERS=0`` turns
+it off.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.nn.modules import module as torch_module
+
+from .attention import CONTEXT_KEY, paged_attention_forward
+
+__all__ = ["FAMILIES", "DirectCounts", "DirectLayers"]
+
+logger = logging.getLogger("pagedcore")
+
+ENV = "PAGEDCORE_DIRECT_LAYERS"
+
+
+def _no_window(attention: Any) -> int | None:
+    return None
+
+
+def _config_window(attention: Any) -> int | None:  # MistralAttention: the config's window on every layer
+    return getattr(attention.config, "sliding_window", None)
+
+
+def _layer_window(attention: Any) -> int | None:  # Qwen2Attention: its layer type's window
+    return attention.sliding_window
+
+
+# model_type -> (modeling module, class prefix, the window its attention modules hand the attention function)
+FAMILIES: dict[str, tuple[str, str, Callable[[Any], int | None]]] = {
+    "llama": ("transformers.models.llama.modeling_llama", "Llama", _no_window),
+    "mistral": ("transformers.models.mistral.modeling_mistral", "Mistral", _config_window),
+    "qwen2": ("transformers.models.qwen2.modeling_qwen2", "Qwen2", _layer_window),
+}
+
+
+@dataclass
+class DirectCounts:
+    """Steps the direct layers ran, and the step that checked them (``verified``: None until it ran; False: they
+    were turned off).
+
+    Example:
+        >>> DirectCounts().verified is None
+        True
+    """
+
+    steps: int = 0
+    verified: bool | None = None
+
+
+@dataclass(frozen=True)
+class _Classes:
+    causal_lm: type
+    model: type
+    layer: type
+    attention: type
+    mlp: type
+    rotate_half: Callable[[torch.Tensor], torch.Tensor]
+    window: Callable[[Any], int | None]
+
+
+class DirectLayers:
+    """A causal LM's decoder layers as direct calls (module docstring); :meth:`of` builds one where the model's
+    family is known.
+
+    Example:
+        >>> from pagedcore.adapters.transformers.testing import tiny_llama
+        >>> DirectLayers.of(tiny_llama()) is not None
+        True
+    """
+
+    def __init__(self, model: Any, classes: _Classes) -> None:
+        self._model = model
+        self._classes = classes
+        self.counts = DirectCounts()
+
+    @classmethod
+    def of(cls, model: Any) -> DirectLayers | None:
+        """The direct layers of ``model``, or None: not a known family's causal LM, or turned off (``ENV``)."""
+        if os.environ.get(ENV, "1") == "0":
+            return None
+        family = FAMILIES.get(getattr(getattr(model, "config", None), "model_type", None) or "")
+        if family is None:
+            return None
+        classes = _classes(*family)
+        if classes is None or type(model) is not classes.causal_lm:
+            return None
+        return cls(model, classes)
+
+    def serves(self) -> bool:
+        """Whether this step may run the layers directly (module docstring: the bypassed modules unchanged and
+        unhooked), and they were not turned off."""
+        if self.counts.verified is False or _global_hooks():
+            return False
+        classes, model = self._classes, self._model
+        inner = model._modules.get("model")  # noqa: SLF001  (no __getattr__ per read)
+        if not _plain(model, classes.causal_lm) or not _plain(inner, classes.model):
+            return False
+        for layer in _layers(inner):
+            if not _plain(layer, classes.layer) or (layer.gradient_checkpointing and layer.training):
+                return False
+            children = layer._modules  # noqa: SLF001
+            if not _plain(children.get("self_attn"), classes.attention) or not _plain(children.get("mlp"), classes.mlp):
+                return False
+        return True
+
+    def logits(self, kwargs: dict[str, Any]) -> torch.Tensor:
+        """The logits ``(1, kept rows, vocab)`` of the runner's packed forward (``kwargs``: what it passes the model:
+        ``input_ids``, ``position_ids``, ``cache``, the context, ``logits_to_keep``)."""
+        self.counts.steps += 1
+        model = self._model
+        hidden = self._hidden(model.model, kwargs)
+        keep = kwargs.get("logits_to_keep", 0)
+        index = slice(-keep, None) if isinstance(keep, int) else keep  # transformers' slice_logits_to_keep
+        return model.lm_head(hidden[:, index, :])
+
+    def verified(self, kwargs: dict[str, Any], own: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """The first step: the direct logits, then the model's own (``own()``, writing the same slots again), compared
+        to the bit; returns the model's, and turns the direct layers off for good where they differ."""
+        direct = self.logits(kwargs)
+        theirs = own()
+        same = direct.shape == theirs.shape and bool(torch.equal(direct, theirs))
+        self.counts.verified = same
+        if not same:
+            logger.warning(
+                "pagedcore: %s's decoder layers called directly gave other logits than its own forward (another "
+                "transformers version's layer code?): this Engine runs the model's own forward from here on",
+                type(self._model).__name__,
+            )
+        return theirs
+
+    def _hidden(self, inner: Any, kwargs: dict[str, Any]) -> torch.Tensor:
+        """The base model's last hidden states: LlamaModel.forward's loop over LlamaDecoderLayer.forward,
+        LlamaAttention.forward (paged) and LlamaMLP.forward, written out."""
+        cache, context = kwargs["cache"], kwargs[CONTEXT_KEY]
+        position_ids = kwargs["position_ids"]
+        hidden = inner.embed_tokens(kwargs["input_ids"])
+        cos, sin = inner.rotary_emb(hidden, position_ids=position_ids)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # apply_rotary_pos_emb's, once (views: the same values)
+        rotate_half, window = self._classes.rotate_half, self._classes.window
+        extra: dict[str, Any] = {CONTEXT_KEY: context}
+        for layer in _layers(inner):
+            attention, mlp = layer.self_attn, layer.mlp
+            residual = hidden
+            hidden = layer.input_layernorm(hidden)
+            input_shape = hidden.shape[:-1]
+            hidden_shape = (*input_shape, -1, attention.head_dim)
+            query = attention.q_proj(hidden).view(hidden_shape).transpose(1, 2)
+            key = attention.k_proj(hidden).view(hidden_shape).transpose(1, 2)
+            value = attention.v_proj(hidden).view(hidden_shape).transpose(1, 2)
+            query = (query * cos) + (rotate_half(query) * sin)  # apply_rotary_pos_emb
+            key = (key * cos) + (rotate_half(key) * sin)
+            key, value = cache.update(key, value, attention.layer_idx, kwargs=extra)
+            out, _ = paged_attention_forward(
+                attention, query, key, value, None, dropout=0.0, scaling=attention.scaling,
+                sliding_window=window(attention), **extra,
+            )  # fmt: skip
+            out = out.reshape(*input_shape, -1).contiguous()
+            hidden = residual + attention.o_proj(out)
+            residual = hidden
+            hidden = layer.post_attention_layernorm(hidden)
+            hidden = residual + mlp.down_proj(mlp.act_fn(mlp.gate_proj(hidden)) * mlp.up_proj(hidden))
+        return inner.norm(hidden)
+
+
+def _layers(inner: Any) -> list[Any]:
+    """The layers the base model's loop runs (``self.layers[: config.num_hidden_layers]``)."""
+    return list(inner.layers._modules.values())[: inner.config.num_hidden_layers]  # noqa: SLF001
+
+
+def _plain(module: Any, cls: Any) -> bool:
+    """``module`` is exactly ``cls``, with no hook and no instance ``forward``: what the direct call stands for."""
+    return (
+        type(module) is cls
+        and not module._forward_hooks  # noqa: SLF001
+        and not module._forward_pre_hooks  # noqa: SLF001
+        and "forward" not in module.__dict__
+    )
+
+
+def _global_hooks() -> bool:
+    """A global module hook is set (``register_module_forward_hook`` and the like): it would miss the bypassed
+    modules."""
+    return bool(
+        torch_module._global_forward_hooks  # noqa: SLF001
+        or torch_module._global_forward_pre_hooks  # noqa: SLF001
+        or torch_module._global_forward_hooks_always_called  # noqa: SLF001
+    )
+
+
+_CLASSES: dict[str, _Classes | None] = {}
+
+
+def _classes(path: str, prefix: str, window: Callable[[Any], int | None]) -> _Classes | None:
+    """The family's classes and ``rotate_half`` from its modeling module (None if this transformers lacks one)."""
+    if path not in _CLASSES:
+        try:
+            module = __import__(path, fromlist=["_"])
+            _CLASSES[path] = _Classes(
+                getattr(module, f"{prefix}ForCausalLM"), getattr(module, f"{prefix}Model"),
+                getattr(module, f"{prefix}DecoderLayer"), getattr(module, f"{prefix}Attention"),
+                getattr(module, f"{prefix}MLP"), module.rotate_half, window,
+            )  # fmt: skip
+        except (ImportError, AttributeError):
+            _CLASSES[path] = None
+    return _CLASSES[path]

@@ -1,0 +1,212 @@
+"""The Engine's packed forward with Llama's, Mistral's and Qwen2's decoder layers called directly
+(``pagedcore/adapters/transformers/direct_layers.py``): the same logits as the model's own forward, to the bit, at
+every step; the model's forward wherever a bypassed module is hooked, replaced or of another class; turned off when
+its first step's check fails."""
+
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Any
+
+import pytest
+import torch
+from family_configs import tiny_family
+
+from pagedcore.adapters.transformers import Engine, SamplingParams
+from pagedcore.adapters.transformers import direct_layers as direct_module
+from pagedcore.adapters.transformers.direct_layers import ENV, FAMILIES, DirectLayers
+from pagedcore.adapters.transformers.testing import tiny_llama
+
+PROMPTS = [[5, 9, 3, 7, 1, 4, 2, 8, 6, 11, 13], [3, 4, 5], [7, 7, 2, 9, 12, 14, 1]]
+
+
+def reference(model: Any, prompts: list[list[int]], new: int) -> list[list[int]]:
+    """transformers' greedy tokens, one prompt at a time (DynamicCache)."""
+    out = []
+    for prompt in prompts:
+        ids = model.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False, min_new_tokens=new)
+        out.append(ids[0, len(prompt) :].tolist())
+    return out
+
+
+def engine(model: Any, **kwargs: Any) -> Engine:
+    return Engine(model, num_blocks=64, block_size=4, max_num_batched_tokens=8, **kwargs)  # chunked prefills too
+
+
+def tokens(outputs: Any) -> list[list[int]]:
+    return [o.samples[0].token_ids for o in outputs]
+
+
+def direct_of(e: Engine) -> DirectLayers | None:
+    return e.runner._direct
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+def test_each_family_runs_its_layers_directly_with_generates_tokens_and_the_same_logits_bits(model_type: str) -> None:
+    model = tiny_family(model_type, seed=1)
+    want = reference(model, PROMPTS, 9)
+    on, off = engine(model), engine(copy.deepcopy(model), compile=False)
+    off.runner._direct = None  # the model's own forward: the bits to match
+    params = SamplingParams(max_new_tokens=9, ignore_eos=True, return_logits=True)
+    got, theirs = on.generate(PROMPTS, params, use_tqdm=False), off.generate(PROMPTS, params, use_tqdm=False)
+    direct = direct_of(on)
+    assert direct is not None and direct.counts.verified is True
+    assert direct.counts.steps > 5  # prefill chunks and decode steps, after the checked first one
+    assert tokens(got) == want == tokens(theirs)
+    for mine, own in zip(got, theirs):
+        for a, b in zip(mine.samples[0].logits, own.samples[0].logits, strict=True):
+            assert torch.equal(a, b)
+
+
+def test_a_sliding_window_family_hands_its_window_to_the_attention() -> None:
+    model = tiny_family("mistral", seed=2)  # the tiny configs' window is 8: these prompts and tokens pass it
+    assert model.config.sliding_window is not None
+    prompts = [[(i * 7) % 200 + 3 for i in range(19)], [4, 5, 6]]
+    want = reference(model, prompts, 12)
+    e = engine(model)
+    assert tokens(e.generate(prompts, SamplingParams(max_new_tokens=12, ignore_eos=True), use_tqdm=False)) == want
+    direct = direct_of(e)
+    assert direct is not None and direct.counts.verified is True and direct.counts.steps > 10
+
+
+def test_the_fused_greedy_head_still_takes_the_tokens_of_argmax_only_steps() -> None:
+    model = tiny_llama(vocab_size=512)
+    want = reference(model, PROMPTS, 6)
+    e = Engine(model, num_blocks=64, block_size=4)
+    head = e.runner.argmax_head
+    assert head is not None
+    got = e.generate(PROMPTS * 4, SamplingParams(max_new_tokens=6, ignore_eos=True), use_tqdm=False)
+    assert tokens(got) == want * 4
+    direct = direct_of(e)
+    assert direct is not None and direct.counts.steps > 3
+    assert head.counts.steps + head.counts.checks > 0  # the head ran inside the direct layers' forward
+
+
+def hooked_layer(model: Any) -> list[int]:
+    calls: list[int] = []
+    model.model.layers[1].register_forward_hook(lambda *_: calls.append(1))
+    return calls
+
+
+def hooked_attention(model: Any) -> list[int]:
+    calls: list[int] = []
+    model.model.layers[0].self_attn.register_forward_pre_hook(lambda *_: calls.append(1))
+    return calls
+
+
+def hooked_mlp(model: Any) -> list[int]:
+    calls: list[int] = []
+    model.model.layers[1].mlp.register_forward_hook(lambda *_: calls.append(1))
+    return calls
+
+
+def own_forward(model: Any) -> list[int]:
+    calls: list[int] = []
+    layer = model.model.layers[0]
+    forward = layer.forward
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return forward(*args, **kwargs)
+
+    layer.forward = counted
+    return calls
+
+
+def global_hook(model: Any) -> list[int]:
+    calls: list[int] = []
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda *_: calls.append(1))
+    model._test_handle = handle  # removed by the test
+    return calls
+
+
+@pytest.mark.parametrize("change", [hooked_layer, hooked_attention, hooked_mlp, own_forward, global_hook])
+def test_a_hooked_or_replaced_bypassed_module_makes_the_step_run_the_models_own_forward(change: Any) -> None:
+    model = tiny_llama()
+    want = reference(model, PROMPTS, 5)
+    e = engine(model)
+    e.generate(PROMPTS[:1], SamplingParams(max_new_tokens=2), use_tqdm=False)  # served directly until the change
+    direct = direct_of(e)
+    assert direct is not None and direct.counts.steps > 0
+    before = direct.counts.steps
+    calls = change(model)
+    try:
+        got = tokens(e.generate(PROMPTS, SamplingParams(max_new_tokens=5, ignore_eos=True), use_tqdm=False))
+    finally:
+        if hasattr(model, "_test_handle"):
+            model._test_handle.remove()
+    assert got == want
+    assert calls  # the hook (or the instance's forward) ran: the model's own forward ran the step
+    assert direct.counts.steps == before
+
+
+def test_a_layer_of_another_class_makes_the_step_run_the_models_own_forward() -> None:
+    model = tiny_llama()
+    e = engine(model)
+    e.generate(PROMPTS[:1], SamplingParams(max_new_tokens=2), use_tqdm=False)
+    direct = direct_of(e)
+    assert direct is not None
+
+    class Layer(type(model.model.layers[0])):  # type: ignore[misc]
+        pass
+
+    model.model.layers[0].__class__ = Layer
+    assert not direct.serves()
+    model.model.layers[0].__class__ = Layer.__bases__[0]
+    assert direct.serves()
+
+
+def test_a_first_step_whose_logits_differ_turns_the_direct_layers_off_with_a_warning_and_keeps_the_models_tokens(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    model = tiny_llama()
+    want = reference(model, PROMPTS, 6)
+    hidden = DirectLayers._hidden
+
+    def off_by_a_little(self: DirectLayers, inner: Any, kwargs: dict[str, Any]) -> torch.Tensor:
+        return hidden(self, inner, kwargs) * 1.0001  # e.g. another transformers version's layer code
+
+    monkeypatch.setattr(DirectLayers, "_hidden", off_by_a_little)
+    e = engine(model)
+    with caplog.at_level(logging.WARNING, logger="pagedcore"):
+        got = tokens(e.generate(PROMPTS, SamplingParams(max_new_tokens=6, ignore_eos=True), use_tqdm=False))
+    assert got == want
+    direct = direct_of(e)
+    assert direct is not None and direct.counts.verified is False and direct.counts.steps == 1
+    assert not direct.serves()
+    assert "gave other logits than its own forward" in caplog.text
+
+
+def test_a_weight_update_between_steps_is_read_by_the_direct_layers() -> None:
+    model = tiny_llama()
+    e = engine(model)
+    e.generate(PROMPTS, SamplingParams(max_new_tokens=3), use_tqdm=False)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.down_proj.weight.mul_(-1.5)
+            layer.self_attn.q_proj.weight.add_(0.05)
+    want = reference(model, PROMPTS, 7)
+    assert tokens(e.generate(PROMPTS, SamplingParams(max_new_tokens=7, ignore_eos=True), use_tqdm=False)) == want
+    direct = direct_of(e)
+    assert direct is not None and direct.counts.verified is True
+
+
+def test_not_built_for_other_families_subclasses_or_with_the_switch_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert DirectLayers.of(tiny_family("gpt2")) is None
+    assert DirectLayers.of(tiny_family("qwen3")) is None  # q and k norms: not Llama's layer
+
+    class MyLlama(type(tiny_llama())):  # type: ignore[misc]
+        pass
+
+    assert DirectLayers.of(MyLlama(tiny_llama().config)) is None  # its forward may differ
+    monkeypatch.setenv(ENV, "0")
+    assert DirectLayers.of(tiny_llama()) is None
+    monkeypatch.delenv(ENV)
+    assert DirectLayers.of(tiny_llama()) is not None
+
+
+def test_a_family_whose_classes_this_transformers_lacks_is_not_built(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(FAMILIES, "llama", ("transformers.models.llama.no_such_module", "Llama", lambda a: None))
+    monkeypatch.setattr(direct_module, "_CLASSES", {})
+    assert DirectLayers.of(tiny_llama()) is None
