@@ -21,6 +21,17 @@ from pagedcore.adapters.transformers.testing import tiny_llama
 PROMPTS = [[5, 9, 3, 7, 1, 4, 2, 8, 6, 11, 13], [3, 4, 5], [7, 7, 2, 9, 12, 14, 1]]
 
 
+def trained_norms(model: Any, seed: int = 0) -> Any:
+    """``model`` with its norms' weights drawn around 1 (a fresh config's are all ones: any order of the norm's
+    products would give the same bits)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "norm" in name:
+                parameter.copy_(1 + 0.2 * torch.randn(parameter.shape, generator=generator))
+    return model
+
+
 def reference(model: Any, prompts: list[list[int]], new: int) -> list[list[int]]:
     """transformers' greedy tokens, one prompt at a time (DynamicCache)."""
     out = []
@@ -44,7 +55,7 @@ def direct_of(e: Engine) -> DirectLayers | None:
 
 @pytest.mark.parametrize("model_type", sorted(FAMILIES))
 def test_each_family_runs_its_layers_directly_with_generates_tokens_and_the_same_logits_bits(model_type: str) -> None:
-    model = tiny_family(model_type, seed=1)
+    model = trained_norms(tiny_family(model_type, seed=1))
     want = reference(model, PROMPTS, 9)
     on, off = engine(model), engine(copy.deepcopy(model), compile=False)
     off.runner._direct = None  # the model's own forward: the bits to match
@@ -60,7 +71,7 @@ def test_each_family_runs_its_layers_directly_with_generates_tokens_and_the_same
 
 
 def test_a_sliding_window_family_hands_its_window_to_the_attention() -> None:
-    model = tiny_family("mistral", seed=2)  # the tiny configs' window is 8: these prompts and tokens pass it
+    model = trained_norms(tiny_family("mistral", seed=2))  # the tiny configs' window is 8: these prompts pass it
     assert model.config.sliding_window is not None
     prompts = [[(i * 7) % 200 + 3 for i in range(19)], [4, 5, 6]]
     want = reference(model, prompts, 12)
@@ -210,3 +221,93 @@ def test_a_family_whose_classes_this_transformers_lacks_is_not_built(monkeypatch
     monkeypatch.setitem(FAMILIES, "llama", ("transformers.models.llama.no_such_module", "Llama", lambda a: None))
     monkeypatch.setattr(direct_module, "_CLASSES", {})
     assert DirectLayers.of(tiny_llama()) is None
+
+
+@pytest.fixture
+def no_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(direct_module, "_kernel_for", lambda *_: None)
+
+
+@pytest.mark.usefixtures("no_kernel")
+def test_without_the_kernel_the_torch_ops_give_the_same_bits() -> None:
+    model = trained_norms(tiny_llama(), seed=3)
+    on, off = engine(model), engine(copy.deepcopy(model))
+    off.runner._direct = None
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True, return_logits=True)
+    got, theirs = on.generate(PROMPTS, params, use_tqdm=False), off.generate(PROMPTS, params, use_tqdm=False)
+    direct = direct_of(on)
+    assert direct is not None and direct.counts.verified is True and direct.counts.steps > 3
+    for mine, own in zip(got, theirs):
+        assert all(torch.equal(a, b) for a, b in zip(mine.samples[0].logits, own.samples[0].logits, strict=True))
+
+
+class _Pool:
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        self.keys, self.values = keys, values
+
+    def layer_kv(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.keys, self.values
+
+
+class _Cache:
+    def __init__(self, pool: _Pool, slots: torch.Tensor) -> None:
+        self.pool, self._slots = pool, slots
+
+    def slots(self, layer_idx: int, device: torch.device) -> torch.Tensor:
+        return self._slots
+
+
+@pytest.mark.parametrize(("tokens", "heads", "kv_heads", "d"), [(1, 8, 2, 64), (5, 4, 4, 16), (3, 6, 1, 128)])
+def test_the_kernels_rotary_and_store_are_transformers_ops_to_the_bit(tokens: int, heads: int, kv_heads: int, d: int):
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    kernel = direct_module.load_kernel()
+    if kernel is None:
+        pytest.skip("no C compiler here")
+    g = torch.Generator().manual_seed(tokens * heads + d)
+    q, k, v = (torch.randn(1, tokens, n * d, generator=g) for n in (heads, kv_heads, kv_heads))
+    angles = torch.randn(1, tokens, d // 2, generator=g) * 40
+    cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
+    pool = _Pool(torch.zeros(4, 4, kv_heads, d), torch.zeros(4, 4, kv_heads, d))
+    slots = torch.tensor([13, 2, 7, 9, 0][:tokens])
+
+    class Attention:
+        head_dim, layer_idx = d, 0
+
+    query = kernel.rope_store(_Cache(pool, slots), Attention(), q, k, v, cos, sin)
+    assert query is not None
+    shape = (1, tokens, -1, d)
+    want_q, want_k = apply_rotary_pos_emb(q.view(shape).transpose(1, 2), k.view(shape).transpose(1, 2), cos, sin)
+    assert torch.equal(query, want_q)
+    flat_keys, flat_values = pool.keys.view(-1, kv_heads, d), pool.values.view(-1, kv_heads, d)
+    assert torch.equal(flat_keys[slots], want_k[0].transpose(0, 1))
+    assert torch.equal(flat_values[slots], v.view(tokens, kv_heads, d))
+    others = torch.ones(16, dtype=torch.bool)
+    others[slots] = False
+    assert not flat_keys[others].any() and not flat_values[others].any()  # nothing else written
+
+
+def test_the_kernel_declines_layouts_it_does_not_read_and_writes_nothing() -> None:
+    kernel = direct_module.load_kernel()
+    if kernel is None:
+        pytest.skip("no C compiler here")
+    q, k, v = torch.randn(1, 2, 32), torch.randn(1, 2, 16), torch.randn(1, 2, 16)
+    cos, sin = torch.randn(1, 2, 16), torch.randn(1, 2, 16)
+
+    class Attention:
+        head_dim, layer_idx = 16, 0
+
+    heads_first = _Pool(torch.zeros(1, 4, 4, 16).transpose(1, 2), torch.zeros(1, 4, 4, 16).transpose(1, 2))
+    assert kernel.rope_store(_Cache(heads_first, torch.tensor([1, 2])), Attention(), q, k, v, cos, sin) is None
+    halves = _Pool(torch.zeros(4, 4, 1, 16, dtype=torch.float16), torch.zeros(4, 4, 1, 16, dtype=torch.float16))
+    assert kernel.rope_store(_Cache(halves, torch.tensor([1, 2])), Attention(), q, k, v, cos, sin) is None
+    assert not heads_first.keys.any() and not halves.keys.any()
+
+
+def test_the_kernel_serves_only_float32_cpu_forwards_outside_autograd() -> None:
+    x, cos = torch.randn(1, 2, 8), torch.randn(1, 2, 4)
+    with torch.inference_mode():
+        assert direct_module._kernel_for(x, cos, cos) is direct_module.load_kernel()
+        assert direct_module._kernel_for(x.double(), cos, cos) is None
+        assert direct_module._kernel_for(x, cos.half(), cos.half()) is None
+    assert direct_module._kernel_for(x, cos, cos) is None  # grad enabled: autograd records the ops

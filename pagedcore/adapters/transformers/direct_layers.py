@@ -24,22 +24,31 @@ it off.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import logging
 import os
+import sys
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch.nn.modules import module as torch_module
+from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+from pagedcore.c_library import build
 
 from .attention import CONTEXT_KEY, paged_attention_forward
 
-__all__ = ["FAMILIES", "DirectCounts", "DirectLayers"]
+__all__ = ["FAMILIES", "DirectCounts", "DirectKernel", "DirectLayers", "load_kernel"]
 
 logger = logging.getLogger("pagedcore")
 
 ENV = "PAGEDCORE_DIRECT_LAYERS"
+KERNEL_ENV = "PAGEDCORE_DIRECT_KERNEL"
 
 
 def _no_window(attention: Any) -> int | None:
@@ -83,6 +92,7 @@ class _Classes:
     layer: type
     attention: type
     mlp: type
+    norm: type
     rotate_half: Callable[[torch.Tensor], torch.Tensor]
     window: Callable[[Any], int | None]
 
@@ -159,26 +169,34 @@ class DirectLayers:
 
     def _hidden(self, inner: Any, kwargs: dict[str, Any]) -> torch.Tensor:
         """The base model's last hidden states: LlamaModel.forward's loop over LlamaDecoderLayer.forward,
-        LlamaAttention.forward (paged) and LlamaMLP.forward, written out."""
+        LlamaAttention.forward (paged) and LlamaMLP.forward, written out (their elementwise steps in
+        :class:`DirectKernel` where it serves: the same bits)."""
         cache, context = kwargs["cache"], kwargs[CONTEXT_KEY]
         position_ids = kwargs["position_ids"]
         hidden = inner.embed_tokens(kwargs["input_ids"])
         cos, sin = inner.rotary_emb(hidden, position_ids=position_ids)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # apply_rotary_pos_emb's, once (views: the same values)
+        kernel = _kernel_for(hidden, cos, sin)
+        norm = functools.partial(_norm, kernel, self._classes.norm)
+        cos4, sin4 = cos.unsqueeze(1), sin.unsqueeze(1)  # apply_rotary_pos_emb's, once (views: the same values)
         rotate_half, window = self._classes.rotate_half, self._classes.window
         extra: dict[str, Any] = {CONTEXT_KEY: context}
         for layer in _layers(inner):
             attention, mlp = layer.self_attn, layer.mlp
             residual = hidden
-            hidden = layer.input_layernorm(hidden)
+            hidden = norm(layer.input_layernorm, hidden)
             input_shape = hidden.shape[:-1]
             hidden_shape = (*input_shape, -1, attention.head_dim)
-            query = attention.q_proj(hidden).view(hidden_shape).transpose(1, 2)
-            key = attention.k_proj(hidden).view(hidden_shape).transpose(1, 2)
-            value = attention.v_proj(hidden).view(hidden_shape).transpose(1, 2)
-            query = (query * cos) + (rotate_half(query) * sin)  # apply_rotary_pos_emb
-            key = (key * cos) + (rotate_half(key) * sin)
-            key, value = cache.update(key, value, attention.layer_idx, kwargs=extra)
+            q, k, v = attention.q_proj(hidden), attention.k_proj(hidden), attention.v_proj(hidden)
+            stored = None if kernel is None else kernel.rope_store(cache, attention, q, k, v, cos, sin)
+            if stored is not None:  # the rotated queries; keys and values in the pool
+                query, key, value = stored, k.view(hidden_shape).transpose(1, 2), v.view(hidden_shape).transpose(1, 2)
+            else:
+                query = q.view(hidden_shape).transpose(1, 2)
+                key = k.view(hidden_shape).transpose(1, 2)
+                value = v.view(hidden_shape).transpose(1, 2)
+                query = (query * cos4) + (rotate_half(query) * sin4)  # apply_rotary_pos_emb
+                key = (key * cos4) + (rotate_half(key) * sin4)
+                key, value = cache.update(key, value, attention.layer_idx, kwargs=extra)
             out, _ = paged_attention_forward(
                 attention, query, key, value, None, dropout=0.0, scaling=attention.scaling,
                 sliding_window=window(attention), **extra,
@@ -186,9 +204,120 @@ class DirectLayers:
             out = out.reshape(*input_shape, -1).contiguous()
             hidden = residual + attention.o_proj(out)
             residual = hidden
-            hidden = layer.post_attention_layernorm(hidden)
+            hidden = norm(layer.post_attention_layernorm, hidden)
             hidden = residual + mlp.down_proj(mlp.act_fn(mlp.gate_proj(hidden)) * mlp.up_proj(hidden))
-        return inner.norm(hidden)
+        return norm(inner.norm, hidden)
+
+
+def _norm(kernel: DirectKernel | None, cls: type, module: Any, hidden: torch.Tensor) -> torch.Tensor:
+    """``module(hidden)``: an unhooked RMSNorm of the family's class through the kernel (its variance torch's)."""
+    if kernel is None or not _plain(module, cls) or not hidden.is_contiguous():
+        return module(hidden)
+    variance = hidden.pow(2).mean(-1, keepdim=True)  # LlamaRMSNorm.forward's (its .to(float32) is the same tensor)
+    return kernel.rms_scale(hidden, variance, module.weight, module.variance_epsilon)
+
+
+class DirectKernel:
+    """The direct layers' elementwise C steps (``direct_kernel.c``): the norm's scale after its variance, and the
+    rotary embedding with the keys' and values' store into the pool, each the same float32 operations in the same
+    order as transformers' torch ops (no fused multiply-add), so the same bits. Serves float32 CPU tensors outside
+    autograd and dispatch modes (:func:`_kernel_for`); ``PAGEDCORE_DIRECT_KERNEL=0`` turns it off.
+
+    Example:
+        >>> kernel = load_kernel()
+        >>> x, w = torch.randn(2, 8), torch.randn(8)
+        >>> variance = x.pow(2).mean(-1, keepdim=True)
+        >>> want = w * (x * torch.rsqrt(variance + 1e-6))
+        >>> kernel is None or torch.equal(kernel.rms_scale(x, variance, w, 1e-6), want)
+        True
+    """
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        self._rms = library.rms_scale
+        self._rms.argtypes = [ptr, ptr, ptr, ctypes.c_float, ptr, i64, i64]
+        self._rms.restype = None
+        self._rope = library.rope_store
+        self._rope.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64]
+        self._rope.restype = None
+
+    def rms_scale(self, x: torch.Tensor, variance: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """``weight * (x * rsqrt(variance + eps))`` over contiguous float32 ``x (..., n)``, ``variance (..., 1)``."""
+        n = x.shape[-1]
+        if weight.dtype != torch.float32 or weight.shape != (n,) or not weight.is_contiguous():
+            return weight * (x * torch.rsqrt(variance + eps))
+        out = torch.empty_like(x)
+        rows = x.numel() // n
+        self._rms(x.data_ptr(), variance.data_ptr(), weight.data_ptr(), eps, out.data_ptr(), rows, n)
+        return out
+
+    def rope_store(
+        self, cache: Any, attention: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> torch.Tensor | None:  # fmt: skip
+        """The rotated queries ``(1, q_heads, tokens, d)`` of the linear outputs ``q, k, v (1, tokens, heads * d)``,
+        the rotated keys and the values written to the layer's pool slots; None (nothing done) where the layouts
+        are not the ones the kernel reads (the caller then runs the torch ops and the cache's update)."""
+        d = attention.head_dim
+        tokens = q.shape[1]
+        if q.dim() != 3 or q.shape[0] != 1 or cos.shape != (1, tokens, d) or d % 2:
+            return None
+        kv_heads, dv = k.shape[-1] // d, v.shape[-1] // max(1, k.shape[-1] // d)
+        keys, values = k.view(tokens, kv_heads, d), v.view(tokens, kv_heads, dv)
+        key_cache, value_cache = cache.pool.layer_kv(attention.layer_idx, keys, values)
+        slots = cache.slots(attention.layer_idx, q.device)
+        fits = (
+            all(t.stride(-1) == 1 and t.stride(1) == t.shape[-1] for t in (q, k, v))
+            and cos.is_contiguous() and sin.is_contiguous()
+            and key_cache.is_contiguous() and value_cache.is_contiguous()
+            and key_cache.dtype == value_cache.dtype == torch.float32
+            and key_cache.shape[-2:] == (kv_heads, d) and value_cache.shape[-2:] == (kv_heads, dv)
+            and slots.dtype == torch.int64 and slots.is_contiguous() and slots.numel() == tokens
+        )  # fmt: skip
+        if not fits:
+            return None
+        heads = q.shape[-1] // d
+        out = q.new_empty(tokens, heads, d)
+        self._rope(
+            q.data_ptr(), q.stride(1), k.data_ptr(), k.stride(1), v.data_ptr(), v.stride(1), cos.data_ptr(),
+            sin.data_ptr(), out.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), slots.data_ptr(), tokens,
+            heads, kv_heads, d, dv,
+        )  # fmt: skip
+        return out.view(1, tokens, heads, d).transpose(1, 2)
+
+
+_SOURCE = Path(__file__).with_name("direct_kernel.c")
+_SOURCE_TEXT = _SOURCE.read_text() if _SOURCE.is_file() else None  # read with this module (see c_library)
+_FLAGS = ("-O2", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC")
+_KERNEL_LOCK = threading.Lock()
+_KERNEL: list[DirectKernel | None] = []
+
+
+def load_kernel() -> DirectKernel | None:
+    """The process's :class:`DirectKernel`, built at the first call; None without a C compiler, off Linux, or with
+    ``PAGEDCORE_DIRECT_KERNEL=0``.
+
+    Example:
+        >>> load_kernel() is load_kernel()
+        True
+    """
+    with _KERNEL_LOCK:
+        if not _KERNEL:
+            usable = os.environ.get(KERNEL_ENV, "1") != "0" and sys.platform == "linux"
+            built = build("direct_kernel", _SOURCE_TEXT, _FLAGS) if usable else None
+            _KERNEL.append(DirectKernel(built) if built is not None else None)
+        return _KERNEL[0]
+
+
+def _kernel_for(hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> DirectKernel | None:
+    """The kernel, where this forward's tensors are float32 on the CPU and nothing records or traces the ops."""
+    if hidden.dtype != torch.float32 or hidden.device.type != "cpu" or torch.is_grad_enabled():
+        return None
+    if cos.dtype != torch.float32 or sin.dtype != torch.float32 or _get_current_dispatch_mode() is not None:
+        return None
+    if torch.compiler.is_compiling():
+        return None
+    return load_kernel()
 
 
 def _layers(inner: Any) -> list[Any]:
@@ -227,7 +356,7 @@ def _classes(path: str, prefix: str, window: Callable[[Any], int | None]) -> _Cl
             _CLASSES[path] = _Classes(
                 getattr(module, f"{prefix}ForCausalLM"), getattr(module, f"{prefix}Model"),
                 getattr(module, f"{prefix}DecoderLayer"), getattr(module, f"{prefix}Attention"),
-                getattr(module, f"{prefix}MLP"), module.rotate_half, window,
+                getattr(module, f"{prefix}MLP"), getattr(module, f"{prefix}RMSNorm"), module.rotate_half, window,
             )  # fmt: skip
         except (ImportError, AttributeError):
             _CLASSES[path] = None

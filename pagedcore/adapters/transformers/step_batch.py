@@ -92,14 +92,10 @@ class PackedCache(Cache):
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        group = self._pool.group_of(layer_idx)
         keys = key_states[0].transpose(0, 1)  # (tokens, kv_heads, head_dim)
         values = value_states[0].transpose(0, 1)
         key_cache, value_cache = self._pool.layer_kv(layer_idx, keys, values)
-        slots = self._on.get((group, keys.device))
-        if slots is None:
-            slots = self._on[(group, keys.device)] = to_device(self._slots[group], keys.device)
-        write_kv(key_cache, value_cache, keys, values, slots)
+        write_kv(key_cache, value_cache, keys, values, self.slots(layer_idx, keys.device))
         context = self._context
         if context is not None:
             model_kwargs = kwargs.get("kwargs")
@@ -110,6 +106,19 @@ class PackedCache(Cache):
             if context.trace is not None:  # a probe forward (probe.py)
                 context.trace.stored(layer_idx, key_states, value_states, returns_new=True, injected=handed)
         return key_states, value_states
+
+    @property
+    def pool(self) -> PagedKVPool:
+        """The pool this cache writes to."""
+        return self._pool
+
+    def slots(self, layer_idx: int, device: torch.device) -> torch.Tensor:
+        """The slots of this forward's new tokens in layer ``layer_idx``'s KV group, on ``device``."""
+        group = self._pool.group_of(layer_idx)
+        slots = self._on.get((group, device))
+        if slots is None:
+            slots = self._on[(group, device)] = to_device(self._slots[group], device)
+        return slots
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0
