@@ -43,7 +43,8 @@ def test_wheel_layout_and_builtin_plugins(tmp_path):
     assert "pagedcore/plugins/torch_backend.py" in names
     assert "pagedcore/py.typed" in names
     # the C kernels' sources, built at first use (c_library.py)
-    assert {"pagedcore/adapters/transformers/row_kernel.c", "pagedcore/plugins/decode_kernel.c"} <= set(names)
+    kernels = ("adapters/transformers/row_kernel.c", "adapters/transformers/direct_kernel.c", "plugins/decode_kernel.c")
+    assert {f"pagedcore/{name}" for name in kernels} <= set(names)
     assert not [n for n in names if n.split("/")[0] in ("adapters", "plugins", "tests", "examples")]
     # The source tree holds exactly the modules the wheel installs, at the paths their names say.
     installed = {n.removesuffix(".py").removesuffix("/__init__").replace("/", ".") for n in names if n.endswith(".py")}
