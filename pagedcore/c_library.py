@@ -3,8 +3,9 @@ temporary folder (mode 0700, this user's), loaded with ``ctypes``, and the folde
 folder another user could write, and the source is the text read when the kernel's module was imported (the ctypes
 signatures written for it), not the file as it may be later.
 
-Who builds what: ``adapters/transformers/row_kernel.py`` (the few-row linears) and ``plugins/decode_kernel.py``
-(decode attention from the paged pool). Each says where it cannot serve; :func:`can_build_avx2` holds what they share.
+Who builds what: ``adapters/transformers/row_kernel.py`` (the few-row linears), ``plugins/decode_kernel.py``
+(decode attention from the paged pool) and ``adapters/transformers/direct_layers.py`` (the direct layers' norm and
+rotary steps). Each says where it cannot serve; :func:`can_build_avx2` holds what they share.
 """
 
 from __future__ import annotations

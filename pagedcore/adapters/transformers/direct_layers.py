@@ -1,25 +1,29 @@
-"""The Engine's packed forward with a known family's decoder layers run as direct calls: the same torch ops, in the
-same order, on the same modules' weights as the family's own ``forward`` code, without its module calls, keyword
+"""The Engine's packed forward with a known family's decoder layers run as direct calls: the same operations, in
+the same order, on the same modules' weights as the family's own ``forward`` code, without its module calls, keyword
 plumbing, mask building and output wrappers around each layer.
 
 Why: at one to a few decoding rows a forward of a small model is mostly the time around its matrix products. On the
 benchmark's Llama (8 layers, hidden 512) transformers' structure around them (``LlamaDecoderLayer.__call__`` and
-its attention's, their keyword arguments and decorators, the causal mask, the output dataclasses) took about 1.7 ms
-of a 12.6 ms decode step at batch 1 (docs/benchmarks.md, "Decoder layers called directly").
+its attention's, their keyword arguments and decorators, the causal mask, the output dataclasses) and the small ops
+of the norms and the rotary embedding took about 1.9 ms of a 12.1 ms decode step at batch 1 (docs/benchmarks.md,
+"Decoder layers called directly").
 
-What runs: the model's embedding, rotary embedding, norms, linear layers and head are still called as modules (so
-their hooks, the runner's own linear forwards and the fused greedy head apply as before); the decoder layer, its
-attention and its MLP are not: their bodies are written out here, in transformers' order (``LlamaDecoderLayer``,
-``LlamaAttention`` with the Engine's paged attention, ``LlamaMLP``). Mistral's and Qwen2's layers are Llama's with a
-sliding window handed to the attention (their attention modules' one difference, :data:`FAMILIES`).
+What runs: the model's embedding, rotary embedding, linear layers and head are still called as modules (so their
+hooks, the runner's own linear forwards and the fused greedy head apply as before); the decoder layer, its attention
+and its MLP are not: their bodies are written out here, in transformers' order (``LlamaDecoderLayer``,
+``LlamaAttention`` with the Engine's paged attention, ``LlamaMLP``). The norms' scale after their variance and the
+rotary embedding with the keys' and values' store run in C (:class:`DirectKernel`: the same float32 operations in
+the same order, so the same bits) where it serves, else as transformers' torch ops and the cache's update; a hooked
+or replaced norm is called as its module. Mistral's and Qwen2's layers are Llama's with a sliding window handed to
+the attention (their attention modules' one difference, :data:`FAMILIES`).
 
 When it runs (:meth:`DirectLayers.serves`, checked at each step): every bypassed module (the causal LM, its base
 model, each decoder layer, attention and MLP) is exactly the family's class, has no hook and no ``forward`` of its
 own on the instance, no global module hook is set, and no layer would checkpoint. Otherwise, and for steps with LoRA
-adapters, the model's own forward runs. The first step it would serve, it is checked: the model's own forward runs
-too and the two logits must be equal to the bit; if not (another transformers version whose layer code changed),
-it is turned off for this runner with a warning and the model's logits are used. ``PAGEDCORE_DIRECT_LAYERS=0`` turns
-it off.
+adapters or a probe's, the model's own forward runs. The first step it would serve, it is checked: the model's own
+forward runs too and the two logits must be equal to the bit; if not (another transformers version whose layer code
+changed), it is turned off for this runner with a warning and the model's logits are used.
+``PAGEDCORE_DIRECT_LAYERS=0`` turns it off, ``PAGEDCORE_DIRECT_KERNEL=0`` only its C steps.
 """
 
 from __future__ import annotations
