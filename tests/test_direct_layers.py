@@ -1,4 +1,4 @@
-"""The Engine's packed forward with Llama's, Mistral's and Qwen2's decoder layers called directly
+"""The Engine's packed forward with Llama's, Mistral's, Qwen2's and Qwen3's decoder layers called directly
 (``pagedcore/adapters/transformers/direct_layers.py``): the same logits as the model's own forward, to the bit, at
 every step; the model's forward wherever a bypassed module is hooked, replaced or of another class; turned off when
 its first step's check fails."""
@@ -189,6 +189,25 @@ def test_a_first_step_whose_logits_differ_turns_the_direct_layers_off_with_a_war
     assert "gave other logits than its own forward" in caplog.text
 
 
+def test_a_first_step_that_raises_turns_the_direct_layers_off_and_the_step_runs_the_models_forward(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    model = tiny_llama()
+    want = reference(model, PROMPTS, 4)
+
+    def renamed(self: DirectLayers, inner: Any, kwargs: dict[str, Any]) -> torch.Tensor:
+        raise AttributeError("'LlamaAttention' object has no attribute 'head_dim'")  # another version's layer code
+
+    monkeypatch.setattr(DirectLayers, "_hidden", renamed)
+    e = engine(model)
+    with caplog.at_level(logging.WARNING, logger="pagedcore"):
+        outputs = e.generate(PROMPTS, SamplingParams(max_new_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert [o.error for o in outputs] == [None] * len(PROMPTS) and tokens(outputs) == want
+    direct = direct_of(e)
+    assert direct is not None and direct.counts.verified is False and not direct.serves()
+    assert "called directly failed" in caplog.text
+
+
 def test_a_weight_update_between_steps_is_read_by_the_direct_layers() -> None:
     model = tiny_llama()
     e = engine(model)
@@ -205,7 +224,7 @@ def test_a_weight_update_between_steps_is_read_by_the_direct_layers() -> None:
 
 def test_not_built_for_other_families_subclasses_or_with_the_switch_off(monkeypatch: pytest.MonkeyPatch) -> None:
     assert DirectLayers.of(tiny_family("gpt2")) is None
-    assert DirectLayers.of(tiny_family("qwen3")) is None  # q and k norms: not Llama's layer
+    assert DirectLayers.of(tiny_family("phi3")) is None  # a fused qkv projection: not Llama's layer
 
     class MyLlama(type(tiny_llama())):  # type: ignore[misc]
         pass
@@ -218,7 +237,7 @@ def test_not_built_for_other_families_subclasses_or_with_the_switch_off(monkeypa
 
 
 def test_a_family_whose_classes_this_transformers_lacks_is_not_built(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(FAMILIES, "llama", ("transformers.models.llama.no_such_module", "Llama", lambda a: None))
+    monkeypatch.setitem(FAMILIES, "llama", ("transformers.models.llama.no_such_module", "Llama", lambda a: None, False))
     monkeypatch.setattr(direct_module, "_CLASSES", {})
     assert DirectLayers.of(tiny_llama()) is None
 
