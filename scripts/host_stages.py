@@ -7,8 +7,9 @@ have 16 own prompt tokens; after their prefills, ``--steps`` decode steps are ti
 ``stage_seconds()`` (schedule / prepare / sample / record, wall) read around ``step()``, the step's thread CPU
 time less its forward's (the host work's CPU time: the machine's other load is left out), and the whole step's wall
 time (forward included). With the model (``--forward model``) also ``host``: section 8's host time, from the end of
-a step's model forward to the start of the next one's (forward hooks on the model), which also counts what the
-runner does around the model call (its input tensors, the dropout check) and the step's locks. Prints medians.
+a step's model forward to the start of the next one's (hooks on its embedding and head: ``forward_edges``), which
+also counts what the runner does around the model call (its input tensors, the dropout check) and the step's locks.
+Prints medians.
 
 A process's host figures move by ±15% from one run to the next on a 2-core VM (where its memory lands), far more
 than one optimisation changes them, so compare two checkouts by alternating processes, several rounds:
@@ -51,6 +52,7 @@ import torch
 import pagedcore
 from pagedcore.adapters.transformers import Engine, SamplingParams
 from pagedcore.benchmarks.common import BLOCK_SIZE, bench_model, bench_tokenizer
+from pagedcore.benchmarks.steps import forward_edges
 
 STAGES = ("schedule", "prepare", "sample", "record")
 OWN = 16  # each sequence's own prompt tokens; the rest of its ``context - 32``-token prompt is shared
@@ -100,8 +102,9 @@ def measure(
     stamps: dict[str, float] = {}
     if forward == "model":  # section 8's host time: the previous forward's end to this one's start
         per["host"] = []
-        model.register_forward_pre_hook(lambda *_: stamps.__setitem__("start", time.perf_counter()))
-        model.register_forward_hook(lambda *_: stamps.__setitem__("end", time.perf_counter()))
+        first, last, _ = forward_edges(model)  # not on the model itself: that would turn its direct layers off
+        first.register_forward_pre_hook(lambda *_: stamps.__setitem__("start", time.perf_counter()))
+        last.register_forward_hook(lambda *_: stamps.__setitem__("end", time.perf_counter()))
         engine.step()
     for _ in range(steps):
         ended = stamps.get("end")

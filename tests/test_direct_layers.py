@@ -330,3 +330,22 @@ def test_the_kernel_serves_only_float32_cpu_forwards_outside_autograd() -> None:
         assert direct_module._kernel_for(x.double(), cos, cos) is None
         assert direct_module._kernel_for(x, cos.half(), cos.half()) is None
     assert direct_module._kernel_for(x, cos, cos) is None  # grad enabled: autograd records the ops
+
+
+def test_the_benchmarks_forward_log_and_counter_leave_the_direct_layers_serving() -> None:
+    """A fault found measuring: their hooks sat on the model itself, so every benchmarked Engine ran the model's own
+    forward. They hook the embedding, head and rotary embedding now (``forward_edges``)."""
+    from pagedcore.benchmarks.common import counting
+    from pagedcore.benchmarks.steps import logging_forwards
+
+    model = tiny_llama()
+    e = engine(model)
+    with logging_forwards(model) as log, counting(model) as counter:
+        e.generate(PROMPTS, SamplingParams(max_new_tokens=4, ignore_eos=True), use_tqdm=False)
+    direct = direct_of(e)
+    assert direct is not None and direct.counts.verified is True
+    assert direct.counts.steps == len(log.forwards) - 1  # every forward but the checked first one's own
+    checked = log.forwards[0].tokens  # the first step's positions, computed by both forwards
+    assert counter.positions == sum(f.tokens for f in log.forwards) == sum(map(len, PROMPTS)) + 3 * 3 + checked
+    decode = [f for f in log.forwards if f.tokens == len(PROMPTS)]
+    assert [f.first_position for f in decode][-2:] == [4, 5]  # the shortest prompt's last positions (the smallest)

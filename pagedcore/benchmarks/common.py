@@ -24,6 +24,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedModel
 from pagedcore.adapters.transformers import ModelKVSpec
 
 from .options import MODEL_SIZES, QUICK_MODEL
+from .steps import forward_edges
 
 __all__ = [
     "bench_config",
@@ -232,12 +233,13 @@ def attn(model: PreTrainedModel, implementation: str) -> Iterator[None]:
 
 
 class ForwardCounter:
-    """Counts the positions the model computes (a forward pre-hook; works in any thread that runs the model)."""
+    """Counts the positions the model computes (a forward pre-hook on the module each forward calls first,
+    :func:`~pagedcore.benchmarks.steps.forward_edges`; works in any thread that runs the model)."""
 
     def __init__(self, model: PreTrainedModel) -> None:
         self.positions = 0
         self.forwards = 0
-        self._handle = model.register_forward_pre_hook(self._hook, with_kwargs=True)
+        self._handle = forward_edges(model)[0].register_forward_pre_hook(self._hook, with_kwargs=True)
 
     def _hook(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         ids = kwargs.get("input_ids", args[0] if args else None)

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Forward", "ForwardLog", "StepTimes", "logging_forwards"]
+__all__ = ["Forward", "ForwardLog", "StepTimes", "forward_edges", "logging_forwards"]
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,8 @@ class StepTimes:
 
 
 class ForwardLog:
-    """Records every forward of a model (any thread): a forward pre-hook and a forward hook on the model.
+    """Records every forward of a model (any thread): hooks on the modules each forward calls first and last
+    (:func:`forward_edges`).
 
     Example:
         >>> from pagedcore.benchmarks.common import bench_model
@@ -103,17 +104,24 @@ class ForwardLog:
     def __init__(self, model: Any) -> None:
         self.forwards: list[Forward] = []
         self._open: tuple[float, int, int] | None = None
+        first, last, positions = forward_edges(model)
         self._handles = [
-            model.register_forward_pre_hook(self._before, with_kwargs=True),
-            model.register_forward_hook(self._after, with_kwargs=True),
+            first.register_forward_pre_hook(self._before, with_kwargs=True),
+            last.register_forward_hook(self._after, with_kwargs=True),
         ]
+        if positions is not first:
+            self._handles.append(positions.register_forward_pre_hook(self._positions, with_kwargs=True))
 
     def _before(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         ids = kwargs.get("input_ids", args[0] if args else None)
         tokens = int(ids.numel()) if isinstance(ids, torch.Tensor) else 0
-        positions = kwargs.get("position_ids")
-        first = int(positions.min()) if isinstance(positions, torch.Tensor) and positions.numel() else 0
-        self._open = (time.perf_counter(), tokens, first)
+        self._open = (time.perf_counter(), tokens, 0)
+        self._positions(module, args[1:], kwargs)
+
+    def _positions(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        positions = kwargs.get("position_ids", args[0] if args else None)
+        if self._open is not None and isinstance(positions, torch.Tensor) and positions.numel():
+            self._open = (self._open[0], self._open[1], int(positions.min()))
 
     def _after(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
         if self._open is not None:
@@ -152,6 +160,28 @@ class ForwardLog:
                 for name, seconds in (stages[i] if stages is not None else {}).items():
                     kept.setdefault(name, []).append(seconds)
         return StepTimes(forward[skip:], host[skip:], {name: values[skip:] for name, values in kept.items()})
+
+
+def forward_edges(model: Any) -> tuple[torch.nn.Module, torch.nn.Module, torch.nn.Module]:
+    """The modules a forward of ``model`` calls first and last, and the one handed its ``position_ids``: its input
+    embedding, its head and its base model's rotary embedding; the model itself where it has none of them. The hooks
+    that time and count forwards go there, not on the model: a hook on the model itself makes an Engine run the
+    model's own forward rather than its direct layers (``adapters/transformers/direct_layers.py``), which would
+    change what is measured. So a forward here runs from the embedding's call to the head's end (the model's call
+    and its output wrapping, around them, count as the loop's).
+
+    Example:
+        >>> from pagedcore.benchmarks.common import bench_model
+        >>> model = bench_model(size="tiny")
+        >>> [type(m).__name__ for m in forward_edges(model)]
+        ['Embedding', 'Linear', 'LlamaRotaryEmbedding']
+    """
+    embeddings = getattr(model, "get_input_embeddings", lambda: None)()
+    head = getattr(model, "get_output_embeddings", lambda: None)()
+    if not isinstance(embeddings, torch.nn.Module) or not isinstance(head, torch.nn.Module):
+        return model, model, model
+    rotary = getattr(getattr(model, "model", None), "rotary_emb", None)
+    return embeddings, head, rotary if isinstance(rotary, torch.nn.Module) else model
 
 
 @contextlib.contextmanager
