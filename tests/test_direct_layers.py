@@ -168,7 +168,7 @@ def test_a_layer_of_another_class_makes_the_step_run_the_models_own_forward() ->
     assert direct.serves()
 
 
-def test_a_first_step_whose_logits_differ_turns_the_direct_layers_off_with_a_warning_and_keeps_the_models_tokens(
+def test_a_first_step_whose_hidden_states_differ_turns_the_direct_layers_off_with_a_warning_and_keeps_the_models_tokens(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     model = tiny_llama()
@@ -184,9 +184,9 @@ def test_a_first_step_whose_logits_differ_turns_the_direct_layers_off_with_a_war
         got = tokens(e.generate(PROMPTS, SamplingParams(max_new_tokens=6, ignore_eos=True), use_tqdm=False))
     assert got == want
     direct = direct_of(e)
-    assert direct is not None and direct.counts.verified is False and direct.counts.steps == 1
+    assert direct is not None and direct.counts.verified is False and direct.counts.steps == 0
     assert not direct.serves()
-    assert "gave other logits than its own forward" in caplog.text
+    assert "gave other hidden states than its own forward" in caplog.text
 
 
 def test_a_first_step_that_raises_turns_the_direct_layers_off_and_the_step_runs_the_models_forward(
@@ -344,8 +344,8 @@ def test_the_benchmarks_forward_log_and_counter_leave_the_direct_layers_serving(
         e.generate(PROMPTS, SamplingParams(max_new_tokens=4, ignore_eos=True), use_tqdm=False)
     direct = direct_of(e)
     assert direct is not None and direct.counts.verified is True
-    assert direct.counts.steps == len(log.forwards) - 1  # every forward but the checked first one's own
-    checked = log.forwards[0].tokens  # the first step's positions, computed by both forwards
-    assert counter.positions == sum(f.tokens for f in log.forwards) == sum(map(len, PROMPTS)) + 3 * 3 + checked
+    assert direct.counts.steps == len(log.forwards)  # every step (the checked first one's base model: no head call)
+    checked = log.forwards[0].tokens  # the first step's positions, embedded by both forwards
+    assert sum(f.tokens for f in log.forwards) == sum(map(len, PROMPTS)) + 3 * 3 == counter.positions - checked
     decode = [f for f in log.forwards if f.tokens == len(PROMPTS)]
     assert [f.first_position for f in decode][-2:] == [4, 5]  # the shortest prompt's last positions (the smallest)

@@ -21,9 +21,9 @@ before the rotary embedding (:data:`FAMILIES`).
 When it runs (:meth:`DirectLayers.serves`, checked at each step): every bypassed module (the causal LM, its base
 model, each decoder layer, attention and MLP) is exactly the family's class, has no hook and no ``forward`` of its
 own on the instance, no global module hook is set, and no layer would checkpoint. Otherwise, and for steps with LoRA
-adapters or a probe's, the model's own forward runs. The first step it would serve, it is checked: the model's own
-forward runs too and the two logits must be equal to the bit; if not (another transformers version whose layer code
-changed), it is turned off for this runner with a warning and the model's logits are used.
+adapters or a probe's, the model's own forward runs. The first step it would serve, it is checked: the base model's
+own forward runs too and the two last hidden states must be equal to the bit; if not (another transformers version
+whose layer code changed), it is turned off for this runner with a warning and the model's are used.
 ``PAGEDCORE_DIRECT_LAYERS=0`` turns it off, ``PAGEDCORE_DIRECT_KERNEL=0`` only its C steps.
 """
 
@@ -152,33 +152,42 @@ class DirectLayers:
 
     def logits(self, kwargs: dict[str, Any]) -> torch.Tensor:
         """The logits ``(1, kept rows, vocab)`` of the runner's packed forward (``kwargs``: what it passes the model:
-        ``input_ids``, ``position_ids``, ``cache``, the context, ``logits_to_keep``)."""
-        self.counts.steps += 1
+        ``input_ids``, ``position_ids``, ``cache``, the context, ``logits_to_keep``); the first step through
+        :meth:`_checked`."""
         model = self._model
-        hidden = self._hidden(model.model, kwargs)
+        if self.counts.verified is None:
+            return self._head(self._checked(kwargs), kwargs)
+        self.counts.steps += 1
+        return self._head(self._hidden(model.model, kwargs), kwargs)
+
+    def _head(self, hidden: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor:
+        """LlamaForCausalLM.forward after its base model: the kept positions through the head (one module call)."""
         keep = kwargs.get("logits_to_keep", 0)
         index = slice(-keep, None) if isinstance(keep, int) else keep  # transformers' slice_logits_to_keep
-        return model.lm_head(hidden[:, index, :])
+        return self._model.lm_head(hidden[:, index, :])
 
-    def verified(self, kwargs: dict[str, Any], own: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """The first step: the direct logits, then the model's own (``own()``, writing the same slots again), compared
-        to the bit; returns the model's, and turns the direct layers off for good where they differ or raised."""
+    def _checked(self, kwargs: dict[str, Any]) -> torch.Tensor:
+        """The first step: the direct layers' last hidden states, then the base model's own forward's (writing the
+        same slots again), compared to the bit; returns the base model's, and turns the direct layers off for good
+        where they differ or raised. (Hidden states, not logits: the head then runs once, as in every step, so the
+        fused greedy head sees the one call it checks for.)"""
+        inner = self._model.model
         try:
-            direct: torch.Tensor | None = self.logits(kwargs)
+            direct: torch.Tensor | None = self._hidden(inner, kwargs)
         except Exception:  # e.g. a layer attribute another transformers version renamed: the model's forward runs
             logger.warning("pagedcore: %s's decoder layers called directly failed", type(self._model).__name__,
                            exc_info=True)  # fmt: skip
             direct = None
-        theirs = own()
-        if direct is None:
-            self.counts.verified = False
-            return theirs
-        same = direct.shape == theirs.shape and bool(torch.equal(direct, theirs))
+        base = {name: value for name, value in kwargs.items() if name != "logits_to_keep"}
+        theirs = inner(**base).last_hidden_state
+        same = direct is not None and direct.shape == theirs.shape and _same_bits(direct, theirs)
         self.counts.verified = same
-        if not same:
+        if same:
+            self.counts.steps += 1
+        elif direct is not None:
             logger.warning(
-                "pagedcore: %s's decoder layers called directly gave other logits than its own forward (another "
-                "transformers version's layer code?): this Engine runs the model's own forward from here on",
+                "pagedcore: %s's decoder layers called directly gave other hidden states than its own forward "
+                "(another transformers version's layer code?): this Engine runs the model's own forward from here on",
                 type(self._model).__name__,
             )
         return theirs
@@ -337,6 +346,11 @@ def _kernel_for(hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> D
     if torch.compiler.is_compiling():
         return None
     return load_kernel()
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal to the bit, a NaN where the other has one counting as equal."""
+    return bool(torch.equal(a, b) or ((a == b) | (a.isnan() & b.isnan())).all())
 
 
 def _layers(inner: Any) -> list[Any]:

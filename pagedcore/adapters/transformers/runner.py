@@ -277,31 +277,24 @@ class TransformersRunner:
         if self._keeps_logits:
             kwargs["logits_to_keep"] = to_device(long_tensor(keep), device) if keep else 1
         packs = self._linears.active() if self._linears is not None else contextlib.nullcontext()
-        forward, checking = self._model_forward(prepared, kwargs)
+        forward = self._model_forward(prepared, kwargs)
         with torch.inference_mode(), self._adapters_applied(prepared), packs:
-            if self._argmax is not None and prepared.argmax_only and prepared.adapters is None and not checking:
+            if self._argmax is not None and prepared.argmax_only and prepared.adapters is None:
                 return self._argmax.step(lambda: forward()[0], len(keep))
             logits = forward()[0]
         if not self._keeps_logits and keep:
             logits = logits[to_device(long_tensor(keep), logits.device)]
         return logits.float()  # (len(keep), vocab)
 
-    def _model_forward(self, prepared: PreparedStep, kwargs: dict[str, Any]) -> tuple[Callable[[], torch.Tensor], bool]:
+    def _model_forward(self, prepared: PreparedStep, kwargs: dict[str, Any]) -> Callable[[], torch.Tensor]:
         """The packed forward's logits ``(1, rows, vocab)`` as a call: the direct layers' where they serve this step
-        (:mod:`.direct_layers`), else the model's (with LoRA rows, and in a probe's forward); and whether this step
-        checks the direct layers (the call then runs both and returns the model's logits; the fused greedy head sits
-        that step out)."""
-
-        def own() -> torch.Tensor:
-            return self.model(**kwargs).logits
-
+        (:mod:`.direct_layers`, whose first step is checked against the model's), else the model's (with LoRA rows,
+        and in a probe's forward)."""
         direct = self._direct
         probing = prepared.context.trace is not None  # a probe's forward examines the model's own layers
         if direct is None or prepared.adapters is not None or probing or not direct.serves():
-            return own, False
-        if direct.counts.verified is None:
-            return functools.partial(direct.verified, kwargs, own), True
-        return functools.partial(direct.logits, kwargs), False
+            return lambda: self.model(**kwargs).logits
+        return functools.partial(direct.logits, kwargs)
 
     def _forward_compiled(
         self, decode: CompiledDecode | DecodeGraphs, prepared: PreparedStep, device: torch.device
