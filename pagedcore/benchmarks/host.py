@@ -104,7 +104,9 @@ class HostResult(Reported):
             "beforehand, and taken from the prefix cache), submitted at once"
         )
         measured = (
-            "forward pre- and post-hooks on the model stamp every forward; a decode step is a forward that computes "
+            "hooks on the model's input embedding (its start), head (its end) and rotary embedding (its positions) "
+            "stamp every forward (not on the model itself: that would turn the Engine's direct layers off); a decode "
+            "step is a forward that computes "
             "one position per sequence for every sequence; host time per step = from the end of a decode step's "
             "forward to the start of the next one's (sampling, bookkeeping, scheduling and packing: everything the "
             "loop does outside the forward). The Engine's own split of that time comes from "
