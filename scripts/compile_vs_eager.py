@@ -27,14 +27,15 @@ def prompts(vocab: int, batch: int, seed: int) -> list[list[int]]:
     return [torch.randint(3, vocab, (128,), generator=g).tolist() for _ in range(batch)]
 
 
-def decode_step(engine: Engine, batch: list[list[int]]) -> tuple[float, list[list[int]]]:
-    """Seconds per decode step of ``batch`` on ``engine``, and its greedy tokens."""
+def decode_step(engine: Engine, batch: list[list[int]], new: int = NEW) -> tuple[float, list[list[int]]]:
+    """Seconds per decode step of ``batch`` on ``engine`` over ``new`` tokens, and its greedy tokens (also
+    ``scripts/direct_layers_ab.py``'s)."""
     engine.pool.clear_prefix_cache()
     s0 = engine.stats()
     engine.generate(batch, SamplingParams(max_new_tokens=1), use_tqdm=False)
     s1 = engine.stats()
     engine.pool.clear_prefix_cache()
-    outputs = engine.generate(batch, SamplingParams(max_new_tokens=NEW), use_tqdm=False)
+    outputs = engine.generate(batch, SamplingParams(max_new_tokens=new), use_tqdm=False)
     s2 = engine.stats()
     steps = (s2.num_steps - s1.num_steps) - (s1.num_steps - s0.num_steps)
     seconds = (s2.busy_seconds - s1.busy_seconds) - (s1.busy_seconds - s0.busy_seconds)

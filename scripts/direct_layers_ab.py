@@ -19,26 +19,13 @@ import random
 import statistics
 
 import torch
+from compile_vs_eager import decode_step  # this folder's (python puts a script's folder first)
 
-from pagedcore.adapters.transformers import Engine, SamplingParams
+from pagedcore.adapters.transformers import Engine
 from pagedcore.adapters.transformers.direct_layers import ENV
 from pagedcore.benchmarks.common import BLOCK_SIZE, bench_model
 
 NEW = 40
-
-
-def decode_ms(engine: Engine, prompts: list[list[int]]) -> tuple[float, list[list[int]]]:
-    """ms per decode step of ``prompts`` on ``engine``, and the greedy tokens."""
-    engine.pool.clear_prefix_cache()
-    s0 = engine.stats()
-    engine.generate(prompts, SamplingParams(max_new_tokens=1), use_tqdm=False)
-    s1 = engine.stats()
-    engine.pool.clear_prefix_cache()
-    outputs = engine.generate(prompts, SamplingParams(max_new_tokens=NEW), use_tqdm=False)
-    s2 = engine.stats()
-    steps = (s2.num_steps - s1.num_steps) - (s1.num_steps - s0.num_steps)
-    seconds = (s2.busy_seconds - s1.busy_seconds) - (s1.busy_seconds - s0.busy_seconds)
-    return seconds / steps * 1000, [o.samples[0].token_ids for o in outputs]
 
 
 def main() -> None:
@@ -68,7 +55,8 @@ def main() -> None:
         for round_ in range(args.rounds + 1):
             order = list(engines) if round_ % 2 == 0 else list(reversed(engines))
             for name in order:
-                ms, tokens[name] = decode_ms(engines[name], prompts)
+                seconds, tokens[name] = decode_step(engines[name], prompts, NEW)
+                ms = seconds * 1000
                 if round_:  # the first round warms up
                     times[name].append(ms)
         direct, modules = statistics.median(times["direct"]), statistics.median(times["modules"])

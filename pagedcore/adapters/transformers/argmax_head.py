@@ -286,7 +286,7 @@ class ArgmaxHead:
         out = _rows(call.outputs[0])
         if call.padded and out.shape[0] == call.padded:  # a compiled step's bucket: the padding rows dropped
             out = out[: logits.shape[0]]
-        self._plain = out.shape == logits.shape and out.dtype == logits.dtype and _same_bits(out, logits)
+        self._plain = out.shape == logits.shape and out.dtype == logits.dtype and same_bits(out, logits)
 
     def _check_chunks(self, x: torch.Tensor, whole: torch.Tensor) -> None:
         """Check 2, for the rows and threads of ``x``: the chunks' GEMMs give the bits of the whole one. The first,
@@ -300,7 +300,7 @@ class ArgmaxHead:
         for a in sorted(starts):
             b = min(a + columns, vocab)
             chunk = F.linear(x, weight[a:b], None if bias is None else bias[a:b])
-            if not _same_bits(chunk, whole[..., a:b]):
+            if not same_bits(chunk, whole[..., a:b]):
                 exact = False
                 break
         self._exact[(rows, torch.get_num_threads())] = exact
@@ -327,7 +327,7 @@ class ArgmaxHead:
         if good is None:
             self.counts.checks += 1
             whole = _rows(self._linear(x))
-            good = _same_bits(step.exact, whole[:, torch.from_numpy(step.columns)])
+            good = same_bits(step.exact, whole[:, torch.from_numpy(step.columns)])
             apart = (step.approx.double() - whole.double()).abs().amax(dim=1).numpy()
             if not (apart <= step.bound).all():
                 logger.warning("pagedcore: the head screen's bound failed on this machine; the screen is off")
@@ -457,9 +457,22 @@ def _fusable(weight: torch.Tensor) -> bool:
     return weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.dim() == 2
 
 
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bit for bit (NaNs with the same payload agree; ``0.0`` and ``-0.0`` do not)."""
-    return a.shape == b.shape and torch.equal(a.view(torch.int32), b.view(torch.int32))
+_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # an integer view of each element size
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit for bit (NaNs with the same payload agree; ``0.0`` and ``-0.0`` do not).
+
+    Example:
+        >>> same_bits(torch.tensor([0.0, float("nan")]), torch.tensor([0.0, float("nan")]))
+        True
+        >>> same_bits(torch.tensor([0.0]), torch.tensor([-0.0]))
+        False
+    """
+    bits = _BITS.get(a.element_size())
+    if a.shape != b.shape or a.dtype != b.dtype or bits is None:
+        return False
+    return torch.equal(a.contiguous().view(bits), b.contiguous().view(bits))
 
 
 def _rows(logits: torch.Tensor) -> torch.Tensor:

@@ -46,6 +46,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from pagedcore.c_library import build
 
+from .argmax_head import same_bits
 from .attention import CONTEXT_KEY, paged_attention_forward
 
 __all__ = ["FAMILIES", "DirectCounts", "DirectKernel", "DirectLayers", "load_kernel"]
@@ -168,9 +169,9 @@ class DirectLayers:
 
     def _checked(self, kwargs: dict[str, Any]) -> torch.Tensor:
         """The first step: the direct layers' last hidden states, then the base model's own forward's (writing the
-        same slots again), compared to the bit; returns the base model's, and turns the direct layers off for good
-        where they differ or raised. (Hidden states, not logits: the head then runs once, as in every step, so the
-        fused greedy head sees the one call it checks for.)"""
+        same slots again), compared to the bit (:func:`~.argmax_head.same_bits`); returns the base model's, and
+        turns the direct layers off for good where they differ or raised. (Hidden states, not logits: the head then
+        runs once, as in every step, so the fused greedy head sees the one call it checks for.)"""
         inner = self._model.model
         try:
             direct: torch.Tensor | None = self._hidden(inner, kwargs)
@@ -180,7 +181,7 @@ class DirectLayers:
             direct = None
         base = {name: value for name, value in kwargs.items() if name != "logits_to_keep"}
         theirs = inner(**base).last_hidden_state
-        same = direct is not None and direct.shape == theirs.shape and _same_bits(direct, theirs)
+        same = direct is not None and same_bits(direct, theirs)
         self.counts.verified = same
         if same:
             self.counts.steps += 1
@@ -346,11 +347,6 @@ def _kernel_for(hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> D
     if torch.compiler.is_compiling():
         return None
     return load_kernel()
-
-
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal to the bit, a NaN where the other has one counting as equal."""
-    return bool(torch.equal(a, b) or ((a == b) | (a.isnan() & b.isnan())).all())
 
 
 def _layers(inner: Any) -> list[Any]:
