@@ -323,6 +323,59 @@ def test_the_kernel_declines_layouts_it_does_not_read_and_writes_nothing() -> No
     assert not heads_first.keys.any() and not halves.keys.any()
 
 
+WIDTHS = (8, 24, 64, 100, 512, 896, 1536, 3584, 5120, 65536)  # powers of two and not; several of ATen's levels
+
+
+def fresh_kernel() -> direct_module.DirectKernel:
+    kernel = direct_module.load_kernel()
+    if kernel is None:
+        pytest.skip("no C compiler here")
+    return direct_module.DirectKernel(_library())  # its own width checks
+
+
+def _library() -> Any:
+    library = direct_module.build("direct_kernel", direct_module._SOURCE_TEXT, direct_module._FLAGS)
+    assert library is not None
+    return library
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_the_kernels_norm_is_llamas_rmsnorm_to_the_bit_where_its_sum_is_torchs(width: int) -> None:
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    kernel = fresh_kernel()
+    g = torch.Generator().manual_seed(width)
+    norm = LlamaRMSNorm(width, eps=1e-5)
+    norm.weight.data = 1 + 0.1 * torch.randn(width, generator=g)
+    x = torch.randn(3, 5, width, generator=g) * torch.logspace(-4, 4, 5).view(1, 5, 1)
+    with torch.inference_mode():
+        got = kernel.rms_norm(x, norm.weight, norm.variance_epsilon)
+        if torch.backends.cpu.get_cpu_capability() in direct_module.SUM_LANES:  # the sum orders the C code follows
+            assert got is not None, f"torch's sum order at width {width} was not found"
+        if got is not None:
+            assert torch.equal(got, norm(x))
+            assert kernel._widths[width] is True
+
+
+def test_a_sum_order_other_than_torchs_is_found_out_and_the_norm_left_to_torch() -> None:
+    kernel = fresh_kernel()
+    kernel._lanes = 4  # a vector width torch does not use: another order of the same sum
+    x, weight = torch.randn(4, 512) * 100, torch.ones(512)
+    assert kernel.sums_as_torch(x) is False
+    assert kernel.rms_norm(x, weight, 1e-6) is None  # _norm then runs torch's variance and rms_scale
+    kernel._lanes = None  # a CPU capability the C code does not follow: never its own sum
+    kernel._widths.clear()
+    assert kernel.rms_norm(x, weight, 1e-6) is None
+
+
+def test_the_norm_declines_weights_it_does_not_read() -> None:
+    kernel = fresh_kernel()
+    x = torch.randn(2, 64)
+    assert kernel.rms_norm(x, torch.ones(64, dtype=torch.float64), 1e-6) is None
+    assert kernel.rms_norm(x, torch.ones(128)[::2], 1e-6) is None
+    assert kernel.rms_norm(x, torch.ones(32), 1e-6) is None
+
+
 def test_the_kernel_serves_only_float32_cpu_forwards_outside_autograd() -> None:
     x, cos = torch.randn(1, 2, 8), torch.randn(1, 2, 4)
     with torch.inference_mode():

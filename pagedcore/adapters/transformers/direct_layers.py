@@ -11,12 +11,13 @@ of the norms and the rotary embedding took about 1.9 ms of a 12.1 ms decode step
 What runs: the model's embedding, rotary embedding, linear layers and head are still called as modules (so their
 hooks, the runner's own linear forwards and the fused greedy head apply as before); the decoder layer, its attention
 and its MLP are not: their bodies are written out here, in transformers' order (``LlamaDecoderLayer``,
-``LlamaAttention`` with the Engine's paged attention, ``LlamaMLP``). The norms' scale after their variance and the
-rotary embedding with the keys' and values' store run in C (:class:`DirectKernel`: the same float32 operations in
-the same order, so the same bits) where it serves, else as transformers' torch ops and the cache's update; a hooked
-or replaced norm is called as its module. Mistral's and Qwen2's layers are Llama's with a sliding window handed to
-the attention (their attention modules' one difference), Qwen3's Qwen2's with each query and key head normalized
-before the rotary embedding (:data:`FAMILIES`).
+``LlamaAttention`` with the Engine's paged attention, ``LlamaMLP``). The norms and the rotary embedding with the
+keys' and values' store run in C (:class:`DirectKernel`: the same float32 operations in the same order, so the same
+bits; a norm's variance summed in torch's own order where that was found to give torch's bits for its row width,
+else torch's variance and the scale in C) where it serves, else as transformers' torch ops and the cache's update; a
+hooked or replaced norm is called as its module. Mistral's and Qwen2's layers are Llama's with a sliding window
+handed to the attention (their attention modules' one difference), Qwen3's Qwen2's with each query and key head
+normalized before the rotary embedding (:data:`FAMILIES`).
 
 When it runs (:meth:`DirectLayers.serves`, checked at each step): every bypassed module (the causal LM, its base
 model, each decoder layer, attention and MLP) is exactly the family's class, has no hook and no ``forward`` of its
@@ -242,12 +243,16 @@ def _norm(kernel: DirectKernel | None, cls: type, module: Any, hidden: torch.Ten
     """``module(hidden)``: an unhooked RMSNorm of the family's class through the kernel (its variance torch's)."""
     if kernel is None or not _plain(module, cls) or not hidden.is_contiguous():
         return module(hidden)
+    out = kernel.rms_norm(hidden, module.weight, module.variance_epsilon)  # where its sum's bits are torch's
+    if out is not None:
+        return out
     variance = hidden.pow(2).mean(-1, keepdim=True)  # LlamaRMSNorm.forward's (its .to(float32) is the same tensor)
     return kernel.rms_scale(hidden, variance, module.weight, module.variance_epsilon)
 
 
 class DirectKernel:
-    """The direct layers' elementwise C steps (``direct_kernel.c``): the norm's scale after its variance, and the
+    """The direct layers' C steps (``direct_kernel.c``): the norm (:meth:`rms_norm`; its scale after torch's
+    variance, :meth:`rms_scale`, where the C sum's bits are not torch's), and the
     rotary embedding with the keys' and values' store into the pool, each the same float32 operations in the same
     order as transformers' torch ops (no fused multiply-add), so the same bits. Serves float32 CPU tensors outside
     autograd and dispatch modes (:func:`_kernel_for`); ``PAGEDCORE_DIRECT_KERNEL=0`` turns it off.
@@ -266,9 +271,56 @@ class DirectKernel:
         self._rms = library.rms_scale
         self._rms.argtypes = [ptr, ptr, ptr, ctypes.c_float, ptr, i64, i64]
         self._rms.restype = None
+        self._norm = library.rms_norm
+        self._norm.argtypes = [ptr, ptr, ctypes.c_float, ptr, ptr, i64, i64, i64]
+        self._norm.restype = ctypes.c_int
         self._rope = library.rope_store
         self._rope.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64]
         self._rope.restype = None
+        # torch's float32 vectors in its CPU kernels: its sum's order (None: a capability the C code does not follow)
+        self._lanes = SUM_LANES.get(torch.backends.cpu.get_cpu_capability())
+        self._widths: dict[int, bool] = {}  # row width -> whether the C sum's bits were found equal to torch's
+        self._lock = threading.Lock()
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+        """LlamaRMSNorm.forward over contiguous float32 ``x (..., n)`` in one C call, its variance summed in torch's
+        order; None (nothing done) where the weight is not a contiguous float32 ``(n,)``, or this row width's bits
+        were not found equal to torch's (:meth:`sums_as_torch`, asked once per width)."""
+        n = x.shape[-1]
+        if weight.dtype != torch.float32 or weight.shape != (n,) or not weight.is_contiguous():
+            return None
+        same = self._widths.get(n)
+        if same is None:
+            same = self.sums_as_torch(x)
+        if not same:
+            return None
+        out = torch.empty_like(x)
+        self._norm(x.data_ptr(), weight.data_ptr(), eps, out.data_ptr(), None, x.numel() // n, n, self._lanes)
+        return out
+
+    def sums_as_torch(self, x: torch.Tensor) -> bool:
+        """Whether the C code's variance of rows of ``x``'s width has torch's bits: checked on ``x``'s own rows
+        and on rows of random values over twelve orders of magnitude, against ``pow(2).mean(-1)``; remembered per
+        width (``False`` for good where torch's CPU capability is one the C code does not follow)."""
+        n = x.shape[-1]
+        with self._lock:
+            if n in self._widths:
+                return self._widths[n]
+            rows = x.reshape(-1, n)[:8].contiguous()
+            scales = torch.logspace(-6, 6, 8, dtype=torch.float32).unsqueeze(1)
+            generator = torch.Generator().manual_seed(n)
+            drawn = torch.randn(8, n, generator=generator, dtype=torch.float32) * scales
+            same = self._lanes is not None
+            for sample in (rows, drawn):
+                if not same:
+                    break
+                ours = torch.empty(sample.shape[0], 1, dtype=torch.float32)
+                ones, out = torch.ones(n), torch.empty_like(sample)
+                code = self._norm(sample.data_ptr(), ones.data_ptr(), 1e-6, out.data_ptr(), ours.data_ptr(),
+                                  sample.shape[0], n, self._lanes)  # fmt: skip
+                same = code == 0 and same_bits(ours, sample.pow(2).mean(-1, keepdim=True))
+            self._widths[n] = same
+            return same
 
     def rms_scale(self, x: torch.Tensor, variance: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """``weight * (x * rsqrt(variance + eps))`` over contiguous float32 ``x (..., n)``, ``variance (..., 1)``."""
@@ -317,6 +369,8 @@ class DirectKernel:
 
 _SOURCE = Path(__file__).with_name("direct_kernel.c")
 _SOURCE_TEXT = _SOURCE.read_text() if _SOURCE.is_file() else None  # read with this module (see c_library)
+# torch.backends.cpu.get_cpu_capability() -> the float32 lanes of its vectors (ATen's Vectorized<float>)
+SUM_LANES = {"AVX2": 8, "AVX512": 16}
 _FLAGS = ("-O2", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC")
 _KERNEL_LOCK = threading.Lock()
 _KERNEL: list[DirectKernel | None] = []
