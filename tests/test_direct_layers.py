@@ -152,6 +152,44 @@ def test_a_hooked_or_replaced_bypassed_module_makes_the_step_run_the_models_own_
     assert direct.counts.steps == before
 
 
+def test_modules_it_still_calls_run_their_hooks_and_the_direct_layers_keep_serving() -> None:
+    """The linears, the embedding and the activation are called straight through ``forward`` (direct_layers._call)
+    only while nothing hooks them: a hook of any kind on one sends that call through ``Module.__call__``."""
+    model = tiny_llama()
+    want = reference(model, PROMPTS, 5)
+    e = engine(model)
+    e.generate(PROMPTS[:1], SamplingParams(max_new_tokens=2), use_tqdm=False)
+    direct = direct_of(e)
+    assert direct is not None and direct.counts.steps > 0
+    before = direct.counts.steps
+    seen: list[str] = []
+    layer = model.model.layers[0]
+    handles = [
+        layer.self_attn.k_proj.register_forward_hook(lambda *_: seen.append("k_proj")),
+        layer.mlp.act_fn.register_forward_pre_hook(lambda *_: seen.append("act_fn")),
+        model.model.embed_tokens.register_forward_hook(lambda *_: seen.append("embed")),
+        layer.mlp.down_proj.register_full_backward_hook(lambda *_: seen.append("never: no backward here")),
+    ]
+    try:
+        got = tokens(e.generate(PROMPTS, SamplingParams(max_new_tokens=5, ignore_eos=True), use_tqdm=False))
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert got == want
+    steps = direct.counts.steps - before
+    assert steps > 3
+    assert seen.count("k_proj") == seen.count("act_fn") == seen.count("embed") == steps
+
+
+def test_a_global_backward_hook_or_tracing_makes_the_step_run_the_models_own_forward() -> None:
+    handle = torch.nn.modules.module.register_module_full_backward_hook(lambda *_: None)
+    try:
+        assert direct_module._global_hooks()
+    finally:
+        handle.remove()
+    assert not direct_module._global_hooks()
+
+
 def test_a_layer_of_another_class_makes_the_step_run_the_models_own_forward() -> None:
     model = tiny_llama()
     e = engine(model)

@@ -8,8 +8,9 @@ its attention's, their keyword arguments and decorators, the causal mask, the ou
 of the norms and the rotary embedding took about 1.9 ms of a 12.1 ms decode step at batch 1 (docs/benchmarks.md,
 "Decoder layers called directly").
 
-What runs: the model's embedding, rotary embedding, linear layers and head are still called as modules (so their
-hooks, the runner's own linear forwards and the fused greedy head apply as before); the decoder layer, its attention
+What runs: the model's embedding, rotary embedding, linear layers, activation and head are still called (so their
+hooks, the runner's own linear forwards and the fused greedy head apply as before: straight through their ``forward``
+where nothing hooks them, as ``Module.__call__`` itself does, else as modules); the decoder layer, its attention
 and its MLP are not: their bodies are written out here, in transformers' order (``LlamaDecoderLayer``,
 ``LlamaAttention`` with the Engine's paged attention, ``LlamaMLP``). The norms and the rotary embedding with the
 keys' and values' store run in C (:class:`DirectKernel`: the same float32 operations in the same order, so the same
@@ -166,7 +167,7 @@ class DirectLayers:
         """LlamaForCausalLM.forward after its base model: the kept positions through the head (one module call)."""
         keep = kwargs.get("logits_to_keep", 0)
         index = slice(-keep, None) if isinstance(keep, int) else keep  # transformers' slice_logits_to_keep
-        return self._model.lm_head(hidden[:, index, :])
+        return _call(self._model.lm_head, hidden[:, index, :])
 
     def _checked(self, kwargs: dict[str, Any]) -> torch.Tensor:
         """The first step: the direct layers' last hidden states, then the base model's own forward's (writing the
@@ -200,8 +201,8 @@ class DirectLayers:
         :class:`DirectKernel` where it serves: the same bits)."""
         cache, context = kwargs["cache"], kwargs[CONTEXT_KEY]
         position_ids = kwargs["position_ids"]
-        hidden = inner.embed_tokens(kwargs["input_ids"])
-        cos, sin = inner.rotary_emb(hidden, position_ids=position_ids)
+        hidden = _call(inner.embed_tokens, kwargs["input_ids"])
+        cos, sin = _call(inner.rotary_emb, hidden, position_ids=position_ids)
         kernel = _kernel_for(hidden, cos, sin)
         norm = functools.partial(_norm, kernel, self._classes.norm)
         cos4, sin4 = cos.unsqueeze(1), sin.unsqueeze(1)  # apply_rotary_pos_emb's, once (views: the same values)
@@ -213,7 +214,7 @@ class DirectLayers:
             hidden = norm(layer.input_layernorm, hidden)
             input_shape = hidden.shape[:-1]
             hidden_shape = (*input_shape, -1, attention.head_dim)
-            q, k, v = attention.q_proj(hidden), attention.k_proj(hidden), attention.v_proj(hidden)
+            q, k, v = _call(attention.q_proj, hidden), _call(attention.k_proj, hidden), _call(attention.v_proj, hidden)
             if head_norms:  # Qwen3Attention: each query and key head normalized, then (1, tokens, heads * d) again
                 q = norm(attention.q_norm, q.view(hidden_shape)).view(q.shape)
                 k = norm(attention.k_norm, k.view(hidden_shape)).view(k.shape)
@@ -232,10 +233,11 @@ class DirectLayers:
                 sliding_window=window(attention), **extra,
             )  # fmt: skip
             out = out.reshape(*input_shape, -1).contiguous()
-            hidden = residual + attention.o_proj(out)
+            hidden = residual + _call(attention.o_proj, out)
             residual = hidden
             hidden = norm(layer.post_attention_layernorm, hidden)
-            hidden = residual + mlp.down_proj(mlp.act_fn(mlp.gate_proj(hidden)) * mlp.up_proj(hidden))
+            gate, up = _call(mlp.gate_proj, hidden), _call(mlp.up_proj, hidden)
+            hidden = residual + _call(mlp.down_proj, _call(mlp.act_fn, gate) * up)
         return norm(inner.norm, hidden)
 
 
@@ -418,13 +420,32 @@ def _plain(module: Any, cls: Any) -> bool:
     )
 
 
+def _call(module: Any, *args: Any, **kwargs: Any) -> Any:
+    """``module(*args)`` as ``Module.__call__`` runs it when nothing hooks it: its ``forward`` straight (about 4 µs a
+    call less). Where the module has a hook of any kind or a compiled call of its own, through ``__call__``; the
+    global hooks and tracing, which ``__call__`` also checks, turn the direct layers off for the step
+    (:meth:`DirectLayers.serves`)."""
+    if (
+        module._forward_hooks  # noqa: SLF001
+        or module._forward_pre_hooks  # noqa: SLF001
+        or module._backward_hooks  # noqa: SLF001
+        or module._backward_pre_hooks  # noqa: SLF001
+        or module._compiled_call_impl is not None  # noqa: SLF001
+    ):
+        return module(*args, **kwargs)
+    return module.forward(*args, **kwargs)
+
+
 def _global_hooks() -> bool:
-    """A global module hook is set (``register_module_forward_hook`` and the like): it would miss the bypassed
-    modules."""
+    """A global module hook is set (``register_module_forward_hook`` and the like: it would miss the bypassed modules
+    and :func:`_call`'s), or the JIT is tracing (``Module.__call__`` then calls ``_slow_forward``)."""
     return bool(
         torch_module._global_forward_hooks  # noqa: SLF001
         or torch_module._global_forward_pre_hooks  # noqa: SLF001
         or torch_module._global_forward_hooks_always_called  # noqa: SLF001
+        or torch_module._global_backward_hooks  # noqa: SLF001
+        or torch_module._global_backward_pre_hooks  # noqa: SLF001
+        or torch._C._get_tracing_state()  # noqa: SLF001
     )
 
 
