@@ -360,7 +360,8 @@ static INLINE void half_panels(const float *x, const unsigned short *h, float *y
     for (long k = 0; k < K; k += U) {
         /* non-temporal: the copy (32 MB for the benchmark's head) is read once a step; with T0 it pushed what the
            step reads next (the host's Python objects) out of the caches: decode steps 1.03x / 1.02x slower at 1 and
-           16 rows (docs/benchmarks.md, "The screen's copy read past the caches") */
+           16 rows (docs/benchmarks.md, "The norm in one C call, the screen's copy past the caches, and forward
+           calls straight") */
         for (int q = 0; q < P; q++) _mm_prefetch((const char *)(h + ((p + q) * K + k + 64) * 8), _MM_HINT_NTA);
         for (int u = 0; u < U; u++) {
             __m256 wv[2];
