@@ -242,7 +242,8 @@ class DirectLayers:
 
 
 def _norm(kernel: DirectKernel | None, cls: type, module: Any, hidden: torch.Tensor) -> torch.Tensor:
-    """``module(hidden)``: an unhooked RMSNorm of the family's class through the kernel (its variance torch's)."""
+    """``module(hidden)``: an unhooked RMSNorm of the family's class through the kernel (in one call where its sum of
+    squares was found to give torch's bits at this width, else torch's variance and the kernel's scale)."""
     if kernel is None or not _plain(module, cls) or not hidden.is_contiguous():
         return module(hidden)
     out = kernel.rms_norm(hidden, module.weight, module.variance_epsilon)  # where its sum's bits are torch's
@@ -301,9 +302,9 @@ class DirectKernel:
         return out
 
     def sums_as_torch(self, x: torch.Tensor) -> bool:
-        """Whether the C code's variance of rows of ``x``'s width has torch's bits: checked on ``x``'s own rows
-        and on rows of random values over twelve orders of magnitude, against ``pow(2).mean(-1)``; remembered per
-        width (``False`` for good where torch's CPU capability is one the C code does not follow)."""
+        """Whether the C code's variance of rows of ``x``'s width has torch's bits: checked on ``x``'s first eight
+        rows and on eight rows of random values over twelve orders of magnitude, against ``pow(2).mean(-1)``;
+        remembered per width (``False`` for good where torch's CPU capability is one the C code does not follow)."""
         n = x.shape[-1]
         with self._lock:
             if n in self._widths:
