@@ -361,7 +361,7 @@ def test_the_kernel_declines_layouts_it_does_not_read_and_writes_nothing() -> No
     assert not heads_first.keys.any() and not halves.keys.any()
 
 
-WIDTHS = (8, 24, 64, 100, 512, 896, 1536, 3584, 5120, 65536)  # powers of two and not; several of ATen's levels
+WIDTHS = (3, 4, 7, 8, 24, 64, 100, 512, 896, 1536, 3584, 5120, 65536)  # shorter than a vector; powers of two and not
 
 
 def fresh_kernel() -> direct_module.DirectKernel:
@@ -388,7 +388,7 @@ def test_the_kernels_norm_is_llamas_rmsnorm_to_the_bit_where_its_sum_is_torchs(w
     x = torch.randn(3, 5, width, generator=g) * torch.logspace(-4, 4, 5).view(1, 5, 1)
     with torch.inference_mode():
         got = kernel.rms_norm(x, norm.weight, norm.variance_epsilon)
-        if torch.backends.cpu.get_cpu_capability() in direct_module.SUM_LANES:  # the sum orders the C code follows
+        if torch.backends.cpu.get_cpu_capability() == "AVX2":  # the order checked on hardware (AVX512's: from source)
             assert got is not None, f"torch's sum order at width {width} was not found"
         if got is not None:
             assert torch.equal(got, norm(x))

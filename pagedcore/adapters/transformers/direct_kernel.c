@@ -5,7 +5,8 @@
  * rms_scale:  LlamaRMSNorm.forward after its variance: out = weight * (x * (1 / sqrt(variance + eps))).
  * rms_norm:   the whole of LlamaRMSNorm.forward: the variance x.pow(2).mean(-1) summed in the order torch's CPU sum
  *             kernel sums a contiguous float32 row (ATen's SumKernel.cpp: `lanes`-wide vectors into four accumulators
- *             in its cascade of levels, the four added in order, the scalar tail from zero, then each lane in order),
+ *             in its cascade of levels, the four added in order, the scalar tail from zero, then each lane in order;
+ *             a row shorter than one vector as four scalar accumulators, its tail into the first),
  *             divided by n, then rms_scale's steps. direct_layers.py uses it only for a row width whose bits it found
  *             equal to torch's own (DirectKernel.rms_norm), else torch's variance and rms_scale.
  * rope_store: apply_rotary_pos_emb on each query and key head (x * cos + rotate_half(x) * sin, rotate_half(x) =
@@ -84,7 +85,8 @@ int rms_norm(const float *x, const float *weight, float eps, float *out, float *
     if (lanes < 1 || lanes > MAX_LANES || n < 1) return -1;
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * n;
-        const float var = torch_sum_squares(xr, n, lanes) / (float)n;
+        /* ATen sums a row shorter than one vector with scalars, ilp 4: the same steps with one lane */
+        const float var = torch_sum_squares(xr, n, n >= lanes ? lanes : 1) / (float)n;
         if (variance) variance[r] = var;
         const float scale = 1.0f / sqrtf(var + eps);
         float *o = out + r * n;
