@@ -189,7 +189,11 @@ void paged_decode(const float *q, const float *kc, const float *vc, const int32_
                   const int64_t *dropped, int64_t n, int64_t q_heads, int64_t kv_heads, int64_t D, int64_t DV,
                   int64_t bs, float scale, float *out, float *scratch, int64_t max_length, int threads) {
     const int64_t G = q_heads / kv_heads;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    /* A pool row holds every KV head side by side: one thread takes a sequence's heads together (a grab of kv_heads
+       tasks), so it reads whole rows; split between threads, each thread's reads pulled in the other heads' half of
+       each line pair too (16 rows: 1.05-1.11x a decode step). With fewer sequences than threads, one head a grab. */
+    const int64_t chunk = n >= threads ? kv_heads : 1;
+#pragma omp parallel for schedule(dynamic, chunk) num_threads(threads)
     for (int64_t task = 0; task < n * kv_heads; task++) {
         const int64_t i = task / kv_heads, h = task % kv_heads;
         float *s = scratch + (int64_t)omp_get_thread_num() * G * max_length;

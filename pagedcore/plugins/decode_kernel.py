@@ -4,7 +4,8 @@ sequences that compute one query each, where the kernel serves.
 Why: the torch backend's decode bucket gathers every sequence's blocks into a padded copy (``index_select``), zeroes
 the copy's stale slots and runs SDPA under a padding mask; at 16 sequences of 128-256 keys that was about 1 ms per
 layer call on the AMD box, the gathers alone half of it (``scripts/decode_attention.py``). The kernel reads each
-sequence's keys and values where the pool holds them, one task per (sequence, KV head) shared by the threads, and
+sequence's keys and values where the pool holds them, one task per (sequence, KV head) shared by the threads (a
+sequence's heads taken together, so one thread reads its whole pool rows), and
 writes the outputs in place: no copy, no padding, no mask.
 
 Exactness: not SDPA's bits (another order of the same sums, outputs within about 1e-6 of it), the same bits
