@@ -181,7 +181,7 @@ def test_modules_it_still_calls_run_their_hooks_and_the_direct_layers_keep_servi
     assert seen.count("k_proj") == seen.count("act_fn") == seen.count("embed") == steps
 
 
-def test_a_global_backward_hook_or_tracing_makes_the_step_run_the_models_own_forward() -> None:
+def test_a_global_backward_hook_counts_as_a_global_hook_that_turns_the_direct_layers_off() -> None:
     handle = torch.nn.modules.module.register_module_full_backward_hook(lambda *_: None)
     try:
         assert direct_module._global_hooks()
