@@ -124,6 +124,28 @@ class TorchPagedAttention:
             out.index_copy_(0, bucket.out_index, o)
         return out
 
+    def decode_rows(
+        self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, metadata: PagedAttentionMetadata
+    ) -> DecodeRows | None:
+        """The decode kernel's rows where :meth:`forward` of these arguments (no softcap, no sinks) is that kernel's
+        one call over every row and nothing else (every sequence decoding), else None: what a caller that makes the
+        kernel's call itself (the direct layers' decode tape, ``adapters/transformers/decode_tape.py``) stands for.
+
+        Example:
+            >>> meta = PagedAttentionMetadata.build(block_size=4, query_lens=[1, 1], seq_lens=[3, 5],
+            ...     block_offsets=[0, 0], tables=[[0], [1, 2]], slots=[[2], [8]], sliding_window=None, pad_block=3)
+            >>> pool = torch.zeros(4, 4, 2, 8)
+            >>> rows = TorchPagedAttention().decode_rows(torch.zeros(2, 4, 8), pool, pool, meta)
+            >>> rows is None or rows.length.tolist() == [3, 5]
+            True
+        """
+        if _decode_kernel(query, key_cache, value_cache, None, None) is None:
+            return None
+        if query.shape[0] != 1 and self._single_run(metadata, query.device) is not None:
+            return None
+        alone, buckets, decoding = self._plan(metadata, query.device, True)
+        return decoding if not alone and not buckets else None
+
     def _single_run(self, meta: PagedAttentionMetadata, device: torch.device) -> _Run | None:
         """The keys of a batch of one sequence (a view when they are one run of slots, else its blocks to gather),
         or None for a batch of several. Decided once per forward from the block table."""

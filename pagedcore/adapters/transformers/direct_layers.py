@@ -48,8 +48,10 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from pagedcore.c_library import build
 
+from . import decode_tape
 from .argmax_head import same_bits
 from .attention import CONTEXT_KEY, paged_attention_forward
+from .decode_tape import Tapes
 
 __all__ = ["FAMILIES", "DirectCounts", "DirectKernel", "DirectLayers", "load_kernel"]
 
@@ -122,6 +124,7 @@ class DirectLayers:
         self._model = model
         self._classes = classes
         self.counts = DirectCounts()
+        self.tapes: Tapes | bool | None = None  # None: not asked yet; False: no tape kernel here
 
     @classmethod
     def of(cls, model: Any) -> DirectLayers | None:
@@ -198,11 +201,32 @@ class DirectLayers:
     def _hidden(self, inner: Any, kwargs: dict[str, Any]) -> torch.Tensor:
         """The base model's last hidden states: LlamaModel.forward's loop over LlamaDecoderLayer.forward,
         LlamaAttention.forward (paged) and LlamaMLP.forward, written out (their elementwise steps in
-        :class:`DirectKernel` where it serves: the same bits)."""
-        cache, context = kwargs["cache"], kwargs[CONTEXT_KEY]
-        position_ids = kwargs["position_ids"]
+        :class:`DirectKernel` where it serves: the same bits); a decode step's layers as one C call where this row
+        count's tape serves (:mod:`.decode_tape`)."""
         hidden = _call(inner.embed_tokens, kwargs["input_ids"])
-        cos, sin = _call(inner.rotary_emb, hidden, position_ids=position_ids)
+        cos, sin = _call(inner.rotary_emb, hidden, position_ids=kwargs["position_ids"])
+        kernel = _kernel_for(hidden, cos, sin)
+        tapes = self._tapes_for(kernel)
+        out = None if tapes is None else tapes.hidden(self, inner, hidden, cos, sin, kwargs)
+        if out is None:
+            out = self.layers_hidden(inner, hidden, cos, sin, kwargs)
+            if tapes is not None:
+                tapes.offer(self._classes, inner, hidden, cos, kwargs)
+        return _norm(kernel, self._classes.norm, inner.norm, out)
+
+    def _tapes_for(self, kernel: DirectKernel | None) -> Tapes | None:
+        """The decode tapes, where the direct kernel serves this step and the tape's kernel was built."""
+        if kernel is None or self.tapes is False:
+            return None
+        if self.tapes is None:
+            tape_kernel = decode_tape.load()
+            self.tapes = False if tape_kernel is None else Tapes(tape_kernel)
+        return self.tapes if isinstance(self.tapes, Tapes) else None
+
+    def layers_hidden(self, inner: Any, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      kwargs: dict[str, Any]) -> torch.Tensor:  # fmt: skip
+        """The decoder layers' output (before the final norm) for the embedded ``hidden`` and the rotary tables."""
+        cache, context = kwargs["cache"], kwargs[CONTEXT_KEY]
         kernel = _kernel_for(hidden, cos, sin)
         norm = functools.partial(_norm, kernel, self._classes.norm)
         cos4, sin4 = cos.unsqueeze(1), sin.unsqueeze(1)  # apply_rotary_pos_emb's, once (views: the same values)
@@ -238,7 +262,7 @@ class DirectLayers:
             hidden = norm(layer.post_attention_layernorm, hidden)
             gate, up = _call(mlp.gate_proj, hidden), _call(mlp.up_proj, hidden)
             hidden = residual + _call(mlp.down_proj, _call(mlp.act_fn, gate) * up)
-        return norm(inner.norm, hidden)
+        return hidden
 
 
 def _norm(kernel: DirectKernel | None, cls: type, module: Any, hidden: torch.Tensor) -> torch.Tensor:

@@ -84,6 +84,12 @@ class Route:
         (a replaced parameter; a recycled id), or another thread count (the row split settles each anew)."""
         return not self.made_for(weight) or torch.get_num_threads() != self._threads
 
+    def c_call(self) -> tuple[int, tuple[int, ...]] | None:
+        """The kernel call's C function address and its arguments after the four pointers
+        (:meth:`.row_kernel.PreparedCall.c_call`); None for a way that is not the kernel (:data:`PLAIN`,
+        :data:`NO_ROUTE`)."""
+        return None if self._call is None else self._call.c_call()
+
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``F.linear(x, weight, bias)`` through the kernel, for what :meth:`serves`."""
         assert self._call is not None
@@ -148,6 +154,10 @@ class Routes:
         if route.outdated(weight):  # a replaced weight, another thread count: made again after this call
             del self._table[key]
         return None
+
+    def get(self, key: Hashable) -> Route | None:
+        """The route held for ``key``, if any."""
+        return self._table.get(key)
 
     def wants(self, key: Hashable) -> bool:
         """Whether a route for ``key`` is to be made after the full way's call (none held, room left)."""

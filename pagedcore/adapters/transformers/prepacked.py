@@ -329,6 +329,11 @@ class _Forward(LayerForward):
         self._module = weakref.ref(module)
         self._routes = Routes(MAX_ROUTES)
 
+    def route(self, x: torch.Tensor) -> Route | None:
+        """The route this layer holds for inputs of ``x``'s shape, if any (the decode tape's question:
+        :mod:`.decode_tape`)."""
+        return self._routes.get(x.shape)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         packs, module = self._packs(), self._module()
         assert module is not None

@@ -289,6 +289,11 @@ class PreparedCall:
             count *= size
         self._args = (count, out_features, width, order.width, order.lanes_from, order.head, threads)
 
+    def c_call(self) -> tuple[int, tuple[int, ...]]:
+        """The C function's address and the arguments after its four pointers (x, weight, bias, out): what a caller
+        in C makes of this call (the direct layers' decode tape, :mod:`.decode_tape`)."""
+        return int(ctypes.cast(self._function, ctypes.c_void_p).value or 0), self._args  # type: ignore[arg-type]
+
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         out = torch.empty(self._out, dtype=torch.float32)
         bias_pointer = None if bias is None else bias.data_ptr()

@@ -1,0 +1,513 @@
+"""The direct layers' decode step as one C call: every decoder layer's C calls, in the direct layers' order with
+their arguments, on a tape that ``decode_tape.c`` runs (issue 33.2).
+
+Why: at one decoding row a step of the benchmark's Llama makes about a hundred calls from Python into C (seven
+linears, two norms, the rotary embedding with the KV store and the attention per layer, and torch's small ops between
+them), and the Python around each costs more than many of the calls themselves: about 14 µs around a linear's 17,
+34 µs around the attention's 19, 28 µs around the rotary embedding's store (``scripts/direct_toggles_ab.py --part
+tape``; docs/benchmarks.md).
+
+What runs: for a step of ``R`` rows, once every call it would make has settled (each linear on the row kernel
+through its route, :mod:`.linear_routes`; the norms summed in torch's order, :class:`~.direct_layers.DirectKernel`;
+the attention on the torch backend's decode kernel, :meth:`~pagedcore.plugins.torch_backend.TorchPagedAttention.
+decode_rows`), a tape is written with each call's function pointer and arguments into buffers of its own, and a step
+then copies the embedding into the first buffer, writes this step's pointers (the rotary tables, the slots, the
+decode rows) into the tape, and runs it. The residual additions and ``silu(gate) * up`` run in the tape's C as
+torch's CPU kernels compute them (``decode_tape.c``; the SiLU's width checked against torch's bits once).
+
+Exactness first: each call on the tape is the call the Python would make, with the same arguments, so the same bits;
+the first step of each row count runs the Python layers too and compares the two last hidden states to the bit
+(:meth:`Tapes.hidden`), turning the tape off for good with a warning where they differ. Each step checks, before it
+runs a tape, what each call's own path checks: every linear's route still :meth:`~.linear_routes.Route.serves` its
+layer (the same weight tensors, float32, contiguous, the same thread count, no dispatch mode), every module still
+plain (no hook, no instance ``forward``), the pool's tensors the same, and the torch backend's decode rows for every
+KV group (every sequence decoding). Anything else runs the Python layers. ``PAGEDCORE_DECODE_TAPE=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from pagedcore.c_library import build, can_build_avx2
+from pagedcore.plugins import decode_kernel as decode_kernel_module
+from pagedcore.plugins.torch_backend import TorchPagedAttention
+
+from .argmax_head import same_bits
+from .attention import CONTEXT_KEY, ForwardContext
+from .layer_attention import pool_read
+from .linear_routes import Route
+from .prepacked import _Forward as PackedForward
+from .prepacked import active_linears
+
+__all__ = ["ENV", "DecodeTapeKernel", "Tapes", "load"]
+
+logger = logging.getLogger("pagedcore")
+
+ENV = "PAGEDCORE_DECODE_TAPE"
+RECORD = 24  # int64 slots per record (decode_tape.c)
+OP_NORM, OP_LINEAR, OP_ROPE, OP_ATTEND, OP_ADD, OP_SILU_MUL = 1, 2, 3, 4, 5, 6
+MAX_TAPES = 256  # row counts kept at most
+
+
+def _bits(value: float) -> int:
+    """A float32's bits in an int64 slot (decode_tape.c's ``as_float``)."""
+    return int(np.array([value], dtype=np.float32).view(np.int32)[0]) & 0xFFFFFFFF
+
+
+def _address(function: Any) -> int:
+    return int(ctypes.cast(function, ctypes.c_void_p).value or 0)
+
+
+class DecodeTapeKernel:
+    """``decode_tape.c`` loaded, with torch's own vectorized ``exp`` for its SiLU (Sleef's, from libtorch_cpu).
+
+    Example:
+        >>> kernel, gate, up = load(), torch.randn(2, 40), torch.randn(2, 40)
+        >>> kernel is None or torch.equal(kernel.silu_mul(gate, up), F.silu(gate) * up)
+        True
+    """
+
+    def __init__(self, library: ctypes.CDLL, exp8: int) -> None:
+        self._run = library.run_tape
+        self._run.argtypes = [ctypes.c_void_p, ctypes.c_int64]
+        self._run.restype = ctypes.c_int64
+        self._silu = library.silu_mul
+        self._silu.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_void_p]
+        self._silu.restype = None
+        self.exp8 = exp8
+        self._widths: dict[int, bool] = {}
+        self._lock = threading.Lock()
+
+    def run(self, tape: np.ndarray) -> int:
+        """Run ``tape`` (records of :data:`RECORD` int64): 0, or 1 + the index of a record its callee refused."""
+        return int(self._run(tape.ctypes.data, tape.shape[0]))
+
+    def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """``F.silu(gate) * up`` of contiguous float32 tensors, in the C code (for tests and the width check)."""
+        out = torch.empty_like(gate)
+        self._silu(gate.data_ptr(), up.data_ptr(), out.data_ptr(), gate.numel(), self.exp8)
+        return out
+
+    def silu_as_torch(self, width: int) -> bool:
+        """Whether the C code's ``silu(g) * u`` has torch's bits for rows of ``width`` (checked once per width, on
+        values over twelve orders of magnitude of both signs, with infinities and NaNs)."""
+        with self._lock:
+            if width not in self._widths:
+                generator = torch.Generator().manual_seed(width)
+                scales = torch.logspace(-6, 6, 8, dtype=torch.float32).unsqueeze(1)
+                gate = torch.randn(8, width, generator=generator) * scales
+                gate.view(-1)[:: max(1, width // 3)] = float("inf")
+                gate.view(-1)[1 :: max(1, width // 2)] = float("-inf")
+                gate.view(-1)[2 :: max(1, width // 2)] = float("nan")
+                up = torch.randn(8, width, generator=generator)
+                self._widths[width] = same_bits(self.silu_mul(gate, up), F.silu(gate) * up)
+            return self._widths[width]
+
+
+_SOURCE = Path(__file__).with_name("decode_tape.c")
+_SOURCE_TEXT = _SOURCE.read_text() if _SOURCE.is_file() else None  # read with this module (see c_library)
+_FLAGS = ("-O2", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC")
+_LOCK = threading.Lock()
+_LOADED: list[DecodeTapeKernel | None] = []
+
+
+def load() -> DecodeTapeKernel | None:
+    """The process's tape kernel, built at the first call; None where it cannot serve (no AVX2 torch on x86-64 Linux,
+    no C compiler, no Sleef ``exp`` in libtorch_cpu, or ``PAGEDCORE_DECODE_TAPE=0``).
+
+    Example:
+        >>> load() is load()
+        True
+    """
+    with _LOCK:
+        if not _LOADED:
+            _LOADED.append(_build())
+        return _LOADED[0]
+
+
+def _build() -> DecodeTapeKernel | None:
+    if os.environ.get(ENV, "1") == "0" or not can_build_avx2(ENV):
+        return None
+    library = build("decode_tape", _SOURCE_TEXT, _FLAGS)
+    if library is None:
+        return None
+    try:
+        torch_cpu = ctypes.CDLL(str(Path(torch.__file__).with_name("lib") / "libtorch_cpu.so"))
+        exp8 = _address(torch_cpu.Sleef_expf8_u10)
+    except (OSError, AttributeError):
+        return None
+    return DecodeTapeKernel(library, exp8) if exp8 else None
+
+
+class _NotYet(Exception):
+    pass
+
+
+class _Never(Exception):
+    pass
+
+
+@dataclass
+class _Linear:
+    module: Any
+    forward: PackedForward
+    route: Route
+    source: torch.Tensor  # the tape buffer the layer reads (the route's input shape)
+    weight: torch.Tensor
+    pointers: tuple[int, int]  # the weight's and bias's data (0: none) the tape reads
+
+
+@dataclass
+class _Norm:
+    module: Any
+    weight: torch.Tensor
+    pointer: int
+    eps: float
+
+
+class _Tape:
+    """One row count's tape: its records and buffers, what each call stands for, and where each step's pointers
+    go (``patches``: record, slot, what, KV group)."""
+
+    def __init__(self, rows: int, threads: int) -> None:
+        self.rows, self.threads = rows, threads
+        self.records: list[list[int]] = []
+        self.buffers: dict[str, torch.Tensor] = {}
+        self.linears: list[_Linear] = []
+        self.plain: list[tuple[Any, type[Any]]] = []  # modules that must stay exactly of their class and unhooked
+        self.norms: list[_Norm] = []
+        self.pools: dict[int, tuple[int, torch.Tensor, torch.Tensor]] = {}  # group -> a layer, its key/value caches
+        self.layer_pools: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # each layer's
+        self.windows: dict[int, int | None] = {}  # group -> the window its layers hand the attention
+        self.patches: list[tuple[int, int, str, int]] = []
+        self.head_dim = self.groups_per_kv = 0
+        self.where = np.zeros(0, dtype=np.int64)
+        self.tape = np.zeros((0, RECORD), dtype=np.int64)
+        self.keep: dict[Any, Any] = {}  # this step's tensors the tape points into
+        self.verified = False
+        self.stale = False  # a layer's pool is another now
+
+    def buffer(self, name: str, width: int) -> torch.Tensor:
+        if name not in self.buffers:
+            self.buffers[name] = torch.empty(1, self.rows, width, dtype=torch.float32)
+        return self.buffers[name]
+
+    def add(self, record: list[int], patches: tuple[tuple[int, str, int], ...] = ()) -> None:
+        for slot, what, group in patches:
+            self.patches.append((len(self.records), slot, what, group))
+        self.records.append(record + [0] * (RECORD - len(record)))
+
+    def finish(self) -> _Tape:
+        self.tape = np.array(self.records, dtype=np.int64)
+        self.where = np.array([r * RECORD + s for r, s, _, _ in self.patches], dtype=np.int64)
+        return self
+
+
+class Tapes:
+    """The direct layers' tapes by row count (see the module docstring), for one model.
+
+    Example:
+        >>> from pagedcore.adapters.transformers import Engine, SamplingParams
+        >>> from pagedcore.adapters.transformers.testing import tiny_llama
+        >>> model = tiny_llama()
+        >>> engine = Engine(model, num_blocks=32, block_size=4)
+        >>> reference = model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=12, do_sample=False)
+        >>> out = engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=12))
+        >>> out[0].token_ids == reference[0, 3:].tolist()
+        True
+    """
+
+    def __init__(self, kernel: DecodeTapeKernel) -> None:
+        self._kernel = kernel
+        self._tapes: dict[int, _Tape | None] = {}  # None: this row count is not taped
+        self.off = False
+        self.runs = 0  # steps a tape ran
+
+    def __len__(self) -> int:
+        return sum(tape is not None for tape in self._tapes.values())
+
+    def hidden(self, direct: Any, inner: Any, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               kwargs: dict[str, Any]) -> torch.Tensor | None:  # fmt: skip
+        """The last hidden states before the final norm through this row count's tape, or None (the caller runs the
+        Python layers): no tape yet, or not valid this step. A tape's first step is checked against the Python
+        layers (``direct.layers_hidden``), which then write the same slots again."""
+        tape = None if self.off or hidden.dim() != 3 else self._tapes.get(hidden.shape[1])
+        if tape is None:
+            return None
+        if tape.stale or not _calls_hold(tape):  # a module, weight, route or pool changed: written again
+            del self._tapes[tape.rows]
+            return None
+        if not self._step_fits(tape, hidden, cos, sin, kwargs):
+            return None
+        tape.buffers["hidden"].copy_(hidden)
+        failed = self._kernel.run(tape.tape)
+        tape.keep.clear()
+        if failed:  # a callee refused its arguments (nothing of that call written): the Python layers redo the step
+            logger.warning("pagedcore: the decode tape's record %d was refused: the Python layers run", failed - 1)
+            self.off = True
+            return None
+        out = tape.buffers["hidden"].clone()
+        if not tape.verified:
+            theirs: torch.Tensor = direct.layers_hidden(inner, hidden, cos, sin, kwargs)
+            if not same_bits(out, theirs):
+                logger.warning("pagedcore: the decode tape gave other hidden states than the direct layers: the "
+                               "Python layers run from here on")  # fmt: skip
+                self.off = True
+                return theirs
+            tape.verified = True
+        self.runs += 1
+        return out
+
+    def offer(self, classes: Any, inner: Any, hidden: torch.Tensor, cos: torch.Tensor, kwargs: dict[str, Any]) -> None:
+        """After a step the Python layers ran: write this row count's tape where every call has settled."""
+        rows = hidden.shape[1] if hidden.dim() == 3 else 0
+        if self.off or rows in self._tapes or len(self._tapes) >= MAX_TAPES or hidden.shape[0] != 1:
+            return
+        try:
+            self._tapes[rows] = _write(self._kernel, classes, inner, rows, cos, kwargs).finish()
+        except _NotYet:
+            return
+        except _Never as why:
+            logger.debug("pagedcore: no decode tape for %d rows: %s", rows, why)
+            self._tapes[rows] = None
+
+    def _step_fits(self, tape: _Tape, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   kwargs: dict[str, Any]) -> bool:  # fmt: skip
+        """This step is one the tape computes: its inputs' shapes, the runner's forward, the thread count."""
+        rows = tape.rows
+        if hidden.shape != tape.buffers["hidden"].shape or hidden.dtype != torch.float32:
+            return False
+        if active_linears() is None or torch.get_num_threads() != tape.threads:
+            return False
+        if cos.shape != (1, rows, tape.head_dim) or sin.shape != cos.shape or cos.dtype != torch.float32:
+            return False
+        if sin.dtype != torch.float32 or not cos.is_contiguous() or not sin.is_contiguous():
+            return False
+        return self._patch(tape, kwargs["cache"], kwargs.get(CONTEXT_KEY), cos, sin)
+
+    def _patch(self, tape: _Tape, cache: Any, ctx: Any, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+        """This step's pointers into the tape (False: a pool, the slots or the decode rows are not the tape's)."""
+        if type(ctx) is not ForwardContext or ctx.trace is not None or ctx.real_index is not None:
+            return False
+        if ctx.new_tokens is not None:
+            return False
+        pool = ctx.pool
+        for layer, keys, values in tape.layer_pools:
+            _, key_cache, value_cache = pool_read(pool, layer)
+            if key_cache is not keys or value_cache is not values:
+                tape.stale = True  # written again after this step
+                return False
+        backend = pool.attention_backend(cos.device, torch.float32, ctx.backend)
+        if type(backend) is not TorchPagedAttention:
+            return False
+        found: dict[tuple[str, int], int] = {("cos", 0): cos.data_ptr(), ("sin", 0): sin.data_ptr()}
+        longest = 1
+        query = tape.buffers["rotated"].view(tape.rows, -1, tape.head_dim)
+        for group, (layer, keys, values) in tape.pools.items():
+            meta = ctx.metadata[group] if group < len(ctx.metadata) else None
+            window = tape.windows[group]
+            if meta is None or (window is not None and meta.sliding_window != window):
+                return False
+            rows = backend.decode_rows(query, keys, values, meta)
+            if rows is None or len(rows.rows) != tape.rows:
+                return False
+            slots = cache.slots(layer, cos.device)
+            if slots.dtype != torch.int64 or not slots.is_contiguous() or slots.numel() != tape.rows:
+                return False
+            tape.keep[group] = (rows, slots)
+            found.update({
+                ("slots", group): slots.data_ptr(), ("tables", group): rows.tables.data_ptr(),
+                ("width", group): rows.tables.shape[1], ("rows", group): rows.rows.data_ptr(),
+                ("table_rows", group): rows.table_rows.data_ptr(), ("first", group): rows.first.data_ptr(),
+                ("length", group): rows.length.data_ptr(), ("dropped", group): rows.dropped.data_ptr(),
+                ("max_length", group): rows.max_length,
+            })  # fmt: skip
+            longest = max(longest, rows.max_length)
+        scratch = torch.empty(tape.threads * tape.groups_per_kv * longest, dtype=torch.float32)
+        tape.keep["scratch"] = scratch
+        found[("scratch", 0)] = scratch.data_ptr()
+        tape.tape.reshape(-1)[tape.where] = [found[(what, group)] for _, _, what, group in tape.patches]
+        return True
+
+
+def _calls_hold(tape: _Tape) -> bool:
+    """What each call's own path checks of its module, once for the step (module docstring): every bypassed or
+    called module still of its class and unhooked, every norm's and linear's weight the tape's (the same tensor and
+    data), every linear's route the tape's and still serving it, every layer's pool the tape's."""
+    module: Any
+    for module, cls in tape.plain:
+        if type(module) is not cls or module._forward_hooks or module._forward_pre_hooks:  # noqa: SLF001
+            return False
+        if module._backward_hooks or module._backward_pre_hooks or "forward" in module.__dict__:  # noqa: SLF001
+            return False
+    for norm in tape.norms:
+        weight = norm.module.weight
+        if weight is not norm.weight or weight.data_ptr() != norm.pointer or not weight.is_contiguous():
+            return False
+        if weight.dtype != torch.float32 or norm.module.variance_epsilon != norm.eps:
+            return False
+    for linear in tape.linears:
+        module = linear.module
+        if module.__dict__.get("forward") is not linear.forward or module._compiled_call_impl is not None:  # noqa: SLF001
+            return False
+        if module._forward_hooks or module._forward_pre_hooks:  # noqa: SLF001
+            return False
+        if module._backward_hooks or module._backward_pre_hooks:  # noqa: SLF001
+            return False
+        weight, bias = module.weight, module.bias
+        if linear.forward.route(linear.source) is not linear.route:
+            return False
+        if not linear.route.serves(linear.source, weight, bias):
+            return False
+        if (weight.data_ptr(), 0 if bias is None else bias.data_ptr()) != linear.pointers:
+            return False
+    return True
+
+
+def _write(kernel: DecodeTapeKernel, classes: Any, inner: Any, rows: int, cos: torch.Tensor,
+           kwargs: dict[str, Any]) -> _Tape:  # fmt: skip
+    """The tape of a step of ``rows`` rows of this model: the direct layers' calls with their arguments (raises
+    :class:`_NotYet` where a call has not settled, :class:`_Never` where one never will be a C call)."""
+    from .direct_layers import _layers
+
+    ctx = kwargs.get(CONTEXT_KEY)
+    if classes.head_norms:
+        raise _Never("heads normalized (Qwen3)")
+    if type(ctx) is not ForwardContext:
+        raise _Never("not the Engine's packed forward")
+    writer = _Writer(kernel, classes, ctx, _Tape(rows, torch.get_num_threads()), int(inner.config.hidden_size))
+    for layer in _layers(inner):
+        writer.layer(layer, cos)
+    tape = writer.tape
+    if not tape.pools:
+        raise _Never("no attention layers")
+    if not _calls_hold(tape):  # a hooked module: asked again next step
+        raise _NotYet
+    return tape
+
+
+class _Writer:
+    """Writes a tape's records, layer by layer, from the modules and their settled calls."""
+
+    def __init__(self, kernel: DecodeTapeKernel, classes: Any, ctx: ForwardContext, tape: _Tape, width: int) -> None:
+        from .direct_layers import load_kernel
+
+        direct, decode = load_kernel(), decode_kernel_module.load()
+        if direct is None or decode is None or direct._lanes is None:  # noqa: SLF001
+            raise _Never("no C kernels")
+        if direct.sums_as_torch(torch.zeros(1, width)) is False:
+            raise _Never("the norm's sum is not torch's at this width")
+        self.kernel, self.classes, self.ctx, self.tape, self.width = kernel, classes, ctx, tape, width
+        self.lanes = direct._lanes  # noqa: SLF001
+        self.norm_fn, self.rope_fn = _address(direct._norm), _address(direct._rope)  # noqa: SLF001
+        self.attend_fn = _address(decode._function)  # noqa: SLF001
+
+    def norm(self, module: Any, source: torch.Tensor, target: torch.Tensor) -> None:
+        weight, width = module.weight, self.width
+        if weight.dtype != torch.float32 or weight.shape != (width,) or not weight.is_contiguous():
+            raise _Never("a norm's weight the C code does not read")
+        self.tape.plain.append((module, self.classes.norm))
+        self.tape.norms.append(_Norm(module, weight, weight.data_ptr(), module.variance_epsilon))
+        self.tape.add([OP_NORM, self.norm_fn, source.data_ptr(), weight.data_ptr(), _bits(module.variance_epsilon),
+                       target.data_ptr(), self.tape.rows, width, self.lanes])  # fmt: skip
+
+    def linear(self, module: Any, source: torch.Tensor, name: str) -> torch.Tensor:
+        forward = module.__dict__.get("forward")
+        if not isinstance(forward, PackedForward):
+            raise _Never("a linear without the runner's forward")
+        route = forward.route(source)
+        if route is None:
+            raise _NotYet
+        call = route.c_call()
+        if call is None:
+            raise _Never("a linear not on the row kernel")
+        weight, bias = module.weight, module.bias
+        if not route.serves(source, weight, bias):
+            raise _NotYet
+        target = self.tape.buffer(name, int(weight.shape[0]))
+        pointers = (weight.data_ptr(), 0 if bias is None else bias.data_ptr())
+        self.tape.linears.append(_Linear(module, forward, route, source, weight, pointers))
+        function, args = call
+        self.tape.add([OP_LINEAR, function, source.data_ptr(), pointers[0], pointers[1], target.data_ptr(), *args])
+        return target
+
+    def layer(self, layer: Any, cos: torch.Tensor) -> None:
+        """One decoder layer: LlamaDecoderLayer.forward's steps, as the direct layers run them."""
+        tape, classes, width = self.tape, self.classes, self.width
+        attention, mlp = layer.self_attn, layer.mlp
+        tape.plain += [(layer, classes.layer), (attention, classes.attention), (mlp, classes.mlp)]
+        if type(mlp.act_fn) not in _silu_classes():
+            raise _Never("an activation other than SiLU")
+        tape.plain.append((mlp.act_fn, type(mlp.act_fn)))
+        hidden, normed = tape.buffer("hidden", width), tape.buffer("normed", width)
+        after, projected = tape.buffer("after_attention", width), tape.buffer("projected", width)
+        self.norm(layer.input_layernorm, hidden, normed)
+        q, k, v = (self.linear(attention.q_proj, normed, "q"), self.linear(attention.k_proj, normed, "k"),
+                   self.linear(attention.v_proj, normed, "v"))  # fmt: skip
+        attended = self.attention(attention, q, k, v, cos)
+        if self.linear(attention.o_proj, attended, "projected") is not projected:
+            raise _Never("an output projection not of the hidden size")
+        tape.add([OP_ADD, hidden.data_ptr(), projected.data_ptr(), after.data_ptr(), tape.rows * width])
+        self.norm(layer.post_attention_layernorm, after, normed)
+        gate, up = self.linear(mlp.gate_proj, normed, "gate"), self.linear(mlp.up_proj, normed, "up")
+        if gate.shape != up.shape or not self.kernel.silu_as_torch(int(gate.shape[-1])):
+            raise _Never("a SiLU whose bits are not torch's at this width")
+        product = tape.buffer("product", int(gate.shape[-1]))
+        tape.add([OP_SILU_MUL, gate.data_ptr(), up.data_ptr(), product.data_ptr(), gate.numel(), self.kernel.exp8])
+        down = self.linear(mlp.down_proj, product, "down")
+        if down.shape != hidden.shape:
+            raise _Never("an MLP whose output is not the hidden size")
+        tape.add([OP_ADD, after.data_ptr(), down.data_ptr(), hidden.data_ptr(), tape.rows * width])
+
+    def attention(self, attention: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  cos: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        """The rotary embedding with the KV store, and the decode kernel's attention: their records."""
+        tape, rows, spec = self.tape, self.tape.rows, self.ctx.pool.spec
+        index = attention.layer_idx
+        layer_spec = spec.layers[index]
+        if spec.source(index) != index or layer_spec.latent is not None or layer_spec.query_temperature is not None:
+            raise _Never("a layer that reads another's keys, a latent, or a query temperature")
+        d = int(attention.head_dim)
+        heads, kv_heads = q.shape[-1] // d, k.shape[-1] // d
+        dv = v.shape[-1] // max(1, kv_heads)
+        if cos.shape != (1, rows, d) or d % 2 or not kv_heads or heads % kv_heads:
+            raise _Never("a rotary table or heads the kernels do not take")
+        group, keys, values = pool_read(self.ctx.pool, index)
+        if keys.dtype != torch.float32 or values.dtype != torch.float32 or not keys.is_contiguous():
+            raise _Never("a pool layout the kernels do not read")
+        if not values.is_contiguous() or keys.shape[-2:] != (kv_heads, d) or values.shape[-2:] != (kv_heads, dv):
+            raise _Never("a pool layout the kernels do not read")
+        window = self.classes.window(attention)
+        if tape.windows.setdefault(group, window) != window:
+            raise _Never("layers of one KV group with different windows")
+        tape.head_dim, tape.groups_per_kv = d, heads // kv_heads
+        tape.layer_pools.append((index, keys, values))
+        tape.pools.setdefault(group, (index, keys, values))
+        rotated, attended = tape.buffer("rotated", heads * d), tape.buffer("attended", heads * dv)
+        tape.add([OP_ROPE, self.rope_fn, q.data_ptr(), heads * d, k.data_ptr(), kv_heads * d, v.data_ptr(),
+                  kv_heads * dv, 0, 0, rotated.data_ptr(), keys.data_ptr(), values.data_ptr(), 0, rows, heads, kv_heads,
+                  d, dv],
+                 ((8, "cos", 0), (9, "sin", 0), (13, "slots", group)))  # fmt: skip
+        tape.add([OP_ATTEND, self.attend_fn, rotated.data_ptr(), keys.data_ptr(), values.data_ptr(), 0, 0, 0, 0, 0, 0,
+                  0, rows, heads, kv_heads, d, dv, int(keys.shape[1]), _bits(attention.scaling), attended.data_ptr(),
+                  0, 0, tape.threads],
+                 ((5, "tables", group), (6, "width", group), (7, "rows", group), (8, "table_rows", group),
+                  (9, "first", group), (10, "length", group), (11, "dropped", group), (20, "scratch", 0),
+                  (21, "max_length", group)))  # fmt: skip
+        return attended
+
+
+def _silu_classes() -> tuple[type[Any], ...]:
+    from transformers.activations import SiLUActivation
+
+    return (SiLUActivation, torch.nn.SiLU)

@@ -1,0 +1,169 @@
+"""The direct layers' decode step as one C call (``pagedcore/adapters/transformers/decode_tape.py``): stock tokens and
+logits to the bit with the tape running, for each family it takes; a weight replaced, a training step, or a hooked
+layer between steps seen; its first step checked; its SiLU torch's bits."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from models import tiny_model
+from test_direct_layers import trained_norms
+from test_weights_engine import sgd_step, workload
+
+from pagedcore.adapters.transformers import Engine, SamplingParams
+from pagedcore.adapters.transformers import decode_tape as tape_module
+from pagedcore.adapters.transformers.decode_tape import Tapes
+from pagedcore.adapters.transformers.row_kernel import load as load_row_kernel
+from pagedcore.plugins.decode_kernel import load as load_decode_kernel
+
+TAPE = tape_module.load()
+needs_tape = pytest.mark.skipif(
+    TAPE is None or load_row_kernel() is None or load_decode_kernel() is None,
+    reason="no C compiler, no AVX2 or no Sleef exp in this torch",
+)
+GREEDY = SamplingParams(max_new_tokens=24, return_logits=True, ignore_eos=True)
+
+
+def model_of(family: str, seed: int) -> Any:
+    return trained_norms(tiny_model(family, seed=seed, hidden_size=128, intermediate_size=256), seed)
+
+
+def mirror(model: Any) -> Any:
+    """A second tiny model of ``model``'s family and sizes holding its weights as they are now (the reference)."""
+    config = model.config
+    ref = tiny_model(config.model_type, seed=99, hidden_size=config.hidden_size,
+                     intermediate_size=config.intermediate_size)  # fmt: skip
+    ref.load_state_dict(model.state_dict())
+    return ref
+
+
+def assert_stock(ref: Any, prompts: list[list[int]], outputs: Any) -> None:
+    """transformers' greedy tokens (DynamicCache, no EOS stop), logits within float32 noise (another kernel's sums)."""
+    new = GREEDY.max_new_tokens
+    for prompt, out in zip(prompts, outputs, strict=True):
+        assert out.error is None, out.error
+        want = ref.generate(torch.tensor([prompt]), max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                            return_dict_in_generate=True, output_logits=True)  # fmt: skip
+        assert out.token_ids == want.sequences[0, len(prompt) :].tolist()
+        for got, logits in zip(out.samples[0].logits, want.logits, strict=True):
+            torch.testing.assert_close(got, logits[0].float(), atol=1e-3, rtol=0)
+
+
+def tapes_of(engine: Engine) -> Tapes:
+    direct = engine.runner._direct
+    assert direct is not None and isinstance(direct.tapes, Tapes)
+    return direct.tapes
+
+
+@needs_tape
+@pytest.mark.parametrize(("family", "seqs"), [("llama", 1), ("llama", 3), ("llama", 8), ("mistral", 4), ("qwen2", 4)])
+def test_decode_steps_run_on_the_tape_with_stock_tokens_and_logits(family, seqs, two_threads, kernel_wins):
+    model = model_of(family, 31 + seqs)
+    ref, python = mirror(model), mirror(model)
+    prompts = [[3 + (7 * i + j) % 90 for j in range(5 + 3 * i)] for i in range(seqs)]
+    with Engine(model, num_blocks=256, block_size=4, max_num_seqs=seqs) as engine:
+        outputs = engine.generate(prompts, GREEDY, use_tqdm=False)
+        tapes = tapes_of(engine)
+    with Engine(python, num_blocks=256, block_size=4, max_num_seqs=seqs) as engine:
+        direct = engine.runner._direct
+        assert direct is not None
+        direct.tapes = False  # the direct layers' Python: the bits to match
+        theirs = engine.generate(prompts, GREEDY, use_tqdm=False)
+    assert tapes.runs > 3 and not tapes.off  # checked at its first step, then run
+    for mine, own in zip(outputs, theirs, strict=True):
+        assert mine.token_ids == own.token_ids
+        for a, b in zip(mine.samples[0].logits, own.samples[0].logits, strict=True):
+            assert torch.equal(a, b)
+    assert_stock(ref, prompts, outputs)
+
+
+@needs_tape
+def test_a_training_step_and_a_replaced_weight_between_steps_are_seen(two_threads, kernel_wins):
+    model = model_of("llama", 41)
+    first, second, third = workload(41, 4), workload(42, 4), workload(43, 4)
+    with Engine(model, num_blocks=256, block_size=4, max_num_seqs=4) as engine:
+        engine.generate(first, GREEDY, use_tqdm=False)
+        runs = tapes_of(engine).runs
+        assert runs > 0
+        sgd_step(model, first)  # in place: the tape reads the new values
+        ref = mirror(model)
+        assert_stock(ref, second, engine.generate(second, GREEDY, use_tqdm=False))
+        assert tapes_of(engine).runs > runs
+        layer = model.model.layers[1].mlp.down_proj
+        with torch.no_grad():
+            layer.weight = torch.nn.Parameter(layer.weight * 0.5)  # another tensor: its route and the tape go
+        ref = mirror(model)
+        assert_stock(ref, third, engine.generate(third, GREEDY, use_tqdm=False))
+
+
+@needs_tape
+def test_a_hooked_linear_is_called_as_a_module_and_the_tape_waits(two_threads, kernel_wins):
+    model = model_of("llama", 51)
+    prompts = workload(51, 3)
+    ref = mirror(model)
+    calls = []
+    with Engine(model, num_blocks=256, block_size=4, max_num_seqs=3) as engine:
+        engine.generate(prompts, GREEDY, use_tqdm=False)
+        runs = tapes_of(engine).runs
+        handle = model.model.layers[0].self_attn.k_proj.register_forward_hook(lambda *_: calls.append(1))
+        outputs = engine.generate(prompts, GREEDY, use_tqdm=False)
+        assert tapes_of(engine).runs == runs  # every step ran the Python layers, which call the hooked module
+        handle.remove()
+        engine.generate(prompts, GREEDY, use_tqdm=False)
+        assert tapes_of(engine).runs > runs
+    assert_stock(ref, prompts, outputs)
+    assert len(calls) >= GREEDY.max_new_tokens
+
+
+@needs_tape
+def test_a_first_step_that_differs_turns_the_tape_off_with_a_warning_and_keeps_stock_tokens(
+    two_threads, kernel_wins, monkeypatch, caplog
+):
+    model = model_of("llama", 61)
+    prompts = workload(61, 2)
+    ref = mirror(model)
+    monkeypatch.setattr(tape_module, "same_bits", lambda a, b: False)
+    with caplog.at_level(logging.WARNING, logger="pagedcore"), Engine(model, num_blocks=256, block_size=4) as engine:
+        outputs = engine.generate(prompts, GREEDY, use_tqdm=False)
+        tapes = tapes_of(engine)
+    assert_stock(ref, prompts, outputs)
+    assert tapes.off and tapes.runs == 0
+    assert "decode tape gave other hidden states" in caplog.text
+
+
+@needs_tape
+def test_a_silu_whose_bits_are_not_torchs_leaves_the_row_count_untaped(two_threads, kernel_wins, monkeypatch):
+    assert TAPE is not None
+    monkeypatch.setattr(TAPE, "_widths", {256: False})
+    model = model_of("llama", 71)
+    prompts = workload(71, 2)
+    ref = mirror(model)
+    with Engine(model, num_blocks=256, block_size=4) as engine:
+        outputs = engine.generate(prompts, GREEDY, use_tqdm=False)
+        tapes = tapes_of(engine)
+    assert_stock(ref, prompts, outputs)
+    assert tapes.runs == 0 and len(tapes) == 0
+
+
+@needs_tape
+@pytest.mark.parametrize("width", [1, 7, 15, 16, 17, 100, 256, 1536, 1537, 11008])
+def test_the_tapes_silu_times_up_is_torchs_to_the_bit(width):
+    assert TAPE is not None
+    generator = torch.Generator().manual_seed(width)
+    gate = torch.randn(5, width, generator=generator) * torch.logspace(-4, 3, 5).unsqueeze(1)
+    gate.view(-1)[::13] = torch.tensor([float("inf"), float("-inf"), float("nan"), -104.0, 89.0, 0.0, -0.0])[
+        torch.arange(gate.view(-1)[::13].numel()) % 7
+    ]
+    up = torch.randn(5, width, generator=generator)
+    got, want = TAPE.silu_mul(gate, up), F.silu(gate) * up
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    assert TAPE.silu_as_torch(width)
+
+
+def test_the_switch_turns_the_tape_off(monkeypatch):
+    monkeypatch.setenv(tape_module.ENV, "0")
+    assert tape_module._build() is None
