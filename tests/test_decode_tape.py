@@ -150,18 +150,35 @@ def test_a_silu_whose_bits_are_not_torchs_leaves_the_row_count_untaped(two_threa
 
 
 @needs_tape
-@pytest.mark.parametrize("width", [1, 7, 15, 16, 17, 100, 256, 1536, 1537, 11008])
-def test_the_tapes_silu_times_up_is_torchs_to_the_bit(width):
+@pytest.mark.parametrize(
+    ("rows", "width"),
+    [(1, 1), (1, 7), (1, 15), (2, 16), (1, 17), (3, 100), (4, 256), (5, 1536), (1, 1537), (3, 11008), (8, 4099),
+     (7, 5003)],
+)  # fmt: skip
+def test_the_tapes_silu_times_up_is_torchs_to_the_bit(rows, width, two_threads):
+    """Over torch's grain size (32768 elements) its two threads' parts each end in a scalar tail: so do the tape's."""
     assert TAPE is not None
     generator = torch.Generator().manual_seed(width)
-    gate = torch.randn(5, width, generator=generator) * torch.logspace(-4, 3, 5).unsqueeze(1)
-    gate.view(-1)[::13] = torch.tensor([float("inf"), float("-inf"), float("nan"), -104.0, 89.0, 0.0, -0.0])[
-        torch.arange(gate.view(-1)[::13].numel()) % 7
-    ]
-    up = torch.randn(5, width, generator=generator)
+    gate = torch.randn(rows, width, generator=generator) * torch.logspace(-4, 3, rows).unsqueeze(1)
+    specials = torch.tensor([float("inf"), float("-inf"), float("nan"), -104.0, 89.0, 0.0, -0.0])
+    gate.view(-1)[::13] = specials[torch.arange(gate.view(-1)[::13].numel()) % 7]
+    up = torch.randn(rows, width, generator=generator)
     got, want = TAPE.silu_mul(gate, up), F.silu(gate) * up
     assert torch.equal(got.view(torch.int32), want.view(torch.int32))
     assert TAPE.silu_as_torch(width)
+
+
+@needs_tape
+def test_without_torchs_parts_the_scalar_tails_would_differ(two_threads, monkeypatch):
+    """The case the parts are for: one loop over 8 x 4099 elements puts other elements in the vector loop than
+    torch's two parts do, and Sleef's exp and libm's differ in the last bit for some of them."""
+    assert TAPE is not None
+    gate, up = torch.randn(8, 4099, generator=torch.Generator().manual_seed(5)) * 3, torch.ones(8, 4099)
+    gate.view(-1)[16384:16396] = -29.389972686767578  # the first part's scalar tail: an exp the two round apart
+    want = F.silu(gate) * up
+    assert torch.equal(TAPE.silu_mul(gate, up), want)
+    monkeypatch.setattr(tape_module, "silu_chunk", lambda n, threads: n)
+    assert not torch.equal(TAPE.silu_mul(gate, up), want)
 
 
 def test_the_switch_turns_the_tape_off(monkeypatch):

@@ -7,7 +7,8 @@
  * add:      out = a + b (one IEEE addition per element).
  * silu_mul: out = silu(g) * u, silu as ATen's silu kernel: x / (1 + exp(-x)), sixteen elements a step through
  *           Sleef_expf8_u10 (torch's own, found in libtorch_cpu and passed in), the elements past the last sixteen
- *           through libm's expf (ATen's scalar loop).
+ *           of each chunk through libm's expf (ATen's scalar loop); the chunks are the ones at::parallel_for gives
+ *           its threads (`chunk` elements each: decode_tape.py works them out), since each starts its own loop.
  *
  * Built with -ffp-contract=off and without -ffast-math: no operation is fused or reordered.
  *
@@ -47,8 +48,8 @@ void add(const float *a, const float *b, float *out, int64_t n) {
     for (int64_t i = 0; i < n; i++) out[i] = a[i] + b[i];
 }
 
-__attribute__((target("avx2"))) void silu_mul(const float *g, const float *u, float *out, int64_t n, void *exp8) {
-    const vexp_fn vexp = (vexp_fn)exp8;
+__attribute__((target("avx2"))) static void silu_chunk(const float *g, const float *u, float *out, int64_t n,
+                                                        vexp_fn vexp) {
     const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
     int64_t i = 0;
     for (; i + 16 <= n; i += 16) {
@@ -61,6 +62,14 @@ __attribute__((target("avx2"))) void silu_mul(const float *g, const float *u, fl
     for (; i < n; i++) {
         const float x = g[i];
         out[i] = (x / (1.0f + expf(-x))) * u[i];
+    }
+}
+
+void silu_mul(const float *g, const float *u, float *out, int64_t n, int64_t chunk, void *exp8) {
+    if (chunk < 1) chunk = n;
+    for (int64_t begin = 0; begin < n; begin += chunk) {
+        const int64_t size = n - begin < chunk ? n - begin : chunk;
+        silu_chunk(g + begin, u + begin, out + begin, size, (vexp_fn)exp8);
     }
 }
 
@@ -87,7 +96,7 @@ int64_t run_tape(const int64_t *tape, int64_t records) {
             add(P(1), P(2), P(3), r[4]);
             break;
         case OP_SILU_MUL:
-            silu_mul(P(1), P(2), P(3), r[4], P(5));
+            silu_mul(P(1), P(2), P(3), r[4], r[5], P(6));
             break;
         default:
             return k + 1;

@@ -49,7 +49,7 @@ from .linear_routes import Route
 from .prepacked import _Forward as PackedForward
 from .prepacked import active_linears
 
-__all__ = ["ENV", "DecodeTapeKernel", "Tapes", "load"]
+__all__ = ["ENV", "GRAIN_SIZE", "DecodeTapeKernel", "Tapes", "load", "silu_chunk"]
 
 logger = logging.getLogger("pagedcore")
 
@@ -82,7 +82,7 @@ class DecodeTapeKernel:
         self._run.argtypes = [ctypes.c_void_p, ctypes.c_int64]
         self._run.restype = ctypes.c_int64
         self._silu = library.silu_mul
-        self._silu.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_void_p]
+        self._silu.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
         self._silu.restype = None
         self.exp8 = exp8
         self._widths: dict[int, bool] = {}
@@ -95,7 +95,8 @@ class DecodeTapeKernel:
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """``F.silu(gate) * up`` of contiguous float32 tensors, in the C code (for tests and the width check)."""
         out = torch.empty_like(gate)
-        self._silu(gate.data_ptr(), up.data_ptr(), out.data_ptr(), gate.numel(), self.exp8)
+        n = gate.numel()
+        self._silu(gate.data_ptr(), up.data_ptr(), out.data_ptr(), n, silu_chunk(n, torch.get_num_threads()), self.exp8)
         return out
 
     def silu_as_torch(self, width: int) -> bool:
@@ -112,6 +113,23 @@ class DecodeTapeKernel:
                 up = torch.randn(8, width, generator=generator)
                 self._widths[width] = same_bits(self.silu_mul(gate, up), F.silu(gate) * up)
             return self._widths[width]
+
+
+GRAIN_SIZE = 32768  # at::internal::GRAIN_SIZE: elements below which torch's elementwise kernels run on one thread
+
+
+def silu_chunk(n: int, threads: int) -> int:
+    """The elements of each thread's part where torch's SiLU over ``n`` contiguous elements runs on ``threads``
+    threads (``TensorIterator::for_each`` and ``at::parallel_for``): each part's loop ends in its own scalar tail.
+
+    Example:
+        >>> silu_chunk(1536, 2), silu_chunk(65536, 2), silu_chunk(40000, 4), silu_chunk(40000, 1)
+        (1536, 32768, 20000, 40000)
+    """
+    if n < GRAIN_SIZE or threads < 2:
+        return n
+    parts = min(threads, -(-n // GRAIN_SIZE))
+    return -(-n // parts)
 
 
 _SOURCE = Path(__file__).with_name("decode_tape.c")
@@ -463,7 +481,9 @@ class _Writer:
         if gate.shape != up.shape or not self.kernel.silu_as_torch(int(gate.shape[-1])):
             raise _Never("a SiLU whose bits are not torch's at this width")
         product = tape.buffer("product", int(gate.shape[-1]))
-        tape.add([OP_SILU_MUL, gate.data_ptr(), up.data_ptr(), product.data_ptr(), gate.numel(), self.kernel.exp8])
+        n = gate.numel()
+        tape.add([OP_SILU_MUL, gate.data_ptr(), up.data_ptr(), product.data_ptr(), n, silu_chunk(n, tape.threads),
+                  self.kernel.exp8])  # fmt: skip
         down = self.linear(mlp.down_proj, product, "down")
         if down.shape != hidden.shape:
             raise _Never("an MLP whose output is not the hidden size")
