@@ -16,9 +16,10 @@ and its MLP are not: their bodies are written out here, in transformers' order (
 keys' and values' store run in C (:class:`DirectKernel`: the same float32 operations in the same order, so the same
 bits; a norm's variance summed in torch's own order where that was found to give torch's bits for its row width,
 else torch's variance and the scale in C) where it serves, else as transformers' torch ops and the cache's update; a
-hooked or replaced norm is called as its module. Mistral's and Qwen2's layers are Llama's with a sliding window
-handed to the attention (their attention modules' one difference), Qwen3's Qwen2's with each query and key head
-normalized before the rotary embedding (:data:`FAMILIES`).
+hooked or replaced norm is called as its module. A decode step whose calls have all settled on C code runs every
+layer's C calls as one C call (:mod:`.decode_tape`: the same calls and arguments, so the same bits). Mistral's and
+Qwen2's layers are Llama's with a sliding window handed to the attention (their attention modules' one difference),
+Qwen3's Qwen2's with each query and key head normalized before the rotary embedding (:data:`FAMILIES`).
 
 When it runs (:meth:`DirectLayers.serves`, checked at each step): every bypassed module (the causal LM, its base
 model, each decoder layer, attention and MLP) is exactly the family's class, has no hook and no ``forward`` of its
