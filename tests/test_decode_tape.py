@@ -60,7 +60,9 @@ def tapes_of(engine: Engine) -> Tapes:
 
 
 @needs_tape
-@pytest.mark.parametrize(("family", "seqs"), [("llama", 1), ("llama", 3), ("llama", 8), ("mistral", 4), ("qwen2", 4)])
+@pytest.mark.parametrize(
+    ("family", "seqs"), [("llama", 1), ("llama", 3), ("llama", 8), ("mistral", 4), ("qwen2", 4), ("qwen3", 4)]
+)
 def test_decode_steps_run_on_the_tape_with_stock_tokens_and_logits(family, seqs, two_threads, kernel_wins):
     model = model_of(family, 31 + seqs)
     ref, python = mirror(model), mirror(model)

@@ -399,8 +399,6 @@ def _write(kernel: DecodeTapeKernel, classes: Any, inner: Any, rows: int, cos: t
     from .direct_layers import _layers
 
     ctx = kwargs.get(CONTEXT_KEY)
-    if classes.head_norms:
-        raise _Never("heads normalized (Qwen3)")
     if type(ctx) is not ForwardContext:
         raise _Never("not the Engine's packed forward")
     writer = _Writer(kernel, classes, ctx, _Tape(rows, torch.get_num_threads()), int(inner.config.hidden_size))
@@ -426,18 +424,22 @@ class _Writer:
         if direct.sums_as_torch(torch.zeros(1, width)) is False:
             raise _Never("the norm's sum is not torch's at this width")
         self.kernel, self.classes, self.ctx, self.tape, self.width = kernel, classes, ctx, tape, width
+        self.direct = direct
         self.lanes = direct._lanes  # noqa: SLF001
         self.norm_fn, self.rope_fn = _address(direct._norm), _address(direct._rope)  # noqa: SLF001
         self.attend_fn = _address(decode._function)  # noqa: SLF001
 
-    def norm(self, module: Any, source: torch.Tensor, target: torch.Tensor) -> None:
-        weight, width = module.weight, self.width
+    def norm(self, module: Any, source: torch.Tensor, target: torch.Tensor, width: int | None = None) -> None:
+        """A norm over rows of ``width`` (the hidden size; a head's for Qwen3's query and key norms)."""
+        weight, width = module.weight, width or self.width
         if weight.dtype != torch.float32 or weight.shape != (width,) or not weight.is_contiguous():
             raise _Never("a norm's weight the C code does not read")
+        if width != self.width and self.direct.sums_as_torch(torch.zeros(1, width)) is False:
+            raise _Never("the norm's sum is not torch's at this width")
         self.tape.plain.append((module, self.classes.norm))
         self.tape.norms.append(_Norm(module, weight, weight.data_ptr(), module.variance_epsilon))
         self.tape.add([OP_NORM, self.norm_fn, source.data_ptr(), weight.data_ptr(), _bits(module.variance_epsilon),
-                       target.data_ptr(), self.tape.rows, width, self.lanes])  # fmt: skip
+                       target.data_ptr(), source.numel() // width, width, self.lanes])  # fmt: skip
 
     def linear(self, module: Any, source: torch.Tensor, name: str) -> torch.Tensor:
         forward = module.__dict__.get("forward")
@@ -472,6 +474,12 @@ class _Writer:
         self.norm(layer.input_layernorm, hidden, normed)
         q, k, v = (self.linear(attention.q_proj, normed, "q"), self.linear(attention.k_proj, normed, "k"),
                    self.linear(attention.v_proj, normed, "v"))  # fmt: skip
+        if classes.head_norms:  # Qwen3Attention: each query and key head normalized before the rotary embedding
+            d = int(attention.head_dim)
+            q_normed, k_normed = tape.buffer("q_normed", q.shape[-1]), tape.buffer("k_normed", k.shape[-1])
+            self.norm(attention.q_norm, q, q_normed, d)
+            self.norm(attention.k_norm, k, k_normed, d)
+            q, k = q_normed, k_normed
         attended = self.attention(attention, q, k, v, cos)
         if self.linear(attention.o_proj, attended, "projected") is not projected:
             raise _Never("an output projection not of the hidden size")
