@@ -286,13 +286,16 @@ class Tapes:
         self.runs += 1
         return out
 
-    def offer(self, classes: Any, inner: Any, hidden: torch.Tensor, cos: torch.Tensor, kwargs: dict[str, Any]) -> None:
-        """After a step the Python layers ran: write this row count's tape where every call has settled."""
+    def offer(self, classes: Any, layers: list[Any], direct: Any, hidden: torch.Tensor, cos: torch.Tensor,
+              kwargs: dict[str, Any]) -> None:  # fmt: skip
+        """After a step the Python layers ran: write this row count's tape where every call has settled (``layers``:
+        the decoder layers the base model runs; ``direct``: the direct layers' :class:`~.direct_layers.DirectKernel`,
+        whose norm and rotary store the tape calls)."""
         rows = hidden.shape[1] if hidden.dim() == 3 else 0
         if self.off or rows in self._tapes or len(self._tapes) >= MAX_TAPES or hidden.shape[0] != 1:
             return
         try:
-            self._tapes[rows] = _write(self._kernel, classes, inner, rows, cos, kwargs).finish()
+            self._tapes[rows] = _write(self._kernel, classes, layers, direct, hidden, cos, kwargs).finish()
         except _NotYet:
             return
         except _Never as why:
@@ -392,17 +395,16 @@ def _calls_hold(tape: _Tape) -> bool:
     return True
 
 
-def _write(kernel: DecodeTapeKernel, classes: Any, inner: Any, rows: int, cos: torch.Tensor,
-           kwargs: dict[str, Any]) -> _Tape:  # fmt: skip
-    """The tape of a step of ``rows`` rows of this model: the direct layers' calls with their arguments (raises
+def _write(kernel: DecodeTapeKernel, classes: Any, layers: list[Any], direct: Any, hidden: torch.Tensor,
+           cos: torch.Tensor, kwargs: dict[str, Any]) -> _Tape:  # fmt: skip
+    """The tape of a step of ``hidden``'s rows of this model: the direct layers' calls with their arguments (raises
     :class:`_NotYet` where a call has not settled, :class:`_Never` where one never will be a C call)."""
-    from .direct_layers import _layers
-
     ctx = kwargs.get(CONTEXT_KEY)
     if type(ctx) is not ForwardContext:
         raise _Never("not the Engine's packed forward")
-    writer = _Writer(kernel, classes, ctx, _Tape(rows, torch.get_num_threads()), int(inner.config.hidden_size))
-    for layer in _layers(inner):
+    tape = _Tape(hidden.shape[1], torch.get_num_threads())
+    writer = _Writer(kernel, direct, classes, ctx, tape, int(hidden.shape[-1]))
+    for layer in layers:
         writer.layer(layer, cos)
     tape = writer.tape
     if not tape.pools:
@@ -415,10 +417,9 @@ def _write(kernel: DecodeTapeKernel, classes: Any, inner: Any, rows: int, cos: t
 class _Writer:
     """Writes a tape's records, layer by layer, from the modules and their settled calls."""
 
-    def __init__(self, kernel: DecodeTapeKernel, classes: Any, ctx: ForwardContext, tape: _Tape, width: int) -> None:
-        from .direct_layers import load_kernel
-
-        direct, decode = load_kernel(), decode_kernel_module.load()
+    def __init__(self, kernel: DecodeTapeKernel, direct: Any, classes: Any, ctx: ForwardContext, tape: _Tape,
+                 width: int) -> None:  # fmt: skip
+        decode = decode_kernel_module.load()
         if direct is None or decode is None or direct._lanes is None:  # noqa: SLF001
             raise _Never("no C kernels")
         if direct.sums_as_torch(torch.zeros(1, width)) is False:

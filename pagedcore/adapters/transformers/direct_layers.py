@@ -212,7 +212,7 @@ class DirectLayers:
         if out is None:
             out = self.layers_hidden(inner, hidden, cos, sin, kwargs)
             if tapes is not None:
-                tapes.offer(self._classes, inner, hidden, cos, kwargs)
+                tapes.offer(self._classes, _layers(inner), kernel, hidden, cos, kwargs)
         return _norm(kernel, self._classes.norm, inner.norm, out)
 
     def _tapes_for(self, kernel: DirectKernel | None) -> Tapes | None:
