@@ -17,6 +17,8 @@ from test_weights_engine import sgd_step, workload
 from pagedcore.adapters.transformers import Engine, SamplingParams
 from pagedcore.adapters.transformers import decode_tape as tape_module
 from pagedcore.adapters.transformers.decode_tape import Tapes
+from pagedcore.adapters.transformers.linear_routes import PLAIN
+from pagedcore.adapters.transformers.row_kernel import RowKernel
 from pagedcore.adapters.transformers.row_kernel import load as load_row_kernel
 from pagedcore.plugins.decode_kernel import load as load_decode_kernel
 
@@ -83,6 +85,43 @@ def test_decode_steps_run_on_the_tape_with_stock_tokens_and_logits(family, seqs,
     assert_stock(ref, prompts, outputs)
 
 
+@pytest.fixture
+def plain_wins(monkeypatch: pytest.MonkeyPatch, trial_clock: list[float]) -> None:
+    """The trials' clock made to find every timed kernel call slower than ``F.linear``: the layers settle on it."""
+    real = RowKernel.linear
+
+    def slow(self: RowKernel, x: torch.Tensor, weight: torch.Tensor, bias: Any, order: Any, threads: int) -> Any:
+        trial_clock[0] += 0.75
+        return real(self, x, weight, bias, order, threads)
+
+    monkeypatch.setattr(RowKernel, "linear", slow)
+
+
+@needs_tape
+def test_layers_whose_trials_chose_f_linear_are_on_the_tape_through_the_kernels_exact_order(two_threads, plain_wins):
+    """A few microseconds between two ways timed alone (a 128 x 512 projection's kernel and MKL's one-thread product
+    are that close here, and a loaded machine tips them) must not keep the whole step off the tape."""
+    model = model_of("llama", 81)
+    ref, python = mirror(model), mirror(model)
+    prompts = workload(81, 3)
+    with Engine(model, num_blocks=256, block_size=4, max_num_seqs=3) as engine:
+        outputs = engine.generate(prompts, GREEDY, use_tqdm=False)
+        tapes = tapes_of(engine)
+        forward = model.model.layers[0].self_attn.k_proj.__dict__["forward"]
+        routes = [forward.route(torch.empty(1, rows, 128)) for rows in (1, 2, 3)]
+    with Engine(python, num_blocks=256, block_size=4, max_num_seqs=3) as engine:
+        direct = engine.runner._direct
+        assert direct is not None
+        direct.tapes = False
+        theirs = engine.generate(prompts, GREEDY, use_tqdm=False)
+    assert PLAIN in routes  # the layers' own way: F.linear
+    assert tapes.runs > 3 and not tapes.off
+    for mine, own in zip(outputs, theirs, strict=True):
+        for a, b in zip(mine.samples[0].logits, own.samples[0].logits, strict=True):
+            assert torch.equal(a, b)
+    assert_stock(ref, prompts, outputs)
+
+
 @needs_tape
 def test_a_training_step_and_a_replaced_weight_between_steps_are_seen(two_threads, kernel_wins):
     model = model_of("llama", 41)
@@ -100,6 +139,28 @@ def test_a_training_step_and_a_replaced_weight_between_steps_are_seen(two_thread
             layer.weight = torch.nn.Parameter(layer.weight * 0.5)  # another tensor: its route and the tape go
         ref = mirror(model)
         assert_stock(ref, third, engine.generate(third, GREEDY, use_tqdm=False))
+
+
+@needs_tape
+def test_a_weight_read_another_way_at_the_same_address_no_longer_holds(two_threads, kernel_wins):
+    """``.data`` swapped for a transposed view of the same memory: the same tensor and data pointer, which the tape
+    would read as before; its check sees the layout, as the layer's route's does. (The Engine as a whole does not
+    follow writes through ``.data``: the prepacked copies of prefill's weights are not refreshed, docs/limits.md.)"""
+    model = model_of("llama", 45)
+    with Engine(model, num_blocks=256, block_size=4, max_num_seqs=1) as engine:
+        engine.generate([[3, 4, 5, 6, 7]], GREEDY, use_tqdm=False)
+        tape = next(tape for tape in tapes_of(engine)._tapes.values() if tape is not None)
+        square = model.model.layers[0].self_attn.q_proj
+        (linear,) = [linear for linear in tape.linears if linear.module is square]
+        assert linear.holds() and tape_module._calls_hold(tape)
+        pointer = square.weight.data_ptr()
+        square.weight.data = square.weight.data.t()
+        assert square.weight.data_ptr() == pointer
+        assert not linear.holds() and not tape_module._calls_hold(tape)
+        square.weight.data = square.weight.data.t()
+        assert linear.holds()
+        square.weight.data = square.weight.data.clone()  # another address
+        assert not linear.holds()
 
 
 @needs_tape

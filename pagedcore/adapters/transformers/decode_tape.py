@@ -30,7 +30,7 @@ import ctypes
 import logging
 import os
 import threading
-from dataclasses import dataclass
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -175,22 +175,80 @@ class _Never(Exception):
     pass
 
 
-@dataclass
 class _Linear:
-    module: Any
-    forward: PackedForward
-    route: Route
-    source: torch.Tensor  # the tape buffer the layer reads (the route's input shape)
-    weight: torch.Tensor
-    pointers: tuple[int, int]  # the weight's and bias's data (0: none) the tape reads
+    """A linear on the tape: what its layer's own call would check, held so that one step checks it quickly."""
+
+    def __init__(self, module: Any, forward: PackedForward, check: Route, source: torch.Tensor) -> None:
+        weight: torch.Tensor | None = module._parameters.get("weight")  # noqa: SLF001
+        bias: torch.Tensor | None = module._parameters.get("bias")  # noqa: SLF001
+        if weight is None or weight is not module.weight or bias is not module.bias:
+            raise _Never("a linear whose weight is not its parameter")
+        assert weight is not None
+        self.module, self.forward, self.check, self.source = module, forward, check, source
+        self.removed = forward.routes_removed()
+        self.weight = weakref.ref(weight)  # (a replaced weight is not kept alive by the tape)
+        self.bias = None if bias is None else weakref.ref(bias)
+        self.shapes = (weight.shape, None if bias is None else bias.shape)
+        self.pointers = (weight.data_ptr(), 0 if bias is None else bias.data_ptr())
+
+    def holds(self) -> bool:
+        """:meth:`.linear_routes.Route.serves` of the tape's input, the layer's route unmoved, its forward the
+        runner's and unhooked (the thread count and dispatch modes: once for the step)."""
+        module = self.module
+        if module.__dict__.get("forward") is not self.forward or module._compiled_call_impl is not None:  # noqa: SLF001
+            return False
+        if module._forward_hooks or module._forward_pre_hooks:  # noqa: SLF001
+            return False
+        if module._backward_hooks or module._backward_pre_hooks:  # noqa: SLF001
+            return False
+        if self.forward.routes_removed() != self.removed:
+            return False
+        parameters = module._parameters  # noqa: SLF001 (module.weight's own lookup, without __getattr__)
+        weight: torch.Tensor | None = parameters.get("weight")
+        bias: torch.Tensor | None = parameters.get("bias")
+        if weight is None:
+            return False
+        held_weight = self.weight()
+        if held_weight is None or weight is not held_weight or weight.dtype is not torch.float32:
+            return False
+        if weight.data_ptr() != self.pointers[0] or weight.shape != self.shapes[0] or not weight.is_contiguous():
+            return False
+        if bias is None or self.bias is None:
+            return bias is None and self.bias is None
+        held = self.bias()
+        if held is None or bias is not held:
+            return False
+        return (
+            bias.dtype is torch.float32
+            and bias.data_ptr() == self.pointers[1]
+            and bias.shape == self.shapes[1]
+            and bias.is_contiguous()
+        )
 
 
-@dataclass
 class _Norm:
-    module: Any
-    weight: torch.Tensor
-    pointer: int
-    eps: float
+    """A norm on the tape: its weight and epsilon as the tape reads them."""
+
+    def __init__(self, module: Any, width: int) -> None:
+        weight: torch.Tensor | None = module._parameters.get("weight")  # noqa: SLF001
+        if weight is None or weight is not module.weight:
+            raise _Never("a norm whose weight is not its parameter")
+        assert weight is not None
+        if weight.dtype != torch.float32 or weight.shape != (width,) or not weight.is_contiguous():
+            raise _Never("a norm's weight the C code does not read")
+        self.module, self.eps, self.pointer = module, module.variance_epsilon, weight.data_ptr()
+        self.weight = weakref.ref(weight)
+
+    def holds(self) -> bool:
+        weight: torch.Tensor | None = self.module._parameters.get("weight")  # noqa: SLF001
+        if weight is None:
+            return False
+        held = self.weight()
+        if held is None or weight is not held or weight.data_ptr() != self.pointer:
+            return False
+        if weight.dtype is not torch.float32 or not weight.is_contiguous():
+            return False
+        return bool(self.module.variance_epsilon == self.eps)
 
 
 class _Tape:
@@ -362,37 +420,19 @@ class Tapes:
 
 
 def _calls_hold(tape: _Tape) -> bool:
-    """What each call's own path checks of its module, once for the step (module docstring): every bypassed or
-    called module still of its class and unhooked, every norm's and linear's weight the tape's (the same tensor and
-    data), every linear's route the tape's and still serving it, every layer's pool the tape's."""
+    """What each call's own path checks of its module, once for the step (module docstring): every called norm and
+    activation still of its class and unhooked (``DirectLayers.serves`` checks the bypassed modules each step),
+    every norm's and linear's weight the tape's (the same tensor and data), every linear's route the tape's and
+    still serving it, no dispatch mode recording the ops."""
+    if torch._C._len_torch_dispatch_stack():  # noqa: SLF001
+        return False
     module: Any
     for module, cls in tape.plain:
         if type(module) is not cls or module._forward_hooks or module._forward_pre_hooks:  # noqa: SLF001
             return False
         if module._backward_hooks or module._backward_pre_hooks or "forward" in module.__dict__:  # noqa: SLF001
             return False
-    for norm in tape.norms:
-        weight = norm.module.weight
-        if weight is not norm.weight or weight.data_ptr() != norm.pointer or not weight.is_contiguous():
-            return False
-        if weight.dtype != torch.float32 or norm.module.variance_epsilon != norm.eps:
-            return False
-    for linear in tape.linears:
-        module = linear.module
-        if module.__dict__.get("forward") is not linear.forward or module._compiled_call_impl is not None:  # noqa: SLF001
-            return False
-        if module._forward_hooks or module._forward_pre_hooks:  # noqa: SLF001
-            return False
-        if module._backward_hooks or module._backward_pre_hooks:  # noqa: SLF001
-            return False
-        weight, bias = module.weight, module.bias
-        if linear.forward.route(linear.source) is not linear.route:
-            return False
-        if not linear.route.serves(linear.source, weight, bias):
-            return False
-        if (weight.data_ptr(), 0 if bias is None else bias.data_ptr()) != linear.pointers:
-            return False
-    return True
+    return all(norm.holds() for norm in tape.norms) and all(linear.holds() for linear in tape.linears)
 
 
 def _write(kernel: DecodeTapeKernel, classes: Any, layers: list[Any], direct: Any, hidden: torch.Tensor,
@@ -432,15 +472,14 @@ class _Writer:
 
     def norm(self, module: Any, source: torch.Tensor, target: torch.Tensor, width: int | None = None) -> None:
         """A norm over rows of ``width`` (the hidden size; a head's for Qwen3's query and key norms)."""
-        weight, width = module.weight, width or self.width
-        if weight.dtype != torch.float32 or weight.shape != (width,) or not weight.is_contiguous():
-            raise _Never("a norm's weight the C code does not read")
+        width = width or self.width
+        norm = _Norm(module, width)
         if width != self.width and self.direct.sums_as_torch(torch.zeros(1, width)) is False:
             raise _Never("the norm's sum is not torch's at this width")
         self.tape.plain.append((module, self.classes.norm))
-        self.tape.norms.append(_Norm(module, weight, weight.data_ptr(), module.variance_epsilon))
-        self.tape.add([OP_NORM, self.norm_fn, source.data_ptr(), weight.data_ptr(), _bits(module.variance_epsilon),
-                       target.data_ptr(), source.numel() // width, width, self.lanes])  # fmt: skip
+        self.tape.norms.append(norm)
+        self.tape.add([OP_NORM, self.norm_fn, source.data_ptr(), norm.pointer, _bits(norm.eps), target.data_ptr(),
+                       source.numel() // width, width, self.lanes])  # fmt: skip
 
     def linear(self, module: Any, source: torch.Tensor, name: str) -> torch.Tensor:
         forward = module.__dict__.get("forward")
@@ -449,24 +488,26 @@ class _Writer:
         route = forward.route(source)
         if route is None:
             raise _NotYet
-        call = route.c_call()
-        if call is None:
-            raise _Never("a linear not on the row kernel")
+        # Settled on F.linear or the split, timed alone: the kernel's call where its bits were found F.linear's
+        # (on the tape it costs its C time alone; another way would break the tape).
+        check = route if route.c_call() is not None else forward.exact_route(source)
+        call = None if check is None else check.c_call()
+        if check is None or call is None:
+            raise _Never("a linear the row kernel does not compute with F.linear's bits")
         weight, bias = module.weight, module.bias
-        if not route.serves(source, weight, bias):
+        if not check.serves(source, weight, bias):
             raise _NotYet
         target = self.tape.buffer(name, int(weight.shape[0]))
-        pointers = (weight.data_ptr(), 0 if bias is None else bias.data_ptr())
-        self.tape.linears.append(_Linear(module, forward, route, source, weight, pointers))
+        linear = _Linear(module, forward, check, source)
+        self.tape.linears.append(linear)
         function, args = call
-        self.tape.add([OP_LINEAR, function, source.data_ptr(), pointers[0], pointers[1], target.data_ptr(), *args])
+        self.tape.add([OP_LINEAR, function, source.data_ptr(), *linear.pointers, target.data_ptr(), *args])
         return target
 
     def layer(self, layer: Any, cos: torch.Tensor) -> None:
         """One decoder layer: LlamaDecoderLayer.forward's steps, as the direct layers run them."""
         tape, classes, width = self.tape, self.classes, self.width
         attention, mlp = layer.self_attn, layer.mlp
-        tape.plain += [(layer, classes.layer), (attention, classes.attention), (mlp, classes.mlp)]
         if type(mlp.act_fn) not in _silu_classes():
             raise _Never("an activation other than SiLU")
         tape.plain.append((mlp.act_fn, type(mlp.act_fn)))

@@ -133,11 +133,12 @@ class Routes:
         True
     """
 
-    __slots__ = ("_limit", "_table")
+    __slots__ = ("_limit", "_removed", "_table")
 
     def __init__(self, limit: int) -> None:
         self._table: dict[Hashable, Route] = {}
         self._limit = limit
+        self._removed = 0  # routes dropped so far: a key's route changes only after its removal
 
     def serve(
         self, key: Hashable, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *, mine: bool
@@ -153,7 +154,13 @@ class Routes:
             return route(x, weight, bias)
         if route.outdated(weight):  # a replaced weight, another thread count: made again after this call
             del self._table[key]
+            self._removed += 1
         return None
+
+    @property
+    def removed(self) -> int:
+        """How many times a route was dropped (a held route is the same object until its key's is dropped)."""
+        return self._removed
 
     def get(self, key: Hashable) -> Route | None:
         """The route held for ``key``, if any."""
@@ -181,3 +188,4 @@ class Routes:
     def clear(self) -> None:
         """Drop every route."""
         self._table.clear()
+        self._removed += 1

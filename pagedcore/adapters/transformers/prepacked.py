@@ -257,6 +257,19 @@ class PrepackedLinears:
             return None
         return Route(kernel.prepared(x, weight, bias, order, threads), weight, bias)
 
+    def exact_route(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> Route | None:
+        """The kernel's call for inputs of ``x``'s shape through this weight wherever the row split found its bits
+        equal to ``F.linear``'s at this row count, whichever way its trials chose (:meth:`.row_split.RowSplit.
+        exact_order`), else None: what the decode tape (:mod:`.decode_tape`) runs for a layer whose route settled
+        on ``F.linear`` or the split, timed alone."""
+        kernel = self._row_split.kernel
+        if kernel is None or not x.is_contiguous() or not contiguous(weight, bias) or not kernel.fits(x, weight, bias):
+            return None
+        rows, threads = x.numel() // x.shape[-1], torch.get_num_threads()
+        shape = (int(weight.shape[0]), int(weight.shape[1]), bias is not None)
+        order = self._row_split.exact_order(shape, rows, threads)
+        return None if order is None else Route(kernel.prepared(x, weight, bias, order, threads), weight, bias)
+
     def _traced(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """A compiled step's linear call: the row split's settled way for the graph's row count, traced (a batched
         product over views of the weight, or ``F.linear``: inductor calls the GEMM from its generated code), else
@@ -333,6 +346,16 @@ class _Forward(LayerForward):
         """The route this layer holds for inputs of ``x``'s shape, if any (the decode tape's question:
         :mod:`.decode_tape`)."""
         return self._routes.get(x.shape)
+
+    def routes_removed(self) -> int:
+        """:attr:`.linear_routes.Routes.removed` of this layer's routes (a route the tape holds is still the
+        layer's while it has not moved)."""
+        return self._routes.removed
+
+    def exact_route(self, x: torch.Tensor) -> Route | None:
+        """:meth:`PrepackedLinears.exact_route` for this layer's weight and bias (None once its linears closed)."""
+        packs, module = self._packs(), self._module()
+        return None if packs is None or module is None else packs.exact_route(x, module.weight, module.bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         packs, module = self._packs(), self._module()

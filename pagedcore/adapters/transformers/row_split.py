@@ -166,6 +166,18 @@ class RowSplit:
         bucket = self._buckets[(*shape, split_blocks(shape[0], threads) or 0, threads, 1 << (rows - 1).bit_length())]
         return bucket.orders[rows]
 
+    def exact_order(self, shape: tuple[int, int, bool], rows: int, threads: int) -> Order | None:
+        """The kernel's order for ``rows`` rows through a contiguous weight of ``shape`` at ``threads`` threads
+        wherever its bits were found equal to ``F.linear``'s, whichever way the bucket's trials chose (the decode
+        tape's question: on it a kernel call costs its C time alone, and another way would break the tape)."""
+        if self._kernel is None:
+            return None
+        blocks = split_blocks(shape[0], threads) or 0
+        bucket = self._buckets.get((*shape, blocks, threads, 1 << (rows - 1).bit_length()))
+        if bucket is None or rows not in bucket.exact["kernel"]:
+            return None
+        return bucket.orders[rows]
+
     @property
     def kernel(self) -> RowKernel | None:
         """The C kernel this split may take (None: none)."""
