@@ -190,17 +190,23 @@ def replica_requests() -> Counter[str]:
 def test_a_burst_of_one_hot_prefix_spreads_over_both_replicas(prefix_url):
     # 32 requests sharing a 3-block system prompt, sent together, each long enough (64 tokens, in pools that hold
     # a few at a time) to be in flight while the others are routed. 32/0 and 30/2 before the router counted its
-    # own assignments; now no replica may get more than imbalance_threshold + 1 (9) over the other.
+    # own assignments; now no replica may get more than imbalance_threshold + 1 (9) over the other while they are
+    # all in flight. A request that finished before the last one was even sent (a loaded machine's slow burst; the
+    # faster the Engine, the likelier) no longer counts as load: each such one may add one to the totals' gap.
     api = client(prefix_url)
     system = "You are the hot prefix of a burst. " * 3
     start = threading.Barrier(32)
     before = replica_requests()
     errors: list[BaseException] = []
+    sent: list[float] = []
+    done: list[float] = []
 
     def send(index: int) -> None:
         start.wait(REQUEST_BOUND_S)
         try:
+            sent.append(time.monotonic())
             api.completions.create(model=MODEL, prompt=f"{system}Q{index}", max_tokens=64, temperature=0)
+            done.append(time.monotonic())
         except BaseException as exc:
             errors.append(exc)
 
@@ -213,8 +219,9 @@ def test_a_burst_of_one_hot_prefix_spreads_over_both_replicas(prefix_url):
     served = replica_requests()
     served.subtract(before)
     split = sorted(served.values())
-    print(f"\nburst of 32 hot-prefix requests over 2 replicas: {split}")
-    assert len(split) == 2 and sum(split) == 32 and split[1] - split[0] <= 9
+    early = sum(finished < max(sent) for finished in done)
+    print(f"\nburst of 32 hot-prefix requests over 2 replicas: {split} ({early} done before the last was sent)")
+    assert len(split) == 2 and sum(split) == 32 and split[1] - split[0] <= 9 + early
 
 
 def test_the_load_example_runs_through_the_ingress(port, prefix_url, capsys):
