@@ -4,23 +4,26 @@ their arguments, on a tape that ``decode_tape.c`` runs (issue 33.2).
 Why: at one decoding row a step of the benchmark's Llama makes about a hundred calls from Python into C (seven
 linears, two norms, the rotary embedding with the KV store and the attention per layer, and torch's small ops between
 them), and the Python around each costs more than many of the calls themselves: about 14 µs around a linear's 17,
-34 µs around the attention's 19, 28 µs around the rotary embedding's store (``scripts/direct_toggles_ab.py --part
-tape``; docs/benchmarks.md).
+34 µs around the attention's 19, 28 µs around the rotary embedding's store (each piece timed alone; docs/benchmarks.md,
+"The decode step as one C call"; ``scripts/direct_toggles_ab.py --part tape`` times the tape against them).
 
 What runs: for a step of ``R`` rows, once every call it would make has settled (each linear on the row kernel
-through its route, :mod:`.linear_routes`; the norms summed in torch's order, :class:`~.direct_layers.DirectKernel`;
-the attention on the torch backend's decode kernel, :meth:`~pagedcore.plugins.torch_backend.TorchPagedAttention.
-decode_rows`), a tape is written with each call's function pointer and arguments into buffers of its own, and a step
-then copies the embedding into the first buffer, writes this step's pointers (the rotary tables, the slots, the
-decode rows) into the tape, and runs it. The residual additions and ``silu(gate) * up`` run in the tape's C as
-torch's CPU kernels compute them (``decode_tape.c``; the SiLU's width checked against torch's bits once).
+through its route, :mod:`.linear_routes`, or, where its trials chose ``F.linear``, through the kernel's order whose
+bits were found equal to ``F.linear``'s, :meth:`.prepacked.PrepackedLinears.exact_route`; the norms summed in
+torch's order, :class:`~.direct_layers.DirectKernel`; the attention on the torch backend's decode kernel,
+:meth:`~pagedcore.plugins.torch_backend.TorchPagedAttention.decode_rows`), a tape is written with each call's
+function pointer and arguments into buffers of its own, and a step then copies the embedding into the first buffer,
+writes this step's pointers (the rotary tables, the slots, the decode rows) into the tape, and runs it. The residual
+additions and ``silu(gate) * up`` run in the tape's C as torch's CPU kernels compute them (``decode_tape.c``; the
+SiLU's width checked against torch's bits once).
 
 Exactness first: each call on the tape is the call the Python would make, with the same arguments, so the same bits;
 the first step of each row count runs the Python layers too and compares the two last hidden states to the bit
 (:meth:`Tapes.hidden`), turning the tape off for good with a warning where they differ. Each step checks, before it
-runs a tape, what each call's own path checks: every linear's route still :meth:`~.linear_routes.Route.serves` its
-layer (the same weight tensors, float32, contiguous, the same thread count, no dispatch mode), every module still
-plain (no hook, no instance ``forward``), the pool's tensors the same, and the torch backend's decode rows for every
+runs a tape, what each call's own path checks: of every linear what its route's :meth:`~.linear_routes.Route.serves`
+checks (the same weight tensors and data, float32, contiguous, of their shapes, the same thread count, no dispatch
+mode), its route unmoved and its forward the runner's, unhooked; every called norm and activation still plain (no
+hook, no instance ``forward``), the pool's tensors the same, and the torch backend's decode rows for every
 KV group (every sequence decoding). Anything else runs the Python layers. ``PAGEDCORE_DECODE_TAPE=0`` turns it off.
 """
 
