@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import threading
 import weakref
 from pathlib import Path
@@ -157,7 +156,7 @@ def load() -> DecodeTapeKernel | None:
 
 
 def _build() -> DecodeTapeKernel | None:
-    if os.environ.get(ENV, "1") == "0" or not can_build_avx2(ENV):
+    if not can_build_avx2(ENV):  # (its switch, PAGEDCORE_DECODE_TAPE=0, included)
         return None
     library = build("decode_tape", _SOURCE_TEXT, _FLAGS)
     if library is None:
@@ -189,14 +188,12 @@ class _Linear:
         assert weight is not None
         self.module, self.forward, self.check, self.source = module, forward, check, source
         self.removed = forward.routes_removed()
-        self.weight = weakref.ref(weight)  # (a replaced weight is not kept alive by the tape)
-        self.bias = None if bias is None else weakref.ref(bias)
-        self.shapes = (weight.shape, None if bias is None else bias.shape)
         self.pointers = (weight.data_ptr(), 0 if bias is None else bias.data_ptr())
 
     def holds(self) -> bool:
-        """:meth:`.linear_routes.Route.serves` of the tape's input, the layer's route unmoved, its forward the
-        runner's and unhooked (the thread count and dispatch modes: once for the step)."""
+        """:meth:`.linear_routes.Route.serves` of the tape's input (the same weight tensors, float32, contiguous, of
+        their shapes, the thread count, no dispatch mode) at the tape's addresses, the layer's route unmoved, its
+        forward the runner's and unhooked."""
         module = self.module
         if module.__dict__.get("forward") is not self.forward or module._compiled_call_impl is not None:  # noqa: SLF001
             return False
@@ -209,24 +206,9 @@ class _Linear:
         parameters = module._parameters  # noqa: SLF001 (module.weight's own lookup, without __getattr__)
         weight: torch.Tensor | None = parameters.get("weight")
         bias: torch.Tensor | None = parameters.get("bias")
-        if weight is None:
+        if weight is None or not self.check.serves(self.source, weight, bias):
             return False
-        held_weight = self.weight()
-        if held_weight is None or weight is not held_weight or weight.dtype is not torch.float32:
-            return False
-        if weight.data_ptr() != self.pointers[0] or weight.shape != self.shapes[0] or not weight.is_contiguous():
-            return False
-        if bias is None or self.bias is None:
-            return bias is None and self.bias is None
-        held = self.bias()
-        if held is None or bias is not held:
-            return False
-        return (
-            bias.dtype is torch.float32
-            and bias.data_ptr() == self.pointers[1]
-            and bias.shape == self.shapes[1]
-            and bias.is_contiguous()
-        )
+        return (weight.data_ptr(), 0 if bias is None else bias.data_ptr()) == self.pointers  # the tape's addresses
 
 
 class _Norm:
