@@ -147,7 +147,7 @@ class RowSplit:
         kernel = self._kernel is not None and self._kernel.fits_shape(shape[0], shape[1])
         if (blocks is None and not kernel) or not 0 < rows <= MAX_ROWS:
             return "plain"
-        bucket = self._buckets.get((*shape, blocks or 0, threads, 1 << (rows - 1).bit_length()))
+        bucket = self._buckets.get(_key(shape, rows, threads))
         if bucket is None:
             return None
         checked = rows in bucket.checked
@@ -163,8 +163,7 @@ class RowSplit:
         :mod:`.linear_routes`)."""
         if self._kernel is None or self.settled(shape, rows, threads) != "kernel":
             return None
-        bucket = self._buckets[(*shape, split_blocks(shape[0], threads) or 0, threads, 1 << (rows - 1).bit_length())]
-        return bucket.orders[rows]
+        return self._buckets[_key(shape, rows, threads)].orders[rows]
 
     def exact_order(self, shape: tuple[int, int, bool], rows: int, threads: int) -> Order | None:
         """The kernel's order for ``rows`` rows through a contiguous weight of ``shape`` at ``threads`` threads
@@ -172,8 +171,7 @@ class RowSplit:
         tape's question: on it a kernel call costs its C time alone, and another way would break the tape)."""
         if self._kernel is None:
             return None
-        blocks = split_blocks(shape[0], threads) or 0
-        bucket = self._buckets.get((*shape, blocks, threads, 1 << (rows - 1).bit_length()))
+        bucket = self._buckets.get(_key(shape, rows, threads))
         if bucket is None or rows not in bucket.exact["kernel"]:
             return None
         return bucket.orders[rows]
@@ -247,6 +245,11 @@ class RowSplit:
             assert self._kernel is not None
             return self._kernel.linear(x, weight, bias, bucket.orders[rows], threads)
         return F.linear(x, weight, bias)
+
+
+def _key(shape: tuple[int, int, bool], rows: int, threads: int) -> _Key:
+    """The bucket of ``rows`` rows through a weight of ``shape`` (rows, width, bias) at ``threads`` threads."""
+    return (*shape, split_blocks(shape[0], threads) or 0, threads, 1 << (rows - 1).bit_length())
 
 
 def contiguous(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
