@@ -15,8 +15,11 @@
 #ifndef PREFETCH_ROWS
 #define PREFETCH_ROWS 4 /* lanes4(): the next four weight rows */
 #endif
-#ifndef PREFETCH_ROWS8
-#define PREFETCH_ROWS8 8 /* lanes8(): the next eight (4 was 2-10% slower at 1-2 rows on 512 and 16384 x 512) */
+#ifndef PREFETCH_BYTES8
+#define PREFETCH_BYTES8 16384 /* lanes8(): the weight rows this many bytes on (8 rows at K = 512, 2 at 1536) */
+#endif
+#ifndef HALF_AHEAD
+#define HALF_AHEAD 512 /* half_panels(): the copy's columns prefetched this far on (8 KB; 64 was 1.3x slower) */
 #endif
 #define INLINE inline __attribute__((always_inline)) /* each row count's copy unrolled, its sums in registers */
 
@@ -40,9 +43,10 @@ static inline void transpose8(__m256 r[8]) {
     r[7] = _mm256_permute2f128_ps(s3, s7, 0x31);
 }
 
-/* outputs n0..n0+7 of rows 0..M-1 (M <= 8, a constant once inlined) */
+/* outputs n0..n0+7 of rows 0..M-1 (M <= 8, a constant once inlined); once: no lanes rows read these weight rows
+   after it, so they are prefetched past the caches (as lanes8()'s) */
 static INLINE void panel(const float *x, const float *w, const float *bias, float *y, const int M, long N, long K,
-                         long kc, long n0) {
+                         long kc, long n0, const int once) {
     __m256 out[8], acc[8], t[8];
     for (int m = 0; m < M; m++) out[m] = _mm256_setzero_ps();  /* K >= 8: the first block sets it */
     for (long k0 = 0; k0 < K; k0 += kc) {
@@ -51,8 +55,13 @@ static INLINE void panel(const float *x, const float *w, const float *bias, floa
         for (long k = k0; k < k1; k += 8) {
             for (int i = 0; i < 8; i++) t[i] = _mm256_loadu_ps(w + (n0 + i) * K + k);
             if (PREFETCH && n0 + 8 * (PREFETCH + 1) <= N && k % 16 == 0)  /* the next panel's rows, a panel ahead */
-                for (int i = 0; i < 8; i++)
-                    _mm_prefetch((const char *)(w + (n0 + 8 * PREFETCH + i) * K + k), _MM_HINT_T0);
+                for (int i = 0; i < 8; i++) {
+                    const char *line = (const char *)(w + (n0 + 8 * PREFETCH + i) * K + k);
+                    if (once)
+                        _mm_prefetch(line, _MM_HINT_NTA);
+                    else
+                        _mm_prefetch(line, _MM_HINT_T0);
+                }
             transpose8(t);
             for (int j = 0; j < 8; j++)
                 for (int m = 0; m < M; m++)
@@ -199,7 +208,7 @@ static INLINE void lanes4(const float *x, const float *w, const float *bias, flo
         __m256 wv[4];
         for (int i = 0; i < 4; i++) wv[i] = _mm256_loadu_ps(w + (n0 + i) * K + k);
         if (ahead && n0 + 4 + ahead <= N && k % 16 == 0)  /* the rows `ahead` rows on, on their way to the cache */
-            for (int i = 0; i < 4; i++) _mm_prefetch((const char *)(w + (n0 + ahead + i) * K + k), _MM_HINT_T0);
+            for (int i = 0; i < 4; i++) _mm_prefetch((const char *)(w + (n0 + ahead + i) * K + k), _MM_HINT_NTA);
         for (int m = 0; m < M; m++) {
             const __m256 xv = _mm256_loadu_ps(x + m * K + k);
             for (int i = 0; i < 4; i++) {
@@ -234,7 +243,10 @@ static INLINE void lanes8(const float *x, const float *w, const float *bias, flo
         __m256 wv[8];
         for (int i = 0; i < 8; i++) wv[i] = _mm256_loadu_ps(w + (n0 + i) * K + k);
         if (ahead && n0 + 8 + ahead <= N && k % 16 == 0)
-            for (int i = 0; i < 8; i++) _mm_prefetch((const char *)(w + (n0 + ahead + i) * K + k), _MM_HINT_T0);
+            /* non-temporal: a weight read once a step, kept out of L2 (and so of the L3 its evictions fill): the
+               step's 56 linears streamed at 31-33 GB/s against 25-26 with T0 (docs/benchmarks.md, "Weights past
+               the caches") */
+            for (int i = 0; i < 8; i++) _mm_prefetch((const char *)(w + (n0 + ahead + i) * K + k), _MM_HINT_NTA);
         for (int m = 0; m < M; m++) {
             const __m256 xv = _mm256_loadu_ps(x + m * K + k);
             for (int q = 0; q < 4; q++) {
@@ -255,6 +267,12 @@ static INLINE void lanes8(const float *x, const float *w, const float *bias, flo
         }
 }
 
+/* lanes8()'s prefetch distance in weight rows: PREFETCH_BYTES8 on, 1 to 32 rows */
+static inline int ahead8(long K) {
+    const long rows = PREFETCH_BYTES8 / (4 * K);
+    return rows < 1 ? 1 : rows > 32 ? 32 : (int)rows;
+}
+
 /* rows lanes_from..M-1 of outputs n0..n0+count-1 (count a multiple of 8) in LANES order, in groups of 4 rows (a
    last group of one or two: eight outputs at a time, lanes8());
    prefetch: the first group prefetches the weight rows PREFETCH_ROWS on (0: none, where a panel just read them) */
@@ -267,9 +285,9 @@ static void lanes_rows(const float *x, const float *w, const float *bias, float 
         if (rows <= 2) {
             for (long n = n0; n < n0 + count; n += 8) {
                 if (rows == 1)
-                    lanes8(xs, w, bias, ys, 1, N, K, n, pf ? PREFETCH_ROWS8 : 0, head);
+                    lanes8(xs, w, bias, ys, 1, N, K, n, pf ? ahead8(K) : 0, head);
                 else
-                    lanes8(xs, w, bias, ys, 2, N, K, n, pf ? PREFETCH_ROWS8 : 0, head);
+                    lanes8(xs, w, bias, ys, 2, N, K, n, pf ? ahead8(K) : 0, head);
             }
             continue;
         }
@@ -310,14 +328,14 @@ int row_kernel_linear(const float *x, const float *w, const float *bias, float *
 #pragma omp parallel for schedule(static) num_threads(threads)
         for (long n0 = 0; n0 < N; n0 += 8) {
             switch ((int)B) {  /* each case a copy of panel() for its row count, unrolled */
-            case 1: panel(x, w, bias, y, 1, N, K, kc, n0); break;
-            case 2: panel(x, w, bias, y, 2, N, K, kc, n0); break;
-            case 3: panel(x, w, bias, y, 3, N, K, kc, n0); break;
-            case 4: panel(x, w, bias, y, 4, N, K, kc, n0); break;
-            case 5: panel(x, w, bias, y, 5, N, K, kc, n0); break;
-            case 6: panel(x, w, bias, y, 6, N, K, kc, n0); break;
-            case 7: panel(x, w, bias, y, 7, N, K, kc, n0); break;
-            default: panel(x, w, bias, y, 8, N, K, kc, n0); break;
+            case 1: panel(x, w, bias, y, 1, N, K, kc, n0, B == M); break;
+            case 2: panel(x, w, bias, y, 2, N, K, kc, n0, B == M); break;
+            case 3: panel(x, w, bias, y, 3, N, K, kc, n0, B == M); break;
+            case 4: panel(x, w, bias, y, 4, N, K, kc, n0, B == M); break;
+            case 5: panel(x, w, bias, y, 5, N, K, kc, n0, B == M); break;
+            case 6: panel(x, w, bias, y, 6, N, K, kc, n0, B == M); break;
+            case 7: panel(x, w, bias, y, 7, N, K, kc, n0, B == M); break;
+            default: panel(x, w, bias, y, 8, N, K, kc, n0, B == M); break;
             }
             lanes_rows(x, w, bias, y, B, M, N, K, n0, 8, 0, head);
         }
@@ -350,9 +368,10 @@ int row_kernel_linear(const float *x, const float *w, const float *bias, float *
    out by panels of 8 outputs, each panel column by column (turned_half(): panel p's column k at h[(p * K + k) * 8]),
    so the copy is read once, front to back. Summed in any order (the screen's bound allows any): U chains a row
    over alternate columns, added at the end. F16C + FMA; N and K multiples of 8. */
-static INLINE void half_panels(const float *x, const unsigned short *h, float *y, const int R, const int P,
-                               const int U, long N, long K, long p) {
-    /* P panels (8 outputs each) from panel p on, R rows: each row's broadcast shared by the P panels */
+static INLINE void half_panels(const float *x, const unsigned short *h, float *y, const long ahead, const int R,
+                               const int P, const int U, long N, long K, long p) {
+    /* P panels (8 outputs each) from panel p on, R rows: each row's broadcast shared by the P panels; the copy
+       prefetched `ahead` columns on */
     __m256 acc[6][2][2];
     for (int m = 0; m < R; m++)
         for (int q = 0; q < P; q++)
@@ -362,7 +381,7 @@ static INLINE void half_panels(const float *x, const unsigned short *h, float *y
            step reads next (the host's Python objects) out of the caches: decode steps 1.03x / 1.02x slower at 1 and
            16 rows (docs/benchmarks.md, "The norm in one C call, the screen's copy past the caches, and forward
            calls straight") */
-        for (int q = 0; q < P; q++) _mm_prefetch((const char *)(h + ((p + q) * K + k + 64) * 8), _MM_HINT_NTA);
+        for (int q = 0; q < P; q++) _mm_prefetch((const char *)(h + ((p + q) * K + k + ahead) * 8), _MM_HINT_NTA);
         for (int u = 0; u < U; u++) {
             __m256 wv[2];
             for (int q = 0; q < P; q++)
@@ -383,20 +402,23 @@ static INLINE void half_panels(const float *x, const unsigned short *h, float *y
 
 /* panels p..p+P-1 (P = 1 or 2) for all M rows: up to 6 rows at once, in groups of 4 past that (the panels stay in
    the cache from one group to the next); two chains a row where that leaves room in the registers */
-#define HALF_CASES(P)                                                          \
-    switch (R) {                                                               \
-    case 1: half_panels(xs, h, ys, 1, P, 2, N, K, p); break;                   \
-    case 2: half_panels(xs, h, ys, 2, P, 2, N, K, p); break;                   \
-    case 3: half_panels(xs, h, ys, 3, P, (P) == 1 ? 2 : 1, N, K, p); break;    \
-    case 4: half_panels(xs, h, ys, 4, P, (P) == 1 ? 2 : 1, N, K, p); break;    \
-    case 5: half_panels(xs, h, ys, 5, P, (P) == 1 ? 2 : 1, N, K, p); break;    \
-    default: half_panels(xs, h, ys, 6, P, (P) == 1 ? 2 : 1, N, K, p); break;   \
+#define HALF_CASES(P)                                                                 \
+    switch (R) {                                                                      \
+    case 1: half_panels(xs, h, ys, ahead, 1, P, 2, N, K, p); break;                   \
+    case 2: half_panels(xs, h, ys, ahead, 2, P, 2, N, K, p); break;                   \
+    case 3: half_panels(xs, h, ys, ahead, 3, P, (P) == 1 ? 2 : 1, N, K, p); break;    \
+    case 4: half_panels(xs, h, ys, ahead, 4, P, (P) == 1 ? 2 : 1, N, K, p); break;    \
+    case 5: half_panels(xs, h, ys, ahead, 5, P, (P) == 1 ? 2 : 1, N, K, p); break;    \
+    default: half_panels(xs, h, ys, ahead, 6, P, (P) == 1 ? 2 : 1, N, K, p); break;   \
     }
 static void half_rows(const float *x, const unsigned short *h, float *y, long M, long N, long K, long p, int P) {
     const long group = M <= 6 ? M : 4;
     for (long m0 = 0; m0 < M; m0 += group) {
         const float *xs = x + m0 * K;
         float *ys = y + m0 * N;
+        /* the first group streams the copy from memory; the later ones read the panels it left in L1 (a longer
+           reach there only crowds them: 1.03x slower at 64 rows) */
+        const long ahead = m0 == 0 ? HALF_AHEAD : 64;
         const int R = M - m0 < group ? (int)(M - m0) : (int)group;
         if (P == 2) {
             HALF_CASES(2)
