@@ -17,6 +17,7 @@ from pagedcore.adapters.transformers import Engine, SamplingParams
 from pagedcore.adapters.transformers import direct_layers as direct_module
 from pagedcore.adapters.transformers.direct_layers import ENV, FAMILIES, DirectLayers
 from pagedcore.adapters.transformers.testing import tiny_llama
+from pagedcore.c_library import can_build_avx2
 
 PROMPTS = [[5, 9, 3, 7, 1, 4, 2, 8, 6, 11, 13], [3, 4, 5], [7, 7, 2, 9, 12, 14, 1]]
 
@@ -364,24 +365,29 @@ def test_the_kernel_declines_layouts_it_does_not_read_and_writes_nothing() -> No
 WIDTHS = (3, 4, 7, 8, 24, 64, 100, 512, 896, 1536, 3584, 5120, 65536)  # shorter than a vector; powers of two and not
 
 
-def fresh_kernel() -> direct_module.DirectKernel:
+def fresh_kernel(flags: tuple[str, ...] = direct_module._FLAGS) -> direct_module.DirectKernel:
     kernel = direct_module.load_kernel()
     if kernel is None:
         pytest.skip("no C compiler here")
-    return direct_module.DirectKernel(_library())  # its own width checks
+    if flags == direct_module._AVX2_FLAGS and not can_build_avx2("PAGEDCORE_DIRECT_KERNEL"):
+        pytest.skip("no AVX2 here")
+    return direct_module.DirectKernel(_library(flags))  # its own width checks
 
 
-def _library() -> Any:
-    library = direct_module.build("direct_kernel", direct_module._SOURCE_TEXT, direct_module._FLAGS)
+def _library(flags: tuple[str, ...] = direct_module._FLAGS) -> Any:
+    library = direct_module.build("direct_kernel", direct_module._SOURCE_TEXT, flags)
     assert library is not None
     return library
 
 
+@pytest.mark.parametrize("flags", [direct_module._FLAGS, direct_module._AVX2_FLAGS], ids=["portable", "avx2"])
 @pytest.mark.parametrize("width", WIDTHS)
-def test_the_kernels_norm_is_llamas_rmsnorm_to_the_bit_where_its_sum_is_torchs(width: int) -> None:
+def test_the_kernels_norm_is_llamas_rmsnorm_to_the_bit_where_its_sum_is_torchs(
+    width: int, flags: tuple[str, ...]
+) -> None:
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-    kernel = fresh_kernel()
+    kernel = fresh_kernel(flags)
     g = torch.Generator().manual_seed(width)
     norm = LlamaRMSNorm(width, eps=1e-5)
     norm.weight.data = 1 + 0.1 * torch.randn(width, generator=g)

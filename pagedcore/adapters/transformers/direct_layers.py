@@ -47,7 +47,7 @@ import torch
 from torch.nn.modules import module as torch_module
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from pagedcore.c_library import build
+from pagedcore.c_library import build, can_build_avx2
 
 from . import decode_tape
 from .argmax_head import same_bits
@@ -400,6 +400,10 @@ _SOURCE_TEXT = _SOURCE.read_text() if _SOURCE.is_file() else None  # read with t
 # torch.backends.cpu.get_cpu_capability() -> the float32 lanes of its vectors (ATen's Vectorized<float>)
 SUM_LANES = {"AVX2": 8, "AVX512": 16}
 _FLAGS = ("-O2", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC")
+# Where AVX2 may be built: the same source vectorized (each lane its own IEEE operations in the same order: nothing
+# reassociated or contracted); the norm 3x faster at 16 rows of 512, 4x at 64 (docs/benchmarks.md, "Weights past
+# the caches")
+_AVX2_FLAGS = ("-O3", "-mavx2", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC")
 _KERNEL_LOCK = threading.Lock()
 _KERNEL: list[DirectKernel | None] = []
 
@@ -415,7 +419,8 @@ def load_kernel() -> DirectKernel | None:
     with _KERNEL_LOCK:
         if not _KERNEL:
             usable = os.environ.get(KERNEL_ENV, "1") != "0" and sys.platform == "linux"
-            built = build("direct_kernel", _SOURCE_TEXT, _FLAGS) if usable else None
+            flags = _AVX2_FLAGS if usable and can_build_avx2(KERNEL_ENV) else _FLAGS
+            built = build("direct_kernel", _SOURCE_TEXT, flags) if usable else None
             _KERNEL.append(DirectKernel(built) if built is not None else None)
         return _KERNEL[0]
 
