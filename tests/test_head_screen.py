@@ -156,3 +156,22 @@ def test_the_benchmark_script_reports_each_row_count(monkeypatch, capsys):
     runpy.run_path(str(script), run_name="__main__")
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("| 1 |", "| 3 |"))]
     assert len(lines) == 2 and all(line.endswith("| True / True |") for line in lines)  # both screens, exact
+
+
+@pytest.mark.parametrize("vocab", [1, 7, 255, 256, 257, 1000, 32000])
+def test_the_padded_columns_are_the_candidates_and_then_the_first_other_columns(vocab):
+    """_padded reads only the vocabulary's first columns for the filler: the same columns as the plain definition
+    (every candidate, then the first non-candidates up to a multiple of COLUMNS, in order), at every density."""
+    import numpy as np
+
+    rng = np.random.default_rng(vocab)
+    for density in (0.0, 0.001, 0.01, 0.2, 0.6, 1.0):
+        for _ in range(5):
+            candidates = rng.random(vocab) < density
+            count = int(candidates.sum())
+            width = min(-(-max(count, 1) // COLUMNS) * COLUMNS, vocab)
+            plain = candidates.copy()
+            plain[np.flatnonzero(~plain)[: width - count]] = True
+            got = head_screen._padded(candidates, count, vocab)
+            assert got.tolist() == np.flatnonzero(plain).tolist()
+            assert len(got) == max(width, count) and candidates[got].sum() == count

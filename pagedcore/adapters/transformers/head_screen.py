@@ -140,7 +140,7 @@ class HeadScreen:
         floor32 = np.where(floor32 > floor, np.nextafter(floor32, np.float32(-np.inf)), floor32)
         candidates = (values >= floor32[:, None]).any(axis=0)
         vocab = weight.shape[0]
-        count = int(candidates.sum())
+        count = int(np.count_nonzero(candidates))
         if count > MAX_SHARE * vocab:
             return None
         columns = _padded(candidates, count, vocab)
@@ -198,7 +198,10 @@ def _padded(candidates: np.ndarray, count: int, vocab: int) -> np.ndarray:
     """The candidate columns, in order, with the first other columns added up to a multiple of :data:`COLUMNS`
     (at most the vocabulary)."""
     width = min(-(-max(count, 1) // COLUMNS) * COLUMNS, vocab)
-    if width > count:
-        candidates = candidates.copy()
-        candidates[np.flatnonzero(~candidates)[: width - count]] = True
-    return np.flatnonzero(candidates)
+    chosen = np.flatnonzero(candidates)
+    if width <= count:
+        return chosen
+    # the first width - count other columns all lie below width (at most count candidates do): only that prefix
+    # is read (a copy and two passes over the whole vocabulary were 70 us a step at 32000)
+    others = np.flatnonzero(~candidates[:width])[: width - count]
+    return np.sort(np.concatenate((chosen, others)))
