@@ -199,6 +199,56 @@ def test_a_first_step_that_differs_turns_the_tape_off_with_a_warning_and_keeps_s
 
 
 @needs_tape
+@pytest.mark.parametrize("seqs", [1, 3])
+def test_a_tape_is_checked_in_the_step_that_writes_it(seqs, two_threads, kernel_wins, monkeypatch):
+    """Every forward either runs a tape or the Python layers, never both: the tape's check runs it right after the
+    step whose calls wrote it (a row count met a few steps a run would otherwise pay a double step a run later)."""
+    from pagedcore.adapters.transformers import direct_layers
+
+    calls = {"forwards": 0, "python": 0}
+    hidden, layers = direct_layers.DirectLayers._hidden, direct_layers.DirectLayers.layers_hidden
+
+    def counted_hidden(self: Any, *args: Any) -> Any:
+        calls["forwards"] += 1
+        return hidden(self, *args)
+
+    def counted_layers(self: Any, *args: Any) -> Any:
+        calls["python"] += 1
+        return layers(self, *args)
+
+    monkeypatch.setattr(direct_layers.DirectLayers, "_hidden", counted_hidden)
+    monkeypatch.setattr(direct_layers.DirectLayers, "layers_hidden", counted_layers)
+    model = model_of("llama", 91)
+    ref, prompts = mirror(model), workload(91, seqs)
+    with Engine(model, num_blocks=256, block_size=4, max_num_seqs=seqs) as engine:
+        outputs = engine.generate(prompts, GREEDY, use_tqdm=False)
+        tapes = tapes_of(engine)
+    assert tapes.runs > 10 and not tapes.off
+    assert all(tape.verified for tape in tapes._tapes.values() if tape is not None)
+    assert calls["python"] == calls["forwards"] - tapes.runs
+    assert_stock(ref, prompts, outputs)
+
+
+@needs_tape
+def test_a_tape_found_wrong_where_it_is_written_leaves_the_python_layers_keys_and_values(
+    two_threads, kernel_wins, monkeypatch, caplog
+):
+    """A tape whose norms' epsilon and attention scale are not the model's: checked in the step that wrote it, where
+    it has already written that step's keys and values; the Python layers write them again, so every later token
+    and logit is still transformers'."""
+    model = model_of("llama", 93)
+    ref, prompts = mirror(model), workload(93, 2)
+    bits = tape_module._bits
+    monkeypatch.setattr(tape_module, "_bits", lambda value: bits(value * 1e6))
+    with caplog.at_level(logging.WARNING, logger="pagedcore"), Engine(model, num_blocks=256, block_size=4) as engine:
+        outputs = engine.generate(prompts, GREEDY, use_tqdm=False)
+        tapes = tapes_of(engine)
+    assert tapes.off and tapes.runs == 0
+    assert "decode tape gave other hidden states" in caplog.text
+    assert_stock(ref, prompts, outputs)
+
+
+@needs_tape
 def test_a_silu_whose_bits_are_not_torchs_leaves_the_row_count_untaped(two_threads, kernel_wins, monkeypatch):
     assert TAPE is not None
     monkeypatch.setattr(TAPE, "_widths", {256: False})

@@ -18,8 +18,9 @@ additions and ``silu(gate) * up`` run in the tape's C as torch's CPU kernels com
 SiLU's width checked against torch's bits once).
 
 Exactness first: each call on the tape is the call the Python would make, with the same arguments, so the same bits;
-the first step of each row count runs the Python layers too and compares the two last hidden states to the bit
-(:meth:`Tapes.hidden`), turning the tape off for good with a warning where they differ. Each step checks, before it
+each tape runs in the step whose calls wrote it, after the Python layers, and the two last hidden states are compared
+to the bit (:meth:`Tapes.check_new`; a tape that step could not run: at its first step, :meth:`Tapes.hidden`),
+turning the tape off for good with a warning where they differ. Each step checks, before it
 runs a tape, what each call's own path checks: of every linear what its route's :meth:`~.linear_routes.Route.serves`
 checks (the same weight tensors and data, float32, contiguous, of their shapes, the same thread count, no dispatch
 mode), its route unmoved and its forward the runner's, unhooked; every called norm and activation still plain (no
@@ -310,24 +311,53 @@ class Tapes:
             return None
         if not self._step_fits(tape, hidden, cos, sin, kwargs):
             return None
+        out = self._run(tape, hidden)
+        if out is None:  # a callee refused its arguments: the Python layers redo the step (and write its slots)
+            return None
+        if not tape.verified:
+            theirs: torch.Tensor = direct.layers_hidden(inner, hidden, cos, sin, kwargs)
+            if not self._verify(tape, out, theirs):
+                return theirs
+        self.runs += 1
+        return out
+
+    def check_new(self, direct: Any, inner: Any, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  kwargs: dict[str, Any], theirs: torch.Tensor) -> None:  # fmt: skip
+        """After the Python layers computed ``theirs`` from ``hidden`` and :meth:`offer` wrote this row count's tape:
+        check the tape at once on this step's inputs, so that its first step to serve runs it alone (a row count
+        met a few steps a run was otherwise checked a run later, at twice a step's cost). The tape writes this step's
+        keys and values again, the same bits where it is right; where it is not, the Python layers write them once
+        more and the tape is off. A tape this step does not fit is checked at its first step (:meth:`hidden`)."""
+        tape = None if self.off or hidden.dim() != 3 else self._tapes.get(hidden.shape[1])
+        if tape is None or tape.verified or not _calls_hold(tape):
+            return
+        if not self._step_fits(tape, hidden, cos, sin, kwargs):
+            return
+        out = self._run(tape, hidden)
+        if out is None or not self._verify(tape, out, theirs):
+            direct.layers_hidden(inner, hidden, cos, sin, kwargs)  # this step's slots as the Python layers write them
+
+    def _run(self, tape: _Tape, hidden: torch.Tensor) -> torch.Tensor | None:
+        """``tape`` run on ``hidden`` (its pointers patched for this step): the last hidden states, or None (and the
+        tape off, with a warning) where a callee refused its arguments."""
         tape.buffers["hidden"].copy_(hidden)
         failed = self._kernel.run(tape.tape)
         tape.keep.clear()
-        if failed:  # a callee refused its arguments (nothing of that call written): the Python layers redo the step
+        if failed:
             logger.warning("pagedcore: the decode tape's record %d was refused: the Python layers run", failed - 1)
             self.off = True
             return None
-        out = tape.buffers["hidden"].clone()
-        if not tape.verified:
-            theirs: torch.Tensor = direct.layers_hidden(inner, hidden, cos, sin, kwargs)
-            if not same_bits(out, theirs):
-                logger.warning("pagedcore: the decode tape gave other hidden states than the direct layers: the "
-                               "Python layers run from here on")  # fmt: skip
-                self.off = True
-                return theirs
-            tape.verified = True
-        self.runs += 1
-        return out
+        return tape.buffers["hidden"].clone()
+
+    def _verify(self, tape: _Tape, out: torch.Tensor, theirs: torch.Tensor) -> bool:
+        """Whether the tape's first output has the Python layers' bits (False: the tape off for good, a warning)."""
+        if not same_bits(out, theirs):
+            logger.warning("pagedcore: the decode tape gave other hidden states than the direct layers: the "
+                           "Python layers run from here on")  # fmt: skip
+            self.off = True
+            return False
+        tape.verified = True
+        return True
 
     def offer(self, classes: Any, layers: list[Any], direct: Any, hidden: torch.Tensor, cos: torch.Tensor,
               kwargs: dict[str, Any]) -> None:  # fmt: skip

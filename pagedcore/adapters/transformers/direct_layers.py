@@ -213,6 +213,7 @@ class DirectLayers:
             out = self.layers_hidden(inner, hidden, cos, sin, kwargs)
             if tapes is not None:
                 tapes.offer(self._classes, _layers(inner), kernel, hidden, cos, kwargs)
+                tapes.check_new(self, inner, hidden, cos, sin, kwargs, out)
         return _norm(kernel, self._classes.norm, inner.norm, out)
 
     def _tapes_for(self, kernel: DirectKernel | None) -> Tapes | None:
