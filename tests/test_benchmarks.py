@@ -286,6 +286,17 @@ def test_run_writes_the_report(tmp_path, tiny):
     assert (tmp_path / "engine.png").stat().st_size > 0
 
 
+def test_the_reports_first_line_gives_the_load_average_at_the_start(tmp_path, monkeypatch):
+    """The header says "load average ... at start": read before the sections run (it was read after them, so a run
+    that loaded the machine reported its own load as the start's)."""
+    from pagedcore.benchmarks import report
+
+    readings = iter(float(n) for n in range(1, 100))
+    monkeypatch.setattr(report, "load_average", lambda: next(readings))
+    markdown = run_benchmarks(BenchOptions(quick=True, progress=False, only=("core",)), tmp_path)
+    assert "; load average 1.00 at start;" in markdown.splitlines()[2]
+
+
 def test_run_without_chart_panels_writes_no_chart(tmp_path):
     markdown = run_benchmarks(BenchOptions(quick=True, progress=False, only=("core",)), tmp_path)
     assert "- Device, dtype, model: none" in markdown and "engine.png" not in markdown

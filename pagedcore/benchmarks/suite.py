@@ -150,8 +150,8 @@ def run_benchmarks(
         on_start()
     started = time.perf_counter()
     with _threads(options), _engine_compile(options):
+        machine = machine_info()  # before the sections: its load average is the one at the start
         sections = {name: BENCHMARKS[name].run(ctx).section() for name in options.names}
-        machine = machine_info()
     elapsed = time.perf_counter() - started
     title = "# pagedcore benchmarks" + (" (quick workload)" if options.quick else "")
     intro = (
