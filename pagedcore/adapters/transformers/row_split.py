@@ -193,7 +193,7 @@ class RowSplit:
             return F.linear(x, weight, bias)
         if not x.is_contiguous():  # F.linear hands MKL such rows as they lie (transposed: another order): its own
             return F.linear(x, weight, bias)
-        key = (weight.shape[0], weight.shape[1], bias is not None, blocks or 0, threads, 1 << (rows - 1).bit_length())
+        key = _bucket((weight.shape[0], weight.shape[1], bias is not None), blocks, threads, rows)
         bucket = self._buckets.get(key)
         if bucket is None:
             with self._lock:
@@ -249,7 +249,12 @@ class RowSplit:
 
 def _key(shape: tuple[int, int, bool], rows: int, threads: int) -> _Key:
     """The bucket of ``rows`` rows through a weight of ``shape`` (rows, width, bias) at ``threads`` threads."""
-    return (*shape, split_blocks(shape[0], threads) or 0, threads, 1 << (rows - 1).bit_length())
+    return _bucket(shape, split_blocks(shape[0], threads), threads, rows)
+
+
+def _bucket(shape: tuple[int, int, bool], blocks: int | None, threads: int, rows: int) -> _Key:
+    """:func:`_key` where the caller has the weight's row blocks already (the split's own call, once per linear)."""
+    return (*shape, blocks or 0, threads, 1 << (rows - 1).bit_length())
 
 
 def contiguous(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
