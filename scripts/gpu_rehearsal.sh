@@ -35,6 +35,23 @@ fi
     fail "$PY is not Python 3.11 (the CPU torch stand-in is a cp311 wheel): set GPU_REHEARSAL_PYTHON"
 [ -x "$CARRY_PY" ] || fail "$CARRY_PY missing: run make install (gpu_carry.py needs packaging, setuptools, pip)"
 
+# torch in the image venv as hard links to .venv's files where both hold the same CPU wheel (the same filesystem):
+# a second copy is 750 MB, and a CI machine once ran out of disk while pip wrote it. pip then finds it installed.
+link_torch() {
+    local want source target
+    want=$(printf '%s\n' "${requirements[@]}" | sed -n 's/^torch==//p')
+    source=$("$CARRY_PY" -c 'import importlib.metadata as m, torch, pathlib
+print(m.version("torch"), pathlib.Path(torch.__file__).parent.parent)' 2>/dev/null) || return 0
+    [ -n "$want" ] && [ "${source%% *}" = "$want+cpu" ] || return 0
+    source=${source#* }
+    target=$("$IMAGE/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    if cp -al "$source"/torch "$source"/functorch "$source"/torchgen "$source/torch-$want+cpu.dist-info" "$target"/ 2>/dev/null; then
+        say "torch $want hard-linked from $source"
+    else
+        rm -rf "$target"/torch "$target"/functorch "$target"/torchgen "$target/torch-$want+cpu.dist-info"
+    fi
+}
+
 # 1. the image venv (kept between runs while scripts/gpu_image.txt is unchanged)
 IMAGE="$DIR/image"
 stamp="$IMAGE/.image-$(sha256sum scripts/gpu_image.txt | cut -c1-16)"
@@ -43,6 +60,7 @@ if [ ! -e "$stamp" ]; then
     rm -rf "$IMAGE"
     "$PY" -m venv "$IMAGE"
     mapfile -t requirements < <("$CARRY_PY" scripts/gpu_carry.py --rehearsal-requirements)
+    link_torch
     "$IMAGE/bin/python" -m pip install --quiet --retries 5 "${requirements[@]}"
     touch "$stamp"
 fi
@@ -72,6 +90,7 @@ assert all(found.get(name) == version for name, version in carried.items()), (ca
 assert "pagedcore" in found and "pip" not in found, found
 print(f"python 3.12 without pip installed {sorted(found.items())}")
 EOF
+rm -rf "$DIR/py312" "$DIR/site312"  # checked: their disk is the next steps'
 
 # 4. the GPU machine's command, from the repository root
 say "bash scripts/gpu_run.sh $DIR/out (the image venv's python)"
