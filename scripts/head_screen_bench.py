@@ -1,9 +1,9 @@
 """The LM head's greedy choice, with the caches evicted before each call as a forward leaves them: the whole
-``F.linear`` and one numpy argmax pass, and the half-precision screen (``head_screen.HeadScreen``: a float16-weight
-GEMM, the candidate columns, their exact logits) with fbgemm's GEMM and with the row kernel's
-(``row_kernel.RowKernel.half_linear``, where this machine builds it), each also timed alone; with the candidates per
-step and whether the screens' tokens are the whole GEMM's (docs/benchmarks.md, "The greedy choice screened in half
-precision").
+``F.linear`` and one numpy argmax pass, and the screen (``head_screen.HeadScreen``: an approximate product, the
+candidate columns, their exact logits) with fbgemm's float16-weight GEMM and with the row kernel's int8 product
+(``row_kernel.RowKernel.byte_linear``, where this machine builds it), each product also timed alone; with the
+exact columns per step and whether the screens' tokens are the whole GEMM's (docs/benchmarks.md, "The greedy choice
+screened in half precision", "The screen in bytes").
 
 ``python scripts/head_screen_bench.py [--size small] [--rows 1,4,8,16,64] [--rounds 7] [--evict-mib 384]
 [--threads 1]``: the head's inputs are the benchmark model's final hidden states over a random 160-token sequence
@@ -52,7 +52,7 @@ def main() -> None:
     ids = torch.randint(3, model.config.vocab_size, (1, 160), generator=torch.Generator().manual_seed(0))
     print(f"# {args.size} model, head {tuple(weight.shape)}, {args.threads} thread(s), medians of {args.rounds}, "
           "caches evicted")  # fmt: skip
-    print("| rows | F.linear + argmax ms | screen ms: fbgemm / kernel | float16 GEMM alone ms: fbgemm / kernel | "
+    print("| rows | F.linear + argmax ms | screen ms: fbgemm / kernel | product alone ms: fbgemm / kernel | "
           "exact columns | tokens equal |")  # fmt: skip
     print("|---:|---:|---:|---:|---:|---|")
     with torch.inference_mode():
@@ -61,13 +61,13 @@ def main() -> None:
             x = hidden[-rows:].contiguous()
             copy = screen._fresh_copy(weight).packed  # noqa: SLF001 (the GEMMs alone)
             turned = screen_k._fresh_copy(weight).packed  # noqa: SLF001
-            assert isinstance(turned, torch.Tensor)
+            assert isinstance(turned, tuple)
             ways: dict[str, Callable[[], object]] = {
                 "whole": functools.partial(_whole, x, weight),
                 "screen": functools.partial(screen.screen, x, weight),
                 "screen_k": functools.partial(screen_k.screen, x, weight),
                 "gemm": functools.partial(torch.ops.quantized.linear_dynamic_fp16, x, copy),
-                "gemm_k": functools.partial(kernel.half_linear, x, turned, args.threads),
+                "gemm_k": functools.partial(kernel.byte_linear, x, *turned, args.threads),
             }
             times: dict[str, list[float]] = {name: [] for name in ways}
             for _ in range(args.rounds):

@@ -71,6 +71,29 @@ def test_a_weight_that_is_a_transposed_view_is_screened(product):
     assert step is not None and step.tokens == F.linear(x, weight).argmax(-1).tolist()
 
 
+def test_the_bound_counts_the_int8_products_rounding_of_the_input():
+    """The int8 copy is exact here (each row 2^-7 times integers up to 127), so the copy's own term is zero and only
+    the rounding of the input rows to int16 steps (an outlier makes each step coarse) moves the approximate logits:
+    they stay within the bound, and not within it without that term."""
+    kernel = row_kernel.load()
+    if kernel is None:
+        pytest.skip("no row kernel on this machine (no C compiler or no AVX2)")
+    generator = torch.Generator().manual_seed(5)
+    q = torch.randint(-127, 128, (1000, 64), generator=generator)
+    q[:, 0] = 127
+    weight = q.float() * 2.0**-7
+    x = torch.rand(4, 64, generator=generator) * 0.9 + 0.05
+    x[:, 3] = 3000.0  # each row's step: 3000 / 32767, so every other value moves by up to half of it
+    step = HeadScreen(kernel).screen(x, weight)
+    assert step is not None and step.tokens == F.linear(x, weight).argmax(-1).tolist()
+    copy = HeadScreen(kernel)._fresh_copy(weight)  # the bound's terms
+    assert copy.apart == 0.0 and copy.spread > 0
+    apart = (step.approx.double() - F.linear(x.double(), weight.double())).abs().amax(dim=1).numpy()
+    size = x.double().abs()
+    without = (64 + 8) * 2.0**-23 * size.sum(dim=1).numpy() * copy.largest * (1 + 1e-6)
+    assert (apart <= step.bound).all() and (apart > without).all()
+
+
 def test_what_cannot_be_screened_is_left_to_the_caller(product):
     screen = HeadScreen(product)
     x = torch.randn(2, 64)

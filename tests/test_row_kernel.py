@@ -169,9 +169,6 @@ def test_it_is_not_built_where_it_cannot_serve(monkeypatch):
     assert row_kernel_module._build() is None
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")  # no AVX2
     assert row_kernel_module._build() is None
-    monkeypatch.undo()
-    monkeypatch.setattr(row_kernel_module, "_cpu_flags", lambda: {"avx2", "fma"})  # no F16C
-    assert row_kernel_module._build() is None
 
 
 def test_it_is_built_from_the_source_its_module_was_imported_with(monkeypatch, tmp_path):
@@ -268,39 +265,67 @@ def test_row_kernel_false_keeps_it_out_and_the_setting_is_checked(two_threads, k
         Engine(model, num_blocks=64, block_size=4, row_kernel=1)
 
 
+def byte_product(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, levels: int) -> torch.Tensor:
+    """The documented integer product in torch: each row of ``x`` rounded to ``levels`` steps of its largest
+    magnitude (float32 ops, ties to even), the sums exact in int64, then float32 times the two scales' product."""
+    largest = x.abs().amax(dim=1)
+    inverse = torch.where(largest > 0, torch.tensor(float(levels)) / largest, 0)
+    steps = (x * inverse[:, None]).round().clamp(-levels, levels).to(torch.int64)
+    sums = steps @ q.to(torch.int64).T
+    return sums.float() * ((largest / levels)[:, None] * scales[None, :])
+
+
 @needs_kernel
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 7, 8, 9, 16])
-def test_the_half_product_is_the_float16_copys_product(rows):
-    """``half_linear`` multiplies by the float16 copy ``turned_half`` laid out (any order of summation: within a
-    float32 rounding of the exact product of the copy), at each row grouping and an odd last panel."""
-    torch.manual_seed(rows)
-    weight, x = torch.randn(40, 96), torch.randn(rows, 96)  # 5 panels: two pairs and one alone
-    turned = RowKernel.turned_half(weight)
-    assert turned is not None and turned.shape == (5, 96, 8)
-    assert torch.equal(turned[1, 3], weight[8:16, 3].half())  # panel 1, column 3: outputs 8-15
-    exact = x.double() @ weight.half().double().T
+def test_the_byte_product_is_the_documented_integer_product(rows):
+    """``byte_linear`` rounds each row to its integer steps, sums exactly in int32 and scales in float32, at each
+    row grouping, an odd last panel, a row of zeros and a row at int8's and int16's extremes; bit for bit."""
+    generator = torch.Generator().manual_seed(rows)
+    q = torch.randint(-127, 128, (40, 96), generator=generator, dtype=torch.int8)  # 5 panels: two pairs, one alone
+    q[3] = 127
+    scales = torch.rand(40, generator=generator) * 0.01
+    x = torch.randn(rows, 96, generator=generator) * 3
+    x[0, 5] = -50.0  # the row's largest magnitude: -levels steps
+    if rows > 2:
+        x[2] = 0.0
+    turned = RowKernel.turned_bytes(q)
+    assert turned is not None and turned.shape == (5, 48, 8, 2)
+    assert turned[1, 3].tolist() == q[8:16, 6:8].tolist()  # panel 1, columns 6 and 7: outputs 8-15
     assert KERNEL is not None
+    expected = byte_product(x, q, scales, RowKernel.byte_levels(96))
     for threads in (1, 2):
-        out = KERNEL.half_linear(x, turned, threads)
-        slack = 96 * 2.0**-23 * (x.double().abs() @ weight.half().double().abs().T)
-        assert out.dtype is torch.float32 and bool(((out.double() - exact).abs() <= slack).all())
+        assert torch.equal(KERNEL.byte_linear(x, turned, scales, threads), expected)
+
+
+def test_the_byte_levels_keep_every_int32_sum_exact():
+    for width in (8, 512, 516, 520, 1024, 4096, 8192, 65536):
+        levels = RowKernel.byte_levels(width)
+        assert 1 <= levels <= 32767 and levels * 127 * width < 2**31
+        assert levels == 32767 or (levels + 1) * 127 * width >= 2**31  # the most that fits
 
 
 @needs_kernel
-def test_what_the_half_product_would_misread_is_refused():
+def test_what_the_byte_product_would_misread_is_refused():
     assert KERNEL is not None
-    turned = RowKernel.turned_half(torch.randn(16, 32))
-    assert turned is not None and RowKernel.turned_half(torch.randn(12, 32)) is None
-    for x, copy in [
-        (torch.randn(2, 32).double(), turned),  # another dtype
-        (torch.randn(2, 24), turned),  # a narrower input
-        (torch.randn(32, 2).t(), turned),  # a transposed view
-        (torch.randn(2, 32), turned.float()),  # a float32 copy
-        (torch.randn(2, 32), turned.transpose(1, 2)),  # not the turned layout
-        (torch.randn(2, 32), turned.reshape(16, 32)),  # a plain float16 weight
+    q = torch.randint(-127, 128, (16, 32), dtype=torch.int8)
+    turned, scales = RowKernel.turned_bytes(q), torch.rand(16)
+    assert turned is not None and RowKernel.turned_bytes(q[:12]) is None and RowKernel.turned_bytes(q.float()) is None
+    for x, copy, s in [
+        (torch.randn(2, 32).double(), turned, scales),  # another dtype
+        (torch.randn(2, 24), turned, scales),  # a narrower input
+        (torch.randn(32, 2).t(), turned, scales),  # a transposed view
+        (torch.randn(2, 32), turned.float(), scales),  # a float copy
+        (torch.randn(2, 32), turned.transpose(1, 2), scales),  # not the turned layout
+        (torch.randn(2, 32), q, scales),  # a plain int8 weight
+        (torch.randn(2, 32), turned, scales[:8]),  # scales of another weight
+        (torch.randn(2, 32), turned, scales.double()),  # scales of another dtype
     ]:
         with pytest.raises(ValueError, match="row kernel: cannot take"):
-            KERNEL.half_linear(x, copy, 1)
+            KERNEL.byte_linear(x, copy, s, 1)
+    x = torch.randn(2, 32)
+    x[1, 4] = float("inf")
+    with pytest.raises(ValueError, match="non-finite"):
+        KERNEL.byte_linear(x, turned, scales, 1)
 
 
 @needs_kernel

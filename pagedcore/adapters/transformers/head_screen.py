@@ -1,22 +1,31 @@
-"""A half-precision screen of the LM head for greedy steps on the CPU: which vocabulary columns can hold a row's
-maximum, from half of the head's bytes; only those columns' logits are then computed exactly.
+"""A low-precision screen of the LM head for greedy steps on the CPU: which vocabulary columns can hold a row's
+maximum, from a quarter or half of the head's bytes; only those columns' logits are then computed exactly.
 
 Why: at 1-16 rows the LM head is a matrix-vector product bound by memory (the small benchmark model's head is 62.5
-MiB of its 154.5 MiB of weights), and a greedy step needs only each row's argmax. A GEMM over a float16 copy of the
-weight (float32 inputs and sums, the weight stored in half precision) reads 31 MiB: fbgemm's
-(``torch.ops.quantized.linear_dynamic_fp16``) 2.7 ms at one row against ``F.linear``'s 5.3, 4.9 against 14.6 at
-eight, with the caches evicted (docs/benchmarks.md, "The greedy choice screened in half precision"). Where the
-process has :mod:`.row_kernel`'s C kernel, the copy is laid out for it instead (:meth:`~.row_kernel.RowKernel.
-turned_half`: read front to back) and it computes the product (``scripts/head_screen_bench.py``).
+MiB of its 154.5 MiB of weights), and a greedy step needs only each row's argmax. Two approximate products:
+
+- where the process has :mod:`.row_kernel`'s C kernel, an int8 copy of the weight (each row in 127 steps of its
+  largest magnitude, 15.6 MiB, laid out by :meth:`~.row_kernel.RowKernel.turned_bytes` to be read front to back),
+  multiplied by the input rows rounded to int16 steps, the sums exact in int32
+  (:meth:`~.row_kernel.RowKernel.byte_linear`): 0.88 against the float16 copy's 1.35 ms at one row, 2.25 against
+  2.88 at eight, the same at 64, with the caches evicted (``scripts/head_screen_bench.py``, 2 threads;
+  docs/benchmarks.md, "The screen in bytes");
+- elsewhere a float16 copy (31 MiB) in fbgemm's GEMM (``torch.ops.quantized.linear_dynamic_fp16``: float32 inputs
+  and sums): 2.7 ms at one row against ``F.linear``'s 5.3, 4.9 against 14.6 at eight, with the caches evicted
+  (docs/benchmarks.md, "The greedy choice screened in half precision").
 
 Exactness: the tokens are the argmax of the head's own ``F.linear`` over the step's rows, bit for bit, because
 
-1. each approximate logit is within a bound of the exact one, per row ``r``:
-   ``|approx - exact| <= B_r = ||x_r||_2 * max_n ||W_n - W16_n||_2 + (K + 8) * 2^-23 * ||x_r||_1 * max |W|``:
-   the first term is the half-precision copy's own error (Cauchy-Schwarz on ``x_r (W_n - W16_n)``, with the
-   differences computed exactly; values below float16's normal range are set to zero in the copy, so a kernel that
-   flushes them computes the same), the second covers the float32 rounding of both GEMMs, in any order of summation
-   (``K * 2^-24`` of the absolute sum each, with room);
+1. each approximate logit is within a bound of the exact one, per row ``r``: with ``Q`` the copy's values (float16's,
+   or ``s_n * q_n`` for the int8 copy: exact in float64), ``|approx - exact| <= B_r = ||x_r||_2 * max_n ||W_n -
+   Q_n||_2 + sqrt(K) * max |x_r| / L * max_n ||Q_n||_2 + (K + 8) * 2^-23 * ||x_r||_1 * max |W|``:
+   the first term is the copy's own error (Cauchy-Schwarz on ``x_r (W_n - Q_n)``, the differences computed
+   exactly; float16 values below its normal range are set to zero in its copy, so a GEMM that flushes them computes
+   the same); the second the int8 product's rounding of the input row to ``L`` steps of its largest magnitude
+   (:meth:`~.row_kernel.RowKernel.byte_levels`: each value moves by at most about half a step, counted as a whole
+   one; Cauchy-Schwarz again; none for fbgemm, whose inputs stay float32); the third covers the float32 rounding of
+   both products, in any order of summation (``K * 2^-24`` of the absolute sum each, with room; the int8 product's
+   sums are exact, three roundings after them);
 2. so a column whose approximate logit is below the row's approximate maximum less ``2 B_r`` cannot hold the exact
    maximum, and every column that can (ties included) is a candidate;
 3. the candidates of all rows (padded to a multiple of :data:`COLUMNS` with other columns, so few GEMM shapes occur)
@@ -24,11 +33,11 @@ Exactness: the tokens are the argmax of the head's own ``F.linear`` over the ste
    for each shape before it trusts them, together with the bound itself (every approximate logit within ``B_r`` of
    the whole GEMM's); the first maximal candidate of each row is its token.
 
-A step whose input or candidates are not finite, whose weight does not fit float16, or whose candidates would be a
-large share of the vocabulary (:data:`MAX_SHARE`) is not screened (None: the caller takes the argmax another way).
-The float16 copy is made from the weight as it is and made again when the weight changes (same tensor, version
-counter and data pointer: :class:`~.prepacked.WeightStamp`, as the prepacked linears check), so a training step is
-seen at the next greedy step. It costs half the head's bytes in memory.
+A step whose input or candidates are not finite, whose weight is not finite (in float16, for its copy), or whose
+candidates would be a large share of the vocabulary (:data:`MAX_SHARE`) is not screened (None: the caller takes the
+argmax another way). The copy is made from the weight as it is and made again when the weight changes (same tensor,
+version counter and data pointer: :class:`~.prepacked.WeightStamp`, as the prepacked linears check), so a training
+step is seen at the next greedy step. It costs a quarter (int8) or half (float16) of the head's bytes in memory.
 """
 
 from __future__ import annotations
@@ -91,9 +100,11 @@ class _Copy:
 
     stamp: WeightStamp
     packed: object | None  # None: this weight cannot be screened (not finite in float16, or the packing failed)
-    apart: float  # max_n ||W_n - W16_n||_2
+    apart: float  # max_n ||W_n - Q_n||_2 (Q: the copy's values)
     largest: float  # max |W|
-    turned: bool = False  # packed is the kernel's turned copy (RowKernel.turned_half), not fbgemm's
+    turned: bool = False  # packed is the kernel's int8 copy and its row scales (RowKernel.turned_bytes), not fbgemm's
+    spread: float = 0.0  # max_n ||Q_n||_2 where the kernel rounds the input rows (the int8 copy), else 0
+    levels: int = 1  # the integer steps the kernel rounds each input row to (RowKernel.byte_levels)
 
 
 class HeadScreen:
@@ -122,13 +133,16 @@ class HeadScreen:
         k = x.shape[-1]
         x = x.reshape(-1, k).contiguous()
         wide = x.detach().numpy().astype(np.float64)  # numpy: a few small torch ops cost more right after a forward
-        l2, l1 = np.sqrt((wide * wide).sum(axis=1)), np.abs(wide).sum(axis=1)
-        bound = (l2 * copy.apart + (k + 8) * 2.0**-23 * l1 * copy.largest) * (1.0 + 1e-6)  # (rows,), rounded up
+        size = np.abs(wide)
+        l2, l1 = np.sqrt((wide * wide).sum(axis=1)), size.sum(axis=1)
+        rounded = np.sqrt(k) * size.max(axis=1) / copy.levels * copy.spread if copy.spread else 0.0  # (int8 copy)
+        bound = (l2 * copy.apart + rounded + (k + 8) * 2.0**-23 * l1 * copy.largest) * (1.0 + 1e-6)  # rounded up
         if not np.isfinite(bound).all():  # a NaN or an infinity in the input
             return None
         if copy.turned:
-            assert self._kernel is not None and isinstance(copy.packed, torch.Tensor)
-            approx = self._kernel.half_linear(x, copy.packed, torch.get_num_threads())
+            assert self._kernel is not None and isinstance(copy.packed, tuple)
+            turned, scales = copy.packed
+            approx = self._kernel.byte_linear(x, turned, scales, torch.get_num_threads())
         else:
             approx = torch.ops.quantized.linear_dynamic_fp16(x, copy.packed)
         values = approx.numpy()
@@ -163,27 +177,24 @@ class HeadScreen:
         stamp = WeightStamp.of(weight)
         turned = self._kernel is not None and RowKernel.fits_shape(*weight.shape)
         try:
-            packed, apart, largest = _quantize(weight.detach(), turned)
+            copy = (_in_bytes if turned else _in_half)(weight.detach(), stamp)
         except Exception:  # a torch without the packing op it had at import, or another failure: not screened
-            logger.warning("pagedcore: the screen could not pack the head's weight in float16", exc_info=True)
-            packed, apart, largest = None, 0.0, 0.0
-        self._copy = _Copy(stamp, packed, apart, largest, turned)
-        return self._copy
+            logger.warning("pagedcore: the screen could not make the head weight's copy", exc_info=True)
+            copy = _Copy(stamp, None, 0.0, 0.0)
+        self._copy = copy
+        return copy
 
 
-def _quantize(weight: torch.Tensor, turned: bool) -> tuple[object | None, float, float]:
-    """The float16 copy of ``weight`` (the kernel's turned layout where ``turned``, else fbgemm's packing),
-    ``max_n ||W_n - W16_n||_2`` and ``max |W|``; None for a weight that is not finite in float16."""
+def _in_half(weight: torch.Tensor, stamp: WeightStamp) -> _Copy:
+    """fbgemm's packed float16 copy of ``weight``; not packed for a weight that is not finite in float16."""
     with torch.no_grad():
         half = weight.to(torch.float16)
         if not bool(torch.isfinite(half).all()):
-            return None, 0.0, 0.0
+            return _Copy(stamp, None, 0.0, 0.0)
         copy = half.float()
         copy[copy.abs() < _SMALLEST] = 0.0  # subnormal in float16: zero, whether or not the kernel flushes them
         apart = float((weight.double() - copy.double()).norm(dim=1).max())
         largest = float(weight.abs().max())
-        if turned:
-            return RowKernel.turned_half(copy), apart, largest
         with _PACKING:
             before = torch.backends.quantized.engine
             torch.backends.quantized.engine = _ENGINE
@@ -191,7 +202,25 @@ def _quantize(weight: torch.Tensor, turned: bool) -> tuple[object | None, float,
                 packed = torch.ops.quantized.linear_prepack_fp16(copy, None)
             finally:
                 torch.backends.quantized.engine = before
-    return packed, apart, largest
+    return _Copy(stamp, packed, apart, largest)
+
+
+def _in_bytes(weight: torch.Tensor, stamp: WeightStamp) -> _Copy:
+    """The row kernel's int8 copy of ``weight``: each row rounded to 127 steps of its largest magnitude (scale
+    ``s_n``, float32), laid out by :meth:`~.row_kernel.RowKernel.turned_bytes`; ``apart`` and ``spread`` of the
+    values ``s_n * q_n`` themselves (exact in float64). Not packed for a weight that is not finite."""
+    with torch.no_grad():
+        if not bool(torch.isfinite(weight).all()):
+            return _Copy(stamp, None, 0.0, 0.0)
+        scales = (weight.abs().amax(dim=1) / 127).contiguous()  # float32: what the kernel multiplies by
+        steps = torch.where(scales[:, None] > 0, weight / scales.clamp_min(torch.finfo(torch.float32).tiny)[:, None], 0)
+        q = steps.round().clamp(-127, 127).to(torch.int8)
+        values = scales.double()[:, None] * q.double()  # exact: a float32 times an integer of 7 bits
+        apart = float((weight.double() - values).norm(dim=1).max())
+        spread = float(values.norm(dim=1).max())
+        turned = RowKernel.turned_bytes(q)
+        levels = RowKernel.byte_levels(weight.shape[1])
+    return _Copy(stamp, (turned, scales), apart, float(weight.abs().max()), True, spread, levels)
 
 
 def _padded(candidates: np.ndarray, count: int, vocab: int) -> np.ndarray:

@@ -5,9 +5,12 @@
    - rows lanes_from..M-1 in four lanes (LANES): each product rounded, added into four lanes by column mod 4 (in
      column order, from zero), the lanes summed (0 + 2) + (1 + 3), then the bias added; with head 4, the first four
      products all go to lane 0, in order (MKL's one-row product).
-   AVX2 + FMA; N, K and kc multiples of 8 (kc unused where lanes_from is 0); x, w, bias and y contiguous. */
+   AVX2 + FMA; N, K and kc multiples of 8 (kc unused where lanes_from is 0); x, w, bias and y contiguous.
+   Also the head screen's int8 product (byte_linear(), at the end). */
 #include <immintrin.h>
+#include <math.h>
 #include <stdlib.h>
+#include <string.h>
 
 #ifndef PREFETCH
 #define PREFETCH 1
@@ -17,9 +20,6 @@
 #endif
 #ifndef PREFETCH_BYTES8
 #define PREFETCH_BYTES8 16384 /* lanes8(): the weight rows this many bytes on (8 rows at K = 512, 2 at 1536) */
-#endif
-#ifndef HALF_AHEAD
-#define HALF_AHEAD 512 /* half_panels(): the copy's columns prefetched this far on (8 KB; 64 was 1.3x slower) */
 #endif
 #define INLINE inline __attribute__((always_inline)) /* each row count's copy unrolled, its sums in registers */
 
@@ -364,74 +364,116 @@ int row_kernel_linear(const float *x, const float *w, const float *bias, float *
     return failed ? -2 : 0;
 }
 
-/* A screen's approximate product (head_screen.py): y[M, N] = x[M, K] @ h^T, h a float16 copy of an N x K weight laid
-   out by panels of 8 outputs, each panel column by column (turned_half(): panel p's column k at h[(p * K + k) * 8]),
-   so the copy is read once, front to back. Summed in any order (the screen's bound allows any): U chains a row
-   over alternate columns, added at the end. F16C + FMA; N and K multiples of 8. */
-static INLINE void half_panels(const float *x, const unsigned short *h, float *y, const long ahead, const int R,
-                               const int P, const int U, long N, long K, long p) {
-    /* P panels (8 outputs each) from panel p on, R rows: each row's broadcast shared by the P panels; the copy
-       prefetched `ahead` columns on */
-    __m256 acc[6][2][2];
+/* A screen's approximate product in integers (head_screen.py): y[m, n] = I[m, n] * xs[m] * ws[n] with
+   I = xq[m] . q[n] summed exactly in int32, where
+   - xq[m] is row m of x rounded to `levels` steps of its largest magnitude (int16; xs[m] = that magnitude / levels),
+   - q an int8 N x K copy of the weight (ws[n] its row scales) laid out by panels of 8 outputs and pairs of columns
+     (turned_bytes(): panel p's columns k, k + 1 at q[(p * K + k) * 8], output by output, two bytes each), so the copy
+     is read once, front to back: a quarter of the float32 weight's bytes.
+   levels * 127 * K < 2^31 (checked): no partial sum can overflow. AVX2; N and K multiples of 8. */
+#ifndef BYTE_AHEAD
+#define BYTE_AHEAD 1024 /* byte_panels(): the copy's columns prefetched this far on in the first row group (8 KB, the
+                           float16 copy's reach; 64 columns of it were 1.3x slower) */
+#endif
+static INLINE void byte_panels(const short *xq, const float *xs, const signed char *q, const float *ws, float *y,
+                               const long ahead, const int R, const int P, long N, long K, long p) {
+    __m256i acc[6][2];
     for (int m = 0; m < R; m++)
-        for (int q = 0; q < P; q++)
-            for (int u = 0; u < U; u++) acc[m][q][u] = _mm256_setzero_ps();
-    for (long k = 0; k < K; k += U) {
-        /* non-temporal: the copy (32 MB for the benchmark's head) is read once a step; with T0 it pushed what the
-           step reads next (the host's Python objects) out of the caches: decode steps 1.03x / 1.02x slower at 1 and
-           16 rows (docs/benchmarks.md, "The norm in one C call, the screen's copy past the caches, and forward
-           calls straight") */
-        for (int q = 0; q < P; q++) _mm_prefetch((const char *)(h + ((p + q) * K + k + ahead) * 8), _MM_HINT_NTA);
-        for (int u = 0; u < U; u++) {
-            __m256 wv[2];
-            for (int q = 0; q < P; q++)
-                wv[q] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + ((p + q) * K + k + u) * 8)));
-            for (int m = 0; m < R; m++) {
-                const __m256 v = _mm256_broadcast_ss(x + m * K + k + u);
-                for (int q = 0; q < P; q++) acc[m][q][u] = _mm256_fmadd_ps(v, wv[q], acc[m][q][u]);
-            }
+        for (int u = 0; u < P; u++) acc[m][u] = _mm256_setzero_si256();
+    for (long k = 0; k < K; k += 2) {
+        /* non-temporal: the copy (15.6 MiB for the benchmark's head) is read once a step; with T0 the float16 copy
+           this replaced pushed what the step reads next (the host's Python objects) out of the caches: decode steps
+           1.03x / 1.02x slower at 1 and 16 rows (docs/benchmarks.md, "The norm in one C call, the screen's copy
+           past the caches, and forward calls straight") */
+        for (int u = 0; u < P; u++) _mm_prefetch((const char *)(q + ((p + u) * K + k + ahead) * 8), _MM_HINT_NTA);
+        __m256i wv[2];
+        for (int u = 0; u < P; u++)
+            wv[u] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(q + ((p + u) * K + k) * 8)));
+        for (int m = 0; m < R; m++) {
+            /* columns k, k + 1 of row m in every lane: a broadcast load (its bits, not a float's value) */
+            const __m256i v = _mm256_castps_si256(_mm256_broadcast_ss((const float *)(xq + m * K + k)));
+            for (int u = 0; u < P; u++) acc[m][u] = _mm256_add_epi32(acc[m][u], _mm256_madd_epi16(v, wv[u]));
         }
     }
-    for (int m = 0; m < R; m++)
-        for (int q = 0; q < P; q++) {
-            __m256 out = acc[m][q][0];
-            for (int u = 1; u < U; u++) out = _mm256_add_ps(out, acc[m][q][u]);
-            _mm256_storeu_ps(y + m * N + (p + q) * 8, out);
+    for (int m = 0; m < R; m++) {
+        const __m256 row = _mm256_set1_ps(xs[m]);
+        for (int u = 0; u < P; u++) {
+            const __m256 scale = _mm256_mul_ps(row, _mm256_loadu_ps(ws + (p + u) * 8));
+            _mm256_storeu_ps(y + m * N + (p + u) * 8, _mm256_mul_ps(_mm256_cvtepi32_ps(acc[m][u]), scale));
         }
+    }
 }
 
 /* panels p..p+P-1 (P = 1 or 2) for all M rows: up to 6 rows at once, in groups of 4 past that (the panels stay in
-   the cache from one group to the next); two chains a row where that leaves room in the registers */
-#define HALF_CASES(P)                                                                 \
+   the cache from one group to the next) */
+#define BYTE_CASES(P)                                                                 \
     switch (R) {                                                                      \
-    case 1: half_panels(xs, h, ys, ahead, 1, P, 2, N, K, p); break;                   \
-    case 2: half_panels(xs, h, ys, ahead, 2, P, 2, N, K, p); break;                   \
-    case 3: half_panels(xs, h, ys, ahead, 3, P, (P) == 1 ? 2 : 1, N, K, p); break;    \
-    case 4: half_panels(xs, h, ys, ahead, 4, P, (P) == 1 ? 2 : 1, N, K, p); break;    \
-    case 5: half_panels(xs, h, ys, ahead, 5, P, (P) == 1 ? 2 : 1, N, K, p); break;    \
-    default: half_panels(xs, h, ys, ahead, 6, P, (P) == 1 ? 2 : 1, N, K, p); break;   \
+    case 1: byte_panels(xq, xs, q, ws, ys, ahead, 1, P, N, K, p); break;              \
+    case 2: byte_panels(xq, xs, q, ws, ys, ahead, 2, P, N, K, p); break;              \
+    case 3: byte_panels(xq, xs, q, ws, ys, ahead, 3, P, N, K, p); break;              \
+    case 4: byte_panels(xq, xs, q, ws, ys, ahead, 4, P, N, K, p); break;              \
+    case 5: byte_panels(xq, xs, q, ws, ys, ahead, 5, P, N, K, p); break;              \
+    default: byte_panels(xq, xs, q, ws, ys, ahead, 6, P, N, K, p); break;             \
     }
-static void half_rows(const float *x, const unsigned short *h, float *y, long M, long N, long K, long p, int P) {
+static void byte_rows(const short *x, const float *s, const signed char *q, const float *ws, float *y, long M, long N,
+                      long K, long p, int P) {
     const long group = M <= 6 ? M : 4;
     for (long m0 = 0; m0 < M; m0 += group) {
-        const float *xs = x + m0 * K;
+        const short *xq = x + m0 * K;
+        const float *xs = s + m0;
         float *ys = y + m0 * N;
         /* the first group streams the copy from memory; the later ones read the panels it left in L1 (a longer
-           reach there only crowds them: 1.03x slower at 64 rows) */
-        const long ahead = m0 == 0 ? HALF_AHEAD : 64;
+           reach there only crowds them: 1.03x slower at 64 rows with the float16 copy) */
+        const long ahead = m0 == 0 ? BYTE_AHEAD : 128;
         const int R = M - m0 < group ? (int)(M - m0) : (int)group;
         if (P == 2) {
-            HALF_CASES(2)
+            BYTE_CASES(2)
         } else {
-            HALF_CASES(1)
+            BYTE_CASES(1)
         }
     }
 }
 
-int half_linear(const float *x, const unsigned short *h, float *y, long M, long N, long K, int threads) {
-    if (M < 1 || N < 8 || K < 8 || N % 8 || K % 8 || threads < 1) return -1;
+/* rows m of x rounded to int16 steps of xs[m] = max |x[m]| / levels (the row's x / xs rounded to the nearest
+   integer, within +-levels); 0 for a row of zeros */
+static void byte_quantize(const float *x, short *xq, float *xs, long m, long K, int levels) {
+    float largest = 0.0f;
+    for (long k = 0; k < K; k++) {
+        const float a = fabsf(x[m * K + k]);
+        largest = a > largest ? a : largest;
+    }
+    const float inverse = largest > 0.0f ? (float)levels / largest : 0.0f;
+    xs[m] = largest / (float)levels;
+    for (long k = 0; k < K; k++) {
+        float t = nearbyintf(x[m * K + k] * inverse);
+        t = t > (float)levels ? (float)levels : (t < -(float)levels ? -(float)levels : t);
+        xq[m * K + k] = (short)t;
+    }
+}
+
+int byte_linear(const float *x, const signed char *q, const float *ws, float *y, long M, long N, long K, int levels,
+                int threads) {
+    if (M < 1 || N < 8 || K < 8 || N % 8 || K % 8 || threads < 1 || levels < 1 || levels > 32767 ||
+        (double)levels * 127.0 * (double)K >= 2147483648.0)
+        return -1;
+    for (long i = 0; i < M * K; i++)
+        if (!isfinite(x[i])) return -1;
+    short *xq = aligned_alloc(32, (size_t)((M * K * 2 + 31) / 32 * 32));
+    float *xs = malloc(sizeof(float) * (size_t)M);
+    if (!xq || !xs) {
+        free(xq);
+        free(xs);
+        return -2;
+    }
     const long panels = N / 8, pairs = panels / 2;
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (long q = 0; q < pairs + panels % 2; q++) half_rows(x, h, y, M, N, K, 2 * q, q < pairs ? 2 : 1);
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(static)
+        for (long m = 0; m < M; m++) byte_quantize(x, xq, xs, m, K, levels);
+#pragma omp for schedule(static)
+        for (long u = 0; u < pairs + panels % 2; u++) byte_rows(xq, xs, q, ws, y, M, N, K, 2 * u, u < pairs ? 2 : 1);
+    }
+    free(xq);
+    free(xs);
     return 0;
 }

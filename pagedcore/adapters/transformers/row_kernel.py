@@ -20,8 +20,7 @@ other ways (:class:`~.row_split.RowSplit` owns that choice and the timing).
 
 Built at first use (:func:`load`) with the system's C compiler into a private temporary folder, loaded, and the file
 removed (nothing is read from a folder another user could write). None where it cannot serve: not Linux on x86-64,
-a CPU without AVX2 and FMA (torch's own CPU check) or F16C (the screen's float16 product: ``/proc/cpuinfo``), no C
-compiler, a failed build, or ``PAGEDCORE_ROW_KERNEL=0``.
+a CPU without AVX2 and FMA (torch's own CPU check), no C compiler, a failed build, or ``PAGEDCORE_ROW_KERNEL=0``.
 """
 
 from __future__ import annotations
@@ -35,7 +34,7 @@ from typing import NamedTuple
 
 import torch
 
-from pagedcore.c_library import build, can_build_avx2, cpu_flags
+from pagedcore.c_library import build, can_build_avx2
 
 from .graph_ops import graph_op
 
@@ -49,7 +48,7 @@ _SOURCE = Path(__file__).with_name("row_kernel.c")
 # signatures were written for (a package upgraded in place in between once handed it other arguments: stop 57's run).
 _SOURCE_TEXT = _SOURCE.read_text() if _SOURCE.is_file() else None
 # -ffp-contract=off: the compiler fuses no multiply and add the source does not spell (the order is the bits)
-_FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
+_FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 _LOCK = threading.Lock()
 _LOADED: list[RowKernel | None] = []  # the process's kernel once load() ran (None: it cannot serve here)
 
@@ -104,9 +103,9 @@ class RowKernel:
         pointer, size = ctypes.c_void_p, ctypes.c_long
         self._function.argtypes = [pointer, pointer, pointer, pointer, size, size, size, size, size, size, ctypes.c_int]
         self._function.restype = ctypes.c_int
-        self._half = library.half_linear
-        self._half.argtypes = [pointer, pointer, pointer, size, size, size, ctypes.c_int]
-        self._half.restype = ctypes.c_int
+        self._bytes = library.byte_linear
+        self._bytes.argtypes = [pointer, pointer, pointer, pointer, size, size, size, ctypes.c_int, ctypes.c_int]
+        self._bytes.restype = ctypes.c_int
         self._widths: dict[tuple[int, int, bool], int] = {}  # by weight shape and bias: the block width found
 
     @staticmethod
@@ -193,43 +192,65 @@ class RowKernel:
         return PreparedCall(self._function, tuple(x.shape), weight, order, threads)
 
     @staticmethod
-    def turned_half(weight: torch.Tensor) -> torch.Tensor | None:
-        """A float16 copy of a float32 ``weight`` (N, K), laid out for :meth:`half_linear`: by panels of 8 rows,
-        each column by column, so the product reads it front to back; None where N or K is not a multiple of 8.
+    def byte_levels(width: int) -> int:
+        """The integer steps :meth:`byte_linear` rounds each input row to (its largest magnitude is ``levels``
+        steps) at inner dimension ``width``: the most that keeps every int32 sum exact (``levels * 127 * width <
+        2^31``), at most int16's 32767.
 
         Example:
-            >>> RowKernel.turned_half(torch.ones(16, 8)).shape, RowKernel.turned_half(torch.ones(12, 8))
-            (torch.Size([2, 8, 8]), None)
+            >>> RowKernel.byte_levels(512), RowKernel.byte_levels(4096)
+            (32767, 4128)
         """
-        rows, width = weight.shape
-        if not RowKernel.fits_shape(rows, width):
-            return None
-        half = weight.detach().to(torch.float16)
-        return half.view(rows // 8, 8, width).transpose(1, 2).contiguous()
+        return min(32767, (2**31 - 1) // (127 * max(width, 1)))
 
-    def half_linear(self, x: torch.Tensor, turned: torch.Tensor, threads: int) -> torch.Tensor:
-        """``x (rows, K) @ W16.T`` in float32 sums for a copy :meth:`turned_half` made of ``W``, summed in any order
-        (a screen's approximate logits: :mod:`.head_screen`'s bound allows any). Refuses what the C code would
-        misread (a ``ValueError``)."""
-        if turned.dim() != 3:
+    @staticmethod
+    def turned_bytes(q: torch.Tensor) -> torch.Tensor | None:
+        """An int8 copy ``q`` (N, K) of a weight laid out for :meth:`byte_linear`: by panels of 8 rows, each
+        column pair by column pair, so the product reads it front to back; None where N or K is not a multiple of 8.
+
+        Example:
+            >>> q = torch.arange(32, dtype=torch.int8).view(8, 4).repeat(2, 2)
+            >>> turned = RowKernel.turned_bytes(q)
+            >>> turned.shape, turned[0, 1, 0].tolist(), RowKernel.turned_bytes(q[:12])
+            (torch.Size([2, 4, 8, 2]), [2, 3], None)
+        """
+        rows, width = q.shape
+        if q.dtype is not torch.int8 or not RowKernel.fits_shape(rows, width):
+            return None
+        return q.view(rows // 8, 8, width // 2, 2).transpose(1, 2).contiguous()
+
+    def byte_linear(self, x: torch.Tensor, turned: torch.Tensor, scales: torch.Tensor, threads: int) -> torch.Tensor:
+        """``x (rows, K) @ (scales * Q).T`` for the int8 copy ``Q`` that :meth:`turned_bytes` laid out, with each
+        row of ``x`` first rounded to :meth:`byte_levels` integer steps of its largest magnitude (a screen's
+        approximate logits, :mod:`.head_screen`: the sums are exact in int32, then scaled in float32). Refuses what
+        the C code would misread (a ``ValueError``)."""
+        if turned.dim() != 4:
             raise ValueError(f"row kernel: cannot take x {tuple(x.shape)} {x.dtype} with copy {tuple(turned.shape)}")
-        panels, width, eight = turned.shape
+        panels, pairs, eight, two = turned.shape
+        width = 2 * pairs
         if not (
             x.dtype is torch.float32
-            and turned.dtype is torch.float16
-            and eight == 8
+            and turned.dtype is torch.int8
+            and scales.dtype is torch.float32
+            and (eight, two) == (8, 2)
             and x.dim() == 2
             and x.shape[1] == width
+            and scales.shape == (panels * 8,)
             and x.is_contiguous()
             and turned.is_contiguous()
+            and scales.is_contiguous()
             and x.is_cpu
             and turned.is_cpu
+            and scales.is_cpu
         ):
             raise ValueError(f"row kernel: cannot take x {tuple(x.shape)} {x.dtype} with copy {tuple(turned.shape)}")
         out = torch.empty((x.shape[0], panels * 8), dtype=torch.float32)
-        code = self._half(x.data_ptr(), turned.data_ptr(), out.data_ptr(), x.shape[0], panels * 8, width, threads)
+        code = self._bytes(
+            x.data_ptr(), turned.data_ptr(), scales.data_ptr(), out.data_ptr(), x.shape[0], panels * 8, width,
+            self.byte_levels(width), threads,
+        )  # fmt: skip
         if code:
-            raise ValueError(f"row kernel: {x.shape[0]} rows x copy {tuple(turned.shape)}")
+            raise ValueError(f"row kernel: {x.shape[0]} rows x copy {tuple(turned.shape)} (a non-finite input?)")
         return out
 
     def exact_order(
@@ -317,16 +338,13 @@ def load() -> RowKernel | None:
 
 
 def _build() -> RowKernel | None:
-    if not can_build_avx2("PAGEDCORE_ROW_KERNEL") or "f16c" not in _cpu_flags():
+    if not can_build_avx2("PAGEDCORE_ROW_KERNEL"):
         return None
     library = build("row_kernel", _SOURCE_TEXT, _FLAGS)
     if library is None:
         logger.debug("pagedcore: few-row linears keep F.linear and the row split")
         return None
     return RowKernel(library)
-
-
-_cpu_flags = cpu_flags  # a name of this module's: tests stand in another CPU
 
 
 def _kernel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, width: int, lanes_from: int,
