@@ -24,8 +24,9 @@ Exactness first: the tokens are those the sampler would pick from the logits tra
    (:func:`~pagedcore.engine.sampling.greedy_tokens`' reference ops, or the row's failure): the head then computes
    the step's whole logits (its own GEMM), which the model returns as usual.
 
-A third way, where torch has fbgemm's float16-weight GEMM (x86) and the head has no bias: the screen
-(:mod:`.head_screen`) computes approximate logits from half of the head's bytes, keeps the columns whose
+A third way, where the row kernel builds or torch has fbgemm's float16-weight GEMM (x86) and the head has no bias:
+the screen (:mod:`.head_screen`) computes approximate logits from a quarter (the kernel's int8 copy) or half
+(fbgemm's float16 one) of the head's bytes, keeps the columns whose
 approximate logit is within a proven bound of the row's maximum, and computes those columns exactly with ``F.linear``
 on their gathered weight rows; the first maximal one is the token. Per shape (rows, exact columns, threads) the first
 such step also computes the whole GEMM and checks the exact columns' bits and the bound itself (a failed bound turns
@@ -37,16 +38,16 @@ last-level cache, reading them back is cheap and the chunks' smaller GEMMs can l
 choice inside the head"); the screen wins where the head's weight read dominates (few rows). So each power-of-two
 bucket of row counts (per thread count) is measured in the Engine's own steps: its first :data:`TRIALS` steps each
 way, in turn, take their tokens by the chunks, by the whole GEMM and one argmax pass over it (what the logits path
-costs) or by the screen, timed inside the head (a shape's check step and the screen's float16 copy are not timed); the
-way with the lower median time per row serves the bucket from then on (:attr:`ArgmaxHead.ways`). Every way gives the
-same tokens, so the choice changes only the time.
+costs) or by the screen, timed inside the head (a shape's check step and the making of the screen's copy are not
+timed); the way with the lower median time per row serves the bucket from then on (:attr:`ArgmaxHead.ways`). Every
+way gives the same tokens, so the choice changes only the time.
 
 Only the runner's own forwards take this path (per thread, inside :meth:`ArgmaxHead.step`): ``generate``, an
 ``enable()``d call or a training step on another thread runs the head's plain ``F.linear``. The head is used as it is
 at each call (its weight after an optimizer step too): nothing is cached but the answers of the checks, which depend
-on the model's code and the GEMM's shapes, not on the weights' values, and the screen's float16 copy, remade when the
-weight changes. Installed only on a plain float32 ``nn.Linear`` head on the CPU whose ``forward`` nobody replaced
-(prepacked linears take the head first: then not).
+on the model's code and the GEMM's shapes, not on the weights' values, and the screen's low-precision copy, remade
+when the weight changes. Installed only on a plain float32 ``nn.Linear`` head on the CPU whose ``forward`` nobody
+replaced (prepacked linears take the head first: then not).
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ CHUNK_BYTES = 512 << 10  # one chunk's logits: about an L2 cache's worth (script
 MIN_COLUMNS, MAX_COLUMNS = 512, 4096
 MIN_ROWS = 2  # one row: the whole head is a matrix-vector product, faster than its chunks (lm_head_greedy_bench.py)
 TRIALS = 3  # steps each way before a bucket of row counts keeps the faster (module docstring)
-WAYS = ("chunks", "whole", "screen")  # the screen: where fbgemm's float16 GEMM exists (head_screen)
+WAYS = ("chunks", "whole", "screen")  # the screen: where the row kernel or fbgemm's float16 GEMM exists (head_screen)
 _clock = time.perf_counter  # the trials' clock (a test drives its own)
 
 
@@ -154,14 +155,14 @@ class ArgmaxHead:
         screens = module.bias is None and (kernel is not None or head_screen.available())
         if way == "screen" and not screens:
             raise ValueError(
-                "way='screen' needs a float16 GEMM (the row kernel, or fbgemm's: torch's x86 CPU build) and a head "
-                "without bias"
+                "way='screen' needs a low-precision product (the row kernel's, or fbgemm's: torch's x86 CPU build) and "
+                "a head without bias"
             )
         self._module = module
         self._screen = head_screen.HeadScreen(kernel) if screens else None
         self._screen_shapes: dict[tuple[int, int, int], bool] = {}  # (rows, columns, threads): bits and bound hold
         self._ways_here = WAYS if screens else WAYS[:2]
-        self._min_rows = 1 if screens else MIN_ROWS  # one row: the screen reads half of the GEMV's bytes
+        self._min_rows = 1 if screens else MIN_ROWS  # one row: the screen reads a quarter or half of the GEMV's bytes
         self._plain: bool | None = None  # the model returns the head's output untouched (check 1)
         self._exact: dict[tuple[int, int], bool] = {}  # (rows, threads): the chunks' bits are the whole GEMM's
         self._way = way  # "auto": each bucket's measured faster way; else that way always
@@ -234,7 +235,7 @@ class ArgmaxHead:
         call.way = self._next_way(bucket)
         timed = True
         if call.way == "screen":
-            self._screen_ready()  # the float16 copy (re)made outside the timing, once per weights
+            self._screen_ready()  # the screen's copy (re)made outside the timing, once per weights
         start = _clock()
         if call.way == "whole":
             out = self._linear(x)
@@ -307,7 +308,7 @@ class ArgmaxHead:
 
     # ------------------------------------------------------------------ the screen
     def _screen_ready(self) -> None:
-        """Make the screen's float16 copy of the head's weight now if it is missing or stale (not in a timed trial)."""
+        """Make the screen's copy of the head's weight now if it is missing or stale (not in a timed trial)."""
         if self._screen is not None:
             self._screen.prepare(self._module.weight)
 
