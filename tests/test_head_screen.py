@@ -94,6 +94,27 @@ def test_the_bound_counts_the_int8_products_rounding_of_the_input():
     assert (apart <= step.bound).all() and (apart > without).all()
 
 
+def test_scales_below_float32s_normal_range_are_not_screened():
+    """The int8 product scales each sum by a row's step times a weight row's scale: where either (or the product)
+    would fall below float32's normal range, a CPU that flushes such values would compute zeros outside the bound,
+    so the step or the weight is left to the caller; and the kernel is never handed such a row."""
+    kernel = row_kernel.load()
+    if kernel is None:
+        pytest.skip("no row kernel on this machine (no C compiler or no AVX2)")
+    weight, x = torch.randn(1000, 64), torch.randn(3, 64)
+    screen = HeadScreen(kernel)
+    assert screen.screen(x, weight) is not None
+    tiny = x.clone()
+    tiny[1] *= 1e-35  # a row whose step (largest / 32767) is subnormal
+    assert screen.screen(tiny, weight) is None
+    small = x.clone()
+    small[2] *= 1e-32  # its step is normal; times the smallest weight row scale (about 0.02) it is not
+    assert screen.screen(small, weight) is None
+    faint = weight.clone()
+    faint[7] *= 1e-37  # a weight row whose scale is subnormal: no int8 copy
+    assert screen.screen(x, faint) is None
+
+
 def test_what_cannot_be_screened_is_left_to_the_caller(product):
     screen = HeadScreen(product)
     x = torch.randn(2, 64)

@@ -326,6 +326,12 @@ def test_what_the_byte_product_would_misread_is_refused():
     x[1, 4] = float("inf")
     with pytest.raises(ValueError, match="non-finite"):
         KERNEL.byte_linear(x, turned, scales, 1)
+    x = torch.randn(2, 32)
+    x[1] *= 1e-34  # its step, largest / 32767, below float32's normal range
+    with pytest.raises(ValueError, match="normal range"):
+        KERNEL.byte_linear(x, turned, scales, 1)
+    x[1] = 0.0  # a row of zeros: step zero, products zero
+    assert torch.equal(KERNEL.byte_linear(x, turned, scales, 1)[1], torch.zeros(16))
 
 
 @needs_kernel

@@ -33,7 +33,8 @@ Exactness: the tokens are the argmax of the head's own ``F.linear`` over the ste
    for each shape before it trusts them, together with the bound itself (every approximate logit within ``B_r`` of
    the whole GEMM's); the first maximal candidate of each row is its token.
 
-A step whose input or candidates are not finite, whose weight is not finite (in float16, for its copy), or whose
+A step whose input or candidates are not finite, whose weight is not finite (in float16, for its copy), whose int8
+product's scales would leave float32's normal range (a CPU that flushes such values would compute zeros), or whose
 candidates would be a large share of the vocabulary (:data:`MAX_SHARE`) is not screened (None: the caller takes the
 argmax another way). The copy is made from the weight as it is and made again when the weight changes (same tensor,
 version counter and data pointer: :class:`~.prepacked.WeightStamp`, as the prepacked linears check), so a training
@@ -58,6 +59,7 @@ __all__ = ["COLUMNS", "MAX_SHARE", "HeadScreen", "Screened", "available"]
 COLUMNS = 256  # the exact columns come in multiples of this many: few GEMM shapes to check
 MAX_SHARE = 0.25  # candidates beyond this share of the vocabulary: the screen saves too little, not used
 _SMALLEST = 2.0**-14  # float16's smallest normal value: smaller weights are zero in the copy (module docstring)
+_NORMAL = 2.0**-125  # twice float32's smallest normal value: the int8 product's scales stay above it (with room)
 logger = logging.getLogger(__name__)
 _ENGINE = "fbgemm"  # the quantized engine whose float16 GEMM the screen runs
 _PACKING = threading.Lock()  # the engine is a process-wide setting: set only around a prepack, one at a time
@@ -96,7 +98,7 @@ class Screened:
 
 @dataclass
 class _Copy:
-    """The float16 copy of a weight and what it was made from."""
+    """The low-precision copy of a weight and what it was made from."""
 
     stamp: WeightStamp
     packed: object | None  # None: this weight cannot be screened (not finite in float16, or the packing failed)
@@ -105,6 +107,7 @@ class _Copy:
     turned: bool = False  # packed is the kernel's int8 copy and its row scales (RowKernel.turned_bytes), not fbgemm's
     spread: float = 0.0  # max_n ||Q_n||_2 where the kernel rounds the input rows (the int8 copy), else 0
     levels: int = 1  # the integer steps the kernel rounds each input row to (RowKernel.byte_levels)
+    finest: float = 0.0  # the int8 copy's smallest nonzero row scale (the step's scale products must stay normal)
 
 
 class HeadScreen:
@@ -135,10 +138,13 @@ class HeadScreen:
         wide = x.detach().numpy().astype(np.float64)  # numpy: a few small torch ops cost more right after a forward
         size = np.abs(wide)
         l2, l1 = np.sqrt((wide * wide).sum(axis=1)), size.sum(axis=1)
-        rounded = np.sqrt(k) * size.max(axis=1) / copy.levels * copy.spread if copy.spread else 0.0  # (int8 copy)
+        step = size.max(axis=1) / copy.levels  # each row's int16 step where the int8 copy is used
+        rounded = np.sqrt(k) * step * copy.spread if copy.turned else 0.0
         bound = (l2 * copy.apart + rounded + (k + 8) * 2.0**-23 * l1 * copy.largest) * (1.0 + 1e-6)  # rounded up
         if not np.isfinite(bound).all():  # a NaN or an infinity in the input
             return None
+        if copy.turned and not ((step == 0) | ((step >= _NORMAL) & (step * copy.finest >= _NORMAL))).all():
+            return None  # a row so small that its scale times a weight row's would leave float32's normal range
         if copy.turned:
             assert self._kernel is not None and isinstance(copy.packed, tuple)
             turned, scales = copy.packed
@@ -213,6 +219,10 @@ def _in_bytes(weight: torch.Tensor, stamp: WeightStamp) -> _Copy:
         if not bool(torch.isfinite(weight).all()):
             return _Copy(stamp, None, 0.0, 0.0)
         scales = (weight.abs().amax(dim=1) / 127).contiguous()  # float32: what the kernel multiplies by
+        used = scales[scales > 0]
+        finest = float(used.min()) if used.numel() else 1.0
+        if finest < _NORMAL:  # a row below float32's normal range: a CPU that flushes it would compute zeros
+            return _Copy(stamp, None, 0.0, 0.0)
         steps = torch.where(scales[:, None] > 0, weight / scales.clamp_min(torch.finfo(torch.float32).tiny)[:, None], 0)
         q = steps.round().clamp(-127, 127).to(torch.int8)
         values = scales.double()[:, None] * q.double()  # exact: a float32 times an integer of 7 bits
@@ -220,7 +230,7 @@ def _in_bytes(weight: torch.Tensor, stamp: WeightStamp) -> _Copy:
         spread = float(values.norm(dim=1).max())
         turned = RowKernel.turned_bytes(q)
         levels = RowKernel.byte_levels(weight.shape[1])
-    return _Copy(stamp, (turned, scales), apart, float(weight.abs().max()), True, spread, levels)
+    return _Copy(stamp, (turned, scales), apart, float(weight.abs().max()), True, spread, levels, finest)
 
 
 def _padded(candidates: np.ndarray, count: int, vocab: int) -> np.ndarray:

@@ -8,6 +8,7 @@
    AVX2 + FMA; N, K and kc multiples of 8 (kc unused where lanes_from is 0); x, w, bias and y contiguous.
    Also the head screen's int8 product (byte_linear(), at the end). */
 #include <immintrin.h>
+#include <float.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -442,7 +443,7 @@ static void byte_quantize(const float *x, short *xq, float *xs, long m, long K, 
         const float a = fabsf(x[m * K + k]);
         largest = a > largest ? a : largest;
     }
-    const float inverse = largest > 0.0f ? (float)levels / largest : 0.0f;
+    const float inverse = largest > 0.0f ? (float)levels / largest : 0.0f;  /* largest / levels is normal: checked */
     xs[m] = largest / (float)levels;
     for (long k = 0; k < K; k++) {
         float t = nearbyintf(x[m * K + k] * inverse);
@@ -456,8 +457,14 @@ int byte_linear(const float *x, const signed char *q, const float *ws, float *y,
     if (M < 1 || N < 8 || K < 8 || N % 8 || K % 8 || threads < 1 || levels < 1 || levels > 32767 ||
         (double)levels * 127.0 * (double)K >= 2147483648.0)
         return -1;
-    for (long i = 0; i < M * K; i++)
-        if (!isfinite(x[i])) return -1;
+    for (long m = 0; m < M; m++) {  /* finite, and each row's step (largest / levels) zero or a normal float */
+        float largest = 0.0f;
+        for (long k = 0; k < K; k++) {
+            if (!isfinite(x[m * K + k])) return -1;
+            largest = fabsf(x[m * K + k]) > largest ? fabsf(x[m * K + k]) : largest;
+        }
+        if (largest > 0.0f && largest < FLT_MIN * (float)levels) return -1;
+    }
     short *xq = aligned_alloc(32, (size_t)((M * K * 2 + 31) / 32 * 32));
     float *xs = malloc(sizeof(float) * (size_t)M);
     if (!xq || !xs) {

@@ -217,13 +217,14 @@ class RowKernel:
         rows, width = q.shape
         if q.dtype is not torch.int8 or not RowKernel.fits_shape(rows, width):
             return None
-        return q.view(rows // 8, 8, width // 2, 2).transpose(1, 2).contiguous()
+        return q.reshape(rows // 8, 8, width // 2, 2).transpose(1, 2).contiguous()
 
     def byte_linear(self, x: torch.Tensor, turned: torch.Tensor, scales: torch.Tensor, threads: int) -> torch.Tensor:
         """``x (rows, K) @ (scales * Q).T`` for the int8 copy ``Q`` that :meth:`turned_bytes` laid out, with each
         row of ``x`` first rounded to :meth:`byte_levels` integer steps of its largest magnitude (a screen's
         approximate logits, :mod:`.head_screen`: the sums are exact in int32, then scaled in float32). Refuses what
-        the C code would misread (a ``ValueError``)."""
+        the C code would misread, a non-finite input and a row whose step (largest magnitude / levels) is below
+        float32's normal range (a ``ValueError``)."""
         if turned.dim() != 4:
             raise ValueError(f"row kernel: cannot take x {tuple(x.shape)} {x.dtype} with copy {tuple(turned.shape)}")
         panels, pairs, eight, two = turned.shape
@@ -250,7 +251,10 @@ class RowKernel:
             self.byte_levels(width), threads,
         )  # fmt: skip
         if code:
-            raise ValueError(f"row kernel: {x.shape[0]} rows x copy {tuple(turned.shape)} (a non-finite input?)")
+            raise ValueError(
+                f"row kernel: {x.shape[0]} rows x copy {tuple(turned.shape)} (a non-finite input, or a row whose step "
+                "is below float32's normal range?)"
+            )
         return out
 
     def exact_order(
