@@ -1,4 +1,4 @@
-"""The half-precision screen of the LM head (pagedcore/adapters/transformers/head_screen.py): the greedy tokens are
+"""The low-precision screen of the LM head (pagedcore/adapters/transformers/head_screen.py): the greedy tokens are
 the argmax of the head's own F.linear, bit for bit, whatever the rows, outliers, ties or weights; the bound it relies
 on holds; and where a check fails (a bound, the exact columns' bits) the Engine still answers generate's tokens."""
 
@@ -23,7 +23,7 @@ pytestmark = [
 
 @pytest.fixture(params=["fbgemm", "kernel"])
 def product(request):
-    """The screen's float16 GEMM: fbgemm's, or the row kernel's (row_kernel.RowKernel.half_linear)."""
+    """The screen's approximate product: fbgemm's float16 GEMM, or the row kernel's int8 one (RowKernel.byte_linear)."""
     if request.param == "fbgemm":
         return None
     kernel = row_kernel.load()
