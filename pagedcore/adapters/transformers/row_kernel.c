@@ -435,14 +435,10 @@ static void byte_rows(const short *x, const float *s, const signed char *q, cons
     }
 }
 
-/* rows m of x rounded to int16 steps of xs[m] = max |x[m]| / levels (the row's x / xs rounded to the nearest
-   integer, within +-levels); 0 for a row of zeros */
+/* row m of x rounded to int16 steps of largest / levels (the row's x / step rounded to the nearest integer, within
+   +-levels; 0 for a row of zeros): xs[m] holds the row's largest magnitude (byte_linear()'s check) and then its step */
 static void byte_quantize(const float *x, short *xq, float *xs, long m, long K, int levels) {
-    float largest = 0.0f;
-    for (long k = 0; k < K; k++) {
-        const float a = fabsf(x[m * K + k]);
-        largest = a > largest ? a : largest;
-    }
+    const float largest = xs[m];
     const float inverse = largest > 0.0f ? (float)levels / largest : 0.0f;  /* largest / levels is normal: checked */
     xs[m] = largest / (float)levels;
     for (long k = 0; k < K; k++) {
@@ -457,20 +453,22 @@ int byte_linear(const float *x, const signed char *q, const float *ws, float *y,
     if (M < 1 || N < 8 || K < 8 || N % 8 || K % 8 || threads < 1 || levels < 1 || levels > 32767 ||
         (double)levels * 127.0 * (double)K >= 2147483648.0)
         return -1;
-    for (long m = 0; m < M; m++) {  /* finite, and each row's step (largest / levels) zero or a normal float */
-        float largest = 0.0f;
-        for (long k = 0; k < K; k++) {
-            if (!isfinite(x[m * K + k])) return -1;
-            largest = fabsf(x[m * K + k]) > largest ? fabsf(x[m * K + k]) : largest;
-        }
-        if (largest > 0.0f && largest < FLT_MIN * (float)levels) return -1;
-    }
     short *xq = aligned_alloc(32, (size_t)((M * K * 2 + 31) / 32 * 32));
     float *xs = malloc(sizeof(float) * (size_t)M);
-    if (!xq || !xs) {
+    int code = !xq || !xs ? -2 : 0;
+    for (long m = 0; m < M && !code; m++) {  /* finite, and each row's step (largest / levels) zero or a normal float */
+        float a = 0.0f;
+        for (long k = 0; k < K && !code; k++) {
+            if (!isfinite(x[m * K + k])) code = -1;
+            a = fabsf(x[m * K + k]) > a ? fabsf(x[m * K + k]) : a;
+        }
+        if (a > 0.0f && a < FLT_MIN * (float)levels) code = -1;
+        xs[m] = a;
+    }
+    if (code) {
         free(xq);
         free(xs);
-        return -2;
+        return code;
     }
     const long panels = N / 8, pairs = panels / 2;
 #pragma omp parallel num_threads(threads)
