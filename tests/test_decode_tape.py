@@ -164,6 +164,28 @@ def test_a_weight_read_another_way_at_the_same_address_no_longer_holds(two_threa
 
 
 @needs_tape
+def test_another_thread_count_or_a_dispatch_mode_no_longer_holds(two_threads, kernel_wins):
+    """Each linear's route serves the thread count it was made for, and no dispatch mode may record the ops: the tape
+    checks both once for all its linears (``_calls_hold``), each linear only its weights. At another thread count the
+    tape does not hold; back at its own it does; steps at another count give stock tokens."""
+    model = model_of("llama", 47)
+    with Engine(model, num_blocks=256, block_size=4, max_num_seqs=1) as engine:
+        engine.generate([[3, 4, 5, 6, 7]], GREEDY, use_tqdm=False)
+        tape = next(tape for tape in tapes_of(engine)._tapes.values() if tape is not None)
+        assert tape.threads == 2 and tape_module._calls_hold(tape)
+        assert all(linear.holds() for linear in tape.linears)  # the weights' part alone
+        torch.set_num_threads(1)
+        assert not tape_module._calls_hold(tape)
+        torch.set_num_threads(2)
+        assert tape_module._calls_hold(tape)
+        with torch.utils._python_dispatch.TorchDispatchMode():  # e.g. a FLOP counter recording the ops
+            assert not tape_module._calls_hold(tape)
+        torch.set_num_threads(1)  # steps at one thread: the tape dropped, the layers' routes made again
+        prompts = workload(47, 1)
+        assert_stock(mirror(model), prompts, engine.generate(prompts, GREEDY, use_tqdm=False))
+
+
+@needs_tape
 def test_a_hooked_linear_is_called_as_a_module_and_the_tape_waits(two_threads, kernel_wins):
     model = model_of("llama", 51)
     prompts = workload(51, 3)

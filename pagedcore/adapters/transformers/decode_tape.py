@@ -192,9 +192,10 @@ class _Linear:
         self.pointers = (weight.data_ptr(), 0 if bias is None else bias.data_ptr())
 
     def holds(self) -> bool:
-        """:meth:`.linear_routes.Route.serves` of the tape's input (the same weight tensors, float32, contiguous, of
-        their shapes, the thread count, no dispatch mode) at the tape's addresses, the layer's route unmoved, its
-        forward the runner's and unhooked."""
+        """:meth:`.linear_routes.Route.serves` of the tape's input: its weights' part here (the same weight tensors,
+        float32, contiguous, of their shapes) at the tape's addresses, the layer's route unmoved, its forward the
+        runner's and unhooked; the rest once for the tape (:func:`_calls_hold`: the thread count, no dispatch mode;
+        the input is the tape's own buffer, checked when it was written)."""
         module = self.module
         if module.__dict__.get("forward") is not self.forward or module._compiled_call_impl is not None:  # noqa: SLF001
             return False
@@ -207,7 +208,7 @@ class _Linear:
         parameters = module._parameters  # noqa: SLF001 (module.weight's own lookup, without __getattr__)
         weight: torch.Tensor | None = parameters.get("weight")
         bias: torch.Tensor | None = parameters.get("bias")
-        if weight is None or not self.check.serves(self.source, weight, bias):
+        if weight is None or not self.check.holds_weights(weight, bias):  # the input, threads, modes: _calls_hold
             return False
         return (weight.data_ptr(), 0 if bias is None else bias.data_ptr()) == self.pointers  # the tape's addresses
 
@@ -439,8 +440,8 @@ def _calls_hold(tape: _Tape) -> bool:
     activation still of its class and unhooked (``DirectLayers.serves`` checks the bypassed modules each step),
     every norm's and linear's weight the tape's (the same tensor and data), every linear's route the tape's and
     still serving it, no dispatch mode recording the ops."""
-    if torch._C._len_torch_dispatch_stack():  # noqa: SLF001
-        return False
+    if torch._C._len_torch_dispatch_stack() or torch.get_num_threads() != tape.threads:  # noqa: SLF001
+        return False  # (each route serves the thread count it was made for, the tape's: checked when written)
     module: Any
     for module, cls in tape.plain:
         if type(module) is not cls or module._forward_hooks or module._forward_pre_hooks:  # noqa: SLF001

@@ -61,18 +61,26 @@ class Route:
         """Whether this route computes ``F.linear(x, weight, bias)`` for an input of its shape (the caller looked
         the route up by ``x.shape``)."""
         return (
-            self._weight() is weight
-            and (bias is None if self._bias is None else bias is not None and self._bias() is bias)
+            self.holds_weights(weight, bias)
             and x.dtype is torch.float32
             and x.is_cpu
             and x.is_contiguous()
+            and torch.get_num_threads() == self._threads
+            and not torch._C._len_torch_dispatch_stack()  # noqa: SLF001 (a mode records the ops: the op form for it)
+        )
+
+    def holds_weights(self, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+        """The weights' part of :meth:`serves`: ``weight`` and ``bias`` are the tensors the route was made for,
+        float32, contiguous, of their shapes. For a caller that checks the rest once for all its routes (the decode
+        tape: its inputs are its own buffers, the thread count and the dispatch modes are the step's)."""
+        return (
+            self._weight() is weight
+            and (bias is None if self._bias is None else bias is not None and self._bias() is bias)
             and weight.dtype is torch.float32
             and weight.is_contiguous()
             and weight.shape == self._weight_shape
             and (bias is None or (bias.shape == self._bias_shape and bias.is_contiguous()))
             and (bias is None or bias.dtype is torch.float32)
-            and torch.get_num_threads() == self._threads
-            and not torch._C._len_torch_dispatch_stack()  # noqa: SLF001 (a mode records the ops: the op form for it)
         )
 
     def made_for(self, weight: torch.Tensor) -> bool:
@@ -105,6 +113,9 @@ class _Fixed(Route):
         self._call = None
 
     def serves(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+        return False
+
+    def holds_weights(self, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
         return False
 
     def made_for(self, weight: torch.Tensor) -> bool:
