@@ -254,7 +254,9 @@ class _Tape:
         self.windows: dict[int, int | None] = {}  # group -> the window its layers hand the attention
         self.patches: list[tuple[int, int, str, int]] = []
         self.head_dim = self.groups_per_kv = 0
-        self.where = np.zeros(0, dtype=np.int64)
+        self.where = np.zeros(0, dtype=np.int64)  # each patch's element of the flat tape
+        self.keys: list[tuple[str, int]] = []  # the distinct (what, group) the patches take, each step's values
+        self.key_of = np.zeros(0, dtype=np.int64)  # per patch: its key's index (a layer's patches repeat the keys)
         self.tape = np.zeros((0, RECORD), dtype=np.int64)
         self.keep: dict[Any, Any] = {}  # this step's tensors the tape points into
         self.verified = False
@@ -273,6 +275,10 @@ class _Tape:
     def finish(self) -> _Tape:
         self.tape = np.array(self.records, dtype=np.int64)
         self.where = np.array([r * RECORD + s for r, s, _, _ in self.patches], dtype=np.int64)
+        index: dict[tuple[str, int], int] = {}
+        self.key_of = np.array([index.setdefault((what, group), len(index)) for _, _, what, group in self.patches],
+                               dtype=np.int64)  # fmt: skip
+        self.keys = list(index)
         return self
 
 
@@ -431,7 +437,8 @@ class Tapes:
         scratch = torch.empty(tape.threads * tape.groups_per_kv * longest, dtype=torch.float32)
         tape.keep["scratch"] = scratch
         found[("scratch", 0)] = scratch.data_ptr()
-        tape.tape.reshape(-1)[tape.where] = [found[(what, group)] for _, _, what, group in tape.patches]
+        values = np.array([found[key] for key in tape.keys], dtype=np.int64)
+        tape.tape.reshape(-1)[tape.where] = values[tape.key_of]
         return True
 
 
