@@ -29,6 +29,12 @@ model's vocabulary (the step's host work as with the model, in a fraction of the
 and the caches it evicts); ``none`` returns the 8 logits and streams nothing (every object the host touches stays
 in the caches). The tokens are then the fake logits' argmax: only the host's work is measured.
 
+``--checks`` (with the model) also times, per step, what the runner and the direct layers check of the model before
+its forward computes, in place (the caches as the previous forward left them): the decode tape's module and
+weight checks (``decode_tape._calls_hold``) and its pointer patching (``Tapes._patch``), the dropout check
+(``generate_call.draws_dropout``), the direct layers' (``DirectLayers.serves``) and the weights watch
+(``runner.check_weights``); ms per step, medians (0 where a piece did not run).
+
 ``--tokenizer`` gives the Engine a byte-level BPE tokenizer of the model's vocabulary
 (:func:`~pagedcore.benchmarks.common.bench_tokenizer`): every running sequence's text is then decoded token by token,
 as a served request's is (without one there is no text to decode).
@@ -50,7 +56,8 @@ from typing import Any
 import torch
 
 import pagedcore
-from pagedcore.adapters.transformers import Engine, SamplingParams
+from pagedcore.adapters.transformers import Engine, SamplingParams, decode_tape
+from pagedcore.adapters.transformers import runner as runner_module
 from pagedcore.benchmarks.common import BLOCK_SIZE, bench_model, bench_tokenizer
 from pagedcore.benchmarks.steps import forward_edges
 
@@ -62,12 +69,49 @@ FORWARDS = ("model", "stream", "stream-small", "none")
 STREAMED_BYTES = 64 << 20
 
 
+CHECKS = ("hold", "patch", "dropout", "serves", "weights")
+
+
+def _timing_checks(engine: Engine) -> dict[str, float]:
+    """Wraps each of :data:`CHECKS` (module docstring, ``--checks``) to add its seconds to the returned dict (after
+    the first decode steps: the tapes are made by then)."""
+    spent = dict.fromkeys(CHECKS, 0.0)
+
+    def timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[name] += time.perf_counter() - started
+
+        return call
+
+    runner, direct = engine.runner, engine.runner._direct  # noqa: SLF001
+    decode_tape._calls_hold = timed("hold", decode_tape._calls_hold)  # type: ignore[assignment]  # noqa: SLF001
+    runner_module.draws_dropout = timed("dropout", runner_module.draws_dropout)  # type: ignore[assignment]
+    runner.check_weights = timed("weights", runner.check_weights)  # type: ignore[method-assign]
+    if direct is not None:
+        direct.serves = timed("serves", direct.serves)  # type: ignore[method-assign]
+        if isinstance(direct.tapes, decode_tape.Tapes):
+            direct.tapes._patch = timed("patch", direct.tapes._patch)  # type: ignore[method-assign]  # noqa: SLF001
+    return spent
+
+
 def measure(
-    size: str, rows: int, steps: int, seed: int = 0, forward: str = "model", tokenizer: bool = False, context: int = 512
+    size: str,
+    rows: int,
+    steps: int,
+    seed: int = 0,
+    forward: str = "model",
+    tokenizer: bool = False,
+    context: int = 512,
+    checks: bool = False,
 ) -> dict[str, float]:
     """Median ms per decode step of each host stage, their sum, the host CPU time (step CPU less forward CPU) and the
     whole step's wall time;
-    ``forward`` is one of :data:`FORWARDS`, ``tokenizer`` decodes the texts (module docstring)."""
+    ``forward`` is one of :data:`FORWARDS`, ``tokenizer`` decodes the texts, ``checks`` times :data:`CHECKS` (module
+    docstring)."""
     if forward not in FORWARDS:
         raise ValueError(f"forward must be one of {FORWARDS}, got {forward!r}")
     model = bench_model(size=size)
@@ -99,6 +143,8 @@ def measure(
 
     engine.runner.execute = timed  # type: ignore[method-assign]
     per: dict[str, list[float]] = {name: [] for name in (*STAGES, "sum", "cpu-host", "step")}
+    spent = _timing_checks(engine) if checks and forward == "model" else None
+    per.update({name: [] for name in spent or ()})
     stamps: dict[str, float] = {}
     if forward == "model":  # section 8's host time: the previous forward's end to this one's start
         per["host"] = []
@@ -109,6 +155,8 @@ def measure(
     for _ in range(steps):
         ended = stamps.get("end")
         before, forward_cpu[0], cpu = engine.stage_seconds(), 0.0, time.thread_time()
+        if spent is not None:
+            spent.update(dict.fromkeys(spent, 0.0))
         wall = time.perf_counter()
         engine.step()
         wall, cpu, after = time.perf_counter() - wall, time.thread_time() - cpu, engine.stage_seconds()
@@ -119,6 +167,8 @@ def measure(
         per["cpu-host"].append((cpu - forward_cpu[0]) * 1000)
         if ended is not None:
             per["host"].append((stamps["start"] - ended) * 1000)
+        for name, seconds in (spent or {}).items():
+            per[name].append(seconds * 1000)
     engine.close()
     return {name: statistics.median(values) for name, values in per.items()}
 
@@ -169,6 +219,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30, help="decode steps timed")
     parser.add_argument("--forward", choices=FORWARDS, default="model", help="the model, or a stand-in (docstring)")
     parser.add_argument("--tokenizer", action="store_true", help="decode the texts, as a server does (docstring)")
+    parser.add_argument("--checks", action="store_true", help="time the checks before each forward (docstring)")
     parser.add_argument("--where", action="store_true", help="print which pagedcore is imported")
     parser.add_argument("--pair", metavar="BEFORE,AFTER", help="two checkouts at once, one per core (docstring)")
     parser.add_argument("--rounds", type=int, default=4, help="with --pair: rounds, the cores swapped each round")
@@ -177,6 +228,7 @@ def main() -> None:
         passed = ["--size", args.size, "--rows", str(args.rows), "--steps", str(args.steps), "--forward", args.forward]
         passed += ["--context", str(args.context)]
         passed += ["--tokenizer"] if args.tokenizer else []
+        passed += ["--checks"] if args.checks else []
         for r, tree, core, line in pair(args.pair.split(","), args.rounds, passed):
             print(f"round {r} core {core} {tree}: {line.split(': ', 1)[-1]}")
         return
@@ -184,7 +236,13 @@ def main() -> None:
     if args.where:
         print(pagedcore.__file__)
     figures = measure(
-        args.size, args.rows, args.steps, forward=args.forward, tokenizer=args.tokenizer, context=args.context
+        args.size,
+        args.rows,
+        args.steps,
+        forward=args.forward,
+        tokenizer=args.tokenizer,
+        context=args.context,
+        checks=args.checks,
     )
     shown = " ".join(f"{k} {v:.3f}" for k, v in figures.items())
     texts = ", texts decoded" if args.tokenizer else ""

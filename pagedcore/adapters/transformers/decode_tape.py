@@ -437,8 +437,8 @@ class Tapes:
         scratch = torch.empty(tape.threads * tape.groups_per_kv * longest, dtype=torch.float32)
         tape.keep["scratch"] = scratch
         found[("scratch", 0)] = scratch.data_ptr()
-        values = np.array([found[key] for key in tape.keys], dtype=np.int64)
-        tape.tape.reshape(-1)[tape.where] = values[tape.key_of]
+        pointers = np.array([found[key] for key in tape.keys], dtype=np.int64)
+        tape.tape.reshape(-1)[tape.where] = pointers[tape.key_of]
         return True
 
 
