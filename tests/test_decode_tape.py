@@ -4,7 +4,9 @@ layer between steps seen; its first step checked; its SiLU torch's bits."""
 
 from __future__ import annotations
 
+import gc
 import logging
+import weakref
 from typing import Any
 
 import pytest
@@ -152,11 +154,11 @@ def test_a_weight_read_another_way_at_the_same_address_no_longer_holds(two_threa
         tape = next(tape for tape in tapes_of(engine)._tapes.values() if tape is not None)
         square = model.model.layers[0].self_attn.q_proj
         (linear,) = [linear for linear in tape.linears if linear.module is square]
-        assert linear.holds() and tape_module._calls_hold(tape)
+        assert linear.holds() and tape_module._calls_hold(tape, layers_of(model))
         pointer = square.weight.data_ptr()
         square.weight.data = square.weight.data.t()
         assert square.weight.data_ptr() == pointer
-        assert not linear.holds() and not tape_module._calls_hold(tape)
+        assert not linear.holds() and not tape_module._calls_hold(tape, layers_of(model))
         square.weight.data = square.weight.data.t()
         assert linear.holds()
         square.weight.data = square.weight.data.clone()  # another address
@@ -172,17 +174,81 @@ def test_another_thread_count_or_a_dispatch_mode_no_longer_holds(two_threads, ke
     with Engine(model, num_blocks=256, block_size=4, max_num_seqs=1) as engine:
         engine.generate([[3, 4, 5, 6, 7]], GREEDY, use_tqdm=False)
         tape = next(tape for tape in tapes_of(engine)._tapes.values() if tape is not None)
-        assert tape.threads == 2 and tape_module._calls_hold(tape)
+        assert tape.threads == 2 and tape_module._calls_hold(tape, layers_of(model))
         assert all(linear.holds() for linear in tape.linears)  # the weights' part alone
         torch.set_num_threads(1)
-        assert not tape_module._calls_hold(tape)
+        assert not tape_module._calls_hold(tape, layers_of(model))
         torch.set_num_threads(2)
-        assert tape_module._calls_hold(tape)
+        assert tape_module._calls_hold(tape, layers_of(model))
         with torch.utils._python_dispatch.TorchDispatchMode():  # e.g. a FLOP counter recording the ops
-            assert not tape_module._calls_hold(tape)
+            assert not tape_module._calls_hold(tape, layers_of(model))
         torch.set_num_threads(1)  # steps at one thread: the tape dropped, the layers' routes made again
         prompts = workload(47, 1)
         assert_stock(mirror(model), prompts, engine.generate(prompts, GREEDY, use_tqdm=False))
+
+
+def layers_of(model: Any) -> list[Any]:
+    """The decoder layers the base model runs now (what the direct layers hand the tapes)."""
+    return list(model.model.layers)[: model.config.num_hidden_layers]
+
+
+def assert_model_tokens(model: Any, prompts: list[list[int]], outputs: Any) -> None:
+    """The greedy tokens of ``model``'s own forward (as it is now, its modules included)."""
+    new = GREEDY.max_new_tokens
+    for prompt, out in zip(prompts, outputs, strict=True):
+        assert out.error is None, out.error
+        want = model.generate(torch.tensor([prompt]), max_new_tokens=new, min_new_tokens=new, do_sample=False)
+        assert out.token_ids == want[0, len(prompt) :].tolist()
+
+
+def scaled_layer(model: Any, index: int) -> Any:
+    """A new decoder layer of ``model``'s class holding layer ``index``'s weights halved (eval mode)."""
+    layer = model.model.layers[index]
+    new = type(layer)(model.config, layer_idx=index)
+    new.load_state_dict({name: value * 0.5 for name, value in layer.state_dict().items()})
+    return new.eval()
+
+
+@needs_tape
+def test_a_peft_adapter_injected_after_the_tape_was_written_is_computed(two_threads, kernel_wins):
+    """Regression: the tape checked each linear it calls (hooks, weights, route) but not that the model still calls
+    it. PEFT's injection wraps ``q_proj`` and ``down_proj`` (the old linears become the wrappers' ``base_layer``):
+    the tape went on running the bare linears, and from the fourth token on the Engine's tokens were the base
+    model's, not the adapted model's (an RL loop that adds LoRA to a model it already serves)."""
+    peft = pytest.importorskip("peft")
+    model = model_of("llama", 61)
+    prompts = workload(61, 2)
+    with Engine(model, num_blocks=256, block_size=4, max_num_seqs=2) as engine:
+        engine.generate(prompts, GREEDY, use_tqdm=False)
+        assert tapes_of(engine).runs > 0
+        config = peft.LoraConfig(r=4, target_modules=["q_proj", "down_proj"], init_lora_weights=False)
+        peft.inject_adapter_in_model(config, model).eval()
+        assert_model_tokens(model, prompts, engine.generate(prompts, GREEDY, use_tqdm=False))
+
+
+@needs_tape
+@pytest.mark.parametrize("how", ["assigned", "inserted"])
+def test_a_decoder_layer_replaced_after_the_tape_was_written_is_computed(how, two_threads, kernel_wins):
+    """Regression: ``layers[1] = new`` (a registration) and ``layers.insert(1, new); del layers[2]`` (none: torch's
+    containers edit their dict) left the tape running the old layer, which it also kept alive (so the weights watch
+    saw no tensor go: the prefix cache served keys of the old layer). The tape now holds its modules weakly and checks
+    each step that the model's layers and their submodules are the ones it was written from."""
+    model = model_of("llama", 62)
+    prompts = workload(62, 2)
+    with Engine(model, num_blocks=256, block_size=4, max_num_seqs=2) as engine:
+        engine.generate(prompts, GREEDY, use_tqdm=False)
+        assert tapes_of(engine).runs > 0
+        old, new = model.model.layers[1], scaled_layer(model, 1)
+        if how == "assigned":
+            model.model.layers[1] = new
+        else:
+            model.model.layers.insert(1, new)
+            del model.model.layers[2]
+        gone = weakref.ref(old)
+        del old
+        gc.collect()
+        assert gone() is None  # nothing of the Engine keeps the replaced layer
+        assert_model_tokens(model, prompts, engine.generate(prompts, GREEDY, use_tqdm=False))
 
 
 @needs_tape

@@ -21,7 +21,10 @@ Exactness first: each call on the tape is the call the Python would make, with t
 each tape runs in the step whose calls wrote it, after the Python layers, and the two last hidden states are compared
 to the bit (:meth:`Tapes.check_new`; a tape that step could not run: at its first step, :meth:`Tapes.hidden`),
 turning the tape off for good with a warning where they differ. Each step checks, before it
-runs a tape, what each call's own path checks: of every linear what its route's :meth:`~.linear_routes.Route.serves`
+runs a tape, that the model still calls what the tape calls (the base model's decoder layers, and each submodule the
+tape calls still the one its parent holds by that attribute: a layer replaced, a PEFT adapter injected; the tape
+holds every module weakly, so a replaced one is freed and the weights watch sees its tensors go), and what each
+call's own path checks: of every linear what its route's :meth:`~.linear_routes.Route.serves`
 checks (the same weight tensors and data, float32, contiguous, of their shapes, the same thread count, no dispatch
 mode), its route unmoved and its forward the runner's, unhooked; every called norm and activation still plain (no
 hook, no instance ``forward``), the pool's tensors the same, and the torch backend's decode rows for every
@@ -181,13 +184,19 @@ class _Never(Exception):
 class _Linear:
     """A linear on the tape: what its layer's own call would check, held so that one step checks it quickly."""
 
+    @property
+    def module(self) -> Any:
+        """The linear module (None once collected)."""
+        return self._module()
+
     def __init__(self, module: Any, forward: PackedForward, check: Route, source: torch.Tensor) -> None:
         weight: torch.Tensor | None = module._parameters.get("weight")  # noqa: SLF001
         bias: torch.Tensor | None = module._parameters.get("bias")  # noqa: SLF001
         if weight is None or weight is not module.weight or bias is not module.bias:
             raise _Never("a linear whose weight is not its parameter")
         assert weight is not None
-        self.module, self.forward, self.check, self.source = module, forward, check, source
+        self._module = weakref.ref(module)  # (weakly: a replaced layer is not kept alive by its tape)
+        self.forward, self.check, self.source = forward, check, source
         self.removed = forward.routes_removed()
         self.pointers = (weight.data_ptr(), 0 if bias is None else bias.data_ptr())
 
@@ -196,8 +205,10 @@ class _Linear:
         float32, contiguous, of their shapes) at the tape's addresses, the layer's route unmoved, its forward the
         runner's and unhooked; the rest once for the tape (:func:`_calls_hold`: the thread count, no dispatch mode;
         the input is the tape's own buffer, checked when it was written)."""
-        module = self.module
-        if module.__dict__.get("forward") is not self.forward or module._compiled_call_impl is not None:  # noqa: SLF001
+        module = self._module()
+        if module is None or module.__dict__.get("forward") is not self.forward:
+            return False
+        if module._compiled_call_impl is not None:  # noqa: SLF001
             return False
         if module._forward_hooks or module._forward_pre_hooks:  # noqa: SLF001
             return False
@@ -216,6 +227,11 @@ class _Linear:
 class _Norm:
     """A norm on the tape: its weight and epsilon as the tape reads them."""
 
+    @property
+    def module(self) -> Any:
+        """The norm module (None once collected)."""
+        return self._module()
+
     def __init__(self, module: Any, width: int) -> None:
         weight: torch.Tensor | None = module._parameters.get("weight")  # noqa: SLF001
         if weight is None or weight is not module.weight:
@@ -223,11 +239,15 @@ class _Norm:
         assert weight is not None
         if weight.dtype != torch.float32 or weight.shape != (width,) or not weight.is_contiguous():
             raise _Never("a norm's weight the C code does not read")
-        self.module, self.eps, self.pointer = module, module.variance_epsilon, weight.data_ptr()
+        self._module = weakref.ref(module)
+        self.eps, self.pointer = module.variance_epsilon, weight.data_ptr()
         self.weight = weakref.ref(weight)
 
     def holds(self) -> bool:
-        weight: torch.Tensor | None = self.module._parameters.get("weight")  # noqa: SLF001
+        module = self._module()
+        if module is None:
+            return False
+        weight: torch.Tensor | None = module._parameters.get("weight")  # noqa: SLF001
         if weight is None:
             return False
         held = self.weight()
@@ -235,7 +255,7 @@ class _Norm:
             return False
         if weight.dtype is not torch.float32 or not weight.is_contiguous():
             return False
-        return bool(self.module.variance_epsilon == self.eps)
+        return bool(module.variance_epsilon == self.eps)
 
 
 class _Tape:
@@ -247,7 +267,12 @@ class _Tape:
         self.records: list[list[int]] = []
         self.buffers: dict[str, torch.Tensor] = {}
         self.linears: list[_Linear] = []
-        self.plain: list[tuple[Any, type[Any]]] = []  # modules that must stay exactly of their class and unhooked
+        # modules that must stay exactly of their class and unhooked (weakly held, as every module of a tape)
+        self.plain: list[tuple[weakref.ref[Any], type[Any]]] = []
+        # where the layers' forward finds each module the tape calls: the decoder layers the base model runs, and
+        # (parent, attribute, module) for each submodule the writer followed (a layer's attention, its linears...)
+        self.layers: list[weakref.ref[Any]] = []
+        self.tree: list[tuple[weakref.ref[Any], str, weakref.ref[Any]]] = []
         self.norms: list[_Norm] = []
         self.pools: dict[int, tuple[int, torch.Tensor, torch.Tensor]] = {}  # group -> a layer, its key/value caches
         self.layer_pools: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # each layer's
@@ -305,15 +330,15 @@ class Tapes:
     def __len__(self) -> int:
         return sum(tape is not None for tape in self._tapes.values())
 
-    def hidden(self, direct: Any, inner: Any, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               kwargs: dict[str, Any]) -> torch.Tensor | None:  # fmt: skip
+    def hidden(self, direct: Any, inner: Any, layers: list[Any], hidden: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor | None:  # fmt: skip
         """The last hidden states before the final norm through this row count's tape, or None (the caller runs the
         Python layers): no tape yet, or not valid this step. A tape's first step is checked against the Python
         layers (``direct.layers_hidden``), which then write the same slots again."""
         tape = None if self.off or hidden.dim() != 3 else self._tapes.get(hidden.shape[1])
         if tape is None:
             return None
-        if tape.stale or not _calls_hold(tape):  # a module, weight, route or pool changed: written again
+        if tape.stale or not _calls_hold(tape, layers):  # a module, weight, route or pool changed: written again
             del self._tapes[tape.rows]
             return None
         if not self._step_fits(tape, hidden, cos, sin, kwargs):
@@ -328,15 +353,15 @@ class Tapes:
         self.runs += 1
         return out
 
-    def check_new(self, direct: Any, inner: Any, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                  kwargs: dict[str, Any], theirs: torch.Tensor) -> None:  # fmt: skip
+    def check_new(self, direct: Any, inner: Any, layers: list[Any], hidden: torch.Tensor, cos: torch.Tensor,
+                  sin: torch.Tensor, kwargs: dict[str, Any], theirs: torch.Tensor) -> None:  # fmt: skip
         """After the Python layers computed ``theirs`` from ``hidden`` and :meth:`offer` wrote this row count's tape:
         check the tape at once on this step's inputs, so that its first step to serve runs it alone (a row count
         met a few steps a run was otherwise checked a run later, at twice a step's cost). The tape writes this step's
         keys and values again, the same bits where it is right; where it is not, the Python layers write them once
         more and the tape is off. A tape this step does not fit is checked at its first step (:meth:`hidden`)."""
         tape = None if self.off or hidden.dim() != 3 else self._tapes.get(hidden.shape[1])
-        if tape is None or tape.verified or not _calls_hold(tape):
+        if tape is None or tape.verified or not _calls_hold(tape, layers):
             return
         if not self._step_fits(tape, hidden, cos, sin, kwargs):
             return
@@ -442,15 +467,24 @@ class Tapes:
         return True
 
 
-def _calls_hold(tape: _Tape) -> bool:
-    """What each call's own path checks of its module, once for the step (module docstring): every called norm and
-    activation still of its class and unhooked (``DirectLayers.serves`` checks the bypassed modules each step),
-    every norm's and linear's weight the tape's (the same tensor and data), every linear's route the tape's and
-    still serving it, no dispatch mode recording the ops."""
+def _calls_hold(tape: _Tape, layers: list[Any]) -> bool:
+    """What each call's own path checks of its module, once for the step (module docstring): ``layers`` (the decoder
+    layers the base model runs now) and each submodule the tape calls still the ones it was written from, each
+    reached by the same attribute (a layer, a linear or a norm replaced, a PEFT adapter injected: the tape would run
+    the old ones); every called norm and activation still of its class and unhooked (``DirectLayers.serves`` checks
+    the bypassed modules each step), every norm's and linear's weight the tape's (the same tensor and data), every
+    linear's route the tape's and still serving it, no dispatch mode recording the ops."""
     if torch._C._len_torch_dispatch_stack() or torch.get_num_threads() != tape.threads:  # noqa: SLF001
         return False  # (each route serves the thread count it was made for, the tape's: checked when written)
+    if len(layers) != len(tape.layers) or any(ref() is not layer for ref, layer in zip(tape.layers, layers)):
+        return False
     module: Any
-    for module, cls in tape.plain:
+    for parent_ref, name, ref in tape.tree:  # parents first: each checked against the model's tree above it
+        parent, module = parent_ref(), ref()
+        if parent is None or module is None or parent._modules.get(name) is not module:  # noqa: SLF001
+            return False
+    for ref, cls in tape.plain:
+        module = ref()
         if type(module) is not cls or module._forward_hooks or module._forward_pre_hooks:  # noqa: SLF001
             return False
         if module._backward_hooks or module._backward_pre_hooks or "forward" in module.__dict__:  # noqa: SLF001
@@ -468,11 +502,12 @@ def _write(kernel: DecodeTapeKernel, classes: Any, layers: list[Any], direct: An
     tape = _Tape(hidden.shape[1], torch.get_num_threads())
     writer = _Writer(kernel, direct, classes, ctx, tape, int(hidden.shape[-1]))
     for layer in layers:
+        tape.layers.append(weakref.ref(layer))
         writer.layer(layer, cos)
     tape = writer.tape
     if not tape.pools:
         raise _Never("no attention layers")
-    if not _calls_hold(tape):  # a hooked module: asked again next step
+    if not _calls_hold(tape, layers):  # a hooked module: asked again next step
         raise _NotYet
     return tape
 
@@ -493,13 +528,22 @@ class _Writer:
         self.norm_fn, self.rope_fn = _address(direct._norm), _address(direct._rope)  # noqa: SLF001
         self.attend_fn = _address(decode._function)  # noqa: SLF001
 
+    def child(self, parent: Any, name: str) -> Any:
+        """``parent``'s submodule ``name`` (what ``parent.name`` finds), recorded with where it was found: each step
+        checks the model still has it there (:func:`_calls_hold`)."""
+        module = parent._modules.get(name)  # noqa: SLF001
+        if module is None:
+            raise _Never(f"no submodule {name}")
+        self.tape.tree.append((weakref.ref(parent), name, weakref.ref(module)))
+        return module
+
     def norm(self, module: Any, source: torch.Tensor, target: torch.Tensor, width: int | None = None) -> None:
         """A norm over rows of ``width`` (the hidden size; a head's for Qwen3's query and key norms)."""
         width = width or self.width
         norm = _Norm(module, width)
         if width != self.width and self.direct.sums_as_torch(torch.zeros(1, width)) is False:
             raise _Never("the norm's sum is not torch's at this width")
-        self.tape.plain.append((module, self.classes.norm))
+        self.tape.plain.append((weakref.ref(module), self.classes.norm))
         self.tape.norms.append(norm)
         self.tape.add([OP_NORM, self.norm_fn, source.data_ptr(), norm.pointer, _bits(norm.eps), target.data_ptr(),
                        source.numel() // width, width, self.lanes])  # fmt: skip
@@ -530,34 +574,37 @@ class _Writer:
     def layer(self, layer: Any, cos: torch.Tensor) -> None:
         """One decoder layer: LlamaDecoderLayer.forward's steps, as the direct layers run them."""
         tape, classes, width = self.tape, self.classes, self.width
-        attention, mlp = layer.self_attn, layer.mlp
-        if type(mlp.act_fn) not in _silu_classes():
+        attention, mlp = self.child(layer, "self_attn"), self.child(layer, "mlp")
+        act = self.child(mlp, "act_fn")
+        if type(act) not in _silu_classes():
             raise _Never("an activation other than SiLU")
-        tape.plain.append((mlp.act_fn, type(mlp.act_fn)))
+        tape.plain.append((weakref.ref(act), type(act)))
         hidden, normed = tape.buffer("hidden", width), tape.buffer("normed", width)
         after, projected = tape.buffer("after_attention", width), tape.buffer("projected", width)
-        self.norm(layer.input_layernorm, hidden, normed)
-        q, k, v = (self.linear(attention.q_proj, normed, "q"), self.linear(attention.k_proj, normed, "k"),
-                   self.linear(attention.v_proj, normed, "v"))  # fmt: skip
+        self.norm(self.child(layer, "input_layernorm"), hidden, normed)
+        q, k, v = (self.linear(self.child(attention, "q_proj"), normed, "q"),
+                   self.linear(self.child(attention, "k_proj"), normed, "k"),
+                   self.linear(self.child(attention, "v_proj"), normed, "v"))  # fmt: skip
         if classes.head_norms:  # Qwen3Attention: each query and key head normalized before the rotary embedding
             d = int(attention.head_dim)
             q_normed, k_normed = tape.buffer("q_normed", q.shape[-1]), tape.buffer("k_normed", k.shape[-1])
-            self.norm(attention.q_norm, q, q_normed, d)
-            self.norm(attention.k_norm, k, k_normed, d)
+            self.norm(self.child(attention, "q_norm"), q, q_normed, d)
+            self.norm(self.child(attention, "k_norm"), k, k_normed, d)
             q, k = q_normed, k_normed
         attended = self.attention(attention, q, k, v, cos)
-        if self.linear(attention.o_proj, attended, "projected") is not projected:
+        if self.linear(self.child(attention, "o_proj"), attended, "projected") is not projected:
             raise _Never("an output projection not of the hidden size")
         tape.add([OP_ADD, hidden.data_ptr(), projected.data_ptr(), after.data_ptr(), tape.rows * width])
-        self.norm(layer.post_attention_layernorm, after, normed)
-        gate, up = self.linear(mlp.gate_proj, normed, "gate"), self.linear(mlp.up_proj, normed, "up")
+        self.norm(self.child(layer, "post_attention_layernorm"), after, normed)
+        gate = self.linear(self.child(mlp, "gate_proj"), normed, "gate")
+        up = self.linear(self.child(mlp, "up_proj"), normed, "up")
         if gate.shape != up.shape or not self.kernel.silu_as_torch(int(gate.shape[-1])):
             raise _Never("a SiLU whose bits are not torch's at this width")
         product = tape.buffer("product", int(gate.shape[-1]))
         n = gate.numel()
         tape.add([OP_SILU_MUL, gate.data_ptr(), up.data_ptr(), product.data_ptr(), n, silu_chunk(n, tape.threads),
                   self.kernel.exp8])  # fmt: skip
-        down = self.linear(mlp.down_proj, product, "down")
+        down = self.linear(self.child(mlp, "down_proj"), product, "down")
         if down.shape != hidden.shape:
             raise _Never("an MLP whose output is not the hidden size")
         tape.add([OP_ADD, after.data_ptr(), down.data_ptr(), hidden.data_ptr(), tape.rows * width])

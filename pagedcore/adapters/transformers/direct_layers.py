@@ -208,12 +208,13 @@ class DirectLayers:
         cos, sin = _call(inner.rotary_emb, hidden, position_ids=kwargs["position_ids"])
         kernel = _kernel_for(hidden, cos, sin)
         tapes = self._tapes_for(kernel)
-        out = None if tapes is None else tapes.hidden(self, inner, hidden, cos, sin, kwargs)
+        layers = _layers(inner) if tapes is not None else []  # (a tape checks they are those it was written from)
+        out = None if tapes is None else tapes.hidden(self, inner, layers, hidden, cos, sin, kwargs)
         if out is None:
             out = self.layers_hidden(inner, hidden, cos, sin, kwargs)
             if tapes is not None:
-                tapes.offer(self._classes, _layers(inner), kernel, hidden, cos, kwargs)
-                tapes.check_new(self, inner, hidden, cos, sin, kwargs, out)
+                tapes.offer(self._classes, layers, kernel, hidden, cos, kwargs)
+                tapes.check_new(self, inner, layers, hidden, cos, sin, kwargs, out)
         return _norm(kernel, self._classes.norm, inner.norm, out)
 
     def _tapes_for(self, kernel: DirectKernel | None) -> Tapes | None:
