@@ -210,13 +210,14 @@ def scaled_layer(model: Any, index: int) -> Any:
 
 
 @needs_tape
-def test_a_peft_adapter_injected_after_the_tape_was_written_is_computed(two_threads, kernel_wins):
+@pytest.mark.parametrize("family", ["llama", "qwen3"])  # qwen3: its query and key head norms on the tape too
+def test_a_peft_adapter_injected_after_the_tape_was_written_is_computed(family, two_threads, kernel_wins):
     """Regression: the tape checked each linear it calls (hooks, weights, route) but not that the model still calls
     it. PEFT's injection wraps ``q_proj`` and ``down_proj`` (the old linears become the wrappers' ``base_layer``):
     the tape went on running the bare linears, and from the fourth token on the Engine's tokens were the base
     model's, not the adapted model's (an RL loop that adds LoRA to a model it already serves)."""
     peft = pytest.importorskip("peft")
-    model = model_of("llama", 61)
+    model = model_of(family, 61)
     prompts = workload(61, 2)
     with Engine(model, num_blocks=256, block_size=4, max_num_seqs=2) as engine:
         engine.generate(prompts, GREEDY, use_tqdm=False)
