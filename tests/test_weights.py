@@ -395,6 +395,26 @@ def test_the_watch_holds_no_replaced_tensor_and_tolerates_a_dead_model():
     assert not watch.check()
 
 
+@pytest.mark.parametrize("edit", ["insert", "delete", "insert and delete"])
+def test_a_container_edited_without_a_registration_is_seen(edit):
+    """Regression: ``ModuleList.insert`` and ``del layers[i]`` (``Sequential``'s too) edit the container's dict
+    without a registration, so the watch saw no change while the layers it had walked stayed alive (here: a list
+    that keeps them; in an Engine, its decode tape did), and the prefix cache served keys of layers the forward no
+    longer runs. The watch now compares each torch container's children at every check."""
+    model = tiny_model("llama")
+    watch = WeightsWatch(model)
+    layers = model.model.layers
+    kept = list(layers)  # every layer the watch walked, alive
+    new = type(kept[0])(model.config, layer_idx=0).eval()
+    if "insert" in edit:
+        layers.insert(0, new)
+    if "delete" in edit:
+        del layers[1 if "insert" in edit else 0]
+    assert watch.check() and watch.fingerprint().epoch == 1
+    assert not watch.check()  # seen once
+    assert len(kept) == model.config.num_hidden_layers
+
+
 def test_peft_adapter_names_on_an_enabled_encoder_decoder_run_as_stock(enabled):
     """Regression (review): the check ran after enable()'s encoder-decoder branch, so on BART a decoder prefix
     cached under adapter ``a`` was served to ``b`` with other tokens."""

@@ -14,7 +14,8 @@ What the fingerprint covers:
 - the module structure: a submodule, parameter or buffer added or replaced (PEFT adapters injected or unloaded,
   ``merge_and_unload``, ``model.lm_head.weight = nn.Parameter(...)``, ``load_state_dict(assign=True)``): torch's
   global registration hooks count registrations on the model's modules, and the watch walks the module tree again
-  after one;
+  after one; and the children of each ``ModuleList`` and ``Sequential`` (their ``insert`` and ``del`` edit the
+  container's dict without a registration: a layer inserted or deleted), compared by identity at every check;
 - the state of PEFT tuner layers (any module with ``active_adapters``, ``merged_adapters`` and
   ``disable_adapters``): which adapters are active, merged (``merge_adapter`` writes through ``.data``, which no
   version counter sees), disabled (``disable_adapter()``), and their scaling;
@@ -28,8 +29,9 @@ merged into the base weights, or enabled ones applied to every row). So injectin
 is no change of the base model (its prefixes and its content hash stay), while every change above still is.
 
 Not covered (call ``reset_prefix_cache()`` after them): writes through ``.data`` outside PEFT (``p.data.copy_(w)``),
-direct writes into a module's ``_parameters`` (accelerate's ``set_module_tensor_to_device``), parameters created as
-inference tensors (they have no version counter), forward hooks that change activations. Tensors on the ``meta``
+direct writes into a module's ``_parameters`` (accelerate's ``set_module_tensor_to_device``) or ``_modules`` (outside
+torch's sequence containers), parameters created as inference tensors (they have no version counter), forward hooks
+that change activations. Tensors on the ``meta``
 device (accelerate's offloaded weights between forwards, which it replaces at every forward) count by name, dtype
 and shape only: their data is elsewhere, and the watch never calls ``data_ptr`` on them.
 
@@ -51,7 +53,7 @@ import hashlib
 import itertools
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -148,6 +150,9 @@ class _Walk:
     frequencies: list[weakref.ref[torch.Tensor]]  # rotary inv_freq buffers: by identity and data pointer only
     tuners: list[tuple[str, weakref.ref[Any]]]  # PEFT tuner layers
     first: weakref.ref[torch.Tensor] | None  # the first parameter off the meta device (placement)
+    # torch's ModuleList and Sequential of the model, each with its children then (their insert() and del edit the
+    # container's dict without a registration: compared at every check)
+    containers: list[tuple[weakref.ref[torch.nn.Module], list[Callable[[], torch.nn.Module | None]]]]
 
 
 _serials = itertools.count()
@@ -230,7 +235,7 @@ class WeightsWatch:
         if model is None:
             return False
         walk = self._walk
-        if _EVENTS.registrations != self._registrations:
+        if _EVENTS.registrations != self._registrations or not _containers_hold(walk):
             return self._rewalk(model)
         state = self._state(model, walk)
         if state is None:  # a tensor is gone (replaced without a registration, e.g. by accelerate's offload hooks)
@@ -341,12 +346,37 @@ def _walk(model: torch.nn.Module, apart: bool = False) -> _Walk:
         if is_param and first is None and not on_meta:
             first = ref
     tuners: list[tuple[str, weakref.ref[Any]]] = []
+    containers: list[tuple[weakref.ref[torch.nn.Module], list[Callable[[], torch.nn.Module | None]]]] = []
     watched = _EVENTS.watched
     for module_name, module in model.named_modules():
         watched.add(module)
         if _is_tuner(module):
             tuners.append((module_name, weakref.ref(module)))
-    return _Walk(tuple(names), refs, tuple(meta), plain, others, frequencies, tuners, first)
+        if isinstance(module, _SEQUENCES):
+            children: list[Callable[[], torch.nn.Module | None]] = [
+                _no_module if child is None else weakref.ref(child)
+                for child in module._modules.values()  # noqa: SLF001
+            ]
+            containers.append((weakref.ref(module), children))
+    return _Walk(tuple(names), refs, tuple(meta), plain, others, frequencies, tuners, first, containers)
+
+
+_SEQUENCES = (torch.nn.ModuleList, torch.nn.Sequential)
+
+
+def _no_module() -> None:
+    """A slot registered empty, as a reference that reads None."""
+    return None
+
+
+def _containers_hold(walk: _Walk) -> bool:
+    """Each ModuleList and Sequential of the walk still holds the children it held then, in order (what ``insert``
+    and ``del``, which run no registration hook, change)."""
+    for ref, children in walk.containers:
+        module = ref()
+        if module is None or [child() for child in children] != list(module._modules.values()):  # noqa: SLF001
+            return False  # (modules compare by identity)
+    return True
 
 
 def _tensors(model: torch.nn.Module, apart: bool = False) -> Iterator[tuple[str, torch.Tensor, bool]]:
