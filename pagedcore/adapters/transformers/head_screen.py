@@ -172,7 +172,8 @@ class HeadScreen:
         return Screened(columns, exact, approx, bound, tokens)
 
     def prepare(self, weight: torch.Tensor) -> None:
-        """Make the float16 copy of ``weight`` now if it is missing or stale (the next :meth:`screen` would)."""
+        """Make the copy of ``weight`` (int8 where the row kernel takes its shape, else fbgemm's float16) now if it is
+        missing or stale (the next :meth:`screen` would)."""
         self._fresh_copy(weight)
 
     def _fresh_copy(self, weight: torch.Tensor) -> _Copy:
