@@ -385,3 +385,24 @@ def test_a_model_drawing_dropout_fails_its_requests_and_dropout_zero_is_served(o
             outs = engine.generate(prompts, max_new_tokens=3, do_sample=False, use_tqdm=False)
         assert [o.token_ids for o in outs] == want
         assert engine.pool.kv.num_used_blocks == 0
+
+
+def test_a_dropout_module_inserted_without_a_registration_is_seen():
+    """The dropout check reads the weights watch's list of modules instead of walking the tree each step, where that
+    list is still the model's tree. ``ModuleList.insert`` edits the list's dict without a registration: the watch
+    compares the list's children, so the inserted dropout (in training mode, as a new module is) is seen, and the
+    step's requests fail with the dropout's error (not with the forward's, which would call it as a block)."""
+    model = tiny_model("gpt2", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, summary_first_dropout=0.0)
+    prompts = [[5, 6, 7, 8, 9, 10], [5, 6, 7, 8, 11]]
+    with Engine(model, num_blocks=32, block_size=4) as engine:
+        want = [o.token_ids for o in engine.generate(prompts, max_new_tokens=3, do_sample=False, use_tqdm=False)]
+        watch = engine.pool.weights
+        assert watch is not None and watch.modules(model) == list(model.modules())  # read instead of a walk
+        blocks = model.transformer.h
+        blocks.insert(len(blocks), torch.nn.Dropout(0.5))  # no registration hook runs
+        outs = engine.generate(prompts, max_new_tokens=3, do_sample=False, use_tqdm=False)
+        assert all(o.finish_reason == "error" and "eval()" in o.error for o in outs), [o.error for o in outs]
+        del blocks[len(blocks) - 1]
+        outs = engine.generate(prompts, max_new_tokens=3, do_sample=False, use_tqdm=False)
+        assert [o.token_ids for o in outs] == want
+        assert engine.pool.kv.num_used_blocks == 0

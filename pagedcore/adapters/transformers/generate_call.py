@@ -77,7 +77,7 @@ _DROPOUTS = (
 )
 
 
-def draws_dropout(model: torch.nn.Module) -> bool:
+def draws_dropout(model: torch.nn.Module, modules: list[torch.nn.Module] | None = None) -> bool:
     """Whether a forward of ``model`` draws dropout: a module in training mode with a dropout layer or an attention
     dropout probability (transformers' attention modules keep it as a float) above 0. Such a call's keys are one
     draw's: a prefix cached from them would give a later call other tokens than computing its own prompt does.
@@ -85,14 +85,19 @@ def draws_dropout(model: torch.nn.Module) -> bool:
     Checked at each call (a submodule's mode, a probability, the modules themselves may change between calls): one
     pass over the module tree that reads each module's ``training`` flag, and looks further only into the modules
     in training mode (their attributes from their ``__dict__``; a class's own attributes of those names by
-    ``getattr``, its classes known once).
+    ``getattr``, its classes known once). ``modules``: every module of ``model``, known to be its tree now (the
+    weights watch's, :meth:`~.weights.WeightsWatch.modules`), read instead of walking the tree.
 
     Example:
         >>> from pagedcore.adapters.transformers.testing import tiny_llama
         >>> model = tiny_llama(attention_dropout=0.1)
         >>> draws_dropout(model), draws_dropout(model.train()), draws_dropout(tiny_llama().train())
         (False, True, False)
+        >>> draws_dropout(model, list(model.modules())), draws_dropout(model.eval(), list(model.modules()))
+        (True, False)
     """
+    if modules is not None:
+        return any(module.training and _module_draws(module) for module in modules)
     stack: list[torch.nn.Module | None] = [model]
     seen: set[int] = set()
     while stack:

@@ -249,7 +249,10 @@ class TransformersRunner:
         """The forward: the compiled decode step when it runs one, else the model eagerly with paged attention (an
         argmax-only step: its tokens, through :class:`~.argmax_head.ArgmaxHead`, where it applies). A model that
         draws dropout (in train() mode, any dropout above 0) is refused: its prefix hits hold keys of another draw."""
-        if draws_dropout(self.model):  # checked per step: the mode can change between steps (TRL: dropout 0 served)
+        # checked per step: the mode can change between steps (TRL: dropout 0 served); over the weights watch's walk
+        # where it is still the model's tree (no walk of the tree here)
+        watch = self.pool.weights
+        if draws_dropout(self.model, None if watch is None else watch.modules(self.model)):
             raise UnsupportedModelError(
                 f"{type(self.model).__name__} draws dropout (train() mode with a dropout above 0): the Engine serves "
                 "inference only, where a prompt's cached keys equal its own; put the model in eval() mode"

@@ -153,6 +153,7 @@ class _Walk:
     # torch's ModuleList and Sequential of the model, each with its children then (their insert() and del edit the
     # container's dict without a registration: compared at every check)
     containers: list[tuple[weakref.ref[torch.nn.Module], list[Callable[[], torch.nn.Module | None]]]]
+    modules: list[weakref.ref[torch.nn.Module]]  # every module, in named_modules() order
 
 
 _serials = itertools.count()
@@ -252,6 +253,28 @@ class WeightsWatch:
             self._moved(state, walk, count)
         return moved
 
+    def modules(self, model: torch.nn.Module) -> list[torch.nn.Module] | None:
+        """Every module of ``model`` as of the last walk, where that walk is still the model's tree (no registration
+        on it since, each ``ModuleList``'s and ``Sequential``'s children the same, none collected): what a check of
+        every module at every step can read instead of walking the tree. None otherwise (walk it), and for a model
+        other than the watched one.
+
+        Example:
+            >>> from pagedcore.adapters.transformers.testing import tiny_llama
+            >>> model = tiny_llama()
+            >>> watch = WeightsWatch(model)
+            >>> watch.modules(model) == list(model.modules())
+            True
+            >>> model.model.layers.insert(0, model.model.layers[1])   # no registration: the container differs
+            >>> watch.modules(model) is None, watch.check(), watch.modules(model) == list(model.modules())
+            (True, True, True)
+        """
+        walk = self._walk
+        if self._model() is not model or _EVENTS.registrations != self._registrations or not _containers_hold(walk):
+            return None
+        modules = [module for ref in walk.modules if (module := ref()) is not None]
+        return modules if len(modules) == len(walk.modules) else None
+
     def content_hash(self, *, fresh: bool = False) -> str | None:
         """A hash of the model's tensors (names, dtypes, shapes, bytes), the same in every process that loaded the
         same weights: computed at the first call of each :attr:`epoch` (``fresh=True``: again now, after a change
@@ -347,9 +370,11 @@ def _walk(model: torch.nn.Module, apart: bool = False) -> _Walk:
             first = ref
     tuners: list[tuple[str, weakref.ref[Any]]] = []
     containers: list[tuple[weakref.ref[torch.nn.Module], list[Callable[[], torch.nn.Module | None]]]] = []
+    modules: list[weakref.ref[torch.nn.Module]] = []
     watched = _EVENTS.watched
     for module_name, module in model.named_modules():
         watched.add(module)
+        modules.append(weakref.ref(module))
         if _is_tuner(module):
             tuners.append((module_name, weakref.ref(module)))
         if isinstance(module, _SEQUENCES):
@@ -358,7 +383,7 @@ def _walk(model: torch.nn.Module, apart: bool = False) -> _Walk:
                 for child in module._modules.values()  # noqa: SLF001
             ]
             containers.append((weakref.ref(module), children))
-    return _Walk(tuple(names), refs, tuple(meta), plain, others, frequencies, tuners, first, containers)
+    return _Walk(tuple(names), refs, tuple(meta), plain, others, frequencies, tuners, first, containers, modules)
 
 
 _SEQUENCES = (torch.nn.ModuleList, torch.nn.Sequential)
