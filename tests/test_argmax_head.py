@@ -162,6 +162,28 @@ def test_greedy_tokens_follow_a_weights_update():
         assert head.counts.steps > before
 
 
+def test_a_replaced_head_is_freed_and_the_new_one_computes_the_tokens():
+    """``model.lm_head = new``: the fused head held the old module (and its weight) until the Engine closed; it holds
+    it weakly now. The new head's tokens are the model's own either way."""
+    import gc
+    import weakref
+
+    net, reference = model(), model()
+    with engine_of(net) as engine:
+        assert tokens(engine, PROMPTS) == stock(reference, PROMPTS)
+        assert engine.runner.argmax_head is not None and engine.runner.argmax_head.counts.steps > 0
+        new = torch.nn.Linear(net.config.hidden_size, VOCAB, bias=False)
+        with torch.no_grad():
+            new.weight.copy_(net.lm_head.weight.flip(0))
+        reference.lm_head = torch.nn.Linear(net.config.hidden_size, VOCAB, bias=False)
+        reference.lm_head.load_state_dict(new.state_dict())
+        old = weakref.ref(net.lm_head)
+        net.lm_head = new
+        gc.collect()
+        assert old() is None
+        assert tokens(engine, PROMPTS) == stock(reference, PROMPTS)
+
+
 def test_other_threads_calls_of_the_head_are_plain_while_the_engine_steps():
     net = model()
     x = torch.randn(2, 3, net.config.hidden_size)

@@ -158,7 +158,7 @@ class ArgmaxHead:
                 "way='screen' needs a low-precision product (the row kernel's, or fbgemm's: torch's x86 CPU build) and "
                 "a head without bias"
             )
-        self._module = module
+        self._module_ref = weakref.ref(module)  # (weakly: a head replaced in the model is freed, not kept by this)
         self._screen = head_screen.HeadScreen(kernel) if screens else None
         self._screen_shapes: dict[tuple[int, int, int], bool] = {}  # (rows, columns, threads): bits and bound hold
         self._ways_here = WAYS if screens else WAYS[:2]
@@ -191,9 +191,9 @@ class ArgmaxHead:
         vocab)`` (a view of the head's output); returns the rows' tokens, or the float32 logits where the row count
         (:data:`MIN_ROWS`), a check or a row's values say so. ``padded``: a compiled decode step's bucket of rows
         (:mod:`.compiled`), whose head sees ``padded`` rows, the step's ``rows`` first."""
-        weight = self._module.weight
-        if rows < self._min_rows or self._plain is False or not _fusable(weight):  # e.g. converted to bf16 since
-            return forward().float()
+        module = self._module_ref()
+        if module is None or rows < self._min_rows or self._plain is False or not _fusable(module.weight):
+            return forward().float()  # e.g. the head replaced, or converted to bf16 since
         call = _Call(self, capture=bool(self._plain), padded=padded)
         with _calling(call):
             logits = forward()  # with capture: the head's pass runs inside the model's forward (:meth:`_head`)
@@ -275,8 +275,16 @@ class ArgmaxHead:
 
     def close(self) -> None:
         """Give the head its own ``forward`` back."""
-        if isinstance(vars(self._module).get("forward"), _Forward):
-            del self._module.forward
+        module = self._module_ref()
+        if module is not None and isinstance(vars(module).get("forward"), _Forward):
+            del module.forward
+
+    @property
+    def _module(self) -> torch.nn.Linear:
+        """The head module, alive wherever this is read: inside its own call, or a step that found it alive."""
+        module = self._module_ref()
+        assert module is not None, "the head module was collected"
+        return module
 
     # ------------------------------------------------------------------ the checks
     def _check_model(self, call: _Call, logits: torch.Tensor) -> None:
