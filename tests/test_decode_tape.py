@@ -255,6 +255,26 @@ def test_a_decoder_layer_replaced_after_the_tape_was_written_is_computed(how, tw
 
 
 @needs_tape
+def test_a_sleeping_pool_frees_its_tensors_though_a_tape_read_them(two_threads, kernel_wins):
+    """Regression: the tapes held each layer's key and value caches, so ``pool.sleep()`` (an RL loop giving the
+    memory back to a training step) dropped the pool's references and freed nothing. The tape holds them weakly
+    now; after the pool wakes (new tensors), the tape is stale and written again, and the tokens are stock."""
+    model = model_of("llama", 63)
+    prompts = workload(63, 2)
+    ref = mirror(model)
+    with Engine(model, num_blocks=256, block_size=4, max_num_seqs=2) as engine:
+        engine.generate(prompts, GREEDY, use_tqdm=False)
+        assert tapes_of(engine).runs > 0
+        keys = weakref.ref(engine.pool.layer_tensors(0)[0])
+        assert engine.pool.sleep() > 0
+        gc.collect()
+        assert keys() is None
+        runs = tapes_of(engine).runs
+        assert_stock(ref, prompts, engine.generate(prompts, GREEDY, use_tqdm=False))
+        assert tapes_of(engine).runs > runs  # written again over the new tensors
+
+
+@needs_tape
 def test_a_hooked_linear_is_called_as_a_module_and_the_tape_waits(two_threads, kernel_wins):
     model = model_of("llama", 51)
     prompts = workload(51, 3)

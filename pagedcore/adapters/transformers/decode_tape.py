@@ -23,7 +23,8 @@ to the bit (:meth:`Tapes.check_new`; a tape that step could not run: at its firs
 turning the tape off for good with a warning where they differ. Each step checks, before it
 runs a tape, that the model still calls what the tape calls (the base model's decoder layers, and each submodule the
 tape calls still the one its parent holds by that attribute: a layer replaced, a PEFT adapter injected; the tape
-holds every module weakly, so a replaced one is freed and the weights watch sees its tensors go), and what each
+holds every module and the pool's tensors weakly, so a replaced module is freed and the weights watch sees its
+tensors go, and a pool that sleeps or is rebuilt frees its memory), and what each
 call's own path checks: of every linear what its route's :meth:`~.linear_routes.Route.serves`
 checks (the same weight tensors and data, float32, contiguous, of their shapes, the same thread count, no dispatch
 mode), its route unmoved and its forward the runner's, unhooked; every called norm and activation still plain (no
@@ -274,8 +275,10 @@ class _Tape:
         self.layers: list[weakref.ref[Any]] = []
         self.tree: list[tuple[weakref.ref[Any], str, weakref.ref[Any]]] = []
         self.norms: list[_Norm] = []
-        self.pools: dict[int, tuple[int, torch.Tensor, torch.Tensor]] = {}  # group -> a layer, its key/value caches
-        self.layer_pools: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # each layer's
+        self.pools: dict[int, int] = {}  # KV group -> a layer of it (whose key/value caches the attention reads)
+        # each layer's key and value caches, weakly: a pool that sleeps or is rebuilt frees them (the tape is then
+        # stale: written again)
+        self.layer_pools: list[tuple[int, weakref.ref[torch.Tensor], weakref.ref[torch.Tensor]]] = []
         self.windows: dict[int, int | None] = {}  # group -> the window its layers hand the attention
         self.patches: list[tuple[int, int, str, int]] = []
         self.head_dim = self.groups_per_kv = 0
@@ -428,23 +431,26 @@ class Tapes:
         if ctx.new_tokens is not None:
             return False
         pool = ctx.pool
+        caches: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for layer, keys, values in tape.layer_pools:
             _, key_cache, value_cache = pool_read(pool, layer)
-            if key_cache is not keys or value_cache is not values:
+            if key_cache is not keys() or value_cache is not values():
                 tape.stale = True  # written again after this step
                 return False
+            caches[layer] = key_cache, value_cache
         backend = pool.attention_backend(cos.device, torch.float32, ctx.backend)
         if type(backend) is not TorchPagedAttention:
             return False
         found: dict[tuple[str, int], int] = {("cos", 0): cos.data_ptr(), ("sin", 0): sin.data_ptr()}
         longest = 1
         query = tape.buffers["rotated"].view(tape.rows, -1, tape.head_dim)
-        for group, (layer, keys, values) in tape.pools.items():
+        for group, layer in tape.pools.items():
+            key_cache, value_cache = caches[layer]
             meta = ctx.metadata[group] if group < len(ctx.metadata) else None
             window = tape.windows[group]
             if meta is None or (window is not None and meta.sliding_window != window):
                 return False
-            rows = backend.decode_rows(query, keys, values, meta)
+            rows = backend.decode_rows(query, key_cache, value_cache, meta)
             if rows is None or len(rows.rows) != tape.rows:
                 return False
             slots = cache.slots(layer, cos.device)
@@ -631,8 +637,8 @@ class _Writer:
         if tape.windows.setdefault(group, window) != window:
             raise _Never("layers of one KV group with different windows")
         tape.head_dim, tape.groups_per_kv = d, heads // kv_heads
-        tape.layer_pools.append((index, keys, values))
-        tape.pools.setdefault(group, (index, keys, values))
+        tape.layer_pools.append((index, weakref.ref(keys), weakref.ref(values)))
+        tape.pools.setdefault(group, index)
         rotated, attended = tape.buffer("rotated", heads * d), tape.buffer("attended", heads * dv)
         tape.add([OP_ROPE, self.rope_fn, q.data_ptr(), heads * d, k.data_ptr(), kv_heads * d, v.data_ptr(),
                   kv_heads * dv, 0, 0, rotated.data_ptr(), keys.data_ptr(), values.data_ptr(), 0, rows, heads, kv_heads,
