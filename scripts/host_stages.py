@@ -32,7 +32,8 @@ in the caches). The tokens are then the fake logits' argmax: only the host's wor
 ``--checks`` (with the model) also times, per step, what the runner and the direct layers check of the model before
 its forward computes, in place (the caches as the previous forward left them): the decode tape's module and
 weight checks (``decode_tape._calls_hold``) and its pointer patching (``Tapes._patch``), the dropout check
-(``generate_call.draws_dropout``), the direct layers' (``DirectLayers.serves``) and the weights watch
+(``generate_call.draws_dropout``, with ``WeightsWatch.modules`` where it reads the watch's list), the direct layers'
+(``DirectLayers.serves``) and the weights watch
 (``runner.check_weights``); ms per step, medians (0 where a piece did not run).
 
 ``--tokenizer`` gives the Engine a byte-level BPE tokenizer of the model's vocabulary
@@ -58,6 +59,7 @@ import torch
 import pagedcore
 from pagedcore.adapters.transformers import Engine, SamplingParams, decode_tape
 from pagedcore.adapters.transformers import runner as runner_module
+from pagedcore.adapters.transformers.weights import WeightsWatch
 from pagedcore.benchmarks.common import BLOCK_SIZE, bench_model, bench_tokenizer
 from pagedcore.benchmarks.steps import forward_edges
 
@@ -90,6 +92,8 @@ def _timing_checks(engine: Engine) -> dict[str, float]:
     runner, direct = engine.runner, engine.runner._direct  # noqa: SLF001
     decode_tape._calls_hold = timed("hold", decode_tape._calls_hold)  # type: ignore[assignment]  # noqa: SLF001
     runner_module.draws_dropout = timed("dropout", runner_module.draws_dropout)  # type: ignore[assignment]
+    if hasattr(WeightsWatch, "modules"):  # the watch's modules, which the dropout check reads: timed as part of it
+        WeightsWatch.modules = timed("dropout", WeightsWatch.modules)  # type: ignore[method-assign]
     runner.check_weights = timed("weights", runner.check_weights)  # type: ignore[method-assign]
     if direct is not None:
         direct.serves = timed("serves", direct.serves)  # type: ignore[method-assign]
