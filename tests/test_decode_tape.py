@@ -255,6 +255,102 @@ def test_a_decoder_layer_replaced_after_the_tape_was_written_is_computed(how, tw
 
 
 @needs_tape
+def test_an_attentions_scaling_set_after_the_tape_was_written_is_read_again(two_threads, kernel_wins):
+    """Regression: the tape took each attention's ``scaling`` as a number when it was written and did not check it
+    again, so after ``self_attn.scaling = ...`` (an attention temperature set between steps) its decode steps
+    computed with the old scale while the prompt's steps used the new one: other tokens from the second on, on new
+    prompts too (no prefix of theirs cached). The tape now checks each step the attention settings it took."""
+    model = model_of("llama", 63)
+    with Engine(model, num_blocks=256, block_size=4, max_num_seqs=2) as engine:
+        engine.generate(workload(63, 2), GREEDY, use_tqdm=False)
+        assert tapes_of(engine).runs > 0
+        for layer in layers_of(model):
+            layer.self_attn.scaling = layer.self_attn.scaling * 1.5
+        prompts = workload(64, 2)
+        runs = tapes_of(engine).runs
+        assert_model_tokens(model, prompts, engine.generate(prompts, GREEDY, use_tqdm=False))
+        assert tapes_of(engine).runs > runs  # written again with the new scale
+
+
+def _resized(model: Any) -> None:
+    model.resize_token_embeddings(model.config.vocab_size + 64)
+    model.lm_head.weight[-64:].normal_(0, 1.0)  # new tokens the head may choose
+
+
+def _parametrized(model: Any) -> None:
+    import torch.nn.utils.parametrize as parametrize
+
+    class Scaled(torch.nn.Module):
+        def forward(self, weight: torch.Tensor) -> torch.Tensor:
+            return weight * 1.5
+
+    parametrize.register_parametrization(model.model.layers[0].self_attn.q_proj, "weight", Scaled())
+
+
+def _pruned(model: Any) -> None:
+    from torch.nn.utils import prune
+
+    prune.l1_unstructured(model.model.layers[0].mlp.down_proj, "weight", amount=0.5)
+
+
+def _tied(model: Any) -> None:
+    model.lm_head.weight = model.model.embed_tokens.weight
+
+
+def _bias_added(model: Any) -> None:
+    o_proj = model.model.layers[1].self_attn.o_proj
+    o_proj.bias = torch.nn.Parameter(torch.randn(o_proj.out_features))
+
+
+def _rotary_replaced(model: Any) -> None:
+    rotary = model.model.rotary_emb
+    rotary.register_buffer("inv_freq", rotary.inv_freq * 0.5, persistent=False)
+
+
+def _weight_replaced(model: Any) -> None:
+    up = model.model.layers[1].mlp.up_proj
+    up.weight = torch.nn.Parameter(up.weight.detach() * 2)
+
+
+def _norm_replaced(model: Any) -> None:
+    norm = model.model.layers[0].post_attention_layernorm
+    norm.weight = torch.nn.Parameter(norm.weight.detach() * 3)
+
+
+def _embedding_scaled(model: Any) -> None:
+    model.model.embed_tokens.weight.mul_(2)
+
+
+SEEN = {
+    "resize_token_embeddings": _resized,
+    "a parametrization": _parametrized,
+    "pruning": _pruned,
+    "the head tied": _tied,
+    "a bias added": _bias_added,
+    "rotary frequencies replaced": _rotary_replaced,
+    "a weight replaced": _weight_replaced,
+    "a norm's weight replaced": _norm_replaced,
+    "the embedding in place": _embedding_scaled,
+}
+
+
+@needs_tape
+@pytest.mark.parametrize("change", sorted(SEEN))
+def test_changes_made_between_steps_are_computed(change, two_threads, kernel_wins):
+    """What a training or tooling loop may do to a model the Engine serves, between two calls on the same prompts
+    (their prefixes cached, the tape written): the second call's tokens are the model's own as it is then. (In-place
+    writes into a rotary ``inv_freq`` are not seen: docs/limits.md.)"""
+    model = model_of("llama", 65)
+    prompts = workload(65, 2)
+    with Engine(model, num_blocks=256, block_size=4, max_num_seqs=2) as engine:
+        engine.generate(prompts, GREEDY, use_tqdm=False)
+        assert tapes_of(engine).runs > 0
+        with torch.no_grad():
+            SEEN[change](model)
+        assert_model_tokens(model, prompts, engine.generate(prompts, GREEDY, use_tqdm=False))
+
+
+@needs_tape
 def test_a_sleeping_pool_frees_its_tensors_though_a_tape_read_them(two_threads, kernel_wins):
     """Regression: the tapes held each layer's key and value caches, so ``pool.sleep()`` (an RL loop giving the
     memory back to a training step) dropped the pool's references and freed nothing. The tape holds them weakly

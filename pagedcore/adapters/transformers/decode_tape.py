@@ -38,6 +38,7 @@ import ctypes
 import logging
 import threading
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -280,6 +281,10 @@ class _Tape:
         # stale: written again)
         self.layer_pools: list[tuple[int, weakref.ref[torch.Tensor], weakref.ref[torch.Tensor]]] = []
         self.windows: dict[int, int | None] = {}  # group -> the window its layers hand the attention
+        # each attention module with what the tape took of it as numbers (its scale, head size, layer index and
+        # window): set by a caller between steps, they must be read again (the records hold the old ones)
+        self.settings: list[tuple[weakref.ref[Any], tuple[Any, ...]]] = []
+        self.window_of: Callable[[Any], int | None] = _no_window
         self.patches: list[tuple[int, int, str, int]] = []
         self.head_dim = self.groups_per_kv = 0
         self.where = np.zeros(0, dtype=np.int64)  # each patch's element of the flat tape
@@ -495,7 +500,17 @@ def _calls_hold(tape: _Tape, layers: list[Any]) -> bool:
             return False
         if module._backward_hooks or module._backward_pre_hooks or "forward" in module.__dict__:  # noqa: SLF001
             return False
+    window = tape.window_of
+    for ref, taken in tape.settings:
+        attn = ref()
+        if attn is None or (attn.scaling, attn.head_dim, attn.layer_idx, window(attn)) != taken:
+            return False
     return all(norm.holds() for norm in tape.norms) and all(linear.holds() for linear in tape.linears)
+
+
+def _no_window(attention: Any) -> int | None:
+    """A tape with no attention layer reads no window."""
+    return None
 
 
 def _write(kernel: DecodeTapeKernel, classes: Any, layers: list[Any], direct: Any, hidden: torch.Tensor,
@@ -637,6 +652,8 @@ class _Writer:
         if tape.windows.setdefault(group, window) != window:
             raise _Never("layers of one KV group with different windows")
         tape.head_dim, tape.groups_per_kv = d, heads // kv_heads
+        tape.window_of = self.classes.window
+        tape.settings.append((weakref.ref(attention), (attention.scaling, attention.head_dim, index, window)))
         tape.layer_pools.append((index, weakref.ref(keys), weakref.ref(values)))
         tape.pools.setdefault(group, index)
         rotated, attended = tape.buffer("rotated", heads * d), tape.buffer("attended", heads * dv)
