@@ -4,7 +4,8 @@ Needs: the `transformers` extra (`make demo` installs it); peft for the LoRA row
 
 Every ``enable()``d ``generate`` call and every Engine step asks the pool whether the model's weights moved
 (``PagedKVPool.check_weights``: version counters, data pointers, optimizer steps, PEFT adapter state, module
-structure). This script times that check on the benchmark model (``pagedcore.benchmarks.common.bench_model``: Llama,
+structure; each module's settings too at ``enable()``d calls and in Engine steps that may admit a request). This
+script times that check on the benchmark model (``pagedcore.benchmarks.common.bench_model``: Llama,
 hidden 512, 8 layers, vocab 32k) and on the same model with LoRA adapters on its attention (when ``peft`` is
 installed), side by side with one decode forward (one token over a 512-token ``DynamicCache``) and one Engine decode
 step of 16 sequences, in one run. Figures are medians over several runs; on a shared machine read the ratios, or
@@ -53,7 +54,8 @@ def median_us(fn: Callable[[], object], reps: int, runs: int = 5) -> float:
 
 
 def check_costs(model: torch.nn.Module, reps: int) -> dict[str, float]:
-    """Microseconds of one check: unchanged weights, after an in-place update, after a registration elsewhere."""
+    """Microseconds of one check: unchanged weights (without the modules' settings, as an Engine step that admits
+    no request checks, and with them), after an in-place update, after a registration elsewhere."""
     pool = PagedKVPool(model, num_blocks=16)
     pool.check_weights()  # the first check makes the watch
     watch = pool.weights
@@ -69,10 +71,11 @@ def check_costs(model: torch.nn.Module, reps: int) -> dict[str, float]:
         model.register_buffer("probe", None)  # a registration on the model: the next check walks it again
         watch.check()
 
-    unchanged = median_us(pool.check_weights, reps)
+    unchanged = median_us(lambda: pool.check_weights(settings=False), reps)
+    settings = median_us(pool.check_weights, reps)
     with_update = median_us(updated, max(reps // 4, 1))
     walk = median_us(rewalked, max(reps // 20, 1))
-    return {"unchanged": unchanged, "after an update": with_update, "full walk": walk}
+    return {"unchanged": unchanged, "with settings": settings, "after an update": with_update, "full walk": walk}
 
 
 def decode_ms(model: torch.nn.Module, context: int, reps: int) -> float:
@@ -143,13 +146,15 @@ def main(argv: list[str] | None = None) -> int:
         f"one Engine decode step ({seqs} sequences of 128 tokens): {step:.2f} ms"
     )
     print()
-    header = ("model", "tensors", "check, unchanged", "after an update", "full walk (after a registration)")
+    header = ("model", "tensors", "check, unchanged", "with the settings", "after an update",
+              "full walk (after a registration)")  # fmt: skip
     print("| " + " | ".join(header) + " | unchanged / decode forward | unchanged / Engine step |")
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for name, count, cost in rows:
         unchanged = cost["unchanged"]
         print(
-            f"| {name} | {count} | {unchanged:.1f} us | {cost['after an update']:.1f} us | {cost['full walk']:.0f} us "
+            f"| {name} | {count} | {unchanged:.1f} us | {cost['with settings']:.1f} us | "
+            f"{cost['after an update']:.1f} us | {cost['full walk']:.0f} us "
             f"| {unchanged / (decode * 1e3):.2%} | {unchanged / (step * 1e3):.2%} |"
         )
     return 0

@@ -378,6 +378,73 @@ def test_reset_prefix_cache_for_what_the_fingerprint_cannot_see(enabled):
     assert_like_stock(model, pool, ids)
 
 
+# ---------------------------------------------------------------- what a model computes with besides its tensors
+def _activation(model: torch.nn.Module) -> None:
+    for layer in model.model.layers:
+        layer.mlp.act_fn = torch.nn.GELU()  # a registration that adds and replaces no tensor
+
+
+def _norm_setting(model: torch.nn.Module) -> None:
+    model.model.layers[0].post_attention_layernorm.variance_epsilon = 0.5
+
+
+def _attention_setting(model: torch.nn.Module) -> None:
+    for layer in model.model.layers:
+        layer.self_attn.scaling = layer.self_attn.scaling * 2
+
+
+def _instance_forward(model: torch.nn.Module) -> None:
+    mlp = model.model.layers[0].mlp
+    forward = mlp.forward
+    mlp.forward = lambda x: forward(x) * 2
+
+
+UNSEEN_BEFORE = {
+    "an activation replaced": _activation,
+    "a norm's epsilon": _norm_setting,
+    "an attention's scaling": _attention_setting,
+    "a forward set on the instance": _instance_forward,
+}
+
+
+@pytest.mark.parametrize("change", sorted(UNSEEN_BEFORE))
+def test_a_change_that_moves_no_tensor_forgets_the_prefixes(enabled, change):
+    """Regression: an activation replaced (a registration, after which the watch walked the tree again but compared
+    only the tensors), a setting held as a plain attribute, or a ``forward`` set on a module changed no tensor, so
+    the watch saw nothing and the next call was served the prompt's keys of the model before: other logits than
+    stock. The watch now compares the modules after a registration, and each module's settings at every check that
+    asks for them (enable()'s, at each call)."""
+    model = tiny_model("llama")
+    ids = tokens(13, seed=23)
+    pool = enabled(model)
+    warm(model, pool, ids)
+    UNSEEN_BEFORE[change](model)
+    assert_like_stock(model, pool, ids)
+
+
+def test_settings_are_compared_where_asked_and_the_runners_own_forwards_do_not_count():
+    """The Engine leaves the settings out of steps that admit no request (``check(settings=False)``): a change is
+    then seen at the next check that compares them, also across a walk after a registration; the forwards the
+    runner installs on its linears are the modules' own computation."""
+    from pagedcore.adapters.transformers.prepacked import PrepackedLinears
+
+    model = tiny_model("llama")
+    watch = WeightsWatch(model)
+    packs = PrepackedLinears(model)  # a forward set on every linear and the head: the same computation
+    assert not watch.check()
+    norm = model.model.norm
+    norm.variance_epsilon = 0.25
+    assert not watch.check(settings=False)
+    assert watch.check() and not watch.check() and watch.fingerprint().epoch == 1
+    norm.variance_epsilon = 0.25  # the same value again
+    assert not watch.check()
+    norm.variance_epsilon = 0.5
+    model.model.norm = norm  # a registration: the walk after it finds the new value, compared with the old
+    assert watch.check(settings=False) and watch.fingerprint().epoch == 2
+    packs.close()
+    assert not watch.check()
+
+
 # ------------------------------------------------------------------------------------------------ the watch itself
 def test_the_watch_holds_no_replaced_tensor_and_tolerates_a_dead_model():
     import gc

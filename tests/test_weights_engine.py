@@ -199,3 +199,43 @@ def test_a_converted_model_rebuilds_an_idle_pool_and_fails_only_the_requests_run
         served = engine.generate([prompt], SamplingParams(max_new_tokens=3), use_tqdm=False)[0]
         assert served.error is None and engine.pool.layer_tensors(0)[0].dtype == torch.float32
         settle(engine)
+
+
+@pytest.mark.parametrize("change", ["activation", "setting", "forward"])
+def test_a_change_that_moves_no_tensor_is_seen_by_the_next_request(change):
+    """Regression: ``mlp.act_fn = nn.GELU()``, ``input_layernorm.variance_epsilon = ...`` or ``mlp.forward = ...``
+    between two ``generate`` calls moved no tensor, so the Engine served the second call's prompts the keys the
+    model computed before: other tokens than the model's own, with the same weights version."""
+    model = tiny_model("llama")
+    prompts = workload(31, 3)
+    with Engine(model, num_blocks=128, block_size=BLOCK) as engine:
+        first = engine.generate(prompts, GREEDY, use_tqdm=False)
+        layer = model.model.layers[0]
+        if change == "activation":
+            layer.mlp.act_fn = torch.nn.GELU()
+        elif change == "setting":
+            layer.input_layernorm.variance_epsilon = 0.5
+        else:
+            forward = layer.mlp.forward
+            layer.mlp.forward = lambda x: forward(x) * 2
+        outputs = engine.generate(prompts, GREEDY, use_tqdm=False)
+        assert [o.weights_version for o in outputs] == [first[0].weights_version + 1] * len(prompts)
+        assert_stock(model, prompts, outputs)
+
+
+def test_steps_that_admit_no_request_do_not_compare_the_settings(monkeypatch):
+    """The settings check (tens of microseconds) runs only in steps that may admit a request, where a prefix lookup
+    follows: one step here, not the decode steps after it."""
+    from pagedcore.adapters.transformers import weights
+
+    compared: list[int] = []
+    real = weights._settings_hold
+    monkeypatch.setattr(weights, "_settings_hold", lambda walk: compared.append(1) or real(walk))
+    model = tiny_model("llama")
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    with Engine(model, num_blocks=64, block_size=BLOCK) as engine:
+        engine.generate([workload(32, 1)[0]], params, use_tqdm=False)  # the watch starts at the first step
+        compared.clear()
+        out = engine.generate([workload(33, 1)[0]], params, use_tqdm=False)
+        assert len(out[0].token_ids) == 12 and out[0].error is None
+        assert len(compared) == 1

@@ -53,6 +53,7 @@ from .locks import Locks
 from .logprobs import prompt_logprobs
 from .lora import AdapterRequests, AdapterSet, loras_per_prompt
 from .outputs import EngineStats, RequestMetrics, RequestOutput, StepOutput, TokenEvent, TokenLogprobs, token_event
+from .progress import progress_bar
 from .request import Request, RequestState
 from .runner import ArgmaxTokens, ModelRunner
 from .sampling import StepSamples, argmax_samples, sample_rows
@@ -299,7 +300,7 @@ class Engine:
         owner = object()
         mine: list[RequestState] = []
         taken: list[RequestOutput] = []
-        progress = _progress(len(prompt_list), use_tqdm)
+        progress = progress_bar(len(prompt_list), use_tqdm)
         progress.update(len(prompt_list) - len(valid))
         try:
             for i, request in valid:
@@ -434,7 +435,7 @@ class Engine:
         with self._lock:
             self._check_open()
             with timed("schedule"):
-                self.runner.check_weights()  # after a weight update: forget the old prefixes before admitting
+                self.runner.check_weights(admitting=self._may_admit())  # forget old prefixes before admitting
                 self._weights_version = self.runner.weights_version  # what this step's forward computes with
                 self._admit_compiled()
                 self._adapters.admit(self.scheduler, self._fail)  # whose adapter can enter the model now
@@ -449,6 +450,12 @@ class Engine:
                 batch.prepared = self.runner.prepare(batch.forward)
                 self._in_flight = True
                 return batch
+
+    def _may_admit(self) -> bool:
+        """Whether this step may admit a request (one waits in the scheduler, for its grammar or for its adapter):
+        then the weights check compares the model's settings too, before the prefix lookup."""
+        grammars = self._admission.grammars
+        return bool(self.scheduler.num_waiting or self._adapters.num_held or (grammars and grammars.num_held))
 
     def _forward(self, batch: StepBatch) -> torch.Tensor | ArgmaxTokens | str:
         """forward, without the lock (it reads only the batch): the logits (or an argmax-only batch's tokens), or why
@@ -782,19 +789,3 @@ class Engine:
 
 
 _NO_OUTPUT = RequestOutput("", [], [], RequestMetrics(0.0))
-
-
-class _NoProgress:
-    def update(self, n: int = 1) -> None:
-        """Nothing to show."""
-
-    def close(self) -> None:
-        """Nothing to close."""
-
-
-def _progress(total: int, enabled: bool) -> Any:
-    if not enabled:
-        return _NoProgress()
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc="pagedcore", unit="req", dynamic_ncols=True)

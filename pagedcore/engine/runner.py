@@ -186,9 +186,11 @@ class ModelRunner(Protocol):
     @property
     def plugins(self) -> PluginManager: ...
 
-    def check_weights(self) -> int:
+    def check_weights(self, *, admitting: bool = True) -> int:
         """Before a step is planned (under the lock): notice a change of the model's weights and forget the cached
-        prefixes computed before it (a new epoch); returns the blocks forgotten."""
+        prefixes computed before it (a new epoch); returns the blocks forgotten. ``admitting``: the step may admit
+        a request (a prefix lookup follows), so what is too costly to check at every step is checked too (the
+        transformers runner: each module's settings)."""
         ...
 
     @property

@@ -123,8 +123,9 @@ class TorchRunner:
         """The plugin manager."""
         return self._plugins
 
-    def check_weights(self) -> int:
-        """Forget the cached prefixes when the weights moved since the last check (a new epoch)."""
+    def check_weights(self, *, admitting: bool = True) -> int:
+        """Forget the cached prefixes when the weights moved since the last check (a new epoch). ``admitting``
+        asks for nothing more here: this model's settings are its tensors."""
         now = self._fingerprint()
         if now == self._weights:
             return 0

@@ -634,7 +634,7 @@ class PagedKVPool:
             return None if self.states is None else self.states.placement()
         return (first[0].dtype, first[0].device)
 
-    def check_weights(self) -> int:
+    def check_weights(self, *, settings: bool = True) -> int:
         """Notice a change of the model's weights since the last check, and forget what was computed before it.
 
         When the fingerprint moved (an optimizer step, ``load_state_dict``, a replaced parameter, a PEFT adapter
@@ -643,7 +643,9 @@ class PagedKVPool:
         of the old weights. Blocks held by caches and running requests stay theirs: they finish on the keys and
         values they computed (as a ``DynamicCache`` kept across the update would), and are never cached
         afterwards. After a conversion to another dtype or device the tensors are rebuilt as soon as no block is
-        held. Returns the cached blocks forgotten. Never raises; tens of microseconds.
+        held. Returns the cached blocks forgotten. Never raises; tens of microseconds. ``settings``: each module's
+        settings too (a norm's ``variance_epsilon``, an attention's ``scaling``, a ``forward`` set on the instance:
+        :meth:`.weights.WeightsWatch.check`); the Engine leaves them out of steps that admit no request.
 
         ``enable()``d ``generate`` runs it at every call, the Engine at every step, a :class:`PagedCache` on a
         shared pool when it is made and before it registers blocks.
@@ -672,7 +674,7 @@ class PagedKVPool:
                 return 0
             placement = watch.placement
             forgotten = 0
-            if watch.check():
+            if watch.check(settings=settings):
                 if watch.placement != placement and self.has_tensors:
                     # Converted: keys of the new dtype or device cannot enter these tensors (layer_kv raises), so
                     # nothing is served or cached from them until the rebuild drops them with the prefixes.

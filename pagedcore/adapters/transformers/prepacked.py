@@ -33,6 +33,7 @@ from . import row_kernel
 from .graph_ops import graph_op
 from .linear_routes import MAX_ROUTES, NO_ROUTE, PLAIN, Route, Routes
 from .row_split import MAX_ROWS, RowSplit, contiguous, split_blocks, split_linear
+from .weights import transparent_forward
 
 __all__ = [
     "MIN_ROWS",
@@ -307,6 +308,7 @@ class PrepackedLinears:
         self._op_routes.clear()
 
 
+@transparent_forward
 class LayerForward:
     """A ``forward`` a runner installed on one of its model's layers (this module's linears, the fused greedy head of
     :mod:`.argmax_head`): what :func:`installed_forward` finds.

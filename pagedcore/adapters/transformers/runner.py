@@ -218,11 +218,12 @@ class TransformersRunner:
         return self.pool.plugins
 
     # ------------------------------------------------------------------ a step
-    def check_weights(self) -> int:
-        """The pool's weights check (:meth:`~.pool.PagedKVPool.check_weights`), and the adapters' (changed in place,
-        or unloaded and no longer used: :meth:`~.lora.LoraAdapters.maintain`); a new weights version drops the
-        packed weights (rebuilt from the new ones at their next use)."""
-        forgotten = self.pool.check_weights()
+    def check_weights(self, *, admitting: bool = True) -> int:
+        """The pool's weights check (:meth:`~.pool.PagedKVPool.check_weights`; ``admitting``: with each module's
+        settings, where a prefix lookup follows), and the adapters' (changed in place, or unloaded and no longer
+        used: :meth:`~.lora.LoraAdapters.maintain`); a new weights version drops the packed weights (rebuilt from
+        the new ones at their next use)."""
+        forgotten = self.pool.check_weights(settings=admitting)
         if self._linears is not None:
             self._linears.refresh(self.pool.weights_version)
         return forgotten + self.adapters.maintain() if self.adapters is not None else forgotten

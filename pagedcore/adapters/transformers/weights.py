@@ -12,10 +12,18 @@ What the fingerprint covers:
 - steps of ``torch.optim`` optimizers over those tensors (fused kernels, ``AdamW(fused=True)``, bump no version
   counter): a global optimizer step post-hook counts them per tensor;
 - the module structure: a submodule, parameter or buffer added or replaced (PEFT adapters injected or unloaded,
-  ``merge_and_unload``, ``model.lm_head.weight = nn.Parameter(...)``, ``load_state_dict(assign=True)``): torch's
-  global registration hooks count registrations on the model's modules, and the watch walks the module tree again
-  after one; and the children of each ``ModuleList`` and ``Sequential`` (their ``insert`` and ``del`` edit the
-  container's dict without a registration: a layer inserted or deleted), compared by identity at every check;
+  ``merge_and_unload``, ``model.lm_head.weight = nn.Parameter(...)``, ``load_state_dict(assign=True)``, a module
+  without tensors such as an activation: ``mlp.act_fn = nn.GELU()``): torch's global registration hooks count
+  registrations on the model's modules, and the watch walks the module tree again after one, comparing the modules
+  (by identity) and the tensors; and the children of each ``ModuleList`` and ``Sequential`` (their ``insert`` and
+  ``del`` edit the container's dict without a registration: a layer inserted or deleted), compared by identity at
+  every check;
+- each module's settings: its public attributes that hold a number, a string or a flag (a norm's
+  ``variance_epsilon``, an attention's ``scaling``; not ``training``, ``gradient_checkpointing`` or
+  ``name_or_path``, which change no output), and a ``forward`` set on the instance (``module.forward = ...``, as
+  Liger's or accelerate's patches do; pagedcore's own, :func:`transparent_forward`, compute the module's forward and
+  do not count): compared where the caller asks (``check(settings=True)``, a few tens of microseconds for a
+  hundred modules: ``enable()``d calls each time, the Engine in steps that may admit a request);
 - the state of PEFT tuner layers (any module with ``active_adapters``, ``merged_adapters`` and
   ``disable_adapters``): which adapters are active, merged (``merge_adapter`` writes through ``.data``, which no
   version counter sees), disabled (``disable_adapter()``), and their scaling;
@@ -31,7 +39,8 @@ is no change of the base model (its prefixes and its content hash stay), while e
 Not covered (call ``reset_prefix_cache()`` after them): writes through ``.data`` outside PEFT (``p.data.copy_(w)``),
 direct writes into a module's ``_parameters`` (accelerate's ``set_module_tensor_to_device``) or ``_modules`` (outside
 torch's sequence containers), parameters created as inference tensors (they have no version counter), forward hooks
-that change activations. Tensors on the ``meta``
+that change activations, settings held elsewhere than a module's public plain attributes (the config object's fields
+read at each forward, private attributes, a class's attributes or methods patched). Tensors on the ``meta``
 device (accelerate's offloaded weights between forwards, which it replaces at every forward) count by name, dtype
 and shape only: their data is elsewhere, and the watch never calls ``data_ptr`` on them.
 
@@ -43,7 +52,8 @@ one of the model's modules (not on the temporary containers models build in thei
 The fingerprint is an in-process one (:class:`WeightsFingerprint`: which watch, how many moves it saw, where the
 weights are); a persisted key (a store below the pool, shared across processes and restarts: :mod:`pagedcore.kv_tiers`)
 extends it with :meth:`WeightsWatch.content_hash`, a hash of every parameter's and buffer's name, dtype, shape and
-bytes, computed once per :attr:`WeightsWatch.epoch` (about a second per GB on a CPU), without changing the callers of
+bytes and of every module's name, class and settings (not its instance ``forward``: no name says what one computes),
+computed once per :attr:`WeightsWatch.epoch` (about a second per GB on a CPU), without changing the callers of
 :meth:`WeightsWatch.check`. A model with tensors on the meta device has no content hash (its data is elsewhere).
 """
 
@@ -51,6 +61,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import operator
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -62,7 +73,7 @@ from torch.nn.modules import module as torch_module
 from torch.optim import optimizer as torch_optimizer
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["WeightsFingerprint", "WeightsWatch"]
+__all__ = ["WeightsFingerprint", "WeightsWatch", "transparent_forward"]
 
 Placement = tuple[torch.dtype, torch.device] | None
 """The ``(dtype, device)`` of a model's first parameter not on the meta device (what its keys are computed in)."""
@@ -154,6 +165,86 @@ class _Walk:
     # container's dict without a registration: compared at every check)
     containers: list[tuple[weakref.ref[torch.nn.Module], list[Callable[[], torch.nn.Module | None]]]]
     modules: list[weakref.ref[torch.nn.Module]]  # every module, in named_modules() order
+    # the modules whose forwards make up the (base) model's computation, in order: with adapters apart, those of
+    # PEFT tuner layers are left out but their base layers' (a module without tensors replaced, an activation say,
+    # is a registration that changes no tensor: compared after each one)
+    structure: list[weakref.ref[torch.nn.Module]]
+    settings: list[_Settings]  # per module of ``structure``: its settings then (compared where asked: check())
+
+
+_SCALARS = (bool, int, float, str)  # not None: attributes a forward fills in later (Qwen2-VL's rope_deltas) start so
+# plain attributes that change no output: the mode (the training flag counts apart), gradient checkpointing, where the
+# weights were loaded from
+_NOT_SETTINGS = frozenset({"training", "gradient_checkpointing", "name_or_path"})
+_TRANSPARENT: list[tuple[type, ...]] = [()]  # pagedcore's own instance forwards (the class's computation)
+
+
+def transparent_forward(cls: type[Any]) -> type[Any]:
+    """Class decorator: instances of ``cls`` (and of its subclasses) set as a module's ``forward`` compute what the
+    module's own forward does (the runner's packed linears, the fused greedy head), so the watch's settings check
+    does not count them.
+
+    Example:
+        >>> from pagedcore.adapters.transformers.testing import tiny_llama
+        >>> @transparent_forward
+        ... class Own:
+        ...     def __init__(self, module):
+        ...         self.module = module
+        ...     def __call__(self, x):
+        ...         return type(self.module).forward(self.module, x)
+        >>> model = tiny_llama()
+        >>> watch = WeightsWatch(model)
+        >>> model.lm_head.forward = Own(model.lm_head)
+        >>> watch.check()
+        False
+        >>> model.lm_head.forward = lambda x: 2 * type(model.lm_head).forward(model.lm_head, x)
+        >>> watch.check(settings=False), watch.check(), watch.epoch
+        (False, True, 1)
+    """
+    _TRANSPARENT[0] = (*_TRANSPARENT[0], cls)
+    return cls
+
+
+@dataclass
+class _Settings:
+    """One module's settings as a walk found them: its public plain attributes (numbers, strings, flags: a
+    norm's ``variance_epsilon``, an attention's ``scaling``; :func:`_setting_names`), and the ``forward`` set on the
+    instance."""
+
+    module: weakref.ref[torch.nn.Module]
+    read: Callable[[dict[str, Any]], Any] | None  # the attributes' values, from the module's __dict__
+    values: Any
+    forward: int | None  # id() of an instance forward other than a transparent one, else None
+
+    @classmethod
+    def of(cls, module: torch.nn.Module) -> _Settings:
+        fields = module.__dict__
+        names = _setting_names(fields)
+        read = operator.itemgetter(*names) if names else None
+        return cls(weakref.ref(module), read, read(fields) if read else None, _own_forward(fields))
+
+    def hold(self) -> bool:
+        """The module is alive with the same settings."""
+        module = self.module()
+        if module is None:
+            return False
+        fields = module.__dict__
+        try:
+            values = self.read(fields) if self.read else None
+        except KeyError:  # an attribute deleted
+            return False
+        return values == self.values and _own_forward(fields) == self.forward
+
+
+def _setting_names(fields: dict[str, Any]) -> list[str]:
+    """The names of a module's settings among its attributes (``fields``: its ``__dict__``)."""
+    return [name for name, value in fields.items()
+            if type(value) in _SCALARS and not name.startswith("_") and name not in _NOT_SETTINGS]  # fmt: skip
+
+
+def _own_forward(fields: dict[str, Any]) -> int | None:
+    forward = fields.get("forward")
+    return None if forward is None or isinstance(forward, _TRANSPARENT[0]) else id(forward)
 
 
 _serials = itertools.count()
@@ -227,10 +318,14 @@ class WeightsWatch:
         """The fingerprint as of the last :meth:`check`."""
         return WeightsFingerprint(self._serial, self._epoch, self._placement)
 
-    def check(self) -> bool:
+    def check(self, *, settings: bool = True) -> bool:
         """Whether the weights moved since the last check (or since the watch was made); records what it saw.
 
-        False once the model was garbage collected (nothing computes with it any more).
+        ``settings``: also compare each module's settings (its plain attributes, a norm's ``variance_epsilon`` or an
+        attention's ``scaling``, and a ``forward`` set on the instance) with the last walk's: a few tens of
+        microseconds more, so the Engine asks for it only in steps that may admit a request (a prefix lookup);
+        a change found is a move like any other. False once the model was garbage collected (nothing computes with
+        it any more).
         """
         model = self._model()
         if model is None:
@@ -242,6 +337,9 @@ class WeightsWatch:
         if state is None:  # a tensor is gone (replaced without a registration, e.g. by accelerate's offload hooks)
             return self._rewalk(model)
         moved = state != self._last
+        if settings and not _settings_hold(walk):
+            walk.settings = [_Settings.of(module) for ref in walk.structure if (module := ref()) is not None]
+            moved = True
         count = 1
         if _EVENTS.optimizer_steps != self._optimizer_steps:
             self._optimizer_steps = _EVENTS.optimizer_steps
@@ -317,6 +415,7 @@ class WeightsWatch:
         assert state is not None
         steps = _steps(new)
         moved = not _same_structure(old, new, self._apart) or state != self._last or steps != self._steps
+        moved = moved or not _settings_hold(old)  # set with the registration: the new walk took the new ones
         count = _most_steps(self._steps, steps) if len(steps) == len(self._steps) else 1
         self._walk, self._steps = new, steps
         if moved:
@@ -371,19 +470,54 @@ def _walk(model: torch.nn.Module, apart: bool = False) -> _Walk:
     tuners: list[tuple[str, weakref.ref[Any]]] = []
     containers: list[tuple[weakref.ref[torch.nn.Module], list[Callable[[], torch.nn.Module | None]]]] = []
     modules: list[weakref.ref[torch.nn.Module]] = []
+    structure: list[weakref.ref[torch.nn.Module]] = []
+    tuned: list[str] = []  # with adapters apart: the tuner layers' names (their own modules are the adapters')
     watched = _EVENTS.watched
     for module_name, module in model.named_modules():
         watched.add(module)
-        modules.append(weakref.ref(module))
-        if _is_tuner(module):
-            tuners.append((module_name, weakref.ref(module)))
+        module_ref = weakref.ref(module)
+        modules.append(module_ref)
+        tuner = _is_tuner(module)
+        if _computes(module_name, tuner, tuned, apart):
+            structure.append(module_ref)
+        if tuner:
+            tuners.append((module_name, module_ref))
+            tuned.append(module_name)
         if isinstance(module, _SEQUENCES):
             children: list[Callable[[], torch.nn.Module | None]] = [
                 _no_module if child is None else weakref.ref(child)
                 for child in module._modules.values()  # noqa: SLF001
             ]
             containers.append((weakref.ref(module), children))
-    return _Walk(tuple(names), refs, tuple(meta), plain, others, frequencies, tuners, first, containers, modules)
+    settings = [_Settings.of(module) for ref in structure if (module := ref()) is not None]
+    return _Walk(tuple(names), refs, tuple(meta), plain, others, frequencies, tuners, first, containers, modules,
+                 structure, settings)  # fmt: skip
+
+
+def _computes(name: str, tuner: bool, tuned: list[str], apart: bool) -> bool:
+    """Whether module ``name`` is part of the (base) model's computation: every module, or with adapters apart
+    neither a tuner layer (``tuner``) nor a part of one but its base layer (``tuned``: the tuner layers met so far;
+    ``named_modules()`` gives a layer's parts right after it)."""
+    return not apart or not (tuner or (bool(tuned) and _adapter_part(name, tuned[-1])))
+
+
+def _base_modules(model: torch.nn.Module, apart: bool) -> Iterator[tuple[str, torch.nn.Module]]:
+    """The modules of the (base) model's computation with their names (``apart``: a base layer's unwrapped)."""
+    tuned: list[str] = []
+    for name, module in model.named_modules():
+        tuner = _is_tuner(module)
+        if _computes(name, tuner, tuned, apart):
+            yield (name.replace(".base_layer", "") if apart else name), module
+        if tuner:
+            tuned.append(name)
+
+
+def _adapter_part(name: str, tuner: str) -> bool:
+    """Whether module ``name`` lies inside tuner layer ``tuner`` but not in its base layer."""
+    if not name.startswith(tuner + "."):
+        return False
+    rest = name[len(tuner) + 1 :]
+    return rest != "base_layer" and not rest.startswith("base_layer.")
 
 
 _SEQUENCES = (torch.nn.ModuleList, torch.nn.Sequential)
@@ -402,6 +536,11 @@ def _containers_hold(walk: _Walk) -> bool:
         if module is None or [child() for child in children] != list(module._modules.values()):  # noqa: SLF001
             return False  # (modules compare by identity)
     return True
+
+
+def _settings_hold(walk: _Walk) -> bool:
+    """Every module of the walk's structure alive with the settings the walk found."""
+    return len(walk.settings) == len(walk.structure) and all([item.hold() for item in walk.settings])
 
 
 def _tensors(model: torch.nn.Module, apart: bool = False) -> Iterator[tuple[str, torch.Tensor, bool]]:
@@ -433,6 +572,11 @@ def _content_hash(model: torch.nn.Module, apart: bool = False) -> str | None:
         digest.update(f"{name}\0{tensor.dtype}\0{tuple(tensor.shape)}\0".encode())
         data = tensor.detach().to("cpu").contiguous().reshape(-1)
         digest.update(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
+    for name, module in _base_modules(model, apart):  # what computes with them: each module's class and settings
+        fields = module.__dict__
+        settings = sorted((key, repr(fields[key])) for key in _setting_names(fields))
+        kind = type(module)
+        digest.update(f"{name}\0{kind.__module__}.{kind.__qualname__}\0{settings}\0".encode())
     return digest.hexdigest()
 
 
@@ -448,6 +592,8 @@ def _readable(tensor: torch.Tensor) -> bool:
 
 
 def _same_structure(old: _Walk, new: _Walk, apart: bool = False) -> bool:
+    if len(old.structure) != len(new.structure) or any(o() is not n() for o, n in zip(old.structure, new.structure)):
+        return False  # a module added, removed or replaced (one without tensors too: an activation)
     if old.names != new.names or old.meta != new.meta or (not apart and len(old.tuners) != len(new.tuners)):
         return False
     for o, n, meta in zip(old.refs, new.refs, old.meta):
