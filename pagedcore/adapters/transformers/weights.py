@@ -169,7 +169,7 @@ class _Walk:
     # PEFT tuner layers are left out but their base layers' (a module without tensors replaced, an activation say,
     # is a registration that changes no tensor: compared after each one)
     structure: list[weakref.ref[torch.nn.Module]]
-    settings: list[_Settings]  # per module of ``structure``: its settings then (compared where asked: check())
+    settings: _Settings  # the settings of ``structure``'s modules then (compared where asked: check())
 
 
 _SCALARS = (bool, int, float, str)  # not None: attributes a forward fills in later (Qwen2-VL's rope_deltas) start so
@@ -207,44 +207,58 @@ def transparent_forward(cls: type[Any]) -> type[Any]:
 
 @dataclass
 class _Settings:
-    """One module's settings as a walk found them: its public plain attributes (numbers, strings, flags: a
-    norm's ``variance_epsilon``, an attention's ``scaling``; :func:`_setting_names`), and the ``forward`` set on the
-    instance."""
+    """The settings of a walk's modules as it found them: per module its public plain attributes (numbers, strings,
+    flags: a norm's ``variance_epsilon``, an attention's ``scaling``; :func:`_setting_names`) and the ``forward`` set
+    on the instance; held as columns, so that a check is a few passes over lists."""
 
-    module: weakref.ref[torch.nn.Module]
-    read: Callable[[dict[str, Any]], Any] | None  # the attributes' values, from the module's __dict__
-    values: Any
-    forward: int | None  # id() of an instance forward other than a transparent one, else None
+    modules: list[weakref.ref[torch.nn.Module]]
+    reads: list[Callable[[dict[str, Any]], Any]]  # per module: its attributes' values, read from its __dict__
+    values: list[Any]
+    forwards: list[int | None]  # per module: id() of an instance forward other than a transparent one, else None
 
     @classmethod
-    def of(cls, module: torch.nn.Module) -> _Settings:
-        fields = module.__dict__
-        names = _setting_names(fields)
-        read = operator.itemgetter(*names) if names else None
-        return cls(weakref.ref(module), read, read(fields) if read else None, _own_forward(fields))
+    def of(cls, modules: list[torch.nn.Module]) -> _Settings:
+        fields = [module.__dict__ for module in modules]
+        reads = [_reader(_setting_names(found)) for found in fields]
+        values = [read(found) for read, found in zip(reads, fields)]
+        return cls([weakref.ref(module) for module in modules], reads, values, _forwards(fields))
 
     def hold(self) -> bool:
-        """The module is alive with the same settings."""
-        module = self.module()
-        if module is None:
+        """Every module alive with the same settings."""
+        modules = [ref() for ref in self.modules]
+        if None in modules:
             return False
-        fields = module.__dict__
+        fields = [module.__dict__ for module in modules]
         try:
-            values = self.read(fields) if self.read else None
+            values = [read(found) for read, found in zip(self.reads, fields)]
         except KeyError:  # an attribute deleted
             return False
-        return values == self.values and _own_forward(fields) == self.forward
+        return values == self.values and _forwards(fields) == self.forwards
+
+
+def _reader(names: list[str]) -> Callable[[dict[str, Any]], Any]:
+    return operator.itemgetter(*names) if names else _no_settings
+
+
+def _no_settings(fields: dict[str, Any]) -> None:
+    """What a module without settings reads."""
+    return None
+
+
+def _forwards(fields: list[dict[str, Any]]) -> list[int | None]:
+    """Per module (its ``__dict__``): ``id()`` of a ``forward`` set on the instance, None where there is none or it is
+    pagedcore's own (:func:`transparent_forward`)."""
+    found = [item.get("forward") for item in fields]
+    if found.count(None) == len(found):
+        return found
+    transparent = _TRANSPARENT[0]
+    return [None if forward is None or isinstance(forward, transparent) else id(forward) for forward in found]
 
 
 def _setting_names(fields: dict[str, Any]) -> list[str]:
     """The names of a module's settings among its attributes (``fields``: its ``__dict__``)."""
     return [name for name, value in fields.items()
             if type(value) in _SCALARS and not name.startswith("_") and name not in _NOT_SETTINGS]  # fmt: skip
-
-
-def _own_forward(fields: dict[str, Any]) -> int | None:
-    forward = fields.get("forward")
-    return None if forward is None or isinstance(forward, _TRANSPARENT[0]) else id(forward)
 
 
 _serials = itertools.count()
@@ -338,7 +352,7 @@ class WeightsWatch:
             return self._rewalk(model)
         moved = state != self._last
         if settings and not _settings_hold(walk):
-            walk.settings = [_Settings.of(module) for ref in walk.structure if (module := ref()) is not None]
+            walk.settings = _Settings.of([module for ref in walk.structure if (module := ref()) is not None])
             moved = True
         count = 1
         if _EVENTS.optimizer_steps != self._optimizer_steps:
@@ -489,7 +503,7 @@ def _walk(model: torch.nn.Module, apart: bool = False) -> _Walk:
                 for child in module._modules.values()  # noqa: SLF001
             ]
             containers.append((weakref.ref(module), children))
-    settings = [_Settings.of(module) for ref in structure if (module := ref()) is not None]
+    settings = _Settings.of([module for ref in structure if (module := ref()) is not None])
     return _Walk(tuple(names), refs, tuple(meta), plain, others, frequencies, tuners, first, containers, modules,
                  structure, settings)  # fmt: skip
 
@@ -540,7 +554,7 @@ def _containers_hold(walk: _Walk) -> bool:
 
 def _settings_hold(walk: _Walk) -> bool:
     """Every module of the walk's structure alive with the settings the walk found."""
-    return len(walk.settings) == len(walk.structure) and all([item.hold() for item in walk.settings])
+    return len(walk.settings.modules) == len(walk.structure) and walk.settings.hold()
 
 
 def _tensors(model: torch.nn.Module, apart: bool = False) -> Iterator[tuple[str, torch.Tensor, bool]]:
