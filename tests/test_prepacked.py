@@ -154,3 +154,23 @@ def test_a_second_engine_open_on_the_same_model_says_it_runs_without_its_own_lay
         assert not caplog.records
         with Engine(model, num_blocks=64, block_size=4):  # another pair: warned again, for its other Engine
             assert len(caplog.records) == 1
+
+
+def test_a_linear_the_model_drops_is_freed_while_the_engine_is_open():
+    """Regression: the runner's linears kept every layer they gave a forward in a list, so a linear the model
+    dropped (``torch.ao.quantization.quantize_dynamic(model, inplace=True)`` writes each new layer into its parent's
+    ``_modules``; here the same write by hand) stayed alive with its weight until the Engine closed: its memory was
+    never given back, and the weights watch, which reads tensors dying as a change, saw none."""
+    import gc
+    import weakref
+
+    model = tiny_model("llama")
+    with Engine(model, num_blocks=64, block_size=4) as engine:
+        engine.generate(workload(41, 2), SamplingParams(max_new_tokens=3), use_tqdm=False)
+        attention = model.model.layers[0].self_attn
+        old, weight = weakref.ref(attention.q_proj), weakref.ref(attention.q_proj.weight)
+        new = torch.nn.Linear(attention.q_proj.in_features, attention.q_proj.out_features, bias=False)
+        attention._modules["q_proj"] = new  # no registration: what torch's quantization and fusion do
+        gc.collect()
+        assert old() is None and weight() is None
+        assert engine.runner.pool.weights.check()  # a tensor gone: walked again, the structure changed

@@ -141,11 +141,12 @@ class PrepackedLinears:
         _SPLITS[self._key] = self._row_split
         self._lock = threading.Lock()
         self._epoch: int | None = None
-        self._modules: list[torch.nn.Linear] = []
+        # the layers given a forward, weakly: one the model drops (replaced, quantized in place) is freed at once
+        self._modules: list[weakref.ref[torch.nn.Linear]] = []
         for module in model.modules():
             if type(module) is torch.nn.Linear and "forward" not in vars(module) and _packable(module.weight):
                 module.forward = _Forward(self, module)  # type: ignore[method-assign,assignment]
-                self._modules.append(module)
+                self._modules.append(weakref.ref(module))
 
     @property
     def packs_rows(self) -> bool:
@@ -160,7 +161,8 @@ class PrepackedLinears:
     @property
     def packed_bytes(self) -> int:
         """Bytes of the weights the packs copy (the memory prepacking costs)."""
-        return sum(m.weight.numel() * m.weight.element_size() for m in self._modules if id(m) in self._packs)
+        alive = [m for ref in self._modules if (m := ref()) is not None]
+        return sum(m.weight.numel() * m.weight.element_size() for m in alive if id(m) in self._packs)
 
     def refresh(self, epoch: int) -> None:
         """The weights epoch the runner checked: a new one drops every pack (each is rebuilt at its next use)."""
@@ -300,8 +302,9 @@ class PrepackedLinears:
 
     def close(self) -> None:
         """Give every layer its own ``forward`` back and drop the packs."""
-        for module in self._modules:
-            if isinstance(vars(module).get("forward"), _Forward):
+        for ref in self._modules:
+            module = ref()
+            if module is not None and isinstance(vars(module).get("forward"), _Forward):
                 del module.forward
         self._modules.clear()
         self._packs.clear()
