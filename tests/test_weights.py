@@ -399,7 +399,21 @@ def _instance_forward(model: torch.nn.Module) -> None:
     mlp.forward = lambda x: forward(x) * 2
 
 
+_KEPT: list[torch.nn.Module] = []  # layers a caller still holds
+
+
+def _written_into_modules(model: torch.nn.Module) -> None:
+    attention = model.model.layers[0].self_attn
+    old = attention.q_proj
+    _KEPT.append(old)  # alive: no tensor of the model dies
+    new = torch.nn.Linear(old.in_features, old.out_features, bias=False)
+    with torch.no_grad():
+        new.weight.copy_(old.weight * 2)
+    attention._modules["q_proj"] = new  # no registration: torch's quantization and fusion swap layers so
+
+
 UNSEEN_BEFORE = {
+    "a layer written into its parent's _modules": _written_into_modules,
     "an activation replaced": _activation,
     "a norm's epsilon": _norm_setting,
     "an attention's scaling": _attention_setting,
@@ -410,7 +424,8 @@ UNSEEN_BEFORE = {
 @pytest.mark.parametrize("change", sorted(UNSEEN_BEFORE))
 def test_a_change_that_moves_no_tensor_forgets_the_prefixes(enabled, change):
     """Regression: an activation replaced (a registration, after which the watch walked the tree again but compared
-    only the tensors), a setting held as a plain attribute, or a ``forward`` set on a module changed no tensor, so
+    only the tensors), a setting held as a plain attribute, a ``forward`` set on a module, or a layer written into
+    its parent's ``_modules`` while the old one lives on changed no tensor, so
     the watch saw nothing and the next call was served the prompt's keys of the model before: other logits than
     stock. The watch now compares the modules after a registration, and each module's settings at every check that
     asks for them (enable()'s, at each call)."""
@@ -443,6 +458,11 @@ def test_settings_are_compared_where_asked_and_the_runners_own_forwards_do_not_c
     assert watch.check(settings=False) and watch.fingerprint().epoch == 2
     packs.close()
     assert not watch.check()
+    attention = model.model.layers[0].self_attn
+    old = attention.q_proj
+    attention._modules["q_proj"] = torch.nn.Linear(old.in_features, old.out_features, bias=False)
+    assert not watch.check(settings=False)  # the old layer lives on (``old``): no tensor died, no registration
+    assert watch.check() and watch.fingerprint().epoch == 3
 
 
 # ------------------------------------------------------------------------------------------------ the watch itself

@@ -20,10 +20,12 @@ What the fingerprint covers:
   every check;
 - each module's settings: its public attributes that hold a number, a string or a flag (a norm's
   ``variance_epsilon``, an attention's ``scaling``; not ``training``, ``gradient_checkpointing`` or
-  ``name_or_path``, which change no output), and a ``forward`` set on the instance (``module.forward = ...``, as
+  ``name_or_path``, which change no output), a ``forward`` set on the instance (``module.forward = ...``, as
   Liger's or accelerate's patches do; pagedcore's own, :func:`transparent_forward`, compute the module's forward and
-  do not count): compared where the caller asks (``check(settings=True)``, a few tens of microseconds for a
-  hundred modules: ``enable()``d calls each time, the Engine in steps that may admit a request);
+  do not count), and its children (a layer written straight into its parent's ``_modules``, as torch's quantization
+  and fusion do, while the old one lives on): compared where the caller asks (``check(settings=True)``, a few tens
+  of microseconds for a hundred modules: ``enable()``d calls each time, the Engine in steps that may admit a
+  request);
 - the state of PEFT tuner layers (any module with ``active_adapters``, ``merged_adapters`` and
   ``disable_adapters``): which adapters are active, merged (``merge_adapter`` writes through ``.data``, which no
   version counter sees), disabled (``disable_adapter()``), and their scaling;
@@ -37,12 +39,13 @@ merged into the base weights, or enabled ones applied to every row). So injectin
 is no change of the base model (its prefixes and its content hash stay), while every change above still is.
 
 Not covered (call ``reset_prefix_cache()`` after them): writes through ``.data`` outside PEFT (``p.data.copy_(w)``),
-direct writes into a module's ``_parameters`` (accelerate's ``set_module_tensor_to_device``) or ``_modules`` (outside
-torch's sequence containers), parameters created as inference tensors (they have no version counter), forward hooks
-that change activations, settings held elsewhere than a module's public plain attributes (the config object's fields
-read at each forward, private attributes, a class's attributes or methods patched). Tensors on the ``meta``
-device (accelerate's offloaded weights between forwards, which it replaces at every forward) count by name, dtype
-and shape only: their data is elsewhere, and the watch never calls ``data_ptr`` on them.
+direct writes into a module's ``_parameters`` (accelerate's ``set_module_tensor_to_device``) or, between checks
+that leave the settings out, its ``_modules`` (outside torch's sequence containers), parameters created as inference
+tensors (they have no version counter), forward hooks that change activations, settings held elsewhere than a
+module's public attributes of a number, string or flag (the config object's fields read at each forward, private
+attributes, one set from or to None, a class's attributes or methods patched). Tensors on the ``meta`` device
+(accelerate's offloaded weights between forwards, which it replaces at every forward) count by name, dtype and shape
+only: their data is elsewhere, and the watch never calls ``data_ptr`` on them.
 
 The check reads each tensor's version counter and data pointer through weak references (the watch never keeps a
 replaced parameter alive): tens of microseconds for a model of a hundred tensors, about a thousandth of a forward
@@ -64,7 +67,7 @@ import itertools
 import operator
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -208,20 +211,23 @@ def transparent_forward(cls: type[Any]) -> type[Any]:
 @dataclass
 class _Settings:
     """The settings of a walk's modules as it found them: per module its public plain attributes (numbers, strings,
-    flags: a norm's ``variance_epsilon``, an attention's ``scaling``; :func:`_setting_names`) and the ``forward`` set
-    on the instance; held as columns, so that a check is a few passes over lists."""
+    flags: a norm's ``variance_epsilon``, an attention's ``scaling``; :func:`_setting_names`), the ``forward`` set
+    on the instance, and its children (a write into its ``_modules``, which runs no registration hook: torch's
+    quantization and fusion swap layers so); held as columns, so that a check is a few passes over lists."""
 
     modules: list[weakref.ref[torch.nn.Module]]
     reads: list[Callable[[dict[str, Any]], Any]]  # per module: its attributes' values, read from its __dict__
     values: list[Any]
     forwards: list[int | None]  # per module: id() of an instance forward other than a transparent one, else None
+    children: list[list[Callable[[], torch.nn.Module | None]]]  # per module: its children, weakly, in order
 
     @classmethod
     def of(cls, modules: list[torch.nn.Module]) -> _Settings:
         fields = [module.__dict__ for module in modules]
         reads = [_reader(_setting_names(found)) for found in fields]
         values = [read(found) for read, found in zip(reads, fields)]
-        return cls([weakref.ref(module) for module in modules], reads, values, _forwards(fields))
+        children = [_children(found["_modules"]) for found in fields]
+        return cls([weakref.ref(module) for module in modules], reads, values, _forwards(fields), children)
 
     def hold(self) -> bool:
         """Every module alive with the same settings."""
@@ -233,7 +239,11 @@ class _Settings:
             values = [read(found) for read, found in zip(self.reads, fields)]
         except KeyError:  # an attribute deleted
             return False
-        return values == self.values and _forwards(fields) == self.forwards
+        if values != self.values or _forwards(fields) != self.forwards:
+            return False
+        return [[child() for child in kids] for kids in self.children] == [
+            list(found["_modules"].values()) for found in fields
+        ]  # (modules compare by identity)
 
 
 def _reader(names: list[str]) -> Callable[[dict[str, Any]], Any]:
@@ -498,11 +508,7 @@ def _walk(model: torch.nn.Module, apart: bool = False) -> _Walk:
             tuners.append((module_name, module_ref))
             tuned.append(module_name)
         if isinstance(module, _SEQUENCES):
-            children: list[Callable[[], torch.nn.Module | None]] = [
-                _no_module if child is None else weakref.ref(child)
-                for child in module._modules.values()  # noqa: SLF001
-            ]
-            containers.append((weakref.ref(module), children))
+            containers.append((weakref.ref(module), _children(module._modules)))  # noqa: SLF001
     settings = _Settings.of([module for ref in structure if (module := ref()) is not None])
     return _Walk(tuple(names), refs, tuple(meta), plain, others, frequencies, tuners, first, containers, modules,
                  structure, settings)  # fmt: skip
@@ -535,6 +541,11 @@ def _adapter_part(name: str, tuner: str) -> bool:
 
 
 _SEQUENCES = (torch.nn.ModuleList, torch.nn.Sequential)
+
+
+def _children(found: Mapping[str, torch.nn.Module | None]) -> list[Callable[[], torch.nn.Module | None]]:
+    """A module's children (its ``_modules``' values), weakly, in order."""
+    return [_no_module if child is None else weakref.ref(child) for child in found.values()]
 
 
 def _no_module() -> None:
