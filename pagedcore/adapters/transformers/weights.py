@@ -220,14 +220,16 @@ class _Settings:
     values: list[Any]
     forwards: list[int | None]  # per module: id() of an instance forward other than a transparent one, else None
     children: list[list[Callable[[], torch.nn.Module | None]]]  # per module: its children, weakly, in order
+    apart: bool  # adapters apart: a PEFT tuner layer counts as its base layer (loading an adapter changes nothing)
 
     @classmethod
-    def of(cls, modules: list[torch.nn.Module]) -> _Settings:
+    def of(cls, modules: list[torch.nn.Module], apart: bool) -> _Settings:
         fields = [module.__dict__ for module in modules]
         reads = [_reader(_setting_names(found)) for found in fields]
         values = [read(found) for read, found in zip(reads, fields)]
-        children = [_children(found["_modules"]) for found in fields]
-        return cls([weakref.ref(module) for module in modules], reads, values, _forwards(fields), children)
+        children = [_children(_own_children(found, apart)) for found in fields]
+        refs = [weakref.ref(module) for module in modules]
+        return cls(refs, reads, values, _forwards(fields), children, apart)
 
     def hold(self) -> bool:
         """Every module alive with the same settings."""
@@ -241,9 +243,18 @@ class _Settings:
             return False
         if values != self.values or _forwards(fields) != self.forwards:
             return False
-        return [[child() for child in kids] for kids in self.children] == [
-            list(found["_modules"].values()) for found in fields
-        ]  # (modules compare by identity)
+        now = [_own_children(found, self.apart) for found in fields]
+        return [[child() for child in kids] for kids in self.children] == [list(kids.values()) for kids in now]
+
+
+def _own_children(fields: dict[str, Any], apart: bool) -> dict[str, Any]:
+    """A module's children (from its ``__dict__``); with adapters apart, each PEFT tuner layer as its base layer."""
+    found: dict[str, Any] = fields["_modules"]
+    if not apart or not any(_is_tuner(child) for child in found.values() if child is not None):
+        return found
+    return {
+        name: child.base_layer if child is not None and _is_tuner(child) else child for name, child in found.items()
+    }
 
 
 def _reader(names: list[str]) -> Callable[[dict[str, Any]], Any]:
@@ -362,7 +373,7 @@ class WeightsWatch:
             return self._rewalk(model)
         moved = state != self._last
         if settings and not _settings_hold(walk):
-            walk.settings = _Settings.of([module for ref in walk.structure if (module := ref()) is not None])
+            walk.settings = _Settings.of([m for ref in walk.structure if (m := ref()) is not None], self._apart)
             moved = True
         count = 1
         if _EVENTS.optimizer_steps != self._optimizer_steps:
@@ -509,7 +520,7 @@ def _walk(model: torch.nn.Module, apart: bool = False) -> _Walk:
             tuned.append(module_name)
         if isinstance(module, _SEQUENCES):
             containers.append((weakref.ref(module), _children(module._modules)))  # noqa: SLF001
-    settings = _Settings.of([module for ref in structure if (module := ref()) is not None])
+    settings = _Settings.of([module for ref in structure if (module := ref()) is not None], apart)
     return _Walk(tuple(names), refs, tuple(meta), plain, others, frequencies, tuners, first, containers, modules,
                  structure, settings)  # fmt: skip
 
