@@ -67,7 +67,7 @@ import itertools
 import operator
 import threading
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -219,7 +219,9 @@ class _Settings:
     reads: list[Callable[[dict[str, Any]], Any]]  # per module: its attributes' values, read from its __dict__
     values: list[Any]
     forwards: list[int | None]  # per module: id() of an instance forward other than a transparent one, else None
-    children: list[list[Callable[[], torch.nn.Module | None]]]  # per module: its children, weakly, in order
+    sizes: list[int]  # per module: how many children it has
+    parents: list[int]  # the modules with children (indices), whose children ``children`` holds in a row
+    children: list[Callable[[], torch.nn.Module | None]]  # the parents' children, weakly, in order
     apart: bool  # adapters apart: a PEFT tuner layer counts as its base layer (loading an adapter changes nothing)
 
     @classmethod
@@ -227,9 +229,11 @@ class _Settings:
         fields = [module.__dict__ for module in modules]
         reads = [_reader(_setting_names(found)) for found in fields]
         values = [read(found) for read, found in zip(reads, fields)]
-        children = [_children(_own_children(found, apart)) for found in fields]
+        sizes = [len(found["_modules"]) for found in fields]
+        parents = [i for i, size in enumerate(sizes) if size]
+        children = _children([child for i in parents for child in _own_children(fields[i], apart).values()])
         refs = [weakref.ref(module) for module in modules]
-        return cls(refs, reads, values, _forwards(fields), children, apart)
+        return cls(refs, reads, values, _forwards(fields), sizes, parents, children, apart)
 
     def hold(self) -> bool:
         """Every module alive with the same settings."""
@@ -243,8 +247,11 @@ class _Settings:
             return False
         if values != self.values or _forwards(fields) != self.forwards:
             return False
-        now = [_own_children(found, self.apart) for found in fields]
-        return [[child() for child in kids] for kids in self.children] == [list(kids.values()) for kids in now]
+        if [len(found["_modules"]) for found in fields] != self.sizes:
+            return False
+        apart = self.apart
+        now = [child for i in self.parents for child in _own_children(fields[i], apart).values()]
+        return [child() for child in self.children] == now  # (modules compare by identity)
 
 
 def _own_children(fields: dict[str, Any], apart: bool) -> dict[str, Any]:
@@ -519,7 +526,7 @@ def _walk(model: torch.nn.Module, apart: bool = False) -> _Walk:
             tuners.append((module_name, module_ref))
             tuned.append(module_name)
         if isinstance(module, _SEQUENCES):
-            containers.append((weakref.ref(module), _children(module._modules)))  # noqa: SLF001
+            containers.append((weakref.ref(module), _children(module._modules.values())))  # noqa: SLF001
     settings = _Settings.of([module for ref in structure if (module := ref()) is not None], apart)
     return _Walk(tuple(names), refs, tuple(meta), plain, others, frequencies, tuners, first, containers, modules,
                  structure, settings)  # fmt: skip
@@ -554,9 +561,9 @@ def _adapter_part(name: str, tuner: str) -> bool:
 _SEQUENCES = (torch.nn.ModuleList, torch.nn.Sequential)
 
 
-def _children(found: Mapping[str, torch.nn.Module | None]) -> list[Callable[[], torch.nn.Module | None]]:
-    """A module's children (its ``_modules``' values), weakly, in order."""
-    return [_no_module if child is None else weakref.ref(child) for child in found.values()]
+def _children(found: Iterable[torch.nn.Module | None]) -> list[Callable[[], torch.nn.Module | None]]:
+    """Modules (a module's ``_modules``' values), weakly, in order (an empty slot as a reference that reads None)."""
+    return [_no_module if child is None else weakref.ref(child) for child in found]
 
 
 def _no_module() -> None:
