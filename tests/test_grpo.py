@@ -84,7 +84,7 @@ def test_no_stale_prefix_hit_after_either_optimizer_step(sampled):
 
 def test_the_audit_counts_stale_hits_when_the_weights_watch_is_off():
     def watch_off(trainer, pool):
-        pool.check_weights = lambda: 0  # a pool that never notices the optimizer steps
+        pool.check_weights = lambda **_: 0  # a pool that never notices the optimizer steps
 
     paged, _ = run("pagedcore", before_train=watch_off)
     assert paged.stale_after_step[0] == 0

@@ -151,7 +151,7 @@ def test_the_audit_counts_hits_on_blocks_filled_before_an_update():
         fresh = audit.summary()
         sgd_step(model, optimizer)
         audit.weights_changed()
-        pool.check_weights = lambda: 0  # a pool that misses the update serves the old blocks
+        pool.check_weights = lambda **_: 0  # a pool that misses the update serves the old blocks
         engine.generate([PROMPT], params, use_tqdm=False)
     assert fresh == {"updates": 1, "hits": 2, "hit_tokens": 2 * 17, "stale_hits": 0, "stale_hit_tokens": 0}
     assert audit.num_stale_hits == 1 and audit.num_stale_hit_tokens == 17
