@@ -149,6 +149,37 @@ def test_chunks_whose_bits_differ_from_the_whole_gemm_keep_the_logits_path(monke
         assert head.counts.checks > 0 and head.counts.steps == 0
 
 
+@pytest.mark.parametrize("where", ["head", "model", "global"])
+def test_a_hook_that_changes_the_logits_after_the_check_is_applied_and_its_removal_too(where):
+    """Regression: the check that the model returns its head's output untouched ran once, at the first greedy step;
+    a forward hook added later on the head (or on the model, or a global one) was handed the chunked way's empty
+    output and the Engine kept the tokens of the unhooked logits. The check runs again when the hooks around the
+    head change: the hooked logits' tokens, then, with the hook removed, the fused way again."""
+    net = model()
+    with engine_of(net) as engine:
+        head = engine.runner.argmax_head
+        assert tokens(engine, PROMPTS) == stock(net, PROMPTS) and head.counts.steps > 0
+
+        def flipped(module, args, out):
+            if module is net and where == "model":
+                out.logits = out.logits.flip(-1)
+                return out
+            return out.flip(-1) if module is net.lm_head and where != "model" else None
+
+        if where == "global":
+            handle = torch.nn.modules.module.register_module_forward_hook(flipped)
+        else:
+            handle = (net.lm_head if where == "head" else net).register_forward_hook(flipped)
+        try:
+            want = stock(net, PROMPTS)
+            before = head.counts.steps
+            assert tokens(engine, PROMPTS) == want
+            assert head.counts.steps == before  # the hooked head keeps the logits path
+        finally:
+            handle.remove()
+        assert tokens(engine, PROMPTS) == stock(net, PROMPTS) and head.counts.steps > before
+
+
 def test_greedy_tokens_follow_a_weights_update():
     net, reference = model(), model()
     with engine_of(net) as engine:

@@ -21,6 +21,7 @@ from paged_checks import batch, generate
 
 import pagedcore.adapters.transformers as pc
 from pagedcore import OutOfBlocksError
+from pagedcore.adapters.transformers.hook_ids import transparent_hook
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -243,7 +244,7 @@ def test_a_single_prompt_resuming_a_snapshot_is_one_forward(enabled):
     pool = enabled(model, num_blocks=128, block_size=4, state_slots=64)
     same_as_cold(model, "qwen3_5", input_ids=torch.cat([SYSTEM, question(1)], 1), max_new_tokens=1)
     forwards = []
-    hook = model.register_forward_pre_hook(lambda module, args: forwards.append(1))
+    hook = model.register_forward_pre_hook(transparent_hook(lambda module, args: forwards.append(1)))  # a counter
     second = torch.cat([SYSTEM, question(2)], 1)
     try:
         hit = hits(pool, lambda: model.generate(second, max_new_tokens=1, do_sample=False))

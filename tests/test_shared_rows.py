@@ -11,6 +11,7 @@ import torch
 from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, StoppingCriteria
 
 from pagedcore.adapters import transformers as pc
+from pagedcore.adapters.transformers.hook_ids import transparent_hook
 
 BS = 4
 
@@ -31,7 +32,7 @@ def shapes_of(model) -> list[tuple[int, ...]]:
         ids = kwargs.get("input_ids", args[0] if args else None)
         shapes.append(tuple(ids.shape))
 
-    model.register_forward_pre_hook(record, with_kwargs=True)
+    model.register_forward_pre_hook(transparent_hook(record), with_kwargs=True)  # a counter: not a model change
     return shapes
 
 

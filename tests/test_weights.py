@@ -8,6 +8,9 @@ whether the pool served the old prefix (which today's main did: the outputs diff
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import Any
+
 import pytest
 
 pytest.importorskip("peft")  # a test extra (PEFT adapters' weight changes): the GPU image has none
@@ -412,7 +415,35 @@ def _written_into_modules(model: torch.nn.Module) -> None:
     attention._modules["q_proj"] = new  # no registration: torch's quantization and fusion swap layers so
 
 
+def _steering_hook(model: torch.nn.Module) -> None:
+    model.model.layers[0].mlp.register_forward_hook(lambda module, args, out: out + 0.5)  # a steering vector
+
+
+def _pre_hook(model: torch.nn.Module) -> None:
+    model.model.layers[0].self_attn.o_proj.register_forward_pre_hook(lambda module, args: (args[0] * 2,))
+
+
+def _global_hook(model: torch.nn.Module) -> None:
+    def doubled(module: torch.nn.Module, args: Any, out: Any) -> Any:
+        return out * 2 if isinstance(module, torch.nn.Linear) else None
+
+    _HANDLES.append(torch.nn.modules.module.register_module_forward_hook(doubled))
+
+
+_HANDLES: list[Any] = []  # global hooks, removed after each test (they would reach every model)
+
+
+@pytest.fixture(autouse=True)
+def _no_global_hooks_left() -> Iterator[None]:
+    yield
+    while _HANDLES:
+        _HANDLES.pop().remove()
+
+
 UNSEEN_BEFORE = {
+    "a forward hook (a steering vector)": _steering_hook,
+    "a forward pre-hook": _pre_hook,
+    "a global forward hook": _global_hook,
     "a layer written into its parent's _modules": _written_into_modules,
     "an activation replaced": _activation,
     "a norm's epsilon": _norm_setting,
@@ -424,8 +455,9 @@ UNSEEN_BEFORE = {
 @pytest.mark.parametrize("change", sorted(UNSEEN_BEFORE))
 def test_a_change_that_moves_no_tensor_forgets_the_prefixes(enabled, change):
     """Regression: an activation replaced (a registration, after which the watch walked the tree again but compared
-    only the tensors), a setting held as a plain attribute, a ``forward`` set on a module, or a layer written into
-    its parent's ``_modules`` while the old one lives on changed no tensor, so
+    only the tensors), a setting held as a plain attribute, a ``forward`` set on a module, a layer written into
+    its parent's ``_modules`` while the old one lives on, or a forward hook (on a module, or global) changed no
+    tensor, so
     the watch saw nothing and the next call was served the prompt's keys of the model before: other logits than
     stock. The watch now compares the modules after a registration, and each module's settings at every check that
     asks for them (enable()'s, at each call)."""
@@ -522,3 +554,30 @@ def test_peft_adapter_names_on_an_enabled_encoder_decoder_run_as_stock(enabled):
         want = reference.generate(input_ids=ids, adapter_names=names, **call)
         assert torch.equal(peft_model.generate(input_ids=ids, adapter_names=names, **call), want)
     assert pool.num_hit_tokens == 0
+
+
+def test_hooks_count_by_their_handles_and_the_ones_that_compute_nothing_do_not():
+    """A forward hook or pre-hook added, or removed, is a change of the model (its body is not read); pagedcore's
+    own hooks (``transparent_hook``) and transformers' output recorders, installed by the first call with
+    ``output_hidden_states``, are not; a hook's change waits for a check that compares the settings."""
+    from pagedcore.adapters.transformers.hook_ids import transparent_hook
+
+    model = tiny_model("llama")
+    watch = WeightsWatch(model)
+    layer = model.model.layers[1]
+    handle = layer.register_forward_hook(lambda module, args, out: None)  # computes nothing, counts all the same
+    assert not watch.check(settings=False)
+    assert watch.check() and not watch.check() and watch.fingerprint().epoch == 1
+    handle.remove()
+    assert watch.check() and watch.fingerprint().epoch == 2
+    counter = layer.register_forward_pre_hook(transparent_hook(lambda module, args: None))
+    with torch.no_grad():
+        model(torch.tensor([[FIRST_TOKEN, 5, 6]]), output_hidden_states=True, output_attentions=True)
+    assert not watch.check() and watch.fingerprint().epoch == 2
+    counter.remove()
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(lambda module, args: None)
+    try:
+        assert watch.check() and watch.fingerprint().epoch == 3
+    finally:
+        handle.remove()
+    assert watch.check() and not watch.check() and watch.fingerprint().epoch == 4

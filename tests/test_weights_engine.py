@@ -201,17 +201,24 @@ def test_a_converted_model_rebuilds_an_idle_pool_and_fails_only_the_requests_run
         settle(engine)
 
 
-@pytest.mark.parametrize("change", ["activation", "setting", "forward"])
+@pytest.mark.parametrize("change", ["activation", "setting", "forward", "hook", "hook removed"])
 def test_a_change_that_moves_no_tensor_is_seen_by_the_next_request(change):
-    """Regression: ``mlp.act_fn = nn.GELU()``, ``input_layernorm.variance_epsilon = ...`` or ``mlp.forward = ...``
-    between two ``generate`` calls moved no tensor, so the Engine served the second call's prompts the keys the
-    model computed before: other tokens than the model's own, with the same weights version."""
+    """Regression: ``mlp.act_fn = nn.GELU()``, ``input_layernorm.variance_epsilon = ...``, ``mlp.forward = ...``
+    or a forward hook added (a steering vector on the attention's output) or removed between two ``generate`` calls
+    moved no tensor, so the Engine served the second call's prompts the keys the model computed before: other tokens
+    than the model's own, with the same weights version."""
     model = tiny_model("llama")
     prompts = workload(31, 3)
+    steer = model.model.layers[0].self_attn.o_proj
+    handle = steer.register_forward_hook(lambda module, args, out: out * 3) if change == "hook removed" else None
     with Engine(model, num_blocks=128, block_size=BLOCK) as engine:
         first = engine.generate(prompts, GREEDY, use_tqdm=False)
         layer = model.model.layers[0]
-        if change == "activation":
+        if handle is not None:
+            handle.remove()
+        elif change == "hook":
+            steer.register_forward_hook(lambda module, args, out: out * 3)
+        elif change == "activation":
             layer.mlp.act_fn = torch.nn.GELU()
         elif change == "setting":
             layer.input_layernorm.variance_epsilon = 0.5

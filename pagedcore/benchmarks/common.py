@@ -22,6 +22,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedModel
 
 from pagedcore.adapters.transformers import ModelKVSpec
+from pagedcore.adapters.transformers.hook_ids import transparent_hook
 
 from .options import MODEL_SIZES, QUICK_MODEL
 from .steps import forward_edges
@@ -241,6 +242,7 @@ class ForwardCounter:
         self.forwards = 0
         self._handle = forward_edges(model)[0].register_forward_pre_hook(self._hook, with_kwargs=True)
 
+    @transparent_hook  # a counter: not a change of the model (the prefix cache keeps its prefixes)
     def _hook(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         ids = kwargs.get("input_ids", args[0] if args else None)
         if ids is None:

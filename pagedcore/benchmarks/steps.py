@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from pagedcore.adapters.transformers.hook_ids import transparent_hook
+
 __all__ = ["Forward", "ForwardLog", "StepTimes", "forward_edges", "logging_forwards"]
 
 
@@ -112,17 +114,20 @@ class ForwardLog:
         if positions is not first:
             self._handles.append(positions.register_forward_pre_hook(self._positions, with_kwargs=True))
 
+    @transparent_hook  # timers: not a change of the model (the prefix cache keeps its prefixes)
     def _before(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         ids = kwargs.get("input_ids", args[0] if args else None)
         tokens = int(ids.numel()) if isinstance(ids, torch.Tensor) else 0
         self._open = (time.perf_counter(), tokens, 0)
         self._positions(module, args[1:], kwargs)
 
+    @transparent_hook
     def _positions(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         positions = kwargs.get("position_ids", args[0] if args else None)
         if self._open is not None and isinstance(positions, torch.Tensor) and positions.numel():
             self._open = (self._open[0], self._open[1], int(positions.min()))
 
+    @transparent_hook
     def _after(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
         if self._open is not None:
             start, tokens, first = self._open

@@ -15,7 +15,10 @@ Exactness first: the tokens are those the sampler would pick from the logits tra
 
 1. The model must return its head's output untouched (no softcapping, scaling or other op after the head, one head
    call per forward): the first eligible step runs the normal way with the head's output recorded and compares it
-   with the logits the model returned; a model that changed them never takes this path.
+   with the logits the model returned; a model that changed them does not take this path. What the model's code
+   does after the head is fixed, but hooks are not: the check runs again whenever the forward hooks of the head or
+   of the model, the model's class or instance ``forward``, or the global forward hooks change (a hook on the head
+   would be handed the chunked way's empty output).
 2. The chunked GEMM must give the bits of the whole one: a BLAS may sum in another order for another shape, so the
    first eligible step of each row count (and thread count) runs the normal way and computes three of its chunks
    beside it (the first, the second and the last: every chunk between has the second's shape, and its weight's
@@ -68,6 +71,7 @@ import torch.nn.functional as F
 
 from pagedcore.adapters.transformers import head_screen
 from pagedcore.adapters.transformers.graph_ops import graph_op
+from pagedcore.adapters.transformers.hook_ids import counted, global_hooks
 from pagedcore.adapters.transformers.prepacked import LayerForward, active_linears
 from pagedcore.adapters.transformers.row_kernel import RowKernel
 from pagedcore.engine.runner import ArgmaxTokens
@@ -149,7 +153,9 @@ class ArgmaxHead:
         False
     """
 
-    def __init__(self, module: torch.nn.Linear, way: str = "auto", kernel: RowKernel | None = None) -> None:
+    def __init__(
+        self, module: torch.nn.Linear, way: str = "auto", kernel: RowKernel | None = None, model: Any = None
+    ) -> None:
         if way not in ("auto", *WAYS):
             raise ValueError(f"way must be 'auto', 'chunks', 'whole' or 'screen', got {way!r}")
         screens = module.bias is None and (kernel is not None or head_screen.available())
@@ -159,6 +165,8 @@ class ArgmaxHead:
                 "a head without bias"
             )
         self._module_ref = weakref.ref(module)  # (weakly: a head replaced in the model is freed, not kept by this)
+        self._model_ref = weakref.ref(model) if model is not None else None  # whose forward returns the head's output
+        self._around: tuple[Any, ...] | None = None  # what check 1's answer was found with (:meth:`_hooks_around`)
         self._screen = head_screen.HeadScreen(kernel) if screens else None
         self._screen_shapes: dict[tuple[int, int, int], bool] = {}  # (rows, columns, threads): bits and bound hold
         self._ways_here = WAYS if screens else WAYS[:2]
@@ -178,7 +186,7 @@ class ArgmaxHead:
         module = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         if type(module) is not torch.nn.Linear or "forward" in vars(module):
             return None
-        return cls(module, kernel=kernel) if _fusable(module.weight) else None
+        return cls(module, kernel=kernel, model=model) if _fusable(module.weight) else None
 
     @property
     def ways(self) -> dict[tuple[int, int], str]:
@@ -192,8 +200,13 @@ class ArgmaxHead:
         (:data:`MIN_ROWS`), a check or a row's values say so. ``padded``: a compiled decode step's bucket of rows
         (:mod:`.compiled`), whose head sees ``padded`` rows, the step's ``rows`` first."""
         module = self._module_ref()
-        if module is None or rows < self._min_rows or self._plain is False or not _fusable(module.weight):
-            return forward().float()  # e.g. the head replaced, or converted to bf16 since
+        if module is None:
+            return forward().float()  # the head replaced
+        around = self._hooks_around(module)
+        if around != self._around:  # a hook added or removed around the head since check 1: it runs again
+            self._around, self._plain = around, None
+        if rows < self._min_rows or self._plain is False or not _fusable(module.weight):
+            return forward().float()  # e.g. the head converted to bf16 since
         call = _Call(self, capture=bool(self._plain), padded=padded)
         with _calling(call):
             logits = forward()  # with capture: the head's pass runs inside the model's forward (:meth:`_head`)
@@ -287,6 +300,19 @@ class ArgmaxHead:
         return module
 
     # ------------------------------------------------------------------ the checks
+    def _hooks_around(self, module: torch.nn.Linear) -> tuple[Any, ...]:
+        """What may change the model's output after the head's, beyond the model's code, which check 1 saw once: the
+        forward hooks of the head and of the model (:mod:`.hook_ids`), the model's class and a ``forward`` set on it,
+        and the global forward hooks. A hook on the head gets the chunked way's empty output and the model returns
+        what the hook made of it: check 1 runs again whenever this changes (a hook on the head then keeps the
+        logits path while it is there)."""
+        model = self._model_ref() if self._model_ref is not None else None
+        own = (counted(module._forward_hooks), counted(module._forward_pre_hooks))  # noqa: SLF001
+        if model is None:
+            return (own, global_hooks())
+        theirs = (counted(model._forward_hooks), counted(model._forward_pre_hooks))  # noqa: SLF001
+        return (own, theirs, type(model), id(vars(model).get("forward")), global_hooks())
+
     def _check_model(self, call: _Call, logits: torch.Tensor) -> None:
         """Check 1: one head call, whose output the model returned as it was."""
         if len(call.outputs) != 1:

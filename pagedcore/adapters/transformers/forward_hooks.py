@@ -26,6 +26,8 @@ import torch
 
 from pagedcore.errors import ConfigError
 
+from .hook_ids import transparent_hook
+
 __all__ = ["watch", "watched"]
 
 _WATCHED: weakref.WeakKeyDictionary[torch.nn.Module, tuple[type, tuple[str, ...], bool]] = weakref.WeakKeyDictionary()
@@ -93,6 +95,7 @@ def _cache_of(
     return (inner if isinstance(inner, cache_type) else None), inputs
 
 
+@transparent_hook  # pagedcore's plumbing: the weights watch does not count it (hook_ids)
 def _before_forward(
     module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
@@ -115,6 +118,7 @@ def _before_forward(
     return None
 
 
+@transparent_hook
 def _after_forward(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
     cache, _ = _cache_of(module, args, kwargs, strict=False)
     if cache is not None:

@@ -48,6 +48,7 @@ from pagedcore.engine.lora import AdapterInfo, LoRAConfig
 from pagedcore.errors import AdapterError, AdapterNotFoundError, ConfigError
 from pagedcore.scheduler import ScheduledSequence
 
+from .hook_ids import transparent_hook
 from .lora_files import AdapterFiles, adapter_digest, read_adapter
 from .pool import PagedKVPool
 
@@ -411,7 +412,9 @@ class LoraAdapters:
             if hasattr(module, "lora_A") and hasattr(module, "enable_adapters"):
                 module.enable_adapters(False)
                 if module not in self._hooks:
-                    hook = functools.partial(self._apply, head=module is self._head or module.base_layer is self._head)
+                    hook = transparent_hook(
+                        functools.partial(self._apply, head=module is self._head or module.base_layer is self._head)
+                    )
                     self._hooks[module] = module.register_forward_hook(hook)
 
     def _apply(self, module: Any, args: tuple[Any, ...], output: torch.Tensor, *, head: bool) -> torch.Tensor:

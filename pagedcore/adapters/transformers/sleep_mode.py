@@ -26,6 +26,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from .cache import PagedCache
+from .hook_ids import transparent_hook
 from .pool import PagedKVPool
 
 __all__ = ["sleep_when_training"]
@@ -53,6 +54,7 @@ def sleep_when_training(model: torch.nn.Module, pool: PagedKVPool) -> RemovableH
     """
     pool_ref = weakref.ref(pool)
 
+    @transparent_hook  # it computes nothing into the forward (hook_ids)
     def before_forward(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if not (module.training and torch.is_grad_enabled()):
             return

@@ -22,10 +22,11 @@ What the fingerprint covers:
   ``variance_epsilon``, an attention's ``scaling``; not ``training``, ``gradient_checkpointing`` or
   ``name_or_path``, which change no output), a ``forward`` set on the instance (``module.forward = ...``, as
   Liger's or accelerate's patches do; pagedcore's own, :func:`transparent_forward`, compute the module's forward and
-  do not count), and its children (a layer written straight into its parent's ``_modules``, as torch's quantization
-  and fusion do, while the old one lives on): compared where the caller asks (``check(settings=True)``, a few tens
-  of microseconds for a hundred modules: ``enable()``d calls each time, the Engine in steps that may admit a
-  request);
+  do not count), its children (a layer written straight into its parent's ``_modules``, as torch's quantization
+  and fusion do, while the old one lives on) and its forward hooks and pre-hooks, with the global ones (a steering
+  vector added to a layer's output; by handle, :mod:`.hook_ids` says which count): compared where the caller asks
+  (``check(settings=True)``, a few tens of microseconds for a hundred modules: ``enable()``d calls each time, the
+  Engine in steps that may admit a request);
 - the state of PEFT tuner layers (any module with ``active_adapters``, ``merged_adapters`` and
   ``disable_adapters``): which adapters are active, merged (``merge_adapter`` writes through ``.data``, which no
   version counter sees), disabled (``disable_adapter()``), and their scaling;
@@ -41,7 +42,7 @@ is no change of the base model (its prefixes and its content hash stay), while e
 Not covered (call ``reset_prefix_cache()`` after them): writes through ``.data`` outside PEFT (``p.data.copy_(w)``),
 direct writes into a module's ``_parameters`` (accelerate's ``set_module_tensor_to_device``) or, between checks
 that leave the settings out, its ``_modules`` (outside torch's sequence containers), parameters created as inference
-tensors (they have no version counter), forward hooks that change activations, settings held elsewhere than a
+tensors (they have no version counter), settings held elsewhere than a
 module's public attributes of a number, string or flag (the config object's fields read at each forward, private
 attributes, one set from or to None, a class's attributes or methods patched). Tensors on the ``meta`` device
 (accelerate's offloaded weights between forwards, which it replaces at every forward) count by name, dtype and shape
@@ -75,6 +76,8 @@ import torch
 from torch.nn.modules import module as torch_module
 from torch.optim import optimizer as torch_optimizer
 from torch.utils.weak import WeakIdKeyDictionary
+
+from . import hook_ids
 
 __all__ = ["WeightsFingerprint", "WeightsWatch", "transparent_forward"]
 
@@ -222,6 +225,8 @@ class _Settings:
     sizes: list[int]  # per module: how many children it has
     parents: list[int]  # the modules with children (indices), whose children ``children`` holds in a row
     children: list[Callable[[], torch.nn.Module | None]]  # the parents' children, weakly, in order
+    pre: list[bool]  # per module: whether its forward pre-hooks count (not a PEFT tuner layer's: hook_ids)
+    hooks: list[tuple[int, ...]]  # the forward hooks that count: per hooked module (index, ids...), the global last
     apart: bool  # adapters apart: a PEFT tuner layer counts as its base layer (loading an adapter changes nothing)
 
     @classmethod
@@ -233,7 +238,9 @@ class _Settings:
         parents = [i for i, size in enumerate(sizes) if size]
         children = _children([child for i in parents for child in _own_children(fields[i], apart).values()])
         refs = [weakref.ref(module) for module in modules]
-        return cls(refs, reads, values, _forwards(fields), sizes, parents, children, apart)
+        pre = [not _is_tuner(module) for module in modules]
+        hooks = _hooks(fields, pre)
+        return cls(refs, reads, values, _forwards(fields), sizes, parents, children, pre, hooks, apart)
 
     def hold(self) -> bool:
         """Every module alive with the same settings."""
@@ -245,13 +252,19 @@ class _Settings:
             values = [read(found) for read, found in zip(self.reads, fields)]
         except KeyError:  # an attribute deleted
             return False
-        if values != self.values or _forwards(fields) != self.forwards:
+        if values != self.values or _forwards(fields) != self.forwards or _hooks(fields, self.pre) != self.hooks:
             return False
         if [len(found["_modules"]) for found in fields] != self.sizes:
             return False
         apart = self.apart
         now = [child for i in self.parents for child in _own_children(fields[i], apart).values()]
         return [child() for child in self.children] == now  # (modules compare by identity)
+
+
+def _hooks(fields: list[dict[str, Any]], pre: list[bool]) -> list[tuple[int, ...]]:
+    """The forward hooks that count (:mod:`.hook_ids`): the modules' (``fields``: their ``__dict__``s), then the
+    global ones."""
+    return [*hook_ids.module_hooks(fields, pre), hook_ids.global_hooks()]
 
 
 def _own_children(fields: dict[str, Any], apart: bool) -> dict[str, Any]:
