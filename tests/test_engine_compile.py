@@ -188,6 +188,42 @@ def test_inductor_graph_matches_eager_within_1e_4(monkeypatch):
     assert_same(outputs, reference)
 
 
+@pytest.mark.parametrize("where", ["module", "global"])
+def test_a_hook_added_after_the_graph_was_compiled_is_applied(where, monkeypatch):
+    """Regression: dynamo leaves a module's hooks out of its guards by default (``skip_nnmodule_hook_guards``), so a
+    forward hook added after a bucket's graph was compiled (a steering vector) was skipped by every later compiled
+    step: the first token (an eager prefill) had it, the decode tokens did not. The compiled step now guards on the
+    hooks (a changed hook recompiles the bucket), and runs eagerly while a global module hook is set (no guard sees
+    those)."""
+    monkeypatch.setattr(compiled_module, "BACKEND", "eager")  # dynamo's guards and graph, no code generated
+    model = tiny_model("llama")
+    model.generation_config.eos_token_id = None
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    prompts = [PROMPTS[0], PROMPTS[2]]
+    with Engine(model, compile=True, num_blocks=64, block_size=4) as engine:
+        engine.generate(prompts, params, use_tqdm=False)
+        compiled = engine.stats().compiled_steps
+        assert compiled > 0
+
+        def steer(module, args, out):
+            return out * 3 if module is model.model.layers[0].mlp else None
+
+        if where == "global":
+            handle = torch.nn.modules.module.register_module_forward_hook(steer)
+        else:
+            handle = model.model.layers[0].mlp.register_forward_hook(steer)
+        try:
+            fresh = [[40, 41, 42, 43, 44], [50, 51, 52]]  # no prefix hit: only the compiled step could skip the hook
+            outputs = engine.generate(fresh, params, use_tqdm=False)
+            want = [model.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False)[0, len(p) :].tolist()
+                    for p in fresh]  # fmt: skip
+        finally:
+            handle.remove()
+        assert [o.token_ids for o in outputs] == want
+        grew = engine.stats().compiled_steps > compiled
+        assert grew == (where == "module")  # a module hook: compiled again; a global one: eager steps
+
+
 def test_the_compiled_decode_does_not_guard_on_the_weights_watch(monkeypatch):
     """Llama's forward slices its ``ModuleList`` (``self.layers[:n]``), which registers modules: the weights watch's
     registration hook ran inside the trace and dynamo guarded on the watched-modules WeakSet, whose entries die with

@@ -21,7 +21,9 @@ Prefill and mixed steps stay eager.
 - :class:`CompiledDecode`: the compiled callable over a model and pool, and its counters (graphs compiled, buckets
   seen, steps run): ``torch.compile`` with inductor on the CPU; on CUDA inductor with CUDA graphs (what
   ``mode="reduce-overhead"`` selects), the pool's tensors marked as static addresses so a captured graph writes
-  them in place.
+  them in place. Dynamo guards on the modules' forward hooks here (by default it does not: a hook added after a
+  graph was compiled would be skipped), so a changed hook compiles the bucket again; the runner runs the step eagerly
+  while a global module hook is set, which no guard sees.
 
 What inductor would do worse than the eager step stays an opaque op the graph calls (:mod:`.graph_ops`), so the graph
 fuses the norms, rotary embeddings and activations around them and nothing else changes: the pool's writes, the
@@ -66,8 +68,12 @@ __all__ = [
 MIN_WIDTH = 4  # the narrowest table bucket, in blocks: short contexts share one graph
 BACKEND: str | None = "inductor"  # an Engine's CompiledDecode backend (tests set "eager" or None: see CompiledDecode)
 SETTLE_STEPS = 1 + 2 * row_split.TRIALS  # uncompiled runs before a row count's first graph (CompiledDecode.settle)
-RECOMPILE_LIMIT = 256  # dynamo's per-function graph limit while a CompiledDecode compiles (its default is 8)
+RECOMPILE_LIMIT = 256  # dynamo's per-function graph limit while a CompiledDecode compiles (_DYNAMO)
 _TORCH = TorchPagedAttention()
+# dynamo's settings while a CompiledDecode compiles and runs: its per-function graph limit (its default is 8), and
+# guards on the modules' hooks (dynamo leaves them out by default, so a hook added after a graph was compiled, a
+# steering vector say, would be skipped by every later step: with them a changed hook recompiles the bucket)
+_DYNAMO = {"recompile_limit": RECOMPILE_LIMIT, "skip_nnmodule_hook_guards": False}
 
 
 def store_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -405,7 +411,7 @@ class CompiledDecode:
             self._steps += 1
         _STEP.metadata = inputs.metadata
         try:
-            with torch.inference_mode(), torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):  # noqa: SLF001
+            with torch.inference_mode(), torch._dynamo.config.patch(**_DYNAMO):  # noqa: SLF001
                 logits = self._compiled(inputs.input_ids, inputs.positions, inputs.tables, inputs.slots, inputs.starts)
         finally:
             _STEP.metadata = None

@@ -48,6 +48,7 @@ from .compiled import CompiledDecode, DecodeInputs
 from .decode_graphs import DecodeGraphs, resolve_compile
 from .direct_layers import DirectLayers
 from .generate_call import draws_dropout
+from .hook_ids import global_hooks
 from .layer_attention import check_paged_attention
 from .lora import LoraAdapters
 from .padded_step import PaddedStep
@@ -262,7 +263,9 @@ class TransformersRunner:
         if isinstance(prepared, PreparedStateStep):
             assert self._states is not None
             return self._states.execute(prepared, device)
-        if self._decode is not None and prepared.is_decode and prepared.adapters is None:
+        # not while a global module hook is set: a graph has no guard on them (a graph traced with one would keep it,
+        # one traced without would skip it); the eager step calls it at every module
+        if self._decode is not None and prepared.is_decode and prepared.adapters is None and not global_hooks():
             logits = self._forward_compiled(self._decode, prepared, device)
             if logits is not None:
                 return logits
