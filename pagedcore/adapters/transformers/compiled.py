@@ -73,7 +73,7 @@ _TORCH = TorchPagedAttention()
 # dynamo's settings while a CompiledDecode compiles and runs: its per-function graph limit (its default is 8), and
 # guards on the modules' hooks (dynamo leaves them out by default, so a hook added after a graph was compiled, a
 # steering vector say, would be skipped by every later step: with them a changed hook recompiles the bucket)
-_DYNAMO = {"recompile_limit": RECOMPILE_LIMIT, "skip_nnmodule_hook_guards": False}
+_DYNAMO: dict[str, Any] = {"recompile_limit": RECOMPILE_LIMIT, "skip_nnmodule_hook_guards": False}
 
 
 def store_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -411,7 +411,7 @@ class CompiledDecode:
             self._steps += 1
         _STEP.metadata = inputs.metadata
         try:
-            with torch.inference_mode(), torch._dynamo.config.patch(**_DYNAMO):  # noqa: SLF001
+            with torch.inference_mode(), torch._dynamo.config.patch(_DYNAMO):  # noqa: SLF001
                 logits = self._compiled(inputs.input_ids, inputs.positions, inputs.tables, inputs.slots, inputs.starts)
         finally:
             _STEP.metadata = None
