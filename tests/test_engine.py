@@ -171,6 +171,37 @@ def test_step_events_reports_every_token_and_the_finished_outputs():
     assert [finished[rid].token_ids for rid in ids] == expected
 
 
+def test_events_are_made_for_whoever_reads_them(monkeypatch):
+    """``step()`` and ``generate()`` drop the token events of their own requests, so those are not made (host time
+    per row); the events of requests someone else reads still are: a ``generate()`` call stepping beside requests
+    added with ``add_request`` leaves their events for ``step_events()``, every token once."""
+    from pagedcore.engine import engine as engine_module
+
+    made: list[str] = []
+    real = engine_module.token_event
+    monkeypatch.setattr(engine_module, "token_event", lambda rid, *rest: made.append(rid) or real(rid, *rest))
+    model = tiny_model("llama")
+    prompts = workload(9, 3)
+    params = SamplingParams(max_new_tokens=4)
+    with Engine(model, num_blocks=64, block_size=4) as engine:
+        expected = [o.token_ids for o in engine.generate(prompts, params, use_tqdm=False)]
+        assert made == []
+        ids = [engine.add_request(p, params) for p in prompts[:2]]
+        engine.step()
+        assert made == []  # step() drops its requests' events
+        engine.step_events()  # one token each
+        assert sorted(made) == sorted(ids)
+        assert [o.token_ids for o in engine.generate(prompts[2:], params, use_tqdm=False)] == expected[2:]
+        assert made.count(ids[0]) >= 2 and not [rid for rid in made if rid not in ids]  # theirs, made beside
+        left = engine.step_events().events
+        while engine.has_unfinished():
+            left += engine.step_events().events
+        seen = {rid: [e.token_id for e in left if e.request_id == rid and e.token_id is not None] for rid in ids}
+        assert [len(seen[rid]) for rid in ids] == [2, 2]  # the tokens after step() and the first step_events()
+        assert [seen[rid] for rid in ids] == [expected[0][2:], expected[1][2:]]
+        settle(engine)
+
+
 def test_stop_tokens_and_eos_default():
     model = tiny_model("llama")
     prompt = workload(5, 1)[0]

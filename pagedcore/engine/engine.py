@@ -158,6 +158,7 @@ class Engine:
         self._ids = itertools.count()
         self._counters = EngineCounters()
         self._weights_version = 0  # the runner's weights version at the step being computed
+        self._dropping: object = _KEEP  # the owner whose token events this step's caller drops (_step)
 
     @property
     def max_logprobs(self) -> int:
@@ -256,7 +257,7 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """One scheduling step and forward pass: the finished requests no ``generate``/``stream`` call reports."""
-        finished, _ = self._step(None)
+        finished, _ = self._step(None, events=False)
         return finished
 
     def step_events(self) -> StepOutput:
@@ -307,7 +308,7 @@ class Engine:
                 mine.append(self._submit(request, owner))
                 outputs[i] = request.output
             while len(taken) < len(mine):
-                finished, _ = self._step(owner)
+                finished, _ = self._step(owner, events=False)
                 taken.extend(finished)
                 progress.update(len(finished))
         except BaseException:  # e.g. KeyboardInterrupt: the next step() reports these requests
@@ -401,10 +402,12 @@ class Engine:
             return dict(self._counters.phases)
 
     # ------------------------------------------------------------------ the step
-    def _step(self, owner: object | None) -> tuple[list[RequestOutput], list[TokenEvent]]:
+    def _step(self, owner: object | None, *, events: bool = True) -> tuple[list[RequestOutput], list[TokenEvent]]:
         """schedule -> forward -> sample -> record; returns the reports that belong to ``owner`` (None: the requests
-        no ``generate``/``stream`` call reports)."""
+        no ``generate``/``stream`` call reports). Without ``events`` the caller drops its token events: their common
+        one (a token of a running sample) is not made for its requests (their text is taken all the same)."""
         with self._stepping_now():
+            self._dropping = _KEEP if events else owner
             batch = self._schedule()
             if batch is not None:
                 samples = self._sample(batch, self._forward(batch))
@@ -573,17 +576,20 @@ class Engine:
                 return
 
     def _emit(self, request: RequestState, seq: SequenceState, token: int, lp: TokenLogprobs | None = None) -> bool:
-        """The event of one sample's new token, and the sample's finish when the token ended it; False when the
-        tokenizer failed (which fails the request)."""
+        """The event of one sample's new token (not made where its caller drops it: ``_step``), and the sample's
+        finish when the token ended it; False when the tokenizer failed (which fails the request)."""
         try:
-            event = self._text_event(request, seq, token, lp)
+            piece, reason, stop_reason = self._advance_text(request, seq, token)
         except DecodeError as exc:
             self._events.append((request.owner, TokenEvent(request.request_id, seq.sample_index, token, logprobs=lp)))
             self._fail(request, str(exc))
             return False
-        self._events.append((request.owner, event))
-        if event.finish_reason is not None:
-            self._finish_sample(request, seq.sample_index, event.finish_reason, event.stop_reason, event=False)
+        if request.owner is not self._dropping:
+            prompt = request.output.prompt_logprobs if seq.num_output_tokens == 1 else None
+            event = token_event(request.request_id, seq.sample_index, token, piece, reason, stop_reason, lp, prompt)
+            self._events.append((request.owner, event))
+        if reason is not None:
+            self._finish_sample(request, seq.sample_index, reason, stop_reason, event=False)
         return True
 
     def _scored_event(self, request: RequestState, index: int) -> TokenEvent:
@@ -591,12 +597,13 @@ class Engine:
         with the prompt log-probabilities."""
         return TokenEvent(request.request_id, index, None, "", "length", prompt_logprobs=request.output.prompt_logprobs)
 
-    def _text_event(
-        self, request: RequestState, seq: SequenceState, token: int, logprobs: TokenLogprobs | None = None
-    ) -> TokenEvent:
-        """The event of one sample's new token: its text, log-probabilities, and whether and why it finished with
-        it (a stop string finishes the sequence here); a first event carries the prompt's log-probabilities."""
-        index, text = seq.sample_index, request.texts[seq.sample_index]
+    def _advance_text(
+        self, request: RequestState, seq: SequenceState, token: int
+    ) -> tuple[str | None, str | None, str | int | None]:
+        """One sample's new token into its text: the text that became final, and whether and why the sample
+        finished with it (a stop string finishes the sequence here). Its event (``_emit``) carries them, the token's
+        log-probabilities and, the first, the prompt's."""
+        text = request.texts[seq.sample_index]
         stop_token = seq.finish_reason is FinishReason.STOP  # a stop token (SequenceState.append_token)
         if not stop_token or text.keeps_stop:  # vLLM's: a stop token's text only if asked
             text.add(token, seq.num_output_tokens)
@@ -612,8 +619,7 @@ class Engine:
             reason = FinishReason.LENGTH.value
         if reason is not None:
             text.finish()
-        prompt = request.output.prompt_logprobs if seq.num_output_tokens == 1 else None
-        return token_event(request.request_id, index, token, text.take(), reason, stop_reason, logprobs, prompt)
+        return text.take(), reason, stop_reason
 
     # ------------------------------------------------------------------ requests: validate -> submit -> finish
     def _validate(self, request: Request, spec: Spec | None = None) -> RequestState:
@@ -788,4 +794,5 @@ class Engine:
             raise ConfigError("this Engine was closed")
 
 
+_KEEP = object()  # no owner: every event is made
 _NO_OUTPUT = RequestOutput("", [], [], RequestMetrics(0.0))
