@@ -131,8 +131,8 @@ def test_what_cannot_be_screened_is_left_to_the_caller(product):
 def screen_only(monkeypatch):
     init = ArgmaxHead.__init__  # every ArgmaxHead made takes the screen at every step
 
-    def forced(self: ArgmaxHead, module: torch.nn.Linear, way: str = "auto", kernel=None) -> None:
-        init(self, module, way="screen", kernel=kernel)
+    def forced(self: ArgmaxHead, module: torch.nn.Linear, way: str = "auto", kernel=None, model=None) -> None:
+        init(self, module, way="screen", kernel=kernel, model=model)
 
     monkeypatch.setattr(ArgmaxHead, "__init__", forced)
 
