@@ -144,6 +144,23 @@ def test_a_training_step_and_a_replaced_weight_between_steps_are_seen(two_thread
 
 
 @needs_tape
+def test_a_value_heads_output_hidden_states_call_leaves_the_tape_running(two_threads, kernel_wins):
+    """RL with a value head (TRL's ``AutoModelForCausalLMWithValueHead`` asks the policy for its hidden states):
+    that call installs transformers' output recorders on every decoder layer, which turned the direct layers and
+    with them the tape off for good (``direct_layers._plain``)."""
+    model = model_of("llama", 44)
+    first, second = workload(44, 4), workload(45, 4)
+    with Engine(model, num_blocks=256, block_size=4, max_num_seqs=4) as engine:
+        engine.generate(first, GREEDY, use_tqdm=False)
+        runs = tapes_of(engine).runs
+        with torch.no_grad():
+            hidden = model(torch.tensor([first[0]]), output_hidden_states=True).hidden_states
+        assert len(hidden) == model.config.num_hidden_layers + 1
+        assert_stock(mirror(model), second, engine.generate(second, GREEDY, use_tqdm=False))
+        assert tapes_of(engine).runs > runs
+
+
+@needs_tape
 def test_a_weight_read_another_way_at_the_same_address_no_longer_holds(two_threads, kernel_wins):
     """``.data`` swapped for a transposed view of the same memory: the same tensor and data pointer, which the tape
     would read as before; its check sees the layout, as the layer's route's does. (The Engine as a whole does not

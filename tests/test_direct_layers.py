@@ -446,3 +446,39 @@ def test_the_benchmarks_forward_log_and_counter_leave_the_direct_layers_serving(
     assert sum(f.tokens for f in log.forwards) == sum(map(len, PROMPTS)) + 3 * 3 == counter.positions - checked
     decode = [f for f in log.forwards if f.tokens == len(PROMPTS)]
     assert [f.first_position for f in decode][-2:] == [4, 5]  # the shortest prompt's last positions (the smallest)
+
+
+def test_transformers_output_recorders_leave_the_direct_layers_serving() -> None:
+    """A fault found reading the hooks: transformers installs its output recorders (forward hooks that record a
+    layer's output while ``output_hidden_states`` / ``output_attentions`` collects, and return None) on every decoder
+    layer and attention the first time anything asks for them (a value head, an embedding call), and the direct layers
+    took them for a user's hook: the Engine ran the model's own, slower forward from then on. They put nothing into
+    the values, so the direct layers serve past them; a hook of the user's beside them still sends the step through
+    the model's forward, and a later ``output_hidden_states`` call still records every layer."""
+    model = tiny_llama()
+    want = reference(model, PROMPTS, 5)
+    ids = torch.tensor([PROMPTS[0]])
+    e = engine(model)
+    e.generate(PROMPTS[:1], SamplingParams(max_new_tokens=2), use_tqdm=False)
+    with torch.no_grad():
+        first = model(ids, output_hidden_states=True, output_attentions=True)
+    layer = model.model.layers[0]
+    assert layer._forward_hooks and layer.self_attn._forward_hooks  # transformers' recorders, installed now
+    direct = direct_of(e)
+    assert direct is not None
+    before = direct.counts.steps
+    assert tokens(e.generate(PROMPTS, SamplingParams(max_new_tokens=5, ignore_eos=True), use_tqdm=False)) == want
+    assert direct.counts.steps > before  # served directly past the recorders
+    with torch.no_grad():
+        again = model(ids, output_hidden_states=True, output_attentions=True)
+    assert len(again.hidden_states) == model.config.num_hidden_layers + 1 == len(first.hidden_states)
+    assert all(torch.equal(a, b) for a, b in zip(again.hidden_states, first.hidden_states, strict=True))
+    assert len(again.attentions) == model.config.num_hidden_layers
+    calls: list[int] = []
+    handle = model.model.layers[1].register_forward_hook(lambda *_: calls.append(1))
+    try:
+        before = direct.counts.steps
+        assert tokens(e.generate(PROMPTS, SamplingParams(max_new_tokens=5, ignore_eos=True), use_tqdm=False)) == want
+    finally:
+        handle.remove()
+    assert calls and direct.counts.steps == before  # a hook of the user's: the model's own forward

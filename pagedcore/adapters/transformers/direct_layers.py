@@ -22,9 +22,10 @@ Qwen2's layers are Llama's with a sliding window handed to the attention (their 
 Qwen3's Qwen2's with each query and key head normalized before the rotary embedding (:data:`FAMILIES`).
 
 When it runs (:meth:`DirectLayers.serves`, checked at each step): every bypassed module (the causal LM, its base
-model, each decoder layer, attention and MLP) is exactly the family's class, has no hook and no ``forward`` of its
-own on the instance, no global module hook is set, and no layer would checkpoint. Otherwise, and for steps with LoRA
-adapters or a probe's, the model's own forward runs. The first step it would serve, it is checked: the base model's
+model, each decoder layer, attention and MLP) is exactly the family's class, has no hook (transformers' output
+recorders aside: :func:`~.hook_ids.recorders_only`) and no ``forward`` of its own on the instance, no global
+module hook is set, and no layer would checkpoint. Otherwise, and for steps with LoRA adapters or a probe's, the
+model's own forward runs. The first step it would serve, it is checked: the base model's
 own forward runs too and the two last hidden states must be equal to the bit; if not (another transformers version
 whose layer code changed), it is turned off for this runner with a warning and the model's are used.
 ``PAGEDCORE_DIRECT_LAYERS=0`` turns it off, ``PAGEDCORE_DIRECT_KERNEL=0`` only its C steps.
@@ -53,6 +54,7 @@ from . import decode_tape
 from .argmax_head import same_bits
 from .attention import CONTEXT_KEY, paged_attention_forward
 from .decode_tape import Tapes
+from .hook_ids import recorders_only
 
 __all__ = ["FAMILIES", "DirectCounts", "DirectKernel", "DirectLayers", "load_kernel"]
 
@@ -444,10 +446,13 @@ def _layers(inner: Any) -> list[Any]:
 
 
 def _plain(module: Any, cls: Any) -> bool:
-    """``module`` is exactly ``cls``, with no hook and no instance ``forward``: what the direct call stands for."""
+    """``module`` is exactly ``cls``, with no hook and no instance ``forward``: what the direct call stands for.
+    transformers' output recorders do not count as hooks (:func:`~.hook_ids.recorders_only`: installed on every
+    layer by the first ``output_hidden_states`` call, they put nothing into the values)."""
+    hooks = module._forward_hooks  # noqa: SLF001
     return (
         type(module) is cls
-        and not module._forward_hooks  # noqa: SLF001
+        and (not hooks or recorders_only(hooks))
         and not module._forward_pre_hooks  # noqa: SLF001
         and "forward" not in module.__dict__
     )

@@ -1,6 +1,7 @@
 """Which forward hooks may change what a model computes, by id: what the weights watch compares with its settings
 (a hook added or removed is a change of the model: a steering vector added to a layer's output, a hook on the head)
-and what the fused greedy head checks before each step (:mod:`.argmax_head`).
+and what the fused greedy head checks before each step (:mod:`.argmax_head`); and which hooks the Engine's direct
+layers may skip (:func:`recorders_only`).
 
 Counted: every forward hook and forward pre-hook on a module (``register_forward_hook``,
 ``register_forward_pre_hook``), by the id of its handle (torch numbers handles from one counter: a hook removed and
@@ -25,7 +26,7 @@ from typing import Any, TypeVar
 
 from torch.nn.modules import module as torch_module
 
-__all__ = ["counted", "global_hooks", "module_hooks", "transparent_hook"]
+__all__ = ["counted", "global_hooks", "module_hooks", "recorders_only", "transparent_hook"]
 
 _MARK = "__pagedcore_transparent_hook__"
 _CAPTURING = "transformers.utils.output_capturing"  # transformers' output recorders: they return None
@@ -65,6 +66,24 @@ def counted(hooks: Mapping[int, Callable[..., Any]]) -> tuple[int, ...]:
 
 def _transparent(hook: Callable[..., Any]) -> bool:
     return bool(getattr(hook, _MARK, False)) or getattr(hook, "__module__", None) == _CAPTURING
+
+
+def recorders_only(hooks: Mapping[int, Callable[..., Any]]) -> bool:
+    """Whether every hook of ``hooks`` (a module's ``_forward_hooks``) is one of transformers' output recorders: a
+    call that skips them computes the same values (they return None, and record only into the collector of a model
+    call that asked for its hidden states or attentions), which the Engine's direct layers do
+    (:mod:`.direct_layers`). A hook marked :func:`transparent_hook` is not skipped: a user's counter counts calls.
+
+    Example:
+        >>> import torch
+        >>> layer = torch.nn.Linear(2, 2)
+        >>> recorders_only(layer._forward_hooks)
+        True
+        >>> _ = layer.register_forward_hook(transparent_hook(lambda module, args, out: None))
+        >>> recorders_only(layer._forward_hooks)
+        False
+    """
+    return all(getattr(hook, "__module__", None) == _CAPTURING for hook in hooks.values())
 
 
 def module_hooks(fields: list[dict[str, Any]], pre: list[bool]) -> list[tuple[int, ...]]:
