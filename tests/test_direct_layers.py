@@ -482,3 +482,21 @@ def test_transformers_output_recorders_leave_the_direct_layers_serving() -> None
     finally:
         handle.remove()
     assert calls and direct.counts.steps == before  # a hook of the user's: the model's own forward
+
+
+def test_a_model_training_with_gradient_checkpointing_is_served_by_the_direct_layers() -> None:
+    """An RL loop keeps its policy in ``train()`` mode with gradient checkpointing on between its generations
+    (dropout 0: served). transformers' checkpointing layer runs its forward as is where no gradient is recorded, as
+    in every Engine forward, so the direct layers compute the same values; they had counted such a layer as one that
+    checkpoints, and the Engine ran the model's own, slower forward (21.6 against 14.6 ms a step at batch 1 on the
+    benchmark model)."""
+    model = tiny_llama()
+    want = reference(model, PROMPTS, 5)
+    model.gradient_checkpointing_enable()
+    model.train()
+    assert all(layer.gradient_checkpointing and layer.training for layer in model.model.layers)
+    e = engine(model)
+    got = tokens(e.generate(PROMPTS, SamplingParams(max_new_tokens=5, ignore_eos=True), use_tqdm=False))
+    direct = direct_of(e)
+    assert got == want
+    assert direct is not None and direct.counts.verified is True and direct.counts.steps > 0

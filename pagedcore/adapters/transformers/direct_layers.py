@@ -24,7 +24,7 @@ Qwen3's Qwen2's with each query and key head normalized before the rotary embedd
 When it runs (:meth:`DirectLayers.serves`, checked at each step): every bypassed module (the causal LM, its base
 model, each decoder layer, attention and MLP) is exactly the family's class, has no hook (transformers' output
 recorders aside: :func:`~.hook_ids.recorders_only`) and no ``forward`` of its own on the instance, no global
-module hook is set, and no layer would checkpoint. Otherwise, and for steps with LoRA adapters or a probe's, the
+module hook is set. Otherwise, and for steps with LoRA adapters or a probe's, the
 model's own forward runs. The first step it would serve, it is checked: the base model's
 own forward runs too and the two last hidden states must be equal to the bit; if not (another transformers version
 whose layer code changed), it is turned off for this runner with a warning and the model's are used.
@@ -144,7 +144,9 @@ class DirectLayers:
 
     def serves(self) -> bool:
         """Whether this step may run the layers directly (module docstring: the bypassed modules unchanged and
-        unhooked), and they were not turned off."""
+        unhooked), and they were not turned off. A layer set to checkpoint (gradient checkpointing in ``train()``
+        mode) is served too: the runner's forward records no gradient, and there transformers' checkpointing layer
+        (5.24 on) runs its ``forward`` as is, cache included, which is what the direct calls write out."""
         if self.counts.verified is False or _global_hooks():
             return False
         classes, model = self._classes, self._model
@@ -152,7 +154,7 @@ class DirectLayers:
         if not _plain(model, classes.causal_lm) or not _plain(inner, classes.model):
             return False
         for layer in _layers(inner):
-            if not _plain(layer, classes.layer) or (layer.gradient_checkpointing and layer.training):
+            if not _plain(layer, classes.layer):
                 return False
             children = layer._modules  # noqa: SLF001
             if not _plain(children.get("self_attn"), classes.attention) or not _plain(children.get("mlp"), classes.mlp):
