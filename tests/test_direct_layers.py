@@ -484,6 +484,13 @@ def test_transformers_output_recorders_leave_the_direct_layers_serving() -> None
     assert calls and direct.counts.steps == before  # a hook of the user's: the model's own forward
 
 
+def checkpointing(model: Any) -> Any:
+    """``model`` with gradient checkpointing on (transformers' newer name for it where there is one)."""
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable()
+    return model
+
+
 def test_a_model_training_with_gradient_checkpointing_is_served_by_the_direct_layers() -> None:
     """An RL loop keeps its policy in ``train()`` mode with gradient checkpointing on between its generations
     (dropout 0: served). transformers' checkpointing layer runs its forward as is where no gradient is recorded, as
@@ -492,11 +499,33 @@ def test_a_model_training_with_gradient_checkpointing_is_served_by_the_direct_la
     benchmark model)."""
     model = tiny_llama()
     want = reference(model, PROMPTS, 5)
-    model.gradient_checkpointing_enable()
-    model.train()
+    checkpointing(model).train()
     assert all(layer.gradient_checkpointing and layer.training for layer in model.model.layers)
     e = engine(model)
     got = tokens(e.generate(PROMPTS, SamplingParams(max_new_tokens=5, ignore_eos=True), use_tqdm=False))
     direct = direct_of(e)
     assert got == want
     assert direct is not None and direct.counts.verified is True and direct.counts.steps > 0
+
+
+def test_the_training_loop_script_measures_each_change_on_the_direct_layers() -> None:
+    """``scripts/training_loop_paths.py`` (docs/benchmarks.md, "Fast paths kept through a training loop") at a small
+    point: its decode figures and direct steps before and after a change, and the first greedy call after updates."""
+    import importlib.util
+    import random
+    from pathlib import Path
+
+    from pagedcore.benchmarks.common import bench_model
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "training_loop_paths.py"
+    spec = importlib.util.spec_from_file_location("training_loop_paths", path)
+    assert spec is not None and spec.loader is not None
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    rng, model = random.Random(0), bench_model(size="tiny")
+    ms, steps = script.decode_ms(model, 2, rng, rounds=1)
+    assert ms > 0 and steps > 0
+    ms, steps = script.decode_ms(script.checkpointing(model).train(), 2, rng, rounds=1)
+    assert ms > 0 and steps > 0 and model.training
+    steady, first, then = script.first_greedy_ms(model.eval(), rng, updates=1)
+    assert steady > 0 and len(first) == len(then) == 1 and min(first + then) > 0
