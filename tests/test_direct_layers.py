@@ -529,3 +529,58 @@ def test_the_training_loop_script_measures_each_change_on_the_direct_layers() ->
     assert ms > 0 and steps > 0 and model.training
     steady, first, then = script.first_greedy_ms(model.eval(), rng, updates=1)
     assert steady > 0 and len(first) == len(then) == 1 and min(first + then) > 0
+
+
+def lora_model(task: str | None = "CAUSAL_LM", **config: Any) -> Any:
+    """``get_peft_model`` of a tiny Llama with a LoRA on q/k/v/o whose weights are drawn (its tokens are its own)."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    lora = LoraConfig(r=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], init_lora_weights=False,
+                      lora_dropout=0.0, task_type=task, **config)  # fmt: skip
+    return get_peft_model(tiny_llama(), lora).eval()
+
+
+@pytest.mark.parametrize("task", ["CAUSAL_LM", None])  # PeftModelForCausalLM, PeftModel
+def test_a_peft_lora_model_is_served_by_the_direct_layers_with_its_own_tokens(task: str | None) -> None:
+    """An RL loop's LoRA policy (``get_peft_model``) ran the model's own forward through PEFT's wrappers at every step.
+    Its forward only calls the causal LM with the same arguments, whose injected LoRA layers the direct layers call
+    as modules: they serve it, with the PEFT model's own tokens, after a training step on the adapter too; a hook on
+    a wrapper sends the step through the PEFT model's forward."""
+    model = lora_model(task)
+    e = engine(model)
+    direct = direct_of(e)
+    assert direct is not None and direct._wrappers is not None
+    params = SamplingParams(max_new_tokens=5, ignore_eos=True)
+    assert tokens(e.generate(PROMPTS, params, use_tqdm=False)) == reference(model, PROMPTS, 5)
+    assert direct.counts.verified is True and direct.counts.steps > 0
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.mul_(3.0)  # the adapter trained in place
+    before = direct.counts.steps
+    assert tokens(e.generate(PROMPTS, params, use_tqdm=False)) == reference(model, PROMPTS, 5)
+    assert direct.counts.steps > before
+    calls: list[int] = []
+    handle = model.register_forward_hook(lambda *_: calls.append(1))
+    try:
+        before = direct.counts.steps
+        assert tokens(e.generate(PROMPTS, params, use_tqdm=False)) == reference(model, PROMPTS, 5)
+    finally:
+        handle.remove()
+    assert calls and direct.counts.steps == before
+
+
+def test_peft_models_whose_forward_does_more_run_it() -> None:
+    """Prompt learning adds virtual tokens, activated LoRA hands the layers offsets it computes from the input ids:
+    their forward is not the causal LM's, so no direct layers (and other tuners than LoRA are not taken either)."""
+    from peft import PromptTuningConfig, get_peft_model
+
+    assert DirectLayers.of(lora_model(alora_invocation_tokens=[5, 9])) is None
+    prompt = get_peft_model(tiny_llama(), PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4))
+    assert DirectLayers.of(prompt) is None
+    model = lora_model()
+    direct = DirectLayers.of(model)
+    assert direct is not None and direct.serves()
+    model.peft_config["default"].alora_invocation_tokens = [5, 9]  # made activated after the Engine was built
+    assert not direct.serves()

@@ -123,24 +123,27 @@ class DirectLayers:
         True
     """
 
-    def __init__(self, model: Any, classes: _Classes) -> None:
+    def __init__(self, model: Any, classes: _Classes, wrappers: tuple[Any, Any] | None = None) -> None:
         self._model = model
         self._classes = classes
+        self._wrappers = wrappers  # a PEFT model around ``model``: the PeftModel and its tuner (_peft_chain)
         self.counts = DirectCounts()
         self.tapes: Tapes | bool | None = None  # None: not asked yet; False: no tape kernel here
 
     @classmethod
     def of(cls, model: Any) -> DirectLayers | None:
-        """The direct layers of ``model``, or None: not a known family's causal LM, or turned off (``ENV``)."""
+        """The direct layers of ``model`` (a known family's causal LM, or a PEFT LoRA model of one: the causal LM
+        its forward runs, :func:`_peft_chain`), or None: another model, or turned off (``ENV``)."""
         if os.environ.get(ENV, "1") == "0":
             return None
+        model, wrappers = _peft_chain(model)
         family = FAMILIES.get(getattr(getattr(model, "config", None), "model_type", None) or "")
         if family is None:
             return None
         classes = _classes(*family)
         if classes is None or type(model) is not classes.causal_lm:
             return None
-        return cls(model, classes)
+        return cls(model, classes, wrappers)
 
     def serves(self) -> bool:
         """Whether this step may run the layers directly (module docstring: the bypassed modules unchanged and
@@ -150,6 +153,8 @@ class DirectLayers:
         if self.counts.verified is False or _global_hooks():
             return False
         classes, model = self._classes, self._model
+        if self._wrappers is not None and not _peft_runs(*self._wrappers, model):
+            return False
         inner = model._modules.get("model")  # noqa: SLF001  (no __getattr__ per read)
         if not _plain(model, classes.causal_lm) or not _plain(inner, classes.model):
             return False
@@ -440,6 +445,42 @@ def _kernel_for(hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> D
     if torch.compiler.is_compiling():
         return None
     return load_kernel()
+
+
+def _peft_chain(model: Any) -> tuple[Any, tuple[Any, Any] | None]:
+    """The causal LM whose forward a PEFT model's forward runs, and the PEFT model and its tuner around it, where
+    ``model`` is a ``PeftModel`` or ``PeftModelForCausalLM`` of a ``LoraModel`` (``get_peft_model`` with LoRA: an RL
+    loop's policy); else ``(model, None)``. Its forward then only calls the causal LM (``base_model.model``) with the
+    same arguments (:func:`_peft_runs` checks the conditions each step), and the LoRA layers injected into the causal
+    LM are called as the modules they are."""
+    peft = sys.modules.get("peft")
+    wrapping = (getattr(peft, "PeftModel", None), getattr(peft, "PeftModelForCausalLM", None))
+    if peft is None or type(model) not in wrapping:
+        return model, None
+    tuner = model._modules.get("base_model")  # noqa: SLF001
+    if type(tuner) is not getattr(peft, "LoraModel", None) or not _peft_runs(model, tuner, tuner.model):
+        return model, None
+    return tuner.model, (model, tuner)
+
+
+def _peft_runs(peft_model: Any, tuner: Any, model: Any) -> bool:
+    """A PEFT model's forward, now, is its tuner's model's ``forward`` with the same arguments: the PEFT model and the
+    tuner exactly their classes, unhooked, no instance ``forward``, still wrapping ``model``; every adapter config a
+    plain LoRA's (not prompt learning, which adds virtual tokens, nor activated LoRA, whose offsets the forward
+    computes from the input ids and hands the layers through hooks)."""
+    if not _plain(peft_model, type(peft_model)) or not _plain(tuner, type(tuner)):
+        return False
+    if peft_model._modules.get("base_model") is not tuner or tuner._modules.get("model") is not model:  # noqa: SLF001
+        return False
+    configs = getattr(peft_model, "peft_config", None)
+    if not isinstance(configs, dict) or not configs:
+        return False
+    return all(
+        getattr(config, "peft_type", None) == "LORA"  # PeftType is a str enum
+        and not getattr(config, "is_prompt_learning", True)
+        and getattr(config, "alora_invocation_tokens", None) is None
+        for config in configs.values()
+    )
 
 
 def _layers(inner: Any) -> list[Any]:
