@@ -9,7 +9,9 @@ the benchmark model between two measurements:
 - ``checkpointing``: ``gradient_checkpointing_enable()`` and ``train()`` (an RL loop's policy between its
   generations; the benchmark model has no dropout);
 - ``update``: an in-place update of every parameter (an optimizer step), after which the first greedy ``generate``
-  makes the head screen's int8 copy again (its ms are that first call's, not per step).
+  makes the head screen's int8 copy again (its ms are that first call's, not per step);
+- ``lora``: ``get_peft_model`` of the benchmark model with a LoRA (r 8) on q/k/v/o, its weights drawn (a LoRA
+  policy): ms per step of the plain model and of the PEFT model, the same decode rows.
 
 Decode rows: a fresh Engine per measurement, ``BATCH`` prompts of 64 random tokens, 64 greedy new tokens (eos
 ignored), one untimed run, then the median of 3 runs' wall time per step. The direct layers' steps are printed with
@@ -82,6 +84,15 @@ def checkpointing(model: Any) -> Any:
     return model
 
 
+def lora_policy(model: Any) -> Any:
+    """``get_peft_model`` of ``model`` with a LoRA of rank 8 on q/k/v/o whose weights are drawn, in eval mode."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], init_lora_weights=False,
+                        task_type="CAUSAL_LM")  # fmt: skip
+    return get_peft_model(model, config).eval()
+
+
 def main(argv: list[str]) -> None:
     threads = int(argv[0]) if argv else 2
     size = argv[1] if len(argv) > 1 else "small"
@@ -105,6 +116,13 @@ def main(argv: list[str]) -> None:
             after = decode_ms(model, rows, rng)
             print(f"{name}: batch {rows}: {before[rows][0]:.2f} ms ({before[rows][1]}) before, "
                   f"{after[0]:.2f} ms ({after[1]}) after")  # fmt: skip
+    model = bench_model(size=size)
+    plain = {rows: decode_ms(model, rows, rng) for rows in BATCHES}
+    peft = lora_policy(model)
+    for rows in BATCHES:
+        ms, steps = decode_ms(peft, rows, rng)
+        print(f"lora: batch {rows}: plain model {plain[rows][0]:.2f} ms ({plain[rows][1]}), "
+              f"its LoRA policy {ms:.2f} ms ({steps})")  # fmt: skip
 
 
 if __name__ == "__main__":

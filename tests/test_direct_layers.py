@@ -529,6 +529,8 @@ def test_the_training_loop_script_measures_each_change_on_the_direct_layers() ->
     assert ms > 0 and steps > 0 and model.training
     steady, first, then = script.first_greedy_ms(model.eval(), rng, updates=1)
     assert steady > 0 and len(first) == len(then) == 1 and min(first + then) > 0
+    ms, steps = script.decode_ms(script.lora_policy(model), 2, rng, rounds=1)
+    assert ms > 0 and steps > 0
 
 
 def lora_model(task: str | None = "CAUSAL_LM", **config: Any) -> Any:
