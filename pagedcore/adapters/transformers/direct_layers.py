@@ -23,11 +23,12 @@ Qwen3's Qwen2's with each query and key head normalized before the rotary embedd
 
 When it runs (:meth:`DirectLayers.serves`, checked at each step): every bypassed module (the causal LM, its base
 model, each decoder layer, attention and MLP) is exactly the family's class, has no hook (transformers' output
-recorders aside: :func:`~.hook_ids.recorders_only`) and no ``forward`` of its own on the instance, no global
-module hook is set. Otherwise, and for steps with LoRA adapters or a probe's, the
-model's own forward runs. The first step it would serve, it is checked: the base model's
-own forward runs too and the two last hidden states must be equal to the bit; if not (another transformers version
-whose layer code changed), it is turned off for this runner with a warning and the model's are used.
+recorders aside: :func:`~.hook_ids.recorders_only`) and no ``forward`` of its own on the instance, and no global
+module hook is set; for a PEFT model of plain LoRA adapters, its ``PeftModel`` and ``LoraModel`` too
+(:func:`_peft_chain`). Otherwise, and for steps with the Engine's per-request LoRA adapters or a probe's, the model's
+own forward runs. The first step it would serve, it is checked: the base model's own forward runs too and the two
+last hidden states must be equal to the bit; if not (another transformers version whose layer code changed), it is
+turned off for this runner with a warning and the model's are used.
 ``PAGEDCORE_DIRECT_LAYERS=0`` turns it off, ``PAGEDCORE_DIRECT_KERNEL=0`` only its C steps.
 """
 
