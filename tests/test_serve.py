@@ -299,10 +299,14 @@ def test_metrics_report_every_documented_series(served):
         "pagedcore_requests_running",
         "pagedcore_step_seconds_count",
         "pagedcore_requests_total{status=finished}",
+        "python_gc_collections_total{generation=2}",  # a full pass stops the step loop (pagedcore/cli/gc_heap.py)
+        "python_gc_objects_collected_total{generation=0}",
+        "python_gc_objects_uncollectable_total{generation=0}",
     ]:
         assert name in metrics, name
     assert metrics["pagedcore_step_seconds_count"] > 0 and metrics["pagedcore_prompt_tokens_total"] > 0
     assert metrics["pagedcore_kv_blocks"] == 256
+    assert metrics["python_gc_collections_total{generation=0}"] > 0  # this process's passes, as gc.get_stats() has them
 
 
 # ---------------------------------------------------------------------- clients that leave

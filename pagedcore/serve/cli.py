@@ -351,11 +351,28 @@ def _serving(
         access_log=not getattr(args, "disable_uvicorn_access_log", False),
         limits=_connection_limits(args, error),
     )
+    _freeze_heap()
     start_listening(sock)  # only now: a client connecting while the model loaded was refused, not left waiting
     _announce(args, engine, loop, names[0], port, api_keys, context)
     print(f"pagedcore serve: {key_source}", file=sys.stderr, flush=True)
     print_notes(args, model, options)
     return engine, loop, server
+
+
+def _freeze_heap() -> None:
+    """The start-up heap frozen before the first request (``pagedcore/cli/gc_heap.py``), said in one line."""
+    from pagedcore.cli.gc_heap import ENV, freeze_startup_heap
+
+    frozen = freeze_startup_heap()
+    if frozen is None:
+        print(f"pagedcore serve: start-up heap left to the garbage collector ({ENV}=0)", file=sys.stderr, flush=True)
+    else:
+        print(
+            f"pagedcore serve: start-up heap frozen ({frozen} objects; full garbage collections skip them, "
+            f"{ENV}=0 leaves them)",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def _announce(

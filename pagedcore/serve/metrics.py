@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.gc_collector import GCCollector
 from prometheus_client.registry import Collector
 
 from pagedcore.adapters.transformers import SamplingParams
@@ -107,6 +108,7 @@ class ServeMetrics:
             "pagedcore_step_seconds", "Duration of one engine step", buckets=_STEP_BUCKETS, registry=self.registry
         )
         self.registry.register(_LoopCollector(loop))
+        GCCollector(registry=self.registry)  # python_gc_*: a full collection stops the step loop (cli/gc_heap.py)
         loop.add_step_listener(self._step.observe)
         self.vllm = VllmMetrics(self.registry, loop, model_name, context_length=context_length)
 
