@@ -73,3 +73,17 @@ def test_the_serve_command_says_when_the_heap_is_left_alone(monkeypatch, capsys)
     assert capsys.readouterr().err == (
         "pagedcore serve: start-up heap left to the garbage collector (PAGEDCORE_GC_FREEZE=0)\n"
     )
+
+
+def test_the_pauses_script_measures_both_heaps():
+    """``scripts/gc_pauses.py`` (docs/benchmarks.md, "Garbage-collector pauses"), half a second per process."""
+    path = ROOT / "scripts" / "gc_pauses.py"
+    done = subprocess.run([sys.executable, str(path), "engine", "--seconds", "0.5"], capture_output=True, text=True,
+                          env=ENV, timeout=300, check=True)  # fmt: skip
+    rows = [json.loads(line) for line in done.stdout.strip().splitlines()]
+    assert [row["mode"] for row in rows] == ["as is", "frozen"]
+    assert rows[0]["frozen"] == 0 and rows[1]["frozen"] > 100_000
+    for row in rows:
+        assert row["requests"] >= 64 and row["steps"] > 0
+        p50, p99, most = row["step_gap_ms"]
+        assert 0 < p50 <= p99 <= most
