@@ -87,3 +87,23 @@ def test_the_pauses_script_measures_both_heaps():
         assert row["requests"] >= 64 and row["steps"] > 0
         p50, p99, most = row["step_gap_ms"]
         assert 0 < p50 <= p99 <= most
+
+
+@pytest.mark.parametrize(("name", "frozen"), [("SERVE_REPLICA::app#EngineReplica#a1", True), ("local", False)])
+def test_a_ray_serve_replica_freezes_its_start_up_heap_and_a_local_one_does_not(monkeypatch, name, frozen):
+    """A Ray Serve replica builds its Engine in Ray's process for it: its start-up heap is frozen as ``pagedcore
+    serve``'s is; an ``EngineReplica`` made in a program of its own (``local``) leaves that program's heap alone."""
+    pytest.importorskip("ray.serve")
+    from pagedcore.serve.ray import EngineReplica, ModelSpec
+    from pagedcore.serve.ray import replica as replica_module
+
+    calls: list[str] = []
+    monkeypatch.setattr(replica_module, "_replica_name", lambda: name)
+    monkeypatch.setattr(replica_module, "freeze_startup_heap", lambda: calls.append("freeze") or 1)
+    tiny = ModelSpec(builtin_overrides={"num_hidden_layers": 1, "hidden_size": 64, "intermediate_size": 128})
+    replica = EngineReplica(tiny, {"num_blocks": 16, "block_size": 8})
+    try:
+        assert replica.name == name
+        assert calls == (["freeze"] if frozen else [])
+    finally:
+        replica.shutdown()

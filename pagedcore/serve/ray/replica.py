@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import sys
 import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
+
+from pagedcore.cli.gc_heap import freeze_startup_heap
 
 from ..loop import EngineLoop, Finished, LoopClosedError, LoopEvent, LoopStats, QueueFullError
 from .model_spec import ModelSpec
@@ -69,8 +72,12 @@ class EngineReplica:
         loaded, tokenizer = model.load()
         self._engine = Engine(loaded, tokenizer, **(engine_kwargs or {}))
         self._loop = EngineLoop(self._engine, max_queue=max_queue)
-        self._loop.start()
         self._name = _replica_name()
+        if self._name != "local":  # a Ray Serve replica's own process: its start-up heap, as `pagedcore serve` does
+            frozen = freeze_startup_heap()
+            if frozen is not None:
+                print(f"pagedcore replica {self._name}: start-up heap frozen ({frozen} objects)", file=sys.stderr)
+        self._loop.start()
         self._sequence = itertools.count(1)
         self._report_lock = threading.Lock()  # a number and a reading taken together keep their order
 
