@@ -128,7 +128,7 @@ def test_an_idle_server_exits_at_once_on_sigterm():
     garbage collections over torch, transformers and the model. ``pagedcore.cli.entry`` freezes the heap first.
 
     The start-up heap is frozen before the first request too, and said (``pagedcore/cli/gc_heap.py``): a full
-    collection while serving walked it all, 318-324 ms with every stream stopped."""
+    collection while serving walked it all, 239-335 ms with every stream stopped (``scripts/gc_pauses.py``)."""
     command = [sys.executable, "-m", "pagedcore", "serve", "--port", "0", "--threads", "1", "--num-blocks", "64"]
     process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=ENV)
     said: list[str] = []
