@@ -394,8 +394,8 @@ def test_the_kernels_norm_is_llamas_rmsnorm_to_the_bit_where_its_sum_is_torchs(
     x = torch.randn(3, 5, width, generator=g) * torch.logspace(-4, 4, 5).view(1, 5, 1)
     with torch.inference_mode():
         got = kernel.rms_norm(x, norm.weight, norm.variance_epsilon)
-        if torch.backends.cpu.get_cpu_capability() == "AVX2":  # the order checked on hardware (AVX512's: from source)
-            assert got is not None, f"torch's sum order at width {width} was not found"
+        if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):  # 8 lanes on both, found on hardware
+            assert got is not None, f"torch's sum order at width {width} was not found (lanes {kernel._lanes})"
         if got is not None:
             assert torch.equal(got, norm(x))
             assert kernel._widths[width] is True

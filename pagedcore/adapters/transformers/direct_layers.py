@@ -317,10 +317,27 @@ class DirectKernel:
         self._rope = library.rope_store
         self._rope.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64]
         self._rope.restype = None
-        # torch's float32 vectors in its CPU kernels: its sum's order (None: a capability the C code does not follow)
-        self._lanes = SUM_LANES.get(torch.backends.cpu.get_cpu_capability())
+        # the float32 lanes of torch's CPU sum kernel: its order (None: none the C code follows)
+        self._lanes = self._found_lanes()
         self._widths: dict[int, bool] = {}  # row width -> whether the C sum's bits were found equal to torch's
         self._lock = threading.Lock()
+
+    def _found_lanes(self) -> int | None:
+        """The vector width (of :data:`SUM_LANES`) whose order gives torch's bits for ``pow(2).mean(-1)`` of rows of
+        4096 random values over twelve orders of magnitude, else None: which of ATen's kernels torch dispatches to is
+        read from what it computes, not from its capability's name (an AVX512 torch 2.13 sums in 8 lanes: its sum
+        kernel has no AVX512 build, found on an Intel Xeon)."""
+        if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+            return None
+        n, generator = 4096, torch.Generator().manual_seed(4096)
+        rows = torch.randn(8, n, generator=generator) * torch.logspace(-6, 6, 8).unsqueeze(1)
+        want, ones, out = rows.pow(2).mean(-1, keepdim=True), torch.ones(n), torch.empty_like(rows)
+        for lanes in SUM_LANES:
+            ours = torch.empty(8, 1)
+            code = self._norm(rows.data_ptr(), ones.data_ptr(), 1e-6, out.data_ptr(), ours.data_ptr(), 8, n, lanes)
+            if code == 0 and same_bits(ours, want):
+                return lanes
+        return None
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
         """LlamaRMSNorm.forward over contiguous float32 ``x (..., n)`` in one C call, its variance summed in torch's
@@ -409,8 +426,9 @@ class DirectKernel:
 
 _SOURCE = Path(__file__).with_name("direct_kernel.c")
 _SOURCE_TEXT = _SOURCE.read_text() if _SOURCE.is_file() else None  # read with this module (see c_library)
-# torch.backends.cpu.get_cpu_capability() -> the float32 lanes of its vectors (ATen's Vectorized<float>)
-SUM_LANES = {"AVX2": 8, "AVX512": 16}
+# the float32 lanes of ATen's Vectorized<float> its sum kernel may run with (AVX2: 8; AVX512: 16 where that kernel is
+# built for it): DirectKernel._found_lanes tries each
+SUM_LANES = (8, 16)
 _FLAGS = ("-O2", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC")
 # Where AVX2 may be built: the same source vectorized (each lane its own IEEE operations in the same order: nothing
 # reassociated or contracted); the norm 3x faster at 16 rows of 512, 4x at 64 (docs/benchmarks.md, "Weights past
