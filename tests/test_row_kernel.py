@@ -15,7 +15,17 @@ from test_weights_engine import assert_stock, mirror, sgd_step, workload
 from pagedcore import c_library
 from pagedcore.adapters.transformers import Engine, SamplingParams
 from pagedcore.adapters.transformers import row_kernel as row_kernel_module
-from pagedcore.adapters.transformers.row_kernel import LANES, ONE_ROW, WIDTHS, Order, RowKernel, load
+from pagedcore.adapters.transformers.row_kernel import (
+    BLAS,
+    LANES,
+    LANES16,
+    ONE_ROW,
+    ONE_ROW16,
+    WIDTHS,
+    Order,
+    RowKernel,
+    load,
+)
 from pagedcore.adapters.transformers.row_split import TRIALS, RowSplit
 from pagedcore.errors import ConfigError
 
@@ -47,6 +57,78 @@ def lane_sums(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
         lanes[:, :, 0 if k < head else k % 4] += products[:, :, k]
     out = (lanes[:, :, 0] + lanes[:, :, 2]) + (lanes[:, :, 1] + lanes[:, :, 3])
     return out if bias is None else out + bias
+
+
+def fma_chain(x: np.ndarray, w: np.ndarray, acc: np.ndarray) -> np.ndarray:
+    """``acc + x * w`` rounded once to float32 (an FMA: the float64 product of two float32 values is exact)."""
+    return (x.astype(np.float64) * w.astype(np.float64) + acc.astype(np.float64)).astype(np.float32)
+
+
+def halved(lanes: np.ndarray) -> np.ndarray:
+    """The lanes (last axis) added pairwise, lane i to lane i + half, until one is left."""
+    while lanes.shape[-1] > 1:
+        half = lanes.shape[-1] // 2
+        lanes = lanes[..., :half] + lanes[..., half:]
+    return lanes[..., 0]
+
+
+def sixteen_lane_sums(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The documented LANES16 order: one FMA chain per lane from zero over the columns k = lane (mod 16), the lanes
+    added in four groups of four ((0-3 + 4-7) + 8-11) + 12-15, the four sums (0 + 1) + (2 + 3), then the bias."""
+    xs, ws = x.numpy(), weight.numpy()
+    lanes = np.zeros((xs.shape[0], ws.shape[0], 16), dtype=np.float32)
+    for k in range(xs.shape[1]):
+        lanes[:, :, k % 16] = fma_chain(xs[:, k, None], ws[None, :, k], lanes[:, :, k % 16])
+    v = ((lanes[..., 0:4] + lanes[..., 4:8]) + lanes[..., 8:12]) + lanes[..., 12:16]
+    out = torch.from_numpy((v[..., 0] + v[..., 1]) + (v[..., 2] + v[..., 3]))
+    return out if bias is None else out + bias
+
+
+def one_row16_sums(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The documented ONE_ROW16 order: column 0's product starts lane 0 of sixteen, columns 1 .. K - 16 are FMA'd
+    into lane (k - 1) mod 16, the lanes halved to one; that sum starts lane 0 of eight, columns K - 15 .. K - 8 are
+    FMA'd into them, columns K - 7 .. K - 1 added as rounded products into lanes 0-6, the eight halved, the bias."""
+    xs, ws = x.numpy(), weight.numpy()
+    rows, width = xs.shape
+    lanes = np.zeros((rows, ws.shape[0], 16), dtype=np.float32)
+    lanes[:, :, 0] = xs[:, 0, None] * ws[None, :, 0]
+    for k in range(1, width - 15):
+        lanes[:, :, (k - 1) % 16] = fma_chain(xs[:, k, None], ws[None, :, k], lanes[:, :, (k - 1) % 16])
+    tail = np.zeros((rows, ws.shape[0], 8), dtype=np.float32)
+    tail[:, :, 0] = halved(lanes)
+    for lane in range(8):
+        k = width - 15 + lane
+        tail[:, :, lane] = fma_chain(xs[:, k, None], ws[None, :, k], tail[:, :, lane])
+    for lane in range(7):
+        k = width - 7 + lane
+        tail[:, :, lane] += xs[:, k, None] * ws[None, :, k]
+    out = torch.from_numpy(halved(tail))
+    return out if bias is None else out + bias
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 9])
+@pytest.mark.parametrize("width", [32, 48, 512])
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_kernel_sums_in_sixteen_lanes_as_documented(rows, width, bias):
+    """MKL's two orders on an Intel Xeon with AVX-512, checked against their emulations on any CPU."""
+    torch.manual_seed(rows * 31 + width)
+    weight, x = torch.randn(24, width), torch.randn(rows, width)
+    b = torch.randn(24) if bias else None
+    assert KERNEL is not None
+    for threads in (1, 2):
+        assert torch.equal(KERNEL.linear(x, weight, b, LANES16, threads), sixteen_lane_sums(x, weight, b))
+        assert torch.equal(KERNEL.linear(x, weight, b, ONE_ROW16, threads), one_row16_sums(x, weight, b))
+
+
+@needs_kernel
+def test_the_sixteen_lane_orders_refuse_a_width_they_do_not_serve():
+    assert KERNEL is not None
+    with pytest.raises(ValueError, match="row kernel"):
+        KERNEL.linear(torch.randn(2, 40), torch.randn(8, 40), None, LANES16, 1)  # 40 columns: not a multiple of 16
+    with pytest.raises(ValueError, match="row kernel"):
+        KERNEL.linear(torch.randn(1, 16), torch.randn(8, 16), None, ONE_ROW16, 1)  # its tail needs 32 columns
+    assert Order(0, 0, 16).label(3) == "16 lanes" and Order(256, 4, 16).label(6) == "256 to row 4, 16 lanes"
 
 
 @needs_kernel
@@ -96,7 +178,8 @@ def test_rows_past_lanes_from_are_summed_in_four_lanes(rows, blocked, bias):
 def test_the_kernel_finds_mkls_order_or_none(threads):
     """Where MKL sums in one of the kernel's orders (with MKL 2024 on Zen 4: ONE_ROW at 1 row, LANES at 2-3 rows,
     blocks of 192 from 4 rows up, and at 2 threads blocks for the first 4 or 8 of 5-7 and 9-11 rows and LANES for the
-    rest) the kernel gives F.linear's bits; an order is reported only where they are equal."""
+    rest; on a Xeon with AVX-512: ONE_ROW16 at 1 row, LANES16 at 2-15, blocks of 256 or 384 from 16 up) the kernel
+    gives F.linear's bits; an order is reported only where they are equal."""
     assert KERNEL is not None
     torch.manual_seed(threads)
     before = torch.get_num_threads()
@@ -110,7 +193,7 @@ def test_the_kernel_finds_mkls_order_or_none(threads):
                 order = KERNEL.exact_order(x, weight, None, F.linear(x, weight), threads)
                 found[shape, rows] = order
                 if order is not None:
-                    assert order in (LANES, ONE_ROW) or order.width in (*WIDTHS, shape[1])
+                    assert order in (LANES, ONE_ROW, LANES16, ONE_ROW16) or order.width in (*WIDTHS, shape[1])
                     assert torch.equal(KERNEL.linear(x, weight, None, order, threads), F.linear(x, weight))
     finally:
         torch.set_num_threads(before)
@@ -225,6 +308,76 @@ def test_each_row_count_of_a_bucket_keeps_its_own_order(two_threads, trial_clock
     key = (256, 64, False, 4, 2, 4)
     assert split._buckets[key].orders == {3: LANES, 4: Order.blocks(64, 4)}
     assert split.ways()[key] == "kernel" and split.differing("kernel") == {}
+
+
+needs_blas = pytest.mark.skipif(KERNEL is None or not KERNEL.blas, reason="no row kernel, or torch's BLAS is not MKL")
+
+
+@needs_blas
+@pytest.mark.parametrize("shape", [(512, 512), (128, 512), (1536, 512), (512, 1536), (32000, 512), (64, 128)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_blas_call_gives_f_linears_bits(shape, bias):
+    """BLAS is MKL's sgemm called from C with the arguments torch's addmm passes: F.linear's bits by construction, at
+    every row count and thread count (a bias copied into the rows first, added with beta = 1)."""
+    assert KERNEL is not None
+    torch.manual_seed(shape[0] + bias)
+    weight = torch.randn(*shape) * 0.05
+    b = torch.randn(shape[0]) if bias else None
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for rows in (*range(1, 18), 33, 64, 256):
+                x = torch.randn(rows, shape[1])
+                assert torch.equal(KERNEL.linear(x, weight, b, BLAS, threads), F.linear(x, weight, b)), (threads, rows)
+    finally:
+        torch.set_num_threads(before)
+    assert BLAS.label(1) == "the BLAS's sgemm"
+
+
+@needs_kernel
+def test_the_blas_order_is_refused_where_no_sgemm_was_found():
+    """A kernel built without the BLAS's address (another BLAS than MKL) answers BLAS with an error, not zeros."""
+    library = c_library.build("row_kernel", row_kernel_module._SOURCE_TEXT, row_kernel_module._FLAGS)
+    assert library is not None
+    bare = RowKernel(library)
+    assert not bare.blas
+    with pytest.raises(ValueError, match="row kernel"):
+        bare.linear(torch.randn(2, 64), torch.randn(16, 64), None, BLAS, 1)
+
+
+@needs_kernel
+@pytest.mark.parametrize("kernel_faster", [False, True])
+def test_the_tape_calls_the_blas_where_f_linear_won_the_trials_and_the_kernel_where_it_did(
+    kernel_faster, monkeypatch, two_threads, trial_clock
+):
+    """RowSplit.exact_order (the decode tape's linear): the kernel's exact order where its trials beat F.linear's,
+    else the BLAS call (F.linear's own GEMM from C); the kernel's order where the BLAS is not there."""
+    assert KERNEL is not None
+    real = RowKernel.linear
+
+    def timed(self: RowKernel, x: torch.Tensor, weight: torch.Tensor, bias: object, order: Order, threads: int):
+        trial_clock[0] += -0.75 if kernel_faster else 0.75
+        return real(self, x, weight, bias, order, threads)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(RowKernel, "linear", timed)
+    split, weight = RowSplit(KERNEL), torch.randn(128, 512)
+    for _ in range(3 * TRIALS + 2):
+        x = torch.randn(1, 512)
+        assert torch.equal(split.linear(x, weight, None), F.linear(x, weight))
+    shape = (128, 512, False)
+    kernel_order = split._buckets[(128, 512, False, 2, 2, 1)].orders.get(1)
+    if kernel_order is None and not KERNEL.blas:
+        pytest.skip("neither the kernel's orders nor the BLAS serve on this CPU")
+    if kernel_faster and kernel_order is not None:
+        assert split.settled(shape, 1, 2) == "kernel" and split.exact_order(shape, 1, 2) == kernel_order
+    elif KERNEL.blas:
+        assert split.exact_order(shape, 1, 2) == BLAS
+    monkeypatch.setattr(KERNEL, "blas", False)  # a fresh split on a kernel without the BLAS: the kernel's order
+    split = RowSplit(KERNEL)
+    for _ in range(3 * TRIALS + 2):
+        split.linear(torch.randn(1, 512), weight, None)
+    assert split.exact_order(shape, 1, 2) == split._buckets[(128, 512, False, 2, 2, 1)].orders.get(1)
 
 
 @needs_kernel

@@ -26,14 +26,22 @@ SHAPES = [(512, 512), (128, 512), (1536, 512), (512, 1536), (32000, 512), (2048,
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("bias", [False, True])
 def test_the_split_gives_the_bits_of_f_linear(shape, bias, two_threads):
+    """Exact at decode row counts up to 12 on both CPUs this project has met; from 16 rows MKL on a Xeon with
+    AVX-512 sums a split of 1536 columns or more another way (2048 x 2048 at 16-64 rows, 512 x 1536 at 64), which
+    :class:`RowSplit` finds at the row count's first call and answers with F.linear's own bits."""
     torch.manual_seed(0)
     weight = torch.randn(*shape) * 0.02
     b = torch.randn(shape[0]) if bias else None
     blocks = split_blocks(shape[0], 2)
     assert blocks is not None
-    for rows in (1, 1, 2, 3, 4, 8, 12, 16, 33, 64) if shape[0] * shape[1] < 10**7 else (1, 3):
+    for rows in (1, 1, 2, 3, 4, 8, 12) if shape[0] * shape[1] < 10**7 else (1, 3):
         x = torch.randn(1, rows, shape[1])
         assert torch.equal(split_linear(x, weight, b, blocks), F.linear(x, weight, b)), rows
+    split = RowSplit()
+    for rows in (16, 33, 64) if shape[0] * shape[1] < 10**7 else ():
+        for _ in range(2 * TRIALS + 2):
+            x = torch.randn(1, rows, shape[1])
+            assert torch.equal(split.linear(x, weight, b), F.linear(x, weight, b)), rows
 
 
 def test_row_counts_whose_bits_differ_keep_f_linear(two_threads):

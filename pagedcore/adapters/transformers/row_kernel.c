@@ -4,7 +4,15 @@
      added in order to the bias, or to the first block's sum without one);
    - rows lanes_from..M-1 in four lanes (LANES): each product rounded, added into four lanes by column mod 4 (in
      column order, from zero), the lanes summed (0 + 2) + (1 + 3), then the bias added; with head 4, the first four
-     products all go to lane 0, in order (MKL's one-row product).
+     products all go to lane 0, in order (MKL's one-row product on an AMD Zen 4);
+   - or, with head 16 (LANES16, MKL's sgemm at 2-15 rows on an Intel Xeon with AVX-512), in sixteen lanes: one FMA
+     chain per lane from zero over the columns k = lane (mod 16), in column order; the lanes in four groups of four
+     added in order ((0-3 + 4-7) + 8-11) + 12-15, the four sums (0 + 1) + (2 + 3), then the bias; K a multiple of 16;
+   - or, with head 17 (ONE_ROW16, MKL's one-row product there), column 0's product starts lane 0, columns 1 .. K - 16
+     go to sixteen FMA chains (lane (k - 1) mod 16), the lanes halved to one ((i + i+8), (i + i+4), (i + i+2),
+     0 + 1); that sum starts lane 0 of eight, columns K - 15 .. K - 8 are FMA'd into the eight lanes, then columns
+     K - 7 .. K - 1 added as rounded products into lanes 0-6, the eight lanes halved to one, then the bias.
+   - or, with head 32 (BLAS), not summed here: the BLAS's own sgemm called as F.linear calls it (blas_linear()).
    AVX2 + FMA; N, K and kc multiples of 8 (kc unused where lanes_from is 0); x, w, bias and y contiguous.
    Also the head screen's int8 product (byte_linear(), at the end). */
 #include <immintrin.h>
@@ -274,11 +282,97 @@ static inline int ahead8(long K) {
     return rows < 1 ? 1 : rows > 32 ? 32 : (int)rows;
 }
 
+/* the LANES16 order (head 16) for outputs n0..n0+3 of one row: each output's sixteen lanes as two 256-bit FMA chains
+   (lanes 0-7, 8-15), four outputs' chains in flight at once */
+static INLINE void lanes16(const float *x, const float *w, const float *bias, float *y, long N, long K, long n0,
+                           const int ahead) {
+    __m256 lo[4], hi[4];
+    for (int i = 0; i < 4; i++) lo[i] = hi[i] = _mm256_setzero_ps();
+    for (long k = 0; k < K; k += 16) {
+        if (ahead && n0 + 4 + ahead <= N && k % 16 == 0)
+            for (int i = 0; i < 4; i++) _mm_prefetch((const char *)(w + (n0 + ahead + i) * K + k), _MM_HINT_NTA);
+        const __m256 xl = _mm256_loadu_ps(x + k), xh = _mm256_loadu_ps(x + k + 8);
+        for (int i = 0; i < 4; i++) {
+            lo[i] = _mm256_fmadd_ps(_mm256_loadu_ps(w + (n0 + i) * K + k), xl, lo[i]);
+            hi[i] = _mm256_fmadd_ps(_mm256_loadu_ps(w + (n0 + i) * K + k + 8), xh, hi[i]);
+        }
+    }
+    __m128 v[4];  /* per output: ((0-3 + 4-7) + 8-11) + 12-15 */
+    for (int i = 0; i < 4; i++)
+        v[i] = _mm_add_ps(_mm_add_ps(_mm_add_ps(_mm256_castps256_ps128(lo[i]), _mm256_extractf128_ps(lo[i], 1)),
+                                     _mm256_castps256_ps128(hi[i])),
+                          _mm256_extractf128_ps(hi[i], 1));
+    _MM_TRANSPOSE4_PS(v[0], v[1], v[2], v[3]);  /* now v[j] holds sum j of the four outputs */
+    __m128 out = _mm_add_ps(_mm_add_ps(v[0], v[1]), _mm_add_ps(v[2], v[3]));
+    if (bias) out = _mm_add_ps(out, _mm_loadu_ps(bias + n0));
+    _mm_storeu_ps(y + n0, out);
+}
+
+/* the ONE_ROW16 order (head 17) for outputs n0..n0+3 of one row (K >= 32) */
+static INLINE void one_row16(const float *x, const float *w, const float *bias, float *y, long N, long K, long n0,
+                             const int ahead) {
+    __m256 lo[4], hi[4];
+    for (int i = 0; i < 4; i++) {  /* column 0's product alone in lane 0, +0 in the others */
+        lo[i] = _mm256_setr_ps(w[(n0 + i) * K] * x[0], 0, 0, 0, 0, 0, 0, 0);
+        hi[i] = _mm256_setzero_ps();
+    }
+    for (long k = 1; k <= K - 31; k += 16) {  /* columns 1 .. K - 16 */
+        if (ahead && n0 + 4 + ahead <= N)
+            for (int i = 0; i < 4; i++) _mm_prefetch((const char *)(w + (n0 + ahead + i) * K + k), _MM_HINT_NTA);
+        const __m256 xl = _mm256_loadu_ps(x + k), xh = _mm256_loadu_ps(x + k + 8);
+        for (int i = 0; i < 4; i++) {
+            lo[i] = _mm256_fmadd_ps(_mm256_loadu_ps(w + (n0 + i) * K + k), xl, lo[i]);
+            hi[i] = _mm256_fmadd_ps(_mm256_loadu_ps(w + (n0 + i) * K + k + 8), xh, hi[i]);
+        }
+    }
+    const long t = K - 15;  /* the tail: eight columns FMA'd, then seven added as rounded products */
+    const __m256 xa = _mm256_loadu_ps(x + t), xb = _mm256_loadu_ps(x + t + 7);  /* xb: columns K-8 .. K-1 */
+    const __m256 seven = _mm256_castsi256_ps(_mm256_setr_epi32(-1, -1, -1, -1, -1, -1, -1, 0));  /* lanes 0-6 */
+    for (int i = 0; i < 4; i++) {
+        const float *row = w + (n0 + i) * K;
+        __m256 s8 = _mm256_add_ps(lo[i], hi[i]);  /* i + i+8 */
+        __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));  /* i + i+4 */
+        __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));  /* i + i+2 */
+        __m128 s1 = _mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1));  /* 0 + 1 */
+        __m256 tail = _mm256_fmadd_ps(_mm256_loadu_ps(row + t), xa,
+                                      _mm256_castps128_ps256(_mm_move_ss(_mm_setzero_ps(), s1)));
+        /* columns K-7 .. K-1 into lanes 0-6: the products of columns K-8 .. K-1 shifted down one lane (lane 7 kept) */
+        const __m256 p = _mm256_mul_ps(_mm256_loadu_ps(row + t + 7), xb);  /* lanes 0-7: columns K-8 .. K-1 */
+        const __m256 shifted = _mm256_permutevar8x32_ps(p, _mm256_setr_epi32(1, 2, 3, 4, 5, 6, 7, 7));
+        tail = _mm256_blendv_ps(tail, _mm256_add_ps(tail, shifted), seven);
+        __m128 h4 = _mm_add_ps(_mm256_castps256_ps128(tail), _mm256_extractf128_ps(tail, 1));
+        __m128 h2 = _mm_add_ps(h4, _mm_movehl_ps(h4, h4));
+        __m128 h1 = _mm_add_ss(h2, _mm_shuffle_ps(h2, h2, 1));
+        float out = _mm_cvtss_f32(h1);
+        if (bias) out += bias[n0 + i];
+        y[n0 + i] = out;
+    }
+}
+
+/* rows lanes_from..M-1 of outputs n0..n0+count-1 (count a multiple of 4) in LANES16 (head 16) or ONE_ROW16 (head 17,
+   one row) order, four outputs at a time, every row of them while their weight rows are in the cache */
+static void lanes16_rows(const float *x, const float *w, const float *bias, float *y, long lanes_from, long M, long N,
+                         long K, long n0, long count, int prefetch, int head) {
+    for (long n = n0; n < n0 + count; n += 4)
+        for (long m = lanes_from; m < M; m++) {
+            const int ahead = m == lanes_from && prefetch ? ahead8(K) : 0;
+            if (head == 17)
+                one_row16(x + m * K, w, bias, y + m * N, N, K, n, ahead);
+            else
+                lanes16(x + m * K, w, bias, y + m * N, N, K, n, ahead);
+        }
+}
+
+
 /* rows lanes_from..M-1 of outputs n0..n0+count-1 (count a multiple of 8) in LANES order, in groups of 4 rows (a
    last group of one or two: eight outputs at a time, lanes8());
    prefetch: the first group prefetches the weight rows PREFETCH_ROWS on (0: none, where a panel just read them) */
 static void lanes_rows(const float *x, const float *w, const float *bias, float *y, long lanes_from, long M, long N,
                        long K, long n0, long count, int prefetch, int head) {
+    if (head >= 16) {
+        lanes16_rows(x, w, bias, y, lanes_from, M, N, K, n0, count, prefetch, head);
+        return;
+    }
     for (long m0 = lanes_from; m0 < M; m0 += 4) {
         const float *xs = x + m0 * K;
         float *ys = y + m0 * N;
@@ -312,12 +406,38 @@ static void lanes_rows(const float *x, const float *w, const float *bias, float 
     }
 }
 
+/* The BLAS's sgemm (head 32, BLAS in row_kernel.py): the Fortran sgemm_ of the library torch's own GEMMs call (MKL
+   inside libtorch_cpu), set once by row_kernel_set_sgemm(), called with the arguments torch's addmm passes for
+   F.linear on contiguous rows (y^T = w . x^T in column-major terms, a bias copied into every row first and added with
+   beta = 1), so its bits are F.linear's by construction (row_kernel.py checks them anyway, per row count), on the
+   threads the BLAS was given (torch.set_num_threads sets them); the decode tape's way to call a layer settled on
+   F.linear without Python */
+typedef void (*sgemm_fn)(const char *, const char *, const int *, const int *, const int *, const float *,
+                         const float *, const int *, const float *, const int *, const float *, float *, const int *);
+static sgemm_fn blas_sgemm = 0;
+
+void row_kernel_set_sgemm(void *function) { blas_sgemm = (sgemm_fn)function; }
+
+static int blas_linear(const float *x, const float *w, const float *bias, float *y, long M, long N, long K) {
+    if (!blas_sgemm || M > 2147483647L || N > 2147483647L || K > 2147483647L) return -1;
+    const int m = (int)N, n = (int)M, k = (int)K;
+    const float one = 1.0f, beta = bias ? 1.0f : 0.0f;
+    if (bias)
+        for (long r = 0; r < M; r++) memcpy(y + r * N, bias, (size_t)N * sizeof(float));
+    blas_sgemm("t", "n", &m, &n, &k, &one, w, &k, x, &k, &beta, y, &m);
+    return 0;
+}
+
 /* rows 0..B-1 blocked (B = lanes_from), the rest in LANES order; each panel's LANES rows right after its blocked
    rows, while its weight rows are in the cache */
 int row_kernel_linear(const float *x, const float *w, const float *bias, float *y, long M, long N, long K, long kc,
                       long lanes_from, long head, int threads) {
     if (M < 1 || N < 8 || K < 8 || N % 8 || K % 8 || kc < 0 || kc % 8 || threads < 1) return -1;
-    if (lanes_from < 0 || lanes_from > M || (lanes_from > 0 && kc == 0) || (head != 0 && head != 4)) return -1;
+    if (head == 32) return lanes_from == 0 ? blas_linear(x, w, bias, y, M, N, K) : -1;
+    if (lanes_from < 0 || lanes_from > M || (lanes_from > 0 && kc == 0) ||
+        (head != 0 && head != 4 && head != 16 && head != 17))
+        return -1;
+    if (head >= 16 && (K % 16 || (head == 17 && K < 32))) return -1;
     if (head && lanes_from == M) return -1;  /* a head for no lanes row */
     const long B = lanes_from;
     if (B == 0) {

@@ -13,10 +13,21 @@ to the bias), or with each product rounded and added into four lanes by column m
 (0 + 2) + (1 + 3), then the bias. Which rows take which depends on the row count (and the threads): one row the four
 lanes with its first four products all in lane 0, in order (:data:`ONE_ROW`: MKL's matrix-vector product); 2-3 rows
 all four lanes; from 4 rows up all blocks, except that at 2 threads 5-7 and 9-11 rows take blocks for their first 4
-or 8 rows and four lanes for the rest. The kernel sums in either, per row, as an :class:`Order` says. The order is
+or 8 rows and four lanes for the rest. On an Intel Xeon with AVX-512 the same MKL sums 2-15 rows in sixteen FMA
+chains (:data:`LANES16`: lane ``k mod 16``, the lanes added in four groups of four, then the four sums pairwise),
+one row in a variant of those (:data:`ONE_ROW16`: column 0 starts lane 0, a 15-column tail in eight lanes), and from
+16 rows up in blocks of 256 columns (found with ``scripts/mkl_order.py``, which reveals the summation tree of
+``F.linear`` on this CPU). The kernel sums in any of these, per row, as an :class:`Order` says. The order is
 found, never assumed: at a row count's first call :meth:`RowKernel.exact_order` runs the kernel in each candidate
 order and keeps the first whose bits equal ``F.linear``'s on the call's own rows; a row count none matches keeps the
 other ways (:class:`~.row_split.RowSplit` owns that choice and the timing).
+
+One more :class:`Order` is no order of the kernel's: :data:`BLAS` calls the BLAS's own ``sgemm`` (MKL's, inside
+libtorch_cpu) with the arguments torch's ``addmm`` passes it for ``F.linear``, so its bits are ``F.linear``'s by
+construction, and checked all the same. The decode tape (:mod:`.decode_tape`) calls a layer whose trials settled on
+``F.linear`` that way, from C, at MKL's speed (on a Xeon with AVX-512 MKL's product streams a weight 2-2.5x faster than
+this AVX2 kernel); :meth:`RowKernel.exact_order` never returns it (the kernel is what the trials time against
+``F.linear``).
 
 Built at first use (:func:`load`) with the system's C compiler into a private temporary folder, loaded, and the file
 removed (nothing is read from a folder another user could write). None where it cannot serve: not Linux on x86-64,
@@ -38,11 +49,23 @@ from pagedcore.c_library import build, can_build_avx2
 
 from .graph_ops import graph_op
 
-__all__ = ["KERNEL_LINEAR", "LANES", "ONE_ROW", "WIDTHS", "Order", "PreparedCall", "RowKernel", "load"]
+__all__ = [
+    "BLAS",
+    "KERNEL_LINEAR",
+    "LANES",
+    "LANES16",
+    "ONE_ROW",
+    "ONE_ROW16",
+    "WIDTHS",
+    "Order",
+    "PreparedCall",
+    "RowKernel",
+    "load",
+]
 
 logger = logging.getLogger(__name__)
 
-WIDTHS = (192, 256, 128, 384, 512, 64, 96, 320)  # block widths tried, most likely first (192: MKL 2024 on Zen 4)
+WIDTHS = (192, 256, 128, 384, 512, 64, 96, 320)  # block widths tried, most likely first (MKL 2024: 192 Zen 4, 256 Xeon)
 _SOURCE = Path(__file__).with_name("row_kernel.c")
 # Read with this module: the C code built at the first Engine, maybe much later, must be the one these ctypes
 # signatures were written for (a package upgraded in place in between once handed it other arguments: stop 57's run).
@@ -55,8 +78,9 @@ _LOADED: list[RowKernel | None] = []  # the process's kernel once load() ran (No
 
 class Order(NamedTuple):
     """How the kernel sums a call's rows: rows ``0 .. lanes_from - 1`` in blocks of ``width`` columns (a multiple of
-    8), the rest in four lanes, their first ``head`` products (0 or 4) all in lane 0 (the module docstring gives the
-    orders).
+    8), the rest in lanes as ``head`` says: 0 four lanes, 4 four lanes with the first four products all in lane 0,
+    16 sixteen FMA lanes, 17 their one-row variant (the module docstring gives the orders; 16 and 17 need an inner
+    dimension that is a multiple of 16, 17 at least 32 columns).
 
     Example:
         >>> Order.blocks(192, 6), Order.blocks(192, 6).label(6), LANES.label(3), Order(192, 4).label(6)
@@ -76,13 +100,19 @@ class Order(NamedTuple):
 
     def label(self, rows: int) -> str:
         """A short name at ``rows`` rows (for reports)."""
+        if self.head == 32:
+            return "the BLAS's sgemm"
+        lanes = {0: "lanes", 4: "lanes, first 4 in lane 0", 16: "16 lanes", 17: "16 lanes, one-row form"}[self.head]
         if self.lanes_from == 0:
-            return "lanes, first 4 in lane 0" if self.head else "lanes"
-        return str(self.width) if self.lanes_from >= rows else f"{self.width} to row {self.lanes_from}, lanes"
+            return lanes
+        return str(self.width) if self.lanes_from >= rows else f"{self.width} to row {self.lanes_from}, {lanes}"
 
 
 LANES = Order(0, 0)  # every row in four lanes (MKL 2024's sgemm at 2-3 rows on Zen 4)
 ONE_ROW = Order(0, 0, 4)  # four lanes, the first four products in lane 0 (MKL 2024's one-row product on Zen 4)
+LANES16 = Order(0, 0, 16)  # sixteen FMA lanes (MKL 2024's sgemm at 2-15 rows on a Xeon with AVX-512)
+ONE_ROW16 = Order(0, 0, 17)  # their one-row form (MKL 2024's one-row product on that Xeon)
+BLAS = Order(0, 0, 32)  # not the kernel's: the BLAS's sgemm, called as F.linear calls it (RowKernel.blas)
 
 
 class RowKernel:
@@ -94,12 +124,18 @@ class RowKernel:
         >>> weight, x = torch.randn(64, 512), torch.randn(4, 512)
         >>> expected = torch.nn.functional.linear(x, weight)
         >>> order = None if kernel is None else kernel.exact_order(x, weight, None, expected, 1)
-        >>> order is None or order.width in (*WIDTHS, 512)
+        >>> order is None or torch.equal(kernel.linear(x, weight, None, order, 1), expected)
         True
     """
 
-    def __init__(self, library: ctypes.CDLL) -> None:
+    blas = False  # whether BLAS serves (set where the address of torch's BLAS sgemm_ was found at the build)
+
+    def __init__(self, library: ctypes.CDLL, sgemm: int | None = None) -> None:
         self._function = library.row_kernel_linear
+        if sgemm:
+            library.row_kernel_set_sgemm.argtypes = [ctypes.c_void_p]
+            library.row_kernel_set_sgemm(sgemm)
+        self.blas = bool(sgemm)
         pointer, size = ctypes.c_void_p, ctypes.c_long
         self._function.argtypes = [pointer, pointer, pointer, pointer, size, size, size, size, size, size, ctypes.c_int]
         self._function.restype = ctypes.c_int
@@ -261,7 +297,8 @@ class RowKernel:
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, expected: torch.Tensor, threads: int
     ) -> Order | None:
         """The order whose result has ``expected``'s bits (the same call's ``F.linear``), else None. Tried in turn:
-        :data:`LANES` (one row: :data:`ONE_ROW` first); then per block width every row in blocks, and (past 4 rows,
+        :data:`LANES` then :data:`LANES16` (one row: :data:`ONE_ROW` and :data:`ONE_ROW16` first; the sixteen lanes
+        where the inner dimension is a multiple of 16); then per block width every row in blocks, and (past 4 rows,
         where the rows are not a multiple of 4) the rows up to the last multiple of 4 in blocks and the rest in
         lanes. The widths: the one an earlier call of this shape found, alone (trying every width again would read
         the weight up to nine more times at each row count MKL sums another way), else each of :data:`WIDTHS` and
@@ -271,7 +308,9 @@ class RowKernel:
         known = self._widths.get(shape)
         widths = (known,) if known is not None else dict.fromkeys((*WIDTHS, shape[1]))
         tail = rows % 4 if rows > 4 else 0
-        orders = [ONE_ROW, LANES] if rows == 1 else [LANES]
+        sixteen = shape[1] % 16 == 0
+        orders = [ONE_ROW, *([ONE_ROW16] if sixteen and shape[1] >= 32 else [])] if rows == 1 else []
+        orders += [LANES, *([LANES16] if sixteen else [])]
         for width in widths:
             if width % 8 == 0:
                 orders += [Order.blocks(width, rows), *([Order(width, rows - tail)] if tail else [])]
@@ -348,7 +387,20 @@ def _build() -> RowKernel | None:
     if library is None:
         logger.debug("pagedcore: few-row linears keep F.linear and the row split")
         return None
-    return RowKernel(library)
+    return RowKernel(library, torch_sgemm())
+
+
+def torch_sgemm() -> int | None:
+    """The address of the Fortran ``sgemm_`` torch's CPU GEMMs call (MKL's, linked into libtorch_cpu), else None
+    (another BLAS, or none exported: :data:`BLAS` then never serves)."""
+    if not torch.backends.mkl.is_available():
+        return None
+    path = Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"
+    try:
+        library = ctypes.CDLL(str(path))  # loaded already: the same handle
+        return ctypes.cast(library.sgemm_, ctypes.c_void_p).value
+    except (OSError, AttributeError):
+        return None
 
 
 def _kernel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, width: int, lanes_from: int,

@@ -17,7 +17,10 @@ where it is exact and faster. Calls of more than :data:`MAX_ROWS` rows (prefill 
 A third way joins where the process has one: :mod:`.row_kernel`'s C kernel, which sums in MKL's own orders straight
 from the weight's rows. Its bits are checked at the same first call (it is tried in each order until one matches;
 the order is kept per row count, since which rows MKL sums in which of its two orders depends on the row count),
-and the same trials time it; a bucket keeps the fastest of the ways exact at its row counts.
+and the same trials time it; a bucket keeps the fastest of the ways exact at its row counts. The same first call
+also checks the BLAS's own ``sgemm`` called from C as ``F.linear`` calls it (:data:`.row_kernel.BLAS`): not a way of
+the trials (it is ``F.linear``'s GEMM), but what the decode tape calls for a layer that settled on ``F.linear``
+(:meth:`RowSplit.exact_order`).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from .row_kernel import Order, RowKernel
+from .row_kernel import BLAS, Order, RowKernel
 
 __all__ = ["MAX_ROWS", "MIN_BLOCK_ROWS", "TRIALS", "WAYS", "RowSplit", "split_blocks", "split_linear"]
 
@@ -85,6 +88,7 @@ class _Bucket:
     checked: set[int] = field(default_factory=set)  # row counts whose bits were compared
     exact: dict[str, set[int]] = field(default_factory=lambda: {"split": set(), "kernel": set()})  # equal bits
     orders: dict[int, Order] = field(default_factory=dict)  # by row count: the kernel's (RowKernel.exact_order)
+    blas: set[int] = field(default_factory=set)  # row counts whose BLAS call (row_kernel.BLAS) gave equal bits
     times: dict[str, list[float]] = field(default_factory=lambda: {way: [] for way in WAYS})
     way: str | None = None  # decided: "plain", "split" or "kernel"
 
@@ -166,15 +170,26 @@ class RowSplit:
         return self._buckets[_key(shape, rows, threads)].orders[rows]
 
     def exact_order(self, shape: tuple[int, int, bool], rows: int, threads: int) -> Order | None:
-        """The kernel's order for ``rows`` rows through a contiguous weight of ``shape`` at ``threads`` threads
-        wherever its bits were found equal to ``F.linear``'s, whichever way the bucket's trials chose (the decode
-        tape's question: on it a kernel call costs its C time alone, and another way would break the tape)."""
+        """A C call with ``F.linear``'s bits for ``rows`` rows through a contiguous weight of ``shape`` at
+        ``threads`` threads, whichever way the bucket's trials chose (the decode tape's question: on it a call costs
+        its C time alone, and a Python way would break the tape): of the kernel's order and :data:`.row_kernel.BLAS`,
+        those whose bits were found equal at this row count, the kernel where the trials timed it faster than
+        ``F.linear`` (the BLAS's GEMM), else the BLAS; None where neither was found equal."""
         if self._kernel is None:
             return None
         bucket = self._buckets.get(_key(shape, rows, threads))
-        if bucket is None or rows not in bucket.exact["kernel"]:
+        if bucket is None:
             return None
-        return bucket.orders[rows]
+        kernel, blas = rows in bucket.exact["kernel"], rows in bucket.blas
+        if kernel and blas:
+            times = bucket.times
+            faster = bucket.way == "kernel" or (
+                len(times["kernel"]) > 0
+                and len(times["plain"]) > 0
+                and statistics.median(times["kernel"]) < statistics.median(times["plain"])
+            )
+            return bucket.orders[rows] if faster else BLAS
+        return bucket.orders[rows] if kernel else BLAS if blas else None
 
     @property
     def kernel(self) -> RowKernel | None:
@@ -211,6 +226,13 @@ class RowSplit:
             ):
                 bucket.orders[rows] = order
                 bucket.exact["kernel"].add(rows)
+            if (
+                kernel is not None
+                and kernel.blas
+                and kernel.fits(x, weight, bias)
+                and torch.equal(kernel.linear(x, weight, bias, BLAS, threads), plain)
+            ):
+                bucket.blas.add(rows)
             bucket.checked.add(rows)
             return plain
         if bucket.way is not None:  # decided (not "plain"): its way where this row count's bits matched
