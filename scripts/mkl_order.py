@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import itertools
 from collections import defaultdict
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -35,8 +36,11 @@ def subtree_sizes(width: int, column: int, total: torch.Tensor) -> dict[int, lis
     return dict(sorted(sizes.items()))
 
 
-def linear_tree(out_features: int, width: int, rows: int, column: int) -> dict[int, list[int]]:
-    """F.linear's tree at ``rows`` rows through an ``out_features x width`` weight: one pair per output row."""
+def linear_tree(
+    out_features: int, width: int, rows: int, column: int, linear: Callable[..., torch.Tensor] = F.linear
+) -> dict[int, list[int]]:
+    """``linear``'s tree (F.linear's unless given) at ``rows`` rows through an ``out_features x width`` weight: one
+    pair of columns per output row."""
     total = torch.zeros(width)
     others = [j for j in range(width) if j != column]
     for start in range(0, len(others), out_features):
@@ -44,7 +48,7 @@ def linear_tree(out_features: int, width: int, rows: int, column: int) -> dict[i
         weight = torch.ones(out_features, width)
         for r, j in enumerate(chunk):
             weight[r, column], weight[r, j] = BIG, -BIG
-        y = F.linear(torch.ones(rows, width), weight)
+        y = linear(torch.ones(rows, width), weight)
         if not bool((y == y[0]).all()):
             raise SystemExit("the rows were summed in different orders: read them one at a time")
         for r, j in enumerate(chunk):

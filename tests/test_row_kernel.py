@@ -310,6 +310,40 @@ def test_each_row_count_of_a_bucket_keeps_its_own_order(two_threads, trial_clock
     assert split.ways()[key] == "kernel" and split.differing("kernel") == {}
 
 
+def mkl_order_script():
+    """``scripts/mkl_order.py`` as a module."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "mkl_order.py"
+    spec = importlib.util.spec_from_file_location("mkl_order", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@needs_kernel
+def test_the_order_probe_reads_a_known_summation_tree():
+    """``scripts/mkl_order.py`` found the Xeon's orders by reading F.linear's tree; run on the kernel's own orders it
+    must read back what they are: a chain of 8-column blocks, and sixteen lanes added in four groups."""
+    script = mkl_order_script()
+    assert KERNEL is not None
+
+    def through(order: Order):
+        return lambda x, weight: KERNEL.linear(x, weight, None, order, 1)
+
+    blocks = script.linear_tree(64, 32, 2, 0, through(Order.blocks(8, 2)))
+    assert [blocks[size] for size in range(2, 9)] == [[k] for k in range(1, 8)]  # column 0's chain, in order
+    assert blocks[16] == list(range(8, 16))  # the second block's sum joins the first's
+    lanes = script.linear_tree(64, 64, 2, 0, through(LANES16))
+    assert lanes[2] == [16] and lanes[3] == [32] and lanes[4] == [48]  # lane 0: columns 0, 16, 32, 48
+    assert lanes[8] == [4, 20, 36, 52]  # then lane 4 joins it (((0-3) + (4-7)) ...)
+    assert set(lanes[32]) == {k for k in range(64) if k % 4 == 1}  # the group sums: (0 + 1) + (2 + 3)
+    assert set(lanes[64]) == {k for k in range(64) if k % 4 in (2, 3)}
+    assert script.sum_tree(64, 0)  # torch's own row sum: read without error
+
+
 needs_blas = pytest.mark.skipif(KERNEL is None or not KERNEL.blas, reason="no row kernel, or torch's BLAS is not MKL")
 
 
