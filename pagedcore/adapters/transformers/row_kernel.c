@@ -334,8 +334,9 @@ static INLINE void one_row16(const float *x, const float *w, const float *bias, 
         __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));  /* i + i+4 */
         __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));  /* i + i+2 */
         __m128 s1 = _mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1));  /* 0 + 1 */
-        __m256 tail = _mm256_fmadd_ps(_mm256_loadu_ps(row + t), xa,
-                                      _mm256_castps128_ps256(_mm_move_ss(_mm_setzero_ps(), s1)));
+        /* the sum in lane 0 of eight, +0 in the others (set, not cast: a cast leaves the upper lanes undefined) */
+        const __m256 start = _mm256_set_m128(_mm_setzero_ps(), _mm_move_ss(_mm_setzero_ps(), s1));
+        __m256 tail = _mm256_fmadd_ps(_mm256_loadu_ps(row + t), xa, start);
         /* columns K-7 .. K-1 into lanes 0-6: the products of columns K-8 .. K-1 shifted down one lane (lane 7 kept) */
         const __m256 p = _mm256_mul_ps(_mm256_loadu_ps(row + t + 7), xb);  /* lanes 0-7: columns K-8 .. K-1 */
         const __m256 shifted = _mm256_permutevar8x32_ps(p, _mm256_setr_epi32(1, 2, 3, 4, 5, 6, 7, 7));
@@ -362,7 +363,6 @@ static void lanes16_rows(const float *x, const float *w, const float *bias, floa
                 lanes16(x + m * K, w, bias, y + m * N, N, K, n, ahead);
         }
 }
-
 
 /* rows lanes_from..M-1 of outputs n0..n0+count-1 (count a multiple of 8) in LANES order, in groups of 4 rows (a
    last group of one or two: eight outputs at a time, lanes8());
