@@ -329,15 +329,16 @@ class DirectKernel:
         kernel has no AVX512 build, found on an Intel Xeon)."""
         if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
             return None
-        n, generator = 4096, torch.Generator().manual_seed(4096)
-        rows = torch.randn(8, n, generator=generator) * torch.logspace(-6, 6, 8).unsqueeze(1)
-        want, ones, out = rows.pow(2).mean(-1, keepdim=True), torch.ones(n), torch.empty_like(rows)
-        for lanes in SUM_LANES:
-            ours = torch.empty(8, 1)
-            code = self._norm(rows.data_ptr(), ones.data_ptr(), 1e-6, out.data_ptr(), ours.data_ptr(), 8, n, lanes)
-            if code == 0 and same_bits(ours, want):
-                return lanes
-        return None
+        rows = _drawn_rows(4096)
+        return next((lanes for lanes in SUM_LANES if self._sums_match(rows, lanes)), None)
+
+    def _sums_match(self, rows: torch.Tensor, lanes: int) -> bool:
+        """Whether the C code's variance of contiguous float32 ``rows`` summed in ``lanes`` lanes has the bits of
+        torch's ``pow(2).mean(-1)``."""
+        count, n = rows.shape
+        ours, ones, out = torch.empty(count, 1, dtype=torch.float32), torch.ones(n), torch.empty_like(rows)
+        code = self._norm(rows.data_ptr(), ones.data_ptr(), 1e-6, out.data_ptr(), ours.data_ptr(), count, n, lanes)
+        return code == 0 and same_bits(ours, rows.pow(2).mean(-1, keepdim=True))
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
         """LlamaRMSNorm.forward over contiguous float32 ``x (..., n)`` in one C call, its variance summed in torch's
@@ -363,19 +364,9 @@ class DirectKernel:
         with self._lock:
             if n in self._widths:
                 return self._widths[n]
-            rows = x.reshape(-1, n)[:8].contiguous()
-            scales = torch.logspace(-6, 6, 8, dtype=torch.float32).unsqueeze(1)
-            generator = torch.Generator().manual_seed(n)
-            drawn = torch.randn(8, n, generator=generator, dtype=torch.float32) * scales
-            same = self._lanes is not None
-            for sample in (rows, drawn):
-                if not same:
-                    break
-                ours = torch.empty(sample.shape[0], 1, dtype=torch.float32)
-                ones, out = torch.ones(n), torch.empty_like(sample)
-                code = self._norm(sample.data_ptr(), ones.data_ptr(), 1e-6, out.data_ptr(), ours.data_ptr(),
-                                  sample.shape[0], n, self._lanes)  # fmt: skip
-                same = code == 0 and same_bits(ours, sample.pow(2).mean(-1, keepdim=True))
+            lanes = self._lanes
+            samples = (x.reshape(-1, n)[:8].contiguous(), _drawn_rows(n))
+            same = lanes is not None and all(self._sums_match(sample, lanes) for sample in samples)
             self._widths[n] = same
             return same
 
@@ -422,6 +413,13 @@ class DirectKernel:
             heads, kv_heads, d, dv,
         )  # fmt: skip
         return out.view(1, tokens, heads, d).transpose(1, 2)
+
+
+def _drawn_rows(n: int) -> torch.Tensor:
+    """Eight float32 rows of ``n`` random values (seeded by ``n``) over twelve orders of magnitude: what a sum-order
+    check runs on beside a call's own rows."""
+    scales = torch.logspace(-6, 6, 8, dtype=torch.float32).unsqueeze(1)
+    return torch.randn(8, n, generator=torch.Generator().manual_seed(n), dtype=torch.float32) * scales
 
 
 _SOURCE = Path(__file__).with_name("direct_kernel.c")

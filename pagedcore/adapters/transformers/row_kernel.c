@@ -289,7 +289,7 @@ static INLINE void lanes16(const float *x, const float *w, const float *bias, fl
     __m256 lo[4], hi[4];
     for (int i = 0; i < 4; i++) lo[i] = hi[i] = _mm256_setzero_ps();
     for (long k = 0; k < K; k += 16) {
-        if (ahead && n0 + 4 + ahead <= N && k % 16 == 0)
+        if (ahead && n0 + 4 + ahead <= N)
             for (int i = 0; i < 4; i++) _mm_prefetch((const char *)(w + (n0 + ahead + i) * K + k), _MM_HINT_NTA);
         const __m256 xl = _mm256_loadu_ps(x + k), xh = _mm256_loadu_ps(x + k + 8);
         for (int i = 0; i < 4; i++) {

@@ -80,7 +80,8 @@ class Order(NamedTuple):
     """How the kernel sums a call's rows: rows ``0 .. lanes_from - 1`` in blocks of ``width`` columns (a multiple of
     8), the rest in lanes as ``head`` says: 0 four lanes, 4 four lanes with the first four products all in lane 0,
     16 sixteen FMA lanes, 17 their one-row variant (the module docstring gives the orders; 16 and 17 need an inner
-    dimension that is a multiple of 16, 17 at least 32 columns).
+    dimension that is a multiple of 16, 17 at least 32 columns); 32 (:data:`BLAS`, with no blocked rows) is not a
+    summation of the kernel's but the BLAS's own ``sgemm``.
 
     Example:
         >>> Order.blocks(192, 6), Order.blocks(192, 6).label(6), LANES.label(3), Order(192, 4).label(6)
@@ -387,10 +388,10 @@ def _build() -> RowKernel | None:
     if library is None:
         logger.debug("pagedcore: few-row linears keep F.linear and the row split")
         return None
-    return RowKernel(library, torch_sgemm())
+    return RowKernel(library, _torch_sgemm())
 
 
-def torch_sgemm() -> int | None:
+def _torch_sgemm() -> int | None:
     """The address of the Fortran ``sgemm_`` torch's CPU GEMMs call (MKL's, linked into libtorch_cpu), else None
     (another BLAS, or none exported: :data:`BLAS` then never serves)."""
     if not torch.backends.mkl.is_available():
