@@ -159,6 +159,49 @@ def test_the_kernel_sums_in_the_documented_order(rows, width, bias):
         )
 
 
+@pytest.fixture
+def wide_kernel():
+    """The process's kernel with its 512-bit blocked rows on (skips where the CPU has no AVX-512F); restored after."""
+    assert KERNEL is not None
+    before = KERNEL.wide
+    if not KERNEL.set_wide(True):
+        KERNEL.set_wide(before)
+        pytest.skip("no AVX-512F on this CPU: the blocked rows run in 256-bit vectors only")
+    yield KERNEL
+    KERNEL.set_wide(before)
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [9, 12, 13, 16, 25, 64, 100])
+@pytest.mark.parametrize("width", [64, 192, 384])
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_wide_blocked_rows_sum_in_the_documented_order(rows, width, bias, wide_kernel):
+    """The 512-bit path (32 outputs at a time, rows in groups of up to 12) and the 256-bit one give the documented
+    blocked order's bits, so each other's; the outputs past the last 32 (96 + 8 here) are not the wide path's."""
+    torch.manual_seed(rows * 3 + width)
+    weight, x = torch.randn(104, 384), torch.randn(rows, 384)
+    b = torch.randn(104) if bias else None
+    expected = blocked_sums(x, weight, b, width)
+    for threads in (1, 2):
+        for on in (True, False):
+            wide_kernel.set_wide(on)
+            got = wide_kernel.linear(x, weight, b, Order.blocks(width, rows), threads)
+            assert torch.equal(got, expected), (on, threads)
+            got = wide_kernel.linear(x, weight[:96], None if b is None else b[:96], Order(width, rows - 2), threads)
+            tail = lane_sums(x[rows - 2 :], weight[:96], None if b is None else b[:96])
+            assert torch.equal(got, torch.cat([expected[: rows - 2, :96], tail])), (on, threads)
+
+
+@needs_kernel
+def test_the_wide_path_is_off_where_asked_and_reported(wide_kernel, monkeypatch):
+    assert wide_kernel.set_wide(False) is False and wide_kernel.wide is False
+    assert wide_kernel.set_wide(True) is True and wide_kernel.wide is True
+    monkeypatch.setenv("PAGEDCORE_ROW_KERNEL_WIDE", "0")
+    built = row_kernel_module._build()
+    assert built is not None and built.wide is False
+    assert wide_kernel.set_wide(True) is True  # a library of its own: the process's kernel kept its path
+
+
 @needs_kernel
 @pytest.mark.parametrize(("rows", "blocked"), [(5, 4), (7, 4), (9, 8), (11, 8), (17, 12), (3, 1)])
 @pytest.mark.parametrize("bias", [False, True])

@@ -13,7 +13,8 @@
      0 + 1); that sum starts lane 0 of eight, columns K - 15 .. K - 8 are FMA'd into the eight lanes, then columns
      K - 7 .. K - 1 added as rounded products into lanes 0-6, the eight lanes halved to one, then the bias.
    - or, with head 32 (BLAS), not summed here: the BLAS's own sgemm called as F.linear calls it (blas_linear()).
-   AVX2 + FMA; N, K and kc multiples of 8 (kc unused where lanes_from is 0); x, w, bias and y contiguous.
+   AVX2 + FMA (the blocked rows in AVX-512F where row_kernel_set_wide() turned it on and N is a multiple of 32);
+   N, K and kc multiples of 8 (kc unused where lanes_from is 0); x, w, bias and y contiguous.
    Also the head screen's int8 product (byte_linear(), at the end). */
 #include <immintrin.h>
 #include <float.h>
@@ -186,6 +187,91 @@ static void panel_pair(const float *x, const float *w, const float *bias, float 
             case 4: chains2(buf, buf + width, xs, bias, ys, 4, N, K, k0, k1, n0); break;
             case 5: chains2(buf, buf + width, xs, bias, ys, 5, N, K, k0, k1, n0); break;
             default: chains2(buf, buf + width, xs, bias, ys, 6, N, K, k0, k1, n0); break;
+            }
+        }
+    }
+}
+
+/* The blocked rows in 512-bit vectors (where the CPU has AVX-512F: row_kernel_set_wide()): the same sums as
+   panel_pair(), each output's chain per block from zero in column order and the block sums added in order, only
+   sixteen outputs to a vector and 32 outputs (four panels) at a time, so each chain's arithmetic is the same and so
+   are the bits. On an AMD Zen 5, whose FMA units are 512 bits wide, that is twice the FMAs a cycle. */
+#define WIDE_TARGET __attribute__((target("avx512f,avx2,fma")))
+#define WIDE_INLINE inline __attribute__((always_inline, target("avx512f,avx2,fma")))
+#define WIDE_ROWS 12 /* rows a group at most: 24 chains, two tiles and a broadcast in the 32 registers */
+
+static int wide = 0; /* whether row_kernel_linear() takes the 512-bit path (row_kernel_set_wide()) */
+
+/* asks for the 512-bit path (on: 1) or the 256-bit one (0); the path taken: 1 only where the CPU has AVX-512F */
+int row_kernel_set_wide(int on) {
+    __builtin_cpu_init();
+    wide = on && __builtin_cpu_supports("avx512f");
+    return wide;
+}
+
+/* the weight's rows n0..n0+31, columns k0..k1-1, turned: column k's 32 values at buf + 32 (k - k0) */
+static WIDE_INLINE void turn_tile32(const float *w, long K, long n0, long k0, long k1, float *buf) {
+    __m256 t[8];
+    for (long k = k0; k < k1; k += 8)
+        for (int q = 0; q < 4; q++) {
+            for (int i = 0; i < 8; i++) t[i] = _mm256_loadu_ps(w + (n0 + 8 * q + i) * K + k);
+            transpose8(t);
+            for (int j = 0; j < 8; j++) _mm256_store_ps(buf + 32 * (k - k0 + j) + 8 * q, t[j]);
+        }
+}
+
+/* rows 0..R-1 (R <= WIDE_ROWS, a constant once inlined) of outputs n0..n0+31 over one block's turned tile buf:
+   each output's chain for the block, added to y (to the bias, or stored, for the first), as chains2() */
+static WIDE_INLINE void chains32(const float *buf, const float *x, const float *bias, float *y, const int R, long N,
+                                 long K, long k0, long k1, long n0) {
+    __m512 lo[WIDE_ROWS], hi[WIDE_ROWS];
+    for (int m = 0; m < R; m++) lo[m] = hi[m] = _mm512_setzero_ps();
+    for (long k = k0; k < k1; k++) {
+        const __m512 ta = _mm512_load_ps(buf + 32 * (k - k0)), tb = _mm512_load_ps(buf + 32 * (k - k0) + 16);
+        for (int m = 0; m < R; m++) {
+            const __m512 v = _mm512_set1_ps(x[m * K + k]);
+            lo[m] = _mm512_fmadd_ps(v, ta, lo[m]);
+            hi[m] = _mm512_fmadd_ps(v, tb, hi[m]);
+        }
+    }
+    for (int m = 0; m < R; m++) {
+        __m512 a = lo[m], b = hi[m];
+        if (k0 > 0) {
+            a = _mm512_add_ps(_mm512_loadu_ps(y + m * N + n0), lo[m]);
+            b = _mm512_add_ps(_mm512_loadu_ps(y + m * N + n0 + 16), hi[m]);
+        } else if (bias) {
+            a = _mm512_add_ps(_mm512_loadu_ps(bias + n0), lo[m]);
+            b = _mm512_add_ps(_mm512_loadu_ps(bias + n0 + 16), hi[m]);
+        }
+        _mm512_storeu_ps(y + m * N + n0, a);
+        _mm512_storeu_ps(y + m * N + n0 + 16, b);
+    }
+}
+
+/* outputs n0..n0+31 of all M rows: per block the weight's 32 x kc tile turned once into buf (aligned to 64 bytes),
+   then the rows in even groups of at most WIDE_ROWS */
+static WIDE_TARGET void panel_quad(const float *x, const float *w, const float *bias, float *y, long M, long N, long K,
+                                   long kc, long n0, float *buf) {
+    const long groups = (M + WIDE_ROWS - 1) / WIDE_ROWS, size = (M + groups - 1) / groups;
+    for (long k0 = 0; k0 < K; k0 += kc) {
+        long k1 = k0 + kc < K ? k0 + kc : K;
+        turn_tile32(w, K, n0, k0, k1, buf);
+        for (long m0 = 0; m0 < M; m0 += size) {
+            const float *xs = x + m0 * K;
+            float *ys = y + m0 * N;
+            switch (M - m0 < size ? (int)(M - m0) : (int)size) {
+            case 1: chains32(buf, xs, bias, ys, 1, N, K, k0, k1, n0); break;
+            case 2: chains32(buf, xs, bias, ys, 2, N, K, k0, k1, n0); break;
+            case 3: chains32(buf, xs, bias, ys, 3, N, K, k0, k1, n0); break;
+            case 4: chains32(buf, xs, bias, ys, 4, N, K, k0, k1, n0); break;
+            case 5: chains32(buf, xs, bias, ys, 5, N, K, k0, k1, n0); break;
+            case 6: chains32(buf, xs, bias, ys, 6, N, K, k0, k1, n0); break;
+            case 7: chains32(buf, xs, bias, ys, 7, N, K, k0, k1, n0); break;
+            case 8: chains32(buf, xs, bias, ys, 8, N, K, k0, k1, n0); break;
+            case 9: chains32(buf, xs, bias, ys, 9, N, K, k0, k1, n0); break;
+            case 10: chains32(buf, xs, bias, ys, 10, N, K, k0, k1, n0); break;
+            case 11: chains32(buf, xs, bias, ys, 11, N, K, k0, k1, n0); break;
+            default: chains32(buf, xs, bias, ys, 12, N, K, k0, k1, n0); break;
             }
         }
     }
@@ -463,6 +549,24 @@ int row_kernel_linear(const float *x, const float *w, const float *bias, float *
         return 0;
     }
     int failed = 0;
+    if (wide && N % 32 == 0) {  /* four panels at a time in 512-bit vectors (panel_quad()) */
+#pragma omp parallel num_threads(threads)
+        {
+            float *buf = aligned_alloc(64, 32 * sizeof(float) * (size_t)(kc < K ? kc : K));
+            if (!buf) {
+#pragma omp atomic write
+                failed = 1;
+            }
+#pragma omp for schedule(static)
+            for (long n0 = 0; n0 < N; n0 += 32) {
+                if (!buf) continue;
+                panel_quad(x, w, bias, y, B, N, K, kc, n0, buf);
+                lanes_rows(x, w, bias, y, B, M, N, K, n0, 32, 0, head);
+            }
+            free(buf);
+        }
+        return failed ? -2 : 0;
+    }
     const long pairs = N / 16;  /* pairs of panels; an odd last panel alone */
 #pragma omp parallel num_threads(threads)
     {

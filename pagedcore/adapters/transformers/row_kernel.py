@@ -29,6 +29,11 @@ construction, and checked all the same. The decode tape (:mod:`.decode_tape`) ca
 this AVX2 kernel); :meth:`RowKernel.exact_order` never returns it (the kernel is what the trials time against
 ``F.linear``).
 
+Where the CPU has AVX-512F, the rows summed in blocks run in 512-bit vectors, 32 outputs at a time (the same
+chains, so the same bits: :meth:`RowKernel.set_wide`; ``PAGEDCORE_ROW_KERNEL_WIDE=0`` keeps them in 256-bit ones).
+MKL on an AMD Zen 5 multiplies in 256-bit vectors though the CPU's FMA units are 512 bits wide, so there the kernel
+can do twice the FMAs a cycle that ``F.linear`` does, with its bits.
+
 Built at first use (:func:`load`) with the system's C compiler into a private temporary folder, loaded, and the file
 removed (nothing is read from a folder another user could write). None where it cannot serve: not Linux on x86-64,
 a CPU without AVX2 and FMA (torch's own CPU check), no C compiler, a failed build, or ``PAGEDCORE_ROW_KERNEL=0``.
@@ -38,6 +43,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -130,13 +136,18 @@ class RowKernel:
     """
 
     blas = False  # whether BLAS serves (set where the address of torch's BLAS sgemm_ was found at the build)
+    wide = False  # whether the blocked rows run in 512-bit vectors (set_wide())
 
-    def __init__(self, library: ctypes.CDLL, sgemm: int | None = None) -> None:
+    def __init__(self, library: ctypes.CDLL, sgemm: int | None = None, wide: bool = True) -> None:
         self._function = library.row_kernel_linear
         if sgemm:
             library.row_kernel_set_sgemm.argtypes = [ctypes.c_void_p]
             library.row_kernel_set_sgemm(sgemm)
         self.blas = bool(sgemm)
+        self._set_wide = library.row_kernel_set_wide
+        self._set_wide.argtypes = [ctypes.c_int]
+        self._set_wide.restype = ctypes.c_int
+        self.set_wide(wide)
         pointer, size = ctypes.c_void_p, ctypes.c_long
         self._function.argtypes = [pointer, pointer, pointer, pointer, size, size, size, size, size, size, ctypes.c_int]
         self._function.restype = ctypes.c_int
@@ -144,6 +155,15 @@ class RowKernel:
         self._bytes.argtypes = [pointer, pointer, pointer, pointer, size, size, size, ctypes.c_int, ctypes.c_int]
         self._bytes.restype = ctypes.c_int
         self._widths: dict[tuple[int, int, bool], int] = {}  # by weight shape and bias: the block width found
+
+    def set_wide(self, on: bool) -> bool:
+        """Whether the rows summed in blocks run in 512-bit vectors (``on``, where the CPU has AVX-512F) or in
+        256-bit ones: the same chains, so the same bits either way (the suite checks both against the documented
+        order); twice the FMAs a cycle where the FMA units are 512 bits wide (an AMD Zen 5, an Intel Xeon). Returns
+        the path now taken (False where the CPU has no AVX-512F). Process-wide: every caller of this kernel, the
+        decode tape's included, takes it from the next call."""
+        self.wide = bool(self._set_wide(1 if on else 0))
+        return self.wide
 
     @staticmethod
     def fits_shape(out_features: int, width: int) -> bool:
@@ -388,7 +408,7 @@ def _build() -> RowKernel | None:
     if library is None:
         logger.debug("pagedcore: few-row linears keep F.linear and the row split")
         return None
-    return RowKernel(library, _torch_sgemm())
+    return RowKernel(library, _torch_sgemm(), wide=os.environ.get("PAGEDCORE_ROW_KERNEL_WIDE", "1") != "0")
 
 
 def _torch_sgemm() -> int | None:
