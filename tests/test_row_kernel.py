@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from models import tiny_model
+from models import FIRST_TOKEN, VOCAB, tiny_model
 from test_weights_engine import assert_stock, mirror, sgd_step, workload
 
 from pagedcore import c_library
@@ -26,7 +26,7 @@ from pagedcore.adapters.transformers.row_kernel import (
     RowKernel,
     load,
 )
-from pagedcore.adapters.transformers.row_split import TRIALS, RowSplit
+from pagedcore.adapters.transformers.row_split import MAX_ROWS, TRIALS, RowSplit
 from pagedcore.errors import ConfigError
 
 GREEDY = SamplingParams(max_new_tokens=6, return_logits=True)
@@ -484,6 +484,34 @@ def test_a_training_step_between_decode_steps_is_seen_by_the_kernel(two_threads,
     assert_stock(ref, second, outputs)
     if "kernel" not in ways.values():
         pytest.skip("the kernel's bits matched F.linear's at no decode row count on this CPU")
+
+
+@needs_kernel
+def test_prefill_chunks_through_the_kernel_give_the_bits_of_f_linear(two_threads, kernel_wins):
+    """Prefill calls of more than MAX_ROWS rows take the kernel where its bits are F.linear's and it timed faster:
+    logits equal to the bit to the same Engine's without the kernel, tokens stock, over prompt sets whose prefill row
+    counts differ every round (each count checked at its first call, that check a trial of both ways)."""
+    model = tiny_model("llama", seed=31, hidden_size=128, intermediate_size=256)
+    ref = mirror(model)
+    rng = torch.Generator().manual_seed(31)  # 6 prompts of 60-110 tokens, nothing shared: 360-660 rows of prefill
+    sizes = [[60 + 7 * r + 3 * i for i in range(6)] for r in range(4)]
+    rounds = [[torch.randint(FIRST_TOKEN, VOCAB, (n,), generator=rng).tolist() for n in row] for row in sizes]
+    got, plain = [], []
+    for kernel, into in ((True, got), (False, plain)):
+        with Engine(model, num_blocks=1024, block_size=4, max_num_seqs=8, row_kernel=kernel) as engine:
+            for prompts in rounds:
+                into.append(engine.generate(prompts, GREEDY, use_tqdm=False))
+            ways = engine.runner.row_split_ways()
+        if kernel:
+            prefill = {key: way for key, way in ways.items() if key[5] > MAX_ROWS}
+    for prompts, outputs, others in zip(rounds, got, plain):
+        assert_stock(ref, prompts, outputs)
+        for out, other in zip(outputs, others):
+            assert out.token_ids == other.token_ids
+            assert all(torch.equal(a, b) for a, b in zip(out.samples[0].logits, other.samples[0].logits))
+    assert prefill, "no prefill chunk of more than MAX_ROWS rows reached the row split"
+    if "kernel" not in prefill.values():
+        pytest.skip("the kernel's bits matched F.linear's at no prefill row count on this CPU")
 
 
 def test_row_kernel_false_keeps_it_out_and_the_setting_is_checked(two_threads, kernel_wins):

@@ -12,6 +12,7 @@ from test_weights_engine import assert_stock, mirror, sgd_step, workload
 
 from pagedcore.adapters.transformers import Engine, SamplingParams
 from pagedcore.adapters.transformers import row_split as row_split_module
+from pagedcore.adapters.transformers.row_kernel import RowKernel, load
 from pagedcore.adapters.transformers.row_split import MAX_ROWS, TRIALS, RowSplit, split_blocks, split_linear
 from pagedcore.errors import ConfigError
 
@@ -102,6 +103,34 @@ def test_each_row_count_is_checked_and_each_bucket_timed(two_threads):
         x = torch.randn(rows, 64)
         assert torch.equal(split.linear(x, weight, None), F.linear(x, weight))
     assert list(split.ways()) == [(256, 64, False, 4, 2, 4)]
+
+
+@pytest.mark.parametrize("kernel_faster", [False, True])
+def test_a_prefill_chunks_first_call_is_a_trial_of_the_kernel(kernel_faster, two_threads, trial_clock, monkeypatch):
+    """Past MAX_ROWS rows only F.linear and the kernel are tried; each row count's first call (its bit check) times
+    both, so a bucket whose counts never repeat still settles after TRIALS of them; every result F.linear's bits."""
+    kernel = load()
+    if kernel is None:
+        pytest.skip("no row kernel on this machine")
+    real = RowKernel.linear
+
+    def timed(self, x, weight, bias, order, threads):
+        trial_clock[0] -= 0.75 if kernel_faster else -2.0  # the kernel's calls a quarter as long, or three times
+        return real(self, x, weight, bias, order, threads)
+
+    monkeypatch.setattr(RowKernel, "linear", timed)
+    split = RowSplit(kernel)
+    weight = torch.randn(256, 64)
+    for rows in range(MAX_ROWS + 1, MAX_ROWS + 1 + TRIALS):  # novel counts only: each call a check
+        x = torch.randn(rows, 64)
+        assert torch.equal(split.linear(x, weight, None), F.linear(x, weight))
+    bucket = (256, 64, False, 0, 2, 2 * MAX_ROWS)  # no split blocks past MAX_ROWS
+    if kernel.exact_order(x, weight, None, F.linear(x, weight), 2) is None:
+        pytest.skip("the kernel's bits matched F.linear's at no prefill row count on this CPU")
+    assert split.ways() == {bucket: "kernel" if kernel_faster else "plain"}
+    x = torch.randn(MAX_ROWS + 1, 64)
+    assert torch.equal(split.linear(x, weight, None), F.linear(x, weight))
+    assert split.settled((256, 64, False), MAX_ROWS + 1, 2) == ("kernel" if kernel_faster else "plain")
 
 
 def test_one_thread_or_an_uneven_weight_is_not_split():

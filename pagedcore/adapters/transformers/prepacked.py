@@ -204,15 +204,17 @@ class PrepackedLinears:
 
     def linear(self, module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
         """``module(x)`` inside :meth:`active` (float32, no autograd): a few rows through the layer's pack when
-        packing (from the weight it was packed from), else up to :data:`~.row_split.MAX_ROWS` rows through
-        :class:`~.row_split.RowSplit` (one row always); else ``F.linear``."""
+        packing (from the weight it was packed from), else through :class:`~.row_split.RowSplit` (one row always;
+        up to :data:`~.row_split.MAX_ROWS` rows, and past them where it has the C kernel); else ``F.linear``."""
         weight, bias = module.weight, module.bias
         if torch.compiler.is_compiling():
             return self._traced(x, weight, bias)
         if not self._serves(x, weight):
             return F.linear(x, weight, bias)
         rows = x.numel() // x.shape[-1]
-        if self._split and (rows == 1 or (not self._pack_rows and rows <= MAX_ROWS)):
+        # past MAX_ROWS (a prefill chunk): the split takes the kernel where exact and faster
+        many = rows <= MAX_ROWS or self._row_split.kernel is not None
+        if self._split and (rows == 1 or (not self._pack_rows and many)):
             return self._row_split.linear(x, weight, bias)
         if not self._pack_rows or rows < MIN_ROWS:
             return F.linear(x, weight, bias)

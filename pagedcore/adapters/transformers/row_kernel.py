@@ -71,6 +71,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+BLOCKS_FIRST = 256  # past this many rows exact_order() tries the blocked orders before the lanes
 WIDTHS = (192, 256, 128, 384, 512, 64, 96, 320)  # block widths tried, most likely first (MKL 2024: 192 Zen 4, 256 Xeon)
 _SOURCE = Path(__file__).with_name("row_kernel.c")
 # Read with this module: the C code built at the first Engine, maybe much later, must be the one these ctypes
@@ -320,10 +321,10 @@ class RowKernel:
         """The order whose result has ``expected``'s bits (the same call's ``F.linear``), else None. Tried in turn:
         :data:`LANES` then :data:`LANES16` (one row: :data:`ONE_ROW` and :data:`ONE_ROW16` first; the sixteen lanes
         where the inner dimension is a multiple of 16); then per block width every row in blocks, and (past 4 rows,
-        where the rows are not a multiple of 4) the rows up to the last multiple of 4 in blocks and the rest in
-        lanes. The widths: the one an earlier call of this shape found, alone (trying every width again would read
-        the weight up to nine more times at each row count MKL sums another way), else each of :data:`WIDTHS` and
-        the whole inner dimension."""
+        where the rows are not a multiple of 4) the rows up to the last multiple of 4 in blocks and the rest in lanes
+        (past :data:`BLOCKS_FIRST` rows the blocked orders before the lanes). The widths: the one an earlier call of
+        this shape found, alone (trying every width again would read the weight up to nine more times at each row count
+        MKL sums another way), else each of :data:`WIDTHS` and the whole inner dimension."""
         shape = (int(weight.shape[0]), int(weight.shape[1]), bias is not None)
         rows = x.numel() // x.shape[-1]
         known = self._widths.get(shape)
@@ -335,6 +336,8 @@ class RowKernel:
         for width in widths:
             if width % 8 == 0:
                 orders += [Order.blocks(width, rows), *([Order(width, rows - tail)] if tail else [])]
+        if rows > BLOCKS_FIRST:  # a prefill chunk's rows: MKL's blocks first (a lanes pass over them costs a call)
+            orders.sort(key=lambda order: order.lanes_from == 0)
         for order in orders:
             if torch.equal(self.linear(x, weight, bias, order, threads), expected):
                 if order.lanes_from:

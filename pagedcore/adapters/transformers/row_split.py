@@ -12,7 +12,8 @@ on the benchmark's shapes. Where that does not hold, the first call of each shap
 blocks, threads, rows) computes both and compares them bit for bit: a row count whose bits differ keeps ``F.linear``
 (MKL's GEMM takes another path for 5-7 and 9-11 rows, here). Per power-of-two bucket of row counts the next
 :data:`TRIALS` calls each way are timed, and the faster way serves the bucket from then on, so the split runs only
-where it is exact and faster. Calls of more than :data:`MAX_ROWS` rows (prefill chunks) keep ``F.linear``.
+where it is exact and faster. Calls of more than :data:`MAX_ROWS` rows (prefill chunks) are never split; they take
+the kernel below where it is exact and timed faster, else ``F.linear``.
 
 A third way joins where the process has one: :mod:`.row_kernel`'s C kernel, which sums in MKL's own orders straight
 from the weight's rows. Its bits are checked at the same first call (it is tried in each order until one matches;
@@ -147,9 +148,9 @@ class RowSplit:
             >>> split.settled((256, 32, False), 1, 2) in ("split", "plain"), split.settled((256, 32, False), 512, 2)
             (True, 'plain')
         """
-        blocks = split_blocks(shape[0], threads)
+        blocks = _blocks(shape[0], threads, rows)
         kernel = self._kernel is not None and self._kernel.fits_shape(shape[0], shape[1])
-        if (blocks is None and not kernel) or not 0 < rows <= MAX_ROWS:
+        if (blocks is None and not kernel) or rows <= 0:
             return "plain"
         bucket = self._buckets.get(_key(shape, rows, threads))
         if bucket is None:
@@ -202,9 +203,9 @@ class RowSplit:
         """``F.linear(x, weight, bias)``: split or through the kernel where that is exact and faster."""
         rows = x.numel() // x.shape[-1]
         threads = torch.get_num_threads() if threads is None else threads
-        blocks = split_blocks(weight.shape[0], threads)
+        blocks = _blocks(weight.shape[0], threads, rows)
         kernel = self._kernel if self._kernel is not None and RowKernel.fits_shape(*weight.shape) else None
-        if (blocks is None and kernel is None) or not 0 < rows <= MAX_ROWS or not contiguous(weight, bias):
+        if (blocks is None and kernel is None) or rows <= 0 or not contiguous(weight, bias):
             return F.linear(x, weight, bias)
         if not x.is_contiguous():  # F.linear hands MKL such rows as they lie (transposed: another order): its own
             return F.linear(x, weight, bias)
@@ -216,19 +217,26 @@ class RowSplit:
         if bucket.way == "plain":
             return F.linear(x, weight, bias)
         if rows not in bucket.checked:  # this row count's first call: the bits of every way compared
+            start = _clock()
             plain = F.linear(x, weight, bias)
+            plain_time = _clock() - start
             if blocks is not None and torch.equal(plain, split_linear(x, weight, bias, blocks)):
                 bucket.exact["split"].add(rows)
-            if (
-                kernel is not None
-                and kernel.fits(x, weight, bias)
-                and (order := kernel.exact_order(x, weight, bias, plain, threads)) is not None
-            ):
-                bucket.orders[rows] = order
-                bucket.exact["kernel"].add(rows)
+            if kernel is not None and kernel.fits(x, weight, bias):
+                start = _clock()
+                order = kernel.exact_order(x, weight, bias, plain, threads)
+                kernel_time = _clock() - start
+                if order is not None:
+                    bucket.orders[rows] = order
+                    bucket.exact["kernel"].add(rows)
+                    if rows > MAX_ROWS and bucket.way is None:  # a prefill chunk's row counts seldom repeat: its
+                        bucket.times["plain"].append(plain_time / rows)  # check is a trial of both ways (the
+                        bucket.times["kernel"].append(kernel_time / rows)  # kernel's time with every order tried)
+                        self._decide(bucket)
             if (
                 kernel is not None
                 and kernel.blas
+                and rows <= MAX_ROWS  # the tape's question: a decode step's rows, never a prefill chunk's
                 and kernel.fits(x, weight, bias)
                 and torch.equal(kernel.linear(x, weight, bias, BLAS, threads), plain)
             ):
@@ -244,10 +252,16 @@ class RowSplit:
         start = _clock()
         out = self._run(way, bucket, rows, x, weight, bias, threads)
         times[way].append((_clock() - start) / rows)
+        self._decide(bucket)
+        return out
+
+    @staticmethod
+    def _decide(bucket: _Bucket) -> None:
+        """The bucket's way, once every way exact at some row count of it has :data:`TRIALS` times: the fastest."""
+        times = bucket.times
         tried = [w for w in WAYS if w == "plain" or bucket.exact[w]]  # the ways exact at some row count here
         if len(tried) > 1 and all(len(times[w]) >= TRIALS for w in tried):  # (plain alone: no way to choose yet)
             bucket.way = min(tried, key=lambda w: statistics.median(times[w]))
-        return out
 
     def _run(
         self,
@@ -271,7 +285,13 @@ class RowSplit:
 
 def _key(shape: tuple[int, int, bool], rows: int, threads: int) -> _Key:
     """The bucket of ``rows`` rows through a weight of ``shape`` (rows, width, bias) at ``threads`` threads."""
-    return _bucket(shape, split_blocks(shape[0], threads), threads, rows)
+    return _bucket(shape, _blocks(shape[0], threads, rows), threads, rows)
+
+
+def _blocks(out_features: int, threads: int, rows: int) -> int | None:
+    """The split's row blocks for a call of ``rows`` rows: :func:`split_blocks` up to :data:`MAX_ROWS` rows; None
+    past them (a prefill chunk: the kernel or ``F.linear``, the split's gain ends there)."""
+    return split_blocks(out_features, threads) if rows <= MAX_ROWS else None
 
 
 def _bucket(shape: tuple[int, int, bool], blocks: int | None, threads: int, rows: int) -> _Key:
