@@ -147,3 +147,38 @@ def test_the_bandwidth_is_also_measured_over_arrays_the_size_of_the_weights(tiny
     assert asked == [roofline_module.COPY_MIB, weights_mib] and limits.bandwidth == 3e9
     assert limits.sizes_mib == (roofline_module.COPY_MIB, weights_mib)
     assert f"of arrays of {roofline_module.COPY_MIB} MiB and {weights_mib} MiB" in limits.describe()
+
+
+def test_the_floors_rate_is_the_faster_of_f_linear_and_the_exact_kernel(monkeypatch):
+    """Where the row kernel serves, matmul_rate times a second kind of pass through it (in each weight's exact order)
+    and keeps the faster: a kernel made to look slower leaves F.linear's rate; one that looks faster sets the rate."""
+    from pagedcore.adapters.transformers.row_kernel import Order, RowKernel, load
+    from pagedcore.benchmarks import floor
+
+    if load() is None:
+        pytest.skip("no row kernel on this machine")
+    shape = ModelShape(layers=1, hidden=64, intermediate=128, heads=2, kv_heads=1, head_dim=32, vocab=512)
+
+    class Clock:
+        now, kernel_cost = 0.0, 0.0
+
+        def __call__(self) -> float:
+            self.now += 1.0
+            return self.now
+
+    clock = Clock()
+    real = RowKernel.linear
+
+    def linear(self, *args, **kwargs):
+        clock.now += clock.kernel_cost
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(RowKernel, "linear", linear)
+    # every weight found an order (which one does not matter to the timing; the kernel's own tests check the bits)
+    monkeypatch.setattr(RowKernel, "exact_order", lambda self, x, w, b, expected, threads: Order.blocks(32, 16))
+    flops = sum(2 * 16 * out * inp for out, inp in shape.weight_shapes())
+    clock.kernel_cost = 1.0  # each kernel call a second longer: its passes are slower than the plain ones
+    assert floor.matmul_rate(shape, rows=16, repeats=1, clock=clock) == pytest.approx(flops)
+    clock.kernel_cost = -0.1  # each a tenth of a second shorter: its pass is the faster
+    calls = sum(1 for _ in shape.weight_shapes())
+    assert floor.matmul_rate(shape, rows=16, repeats=1, clock=clock) == pytest.approx(flops / (1 - 0.1 * calls))

@@ -151,12 +151,13 @@ def _sync(device: torch.device) -> None:
 
 @dataclass(frozen=True)
 class MachineLimits:
-    """This machine's two limits, measured in the run: the best GEMM rate (FLOP/s, ``F.linear`` on the model's
-    weight shapes with ``rows`` rows) and the bandwidth (bytes/s), the best over arrays of ``sizes_mib`` MiB.
+    """This machine's two limits, measured in the run: the best GEMM rate with ``F.linear``'s bits (FLOP/s on the
+    model's weight shapes with ``rows`` rows: :func:`~.floor.matmul_rate`) and the bandwidth (bytes/s), the best over
+    arrays of ``sizes_mib`` MiB.
 
     Example:
         >>> MachineLimits(rate=1.5e11, bandwidth=2e10, rows=512).describe()  # doctest: +ELLIPSIS
-        "150.0 GFLOP/s (best `F.linear` rate on the model's weight shapes, 512 rows) and 20.0 GB/s (STREAM-like: ...)"
+        "150.0 GFLOP/s (best rate with `F.linear`'s bits on the model's weight shapes, 512 rows) and 20.0 GB/s ..."
     """
 
     rate: float
@@ -167,9 +168,9 @@ class MachineLimits:
     def describe(self) -> str:
         """One line: both limits and how they were measured."""
         sizes = " and ".join(f"{mib} MiB" for mib in self.sizes_mib)
-        return (f"{self.rate / 1e9:.1f} GFLOP/s (best `F.linear` rate on the model's weight shapes, {self.rows} rows) "
-                f"and {self.bandwidth / 1e9:.1f} GB/s (STREAM-like: the best of a copy and a read, of arrays of "
-                f"{sizes})")  # fmt: skip
+        return (f"{self.rate / 1e9:.1f} GFLOP/s (best rate with `F.linear`'s bits on the model's weight shapes, "
+                f"{self.rows} rows) and {self.bandwidth / 1e9:.1f} GB/s (STREAM-like: the best of a copy and a read, "
+                f"of arrays of {sizes})")  # fmt: skip
 
 
 def machine_limits(
