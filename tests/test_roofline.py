@@ -149,6 +149,17 @@ def test_the_bandwidth_is_also_measured_over_arrays_the_size_of_the_weights(tiny
     assert f"of arrays of {roofline_module.COPY_MIB} MiB and {weights_mib} MiB" in limits.describe()
 
 
+def test_the_section10_walls_script_times_a_kept_engine_on_a_workload():
+    import runpy
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "section10_walls.py"
+    walls = runpy.run_path(str(script), run_name="section10_walls")
+    w = native.PeerWorkload("batch 2", Batch([[5] * 20, [6] * 12], [3, 3]), Batch([[7] * 20, [8] * 12], [2, 2]))
+    seconds = walls["wall"](common.bench_model(size="tiny"), w, 2)
+    assert 0 < seconds < 60
+
+
 def test_the_floors_rate_is_the_faster_of_f_linear_and_the_exact_kernel(monkeypatch):
     """Where the row kernel serves, matmul_rate times a second kind of pass through it (in each weight's exact order)
     and keeps the faster: a kernel made to look slower leaves F.linear's rate; one that looks faster sets the rate."""
