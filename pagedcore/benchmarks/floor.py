@@ -158,55 +158,40 @@ def matmul_rate(
     flops = sum(2 * rows * w.shape[0] * w.shape[1] for w in weights)
     best = float("inf")
     with torch.inference_mode():
-        for one_pass in (_plain_pass(weights, inputs), _kernel_pass(weights, inputs, device, dtype)):
-            if one_pass is None:
-                continue
-            for attempt in range(repeats + 1):
+        plain = [partial(F.linear, inputs[w.shape[1]], w) for w in weights]
+        for calls in (plain, _kernel_calls(weights, inputs, device, dtype)):
+            for attempt in range(repeats + 1 if calls else 0):
                 _sync(device)
                 start = clock()
-                one_pass()
+                for call in calls:
+                    call()
                 _sync(device)
                 if attempt:  # the first pass warms up (allocations, kernel choice)
                     best = min(best, clock() - start)
     return flops / best
 
 
-def _plain_pass(weights: list[torch.Tensor], inputs: dict[int, torch.Tensor]) -> Callable[[], None]:
-    """One pass of ``F.linear`` over the weights (:func:`matmul_rate`)."""
-
-    def run() -> None:
-        for w in weights:
-            F.linear(inputs[w.shape[1]], w)
-
-    return run
-
-
-def _kernel_pass(
+def _kernel_calls(
     weights: list[torch.Tensor], inputs: dict[int, torch.Tensor], device: torch.device, dtype: torch.dtype
-) -> Callable[[], None] | None:
+) -> list[Callable[[], torch.Tensor]]:
     """One pass over the weights through pagedcore's row kernel in each weight's exact order (``F.linear`` for a
-    weight none matches), or None where the kernel does not serve (another device or dtype, no kernel, no weight
-    with an exact order)."""
+    weight none matches), as calls; none where the kernel does not serve (another device or dtype, no kernel, no
+    weight with an exact order)."""
     if device.type != "cpu" or dtype is not torch.float32:
-        return None
+        return []
     from pagedcore.adapters.transformers.row_kernel import load  # the bench's Engine loads it anyway
 
     kernel, threads = load(), torch.get_num_threads()
     if kernel is None:
-        return None
+        return []
     calls: list[Callable[[], torch.Tensor]] = []
+    found = False
     for w in weights:
         x = inputs[w.shape[1]]
         order = kernel.exact_order(x, w, None, F.linear(x, w), threads) if kernel.fits(x, w, None) else None
         calls.append(partial(F.linear, x, w) if order is None else partial(kernel.linear, x, w, None, order, threads))
-    if all(isinstance(call, partial) and call.func is F.linear for call in calls):
-        return None  # no exact order: the plain pass again
-
-    def run() -> None:
-        for call in calls:
-            call()
-
-    return run
+        found = found or order is not None
+    return calls if found else []  # no exact order: the plain pass again
 
 
 def _sync(device: torch.device) -> None:

@@ -212,9 +212,9 @@ class PrepackedLinears:
         if not self._serves(x, weight):
             return F.linear(x, weight, bias)
         rows = x.numel() // x.shape[-1]
-        # past MAX_ROWS (a prefill chunk): the split takes the kernel where exact and faster
-        many = rows <= MAX_ROWS or self._row_split.kernel is not None
-        if self._split and (rows == 1 or (not self._pack_rows and many)):
+        # past MAX_ROWS (a prefill chunk) the row split serves only where it has the kernel (exact and faster there)
+        split_serves = rows <= MAX_ROWS or self._row_split.kernel is not None
+        if self._split and (rows == 1 or (not self._pack_rows and split_serves)):
             return self._row_split.linear(x, weight, bias)
         if not self._pack_rows or rows < MIN_ROWS:
             return F.linear(x, weight, bias)

@@ -549,40 +549,28 @@ int row_kernel_linear(const float *x, const float *w, const float *bias, float *
         return 0;
     }
     int failed = 0;
-    if (wide && N % 32 == 0) {  /* four panels at a time in 512-bit vectors (panel_quad()) */
-#pragma omp parallel num_threads(threads)
-        {
-            float *buf = aligned_alloc(64, 32 * sizeof(float) * (size_t)(kc < K ? kc : K));
-            if (!buf) {
-#pragma omp atomic write
-                failed = 1;
-            }
-#pragma omp for schedule(static)
-            for (long n0 = 0; n0 < N; n0 += 32) {
-                if (!buf) continue;
-                panel_quad(x, w, bias, y, B, N, K, kc, n0, buf);
-                lanes_rows(x, w, bias, y, B, M, N, K, n0, 32, 0, head);
-            }
-            free(buf);
-        }
-        return failed ? -2 : 0;
-    }
-    const long pairs = N / 16;  /* pairs of panels; an odd last panel alone */
+    const int quad = wide && N % 32 == 0;  /* four panels at a time in 512-bit vectors (panel_quad()) */
+    const long pairs = N / 16;  /* else pairs of panels; an odd last panel alone */
+    const long tasks = quad ? N / 32 : pairs + (N % 16 != 0), width = quad ? 32 : 16;
 #pragma omp parallel num_threads(threads)
     {
-        __m256 *buf = aligned_alloc(32, 2 * sizeof(__m256) * (size_t)(kc < K ? kc : K));
+        /* a quad's turned tile (32 floats a column), or a pair's two (16): 64-byte aligned for either */
+        float *buf = aligned_alloc(64, 32 * sizeof(float) * (size_t)(kc < K ? kc : K));
         if (!buf) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(static)
-        for (long p = 0; p < pairs + (N % 16 != 0); p++) {
+        for (long p = 0; p < tasks; p++) {
             if (!buf) continue;
-            if (p < pairs)
-                panel_pair(x, w, bias, y, B, N, K, kc, 16 * p, buf);
+            const long n0 = width * p;
+            if (quad)
+                panel_quad(x, w, bias, y, B, N, K, kc, n0, buf);
+            else if (p < pairs)
+                panel_pair(x, w, bias, y, B, N, K, kc, n0, (__m256 *)buf);
             else
-                panel_rows(x, w, bias, y, B, N, K, kc, 16 * p, buf);
-            lanes_rows(x, w, bias, y, B, M, N, K, 16 * p, p < pairs ? 16 : 8, 0, head);
+                panel_rows(x, w, bias, y, B, N, K, kc, n0, (__m256 *)buf);
+            lanes_rows(x, w, bias, y, B, M, N, K, n0, quad ? 32 : p < pairs ? 16 : 8, 0, head);
         }
         free(buf);
     }
